@@ -1,0 +1,83 @@
+"""Paged attention: K/V live in a block-structured cache and are reached through block tables.
+
+Cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim];
+token slot `s` is block `s // block_size`, offset `s % block_size`. A slot of -1 is padding and is
+never written.
+
+`AttentionMetadata` describes one flattened batch of T new tokens from B sequences: sequence b owns
+queries `query_start_loc[b]:query_start_loc[b+1]` and, after this step's K/V are written, has
+`context_lens[b]` tokens in the cache; its i-th new query sits at position
+`context_lens[b] - q_len_b + i` and attends causally to every cached position up to its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64
+    query_start_loc: torch.Tensor   # [B + 1] int32
+    context_lens: torch.Tensor      # [B] int32
+    block_tables: torch.Tensor      # [B, max_blocks_per_seq] int32
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        qs, qe = starts[b], starts[b + 1]
+        if qe == qs:
+            continue
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
+        qb = q[qs:qe].float()
+        scores = torch.einsum("lhd,khd->hlk", qb, k) * scale
+        q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        out[qs:qe] = torch.einsum("hlk,khd->lhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the cache, then attends over the cache. The runner binds the
+    layer's `k_cache` / `v_cache` once the cache is allocated."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        if q.is_cuda:
+            from tokenmill.layers.kernels import paged_attention as kernels
+            kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables,
+                                     meta.context_lens, meta.query_start_loc, self.scale)

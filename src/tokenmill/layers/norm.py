@@ -1,0 +1,33 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference: returns (norm(x + residual) * weight, x + residual); residual is None when not given.
+
+    Statistics are computed in float32 and the result cast back, as Hugging Face Llama/Qwen do.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:
+            from tokenmill.layers.kernels import fused_ops
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        out, residual_out = rms_norm_torch(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual_out)
