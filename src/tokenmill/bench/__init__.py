@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput against Hugging Face transformers baselines, and the roofline floor."""

@@ -1,0 +1,5 @@
+import sys
+
+from tokenmill.bench.cli import main
+
+sys.exit(main())
