@@ -1,0 +1,184 @@
+"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, rotary embedding.
+
+References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
+(rotary.py). Each kernel rounds intermediates to the input dtype where the reference does, so results
+match it to the last bit or one rounding step. Inputs need a unit stride on the last dim only; token and
+head strides are free, so views split from the packed qkv projection work as they are.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_dtype(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name}: unsupported dtype {x.dtype}; supported: {_DTYPES}")
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [A, B, N] without copying when the leading dims allow it."""
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------ rms norm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows, inner,
+                     x_stride_a, x_stride_b, r_stride_a, r_stride_b,
+                     N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_N)
+    r_mask = r < num_rows
+    mask = r_mask[:, None] & (c < N)[None, :]
+    a = (r // inner).to(tl.int64)
+    b = (r % inner).to(tl.int64)
+    x = tl.load(x_ptr + (a * x_stride_a + b * x_stride_b)[:, None] + c[None, :], mask=mask, other=0.0)
+    out_rows = r.to(tl.int64)[:, None] * N + c[None, :]
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + (a * r_stride_a + b * r_stride_b)[:, None] + c[None, :], mask=mask,
+                      other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + out_rows, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 1) / N + eps)
+    h = (h * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows, (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim of x [..., N]. Returns `out` when residual is None, else
+    `(out, x + residual)`; both are new contiguous tensors (the inputs are not modified).
+    out has dtype promote(weight.dtype, x.dtype), as in the reference."""
+    _check_dtype("rms_norm x", x)
+    _check_dtype("rms_norm weight", weight)
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({n},)")
+    if x.stride(-1) != 1 or weight.stride(0) != 1:
+        raise ValueError(f"rms_norm: x and weight need a unit last stride, got {x.stride()}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(f"rms_norm: residual {residual.dtype} {tuple(residual.shape)} must match x "
+                             f"{x.dtype} {tuple(x.shape)} and have a unit last stride")
+    x3 = _as_3d(x)
+    r3 = _as_3d(residual) if residual is not None else x3
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    num_rows = x3.shape[0] * x3.shape[1]
+    if num_rows > 0:
+        block_n = triton.next_power_of_2(n)
+        block_r = max(1, min(16, 2048 // block_n))
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+            x3, r3, weight, out, res_out, eps, num_rows, x3.shape[1],
+            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+            num_warps=8 if block_n >= 4096 else 4)
+    return out if residual is None else (out, res_out)
+
+
+# -------------------------------------------------------------------------------------- silu and mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, I: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < I
+    gate = tl.load(x_ptr + t * x_stride_t + c, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * x_stride_t + I + c, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + t * I + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] packed as [gate | up] -> silu(gate) * up, [..., I] (contiguous)."""
+    _check_dtype("silu_and_mul x", x)
+    if x.shape[-1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul: last dim must be even with unit stride, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and inter > 0:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out, x2.stride(0), I=inter, BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rotary
+
+
+@triton.jit
+def _rotate(x_ptr, stride_t, stride_h, t, cos, sin,
+            NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (d < HALF)
+    p1 = x_ptr + t * stride_t + h * stride_h + d
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    tl.store(p1, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride_t, q_stride_h, k_stride_t,
+                   k_stride_h, cs_stride,
+                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                   BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + d, mask=d < HALF, other=0.0)
+    _rotate(q_ptr, q_stride_t, q_stride_h, t, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    _rotate(k_ptr, k_stride_t, k_stride_h, t, cos, sin, NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """Rotate-half RoPE, in place: q [T, Hq, D], k [T, Hkv, D] (token and head strides free, e.g. views
+    of a packed qkv), positions [T] int, cos_sin [max_pos, D] float32 (cos | sin). Returns (q, k)."""
+    _check_dtype("apply_rotary q", q)
+    if k.dtype != q.dtype:
+        raise TypeError(f"apply_rotary: q dtype {q.dtype} != k dtype {k.dtype}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_rotary: q must be [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    head_dim = q.shape[2]
+    if head_dim % 2 or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"apply_rotary: head_dim must be even with unit stride, got q strides "
+                         f"{q.stride()}, k strides {k.stride()}")
+    if positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"apply_rotary: positions must be int32/int64 [{q.shape[0]}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if (cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim
+            or cos_sin.stride(1) != 1):
+        raise ValueError(f"apply_rotary: cos_sin must be float32 [max_pos, {head_dim}] with unit inner "
+                         f"stride, got {cos_sin.dtype} {tuple(cos_sin.shape)}")
+    if q.shape[0] == 0:
+        return q, k
+    half = head_dim // 2
+    _rotary_kernel[(q.shape[0],)](
+        positions, q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
+        BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q, k

@@ -1,0 +1,334 @@
+"""Triton kernels against their plain-PyTorch references.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1) on small shapes; the
+kernel modules are imported lazily (and reloaded if something imported them before the variable was
+set), because `triton.jit` picks interpreter or compiler when the module is imported. With a GPU the
+same tests run compiled on it (half precision as bfloat16), and the `gpu`-marked tests add
+realistic bfloat16 sizes.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# the interpreter keeps bfloat16 as raw uint16 (its tl.dot multiplies the bit patterns, its casts
+# truncate), so the CPU runs cover the half-precision paths in float16
+HALF = torch.bfloat16 if HAS_CUDA else torch.float16
+
+from tokenmill.layers.activation import silu_and_mul_torch  # noqa: E402
+from tokenmill.layers.attention import (AttentionMetadata, paged_attention_torch,  # noqa: E402
+                                        store_kvcache_torch)
+from tokenmill.layers.norm import rms_norm_torch  # noqa: E402
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_torch  # noqa: E402
+
+
+def _fix_interpreter_scalars() -> None:
+    """The interpreter holds scalars as 1-element arrays and turns them into loop bounds with int(),
+    which NumPy >= 2.4 rejects for arrays with ndim > 0; index the single element instead."""
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "scalar_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+def _kernels():
+    from tokenmill.layers.kernels import fused_ops, paged_attention
+    if not HAS_CUDA:
+        from triton.runtime.interpreter import InterpretedFunction
+        for module in (paged_attention, fused_ops):
+            if not isinstance(module._rms_norm_kernel if module is fused_ops else module._decode_kernel,
+                              InterpretedFunction):
+                importlib.reload(module)
+        _fix_interpreter_scalars()
+    return paged_attention, fused_ops
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype=torch.float32, gen=None) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=3):
+    """Random cache with each sequence's blocks scattered over a random permutation of block ids."""
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    max_blocks = max(max(blocks_per_seq), 1) + 1
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        table[b, :n] = perm[used:used + n].int()
+        used += n
+    k_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    v_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    return k_cache, v_cache, table.to(DEVICE)
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+# ------------------------------------------------------------------------------------ paged attention
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_kvcache_skips_padding_and_handles_strided_views(block_size):
+    pa, _ = _kernels()
+    gen = _gen(0)
+    num_tokens, num_kv_heads, head_dim, num_blocks = 7, 2, 16, 8
+    qkv = _randn(num_tokens, (4 + 2 * num_kv_heads) * head_dim, gen=gen)
+    _, k, v = qkv.split([4 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    k, v = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[1, 4]] = -1
+    slots = slots.to(DEVICE)
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+              for _ in range(4)]
+    store_kvcache_torch(k, v, caches[0], caches[1], slots)
+    pa.store_kvcache(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[2], caches[0], rtol=0, atol=0)
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group,block_size,head_dim,num_splits,dtype", [
+    (4, 16, 64, 1, torch.float32),
+    (5, 16, 32, 3, torch.float32),
+    (5, 32, 16, None, torch.float32),
+    (4, 1, 16, 2, torch.float32),
+    (5, 1, 32, 1, HALF),
+])
+def test_decode_matches_reference(group, block_size, head_dim, num_splits, dtype):
+    pa, _ = _kernels()
+    gen = _gen(1)
+    num_kv_heads = 2
+    context_lens = [1, 37, 70, 16]
+    k_cache, v_cache, table = _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(len(context_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, head_dim ** -0.5)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, table, ctx, head_dim ** -0.5,
+                                    num_splits=num_splits)
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_empty_context_gives_zeros(num_splits):
+    pa, _ = _kernels()
+    gen = _gen(2)
+    k_cache, v_cache, table = _paged_cache([5, 0], 4, 1, 16, torch.float32, gen)
+    ctx = torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)
+    q = _randn(2, 4, 16, gen=gen)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.25, num_splits=num_splits)
+    qsl = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_torch(q[:1], k_cache, v_cache, table[:1], ctx[:1], qsl[:2], 0.25)
+    torch.testing.assert_close(out[:1], ref)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("group,block_size,dtype", [
+    (5, 16, torch.float32), (4, 1, torch.float32), (4, 32, HALF)])
+def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
+    pa, _ = _kernels()
+    gen = _gen(3)
+    num_kv_heads, head_dim = 1, 16
+    q_lens = [5, 1, 23, 0, 17]
+    context_lens = [5, 40, 30, 9, 17]
+    k_cache, v_cache, table = _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    num_q_heads = group * num_kv_heads
+    qkv = _randn(sum(q_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q = qkv[:, :num_q_heads * head_dim].view(-1, num_q_heads, head_dim)  # strided view, as in the model
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3)
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
+                                     config={"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1})
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+def test_paged_attention_dispatch_store_then_attend():
+    """Full layer step through AttentionMetadata: a prefill chunk, then a decode step."""
+    pa, _ = _kernels()
+    gen = _gen(4)
+    block_size, num_kv_heads, group, head_dim = 4, 2, 4, 16
+    num_q_heads = group * num_kv_heads
+    caches = [torch.zeros(12, block_size, num_kv_heads, head_dim, device=DEVICE) for _ in range(4)]
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 0]], dtype=torch.int32, device=DEVICE)
+    for q_lens, ctx_list in (([6, 9], [6, 9]), ([1, 1], [7, 10])):
+        num_tokens = sum(q_lens)
+        q = _randn(num_tokens, num_q_heads, head_dim, gen=gen)
+        k = _randn(num_tokens, num_kv_heads, head_dim, gen=gen)
+        v = _randn(num_tokens, num_kv_heads, head_dim, gen=gen)
+        positions = [p for n, c in zip(q_lens, ctx_list) for p in range(c - n, c)]
+        owner = [b for b, n in enumerate(q_lens) for _ in range(n)]
+        slots = torch.tensor([int(table[b, p // block_size]) * block_size + p % block_size
+                              for b, p in zip(owner, positions)], device=DEVICE)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor([0, q_lens[0], num_tokens], dtype=torch.int32, device=DEVICE),
+            context_lens=torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE),
+            block_tables=table, max_query_len=max(q_lens), max_context_len=max(ctx_list))
+        store_kvcache_torch(k, v, caches[0], caches[1], slots)
+        ref = paged_attention_torch(q, caches[0], caches[1], table, meta.context_lens,
+                                    meta.query_start_loc, 0.25)
+        pa.store_kvcache(k, v, caches[2], caches[3], slots)
+        out = pa.paged_attention(q, caches[2], caches[3], meta, 0.25)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_wrappers_reject_bad_inputs():
+    pa, _ = _kernels()
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 2 kv heads"):
+        pa.paged_decode_attention(torch.zeros(1, 3, 16, device=DEVICE), cache, cache, table, ctx, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        pa.paged_decode_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table.long(), ctx, 1.0)
+    with pytest.raises(TypeError, match="cache dtype"):
+        pa.paged_decode_attention(torch.zeros(1, 4, 16, device=DEVICE, dtype=torch.float16), cache, cache,
+                                  table, ctx, 1.0)
+
+
+# ---------------------------------------------------------------------------------------- fused ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    _, ops = _kernels()
+    gen = _gen(5)
+    x = _randn(5, 48, dtype=dtype, gen=gen)
+    weight = _randn(48, dtype=dtype, gen=gen)
+    residual = _randn(5, 48, dtype=dtype, gen=gen) if with_residual else None
+    residual_before = None if residual is None else residual.clone()
+    ref, ref_res = rms_norm_torch(x, weight, 1e-5, residual)
+    got = ops.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        out, res = got
+        torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+        torch.testing.assert_close(residual, residual_before, rtol=0, atol=0)
+    else:
+        out = got
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+def test_rms_norm_per_head_on_strided_view():
+    """Qwen3's q/k norm runs on [T, H, D] views of the packed qkv output."""
+    _, ops = _kernels()
+    gen = _gen(6)
+    qkv = _randn(3, (4 + 2) * 16, gen=gen)
+    q = qkv[:, :64].view(3, 4, 16)
+    weight = _randn(16, gen=gen)
+    ref, _ = rms_norm_torch(q, weight, 1e-6)
+    torch.testing.assert_close(ops.rms_norm(q, weight, 1e-6), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_silu_and_mul_matches_reference(dtype):
+    _, ops = _kernels()
+    gen = _gen(7)
+    x = _randn(4, 2 * 40 + 6, dtype=dtype, gen=gen)[:, :80]  # row stride != 2I
+    torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul_torch(x), rtol=_tol(dtype),
+                               atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_rotary_in_place_on_packed_qkv_views(dtype):
+    _, ops = _kernels()
+    gen = _gen(8)
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 5, 5, 1, 16
+    rope = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    qkv = _randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k = q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+    v_before = v.clone()
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = rope.cos_sin[positions].chunk(2, dim=-1)
+    ref_q, ref_k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
+    out_q, out_k = ops.apply_rotary(positions, q, k, rope.cos_sin)
+    torch.testing.assert_close(out_q, ref_q, rtol=_tol(dtype), atol=_tol(dtype))
+    torch.testing.assert_close(out_k, ref_k, rtol=_tol(dtype), atol=_tol(dtype))
+    assert torch.equal(v, v_before)
+
+
+# ----------------------------------------------------------------------- GPU, realistic bf16 sizes
+
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (20, 4)])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_gpu_decode_realistic(num_q_heads, num_kv_heads, batch):
+    pa, _ = _kernels()
+    gen = _gen(10)
+    context_lens = torch.randint(1, 2100, (batch,), generator=gen).tolist()
+    k_cache, v_cache, table = _paged_cache(context_lens, 16, num_kv_heads, 128, torch.bfloat16, gen)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(batch, num_q_heads, 128, dtype=torch.bfloat16, gen=gen)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 128 ** -0.5)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, table, ctx, 128 ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (20, 4)])
+def test_gpu_prefill_realistic(num_q_heads, num_kv_heads):
+    pa, _ = _kernels()
+    gen = _gen(11)
+    q_lens, context_lens = [512, 300, 1, 512], [512, 1400, 900, 2000]
+    k_cache, v_cache, table = _paged_cache(context_lens, 16, num_kv_heads, 128, torch.bfloat16, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), num_q_heads, 128, dtype=torch.bfloat16, gen=gen)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 128 ** -0.5)
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 128 ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_ops_realistic():
+    _, ops = _kernels()
+    gen = _gen(12)
+    bf16 = torch.bfloat16
+    x, res = _randn(300, 2560, dtype=bf16, gen=gen), _randn(300, 2560, dtype=bf16, gen=gen)
+    weight = _randn(2560, dtype=bf16, gen=gen)
+    ref, ref_res = rms_norm_torch(x, weight, 1e-5, res)
+    out, out_res = ops.rms_norm(x, weight, 1e-5, res)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
+    up = _randn(300, 2 * 9728, dtype=bf16, gen=gen)
+    torch.testing.assert_close(ops.silu_and_mul(up), silu_and_mul_torch(up), rtol=2e-2, atol=2e-2)
+    rope = RotaryEmbedding(128, 4096, 1e6).to(DEVICE)
+    qkv = _randn(300, 48 * 128, dtype=bf16, gen=gen)
+    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], -1)
+    q, k = q.view(300, 32, 128), k.view(300, 8, 128)
+    positions = torch.randint(0, 4096, (300,), generator=gen).to(DEVICE)
+    cos, sin = rope.cos_sin[positions].chunk(2, dim=-1)
+    ref_q, ref_k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
+    out_q, out_k = ops.apply_rotary(positions, q, k, rope.cos_sin)
+    torch.testing.assert_close(out_q, ref_q, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_k, ref_k, rtol=2e-2, atol=2e-2)
