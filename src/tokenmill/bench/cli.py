@@ -1,0 +1,250 @@
+"""`tokenmill bench throughput`: one request set through one or more backends, one process per backend.
+
+    python -m tokenmill.bench throughput --model preset:qwen3-4b --backend tokenmill,hf-cb --subset 64
+
+The parent builds the request set once and hands it to each backend's own process in turn (so their GPU
+memory never mixes), then prints one table with the ratios between backends and writes JSON + markdown to
+`--output-dir`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tokenmill.bench import report
+from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
+                                      sharegpt_requests, special_token_ids)
+from tokenmill.bench.throughput import BACKENDS
+
+SUBCOMMANDS = ("throughput", "prepare")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill bench", description="tokenmill benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("throughput", help="offline throughput against Hugging Face transformers baselines")
+    p.add_argument("--model", required=True, help="model directory or preset:NAME")
+    p.add_argument("--backend", default="tokenmill",
+                   help=f"comma-separated backends from {', '.join(BACKENDS)}; each runs in its own process")
+    p.add_argument("--dataset", default="random", help="'random' or a ShareGPT-format JSON file")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for --dataset FILE (default: the model)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-range", default="100,1024", help="inclusive 'LO,HI' (or 'N') prompt lengths")
+    p.add_argument("--output-len-range", default="100,1024", help="inclusive 'LO,HI' (or 'N') output lengths")
+    p.add_argument("--subset", type=int, default=None, help="run every backend on the first N requests only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="tokenmill sampling temperature (the baselines decode greedily)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="hf-static: requests per generate() batch")
+    p.add_argument("--hf-static-attn-impl", default="sdpa")
+    p.add_argument("--hf-cb-attn-impl", default=None,
+                   help="hf-cb attention implementation (default: paged SDPA under this version's name)")
+    p.add_argument("--hf-max-memory-percent", type=float, default=0.5, help="hf-cb KV cache memory fraction")
+    p.add_argument("--memory-bandwidth", type=float, default=4.3e12, help="roofline: bytes/s")
+    p.add_argument("--matmul-flops", type=float, default=790e12, help="roofline: FLOP/s")
+    p.add_argument("--output-dir", default="bench_results")
+    p.add_argument("--name", default=None, help="file name stem of the results (default: model-time)")
+    p.add_argument("--in-process", action="store_true", help="run the backends in this process (tests)")
+    p.add_argument("--no-progress", action="store_true")
+    # Internal: how the parent hands one backend to a child process.
+    p.add_argument("--worker-requests", help=argparse.SUPPRESS)
+    p.add_argument("--worker-result", help=argparse.SUPPRESS)
+    p.add_argument("--worker-model-path", help=argparse.SUPPRESS)
+    p.add_argument("--spawn-time", type=float, help=argparse.SUPPRESS)
+
+    q = sub.add_parser("prepare", help="materialise a preset model directory and print its path")
+    q.add_argument("--model", required=True)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dtype", default="bfloat16")
+    return parser
+
+
+def _preset_dtype(dtype: str) -> str:
+    return "bfloat16" if dtype in ("auto", None) else dtype
+
+
+def _hf_config(model: str) -> dict:
+    from tokenmill.models.presets import is_preset, preset_config
+
+    if is_preset(model):
+        return preset_config(model)
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)
+
+
+def _git_commit() -> str:
+    if os.environ.get("TOKENMILL_GIT_COMMIT"):
+        return os.environ["TOKENMILL_GIT_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def build_requests(args, hf_config: dict, model_path: str | None):
+    if args.dataset == "random":
+        return random_requests(args.num_prompts, parse_range(args.input_len_range),
+                               parse_range(args.output_len_range), hf_config["vocab_size"],
+                               special_token_ids(hf_config), args.seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+    return sharegpt_requests(args.dataset, tokenizer, args.num_prompts, args.seed, max_input_len=1024,
+                             max_output_len=1024)
+
+
+def _materialise(args) -> str:
+    """Resolve a preset in a separate process, so this one never holds GPU memory."""
+    from tokenmill.models.presets import is_preset, resolve_model_path
+
+    if not is_preset(args.model):
+        return args.model
+    if args.in_process:
+        return resolve_model_path(args.model, _preset_dtype(args.dtype), args.seed)
+    out = subprocess.run([sys.executable, "-m", "tokenmill.bench", "prepare", "--model", args.model,
+                          "--seed", str(args.seed), "--dtype", _preset_dtype(args.dtype)],
+                         stdout=subprocess.PIPE, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _run_worker(args) -> int:
+    from tokenmill.bench.throughput import run_backend
+
+    requests = load_requests(args.worker_requests)
+    result = run_backend(args.backend, args, args.worker_model_path, requests, start_time=args.spawn_time)
+    with open(args.worker_result, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _run_child(args, argv: list[str], backend: str, model_path: str, requests_file: str, result_file: str) -> dict:
+    cmd = [sys.executable, "-m", "tokenmill.bench", *argv, "--backend", backend, "--worker-requests",
+           requests_file, "--worker-result", result_file, "--worker-model-path", model_path,
+           "--spawn-time", repr(time.time())]
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0 or not os.path.isfile(result_file):
+        return {"backend": backend, "error": f"exit status {proc.returncode}"}
+    with open(result_file) as f:
+        return json.load(f)
+
+
+def run_throughput(args, argv: list[str]) -> dict:
+    from tokenmill.bench.roofline import Hardware, ModelCost, decode_floor_ms_per_token, roofline_floor
+    from tokenmill.config import ModelConfig
+
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    model_path = _materialise(args)
+    hf_config = _hf_config(model_path)
+    requests = build_requests(args, hf_config, model_path)
+    if args.subset is not None:
+        requests = requests[:args.subset]
+    if not requests:
+        raise SystemExit("the request set is empty")
+
+    model_config = ModelConfig.from_hf(hf_config)
+    dtype_bytes = 4 if args.dtype in ("float32", "fp32", "float") else 2
+    cost = ModelCost.from_model_config(model_config, dtype_bytes)
+    hw = Hardware(args.memory_bandwidth, args.matmul_flops)
+    floor = roofline_floor([r.prompt_len for r in requests], [r.output_len for r in requests], cost,
+                           args.max_num_seqs, args.max_num_batched_tokens, hw)
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    slug = args.model.replace("preset:", "").rstrip("/").split("/")[-1]
+    name = args.name or f"throughput-{slug}-{stamp}"
+    os.makedirs(args.output_dir, exist_ok=True)
+    requests_file = os.path.join(args.output_dir, f"{name}.requests.json")
+    save_requests(requests, requests_file)
+
+    results = []
+    for backend in backends:
+        print(f"== {backend}: {len(requests)} requests", file=sys.stderr, flush=True)
+        if args.in_process:
+            from tokenmill.bench.throughput import run_backend
+            result = run_backend(backend, args, model_path, requests)
+        else:
+            result = _run_child(args, argv, backend, model_path, requests_file,
+                                os.path.join(args.output_dir, f"{name}.{backend}.json"))
+        if "elapsed_s" in result:
+            result["floor_s"] = floor.seconds
+            result["measured_over_floor"] = result["elapsed_s"] / floor.seconds
+            result["fraction_of_floor"] = floor.seconds / result["elapsed_s"]
+            if len(requests) == 1:
+                r = requests[0]
+                result["floor_ms_per_output_token"] = decode_floor_ms_per_token(
+                    cost, r.prompt_len + r.output_len // 2, hw)
+        results.append(result)
+    report.add_ratios(results)
+
+    summary = {
+        "command": "tokenmill bench " + " ".join(argv),
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hardware": next((r["hardware"] for r in results if "hardware" in r), None),
+        "model": args.model,
+        "model_path": model_path,
+        "workload": {
+            "dataset": args.dataset, "num_requests": len(requests), "seed": args.seed,
+            "input_len_range": args.input_len_range, "output_len_range": args.output_len_range,
+            "subset": args.subset, "prompt_tokens": floor.total_tokens - floor.output_tokens,
+            "output_tokens": floor.output_tokens,
+        },
+        "engine_args": {k: getattr(args, k) for k in (
+            "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "dtype", "block_size",
+            "enforce_eager", "no_prefix_caching", "temperature", "hf_batch_size", "hf_max_memory_percent")},
+        "roofline": {"memory_bandwidth": hw.memory_bandwidth, "matmul_flops": hw.matmul_flops,
+                     "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
+                     **floor.as_dict()},
+        "results": results,
+    }
+    table = report.markdown_table(summary)
+    print(table)
+    with open(os.path.join(args.output_dir, f"{name}.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(args.output_dir, f"{name}.md"), "w") as f:
+        f.write(report.markdown_report(summary, table))
+    print(f"results: {os.path.join(args.output_dir, name)}.{{json,md}}", file=sys.stderr)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        argv = argv[1:]
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["throughput", *argv]
+    args = build_parser().parse_args(argv)
+    if args.command == "prepare":
+        from tokenmill.models.presets import resolve_model_path
+        print(resolve_model_path(args.model, _preset_dtype(args.dtype), args.seed))
+        return 0
+    if args.worker_result:
+        return _run_worker(args)
+    summary = run_throughput(args, argv)
+    return 1 if any("error" in r for r in summary["results"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
