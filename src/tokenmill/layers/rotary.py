@@ -8,7 +8,7 @@ from torch import nn
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
@@ -36,11 +36,19 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv = _inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
+        if self.cos_sin.device.type != "meta":
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recomputes the table in float32 (after the module was built on the meta device)."""
+        cpu = torch.device("cpu")
+        inv = _inv_freq(self.head_dim, self.theta, self.scaling).to(cpu)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=cpu), inv)
         # [max_positions, head_dim]: cos in the first half, sin in the second
-        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1).float(),
-                             persistent=False)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+        self.cos_sin = table.to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if q.is_cuda:

@@ -1,0 +1,162 @@
+"""Paged KV-cache block manager with prefix caching.
+
+Invariants (checked by `check_invariants`, exercised by property tests):
+- Every block is either in use (ref_count > 0, in at least one request's `block_ids`) or free
+  (ref_count == 0, in `free_queue`), never both; ref counts equal the number of requests holding the
+  block and are never negative.
+- A block is hashed only once it is full of computed tokens; its hash chains the parent's hash, so
+  equal hashes mean equal prefixes. A hit is still verified against the stored tokens and parent hash.
+- `cached` maps a hash to the one block registered under it; a free block that is hashed stays
+  reusable until it is evicted. Free blocks are evicted least-recently-freed first (LRU), and a
+  request's blocks are freed tail first, so the ends of prefixes go before their beginnings.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tokenmill.engine.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self._hashes: dict[str, list[int]] = {}       # request id -> hashes of its full blocks
+        self.prefix_queries = 0                        # tokens looked up
+        self.prefix_hits = 0                           # tokens found
+        self.peak_blocks_used = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens. At least one token is always left
+        to compute, so the last step has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens, bs = request.all_token_ids, self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((parent, chunk))
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            block = self.blocks[bid]
+            if block.token_ids != chunk or block.parent_hash != parent:
+                break
+            hits.append(bid)
+            parent = h
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * bs
+        return hits
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Makes room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
+        tokens of `computed_blocks`, prefix-cache hits for a request that holds no blocks yet).
+        Returns False, changing nothing, when there are not enough free blocks."""
+        computed_blocks = computed_blocks or []
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if needed > len(self.free_queue) - reclaimed:
+            return False
+        if computed_blocks:
+            hashes = self._hashes.setdefault(request.request_id, [])
+            for bid in computed_blocks:
+                block = self.blocks[bid]
+                if block.ref_count == 0:
+                    del self.free_queue[bid]
+                block.ref_count += 1
+                hashes.append(block.block_hash)
+            request.block_ids.extend(computed_blocks)
+        for _ in range(max(needed, 0)):
+            bid, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[bid]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == bid:
+                    del self.cached[block.block_hash]
+                block.block_hash = block.parent_hash = block.token_ids = None
+            block.ref_count = 1
+            request.block_ids.append(bid)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Hashes the request's blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs, tokens = self.block_size, request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), request.num_computed_tokens // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((parent, chunk))
+            hashes.append(h)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash, block.parent_hash, block.token_ids = h, parent, chunk
+                self.cached[h] = block.block_id
+            parent = h
+
+    def free(self, request: Request) -> None:
+        for bid in reversed(request.block_ids):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+        request.block_ids = []
+        self._hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0 and block.block_hash is not None:
+                block.block_hash = block.parent_hash = block.token_ids = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
+
+    def check_invariants(self, requests: list[Request]) -> None:
+        holders = [0] * self.num_blocks
+        for req in requests:
+            for bid in req.block_ids:
+                holders[bid] += 1
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+            assert block.ref_count == holders[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} but held {holders[block.block_id]} times")
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
+                f"block {block.block_id}: ref_count {block.ref_count}, in free queue: "
+                f"{block.block_id in self.free_queue}")
+        for h, bid in self.cached.items():
+            assert self.blocks[bid].block_hash == h, f"cached hash of block {bid} is stale"

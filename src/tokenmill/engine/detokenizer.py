@@ -1,0 +1,52 @@
+"""Incremental detokenization that never emits a broken UTF-8 character, with stop strings."""
+from __future__ import annotations
+
+from tokenmill.engine.tokenizer import Tokenizer
+
+# prompt tokens kept as left context, so a token's leading space decodes as it would in the text
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list. Text is released only once it stops changing: a trailing
+    U+FFFD means a multi-byte character is still split across tokens. With stop strings, the last
+    `max(len(stop)) - 1` characters are held back until they can no longer begin a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""                      # all text decoded so far (possibly past a stop string)
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stopped_at: int | None = None  # length of the final text once a stop string matched
+
+    def add(self, token_id: int) -> str | None:
+        """Adds one token; returns the stop string if the text now contains one."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return None
+        new = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.text) - self.hold)
+        self.text += new
+        for s in self.stop:
+            pos = self.text.find(s, start)
+            if pos != -1:
+                self.stopped_at = pos + len(s) if self.include_stop else pos
+                return s
+        return None
+
+    def output_text(self, finished: bool) -> str:
+        if self.stopped_at is not None:
+            return self.text[:self.stopped_at]
+        if finished or not self.hold:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.hold)]

@@ -1,0 +1,226 @@
+"""The synchronous engine core: requests in, one scheduling + model step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
+        model_dir = config.model
+        if model_dir.startswith("preset:"):
+            from tokenmill.models.presets import resolve_model_path
+            model_dir = resolve_model_path(model_dir)
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory {model_dir!r} does not exist (tokenmill loads "
+                                    "local directories only; it never downloads)")
+        self.model_name = config.model
+        self.model_config = ModelConfig.from_hf(model_dir)
+        tok_dir = config.tokenizer or model_dir
+        self.tokenizer = Tokenizer(tok_dir) if Tokenizer.available(tok_dir) else None
+        mc = self.model_config
+        self.eos_token_ids = set(mc.eos_token_ids) | set(generation_eos_ids(model_dir))
+        if self.tokenizer is not None:
+            self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        max_len = config.max_model_len or mc.max_position_embeddings
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, mc, model_dir, max_len)
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(max_len, capacity)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy)
+        self.requests: dict[str, Request] = {}            # running or waiting sequences by id
+        self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
+        self.prompts: dict[str, str | None] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.ready_seconds = time.perf_counter() - t0
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (0 tokens); at least 1 token is required")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.model_config.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the maximum context length is "
+                             f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Request(seq_id, prompt_ids, params, max_tokens, base_seed + i, priority,
+                                arrival_time, parent_id=request_id, index=i))
+        self.groups[request_id] = seqs
+        self.num_prompt_tokens += len(prompt_ids)
+        self.prompts[request_id] = text
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            if self.tokenizer is not None:
+                self.detokenizers[seq.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                    params.include_stop_str_in_output)
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Finishes the given requests at once and frees their blocks; unknown ids are ignored."""
+        outputs = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            seqs = self.groups.get(rid)
+            if seqs is None:
+                continue
+            for seq in seqs:
+                if not seq.status.finished:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(rid))
+            self._release(rid)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        rows, sampled = self.runner.execute(sched.requests, sched.num_new_tokens)
+        self.scheduler.update_after_step(sched)
+        touched: dict[str, None] = {}
+        if sampled is not None:
+            token_ids = sampled.token_ids.tolist()
+            lp = ids = ranks = None
+            if sampled.logprobs is not None:
+                lp, ids, ranks = sampled.logprobs.tolist(), sampled.logprob_token_ids.tolist(), sampled.ranks.tolist()
+            now = time.time()
+            for j, row in enumerate(rows.tolist()):
+                req = sched.requests[row]
+                self._append(req, token_ids[j], now,
+                             None if lp is None else (lp[j], ids[j], ranks[j]))
+                touched[req.parent_id] = None
+        outputs = []
+        for rid in touched:
+            outputs.append(self._output(rid))
+            if all(s.status.finished for s in self.groups[rid]):
+                self._release(rid)
+        return outputs
+
+    def _append(self, req: Request, token: int, now: float, logprob_row) -> None:
+        req.append_token(token)
+        self.num_generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if logprob_row is not None:
+            values, ids, rank = logprob_row
+            entry = {ids[0]: Logprob(values[0], rank, self._token_text(ids[0]))}
+            for k, (tid, val) in enumerate(zip(ids[1:], values[1:])):
+                entry.setdefault(tid, Logprob(val, k + 1, self._token_text(tid)))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += values[0]
+        p = req.params
+        status = None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        else:
+            detok = self.detokenizers.get(req.request_id)
+            if detok is not None and (hit := detok.add(token)) is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _output(self, rid: str) -> RequestOutput:
+        seqs = self.groups[rid]
+        completions = []
+        for s in seqs:
+            detok = self.detokenizers.get(s.request_id)
+            text = detok.output_text(s.status.finished) if detok is not None else ""
+            completions.append(CompletionOutput(
+                index=s.index, text=text, token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason))
+        first = seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time),
+                                     default=None),
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            last_token_time=max((s.last_token_time for s in seqs if s.last_token_time), default=None),
+            finished_time=max((s.finished_time or 0 for s in seqs), default=None)
+            if all(s.status.finished for s in seqs) else None)
+        return RequestOutput(request_id=rid, prompt=self.prompts.get(rid), prompt_token_ids=first.prompt_token_ids,
+                             outputs=completions, finished=all(s.status.finished for s in seqs),
+                             num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+
+    def _release(self, rid: str) -> None:
+        for s in self.groups.pop(rid):
+            self.requests.pop(s.request_id, None)
+            self.detokenizers.pop(s.request_id, None)
+        self.prompts.pop(rid, None)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "peak_blocks_used": bm.peak_blocks_used,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }

@@ -1,0 +1,49 @@
+"""Tokenizer and chat template from the model directory (never from the network)."""
+from __future__ import annotations
+
+import json
+import os
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        self.eos_token_ids = tuple(i for i in [self.hf.eos_token_id] if i is not None)
+        self.vocab_size = len(self.hf)
+        self.all_special_ids = set(self.hf.all_special_ids)
+
+    @staticmethod
+    def available(path: str) -> bool:
+        return any(os.path.isfile(os.path.join(path, f)) for f in
+                   ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Renders the conversation to text. The text already holds its special tokens, so encode it
+        with `add_special_tokens=False`."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
+        return self.hf.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
+
+def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

@@ -1,0 +1,83 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 tokenizer: str | None = None):
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, scheduling_policy=scheduling_policy,
+            seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            tokenizer=tokenizer))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                ids.append(self.engine.add_request(None, prompt, params,
+                                                   priority=priority[i] if priority else 0))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.encode_chat(c, add_generation_prompt) for c in conversations]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, conv in zip(outputs, conversations):
+            out.prompt = tok.apply_chat_template(conv, add_generation_prompt)
+        return outputs
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while pending:
+            if not self.engine.scheduler.has_unfinished():
+                raise RuntimeError(f"requests {sorted(pending)[:4]} were lost by the scheduler")
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,276 @@
+"""Turns a scheduled batch into flat tensors, runs the model and samples on the device.
+
+Host-side preparation is vectorised with NumPy into pinned staging buffers and copied without
+blocking; on CUDA, pure-decode batches replay CUDA graphs captured for bucketed batch sizes. The
+only host synchronisation per step is reading back the sampled token ids.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.request import Request
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.runner.loader import load_model
+from tokenmill.runner.sampler import SamplerOutput, SamplingTensors, sample
+
+logger = logging.getLogger("tokenmill")
+
+_CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, model_dir: str,
+                 max_model_len: int):
+        self.config = engine_config
+        self.model_config = model_config
+        self.device = engine_config.resolve_device()
+        self.dtype = engine_config.resolve_dtype(model_config, self.device)
+        self.block_size = engine_config.block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.vocab_size = model_config.vocab_size
+        t0 = time.perf_counter()
+        self.model = load_model(model_dir, model_config, self.device, self.dtype)
+        self.load_seconds = time.perf_counter() - t0
+        self.num_blocks = self._determine_num_blocks()
+        self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not engine_config.enforce_eager:
+            self._capture_decode_graphs()
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def _determine_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            want = self.max_num_seqs * self.max_blocks_per_seq
+            return max(1, min(want, _CPU_KV_BUDGET_BYTES // self.block_bytes))
+        return self._profile_num_blocks()
+
+    def _profile_num_blocks(self) -> int:
+        """Runs the largest batch once to measure activation memory, then gives the rest of
+        `gpu_memory_utilization` of the device to the KV cache."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.max_num_seqs)
+        num_blocks = -(-tokens // self.block_size)
+        self._allocate_kv_cache(num_blocks)
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        lens = [seq_len] * (num_seqs - 1) + [tokens - seq_len * (num_seqs - 1)]
+        starts = np.concatenate(([0], np.cumsum(lens)))
+        tables = torch.zeros(num_seqs, -(-seq_len // self.block_size), dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=tables, max_query_len=seq_len, max_context_len=seq_len)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, ids.clone(), meta)
+            rows = min(self.max_num_seqs, tokens)
+            logits = self.model.compute_logits(hidden[:rows])
+            sample(logits, self._dummy_sampling(rows, greedy=False))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - self.kv_cache_bytes
+        del hidden, logits
+        self._free_kv_cache()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        blocks = int(budget // self.block_bytes)
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache: gpu_memory_utilization="
+                               f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                               f"peak activations {peak / 2**30:.2f} GiB")
+        return blocks
+
+    def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
+        c = self.model_config
+        n = self.num_blocks if num_blocks is None else num_blocks
+        shape = (c.num_hidden_layers, 2, n, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
+            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        if num_blocks is None:
+            gib = self.kv_cache_bytes / 2**30
+            logger.info("KV cache: %d blocks of %d tokens, %.2f GiB, %d tokens", n, self.block_size,
+                        gib, n * self.block_size)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _free_kv_cache(self) -> None:
+        for layer in self.model.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+        del self.kv_cache
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def _prepare(self, requests: list[Request], num_new_tokens: list[int]):
+        bs = self.block_size
+        starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
+        counts = np.asarray(num_new_tokens, dtype=np.int64)
+        ends = starts + counts
+        if counts.max() == 1:
+            input_ids = np.fromiter((r.all_token_ids[-1] if r.num_computed_tokens + 1 == r.num_tokens
+                                     else r.all_token_ids[r.num_computed_tokens] for r in requests),
+                                    np.int64, len(requests))
+            positions = starts
+        else:
+            input_ids = np.fromiter((t for r, s, e in zip(requests, starts.tolist(), ends.tolist())
+                                     for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
+            positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+        width = max(len(r.block_ids) for r in requests)
+        block_tables = np.zeros((len(requests), width), dtype=np.int32)
+        for i, r in enumerate(requests):
+            block_tables[i, :len(r.block_ids)] = r.block_ids
+        seq_of_token = np.repeat(np.arange(len(requests)), counts)
+        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+        sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
+                                                     len(requests)))[0]
+        return input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables, \
+            sample_rows, int(counts.max()), int(ends.max())
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    # ---- sampling parameters ------------------------------------------------------------------------
+    def _dummy_sampling(self, rows: int, greedy: bool) -> SamplingTensors:
+        dev = self.device
+        return SamplingTensors(
+            temperature=torch.ones(rows, device=dev), all_greedy=greedy,
+            top_k=torch.full((rows,), 50, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
+            min_p=None, seeds=None, seeded_rows=None, output_positions=None, presence_penalty=None,
+            frequency_penalty=None, repetition_penalty=None, output_counts=None, seen_mask=None,
+            max_logprobs=None)
+
+    def _sampling_tensors(self, requests: list[Request]) -> SamplingTensors:
+        params = [r.params for r in requests]
+        dev, rows = self.device, len(requests)
+        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if all(p.greedy for p in params) and not any(p.needs_penalties for p in params):
+            return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
+                                   None, None, max_logprobs)
+
+        def tensor(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        temperature = tensor([0.0 if p.greedy else p.temperature for p in params])
+        top_k = tensor([p.top_k or self.vocab_size for p in params], torch.int64) \
+            if any(p.top_k for p in params) else None
+        top_p = tensor([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
+        min_p = tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
+        seeded = [p.seed is not None for p in params]
+        seeds = positions = seeded_rows = None
+        if any(seeded):
+            seeds = tensor([r.seed for r in requests], torch.int64)
+            positions = tensor([r.num_output_tokens for r in requests], torch.int64)
+            seeded_rows = tensor(seeded, torch.bool)
+        pp = fp = rp = counts = seen = None
+        if any(p.needs_penalties for p in params):
+            counts = torch.zeros(rows, self.vocab_size, dtype=torch.float32)
+            seen = torch.zeros(rows, self.vocab_size, dtype=torch.bool)
+            for i, r in enumerate(requests):
+                out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+                counts[i].index_add_(0, out, torch.ones(len(out)))
+                seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
+            counts, seen = counts.to(dev), seen.to(dev)
+            pp = tensor([p.presence_penalty for p in params])
+            fp = tensor([p.frequency_penalty for p in params])
+            rp = tensor([p.repetition_penalty for p in params])
+        return SamplingTensors(temperature, False, top_k, top_p, min_p, seeds, seeded_rows, positions,
+                               pp, fp, rp, counts, seen, max_logprobs)
+
+    # ---- the step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, requests: list[Request], num_new_tokens: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
+        """Returns (indices into `requests` that sampled a token, sampler output for those rows)."""
+        (input_ids, positions, slots, qsl, context_lens, tables, sample_rows, max_q, max_ctx) = \
+            self._prepare(requests, num_new_tokens)
+        if len(sample_rows) == 0:
+            self._forward(input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx)
+            return sample_rows, None
+        hidden = self._forward(input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx)
+        last = torch.from_numpy(qsl[1:][sample_rows].astype(np.int64) - 1)
+        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        sampled = [requests[i] for i in sample_rows]
+        return sample_rows, sample(logits, self._sampling_tensors(sampled))
+
+    def _forward(self, input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx):
+        batch = len(context_lens)
+        if max_q == 1 and self.graphs and batch <= self.max_graph_batch:
+            return self._replay(input_ids, positions, slots, context_lens, tables)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots), query_start_loc=self._to_device(qsl),
+            context_lens=self._to_device(context_lens), block_tables=self._to_device(tables),
+            max_query_len=max_q, max_context_len=max_ctx)
+        return self.model(self._to_device(input_ids), self._to_device(positions), meta)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------
+    def _graph_batch_sizes(self) -> list[int]:
+        sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
+        return sorted({s for s in sizes if s <= self.max_num_seqs} | {self.max_num_seqs})
+
+    def _capture_decode_graphs(self) -> None:
+        t0 = time.perf_counter()
+        n, dev = self.max_num_seqs, self.device
+        self.max_graph_batch = n
+        self.static = {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+            "slots": torch.full((n,), -1, dtype=torch.int64, device=dev),
+            "context_lens": torch.ones(n, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
+        }
+        self.staging = {k: torch.zeros_like(v, device="cpu").pin_memory() for k, v in self.static.items()}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        for bs in reversed(self._graph_batch_sizes()):
+            s = self.static
+            meta = AttentionMetadata(slot_mapping=s["slots"][:bs], query_start_loc=s["qsl"][:bs + 1],
+                                     context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
+                                     max_query_len=1, max_context_len=self.max_model_len)
+            self.model(s["input_ids"][:bs], s["positions"][:bs], meta)   # warm up kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_outputs[bs] = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.graph_seconds = time.perf_counter() - t0
+        logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), self.graph_seconds)
+
+    def _replay(self, input_ids, positions, slots, context_lens, tables):
+        batch = len(context_lens)
+        bs = next(b for b in sorted(self.graphs) if b >= batch)
+        st, s = self.staging, self.static
+        width = tables.shape[1]
+        st["input_ids"][:batch].numpy()[:] = input_ids
+        st["positions"][:batch].numpy()[:] = positions
+        st["slots"].numpy()[:] = -1
+        st["slots"][:batch].numpy()[:] = slots
+        st["context_lens"].numpy()[:] = 1
+        st["context_lens"][:batch].numpy()[:] = context_lens
+        st["block_tables"][:batch, :width].numpy()[:] = tables
+        for key in ("input_ids", "positions", "slots", "context_lens"):
+            s[key][:bs].copy_(st[key][:bs], non_blocking=True)
+        s["block_tables"][:batch, :width].copy_(st["block_tables"][:batch, :width], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.graph_outputs[bs][:batch]

@@ -1,0 +1,121 @@
+"""Sampling on the device: one batch of logits in, one token id per row out.
+
+Greedy rows take the argmax. Random rows sample by the exponential race (argmax of p / E with
+E ~ Exp(1), which draws from p exactly). For a request with a seed, E comes from a counter-based
+hash of (seed, output position, token id): the draw depends on nothing but the request itself, so it
+is reproducible across runs and independent of which other requests share the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] that is a pure function of (seed, position, token id)."""
+    row = _fmix32((seeds & _MASK32) ^ _fmix32((positions * 0x9E3779B1 + (seeds >> 32)) & _MASK32))
+    ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = _fmix32((row[:, None] ^ ((ids[None, :] * 0x27D4EB2F) & _MASK32)) & _MASK32)
+    x = _fmix32(x ^ row[:, None])
+    u = (x.to(torch.float64) + 0.5) / 4294967296.0     # (0, 1)
+    return -torch.log(u).to(torch.float32)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters; a field is None when no row needs it, so its work is skipped."""
+    temperature: torch.Tensor | None          # [S] float32, 0 for greedy rows
+    all_greedy: bool
+    top_k: torch.Tensor | None                # [S] int64, vocab size when disabled
+    top_p: torch.Tensor | None                # [S] float32
+    min_p: torch.Tensor | None                # [S] float32
+    seeds: torch.Tensor | None                # [S] int64 for seeded rows
+    seeded_rows: torch.Tensor | None          # [S] bool
+    output_positions: torch.Tensor | None     # [S] int64
+    presence_penalty: torch.Tensor | None     # [S] float32, with token tensors below
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None        # [S, V] float32 counts of generated tokens
+    seen_mask: torch.Tensor | None            # [S, V] bool: token in prompt or output
+    max_logprobs: int | None                  # top alternatives to return, None: no logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                   # [S] int64
+    logprobs: torch.Tensor | None = None      # [S, 1 + k]: sampled token first, then the top k
+    logprob_token_ids: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None         # [S] rank of the sampled token
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.repetition_penalty is not None:
+        rp = t.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(t.seen_mask, penalised, logits)
+    if t.frequency_penalty is not None:
+        logits = logits - t.frequency_penalty[:, None] * t.output_counts
+        logits = logits - t.presence_penalty[:, None] * (t.output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.min_p is not None:
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * t.min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if t.top_k is None and t.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if t.top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        remove |= ranks >= t.top_k[:, None]
+    if t.top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        remove |= (probs.cumsum(-1) - probs) >= t.top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    logits = logits.float()
+    raw = logits
+    if t.output_counts is not None or t.seen_mask is not None:
+        logits = apply_penalties(logits, t)
+    greedy_ids = logits.argmax(-1)
+    if t.all_greedy:
+        token_ids = greedy_ids
+    else:
+        temp = t.temperature.clamp_min(1e-5)[:, None]
+        scaled = _top_k_top_p_min_p(logits / temp, t)
+        probs = scaled.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        if t.seeds is not None:
+            seeded = seeded_exponential(t.seeds, t.output_positions, probs.shape[-1])
+            noise = torch.where(t.seeded_rows[:, None], seeded, noise)
+        random_ids = (probs / noise).argmax(-1)
+        token_ids = torch.where(t.temperature < 1e-5, greedy_ids, random_ids)
+    out = SamplerOutput(token_ids=token_ids)
+    if t.max_logprobs is not None:
+        logprobs = raw.log_softmax(-1)
+        sampled = logprobs.gather(-1, token_ids[:, None])
+        top_vals, top_ids = logprobs.topk(t.max_logprobs, dim=-1) if t.max_logprobs else (
+            logprobs[:, :0], token_ids[:, None][:, :0])
+        out.logprobs = torch.cat((sampled, top_vals), dim=-1)
+        out.logprob_token_ids = torch.cat((token_ids[:, None], top_ids), dim=-1)
+        out.ranks = (logprobs > sampled).sum(-1) + 1
+    return out

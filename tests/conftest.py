@@ -1,0 +1,91 @@
+"""Tiny random-weight models of each architecture, saved with `save_pretrained` and loaded back
+through tokenmill's own loader. No network, no GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog. PagedAttention keeps the KV cache in blocks. "
+    "def main():\n    return 42\n"
+    "你好，世界！这是一个测试。模型服务很快。 😀🚀 café naïve façade "
+    "Continuous batching lets requests join and leave the batch at every step. "
+) * 4
+
+
+def make_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def make_model(path: str, arch: str, vocab_size: int = 512, **overrides) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    if arch == "llama":
+        # Nanbeige-like: GQA group 5 (not a power of two), untied head, no q/k norm
+        common.update(num_attention_heads=10, num_key_value_heads=2, hidden_size=80, head_dim=8,
+                      tie_word_embeddings=False, rope_theta=70000.0)
+        cfg_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    elif arch == "qwen2":
+        common.update(tie_word_embeddings=False, rope_theta=10000.0)
+        cfg_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
+    else:
+        common.update(head_dim=16, tie_word_embeddings=True, rope_theta=1e6)
+        cfg_cls, model_cls = Qwen3Config, Qwen3ForCausalLM
+    common.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**common))
+    with torch.no_grad():   # larger weights than the default init, so greedy paths are not flat
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def model_dir(request, tmp_path_factory, tokenizer_dir):
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
+    make_model(path, request.param)
+    for f in os.listdir(tokenizer_dir):
+        with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
+            dst.write(src.read())
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, tokenizer_dir):
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-chat"))
+    make_model(path, "qwen3")
+    for f in os.listdir(tokenizer_dir):
+        with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
+            dst.write(src.read())
+    return path
