@@ -1,0 +1,131 @@
+"""Prometheus metrics under the `tokenmill:` prefix (vLLM's metric names, our prefix).
+
+Gauges and counters mirror the engine core's cumulative stats and are read at scrape time by a
+collector; latency histograms are observed in the server process as outputs arrive. Everything
+lives in a per-server `CollectorRegistry`, never in the global default registry.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+# stats key -> (metric name, help, kind)
+_STATS = {
+    "num_running": ("tokenmill:num_requests_running", "Requests in the running batch.", "gauge"),
+    "num_waiting": ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", "gauge"),
+    "kv_cache_usage": ("tokenmill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "gauge"),
+    "num_free_blocks": ("tokenmill:num_free_blocks", "Free KV-cache blocks.", "gauge"),
+    "num_total_blocks": ("tokenmill:num_total_blocks", "KV-cache blocks in total.", "gauge"),
+    "prefix_cache_queries": ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
+    "prefix_cache_hits": ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
+    "num_preemptions": ("tokenmill:num_preemptions", "Requests preempted for lack of KV blocks.", "counter"),
+    "prompt_tokens": ("tokenmill:prompt_tokens", "Prefill tokens processed.", "counter"),
+    "generation_tokens": ("tokenmill:generation_tokens", "Tokens generated.", "counter"),
+}
+
+
+class _StatsCollector:
+    def __init__(self, get_stats: Callable[[], dict], model_name: str, extra: Callable[[], dict]):
+        self._get_stats = get_stats
+        self._model = model_name
+        self._extra = extra
+
+    def collect(self):
+        stats = self._get_stats() or {}
+        for key, (name, doc, kind) in _STATS.items():
+            if key not in stats:
+                continue
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats[key]))
+            yield family
+        for name, (doc, value) in self._extra().items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(value))
+            yield g
+        yield from _gpu_metrics()
+
+
+class ServerMetrics:
+    """All metrics of one server; `observe_output` is the `AsyncLLM` output hook."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], dict],
+                 extra: Callable[[], dict] | None = None):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        kw = dict(labelnames=labels, registry=self.registry)
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens.",
+                             buckets=_ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds",
+                             "Time from arrival to the last token.", buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.queue = Histogram("tokenmill:request_queue_time_seconds",
+                               "Time from arrival to first scheduling.", buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.finished = Counter("tokenmill:request_success", "Finished sequences (choices) by finish reason.",
+                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.rejected = Counter("tokenmill:request_rejected", "Requests refused before reaching the engine.",
+                                labelnames=["model_name", "reason"], registry=self.registry)
+        self.registry.register(_StatsCollector(get_stats, model_name, extra or dict))
+
+    def observe_output(self, stream, out, delta, now: float):
+        """Called for every update of a request (cumulative `out`, this step's `delta`)."""
+        m = out.metrics
+        first = out.outputs[0] if out.outputs else None
+        n_tokens = len(first.token_ids) if first is not None else 0
+        if n_tokens and not stream.prev_tokens and m is not None:
+            self.ttft.observe(max(0.0, (m.first_token_time or now) - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        elif n_tokens > stream.prev_tokens:
+            last = stream.last_token_seen
+            if last is not None:
+                gap = (now - last) / (n_tokens - stream.prev_tokens)
+                for _ in range(n_tokens - stream.prev_tokens):
+                    self.itl.observe(gap)
+        if n_tokens > stream.prev_tokens:
+            stream.prev_tokens = n_tokens
+            stream.last_token_seen = now
+        if out.finished:
+            if m is not None:
+                self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+            for o in out.outputs:
+                self.finished.labels(self.model_name, o.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _gpu_metrics():
+    try:
+        import pynvml
+    except ImportError:
+        return
+    try:
+        pynvml.nvmlInit()
+        used = GaugeMetricFamily("tokenmill:gpu_memory_used_bytes", "GPU memory in use.", labels=["gpu"])
+        total = GaugeMetricFamily("tokenmill:gpu_memory_total_bytes", "GPU memory in total.", labels=["gpu"])
+        util = GaugeMetricFamily("tokenmill:gpu_utilization_perc", "GPU utilisation (0..1).", labels=["gpu"])
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            used.add_metric([str(i)], float(mem.used))
+            total.add_metric([str(i)], float(mem.total))
+            util.add_metric([str(i)], pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
+    except Exception:
+        return
+    yield used
+    yield total
+    yield util

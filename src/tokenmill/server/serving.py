@@ -1,0 +1,284 @@
+"""Completions and chat completions: OpenAI requests in, engine streams out, OpenAI JSON/SSE back."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_MIN_LOGPROB = -9999.0
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def _lp(x: float) -> float:
+    return _MIN_LOGPROB if x != x or x < _MIN_LOGPROB else float(x)
+
+
+class Serving:
+    """Shared front half of both endpoints: checks, tokenisation, submission, draining."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int,
+                 vocab_size: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_names = served_model_names
+        self.max_queue_len = max_queue_len
+        self.vocab_size = vocab_size
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._token_cache: dict[int, str] = {}
+
+    # ----- admission -------------------------------------------------------------------------
+    def check_model(self, model: str | None):
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def admit(self):
+        if self.engine.dead:
+            raise APIError(503, "The engine is not running.", code="engine_dead")
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="shutting_down",
+                           headers={"Retry-After": "5", "Connection": "close"})
+        if self.engine.num_waiting >= self.max_queue_len:
+            raise APIError(503, f"Too many waiting requests (limit {self.max_queue_len}); retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def check_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise APIError(400, "The prompt is empty (0 tokens).", "prompt")
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens, "
+                                f"but the prompt has {len(ids)} tokens "
+                                f"(at least 1 token must be left for the completion).", "prompt", "context_length_exceeded")
+        if self.vocab_size is not None:
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise APIError(400, f"Token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}.",
+                               "prompt")
+        return ids
+
+    def params(self, req, logprobs: int | None):
+        try:
+            params = req.sampling_params(logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        if self.vocab_size is not None and params.top_k >= self.vocab_size:
+            params.top_k = 0
+        return params
+
+    def _begin(self):
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _end(self):
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self):
+        await self._idle.wait()
+
+    # ----- token text ------------------------------------------------------------------------
+    def token_text(self, token_id: int, logprob_entry=None) -> str:
+        if logprob_entry is not None and logprob_entry.decoded_token is not None:
+            return logprob_entry.decoded_token
+        text = self._token_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_cache) < 200_000:
+                self._token_cache[token_id] = text
+        return text
+
+    # ----- running requests ------------------------------------------------------------------
+    async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
+                  make_stream, make_final) -> Response:
+        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`)."""
+        base = uuid.uuid4().hex
+        gens = [self.engine.generate(f"{base}-{i}", ids, params, priority) for i, ids in enumerate(prompts)]
+        self._begin()
+        try:
+            # Wait for the first output so that engine-side rejections are still plain HTTP errors.
+            first = await _with_disconnect(raw, _first_outputs(gens))
+        except BaseException as e:
+            await _close_all(gens)
+            self._end()
+            raise _as_api_error(e)
+        if not stream:
+            try:
+                finals = await _with_disconnect(raw, _last_outputs(gens, first))
+            except BaseException as e:
+                raise _as_api_error(e)
+            finally:
+                await _close_all(gens)
+                self._end()
+            return json_response(make_final(finals))
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for chunk in make_stream(_merge_streams(gens, first)):
+                    yield f"data: {dumps(chunk)}\n\n"
+            except (EngineDeadError, ValueError) as e:
+                yield f"data: {dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': 503}})}\n\n"
+            finally:
+                await _close_all(gens)
+                self._end()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _as_api_error(e: BaseException) -> BaseException:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, "The engine is not running.", code="engine_dead")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, _Disconnected):
+        return APIError(499, "client disconnected")
+    return e
+
+
+async def _wait_disconnect(raw: Request):
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected()
+
+
+async def _with_disconnect(raw: Request, coro):
+    """Run `coro`, cancelling it if the client goes away first."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            try:
+                await work
+            except BaseException:
+                pass
+        watch.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    if watch.done() and not watch.cancelled() and watch.exception() is not None:
+        raise watch.exception()
+    raise _Disconnected()
+
+
+async def _gather(coros) -> list:
+    """Like asyncio.gather, but a failure or a cancellation cancels and awaits all the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise
+    if pending:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+    return [t.result() for t in tasks]
+
+
+async def _first_outputs(gens) -> list[RequestOutput]:
+    return await _gather(g.__anext__() for g in gens)
+
+
+async def _last_outputs(gens, first: list[RequestOutput]) -> list[RequestOutput]:
+    async def last(g, out):
+        while not out.finished:
+            out = await g.__anext__()
+        return out
+    return await _gather(last(g, o) for g, o in zip(gens, first))
+
+
+async def _close_all(gens):
+    for g in gens:
+        try:
+            await g.aclose()
+        except BaseException:
+            pass
+
+
+async def _merge_streams(gens, first: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) pairs from all prompts, as they arrive."""
+    for i, out in enumerate(first):
+        yield i, out
+    live = {i: g for i, (g, out) in enumerate(zip(gens, first)) if not out.finished}
+    if len(live) == 1:
+        (i, g), = live.items()
+        async for out in g:
+            yield i, out
+        return
+    tasks = {asyncio.ensure_future(g.__anext__()): i for i, g in live.items()}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                i = tasks.pop(t)
+                out = t.result()
+                yield i, out
+                if not out.finished:
+                    tasks[asyncio.ensure_future(live[i].__anext__())] = i
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ChoiceState:
+    """What has been streamed of one choice so far."""
+    __slots__ = ("text_len", "num_tokens", "finished", "text_offset", "started")
+
+    def __init__(self):
+        self.text_len = 0
+        self.num_tokens = 0
+        self.finished = False
+        self.text_offset = 0
+        self.started = False
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def is_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
