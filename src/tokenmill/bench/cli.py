@@ -113,6 +113,14 @@ def build_requests(args, hf_config: dict, model_path: str | None):
                              max_output_len=1024)
 
 
+def _child_env() -> dict:
+    """This process's environment, with this copy of tokenmill first on the path of child processes."""
+    env = dict(os.environ)
+    src_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _materialise(args) -> str:
     """Resolve a preset in a separate process, so this one never holds GPU memory."""
     from tokenmill.models.presets import is_preset, resolve_model_path
@@ -123,7 +131,7 @@ def _materialise(args) -> str:
         return resolve_model_path(args.model, _preset_dtype(args.dtype), args.seed)
     out = subprocess.run([sys.executable, "-m", "tokenmill.bench", "prepare", "--model", args.model,
                           "--seed", str(args.seed), "--dtype", _preset_dtype(args.dtype)],
-                         stdout=subprocess.PIPE, text=True, check=True)
+                         stdout=subprocess.PIPE, text=True, check=True, env=_child_env())
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -141,7 +149,7 @@ def _run_child(args, argv: list[str], backend: str, model_path: str, requests_fi
     cmd = [sys.executable, "-m", "tokenmill.bench", *argv, "--backend", backend, "--worker-requests",
            requests_file, "--worker-result", result_file, "--worker-model-path", model_path,
            "--spawn-time", repr(time.time())]
-    proc = subprocess.run(cmd)
+    proc = subprocess.run(cmd, env=_child_env())
     if proc.returncode != 0 or not os.path.isfile(result_file):
         return {"backend": backend, "error": f"exit status {proc.returncode}"}
     with open(result_file) as f:
