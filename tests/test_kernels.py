@@ -1,15 +1,14 @@
 """Triton kernels against their plain-PyTorch references.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1) on small shapes; the
-kernel modules are imported lazily (and reloaded if something imported them before the variable was
-set), because `triton.jit` picks interpreter or compiler when the module is imported. With a GPU the
+kernel modules are imported lazily, after the variable is set (see `_use_interpreter`). With a GPU the
 same tests run compiled on it (half precision as bfloat16), and the `gpu`-marked tests add
 realistic bfloat16 sizes.
 """
 from __future__ import annotations
 
-import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -45,15 +44,24 @@ def _fix_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _use_interpreter() -> None:
+    """`triton.jit` picks interpreter or compiler when a module is imported, triton's own `tl.sum` & co.
+    included. If another test imported triton before TRITON_INTERPRET was set, import it (and our
+    kernels) afresh; the compiled extension `triton._C` is kept, it does not depend on the mode."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    if not isinstance(tl.sum, InterpretedFunction):
+        for name in list(sys.modules):
+            stale_triton = (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+            if stale_triton or name.startswith("tokenmill.layers.kernels"):
+                del sys.modules[name]
+    _fix_interpreter_scalars()
+
+
 def _kernels():
-    from tokenmill.layers.kernels import fused_ops, paged_attention
     if not HAS_CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-        for module in (paged_attention, fused_ops):
-            if not isinstance(module._rms_norm_kernel if module is fused_ops else module._decode_kernel,
-                              InterpretedFunction):
-                importlib.reload(module)
-        _fix_interpreter_scalars()
+        _use_interpreter()
+    from tokenmill.layers.kernels import fused_ops, paged_attention
     return paged_attention, fused_ops
 
 
