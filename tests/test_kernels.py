@@ -192,7 +192,9 @@ def test_paged_attention_dispatch_store_then_attend():
             slot_mapping=slots,
             query_start_loc=torch.tensor([0, q_lens[0], num_tokens], dtype=torch.int32, device=DEVICE),
             context_lens=torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE),
-            block_tables=table, max_query_len=max(q_lens), max_context_len=max(ctx_list))
+            block_tables=table, max_query_len=max(q_lens),
+            # decode must not depend on host-side lengths (CUDA graphs replay it with new ones)
+            max_context_len=max(ctx_list) if max(q_lens) > 1 else -1)
         store_kvcache_torch(k, v, caches[0], caches[1], slots)
         ref = paged_attention_torch(q, caches[0], caches[1], table, meta.context_lens,
                                     meta.query_start_loc, 0.25)
@@ -340,3 +342,26 @@ def test_gpu_fused_ops_realistic():
     out_q, out_k = ops.apply_rotary(positions, q, k, rope.cos_sin)
     torch.testing.assert_close(out_q, ref_q, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out_k, ref_k, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_cuda_graph_replay_with_new_lengths():
+    pa, _ = _kernels()
+    gen = _gen(13)
+    batch, max_ctx = 6, 600
+    k_cache, v_cache, table = _paged_cache([max_ctx] * batch, 16, 4, 128, torch.bfloat16, gen)
+    q = _randn(batch, 20, 128, dtype=torch.bfloat16, gen=gen)
+    ctx = torch.full((batch,), 3, dtype=torch.int32, device=DEVICE)
+    pa.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.1)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pa.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.1)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    for lengths in ([1, 600, 17, 333, 64, 599], [600, 2, 3, 4, 5, 6]):
+        ctx.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(_randn(batch, 20, 128, dtype=torch.bfloat16, gen=gen))
+        graph.replay()
+        ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.1)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
