@@ -43,6 +43,8 @@ def markdown_table(summary: dict) -> str:
 def markdown_report(summary: dict, table: str | None = None) -> str:
     w = summary["workload"]
     roof = summary["roofline"]
+    decode_floor = next((r["floor_ms_per_output_token"] for r in summary["results"]
+                         if "floor_ms_per_output_token" in r), None)
     return "\n".join([
         f"## Offline throughput: {summary['model']}",
         "",
@@ -52,7 +54,8 @@ def markdown_report(summary: dict, table: str | None = None) -> str:
         f"output {w['output_len_range']}, seed {w['seed']}: {w['prompt_tokens']:,} prompt and "
         f"{w['output_tokens']:,} output tokens",
         f"- roofline floor {roof['floor_s']:.2f} s ({roof['floor_output_tok_s']:,.0f} output tok/s) at "
-        f"{roof['memory_bandwidth'] / 1e12:.1f} TB/s and {roof['matmul_flops'] / 1e12:.0f} TFLOP/s",
+        f"{roof['memory_bandwidth'] / 1e12:.1f} TB/s and {roof['matmul_flops'] / 1e12:.0f} TFLOP/s"
+        + (f"; batch-1 decode floor {decode_floor:.2f} ms/token" if decode_floor is not None else ""),
         "",
         table if table is not None else markdown_table(summary),
         "",
