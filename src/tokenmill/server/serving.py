@@ -134,14 +134,16 @@ class Serving:
 
         async def sse() -> AsyncIterator[str]:
             try:
-                async for chunk in make_stream(_merge_streams(gens, first)):
-                    yield f"data: {dumps(chunk)}\n\n"
-            except (EngineDeadError, ValueError) as e:
-                yield f"data: {dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': 503}})}\n\n"
+                try:
+                    async for chunk in make_stream(_merge_streams(gens, first)):
+                        yield f"data: {dumps(chunk)}\n\n"
+                except (EngineDeadError, ValueError) as e:
+                    err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 503}}
+                    yield f"data: {dumps(err)}\n\n"
+                yield "data: [DONE]\n\n"
             finally:
                 await _close_all(gens)
                 self._end()
-            yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

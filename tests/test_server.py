@@ -1,0 +1,412 @@
+"""The real `tokenmill serve` process on loopback with a tiny random model, driven by the `openai` client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "sk-tokenmill-test"
+MAX_MODEL_LEN = 96
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tokenmill:") and "{" in line:
+            name = line.split("{", 1)[0]
+            if "bucket" not in name:
+                out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str, tmp_path, *args: str):
+        self.log_path = tmp_path / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS="1")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--device", "cpu",
+             "--served-model-name", "tiny", "--log-level", "warning", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            m = re.search(r"on (http://[\d.]+:\d+) \(engine pid (\d+)\)", self.log_path.read_text())
+            if m:
+                self.url, self.engine_pid = m.group(1), int(m.group(2))
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        else:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
+        self.headers = {"Authorization": f"Bearer {API_KEY}"} if API_KEY in args else {}
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+
+    def wait_engine_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["tokenmill:kv_cache_usage_perc"] == 0 and m["tokenmill:num_requests_running"] == 0
+                    and m["tokenmill:num_requests_waiting"] == 0
+                    and m["tokenmill:num_free_blocks"] == m["tokenmill:num_total_blocks"]):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine did not return to idle: {m}")
+            time.sleep(0.05)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("srv"), "--api-key", API_KEY,
+                      "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--block-size", "4",
+                      "--max-num-seqs", "64")
+    yield s
+    assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_dir):
+    from tokenmill import LLM
+    return LLM(qwen3_dir, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, block_size=4)
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_models_health_and_auth(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+def test_completion_greedy_equals_offline(server, offline):
+    from tokenmill import SamplingParams
+    prompt = "The quick brown fox"
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    client = server.client()
+    got = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(offline.engine.tokenizer.encode(prompt))
+    assert got.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # token-id prompts and prompt batches
+    ids = offline.engine.tokenizer.encode(prompt)
+    batch = client.completions.create(model="tiny", prompt=[ids, ids], **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert all(c.text == want.text for c in batch.choices)
+
+
+def test_chat_greedy_equals_offline(server, offline):
+    from tokenmill import SamplingParams
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    client = server.client()
+    got = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_seed_and_max_completion_tokens(server):
+    client = server.client()
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                       temperature=1.0, seed=7, max_completion_tokens=6,
+                                       extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01,
+                                                   "repetition_penalty": 1.1, "priority": 0})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                           temperature=1.0, seed=7, max_completion_tokens=6,
+                                           extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01,
+                                                       "repetition_penalty": 1.1})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    stream = client.completions.create(model="tiny", prompt="abc", n=2, max_tokens=5, stream=True,
+                                       presence_penalty=0.5, frequency_penalty=0.5, user="u1",
+                                       extra_body={"ignore_eos": True})
+    texts, reasons = {0: "", 1: ""}, {}
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert reasons == {0: "length", 1: "length"}
+
+
+def test_stop_strings(server):
+    client = server.client()
+    full = client.completions.create(model="tiny", prompt="Continuous batching", **GREEDY).choices[0].text
+    visible = full.replace("\ufffd", "")
+    assert len(visible) >= 4, full
+    stop = visible[2:4]
+    r = client.completions.create(model="tiny", prompt="Continuous batching", stop=[stop], **GREEDY)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and stop not in c.text and full.startswith(c.text)
+    streamed = list(client.completions.create(model="tiny", prompt="Continuous batching", stop=stop, stream=True,
+                                              **GREEDY))
+    assert "".join(x.choices[0].text for x in streamed) == c.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(server):
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="hello", logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert all(len(t) <= 3 and x <= 0 for t, x in zip(lp.top_logprobs, lp.token_logprobs))
+    # greedy: the chosen token is the most likely one
+    assert all(x >= max(t.values()) - 1e-4 for t, x in zip(lp.top_logprobs, lp.token_logprobs))
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                       top_logprobs=2, **GREEDY)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and isinstance(t.bytes, list) for t in content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 logprobs=True, stream=True, **GREEDY))
+    streamed = [t for ch in chunks for choice in ch.choices if choice.logprobs for t in choice.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=30, **kw)
+
+
+def test_errors_are_openai_shaped(server):
+    long_prompt = list(range(1, MAX_MODEL_LEN + 5))
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 2})
+    assert r.status_code == 400 and str(MAX_MODEL_LEN) in r.json()["error"]["message"]
+    assert str(len(long_prompt)) in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1})
+    assert r.status_code == 400 and "frobnicate" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "frobnicate"
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                               "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0})
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [10 ** 9]})
+    assert r.status_code == 400
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=server.headers)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model="tiny", prompt="x", extra_body={"echo": True})
+    # defaults that change nothing are accepted
+    ok = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": 1, "tools": [], "logit_bias": {}, "n": 1})
+    assert ok.status_code == 200
+    # temperature=0 is greedy, never refused
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                              "temperature": 0}).status_code == 200
+
+
+def test_tokenize_detokenize(server, offline):
+    r = _post(server, "/tokenize", {"prompt": "hello world"})
+    assert r.json()["tokens"] == offline.engine.tokenizer.encode("hello world")
+    assert _post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"] == "hello world"
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == offline.engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert _post(server, "/detokenize", {"tokens": [10 ** 9]}).status_code == 400
+
+
+def test_disconnect_frees_blocks(server):
+    body = {"model": "tiny", "prompt": "hello " * 10, "max_tokens": 80, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30, headers=server.headers) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]
+            assert any(line.startswith("data: ") for line in got)
+            assert server.metrics()["tokenmill:kv_cache_usage_perc"] > 0
+    server.wait_engine_idle(timeout=5)
+    # a non-streaming request whose client gives up while it runs
+    async def give_up():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as c:
+            task = asyncio.ensure_future(c.post("/v1/completions", json=dict(body, stream=False, n=16)))
+            for _ in range(500):
+                if parse_metrics((await c.get("/metrics")).text)["tokenmill:kv_cache_usage_perc"] > 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            task.cancel()
+    asyncio.run(give_up())
+    server.wait_engine_idle(timeout=5)
+
+
+def test_load_with_random_cancellations(server):
+    """A few hundred concurrent requests, a third cancelled at random: every one ends, no block leaks."""
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+
+    async def one(client: httpx.AsyncClient, i: int):
+        stream = rng.random() < 0.5
+        body = {"model": "tiny", "max_tokens": rng.randint(1, 6), "ignore_eos": True, "stream": stream,
+                "temperature": rng.choice([0, 0.7, 1.0])}
+        if rng.random() < 0.5:
+            body["prompt"] = "load test %d " % i * rng.randint(1, 4)
+            path = "/v1/completions"
+        else:
+            body["messages"] = [{"role": "user", "content": "load %d" % i}]
+            path = "/v1/chat/completions"
+        if rng.random() < 0.05:
+            body["temperature"] = -1                            # a bad request among good ones
+        cancel_after = rng.uniform(0.0, 3.0) if rng.random() < 0.35 else None
+
+        async def call():
+            if stream:
+                async with client.stream("POST", path, json=body) as r:
+                    text = ""
+                    async for line in r.aiter_lines():
+                        text += line
+                    if r.status_code == 200:
+                        assert text.endswith("data: [DONE]"), text[-200:]
+                    return r.status_code
+            r = await client.post(path, json=body)
+            if r.status_code == 200:
+                assert r.json()["choices"]
+            else:
+                assert "error" in r.json()
+            return r.status_code
+
+        task = asyncio.ensure_future(call())
+        if cancel_after is not None:
+            done, _ = await asyncio.wait({task}, timeout=cancel_after)
+            if not done:
+                task.cancel()
+                outcomes[i] = -1
+                return
+        status = await task
+        outcomes[i] = status
+
+    async def main():
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120,
+                                     limits=limits) as client:
+            await asyncio.gather(*(one(client, i) for i in range(240)))
+
+    asyncio.run(main())
+    assert len(outcomes) == 240
+    assert set(outcomes.values()) <= {-1, 200, 400}, outcomes
+    assert list(outcomes.values()).count(200) > 100
+    server.wait_engine_idle(timeout=30)
+
+
+def test_sigterm_drains_then_exits_zero(server):
+    """Runs last on `server`: the in-flight stream completes, a new request gets 503, exit status 0."""
+    t0 = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=60, headers=server.headers) as c:
+        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 80, "n": 16, "ignore_eos": True,
+                "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            late = httpx.post(server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 1},
+                              headers=server.headers, timeout=10)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            rest = "\n".join(lines)
+        assert rest.rstrip().endswith("data: [DONE]")
+        chunks = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+        reasons = {ch["index"]: ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+        assert reasons == {i: "length" for i in range(16)}
+    assert server.proc.wait(30) == 0, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def small_server(qwen3_dir, tmp_path_factory):
+    """Short context, one sequence at a time and a queue of 2: backpressure and fuzzing."""
+    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("small"), "--max-model-len", "24",
+                      "--max-num-seqs", "1", "--max-queue-len", "2", "--num-kv-blocks", "32", "--block-size", "4")
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+def test_backpressure_503_with_retry_after(small_server):
+    async def main():
+        async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as client:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(12)))
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert codes.count(503) >= 1 and codes.count(200) >= 2, codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "queue_full"
+    small_server.wait_engine_idle()
+
+
+def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
+    """schemathesis against the live OpenAPI schema, bounded in time; any 5xx fails."""
+    pytest.importorskip("schemathesis")
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", small_server.url + "/openapi.json",
+           "--checks", "not_a_server_error", "--max-time", "40", "--max-examples", "60", "--seed", "1",
+           "--workers", "1", "--request-timeout", "20", "--phases", "examples,coverage,fuzzing",
+           "--suppress-health-check", "all"]
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    assert httpx.get(small_server.url + "/health").status_code == 200
+    small_server.wait_engine_idle()
+
+
+def test_engine_death_gives_503_and_nonzero_exit(qwen3_dir, tmp_path):
+    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "24", "--num-kv-blocks", "16")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        os.kill(s.engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(s.url + "/health", timeout=2).status_code
+            except httpx.TransportError:
+                break
+            if status == 503:
+                break
+            time.sleep(0.05)
+        assert status == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert s.proc.wait(30) != 0
+    finally:
+        s.stop(signal.SIGKILL)
