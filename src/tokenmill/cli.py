@@ -41,7 +41,7 @@ def _serve(args) -> int:
     return run_server(engine_config(args), host=args.host, port=args.port,
                       served_model_names=args.served_model_name, api_key=args.api_key,
                       max_queue_len=args.max_queue_len, log_level=args.log_level,
-                      engine_factory=args.engine_factory)
+                      engine_factory=args.engine_factory, in_process=args.engine_in_process)
 
 
 def _generate(args) -> int:
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="answer 503 with Retry-After beyond this many waiting requests")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine loop in a thread of the server process (for debugging)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="offline one-shot generation")

@@ -165,6 +165,11 @@ def run_engine_core(config, conn: Connection, engine_factory: str | None = None,
         # The server process decides when to stop (it drains first); it tells us over the pipe.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if ignore_sigint and "OMP_NUM_THREADS" not in os.environ:
+        # Leave a core to the HTTP process: oversubscribed OpenMP threads spin and made CPU steps
+        # ~25x slower in our measurements (docs/SERVER.md).
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     try:
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
         try:

@@ -69,12 +69,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
-               log_level: str = "info", dead_grace_s: float = 2.0) -> int:
+               log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False) -> int:
     from tokenmill.server.app import build_app
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     sock = bind(host, port)
-    engine = AsyncLLM(config, engine_factory=engine_factory)
+    engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
     try:
         app = build_app(engine, served_model_names=served_model_names, api_key=api_key,
                         max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model)
