@@ -4,11 +4,10 @@ The HTTP server awaits `generate()` streams; all commands issued in one event-lo
 core as one pipe message, and each core step comes back as one `CoreUpdate`. The pipe is read
 with `loop.add_reader`, so no thread of this process competes for the interpreter lock.
 
-Own process vs thread (measured on 2 CPU cores, tiny random model, 200 requests of 16 tokens,
-64 concurrent; see docs/SERVER.md): the engine in its own process served more requests per second
-than the same loop in a thread of the server process, because the HTTP handlers, JSON encoding and
-detokenisation no longer wait on the engine's interpreter lock. The process is the default;
-`in_process=True` keeps the thread variant for debugging and for that comparison.
+Own process vs thread (docs/SERVER.md has the numbers): on 2 CPU cores with a tiny model the two
+served the same requests per second, the step being the bottleneck. The process is the default so
+that, where steps are short (GPU), the HTTP side's JSON/SSE work never holds the engine's
+interpreter lock; `in_process=True` keeps the thread variant for debugging and comparison.
 """
 from __future__ import annotations
 
@@ -31,6 +30,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStartError(RuntimeError):
+    pass
+
+
+class RequestAbortedError(RuntimeError):
     pass
 
 
@@ -170,7 +173,7 @@ class AsyncLLM:
         for rid in ids:
             stream = self._streams.pop(rid, None)
             if stream is not None and not stream.done:
-                stream.error = asyncio.CancelledError(f"request {rid} aborted")
+                stream.error = RequestAbortedError(f"request {rid} was aborted")
                 stream.event.set()
         if not self.dead:
             self._send(AbortRequests(ids))
