@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
 
 log = logging.getLogger("tokenmill.server")
 
@@ -74,7 +74,12 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     sock = bind(host, port)
-    engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
+    try:
+        engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
+    except EngineStartError as e:
+        sock.close()
+        print(f"tokenmill: {e}", file=sys.stderr, flush=True)
+        return 1
     try:
         app = build_app(engine, served_model_names=served_model_names, api_key=api_key,
                         max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model)
