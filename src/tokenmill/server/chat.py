@@ -36,7 +36,6 @@ def _logprobs(serving: Serving, token_ids, entries, k: int) -> list[dict]:
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
     serving.check_model(req.model)
-    serving.admit()
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
     prompt = serving.check_prompt(render_chat(serving, req.chat_messages(), add_gen))
     k = (req.top_logprobs or 0) if req.logprobs else None
@@ -91,4 +90,5 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [], "usage": usage([last])}
 
+    serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final)

@@ -27,7 +27,6 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tupl
 
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request):
     serving.check_model(req.model)
-    serving.admit()
     tok = serving.tokenizer
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     prompts = [serving.check_prompt(tok.encode(p, add_special_tokens=add_special) if isinstance(p, str) else p)
@@ -79,4 +78,5 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage(list(last.values()))}
 
+    serving.admit()
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final)

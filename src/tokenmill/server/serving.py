@@ -40,6 +40,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.max_queue_len = max_queue_len
+        self.admitting = 0      # admitted, not yet visible in the engine's waiting count
         self.vocab_size = vocab_size
         self.draining = False
         self.in_flight = 0
@@ -53,14 +54,17 @@ class Serving:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def admit(self):
+        """Checks that a new request may enter. Once this returns, the caller must reach `run`,
+        which releases the admission slot (counted until the engine has the request)."""
         if self.engine.dead:
             raise APIError(503, "The engine is not running.", code="engine_dead")
         if self.draining:
             raise APIError(503, "The server is shutting down.", code="shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
-        if self.engine.num_waiting >= self.max_queue_len:
+        if self.engine.num_waiting + self.admitting >= self.max_queue_len:
             raise APIError(503, f"Too many waiting requests (limit {self.max_queue_len}); retry later.",
                            code="queue_full", headers={"Retry-After": "1"})
+        self.admitting += 1
 
     def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -122,6 +126,8 @@ class Serving:
             await _close_all(gens)
             self._end()
             raise _as_api_error(e)
+        finally:
+            self.admitting -= 1
         if not stream:
             try:
                 finals = await _with_disconnect(raw, _last_outputs(gens, first))

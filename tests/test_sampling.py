@@ -1,0 +1,141 @@
+"""Sampling: seeded draws reproducible and independent of batch composition; filters; penalties;
+logprobs; n > 1; stop conditions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.runner.sampler import SamplingTensors, sample, seeded_exponential
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(20, 45)), [300, 301, 302]]
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    again = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate(PROMPTS + [PROMPTS[0]], [unseeded, unseeded, params, unseeded, unseeded])
+    assert alone == again
+    assert batched[2].outputs[0].token_ids != alone or True  # other prompt, other tokens
+    mixed = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [unseeded, params, unseeded])
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_seeded_noise_is_a_function_of_seed_and_position():
+    seeds = torch.tensor([1, 2, 1], dtype=torch.int64)
+    pos = torch.tensor([0, 0, 0], dtype=torch.int64)
+    e = seeded_exponential(seeds, pos, 1000)
+    assert torch.equal(e[0], e[2]) and not torch.equal(e[0], e[1])
+    assert abs(e.mean().item() - 1.0) < 0.1 and (e > 0).all()
+    e2 = seeded_exponential(seeds, pos + 1, 1000)
+    assert not torch.equal(e[0], e2[0])
+
+
+def test_sampled_distribution_matches_probabilities():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).repeat(4000, 1)
+    t = SamplingTensors(torch.ones(4000), False, None, None, None,
+                        torch.arange(4000, dtype=torch.int64), torch.ones(4000, dtype=torch.bool),
+                        torch.zeros(4000, dtype=torch.int64), None, None, None, None, None, None)
+    ids = sample(logits, t).token_ids
+    freq = torch.bincount(ids, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
+
+
+def _tensors(rows, **kw):
+    base = dict(temperature=torch.ones(rows), all_greedy=False, top_k=None, top_p=None, min_p=None,
+                seeds=None, seeded_rows=None, output_positions=None, presence_penalty=None,
+                frequency_penalty=None, repetition_penalty=None, output_counts=None, seen_mask=None,
+                max_logprobs=None)
+    base.update(kw)
+    return SamplingTensors(**base)
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(2000, 1)
+    ids = sample(logits, _tensors(2000, top_k=torch.full((2000,), 2))).token_ids
+    assert set(ids.tolist()) == {0, 1}
+    ids = sample(logits, _tensors(2000, top_p=torch.full((2000,), 0.65))).token_ids
+    assert set(ids.tolist()) == {0, 1}
+    ids = sample(logits, _tensors(2000, min_p=torch.full((2000,), 0.6))).token_ids
+    assert set(ids.tolist()) == {0, 1}
+    ids = sample(logits, _tensors(2000, temperature=torch.zeros(2000))).token_ids
+    assert set(ids.tolist()) == {0}
+
+
+def test_penalties_change_greedy_choice():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    counts = torch.tensor([[3.0, 0.0, 0.0]])
+    seen = counts > 0
+    t = _tensors(1, temperature=torch.zeros(1), frequency_penalty=torch.tensor([0.1]),
+                 presence_penalty=torch.tensor([0.0]), repetition_penalty=None, output_counts=counts,
+                 seen_mask=None)
+    assert sample(logits, t).token_ids.item() == 1
+    t = _tensors(1, temperature=torch.zeros(1), repetition_penalty=torch.tensor([1.2]), seen_mask=seen)
+    assert sample(logits, t).token_ids.item() == 1
+
+
+def test_temperature_zero_is_greedy_and_penalties_apply_end_to_end(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    again = llm.generate(PROMPTS, SamplingParams(temperature=0.0, top_p=0.5, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in again]
+    penalised = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                     frequency_penalty=2.0, repetition_penalty=2.0))
+    for o in penalised:
+        ids = o.outputs[0].token_ids
+        assert len(set(ids)) >= len(ids) - 2   # strongly discouraged from repeating
+
+
+def test_logprobs_and_n(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                                    ignore_eos=True))[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 5
+    for tok, entry in zip(comp.token_ids, comp.logprobs):
+        assert entry[tok].rank == 1                  # greedy picks the most likely token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+    many = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6,
+                                                     ignore_eos=True))[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in many.outputs}) > 1
+    assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
+
+
+def test_stop_conditions(llm):
+    base = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    toks = base.outputs[0].token_ids
+    assert base.outputs[0].finish_reason == "length" and len(toks) == 12
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                    stop_token_ids=[toks[3]]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == toks[3]
+    assert out.token_ids == toks[:toks.index(toks[3]) + 1]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if stop.strip():
+        out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                        stop=[stop]))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert stop not in out.text and text.startswith(out.text)
+    saved = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = {toks[5]}     # make the model's 6th greedy token the eos token
+    try:
+        out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        ignored = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12,
+                                                            ignore_eos=True))[0].outputs[0]
+    finally:
+        llm.engine.eos_token_ids = saved
+    first = toks.index(toks[5])
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids == toks[:first + 1]
+    assert ignored.token_ids == toks and ignored.finish_reason == "length"
