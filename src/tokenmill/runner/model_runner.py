@@ -41,6 +41,9 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
+        # used by correctness checks that compare every position's logits with a reference
+        self.hidden_hook = None
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_decode_graphs()
 
@@ -203,10 +206,11 @@ class ModelRunner:
         """Returns (indices into `requests` that sampled a token, sampler output for those rows)."""
         (input_ids, positions, slots, qsl, context_lens, tables, sample_rows, max_q, max_ctx) = \
             self._prepare(requests, num_new_tokens)
-        if len(sample_rows) == 0:
-            self._forward(input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx)
-            return sample_rows, None
         hidden = self._forward(input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx)
+        if self.hidden_hook is not None:
+            self.hidden_hook(requests, num_new_tokens, qsl, hidden)
+        if len(sample_rows) == 0:
+            return sample_rows, None
         last = torch.from_numpy(qsl[1:][sample_rows].astype(np.int64) - 1)
         logits = self.model.compute_logits(hidden[last.to(self.device)])
         sampled = [requests[i] for i in sample_rows]
