@@ -24,6 +24,7 @@ class LLM:
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, scheduling_policy=scheduling_policy,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             tokenizer=tokenizer))
+        self.engine.emit_unfinished = False
 
     def get_tokenizer(self):
         return self.engine.tokenizer

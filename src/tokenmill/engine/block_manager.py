@@ -87,6 +87,9 @@ class BlockManager:
         """Makes room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
         tokens of `computed_blocks`, prefix-cache hits for a request that holds no blocks yet).
         Returns False, changing nothing, when there are not enough free blocks."""
+        if not computed_blocks and \
+                request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            return True     # the common decode step: the last block still has room
         computed_blocks = computed_blocks or []
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         needed = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
@@ -118,8 +121,11 @@ class BlockManager:
         """Hashes the request's blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
+        bs = self.block_size
         hashes = self._hashes.setdefault(request.request_id, [])
-        bs, tokens = self.block_size, request.all_token_ids
+        if len(hashes) == request.num_computed_tokens // bs:
+            return
+        tokens = request.all_token_ids
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), request.num_computed_tokens // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])

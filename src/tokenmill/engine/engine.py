@@ -61,6 +61,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # False: `step` returns only finished requests (offline use, which reads nothing else)
+        self.emit_unfinished = True
         self.ready_seconds = time.perf_counter() - t0
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -143,8 +145,10 @@ class LLMEngine:
                 touched[req.parent_id] = None
         outputs = []
         for rid in touched:
-            outputs.append(self._output(rid))
-            if all(s.status.finished for s in self.groups[rid]):
+            finished = all(s.status.finished for s in self.groups[rid])
+            if finished or self.emit_unfinished:
+                outputs.append(self._output(rid))
+            if finished:
                 self._release(rid)
         return outputs
 
