@@ -1,0 +1,184 @@
+"""Offline API behaviour: bad input, chat, detokenization, loader and config errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tokenmill import LLM, ModelConfig, SamplingParams
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=40)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+    (dict(n=0), "n must be >= 1, got 0"),
+    (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
+    (dict(logprobs=50), "logprobs must be in [0, 20], got 50"),
+])
+def test_bad_sampling_values_name_value_and_limit(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert message in str(e.value)
+
+
+def test_bad_prompts_are_rejected_and_others_keep_running(llm):
+    engine = llm.engine
+    engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    with pytest.raises(ValueError, match=r"empty \(0 tokens\)"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"has 70 tokens but the maximum context length is 64"):
+        engine.add_request("long", [5] * 70, SamplingParams())
+    with pytest.raises(ValueError, match=r"token id 999999 is out of range \[0, 512\)"):
+        engine.add_request("oov", [5, 999999], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", [5], SamplingParams())
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()          # the valid prompt was withdrawn too
+    assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_max_model_len_bounded_by_kv_cache(qwen3_dir):
+    small = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=5)
+    assert small.engine.max_model_len == 20
+    with pytest.raises(ValueError, match="maximum context length is 20"):
+        small.generate([[3] * 25])
+    out = small.generate([[3] * 10], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"a{i}", [4 + i] * 9, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.get_stats()["num_free_blocks"] < engine.get_stats()["num_total_blocks"]
+    outs = engine.abort_request(["a0", "a1", "a2", "unknown"])
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"] * 3
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_text_prompts_and_chat(llm):
+    tok = llm.get_tokenizer()
+    out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.prompt_token_ids == tok.encode("def main():")
+    full, text = tok.decode(out.outputs[0].token_ids), out.outputs[0].text
+    # an unfinished multi-byte character at the very end is withheld, never emitted as U+FFFD
+    assert full.startswith(text) and set(full[len(text):]) <= {"\ufffd"}
+    msgs = [{"role": "user", "content": "你好"}]
+    chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    rendered = tok.apply_chat_template(msgs)
+    assert rendered.startswith("<|im_start|>user\n你好<|im_end|>") and rendered.endswith("assistant\n")
+    ids = chat.prompt_token_ids
+    assert ids == tok.encode(rendered, add_special_tokens=False)
+    assert ids.count(tok.hf.convert_tokens_to_ids("<|im_start|>")) == 2    # not added twice
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    text = "你好，世界！😀🚀 café naïve PagedAttention"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=[])
+    seen = []
+    for t in ids:
+        detok.add(t)
+        current = detok.output_text(False)
+        assert "\ufffd" not in current
+        assert text.startswith(current)
+        seen.append(current)
+    assert detok.output_text(True) == text
+    assert len(set(seen)) > 3      # text grew step by step
+
+
+def test_stop_string_is_held_back_and_not_leaked(tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["fox jumps"])
+    hit = None
+    for t in ids:
+        assert "fox j" not in detok.output_text(False)
+        hit = detok.add(t)
+        if hit:
+            break
+    assert hit == "fox jumps" and detok.output_text(True) == "The quick brown "
+
+
+def test_config_normalisation():
+    base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    c = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
+                             "eos_token_id": [1, 2], "dtype": "bfloat16"})
+    assert c.rope_theta == 5e6 and c.eos_token_ids == (1, 2) and c.head_dim == 4 and c.qk_norm
+    assert c.rope_scaling is None and str(c.dtype) == "torch.bfloat16"
+    c = ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 7e7,
+                             "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": 3,
+                             "torch_dtype": "float16", "head_dim": 16})
+    assert c.rope_theta == 7e7 and c.rope_scaling["rope_type"] == "linear" and c.eos_token_ids == (3,)
+    assert c.head_dim == 16 and not c.qk_norm and not c.attention_bias
+    assert ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
+
+
+def test_unknown_architecture_and_missing_weights(qwen3_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'; supported: "
+                                         "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(bad), device="cpu")
+    empty = tmp_path / "noweights"
+    shutil.copytree(qwen3_dir, empty)
+    for f in os.listdir(empty):
+        if f.endswith(".safetensors"):
+            os.remove(empty / f)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        LLM(str(empty), device="cpu")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+
+
+def test_missing_and_leftover_checkpoint_keys(qwen3_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    for mutate, message in [(lambda sd: sd.pop("model.layers.0.self_attn.k_proj.weight"),
+                             "parameters missing .*qkv_proj"),
+                            (lambda sd: sd.__setitem__("model.layers.0.extra.weight", sd["model.norm.weight"].clone()),
+                             "checkpoint keys not used .*extra")]:
+        d = tmp_path / f"ck{len(message)}"
+        shutil.copytree(qwen3_dir, d)
+        sd = load_file(str(d / "model.safetensors"))
+        mutate(sd)
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message):
+            LLM(str(d), device="cpu")
+
+
+def test_sharded_checkpoint_loads(qwen3_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    d = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(qwen3_dir).save_pretrained(str(d), max_shard_size="100KB")
+    assert os.path.exists(d / "model.safetensors.index.json")
+    for f in os.listdir(qwen3_dir):
+        if f.startswith("tokenizer") or f.endswith(".jinja"):
+            shutil.copy(os.path.join(qwen3_dir, f), d / f)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = LLM(qwen3_dir, device="cpu", dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    b = LLM(str(d), device="cpu", dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert a == b
