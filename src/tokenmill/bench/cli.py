@@ -21,7 +21,7 @@ from tokenmill.bench.datasets import (load_requests, parse_range, random_request
                                       sharegpt_requests, special_token_ids)
 from tokenmill.bench.throughput import BACKENDS
 
-SUBCOMMANDS = ("throughput", "prepare")
+SUBCOMMANDS = ("throughput", "prepare", "serve", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--dtype", default="bfloat16")
+
+    from tokenmill.bench.report_serve import add_report_args
+    from tokenmill.bench.serve import add_serve_args
+    add_serve_args(sub.add_parser("serve", help="online benchmark of an OpenAI-compatible server"))
+    add_report_args(sub.add_parser("report", help="markdown + PNG report from `bench serve` results"))
     return parser
 
 
@@ -248,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.models.presets import resolve_model_path
         print(resolve_model_path(args.model, _preset_dtype(args.dtype), args.seed))
         return 0
+    if args.command == "serve":
+        from tokenmill.bench.serve import main_serve
+        return main_serve(args, argv)
+    if args.command == "report":
+        from tokenmill.bench.report_serve import main_report
+        return main_report(args)
     if args.worker_result:
         return _run_worker(args)
     summary = run_throughput(args, argv)

@@ -1,0 +1,182 @@
+"""`tokenmill bench report`: `bench serve` result files -> one markdown report plus PNG plots.
+
+    tokenmill bench report results/serve-*.json --output-dir report/
+
+Writes REPORT.md (a table per backend and concurrency level, ratios against each baseline at equal
+concurrency, and the hardware, model, commit and command of every run) and, when matplotlib is
+installed, throughput.png, latency_p95.png, ttft_dist.png and itl_dist.png.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+COLUMNS = (
+    ("conc", "max_concurrency", "{}"), ("ok/n", None, None), ("req/s", "request_throughput", "{:.2f}"),
+    ("out tok/s", "output_throughput", "{:.1f}"), ("total tok/s", "total_token_throughput", "{:.1f}"),
+    ("TTFT mean", "mean_ttft_ms", "{:.1f}"), ("TTFT p50", "median_ttft_ms", "{:.1f}"),
+    ("TTFT p99", "p99_ttft_ms", "{:.1f}"), ("TPOT mean", "mean_tpot_ms", "{:.2f}"),
+    ("TPOT p50", "median_tpot_ms", "{:.2f}"), ("TPOT p99", "p99_tpot_ms", "{:.2f}"),
+    ("ITL p50", "median_itl_ms", "{:.2f}"), ("ITL p95", "p95_itl_ms", "{:.2f}"), ("ITL p99", "p99_itl_ms", "{:.2f}"),
+    ("E2E mean", "mean_e2el_ms", "{:.0f}"), ("E2E p50", "median_e2el_ms", "{:.0f}"), ("E2E p95", "p95_e2el_ms", "{:.0f}"),
+    ("E2E p99", "p99_e2el_ms", "{:.0f}"),
+)
+
+
+def load_results(paths: list[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _row(backend: str, lv: dict) -> str:
+    cells = [backend]
+    for _, key, fmt in COLUMNS:
+        if key is None:
+            cells.append(f"{lv['completed']}/{lv['num_requests']}")
+        else:
+            cells.append(fmt.format(lv[key]) if key in lv else "-")
+    if "request_goodput" in lv:
+        cells.append(f"{lv['request_goodput']:.2f}")
+    return "| " + " | ".join(cells) + " |"
+
+
+def summary_table(runs: list[dict]) -> str:
+    """One row per backend and concurrency level; latencies in ms."""
+    goodput = any("request_goodput" in lv for r in runs for lv in r["levels"])
+    head = ["backend", *(c[0] for c in COLUMNS)] + (["goodput req/s"] if goodput else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        for lv in r["levels"]:
+            lines.append(_row(r["backend"], lv))
+    return "\n".join(lines)
+
+
+def ratio_table(runs: list[dict], ours: str = "tokenmill") -> str:
+    """Our backend against each other backend at the same concurrency: throughput x, p95 E2E fraction."""
+    mine = next((r for r in runs if r["backend"] == ours), None)
+    if mine is None or len(runs) < 2:
+        return ""
+    lines = ["| vs | conc | req/s ratio | out tok/s ratio | p95 E2E ratio (ours / theirs) | TTFT p50 ratio |",
+             "|---|---|---|---|---|---|"]
+    by_conc = {lv["max_concurrency"]: lv for lv in mine["levels"]}
+    for other in runs:
+        if other is mine:
+            continue
+        for lv in other["levels"]:
+            m = by_conc.get(lv["max_concurrency"])
+            if m is None or not lv["request_throughput"] or not lv["p95_e2el_ms"]:
+                continue
+            lines.append(f"| {other['backend']} | {lv['max_concurrency']} | "
+                         f"{m['request_throughput'] / lv['request_throughput']:.2f}x | "
+                         f"{m['output_throughput'] / max(lv['output_throughput'], 1e-9):.2f}x | "
+                         f"{m['p95_e2el_ms'] / lv['p95_e2el_ms']:.3f} | "
+                         f"{m['median_ttft_ms'] / max(lv['median_ttft_ms'], 1e-9):.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def markdown_report(runs: list[dict], plots: list[str]) -> str:
+    parts = ["# Online serving benchmark", ""]
+    for r in runs:
+        d = r.get("dataset", {})
+        parts += [f"- **{r['backend']}**: model `{r['model']}`, hardware {r.get('hardware') or 'unknown'}, "
+                  f"commit `{r.get('git_commit')}`, {r.get('date')}, endpoint `{r.get('endpoint')}`, dataset "
+                  f"`{d.get('name')}` ({d.get('num_requests')} requests per level, seed {d.get('seed')}, "
+                  f"ignore_eos {d.get('ignore_eos')}), request rate {r.get('request_rate')}",
+                  f"  - command: `{r.get('command')}`"]
+    parts += ["", "Latencies in ms; throughputs per second of wall time of each level; token counts from the "
+              "server's usage.", "", summary_table(runs), ""]
+    ratios = ratio_table(runs)
+    if ratios:
+        parts += ["## tokenmill against the baselines, at equal concurrency", "", ratios, ""]
+    failures = [(r["backend"], lv["max_concurrency"], lv.get("errors")) for r in runs for lv in r["levels"]
+                if lv.get("failed")]
+    if failures:
+        parts += ["## Failed requests", ""] + [f"- {b} c={c}: {e}" for b, c, e in failures] + [""]
+    for p in plots:
+        parts += [f"![{os.path.splitext(p)[0]}]({p})", ""]
+    return "\n".join(parts)
+
+
+def write_plots(runs: list[dict], output_dir: str) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: writing the markdown only (pip install 'tokenmill[bench]')",
+              file=sys.stderr)
+        return []
+    title = " / ".join(sorted({f"{r['model']} on {r.get('hardware') or '?'}" for r in runs}))
+    written = []
+
+    def line_plot(name: str, key: str, ylabel: str, log: bool = False):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in runs:
+            xs = [lv["max_concurrency"] for lv in r["levels"]]
+            ax.plot(xs, [lv[key] for lv in r["levels"]], marker="o", label=r["backend"])
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(output_dir, name), dpi=120)
+        plt.close(fig)
+        written.append(name)
+
+    def dist_plot(name: str, key: str, xlabel: str):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in runs:
+            for lv in r["levels"]:
+                v = np.sort(np.asarray(lv.get(key) or [], dtype=np.float64))
+                if v.size:
+                    ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"{r['backend']} c={lv['max_concurrency']}")
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction of samples (CDF)")
+        ax.set_title(title, fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(output_dir, name), dpi=120)
+        plt.close(fig)
+        written.append(name)
+
+    line_plot("throughput.png", "request_throughput", "requests / s", log=True)
+    line_plot("output_throughput.png", "output_throughput", "output tokens / s", log=True)
+    line_plot("latency_p95.png", "p95_e2el_ms", "p95 end-to-end latency (ms)", log=True)
+    dist_plot("ttft_dist.png", "ttfts_ms", "TTFT (ms)")
+    dist_plot("itl_dist.png", "itls_ms", "inter-token latency (ms)")
+    return written
+
+
+def main_report(args) -> int:
+    runs = load_results(args.results)
+    os.makedirs(args.output_dir, exist_ok=True)
+    plots = [] if args.no_plots else write_plots(runs, args.output_dir)
+    text = markdown_report(runs, plots)
+    path = os.path.join(args.output_dir, "REPORT.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(summary_table(runs))
+    ratios = ratio_table(runs)
+    if ratios:
+        print()
+        print(ratios)
+    print(f"report: {path}", file=sys.stderr)
+    return 0
+
+
+def add_report_args(p) -> None:
+    p.add_argument("results", nargs="+", help="result JSON files of `tokenmill bench serve`")
+    p.add_argument("--output-dir", default="bench_report")
+    p.add_argument("--no-plots", action="store_true")

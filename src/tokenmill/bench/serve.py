@@ -1,0 +1,349 @@
+"""`tokenmill bench serve`: an online benchmark of any OpenAI-compatible server, with vLLM's metrics.
+
+    tokenmill bench serve --base-url http://127.0.0.1:8000 --endpoint /v1/chat/completions \\
+        --model qwen3-4b --dataset mixed-chat --num-prompts 200 --max-concurrency 1,4,8,16,32
+
+Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
+- TTFT: from sending the request to the first streamed chunk that carries content.
+- ITL: the gaps between consecutive content chunks, pooled over all requests.
+- TPOT: per request, (latency - TTFT) / (output tokens - 1), for requests with more than one output token.
+- E2E latency: from sending to the last byte of the stream.
+- Throughputs divide by the wall time of the level; token counts are the server's `usage`
+  (`stream_options.include_usage`), never re-tokenised here.
+- Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
+Each concurrency level sends the same `--num-prompts` requests, one level after the other.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0               # seconds
+    latency: float = 0.0            # seconds
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0              # seconds since the level began
+    usage_reported: bool = False
+    error: str = ""
+
+
+# ----- metrics -------------------------------------------------------------------------------------------
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """['ttft:300', 'tpot:50'] -> {'ttft': 300.0, 'tpot': 50.0} (milliseconds)."""
+    slos = {}
+    for item in items or []:
+        for part in item.replace(",", " ").split():
+            key, _, value = part.partition(":")
+            if key not in ("ttft", "tpot", "e2el") or not value:
+                raise ValueError(f"goodput SLOs are ttft:MS, tpot:MS or e2el:MS, got {part!r}")
+            slos[key] = float(value)
+    return slos
+
+
+def tpot_of(r: RequestResult) -> float | None:
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    if ms.size == 0:
+        ms = np.zeros(1)
+    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(ms.std())}
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict:
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    tpots = [t for t in (tpot_of(r) for r in ok) if t is not None]
+    duration_s = max(duration_s, 1e-9)
+    m = {
+        "completed": len(ok), "failed": len(results) - len(ok), "num_requests": len(results),
+        "success_rate": len(ok) / len(results) if results else 0.0,
+        "duration_s": duration_s, "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s, "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+        "requests_without_usage": sum(1 for r in ok if not r.usage_reported),
+    }
+    m.update(_stats("ttft", [r.ttft for r in ok]))
+    m.update(_stats("tpot", tpots))
+    m.update(_stats("itl", [g for r in ok for g in r.itl]))
+    m.update(_stats("e2el", [r.latency for r in ok]))
+    if slos:
+        good = 0
+        for r in ok:
+            t = tpot_of(r) or 0.0
+            if (r.ttft * 1e3 <= slos.get("ttft", math.inf) and t * 1e3 <= slos.get("tpot", math.inf)
+                    and r.latency * 1e3 <= slos.get("e2el", math.inf)):
+                good += 1
+        m["goodput_slos_ms"] = dict(slos)
+        m["good_requests"] = good
+        m["request_goodput"] = good / duration_s
+    return m
+
+
+# ----- client ---------------------------------------------------------------------------------------------
+def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool, temperature: float) -> dict:
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+def _chunk_content(obj: dict) -> str:
+    text = ""
+    for choice in obj.get("choices") or []:
+        delta = choice.get("delta")
+        text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
+    return text
+
+
+async def send_request(client, url: str, payload: dict, headers: dict | None = None) -> RequestResult:
+    r = RequestResult()
+    content_chunks = 0
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                r.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    r.error = str(obj["error"])[:300]
+                    return r
+                now = time.perf_counter()
+                if _chunk_content(obj):
+                    if content_chunks == 0:
+                        r.ttft = now - t0
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                    content_chunks += 1
+                usage = obj.get("usage")
+                if usage:
+                    r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    r.output_tokens = int(usage.get("completion_tokens") or 0)
+                    r.usage_reported = True
+        r.latency = time.perf_counter() - t0
+        if not r.usage_reported:
+            r.output_tokens = content_chunks
+        r.success = content_chunks > 0 or r.output_tokens > 0
+        if not r.success:
+            r.error = "the stream carried no content"
+    except Exception as e:     # connection errors, timeouts, bad JSON: a failed request, not a crash
+        r.error = f"{type(e).__name__}: {e}"[:300]
+    return r
+
+
+def arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: Poisson arrivals at `request_rate` per second, or none at inf."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    return np.random.default_rng(seed).exponential(1.0 / request_rate, size=n).tolist()
+
+
+async def run_level(base_url: str, endpoint: str, model: str, requests: list[ServeRequest], max_concurrency: int,
+                    request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
+                    headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True
+                    ) -> tuple[list[RequestResult], float]:
+    import httpx
+    from tqdm import tqdm
+
+    url = base_url.rstrip("/") + endpoint
+    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
+    sem = asyncio.Semaphore(max_concurrency)
+    bar = tqdm(total=len(requests), desc=f"concurrency {max_concurrency}", unit="req", disable=not progress,
+               file=sys.stderr)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
+        level_t0 = time.perf_counter()
+
+        async def one(req: ServeRequest) -> RequestResult:
+            async with sem:
+                start = time.perf_counter() - level_t0
+                res = await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature),
+                                         headers)
+                res.start = start
+                bar.update(1)
+                return res
+
+        tasks = []
+        for req, delay in zip(requests, arrival_delays(len(requests), request_rate, seed)):
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - level_t0
+    bar.close()
+    return list(results), duration
+
+
+# ----- run metadata ---------------------------------------------------------------------------------------
+def git_commit() -> str:
+    from tokenmill.bench.cli import _git_commit
+    return _git_commit()
+
+
+def detect_hardware(base_url: str, headers: dict | None = None) -> str | None:
+    """The server's own report (/v1/models 'hardware', as the hf baselines give it), else this host's GPU
+    when the server is on loopback."""
+    import httpx
+    try:
+        data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()
+        for m in data.get("data", []):
+            if m.get("hardware"):
+                return m["hardware"]
+    except Exception:
+        pass
+    if any(h in base_url for h in ("127.0.0.1", "localhost", "[::1]")):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=10).stdout.strip().splitlines()
+            if names:
+                return f"{len(names)}x {names[0]}" if len(names) > 1 else names[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    return None
+
+
+def served_info(base_url: str, headers: dict | None = None) -> dict:
+    import httpx
+    try:
+        data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()
+        return (data.get("data") or [{}])[0]
+    except Exception:
+        return {}
+
+
+def _round_ms(values_s, digits: int = 3) -> list[float]:
+    return [round(v * 1000.0, digits) for v in values_s]
+
+
+def run_sweep(args, argv: list[str]) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    info = served_info(args.base_url, headers)
+    model = args.model or info.get("id")
+    if not model:
+        raise SystemExit("--model is required when the server's /v1/models cannot be read")
+    chat = args.endpoint.endswith("chat/completions")
+    requests = build_serve_requests(args, chat)
+    if not requests:
+        raise SystemExit("the request set is empty")
+    slos = parse_goodput(args.goodput)
+    rate = float(args.request_rate)
+    levels = [int(c) for c in str(args.max_concurrency).split(",") if c.strip()]
+    for _ in range(args.num_warmups):
+        warm = ServeRequest(requests[0].prompt, min(requests[0].max_tokens, 16), requests[0].prompt_len)
+        asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
+                              ignore_eos=not args.no_ignore_eos, temperature=args.temperature))
+    out_levels = []
+    for conc in levels:
+        results, duration = asyncio.run(run_level(
+            args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
+            args.temperature, headers, args.request_timeout, not args.no_progress))
+        m = compute_metrics(results, duration, slos)
+        m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate})
+        ok = [r for r in results if r.success]
+        m["ttfts_ms"] = _round_ms(r.ttft for r in ok)
+        m["e2els_ms"] = _round_ms(r.latency for r in ok)
+        m["itls_ms"] = _round_ms(g for r in ok for g in r.itl)
+        m["errors"] = sorted({r.error for r in results if not r.success})[:10]
+        out_levels.append(m)
+        print(format_level(args.label or info.get("owned_by") or "server", m), file=sys.stderr, flush=True)
+    return {
+        "command": "tokenmill bench " + " ".join(argv),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hardware": args.hardware or detect_hardware(args.base_url, headers),
+        "model": model,
+        "backend": args.label or info.get("owned_by") or "server",
+        "base_url": args.base_url, "endpoint": args.endpoint,
+        "dataset": {"name": args.dataset, "seed": args.seed, "ignore_eos": not args.no_ignore_eos,
+                    **dataset_summary(requests)},
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "levels": out_levels,
+    }
+
+
+def format_level(backend: str, m: dict) -> str:
+    return (f"{backend} c={m['max_concurrency']}: {m['completed']}/{m['num_requests']} ok, "
+            f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
+            f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
+            f"E2E p95 {m['p95_e2el_ms']:.0f} ms")
+
+
+def add_serve_args(p) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--label", default=None, help="backend name in the results (default: /v1/models owned_by)")
+    p.add_argument("--dataset", default="mixed-chat", help="'mixed-chat', 'random' or a ShareGPT-format JSON file")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for ShareGPT output lengths")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
+    p.add_argument("--max-concurrency", default="1,4,8,16,32", help="comma-separated levels, run in turn")
+    p.add_argument("--request-rate", default="inf", help="Poisson arrival rate (req/s), or inf")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len-range", default="100,1024", help="random: inclusive prompt lengths")
+    p.add_argument("--output-len-range", default="100,300", help="random: inclusive max_tokens")
+    p.add_argument("--random-vocab-limit", type=int, default=1000, help="random completions: ids below this")
+    p.add_argument("--mixed-chat-chars", default="50,1000", help="mixed-chat: inclusive prompt characters")
+    p.add_argument("--mixed-chat-output-len", default="100,300", help="mixed-chat: inclusive max_tokens")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (servers without it)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--num-warmups", type=int, default=1)
+    p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--hardware", default=None, help="hardware string for the results (default: detected)")
+    p.add_argument("--output-dir", default="bench_results")
+    p.add_argument("--name", default=None, help="results file stem (default: serve-BACKEND-time)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main_serve(args, argv: list[str]) -> int:
+    summary = run_sweep(args, argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = args.name or f"serve-{summary['backend']}-{stamp}"
+    path = os.path.join(args.output_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, ensure_ascii=False)
+    from tokenmill.bench.report_serve import summary_table
+    print(summary_table([summary]))
+    print(f"results: {path}", file=sys.stderr)
+    return 0 if all(lv["failed"] == 0 for lv in summary["levels"]) else 1
