@@ -9,7 +9,9 @@ from tokenmill.config import EngineConfig
 
 def add_engine_args(p: argparse.ArgumentParser):
     d = EngineConfig(model="")
-    p.add_argument("--backend", default="tokenmill", choices=["tokenmill"], help="inference backend")
+    p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "hf", "hf-cb"],
+                   help="inference backend: tokenmill, or a transformers baseline for benchmarks (hf: one "
+                        "generate() at a time; hf-cb: transformers' continuous batching)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     p.add_argument("--dtype", default=d.dtype, help="auto, float32, float16 or bfloat16")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
@@ -37,6 +39,9 @@ def engine_config(args) -> EngineConfig:
 
 
 def _serve(args) -> int:
+    if args.backend in ("hf", "hf-cb"):
+        from tokenmill.server.hf_backend import run_hf_server
+        return run_hf_server(args)
     from tokenmill.server.launch import run_server
     return run_server(engine_config(args), host=args.host, port=args.port,
                       served_model_names=args.served_model_name, api_key=args.api_key,
