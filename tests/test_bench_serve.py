@@ -1,0 +1,146 @@
+"""`tokenmill bench serve` and `bench report`: metric definitions on hand-made timings, the mixed-chat
+workload, the offline preset tokenizer, and short sweeps against real `tokenmill serve` and `--backend hf`."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.serve import RequestResult, arrival_delays, compute_metrics, parse_goodput, tpot_of
+from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_metrics_on_hand_made_timings():
+    a = RequestResult(True, prompt_tokens=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1])
+    b = RequestResult(True, prompt_tokens=20, output_tokens=3, ttft=0.3, latency=0.7, itl=[0.2, 0.2])
+    c = RequestResult(True, prompt_tokens=4, output_tokens=1, ttft=0.05, latency=0.05)
+    bad = RequestResult(False, error="HTTP 500")
+    assert tpot_of(a) == pytest.approx(0.1) and tpot_of(b) == pytest.approx(0.2) and tpot_of(c) is None
+    m = compute_metrics([a, b, c, bad], duration_s=2.0, slos=parse_goodput(["ttft:200", "tpot:150"]))
+    assert (m["completed"], m["failed"], m["success_rate"]) == (3, 1, 0.75)
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(9 / 2.0)
+    assert m["total_token_throughput"] == pytest.approx((34 + 9) / 2.0)
+    assert m["mean_ttft_ms"] == pytest.approx(150.0) and m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["p99_ttft_ms"] == pytest.approx(np.percentile([100, 300, 50], 99))
+    assert m["mean_tpot_ms"] == pytest.approx(150.0)          # only requests with > 1 output token
+    assert m["mean_itl_ms"] == pytest.approx(np.mean([100] * 4 + [200] * 2))
+    assert m["p95_itl_ms"] == pytest.approx(np.percentile([100] * 4 + [200] * 2, 95))
+    assert m["mean_e2el_ms"] == pytest.approx(np.mean([500, 700, 50]))
+    # a meets both SLOs, b misses TTFT and TPOT, c (one token, no TPOT) meets them
+    assert m["good_requests"] == 2 and m["request_goodput"] == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_poisson_arrivals_seeded():
+    assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    d = arrival_delays(2000, 10.0, 1)
+    assert d == arrival_delays(2000, 10.0, 1) and np.mean(d) == pytest.approx(0.1, rel=0.1)
+
+
+def test_mixed_chat_deterministic_and_in_range():
+    reqs = mixed_chat_requests(60, seed=3)
+    assert reqs == mixed_chat_requests(60, seed=3) and reqs != mixed_chat_requests(60, seed=4)
+    lens = [len(r.prompt) for r in reqs]
+    assert all(40 <= n <= 1000 for n in lens) and max(lens) > 600 and min(lens) < 300
+    assert all(100 <= r.max_tokens <= 300 for r in reqs)
+    has_zh = [bool(re.search(r"[\u4e00-\u9fff]", r.prompt)) for r in reqs]
+    has_en = [bool(re.search(r"[A-Za-z]{3}", r.prompt)) for r in reqs]
+    assert any(has_zh) and any(has_en) and any(z and e for z, e in zip(has_zh, has_en))
+
+
+def test_preset_tokenizer_covers_the_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+    write_tokenizer_dir(str(tmp_path), 700, {"eos_token_id": [690, 689], "bos_token_id": 689})
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 700 and tok.eos_token_id == 690
+    assert tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>", "<|im_start|>"]) == [690, 689, 699]
+    assert all(tok.decode([i]) for i in range(300, 689))
+    ids = tok.apply_chat_template([{"role": "user", "content": "你好 hello"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert max(ids) < 700 and 699 in ids
+
+
+class _Server:
+    def __init__(self, model_dir: str, log_path, *args: str):
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS="1")
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0",
+                                      "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning",
+                                      *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = None
+
+    def wait(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while self.url is None:
+            m = re.search(r"on (http://[\d.]+:\d+) \(engine pid", self.log_path.read_text())
+            if m:
+                self.url = m.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{self.log_path.read_text()[-3000:]}")
+            else:
+                time.sleep(0.1)
+        return self.url
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
+    from tokenmill.bench.cli import main as bench_main
+
+    servers = {"tokenmill": _Server(qwen3_dir, tmp_path / "tm.log", "--max-model-len", "512", "--num-kv-blocks",
+                                    "256", "--block-size", "4"),
+               "hf": _Server(qwen3_dir, tmp_path / "hf.log", "--backend", "hf")}
+    try:
+        paths = []
+        for name, server in servers.items():
+            url = server.wait()
+            args = ["serve", "--base-url", url, "--max-concurrency", "1,2", "--num-prompts", "4",
+                    "--mixed-chat-chars", "30,90", "--mixed-chat-output-len", "4,8", "--goodput", "ttft:5000",
+                    "--output-dir", str(tmp_path), "--name", name, "--no-progress", "--hardware", "test-cpu"]
+            assert bench_main(args) == 0
+            paths.append(str(tmp_path / f"{name}.json"))
+        # completions with token-id prompts, against the hf baseline
+        assert bench_main(["serve", "--base-url", servers["hf"].url, "--endpoint", "/v1/completions", "--dataset",
+                           "random", "--input-len-range", "4,8", "--output-len-range", "3,5", "--random-vocab-limit",
+                           "300", "--max-concurrency", "2", "--num-prompts", "3", "--output-dir", str(tmp_path),
+                           "--name", "hf-completions", "--no-progress"]) == 0
+    finally:
+        for s in servers.values():
+            s.stop()
+    for path, backend in zip(paths, servers):
+        with open(path) as f:
+            res = json.load(f)
+        assert res["backend"] == backend and res["model"] == "tiny" and res["hardware"] == "test-cpu"
+        assert res["git_commit"] and res["date"] and res["command"].startswith("tokenmill bench serve")
+        assert [lv["max_concurrency"] for lv in res["levels"]] == [1, 2]
+        for lv in res["levels"]:
+            assert lv["failed"] == 0 and lv["completed"] == 4 and lv["requests_without_usage"] == 0
+            assert 4 * 4 <= lv["total_output_tokens"] <= 4 * 8 and lv["total_input_tokens"] > 4 * 10
+            assert lv["median_ttft_ms"] > 0 and lv["mean_e2el_ms"] >= lv["mean_ttft_ms"]
+            assert len(lv["ttfts_ms"]) == 4 and lv["itls_ms"] and lv["good_requests"] <= 4
+
+    assert bench_main(["report", *paths, "--output-dir", str(tmp_path / "report")]) == 0
+    md = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "| tokenmill | 2 | 4/4 |" in md and "| hf | 1 | 4/4 |" in md and "test-cpu" in md and "## tokenmill against" in md
+    pytest.importorskip("matplotlib")
+    for png in ("throughput.png", "latency_p95.png", "ttft_dist.png", "itl_dist.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 1000 and f"]({png})" in md
