@@ -254,7 +254,7 @@ def _round_ms(values_s, digits: int = 3) -> list[float]:
     return [round(v * 1000.0, digits) for v in values_s]
 
 
-def run_sweep(args, argv: list[str]) -> dict:
+def run_sweep(args, argv: list[str], on_level=None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     info = served_info(args.base_url, headers)
     model = args.model or info.get("id")
@@ -271,7 +271,19 @@ def run_sweep(args, argv: list[str]) -> dict:
         warm = ServeRequest(requests[0].prompt, min(requests[0].max_tokens, 16), requests[0].prompt_len)
         asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
                               ignore_eos=not args.no_ignore_eos, temperature=args.temperature))
-    out_levels = []
+    summary = {
+        "command": "tokenmill bench " + " ".join(argv),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hardware": args.hardware or detect_hardware(args.base_url, headers),
+        "model": model,
+        "backend": args.label or info.get("owned_by") or "server",
+        "base_url": args.base_url, "endpoint": args.endpoint,
+        "dataset": {"name": args.dataset, "seed": args.seed, "ignore_eos": not args.no_ignore_eos,
+                    **dataset_summary(requests)},
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "levels": [],
+    }
     for conc in levels:
         results, duration = asyncio.run(run_level(
             args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
@@ -283,21 +295,11 @@ def run_sweep(args, argv: list[str]) -> dict:
         m["e2els_ms"] = _round_ms(r.latency for r in ok)
         m["itls_ms"] = _round_ms(g for r in ok for g in r.itl)
         m["errors"] = sorted({r.error for r in results if not r.success})[:10]
-        out_levels.append(m)
-        print(format_level(args.label or info.get("owned_by") or "server", m), file=sys.stderr, flush=True)
-    return {
-        "command": "tokenmill bench " + " ".join(argv),
-        "git_commit": git_commit(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "hardware": args.hardware or detect_hardware(args.base_url, headers),
-        "model": model,
-        "backend": args.label or info.get("owned_by") or "server",
-        "base_url": args.base_url, "endpoint": args.endpoint,
-        "dataset": {"name": args.dataset, "seed": args.seed, "ignore_eos": not args.no_ignore_eos,
-                    **dataset_summary(requests)},
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "levels": out_levels,
-    }
+        summary["levels"].append(m)
+        print(format_level(summary["backend"], m), file=sys.stderr, flush=True)
+        if on_level is not None:       # results survive a run cut short by a time limit
+            on_level(summary)
+    return summary
 
 
 def format_level(backend: str, m: dict) -> str:
@@ -336,13 +338,20 @@ def add_serve_args(p) -> None:
 
 
 def main_serve(args, argv: list[str]) -> int:
-    summary = run_sweep(args, argv)
     os.makedirs(args.output_dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = args.name or f"serve-{summary['backend']}-{stamp}"
-    path = os.path.join(args.output_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, ensure_ascii=False)
+    paths = []
+
+    def save(summary: dict) -> None:
+        if not paths:
+            name = args.name or f"serve-{summary['backend']}-{stamp}"
+            paths.append(os.path.join(args.output_dir, f"{name}.json"))
+        with open(paths[0] + ".tmp", "w") as f:
+            json.dump(summary, f, ensure_ascii=False)
+        os.replace(paths[0] + ".tmp", paths[0])
+
+    summary = run_sweep(args, argv, on_level=save)
+    path = paths[0]
     from tokenmill.bench.report_serve import summary_table
     print(summary_table([summary]))
     print(f"results: {path}", file=sys.stderr)
