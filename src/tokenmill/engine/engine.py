@@ -63,6 +63,9 @@ class LLMEngine:
         self.num_generation_tokens = 0
         # False: `step` returns only finished requests (offline use, which reads nothing else)
         self.emit_unfinished = True
+        # overlap host work with the device: process each step after launching the next one
+        self.overlap = True
+        self._in_flight = None
         self.ready_seconds = time.perf_counter() - t0
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -126,22 +129,36 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches the next step, then processes the step launched before it: the host
+        work of one step overlaps the device work of the next. Batches that use penalties (which need
+        every token's value on the host) are processed before returning."""
         sched = self.scheduler.schedule()
-        if not sched:
-            return []
-        rows, sampled = self.runner.execute(sched.requests, sched.num_new_tokens)
-        self.scheduler.update_after_step(sched)
+        launched = None
+        if sched:
+            launched = self.runner.execute(sched.requests, sched.num_new_tokens, self._in_flight)
+            self.scheduler.update_after_step(sched)
+        previous, self._in_flight = self._in_flight, launched
+        outputs = self._process(previous) if previous is not None else []
+        if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):
+            self._in_flight = None
+            outputs += self._process(launched)
+        return outputs
+
+    def _process(self, step) -> list[RequestOutput]:
+        """Writes a finished step's sampled tokens into their requests and applies stop conditions."""
         touched: dict[str, None] = {}
-        if sampled is not None:
-            token_ids = sampled.token_ids.tolist()
-            lp = ids = ranks = None
-            if sampled.logprobs is not None:
-                lp, ids, ranks = sampled.logprobs.tolist(), sampled.logprob_token_ids.tolist(), sampled.ranks.tolist()
+        if step.positions:
+            host = step.fetch()
+            token_ids = host["token_ids"]
+            lp = host.get("logprobs")
             now = time.time()
-            for j, row in enumerate(rows.tolist()):
-                req = sched.requests[row]
-                self._append(req, token_ids[j], now,
-                             None if lp is None else (lp[j], ids[j], ranks[j]))
+            for j, row in enumerate(step.sample_rows.tolist()):
+                req = step.requests[row]
+                if req.status.finished:
+                    continue          # aborted or stopped while this step was in flight
+                req.resolve(step.positions[j], token_ids[j])
+                self._append(req, step.positions[j], token_ids[j], now, None if lp is None else
+                             (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
                 touched[req.parent_id] = None
         outputs = []
         for rid in touched:
@@ -152,8 +169,7 @@ class LLMEngine:
                 self._release(rid)
         return outputs
 
-    def _append(self, req: Request, token: int, now: float, logprob_row) -> None:
-        req.append_token(token)
+    def _append(self, req: Request, position: int, token: int, now: float, logprob_row) -> None:
         self.num_generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -175,9 +191,11 @@ class LLMEngine:
             detok = self.detokenizers.get(req.request_id)
             if detok is not None and (hit := detok.add(token)) is not None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            elif position + 1 - req.num_prompt_tokens >= req.max_tokens or position + 1 >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            del req.all_token_ids[position + 1:]      # a placeholder of a step launched since
+            req.num_pending = 0
             self.scheduler.finish(req, status)
 
     def _token_text(self, token_id: int) -> str | None:

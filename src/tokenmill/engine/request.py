@@ -25,9 +25,17 @@ class RequestStatus(enum.IntEnum):
         return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
 
 
+PLACEHOLDER = -1
+
+
 class Request:
     """One sequence. `all_token_ids` is prompt + output; the first `num_computed_tokens` of them have
-    their K/V in the blocks `block_ids` (owned by the block manager)."""
+    their K/V in the blocks `block_ids` (owned by the block manager).
+
+    While a step is in flight, a token it will sample is already appended as `PLACEHOLDER` (so the next
+    step can be scheduled before the value is known, and reads it on the device from row
+    `pending_row` of the in-flight step's output). `num_pending` counts such trailing placeholders
+    (0 or 1); a placeholder is never hashed, detokenized or reported."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, seed: int, priority: int = 0, arrival_time: float | None = None,
@@ -55,14 +63,23 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_preemptions = 0
+        self.num_pending = 0
+        self.pending_row = -1
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        """Generated tokens whose values are known."""
+        return self.all_token_ids[self.num_prompt_tokens:len(self.all_token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, counting one still in flight."""
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def done_generating(self) -> bool:
+        """No further token may be scheduled: the length limit is reached (counting in-flight ones)."""
+        return self.num_output_tokens >= self.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +87,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def append_placeholder(self, row: int) -> None:
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+        self.pending_row = row
+
+    def resolve(self, position: int, token_id: int) -> None:
+        self.all_token_ids[position] = token_id
+        self.num_pending -= 1
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

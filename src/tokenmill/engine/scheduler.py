@@ -82,6 +82,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.done_generating or req.num_tokens >= self.max_model_len:
+                i += 1      # its last token is in flight; the engine finishes it when it lands
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running[-1]

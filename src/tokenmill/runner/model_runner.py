@@ -138,6 +138,12 @@ class ModelRunner:
             input_ids = np.fromiter((t for r, s, e in zip(requests, starts.tolist(), ends.tolist())
                                      for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
             positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+        gather = np.nonzero(input_ids < 0)[0]          # placeholders: read from the in-flight step
+        gather_src = None
+        if len(gather):
+            tok_of_seq = np.cumsum(counts) - 1
+            seq_idx = np.searchsorted(tok_of_seq, gather)
+            gather_src = np.fromiter((requests[i].pending_row for i in seq_idx.tolist()), np.int64, len(gather))
         width = max(len(r.block_ids) for r in requests)
         block_tables = np.zeros((len(requests), width), dtype=np.int32)
         for i, r in enumerate(requests):
@@ -147,8 +153,8 @@ class ModelRunner:
         query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
                                                      len(requests)))[0]
-        return input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables, \
-            sample_rows, int(counts.max()), int(ends.max())
+        return _Inputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
+                       sample_rows, int(counts.max()), int(ends.max()), gather, gather_src)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -202,29 +208,43 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, requests: list[Request], num_new_tokens: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
-        """Returns (indices into `requests` that sampled a token, sampler output for those rows)."""
-        (input_ids, positions, slots, qsl, context_lens, tables, sample_rows, max_q, max_ctx) = \
-            self._prepare(requests, num_new_tokens)
-        hidden = self._forward(input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx)
-        if self.hidden_hook is not None:
-            self.hidden_hook(requests, num_new_tokens, qsl, hidden)
-        if len(sample_rows) == 0:
-            return sample_rows, None
-        last = torch.from_numpy(qsl[1:][sample_rows].astype(np.int64) - 1)
-        logits = self.model.compute_logits(hidden[last.to(self.device)])
-        sampled = [requests[i] for i in sample_rows]
-        return sample_rows, sample(logits, self._sampling_tensors(sampled))
+    def execute(self, requests: list[Request], num_new_tokens: list[int],
+                prev: "StepResult | None" = None) -> "StepResult":
+        """Launches one step and returns at once; `StepResult.fetch()` waits for its sampled tokens.
 
-    def _forward(self, input_ids, positions, slots, qsl, context_lens, tables, max_q, max_ctx):
-        batch = len(context_lens)
-        if max_q == 1 and self.graphs and batch <= self.max_graph_batch:
-            return self._replay(input_ids, positions, slots, context_lens, tables)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots), query_start_loc=self._to_device(qsl),
-            context_lens=self._to_device(context_lens), block_tables=self._to_device(tables),
-            max_query_len=max_q, max_context_len=max_ctx)
-        return self.model(self._to_device(input_ids), self._to_device(positions), meta)
+        Each request that samples this step gets a placeholder token appended; a placeholder among this
+        step's inputs is read on the device from `prev`, the step still in flight."""
+        inp = self._prepare(requests, num_new_tokens)
+        sampled = [requests[i] for i in inp.sample_rows.tolist()]
+        tensors = self._sampling_tensors(sampled) if sampled else None
+        prev_tokens = prev.token_ids if prev is not None and len(inp.gather) else None
+        batch = len(requests)
+        if inp.max_q == 1 and self.graphs and batch <= self.max_graph_batch:
+            hidden, logits = self._replay(inp, prev_tokens)
+        else:
+            ids = self._to_device(inp.input_ids)
+            if prev_tokens is not None:
+                ids[self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
+            meta = AttentionMetadata(
+                slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
+                context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
+                max_query_len=inp.max_q, max_context_len=inp.max_ctx)
+            hidden = self.model(ids, self._to_device(inp.positions), meta)
+            logits = None
+            if sampled:
+                last = self._to_device(inp.qsl[1:][inp.sample_rows].astype(np.int64) - 1)
+                logits = self.model.compute_logits(hidden[last])
+        if self.hidden_hook is not None:
+            self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
+        result = StepResult(requests, list(num_new_tokens), inp.sample_rows, [])
+        if sampled:
+            out = sample(logits, tensors)
+            result.token_ids = out.token_ids
+            result.start_copy(out)
+            for j, req in enumerate(sampled):
+                result.positions.append(req.num_tokens)
+                req.append_placeholder(j)
+        return result
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     def _graph_batch_sizes(self) -> list[int]:
@@ -244,37 +264,87 @@ class ModelRunner:
             "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
         }
         self.staging = {k: torch.zeros_like(v, device="cpu").pin_memory() for k, v in self.static.items()}
-        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
         for bs in reversed(self._graph_batch_sizes()):
             s = self.static
             meta = AttentionMetadata(slot_mapping=s["slots"][:bs], query_start_loc=s["qsl"][:bs + 1],
                                      context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
                                      max_query_len=1, max_context_len=self.max_model_len)
-            self.model(s["input_ids"][:bs], s["positions"][:bs], meta)   # warm up kernels
+            hidden = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)   # warm up kernels
+            self.model.compute_logits(hidden)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.graph_outputs[bs] = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)
+                hidden = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)
+                self.graph_outputs[bs] = (hidden, self.model.compute_logits(hidden))
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.graph_seconds = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), self.graph_seconds)
 
-    def _replay(self, input_ids, positions, slots, context_lens, tables):
-        batch = len(context_lens)
+    def _replay(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
+        """Decode through the captured graph of the smallest bucket that fits; returns (hidden, logits)."""
+        batch = len(inp.context_lens)
         bs = next(b for b in sorted(self.graphs) if b >= batch)
         st, s = self.staging, self.static
-        width = tables.shape[1]
-        st["input_ids"][:batch].numpy()[:] = input_ids
-        st["positions"][:batch].numpy()[:] = positions
+        width = inp.tables.shape[1]
+        st["input_ids"][:batch].numpy()[:] = inp.input_ids
+        st["positions"][:batch].numpy()[:] = inp.positions
         st["slots"].numpy()[:] = -1
-        st["slots"][:batch].numpy()[:] = slots
+        st["slots"][:batch].numpy()[:] = inp.slots
         st["context_lens"].numpy()[:] = 1
-        st["context_lens"][:batch].numpy()[:] = context_lens
-        st["block_tables"][:batch, :width].numpy()[:] = tables
+        st["context_lens"][:batch].numpy()[:] = inp.context_lens
+        st["block_tables"][:batch, :width].numpy()[:] = inp.tables
         for key in ("input_ids", "positions", "slots", "context_lens"):
             s[key][:bs].copy_(st[key][:bs], non_blocking=True)
         s["block_tables"][:batch, :width].copy_(st["block_tables"][:batch, :width], non_blocking=True)
+        if prev_tokens is not None:
+            n = len(inp.gather)
+            if n == batch and n <= len(prev_tokens) and np.array_equal(inp.gather_src, np.arange(n)):
+                s["input_ids"][:n].copy_(prev_tokens[:n])       # the same batch as the step before
+            else:
+                s["input_ids"][self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
         self.graphs[bs].replay()
-        return self.graph_outputs[bs][:batch]
+        hidden, logits = self.graph_outputs[bs]
+        return hidden[:batch], logits[:batch]
+
+
+class _Inputs:
+    __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
+                 "max_q", "max_ctx", "gather", "gather_src")
+
+    def __init__(self, *values):
+        for name, value in zip(self.__slots__, values):
+            setattr(self, name, value)
+
+
+class StepResult:
+    """A launched step. `positions[j]` is where row j's sampled token goes in
+    `requests[sample_rows[j]].all_token_ids`; `fetch()` waits for the copy to the host."""
+
+    def __init__(self, requests, num_new_tokens, sample_rows, positions):
+        self.requests = requests
+        self.num_new_tokens = num_new_tokens
+        self.sample_rows = sample_rows
+        self.positions = positions
+        self.token_ids: torch.Tensor | None = None
+        self._host: dict[str, torch.Tensor] = {}
+        self._event = None
+
+    def start_copy(self, out: SamplerOutput) -> None:
+        tensors = {"token_ids": out.token_ids}
+        if out.logprobs is not None:
+            tensors.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.ranks)
+        if out.token_ids.is_cuda:
+            self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                          for k, v in tensors.items()}
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    def fetch(self) -> dict[str, list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return {k: v.tolist() for k, v in self._host.items()}
