@@ -1,4 +1,4 @@
-"""The `tokenmill` console script: `serve`, `generate` and `bench`."""
+"""The `tokenmill` console script: `serve`, `generate`, `ui` and `bench`."""
 from __future__ import annotations
 
 import argparse
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", help="model directory (Hugging Face layout)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model directory (Hugging Face layout; default: the bundled tiny model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="offline one-shot generation")
-    gen.add_argument("model")
+    gen.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled tiny model)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -103,11 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
 
+    from tokenmill.ui.launch import add_ui_args
+    ui = sub.add_parser("ui", help="Chainlit chat page for a running server (needs the `ui` extra)")
+    add_ui_args(ui)
+
     sub.add_parser("bench", help="benchmarks (see `tokenmill bench --help`)")
 
     args = parser.parse_args(argv)
+    if args.command in ("serve", "generate") and args.model is None:
+        from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
+        args.model = bundled_model_path()
+        if args.command == "serve" and not args.served_model_name:
+            args.served_model_name = [BUNDLED_MODEL_NAME]
     if args.command == "serve":
         return _serve(args)
+    if args.command == "ui":
+        from tokenmill.ui.launch import run_ui
+        return run_ui(args)
     return _generate(args)
 
 

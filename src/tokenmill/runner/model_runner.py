@@ -263,7 +263,11 @@ class ModelRunner:
             "block_tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
         }
-        self.staging = {k: torch.zeros_like(v, device="cpu").pin_memory() for k, v in self.static.items()}
+        # two sets of pinned staging buffers, used in turn: while step N's copies may still be queued,
+        # step N+1 fills the other set (step N-1's copies finished before its tokens were read)
+        self.staging = [{k: torch.zeros_like(v, device="cpu").pin_memory() for k, v in self.static.items()}
+                        for _ in range(2)]
+        self._staging_turn = 0
         self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
         for bs in reversed(self._graph_batch_sizes()):
@@ -287,7 +291,8 @@ class ModelRunner:
         """Decode through the captured graph of the smallest bucket that fits; returns (hidden, logits)."""
         batch = len(inp.context_lens)
         bs = next(b for b in sorted(self.graphs) if b >= batch)
-        st, s = self.staging, self.static
+        st, s = self.staging[self._staging_turn], self.static
+        self._staging_turn ^= 1
         width = inp.tables.shape[1]
         st["input_ids"][:batch].numpy()[:] = inp.input_ids
         st["positions"][:batch].numpy()[:] = inp.positions
