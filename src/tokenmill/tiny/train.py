@@ -1,8 +1,8 @@
 """Train the bundled tiny Qwen3 model on the Python standard library (offline on any machine).
 
-Data: every `*.py` of the running interpreter's stdlib outside test folders and site-packages, as raw
-source, plus ChatML dialogues "explain NAME" -> the docstring of that function or class, so the chat
-template leads to text. Files whose path hashes to 0 mod `--val-every-nth` form the validation split.
+Data: every `*.py` of the running interpreter's stdlib outside site-packages (and outside test folders
+unless `--with-tests`) as raw source, plus ChatML dialogues "explain the function NAME" -> its docstring,
+so the chat template leads to text. Files whose path hashes to 0 mod `--val-every-nth` form the validation split.
 """
 from __future__ import annotations
 
@@ -23,14 +23,16 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_TEST_DIRS = {"test", "tests", "idle_test"}
 
 
-def stdlib_files(max_files: int | None = None) -> list[str]:
+def stdlib_files(max_files: int | None = None, with_tests: bool = False) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
+    skip = _SKIP_DIRS if with_tests else _SKIP_DIRS | _TEST_DIRS
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
         out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     return out[:max_files] if max_files else out
 
@@ -52,9 +54,9 @@ def chat_samples(source: str) -> list[str]:
     return out
 
 
-def load_corpus(max_files: int | None, val_every_nth: int) -> dict[str, dict[str, list[str]]]:
+def load_corpus(max_files: int | None, val_every_nth: int, with_tests: bool = False) -> dict[str, dict[str, list[str]]]:
     splits = {"train": {"code": [], "chat": []}, "val": {"code": [], "chat": []}}
-    for path in stdlib_files(max_files):
+    for path in stdlib_files(max_files, with_tests):
         try:
             with open(path, encoding="utf-8") as f:
                 src = f.read()
@@ -165,6 +167,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chat-fraction", type=float, default=0.4, help="share of training rows drawn from dialogues")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files")
+    p.add_argument("--with-tests", action="store_true", help="also train on the stdlib's test suites (2.5x the code)")
     p.add_argument("--val-every-nth", type=int, default=40)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--log-every", type=int, default=10)
@@ -184,7 +187,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
 
-    corpus = load_corpus(args.max_files, args.val_every_nth)
+    corpus = load_corpus(args.max_files, args.val_every_nth, args.with_tests)
     tok = train_tokenizer(corpus["train"]["code"] + corpus["train"]["chat"], args.vocab_size, args.out)
     streams = {s: [encode_stream(tok, corpus[s]["code"]), encode_stream(tok, corpus[s]["chat"])] for s in corpus}
     weights = [1 - args.chat_fraction, args.chat_fraction]

@@ -1,0 +1,1 @@
+"""Chainlit chat front-end for a running `tokenmill serve` (the `ui` extra)."""

@@ -1,0 +1,157 @@
+"""The Chainlit front-end: its helpers, and in headless Chromium against a real `tokenmill serve` on the
+bundled model (skipped with a reason where Chainlit, Playwright or Chromium is missing)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenmill.ui.chat import UISettings, describe_error, trim_history
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+ASSISTANT = '[data-step-type="assistant_message"] .message-content'
+
+
+def test_settings_round_trip_through_env():
+    s = UISettings(base_url="http://h:1/v1", api_key="k", max_tokens=7, temperature=0.0, history_messages=3)
+    assert UISettings.from_env(s.to_env()) == s
+    assert UISettings.from_env({}) == UISettings()
+
+
+def test_trim_history_starts_at_a_user_turn():
+    msgs = [{"role": r, "content": str(i)} for i, r in enumerate(["user", "assistant"] * 3 + ["user"])]
+    assert trim_history(msgs, 4) == msgs[-3:]
+    assert trim_history(msgs, 0) == msgs
+
+
+def test_describe_error_names_status_or_reachability():
+    import httpx
+    import openai
+    req = httpx.Request("POST", "http://x/v1/chat/completions")
+    err = openai.BadRequestError("bad", response=httpx.Response(400, request=req),
+                                 body={"error": {"message": "prompt too long"}})
+    assert describe_error(err, "http://x/v1") == "**Server error 400** from `http://x/v1`: prompt too long"
+    conn = openai.APIConnectionError(request=req)
+    assert describe_error(conn, "http://x/v1").startswith("**Cannot reach the server** at `http://x/v1`")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ui(tmp_path, base_url: str, port: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(tmp_path / f"ui-{port}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "ui", "--base-url", base_url, "--port",
+                             str(port), "--temperature", "0", "--max-tokens", "48"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop(proc: subprocess.Popen):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60):
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ui exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"ui did not answer at {url}")
+
+
+@pytest.fixture
+def browser():
+    if importlib.util.find_spec("chainlit") is None:   # not imported here: it writes .files/ into the cwd
+        pytest.skip("the `ui` extra (chainlit) is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _send(page, text: str):
+    page.wait_for_selector("#chat-input", timeout=30_000)
+    page.fill("#chat-input", text)
+    page.keyboard.press("Enter")
+
+
+def test_chat_page_streams_an_answer(browser, tmp_path):
+    from test_tiny_model import DefaultServer
+    from tokenmill.tiny import BUNDLED_MODEL_NAME
+
+    port, server_port = _free_port(), _free_port()
+    ui = _start_ui(tmp_path, f"http://127.0.0.1:{server_port}/v1", port)   # starts while the server loads
+    try:
+        server = DefaultServer(tmp_path, "--num-kv-blocks", "128", "--max-model-len", "512", port=server_port)
+    except Exception:
+        _stop(ui)
+        raise
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/", ui)
+        page = browser.new_page(viewport={"width": 1100, "height": 760})
+        page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
+        page.wait_for_selector(f"{ASSISTANT}:has-text('{BUNDLED_MODEL_NAME}')", timeout=30_000)
+        _send(page, "explain the function join")
+        page.wait_for_selector('[data-step-type="user_message"]:has-text("explain the function join")',
+                               timeout=15_000)
+        seen, deadline = [], time.monotonic() + 30
+        while time.monotonic() < deadline:
+            texts = page.locator(ASSISTANT).all_inner_texts()
+            if len(texts) >= 2:
+                seen.append(texts[-1])
+                if texts[-1].strip() and len(seen) > 1 and seen[-1] == seen[-2]:
+                    break
+            time.sleep(0.1)
+        assert seen and seen[-1].strip(), seen
+        assert "Server error" not in seen[-1] and "Cannot reach" not in seen[-1]
+        docs = os.path.join(ROOT, "docs")
+        if os.path.isdir(docs):
+            page.screenshot(path=os.path.join(docs, "ui.png"))
+    finally:
+        _stop(ui)
+        server.stop()
+
+
+def test_chat_page_reports_an_unreachable_server(browser, tmp_path):
+    port, dead = _free_port(), _free_port()
+    ui = _start_ui(tmp_path, f"http://127.0.0.1:{dead}/v1", port)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/", ui)
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
+        page.wait_for_selector(f"{ASSISTANT}:has-text('Cannot reach the server')", timeout=30_000)
+        _send(page, "hello")
+        page.wait_for_function(
+            "(sel) => document.querySelectorAll(sel).length >= 2", arg=ASSISTANT, timeout=30_000)
+        assert "Cannot reach the server" in page.locator(ASSISTANT).all_inner_texts()[-1]
+        assert ui.poll() is None
+    finally:
+        _stop(ui)
