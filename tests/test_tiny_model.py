@@ -1,0 +1,120 @@
+"""The bundled tiny model: its training script on a few steps, loading through `LLM`, and `tokenmill serve`
+with no model argument answering an `openai` chat request."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED = bundled_model_path()
+TINY_ARGS = ["--max-files", "12", "--vocab-size", "300", "--hidden-size", "32", "--intermediate-size", "64",
+             "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16",
+             "--seq-len", "32", "--batch-size", "2", "--warmup", "2", "--eval-batches", "1", "--log-every", "1",
+             "--device", "cpu", "--threads", "1", "--save-dtype", "float32"]
+
+
+class DefaultServer:
+    """`tokenmill serve` with extra args (no model: the bundled one) on a free loopback port."""
+
+    def __init__(self, tmp_path, *args: str, port: int = 0):
+        self.log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS="1")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *args, "--port", str(port),
+                                      "--device", "cpu", "--log-level", "warning"],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = re.search(r"on (http://[\d.]+:\d+) \(engine pid", self.log_path.read_text())
+            if m:
+                self.url = m.group(1)
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def test_train_script_few_steps(tmp_path, capsys):
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.tiny.train import main
+
+    out = str(tmp_path / "tiny")
+    stats = main(["--out", out, "--steps", "3", *TINY_ARGS])
+    printed = capsys.readouterr().out
+    assert re.findall(r"step\s+\d+\s+loss \d+\.\d+", printed)
+    assert "final: 3 steps" in printed and stats["steps"] == 3
+    assert stats["train_loss"] > 0 and stats["val_loss"] > 0
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"]
+    assert cfg["eos_token_id"] == json.load(open(os.path.join(out, "generation_config.json")))["eos_token_id"]
+
+    llm = LLM(model=out, device="cpu", num_kv_blocks=16, max_model_len=64)
+    tok = llm.get_tokenizer()
+    assert tok.convert_ids_to_tokens([cfg["eos_token_id"]]) == ["<|im_end|>"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    res = llm.generate(["def f"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(res[0].outputs[0].token_ids) == 4
+
+
+def test_bundled_model_files():
+    names = set(os.listdir(BUNDLED))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    total = sum(os.path.getsize(os.path.join(BUNDLED, n)) for n in names)
+    assert total < 30 * 2**20
+    cfg = json.load(open(os.path.join(BUNDLED, "config.json")))
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert 3e6 < json.load(open(os.path.join(BUNDLED, "training_stats.json")))["parameters"] < 20e6
+
+
+def test_bundled_model_generates_text():
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=BUNDLED, device="cpu", num_kv_blocks=64, max_model_len=256)
+    res = llm.generate(["import os\n\n\ndef "], SamplingParams(temperature=0, max_tokens=24))
+    text = res[0].outputs[0].text
+    assert text.strip()
+    assert sum(c.isalpha() or c in " _()\n:." for c in text) > 0.6 * len(text)   # words and code, not noise
+    chat = llm.chat([{"role": "user", "content": "explain the function join"}],
+                    SamplingParams(temperature=0, max_tokens=24))
+    assert chat[0].outputs[0].text.strip()
+
+
+def test_serve_default_model_answers_chat(tmp_path):
+    openai = pytest.importorskip("openai")
+    server = DefaultServer(tmp_path, "--num-kv-blocks", "128", "--max-model-len", "512")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == [BUNDLED_MODEL_NAME]
+        t0 = time.monotonic()
+        resp = client.chat.completions.create(
+            model=BUNDLED_MODEL_NAME, messages=[{"role": "user", "content": "explain the function split"}],
+            max_tokens=48, temperature=0)
+        elapsed = time.monotonic() - t0
+        assert resp.choices[0].message.content.strip()
+        assert elapsed < 10, elapsed
+    finally:
+        server.stop()
