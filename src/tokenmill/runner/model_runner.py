@@ -294,6 +294,7 @@ class ModelRunner:
         st, s = self.staging[self._staging_turn], self.static
         self._staging_turn ^= 1
         width = inp.tables.shape[1]
+        st["input_ids"].numpy()[:] = 0          # padding rows too: stale placeholders must not reach the embedding
         st["input_ids"][:batch].numpy()[:] = inp.input_ids
         st["positions"][:batch].numpy()[:] = inp.positions
         st["slots"].numpy()[:] = -1
