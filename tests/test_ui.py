@@ -132,11 +132,10 @@ def test_chat_page_streams_an_answer(browser, tmp_path):
             time.sleep(0.1)
         assert seen and seen[-1].strip(), seen
         assert "Server error" not in seen[-1] and "Cannot reach" not in seen[-1]
-        docs = os.path.join(ROOT, "docs")
-        if os.path.isdir(docs):   # Chainlit scrolls the last question to the top; show the greeting too
-            page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight)"
-                          " e.scrollTop = 0; })")
-            page.screenshot(path=os.path.join(docs, "ui.png"))
+        # Chainlit scrolls the last question to the top; show the greeting too
+        page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight)"
+                      " e.scrollTop = 0; })")
+        page.screenshot(path=os.environ.get("TOKENMILL_UI_SCREENSHOT") or str(tmp_path / "ui.png"))
     finally:
         _stop(ui)
         server.stop()
