@@ -53,7 +53,6 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
-        self.requests: dict[str, Request] = {}            # running or waiting sequences by id
         self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
         self.prompts: dict[str, str | None] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -102,7 +101,6 @@ class LLMEngine:
         self.num_prompt_tokens += len(prompt_ids)
         self.prompts[request_id] = text
         for seq in seqs:
-            self.requests[seq.request_id] = seq
             if self.tokenizer is not None:
                 self.detokenizers[seq.request_id] = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
@@ -226,7 +224,6 @@ class LLMEngine:
 
     def _release(self, rid: str) -> None:
         for s in self.groups.pop(rid):
-            self.requests.pop(s.request_id, None)
             self.detokenizers.pop(s.request_id, None)
         self.prompts.pop(rid, None)
 
