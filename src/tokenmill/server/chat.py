@@ -72,18 +72,13 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                               "finish_reason": None} for i in range(params.n)], out)
             last = out
             for c in out.outputs:
-                st = states.setdefault(c.index, ChoiceState())
-                if st.finished:
+                delta = states.setdefault(c.index, ChoiceState()).advance(c, k is not None)
+                if delta is None:
                     continue
-                text = c.text[st.text_len:]
-                new_ids = c.token_ids[st.num_tokens:]
-                if not text and c.finish_reason is None and (k is None or not new_ids):
-                    continue        # nothing to show yet (e.g. a possible stop string is withheld)
+                text, new_ids, new_lps = delta
                 lp = None
-                if k is not None and c.logprobs is not None:
-                    lp = {"content": _logprobs(serving, new_ids, c.logprobs[st.num_tokens:], k)}
-                st.text_len, st.num_tokens = len(c.text), len(c.token_ids)
-                st.finished = c.finish_reason is not None
+                if k is not None and new_lps is not None:
+                    lp = {"content": _logprobs(serving, new_ids, new_lps, k)}
                 yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], out)
         if include_usage and last is not None:

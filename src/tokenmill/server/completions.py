@@ -57,17 +57,13 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             last[i] = out
             for c in out.outputs:
                 st = states.setdefault(i * n + c.index, ChoiceState())
-                if st.finished:
+                delta = st.advance(c, k is not None)
+                if delta is None:
                     continue
-                text = c.text[st.text_len:]
-                new_ids = c.token_ids[st.num_tokens:]
-                if not text and c.finish_reason is None and (k is None or not new_ids):
-                    continue        # nothing to show yet (e.g. a possible stop string is withheld)
+                text, new_ids, new_lps = delta
                 lp = None
-                if k is not None and c.logprobs is not None:
-                    lp, st.text_offset = _logprobs(serving, new_ids, c.logprobs[st.num_tokens:], k, st.text_offset)
-                st.text_len, st.num_tokens = len(c.text), len(c.token_ids)
-                st.finished = c.finish_reason is not None
+                if k is not None and new_lps is not None:
+                    lp, st.text_offset = _logprobs(serving, new_ids, new_lps, k, st.text_offset)
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}

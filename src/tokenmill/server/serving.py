@@ -277,6 +277,21 @@ class ChoiceState:
         self.text_offset = 0
         self.started = False
 
+    def advance(self, c, with_logprobs: bool):
+        """What choice `c` (a cumulative CompletionOutput) adds since the last call, as (text, token ids,
+        logprob entries), or None when there is nothing to send yet (e.g. a possible stop string is
+        still withheld, or the choice already finished)."""
+        if self.finished:
+            return None
+        text = c.text[self.text_len:]
+        new_ids = c.token_ids[self.num_tokens:]
+        if not text and c.finish_reason is None and (not with_logprobs or not new_ids):
+            return None
+        new_logprobs = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        self.finished = c.finish_reason is not None
+        return text, new_ids, new_logprobs
+
 
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
