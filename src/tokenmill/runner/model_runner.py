@@ -130,8 +130,7 @@ class ModelRunner:
         counts = np.asarray(num_new_tokens, dtype=np.int64)
         ends = starts + counts
         if counts.max() == 1:
-            input_ids = np.fromiter((r.all_token_ids[-1] if r.num_computed_tokens + 1 == r.num_tokens
-                                     else r.all_token_ids[r.num_computed_tokens] for r in requests),
+            input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in requests),
                                     np.int64, len(requests))
             positions = starts
         else:
@@ -224,7 +223,7 @@ class ModelRunner:
         else:
             ids = self._to_device(inp.input_ids)
             if prev_tokens is not None:
-                ids[self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
+                self._fill_placeholders(ids, inp, prev_tokens)
             meta = AttentionMetadata(
                 slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
                 context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
@@ -236,7 +235,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[last])
         if self.hidden_hook is not None:
             self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
-        result = StepResult(requests, list(num_new_tokens), inp.sample_rows, [])
+        result = StepResult(requests, inp.sample_rows, [])
         if sampled:
             out = sample(logits, tensors)
             result.token_ids = out.token_ids
@@ -287,6 +286,15 @@ class ModelRunner:
         self.graph_seconds = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), self.graph_seconds)
 
+    def _fill_placeholders(self, ids: torch.Tensor, inp: "_Inputs", prev_tokens: torch.Tensor) -> None:
+        """Writes the in-flight step's sampled tokens (on the device) into the placeholder positions."""
+        n = len(inp.gather)
+        identity = np.arange(n)
+        if n <= len(prev_tokens) and np.array_equal(inp.gather, identity) and np.array_equal(inp.gather_src, identity):
+            ids[:n].copy_(prev_tokens[:n])       # the same batch, in the same order, as the step before
+        else:
+            ids[self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
+
     def _replay(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
         """Decode through the captured graph of the smallest bucket that fits; returns (hidden, logits)."""
         batch = len(inp.context_lens)
@@ -306,11 +314,7 @@ class ModelRunner:
             s[key][:bs].copy_(st[key][:bs], non_blocking=True)
         s["block_tables"][:batch, :width].copy_(st["block_tables"][:batch, :width], non_blocking=True)
         if prev_tokens is not None:
-            n = len(inp.gather)
-            if n == batch and n <= len(prev_tokens) and np.array_equal(inp.gather_src, np.arange(n)):
-                s["input_ids"][:n].copy_(prev_tokens[:n])       # the same batch as the step before
-            else:
-                s["input_ids"][self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
+            self._fill_placeholders(s["input_ids"], inp, prev_tokens)
         self.graphs[bs].replay()
         hidden, logits = self.graph_outputs[bs]
         return hidden[:batch], logits[:batch]
@@ -329,9 +333,8 @@ class StepResult:
     """A launched step. `positions[j]` is where row j's sampled token goes in
     `requests[sample_rows[j]].all_token_ids`; `fetch()` waits for the copy to the host."""
 
-    def __init__(self, requests, num_new_tokens, sample_rows, positions):
+    def __init__(self, requests, sample_rows, positions):
         self.requests = requests
-        self.num_new_tokens = num_new_tokens
         self.sample_rows = sample_rows
         self.positions = positions
         self.token_ids: torch.Tensor | None = None
