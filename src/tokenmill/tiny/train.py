@@ -150,8 +150,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory (model + tokenizer)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="train for this wall time instead (--steps becomes an upper bound); the LR schedule "
-                        "follows elapsed time, so a busy machine still gets a full cosine decay")
+                   help="stop after this wall time too; the LR schedule follows whichever of steps or time "
+                        "runs out first, so a busy machine still gets a full cosine decay")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
@@ -223,7 +223,9 @@ def main(argv=None) -> dict:
         elapsed = time.time() - t_train
         if budget_s is not None and elapsed >= budget_s:
             break
-        progress = elapsed / budget_s if budget_s else (step - args.warmup) / max(1, args.steps - args.warmup)
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        if budget_s is not None:       # whichever runs out first, steps or time, ends the decay
+            progress = max(progress, elapsed / budget_s)
         lr = lr_at(step, progress, args)
         for g in opt.param_groups:
             g["lr"] = lr

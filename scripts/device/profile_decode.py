@@ -1,0 +1,133 @@
+"""Where a decode step's time goes, on the GPU machine.
+
+For each batch size: the engine's ms per step (one `LLM.generate` of equal requests, ignore_eos), the
+device time of one replay of the decode CUDA graph alone (CUDA events over many replays), the share of
+each step the host spent waiting for the device (0 means the host is the bottleneck), and a per-kernel
+table of one graph replay from the PyTorch profiler. A cProfile of the host side at batch 1 goes to
+$OUT/host_profile_bs1.txt.
+
+Usage: python scripts/device/profile_decode.py --model preset:qwen3-4b --batch-sizes 1,8,64 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.runner import model_runner
+
+
+def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
+    graph = runner.graphs[bs]
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_table(runner, bs: int, path: str) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    graph = runner.graphs[bs]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append({"name": ev.key[:90], "calls_per_step": ev.count / 5, "us_per_step": dev_us / 5})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="preset:qwen3-4b")
+    ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    name = args.model.split(":")[-1]
+
+    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=256, max_model_len=4096,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    runner = llm.engine.runner
+    waited = [0.0]
+    fetch = model_runner.StepResult.fetch
+
+    def timed_fetch(self):
+        t0 = time.perf_counter()
+        out = fetch(self)
+        waited[0] += time.perf_counter() - t0
+        return out
+    model_runner.StepResult.fetch = timed_fetch
+
+    def run(bs: int):
+        prompts = [[100 + i + j for j in range(args.prompt_len)] for i in range(bs)]
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        return llm.generate(prompts, params)
+
+    run(1)
+    results = []
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        run(bs)                                          # warm-up at this size
+        waited[0] = 0.0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = run(bs)
+        wall = time.perf_counter() - t0
+        steps = args.output_len
+        assert all(len(o.outputs[0].token_ids) == steps for o in outs)
+        gbs = next((b for b in sorted(runner.graphs) if b >= bs), None)
+        replay, kernels = float("nan"), []
+        if gbs is not None:
+            replay = graph_replay_ms(runner, gbs)
+            kernels = kernel_table(runner, gbs, os.path.join(args.out, f"kernels_{name}_bs{bs}.json"))
+        row = {"model": name, "batch": bs, "graph_bs": gbs, "step_ms": 1e3 * wall / steps,
+               "graph_replay_ms": replay, "host_wait_frac": waited[0] / wall,
+               "kernel_us_sum": sum(r["us_per_step"] for r in kernels),
+               "kernels_per_step": sum(r["calls_per_step"] for r in kernels)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        print("  top kernels (us/step, calls):", flush=True)
+        for r in kernels[:14]:
+            print(f"    {r['us_per_step']:9.1f} {r['calls_per_step']:6.0f}  {r['name']}", flush=True)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run(1)
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+    with open(os.path.join(args.out, f"host_profile_{name}_bs1.txt"), "w") as f:
+        f.write(s.getvalue())
+    with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n| model | batch | step ms | graph replay ms | host waits | kernels/step | kernel us sum |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['batch']} | {r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
+              f"{r['host_wait_frac']:.2f} | {r['kernels_per_step']:.0f} | {r['kernel_us_sum']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
