@@ -79,6 +79,51 @@ def test_train_script_few_steps(tmp_path, capsys):
     assert len(res[0].outputs[0].token_ids) == 4
 
 
+def test_train_script_early_stopping_keeps_best_weights(tmp_path, capsys):
+    """A too-high LR makes the validation loss fall for 3 steps, then rise for 2: patience 2 stops at step 5 and
+    the saved weights must be those of step 3, checked by re-evaluating the saved model on the same batches."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.tiny import train
+
+    out = str(tmp_path / "tiny")
+    argv = ["--out", out, "--steps", "8", "--eval-every", "1", "--patience", "2", "--lr", "0.1", *TINY_ARGS]
+    stats = train.main(argv)
+    printed = capsys.readouterr().out
+    saved = json.load(open(os.path.join(out, "training_stats.json")))
+    history = saved["val_history"]
+    losses = [h["val_loss"] for h in history]
+    assert [h["step"] for h in history] == list(range(1, stats["steps"] + 1))
+    assert len(re.findall(r"eval\s+step\s+\d+\s+val loss \d+\.\d+", printed)) == len(history)
+    assert saved["best_step"] == history[losses.index(min(losses))]["step"]
+    assert saved["best_val_loss"] == min(losses)
+    # this run's shape (the premise of the test): it stopped early, after the best step, on a worse loss
+    assert saved["stopped_early"] and stats["steps"] < 8 and "early stop at step" in printed
+    assert saved["best_step"] < stats["steps"] and losses[-1] > saved["best_val_loss"] + 0.01
+
+    args = train.parse_args(argv)
+    corpus = train.load_corpus(args.max_files, args.val_every_nth, args.with_tests)
+    streams = train.build_streams(AutoTokenizer.from_pretrained(out), corpus, args.seq_len)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reloaded = train.evaluate(model, streams["val"], [1 - args.chat_fraction, args.chat_fraction], args,
+                              torch.device("cpu"), contextlib.nullcontext)
+    assert reloaded == pytest.approx(saved["best_val_loss"], abs=2e-4)
+    assert saved["val_loss"] == saved["best_val_loss"]
+
+
+def test_train_script_time_budget_with_eval(tmp_path):
+    from tokenmill.tiny.train import main
+
+    stats = main(["--out", str(tmp_path / "tiny"), "--steps", "1000", "--eval-every", "500", "--max-minutes", "1e-6",
+                  *TINY_ARGS])
+    assert stats["steps"] < 1000 and not stats["stopped_early"]
+    assert stats["val_history"][-1]["step"] == stats["steps"]   # the last step is evaluated even off the grid
+    assert stats["best_step"] == stats["steps"]
+
+
 def test_bundled_model_files():
     names = set(os.listdir(BUNDLED))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -3,6 +3,8 @@
 Data: every `*.py` of the running interpreter's stdlib outside site-packages (and outside test folders
 unless `--with-tests`) as raw source, plus ChatML dialogues "explain the function NAME" -> its docstring,
 so the chat template leads to text. Files whose path hashes to 0 mod `--val-every-nth` form the validation split.
+With `--eval-every N` the validation loss is measured every N steps and the best weights, not the last, are saved;
+`--patience P` stops the run once P evaluations in a row have not improved on the best.
 """
 from __future__ import annotations
 
@@ -96,6 +98,16 @@ def encode_stream(tok, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def build_streams(tok, corpus: dict[str, dict[str, list[str]]], seq_len: int) -> dict[str, list[torch.Tensor]]:
+    """Per split, the (code, chat) token streams; a stream too short for one window borrows the other split's."""
+    streams = {s: [encode_stream(tok, corpus[s]["code"]), encode_stream(tok, corpus[s]["chat"])] for s in corpus}
+    for s in ("val", "train"):   # a tiny --max-files run may leave one split too short: fall back
+        for i, t in enumerate(streams[s]):
+            if len(t) <= seq_len + 1:
+                streams[s][i] = streams["train" if s == "val" else "val"][i]
+    return streams
+
+
 def sample_batch(streams: list[torch.Tensor], weights: list[float], batch_size: int, seq_len: int,
                  gen: torch.Generator) -> torch.Tensor:
     rows = []
@@ -129,6 +141,7 @@ def lr_at(step: int, progress: float, args) -> float:
 
 @torch.no_grad()
 def evaluate(model, streams, weights, args, device, amp) -> float:
+    """Mean loss on `--eval-batches` batches drawn by a fixed seed, so every call sees the same batches."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
     losses = []
@@ -143,6 +156,32 @@ def evaluate(model, streams, weights, args, device, amp) -> float:
 def _loss(model, x: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=x[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+class BestWeights:
+    """Validation-loss history and a CPU copy of the weights with the lowest loss so far. `should_stop` turns
+    true once `patience` (> 0) evaluations in a row have not improved on the best."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+        self.history: list[dict] = []
+        self.best_step: int | None = None
+        self.best_val_loss = math.inf
+        self.state_dict: dict[str, torch.Tensor] | None = None
+        self.evals_since_best = 0
+
+    def update(self, step: int, val_loss: float, model) -> bool:
+        self.history.append({"step": step, "val_loss": round(val_loss, 4)})
+        if val_loss < self.best_val_loss:
+            self.best_step, self.best_val_loss, self.evals_since_best = step, val_loss, 0
+            self.state_dict = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            return True
+        self.evals_since_best += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.evals_since_best >= self.patience
 
 
 def parse_args(argv=None):
@@ -170,11 +209,22 @@ def parse_args(argv=None):
     p.add_argument("--with-tests", action="store_true", help="also train on the stdlib's test suites (2.5x the code)")
     p.add_argument("--val-every-nth", type=int, default=40)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="measure the validation loss every N steps and at the end, and save the best weights "
+                        "instead of the last (0: off, evaluate only at the end)")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop once the validation loss has not improved for this many evaluations (0: off; "
+                        "needs --eval-every)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.eval_every < 0 or args.patience < 0:
+        p.error("--eval-every and --patience must be >= 0")
+    if args.patience and not args.eval_every:
+        p.error("--patience needs --eval-every")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -189,12 +239,8 @@ def main(argv=None) -> dict:
 
     corpus = load_corpus(args.max_files, args.val_every_nth, args.with_tests)
     tok = train_tokenizer(corpus["train"]["code"] + corpus["train"]["chat"], args.vocab_size, args.out)
-    streams = {s: [encode_stream(tok, corpus[s]["code"]), encode_stream(tok, corpus[s]["chat"])] for s in corpus}
+    streams = build_streams(tok, corpus, args.seq_len)
     weights = [1 - args.chat_fraction, args.chat_fraction]
-    for s in ("val", "train"):   # a tiny --max-files run may leave one split too short: fall back
-        for i, t in enumerate(streams[s]):
-            if len(t) <= args.seq_len + 1:
-                streams[s][i] = streams["train" if s == "val" else "val"][i]
     ntok = {s: [len(t) for t in streams[s]] for s in streams}
     print(f"data: {ntok} tokens (code, chat) per split; tokenizer {len(tok)} ids; {time.time() - t0:.1f}s",
           flush=True)
@@ -218,7 +264,15 @@ def main(argv=None) -> dict:
     t_train = time.time()
     loss_ema = None
     budget_s = args.max_minutes * 60 if args.max_minutes else None
-    done = 0
+    best = BestWeights(args.patience) if args.eval_every else None
+    done, stopped_early = 0, False
+
+    def eval_val():   # `step` in the history is the number of optimizer steps taken
+        v = evaluate(model, streams["val"], weights, args, device, amp)
+        improved = best.update(done, v, model)
+        print(f"eval  step {done:5d}  val loss {v:.4f}{'  (best)' if improved else ''}  "
+              f"best {best.best_val_loss:.4f} @ {best.best_step}  {time.time() - t_train:.0f}s", flush=True)
+
     for step in range(args.steps):
         elapsed = time.time() - t_train
         if budget_s is not None and elapsed >= budget_s:
@@ -242,16 +296,32 @@ def main(argv=None) -> dict:
             loss_ema = v if loss_ema is None else 0.9 * loss_ema + 0.1 * v
             print(f"step {step:5d}  loss {v:.4f}  lr {lr:.2e}  {time.time() - t_train:.0f}s",
                   flush=True)
+        if best is not None and done % args.eval_every == 0:
+            eval_val()
+            if best.should_stop:
+                print(f"early stop at step {done}: no improvement for {args.patience} evaluations", flush=True)
+                stopped_early = True
+                break
+    if best is not None:
+        if not best.history or best.history[-1]["step"] != done:
+            eval_val()
+        if best.state_dict is not None:   # None only if every validation loss was NaN
+            model.load_state_dict(best.state_dict)
     train_loss = evaluate(model, streams["train"], weights, args, device, amp)
     val_loss = evaluate(model, streams["val"], weights, args, device, amp)
     wall = time.time() - t_train
-    print(f"final: {done} steps  train loss {train_loss:.4f}  val loss {val_loss:.4f}  train wall {wall:.0f}s", flush=True)
+    kept = f"  (weights of step {best.best_step})" if best is not None else ""
+    print(f"final: {done} steps  train loss {train_loss:.4f}  val loss {val_loss:.4f}  train wall {wall:.0f}s{kept}",
+          flush=True)
 
     model.to(getattr(torch, args.save_dtype))
     model.config.dtype = getattr(torch, args.save_dtype)
     model.save_pretrained(args.out, safe_serialization=True)
     stats = {"parameters": nparams, "steps": done, "train_loss": round(train_loss, 4), "val_loss": round(val_loss, 4),
              "train_wall_s": round(wall, 1), "tokens": ntok, "args": vars(args)}
+    if best is not None:   # train_loss/val_loss above are then those of the saved (best) weights
+        stats.update(best_step=best.best_step, best_val_loss=round(best.best_val_loss, 4), val_history=best.history,
+                     stopped_early=stopped_early)
     with open(os.path.join(args.out, "training_stats.json"), "w") as f:
         json.dump(stats, f, indent=1)
     return stats
