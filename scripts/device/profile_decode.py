@@ -4,7 +4,8 @@ For each batch size: the engine's ms per step (one `LLM.generate` of equal reque
 device time of one replay of the decode CUDA graph alone (CUDA events over many replays), the share of
 each step the host spent waiting for the device (0 means the host is the bottleneck), and a per-kernel
 table of one graph replay from the PyTorch profiler. A cProfile of the host side at batch 1 goes to
-$OUT/host_profile_bs1.txt.
+$OUT/host_profile_bs1.txt. Then single-request prefill: wall time of `generate` with max_tokens 1 for
+fresh prompts of each length, against the GPU kernel time of one such request.
 
 Usage: python scripts/device/profile_decode.py --model preset:qwen3-4b --batch-sizes 1,8,64 --out DIR
 """
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prefill-lens", default="128,1000,2000",
+                    help="single-request prefill (max_tokens 1) wall time and GPU kernel time")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -112,6 +115,29 @@ def main() -> None:
         for r in kernels[:14]:
             print(f"    {r['us_per_step']:9.1f} {r['calls_per_step']:6.0f}  {r['name']}", flush=True)
 
+    prefill = []
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+        for length in [int(x) for x in args.prefill_lens.split(",") if x]:
+            walls = []
+            for rep in range(6):
+                prompt = [(1000 + 7919 * (rep * 131 + j)) % 50000 + 100 for j in range(length)]
+                params = SamplingParams(temperature=0, max_tokens=1)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if rep == 5:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof_gpu:
+                        llm.generate([prompt], params)
+                        torch.cuda.synchronize()
+                else:
+                    llm.generate([prompt], params)
+                walls.append(time.perf_counter() - t0)
+            gpu_us = sum(getattr(e, "device_time_total", 0) or 0 for e in prof_gpu.key_averages())
+            row = {"prompt_len": length, "wall_ms_median": 1e3 * sorted(walls[1:5])[2],
+                   "gpu_kernel_ms": gpu_us / 1e3}
+            prefill.append(row)
+            print(json.dumps(row), flush=True)
+
     prof = cProfile.Profile()
     prof.enable()
     run(1)
@@ -121,7 +147,10 @@ def main() -> None:
     with open(os.path.join(args.out, f"host_profile_{name}_bs1.txt"), "w") as f:
         f.write(s.getvalue())
     with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({"decode": results, "prefill": prefill}, f, indent=1)
+    for r in prefill:
+        print(f"prefill {r['prompt_len']} tokens: {r['wall_ms_median']:.1f} ms wall, "
+              f"{r['gpu_kernel_ms']:.1f} ms of kernels")
     print(f"\n| model | batch | step ms | graph replay ms | host waits | kernels/step | kernel us sum |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

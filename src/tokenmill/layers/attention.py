@@ -64,8 +64,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the cache, then attends over the cache. The runner binds the
-    layer's `k_cache` / `v_cache` once the cache is allocated."""
+    """Writes this step's K/V into the cache, then attends over the cache (`attend` alone when a fused
+    kernel already stored them). The runner binds the layer's `k_cache` / `v_cache` once the cache is
+    allocated."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -77,7 +78,14 @@ class PagedAttention(nn.Module):
         if q.is_cuda:
             from tokenmill.layers.kernels import paged_attention as kernels
             kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] over the cache, which must already hold this step's K/V."""
+        if q.is_cuda:
+            from tokenmill.layers.kernels import paged_attention as kernels
             return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
-        store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables,
                                      meta.context_lens, meta.query_start_loc, self.scale)

@@ -1,8 +1,9 @@
-"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, rotary embedding.
+"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, rotary embedding, and the
+fused attention prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv projection.
 
 References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
-(rotary.py). Each kernel rounds intermediates to the input dtype where the reference does, so results
-match it to the last bit or one rounding step. Inputs need a unit stride on the last dim only; token and
+(rotary.py), `store_kvcache_torch` (attention.py). Each kernel rounds intermediates to the input dtype
+where the reference does, so results match it to the last bit or one rounding step. Inputs need a unit stride on the last dim only; token and
 head strides are free, so views split from the packed qkv projection work as they are.
 """
 from __future__ import annotations
@@ -182,3 +183,120 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
     return q, k
+
+
+# ---------------------------------------------------------------- q/k norm + rotary + KV-cache store
+
+
+@triton.jit
+def _norm_rope(src_ptr, w_ptr, eps, cos, sin,
+               NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # src_ptr: head 0 of one token, heads 2 * HALF apart. Rounds like rms_norm then apply_rotary:
+    # normalised value -> input dtype, times weight in fp32 -> input dtype, rotated in fp32 -> input dtype
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (d < HALF)
+    x1 = tl.load(src_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)
+    x2 = tl.load(src_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        f1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        f2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
+                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qkv_stride_t, cs_stride,
+                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                               BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # one program per token; the row is [q heads | k heads | v heads], each head 2 * HALF wide
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * qkv_stride_t
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + d, mask=d < HALF, other=0.0)
+
+    q1, q2, q_mask = _norm_rope(row, q_w_ptr, eps, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF,
+                                HAS_NORM)
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    q_dst = q_ptr + t * (NUM_Q_HEADS * 2 * HALF) + hq * (2 * HALF) + d
+    tl.store(q_dst, q1, mask=q_mask)
+    tl.store(q_dst + HALF, q2, mask=q_mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # padding tokens (slot -1) leave the cache untouched
+        k_src = row + NUM_Q_HEADS * 2 * HALF
+        k1, k2, kv_mask = _norm_rope(k_src, k_w_ptr, eps, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF,
+                                     BLOCK_HALF, HAS_NORM)
+        hkv = tl.arange(0, BLOCK_HKV)[:, None]
+        dst = slot * (NUM_KV_HEADS * 2 * HALF) + hkv * (2 * HALF) + d
+        tl.store(k_cache_ptr + dst, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, k2, mask=kv_mask)
+        v_src = k_src + NUM_KV_HEADS * 2 * HALF + hkv * (2 * HALF) + d
+        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The attention prologue in one kernel. qkv [T, (Hq + 2 * Hkv) * D] is the packed projection
+    output (row stride free, unit last stride). Per token: q and k heads get RMSNorm with q_weight /
+    k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin as in
+    `apply_rotary`); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
+    slot_mapping[t] (slots < 0 are skipped). Returns q as a new contiguous [T, Hq, D]."""
+    _check_dtype("qk_norm_rope_store qkv", qkv)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qk_norm_rope_store: qkv must be [T, {width}] = [T, ({num_heads} + 2 * "
+                         f"{num_kv_heads}) * {head_dim}] with unit last stride, got shape "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
+    if head_dim % 2:
+        raise ValueError(f"qk_norm_rope_store: head_dim must be even, got {head_dim}")
+    num_tokens = qkv.shape[0]
+    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qk_norm_rope_store: positions must be int32/int64 [{num_tokens}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qk_norm_rope_store: slot_mapping must be int32/int64 [{num_tokens}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if not (positions.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError("qk_norm_rope_store: positions and slot_mapping must be contiguous")
+    if (cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim
+            or cos_sin.stride(1) != 1):
+        raise ValueError(f"qk_norm_rope_store: cos_sin must be float32 [max_pos, {head_dim}] with unit "
+                         f"inner stride, got {cos_sin.dtype} {tuple(cos_sin.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope_store: q_weight and k_weight must both be given or both be None")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.shape != (head_dim,) or w.dtype != qkv.dtype or w.stride(0) != 1):
+            raise ValueError(f"qk_norm_rope_store: {name} must be {qkv.dtype} [{head_dim}] with unit "
+                             f"stride, got {w.dtype} {tuple(w.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.dtype != qkv.dtype:
+            raise ValueError(f"qk_norm_rope_store: {name} must be {qkv.dtype} [num_blocks, block_size, "
+                             f"{num_kv_heads}, {head_dim}], got {cache.dtype} {tuple(cache.shape)}")
+        if not cache.is_contiguous():
+            raise ValueError(f"qk_norm_rope_store: {name} must be contiguous")
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    has_norm = q_weight is not None
+    half = head_dim // 2
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
+        eps, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos_sin.stride(0),
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm,
+        num_warps=8 if num_heads * head_dim >= 8192 else 4)
+    return q
