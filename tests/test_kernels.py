@@ -171,6 +171,32 @@ def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
 
 
+def test_prefill_tile_grid_equals_sequence_grid():
+    """The tile-map grid of a padded CUDA-graph batch: empty padding sequences, spare tiles, a
+    sequence spanning two tiles. Rows past the last sequence (padding tokens) are not attended."""
+    from tokenmill.layers.attention import PREFILL_BLOCK_M, prefill_tiles
+    pa, _ = _kernels()
+    gen = _gen(4)
+    num_kv_heads, head_dim, group = 2, 16, 2
+    q_lens = [5, 1, PREFILL_BLOCK_M + 6, 0, 17, 0, 0]           # the last two: padding sequences
+    context_lens = [5, 40, PREFILL_BLOCK_M + 30, 9, 17, 0, 0]
+    k_cache, v_cache, table = _paged_cache(context_lens, 8, num_kv_heads, head_dim, torch.float32, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    tokens = sum(q_lens)
+    q = _randn(tokens + 3, group * num_kv_heads, head_dim, gen=gen)  # 3 padding token rows
+    tiles = torch.from_numpy(prefill_tiles(q_lens, tokens // PREFILL_BLOCK_M + len(q_lens))).to(DEVICE)
+    assert tiles.shape[1] > int((tiles[1] < 1000).sum())          # spare tiles are present
+    cfg = {"block_m": PREFILL_BLOCK_M, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens + 3, 0.3, config=cfg,
+                                     tiles=tiles)
+    ref = paged_attention_torch(q[:tokens], k_cache, v_cache, table, ctx, qsl, 0.3)
+    torch.testing.assert_close(out[:tokens], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens, 0.3,
+                                   config={**cfg, "block_m": 16}, tiles=tiles)
+
+
 def test_paged_attention_dispatch_store_then_attend():
     """Full layer step through AttentionMetadata: a prefill chunk, then a decode step."""
     pa, _ = _kernels()

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
+
+# query rows per program of the GPU prefill kernel; `prefill_tiles` cuts sequences into such tiles
+PREFILL_BLOCK_M = 64
 
 
 @dataclass
@@ -25,6 +29,23 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [B, max_blocks_per_seq] int32
     max_query_len: int
     max_context_len: int
+    prefill_tiles: torch.Tensor | None = None   # [2, n] int32 from `prefill_tiles`, or None
+
+
+def prefill_tiles(query_lens: np.ndarray, num_tiles: int, block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
+    """The (sequence, query-block) pairs of a batch, one column per tile of `block_m` query rows,
+    padded to `num_tiles` columns with a block index too large to hold queries. A batch of T tokens
+    in B sequences needs at most T // block_m + B tiles."""
+    per_seq = -(-np.asarray(query_lens, dtype=np.int64) // block_m)
+    total = int(per_seq.sum())
+    if total > num_tiles:
+        raise ValueError(f"{total} query tiles do not fit in {num_tiles}")
+    tiles = np.empty((2, num_tiles), dtype=np.int32)
+    tiles[0, :total] = np.repeat(np.arange(len(per_seq)), per_seq)
+    tiles[1, :total] = np.arange(total) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    tiles[0, total:] = 0
+    tiles[1, total:] = np.iinfo(np.int32).max // (2 * block_m)
+    return tiles
 
     @property
     def is_decode(self) -> bool:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
-from tokenmill.layers.linear import Linear, linear_silu_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -23,8 +23,8 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -61,11 +61,11 @@ class MLP(nn.Module):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(linear_silu_mul(self.gate_up_proj, x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -18,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-PREFILL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"block_m": PREFILL_BLOCK_M, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 # --------------------------------------------------------------------------------------------- store
@@ -275,17 +275,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                    query_start_loc_ptr, out_ptr, scale_log2,
+                    query_start_loc_ptr, tiles_ptr, out_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                    c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
+                    c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h. Query i of the sequence sits at
-    # position ctx - q_len + i and sees cached positions <= its own.
-    m_blk = tl.program_id(0)
+    # position ctx - q_len + i and sees cached positions <= its own. With USE_TILES, program p takes
+    # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    if USE_TILES:
+        b = tl.load(tiles_ptr + tl.program_id(0))
+        m_blk = tl.load(tiles_ptr + tiles_stride + tl.program_id(0))
+    else:
+        m_blk = tl.program_id(0)
+        b = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if m_blk * BLOCK_M < q_len:
@@ -346,9 +351,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
-    rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid."""
+    rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid, or, when
+    `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M = PREFILL_BLOCK_M) is given, the grid has
+    one program per tile and head, which keeps a CUDA graph padded to many sequences cheap."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
@@ -362,15 +369,25 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
-    grid = (triton.cdiv(max_query_len, cfg["block_m"]), num_q_heads, batch)
+    if tiles is not None:
+        if tiles.dim() != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32 or tiles.stride(1) != 1:
+            raise ValueError(f"tiles must be int32 [2, n] with unit inner stride, got {tiles.dtype} "
+                             f"{tuple(tiles.shape)}")
+        if cfg["block_m"] != PREFILL_BLOCK_M:
+            raise ValueError(f"tiles are cut for BLOCK_M={PREFILL_BLOCK_M}, config has {cfg['block_m']}")
+        grid = (tiles.shape[1], num_q_heads, 1)
+    else:
+        grid = (triton.cdiv(max_query_len, cfg["block_m"]), num_q_heads, batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        tiles if tiles is not None else query_start_loc, out, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        tiles.stride(0) if tiles is not None else 0,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        USE_TILES=tiles is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -381,4 +398,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.is_decode and q.shape[0] == meta.block_tables.shape[0]:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                   meta.query_start_loc, meta.max_query_len, scale)
+                                   meta.query_start_loc, meta.max_query_len, scale, tiles=meta.prefill_tiles)
