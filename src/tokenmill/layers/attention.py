@@ -31,6 +31,10 @@ class AttentionMetadata:
     max_context_len: int
     prefill_tiles: torch.Tensor | None = None   # [2, n] int32 from `prefill_tiles`, or None
 
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
 
 def prefill_tiles(query_lens: np.ndarray, num_tiles: int, block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
     """The (sequence, query-block) pairs of a batch, one column per tile of `block_m` query rows,
@@ -46,10 +50,6 @@ def prefill_tiles(query_lens: np.ndarray, num_tiles: int, block_m: int = PREFILL
     tiles[0, total:] = 0
     tiles[1, total:] = np.iinfo(np.int32).max // (2 * block_m)
     return tiles
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
