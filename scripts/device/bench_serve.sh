@@ -28,6 +28,7 @@ HF_LEVELS=${HF_LEVELS:-1,4}
 ENDPOINT=${ENDPOINT:-/v1/chat/completions}
 DATASET=${DATASET:-mixed-chat}
 SERVER_ARGS=${SERVER_ARGS:-}        # extra `tokenmill serve` flags for the tokenmill backend
+TTFT_PROBE=${TTFT_PROBE:-16}        # tokenmill only: this many 1,000-token prompts at concurrency 1 (0: none)
 BENCH_ARGS=${BENCH_ARGS:-}          # extra `tokenmill bench serve` flags, e.g. "--goodput ttft:500 tpot:50"
 START_TIMEOUT_S=${START_TIMEOUT_S:-300}
 
@@ -58,6 +59,7 @@ python -c "import fastapi, uvicorn, pydantic, httpx" || { echo "fastapi/uvicorn/
 pack() {        # re-pack everything so far and rewrite SUMMARY.md
   local runs=() b
   for b in $BACKENDS; do [ -f "$RES/serve-$b.json" ] && runs+=("$RES/serve-$b.json"); done
+  [ -f "$RES/serve-tokenmill-1000in.json" ] && runs+=("$RES/serve-tokenmill-1000in.json")
   if [ ${#runs[@]} -gt 0 ]; then
     python -m tokenmill.bench report "${runs[@]}" --output-dir "$RES/report" > /dev/null 2>> "$RES/report.log"
   fi
@@ -112,6 +114,15 @@ for backend in $BACKENDS; do
   grep -E "^$backend c=" "$RES/bench-$backend.log" >&2
   [ $rc -ne 0 ] && { note "$backend: bench exit $rc"; tail -5 "$RES/bench-$backend.log" >&2; FAILED=1; }
   note "$backend: sweep $levels x $n prompts in $((SECONDS - t)) s"
+  if [ "$backend" = tokenmill ] && [ "$TTFT_PROBE" -gt 0 ]; then
+    # the issue's latency case: one 1,000-token prompt at a time (completions endpoint, random ids)
+    python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/completions --model "$SLUG" \
+      --label "$backend-1000in" --dataset random --input-len-range 1000,1000 --output-len-range 64,64 \
+      --num-prompts "$TTFT_PROBE" --max-concurrency 1 --hardware "$HARDWARE" --output-dir "$RES" \
+      --name "serve-$backend-1000in" --no-progress > "$RES/bench-$backend-1000in.log" 2>&1 \
+      || { note "$backend: 1000-token probe failed"; FAILED=1; }
+    grep -E "c=" "$RES/bench-$backend-1000in.log" >&2
+  fi
   kill "$pid" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -9 "$pid" 2>/dev/null

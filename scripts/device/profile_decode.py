@@ -26,7 +26,7 @@ from tokenmill.runner import model_runner
 
 
 def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
-    graph = runner.graphs[bs]
+    graph = runner.graphs[("decode", bs)]
     for _ in range(10):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -40,7 +40,7 @@ def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
 
 def kernel_table(runner, bs: int, path: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
-    graph = runner.graphs[bs]
+    graph = runner.graphs[("decode", bs)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
@@ -100,7 +100,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         steps = args.output_len
         assert all(len(o.outputs[0].token_ids) == steps for o in outs)
-        gbs = next((b for b in sorted(runner.graphs) if b >= bs), None)
+        gbs = next((k[1] for k in sorted(runner.graphs) if k[0] == "decode" and k[1] >= bs), None)
         replay, kernels = float("nan"), []
         if gbs is not None:
             replay = graph_replay_ms(runner, gbs)

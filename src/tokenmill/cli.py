@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="KV-cache blocks (default: sized from --gpu-memory-utilization)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=d.cuda_graph_max_tokens,
+                   help="largest step with prefill tokens run as a CUDA graph (0: decode graphs only)")
 
 
 def engine_config(args) -> EngineConfig:
@@ -35,7 +37,7 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens)
 
 
 def _serve(args) -> int:

@@ -119,6 +119,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     enforce_eager: bool = False
+    # steps with prefill tokens run as CUDA graphs up to this many tokens (0: only decode graphs)
+    cuda_graph_max_tokens: int = 2048
     tokenizer: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -133,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

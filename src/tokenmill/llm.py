@@ -17,13 +17,13 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 tokenizer: str | None = None):
+                 cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None):
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, scheduling_policy=scheduling_policy,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            tokenizer=tokenizer))
+            cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer))
         self.engine.emit_unfinished = False
 
     def get_tokenizer(self):

@@ -1,7 +1,8 @@
 """Turns a scheduled batch into flat tensors, runs the model and samples on the device.
 
 Host-side preparation is vectorised with NumPy into pinned staging buffers and copied without
-blocking; on CUDA, pure-decode batches replay CUDA graphs captured for bucketed batch sizes. The
+blocking; on CUDA, batches replay CUDA graphs captured for bucketed sizes (pure decode by batch size,
+steps with prefill tokens by tokens and sequences, up to `cuda_graph_max_tokens`). The
 only host synchronisation per step is reading back the sampled token ids.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplerOutput, SamplingTensors, sample
 
@@ -40,12 +41,12 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
         # used by correctness checks that compare every position's logits with a reference
         self.hidden_hook = None
         if self.device.type == "cuda" and not engine_config.enforce_eager:
-            self._capture_decode_graphs()
+            self._capture_graphs()
 
     # ---- KV cache ---------------------------------------------------------------------------------
     @property
@@ -217,9 +218,9 @@ class ModelRunner:
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
         tensors = self._sampling_tensors(sampled) if sampled else None
         prev_tokens = prev.token_ids if prev is not None and len(inp.gather) else None
-        batch = len(requests)
-        if inp.max_q == 1 and self.graphs and batch <= self.max_graph_batch:
-            hidden, logits = self._replay(inp, prev_tokens)
+        key = self._graph_key(inp)
+        if key is not None:
+            hidden, logits = self._replay(key, inp, prev_tokens)
         else:
             ids = self._to_device(inp.input_ids)
             if prev_tokens is not None:
@@ -246,45 +247,106 @@ class ModelRunner:
         return result
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
-    def _graph_batch_sizes(self) -> list[int]:
-        sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
-        return sorted({s for s in sizes if s <= self.max_num_seqs} | {self.max_num_seqs})
+    # Two families share one set of static input buffers and one memory pool:
+    #   ("decode", B):    B sequences of one token each, the split-K decode kernel;
+    #   ("mixed", T, S):  up to T tokens of up to S sequences (prefill chunks, with or without decode rows),
+    #                     the prefill kernel over a tile map; padding tokens have slot -1 and belong to no
+    #                     sequence, padding sequences are empty.
+    def _graph_keys(self) -> list[tuple]:
+        n = self.max_num_seqs
+        decode = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16)] if b <= n} | {n})
+        keys = [("decode", b) for b in decode]
+        limit = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        if limit > 0:
+            tokens = sorted({t for t in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < limit} | {limit})
+            seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < n} | {min(n, 64)})
+            keys += [("mixed", t, s) for t in tokens for s in seqs if s <= t]
+        return keys
 
-    def _capture_decode_graphs(self) -> None:
-        t0 = time.perf_counter()
-        n, dev = self.max_num_seqs, self.device
-        self.max_graph_batch = n
+    def _init_static_buffers(self, keys: list[tuple]) -> None:
+        tokens = max(k[1] for k in keys)
+        seqs = max(k[1] if k[0] == "decode" else k[2] for k in keys)
+        dev = self.device
         self.static = {
-            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
-            "slots": torch.full((n,), -1, dtype=torch.int64, device=dev),
-            "context_lens": torch.ones(n, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "input_ids": torch.zeros(tokens, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(tokens, dtype=torch.int64, device=dev),
+            "slots": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            "context_lens": torch.zeros(seqs, dtype=torch.int32, device=dev),
+            "qsl": torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "tiles": torch.from_numpy(prefill_tiles([], tokens // PREFILL_BLOCK_M + seqs)).to(dev),
+            "sample_idx": torch.zeros(seqs, dtype=torch.int64, device=dev),
         }
         # two sets of pinned staging buffers, used in turn: while step N's copies may still be queued,
         # step N+1 fills the other set (step N-1's copies finished before its tokens were read)
-        self.staging = [{k: torch.zeros_like(v, device="cpu").pin_memory() for k, v in self.static.items()}
+        pin = self.device.type == "cuda"
+        self.staging = [{k: (v.cpu().pin_memory() if pin else v.clone()) for k, v in self.static.items()}
                         for _ in range(2)]
         self._staging_turn = 0
-        self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pool = None
-        for bs in reversed(self._graph_batch_sizes()):
-            s = self.static
-            meta = AttentionMetadata(slot_mapping=s["slots"][:bs], query_start_loc=s["qsl"][:bs + 1],
-                                     context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
+
+    def _static_forward(self, key: tuple):
+        """The forward pass of one graph key over views of the static buffers -> (hidden, logits)."""
+        s = self.static
+        if key[0] == "decode":
+            tokens = seqs = key[1]
+            meta = AttentionMetadata(slot_mapping=s["slots"][:seqs], query_start_loc=s["qsl"][:seqs + 1],
+                                     context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
                                      max_query_len=1, max_context_len=self.max_model_len)
-            hidden = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)   # warm up kernels
-            self.model.compute_logits(hidden)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(s["input_ids"][:bs], s["positions"][:bs], meta)
-                self.graph_outputs[bs] = (hidden, self.model.compute_logits(hidden))
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        else:
+            _, tokens, seqs = key
+            meta = AttentionMetadata(slot_mapping=s["slots"][:tokens], query_start_loc=s["qsl"][:seqs + 1],
+                                     context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
+                                     max_query_len=tokens, max_context_len=self.max_model_len,
+                                     prefill_tiles=s["tiles"][:, :tokens // PREFILL_BLOCK_M + seqs])
+
+        def forward():
+            hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
+            rows = hidden if key[0] == "decode" else hidden[s["sample_idx"][:seqs]]
+            return hidden, self.model.compute_logits(rows)
+        return forward
+
+    def _capture_graphs(self, emulate: bool = False) -> None:
+        """Captures every graph key, largest first so that the smaller ones reuse the pool. With
+        `emulate` (no CUDA), each "graph" re-runs the forward on the static buffers instead, which
+        lets the padded-batch path be tested on the CPU."""
+        t0 = time.perf_counter()
+        keys = self._graph_keys()
+        self._init_static_buffers(keys)
+        self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        pool = None
+        for key in sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1])):
+            forward = self._static_forward(key)
+            outputs = forward()                       # warms up the kernels (and their compilation)
+            if emulate:
+                self.graphs[key] = _EagerGraph(forward, outputs)
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = forward()
+                pool = graph.pool()
+                self.graphs[key] = graph
+            self.graph_outputs[key] = outputs
+        self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
+        self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
+        self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.graph_seconds = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), self.graph_seconds)
+        logger.info("captured %d CUDA graphs (%d decode, %d with prefill up to %d tokens) in %.1f s",
+                    len(keys), len(self._decode_buckets), len(keys) - len(self._decode_buckets),
+                    max(self._token_buckets, default=0), self.graph_seconds)
+
+    def _graph_key(self, inp: "_Inputs") -> tuple | None:
+        """The smallest captured graph that holds this batch, or None (run eagerly)."""
+        if not self.graphs:
+            return None
+        seqs, tokens = len(inp.context_lens), len(inp.input_ids)
+        if inp.max_q == 1:
+            bs = next((b for b in self._decode_buckets if b >= seqs), None)
+            return None if bs is None else ("decode", bs)
+        t = next((b for b in self._token_buckets if b >= tokens), None)
+        sb = next((b for b in self._seq_buckets if b >= seqs), None)
+        return None if t is None or sb is None else ("mixed", t, sb)
 
     def _fill_placeholders(self, ids: torch.Tensor, inp: "_Inputs", prev_tokens: torch.Tensor) -> None:
         """Writes the in-flight step's sampled tokens (on the device) into the placeholder positions."""
@@ -295,29 +357,59 @@ class ModelRunner:
         else:
             ids[self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
 
-    def _replay(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
-        """Decode through the captured graph of the smallest bucket that fits; returns (hidden, logits)."""
-        batch = len(inp.context_lens)
-        bs = next(b for b in sorted(self.graphs) if b >= batch)
+    def _replay(self, key: tuple, inp: "_Inputs", prev_tokens: torch.Tensor | None):
+        """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
+        graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
+        tokens, seqs = len(inp.input_ids), len(inp.context_lens)
+        t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
         st, s = self.staging[self._staging_turn], self.static
         self._staging_turn ^= 1
         width = inp.tables.shape[1]
-        st["input_ids"].numpy()[:] = 0          # padding rows too: stale placeholders must not reach the embedding
-        st["input_ids"][:batch].numpy()[:] = inp.input_ids
-        st["positions"][:batch].numpy()[:] = inp.positions
-        st["slots"].numpy()[:] = -1
-        st["slots"][:batch].numpy()[:] = inp.slots
-        st["context_lens"].numpy()[:] = 1
-        st["context_lens"][:batch].numpy()[:] = inp.context_lens
-        st["block_tables"][:batch, :width].numpy()[:] = inp.tables
-        for key in ("input_ids", "positions", "slots", "context_lens"):
-            s[key][:bs].copy_(st[key][:bs], non_blocking=True)
-        s["block_tables"][:batch, :width].copy_(st["block_tables"][:batch, :width], non_blocking=True)
+        host = {k: v.numpy() for k, v in st.items()}
+        # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
+        host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
+        host["positions"][:tokens], host["positions"][tokens:t_pad] = inp.positions, 0
+        host["slots"][:tokens], host["slots"][tokens:t_pad] = inp.slots, -1
+        host["context_lens"][:seqs] = inp.context_lens
+        host["block_tables"][:seqs, :width] = inp.tables
+        host["qsl"][:seqs + 1] = inp.qsl
+        if key[0] == "decode":
+            host["context_lens"][seqs:s_pad] = 1
+            host["qsl"][seqs + 1:s_pad + 1] = np.arange(seqs + 1, s_pad + 1)
+            copies = ("input_ids", "positions", "slots", "context_lens", "qsl")
+        else:
+            host["context_lens"][seqs:s_pad] = 0
+            host["qsl"][seqs + 1:s_pad + 1] = tokens           # empty padding sequences
+            host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
+            rows = inp.qsl[1:][inp.sample_rows].astype(np.int64) - 1
+            host["sample_idx"][:len(rows)], host["sample_idx"][len(rows):s_pad] = rows, 0
+            copies = ("input_ids", "positions", "slots", "context_lens", "qsl", "sample_idx")
+        sizes = {"input_ids": t_pad, "positions": t_pad, "slots": t_pad, "context_lens": s_pad,
+                 "qsl": s_pad + 1, "sample_idx": s_pad}
+        for name in copies:
+            s[name][:sizes[name]].copy_(st[name][:sizes[name]], non_blocking=True)
+        if key[0] == "mixed":
+            s["tiles"].copy_(st["tiles"], non_blocking=True)
+        s["block_tables"][:seqs, :width].copy_(st["block_tables"][:seqs, :width], non_blocking=True)
         if prev_tokens is not None:
             self._fill_placeholders(s["input_ids"], inp, prev_tokens)
-        self.graphs[bs].replay()
-        hidden, logits = self.graph_outputs[bs]
-        return hidden[:batch], logits[:batch]
+        self.graphs[key].replay()
+        hidden, logits = self.graph_outputs[key]
+        if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
+            return hidden[:tokens], logits[self._to_device(inp.sample_rows)]
+        return hidden[:tokens], logits[:len(inp.sample_rows)]
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph where there is none: `replay` re-runs the forward on the same static
+    buffers and writes the results into the outputs of the first run, as a graph replay would."""
+
+    def __init__(self, forward, outputs):
+        self.forward, self.outputs = forward, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.forward()):
+            dst.copy_(src)
 
 
 class _Inputs:
