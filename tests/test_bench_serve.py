@@ -144,3 +144,16 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
     pytest.importorskip("matplotlib")
     for png in ("throughput.png", "latency_p95.png", "ttft_dist.png", "itl_dist.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000 and f"]({png})" in md
+
+
+def test_ratio_table_compares_only_the_same_workload():
+    from tokenmill.bench.report_serve import ratio_table
+
+    def run(backend, dataset, rps):
+        return {"backend": backend, "dataset": {"name": dataset}, "levels": [
+            {"max_concurrency": 1, "request_throughput": rps, "output_throughput": 100 * rps,
+             "p95_e2el_ms": 1000 / rps, "median_ttft_ms": 10.0}]}
+    table = ratio_table([run("tokenmill", "mixed-chat", 4.0), run("hf-cb", "mixed-chat", 0.5),
+                         run("tokenmill-1000in", "random", 2.0)])
+    assert "| hf-cb | 1 | 8.00x |" in table
+    assert "1000in" not in table

@@ -58,15 +58,17 @@ def summary_table(runs: list[dict]) -> str:
 
 
 def ratio_table(runs: list[dict], ours: str = "tokenmill") -> str:
-    """Our backend against each other backend at the same concurrency: throughput x, p95 E2E fraction."""
+    """Our backend against each other backend at the same concurrency on the same dataset: throughput x,
+    p95 E2E fraction. Runs on another workload (e.g. a fixed-length latency probe) are not compared."""
     mine = next((r for r in runs if r["backend"] == ours), None)
     if mine is None or len(runs) < 2:
         return ""
     lines = ["| vs | conc | req/s ratio | out tok/s ratio | p95 E2E ratio (ours / theirs) | TTFT p50 ratio |",
              "|---|---|---|---|---|---|"]
     by_conc = {lv["max_concurrency"]: lv for lv in mine["levels"]}
+    workload = mine.get("dataset", {}).get("name")
     for other in runs:
-        if other is mine:
+        if other is mine or other.get("dataset", {}).get("name") != workload:
             continue
         for lv in other["levels"]:
             m = by_conc.get(lv["max_concurrency"])
