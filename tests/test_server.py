@@ -213,6 +213,13 @@ def test_errors_are_openai_shaped(server):
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 2})
     assert r.status_code == 400 and str(MAX_MODEL_LEN) in r.json()["error"]["message"]
     assert str(len(long_prompt)) in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 2})
+    assert r.status_code == 400, r.text                     # 3 + (MAX_MODEL_LEN - 2) tokens do not fit
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    assert f"{MAX_MODEL_LEN + 1} tokens (3 in the prompt, {MAX_MODEL_LEN - 2} in the completion)" in err["message"]
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 3})
+    assert r.status_code == 200, r.text                     # exactly fills the context
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1})
     assert r.status_code == 400 and "frobnicate" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "frobnicate"
@@ -250,7 +257,7 @@ def test_tokenize_detokenize(server, offline):
 
 
 def test_disconnect_frees_blocks(server):
-    body = {"model": "tiny", "prompt": "hello " * 10, "max_tokens": 80, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": list(range(5, 15)), "max_tokens": 80, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30, headers=server.headers) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()

@@ -40,6 +40,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     prompt = serving.check_prompt(render_chat(serving, req.chat_messages(), add_gen))
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.params(req, k)
+    serving.check_room([prompt], params)
     model = req.model or serving.model_names[0]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -32,6 +32,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     prompts = [serving.check_prompt(tok.encode(p, add_special_tokens=add_special) if isinstance(p, str) else p)
                for p in req.prompts()]
     params = serving.params(req, req.logprobs)
+    serving.check_room(prompts, params)
     n, k = params.n, req.logprobs
     model = req.model or serving.model_names[0]
     rid, created = f"cmpl-{uuid.uuid4().hex}", now()

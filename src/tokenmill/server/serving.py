@@ -80,6 +80,19 @@ class Serving:
                                "prompt")
         return ids
 
+    def check_room(self, prompts: list[list[int]], params) -> None:
+        """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
+        (the offline API instead stops such a request at the context length, finish_reason "length")."""
+        if params.max_tokens is None:
+            return
+        limit = self.engine.max_model_len
+        longest = max(len(ids) for ids in prompts)
+        if longest + params.max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
+                                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                                f"prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+
     def params(self, req, logprobs: int | None):
         try:
             params = req.sampling_params(logprobs)
