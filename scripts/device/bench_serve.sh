@@ -12,7 +12,7 @@
 # Output under $OUT: bench_serve.tar.gz (result JSON, server logs, report) and SUMMARY.md (printed last).
 #
 # Time: tokenmill ~2.5 min (load + graph capture + sweep), hf-cb ~2 min, hf ~77 ms per token, so its
-# 8 prompts x 2 levels x ~200 tokens take ~4 min. Trim with the variables below to fit the budget, e.g.
+# 8 prompts x ~200 tokens take ~2 min. Trim with the variables below to fit the budget, e.g.
 #   BACKENDS="tokenmill hf-cb" TM_NUM_PROMPTS=200 bash scripts/device/bench_serve.sh
 set -uo pipefail
 
@@ -24,7 +24,7 @@ TM_LEVELS=${TM_LEVELS:-1,4,8,16,32}
 HF_CB_NUM_PROMPTS=${HF_CB_NUM_PROMPTS:-24}
 HF_CB_LEVELS=${HF_CB_LEVELS:-4,16}
 HF_NUM_PROMPTS=${HF_NUM_PROMPTS:-8}
-HF_LEVELS=${HF_LEVELS:-1,4}
+HF_LEVELS=${HF_LEVELS:-16}          # it serves one request at a time: one level gives its req/s
 ENDPOINT=${ENDPOINT:-/v1/chat/completions}
 DATASET=${DATASET:-mixed-chat}
 SERVER_ARGS=${SERVER_ARGS:-}        # extra `tokenmill serve` flags for the tokenmill backend
