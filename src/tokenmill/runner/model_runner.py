@@ -153,8 +153,9 @@ class ModelRunner:
         query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
                                                      len(requests)))[0]
+        sample_tokens = query_start_loc[1:][sample_rows].astype(np.int64) - 1   # their last token rows
         return _Inputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
-                       sample_rows, int(counts.max()), int(ends.max()), gather, gather_src)
+                       sample_rows, sample_tokens, int(counts.max()), int(ends.max()), gather, gather_src)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -232,8 +233,7 @@ class ModelRunner:
             hidden = self.model(ids, self._to_device(inp.positions), meta)
             logits = None
             if sampled:
-                last = self._to_device(inp.qsl[1:][inp.sample_rows].astype(np.int64) - 1)
-                logits = self.model.compute_logits(hidden[last])
+                logits = self.model.compute_logits(hidden[self._to_device(inp.sample_tokens)])
         if self.hidden_hook is not None:
             self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
         result = StepResult(requests, inp.sample_rows, [])
@@ -289,15 +289,14 @@ class ModelRunner:
         s = self.static
         if key[0] == "decode":
             tokens = seqs = key[1]
-            meta = AttentionMetadata(slot_mapping=s["slots"][:seqs], query_start_loc=s["qsl"][:seqs + 1],
-                                     context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
-                                     max_query_len=1, max_context_len=self.max_model_len)
+            max_query_len, tiles = 1, None
         else:
             _, tokens, seqs = key
-            meta = AttentionMetadata(slot_mapping=s["slots"][:tokens], query_start_loc=s["qsl"][:seqs + 1],
-                                     context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
-                                     max_query_len=tokens, max_context_len=self.max_model_len,
-                                     prefill_tiles=s["tiles"][:, :tokens // PREFILL_BLOCK_M + seqs])
+            max_query_len, tiles = tokens, s["tiles"][:, :tokens // PREFILL_BLOCK_M + seqs]
+        meta = AttentionMetadata(slot_mapping=s["slots"][:tokens], query_start_loc=s["qsl"][:seqs + 1],
+                                 context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
+                                 max_query_len=max_query_len, max_context_len=self.max_model_len,
+                                 prefill_tiles=tiles)
 
         def forward():
             hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
@@ -381,8 +380,8 @@ class ModelRunner:
             host["context_lens"][seqs:s_pad] = 0
             host["qsl"][seqs + 1:s_pad + 1] = tokens           # empty padding sequences
             host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
-            rows = inp.qsl[1:][inp.sample_rows].astype(np.int64) - 1
-            host["sample_idx"][:len(rows)], host["sample_idx"][len(rows):s_pad] = rows, 0
+            rows = len(inp.sample_tokens)
+            host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
             copies = ("input_ids", "positions", "slots", "context_lens", "qsl", "sample_idx")
         sizes = {"input_ids": t_pad, "positions": t_pad, "slots": t_pad, "context_lens": s_pad,
                  "qsl": s_pad + 1, "sample_idx": s_pad}
@@ -414,7 +413,7 @@ class _EagerGraph:
 
 class _Inputs:
     __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
-                 "max_q", "max_ctx", "gather", "gather_src")
+                 "sample_tokens", "max_q", "max_ctx", "gather", "gather_src")
 
     def __init__(self, *values):
         for name, value in zip(self.__slots__, values):
