@@ -55,3 +55,20 @@ def test_gpu_matches_cpu_float32(qwen3_dir, prompts):
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts[:8], params)]
     gpu = LLM(qwen3_dir, device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts[:8], params)] == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_single_request_decode_kernels_match_cpu_float32(qwen3_dir, prompts, monkeypatch):
+    """One request at a time: every decode step is a one-token CUDA graph through the fused
+    single-token layer (kernels/gemv.py) with programmatic dependent launch."""
+    from tokenmill.models import llama
+    used = []
+    original = llama.single_token_linear
+    monkeypatch.setattr(llama, "single_token_linear", lambda h: used.append(original(h)) or used[-1])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cpu = LLM(qwen3_dir, device="cpu", dtype="float32")
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts[:6], params)]
+    gpu = LLM(qwen3_dir, device="cuda", dtype="float32", max_num_seqs=1, gpu_memory_utilization=0.3)
+    assert ("decode", 1) in gpu.engine.runner.graphs
+    assert any(f is not None for f in used), "the single-token layer was not captured"
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts[:6], params)] == expected

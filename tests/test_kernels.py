@@ -286,6 +286,73 @@ def test_silu_and_mul_matches_reference(dtype):
                                atol=_tol(dtype))
 
 
+def _gemv():
+    if not HAS_CUDA:
+        _use_interpreter()
+    from tokenmill.layers.kernels import gemv
+    return gemv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("norm,residual,silu,bias", [
+    (False, False, False, False), (False, False, False, True), (True, False, False, False),
+    (True, True, False, True), (True, True, True, False)])
+def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
+    gemv = _gemv()
+    gen = _gen(21)
+    n, k = 44, 200   # 11 row blocks of 4 over 4 programs: each program loops; k is 7 ragged chunks of 32
+    x, w = _randn(1, k, dtype=dtype, gen=gen), _randn(n, k, dtype=dtype, gen=gen) / 8
+    kwargs = dict(bias=_randn(n, dtype=dtype, gen=gen) if bias else None,
+                  norm_weight=_randn(k, dtype=dtype, gen=gen) if norm else None, eps=1e-5,
+                  residual=_randn(1, k, dtype=dtype, gen=gen) if residual else None, silu=silu)
+    ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+    out, out_res = gemv.fused_linear(x, w, config=(4, 32, 4, 1), **kwargs)
+    assert out.shape == ((1, n // 2) if silu else (1, n))
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    if not norm:
+        assert out_res is None
+    elif residual:
+        torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
+    else:
+        assert out_res is x
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU every one-token step takes this path anyway")
+def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypatch):
+    """Every one-token step through the fused single-token layer (norms folded into the products,
+    SiLU-and-mul into gate_up, the residual carried by the kernels) gives the tokens of the composed
+    layer, for each architecture (qkv bias, q/k norm, GQA group 5)."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.models import llama
+    gemv = _gemv()
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41], [12]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = dict(device="cpu", dtype="float32", max_num_seqs=1)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(kwargs.get("silu", False))
+        return gemv.fused_linear(*args, config=(32, 64, 4, 2), **kwargs)
+    monkeypatch.setattr(llama, "single_token_linear", lambda h: fused if h.shape[0] == 1 else None)
+    got = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
+    assert got == expected
+    assert calls.count(True) > 0 and len(calls) == 4 * calls.count(True)
+
+
+def test_fused_linear_rejects_bad_inputs():
+    gemv = _gemv()
+    x, w = torch.zeros(1, 8, device=DEVICE), torch.zeros(6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="M <= 1"):
+        gemv.fused_linear(torch.zeros(2, 8, device=DEVICE), w)
+    with pytest.raises(ValueError, match="share K"):
+        gemv.fused_linear(torch.zeros(1, 7, device=DEVICE), w)
+    with pytest.raises(ValueError, match="needs a norm"):
+        gemv.fused_linear(x, w, residual=x)
+    with pytest.raises(ValueError, match="even number"):
+        gemv.fused_linear(x, torch.zeros(5, 8, device=DEVICE), silu=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_rotary_in_place_on_packed_qkv_views(dtype):
     _, ops = _kernels()
@@ -489,3 +556,43 @@ def test_gpu_qk_norm_rope_store_realistic(qk_norm):
     _check_prologue(ops, _gen(14), num_tokens=300, num_heads=32, num_kv_heads=8, head_dim=128,
                     block_size=16, num_blocks=40, dtype=torch.bfloat16, qk_norm=qk_norm, max_pos=4096,
                     tol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_linear_chain_in_a_cuda_graph():
+    """A decoder layer's four single-token products at qwen3-4b sizes, chained as in a decode step and
+    replayed from a CUDA graph (programmatic dependent launch on Hopper): each matches the reference
+    computed from the previous product's graph output, so a kernel that read its input before the
+    previous one finished would fail here."""
+    gemv = _gemv()
+    gen = _gen(15)
+    bf16 = torch.bfloat16
+    hidden, inter, qkv_n = 2560, 9728, 6144
+    w_qkv, w_o = _randn(qkv_n, hidden, dtype=bf16, gen=gen) / 50, _randn(hidden, 4096, dtype=bf16, gen=gen) / 64
+    w_gu, w_down = _randn(2 * inter, hidden, dtype=bf16, gen=gen) / 50, _randn(hidden, inter, dtype=bf16, gen=gen) / 99
+    n1, n2 = 1 + _randn(hidden, dtype=bf16, gen=gen) / 10, 1 + _randn(hidden, dtype=bf16, gen=gen) / 10
+    x, res = _randn(1, hidden, dtype=bf16, gen=gen), _randn(1, hidden, dtype=bf16, gen=gen)
+
+    def layer():
+        qkv, r = gemv.fused_linear(x, w_qkv, norm_weight=n1, eps=1e-6, residual=res)
+        o, _ = gemv.fused_linear(qkv[:, :4096].contiguous(), w_o)
+        h, r2 = gemv.fused_linear(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, silu=True)
+        return qkv, r, o, h, r2, gemv.fused_linear(h, w_down)[0]
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for _ in range(3):
+        x.copy_(_randn(1, hidden, dtype=bf16, gen=gen))
+        graph.replay()
+        qkv, r, o, h, r2, down = outs
+        ref_qkv, ref_r = gemv.fused_linear_torch(x, w_qkv, norm_weight=n1, eps=1e-6, residual=res)
+        torch.testing.assert_close(qkv, ref_qkv, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(r, ref_r, rtol=0, atol=0)
+        torch.testing.assert_close(o, gemv.fused_linear_torch(qkv[:, :4096], w_o)[0], rtol=2e-2, atol=2e-2)
+        ref_h, ref_r2 = gemv.fused_linear_torch(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, silu=True)
+        torch.testing.assert_close(h, ref_h, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(r2, ref_r2, rtol=0, atol=0)
+        torch.testing.assert_close(down, gemv.fused_linear_torch(h, w_down)[0], rtol=2e-2, atol=2e-2)

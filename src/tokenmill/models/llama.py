@@ -16,6 +16,15 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
+def single_token_linear(hidden: torch.Tensor):
+    """`gemv.fused_linear` when a step of this many tokens runs its layers as single-token kernels
+    (CUDA, one token, not turned off), else None."""
+    if not hidden.is_cuda:
+        return None
+    from tokenmill.layers.kernels import gemv
+    return gemv.fused_linear if gemv.applies(hidden) else None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -33,8 +42,11 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta))
+
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj."""
+        T = qkv.shape[0]
         if qkv.is_cuda:
             # one kernel for q/k norm, RoPE and the KV-cache store; attention then reads K/V from the cache
             from tokenmill.layers.kernels import fused_ops
@@ -43,7 +55,7 @@ class Attention(nn.Module):
             q = fused_ops.qk_norm_rope_store(
                 qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache, self.attn.v_cache,
                 meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn.attend(q, meta).reshape(T, self.q_size))
+            return self.attn.attend(q, meta).reshape(T, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -52,8 +64,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.attn(q, k, v, meta).reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -77,6 +88,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
+        fused_linear = single_token_linear(hidden)
+        if fused_linear is not None:
+            return self._forward_single_token(fused_linear, positions, hidden, residual, meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -85,6 +99,21 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_single_token(self, fused_linear, positions, hidden, residual, meta):
+        """The same layer for one token in four weight-reading kernels, each norm folded into the
+        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                     norm_weight=self.input_layernorm.weight,
+                                     eps=self.input_layernorm.eps, residual=residual)
+        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta), attn.o_proj.weight)
+        hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
+                                        norm_weight=self.post_attention_layernorm.weight,
+                                        eps=self.post_attention_layernorm.eps, residual=residual,
+                                        silu=True)
+        hidden, _ = fused_linear(hidden, mlp.down_proj.weight)
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):

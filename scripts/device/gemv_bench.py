@@ -1,0 +1,161 @@
+"""Single-token products on the GPU: the fused GEMV of `tokenmill.layers.kernels.gemv` against cuBLAS,
+for each weight-reading product of a decoder layer, at the sizes of the presets.
+
+Each variant runs as a CUDA graph over one weight copy per layer (so weights come from HBM, not L2), the
+way a batch-1 decode step meets them: `qkv` = RMSNorm(+residual) then the product, `o`, `gate_up` =
+RMSNorm(+residual), the product and SiLU-and-mul, `down`. The cuBLAS variant uses our norm and
+activation kernels around `F.linear`; the GEMV variant folds them in. Every GEMV tile configuration is
+timed; the fastest per shape goes to gemv_configs.json (the format `TOKENMILL_GEMV_CONFIGS` reads).
+Then one graph of whole layers (all four products, per layer) compares the two paths.
+
+Usage: python scripts/device/gemv_bench.py --out DIR [--models qwen3-4b,nanbeige4.1-3b]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.kernels import fused_ops, gemv, pdl
+
+SHAPES = {  # hidden, q width, kv width, intermediate, layers
+    "qwen3-4b": (2560, 4096, 1024, 9728, 36),
+    "nanbeige4.1-3b": (2560, 2560, 512, 10496, 32),
+}
+TILES = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4)]
+PER_SM = [2, 4, 8]
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Device microseconds of one call of fn, captured in a CUDA graph (median of reps replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del graph
+    return sorted(times)[reps // 2]
+
+
+def products(model: str):
+    hidden, q, kv, inter, layers = SHAPES[model]
+    # name, (N, K), norm+residual before, silu after
+    return layers, [("qkv", (q + 2 * kv, hidden), True, False), ("o", (hidden, q), False, False),
+                    ("gate_up", (2 * inter, hidden), True, True), ("down", (hidden, inter), False, False)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"programmatic dependent launch: {pdl.enabled(dev)}", flush=True)
+    configs, rows, layer_rows = [], [], []
+    for model in args.models.split(","):
+        layers, prods = products(model)
+        weights = {}
+        for name, (n, k), norm, silu in prods:
+            ws = [torch.randn(n, k, device=dev, dtype=bf16, generator=gen) / k ** 0.5 for _ in range(layers)]
+            weights[name] = ws
+            x = torch.randn(1, k, device=dev, dtype=bf16, generator=gen)
+            res = torch.randn(1, k, device=dev, dtype=bf16, generator=gen)
+            nw = torch.ones(k, device=dev, dtype=bf16)
+            mb = n * k * 2 / 1e6
+
+            def cublas():
+                for w in ws:
+                    h = fused_ops.rms_norm(x, nw, 1e-6, res)[0] if norm else x
+                    y = F.linear(h, w)
+                    if silu:
+                        fused_ops.silu_and_mul(y)
+
+            base = graph_us(cublas) / layers
+            best = None
+            for bn, bk, warps in TILES:
+                for per_sm in PER_SM:
+                    cfg = (bn, bk, warps, per_sm)
+
+                    def fused():
+                        for w in ws:
+                            gemv.fused_linear(x, w, norm_weight=nw if norm else None, eps=1e-6,
+                                              residual=res if norm else None, silu=silu, config=cfg)
+                    us = graph_us(fused) / layers
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+            us, cfg = best
+            configs.append([n, k, silu, list(cfg)])
+            row = {"model": model, "product": name, "N": n, "K": k, "MB": round(mb, 1),
+                   "cublas_us": round(base, 2), "cublas_TBs": round(mb / base, 2),   # MB / us = TB/s
+                   "gemv_us": round(us, 2), "gemv_TBs": round(mb / us, 2), "config": cfg}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        # whole layers: every product of every layer in one graph, each path with its best
+        hidden = SHAPES[model][0]
+        x = torch.randn(1, hidden, device=dev, dtype=bf16, generator=gen)
+        res = torch.randn(1, hidden, device=dev, dtype=bf16, generator=gen)
+        nw = torch.ones(hidden, device=dev, dtype=bf16)
+        q = SHAPES[model][1]
+        table = {(n, k, s): tuple(c) for n, k, s, c in configs}
+
+        def layer_cublas():
+            h, r = x, res
+            for i in range(layers):
+                a, r = fused_ops.rms_norm(h, nw, 1e-6, r)
+                o = F.linear(F.linear(a, weights["qkv"][i])[:, :q], weights["o"][i])
+                a, r = fused_ops.rms_norm(o, nw, 1e-6, r)
+                h = F.linear(fused_ops.silu_and_mul(F.linear(a, weights["gate_up"][i])), weights["down"][i])
+
+        def layer_gemv():
+            h, r = x, res
+            for i in range(layers):
+                def lin(inp, name, **kw):
+                    w = weights[name][i]
+                    return gemv.fused_linear(inp, w, config=table[(*w.shape, kw.get("silu", False))], **kw)
+                a, r = lin(h, "qkv", norm_weight=nw, eps=1e-6, residual=r)
+                o, _ = lin(a[:, :q].contiguous(), "o")
+                a, r = lin(o, "gate_up", norm_weight=nw, eps=1e-6, residual=r, silu=True)
+                h, _ = lin(a, "down")
+        total_mb = sum(w.numel() * 2 for ws in weights.values() for w in ws) / 1e6
+        for name, fn in (("cublas", layer_cublas), ("gemv", layer_gemv)):
+            us = graph_us(fn, reps=10)
+            layer_rows.append({"model": model, "path": name, "ms": round(us / 1e3, 3),
+                               "TBs": round(total_mb / us, 2)})
+            print(json.dumps(layer_rows[-1]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+    for path in (os.path.join(args.out, "gemv_configs.json"), "/tmp/gemv_configs.json"):
+        with open(path, "w") as f:
+            json.dump(configs, f)
+    with open(os.path.join(args.out, "gemv_bench.json"), "w") as f:
+        json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.enabled(dev)}, f, indent=1)
+    print("\n| model | product | N x K | MB | cuBLAS us (TB/s) | GEMV us (TB/s) | GEMV config |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['product']} | {r['N']} x {r['K']} | {r['MB']} | {r['cublas_us']} "
+              f"({r['cublas_TBs']}) | {r['gemv_us']} ({r['gemv_TBs']}) | {tuple(r['config'])} |")
+    print("\n| model | path | all layers' products, ms | TB/s |")
+    print("|---|---|---|---|")
+    for r in layer_rows:
+        print(f"| {r['model']} | {r['path']} | {r['ms']} | {r['TBs']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Single-token linear layers: one kernel per product of a one-row input with a weight matrix, with the
+RMSNorm (+ residual add) before it and the SiLU-and-mul after it folded in.
+
+A batch-1 decode step reads every weight once and does little else, so it is bound by how close each
+product gets to HBM bandwidth. The weight matrices of a 3-4B model are 20-100 MB, small enough that a
+library GEMM spends a good part of its time ramping up and draining; here each layer's four products
+are the only kernels that read weights, the norms and the activation ride along (two kernels fewer per
+layer), and with programmatic dependent launch (`pdl.py`) a product starts fetching its weights while
+the kernel before it finishes.
+
+`fused_linear` is the one entry point; `fused_linear_torch` is its reference. `TOKENMILL_GEMV=0` sends
+single-token products back to cuBLAS (for A/B benchmarks).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from tokenmill.layers.activation import silu_and_mul_torch
+from tokenmill.layers.kernels import pdl
+from tokenmill.layers.norm import rms_norm_torch
+
+ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
+MAX_ROWS = 1
+
+# (block_n, block_k, num_warps, programs per SM), by (N, K, silu); measured on an H200
+DEFAULT_CONFIG = (4, 1024, 4, 4)
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
+    with open(os.environ["TOKENMILL_GEMV_CONFIGS"]) as f:
+        CONFIGS.update({(n, k, bool(s)): tuple(c) for n, k, s, c in json.load(f)})
+
+
+def applies(x: torch.Tensor) -> bool:
+    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+
+def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False):
+    """Reference: y = linear(rms_norm(x + residual) * norm_weight) (each step optional), then
+    silu(gate) * up over the packed [gate | up] output when `silu`. Returns (y, x + residual), the
+    second being x itself without a residual and None without a norm."""
+    res_out = None
+    if norm_weight is not None:
+        res_out = x
+        x, summed = rms_norm_torch(x, norm_weight, eps, residual)
+        if residual is not None:
+            res_out = summed
+    y = F.linear(x, weight, bias)
+    return (silu_and_mul_torch(y) if silu else y), res_out
+
+
+@triton.jit
+def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    # columns k0 + c of the product's input, rounded as rms_norm_torch rounds them, in float32
+    kk = k0 + c
+    mask = kk < K
+    h = tl.load(x_ptr + kk, mask=mask, other=0.0)
+    if RESIDUAL:
+        h = (h.to(tl.float32) + tl.load(res_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+    if NORM:
+        h = (h.to(tl.float32) * rstd).to(h.dtype)
+        h = (h.to(tl.float32) * tl.load(nw_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
+    # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_units = tl.cdiv(n_out, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+
+    # weights never change: the first tile is requested before waiting for the previous kernel
+    rows = pid * BLOCK_N + r
+    tile_mask = (rows < n_out)[:, None] & (c < K)[None, :]
+    w_first = tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask,
+                      other=0.0)
+    u_first = w_first
+    if SILU:
+        u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
+                          mask=tile_mask, other=0.0)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    rstd = 1.0
+    if NORM:
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, k0, c, K, False, RESIDUAL)
+            sq += h * h
+            if RESIDUAL:
+                if pid == 0:
+                    tl.store(res_out_ptr + k0 + c, h.to(res_out_ptr.dtype.element_ty), mask=k0 + c < K)
+        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+
+    for unit in range(pid, num_units, num_programs):
+        rows = unit * BLOCK_N + r
+        row_mask = rows < n_out
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+        u_rows = w_rows + n_out * w_stride
+        if unit == pid:
+            w = w_first
+            u = u_first
+        else:
+            tile_mask = row_mask[:, None] & (c < K)[None, :]
+            w = tl.load(w_rows + c[None, :], mask=tile_mask, other=0.0)
+            u = w
+            if SILU:
+                u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
+        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
+        acc = w.to(tl.float32) * xk
+        acc_u = acc
+        if SILU:
+            acc_u = u.to(tl.float32) * xk
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+            if SILU:
+                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if SILU:
+            g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = act * up
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    from tokenmill.layers.kernels.paged_attention import _num_sms
+    return _num_sms(device.index or 0) if device.type == "cuda" else 4
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 residual: torch.Tensor | None = None, silu: bool = False,
+                 config: tuple[int, int, int, int] | None = None):
+    """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
+    (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
+    norm and a residual are given, x when only the norm is, else None."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"fused_linear: x must be [M, K] with M <= {MAX_ROWS}, got {tuple(x.shape)}")
+    n, k = weight.shape
+    if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"fused_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must share "
+                         f"K and have unit last strides")
+    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"fused_linear: x {x.dtype} and weight {weight.dtype} must be one float dtype")
+    if silu and n % 2:
+        raise ValueError(f"fused_linear: silu needs an even number of weight rows, got {n}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"fused_linear: bias must be [{n}], got {tuple(bias.shape)}")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape
+                                 or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"fused_linear: a residual {tuple(residual.shape)} needs a norm and must match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    n_out = n // 2 if silu else n
+    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    res_out = None
+    if norm_weight is not None:
+        res_out = torch.empty_like(x) if residual is not None else x
+    block_n, block_k, num_warps, per_sm = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
+    use_pdl = pdl.enabled(x.device)
+    for m in range(x.shape[0]):
+        _gemv_kernel[grid](
+            x[m], residual[m] if residual is not None else x[m],
+            norm_weight if norm_weight is not None else weight, weight,
+            bias if bias is not None else weight, out[m],
+            res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
+            K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, USE_PDL=use_pdl,
+            num_warps=num_warps, launch_pdl=use_pdl)
+    return out, res_out
