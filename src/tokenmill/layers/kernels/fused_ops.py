@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenmill.layers.kernels import pdl
 
@@ -41,11 +40,9 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows, inner,
                      x_stride_a, x_stride_b, r_stride_a, r_stride_b,
                      N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_N)
     r_mask = r < num_rows
@@ -89,12 +86,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if num_rows > 0:
         block_n = triton.next_power_of_2(n)
         block_r = max(1, min(16, 2048 // block_n))
-        use_pdl = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x3, r3, weight, out, res_out, eps, num_rows, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
-            num_warps=8 if block_n >= 4096 else 4, launch_pdl=use_pdl)
+            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, PDL=pdl_mode,
+            num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_mode > 0)
     return out if residual is None else (out, res_out)
 
 
@@ -103,10 +100,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, I: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+                         PDL: tl.constexpr):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I
@@ -128,10 +123,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
-        use_pdl = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), I=inter, BLOCK=block, USE_PDL=use_pdl, num_warps=4,
-            launch_pdl=use_pdl)
+            x2, out, x2.stride(0), I=inter, BLOCK=block, PDL=pdl_mode, num_warps=4,
+            launch_pdl=pdl_mode > 0)
     return out
 
 
@@ -229,11 +224,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               USE_PDL: tl.constexpr):
+                               PDL: tl.constexpr):
     # one program per token; the row is [q heads | k heads | v heads], each head 2 * HALF wide
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * qkv_stride_t
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -309,12 +302,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
         return q
     has_norm = q_weight is not None
     half = head_dim // 2
-    use_pdl = pdl.enabled(qkv.device)
+    pdl_mode = pdl.mode(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         eps, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos_sin.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, USE_PDL=use_pdl,
-        num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=use_pdl)
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, PDL=pdl_mode,
+        num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=pdl_mode > 0)
     return q

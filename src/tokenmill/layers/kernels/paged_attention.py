@@ -17,7 +17,6 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernels import pdl
@@ -109,12 +108,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     # One program: sequence b, kv head kvh, split s. All GROUP query heads of kvh share each K/V tile;
     # the group is padded to BLOCK_G rows (>= 16 for tl.dot) and the padding rows are never stored.
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,10 +165,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, o_stride_t, o_stride_h,
                           NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -261,7 +256,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    use_pdl = pdl.enabled(q.device)
+    pdl_mode = pdl.mode(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -270,13 +265,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
         PAGE_SIZE=block_size, BLOCK_N=cfg["block_n"], DOT_PRECISION=_dot_precision(q.dtype),
-        USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
+        PDL=pdl_mode, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+            PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
     return out
 
 

@@ -1,13 +1,17 @@
 """Programmatic dependent launch (Hopper and newer): a kernel launched with it may start while the
-kernel before it in the stream is finishing, so its launch and ramp-up overlap that kernel's tail.
+kernel before it in the stream is still running, so its launch, ramp-up and weight reads overlap that
+kernel's work.
 
-Every kernel launched with `launch_pdl=enabled(device)` must call `gdc_wait()` (the previous kernel has
-completed and its writes are visible) before it reads any input a previous kernel may write, or writes
-anything; before that it may only read weights. It calls `gdc_launch_dependents()` after its wait, so
-the next kernel is launched once this one is past its own wait, never further ahead. A batch-1 decode
-step is a chain of a few hundred short kernels, which is where this pays.
+Each kernel launched with `launch_pdl=mode(device) > 0` takes `PDL=mode(device)` and calls
+`enter(PDL)` before it reads any input a previous kernel may write, or writes anything; before that it
+may only read weights. `enter` waits until the previous kernel has completed and its writes are
+visible, and signals that the next kernel may launch: after the wait (mode 1), so launches run at most
+one kernel ahead, or before it (mode 2), so a chain of short kernels (attention between two products)
+lets the next product launch and fetch its weights while they run. Waiting is transitive (a kernel
+completes only after its own wait), so a kernel also sees everything written before its predecessor.
+A batch-1 decode step is a chain of a few hundred short kernels, which is where this pays.
 
-`TOKENMILL_PDL=0` turns it off (for A/B benchmarks).
+`TOKENMILL_PDL=0|1|2` picks the mode (for A/B benchmarks).
 """
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ import os
 from functools import lru_cache
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("TOKENMILL_PDL", "1") != "0"
+MODE = int(os.environ.get("TOKENMILL_PDL", "2"))
 
 
 @lru_cache(maxsize=None)
@@ -24,5 +31,15 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    return ENABLED and device.type == "cuda" and _supported(device.index or 0)
+def mode(device: torch.device) -> int:
+    return MODE if device.type == "cuda" and _supported(device.index or 0) else 0
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    if PDL == 2:
+        gdc_launch_dependents()
+    if PDL > 0:
+        gdc_wait()
+    if PDL == 1:
+        gdc_launch_dependents()
