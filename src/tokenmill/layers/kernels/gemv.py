@@ -27,12 +27,18 @@ from tokenmill.layers.norm import rms_norm_torch
 
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 # before waiting for the previous kernel, also ask L2 for the rest of the first row block's weights
-PREFETCH = os.environ.get("TOKENMILL_GEMV_PREFETCH", "1") != "0"
+# (off: it made the batch-1 step slower on an H200, see docs/BENCHMARKS.md)
+PREFETCH = os.environ.get("TOKENMILL_GEMV_PREFETCH", "0") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM), by (N, K, silu); measured on an H200
-DEFAULT_CONFIG = (4, 1024, 4, 4)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+# (block_n, block_k, num_warps, programs per SM), by weight (N, K) and silu: the fastest of
+# scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products
+DEFAULT_CONFIG = (4, 1024, 4, 8)
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (2560, 4096, False): (2, 1024, 4, 8),        # qwen3-4b o_proj
+    (19456, 2560, True): (4, 512, 4, 8),         # qwen3-4b gate_up
+    (20992, 2560, True): (4, 512, 4, 8),         # nanbeige4.1-3b gate_up
+}
 if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
     with open(os.environ["TOKENMILL_GEMV_CONFIGS"]) as f:
         CONFIGS.update({(n, k, bool(s)): tuple(c) for n, k, s, c in json.load(f)})
