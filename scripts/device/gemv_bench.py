@@ -65,7 +65,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
-    print(f"programmatic dependent launch mode: {pdl.mode(dev)}, L2 prefetch: {gemv.PREFETCH}", flush=True)
+    print(f"programmatic dependent launch mode: {pdl.mode(dev)}", flush=True)
     configs, rows, layer_rows = [], [], []
     for model in args.models.split(","):
         layers, prods = products(model)
@@ -145,7 +145,7 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(configs, f)
     with open(os.path.join(args.out, "gemv_bench.json"), "w") as f:
-        json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.mode(dev), "prefetch": gemv.PREFETCH}, f, indent=1)
+        json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.mode(dev)}, f, indent=1)
     print("\n| model | product | N x K | MB | cuBLAS us (TB/s) | GEMV us (TB/s) | GEMV config |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

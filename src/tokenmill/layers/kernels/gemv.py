@@ -26,9 +26,6 @@ from tokenmill.layers.kernels import pdl
 from tokenmill.layers.norm import rms_norm_torch
 
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
-# before waiting for the previous kernel, also ask L2 for the rest of the first row block's weights
-# (off: it made the batch-1 step slower on an H200, see docs/BENCHMARKS.md)
-PREFETCH = os.environ.get("TOKENMILL_GEMV_PREFETCH", "0") != "0"
 MAX_ROWS = 1
 
 # (block_n, block_k, num_warps, programs per SM), by weight (N, K) and silu: the fastest of
@@ -78,22 +75,10 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_l2(w_ptr, rows, row_mask, w_stride, K: tl.constexpr, LINES: tl.constexpr,
-                 LINE_ELEMS: tl.constexpr):
-    # one prefetch per 128-byte line of rows[:, :K]; no registers are held for the data
-    ln = tl.arange(0, LINES) * LINE_ELEMS
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_stride + ln[None, :]
-    mask = (row_mask[:, None] & (ln < K)[None, :]).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                 PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
     pid = tl.program_id(0)
@@ -111,10 +96,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
     if SILU:
         u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
                           mask=tile_mask, other=0.0)
-    if PREFETCH_LINES > 0:
-        _prefetch_l2(w_ptr, rows, rows < n_out, w_stride, K, PREFETCH_LINES, LINE_ELEMS)
-        if SILU:
-            _prefetch_l2(w_ptr, rows + n_out, rows < n_out, w_stride, K, PREFETCH_LINES, LINE_ELEMS)
     pdl.enter(PDL)
 
     rstd = 1.0
@@ -203,8 +184,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
-    line_elems = 128 // weight.element_size()
-    prefetch_lines = triton.next_power_of_2(triton.cdiv(k, line_elems)) if PREFETCH and pdl_mode else 0
     for m in range(x.shape[0]):
         _gemv_kernel[grid](
             x[m], residual[m] if residual is not None else x[m],
@@ -213,6 +192,5 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode,
-            PREFETCH_LINES=prefetch_lines, LINE_ELEMS=line_elems,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
