@@ -351,6 +351,8 @@ def test_fused_linear_rejects_bad_inputs():
         gemv.fused_linear(x, w, residual=x)
     with pytest.raises(ValueError, match="even number"):
         gemv.fused_linear(x, torch.zeros(5, 8, device=DEVICE), silu=True)
+    with pytest.raises(ValueError, match="no bias"):
+        gemv.fused_linear(x, w, torch.zeros(6, device=DEVICE), silu=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])

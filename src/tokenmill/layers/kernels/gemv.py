@@ -165,8 +165,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"K and have unit last strides")
     if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"fused_linear: x {x.dtype} and weight {weight.dtype} must be one float dtype")
-    if silu and n % 2:
-        raise ValueError(f"fused_linear: silu needs an even number of weight rows, got {n}")
+    if silu and (n % 2 or bias is not None):
+        raise ValueError(f"fused_linear: silu needs an even number of weight rows (got {n}) and no bias")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"fused_linear: bias must be [{n}], got {tuple(bias.shape)}")
     if residual is not None and (norm_weight is None or residual.shape != x.shape
