@@ -138,17 +138,16 @@ class ModelRunner:
             input_ids = np.fromiter((t for r, s, e in zip(requests, starts.tolist(), ends.tolist())
                                      for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
             positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+        seq_of_token = np.repeat(np.arange(len(requests)), counts)
         gather = np.nonzero(input_ids < 0)[0]          # placeholders: read from the in-flight step
         gather_src = None
         if len(gather):
-            tok_of_seq = np.cumsum(counts) - 1
-            seq_idx = np.searchsorted(tok_of_seq, gather)
-            gather_src = np.fromiter((requests[i].pending_row for i in seq_idx.tolist()), np.int64, len(gather))
+            gather_src = np.fromiter((requests[i].pending_row for i in seq_of_token[gather].tolist()),
+                                     np.int64, len(gather))
         width = max(len(r.block_ids) for r in requests)
         block_tables = np.zeros((len(requests), width), dtype=np.int32)
         for i, r in enumerate(requests):
             block_tables[i, :len(r.block_ids)] = r.block_ids
-        seq_of_token = np.repeat(np.arange(len(requests)), counts)
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
