@@ -87,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
-        fused_linear = single_token_linear(hidden)
+    def forward(self, positions, hidden, residual, meta, fused_linear=None):
+        """`fused_linear` (from `single_token_linear`): run the layer as single-token kernels."""
         if fused_linear is not None:
             return self._forward_single_token(fused_linear, positions, hidden, residual, meta)
         if residual is None:
@@ -126,8 +126,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
+        fused_linear = single_token_linear(hidden)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta, fused_linear)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
