@@ -3,15 +3,17 @@
 #   tests  the gpu-marked kernel and engine tests
 #   gemv   scripts/device/gemv_bench.py: single-token product kernels against cuBLAS, per layer shape;
 #          the fastest tile per shape goes to $OUT/gemv_configs.json (and /tmp/gemv_configs.json)
-#   e2e    scripts/device/profile_decode.py at batch 1 for each VARIANTS entry GEMV,PDL: cuBLAS (0) or the
-#          fused single-token kernels (1) (TOKENMILL_GEMV); programmatic dependent launch off (0), the
-#          next kernel triggered after (1) or before (2) each wait (TOKENMILL_PDL)
+#   e2e    scripts/device/profile_decode.py at batch 1 for each VARIANTS entry GEMV,PDL[,ATTN]: cuBLAS (0)
+#          or the fused single-token kernels (1) (TOKENMILL_GEMV); programmatic dependent launch off (0),
+#          the next kernel triggered after (1) or before (2) each wait (TOKENMILL_PDL); decode attention
+#          as prologue, split-K kernel and merge (0) or as one kernel (1, the default)
+#          (TOKENMILL_FUSED_DECODE)
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/bench_results}
 STAGES=${STAGES:-"tests gemv e2e"}
 MODELS=${MODELS:-"qwen3-4b nanbeige4.1-3b"}
-VARIANTS=${VARIANTS:-"0,0 0,2 1,0 1,1 1,2"}
+VARIANTS=${VARIANTS:-"0,0,0 1,2,0 1,2,1"}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -30,24 +32,27 @@ for stage in $STAGES; do
       [ -z "$configs" ] && [ -f /tmp/gemv_configs.json ] && configs=/tmp/gemv_configs.json
       for m in $MODELS; do
         for v in $VARIANTS; do
-          IFS=, read -r g p <<< "$v"
-          dir="$OUT/e2e_${m}_gemv${g}_pdl${p}"
-          TOKENMILL_GEMV=$g TOKENMILL_PDL=$p TOKENMILL_GEMV_CONFIGS=$configs \
+          IFS=, read -r g p a <<< "$v"
+          a=${a:-1}
+          dir="$OUT/e2e_${m}_gemv${g}_pdl${p}_attn${a}"
+          TOKENMILL_GEMV=$g TOKENMILL_PDL=$p TOKENMILL_FUSED_DECODE=$a TOKENMILL_GEMV_CONFIGS=$configs \
             python scripts/device/profile_decode.py --model "preset:$m" --batch-sizes 1 --prefill-lens "" \
             --output-len 128 --out "$dir" > "$dir.log" 2>&1 || { status=1; tail -20 "$dir.log"; }
         done
       done
       python - "$OUT" <<'PY'
 import glob, json, os, sys
-print("\n| model | single-token kernels | PDL mode | step ms | graph replay ms | kernels/step |")
-print("|---|---|---|---|---|---|")
+print("\n| model | single-token kernels | PDL mode | one-kernel attention | step ms | graph replay ms "
+      "| kernels/step |")
+print("|---|---|---|---|---|---|---|")
 for d in sorted(glob.glob(os.path.join(sys.argv[1], "e2e_*"))):
     f = glob.glob(os.path.join(d, "profile_*.json"))
     if not os.path.isdir(d) or not f:
         continue
     r = json.load(open(f[0]))["decode"][0]
-    g, p = d.rsplit("_gemv", 1)[1].split("_pdl")
-    print(f"| {r['model']} | {'yes' if g == '1' else 'no (cuBLAS)'} | {p} | "
+    g, rest = d.rsplit("_gemv", 1)[1].split("_pdl")
+    p, a = rest.split("_attn")
+    print(f"| {r['model']} | {'yes' if g == '1' else 'no (cuBLAS)'} | {p} | {'yes' if a == '1' else 'no'} | "
           f"{r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | {r['kernels_per_step']:.0f} |")
 PY
       ;;

@@ -25,6 +25,15 @@ def single_token_linear(hidden: torch.Tensor):
     return gemv.fused_linear if gemv.applies(hidden) else None
 
 
+def decode_attention_kernel(hidden: torch.Tensor, meta: AttentionMetadata):
+    """`decode_attention.fused_decode_attention` when a step's attention runs as one kernel from the
+    packed qkv (CUDA, one new token per sequence, not turned off), else None."""
+    if not (hidden.is_cuda and meta.is_decode and hidden.shape[0] == meta.block_tables.shape[0]):
+        return None
+    from tokenmill.layers.kernels import decode_attention
+    return decode_attention.fused_decode_attention if decode_attention.ENABLED else None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -41,17 +50,26 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                decode_attention=None) -> torch.Tensor:
+        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
 
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj."""
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
+                   decode_attention=None) -> torch.Tensor:
+        """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
+        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel."""
         T = qkv.shape[0]
+        qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
+                   else (None, None, 0.0))
+        if decode_attention is not None:
+            out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
+                                   self.attn.v_cache, meta.slot_mapping, meta.block_tables,
+                                   meta.context_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
+                                   self.head_dim)
+            return out.reshape(T, self.q_size)
         if qkv.is_cuda:
             # one kernel for q/k norm, RoPE and the KV-cache store; attention then reads K/V from the cache
             from tokenmill.layers.kernels import fused_ops
-            qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
-                       else (None, None, 0.0))
             q = fused_ops.qk_norm_rope_store(
                 qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache, self.attn.v_cache,
                 meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -87,27 +105,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta, fused_linear=None):
-        """`fused_linear` (from `single_token_linear`): run the layer as single-token kernels."""
+    def forward(self, positions, hidden, residual, meta, fused_linear=None, decode_attention=None):
+        """`fused_linear` (from `single_token_linear`): run the layer as single-token kernels;
+        `decode_attention` (from `decode_attention_kernel`): the attention as one kernel."""
         if fused_linear is not None:
-            return self._forward_single_token(fused_linear, positions, hidden, residual, meta)
+            return self._forward_single_token(fused_linear, decode_attention, positions, hidden, residual,
+                                              meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(positions, hidden, meta, decode_attention)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def _forward_single_token(self, fused_linear, positions, hidden, residual, meta):
+    def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta):
         """The same layer for one token in four weight-reading kernels, each norm folded into the
         product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                      norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual)
-        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta), attn.o_proj.weight)
+        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
         hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,
@@ -127,8 +147,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
         fused_linear = single_token_linear(hidden)
+        decode_attention = decode_attention_kernel(hidden, meta)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, fused_linear)
+            hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

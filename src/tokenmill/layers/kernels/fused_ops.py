@@ -255,6 +255,47 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
         tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
+def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                          num_kv_heads: int, head_dim: int) -> None:
+    """The checks of `qk_norm_rope_store`'s inputs, shared by the kernels that start from a packed qkv;
+    errors name the calling function."""
+    _check_dtype(f"{name} qkv", qkv)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"{name}: qkv must be [T, {width}] = [T, ({num_heads} + 2 * "
+                         f"{num_kv_heads}) * {head_dim}] with unit last stride, got shape "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
+    if head_dim % 2:
+        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
+    num_tokens = qkv.shape[0]
+    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: positions must be int32/int64 [{num_tokens}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32/int64 [{num_tokens}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if not (positions.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError(f"{name}: positions and slot_mapping must be contiguous")
+    if (cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim
+            or cos_sin.stride(1) != 1):
+        raise ValueError(f"{name}: cos_sin must be float32 [max_pos, {head_dim}] with unit "
+                         f"inner stride, got {cos_sin.dtype} {tuple(cos_sin.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError(f"{name}: q_weight and k_weight must both be given or both be None")
+    for arg, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.shape != (head_dim,) or w.dtype != qkv.dtype or w.stride(0) != 1):
+            raise ValueError(f"{name}: {arg} must be {qkv.dtype} [{head_dim}] with unit "
+                             f"stride, got {w.dtype} {tuple(w.shape)}")
+    for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.dtype != qkv.dtype:
+            raise ValueError(f"{name}: {arg} must be {qkv.dtype} [num_blocks, block_size, "
+                             f"{num_kv_heads}, {head_dim}], got {cache.dtype} {tuple(cache.shape)}")
+        if not cache.is_contiguous():
+            raise ValueError(f"{name}: {arg} must be contiguous")
+
+
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -264,39 +305,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
     k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin as in
     `apply_rotary`); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
     slot_mapping[t] (slots < 0 are skipped). Returns q as a new contiguous [T, Hq, D]."""
-    _check_dtype("qk_norm_rope_store qkv", qkv)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qk_norm_rope_store: qkv must be [T, {width}] = [T, ({num_heads} + 2 * "
-                         f"{num_kv_heads}) * {head_dim}] with unit last stride, got shape "
-                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
-    if head_dim % 2:
-        raise ValueError(f"qk_norm_rope_store: head_dim must be even, got {head_dim}")
+    check_prologue_inputs("qk_norm_rope_store", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
+                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
-    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qk_norm_rope_store: positions must be int32/int64 [{num_tokens}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
-    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qk_norm_rope_store: slot_mapping must be int32/int64 [{num_tokens}], got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if not (positions.is_contiguous() and slot_mapping.is_contiguous()):
-        raise ValueError("qk_norm_rope_store: positions and slot_mapping must be contiguous")
-    if (cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim
-            or cos_sin.stride(1) != 1):
-        raise ValueError(f"qk_norm_rope_store: cos_sin must be float32 [max_pos, {head_dim}] with unit "
-                         f"inner stride, got {cos_sin.dtype} {tuple(cos_sin.shape)}")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("qk_norm_rope_store: q_weight and k_weight must both be given or both be None")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w is not None and (w.shape != (head_dim,) or w.dtype != qkv.dtype or w.stride(0) != 1):
-            raise ValueError(f"qk_norm_rope_store: {name} must be {qkv.dtype} [{head_dim}] with unit "
-                             f"stride, got {w.dtype} {tuple(w.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.dtype != qkv.dtype:
-            raise ValueError(f"qk_norm_rope_store: {name} must be {qkv.dtype} [num_blocks, block_size, "
-                             f"{num_kv_heads}, {head_dim}], got {cache.dtype} {tuple(cache.shape)}")
-        if not cache.is_contiguous():
-            raise ValueError(f"qk_norm_rope_store: {name} must be contiguous")
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q

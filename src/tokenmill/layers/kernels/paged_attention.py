@@ -206,6 +206,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 [B, max_blocks] with unit inner stride, got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")
+    if context_lens.shape != (block_tables.shape[0],) or context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be int32 [{block_tables.shape[0]}], got "
+                         f"{context_lens.dtype} {tuple(context_lens.shape)}")
+    if not context_lens.is_contiguous():
+        raise ValueError("context_lens must be contiguous")
+
+
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
     _check_cache(k_cache, v_cache)
     _, _, num_kv_heads, head_dim = k_cache.shape
@@ -216,14 +227,7 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}")
     if q.dtype != k_cache.dtype:
         raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be int32 [B, max_blocks] with unit inner stride, got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")
-    if context_lens.shape != (block_tables.shape[0],) or context_lens.dtype != torch.int32:
-        raise ValueError(f"context_lens must be int32 [{block_tables.shape[0]}], got "
-                         f"{context_lens.dtype} {tuple(context_lens.shape)}")
-    if not context_lens.is_contiguous():
-        raise ValueError("context_lens must be contiguous")
+    _check_tables(block_tables, context_lens)
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
