@@ -514,17 +514,19 @@ def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, bl
     assert all(int(c.abs().sum()) == 0 for c in da._counters.values())
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,qk_norm,num_splits", [
-    (4, 2, 16, 4, torch.float32, True, 1),
-    (4, 2, 32, 16, HALF, True, 3),
-    (5, 1, 32, 1, torch.float32, False, 4),
-    (8, 2, 16, 4, HALF, False, None),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,qk_norm,num_splits,min_split", [
+    (4, 2, 16, 4, torch.float32, True, 1, 16),
+    (4, 2, 32, 16, HALF, True, 3, 16),
+    (5, 1, 32, 1, torch.float32, False, 4, 16),
+    (8, 2, 16, 4, HALF, False, None, 16),
+    (4, 1, 16, 4, torch.float32, True, 4, 32),
 ])
-def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv_heads, head_dim,
-                                                                block_size, dtype, qk_norm, num_splits):
-    # lengths put the new token first, last and inside a split, alone, and in a split past the others
-    _check_fused_decode(_gen(31), [1, 37, 0, 16, 70], num_heads, num_kv_heads, head_dim, block_size, dtype,
-                        qk_norm, num_splits, {"block_n": 16}, _tol(dtype))
+def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv_heads, head_dim, block_size,
+                                                                dtype, qk_norm, num_splits, min_split):
+    # one split or several of >= min_split positions (merged in the kernel); the new token first, last
+    # and inside a split, alone, and in a split of its own
+    _check_fused_decode(_gen(31), [1, 37, 0, 16, 70, 33], num_heads, num_kv_heads, head_dim, block_size,
+                        dtype, qk_norm, num_splits, {"block_n": 16, "min_split_len": min_split}, _tol(dtype))
 
 
 def test_fused_decode_attention_rejects_bad_inputs():
@@ -558,7 +560,7 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
     from tokenmill import LLM, SamplingParams
     from tokenmill.models import llama
     da = _decode_attention()
-    prompts = [[5, 9, 31, 7, 200, 3, 3, 41], [12], [7, 7, 8]]
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41] * 4, [12], [7, 7, 8]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     config = dict(device="cpu", dtype="float32", block_size=4)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
@@ -566,7 +568,7 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
 
     def fused(qkv, *args):
         batches.append(qkv.shape[0])
-        return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16})
+        return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16, "min_split_len": 16})
     monkeypatch.setattr(llama, "decode_attention_kernel",
                         lambda h, meta: fused if meta.is_decode and h.shape[0] == meta.block_tables.shape[0]
                         else None)

@@ -10,8 +10,10 @@ all three:
   from the qkv row itself (a few hundred values), so q never goes through memory;
 - split 0 writes the new k and v into the cache; no program reads that slot, the program whose range
   holds the new position takes the new token from registers instead;
-- with several splits each program stores its partial result, and the last of a (b, kv head) to finish
-  (a counter bumped atomically, then reset) merges them.
+- a context of up to `min_split_len` positions is one program per (b, kv head), which writes the
+  output; a longer one is cut into splits of at least that many positions, each program stores its
+  partial result, and the last of a (b, kv head) to finish (a counter bumped atomically, then reset)
+  merges them.
 
 Numerics equal the unfused path up to summation order: q and k are rounded to the input dtype after the
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain).
@@ -36,6 +38,10 @@ from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, _ch
 
 ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
+# BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
+# of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge
+CONFIG = {**DECODE_CONFIG, "min_split_len": 256}
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -55,12 +61,11 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
-                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         BLOCK_D: tl.constexpr,
-                         HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
@@ -71,113 +76,117 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     b64 = b.to(tl.int64)
     ctx = tl.load(context_lens_ptr + b)
     new = ctx - 1  # this step's token; ctx 0 is a padded CUDA-graph slot, which has none
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
+    # splits of at least MIN_SPLIT_LEN positions: a short context is one split, with no merge
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+    num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+    if split < num_active:
+        start = split * split_len
+        end = tl.minimum(start + split_len, ctx)
+        row = qkv_ptr + b64 * qkv_stride_t
+        pos = tl.load(positions_ptr + b).to(tl.int64)
+        dr = tl.arange(0, BLOCK_HALF)
+        d_mask = dr < HALF
+        cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
+        q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
+                               BLOCK_HALF, HAS_NORM)
+        # the new k as the first of two rows (the second is masked to zero), v as loaded
+        k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2,
+                                    HALF, BLOCK_HALF, HAS_NORM)
+        v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
+        v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
+        v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
 
-    row = qkv_ptr + b64 * qkv_stride_t
-    pos = tl.load(positions_ptr + b).to(tl.int64)
-    dr = tl.arange(0, BLOCK_HALF)
-    d_mask = dr < HALF
-    cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
-    q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
-                           BLOCK_HALF, HAS_NORM)
-    # the new k as the first of two rows (the second is masked to zero), v as loaded
-    k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2, HALF,
-                                BLOCK_HALF, HAS_NORM)
-    v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
-    v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
-    v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (split == 0) & (slot >= 0):
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+            hk = tl.arange(0, 2)[:, None]
+            tl.store(k_cache_ptr + dst + hk * HEAD_DIM + dr[None, :], k1, mask=k_mask)
+            tl.store(k_cache_ptr + dst + HALF + hk * HEAD_DIM + dr[None, :], k2, mask=k_mask)
+            tl.store(v_cache_ptr + dst + dr, v1, mask=d_mask)
+            tl.store(v_cache_ptr + dst + HALF + dr, v2, mask=d_mask)
 
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    if (split == 0) & (slot >= 0):
-        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
-        hk = tl.arange(0, 2)[:, None]
-        tl.store(k_cache_ptr + dst + hk * HEAD_DIM + dr[None, :], k1, mask=k_mask)
-        tl.store(k_cache_ptr + dst + HALF + hk * HEAD_DIM + dr[None, :], k2, mask=k_mask)
-        tl.store(v_cache_ptr + dst + dr, v1, mask=d_mask)
-        tl.store(v_cache_ptr + dst + HALF + dr, v2, mask=d_mask)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc1 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
+        acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
+        table = block_tables_ptr + b64 * bt_stride_b
+        cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
+        for n0 in range(start, cached_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < cached_end
+            page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
+            k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+            s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
+            s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+            v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo, input_precision=DOT_PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi, input_precision=DOT_PRECISION)
+            m_i = m_new
+        if (new >= start) & (new < end):
+            k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
+            k2f = tl.sum(k2.to(tl.float32), 0)
+            s_new = tl.sum(q1.to(tl.float32) * k1f[None, :], 1) + tl.sum(q2.to(tl.float32) * k2f[None, :], 1)
+            s_new = s_new * scale_log2
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            # p rounded to the cache dtype, as the cached tokens' p is for their tl.dot with V
+            p_new = p_new.to(v1.dtype).to(tl.float32)
+            acc1 = acc1 * alpha[:, None] + p_new[:, None] * v1.to(tl.float32)[None, :]
+            acc2 = acc2 * alpha[:, None] + p_new[:, None] * v2.to(tl.float32)[None, :]
+            m_i = m_new
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc1 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
-    acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
-    table = block_tables_ptr + b64 * bt_stride_b
-    cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
-    for n0 in range(start, cached_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < cached_end
-        page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
-        k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-        s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
-        s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-        v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo, input_precision=DOT_PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi, input_precision=DOT_PRECISION)
-        m_i = m_new
-    if (new >= start) & (new < end):
-        k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
-        k2f = tl.sum(k2.to(tl.float32), 0)
-        s_new = tl.sum(q1.to(tl.float32) * k1f[None, :], 1) + tl.sum(q2.to(tl.float32) * k2f[None, :], 1)
-        s_new = s_new * scale_log2
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        # p rounded to the cache dtype, as the cached tokens' p is for their tl.dot with V
-        p_new = p_new.to(v1.dtype).to(tl.float32)
-        acc1 = acc1 * alpha[:, None] + p_new[:, None] * v1.to(tl.float32)[None, :]
-        acc2 = acc2 * alpha[:, None] + p_new[:, None] * v2.to(tl.float32)[None, :]
-        m_i = m_new
-
-    g = tl.arange(0, BLOCK_G)
-    heads = kvh * GROUP + g
-    o_mask = (g < GROUP)[:, None] & d_mask[None, :]
-    has = l_i > 0
-    inv = 1.0 / tl.where(has, l_i, 1.0)
-    if NUM_SPLITS == 1:
-        dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
-        tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(dst + HALF, (acc2 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        prow = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS + split
-        part = part_out_ptr + prow[:, None] * HEAD_DIM + dr[None, :]
-        tl.store(part, acc1 * inv[:, None], mask=o_mask)
-        tl.store(part + HALF, acc2 * inv[:, None], mask=o_mask)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + prow, lse, mask=g < GROUP)
-        # release our partials, and learn whether every other split of (b, kvh) has released its own
-        counter = counter_ptr + b * NUM_KV_HEADS + kvh
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            s_idx = tl.arange(0, BLOCK_S)
-            d = tl.arange(0, BLOCK_D)
-            # splits past the context hold nothing (lse -inf); skip reading them
-            s_mask = (s_idx < NUM_SPLITS) & (s_idx * split_len < ctx)
-            for gi in tl.static_range(GROUP):
-                h = kvh * GROUP + gi
-                srow = (b64 * NUM_Q_HEADS + h) * NUM_SPLITS + s_idx
-                lse_s = tl.load(part_lse_ptr + srow, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_s, 0)
-                m = tl.where(m == float("-inf"), 0.0, m)  # empty context: every weight 0, output 0
-                w = tl.exp2(lse_s - m)
-                denom = tl.sum(w, 0)
-                o = tl.load(part_out_ptr + srow[:, None] * HEAD_DIM + d[None, :],
-                            mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
-                o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-                tl.store(out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + h * HEAD_DIM + d,
-                         o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-            tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
+        g = tl.arange(0, BLOCK_G)
+        g_mask = g < GROUP
+        heads = kvh * GROUP + g
+        o_mask = g_mask[:, None] & d_mask[None, :]
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        if num_active == 1:
+            dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
+            tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(dst + HALF, (acc2 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            prow = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS + split
+            part = part_out_ptr + prow[:, None] * HEAD_DIM + dr[None, :]
+            tl.store(part, acc1 * inv[:, None], mask=o_mask)
+            tl.store(part + HALF, acc2 * inv[:, None], mask=o_mask)
+            tl.store(part_lse_ptr + prow, m_i + tl.log2(tl.where(has, l_i, 1.0)), mask=g_mask)
+            # release our partials, and learn whether every other split of (b, kvh) has released its own
+            counter = counter_ptr + b * NUM_KV_HEADS + kvh
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_active - 1:
+                # every active split holds at least one position, so every lse is finite
+                d = tl.arange(0, BLOCK_D)
+                mask = g_mask[:, None] & (d < HEAD_DIM)[None, :]
+                rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
+                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                w_sum = tl.zeros([BLOCK_G], tl.float32)
+                o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for sp in range(0, num_active):
+                    lse = tl.load(part_lse_ptr + rows + sp, mask=g_mask, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(part_out_ptr + (rows + sp)[:, None] * HEAD_DIM + d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m, lse)
+                    alpha = tl.exp2(m - m_new)
+                    w = tl.exp2(lse - m_new)
+                    w_sum = w_sum * alpha + w
+                    o = o * alpha[:, None] + w[:, None] * o_s
+                    m = m_new
+                dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
+                tl.store(dst, (o / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
 def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -206,7 +215,10 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         raise ValueError(f"fused_decode_attention needs one token per sequence: qkv has {batch} rows, "
                          f"block_tables {block_tables.shape[0]}")
     block_size = k_cache.shape[1]
-    cfg = {**DECODE_CONFIG, **(config or {})}
+    cfg = {**CONFIG, **(config or {})}
+    if cfg["min_split_len"] % cfg["block_n"]:
+        raise ValueError(f"fused_decode_attention: min_split_len {cfg['min_split_len']} is not a multiple of "
+                         f"block_n {cfg['block_n']}")
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                        qkv.device, cfg["block_n"])
@@ -230,10 +242,10 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         scale * _LOG2E, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        NUM_SPLITS=num_splits,
         GROUP=num_heads // num_kv_heads, BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
-        BLOCK_N=cfg["block_n"], DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl_mode,
+        BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl_mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
     return out

@@ -1,0 +1,118 @@
+"""Decode attention between the products, as a decode step runs it, on the GPU machine.
+
+Per variant, one CUDA graph of 36 layers, each: the qkv product (single-token GEMV), attention, the
+o_proj product, at real model shapes and one sequence per row, every layer with its own weights and KV
+cache. Variants: `unfused` (the prologue kernel, split-K decode attention, its merge kernel) and the
+one-kernel attention (`decode_attention.fused_decode_attention`) with several `min_split_len`. Prints
+microseconds per layer and writes them to $OUT/decode_attention_bench.json.
+
+Usage: python scripts/device/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from tokenmill.layers.kernels import decode_attention, fused_ops, gemv, paged_attention
+from tokenmill.layers.rotary import RotaryEmbedding
+
+SHAPES = {"qwen3-4b": (2560, 32, 8, True), "nanbeige4.1-3b": (2560, 20, 4, False)}
+LAYERS, BLOCK, HEAD_DIM = 36, 16, 128
+
+
+def build(model: str, batch: int, ctx: int):
+    hidden, hq, hkv, qk_norm = SHAPES[model]
+    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    width = (hq + 2 * hkv) * HEAD_DIM
+    blocks_per_seq = -(-(ctx + 1) // BLOCK)
+    layers = []
+    for _ in range(LAYERS):
+        layers.append(dict(
+            w_qkv=torch.randn(width, hidden, device=dev, dtype=bf16, generator=gen) / 50,
+            w_o=torch.randn(hidden, hq * HEAD_DIM, device=dev, dtype=bf16, generator=gen) / 64,
+            k=torch.randn(batch * blocks_per_seq, BLOCK, hkv, HEAD_DIM, device=dev, dtype=bf16, generator=gen),
+            v=torch.randn(batch * blocks_per_seq, BLOCK, hkv, HEAD_DIM, device=dev, dtype=bf16, generator=gen),
+            qw=torch.randn(HEAD_DIM, device=dev, dtype=bf16, generator=gen) if qk_norm else None,
+            kw=torch.randn(HEAD_DIM, device=dev, dtype=bf16, generator=gen) if qk_norm else None))
+    table = torch.randperm(batch * blocks_per_seq, device=dev).int().view(batch, blocks_per_seq)
+    ctx_t = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+    slots = table[:, (ctx - 1) // BLOCK].long() * BLOCK + (ctx - 1) % BLOCK
+    rope = RotaryEmbedding(HEAD_DIM, 8192, 1e6).to(dev)
+    x = torch.randn(batch, hidden, device=dev, dtype=bf16, generator=gen)
+    return dict(layers=layers, table=table, ctx=ctx_t, positions=positions, slots=slots, cos_sin=rope.cos_sin,
+                x=x, hq=hq, hkv=hkv)
+
+
+def step(s, variant):
+    x = s["x"]
+    hq, hkv = s["hq"], s["hkv"]
+    for L in s["layers"]:
+        qkv = gemv.fused_linear(x, L["w_qkv"])[0] if x.shape[0] == 1 else x @ L["w_qkv"].t()
+        args = (qkv, s["positions"], s["cos_sin"], L["qw"], L["kw"], 1e-6)
+        if variant == "unfused":
+            q = fused_ops.qk_norm_rope_store(*args, L["k"], L["v"], s["slots"], hq, hkv, HEAD_DIM)
+            attn = paged_attention.paged_decode_attention(q, L["k"], L["v"], s["table"], s["ctx"], HEAD_DIM ** -0.5)
+        else:
+            attn = decode_attention.fused_decode_attention(
+                *args, L["k"], L["v"], s["slots"], s["table"], s["ctx"], HEAD_DIM ** -0.5, hq, hkv, HEAD_DIM,
+                config={"min_split_len": variant})
+        attn = attn.reshape(x.shape[0], -1)
+        x = gemv.fused_linear(attn, L["w_o"])[0] if x.shape[0] == 1 else attn @ L["w_o"].t()
+    return x
+
+
+def time_graph(s, variant, iters=50) -> float:
+    out = step(s, variant)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(s, variant)
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del out
+    return start.elapsed_time(end) / iters * 1000 / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
+    ap.add_argument("--contexts", default="160,1000,4000")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--min-split-lens", default="64,256,1024")
+    args = ap.parse_args()
+    variants = ["unfused"] + [int(v) for v in args.min_split_lens.split(",")]
+    rows = []
+    for model in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for ctx in (int(c) for c in args.contexts.split(",")):
+                s = build(model, batch, ctx)
+                res = {v: time_graph(s, v) for v in variants}
+                rows.append(dict(model=model, batch=batch, ctx=ctx, us_per_layer={str(k): v for k, v in res.items()}))
+                print(json.dumps(rows[-1]), flush=True)
+                del s
+                torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    head = ["unfused"] + [f"one kernel, min split {v}" for v in variants[1:]]
+    print("\n| model | batch | context | " + " | ".join(head) + " |")
+    print("|---|---|---|" + "---|" * len(head))
+    for r in rows:
+        cells = " | ".join(f"{r['us_per_layer'][str(v)]:.2f}" for v in variants)
+        print(f"| {r['model']} | {r['batch']} | {r['ctx']} | {cells} |")
+    print("\n(us per layer: qkv product + attention + o_proj product, 36 layers in one CUDA graph)")
+
+
+if __name__ == "__main__":
+    main()
