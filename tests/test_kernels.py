@@ -520,12 +520,13 @@ def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, bl
     (5, 1, 32, 1, torch.float32, False, 4, 16),
     (8, 2, 16, 4, HALF, False, None, 16),
     (4, 1, 16, 4, torch.float32, True, 4, 32),
+    (4, 1, 16, 16, torch.float32, True, 16, 16),
 ])
 def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv_heads, head_dim, block_size,
                                                                 dtype, qk_norm, num_splits, min_split):
-    # one split or several of >= min_split positions (merged in the kernel); the new token first, last
-    # and inside a split, alone, and in a split of its own
-    _check_fused_decode(_gen(31), [1, 37, 0, 16, 70, 33], num_heads, num_kv_heads, head_dim, block_size,
+    # one split or several of >= min_split positions (merged in the kernel, 10 splits in two chunks of 8
+    # at most); the new token first, last and inside a split, alone, and in a split of its own
+    _check_fused_decode(_gen(31), [1, 37, 0, 16, 70, 33, 150], num_heads, num_kv_heads, head_dim, block_size,
                         dtype, qk_norm, num_splits, {"block_n": 16, "min_split_len": min_split}, _tol(dtype))
 
 

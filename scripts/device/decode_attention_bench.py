@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
     ap.add_argument("--contexts", default="160,1000,4000")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--min-split-lens", default="64,256,1024")
+    ap.add_argument("--min-split-lens", default="64,128,256")
     args = ap.parse_args()
     variants = ["unfused"] + [int(v) for v in args.min_split_lens.split(",")]
     rows = []

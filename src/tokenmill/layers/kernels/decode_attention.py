@@ -40,7 +40,7 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
 # BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
 # of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge
-CONFIG = {**DECODE_CONFIG, "min_split_len": 256}
+CONFIG = {**DECODE_CONFIG, "min_split_len": 64}
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -57,37 +57,75 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
+def _tile_offsets(table, n, valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
+    return off, valid[:, None] & d_mask[None, :]
+
+
+@triton.jit
+def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2,
+                 DOT_PRECISION: tl.constexpr):
+    # one online-softmax step over a tile of cached positions (at least one valid), heads in halves
+    s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo, input_precision=DOT_PRECISION)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc1, acc2
+
+
+@triton.jit
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
+                         SPLIT_CHUNK: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
-    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
+    # Until pdl.enter this reads only what no kernel of this forward pass writes: the step's metadata,
+    # written before the pass, and the cache below the new token, written by earlier steps.
     ctx = tl.load(context_lens_ptr + b)
     new = ctx - 1  # this step's token; ctx 0 is a padded CUDA-graph slot, which has none
-    # splits of at least MIN_SPLIT_LEN positions: a short context is one split, with no merge
+    # splits of at least MIN_SPLIT_LEN positions; only the splits that hold positions run
     split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
     num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
     if split < num_active:
         start = split * split_len
         end = tl.minimum(start + split_len, ctx)
-        row = qkv_ptr + b64 * qkv_stride_t
+        cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
         pos = tl.load(positions_ptr + b).to(tl.int64)
         dr = tl.arange(0, BLOCK_HALF)
         d_mask = dr < HALF
         cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
         sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
+        table = block_tables_ptr + b64 * bt_stride_b
+        n = start + tl.arange(0, BLOCK_N)
+        first_valid = n < cached_end
+        off, kv_mask = _tile_offsets(table, n, first_valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+                                     HEAD_DIM, PAGE_SIZE)
+        k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
+        k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+        v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+        v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+        pdl.enter(PDL)
+
+        row = qkv_ptr + b64 * qkv_stride_t
         q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
                                BLOCK_HALF, HAS_NORM)
         # the new k as the first of two rows (the second is masked to zero), v as loaded
@@ -96,7 +134,6 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
-
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (split == 0) & (slot >= 0):
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
@@ -110,28 +147,20 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc1 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
         acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
-        table = block_tables_ptr + b64 * bt_stride_b
-        cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
-        for n0 in range(start, cached_end, BLOCK_N):
+        if start < cached_end:
+            m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
+                                                acc1, acc2, scale_log2, DOT_PRECISION)
+        for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < cached_end
-            page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
-            kv_mask = valid[:, None] & d_mask[None, :]
+            off, kv_mask = _tile_offsets(table, n, valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+                                         HEAD_DIM, PAGE_SIZE)
             k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
             k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-            s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
-            s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
             v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-            acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v_lo.dtype), v_lo, input_precision=DOT_PRECISION)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
+                                                acc1, acc2, scale_log2, DOT_PRECISION)
         if (new >= start) & (new < end):
             k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
             k2f = tl.sum(k2.to(tl.float32), 0)
@@ -167,26 +196,42 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             counter = counter_ptr + b * NUM_KV_HEADS + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_active - 1:
-                # every active split holds at least one position, so every lse is finite
-                d = tl.arange(0, BLOCK_D)
-                mask = g_mask[:, None] & (d < HEAD_DIM)[None, :]
-                rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
-                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                w_sum = tl.zeros([BLOCK_G], tl.float32)
-                o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                for sp in range(0, num_active):
-                    lse = tl.load(part_lse_ptr + rows + sp, mask=g_mask, other=0.0, cache_modifier=".cg")
-                    o_s = tl.load(part_out_ptr + (rows + sp)[:, None] * HEAD_DIM + d[None, :], mask=mask,
-                                  other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, lse)
-                    alpha = tl.exp2(m - m_new)
-                    w = tl.exp2(lse - m_new)
-                    w_sum = w_sum * alpha + w
-                    o = o * alpha[:, None] + w[:, None] * o_s
-                    m = m_new
-                dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
-                tl.store(dst, (o / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS,
+                              NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
+                  SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the group's heads x SPLIT_CHUNK splits x head_dim per load; every active split holds at least one
+    # position, so every lse read is finite
+    g = tl.arange(0, BLOCK_GR)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
+    m = tl.full([BLOCK_GR], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_GR], tl.float32)
+    o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
+    for s0 in range(0, num_active, SPLIT_CHUNK):
+        sp = s0 + tl.arange(0, SPLIT_CHUNK)
+        idx = rows[:, None] + sp[None, :]
+        mask = g_mask[:, None] & (sp < num_active)[None, :]
+        lse = tl.load(part_lse_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        lse = tl.where(g_mask[:, None], lse, 0.0)  # padding heads: finite, never stored
+        o_s = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        w_sum = w_sum * alpha + tl.sum(w, 1)
+        o = o * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
+        m = m_new
+    dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
+    tl.store(dst, (o / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -235,6 +280,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         counters = context_lens
     has_norm = q_weight is not None
     half = head_dim // 2
+    group = num_heads // num_kv_heads
     pdl_mode = pdl.mode(qkv.device)
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
@@ -243,7 +289,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_SPLITS=num_splits,
-        GROUP=num_heads // num_kv_heads, BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
+        SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl_mode,
