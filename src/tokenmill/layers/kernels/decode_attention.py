@@ -10,10 +10,13 @@ all three:
   from the qkv row itself (a few hundred values), so q never goes through memory;
 - split 0 writes the new k and v into the cache; no program reads that slot, the program whose range
   holds the new position takes the new token from registers instead;
+- each program fetches its first K/V tile before its programmatic-dependent-launch wait (`pdl.py`): the
+  cache below the new token was written by earlier steps, so that read overlaps the qkv product;
 - a context of up to `min_split_len` positions is one program per (b, kv head), which writes the
   output; a longer one is cut into splits of at least that many positions, each program stores its
   partial result, and the last of a (b, kv head) to finish (a counter bumped atomically, then reset)
-  merges them.
+  merges them. Short splits and a merge beat one program walking a long context: its chain of
+  dependent tile reads is the step's critical path at batch 1 (docs/BENCHMARKS.md).
 
 Numerics equal the unfused path up to summation order: q and k are rounded to the input dtype after the
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain).
@@ -39,7 +42,8 @@ from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, _ch
 ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 
 # BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
-# of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge
+# of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge.
+# 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64}
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -293,6 +297,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
-        BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl_mode,
+        BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
+        PDL=pdl_mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
     return out

@@ -4,10 +4,11 @@ kernel's work.
 
 Each kernel launched with `launch_pdl=mode(device) > 0` takes `PDL=mode(device)` and calls
 `enter(PDL)` before it reads any input a previous kernel may write, or writes anything; before that it
-may only read weights. `enter` waits until the previous kernel has completed and its writes are
-visible, and signals that the next kernel may launch: after the wait (mode 1), so launches run at most
-one kernel ahead, or before it (mode 2), so a chain of short kernels (attention between two products)
-lets the next product launch and fetch its weights while they run. Waiting is transitive (a kernel
+may only read what no kernel of the forward pass writes: weights, the step's metadata (copied to the
+device before the pass) and the KV cache of earlier steps. `enter` waits until the previous kernel has
+completed and its writes are visible, and signals that the next kernel may launch: after the wait
+(mode 1), so launches run at most one kernel ahead, or before it (mode 2), so a chain of short kernels
+(attention between two products) lets the next product launch and fetch its weights while they run. Waiting is transitive (a kernel
 completes only after its own wait), so a kernel also sees everything written before its predecessor.
 A batch-1 decode step is a chain of a few hundred short kernels, which is where this pays.
 
