@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from profile_decode import replay_ms  # scripts/device/, the script's own folder
 from tokenmill.layers.kernels import decode_attention, fused_ops, gemv, paged_attention
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -72,16 +73,9 @@ def time_graph(s, variant, iters=50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step(s, variant)
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    ms = replay_ms(graph, iters)
     del out
-    return start.elapsed_time(end) / iters * 1000 / LAYERS
+    return ms * 1000 / LAYERS
 
 
 def main() -> None:

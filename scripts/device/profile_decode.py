@@ -26,7 +26,11 @@ from tokenmill.runner import model_runner
 
 
 def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
-    graph = runner.graphs[("decode", bs)]
+    return replay_ms(runner.graphs[("decode", bs)], iters)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 200) -> float:
+    """Device time of one replay of `graph`: CUDA events around `iters` replays, after 10 warm-up ones."""
     for _ in range(10):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -61,11 +61,19 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _tile_offsets(table, n, valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
-                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the K and V halves of cached positions n0 .. n0 + BLOCK_N (those from `end` on masked to zero)
+    n = n0 + tl.arange(0, BLOCK_N)
+    valid = n < end
     page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
-    return off, valid[:, None] & d_mask[None, :]
+    mask = valid[:, None] & d_mask[None, :]
+    k_lo = tl.load(k_cache_ptr + off, mask=mask, other=0.0)
+    k_hi = tl.load(k_cache_ptr + off + HALF, mask=mask, other=0.0)
+    v_lo = tl.load(v_cache_ptr + off, mask=mask, other=0.0)
+    v_hi = tl.load(v_cache_ptr + off + HALF, mask=mask, other=0.0)
+    return k_lo, k_hi, v_lo, v_hi, valid
 
 
 @triton.jit
@@ -119,14 +127,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
         sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
         table = block_tables_ptr + b64 * bt_stride_b
-        n = start + tl.arange(0, BLOCK_N)
-        first_valid = n < cached_end
-        off, kv_mask = _tile_offsets(table, n, first_valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
-                                     HEAD_DIM, PAGE_SIZE)
-        k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
-        k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-        v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-        v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+        k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
+                                                         kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+                                                         HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
         pdl.enter(PDL)
 
         row = qkv_ptr + b64 * qkv_stride_t
@@ -155,14 +158,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < cached_end
-            off, kv_mask = _tile_offsets(table, n, valid, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
-                                         HEAD_DIM, PAGE_SIZE)
-            k_lo = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)
-            k_hi = tl.load(k_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
-            v_lo = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-            v_hi = tl.load(v_cache_ptr + off + HALF, mask=kv_mask, other=0.0)
+            k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, table, n0, cached_end, kvh,
+                                                       c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
+                                                       PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION)
         if (new >= start) & (new < end):
