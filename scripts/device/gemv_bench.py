@@ -9,10 +9,13 @@ timed; the fastest per shape goes to gemv_configs.json (the format `TOKENMILL_GE
 Then one graph of whole layers (all four products, per layer) compares the two paths.
 
 Usage: python scripts/device/gemv_bench.py --out DIR [--models qwen3-4b,nanbeige4.1-3b]
+       [--tiles 4x512x4,4x1024x4] [--per-sm 8] [--depths 1,2] [--no-layers]
+(`--depths`: weight chunks in flight per program, the optional fifth element of a tile config.)
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -61,7 +64,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
+                    help="block_n x block_k x num_warps, comma-separated")
+    ap.add_argument("--per-sm", default=",".join(map(str, PER_SM)))
+    ap.add_argument("--depths", default="1")
+    ap.add_argument("--no-layers", action="store_true", help="skip the whole-layer comparison")
     args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    per_sms = [int(v) for v in args.per_sm.split(",")]
+    depths = [int(v) for v in args.depths.split(",")]
     os.makedirs(args.out, exist_ok=True)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -86,26 +97,28 @@ def main() -> None:
                         fused_ops.silu_and_mul(y)
 
             base = graph_us(cublas) / layers
-            best = None
-            for bn, bk, warps in TILES:
-                for per_sm in PER_SM:
-                    cfg = (bn, bk, warps, per_sm)
+            timed = {}
+            for (bn, bk, warps), per_sm, depth in itertools.product(tiles, per_sms, depths):
+                cfg = (bn, bk, warps, per_sm, *([depth] if depth > 1 else []))
 
-                    def fused():
-                        for w in ws:
-                            gemv.fused_linear(x, w, norm_weight=nw if norm else None, eps=1e-6,
-                                              residual=res if norm else None, silu=silu, config=cfg)
-                    us = graph_us(fused) / layers
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-            us, cfg = best
+                def fused():
+                    for w in ws:
+                        gemv.fused_linear(x, w, norm_weight=nw if norm else None, eps=1e-6,
+                                          residual=res if norm else None, silu=silu, config=cfg)
+                timed[cfg] = graph_us(fused) / layers
+            cfg = min(timed, key=timed.get)
+            us = timed[cfg]
             configs.append([n, k, silu, list(cfg)])
             row = {"model": model, "product": name, "N": n, "K": k, "MB": round(mb, 1),
                    "cublas_us": round(base, 2), "cublas_TBs": round(mb / base, 2),   # MB / us = TB/s
-                   "gemv_us": round(us, 2), "gemv_TBs": round(mb / us, 2), "config": cfg}
+                   "gemv_us": round(us, 2), "gemv_TBs": round(mb / us, 2), "config": cfg,
+                   "all_us": {",".join(map(str, c)): round(t, 2) for c, t in timed.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+        if args.no_layers:
+            del weights
+            continue
         # whole layers: every product of every layer in one graph, each path with its best
         hidden = SHAPES[model][0]
         x = torch.randn(1, hidden, device=dev, dtype=bf16, generator=gen)
