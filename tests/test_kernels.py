@@ -309,9 +309,6 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
     out, out_res = gemv.fused_linear(x, w, config=(4, 32, 4, 1), **kwargs)
     assert out.shape == ((1, n // 2) if silu else (1, n))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
-    # two weight chunks in flight per program: the same sums in the same order
-    out2, _ = gemv.fused_linear(x, w, config=(4, 32, 4, 1, 2), **kwargs)
-    assert torch.equal(out2, out)
     if not norm:
         assert out_res is None
     elif residual:

@@ -28,11 +28,10 @@ from tokenmill.layers.norm import rms_norm_torch
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM[, weight chunks in flight per program, 1 or 2]), by
-# weight (N, K) and silu: the fastest of scripts/device/gemv_bench.py on an H200 for the qwen3-4b and
-# nanbeige4.1-3b products
+# (block_n, block_k, num_warps, programs per SM), by weight (N, K) and silu: the fastest of
+# scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products
 DEFAULT_CONFIG = (4, 1024, 4, 8)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (2560, 4096, False): (2, 1024, 4, 8),        # qwen3-4b o_proj
     (19456, 2560, True): (4, 512, 4, 8),         # qwen3-4b gate_up
     (20992, 2560, True): (4, 512, 4, 8),         # nanbeige4.1-3b gate_up
@@ -79,7 +78,7 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 DOUBLE_BUFFER: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
     pid = tl.program_id(0)
@@ -125,36 +124,16 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
             if SILU:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
-        if DOUBLE_BUFFER:
-            # chunk k0 is requested before chunk k0 - BLOCK_K is multiplied, so two are in flight
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            acc_u = acc
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-                w_next = tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0)
-                u_next = w_next
-                if SILU:
-                    u_next = tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0)
-                acc += w.to(tl.float32) * xk
-                if SILU:
-                    acc_u += u.to(tl.float32) * xk
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-                w = w_next
-                u = u_next
-            acc += w.to(tl.float32) * xk
+        acc = w.to(tl.float32) * xk
+        acc_u = acc
+        if SILU:
+            acc_u = u.to(tl.float32) * xk
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
             if SILU:
-                acc_u += u.to(tl.float32) * xk
-        else:
-            acc = w.to(tl.float32) * xk
-            acc_u = acc
-            if SILU:
-                acc_u = u.to(tl.float32) * xk
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-                acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
-                if SILU:
-                    acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -174,7 +153,7 @@ def _num_sms(device: torch.device) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
-                 config: tuple[int, ...] | None = None):
+                 config: tuple[int, int, int, int] | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
     norm and a residual are given, x when only the norm is, else None."""
@@ -201,9 +180,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     res_out = None
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, num_warps, per_sm, *depth = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
-    if depth and depth[0] not in (1, 2):
-        raise ValueError(f"fused_linear: weight chunks in flight must be 1 or 2, got {depth[0]}")
+    block_n, block_k, num_warps, per_sm = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
@@ -214,7 +191,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             bias if bias is not None else weight, out[m],
             res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-            DOUBLE_BUFFER=bool(depth) and depth[0] == 2, PDL=pdl_mode,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
