@@ -309,6 +309,8 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
     out, out_res = gemv.fused_linear(x, w, config=(4, 32, 4, 1), **kwargs)
     assert out.shape == ((1, n // 2) if silu else (1, n))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    row_sums, _ = gemv.fused_linear(x, w, config=(4, 32, 4, 1, 1), **kwargs)  # each chunk summed per row
+    torch.testing.assert_close(row_sums, ref, rtol=_tol(dtype), atol=_tol(dtype))
     if not norm:
         assert out_res is None
     elif residual:

@@ -9,7 +9,8 @@ timed; the fastest per shape goes to gemv_configs.json (the format `TOKENMILL_GE
 Then one graph of whole layers (all four products, per layer) compares the two paths.
 
 Usage: python scripts/device/gemv_bench.py --out DIR [--models qwen3-4b,nanbeige4.1-3b]
-       [--tiles 4x512x4,4x1024x4] [--per-sm 8] [--no-layers]
+       [--tiles 4x512x4,4x1024x4] [--per-sm 8] [--row-sums 0,1] [--no-layers]
+(`--row-sums`: sweep the optional fifth tile element of `gemv.CONFIGS`.)
 """
 from __future__ import annotations
 
@@ -66,10 +67,12 @@ def main() -> None:
     ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
                     help="block_n x block_k x num_warps, comma-separated")
     ap.add_argument("--per-sm", default=",".join(map(str, PER_SM)))
+    ap.add_argument("--row-sums", default="0")
     ap.add_argument("--no-layers", action="store_true", help="skip the whole-layer comparison")
     args = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     per_sms = [int(v) for v in args.per_sm.split(",")]
+    row_sums = [int(v) for v in args.row_sums.split(",")]
     os.makedirs(args.out, exist_ok=True)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -95,8 +98,8 @@ def main() -> None:
 
             base = graph_us(cublas) / layers
             timed = {}
-            for (bn, bk, warps), per_sm in itertools.product(tiles, per_sms):
-                cfg = (bn, bk, warps, per_sm)
+            for (bn, bk, warps), per_sm, rs in itertools.product(tiles, per_sms, row_sums):
+                cfg = (bn, bk, warps, per_sm, *([1] if rs else []))
 
                 def fused():
                     for w in ws:

@@ -28,10 +28,11 @@ from tokenmill.layers.norm import rms_norm_torch
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM), by weight (N, K) and silu: the fastest of
-# scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products
+# (block_n, block_k, num_warps, programs per SM[, row sums]), by weight (N, K) and silu: the fastest of
+# scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row sums (1):
+# each chunk's products are summed per row at once instead of kept per element until the end
 DEFAULT_CONFIG = (4, 1024, 4, 8)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2560, 4096, False): (2, 1024, 4, 8),        # qwen3-4b o_proj
     (19456, 2560, True): (4, 512, 4, 8),         # qwen3-4b gate_up
     (20992, 2560, True): (4, 512, 4, 8),         # nanbeige4.1-3b gate_up
@@ -78,7 +79,7 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROW_SUMS: tl.constexpr, PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
     pid = tl.program_id(0)
@@ -124,22 +125,39 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
             if SILU:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
-        acc = w.to(tl.float32) * xk
-        acc_u = acc
-        if SILU:
-            acc_u = u.to(tl.float32) * xk
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+        if ROW_SUMS:
+            # one float per row, the chunk summed at once: fewer registers, more programs per SM
+            acc = tl.sum(w.to(tl.float32) * xk, 1)
+            acc_u = acc
             if SILU:
-                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
-        y = tl.sum(acc, 1)
+                acc_u = tl.sum(u.to(tl.float32) * xk, 1)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+                acc += tl.sum(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk, 1)
+                if SILU:
+                    acc_u += tl.sum(tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+                                    * xk, 1)
+            y = acc
+            up_sum = acc_u
+        else:
+            acc = w.to(tl.float32) * xk
+            acc_u = acc
+            if SILU:
+                acc_u = u.to(tl.float32) * xk
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+                acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+                if SILU:
+                    acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+            y = tl.sum(acc, 1)
+            up_sum = tl.sum(acc_u, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = up_sum.to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             y = act * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -153,7 +171,7 @@ def _num_sms(device: torch.device) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
-                 config: tuple[int, int, int, int] | None = None):
+                 config: tuple[int, ...] | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
     norm and a residual are given, x when only the norm is, else None."""
@@ -180,7 +198,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     res_out = None
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, num_warps, per_sm = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    block_n, block_k, num_warps, per_sm, *row_sums = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
@@ -191,6 +209,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             bias if bias is not None else weight, out[m],
             res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
+            ROW_SUMS=bool(row_sums and row_sums[0]), PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
