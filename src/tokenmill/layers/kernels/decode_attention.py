@@ -46,18 +46,18 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64}
 
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on `device`, from one buffer kept for the process (a captured CUDA graph
-    keeps its address). Sized generously at first use, which is before any graph capture; the default
-    split rule needs at most one counter per SM."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
+    """n zeroed int32 counters on `device`, from a buffer kept for the life of the process: a captured
+    CUDA graph holds its address, so a buffer outgrown by a larger call stays allocated. The first is
+    sized generously (the default split rule needs at most one counter per SM), and launches on a device
+    share it, which holds because they are ordered on one stream and each leaves it zeroed."""
+    bufs = _counters.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 @triton.jit
