@@ -77,6 +77,25 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
+def _products(w, xk, ROW_SUMS: tl.constexpr):
+    # one weight chunk times the input chunk in float32: per element, or with ROW_SUMS summed per row
+    # at once (one float per row instead of a chunk-sized accumulator: fewer registers, more programs
+    # per SM)
+    p = w.to(tl.float32) * xk
+    if ROW_SUMS:
+        p = tl.sum(p, 1)
+    return p
+
+
+@triton.jit
+def _row_totals(acc, ROW_SUMS: tl.constexpr):
+    # an accumulator of `_products` -> one float per row
+    if not ROW_SUMS:
+        acc = tl.sum(acc, 1)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -126,39 +145,22 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
             if SILU:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
-        if ROW_SUMS:
-            # one float per row, the chunk summed at once: fewer registers, more programs per SM
-            acc = tl.sum(w.to(tl.float32) * xk, 1)
-            acc_u = acc
+        acc = _products(w, xk, ROW_SUMS)
+        acc_u = acc
+        if SILU:
+            acc_u = _products(u, xk, ROW_SUMS)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+            acc += _products(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
             if SILU:
-                acc_u = tl.sum(u.to(tl.float32) * xk, 1)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-                acc += tl.sum(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk, 1)
-                if SILU:
-                    acc_u += tl.sum(tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-                                    * xk, 1)
-            y = acc
-            up_sum = acc_u
-        else:
-            acc = w.to(tl.float32) * xk
-            acc_u = acc
-            if SILU:
-                acc_u = u.to(tl.float32) * xk
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-                acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
-                if SILU:
-                    acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
-            y = tl.sum(acc, 1)
-            up_sum = tl.sum(acc_u, 1)
+                acc_u += _products(tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
+        y = _row_totals(acc, ROW_SUMS)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = up_sum.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = _row_totals(acc_u, ROW_SUMS).to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             y = act * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
