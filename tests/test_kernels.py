@@ -573,8 +573,7 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
         batches.append(qkv.shape[0])
         return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16, "min_split_len": 16})
     monkeypatch.setattr(llama, "decode_attention_kernel",
-                        lambda h, meta: fused if meta.is_decode and h.shape[0] == meta.block_tables.shape[0]
-                        else None)
+                        lambda h, meta: fused if meta.is_pure_decode(h.shape[0]) else None)
     got = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     assert got == expected
     assert batches and max(batches) > 1

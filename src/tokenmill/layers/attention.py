@@ -31,9 +31,9 @@ class AttentionMetadata:
     max_context_len: int
     prefill_tiles: torch.Tensor | None = None   # [2, n] int32 from `prefill_tiles`, or None
 
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1
+    def is_pure_decode(self, num_tokens: int) -> bool:
+        """One new token for each sequence and no padding tokens: the steps the decode kernels take."""
+        return self.max_query_len == 1 and num_tokens == self.block_tables.shape[0]
 
 
 def prefill_tiles(query_lens: np.ndarray, num_tiles: int, block_m: int = PREFILL_BLOCK_M) -> np.ndarray:

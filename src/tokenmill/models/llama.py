@@ -28,7 +28,7 @@ def single_token_linear(hidden: torch.Tensor):
 def decode_attention_kernel(hidden: torch.Tensor, meta: AttentionMetadata):
     """`decode_attention.fused_decode_attention` when a step's attention runs as one kernel from the
     packed qkv (CUDA, one new token per sequence, not turned off), else None."""
-    if not (hidden.is_cuda and meta.is_decode and hidden.shape[0] == meta.block_tables.shape[0]):
+    if not (hidden.is_cuda and meta.is_pure_decode(hidden.shape[0])):
         return None
     from tokenmill.layers.kernels import decode_attention
     return decode_attention.fused_decode_attention if decode_attention.ENABLED else None

@@ -403,8 +403,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D].
-    Pure-decode batches (`meta.is_decode`) take the CUDA-graph-safe split-K decode kernel."""
-    if meta.is_decode and q.shape[0] == meta.block_tables.shape[0]:
+    Pure-decode batches (`meta.is_pure_decode`) take the CUDA-graph-safe split-K decode kernel."""
+    if meta.is_pure_decode(q.shape[0]):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, tiles=meta.prefill_tiles)
