@@ -16,7 +16,6 @@
 #   BACKENDS="tokenmill hf-cb" TM_NUM_PROMPTS=200 bash scripts/device/bench_serve.sh
 set -uo pipefail
 
-OUT=${OUT:-$PWD/bench_results}
 MODEL=${MODEL:-preset:qwen3-4b}
 BACKENDS=${BACKENDS:-"tokenmill hf-cb hf"}
 TM_NUM_PROMPTS=${TM_NUM_PROMPTS:-48}
@@ -32,13 +31,10 @@ TTFT_PROBE=${TTFT_PROBE:-16}        # tokenmill only: this many 1,000-token prom
 BENCH_ARGS=${BENCH_ARGS:-}          # extra `tokenmill bench serve` flags, e.g. "--goodput ttft:500 tpot:50"
 START_TIMEOUT_S=${START_TIMEOUT_S:-300}
 
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
-export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/env.sh"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/bench-serve.XXXXXX")
 RES="$WORK/bench_serve"
-mkdir -p "$OUT" "$RES"
+mkdir -p "$RES"
 SUMMARY="$OUT/SUMMARY.md"
 SLUG=${MODEL#preset:}
 SLUG=${SLUG##*/}

@@ -15,7 +15,6 @@
 # the tables of this call are gathered in $OUT/SUMMARY.md and printed at the end.
 set -uo pipefail
 
-OUT=${OUT:-$PWD/bench_results}
 MODELS=${MODELS:-"qwen3-4b nanbeige4.1-3b"}
 STAGES=${STAGES:-"full ratios latency"}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
@@ -26,11 +25,7 @@ RATIO_BACKENDS=${RATIO_BACKENDS:-tokenmill,hf-static,hf-cb}
 LATENCY_BACKENDS=${LATENCY_BACKENDS:-tokenmill,hf-static}
 EXTRA_ARGS=${EXTRA_ARGS:-}          # passed to every run, e.g. "--enforce-eager" or "--max-num-seqs 128"
 
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
-export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
+source "$(dirname "$0")/env.sh"
 
 {
   date -Is

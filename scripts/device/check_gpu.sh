@@ -4,12 +4,8 @@
 # random bf16 presets. Results under $OUT (kernels.json, check_hf.json, logs).
 #   OUT=/path bash scripts/device/check_gpu.sh            MODELS="preset:qwen3-4b preset:nanbeige4.1-3b"
 set -uo pipefail
-OUT=${OUT:-$PWD/bench_results}
 MODELS=${MODELS:-"preset:qwen3-4b preset:nanbeige4.1-3b"}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
+source "$(dirname "$0")/env.sh"
 status=0
 python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1
 python scripts/device/kernels.py --quick 2>&1 | tee "$OUT/kernels.log" | tail -14 || status=1

@@ -10,14 +10,10 @@
 #          (TOKENMILL_FUSED_DECODE)
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
-OUT=${OUT:-$PWD/bench_results}
 STAGES=${STAGES:-"tests gemv e2e"}
 MODELS=${MODELS:-"qwen3-4b nanbeige4.1-3b"}
 VARIANTS=${VARIANTS:-"0,0,0 1,2,0 1,2,1"}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
+source "$(dirname "$0")/env.sh"
 status=0
 for stage in $STAGES; do
   case $stage in

@@ -5,10 +5,9 @@
 #   OUT=/path MAX_MINUTES=6 bash scripts/device/train_tiny.sh
 # Back here: cat tiny-gpu.tar.gz.part-* | tar xz -C /tmp   (gives /tmp/tiny-gpu)
 set -uo pipefail
-OUT=${OUT:-$PWD/bench_results}
 MAX_MINUTES=${MAX_MINUTES:-6}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-mkdir -p "$OUT"
+source "$(dirname "$0")/env.sh"
+export TOKENIZERS_PARALLELISM=true   # the tokenizer is trained here, on every core
 rm -rf /tmp/tiny-gpu
 python scripts/train_tiny.py --out /tmp/tiny-gpu --device cuda --with-tests \
     --vocab-size 8192 --hidden-size 384 --intermediate-size 1024 --num-layers 6 --num-heads 6 \
