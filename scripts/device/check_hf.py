@@ -11,7 +11,9 @@ Top-1 agreement is also given by the HF float32 reference's margin, its top log-
 at a near-tie, rounding decides the argmax; random weights make near-ties common.
 
 Usage: python scripts/device/check_hf.py --model preset:qwen3-4b [--model preset:nanbeige4.1-3b]
-       [--device cpu --dtype float32 ...] (a CPU smoke run on a small model)
+       [--dtype float32] (tokenmill and HF both computing in float32 on the same bf16-valued weights: the
+       engine's own agreement with HF, below bf16's rounding noise)
+       [--device cpu ...] (a CPU smoke run on a small model)
 """
 from __future__ import annotations
 
@@ -87,8 +89,9 @@ def compare(path, prompts, passes, generate_subset, device, dtype):
     itself."""
     from transformers import AutoModelForCausalLM
     low = getattr(torch, dtype)
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=low, attn_implementation="sdpa").to(device).eval()
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
+    hf16 = hf32 if low == torch.float32 else AutoModelForCausalLM.from_pretrained(
+        path, dtype=low, attn_implementation="sdpa").to(device).eval()
     report = []
     for p_idx, (tokens, logits, cached) in enumerate(passes):
         keys = ("tm_vs_hf16", "tm_vs_hf32", "hf16_vs_hf32")
@@ -156,33 +159,39 @@ def main():
         passes, stats = run_tokenmill(path, prompts, args.new_tokens, args.batched_tokens, args.device,
                                       args.dtype)
         report, generate_match = compare(path, prompts, passes, args.generate_subset, args.device, args.dtype)
-        results[model] = {"passes": report, "hf_generate_match": generate_match,
+        results[model] = {"dtype": args.dtype, "passes": report, "hf_generate_match": generate_match,
                           "preemptions": stats["num_preemptions"], "seconds": time.time() - t0}
         print(json.dumps({model: results[model]}, indent=1), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "check_hf.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"check_hf_{args.dtype}.json"), "w") as f:
             json.dump(results, f, indent=1)
-    print("\n| model | pass | compared | max rel err (log-softmax) | mean rel err | top-1 agree | greedy 16 (teacher-forced vs HF bf16) | cache-hit prompts | HF generate match |")
+    low = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(args.dtype, args.dtype)
+
+    labels = {"tm_vs_hf16": f"tokenmill {low} vs HF {low}", "tm_vs_hf32": f"tokenmill {low} vs HF fp32",
+              "hf16_vs_hf32": f"HF {low} vs HF fp32"}
+    if args.dtype == "float32":  # one reference: the other two rows would repeat or compare HF with itself
+        labels = {"tm_vs_hf32": labels["tm_vs_hf32"]}
+    print(f"\n| model | pass | compared | max rel err (log-softmax) | mean rel err | top-1 agree | greedy 16 (teacher-forced vs HF {low}) | cache-hit prompts | HF {low} generate match |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, r in results.items():
         for p in r["passes"]:
-            for key in ("tm_vs_hf16", "tm_vs_hf32", "hf16_vs_hf32"):
+            for key, label in labels.items():
                 m = p[key]
-                print(f"| {model} | {p['pass']} | {key} | {m['max_rel_err']:.2e} | {m['mean_rel_err']:.2e} | "
+                print(f"| {model} | {p['pass']} | {label} | {m['max_rel_err']:.2e} | {m['mean_rel_err']:.2e} | "
                       f"{m['top1']:.4f} | {p['greedy_match_teacher_forced']} | "
                       f"{p['prompts_with_cache_hits']} | {r['hf_generate_match']} |")
     print("\n| model | pass | compared | " + " | ".join(f"top-1, HF fp32 margin >= {m}" for m in MARGINS) + " |")
     print("|---|---|---|" + "---|" * len(MARGINS))
     for model, r in results.items():
         for p in r["passes"]:
-            for key in ("tm_vs_hf16", "tm_vs_hf32", "hf16_vs_hf32"):
+            for key, label in labels.items():
                 bins = list(p[key]["top1_by_margin"].values())
                 # agreement over every position at or above each margin (bins summed from the top)
                 cells = []
                 for i in range(len(bins)):
                     agree, n = sum(b[0] for b in bins[i:]), sum(b[1] for b in bins[i:])
                     cells.append(f"{agree / n:.4f} of {n}" if n else "-")
-                print(f"| {model} | {p['pass']} | {key} | " + " | ".join(cells) + " |")
+                print(f"| {model} | {p['pass']} | {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #          or the fused single-token kernels (1) (TOKENMILL_GEMV); programmatic dependent launch off (0),
 #          the next kernel triggered after (1) or before (2) each wait (TOKENMILL_PDL); decode attention
 #          as prologue, split-K kernel and merge (0) or as one kernel (1, the default)
-#          (TOKENMILL_FUSED_DECODE)
+#          (TOKENMILL_FUSED_DECODE); with GEMV_VARIANTS (profile_decode.py --gemv-variants, a JSON list),
+#          each run also times the batch-1 graph under each variant of the product settings, in turns
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
 STAGES=${STAGES:-"tests gemv e2e"}
@@ -33,7 +34,8 @@ for stage in $STAGES; do
           dir="$OUT/e2e_${m}_gemv${g}_pdl${p}_attn${a}"
           TOKENMILL_GEMV=$g TOKENMILL_PDL=$p TOKENMILL_FUSED_DECODE=$a TOKENMILL_GEMV_CONFIGS=$configs \
             python scripts/device/profile_decode.py --model "preset:$m" --batch-sizes 1 --prefill-lens "" \
-            --output-len 128 --out "$dir" > "$dir.log" 2>&1 || { status=1; tail -20 "$dir.log"; }
+            --output-len 128 --out "$dir" ${GEMV_VARIANTS:+--gemv-variants "$GEMV_VARIANTS"} > "$dir.log" 2>&1 \
+            || { status=1; tail -20 "$dir.log"; }
         done
       done
       python - "$OUT" <<'PY'
@@ -50,6 +52,13 @@ for d in sorted(glob.glob(os.path.join(sys.argv[1], "e2e_*"))):
     p, a = rest.split("_attn")
     print(f"| {r['model']} | {'yes' if g == '1' else 'no (cuBLAS)'} | {p} | {'yes' if a == '1' else 'no'} | "
           f"{r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | {r['kernels_per_step']:.0f} |")
+rows = [(os.path.basename(d), v) for d in sorted(glob.glob(os.path.join(sys.argv[1], "e2e_*")))
+        for f in glob.glob(os.path.join(d, "profile_*.json")) for v in json.load(open(f)).get("gemv_variants", [])]
+if rows:
+    print("\n| run | product variant | batch-1 graph replay ms (median of turns) | turns |")
+    print("|---|---|---|---|")
+    for run, v in rows:
+        print(f"| {run} | {v['variant']} | {v['graph_replay_ms']:.3f} | {' '.join(f'{t:.3f}' for t in v['all_ms'])} |")
 PY
       ;;
   esac

@@ -4,7 +4,9 @@ For each batch size: the engine's ms per step (one `LLM.generate` of equal reque
 device time of one replay of the decode CUDA graph alone (CUDA events over many replays), the share of
 each step the host spent waiting for the device (0 means the host is the bottleneck), and a per-kernel
 table of one graph replay from the PyTorch profiler. A cProfile of the host side at batch 1 goes to
-$OUT/host_profile_bs1.txt. Then single-request prefill: wall time of `generate` with max_tokens 1 for
+$OUT/host_profile_bs1.txt. With --gemv-variants, the batch-1 decode graph is captured again for each
+variant of the single-token product settings and the variants' replays are timed in turns, side by side
+in one process. Then single-request prefill: wall time of `generate` with max_tokens 1 for
 fresh prompts of each length, against the GPU kernel time of one such request.
 
 Usage: python scripts/device/profile_decode.py --model preset:qwen3-4b --batch-sizes 1,8,64 --out DIR
@@ -60,6 +62,34 @@ def kernel_table(runner, bs: int, path: str) -> list[dict]:
     return rows
 
 
+def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
+    """Batch-1 decode graph replay per variant of `gemv` settings ({"name", "prefetch_mb"?, "configs"?:
+    [[N, K, silu, tile], ...]}), each captured on the runner's static buffers as they are after the
+    last step; the variants are timed in `rounds` turns and the median replay of each is kept."""
+    from tokenmill.layers.kernels import gemv
+    saved = gemv.PREFETCH_MB, dict(gemv.CONFIGS)
+    graphs = {}
+    for v in variants:
+        gemv.PREFETCH_MB = float(v.get("prefetch_mb", saved[0]))
+        gemv.CONFIGS = dict(saved[1])
+        gemv.CONFIGS.update({(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])})
+        forward = runner._static_forward(("decode", 1))
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        graphs[v["name"]] = graph
+    gemv.PREFETCH_MB, gemv.CONFIGS = saved
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(replay_ms(graph))
+    rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t} for name, t in times.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="preset:qwen3-4b")
@@ -69,6 +99,9 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="128,1000,2000",
                     help="single-request prefill (max_tokens 1) wall time and GPU kernel time")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--gemv-variants", default="",
+                    help='JSON list of {"name", "prefetch_mb", "configs": [[N, K, silu, tile], ...]}: batch-1 '
+                         'decode graph replay of each, in turns')
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -119,6 +152,10 @@ def main() -> None:
         for r in kernels[:14]:
             print(f"    {r['us_per_step']:9.1f} {r['calls_per_step']:6.0f}  {r['name']}", flush=True)
 
+    variants = []
+    if args.gemv_variants and torch.cuda.is_available():
+        variants = gemv_variants(runner, json.loads(args.gemv_variants))
+
     prefill = []
     if torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile
@@ -151,7 +188,7 @@ def main() -> None:
     with open(os.path.join(args.out, f"host_profile_{name}_bs1.txt"), "w") as f:
         f.write(s.getvalue())
     with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
-        json.dump({"decode": results, "prefill": prefill}, f, indent=1)
+        json.dump({"decode": results, "prefill": prefill, "gemv_variants": variants}, f, indent=1)
     for r in prefill:
         print(f"prefill {r['prompt_len']} tokens: {r['wall_ms_median']:.1f} ms wall, "
               f"{r['gpu_kernel_ms']:.1f} ms of kernels")
@@ -160,6 +197,12 @@ def main() -> None:
     for r in results:
         print(f"| {r['model']} | {r['batch']} | {r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
               f"{r['host_wait_frac']:.2f} | {r['kernels_per_step']:.0f} | {r['kernel_us_sum']:.0f} |")
+    if variants:
+        print(f"\n| model | gemv variant (batch 1) | graph replay ms, median of turns | all turns |")
+        print("|---|---|---|---|")
+        for r in variants:
+            print(f"| {name} | {r['variant']} | {r['graph_replay_ms']:.3f} | "
+                  f"{' '.join(f'{t:.3f}' for t in r['all_ms'])} |")
 
 
 if __name__ == "__main__":
