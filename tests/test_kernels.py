@@ -342,22 +342,6 @@ def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypa
     assert calls.count(True) > 0 and len(calls) == 4 * calls.count(True)
 
 
-def test_gemv_prefetch_stays_in_budget(monkeypatch):
-    """The rows each program asks L2 for before its wait: none without programmatic dependent launch,
-    never more than the program will read, and over all programs within PREFETCH_MB."""
-    gemv = _gemv()
-    monkeypatch.setattr(gemv, "PREFETCH_MB", 32.0)
-    budget = 32 * 2**20
-    assert gemv._prefetch_rows_per_program(2560, 4096, 2, 1280, 2, False, pdl_mode=0) == 0
-    # qwen3-4b o_proj: every program's two rows (21 MB) fit
-    assert gemv._prefetch_rows_per_program(2560, 4096, 2, 1280, 2, False, pdl_mode=2) == 2
-    # qwen3-4b gate_up: 8 rows of gate and up per program, 2 fit
-    rows = gemv._prefetch_rows_per_program(9728, 2560, 4, 1584, 2, True, pdl_mode=2)
-    assert rows == 2 and rows * 1584 * 2560 * 2 * 2 <= budget
-    monkeypatch.setattr(gemv, "PREFETCH_MB", 0.0)
-    assert gemv._prefetch_rows_per_program(2560, 4096, 2, 1280, 2, False, pdl_mode=2) == 0
-
-
 def test_fused_linear_rejects_bad_inputs():
     gemv = _gemv()
     x, w = torch.zeros(1, 8, device=DEVICE), torch.zeros(6, 8, device=DEVICE)

@@ -8,7 +8,7 @@
 #          the next kernel triggered after (1) or before (2) each wait (TOKENMILL_PDL); decode attention
 #          as prologue, split-K kernel and merge (0) or as one kernel (1, the default)
 #          (TOKENMILL_FUSED_DECODE); with GEMV_VARIANTS (profile_decode.py --gemv-variants, a JSON list),
-#          each run also times the batch-1 graph under each variant of the product settings, in turns
+#          each run also times the batch-1 graph under each variant of the product tiles, in turns
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
 STAGES=${STAGES:-"tests gemv e2e"}

@@ -63,15 +63,14 @@ def kernel_table(runner, bs: int, path: str) -> list[dict]:
 
 
 def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
-    """Batch-1 decode graph replay per variant of `gemv` settings ({"name", "prefetch_mb"?, "configs"?:
-    [[N, K, silu, tile], ...]}), each captured on the runner's static buffers as they are after the
-    last step; the variants are timed in `rounds` turns and the median replay of each is kept."""
+    """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
+    tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
+    the last step; the variants are timed in `rounds` turns and the median replay of each is kept."""
     from tokenmill.layers.kernels import gemv
-    saved = gemv.PREFETCH_MB, dict(gemv.CONFIGS)
+    saved = dict(gemv.CONFIGS)
     graphs = {}
     for v in variants:
-        gemv.PREFETCH_MB = float(v.get("prefetch_mb", saved[0]))
-        gemv.CONFIGS = dict(saved[1])
+        gemv.CONFIGS = dict(saved)
         gemv.CONFIGS.update({(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])})
         forward = runner._static_forward(("decode", 1))
         forward()
@@ -79,7 +78,7 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
         with torch.cuda.graph(graph):
             forward()
         graphs[v["name"]] = graph
-    gemv.PREFETCH_MB, gemv.CONFIGS = saved
+    gemv.CONFIGS = saved
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
@@ -100,7 +99,7 @@ def main() -> None:
                     help="single-request prefill (max_tokens 1) wall time and GPU kernel time")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--gemv-variants", default="",
-                    help='JSON list of {"name", "prefetch_mb", "configs": [[N, K, silu, tile], ...]}: batch-1 '
+                    help='JSON list (or @file) of {"name", "configs": [[N, K, silu, tile], ...]}: batch-1 '
                          'decode graph replay of each, in turns')
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -154,7 +153,8 @@ def main() -> None:
 
     variants = []
     if args.gemv_variants and torch.cuda.is_available():
-        variants = gemv_variants(runner, json.loads(args.gemv_variants))
+        spec = args.gemv_variants
+        variants = gemv_variants(runner, json.load(open(spec[1:])) if spec.startswith("@") else json.loads(spec))
 
     prefill = []
     if torch.cuda.is_available():

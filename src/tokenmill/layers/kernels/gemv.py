@@ -6,10 +6,7 @@ product gets to HBM bandwidth. The weight matrices of a 3-4B model are 20-100 MB
 library GEMM spends a good part of its time ramping up and draining; here each layer's four products
 are the only kernels that read weights, the norms and the activation ride along (two kernels fewer per
 layer), and with programmatic dependent launch (`pdl.py`) a product starts fetching its weights while
-the kernel before it finishes. While it waits for that kernel, it also asks L2 for the rest of its
-first weight rows (`PREFETCH_MB` over all programs), so the product overlaps the short, latency-bound
-kernels around it (attention before o_proj) and the tail of the product before it, instead of starting
-its stream only when they end.
+the kernel before it finishes.
 
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. `TOKENMILL_GEMV=0` sends
 single-token products back to cuBLAS (for A/B benchmarks).
@@ -30,10 +27,6 @@ from tokenmill.layers.norm import rms_norm_torch
 
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
-# weight bytes, over all programs of one launch, requested into L2 before the wait for the kernel before
-# (with programmatic dependent launch only); 0 turns the prefetch off
-PREFETCH_MB = float(os.environ.get("TOKENMILL_GEMV_PREFETCH_MB", "32"))
-_LINE_BYTES = 128
 
 # (block_n, block_k, num_warps, programs per SM[, row sums]), by weight (N, K) and silu: the fastest of
 # scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row sums (1):
@@ -103,35 +96,10 @@ def _row_totals(acc, ROW_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    # one L2 prefetch per element; nothing waits for it
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, pid, num_programs, n_out, w_stride, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
-                   ROWS: tl.constexpr, LINES_PER_ROW: tl.constexpr, LINE: tl.constexpr,
-                   THREADS: tl.constexpr):
-    # the first ROWS weight rows this program will read (its units in order), one 128-byte line per
-    # element, THREADS lines per round; rows past n_out are clamped to the last (a repeated prefetch)
-    TOTAL: tl.constexpr = ROWS * LINES_PER_ROW
-    for base in tl.static_range(0, TOTAL, THREADS):
-        j = tl.minimum(base + tl.arange(0, THREADS), TOTAL - 1)
-        i = j // LINES_PER_ROW
-        row = tl.minimum((pid + (i // BLOCK_N) * num_programs) * BLOCK_N + i % BLOCK_N, n_out - 1)
-        ptrs = w_ptr + row.to(tl.int64) * w_stride + (j % LINES_PER_ROW) * LINE
-        _prefetch_l2(ptrs)
-        if SILU:
-            _prefetch_l2(ptrs + n_out.to(tl.int64) * w_stride)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 ROW_SUMS: tl.constexpr, PDL: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
-                 LINES_PER_ROW: tl.constexpr, LINE: tl.constexpr, THREADS: tl.constexpr):
+                 ROW_SUMS: tl.constexpr, PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
     pid = tl.program_id(0)
@@ -149,9 +117,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
     if SILU:
         u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
                           mask=tile_mask, other=0.0)
-    if PREFETCH_ROWS > 0:
-        _prefetch_rows(w_ptr, pid, num_programs, n_out, w_stride, BLOCK_N, SILU, PREFETCH_ROWS,
-                       LINES_PER_ROW, LINE, THREADS)
     pdl.enter(PDL)
 
     rstd = 1.0
@@ -206,17 +171,6 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 4
 
 
-def _prefetch_rows_per_program(n_out: int, k: int, block_n: int, programs: int, element_size: int,
-                               silu: bool, pdl_mode: int) -> int:
-    """Weight rows each program requests into L2 before its wait: as many of its rows as fit in
-    PREFETCH_MB over all programs. None without programmatic dependent launch (nothing to overlap)."""
-    if pdl_mode == 0 or PREFETCH_MB <= 0:
-        return 0
-    rows_per_program = triton.cdiv(n_out, block_n * programs) * block_n
-    row_bytes = k * element_size * (2 if silu else 1)
-    return min(rows_per_program, int(PREFETCH_MB * 2**20) // (programs * row_bytes))
-
-
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
@@ -251,9 +205,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
-    line = _LINE_BYTES // weight.element_size()
-    prefetch_rows = _prefetch_rows_per_program(n_out, k, block_n, grid[0], weight.element_size(), silu,
-                                               pdl_mode)
     for m in range(x.shape[0]):
         _gemv_kernel[grid](
             x[m], residual[m] if residual is not None else x[m],
@@ -262,7 +213,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-            ROW_SUMS=bool(row_sums and row_sums[0]), PDL=pdl_mode, PREFETCH_ROWS=prefetch_rows,
-            LINES_PER_ROW=triton.cdiv(k, line), LINE=line, THREADS=32 * num_warps,
+            ROW_SUMS=bool(row_sums and row_sums[0]), PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
