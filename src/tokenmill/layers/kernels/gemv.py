@@ -28,9 +28,10 @@ from tokenmill.layers.norm import rms_norm_torch
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM[, row sums]), by weight (N, K) and silu: the fastest of
-# scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row sums (1):
-# each chunk's products are summed per row at once instead of kept per element until the end
+# (block_n, block_k, num_warps, programs per SM[, row sums[, stages]]), by weight (N, K) and silu: the
+# fastest of scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row
+# sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
+# Stages (default 1): chunks in flight per program through shared memory
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
@@ -99,7 +100,7 @@ def _row_totals(acc, ROW_SUMS: tl.constexpr):
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 ROW_SUMS: tl.constexpr, PDL: tl.constexpr):
+                 ROW_SUMS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
     pid = tl.program_id(0)
@@ -149,7 +150,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
         acc_u = acc
         if SILU:
             acc_u = _products(u, xk, ROW_SUMS)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        # STAGES > 1: the weight (and input) chunks of the next STAGES - 1 iterations are copied into
+        # shared memory while this one is summed, so more bytes are in flight without more registers
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
             acc += _products(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
@@ -201,7 +204,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     res_out = None
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, num_warps, per_sm, *row_sums = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    block_n, block_k, num_warps, per_sm, *extra = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    row_sums, stages = (list(extra) + [0, 1])[:2]
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
@@ -213,6 +217,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-            ROW_SUMS=bool(row_sums and row_sums[0]), PDL=pdl_mode,
+            ROW_SUMS=bool(row_sums), STAGES=stages, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
