@@ -679,6 +679,23 @@ def test_gpu_qk_norm_rope_store_realistic(qk_norm):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_fused_linear_stages_change_no_sum():
+    """Chunks copied ahead through shared memory (stages > 1) are summed in the same order as chunks
+    loaded one at a time: the same bits, with and without a norm and residual."""
+    gemv = _gemv()
+    gen = _gen(16)
+    x, w = _randn(1, 2560, dtype=torch.bfloat16, gen=gen), _randn(3584, 2560, dtype=torch.bfloat16, gen=gen) / 50
+    norm, res = 1 + _randn(2560, dtype=torch.bfloat16, gen=gen) / 10, _randn(1, 2560, dtype=torch.bfloat16, gen=gen)
+    for kwargs in ({}, dict(norm_weight=norm, eps=1e-6, residual=res)):
+        one, _ = gemv.fused_linear(x, w, config=(4, 1024, 4, 8, 0, 1), **kwargs)
+        for stages in (2, 3, 4):
+            got, _ = gemv.fused_linear(x, w, config=(4, 1024, 4, 8, 0, stages), **kwargs)
+            torch.testing.assert_close(got, one, rtol=0, atol=0)
+        torch.testing.assert_close(one, gemv.fused_linear_torch(x, w, **kwargs)[0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_fused_linear_chain_in_a_cuda_graph():
     """A decoder layer's four single-token products at qwen3-4b sizes, chained as in a decode step and
     replayed from a CUDA graph (programmatic dependent launch on Hopper): each matches the reference

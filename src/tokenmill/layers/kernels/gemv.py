@@ -37,6 +37,7 @@ CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
     (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
     (19456, 2560, True): (4, 512, 4, 12),        # qwen3-4b gate_up
     (2560, 9728, False): (2, 1024, 4, 12, 1),    # qwen3-4b down_proj
+    (3584, 2560, False): (4, 1024, 4, 8, 0, 3),  # nanbeige4.1-3b qkv
     (20992, 2560, True): (4, 512, 4, 8),         # nanbeige4.1-3b gate_up
 }
 if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
