@@ -206,7 +206,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
     block_n, block_k, num_warps, per_sm, *extra = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
-    row_sums, stages = (list(extra) + [0, 1])[:2]
+    row_sums, stages = tuple(extra) + (0, 1)[len(extra):]
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     pdl_mode = pdl.mode(x.device)
