@@ -579,6 +579,36 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
     assert batches and max(batches) > 1
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU every eager step with prefill tokens takes this path anyway")
+def test_engine_eager_prefill_attention_through_a_tile_map(qwen3_dir, monkeypatch):
+    """A step with prefill tokens that runs eagerly hands the prefill kernel a tile map of every
+    sequence's query blocks (as graphs do): through that map the kernel gives the tokens of the
+    reference attention, with long prompts chunked beside decode rows."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.attention import PagedAttention
+    pa, _ = _kernels()
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41] * 20, [12], [7, 7, 8] * 30, [3, 1, 4, 1, 5]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    config = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=200)
+    expected = [o.outputs[0].token_ids for o in LLM(qwen3_dir, **config).generate(prompts, params)]
+    reference, steps = PagedAttention.attend, []
+
+    def attend(self, q, meta):
+        if meta.is_pure_decode(q.shape[0]):
+            return reference(self, q, meta)
+        steps.append((meta.prefill_tiles, meta.query_start_loc.diff().tolist()))
+        return pa.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                          meta.query_start_loc, meta.max_query_len, self.scale,
+                                          tiles=meta.prefill_tiles)
+    monkeypatch.setattr(PagedAttention, "attend", attend)
+    got = [o.outputs[0].token_ids for o in LLM(qwen3_dir, **config).generate(prompts, params)]
+    assert got == expected
+    assert all(tiles is not None for tiles, _ in steps)
+    # a chunk of two query blocks beside other sequences took place, one tile per block
+    assert any(len(lens) > 1 and max(lens) > 64 for _, lens in steps)
+    assert all(tiles.shape[1] == sum(-(-n // 64) for n in lens) for tiles, lens in steps)
+
+
 # ----------------------------------------------------------------------- GPU, realistic bf16 sizes
 
 

@@ -156,6 +156,16 @@ class ModelRunner:
         return _Inputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
                        sample_rows, sample_tokens, int(counts.max()), int(ends.max()), gather, gather_src)
 
+    def _eager_tiles(self, inp: "_Inputs") -> torch.Tensor | None:
+        """The tile map of an eager step with prefill tokens, as the graphs have it: one attention
+        program per block of a sequence's queries, where the plain grid launches the longest query's
+        blocks for every sequence (a prefill chunk beside 200 decode rows: 16 x 201 programs a head
+        instead of 216), and the same kernel variant the graphs compiled. None for decode steps."""
+        if inp.max_q == 1:
+            return None
+        lens = np.diff(inp.qsl)
+        return self._to_device(prefill_tiles(lens, int((-(-lens // PREFILL_BLOCK_M)).sum())))
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -228,7 +238,7 @@ class ModelRunner:
             meta = AttentionMetadata(
                 slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
                 context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
-                max_query_len=inp.max_q, max_context_len=inp.max_ctx)
+                max_query_len=inp.max_q, max_context_len=inp.max_ctx, prefill_tiles=self._eager_tiles(inp))
             hidden = self.model(ids, self._to_device(inp.positions), meta)
             logits = None
             if sampled:

@@ -282,7 +282,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ------------------------------------------------------------------------------------------- prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_stride"])   # the tile count: one compiled variant for every step
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                     query_start_loc_ptr, tiles_ptr, out_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
