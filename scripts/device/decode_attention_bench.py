@@ -49,7 +49,8 @@ def build(model: str, batch: int, ctx: int):
                 x=x, hq=hq, hkv=hkv)
 
 
-def step(s, variant):
+def step(s, variant, o_proj=None):
+    """One pass over the layers; `o_proj(attn, w_o)` replaces the batch-1 o_proj product if given."""
     x = s["x"]
     hq, hkv = s["hq"], s["hkv"]
     for L in s["layers"]:
@@ -63,16 +64,19 @@ def step(s, variant):
                 *args, L["k"], L["v"], s["slots"], s["table"], s["ctx"], HEAD_DIM ** -0.5, hq, hkv, HEAD_DIM,
                 config={"min_split_len": variant})
         attn = attn.reshape(x.shape[0], -1)
-        x = gemv.fused_linear(attn, L["w_o"])[0] if x.shape[0] == 1 else attn @ L["w_o"].t()
+        if o_proj is not None and x.shape[0] == 1:
+            x = o_proj(attn, L["w_o"])
+        else:
+            x = gemv.fused_linear(attn, L["w_o"])[0] if x.shape[0] == 1 else attn @ L["w_o"].t()
     return x
 
 
-def time_graph(s, variant, iters=50) -> float:
-    out = step(s, variant)
+def time_graph(s, variant, iters=50, o_proj=None) -> float:
+    out = step(s, variant, o_proj)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(s, variant)
+        out = step(s, variant, o_proj)
     ms = replay_ms(graph, iters)
     del out
     return ms * 1000 / LAYERS
