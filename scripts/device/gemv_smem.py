@@ -43,8 +43,10 @@ def _smem_gemv_kernel(x_ptr, w_ptr, out_ptr, n_out, K: gl.constexpr, BLOCK_N: gl
     # one program: rows pid * BLOCK_N ... of y = W x, its whole [BLOCK_N, K] weight block in shared
     # memory (NUM_CHUNKS chunks of BLOCK_K columns), copied before the wait
     NUM_CHUNKS: gl.constexpr = K // BLOCK_K
+    # a warp per row (16-byte copies, 256 columns a pass): no element is held twice if BLOCK_N is a
+    # multiple of NUM_WARPS and BLOCK_K of 256
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                            warps_per_cta=[1, NUM_WARPS], order=[1, 0])
+                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NUM_CHUNKS, BLOCK_N, BLOCK_K], smem_layout)
     pid = gl.program_id(0)
@@ -70,7 +72,8 @@ def smem_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 8, block_k: int
                 num_warps: int = 4) -> torch.Tensor:
     """x [1, K] @ w[N, K].T -> [1, N], w contiguous, K a multiple of block_k."""
     n, k = w.shape
-    if x.shape != (1, k) or not (x.is_contiguous() and w.is_contiguous()) or k % block_k:
+    if (x.shape != (1, k) or not (x.is_contiguous() and w.is_contiguous()) or k % block_k or block_k % 256
+            or block_n % num_warps):
         raise ValueError(f"smem_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, block_k {block_k}")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _smem_gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -97,13 +100,14 @@ def main() -> None:
         w = torch.randn(hidden, hq * dab.HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
         x = torch.randn(1, hq * dab.HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = (x.float() @ w.float().t())
+        fits = [(bn, bk, nw) for bn, bk, nw in tiles if w.shape[1] % bk == 0]   # K in whole chunks
         errs = {f"{bn}x{bk}x{nw}": (smem_linear(x, w, bn, bk, nw).float() - ref).abs().max().item()
-                for bn, bk, nw in tiles}
+                for bn, bk, nw in fits}
         errs["fused_linear"] = (gemv.fused_linear(x, w)[0].float() - ref).abs().max().item()
         print(json.dumps({"model": model, "max_abs_err_vs_fp32": errs}), flush=True)
         for ctx in (int(c) for c in args.contexts.split(",")):
             s = dab.build(model, 1, ctx)
-            variants = {"fused_linear": None, **{f"{bn}x{bk}x{nw}": (bn, bk, nw) for bn, bk, nw in tiles}}
+            variants = {"fused_linear": None, **{f"{bn}x{bk}x{nw}": (bn, bk, nw) for bn, bk, nw in fits}}
             res = {}
             for name, tile in variants.items():
                 o_proj = (lambda a, w_o: gemv.fused_linear(a, w_o)[0]) if tile is None else (
@@ -115,11 +119,11 @@ def main() -> None:
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gemv_smem.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    names = list(rows[0]["us_per_layer"]) if rows else []
-    print("\n| model | context | " + " | ".join(f"o_proj: {n}" for n in names) + " |")
-    print("|---|---|" + "---|" * len(names))
+    print("\n| model | context | o_proj | us per layer |")
+    print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ctx']} | " + " | ".join(f"{r['us_per_layer'][n]:.2f}" for n in names) + " |")
+        for name, us in r["us_per_layer"].items():
+            print(f"| {r['model']} | {r['ctx']} | {name} | {us:.2f} |")
     print("\n(us per layer: qkv product + one-kernel attention + o_proj, batch 1, 36 layers in one CUDA graph)")
 
 
