@@ -36,12 +36,14 @@ class AttentionMetadata:
         return self.max_query_len == 1 and num_tokens == self.block_tables.shape[0]
 
 
-def prefill_tiles(query_lens: np.ndarray, num_tiles: int, block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
+def prefill_tiles(query_lens: np.ndarray, num_tiles: int | None = None,
+                  block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
     """The (sequence, query-block) pairs of a batch, one column per tile of `block_m` query rows,
-    padded to `num_tiles` columns with a block index too large to hold queries. A batch of T tokens
-    in B sequences needs at most T // block_m + B tiles."""
+    padded to `num_tiles` columns (default: none) with a block index too large to hold queries. A
+    batch of T tokens in B sequences needs at most T // block_m + B tiles."""
     per_seq = -(-np.asarray(query_lens, dtype=np.int64) // block_m)
     total = int(per_seq.sum())
+    num_tiles = total if num_tiles is None else num_tiles
     if total > num_tiles:
         raise ValueError(f"{total} query tiles do not fit in {num_tiles}")
     tiles = np.empty((2, num_tiles), dtype=np.int32)

@@ -161,10 +161,7 @@ class ModelRunner:
         program per block of a sequence's queries, where the plain grid launches the longest query's
         blocks for every sequence (a prefill chunk beside 200 decode rows: 16 x 201 programs a head
         instead of 216), and the same kernel variant the graphs compiled. None for decode steps."""
-        if inp.max_q == 1:
-            return None
-        lens = np.diff(inp.qsl)
-        return self._to_device(prefill_tiles(lens, int((-(-lens // PREFILL_BLOCK_M)).sum())))
+        return None if inp.max_q == 1 else self._to_device(prefill_tiles(np.diff(inp.qsl)))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
