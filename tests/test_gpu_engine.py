@@ -72,3 +72,36 @@ def test_single_request_decode_kernels_match_cpu_float32(qwen3_dir, prompts, mon
     assert ("decode", 1) in gpu.engine.runner.graphs
     assert any(f is not None for f in used), "the single-token layer was not captured"
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts[:6], params)] == expected
+
+
+def _compiled_variants() -> dict[str, int]:
+    """Compiled variants of each of tokenmill's Triton kernels, over all devices."""
+    import importlib
+    import pkgutil
+
+    import tokenmill.layers.kernels as kernels
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                counts[f"{info.name}.{name}"] = sum(len(c[0]) for c in fn.device_caches.values())
+    return counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_kernel_compiles_after_ready(qwen3_dir, prompts):
+    # steps larger than any graph run eagerly, with block tables only as wide as their longest sequence:
+    # everything they launch must have compiled while the engine was getting ready (graph capture and
+    # its eager warm-up step), not inside the first large batch of a run
+    llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=512,
+              cuda_graph_max_tokens=64, gpu_memory_utilization=0.3)
+    ready = _compiled_variants()
+    assert sum(ready.values()) > 0
+    outs = llm.generate(prompts, _params(prompts))
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(outs, _params(prompts)))
+    after = _compiled_variants()
+    grew = {k: (ready.get(k, 0), v) for k, v in after.items() if v != ready.get(k, 0)}
+    assert not grew, f"kernels compiled after ready (before, after): {grew}"

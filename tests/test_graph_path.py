@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from tokenmill import LLM, SamplingParams
 
 
@@ -42,3 +44,18 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir):
     stats = llm.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir):
+    # the warm-up step after graph capture runs eagerly over invented sequences: it must write no slot
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)
+    prompts, params = _workload()
+    llm.generate(prompts, params)                   # the cache now holds these prompts' K/V (prefix cache)
+    runner = llm.engine.runner
+    before = runner.kv_cache.clone()
+    calls = []
+    eager = runner._eager_forward
+    runner._eager_forward = lambda inp, prev: calls.append(inp) or eager(inp, prev)
+    runner._warm_eager()
+    assert len(calls) == 1 and calls[0].max_q > 1 and (calls[0].slots == -1).all()
+    assert torch.equal(runner.kv_cache, before)

@@ -229,17 +229,7 @@ class ModelRunner:
         if key is not None:
             hidden, logits = self._replay(key, inp, prev_tokens)
         else:
-            ids = self._to_device(inp.input_ids)
-            if prev_tokens is not None:
-                self._fill_placeholders(ids, inp, prev_tokens)
-            meta = AttentionMetadata(
-                slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
-                context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
-                max_query_len=inp.max_q, max_context_len=inp.max_ctx, prefill_tiles=self._eager_tiles(inp))
-            hidden = self.model(ids, self._to_device(inp.positions), meta)
-            logits = None
-            if sampled:
-                logits = self.model.compute_logits(hidden[self._to_device(inp.sample_tokens)])
+            hidden, logits = self._eager_forward(inp, prev_tokens)
         if self.hidden_hook is not None:
             self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
         result = StepResult(requests, inp.sample_rows, [])
@@ -251,6 +241,38 @@ class ModelRunner:
                 result.positions.append(req.num_tokens)
                 req.append_placeholder(j)
         return result
+
+    def _eager_forward(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
+        ids = self._to_device(inp.input_ids)
+        if prev_tokens is not None:
+            self._fill_placeholders(ids, inp, prev_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
+            context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
+            max_query_len=inp.max_q, max_context_len=inp.max_ctx, prefill_tiles=self._eager_tiles(inp))
+        hidden = self.model(ids, self._to_device(inp.positions), meta)
+        logits = None
+        if len(inp.sample_rows):
+            logits = self.model.compute_logits(hidden[self._to_device(inp.sample_tokens)])
+        return hidden, logits
+
+    @torch.inference_mode()
+    def _warm_eager(self) -> None:
+        """One eager step with prefill tokens, of sizes no graph has (17 tokens in 3 sequences, a decode
+        row beside two chunks, a block table 3 wide), so that whatever the eager path compiles beyond
+        the graphs' kernels compiles now rather than inside the first large batch. It writes no KV
+        slot (all slots -1) and reads block 0 only; its results are dropped."""
+        q_lens = np.array([1, 5, 11])
+        ctx = q_lens + np.array([8, 16, 0])
+        qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
+        inp = _Inputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
+                      ctx.astype(np.int32), np.zeros((len(q_lens), 3), np.int32), np.arange(len(q_lens)),
+                      qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), np.zeros(0, np.int64),
+                      None)
+        self._eager_forward(inp, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     # Two families share one set of static input buffers and one memory pool:
@@ -334,8 +356,7 @@ class ModelRunner:
         self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
         self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
         self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self._warm_eager()
         self.graph_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (%d decode, %d with prefill up to %d tokens) in %.1f s",
                     len(keys), len(self._decode_buckets), len(keys) - len(self._decode_buckets),

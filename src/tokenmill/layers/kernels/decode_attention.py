@@ -92,7 +92,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
     return m_new, l_i, acc1, acc2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,

@@ -99,7 +99,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 # -------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -282,7 +282,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ------------------------------------------------------------------------------------------- prefill
 
 
-@triton.jit(do_not_specialize=["tiles_stride"])   # the tile count: one compiled variant for every step
+# the tile count and the block-table width change from step to step (eager steps size the table to their
+# longest sequence): neither is specialised, so one compiled variant serves every step
+@triton.jit(do_not_specialize=["bt_stride_b", "tiles_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                     query_start_loc_ptr, tiles_ptr, out_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
