@@ -11,6 +11,8 @@
 #   STAGES="full latency" bash scripts/device/bench_throughput.sh            (both models, tokenmill only)
 #   STAGES=ratios MODELS=qwen3-4b bash scripts/device/bench_throughput.sh
 #   STAGES=ratios MODELS=nanbeige4.1-3b RATIO_SUBSET=32 bash scripts/device/bench_throughput.sh
+#   STAGES="full full" bash scripts/device/bench_throughput.sh    (twice: on a fresh machine, the first run
+#                                                                   sees empty caches, the second warm ones)
 # Each stage writes NAME.json (all metrics, command, commit, date, hardware) and NAME.md under $OUT, and
 # the tables of this call are gathered in $OUT/SUMMARY.md and printed at the end.
 set -uo pipefail
@@ -41,6 +43,8 @@ FAILED=0
 
 bench() {        # bench NAME ARGS...
   local name=$1; shift
+  local n=2 base=$name
+  while [ -f "$OUT/$name.json" ]; do name="$base-$n"; n=$((n + 1)); done   # a stage given twice
   echo "### $name" >&2
   local t0=$SECONDS
   # shellcheck disable=SC2086

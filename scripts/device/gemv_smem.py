@@ -10,7 +10,8 @@ not run in the interpreter, so this script checks it against torch on the GPU be
 
 Prints, per model and context: the product alone against torch and `fused_linear` (max abs error),
 then us per layer of qkv + attention + o_proj, 36 layers in one CUDA graph (as
-decode_attention_bench.py), with o_proj from `fused_linear` and from this kernel.
+decode_attention_bench.py), with o_proj from `fused_linear` and from this kernel, and the attention
+letting o_proj launch before its wait (programmatic-dependent-launch mode 2) or after it (1).
 
 Usage: python scripts/device/gemv_smem.py [--contexts 160,1000] [--models qwen3-4b,nanbeige4.1-3b]
 """
@@ -82,9 +83,21 @@ def smem_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 8, block_k: int
     return out
 
 
+def capture(s, o_proj) -> torch.cuda.CUDAGraph:
+    """decode_attention_bench's qkv + attention + o_proj chain over all layers, as one CUDA graph."""
+    import decode_attention_bench as dab
+    dab.step(s, 64, o_proj)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dab.step(s, 64, o_proj)
+    return graph
+
+
 def main() -> None:
     import decode_attention_bench as dab   # scripts/device/, the script's own folder
-    from tokenmill.layers.kernels import gemv
+    from profile_decode import replay_ms
+    from tokenmill.layers.kernels import gemv, pdl
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -108,14 +121,24 @@ def main() -> None:
         for ctx in (int(c) for c in args.contexts.split(",")):
             s = dab.build(model, 1, ctx)
             variants = {"fused_linear": None, **{f"{bn}x{bk}x{nw}": (bn, bk, nw) for bn, bk, nw in fits}}
-            res = {}
-            for name, tile in variants.items():
-                o_proj = (lambda a, w_o: gemv.fused_linear(a, w_o)[0]) if tile is None else (
-                    lambda a, w_o, tile=tile: smem_linear(a, w_o, *tile))
-                res[name] = dab.time_graph(s, 64, o_proj=o_proj)
-            rows.append(dict(model=model, ctx=ctx, us_per_layer=res))
+            # attention's launch mode: 2 lets o_proj launch (and copy) while qkv still runs, 1 only once
+            # attention has passed its own wait, so o_proj's copies overlap attention alone
+            graphs = {}
+            for attn_mode in (2, 1):
+                pdl.ATTENTION_MODE = attn_mode
+                for name, tile in variants.items():
+                    o_proj = (lambda a, w_o: gemv.fused_linear(a, w_o)[0]) if tile is None else (
+                        lambda a, w_o, tile=tile: smem_linear(a, w_o, *tile))
+                    graphs[f"{name}, attention pdl {attn_mode}"] = capture(s, o_proj)
+            pdl.ATTENTION_MODE = None
+            turns = {name: [] for name in graphs}
+            for _ in range(5):                       # in turns, so drift hits every variant alike
+                for name, graph in graphs.items():
+                    turns[name].append(replay_ms(graph, 50) * 1000 / dab.LAYERS)
+            res = {name: sorted(t)[len(t) // 2] for name, t in turns.items()}
+            rows.append(dict(model=model, ctx=ctx, us_per_layer=res, turns=turns))
             print(json.dumps(rows[-1]), flush=True)
-            del s
+            del s, graphs
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gemv_smem.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -124,7 +147,8 @@ def main() -> None:
     for r in rows:
         for name, us in r["us_per_layer"].items():
             print(f"| {r['model']} | {r['ctx']} | {name} | {us:.2f} |")
-    print("\n(us per layer: qkv product + one-kernel attention + o_proj, batch 1, 36 layers in one CUDA graph)")
+    print("\n(us per layer: qkv product + one-kernel attention + o_proj, batch 1, 36 layers in one CUDA graph; "
+          "medians of five turns)")
 
 
 if __name__ == "__main__":

@@ -65,11 +65,13 @@ def kernel_table(runner, bs: int, path: str) -> list[dict]:
 def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
-    the last step; the variants are timed in `rounds` turns and the median replay of each is kept."""
-    from tokenmill.layers.kernels import gemv
-    saved = dict(gemv.CONFIGS)
+    the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
+    variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`)."""
+    from tokenmill.layers.kernels import gemv, pdl
+    saved, saved_mode = dict(gemv.CONFIGS), pdl.ATTENTION_MODE
     graphs = {}
     for v in variants:
+        pdl.ATTENTION_MODE = v.get("pdl_attention", saved_mode)
         gemv.CONFIGS = dict(saved)
         gemv.CONFIGS.update({(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])})
         forward = runner._static_forward(("decode", 1))
@@ -78,7 +80,7 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
         with torch.cuda.graph(graph):
             forward()
         graphs[v["name"]] = graph
-    gemv.CONFIGS = saved
+    gemv.CONFIGS, pdl.ATTENTION_MODE = saved, saved_mode
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():

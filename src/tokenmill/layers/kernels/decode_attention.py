@@ -283,7 +283,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
-    pdl_mode = pdl.mode(qkv.device)
+    pdl_mode = pdl.mode(qkv.device, pdl.ATTENTION_MODE)
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, context_lens, out, part_out, part_lse, counters,

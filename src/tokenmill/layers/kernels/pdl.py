@@ -12,7 +12,9 @@ completed and its writes are visible, and signals that the next kernel may launc
 completes only after its own wait), so a kernel also sees everything written before its predecessor.
 A batch-1 decode step is a chain of a few hundred short kernels, which is where this pays.
 
-`TOKENMILL_PDL=0|1|2` picks the mode (for A/B benchmarks).
+`TOKENMILL_PDL=0|1|2` picks the mode (for A/B benchmarks); `TOKENMILL_PDL_ATTENTION=1|2` the decode
+attention kernel's alone (with 1 the product after attention launches only once the one before
+attention has finished, so what it fetches before its wait overlaps attention alone).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MODE = int(os.environ.get("TOKENMILL_PDL", "2"))
+ATTENTION_MODE = int(os.environ.get("TOKENMILL_PDL_ATTENTION", "0")) or None
 
 
 @lru_cache(maxsize=None)
@@ -32,8 +35,12 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def mode(device: torch.device) -> int:
-    return MODE if device.type == "cuda" and _supported(device.index or 0) else 0
+def mode(device: torch.device, kernel_mode: int | None = None) -> int:
+    """The mode for a kernel on `device`: 0 where programmatic dependent launch is off or unsupported,
+    else `kernel_mode` if given, else MODE."""
+    if MODE == 0 or device.type != "cuda" or not _supported(device.index or 0):
+        return 0
+    return kernel_mode or MODE
 
 
 @triton.jit
