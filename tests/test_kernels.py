@@ -726,6 +726,32 @@ def test_gpu_fused_linear_stages_change_no_sum():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("n,k,tile", [(3584, 2560, ("smem", 4, 512, 4)), (2560, 4096, ("smem", 8, 1024, 8)),
+                                      (1000, 9728, ("smem", 2, 512, 2)), (2570, 2560, ("smem", 8, 256, 4))])
+def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
+    """The ("smem", ...) tiles (gemv_smem: whole row blocks copied to shared memory before the wait)
+    against the reference, with and without a norm, residual, SiLU-and-mul and bias, including a last
+    row block that is cut short (n = 1000 and 2570 are not multiples of the block rows)."""
+    gemv = _gemv()
+    gen = _gen(17)
+    bf16 = torch.bfloat16
+    x, w = _randn(1, k, dtype=bf16, gen=gen), _randn(n, k, dtype=bf16, gen=gen) / 50
+    norm, res = 1 + _randn(k, dtype=bf16, gen=gen) / 10, _randn(1, k, dtype=bf16, gen=gen)
+    bias = _randn(n, dtype=bf16, gen=gen)
+    cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-6), dict(norm_weight=norm, eps=1e-6, residual=res),
+             dict(norm_weight=norm, eps=1e-6, residual=res, silu=True)]
+    for kwargs in cases:
+        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+        if "residual" in kwargs:
+            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="shared memory"):
+        gemv.fused_linear(x, w, config=("smem", 64, 512, 4), silu=True)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_fused_linear_chain_in_a_cuda_graph():
     """A decoder layer's four single-token products at qwen3-4b sizes, chained as in a decode step and
     replayed from a CUDA graph (programmatic dependent launch on Hopper): each matches the reference

@@ -9,8 +9,8 @@
 #          as prologue, split-K kernel and merge (0) or as one kernel (1, the default)
 #          (TOKENMILL_FUSED_DECODE); with GEMV_VARIANTS (profile_decode.py --gemv-variants, a JSON list),
 #          each run also times the batch-1 graph under each variant of the product tiles, in turns
-#   smem   scripts/device/gemv_smem.py: an o_proj that copies its weights to shared memory before its wait,
-#          checked against torch, then timed in the qkv + attention + o_proj chain (an experiment)
+#   smem   scripts/device/gemv_smem.py: each product with shared-memory tiles (gemv_smem: whole row
+#          blocks copied before the wait) against its current tile, for SMEM_MODELS (default qwen3-4b)
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
 STAGES=${STAGES:-"tests gemv e2e"}
@@ -27,7 +27,7 @@ for stage in $STAGES; do
       python scripts/device/gemv_bench.py --out "$OUT" --models "$(echo $MODELS | tr ' ' ',')" 2>&1 \
         | tee "$OUT/gemv_bench.log" | grep -v '^{' || status=1 ;;
     smem)
-      python scripts/device/gemv_smem.py --out "$OUT" --models "$(echo $MODELS | tr ' ' ',')" 2>&1 \
+      python scripts/device/gemv_smem.py --out "$OUT" --models "$(echo ${SMEM_MODELS:-qwen3-4b} | tr ' ' ',')" 2>&1 \
         | tee "$OUT/gemv_smem.log" | grep -v '^{' || status=1 ;;
     e2e)
       configs=${TOKENMILL_GEMV_CONFIGS:-}

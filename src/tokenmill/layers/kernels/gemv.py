@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.activation import silu_and_mul_torch
-from tokenmill.layers.kernels import pdl
+from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
@@ -31,9 +31,10 @@ MAX_ROWS = 1
 # (block_n, block_k, num_warps, programs per SM[, row sums[, stages]]), by weight (N, K) and silu: the
 # fastest of scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row
 # sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
-# Stages (default 1): chunks in flight per program through shared memory
+# Stages (default 1): chunks in flight per program through shared memory. ("smem", block_n, block_k,
+# num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {
+CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
     (19456, 2560, True): (4, 512, 4, 12),        # qwen3-4b gate_up
     (2560, 9728, False): (2, 1024, 4, 12, 1),    # qwen3-4b down_proj
@@ -205,11 +206,23 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     res_out = None
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, num_warps, per_sm, *extra = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    tile = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    pdl_mode = pdl.mode(x.device)
+    if tile[0] == "smem":
+        why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
+        if why is None:
+            for m in range(x.shape[0]):
+                gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
+                                      residual[m] if residual is not None else None, silu, out[m],
+                                      res_out[m] if residual is not None else None, tile, pdl_mode)
+            return out, res_out
+        if config is not None:
+            raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
+        tile = DEFAULT_CONFIG
+    block_n, block_k, num_warps, per_sm, *extra = tile
     row_sums, stages = tuple(extra) + (0, 1)[len(extra):]
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
-    pdl_mode = pdl.mode(x.device)
     for m in range(x.shape[0]):
         _gemv_kernel[grid](
             x[m], residual[m] if residual is not None else x[m],

@@ -1,0 +1,66 @@
+"""`gemv_smem` (Gluon) does not run in Triton's interpreter; here its sm90 code is compiled on the CPU
+and checked for what the kernel is for: every weight copy (cp.async) issued before the
+programmatic-dependent-launch wait, none after, in the shared memory the tile asks for. Its results are
+checked on the GPU (test_kernels.py, test_gpu_fused_linear_shared_memory_tiles)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.layers.kernels import gemv_smem
+
+_COMPILE = r'''
+import json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from tokenmill.layers.kernels import gemv_smem
+K, bn, bk, nw, silu, norm = json.loads(sys.argv[1])
+ptrs = ["x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr"]
+const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=2, NUM_WARPS=nw)
+sig = {**{p: "*bf16" for p in ptrs}, "eps": "fp32", "n_out": "i32", "w_stride": "i32",
+       **{c: "constexpr" for c in const}}
+# as a launch specialises them: 16-byte aligned pointers, a row stride that is a multiple of 16
+attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(7), 9)}
+src = GluonASTSource(fn=gemv_smem._smem_gemv_kernel, signature=sig, constexprs=const, attrs=attrs)
+cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+before, after = cc.asm["ptx"].split("griddepcontrol.wait", 1)
+copies = r"cp\.async\.c[ag]\.shared\.global"
+print(json.dumps(dict(before=len(re.findall(copies, before)), after=len(re.findall(copies, after)),
+                      trigger_first="griddepcontrol.launch_dependents" in before, shared=cc.metadata.shared)))
+'''
+
+
+@pytest.mark.skipif(not gemv_smem.AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("k,block_n,block_k,warps,silu,norm", [
+    (4096, 8, 1024, 8, False, False),      # qwen3-4b o_proj
+    (2560, 4, 512, 4, True, True),         # gate_up: norm before, SiLU-and-mul after, gate and up rows
+    (9728, 2, 512, 2, False, False),       # down_proj
+])
+def test_sm90_code_copies_all_weights_before_the_wait(k, block_n, block_k, warps, silu, norm):
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([k, block_n, block_k, warps, silu, norm])],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = block_n * (2 if silu else 1)
+    # 16-byte copies (8 bf16), each thread's share of the program's rows x K
+    assert got["before"] == rows * k // 8 // (32 * warps)
+    assert got["after"] == 0
+    assert got["trigger_first"]
+    assert got["shared"] >= rows * k * 2
+
+
+def test_tile_checks_name_the_limit():
+    import torch
+    assert gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, ("smem", 8, 1024, 8)) in (
+        None, "this Triton has no Gluon")
+    if not gemv_smem.AVAILABLE:
+        return
+    assert "BLOCK_K 1024" in gemv_smem.check_tile(2560, 2560, False, torch.bfloat16, ("smem", 8, 1024, 8))
+    assert "shared memory" in gemv_smem.check_tile(19456, 9728, True, torch.bfloat16, ("smem", 8, 512, 8))
+    assert "not 16-bit" in gemv_smem.check_tile(2560, 4096, False, torch.float32, ("smem", 8, 1024, 8))
+    assert "power of two" in gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, ("smem", 6, 1024, 2))
