@@ -29,17 +29,19 @@ ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
 # (block_n, block_k, num_warps, programs per SM[, row sums[, stages]]), by weight (N, K) and silu: the
-# fastest of scripts/device/gemv_bench.py on an H200 for the qwen3-4b and nanbeige4.1-3b products. Row
+# fastest on an H200 for the qwen3-4b and nanbeige4.1-3b products (scripts/device/gemv_bench.py, then
+# profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
 # sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
 # Stages (default 1): chunks in flight per program through shared memory. ("smem", block_n, block_k,
 # num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
-    (19456, 2560, True): (4, 512, 4, 12),        # qwen3-4b gate_up
+    (19456, 2560, True): ("smem", 4, 512, 4),    # qwen3-4b gate_up
     (2560, 9728, False): (2, 1024, 4, 12, 1),    # qwen3-4b down_proj
     (3584, 2560, False): (4, 1024, 4, 8, 0, 3),  # nanbeige4.1-3b qkv
-    (20992, 2560, True): (4, 512, 4, 8),         # nanbeige4.1-3b gate_up
+    (2560, 2560, False): ("smem", 8, 512, 8),    # nanbeige4.1-3b o_proj
+    (20992, 2560, True): ("smem", 2, 512, 2),    # nanbeige4.1-3b gate_up
 }
 if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
     with open(os.environ["TOKENMILL_GEMV_CONFIGS"]) as f:
