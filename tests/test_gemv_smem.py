@@ -64,3 +64,4 @@ def test_tile_checks_name_the_limit():
     assert "shared memory" in gemv_smem.check_tile(19456, 9728, True, torch.bfloat16, ("smem", 8, 512, 8))
     assert "not 16-bit" in gemv_smem.check_tile(2560, 4096, False, torch.float32, ("smem", 8, 1024, 8))
     assert "power of two" in gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, ("smem", 6, 1024, 2))
+    assert "BLOCK_K 1280" in gemv_smem.check_tile(19456, 2560, True, torch.bfloat16, ("smem", 4, 1280, 4))

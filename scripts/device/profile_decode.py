@@ -67,15 +67,24 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`)."""
-    from tokenmill.layers.kernels import gemv, pdl
+    from tokenmill.layers.kernels import gemv, gemv_smem, pdl
     saved, saved_mode = dict(gemv.CONFIGS), pdl.ATTENTION_MODE
     graphs = {}
     for v in variants:
+        configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
+        bad = [f"{key}: {why}" for key, tile in configs.items() if tile[0] == "smem"
+               and (why := gemv_smem.check_tile(*key, runner.dtype, tile))]
+        if bad:      # fused_linear would fall back to its default tile and time something else
+            print(json.dumps({"variant": v["name"], "skipped": bad}), flush=True)
+            continue
         pdl.ATTENTION_MODE = v.get("pdl_attention", saved_mode)
-        gemv.CONFIGS = dict(saved)
-        gemv.CONFIGS.update({(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])})
+        gemv.CONFIGS = {**saved, **configs}
         forward = runner._static_forward(("decode", 1))
-        forward()
+        try:
+            forward()
+        except Exception as e:   # a tile that does not compile: the other variants still run
+            print(json.dumps({"variant": v["name"], "skipped": repr(e)[-500:]}), flush=True)
+            continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             forward()

@@ -37,8 +37,8 @@ def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple) -> s
         return "this Triton has no Gluon"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype} is not 16-bit"
-    if block_k % 256 or k % block_k:
-        return f"BLOCK_K {block_k} must be a multiple of 256 that divides K {k}"
+    if block_k < 256 or block_k & (block_k - 1) or k % block_k:
+        return f"BLOCK_K {block_k} must be a power of two of at least 256 that divides K {k}"
     if block_n % num_warps or block_n & (block_n - 1):
         return f"BLOCK_N {block_n} must be a power of two and a multiple of num_warps {num_warps}"
     need = (2 if silu else 1) * block_n * k * 2
