@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from tokenmill import LLM, SamplingParams
@@ -59,3 +60,20 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir):
     runner._warm_eager()
     assert len(calls) == 1 and calls[0].max_q > 1 and (calls[0].slots == -1).all()
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_packed_step_inputs_go_over_as_one_span():
+    # a graph family's inputs live in one buffer; a step copies them up to its last block-table row
+    from tokenmill.runner.model_runner import _Packed
+    spec = [("ids", torch.int64, (5,)), ("lens", torch.int32, (3,)), ("tables", torch.int32, (4, 6))]
+    packed = _Packed(spec, torch.device("cpu"))
+    assert all(off % 16 == 0 for off in packed.offsets.values())
+    host = packed.host_copy(pin=False)
+    host["ids"][:] = np.arange(5) - 2
+    host["lens"][:] = [7, 8, 9]
+    host["tables"][:] = np.arange(24).reshape(4, 6)
+    packed.upload(host, rows=2)
+    assert packed.views["ids"].tolist() == [-2, -1, 0, 1, 2]
+    assert packed.views["lens"].tolist() == [7, 8, 9]
+    assert packed.views["tables"][:2].tolist() == host["tables"][:2].tolist()
+    assert not packed.views["tables"][2:].any()          # rows past the step's sequences are not sent

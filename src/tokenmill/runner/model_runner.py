@@ -275,7 +275,7 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
-    # Two families share one set of static input buffers and one memory pool:
+    # Two families, each with its own static inputs (one packed buffer, `_Packed`), share one memory pool:
     #   ("decode", B):    B sequences of one token each, the split-K decode kernel;
     #   ("mixed", T, S):  up to T tokens of up to S sequences (prefill chunks, with or without decode rows),
     #                     the prefill kernel over a tile map; padding tokens have slot -1 and belong to no
@@ -292,29 +292,36 @@ class ModelRunner:
         return keys
 
     def _init_static_buffers(self, keys: list[tuple]) -> None:
-        tokens = max(k[1] for k in keys)
-        seqs = max(k[1] if k[0] == "decode" else k[2] for k in keys)
-        dev = self.device
-        self.static = {
-            "input_ids": torch.zeros(tokens, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(tokens, dtype=torch.int64, device=dev),
-            "slots": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-            "context_lens": torch.zeros(seqs, dtype=torch.int32, device=dev),
-            "qsl": torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "tiles": torch.from_numpy(prefill_tiles([], tokens // PREFILL_BLOCK_M + seqs)).to(dev),
-            "sample_idx": torch.zeros(seqs, dtype=torch.int64, device=dev),
-        }
-        # two sets of pinned staging buffers, used in turn: while step N's copies may still be queued,
-        # step N+1 fills the other set (step N-1's copies finished before its tokens were read)
+        """Static inputs per family, each family's arrays packed into one buffer (`_Packed`) in the
+        order a step fills them, the block table last, so a step's inputs go over in one copy."""
+        i64, i32 = torch.int64, torch.int32
+        width = self.max_blocks_per_seq
+        decode = max((k[1] for k in keys if k[0] == "decode"), default=0)
+        mixed = [k for k in keys if k[0] == "mixed"]
         pin = self.device.type == "cuda"
-        self.staging = [{k: (v.cpu().pin_memory() if pin else v.clone()) for k, v in self.static.items()}
-                        for _ in range(2)]
+        self.static, self.staging = {}, {}
+        specs = {"decode": [("input_ids", i64, (decode,)), ("positions", i64, (decode,)), ("slots", i64, (decode,)),
+                            ("context_lens", i32, (decode,)), ("qsl", i32, (decode + 1,)),
+                            ("block_tables", i32, (decode, width))]}
+        if mixed:
+            tokens, seqs = max(k[1] for k in mixed), max(k[2] for k in mixed)
+            specs["mixed"] = [("input_ids", i64, (tokens,)), ("positions", i64, (tokens,)), ("slots", i64, (tokens,)),
+                              ("sample_idx", i64, (seqs,)), ("context_lens", i32, (seqs,)), ("qsl", i32, (seqs + 1,)),
+                              ("tiles", i32, (2, tokens // PREFILL_BLOCK_M + seqs)),
+                              ("block_tables", i32, (seqs, width))]
+        for family, spec in specs.items():
+            packed = _Packed(spec, self.device)
+            self.static[family] = packed
+            if family == "mixed":
+                packed.views["tiles"].copy_(torch.from_numpy(prefill_tiles([], packed.views["tiles"].shape[1])))
+            # two host copies, used in turn: while step N's copy may still be queued, step N+1 fills
+            # the other (step N-1's copy finished before its tokens were read)
+            self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
 
     def _static_forward(self, key: tuple):
         """The forward pass of one graph key over views of the static buffers -> (hidden, logits)."""
-        s = self.static
+        s = self.static[key[0]].views
         if key[0] == "decode":
             tokens = seqs = key[1]
             max_query_len, tiles = 1, None
@@ -388,35 +395,29 @@ class ModelRunner:
         graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
         tokens, seqs = len(inp.input_ids), len(inp.context_lens)
         t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
-        st, s = self.staging[self._staging_turn], self.static
+        packed = self.static[key[0]]
+        host = self.staging[key[0]][self._staging_turn]
         self._staging_turn ^= 1
         width = inp.tables.shape[1]
-        host = {k: v.numpy() for k, v in st.items()}
         # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
         host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
         host["positions"][:tokens], host["positions"][tokens:t_pad] = inp.positions, 0
         host["slots"][:tokens], host["slots"][tokens:t_pad] = inp.slots, -1
         host["context_lens"][:seqs] = inp.context_lens
-        host["block_tables"][:seqs, :width] = inp.tables
         host["qsl"][:seqs + 1] = inp.qsl
         if key[0] == "decode":
             host["context_lens"][seqs:s_pad] = 1
             host["qsl"][seqs + 1:s_pad + 1] = np.arange(seqs + 1, s_pad + 1)
-            copies = ("input_ids", "positions", "slots", "context_lens", "qsl")
         else:
             host["context_lens"][seqs:s_pad] = 0
             host["qsl"][seqs + 1:s_pad + 1] = tokens           # empty padding sequences
             host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
             rows = len(inp.sample_tokens)
             host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
-            copies = ("input_ids", "positions", "slots", "context_lens", "qsl", "sample_idx")
-        sizes = {"input_ids": t_pad, "positions": t_pad, "slots": t_pad, "context_lens": s_pad,
-                 "qsl": s_pad + 1, "sample_idx": s_pad}
-        for name in copies:
-            s[name][:sizes[name]].copy_(st[name][:sizes[name]], non_blocking=True)
-        if key[0] == "mixed":
-            s["tiles"].copy_(st["tiles"], non_blocking=True)
-        s["block_tables"][:seqs, :width].copy_(st["block_tables"][:seqs, :width], non_blocking=True)
+        # a row's columns past `width` keep older block ids, which its context never reaches
+        host["block_tables"][:seqs, :width] = inp.tables
+        packed.upload(host, rows=seqs)
+        s = packed.views
         if prev_tokens is not None:
             self._fill_placeholders(s["input_ids"], inp, prev_tokens)
         self.graphs[key].replay()
@@ -424,6 +425,41 @@ class ModelRunner:
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
             return hidden[:tokens], logits[self._to_device(inp.sample_rows)]
         return hidden[:tokens], logits[:len(inp.sample_rows)]
+
+
+class _Packed:
+    """Named arrays laid out one after another (16-byte aligned) in one device buffer, with pinned host
+    copies of the same layout. `upload` copies the span from the first array to the end of the last
+    one's first `rows` rows: the last array (the block table) is the only one whose size on the wire
+    grows with the batch, so a small step is one small copy instead of one copy per array."""
+
+    def __init__(self, spec: list[tuple[str, torch.dtype, tuple]], device: torch.device):
+        self.spec, self.offsets, size = spec, {}, 0
+        for name, dtype, shape in spec:
+            self.offsets[name] = size
+            size += -(-self._nbytes(dtype, shape) // 16) * 16
+        self.nbytes = size
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.views = self._views(self.buffer)
+        _, dtype, shape = spec[-1]
+        self.row_bytes = self._nbytes(dtype, shape[1:])
+
+    @staticmethod
+    def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
+        return int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+
+    def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buffer[self.offsets[name]:self.offsets[name] + self._nbytes(dtype, shape)].view(dtype).view(shape)
+                for name, dtype, shape in self.spec}
+
+    def host_copy(self, pin: bool) -> dict[str, np.ndarray]:
+        """A host staging copy: NumPy views by name, and the buffer itself under "_buffer"."""
+        buffer = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        return {**{name: view.numpy() for name, view in self._views(buffer).items()}, "_buffer": buffer}
+
+    def upload(self, host: dict, rows: int) -> None:
+        end = self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+        self.buffer[:end].copy_(host["_buffer"][:end], non_blocking=True)
 
 
 class _EagerGraph:
