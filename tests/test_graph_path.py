@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
@@ -47,9 +48,12 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir):
     assert stats["prefix_cache_hits"] > 0
 
 
-def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir):
-    # the warm-up step after graph capture runs eagerly over invented sequences: it must write no slot
-    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
+    # the warm-up step after graph capture runs eagerly over invented sequences: it must write no slot,
+    # and its block table must cover its longest sequence whatever the block size
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100,
+              block_size=block_size)
     prompts, params = _workload()
     llm.generate(prompts, params)                   # the cache now holds these prompts' K/V (prefix cache)
     runner = llm.engine.runner
@@ -59,6 +63,7 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir):
     runner._eager_forward = lambda inp, prev: calls.append(inp) or eager(inp, prev)
     runner._warm_eager()
     assert len(calls) == 1 and calls[0].max_q > 1 and (calls[0].slots == -1).all()
+    assert calls[0].tables.shape[1] * block_size >= calls[0].max_ctx
     assert torch.equal(runner.kv_cache, before)
 
 

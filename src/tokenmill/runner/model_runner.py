@@ -259,15 +259,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_eager(self) -> None:
         """One eager step with prefill tokens, of sizes no graph has (17 tokens in 3 sequences, a decode
-        row beside two chunks, a block table 3 wide), so that whatever the eager path compiles beyond
+        row beside two chunks, a block table at least 3 wide), so that whatever the eager path compiles beyond
         the graphs' kernels compiles now rather than inside the first large batch. It writes no KV
         slot (all slots -1) and reads block 0 only; its results are dropped."""
         q_lens = np.array([1, 5, 11])
         ctx = q_lens + np.array([8, 16, 0])
+        if ctx.max() > self.max_model_len:      # positions past the model's length are not valid input
+            return
+        width = max(3, -(-int(ctx.max()) // self.block_size))
         qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
         positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
         inp = _Inputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
-                      ctx.astype(np.int32), np.zeros((len(q_lens), 3), np.int32), np.arange(len(q_lens)),
+                      ctx.astype(np.int32), np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
                       qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), np.zeros(0, np.int64),
                       None)
         self._eager_forward(inp, None)
