@@ -60,6 +60,17 @@ def _tensors(rows, **kw):
     return SamplingTensors(**base)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_rows_take_the_float32_argmax(dtype):
+    # all-greedy batches take the argmax in the logits' dtype; ties (frequent in bf16) go to the first
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 3000, generator=gen) * 3).round().to(dtype)
+    logits[:, 7] = logits.max()                     # a tie in every row, against later equal values
+    got = sample(logits, _tensors(64, temperature=None, all_greedy=True)).token_ids
+    assert torch.equal(got, logits.float().argmax(-1))
+    assert (got <= 7).all()
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(2000, 1)
     ids = sample(logits, _tensors(2000, top_k=torch.full((2000,), 2))).token_ids

@@ -92,6 +92,10 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    if t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None:
+        # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
+        # row as the float32 argmax (first of equals), without a float copy of the logits per step
+        return SamplerOutput(token_ids=logits.argmax(-1))
     logits = logits.float()
     raw = logits
     if t.output_counts is not None or t.seen_mask is not None:
