@@ -319,6 +319,21 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
         assert out_res is x
 
 
+def test_fused_linear_shared_memory_tile_falls_back_where_it_cannot_run(monkeypatch):
+    # a tile table entry ("smem", ...) for a product in float32 (as correctness checks run the presets):
+    # the product runs with the default register tile; asked for explicitly, the tile is refused by name
+    gemv = _gemv()
+    gen = _gen(22)
+    x, w = _randn(1, 256, gen=gen), _randn(64, 256, gen=gen) / 8
+    monkeypatch.setitem(gemv.CONFIGS, (64, 256, False), ("smem", 8, 256, 4))
+    monkeypatch.setattr(gemv, "DEFAULT_CONFIG", (4, 64, 4, 2))
+    out, _ = gemv.fused_linear(x, w)
+    torch.testing.assert_close(out, gemv.fused_linear_torch(x, w)[0], rtol=_tol(torch.float32),
+                               atol=_tol(torch.float32))
+    with pytest.raises((ValueError,), match="16-bit|no Gluon"):
+        gemv.fused_linear(x, w, config=("smem", 8, 256, 4))
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU every one-token step takes this path anyway")
 def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypatch):
     """Every one-token step through the fused single-token layer (norms folded into the products,
