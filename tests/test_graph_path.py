@@ -82,3 +82,13 @@ def test_packed_step_inputs_go_over_as_one_span():
     assert packed.views["lens"].tolist() == [7, 8, 9]
     assert packed.views["tables"][:2].tolist() == host["tables"][:2].tolist()
     assert not packed.views["tables"][2:].any()          # rows past the step's sequences are not sent
+
+
+def test_graph_capture_writes_no_kv_slot(qwen3_dir):
+    # capture runs every graph's forward on the static inputs as they start: their slots must be -1
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)
+    runner = llm.engine.runner
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    runner._capture_graphs(emulate=True)
+    assert torch.equal(runner.kv_cache, before)

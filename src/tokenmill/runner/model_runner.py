@@ -314,6 +314,7 @@ class ModelRunner:
                               ("block_tables", i32, (seqs, width))]
         for family, spec in specs.items():
             packed = _Packed(spec, self.device)
+            packed.views["slots"].fill_(-1)          # capture runs on these: it must write no KV slot
             self.static[family] = packed
             if family == "mixed":
                 packed.views["tiles"].copy_(torch.from_numpy(prefill_tiles([], packed.views["tiles"].shape[1])))
