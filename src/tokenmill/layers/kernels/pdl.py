@@ -8,8 +8,9 @@ may only read what no kernel of the forward pass writes: weights, the step's met
 device before the pass) and the KV cache of earlier steps. `enter` waits until the previous kernel has
 completed and its writes are visible, and signals that the next kernel may launch: after the wait
 (mode 1), so launches run at most one kernel ahead, or before it (mode 2), so a chain of short kernels
-(attention between two products) lets the next product launch and fetch its weights while they run. Waiting is transitive (a kernel
-completes only after its own wait), so a kernel also sees everything written before its predecessor.
+(attention between two products) lets the next product launch and fetch its weights while they run.
+Waiting is transitive (a kernel completes only after its own wait), so a kernel also sees everything
+written before its predecessor.
 A batch-1 decode step is a chain of a few hundred short kernels, which is where this pays.
 
 `TOKENMILL_PDL=0|1|2` picks the mode (for A/B benchmarks); `TOKENMILL_PDL_ATTENTION=1|2` the decode
