@@ -24,7 +24,11 @@ def _workload():
     return prompts, params
 
 
-def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir, monkeypatch, mapped):
+    # mapped: the inputs go over as the staging kernel takes them (placeholders as -(row + 1), filled
+    # on the device from the step before), run here by its reference
+    from tokenmill.layers.kernels import staging
     prompts, params = _workload()
     config = dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)
     expected = [o.outputs[0].token_ids for o in LLM(qwen3_dir, **config).generate(prompts, params)]
@@ -32,6 +36,11 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir):
     llm = LLM(qwen3_dir, **config)
     runner = llm.engine.runner
     runner._capture_graphs(emulate=True)
+    staged = []
+    if mapped:
+        runner._mapped = True
+        monkeypatch.setattr(staging, "stage", lambda *a: staged.append(a[-1] is not None) or staging.stage_torch(*a))
+        monkeypatch.setattr(runner, "_fill_placeholders", None)      # not used on this path
     keys = set(runner.graphs)
     assert ("mixed", 100, 8) in keys and ("mixed", 64, 1) in keys and ("decode", 8) in keys
     used = []
@@ -42,6 +51,7 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir):
         assert got == expected
     kinds = {k[0] for k in used}
     assert kinds == {"decode", "mixed"}
+    assert (len(staged) == len(used) and any(staged)) if mapped else not staged
     assert any(k[0] == "mixed" and k[2] > 1 for k in used)  # several sequences in one padded step
     stats = llm.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -357,6 +357,99 @@ def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypa
     assert calls.count(True) > 0 and len(calls) == 4 * calls.count(True)
 
 
+# ------------------------------------------------------------------------------------ greedy argmax
+
+
+def _argmax_module():
+    if not HAS_CUDA:
+        _use_interpreter()
+    from tokenmill.layers.kernels import argmax
+    return argmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("rows,vocab,block", [(1, 1000, 128), (3, 4096, 512), (2, 77, 4096)])
+def test_greedy_argmax_matches_torch_first_of_equals(dtype, rows, vocab, block):
+    argmax = _argmax_module()
+    gen = _gen(11)
+    logits = _randn(rows, vocab, dtype=dtype, gen=gen)
+    # ties across chunks and within one: the first index must win, as torch's argmax picks it
+    top = logits.float().max() + 1
+    logits[0, [5, 700 % vocab, vocab - 1]] = top.to(dtype)
+    if rows > 1:
+        logits[1, :] = -1.0
+        logits[1, [vocab - 2, vocab - 1]] = 3.0
+    expect = logits.argmax(-1)
+    for _ in range(2):     # the counters are left zeroed: a second launch gives the same tokens
+        got = argmax.greedy(logits, block=block)
+        assert got.dtype == torch.int64
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+def test_greedy_argmax_on_a_strided_view_into_given_output():
+    argmax = _argmax_module()
+    logits = _randn(4, 600, gen=_gen(12))[1:3, :500]
+    out = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
+    assert argmax.greedy(logits, out, block=64) is out
+    torch.testing.assert_close(out, logits.argmax(-1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unit last stride"):
+        argmax.greedy(logits.t())
+
+
+# ------------------------------------------------------------------------------------ step staging
+
+
+def _staging_module():
+    if not HAS_CUDA:
+        _use_interpreter()
+    from tokenmill.layers.kernels import staging
+    return staging
+
+
+@pytest.mark.parametrize("n_ids,with_prev", [(1, True), (5, False), (1500, True)])
+def test_stage_copies_the_span_and_fills_placeholders(n_ids, with_prev):
+    staging = _staging_module()
+    gen = _gen(13)
+    ids_bytes, nbytes = 8 * 1600, 8 * 1600 + 4 * 2500
+    src = torch.randint(0, 255, (nbytes + 64,), generator=gen, dtype=torch.uint8)
+    ids = torch.randint(0, 1000, (n_ids,), generator=gen)
+    prev = torch.randint(0, 1000, (7,), generator=gen).to(DEVICE)
+    if with_prev:
+        ids[::3] = -(torch.arange(len(ids[::3])) % 7) - 1      # placeholders -(row + 1), rows 0..6
+    src[:n_ids * 8].view(torch.int64).copy_(ids)
+    if HAS_CUDA:
+        src = src.pin_memory()
+    want = torch.full((nbytes + 64,), 9, dtype=torch.uint8, device=DEVICE)
+    got = want.clone()
+    staging.stage_torch(want, src, nbytes, ids_bytes, n_ids, prev if with_prev else None)
+    staging.stage(got, src, nbytes, ids_bytes, n_ids, prev if with_prev else None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    filled = want[:n_ids * 8].view(torch.int64).cpu()
+    if with_prev:
+        assert (filled[::3] == prev.cpu()[(-ids[::3] - 1)]).all()
+    assert (filled >= 0).all() and (want[n_ids * 8:ids_bytes] == 9).all() and (want[nbytes:] == 9).all()
+    torch.testing.assert_close(want[ids_bytes:nbytes].cpu(), src[ids_bytes:nbytes], rtol=0, atol=0)
+
+
+def test_stage_rejects_bad_layouts_and_publish_copies_tokens():
+    staging = _staging_module()
+    dst = torch.zeros(64, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="whole int32 words"):
+        staging.stage(dst, torch.zeros(64, dtype=torch.uint8), 62, 16, 1, None)
+    with pytest.raises(ValueError, match="whole int32 words"):
+        staging.stage(dst, torch.zeros(64, dtype=torch.uint8), 64, 16, 3, None)
+    with pytest.raises(ValueError, match="at least 128 bytes"):
+        staging.stage(dst, torch.zeros(64, dtype=torch.uint8), 128, 16, 1, None)
+    tokens = torch.arange(5, dtype=torch.int64, device=DEVICE) * 3
+    host = torch.zeros(8, dtype=torch.int64)
+    if HAS_CUDA:
+        host = host.pin_memory()
+    staging.publish(tokens, host)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    assert host.tolist() == [0, 3, 6, 9, 12, 0, 0, 0]
+
+
 def test_fused_linear_rejects_bad_inputs():
     gemv = _gemv()
     x, w = torch.zeros(1, 8, device=DEVICE), torch.zeros(6, 8, device=DEVICE)

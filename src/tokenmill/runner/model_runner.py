@@ -2,12 +2,15 @@
 
 Host-side preparation is vectorised with NumPy into pinned staging buffers and copied without
 blocking; on CUDA, batches replay CUDA graphs captured for bucketed sizes (pure decode by batch size,
-steps with prefill tokens by tokens and sequences, up to `cuda_graph_max_tokens`). The
-only host synchronisation per step is reading back the sampled token ids.
+steps with prefill tokens by tokens and sequences, up to `cuda_graph_max_tokens`), each ending in the
+greedy argmax. Where the GPU addresses pinned host memory, a graph's inputs and its sampled tokens
+move by kernels (`kernels/staging.py`), not by the copy engines. The only host synchronisation per
+step is reading back the sampled token ids.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -16,12 +19,20 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
+from tokenmill.layers.kernels import argmax, staging
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplerOutput, SamplingTensors, sample
 
 logger = logging.getLogger("tokenmill")
 
 _CPU_KV_BUDGET_BYTES = 1 << 30
+# TOKENMILL_MAPPED_STAGING=0 keeps a graph's inputs and tokens on the copy engines (for A/B benchmarks)
+MAPPED_STAGING = os.environ.get("TOKENMILL_MAPPED_STAGING", "1") != "0"
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (first of equals): one kernel on CUDA, torch's elsewhere."""
+    return argmax.greedy(logits) if logits.is_cuda else logits.argmax(-1)
 
 
 class ModelRunner:
@@ -42,6 +53,7 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._mapped, self._staging_turn_used, self._staging_free = False, None, {}
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
         # used by correctness checks that compare every position's logits with a reference
         self.hidden_hook = None
@@ -226,20 +238,24 @@ class ModelRunner:
         tensors = self._sampling_tensors(sampled) if sampled else None
         prev_tokens = prev.token_ids if prev is not None and len(inp.gather) else None
         key = self._graph_key(inp)
+        greedy = None
         if key is not None:
-            hidden, logits = self._replay(key, inp, prev_tokens)
+            hidden, logits, greedy = self._replay(key, inp, prev_tokens)
         else:
             hidden, logits = self._eager_forward(inp, prev_tokens)
         if self.hidden_hook is not None:
             self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
         result = StepResult(requests, inp.sample_rows, [])
         if sampled:
-            out = sample(logits, tensors)
+            out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids
-            result.start_copy(out)
+            result.start_copy(out, self._mapped)
             for j, req in enumerate(sampled):
                 result.positions.append(req.num_tokens)
                 req.append_placeholder(j)
+        if self._staging_turn_used is not None:   # the step's host inputs are free once it has run
+            self._staging_free[self._staging_turn_used] = result if result.recorded else result.record()
+            self._staging_turn_used = None
         return result
 
     def _eager_forward(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
@@ -322,9 +338,16 @@ class ModelRunner:
             # the other (step N-1's copy finished before its tokens were read)
             self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
+        # (family, turn) -> an event after the last step that read that host copy, and the copy the
+        # step being launched reads: a copy is refilled only once the step before last has read it,
+        # which `fetch` does not ensure for steps that sample nothing
+        self._staging_free: dict[tuple, "StepResult"] = {}
+        self._staging_turn_used = None
+        self._mapped = pin and MAPPED_STAGING and staging.mapped_host_ok(self.device.index or 0)
 
     def _static_forward(self, key: tuple):
-        """The forward pass of one graph key over views of the static buffers -> (hidden, logits)."""
+        """The forward pass of one graph key over views of the static buffers -> (hidden, logits,
+        greedy ids of the logits' rows)."""
         s = self.static[key[0]].views
         if key[0] == "decode":
             tokens = seqs = key[1]
@@ -340,7 +363,8 @@ class ModelRunner:
         def forward():
             hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
             rows = hidden if key[0] == "decode" else hidden[s["sample_idx"][:seqs]]
-            return hidden, self.model.compute_logits(rows)
+            logits = self.model.compute_logits(rows)
+            return hidden, logits, greedy_ids(logits)
         return forward
 
     def _capture_graphs(self, emulate: bool = False) -> None:
@@ -350,7 +374,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         keys = self._graph_keys()
         self._init_static_buffers(keys)
-        self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         pool = None
         for key in sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1])):
             forward = self._static_forward(key)
@@ -400,8 +424,12 @@ class ModelRunner:
         tokens, seqs = len(inp.input_ids), len(inp.context_lens)
         t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
         packed = self.static[key[0]]
-        host = self.staging[key[0]][self._staging_turn]
+        turn = (key[0], self._staging_turn)
         self._staging_turn ^= 1
+        if turn in self._staging_free:
+            self._staging_free.pop(turn).wait()
+        self._staging_turn_used = turn
+        host = self.staging[key[0]][turn[1]]
         width = inp.tables.shape[1]
         # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
         host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
@@ -420,15 +448,22 @@ class ModelRunner:
             host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
         # a row's columns past `width` keep older block ids, which its context never reaches
         host["block_tables"][:seqs, :width] = inp.tables
-        packed.upload(host, rows=seqs)
-        s = packed.views
-        if prev_tokens is not None:
-            self._fill_placeholders(s["input_ids"], inp, prev_tokens)
+        if self._mapped:
+            # placeholders as -(row + 1): the staging kernel reads their tokens from the step before
+            if prev_tokens is not None:
+                host["input_ids"][inp.gather] = -1 - inp.gather_src
+            staging.stage(packed.buffer, host["_buffer"], packed.span(seqs), packed.offsets["positions"], t_pad,
+                          prev_tokens)
+        else:
+            packed.upload(host, rows=seqs)
+            if prev_tokens is not None:
+                self._fill_placeholders(packed.views["input_ids"], inp, prev_tokens)
         self.graphs[key].replay()
-        hidden, logits = self.graph_outputs[key]
+        hidden, logits, greedy = self.graph_outputs[key]
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
-            return hidden[:tokens], logits[self._to_device(inp.sample_rows)]
-        return hidden[:tokens], logits[:len(inp.sample_rows)]
+            rows = self._to_device(inp.sample_rows)
+            return hidden[:tokens], logits[rows], greedy[rows]
+        return hidden[:tokens], logits[:len(inp.sample_rows)], greedy[:len(inp.sample_rows)]
 
 
 class _Packed:
@@ -461,8 +496,12 @@ class _Packed:
         buffer = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         return {**{name: view.numpy() for name, view in self._views(buffer).items()}, "_buffer": buffer}
 
+    def span(self, rows: int) -> int:
+        """Bytes from the start to the end of the last array's first `rows` rows."""
+        return self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+
     def upload(self, host: dict, rows: int) -> None:
-        end = self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+        end = self.span(rows)
         self.buffer[:end].copy_(host["_buffer"][:end], non_blocking=True)
 
 
@@ -499,19 +538,39 @@ class StepResult:
         self._host: dict[str, torch.Tensor] = {}
         self._event = None
 
-    def start_copy(self, out: SamplerOutput) -> None:
+    def start_copy(self, out: SamplerOutput, mapped: bool = False) -> None:
+        """Starts the copy of the sampled tokens (and logprobs) to the host; with `mapped`, tokens
+        alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine."""
         tensors = {"token_ids": out.token_ids}
         if out.logprobs is not None:
             tensors.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.ranks)
-        if out.token_ids.is_cuda:
+        if not out.token_ids.is_cuda:     # a copy: the tokens may be a graph's output, which its next replay overwrites
+            self._host = {k: v.clone() for k, v in tensors.items()}
+            return
+        if mapped and len(tensors) == 1:
+            host = torch.empty(out.token_ids.shape, dtype=torch.int64, pin_memory=True)
+            staging.publish(out.token_ids.contiguous(), host)
+            self._host = {"token_ids": host}
+        else:
             self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
                           for k, v in tensors.items()}
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = tensors
+        self.record()
 
-    def fetch(self) -> dict[str, list]:
+    @property
+    def recorded(self) -> bool:
+        return self._event is not None
+
+    def record(self) -> "StepResult":
+        """Marks the end of the work launched so far (on CUDA): `fetch` and `wait` wait for it."""
+        if torch.cuda.is_available():
+            self._event = self._event or torch.cuda.Event()
+            self._event.record()
+        return self
+
+    def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+
+    def fetch(self) -> dict[str, list]:
+        self.wait()
         return {k: v.tolist() for k, v in self._host.items()}

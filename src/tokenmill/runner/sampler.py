@@ -91,8 +91,12 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None = None) -> SamplerOutput:
+    """`greedy`: each row's argmax of `logits` where the caller has it already (the CUDA graphs end
+    with it); used as the tokens when every row is greedy and nothing else is asked of the logits."""
     if t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None:
+        if greedy is not None:
+            return SamplerOutput(token_ids=greedy)
         # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
         # row as the float32 argmax (first of equals), without a float copy of the logits per step
         return SamplerOutput(token_ids=logits.argmax(-1))

@@ -1,0 +1,81 @@
+"""Greedy choice on the device: the argmax of every row of the logits, first of equals, as torch's.
+
+torch's argmax over one 150k-wide row is a memset plus a two-pass reduction, about 10 us at batch 1,
+which a CUDA graph cannot absorb because the sampler runs after it. This kernel is one launch that the
+graphs capture after the head: each program takes the maximum of one chunk of a row and stores it with
+its first index; the last program of a row to finish (a counter bumped atomically, then reset) reduces
+the chunks and writes the token. NaN logits are never chosen (torch would choose the first NaN).
+
+Reference: `logits.argmax(-1)` (tests/test_kernels.py). CUDA-graph safe: scratch and counters are
+persistent buffers sized by the number of rows, and every launch leaves the counters zeroed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.layers.kernels import pdl
+
+BLOCK = 4096
+
+_scratch: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+
+def _buffers(device: torch.device, n: int):
+    """(chunk maxima float32, chunk indices int32, counters int32) for n chunks, kept for the life of
+    the process: a captured graph holds their addresses, so buffers outgrown by a larger call stay
+    allocated. Launches share them, which holds because they are ordered on one stream."""
+    bufs = _scratch.setdefault(device, [])
+    if not bufs or bufs[-1][0].numel() < n:
+        size = max(n, 1 << 14)
+        bufs.append((torch.empty(size, dtype=torch.float32, device=device),
+                     torch.empty(size, dtype=torch.int32, device=device),
+                     torch.zeros(size, dtype=torch.int32, device=device)))
+    return bufs[-1]
+
+
+@triton.jit
+def _argmax_kernel(logits_ptr, stride, out_ptr, part_val_ptr, part_idx_ptr, counter_ptr, V,
+                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    pdl.enter(PDL)
+    offs = split * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+    x = x.to(tl.float32)
+    m = tl.max(x, 0)
+    first = tl.min(tl.where(x == m, offs, V), 0)     # V: a chunk of NaN only
+    slot = row * SPLITS + split
+    tl.store(part_val_ptr + slot, m)
+    tl.store(part_idx_ptr + slot, first)
+    # release our chunk's result, and learn whether every other chunk of the row has released its own
+    done = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if done == SPLITS - 1:
+        s = tl.arange(0, BLOCK_S)
+        vals = tl.load(part_val_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"),
+                       cache_modifier=".cg")
+        idxs = tl.load(part_idx_ptr + row * SPLITS + s, mask=s < SPLITS, other=V, cache_modifier=".cg")
+        best = tl.max(vals, 0)
+        token = tl.min(tl.where(vals == best, idxs, V), 0)
+        tl.store(out_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
+        tl.store(counter_ptr + row, 0)   # every chunk has counted: nothing else touches it in this launch
+
+
+def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+    """int64 [rows]: the first index of each row's maximum of `logits` [rows, V] (any float dtype),
+    from chunks of `block` columns (a power of two)."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"greedy: logits must be [rows, V] with unit last stride, got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    splits = triton.cdiv(vocab, block)
+    vals, idxs, counters = _buffers(logits.device, rows * splits)
+    pdl_mode = pdl.mode(logits.device)
+    _argmax_kernel[(rows, splits)](logits, logits.stride(0), out, vals, idxs, counters, vocab,
+                                   SPLITS=splits, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits),
+                                   PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
+    return out
