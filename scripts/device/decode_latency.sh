@@ -8,9 +8,14 @@
 #          the next kernel triggered after (1) or before (2) each wait (TOKENMILL_PDL); decode attention
 #          as prologue, split-K kernel and merge (0) or as one kernel (1, the default)
 #          (TOKENMILL_FUSED_DECODE); with GEMV_VARIANTS (profile_decode.py --gemv-variants, a JSON list),
-#          each run also times the batch-1 graph under each variant of the product tiles, in turns
+#          each run also times the batch-1 graph under each variant of the product tiles, in turns;
+#          with TIMELINE=1 also profile_decode.py --timeline (timeline_report.txt in each run's folder)
 #   smem   scripts/device/gemv_smem.py: each product with shared-memory tiles (gemv_smem: whole row
 #          blocks copied before the wait) against its current tile, for SMEM_MODELS (default qwen3-4b)
+#   timeline  profile_decode.py --timeline at batch 1: device events of a graph replay and of engine
+#          steps ($OUT/timeline/timeline_<model>.json; scripts/device/timeline_report.py reads them)
+#   head   scripts/device/head_bench.py: final norm + vocabulary head + greedy argmax, engine path
+#          against single-token variants, for HEAD_MODELS (default qwen3-4b)
 #   OUT=/path STAGES="tests gemv e2e" MODELS="qwen3-4b nanbeige4.1-3b" bash scripts/device/decode_latency.sh
 set -uo pipefail
 STAGES=${STAGES:-"tests gemv e2e"}
@@ -29,6 +34,16 @@ for stage in $STAGES; do
     smem)
       python scripts/device/gemv_smem.py --out "$OUT" --models "$(echo ${SMEM_MODELS:-qwen3-4b} | tr ' ' ',')" 2>&1 \
         | tee "$OUT/gemv_smem.log" | grep -v '^{' || status=1 ;;
+    timeline)
+      for m in $MODELS; do
+        python scripts/device/profile_decode.py --model "preset:$m" --batch-sizes 1 --prefill-lens "" \
+          --output-len 128 --timeline --out "$OUT/timeline" > "$OUT/timeline_$m.log" 2>&1 \
+          || { status=1; tail -20 "$OUT/timeline_$m.log"; }
+        python scripts/device/timeline_report.py "$OUT/timeline/timeline_$m.json" | tee -a "$OUT/timeline_$m.log"
+      done ;;
+    head)
+      python scripts/device/head_bench.py --out "$OUT" --models "$(echo ${HEAD_MODELS:-qwen3-4b} | tr ' ' ',')" \
+        2>&1 | tee "$OUT/head_bench.log" | grep -v '^{' || status=1 ;;
     e2e)
       configs=${TOKENMILL_GEMV_CONFIGS:-}
       [ -z "$configs" ] && [ -f /tmp/gemv_configs.json ] && configs=/tmp/gemv_configs.json
@@ -39,8 +54,10 @@ for stage in $STAGES; do
           dir="$OUT/e2e_${m}_gemv${g}_pdl${p}_attn${a}"
           TOKENMILL_GEMV=$g TOKENMILL_PDL=$p TOKENMILL_FUSED_DECODE=$a TOKENMILL_GEMV_CONFIGS=$configs \
             python scripts/device/profile_decode.py --model "preset:$m" --batch-sizes 1 --prefill-lens "" \
-            --output-len 128 --out "$dir" ${GEMV_VARIANTS:+--gemv-variants "$GEMV_VARIANTS"} > "$dir.log" 2>&1 \
-            || { status=1; tail -20 "$dir.log"; }
+            --output-len 128 --out "$dir" ${GEMV_VARIANTS:+--gemv-variants "$GEMV_VARIANTS"} \
+            ${TIMELINE:+--timeline} > "$dir.log" 2>&1 || { status=1; tail -20 "$dir.log"; }
+          [ -f "$dir/timeline_$m.json" ] && python scripts/device/timeline_report.py "$dir/timeline_$m.json" \
+            > "$dir/timeline_report.txt"
         done
       done
       python - "$OUT" <<'PY'

@@ -62,6 +62,41 @@ def kernel_table(runner, bs: int, path: str) -> list[dict]:
     return rows
 
 
+def gpu_events(prof) -> list[list]:
+    """[name, start us, duration us] of every device-side event (kernels, copies) a profile holds, in
+    start order."""
+    rows = []
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and ev.time_range.elapsed_us() >= 0:
+            rows.append([ev.name[:80], ev.time_range.start, ev.time_range.elapsed_us()])
+    rows.sort(key=lambda r: r[1])
+    t0 = rows[0][1] if rows else 0
+    return [[n, s - t0, d] for n, s, d in rows]
+
+
+def timeline(runner, run, path: str) -> None:
+    """Device events of three batch-1 decode graph replays (the last one kept), then of a batch-1
+    `generate` (its middle steps kept), to `path`: where the step's time goes between kernels, and
+    between graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = runner.graphs[("decode", 1)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = gpu_events(prof)
+    per = len(events) // 3
+    replay = events[-per:]
+    t0 = replay[0][1]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(1)
+        torch.cuda.synchronize()
+    steps = gpu_events(prof)
+    mid = len(steps) // 2
+    with open(path, "w") as f:
+        json.dump({"graph": [[n, s - t0, d] for n, s, d in replay], "steps": steps[mid - 2000:mid + 2000]}, f)
+
+
 def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
@@ -112,6 +147,8 @@ def main() -> None:
     ap.add_argument("--gemv-variants", default="",
                     help='JSON list (or @file) of {"name", "configs": [[N, K, silu, tile], ...]}: batch-1 '
                          'decode graph replay of each, in turns')
+    ap.add_argument("--timeline", action="store_true",
+                    help="device events of a batch-1 graph replay and of batch-1 steps to timeline_<model>.json")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -161,6 +198,9 @@ def main() -> None:
         print("  top kernels (us/step, calls):", flush=True)
         for r in kernels[:14]:
             print(f"    {r['us_per_step']:9.1f} {r['calls_per_step']:6.0f}  {r['name']}", flush=True)
+
+    if args.timeline and torch.cuda.is_available():
+        timeline(runner, run, os.path.join(args.out, f"timeline_{name}.json"))
 
     variants = []
     if args.gemv_variants and torch.cuda.is_available():

@@ -1,0 +1,115 @@
+"""The end of a batch-1 decode step on the GPU machine: the final RMSNorm, the vocabulary head and the
+greedy argmax, as the engine runs them now against single-token alternatives.
+
+Each variant runs after a `down_proj` product (as in a step, so it meets a real predecessor), all of it
+captured in one CUDA graph and repeated `--reps` times in that graph (the 0.8 GB head leaves nothing in
+L2 for the next repeat). Variants are timed in turns; the table gives the median us per repeat and
+each variant's difference from the first. Checks each variant's token against torch's argmax of the
+float32 reference logits. Writes $OUT/head_bench.json.
+
+  cublas   rms_norm kernel, F.linear (cuBLAS), argmax in torch (the engine's path when this was written)
+  gemv:T   fused_linear with the norm folded in, tile T, argmax in torch
+
+Usage: python scripts/device/head_bench.py [--models qwen3-4b,nanbeige4.1-3b] [--tiles 4x1024x4x8,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = {"qwen3-4b": (151936, 2560, 9728), "nanbeige4.1-3b": (166144, 2560, 10496)}
+
+
+def timed(graphs: dict, rounds: int = 5) -> dict:
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            for _ in range(3):
+                g.replay()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(10):
+                g.replay()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b) * 1e3 / 10)
+    return times
+
+
+def main() -> None:
+    from tokenmill.layers.kernels import fused_ops, gemv
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default="qwen3-4b")
+    ap.add_argument("--tiles", default="4x1024x4x8,8x512x4x8,8x1024x8x8,4x512x4x12,2x1024x4x12,4x1024x4x8x0x2,"
+                                       "8x512x4x8x1,16x256x4x8x1")
+    ap.add_argument("--reps", type=int, default=4)
+    args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    bf16, rows = torch.bfloat16, []
+    for model in args.models.split(","):
+        vocab, hidden, inter = VOCAB[model]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        head = torch.randn(vocab, hidden, device="cuda", dtype=bf16, generator=gen) / 50
+        down = torch.randn(hidden, inter, device="cuda", dtype=bf16, generator=gen) / 50
+        act = torch.randn(1, inter, device="cuda", dtype=bf16, generator=gen)
+        residual = torch.randn(1, hidden, device="cuda", dtype=bf16, generator=gen)
+        nw = 1 + torch.randn(hidden, device="cuda", dtype=bf16, generator=gen) / 10
+        h0, _ = gemv.fused_linear(act, down)
+        ref_logits = gemv.fused_linear_torch(h0.float(), head.float(), norm_weight=nw.float(), eps=1e-6,
+                                             residual=residual.float())[0]
+        ref_token = int(ref_logits.argmax(-1))
+
+        def cublas():
+            h, _ = gemv.fused_linear(act, down)
+            x, _ = fused_ops.rms_norm(h, nw, 1e-6, residual)
+            return F.linear(x, head).argmax(-1)
+
+        def fused(tile):
+            def fn():
+                h, _ = gemv.fused_linear(act, down)
+                y, _ = gemv.fused_linear(h, head, norm_weight=nw, eps=1e-6, residual=residual, config=tile)
+                return y.argmax(-1)
+            return fn
+
+        variants = {"cublas": cublas}
+        for t in tiles:
+            variants[f"gemv:{'x'.join(map(str, t))}"] = fused(t)
+        graphs, checks = {}, {}
+        for name, fn in variants.items():
+            try:
+                token = int(fn().reshape(-1)[0])
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(args.reps):
+                        fn()
+                graphs[name] = g
+                checks[name] = token
+            except Exception as e:   # a tile that does not compile: the others still run
+                print(json.dumps({"model": model, "variant": name, "skipped": repr(e)[-400:]}), flush=True)
+        times = timed(graphs)
+        base = sorted(times["cublas"])[2] / args.reps
+        for name, t in times.items():
+            us = sorted(t)[len(t) // 2] / args.reps
+            row = dict(model=model, variant=name, us=us, diff_us=us - base, token_ok=checks[name] == ref_token,
+                       all_us=[x / args.reps for x in t])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del head, graphs
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "head_bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\n| model | variant (down, then norm + head + argmax) | us | vs cublas | token ok |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['variant']} | {r['us']:.1f} | {r['diff_us']:+.1f} | {r['token_ok']} |")
+
+
+if __name__ == "__main__":
+    main()
