@@ -3,16 +3,19 @@
 Per variant, one CUDA graph of 36 layers, each: the qkv product (single-token GEMV), attention, the
 o_proj product, at real model shapes and one sequence per row, every layer with its own weights and KV
 cache. Variants: `unfused` (the prologue kernel, split-K decode attention, its merge kernel) and the
-one-kernel attention (`decode_attention.fused_decode_attention`) with several `min_split_len`. Prints
-microseconds per layer and writes them to $OUT/decode_attention_bench.json.
+one-kernel attention (`decode_attention.fused_decode_attention`) with several settings, each written
+MIN[wWARPS]: `min_split_len` MIN, `num_warps` WARPS (default the kernel's). Prints microseconds per
+layer and writes them to $OUT/decode_attention_bench.json.
 
 Usage: python scripts/device/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
+       [--min-split-lens 64,128,64w8]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 
 import torch
 
@@ -49,6 +52,17 @@ def build(model: str, batch: int, ctx: int):
                 x=x, hq=hq, hkv=hkv)
 
 
+def attention_config(variant: str) -> dict:
+    """"64w8" -> {"min_split_len": 64, "num_warps": 8}."""
+    m = re.fullmatch(r"(\d+)(?:w(\d+))?", variant)
+    if m is None:
+        raise ValueError(f"attention variant {variant!r} is not MIN[wWARPS]")
+    cfg = {"min_split_len": int(m.group(1))}
+    if m.group(2):
+        cfg["num_warps"] = int(m.group(2))
+    return cfg
+
+
 def step(s, variant, o_proj=None):
     """One pass over the layers; `o_proj(attn, w_o)` replaces the batch-1 o_proj product if given."""
     x = s["x"]
@@ -62,7 +76,7 @@ def step(s, variant, o_proj=None):
         else:
             attn = decode_attention.fused_decode_attention(
                 *args, L["k"], L["v"], s["slots"], s["table"], s["ctx"], HEAD_DIM ** -0.5, hq, hkv, HEAD_DIM,
-                config={"min_split_len": variant})
+                config=attention_config(variant))
         attn = attn.reshape(x.shape[0], -1)
         if o_proj is not None and x.shape[0] == 1:
             x = o_proj(attn, L["w_o"])
@@ -90,7 +104,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--min-split-lens", default="64,128,256")
     args = ap.parse_args()
-    variants = ["unfused"] + [int(v) for v in args.min_split_lens.split(",")]
+    variants = ["unfused"] + args.min_split_lens.split(",")
     rows = []
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):

@@ -101,9 +101,10 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
-    variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`)."""
-    from tokenmill.layers.kernels import gemv, gemv_smem, pdl
-    saved, saved_mode = dict(gemv.CONFIGS), pdl.ATTENTION_MODE
+    variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
+    "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`."""
+    from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
+    saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
     graphs = {}
     for v in variants:
         configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
@@ -114,6 +115,7 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             continue
         pdl.ATTENTION_MODE = v.get("pdl_attention", saved_mode)
         gemv.CONFIGS = {**saved, **configs}
+        decode_attention.CONFIG = {**saved_attention, **v.get("attention", {})}
         forward = runner._static_forward(("decode", 1))
         try:
             forward()
@@ -124,7 +126,7 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
         with torch.cuda.graph(graph):
             forward()
         graphs[v["name"]] = graph
-    gemv.CONFIGS, pdl.ATTENTION_MODE = saved, saved_mode
+    gemv.CONFIGS, pdl.ATTENTION_MODE, decode_attention.CONFIG = saved, saved_mode, saved_attention
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
