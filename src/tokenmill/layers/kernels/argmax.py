@@ -6,8 +6,9 @@ graphs capture after the head: each program takes the maximum of one chunk of a 
 its first index; the last program of a row to finish (a counter bumped atomically, then reset) reduces
 the chunks and writes the token. NaN logits are never chosen (torch would choose the first NaN).
 
-Reference: `logits.argmax(-1)` (tests/test_kernels.py). CUDA-graph safe: scratch and counters are
-persistent buffers sized by the number of rows, and every launch leaves the counters zeroed.
+Reference: `logits.argmax(-1)` (tests/test_kernels.py). CUDA-graph safe: the grid and the scratch
+depend on shapes only, and the counters are a persistent zeroed buffer (`counters.py`) that every launch
+leaves zeroed.
 """
 from __future__ import annotations
 
@@ -16,23 +17,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.kernels import pdl
+from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 
 BLOCK = 4096
-
-_scratch: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-
-
-def _buffers(device: torch.device, n: int):
-    """(chunk maxima float32, chunk indices int32, counters int32) for n chunks, kept for the life of
-    the process: a captured graph holds their addresses, so buffers outgrown by a larger call stay
-    allocated. Launches share them, which holds because they are ordered on one stream."""
-    bufs = _scratch.setdefault(device, [])
-    if not bufs or bufs[-1][0].numel() < n:
-        size = max(n, 1 << 14)
-        bufs.append((torch.empty(size, dtype=torch.float32, device=device),
-                     torch.empty(size, dtype=torch.int32, device=device),
-                     torch.zeros(size, dtype=torch.int32, device=device)))
-    return bufs[-1]
 
 
 @triton.jit
@@ -73,7 +60,9 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, block: int = B
     if rows == 0:
         return out
     splits = triton.cdiv(vocab, block)
-    vals, idxs, counters = _buffers(logits.device, rows * splits)
+    vals = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
+    counters = zeroed_counters(logits.device, rows)
     pdl_mode = pdl.mode(logits.device)
     _argmax_kernel[(rows, splits)](logits, logits.stride(0), out, vals, idxs, counters, vocab,
                                    SPLITS=splits, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits),

@@ -22,7 +22,7 @@ Numerics equal the unfused path up to summation order: q and k are rounded to th
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain).
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe
 like `paged_decode_attention`: grid, splits and scratch depend on shapes only, and the counters are a
-persistent zeroed buffer that every launch leaves zeroed.
+persistent zeroed buffer (`counters.py`) that every launch leaves zeroed.
 
 `TOKENMILL_FUSED_DECODE=0` sends decode steps back to the three-kernel path (for A/B benchmarks).
 """
@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.kernels import pdl
+from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import _norm_rope, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, _check_tables,
                                                       _dot_precision, decode_num_splits)
@@ -45,20 +46,6 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge.
 # 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64}
-
-_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on `device`, from a buffer kept for the life of the process: a captured
-    CUDA graph holds its address, so a buffer outgrown by a larger call stays allocated. The first is
-    sized generously (the default split rule needs at most one counter per SM), and launches on a device
-    share it, which holds because they are ordered on one stream and each leaves it zeroed."""
-    bufs = _counters.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
 
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
@@ -276,7 +263,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                                device=qkv.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=qkv.device)
-        counters = _split_counters(qkv.device, batch * num_kv_heads)
+        counters = zeroed_counters(qkv.device, batch * num_kv_heads)
     else:
         part_out = part_lse = out
         counters = context_lens
