@@ -53,7 +53,7 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._mapped, self._staging_turn_used, self._staging_free = False, None, {}
+        self._mapped = False
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
         # used by correctness checks that compare every position's logits with a reference
         self.hidden_hook = None
@@ -253,9 +253,6 @@ class ModelRunner:
             for j, req in enumerate(sampled):
                 result.positions.append(req.num_tokens)
                 req.append_placeholder(j)
-        if self._staging_turn_used is not None:   # the step's host inputs are free once it has run
-            self._staging_free[self._staging_turn_used] = result if result.recorded else result.record()
-            self._staging_turn_used = None
         return result
 
     def _eager_forward(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
@@ -335,14 +332,11 @@ class ModelRunner:
             if family == "mixed":
                 packed.views["tiles"].copy_(torch.from_numpy(prefill_tiles([], packed.views["tiles"].shape[1])))
             # two host copies, used in turn: while step N's copy may still be queued, step N+1 fills
-            # the other (step N-1's copy finished before its tokens were read)
+            # the other; a copy is refilled only once the step before last has read it (an event after
+            # each read, by (family, turn): `fetch` does not ensure it for steps that sample nothing)
             self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
-        # (family, turn) -> an event after the last step that read that host copy, and the copy the
-        # step being launched reads: a copy is refilled only once the step before last has read it,
-        # which `fetch` does not ensure for steps that sample nothing
-        self._staging_free: dict[tuple, "StepResult"] = {}
-        self._staging_turn_used = None
+        self._staging_read: dict[tuple, torch.cuda.Event] = {}
         self._mapped = pin and MAPPED_STAGING and staging.mapped_host_ok(self.device.index or 0)
 
     def _static_forward(self, key: tuple):
@@ -426,9 +420,8 @@ class ModelRunner:
         packed = self.static[key[0]]
         turn = (key[0], self._staging_turn)
         self._staging_turn ^= 1
-        if turn in self._staging_free:
-            self._staging_free.pop(turn).wait()
-        self._staging_turn_used = turn
+        if turn in self._staging_read:
+            self._staging_read.pop(turn).synchronize()
         host = self.staging[key[0]][turn[1]]
         width = inp.tables.shape[1]
         # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
@@ -458,6 +451,9 @@ class ModelRunner:
             packed.upload(host, rows=seqs)
             if prev_tokens is not None:
                 self._fill_placeholders(packed.views["input_ids"], inp, prev_tokens)
+        if packed.buffer.is_cuda:
+            self._staging_read[turn] = torch.cuda.Event()
+            self._staging_read[turn].record()
         self.graphs[key].replay()
         hidden, logits, greedy = self.graph_outputs[key]
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
@@ -554,23 +550,10 @@ class StepResult:
         else:
             self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
                           for k, v in tensors.items()}
-        self.record()
-
-    @property
-    def recorded(self) -> bool:
-        return self._event is not None
-
-    def record(self) -> "StepResult":
-        """Marks the end of the work launched so far (on CUDA): `fetch` and `wait` wait for it."""
-        if torch.cuda.is_available():
-            self._event = self._event or torch.cuda.Event()
-            self._event.record()
-        return self
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        self._event = torch.cuda.Event()
+        self._event.record()
 
     def fetch(self) -> dict[str, list]:
-        self.wait()
+        if self._event is not None:
+            self._event.synchronize()
         return {k: v.tolist() for k, v in self._host.items()}
