@@ -24,23 +24,8 @@ import torch.nn.functional as F
 VOCAB = {"qwen3-4b": (151936, 2560, 9728), "nanbeige4.1-3b": (166144, 2560, 10496)}
 
 
-def timed(graphs: dict, rounds: int = 5) -> dict:
-    times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            for _ in range(3):
-                g.replay()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                g.replay()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3 / 10)
-    return times
-
-
 def main() -> None:
+    from profile_decode import replay_ms     # scripts/device/, the script's own folder
     from tokenmill.layers.kernels import fused_ops, gemv
 
     ap = argparse.ArgumentParser()
@@ -93,7 +78,10 @@ def main() -> None:
                 checks[name] = token
             except Exception as e:   # a tile that does not compile: the others still run
                 print(json.dumps({"model": model, "variant": name, "skipped": repr(e)[-400:]}), flush=True)
-        times = timed(graphs)
+        times = {name: [] for name in graphs}
+        for _ in range(5):                   # turns: every variant once per turn
+            for name, g in graphs.items():
+                times[name].append(replay_ms(g, 10) * 1e3)
         base = sorted(times["cublas"])[2] / args.reps
         for name, t in times.items():
             us = sorted(t)[len(t) // 2] / args.reps
