@@ -11,7 +11,8 @@
 #          each run also times the batch-1 graph under each variant of the product tiles, in turns;
 #          with TIMELINE=1 also profile_decode.py --timeline (timeline_report.txt in each run's folder)
 #   smem   scripts/device/gemv_smem.py: each product with shared-memory tiles (gemv_smem: whole row
-#          blocks copied before the wait) against its current tile, for SMEM_MODELS (default qwen3-4b)
+#          blocks copied before the wait) or TMA rings (gemv_tma) against its current tile, for
+#          SMEM_MODELS (default qwen3-4b) and SMEM_TILES (default the script's list)
 #   timeline  profile_decode.py --timeline at batch 1: device events of a graph replay and of engine
 #          steps ($OUT/timeline/timeline_<model>.json; scripts/device/timeline_report.py reads them)
 #   head   scripts/device/head_bench.py: final norm + vocabulary head + greedy argmax, engine path
@@ -32,7 +33,8 @@ for stage in $STAGES; do
       python scripts/device/gemv_bench.py --out "$OUT" --models "$(echo $MODELS | tr ' ' ',')" 2>&1 \
         | tee "$OUT/gemv_bench.log" | grep -v '^{' || status=1 ;;
     smem)
-      python scripts/device/gemv_smem.py --out "$OUT" --models "$(echo ${SMEM_MODELS:-qwen3-4b} | tr ' ' ',')" 2>&1 \
+      python scripts/device/gemv_smem.py --out "$OUT" --models "$(echo ${SMEM_MODELS:-qwen3-4b} | tr ' ' ',')" \
+        ${SMEM_TILES:+--tiles "$SMEM_TILES"} 2>&1 \
         | tee "$OUT/gemv_smem.log" | grep -v '^{' || status=1 ;;
     timeline)
       for m in $MODELS; do
