@@ -21,8 +21,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from tokenmill.layers.kernels import gemv_tma
 K, bn, stages, nw, silu, norm = json.loads(sys.argv[1])
+bk = 256
 ptrs = ["x_ptr", "res_ptr", "nw_ptr", "b_ptr", "out_ptr", "res_out_ptr"]
-const = dict(K=K, BLOCK_N=bn, STAGES=stages, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=2,
+const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=2,
              NUM_WARPS=nw)
 desc = (f"tensordesc<bf16[{bn}, 256],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2, "
         "transposed=False, fp4_padded=False, cga_layout=[])>")

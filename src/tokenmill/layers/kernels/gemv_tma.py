@@ -4,7 +4,8 @@ Hopper tensor memory accelerator (TMA).
 `gemv._gemv_kernel` keeps a weight tile in registers: each program asks for its next tile only once it
 has summed the one before, so the bytes in flight per SM rise and fall with the programs' phases, and a
 30-100 MB product streams at 3.0-3.8 TB/s on an H200. Here one program per SM owns a contiguous run of
-row blocks and walks its tiles (BLOCK_N rows x 256 columns, with SiLU-and-mul the matching `up` rows too)
+row blocks and walks its tiles (BLOCK_N rows x BLOCK_K columns, 256 or 64, with SiLU-and-mul the matching
+`up` rows too)
 through STAGES shared-memory buffers: a tile's buffer is refilled with the tile STAGES further on as soon
 as every warp has read it, so STAGES tiles are always on their way. The first STAGES copies are issued
 before the programmatic-dependent-launch wait (`pdl.py`), while the kernel before still runs.
@@ -31,18 +32,23 @@ try:
 except ImportError:       # a Triton without Gluon's Hopper module: fused_linear keeps its other tiles
     AVAILABLE = False
 
-BLOCK_K = 256             # columns per copy: the most one TMA box dimension may hold
 
 
 def smem_bytes(n: int, k: int, silu: bool, tile: tuple) -> int:
     """Shared memory one program of `tile` needs: the stages and their barriers."""
-    _, block_n, stages, *_ = tile
-    return stages * ((2 if silu else 1) * block_n * BLOCK_K * 2 + 8)
+    _, block_n, stages, *rest = tile
+    return stages * ((2 if silu else 1) * block_n * _block_k(tile) * 2 + 8)
+
+
+def _block_k(tile: tuple) -> int:
+    # columns per copy, the tile's sixth element: 256 (the most one TMA box dimension holds, unswizzled) or
+    # 64 (one 128-byte line a row, swizzled)
+    return tile[5] if len(tile) > 5 else 256
 
 
 def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple,
                weight: torch.Tensor | None = None) -> str | None:
-    """Why `tile` = ("tma", BLOCK_N, STAGES, warps[, programs per SM]) cannot run this product (of
+    """Why `tile` = ("tma", BLOCK_N, STAGES, warps[, programs per SM[, BLOCK_K]]) cannot run this product (of
     `weight`, if given), or None."""
     _, block_n, stages, num_warps, *rest = tile
     if not AVAILABLE:
@@ -51,40 +57,46 @@ def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple,
         return f"dtype {dtype} is not 16-bit"
     if weight is not None and (weight.data_ptr() % 16 or weight.stride(0) * weight.element_size() % 16):
         return "a TMA copy needs the weight's start and row stride on 16-byte boundaries"
-    if k % BLOCK_K:
-        return f"K {k} is not a multiple of {BLOCK_K}"
-    if block_n & (block_n - 1) or block_n % num_warps or block_n > 256:
-        return f"BLOCK_N {block_n} must be a power of two of at most 256 and a multiple of num_warps {num_warps}"
+    block_k = _block_k(tile)
+    if block_k not in (64, 256):
+        return f"BLOCK_K {block_k} must be 64 or 256"
+    if k % block_k:
+        return f"K {k} is not a multiple of {block_k}"
+    rows_per_pass = num_warps * 256 // block_k
+    if block_n & (block_n - 1) or block_n % rows_per_pass or block_n > 256:
+        return (f"BLOCK_N {block_n} must be a power of two of at most 256 and a multiple of {rows_per_pass} "
+                f"(num_warps {num_warps} x {256 // block_k} rows)")
     if stages < 1 or (rest and rest[0] < 1):
         return f"STAGES {stages} and programs per SM {rest} must be at least 1"
     need = smem_bytes(n, k, silu, tile)
     if need * (rest[0] if rest else 1) > SMEM_BYTES:
-        return f"{stages} stages of {block_n} x {BLOCK_K} (K {k}) need {need} bytes of shared memory, over {SMEM_BYTES}"
+        return f"{stages} stages of {block_n} x {block_k} (K {k}) need {need} bytes of shared memory, over {SMEM_BYTES}"
     return None
 
 
 if AVAILABLE:
     @gluon.jit
     def _issue(w_desc, ring, ring_u, bars, t, first, n_tiles, n_out, s,
-               NUM_KB: gl.constexpr, BLOCK_N: gl.constexpr, SILU: gl.constexpr):
+               NUM_KB: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SILU: gl.constexpr):
         # copy tile t of this program (row block first + t // NUM_KB, column block t % NUM_KB) into stage s
         pred = t < n_tiles
         row = (first + t // NUM_KB) * BLOCK_N
-        col = (t % NUM_KB) * 256
+        col = (t % NUM_KB) * BLOCK_K
         bar = bars.index(s)
-        mbarrier.expect(bar, (2 if SILU else 1) * BLOCK_N * 256 * 2, pred=pred)
+        mbarrier.expect(bar, (2 if SILU else 1) * BLOCK_N * BLOCK_K * 2, pred=pred)
         tma.async_copy_global_to_shared(w_desc, [row, col], bar, ring.index(s), pred=pred)
         if SILU:    # [gate | up] stacked by rows: output row n needs weight rows n and n_out + n
             tma.async_copy_global_to_shared(w_desc, [n_out + row, col], bar, ring_u.index(s), pred=pred)
 
     @gluon.jit
     def _tma_gemv_kernel(w_desc, x_ptr, res_ptr, nw_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out,
-                         K: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                          NORM: gl.constexpr, RESIDUAL: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SILU: gl.constexpr, PDL: gl.constexpr, NUM_WARPS: gl.constexpr):
-        # A warp per row, 8 columns a thread: a tile row of 256 columns is one warp-wide read.
-        NUM_KB: gl.constexpr = K // 256
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+        # 8 columns a thread: a warp reads 256 columns of a tile's rows at once (1 row, or 4 of 64 columns)
+        NUM_KB: gl.constexpr = K // BLOCK_K
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                                threads_per_warp=[256 // BLOCK_K, BLOCK_K // 8],
                                                 warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         cols: gl.constexpr = gl.SliceLayout(0, layout)
         pid = gl.program_id(0)
@@ -94,40 +106,40 @@ if AVAILABLE:
         last = (pid + 1) * num_blocks // num_programs
         n_tiles = (last - first) * NUM_KB
 
-        ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 256], w_desc.layout)
+        ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         ring_u = ring
         if SILU:
-            ring_u = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 256], w_desc.layout)
+            ring_u = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         fence_async_shared()
         # weights never change: the first STAGES tiles are requested before the wait
         for s in gl.static_range(STAGES):
-            _issue(w_desc, ring, ring_u, bars, s, first, n_tiles, n_out, s, NUM_KB, BLOCK_N, SILU)
+            _issue(w_desc, ring, ring_u, bars, s, first, n_tiles, n_out, s, NUM_KB, BLOCK_N, BLOCK_K, SILU)
         _enter(PDL)
 
         # the norm's scale: one pass over the input (loads only, all in flight at once)
-        c = gl.arange(0, 256, layout=cols)
+        c = gl.arange(0, BLOCK_K, layout=cols)
         rstd = 1.0
         if NORM:
-            sq = gl.zeros([256], gl.float32, cols)
+            sq = gl.zeros([BLOCK_K], gl.float32, cols)
             first_program = (c * 0 + pid) == 0     # a mask, not a branch: the loads stay free to overlap
             for i in gl.static_range(NUM_KB):
-                h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, i * 256 + c, False, RESIDUAL)
+                h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, i * BLOCK_K + c, False, RESIDUAL)
                 sq += h * h
                 if RESIDUAL:
-                    gl.store(res_out_ptr + i * 256 + c, h.to(res_out_ptr.dtype.element_ty), mask=first_program)
+                    gl.store(res_out_ptr + i * BLOCK_K + c, h.to(res_out_ptr.dtype.element_ty), mask=first_program)
             rstd = gl.rsqrt(gl.sum(sq, 0) / K + eps)
 
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        acc = gl.zeros([BLOCK_N, 256], gl.float32, layout)
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
         acc_u = acc
         for t in range(0, n_tiles):
             kb = t % NUM_KB
             # the input's columns for this tile (cached on chip after the norm's pass), asked for before
             # the wait so that their latency hides behind it
-            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, kb * 256 + c, NORM, RESIDUAL)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, kb * BLOCK_K + c, NORM, RESIDUAL)[None, :]
             stage = t % STAGES
             mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
             w = ring.index(stage).load(layout)
@@ -135,7 +147,7 @@ if AVAILABLE:
             if SILU:
                 u = ring_u.index(stage).load(layout)
             gl.thread_barrier()    # every warp has read this stage: refill it with the tile STAGES on
-            _issue(w_desc, ring, ring_u, bars, t + STAGES, first, n_tiles, n_out, stage, NUM_KB, BLOCK_N, SILU)
+            _issue(w_desc, ring, ring_u, bars, t + STAGES, first, n_tiles, n_out, stage, NUM_KB, BLOCK_N, BLOCK_K, SILU)
             acc += w.to(gl.float32) * xk
             if SILU:
                 acc_u += u.to(gl.float32) * xk
@@ -151,19 +163,19 @@ if AVAILABLE:
                     act = (g / (1.0 + gl.exp(-g))).to(out_ptr.dtype.element_ty).to(gl.float32)
                     y = act * up
                 gl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-                acc = gl.zeros([BLOCK_N, 256], gl.float32, layout)
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
                 acc_u = acc
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
 
-def _descriptor(weight: torch.Tensor, block_n: int):
+def _descriptor(weight: torch.Tensor, block_n: int, block_k: int):
     # kept on the weight itself (building one is host work a step should not redo), so it goes with it
     kept = weight.__dict__.setdefault("_tma_descriptors", {})
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(0), block_n)
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(0), block_n, block_k)
     if key not in kept:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        kept[key] = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], layout)
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0 if block_k == 256 else 128, element_bitwidth=16, rank=2)
+        kept[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k], layout)
     return kept[key]
 
 
@@ -177,9 +189,9 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: fl
     n_out = n // 2 if silu else n
     grid = (min(triton.cdiv(n_out, block_n), num_sms * (rest[0] if rest else 1)),)
     _tma_gemv_kernel[grid](
-        _descriptor(weight, block_n), x, residual if residual is not None else x,
+        _descriptor(weight, block_n, _block_k(tile)), x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, bias if bias is not None else x, out,
         res_out if res_out is not None else out, eps, n_out,
-        K=k, BLOCK_N=block_n, STAGES=stages, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        K=k, BLOCK_N=block_n, BLOCK_K=_block_k(tile), STAGES=stages, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode, NUM_WARPS=num_warps,
         num_warps=num_warps, launch_pdl=pdl_mode > 0)
