@@ -90,16 +90,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
-    if EARLY_TRIGGER:
-        # every program, the splits without positions included, lets the next kernel launch at once
-        pdl.trigger(PDL)
     # Until pdl.enter this reads only what no kernel of this forward pass writes: the step's metadata,
     # written before the pass, and the cache below the new token, written by earlier steps.
     ctx = tl.load(context_lens_ptr + b)
@@ -120,10 +117,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
-        if EARLY_TRIGGER:
-            pdl.wait(PDL)
-        else:
-            pdl.enter(PDL)
+        pdl.enter(PDL)
 
         row = qkv_ptr + b64 * qkv_stride_t
         q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
@@ -289,6 +283,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_mode, EARLY_TRIGGER=bool(cfg.get("early_trigger", False)),
+        PDL=pdl_mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
     return out

@@ -52,20 +52,3 @@ def enter(PDL: tl.constexpr):
         gdc_wait()
     if PDL == 1:
         gdc_launch_dependents()
-
-
-@triton.jit
-def trigger(PDL: tl.constexpr):
-    # the launch half of `enter` alone, for a kernel that lets the next one launch before it has read
-    # anything (mode 2); with `wait` later
-    if PDL == 2:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    # the wait half of `enter` (and, in mode 1, the launch after it)
-    if PDL > 0:
-        gdc_wait()
-    if PDL == 1:
-        gdc_launch_dependents()
