@@ -40,7 +40,7 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir, monkeypatch, mapp
     if mapped:
         runner._mapped = True
         monkeypatch.setattr(staging, "stage", lambda *a: staged.append(a[-1] is not None) or staging.stage_torch(*a))
-        monkeypatch.setattr(runner, "_fill_placeholders", None)      # not used on this path
+        monkeypatch.setattr(staging, "fill_placeholders", None)      # not used on this path
     keys = set(runner.graphs)
     assert ("mixed", 100, 8) in keys and ("mixed", 64, 1) in keys and ("decode", 8) in keys
     used = []

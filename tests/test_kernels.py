@@ -433,6 +433,23 @@ def test_stage_copies_the_span_and_fills_placeholders(n_ids, with_prev):
     torch.testing.assert_close(want[ids_bytes:nbytes].cpu(), src[ids_bytes:nbytes], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n_ids", [0, 1, 1500])
+def test_fill_placeholders_resolves_them_in_place(n_ids):
+    # the copy-engine path's fill: ids already on the device, placeholders -(row + 1) replaced by prev[row]
+    staging = _staging_module()
+    gen = _gen(19)
+    prev = torch.randint(0, 1000, (7,), generator=gen).to(DEVICE)
+    ids = torch.randint(0, 1000, (n_ids + 3,), generator=gen)
+    ids[::2] = -(torch.arange(len(ids[::2])) % 7) - 1
+    want = torch.where(ids < 0, prev.cpu()[(-ids - 1).clamp(min=0)], ids)
+    got = ids.to(DEVICE)
+    staging.fill_placeholders(got[:n_ids], prev)
+    assert torch.equal(got[:n_ids].cpu(), want[:n_ids])
+    assert torch.equal(got[n_ids:].cpu(), ids[n_ids:])          # past the span: untouched
+    with pytest.raises(ValueError, match="contiguous int64"):
+        staging.fill_placeholders(got[::2], prev)
+
+
 def test_stage_rejects_bad_layouts_and_publish_copies_tokens():
     staging = _staging_module()
     dst = torch.zeros(64, dtype=torch.uint8, device=DEVICE)

@@ -151,11 +151,10 @@ class ModelRunner:
                                      for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
             positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
         seq_of_token = np.repeat(np.arange(len(requests)), counts)
-        gather = np.nonzero(input_ids < 0)[0]          # placeholders: read from the in-flight step
-        gather_src = None
-        if len(gather):
-            gather_src = np.fromiter((requests[i].pending_row for i in seq_of_token[gather].tolist()),
-                                     np.int64, len(gather))
+        held = np.nonzero(input_ids < 0)[0]
+        if len(held):    # placeholders, as -(row + 1): the token of that row of the step in flight
+            input_ids[held] = -1 - np.fromiter((requests[i].pending_row for i in seq_of_token[held].tolist()),
+                                               np.int64, len(held))
         width = max(len(r.block_ids) for r in requests)
         block_tables = np.zeros((len(requests), width), dtype=np.int32)
         for i, r in enumerate(requests):
@@ -166,7 +165,7 @@ class ModelRunner:
                                                      len(requests)))[0]
         sample_tokens = query_start_loc[1:][sample_rows].astype(np.int64) - 1   # their last token rows
         return _Inputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
-                       sample_rows, sample_tokens, int(counts.max()), int(ends.max()), gather, gather_src)
+                       sample_rows, sample_tokens, int(counts.max()), int(ends.max()), len(held) > 0)
 
     def _eager_tiles(self, inp: "_Inputs") -> torch.Tensor | None:
         """The tile map of an eager step with prefill tokens, as the graphs have it: one attention
@@ -236,7 +235,11 @@ class ModelRunner:
         inp = self._prepare(requests, num_new_tokens)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
         tensors = self._sampling_tensors(sampled) if sampled else None
-        prev_tokens = prev.token_ids if prev is not None and len(inp.gather) else None
+        prev_tokens = None
+        if inp.placeholders:
+            if prev is None or prev.token_ids is None:
+                raise RuntimeError("a step's inputs hold placeholders but no step in flight samples them")
+            prev_tokens = prev.token_ids
         key = self._graph_key(inp)
         greedy = None
         if key is not None:
@@ -258,7 +261,7 @@ class ModelRunner:
     def _eager_forward(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
         ids = self._to_device(inp.input_ids)
         if prev_tokens is not None:
-            self._fill_placeholders(ids, inp, prev_tokens)
+            staging.fill_placeholders(ids, prev_tokens)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
             context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
@@ -284,8 +287,7 @@ class ModelRunner:
         positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
         inp = _Inputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
                       ctx.astype(np.int32), np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
-                      qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), np.zeros(0, np.int64),
-                      None)
+                      qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
         self._eager_forward(inp, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -403,15 +405,6 @@ class ModelRunner:
         sb = next((b for b in self._seq_buckets if b >= seqs), None)
         return None if t is None or sb is None else ("mixed", t, sb)
 
-    def _fill_placeholders(self, ids: torch.Tensor, inp: "_Inputs", prev_tokens: torch.Tensor) -> None:
-        """Writes the in-flight step's sampled tokens (on the device) into the placeholder positions."""
-        n = len(inp.gather)
-        identity = np.arange(n)
-        if n <= len(prev_tokens) and np.array_equal(inp.gather, identity) and np.array_equal(inp.gather_src, identity):
-            ids[:n].copy_(prev_tokens[:n])       # the same batch, in the same order, as the step before
-        else:
-            ids[self._to_device(inp.gather)] = prev_tokens[self._to_device(inp.gather_src)]
-
     def _replay(self, key: tuple, inp: "_Inputs", prev_tokens: torch.Tensor | None):
         """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
         graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
@@ -441,16 +434,13 @@ class ModelRunner:
             host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
         # a row's columns past `width` keep older block ids, which its context never reaches
         host["block_tables"][:seqs, :width] = inp.tables
-        if self._mapped:
-            # placeholders as -(row + 1): the staging kernel reads their tokens from the step before
-            if prev_tokens is not None:
-                host["input_ids"][inp.gather] = -1 - inp.gather_src
+        if self._mapped:     # the staging kernel also fills the placeholders from the step before
             staging.stage(packed.buffer, host["_buffer"], packed.span(seqs), packed.offsets["positions"], t_pad,
                           prev_tokens)
         else:
             packed.upload(host, rows=seqs)
             if prev_tokens is not None:
-                self._fill_placeholders(packed.views["input_ids"], inp, prev_tokens)
+                staging.fill_placeholders(packed.views["input_ids"][:tokens], prev_tokens)
         if packed.buffer.is_cuda:
             self._staging_read[turn] = torch.cuda.Event()
             self._staging_read[turn].record()
@@ -515,7 +505,7 @@ class _EagerGraph:
 
 class _Inputs:
     __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
-                 "sample_tokens", "max_q", "max_ctx", "gather", "gather_src")
+                 "sample_tokens", "max_q", "max_ctx", "placeholders")
 
     def __init__(self, *values):
         for name, value in zip(self.__slots__, values):

@@ -12,7 +12,8 @@ tokens into pinned host memory. `mapped_host_ok` checks once per device that the
 where it cannot, the runner keeps the copies.
 
 Placeholders: an input id below zero, -(row + 1), stands for the token sampled in row `row` of the
-step before (`prev`). References: `stage_torch`, `publish` on the CPU (tests/test_kernels.py).
+step before (`prev`); where the inputs go over by copy, `fill_placeholders` resolves them on the
+device afterwards. References: `stage_torch`, `publish` on the CPU (tests/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -68,16 +69,31 @@ def stage(dst: torch.Tensor, src: torch.Tensor, nbytes: int, ids_bytes: int, n_i
                         BLOCK=BLOCK, num_warps=4)
 
 
+def _resolved(ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    return torch.where(ids < 0, prev[(-ids - 1).clamp(min=0)], ids)
+
+
 def stage_torch(dst: torch.Tensor, src: torch.Tensor, nbytes: int, ids_bytes: int, n_ids: int,
                 prev: torch.Tensor | None) -> None:
     """Reference for `stage` (any devices)."""
     _check(dst, src, nbytes, ids_bytes, n_ids)
     dst[ids_bytes:nbytes].copy_(src[ids_bytes:nbytes].to(dst.device))
     ids = src[:n_ids * 8].view(torch.int64).to(dst.device)
-    if prev is not None:
-        held = ids < 0
-        ids = torch.where(held, prev[(-ids - 1).clamp(min=0)], ids)
-    dst[:n_ids * 8].view(torch.int64).copy_(ids)
+    dst[:n_ids * 8].view(torch.int64).copy_(ids if prev is None else _resolved(ids, prev))
+
+
+def fill_placeholders(ids: torch.Tensor, prev: torch.Tensor) -> None:
+    """Replaces each placeholder in the int64 input ids `ids` (already on the device) by its token from
+    `prev`, in place: `stage`'s fill alone (one kernel on CUDA), where the inputs went over by copy."""
+    if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or prev.device != ids.device:
+        raise ValueError(f"fill_placeholders: ids must be contiguous int64 [n] on prev's device, got "
+                         f"{ids.dtype} {tuple(ids.shape)} on {ids.device} (prev on {prev.device})")
+    n = ids.numel()
+    if not ids.is_cuda:
+        ids.copy_(_resolved(ids, prev))
+    elif n:
+        _stage_kernel[(triton.cdiv(n, BLOCK),)](ids.view(torch.int32), ids.view(torch.int32), 0, 0, ids, ids,
+                                               n, prev, HAS_PREV=True, BLOCK=BLOCK, num_warps=4)
 
 
 def publish(src: torch.Tensor, dst: torch.Tensor) -> None:
