@@ -79,9 +79,9 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
 
 def test_packed_step_inputs_go_over_as_one_span():
     # a graph family's inputs live in one buffer; a step copies them up to its last block-table row
-    from tokenmill.runner.model_runner import _Packed
+    from tokenmill.runner.step import PackedInputs
     spec = [("ids", torch.int64, (5,)), ("lens", torch.int32, (3,)), ("tables", torch.int32, (4, 6))]
-    packed = _Packed(spec, torch.device("cpu"))
+    packed = PackedInputs(spec, torch.device("cpu"))
     assert all(off % 16 == 0 for off in packed.offsets.values())
     host = packed.host_copy(pin=False)
     host["ids"][:] = np.arange(5) - 2

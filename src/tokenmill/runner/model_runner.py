@@ -21,7 +21,8 @@ from tokenmill.engine.request import Request
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import argmax, staging
 from tokenmill.runner.loader import load_model
-from tokenmill.runner.sampler import SamplerOutput, SamplingTensors, sample
+from tokenmill.runner.sampler import SamplingTensors, sample
+from tokenmill.runner.step import PackedInputs, StepInputs, StepResult, prepare_inputs
 
 logger = logging.getLogger("tokenmill")
 
@@ -98,7 +99,7 @@ class ModelRunner:
             hidden = self.model(ids, ids.clone(), meta)
             rows = min(self.max_num_seqs, tokens)
             logits = self.model.compute_logits(hidden[:rows])
-            sample(logits, self._dummy_sampling(rows, greedy=False))
+            sample(logits, SamplingTensors.dummy(rows, self.device, greedy=False))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - self.kv_cache_bytes
         del hidden, logits
@@ -137,37 +138,7 @@ class ModelRunner:
         del self.kv_cache
 
     # ---- inputs -------------------------------------------------------------------------------------
-    def _prepare(self, requests: list[Request], num_new_tokens: list[int]):
-        bs = self.block_size
-        starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
-        counts = np.asarray(num_new_tokens, dtype=np.int64)
-        ends = starts + counts
-        if counts.max() == 1:
-            input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in requests),
-                                    np.int64, len(requests))
-            positions = starts
-        else:
-            input_ids = np.fromiter((t for r, s, e in zip(requests, starts.tolist(), ends.tolist())
-                                     for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
-            positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
-        seq_of_token = np.repeat(np.arange(len(requests)), counts)
-        held = np.nonzero(input_ids < 0)[0]
-        if len(held):    # placeholders, as -(row + 1): the token of that row of the step in flight
-            input_ids[held] = -1 - np.fromiter((requests[i].pending_row for i in seq_of_token[held].tolist()),
-                                               np.int64, len(held))
-        width = max(len(r.block_ids) for r in requests)
-        block_tables = np.zeros((len(requests), width), dtype=np.int32)
-        for i, r in enumerate(requests):
-            block_tables[i, :len(r.block_ids)] = r.block_ids
-        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
-        sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
-                                                     len(requests)))[0]
-        sample_tokens = query_start_loc[1:][sample_rows].astype(np.int64) - 1   # their last token rows
-        return _Inputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
-                       sample_rows, sample_tokens, int(counts.max()), int(ends.max()), len(held) > 0)
-
-    def _eager_tiles(self, inp: "_Inputs") -> torch.Tensor | None:
+    def _eager_tiles(self, inp: StepInputs) -> torch.Tensor | None:
         """The tile map of an eager step with prefill tokens, as the graphs have it: one attention
         program per block of a sequence's queries, where the plain grid launches the longest query's
         blocks for every sequence (a prefill chunk beside 200 decode rows: 16 x 201 programs a head
@@ -177,64 +148,17 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    # ---- sampling parameters ------------------------------------------------------------------------
-    def _dummy_sampling(self, rows: int, greedy: bool) -> SamplingTensors:
-        dev = self.device
-        return SamplingTensors(
-            temperature=torch.ones(rows, device=dev), all_greedy=greedy,
-            top_k=torch.full((rows,), 50, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
-            min_p=None, seeds=None, seeded_rows=None, output_positions=None, presence_penalty=None,
-            frequency_penalty=None, repetition_penalty=None, output_counts=None, seen_mask=None,
-            max_logprobs=None)
-
-    def _sampling_tensors(self, requests: list[Request]) -> SamplingTensors:
-        params = [r.params for r in requests]
-        dev, rows = self.device, len(requests)
-        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if all(p.greedy for p in params) and not any(p.needs_penalties for p in params):
-            return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
-                                   None, None, max_logprobs)
-
-        def tensor(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        temperature = tensor([0.0 if p.greedy else p.temperature for p in params])
-        top_k = tensor([p.top_k or self.vocab_size for p in params], torch.int64) \
-            if any(p.top_k for p in params) else None
-        top_p = tensor([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
-        min_p = tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
-        seeded = [p.seed is not None for p in params]
-        seeds = positions = seeded_rows = None
-        if any(seeded):
-            seeds = tensor([r.seed for r in requests], torch.int64)
-            positions = tensor([r.num_output_tokens for r in requests], torch.int64)
-            seeded_rows = tensor(seeded, torch.bool)
-        pp = fp = rp = counts = seen = None
-        if any(p.needs_penalties for p in params):
-            counts = torch.zeros(rows, self.vocab_size, dtype=torch.float32)
-            seen = torch.zeros(rows, self.vocab_size, dtype=torch.bool)
-            for i, r in enumerate(requests):
-                out = torch.tensor(r.output_token_ids, dtype=torch.int64)
-                counts[i].index_add_(0, out, torch.ones(len(out)))
-                seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
-            counts, seen = counts.to(dev), seen.to(dev)
-            pp = tensor([p.presence_penalty for p in params])
-            fp = tensor([p.frequency_penalty for p in params])
-            rp = tensor([p.repetition_penalty for p in params])
-        return SamplingTensors(temperature, False, top_k, top_p, min_p, seeds, seeded_rows, positions,
-                               pp, fp, rp, counts, seen, max_logprobs)
-
     # ---- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, requests: list[Request], num_new_tokens: list[int],
-                prev: "StepResult | None" = None) -> "StepResult":
+                prev: StepResult | None = None) -> StepResult:
         """Launches one step and returns at once; `StepResult.fetch()` waits for its sampled tokens.
 
         Each request that samples this step gets a placeholder token appended; a placeholder among this
         step's inputs is read on the device from `prev`, the step still in flight."""
-        inp = self._prepare(requests, num_new_tokens)
+        inp = prepare_inputs(requests, num_new_tokens, self.block_size)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
-        tensors = self._sampling_tensors(sampled) if sampled else None
+        tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device) if sampled else None
         prev_tokens = None
         if inp.placeholders:
             if prev is None or prev.token_ids is None:
@@ -258,7 +182,7 @@ class ModelRunner:
                 req.append_placeholder(j)
         return result
 
-    def _eager_forward(self, inp: "_Inputs", prev_tokens: torch.Tensor | None):
+    def _eager_forward(self, inp: StepInputs, prev_tokens: torch.Tensor | None):
         ids = self._to_device(inp.input_ids)
         if prev_tokens is not None:
             staging.fill_placeholders(ids, prev_tokens)
@@ -285,15 +209,15 @@ class ModelRunner:
         width = max(3, -(-int(ctx.max()) // self.block_size))
         qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
         positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
-        inp = _Inputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
-                      ctx.astype(np.int32), np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
-                      qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
+        inp = StepInputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
+                         ctx.astype(np.int32), np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
+                         qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
         self._eager_forward(inp, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
-    # Two families, each with its own static inputs (one packed buffer, `_Packed`), share one memory pool:
+    # Two families, each with its own static inputs (one packed buffer, `PackedInputs`), share one memory pool:
     #   ("decode", B):    B sequences of one token each, the split-K decode kernel;
     #   ("mixed", T, S):  up to T tokens of up to S sequences (prefill chunks, with or without decode rows),
     #                     the prefill kernel over a tile map; padding tokens have slot -1 and belong to no
@@ -310,7 +234,7 @@ class ModelRunner:
         return keys
 
     def _init_static_buffers(self, keys: list[tuple]) -> None:
-        """Static inputs per family, each family's arrays packed into one buffer (`_Packed`) in the
+        """Static inputs per family, each family's arrays packed into one buffer (`PackedInputs`) in the
         order a step fills them, the block table last, so a step's inputs go over in one copy."""
         i64, i32 = torch.int64, torch.int32
         width = self.max_blocks_per_seq
@@ -328,7 +252,7 @@ class ModelRunner:
                               ("tiles", i32, (2, tokens // PREFILL_BLOCK_M + seqs)),
                               ("block_tables", i32, (seqs, width))]
         for family, spec in specs.items():
-            packed = _Packed(spec, self.device)
+            packed = PackedInputs(spec, self.device)
             packed.views["slots"].fill_(-1)          # capture runs on these: it must write no KV slot
             self.static[family] = packed
             if family == "mixed":
@@ -393,7 +317,7 @@ class ModelRunner:
                     len(keys), len(self._decode_buckets), len(keys) - len(self._decode_buckets),
                     max(self._token_buckets, default=0), self.graph_seconds)
 
-    def _graph_key(self, inp: "_Inputs") -> tuple | None:
+    def _graph_key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""
         if not self.graphs:
             return None
@@ -405,7 +329,7 @@ class ModelRunner:
         sb = next((b for b in self._seq_buckets if b >= seqs), None)
         return None if t is None or sb is None else ("mixed", t, sb)
 
-    def _replay(self, key: tuple, inp: "_Inputs", prev_tokens: torch.Tensor | None):
+    def _replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
         """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
         graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
         tokens, seqs = len(inp.input_ids), len(inp.context_lens)
@@ -501,49 +425,3 @@ class _EagerGraph:
     def replay(self) -> None:
         for dst, src in zip(self.outputs, self.forward()):
             dst.copy_(src)
-
-
-class _Inputs:
-    __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
-                 "sample_tokens", "max_q", "max_ctx", "placeholders")
-
-    def __init__(self, *values):
-        for name, value in zip(self.__slots__, values):
-            setattr(self, name, value)
-
-
-class StepResult:
-    """A launched step. `positions[j]` is where row j's sampled token goes in
-    `requests[sample_rows[j]].all_token_ids`; `fetch()` waits for the copy to the host."""
-
-    def __init__(self, requests, sample_rows, positions):
-        self.requests = requests
-        self.sample_rows = sample_rows
-        self.positions = positions
-        self.token_ids: torch.Tensor | None = None
-        self._host: dict[str, torch.Tensor] = {}
-        self._event = None
-
-    def start_copy(self, out: SamplerOutput, mapped: bool = False) -> None:
-        """Starts the copy of the sampled tokens (and logprobs) to the host; with `mapped`, tokens
-        alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine."""
-        tensors = {"token_ids": out.token_ids}
-        if out.logprobs is not None:
-            tensors.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.ranks)
-        if not out.token_ids.is_cuda:     # a copy: the tokens may be a graph's output, which its next replay overwrites
-            self._host = {k: v.clone() for k, v in tensors.items()}
-            return
-        if mapped and len(tensors) == 1:
-            host = torch.empty(out.token_ids.shape, dtype=torch.int64, pin_memory=True)
-            staging.publish(out.token_ids.contiguous(), host)
-            self._host = {"token_ids": host}
-        else:
-            self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
-                          for k, v in tensors.items()}
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def fetch(self) -> dict[str, list]:
-        if self._event is not None:
-            self._event.synchronize()
-        return {k: v.tolist() for k, v in self._host.items()}

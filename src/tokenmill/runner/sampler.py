@@ -8,8 +8,12 @@ is reproducible across runs and independent of which other requests share the ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
 
 _MASK32 = 0xFFFFFFFF
 
@@ -50,6 +54,56 @@ class SamplingTensors:
     output_counts: torch.Tensor | None        # [S, V] float32 counts of generated tokens
     seen_mask: torch.Tensor | None            # [S, V] bool: token in prompt or output
     max_logprobs: int | None                  # top alternatives to return, None: no logprobs
+
+    @staticmethod
+    def dummy(rows: int, device: torch.device, greedy: bool) -> "SamplingTensors":
+        """Parameters for a memory-profiling or warm-up pass: top-k and top-p set, so that their work runs."""
+        return SamplingTensors(
+            temperature=torch.ones(rows, device=device), all_greedy=greedy,
+            top_k=torch.full((rows,), 50, device=device), top_p=torch.full((rows,), 0.9, device=device),
+            min_p=None, seeds=None, seeded_rows=None, output_positions=None, presence_penalty=None,
+            frequency_penalty=None, repetition_penalty=None, output_counts=None, seen_mask=None,
+            max_logprobs=None)
+
+    @staticmethod
+    def from_requests(requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingTensors":
+        """The tensors of the rows `requests` sample (on `device`): all None but `max_logprobs` when every
+        row is greedy without penalties."""
+        params = [r.params for r in requests]
+        rows = len(requests)
+        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if all(p.greedy for p in params) and not any(p.needs_penalties for p in params):
+            return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
+                                   None, None, max_logprobs)
+
+        def tensor(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        temperature = tensor([0.0 if p.greedy else p.temperature for p in params])
+        top_k = tensor([p.top_k or vocab_size for p in params], torch.int64) \
+            if any(p.top_k for p in params) else None
+        top_p = tensor([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
+        min_p = tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
+        seeded = [p.seed is not None for p in params]
+        seeds = positions = seeded_rows = None
+        if any(seeded):
+            seeds = tensor([r.seed for r in requests], torch.int64)
+            positions = tensor([r.num_output_tokens for r in requests], torch.int64)
+            seeded_rows = tensor(seeded, torch.bool)
+        pp = fp = rp = counts = seen = None
+        if any(p.needs_penalties for p in params):
+            counts = torch.zeros(rows, vocab_size, dtype=torch.float32)
+            seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
+            for i, r in enumerate(requests):
+                out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+                counts[i].index_add_(0, out, torch.ones(len(out)))
+                seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
+            counts, seen = counts.to(device), seen.to(device)
+            pp = tensor([p.presence_penalty for p in params])
+            fp = tensor([p.frequency_penalty for p in params])
+            rp = tensor([p.repetition_penalty for p in params])
+        return SamplingTensors(temperature, False, top_k, top_p, min_p, seeds, seeded_rows, positions,
+                               pp, fp, rp, counts, seen, max_logprobs)
 
 
 @dataclass

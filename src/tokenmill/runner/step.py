@@ -1,0 +1,134 @@
+"""One step of the model runner, on the host side: its inputs as flat arrays (`prepare_inputs`), their
+packed layout in the CUDA graphs' static buffers (`PackedInputs`), and the handle of a launched step
+whose sampled tokens are on their way to the host (`StepResult`)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.engine.request import Request
+from tokenmill.layers.kernels import staging
+from tokenmill.runner.sampler import SamplerOutput
+
+
+class StepInputs:
+    """One step's inputs on the host: per token `input_ids` (a placeholder as -(row + 1) of the step in
+    flight), `positions`, `slots`; per sequence `qsl` (query start offsets), `context_lens`, `tables`
+    (block table rows); the rows that sample (`sample_rows`) and their last tokens (`sample_tokens`);
+    the longest query and context; whether any input is a placeholder."""
+
+    __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
+                 "sample_tokens", "max_q", "max_ctx", "placeholders")
+
+    def __init__(self, *values):
+        for name, value in zip(self.__slots__, values):
+            setattr(self, name, value)
+
+
+def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_size: int) -> StepInputs:
+    """The flat arrays of one step: `num_new_tokens[i]` tokens of `requests[i]`, from its
+    `num_computed_tokens` on (NumPy, vectorised over tokens)."""
+    bs = block_size
+    starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
+    counts = np.asarray(num_new_tokens, dtype=np.int64)
+    ends = starts + counts
+    if counts.max() == 1:
+        input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in requests),
+                                np.int64, len(requests))
+        positions = starts
+    else:
+        input_ids = np.fromiter((t for r, s, e in zip(requests, starts.tolist(), ends.tolist())
+                                 for t in r.all_token_ids[s:e]), np.int64, int(counts.sum()))
+        positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+    seq_of_token = np.repeat(np.arange(len(requests)), counts)
+    held = np.nonzero(input_ids < 0)[0]
+    if len(held):    # placeholders, as -(row + 1): the token of that row of the step in flight
+        input_ids[held] = -1 - np.fromiter((requests[i].pending_row for i in seq_of_token[held].tolist()),
+                                           np.int64, len(held))
+    width = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), width), dtype=np.int32)
+    for i, r in enumerate(requests):
+        block_tables[i, :len(r.block_ids)] = r.block_ids
+    slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
+                                                 len(requests)))[0]
+    sample_tokens = query_start_loc[1:][sample_rows].astype(np.int64) - 1   # their last token rows
+    return StepInputs(input_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32), block_tables,
+                      sample_rows, sample_tokens, int(counts.max()), int(ends.max()), len(held) > 0)
+
+
+class PackedInputs:
+    """Named arrays laid out one after another (16-byte aligned) in one device buffer, with pinned host
+    copies of the same layout. `upload` copies the span from the first array to the end of the last
+    one's first `rows` rows: the last array (the block table) is the only one whose size on the wire
+    grows with the batch, so a small step is one small copy instead of one copy per array."""
+
+    def __init__(self, spec: list[tuple[str, torch.dtype, tuple]], device: torch.device):
+        self.spec, self.offsets, size = spec, {}, 0
+        for name, dtype, shape in spec:
+            self.offsets[name] = size
+            size += -(-self._nbytes(dtype, shape) // 16) * 16
+        self.nbytes = size
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.views = self._views(self.buffer)
+        _, dtype, shape = spec[-1]
+        self.row_bytes = self._nbytes(dtype, shape[1:])
+
+    @staticmethod
+    def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
+        return int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+
+    def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buffer[self.offsets[name]:self.offsets[name] + self._nbytes(dtype, shape)].view(dtype).view(shape)
+                for name, dtype, shape in self.spec}
+
+    def host_copy(self, pin: bool) -> dict[str, np.ndarray]:
+        """A host staging copy: NumPy views by name, and the buffer itself under "_buffer"."""
+        buffer = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        return {**{name: view.numpy() for name, view in self._views(buffer).items()}, "_buffer": buffer}
+
+    def span(self, rows: int) -> int:
+        """Bytes from the start to the end of the last array's first `rows` rows."""
+        return self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+
+    def upload(self, host: dict, rows: int) -> None:
+        end = self.span(rows)
+        self.buffer[:end].copy_(host["_buffer"][:end], non_blocking=True)
+
+
+class StepResult:
+    """A launched step. `positions[j]` is where row j's sampled token goes in
+    `requests[sample_rows[j]].all_token_ids`; `fetch()` waits for the copy to the host."""
+
+    def __init__(self, requests, sample_rows, positions):
+        self.requests = requests
+        self.sample_rows = sample_rows
+        self.positions = positions
+        self.token_ids: torch.Tensor | None = None
+        self._host: dict[str, torch.Tensor] = {}
+        self._event = None
+
+    def start_copy(self, out: SamplerOutput, mapped: bool = False) -> None:
+        """Starts the copy of the sampled tokens (and logprobs) to the host; with `mapped`, tokens
+        alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine."""
+        tensors = {"token_ids": out.token_ids}
+        if out.logprobs is not None:
+            tensors.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.ranks)
+        if not out.token_ids.is_cuda:     # a copy: the tokens may be a graph's output, which its next replay overwrites
+            self._host = {k: v.clone() for k, v in tensors.items()}
+            return
+        if mapped and len(tensors) == 1:
+            host = torch.empty(out.token_ids.shape, dtype=torch.int64, pin_memory=True)
+            staging.publish(out.token_ids.contiguous(), host)
+            self._host = {"token_ids": host}
+        else:
+            self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                          for k, v in tensors.items()}
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def fetch(self) -> dict[str, list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return {k: v.tolist() for k, v in self._host.items()}
