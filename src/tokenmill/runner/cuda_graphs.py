@@ -1,0 +1,203 @@
+"""The CUDA-graph half of the model runner: which graphs exist, their static inputs, capture, and the
+replay of a step through the smallest graph that holds it.
+
+Two families, each with its own static inputs (one packed buffer, `PackedInputs`), share one memory pool:
+  ("decode", B):    B sequences of one token each, the split-K decode kernel;
+  ("mixed", T, S):  up to T tokens of up to S sequences (prefill chunks, with or without decode rows),
+                    the prefill kernel over a tile map; padding tokens have slot -1 and belong to no
+                    sequence, padding sequences are empty.
+Each graph ends in the greedy argmax of its logits. Where the GPU addresses pinned host memory, a
+graph's inputs go over by the staging kernel (`kernels/staging.py`), not by a copy engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
+from tokenmill.layers.kernels import argmax, staging
+from tokenmill.runner.step import PackedInputs, StepInputs
+
+logger = logging.getLogger("tokenmill")
+
+# TOKENMILL_MAPPED_STAGING=0 keeps a graph's inputs and tokens on the copy engines (for A/B benchmarks)
+MAPPED_STAGING = os.environ.get("TOKENMILL_MAPPED_STAGING", "1") != "0"
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (first of equals): one kernel on CUDA, torch's elsewhere."""
+    return argmax.greedy(logits) if logits.is_cuda else logits.argmax(-1)
+
+
+class CudaGraphs:
+    """Mixed into `ModelRunner`, whose model, KV cache, sizes (`max_num_seqs`, `max_model_len`,
+    `max_blocks_per_seq`), `config`, `device`, `dtype`, `graphs`, `_to_device` and `_warm_eager` it uses."""
+
+    def _graph_keys(self) -> list[tuple]:
+        n = self.max_num_seqs
+        decode = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16)] if b <= n} | {n})
+        keys = [("decode", b) for b in decode]
+        limit = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        if limit > 0:
+            tokens = sorted({t for t in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < limit} | {limit})
+            seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < n} | {min(n, 64)})
+            keys += [("mixed", t, s) for t in tokens for s in seqs if s <= t]
+        return keys
+
+    def _init_static_buffers(self, keys: list[tuple]) -> None:
+        """Static inputs per family, each family's arrays packed into one buffer (`PackedInputs`) in the
+        order a step fills them, the block table last, so a step's inputs go over in one copy."""
+        i64, i32 = torch.int64, torch.int32
+        width = self.max_blocks_per_seq
+        decode = max((k[1] for k in keys if k[0] == "decode"), default=0)
+        mixed = [k for k in keys if k[0] == "mixed"]
+        pin = self.device.type == "cuda"
+        self.static, self.staging = {}, {}
+        specs = {"decode": [("input_ids", i64, (decode,)), ("positions", i64, (decode,)), ("slots", i64, (decode,)),
+                            ("context_lens", i32, (decode,)), ("qsl", i32, (decode + 1,)),
+                            ("block_tables", i32, (decode, width))]}
+        if mixed:
+            tokens, seqs = max(k[1] for k in mixed), max(k[2] for k in mixed)
+            specs["mixed"] = [("input_ids", i64, (tokens,)), ("positions", i64, (tokens,)), ("slots", i64, (tokens,)),
+                              ("sample_idx", i64, (seqs,)), ("context_lens", i32, (seqs,)), ("qsl", i32, (seqs + 1,)),
+                              ("tiles", i32, (2, tokens // PREFILL_BLOCK_M + seqs)),
+                              ("block_tables", i32, (seqs, width))]
+        for family, spec in specs.items():
+            packed = PackedInputs(spec, self.device)
+            packed.views["slots"].fill_(-1)          # capture runs on these: it must write no KV slot
+            self.static[family] = packed
+            if family == "mixed":
+                packed.views["tiles"].copy_(torch.from_numpy(prefill_tiles([], packed.views["tiles"].shape[1])))
+            # two host copies, used in turn: while step N's copy may still be queued, step N+1 fills
+            # the other; a copy is refilled only once the step before last has read it (an event after
+            # each read, by (family, turn): `fetch` does not ensure it for steps that sample nothing)
+            self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
+        self._staging_turn = 0
+        self._staging_read: dict[tuple, torch.cuda.Event] = {}
+        self._mapped = pin and MAPPED_STAGING and staging.mapped_host_ok(self.device.index or 0)
+
+    def _static_forward(self, key: tuple):
+        """The forward pass of one graph key over views of the static buffers -> (hidden, logits,
+        greedy ids of the logits' rows)."""
+        s = self.static[key[0]].views
+        if key[0] == "decode":
+            tokens = seqs = key[1]
+            max_query_len, tiles = 1, None
+        else:
+            _, tokens, seqs = key
+            max_query_len, tiles = tokens, s["tiles"][:, :tokens // PREFILL_BLOCK_M + seqs]
+        meta = AttentionMetadata(slot_mapping=s["slots"][:tokens], query_start_loc=s["qsl"][:seqs + 1],
+                                 context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
+                                 max_query_len=max_query_len, max_context_len=self.max_model_len,
+                                 prefill_tiles=tiles)
+
+        def forward():
+            hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
+            rows = hidden if key[0] == "decode" else hidden[s["sample_idx"][:seqs]]
+            logits = self.model.compute_logits(rows)
+            return hidden, logits, greedy_ids(logits)
+        return forward
+
+    def _capture_graphs(self, emulate: bool = False) -> None:
+        """Captures every graph key, largest first so that the smaller ones reuse the pool. With
+        `emulate` (no CUDA), each "graph" re-runs the forward on the static buffers instead, which
+        lets the padded-batch path be tested on the CPU."""
+        t0 = time.perf_counter()
+        keys = self._graph_keys()
+        self._init_static_buffers(keys)
+        self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        pool = None
+        for key in sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1])):
+            forward = self._static_forward(key)
+            outputs = forward()                       # warms up the kernels (and their compilation)
+            if emulate:
+                self.graphs[key] = _EagerGraph(forward, outputs)
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = forward()
+                pool = graph.pool()
+                self.graphs[key] = graph
+            self.graph_outputs[key] = outputs
+        self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
+        self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
+        self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
+        self._warm_eager()
+        self.graph_seconds = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs (%d decode, %d with prefill up to %d tokens) in %.1f s",
+                    len(keys), len(self._decode_buckets), len(keys) - len(self._decode_buckets),
+                    max(self._token_buckets, default=0), self.graph_seconds)
+
+    def _graph_key(self, inp: StepInputs) -> tuple | None:
+        """The smallest captured graph that holds this batch, or None (run eagerly)."""
+        if not self.graphs:
+            return None
+        seqs, tokens = len(inp.context_lens), len(inp.input_ids)
+        if inp.max_q == 1:
+            bs = next((b for b in self._decode_buckets if b >= seqs), None)
+            return None if bs is None else ("decode", bs)
+        t = next((b for b in self._token_buckets if b >= tokens), None)
+        sb = next((b for b in self._seq_buckets if b >= seqs), None)
+        return None if t is None or sb is None else ("mixed", t, sb)
+
+    def _replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
+        """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
+        graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
+        tokens, seqs = len(inp.input_ids), len(inp.context_lens)
+        t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
+        packed = self.static[key[0]]
+        turn = (key[0], self._staging_turn)
+        self._staging_turn ^= 1
+        if turn in self._staging_read:
+            self._staging_read.pop(turn).synchronize()
+        host = self.staging[key[0]][turn[1]]
+        width = inp.tables.shape[1]
+        # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
+        host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
+        host["positions"][:tokens], host["positions"][tokens:t_pad] = inp.positions, 0
+        host["slots"][:tokens], host["slots"][tokens:t_pad] = inp.slots, -1
+        host["context_lens"][:seqs] = inp.context_lens
+        host["qsl"][:seqs + 1] = inp.qsl
+        if key[0] == "decode":
+            host["context_lens"][seqs:s_pad] = 1
+            host["qsl"][seqs + 1:s_pad + 1] = np.arange(seqs + 1, s_pad + 1)
+        else:
+            host["context_lens"][seqs:s_pad] = 0
+            host["qsl"][seqs + 1:s_pad + 1] = tokens           # empty padding sequences
+            host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
+            rows = len(inp.sample_tokens)
+            host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
+        # a row's columns past `width` keep older block ids, which its context never reaches
+        host["block_tables"][:seqs, :width] = inp.tables
+        if self._mapped:     # the staging kernel also fills the placeholders from the step before
+            staging.stage(packed.buffer, host["_buffer"], packed.span(seqs), packed.offsets["positions"], t_pad,
+                          prev_tokens)
+        else:
+            packed.upload(host, rows=seqs)
+            if prev_tokens is not None:
+                staging.fill_placeholders(packed.views["input_ids"][:tokens], prev_tokens)
+        if packed.buffer.is_cuda:
+            self._staging_read[turn] = torch.cuda.Event()
+            self._staging_read[turn].record()
+        self.graphs[key].replay()
+        hidden, logits, greedy = self.graph_outputs[key]
+        if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
+            rows = self._to_device(inp.sample_rows)
+            return hidden[:tokens], logits[rows], greedy[rows]
+        return hidden[:tokens], logits[:len(inp.sample_rows)], greedy[:len(inp.sample_rows)]
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph where there is none: `replay` re-runs the forward on the same static
+    buffers and writes the results into the outputs of the first run, as a graph replay would."""
+
+    def __init__(self, forward, outputs):
+        self.forward, self.outputs = forward, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.forward()):
+            dst.copy_(src)
