@@ -39,24 +39,9 @@ def _relay(flags_ptr):
     tl.atomic_xchg(flags_ptr + p, 1, sem="release", scope="gpu")
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
-
-
 def main() -> None:
+    from gemv_bench import graph_us    # scripts/device/, the script's own folder
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
