@@ -855,17 +855,11 @@ def test_gpu_fused_linear_stages_change_no_sum():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n,k,tile", [(3584, 2560, ("smem", 4, 512, 4)), (2560, 4096, ("smem", 8, 1024, 8)),
-                                      (1000, 9728, ("smem", 2, 512, 2)), (2570, 2560, ("smem", 8, 256, 4)),
-                                      (6144, 2560, ("tma", 256, 3, 8)), (2560, 9728, ("tma", 128, 4, 8)),
-                                      (1000, 4096, ("tma", 64, 6, 4, 2)), (2570, 2560, ("tma", 32, 3, 8)),
-                                      (40, 512, ("tma", 16, 5, 4))])
+                                      (1000, 9728, ("smem", 2, 512, 2)), (2570, 2560, ("smem", 8, 256, 4))])
 def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
-    """The ("smem", ...) tiles (gemv_smem: whole row blocks copied to shared memory before the wait) and
-    the ("tma", ...) tiles (gemv_tma: TMA boxes, the tiles split evenly over the programs, a row block
-    summed in pieces by several) against the reference, with and without a norm, residual, SiLU-and-mul
-    and bias, including a last row block that is cut short (n = 1000 and 2570 are not multiples of the
-    block rows) and more programs than tiles (n = 40); each case runs twice, so a second launch finds
-    the counters its first left."""
+    """The ("smem", ...) tiles (gemv_smem: whole row blocks copied to shared memory before the wait)
+    against the reference, with and without a norm, residual, SiLU-and-mul and bias, including a last
+    row block that is cut short (n = 1000 and 2570 are not multiples of the block rows)."""
     gemv = _gemv()
     gen = _gen(17)
     bf16 = torch.bfloat16
@@ -875,35 +869,23 @@ def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
     cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-6), dict(norm_weight=norm, eps=1e-6, residual=res),
              dict(norm_weight=norm, eps=1e-6, residual=res, silu=True)]
     for kwargs in cases:
+        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
         ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
-        first = None
-        for _ in range(2):
-            got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
-            torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-            if "residual" in kwargs:
-                torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
-            assert first is None or torch.equal(got, first)      # pieces summed in one order
-            first = got
-    from tokenmill.layers.kernels import counters
-    assert all(int(c.abs().sum()) == 0 for bufs in counters._kept.values() for c in bufs)
-    too_big = ("smem", 64, 512, 4) if tile[0] == "smem" else ("tma", 256, 8, 8)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+        if "residual" in kwargs:
+            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
     with pytest.raises(ValueError, match="shared memory"):
-        gemv.fused_linear(x, w, config=too_big, silu=True)
+        gemv.fused_linear(x, w, config=("smem", 64, 512, 4), silu=True)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tiles", ["table", "tma"])
-def test_gpu_fused_linear_chain_in_a_cuda_graph(tiles, monkeypatch):
+def test_gpu_fused_linear_chain_in_a_cuda_graph():
     """A decoder layer's four single-token products at qwen3-4b sizes, chained as in a decode step and
     replayed from a CUDA graph (programmatic dependent launch on Hopper): each matches the reference
     computed from the previous product's graph output, so a kernel that read its input before the
-    previous one finished would fail here. With the tiles of the table, and all four as TMA tiles."""
+    previous one finished would fail here."""
     gemv = _gemv()
-    if tiles == "tma":
-        for key, tile in [((6144, 2560, False), ("tma", 256, 3, 8)), ((2560, 4096, False), ("tma", 128, 3, 8)),
-                          ((19456, 2560, True), ("tma", 128, 3, 8)), ((2560, 9728, False), ("tma", 128, 3, 8))]:
-            monkeypatch.setitem(gemv.CONFIGS, key, tile)
     gen = _gen(15)
     bf16 = torch.bfloat16
     hidden, inter, qkv_n = 2560, 9728, 6144

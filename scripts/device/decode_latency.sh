@@ -11,8 +11,8 @@
 #          each run also times the batch-1 graph under each variant of the product tiles, in turns;
 #          with TIMELINE=1 also profile_decode.py --timeline (timeline_report.txt in each run's folder)
 #   smem   scripts/device/gemv_smem.py: each product with shared-memory tiles (gemv_smem: whole row
-#          blocks copied before the wait) or TMA tiles (gemv_tma) against its current tile, for
-#          SMEM_MODELS (default qwen3-4b) and SMEM_TILES (default the script's list)
+#          blocks copied before the wait) against its current tile, for SMEM_MODELS (default
+#          qwen3-4b) and SMEM_TILES (default the script's list)
 #   timeline  profile_decode.py --timeline at batch 1: device events of a graph replay and of engine
 #          steps ($OUT/timeline/timeline_<model>.json; scripts/device/timeline_report.py reads them)
 #   head   scripts/device/head_bench.py: final norm + vocabulary head + greedy argmax, engine path

@@ -1,7 +1,6 @@
 """Single-token products with shared-memory tiles (`tokenmill.layers.kernels.gemv_smem`: each program
-copies its whole row block to shared memory before its programmatic-dependent-launch wait) and with TMA
-tiles (`gemv_tma`: TMA boxes, the tiles split evenly over one program per SM) against
-the tiles the products use now, on the GPU machine.
+copies its whole row block to shared memory before its programmatic-dependent-launch wait) against the
+tiles the products use now, on the GPU machine.
 
 For each product of a layer (qkv with its norm and residual, o, gate_up with its norm and SiLU-and-mul,
 down), one CUDA graph launches it once per layer over the layer's own weight copy, as gemv_bench.py
@@ -10,7 +9,7 @@ per product and TB/s for the current tile and each shared-memory tile that fits,
 $OUT/gemv_smem.json. Where the products meet attention, the batch-1 decode graph itself is the
 measure: profile_decode.py --gemv-variants (decode_latency.sh GEMV_VARIANTS).
 
-Usage: python scripts/device/gemv_smem.py [--models qwen3-4b] [--tiles 2x512x2,4x512x4,tma:16x8x4,...]
+Usage: python scripts/device/gemv_smem.py [--models qwen3-4b] [--tiles 2x512x2,4x512x4,...]
 """
 from __future__ import annotations
 
@@ -23,21 +22,15 @@ import torch
 
 def main() -> None:
     from gemv_bench import graph_us, products    # scripts/device/, the script's own folder
-    from tokenmill.layers.kernels import gemv, gemv_smem, gemv_tma
+    from tokenmill.layers.kernels import gemv, gemv_smem
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--models", default="qwen3-4b")
     ap.add_argument("--tiles", default="2x512x2,4x512x4,8x512x8,8x1024x8,2x256x2,4x256x4",
-                    help="shared-memory tiles, block_n x block_k x warps, or tma:block_n x stages x warps"
-                         "[x programs per SM]")
+                    help="shared-memory tiles, block_n x block_k x warps")
     args = ap.parse_args()
-    tiles = [("tma", *(int(v) for v in t[4:].split("x"))) if t.startswith("tma:")
-             else ("smem", *(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
-
-    def fits(n, k, silu, tile):
-        kind = gemv_tma if tile[0] == "tma" else gemv_smem
-        return kind.check_tile(n, k, silu, bf16, tile) is None
+    tiles = [("smem", *(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
     bf16 = torch.bfloat16
     rows = []
     for model in args.models.split(","):
@@ -52,7 +45,7 @@ def main() -> None:
                           residual=torch.randn(1, k, device="cuda", dtype=bf16, generator=gen))
             ref = gemv.fused_linear_torch(x, ws[0], **kw)[0].float()
             current = gemv.CONFIGS.get((n, k, silu), gemv.DEFAULT_CONFIG)
-            for tile in [current] + [t for t in tiles if fits(n, k, silu, t)]:
+            for tile in [current] + [t for t in tiles if gemv_smem.check_tile(n, k, silu, bf16, t) is None]:
                 err = (gemv.fused_linear(x, ws[0], config=tile, **kw)[0].float() - ref).abs().max().item()
                 us = graph_us(lambda: [gemv.fused_linear(x, w, config=tile, **kw) for w in ws]) / layers
                 row = dict(model=model, product=name, n=n, k=k, tile=list(tile), current=tile == current,

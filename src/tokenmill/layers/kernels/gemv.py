@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.activation import silu_and_mul_torch
-from tokenmill.layers.kernels import gemv_smem, gemv_tma, pdl
+from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
@@ -33,8 +33,7 @@ MAX_ROWS = 1
 # profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
 # sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
 # Stages (default 1): chunks in flight per program through shared memory. ("smem", block_n, block_k,
-# num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait. ("tma", block_n,
-# stages, num_warps[, programs per SM]): `gemv_tma`, TMA boxes through a ring of stages, the tiles split evenly over one program per SM
+# num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
@@ -211,18 +210,13 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         res_out = torch.empty_like(x) if residual is not None else x
     tile = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
     pdl_mode = pdl.mode(x.device)
-    if tile[0] in ("smem", "tma"):
-        kind = gemv_smem if tile[0] == "smem" else gemv_tma
-        why = (gemv_smem.check_tile(n, k, silu, x.dtype, tile) if kind is gemv_smem
-               else gemv_tma.check_tile(n, k, silu, x.dtype, tile, weight))
+    if tile[0] == "smem":
+        why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
-                args = (x[m], weight, bias, norm_weight, eps, residual[m] if residual is not None else None,
-                        silu, out[m], res_out[m] if residual is not None else None, tile, pdl_mode)
-                if kind is gemv_smem:
-                    gemv_smem.smem_linear(*args)
-                else:
-                    gemv_tma.tma_linear(*args, _num_sms(x.device))
+                gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
+                                      residual[m] if residual is not None else None, silu, out[m],
+                                      res_out[m] if residual is not None else None, tile, pdl_mode)
             return out, res_out
         if config is not None:
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
