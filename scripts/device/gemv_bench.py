@@ -53,6 +53,21 @@ def graph_us(fn, reps: int = 20) -> float:
     return sorted(times)[reps // 2]
 
 
+def print_table(headers: list[str], lines) -> None:
+    """A markdown table: `headers`, then one row of cells (strings) for each item of `lines`."""
+    print("\n| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for cells in lines:
+        print("| " + " | ".join(cells) + " |")
+
+
+def write_rows(out: str, name: str, rows: list[dict], headers: list[str], cells) -> None:
+    """`rows` to OUT/<name>.json, then printed as a markdown table of `cells(row)` under `headers`."""
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print_table(headers, (cells(r) for r in rows))
+
+
 def products(model: str):
     hidden, q, kv, inter, layers = SHAPES[model]
     # name, (N, K), norm+residual before, silu after
@@ -159,15 +174,12 @@ def main() -> None:
             json.dump(configs, f)
     with open(os.path.join(args.out, "gemv_bench.json"), "w") as f:
         json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.mode(dev)}, f, indent=1)
-    print("\n| model | product | N x K | MB | cuBLAS us (TB/s) | GEMV us (TB/s) | GEMV config |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['product']} | {r['N']} x {r['K']} | {r['MB']} | {r['cublas_us']} "
-              f"({r['cublas_TBs']}) | {r['gemv_us']} ({r['gemv_TBs']}) | {tuple(r['config'])} |")
-    print("\n| model | path | all layers' products, ms | TB/s |")
-    print("|---|---|---|---|")
-    for r in layer_rows:
-        print(f"| {r['model']} | {r['path']} | {r['ms']} | {r['TBs']} |")
+    print_table(["model", "product", "N x K", "MB", "cuBLAS us (TB/s)", "GEMV us (TB/s)", "GEMV config"],
+                ([r["model"], r["product"], f"{r['N']} x {r['K']}", str(r["MB"]),
+                  f"{r['cublas_us']} ({r['cublas_TBs']})", f"{r['gemv_us']} ({r['gemv_TBs']})",
+                  str(tuple(r["config"]))] for r in rows))
+    print_table(["model", "path", "all layers' products, ms", "TB/s"],
+                ([r["model"], r["path"], str(r["ms"]), str(r["TBs"])] for r in layer_rows))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 
 def main() -> None:
-    from gemv_bench import graph_us, products    # scripts/device/, the script's own folder
+    from gemv_bench import graph_us, products, write_rows    # scripts/device/, the script's own folder
     from tokenmill.layers.kernels import gemv, gemv_smem
 
     ap = argparse.ArgumentParser()
@@ -54,14 +54,10 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             del ws
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "gemv_smem.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\n| model | product (N x K) | tile | us | TB/s | max abs err vs torch |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        tile = ", ".join(str(v) for v in r["tile"]) + (" (current)" if r["current"] else "")
-        print(f"| {r['model']} | {r['product']} {r['n']} x {r['k']} | {tile} | {r['us']:.2f} | {r['tb_s']:.2f} "
-              f"| {r['max_abs_err']:.3g} |")
+    write_rows(args.out, "gemv_smem", rows, ["model", "product (N x K)", "tile", "us", "TB/s", "max abs err vs torch"],
+               lambda r: [r["model"], f"{r['product']} {r['n']} x {r['k']}",
+                          ", ".join(str(v) for v in r["tile"]) + (" (current)" if r["current"] else ""),
+                          f"{r['us']:.2f}", f"{r['tb_s']:.2f}", f"{r['max_abs_err']:.3g}"])
     print("\n(one launch per layer, each over its own weight copy, in one CUDA graph; us per launch)")
 
 

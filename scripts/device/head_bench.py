@@ -25,7 +25,8 @@ VOCAB = {"qwen3-4b": (151936, 2560, 9728), "nanbeige4.1-3b": (166144, 2560, 1049
 
 
 def main() -> None:
-    from profile_decode import replay_ms     # scripts/device/, the script's own folder
+    from gemv_bench import write_rows        # scripts/device/, the script's own folder
+    from profile_decode import replay_ms
     from tokenmill.layers.kernels import fused_ops, gemv
 
     ap = argparse.ArgumentParser()
@@ -91,12 +92,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del head, graphs
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "head_bench.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\n| model | variant (down, then norm + head + argmax) | us | vs cublas | token ok |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['variant']} | {r['us']:.1f} | {r['diff_us']:+.1f} | {r['token_ok']} |")
+    write_rows(args.out, "head_bench", rows,
+               ["model", "variant (down, then norm + head + argmax)", "us", "vs cublas", "token ok"],
+               lambda r: [r["model"], r["variant"], f"{r['us']:.1f}", f"{r['diff_us']:+.1f}", str(r["token_ok"])])
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _relay(flags_ptr):
 
 
 def main() -> None:
-    from gemv_bench import graph_us    # scripts/device/, the script's own folder
+    from gemv_bench import graph_us, write_rows    # scripts/device/, the script's own folder
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=400)
@@ -67,12 +67,8 @@ def main() -> None:
                      us=(graph_us(relay) - base) / (sms - 1)))
     for r in rows:
         print(json.dumps(r))
-    with open(os.path.join(args.out, "pdl_boundary.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\n| what | programs | PDL mode | us each |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['what']} | {r['programs']} | {r['pdl']} | {r['us']:.2f} |")
+    write_rows(args.out, "pdl_boundary", rows, ["what", "programs", "PDL mode", "us each"],
+               lambda r: [r["what"], str(r["programs"]), str(r["pdl"]), f"{r['us']:.2f}"])
 
 
 if __name__ == "__main__":
