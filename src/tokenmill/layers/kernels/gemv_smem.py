@@ -31,10 +31,8 @@ SMEM_BYTES = 227 * 1024   # shared memory one program may hold on sm90
 
 
 def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple) -> str | None:
-    """Why `tile` = ("smem", BLOCK_N, BLOCK_K, warps[, runs]) cannot run this product, or None if it can."""
-    if len(tile) not in (4, 5) or (len(tile) == 5 and tile[4] not in (0, 1)):
-        return f"tile {tile} is not (\"smem\", BLOCK_N, BLOCK_K, warps[, runs 0 or 1])"
-    _, block_n, block_k, num_warps = tile[:4]
+    """Why `tile` = ("smem", BLOCK_N, BLOCK_K, warps) cannot run this product, or None if it can."""
+    _, block_n, block_k, num_warps = tile
     if not AVAILABLE:
         return "this Triton has no Gluon"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -78,8 +76,7 @@ if AVAILABLE:
     def _smem_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                           K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          SILU: gl.constexpr, RUNS: gl.constexpr, PDL: gl.constexpr,
-                          NUM_WARPS: gl.constexpr):
+                          SILU: gl.constexpr, PDL: gl.constexpr, NUM_WARPS: gl.constexpr):
         # One program: output rows pid * BLOCK_N ..., its weight rows in shared memory as K // BLOCK_K
         # chunks. A warp per row, 16-byte copies, 256 columns a pass, so no element is copied twice.
         NUM_CHUNKS: gl.constexpr = K // BLOCK_K
@@ -117,39 +114,19 @@ if AVAILABLE:
 
         async_copy.wait_group(0)
         gl.thread_barrier()
-        if RUNS:
-            # each thread sums its own runs of 8 columns: an accumulator of BLOCK_N x BLOCK_K / 8
-            run_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1],
-                                                        warps_per_cta=[NUM_WARPS, 1, 1], order=[2, 1, 0])
-            run_x: gl.constexpr = gl.SliceLayout(0, run_layout)
-            xr = (gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(1, run_x))[:, None] * 8
-                  + gl.arange(0, 8, layout=gl.SliceLayout(0, run_x))[None, :])
-            racc = gl.zeros([BLOCK_N, BLOCK_K // 8], gl.float32, gl.SliceLayout(2, run_layout))
-            racc_u = racc
-            for i in gl.static_range(NUM_CHUNKS):
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, i * BLOCK_K + xr, NORM, RESIDUAL)[None, :, :]
-                w3 = w_s.index(i).reshape([BLOCK_N, BLOCK_K // 8, 8]).load(run_layout).to(gl.float32)
-                racc += gl.sum(w3 * xk, 2)
-                if SILU:
-                    u3 = u_s.index(i).reshape([BLOCK_N, BLOCK_K // 8, 8]).load(run_layout).to(gl.float32)
-                    racc_u += gl.sum(u3 * xk, 2)
-            y = gl.convert_layout(gl.sum(racc, 1), gl.SliceLayout(1, layout))
-            y_u = gl.convert_layout(gl.sum(racc_u, 1), gl.SliceLayout(1, layout))
-        else:
-            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
-            acc_u = acc
-            for i in gl.static_range(NUM_CHUNKS):
-                xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, i * BLOCK_K + c, NORM, RESIDUAL)[None, :]
-                acc += w_s.index(i).load(layout).to(gl.float32) * xk
-                if SILU:
-                    acc_u += u_s.index(i).load(layout).to(gl.float32) * xk
-            y = gl.sum(acc, 1)
-            y_u = gl.sum(acc_u, 1)
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+        acc_u = acc
+        for i in gl.static_range(NUM_CHUNKS):
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, i * BLOCK_K + c, NORM, RESIDUAL)[None, :]
+            acc += w_s.index(i).load(layout).to(gl.float32) * xk
+            if SILU:
+                acc_u += u_s.index(i).load(layout).to(gl.float32) * xk
+        y = gl.sum(acc, 1)
         if HAS_BIAS:
             y += gl.load(b_ptr + rows).to(gl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(gl.float32)
-            up = y_u.to(out_ptr.dtype.element_ty).to(gl.float32)
+            up = gl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(gl.float32)
             act = (g / (1.0 + gl.exp(-g))).to(out_ptr.dtype.element_ty).to(gl.float32)
             y = act * up
         gl.store(out_ptr + out_rows, y.to(out_ptr.dtype.element_ty), mask=out_rows < n_out)
@@ -159,8 +136,7 @@ def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: f
                 out: torch.Tensor, res_out: torch.Tensor | None, tile: tuple, pdl_mode: int) -> None:
     """One row of `gemv.fused_linear` (x [K], out [N or N / 2]) with `tile`, which `check_tile` passed;
     gemv.fused_linear checks the arguments and allocates the outputs."""
-    _, block_n, block_k, num_warps = tile[:4]
-    runs = bool(tile[4]) if len(tile) > 4 else False
+    _, block_n, block_k, num_warps = tile
     n, k = weight.shape
     n_out = n // 2 if silu else n
     _smem_gemv_kernel[(triton.cdiv(n_out, block_n),)](
@@ -168,5 +144,5 @@ def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: f
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
         eps, n_out, weight.stride(0),
         K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, SILU=silu, RUNS=runs, PDL=pdl_mode, NUM_WARPS=num_warps,
+        HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode, NUM_WARPS=num_warps,
         num_warps=num_warps, launch_pdl=pdl_mode > 0)
