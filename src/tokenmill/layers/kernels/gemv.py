@@ -83,22 +83,19 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 @triton.jit
 def _products(w, xk, ROW_SUMS: tl.constexpr):
-    # one weight chunk times the input chunk in float32: per element (0); summed per row at once (1: one
-    # float per row instead of a chunk-sized accumulator, but a reduction across threads every chunk); or
-    # summed over each run of 8 columns (2: the 16 bytes one thread loads, so the sum stays within the
-    # thread and the accumulator is an eighth of the chunk)
+    # one weight chunk times the input chunk in float32: per element, or with ROW_SUMS summed per row
+    # at once (one float per row instead of a chunk-sized accumulator: fewer registers, more programs
+    # per SM)
     p = w.to(tl.float32) * xk
-    if ROW_SUMS == 1:
+    if ROW_SUMS:
         p = tl.sum(p, 1)
-    if ROW_SUMS == 2:
-        p = tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // 8, 8]), 2)
     return p
 
 
 @triton.jit
 def _row_totals(acc, ROW_SUMS: tl.constexpr):
     # an accumulator of `_products` -> one float per row
-    if ROW_SUMS != 1:
+    if not ROW_SUMS:
         acc = tl.sum(acc, 1)
     return acc
 
