@@ -236,3 +236,137 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             ROW_SUMS=bool(row_sums), STAGES=stages, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
+
+
+# A down_proj and the next layer's qkv product in one launch (`fused_pair`), by weight shapes
+# (N_a, K_a, N_b, K_b): (block_n_a, block_k_a, row_sums_a, block_n_b, block_k_b, row_sums_b, num_warps,
+# programs per SM[, register cap]). Empty: every product is its own kernel.
+PAIRS: dict[tuple[int, int, int, int], tuple] = {}
+_PAIR_COUNTER = 2048    # the two counters the pair kernel uses, in `counters.zeroed`
+
+
+def pair_config(weight_a: torch.Tensor, weight_b: torch.Tensor) -> tuple | None:
+    return PAIRS.get((*weight_a.shape, *weight_b.shape)) if ENABLED else None
+
+
+@triton.jit
+def _product_units(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, w_first, rstd, pid, num_programs, n_out,
+                   w_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr):
+    # `_gemv_kernel`'s unit loop without SiLU: row blocks pid, pid + num_programs, ... of the output
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    num_units = tl.cdiv(n_out, BLOCK_N)
+    for unit in range(pid, num_units, num_programs):
+        rows = unit * BLOCK_N + r
+        row_mask = rows < n_out
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+        if unit == pid:
+            w = w_first
+        else:
+            w = tl.load(w_rows + c[None, :], mask=row_mask[:, None] & (c < K)[None, :], other=0.0)
+        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
+        acc = _products(w, xk, ROW_SUMS)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
+            acc += _products(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
+        y = _row_totals(acc, ROW_SUMS)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _first_tile(w_ptr, pid, n_out, w_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :],
+                   mask=(rows < n_out)[:, None] & (c < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_pair_kernel(xa_ptr, wa_ptr, ya_ptr, na, wa_stride,
+                      res_ptr, nw_ptr, wb_ptr, bb_ptr, yb_ptr, res_out_ptr, eps, nb, wb_stride, counter_ptr,
+                      KA: tl.constexpr, BNA: tl.constexpr, BKA: tl.constexpr, RSA: tl.constexpr,
+                      KB: tl.constexpr, BNB: tl.constexpr, BKB: tl.constexpr, RSB: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    # Every program is resident at once (the grid is sized for it), so a barrier inside the kernel
+    # cannot wait on a program that has not started.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    wa_first = _first_tile(wa_ptr, pid, na, wa_stride, KA, BNA, BKA)
+    pdl.enter(PDL)
+    _product_units(xa_ptr, xa_ptr, xa_ptr, wa_ptr, wa_ptr, ya_ptr, wa_first, 1.0, pid, num_programs, na,
+                   wa_stride, KA, BNA, BKA, False, False, False, RSA)
+    wb_first = _first_tile(wb_ptr, pid, nb, wb_stride, KB, BNB, BKB)
+    # barrier: every program's rows of ya stored (bar.sync, then one release), then wait for all
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    arrived = tl.load(counter_ptr, volatile=True)
+    while arrived < num_programs:
+        arrived = tl.load(counter_ptr, volatile=True)
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    # the last program past the barrier leaves both counters zeroed for the next launch
+    if tl.atomic_add(counter_ptr + 1, 1, sem="relaxed", scope="gpu") == num_programs - 1:
+        tl.store(counter_ptr, 0)
+        tl.store(counter_ptr + 1, 0)
+
+    c = tl.arange(0, BKB)
+    sq = tl.zeros([BKB], tl.float32)
+    for k0 in range(0, KB, BKB):
+        kk = k0 + c
+        h = tl.load(ya_ptr + kk, mask=kk < KB, other=0.0, cache_modifier=".cg")
+        h = (h.to(tl.float32) + tl.load(res_ptr + kk, mask=kk < KB, other=0.0).to(tl.float32)).to(h.dtype)
+        if pid == 0:
+            tl.store(res_out_ptr + kk, h, mask=kk < KB)
+        h = h.to(tl.float32)
+        sq += h * h
+    rstd = tl.rsqrt(tl.sum(sq, 0) / KB + eps)
+    _product_units(ya_ptr, res_ptr, nw_ptr, wb_ptr, bb_ptr, yb_ptr, wb_first, rstd, pid, num_programs, nb,
+                   wb_stride, KB, BNB, BKB, True, True, HAS_BIAS, RSB)
+
+
+_pair_grids: dict = {}
+
+
+def zeroed_counters(device: torch.device) -> torch.Tensor:
+    from tokenmill.layers.kernels.counters import zeroed
+    return zeroed(device, _PAIR_COUNTER + 2)
+
+
+def fused_pair(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, bias_b: torch.Tensor | None,
+               norm_weight: torch.Tensor, eps: float, residual: torch.Tensor, config: tuple):
+    """fused_linear(x, weight_a) then fused_linear(that, weight_b, bias_b, norm_weight, eps, residual) in one
+    kernel, for one row (x [1, K_a]); returns (y_b, that + residual)."""
+    bna, bka, rsa, bnb, bkb, rsb, num_warps, per_sm, *maxnreg = config
+    opts = dict(num_warps=num_warps, **({"maxnreg": maxnreg[0]} if maxnreg else {}))
+    na, ka = weight_a.shape
+    nb, kb = weight_b.shape
+    if x.shape != (1, ka) or residual.shape != (1, na) or kb != na:
+        raise ValueError(f"fused_pair: x {tuple(x.shape)}, weights {tuple(weight_a.shape)} and "
+                         f"{tuple(weight_b.shape)}, residual {tuple(residual.shape)} do not chain")
+    ya = torch.empty((1, na), dtype=x.dtype, device=x.device)
+    yb = torch.empty((1, nb), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(residual)
+    counters = zeroed_counters(x.device)[_PAIR_COUNTER:]
+    pdl_mode = pdl.mode(x.device)
+    key = (config, na, ka, nb, kb, bias_b is not None, x.dtype)
+    args = (x, weight_a, ya, na, weight_a.stride(0), residual, norm_weight, weight_b,
+            bias_b if bias_b is not None else weight_b, yb, res_out, eps, nb, weight_b.stride(0), counters)
+    consts = dict(KA=ka, BNA=bna, BKA=min(bka, triton.next_power_of_2(ka)), RSA=bool(rsa), KB=kb, BNB=bnb,
+                  BKB=min(bkb, triton.next_power_of_2(kb)), RSB=bool(rsb), HAS_BIAS=bias_b is not None,
+                  PDL=pdl_mode)
+    if key not in _pair_grids:
+        compiled = _gemv_pair_kernel.warmup(*args, **consts, **opts, grid=(1,))
+        compiled._init_handles()
+        regs = -(-compiled.n_regs // 8) * 8
+        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps,
+                       (227 * 1024) // max(compiled.metadata.shared, 1))
+        if per_sm > resident:
+            raise ValueError(f"fused_pair: {per_sm} programs per SM asked, {resident} fit "
+                             f"({compiled.n_regs} registers, {num_warps} warps)")
+        _pair_grids[key] = (per_sm * _num_sms(x.device),)
+    _gemv_pair_kernel[_pair_grids[key]](*args, **consts, **opts, launch_pdl=pdl_mode > 0)
+    return yb, res_out
