@@ -920,49 +920,6 @@ def test_gpu_fused_linear_chain_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config", [(2, 1024, 1, 2, 1024, 1, 4, 9), (2, 1024, 1, 2, 1024, 1, 4, 10, 48),
-                                    (4, 1024, 1, 4, 1024, 0, 4, 4)])
-def test_gpu_fused_pair_down_then_qkv(config):
-    """down_proj and the next layer's qkv in one kernel (an in-kernel barrier between them): equal to the
-    two products from their references, with a bias, replayed from a CUDA graph three times with new
-    inputs (so the barrier's counters come back to zero each launch), two pairs back to back."""
-    gemv = _gemv()
-    gen = _gen(19)
-    bf16 = torch.bfloat16
-    hidden, inter, qkv_n = 2560, 9728, 6144
-    w_down = [_randn(hidden, inter, dtype=bf16, gen=gen) / 99 for _ in range(2)]
-    w_qkv = [_randn(qkv_n, hidden, dtype=bf16, gen=gen) / 50 for _ in range(2)]
-    bias, norm = _randn(qkv_n, dtype=bf16, gen=gen), 1 + _randn(hidden, dtype=bf16, gen=gen) / 10
-    h, res = _randn(1, inter, dtype=bf16, gen=gen), _randn(1, hidden, dtype=bf16, gen=gen)
-
-    def chain():
-        qkv1, r1 = gemv.fused_pair(h, w_down[0], w_qkv[0], bias, norm, 1e-6, res, config)
-        qkv2, r2 = gemv.fused_pair(qkv1[:, :inter].contiguous(), w_down[1], w_qkv[1], None, norm, 1e-6, r1, config)
-        return qkv1, r1, qkv2, r2
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for _ in range(3):
-        h.copy_(_randn(1, inter, dtype=bf16, gen=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        qkv1, r1, qkv2, r2 = outs
-        down1 = gemv.fused_linear_torch(h, w_down[0])[0]
-        ref1, ref_r1 = gemv.fused_linear_torch(down1, w_qkv[0], bias, norm_weight=norm, eps=1e-6, residual=res)
-        torch.testing.assert_close(r1, ref_r1, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(qkv1, ref1, rtol=2e-2, atol=5e-2)
-        down2 = gemv.fused_linear_torch(qkv1[:, :inter], w_down[1])[0]
-        ref2, ref_r2 = gemv.fused_linear_torch(down2, w_qkv[1], norm_weight=norm, eps=1e-6, residual=r1)
-        torch.testing.assert_close(r2, ref_r2, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(qkv2, ref2, rtol=2e-2, atol=5e-2)
-        counters = gemv.zeroed_counters(h.device)
-        assert counters[gemv._PAIR_COUNTER:gemv._PAIR_COUNTER + 2].tolist() == [0, 0]
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (20, 4)])
 @pytest.mark.parametrize("batch", [1, 33])
 def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):

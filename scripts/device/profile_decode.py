@@ -102,11 +102,9 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
-    "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`, its
-    "pairs" ([[N_a, K_a, N_b, K_b, tile], ...]) `gemv.PAIRS`."""
+    "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
     saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
-    saved_pairs = dict(gemv.PAIRS)
     graphs = {}
     for v in variants:
         configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
@@ -117,7 +115,6 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             continue
         pdl.ATTENTION_MODE = v.get("pdl_attention", saved_mode)
         gemv.CONFIGS = {**saved, **configs}
-        gemv.PAIRS = {tuple(p[:4]): tuple(p[4]) for p in v.get("pairs", [])} or saved_pairs
         decode_attention.CONFIG = {**saved_attention, **v.get("attention", {})}
         forward = runner._static_forward(("decode", 1))
         try:
@@ -130,7 +127,6 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             forward()
         graphs[v["name"]] = graph
     gemv.CONFIGS, pdl.ATTENTION_MODE, decode_attention.CONFIG = saved, saved_mode, saved_attention
-    gemv.PAIRS = saved_pairs
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():

@@ -120,29 +120,18 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta,
-                              qkv=None, next_layer=None, pair=None):
+    def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta):
         """The same layer for one token in four weight-reading kernels, each norm folded into the
-        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`). With `qkv` given (from
-        the layer before, `gemv.fused_pair`) the layer starts at attention; with `next_layer` its
-        down_proj and the next layer's qkv run as one pair kernel (`pair`), which returns (qkv, residual)."""
+        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`)."""
         attn, mlp = self.self_attn, self.mlp
-        if qkv is None:
-            qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                         norm_weight=self.input_layernorm.weight,
-                                         eps=self.input_layernorm.eps, residual=residual)
+        qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                     norm_weight=self.input_layernorm.weight,
+                                     eps=self.input_layernorm.eps, residual=residual)
         hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
         hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,
                                         silu=True)
-        if next_layer is not None:
-            from tokenmill.layers.kernels import gemv
-            nxt = next_layer.self_attn.qkv_proj
-            norm = next_layer.input_layernorm
-            qkv, residual = gemv.fused_pair(hidden, mlp.down_proj.weight, nxt.weight, nxt.bias, norm.weight,
-                                            norm.eps, residual, pair)
-            return qkv, residual
         hidden, _ = fused_linear(hidden, mlp.down_proj.weight)
         return hidden, residual
 
@@ -159,20 +148,8 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         fused_linear = single_token_linear(hidden)
         decode_attention = decode_attention_kernel(hidden, meta)
-        pair = None
-        if fused_linear is not None and len(self.layers) > 1:
-            from tokenmill.layers.kernels import gemv
-            pair = gemv.pair_config(self.layers[0].mlp.down_proj.weight, self.layers[1].self_attn.qkv_proj.weight)
-        if pair is not None and hidden.shape[0] == 1:
-            qkv = None
-            for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                out, residual = layer._forward_single_token(fused_linear, decode_attention, positions, hidden,
-                                                            residual, meta, qkv, nxt, pair)
-                qkv, hidden = (out, None) if nxt is not None else (None, out)
-        else:
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
