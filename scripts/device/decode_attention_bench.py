@@ -4,11 +4,12 @@ Per variant, one CUDA graph of 36 layers, each: the qkv product (single-token GE
 o_proj product, at real model shapes and one sequence per row, every layer with its own weights and KV
 cache. Variants: `unfused` (the prologue kernel, split-K decode attention, its merge kernel) and the
 one-kernel attention (`decode_attention.fused_decode_attention`) with several settings, each written
-MIN[wWARPS]: `min_split_len` MIN, `num_warps` WARPS (default the kernel's). Prints microseconds per
+MIN[wWARPS][sSTAGES][bBLOCK_N]: `min_split_len` MIN, `num_warps` WARPS, `num_stages` STAGES, `block_n`
+BLOCK_N (defaults the kernel's). Prints microseconds per
 layer and writes them to $OUT/decode_attention_bench.json.
 
 Usage: python scripts/device/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
-       [--min-split-lens 64,128,64w8]
+       [--min-split-lens 64,128,64w8,64s1,32s1b32]
 """
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ def build(model: str, batch: int, ctx: int):
 
 
 def attention_config(variant: str) -> dict:
-    """"64w8" -> {"min_split_len": 64, "num_warps": 8}."""
-    m = re.fullmatch(r"(\d+)(?:w(\d+))?", variant)
+    """"64w8s1b32" -> {"min_split_len": 64, "num_warps": 8, "num_stages": 1, "block_n": 32}; each of w, s
+    and b optional, in that order."""
+    m = re.fullmatch(r"(\d+)(?:w(\d+))?(?:s(\d+))?(?:b(\d+))?", variant)
     if m is None:
-        raise ValueError(f"attention variant {variant!r} is not MIN[wWARPS]")
+        raise ValueError(f"attention variant {variant!r} is not MIN[wWARPS][sSTAGES][bBLOCK_N]")
     cfg = {"min_split_len": int(m.group(1))}
-    if m.group(2):
-        cfg["num_warps"] = int(m.group(2))
+    for key, value in zip(("num_warps", "num_stages", "block_n"), m.groups()[1:]):
+        if value:
+            cfg[key] = int(value)
     return cfg
 
 
