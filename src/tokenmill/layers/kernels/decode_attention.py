@@ -45,7 +45,11 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
 # of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge.
 # 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
-CONFIG = {**DECODE_CONFIG, "min_split_len": 64}
+# With at least `many_splits` splits (batches of one or two sequences) a split is one tile, or two past a
+# few thousand positions, and software pipelining its loop (num_stages 2) only costs: `many_splits_stages`
+# 1 took 34 us off a qwen3-4b batch-1 step; with fewer splits programs walk many tiles and 2 stages win
+# (docs/BENCHMARKS.md).
+CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": 16, "many_splits_stages": 1}
 
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
@@ -284,5 +288,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
         PDL=pdl_mode,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
+        num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
+        num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out
