@@ -2,7 +2,7 @@
 # Batch-1 decode latency of this tree under two environment settings on one machine, in alternating
 # turns (A, B, A, B...): profile_decode.py at batch 1 (32 prompt tokens, 128 generated), the engine's ms
 # per step and the decode graph's replay. From the repository root on the GPU machine:
-#   ENV_A="TOKENMILL_SMEM_CARVEOUT=-1" ENV_B="TOKENMILL_SMEM_CARVEOUT=100" [TURNS=2] [MODELS=qwen3-4b] \
+#   ENV_A="TOKENMILL_PDL=1" ENV_B="TOKENMILL_PDL=2" [TURNS=2] [MODELS=qwen3-4b] \
 #     bash scripts/device/env_ab.sh
 # Prints one table row per run; each run's profile and log under $OUT/env_ab.
 set -uo pipefail

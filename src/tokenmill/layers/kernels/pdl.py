@@ -29,24 +29,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MODE = int(os.environ.get("TOKENMILL_PDL", "2"))
 ATTENTION_MODE = int(os.environ.get("TOKENMILL_PDL_ATTENTION", "0")) or None
-# Shared-memory carve-out (percent of the most an SM offers, -1: the driver's choice) for every Triton
-# kernel as it loads. An SM splits its on-chip memory between L1 and shared memory per kernel, and
-# programs of kernels with different splits cannot share an SM, so a product after one with another
-# split waits for the SM to drain instead of starting beside it. One split for all keeps them overlapping.
-CARVEOUT = int(os.environ.get("TOKENMILL_SMEM_CARVEOUT", "-1"))
-_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-
-
-def _set_carveout(module, function, name, metadata_group, hash) -> None:
-    import ctypes
-    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
-        ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(CARVEOUT))
-    if err:
-        raise RuntimeError(f"cuFuncSetAttribute(carve-out {CARVEOUT}) failed for {name}: CUresult {err}")
-
-
-if CARVEOUT >= 0:
-    triton.knobs.runtime.kernel_load_end_hook.add(_set_carveout)
 
 
 @lru_cache(maxsize=None)
