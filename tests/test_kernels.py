@@ -660,6 +660,29 @@ def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv
                         dtype, qk_norm, num_splits, {"block_n": 16, "min_split_len": min_split}, _tol(dtype))
 
 
+def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
+    """A launch with at least `many_splits` splits (a batch of one or two) runs its tile loop without
+    software pipelining (one stage); one with fewer keeps the configured stages. Both stay correct."""
+    da = _decode_attention()
+    kernel, stages = da._fused_decode_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                stages.append(kwargs["num_stages"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(da, "_fused_decode_kernel", Recorder())
+    config = {"block_n": 16, "min_split_len": 16}
+    for num_splits, want in ((da.CONFIG["many_splits"], da.CONFIG["many_splits_stages"]),
+                             (4, da.CONFIG["num_stages"])):
+        stages.clear()
+        _check_fused_decode(_gen(33), [1, 70, 150], 4, 1, 16, 16, torch.float32, True, num_splits, config,
+                            _tol(torch.float32))
+        assert stages == [want, want]
+    assert da.CONFIG["many_splits_stages"] != da.CONFIG["num_stages"]
+
+
 def test_fused_decode_attention_rejects_bad_inputs():
     da = _decode_attention()
     rope = RotaryEmbedding(16, 8, 10000.0).to(DEVICE)
