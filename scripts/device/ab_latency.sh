@@ -27,17 +27,7 @@ for m in $MODELS; do
       dir="$OUT/ab_latency/${m}_$side$turn"
       TOKENMILL_GIT_COMMIT=$commit PYTHONPATH="$src$base" python scripts/device/profile_decode.py \
         --model "preset:$m" --batch-sizes 1 --prefill-lens "" --output-len 128 --out "$dir" > "$dir.log" 2>&1
-      python - "$dir" "$m" "$side$turn" "$commit" <<'PY'
-import glob, json, sys
-d, m, run, commit = sys.argv[1:]
-f = glob.glob(f"{d}/profile_*.json")
-if not f:
-    print(f"| {m} | {run} | {commit} | FAILED | | |")
-else:
-    r = json.load(open(f[0]))["decode"][0]
-    print(f"| {m} | {run} | {commit} | {r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
-          f"{1e3 * (r['step_ms'] - r['graph_replay_ms']):.0f} |")
-PY
+      python scripts/device/latency_row.py "$dir" "$m" "$side$turn" "$commit"
     done
   done
 done
