@@ -661,7 +661,7 @@ def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv
 
 
 def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
-    """A launch with at least `many_splits` splits (a batch of one or two) runs its tile loop without
+    """A launch with `many_splits` splits (the most there are, at batch 1) runs its tile loop without
     software pipelining (one stage); one with fewer keeps the configured stages. Both stay correct."""
     da = _decode_attention()
     kernel, stages = da._fused_decode_kernel, []

@@ -37,7 +37,7 @@ import triton.language as tl
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import _norm_rope, check_prologue_inputs
-from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, _check_tables,
+from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
                                                       _dot_precision, decode_num_splits)
 
 ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
@@ -45,11 +45,12 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
 # of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge.
 # 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
-# With at least `many_splits` splits (batches of one or two sequences) a split is one tile, or two past a
-# few thousand positions, and software pipelining its loop (num_stages 2) only costs: `many_splits_stages`
-# 1 took 34 us off a qwen3-4b batch-1 step; with fewer splits programs walk many tiles and 2 stages win
-# (docs/BENCHMARKS.md).
-CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": 16, "many_splits_stages": 1}
+# With `many_splits` splits, the most a launch takes (a batch of one sequence, two with 4 kv heads), a split
+# is one tile up to 2,048 positions and two up to 4,096, and software pipelining its loop (num_stages 2)
+# only costs: `many_splits_stages` 1 took 34 us off a qwen3-4b batch-1 step. With 5 splits (batch 8) and
+# fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
+# measured, so those launches keep 2.
+CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1}
 
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
