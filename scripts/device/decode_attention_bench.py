@@ -4,9 +4,9 @@ Per variant, one CUDA graph of 36 layers, each: the qkv product (single-token GE
 o_proj product, at real model shapes and one sequence per row, every layer with its own weights and KV
 cache. Variants: `unfused` (the prologue kernel, split-K decode attention, its merge kernel) and the
 one-kernel attention (`decode_attention.fused_decode_attention`) with several settings, each written
-MIN[wWARPS][sSTAGES][bBLOCK_N]: `min_split_len` MIN, `num_warps` WARPS, `num_stages` STAGES, `block_n`
-BLOCK_N (defaults the kernel's). Prints microseconds per
-layer and writes them to $OUT/decode_attention_bench.json.
+MIN[wWARPS][sSTAGES][bBLOCK_N]: `min_split_len` MIN, `num_warps` WARPS, `num_stages` STAGES for every
+launch (the kernel's default is one stage at `many_splits` splits, else two), `block_n` BLOCK_N (defaults
+the kernel's). Prints microseconds per layer and writes them to $OUT/decode_attention_bench.json.
 
 Usage: python scripts/device/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
        [--min-split-lens 64,128,64w8,64s1,32s1b32]
@@ -63,6 +63,8 @@ def attention_config(variant: str) -> dict:
     for key, value in zip(("num_warps", "num_stages", "block_n"), m.groups()[1:]):
         if value:
             cfg[key] = int(value)
+    if "num_stages" in cfg:     # every launch, also those with `many_splits` splits
+        cfg["many_splits_stages"] = cfg["num_stages"]
     return cfg
 
 
