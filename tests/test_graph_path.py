@@ -102,3 +102,36 @@ def test_graph_capture_writes_no_kv_slot(qwen3_dir):
     before = runner.kv_cache.clone()
     runner._capture_graphs(emulate=True)
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_published_tokens_survive_a_late_read(qwen3_dir, monkeypatch):
+    # greedy graphs write their tokens into a pinned table with one row per turn; a step whose tokens the
+    # host has not read when its row comes round again must keep them (StepResult.settle)
+    from tokenmill.engine.request import Request
+    from tokenmill.layers.kernels import staging
+    from tokenmill.runner.step import StepResult
+    monkeypatch.setattr(staging, "stage", staging.stage_torch)
+    config = dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)
+    prompt = [5, 17, 230, 41, 9]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = LLM(qwen3_dir, **config).generate([prompt], params)[0].outputs[0].token_ids
+
+    runner = LLM(qwen3_dir, **config).engine.runner
+    runner._capture_graphs(emulate=True)
+    runner._mapped = True
+    settled = []
+    settle = StepResult.settle
+    monkeypatch.setattr(StepResult, "settle", lambda self: settled.append((self, self._shared)) or settle(self))
+    req = Request("r", list(prompt), params, max_tokens=5, seed=0)
+    req.block_ids = [1]
+    steps, prev, new = [], None, len(prompt)
+    for _ in range(5):             # launch every step before reading any
+        prev = runner.execute([req], [new], prev)
+        steps.append(prev)
+        req.num_computed_tokens += new
+        new = 1
+    # the prefill step has a graph of its own; decode steps 1 and 2 were settled as steps 3 and 4 took
+    # their rows, and those two still read the table
+    assert settled == [(steps[1], True), (steps[2], True)]
+    assert all(s._shared for s in steps[3:])
+    assert [s.fetch()["token_ids"][0] for s in steps] == expected

@@ -398,6 +398,24 @@ def test_greedy_argmax_on_a_strided_view_into_given_output():
         argmax.greedy(logits.t())
 
 
+def test_greedy_argmax_publishes_into_the_turns_row():
+    # the tokens also go into row `turn` of a pinned host table, the turn read on the device at run time
+    argmax = _argmax_module()
+    logits = _randn(3, 900, gen=_gen(14))
+    host = torch.full((2, 4), -7, dtype=torch.int64)
+    if HAS_CUDA:
+        host = host.pin_memory()
+    for turn in (1, 0):
+        got = argmax.greedy(logits, block=256, publish=(host, torch.tensor([turn], dtype=torch.int32,
+                                                                             device=DEVICE)))
+        if HAS_CUDA:
+            torch.cuda.synchronize()
+        assert host[turn, :3].tolist() == got.tolist() == logits.argmax(-1).tolist()
+    assert host[:, 3].tolist() == [-7, -7]                   # past the rows: untouched
+    with pytest.raises(ValueError, match="int64 \\[turns, >= 3\\]"):
+        argmax.greedy(logits, publish=(host[:, :2], torch.zeros(1, dtype=torch.int32, device=DEVICE)))
+
+
 # ------------------------------------------------------------------------------------ step staging
 
 

@@ -7,7 +7,10 @@ Two families, each with its own static inputs (one packed buffer, `PackedInputs`
                     the prefill kernel over a tile map; padding tokens have slot -1 and belong to no
                     sequence, padding sequences are empty.
 Each graph ends in the greedy argmax of its logits. Where the GPU addresses pinned host memory, a
-graph's inputs go over by the staging kernel (`kernels/staging.py`), not by a copy engine.
+graph's inputs go over by the staging kernel (`kernels/staging.py`), not by a copy engine, and the
+argmax also writes its tokens into a pinned table of the graph's own (`published`), so a greedy step
+needs nothing after its replay to hand its tokens to the host. The table has a row per turn (the step's
+`publish_turn` input), so the tokens of the step before stay readable while the next one runs.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import argmax, staging
-from tokenmill.runner.step import PackedInputs, StepInputs
+from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
 logger = logging.getLogger("tokenmill")
 
@@ -28,9 +31,17 @@ logger = logging.getLogger("tokenmill")
 MAPPED_STAGING = os.environ.get("TOKENMILL_MAPPED_STAGING", "1") != "0"
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (first of equals): one kernel on CUDA, torch's elsewhere."""
-    return argmax.greedy(logits) if logits.is_cuda else logits.argmax(-1)
+def greedy_ids(logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Each row's argmax (first of equals): one kernel on CUDA, torch's elsewhere. `publish` (host,
+    turn): also into row `turn` of the host table, as `argmax.greedy` takes it."""
+    if logits.is_cuda:
+        return argmax.greedy(logits, publish=publish)
+    ids = logits.argmax(-1)
+    if publish is not None:
+        argmax.check_publish(publish, len(ids))
+        host, turn = publish
+        host[int(turn)][:len(ids)] = ids
+    return ids
 
 
 class CudaGraphs:
@@ -59,13 +70,13 @@ class CudaGraphs:
         self.static, self.staging = {}, {}
         specs = {"decode": [("input_ids", i64, (decode,)), ("positions", i64, (decode,)), ("slots", i64, (decode,)),
                             ("context_lens", i32, (decode,)), ("qsl", i32, (decode + 1,)),
-                            ("block_tables", i32, (decode, width))]}
+                            ("publish_turn", i32, (1,)), ("block_tables", i32, (decode, width))]}
         if mixed:
             tokens, seqs = max(k[1] for k in mixed), max(k[2] for k in mixed)
             specs["mixed"] = [("input_ids", i64, (tokens,)), ("positions", i64, (tokens,)), ("slots", i64, (tokens,)),
                               ("sample_idx", i64, (seqs,)), ("context_lens", i32, (seqs,)), ("qsl", i32, (seqs + 1,)),
                               ("tiles", i32, (2, tokens // PREFILL_BLOCK_M + seqs)),
-                              ("block_tables", i32, (seqs, width))]
+                              ("publish_turn", i32, (1,)), ("block_tables", i32, (seqs, width))]
         for family, spec in specs.items():
             packed = PackedInputs(spec, self.device)
             packed.views["slots"].fill_(-1)          # capture runs on these: it must write no KV slot
@@ -79,6 +90,13 @@ class CudaGraphs:
         self._staging_turn = 0
         self._staging_read: dict[tuple, torch.cuda.Event] = {}
         self._mapped = pin and MAPPED_STAGING and staging.mapped_host_ok(self.device.index or 0)
+        # per graph key, a table of its greedy tokens per turn (pinned), where the GPU can write it;
+        # the step that last read each (key, turn), which must have its tokens before they are overwritten
+        self.published = {}
+        if self._mapped or not pin:
+            self.published = {k: torch.zeros(2, k[1] if k[0] == "decode" else k[2], dtype=i64, pin_memory=pin)
+                              for k in keys}
+        self._publish_readers: dict[tuple, StepResult] = {}
 
     def _static_forward(self, key: tuple):
         """The forward pass of one graph key over views of the static buffers -> (hidden, logits,
@@ -95,11 +113,13 @@ class CudaGraphs:
                                  max_query_len=max_query_len, max_context_len=self.max_model_len,
                                  prefill_tiles=tiles)
 
+        publish = (self.published[key], s["publish_turn"]) if key in self.published else None
+
         def forward():
             hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
             rows = hidden if key[0] == "decode" else hidden[s["sample_idx"][:seqs]]
             logits = self.model.compute_logits(rows)
-            return hidden, logits, greedy_ids(logits)
+            return hidden, logits, greedy_ids(logits, publish)
         return forward
 
     def _capture_graphs(self, emulate: bool = False) -> None:
@@ -146,7 +166,8 @@ class CudaGraphs:
 
     def _replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
         """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
-        graph; returns (hidden of the batch's tokens, logits of its sampled rows)."""
+        graph; returns (hidden of the batch's tokens, logits of its sampled rows, their greedy tokens,
+        and where the graph publishes those on the host: (pinned view, its (key, turn)), or None)."""
         tokens, seqs = len(inp.input_ids), len(inp.context_lens)
         t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
         packed = self.static[key[0]]
@@ -155,6 +176,10 @@ class CudaGraphs:
         if turn in self._staging_read:
             self._staging_read.pop(turn).synchronize()
         host = self.staging[key[0]][turn[1]]
+        reader = self._publish_readers.pop((key, turn[1]), None)
+        if reader is not None:     # the step before last with this graph: its tokens are about to be overwritten
+            reader.settle()
+        host["publish_turn"][0] = turn[1]
         width = inp.tables.shape[1]
         # padding rows too: stale placeholders must not reach the embedding, stale slots not the cache
         host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
@@ -187,8 +212,12 @@ class CudaGraphs:
         hidden, logits, greedy = self.graph_outputs[key]
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
             rows = self._to_device(inp.sample_rows)
-            return hidden[:tokens], logits[rows], greedy[rows]
-        return hidden[:tokens], logits[:len(inp.sample_rows)], greedy[:len(inp.sample_rows)]
+            return hidden[:tokens], logits[rows], greedy[rows], None
+        n = len(inp.sample_rows)
+        published = None
+        if self._mapped and key in self.published:
+            published = (self.published[key][turn[1], :n], (key, turn[1]))
+        return hidden[:tokens], logits[:n], greedy[:n], published
 
 
 class _EagerGraph:

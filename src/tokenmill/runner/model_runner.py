@@ -159,9 +159,9 @@ class ModelRunner(CudaGraphs):
                 raise RuntimeError("a step's inputs hold placeholders but no step in flight samples them")
             prev_tokens = prev.token_ids
         key = self._graph_key(inp)
-        greedy = None
+        greedy = published = None
         if key is not None:
-            hidden, logits, greedy = self._replay(key, inp, prev_tokens)
+            hidden, logits, greedy, published = self._replay(key, inp, prev_tokens)
         else:
             hidden, logits = self._eager_forward(inp, prev_tokens)
         if self.hidden_hook is not None:
@@ -170,7 +170,12 @@ class ModelRunner(CudaGraphs):
         if sampled:
             out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids
-            result.start_copy(out, self._mapped)
+            if published is not None and out.token_ids is greedy and out.logprobs is None:
+                view, turn = published        # the graph wrote these tokens to the host itself
+                result.start_copy(out, self._mapped, published=view)
+                self._publish_readers[turn] = result
+            else:
+                result.start_copy(out, self._mapped)
             for j, req in enumerate(sampled):
                 result.positions.append(req.num_tokens)
                 req.append_placeholder(j)

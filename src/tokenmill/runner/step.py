@@ -108,10 +108,18 @@ class StepResult:
         self.token_ids: torch.Tensor | None = None
         self._host: dict[str, torch.Tensor] = {}
         self._event = None
+        self._shared = False    # _host views a graph's published table, which a later replay overwrites
 
-    def start_copy(self, out: SamplerOutput, mapped: bool = False) -> None:
+    def start_copy(self, out: SamplerOutput, mapped: bool = False, published: torch.Tensor | None = None) -> None:
         """Starts the copy of the sampled tokens (and logprobs) to the host; with `mapped`, tokens
-        alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine."""
+        alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine.
+        `published`: the tokens alone, which the step's graph writes into this pinned view itself."""
+        if published is not None:
+            self._host, self._shared = {"token_ids": published}, True
+            self._event = torch.cuda.Event() if published.is_pinned() else None
+            if self._event is not None:
+                self._event.record()
+            return
         tensors = {"token_ids": out.token_ids}
         if out.logprobs is not None:
             tensors.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.ranks)
@@ -131,4 +139,13 @@ class StepResult:
     def fetch(self) -> dict[str, list]:
         if self._event is not None:
             self._event.synchronize()
-        return {k: v.tolist() for k, v in self._host.items()}
+        values = {k: v.tolist() for k, v in self._host.items()}
+        if self._shared:
+            self._host, self._shared = {k: torch.tensor(v) for k, v in values.items()}, False
+        return values
+
+    def settle(self) -> None:
+        """Takes a private copy of tokens that a graph published, before a later replay overwrites them
+        (a no-op once fetched)."""
+        if self._shared:
+            self.fetch()
