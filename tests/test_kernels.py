@@ -334,6 +334,27 @@ def test_fused_linear_shared_memory_tile_falls_back_where_it_cannot_run(monkeypa
         gemv.fused_linear(x, w, config=("smem", 8, 256, 4))
 
 
+@pytest.mark.parametrize("silu,bias", [(False, True), (True, False)])
+def test_fused_linear_gathers_its_input_from_the_embedding_table(silu, bias):
+    # the first product of a step: the input is row ids[0] of the table, returned as the residual too
+    gemv = _gemv()
+    gen = _gen(23)
+    n, k = 44, 200
+    table, w = _randn(9, k, gen=gen), _randn(n, k, gen=gen) / 8
+    ids = torch.tensor([6], dtype=torch.int64, device=DEVICE)
+    kwargs = dict(bias=_randn(n, gen=gen) if bias else None, norm_weight=_randn(k, gen=gen), eps=1e-5, silu=silu)
+    out, res = gemv.fused_linear(table, w, config=(4, 32, 4, 1), ids=ids, **kwargs)
+    ref, ref_res = gemv.fused_linear_torch(table, w, ids=ids, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=_tol(torch.float32), atol=_tol(torch.float32))
+    row = table[6:7].clone()      # the same kernel on the row given: the same sums
+    torch.testing.assert_close(out, gemv.fused_linear(row, w, config=(4, 32, 4, 1), **kwargs)[0], rtol=0, atol=0)
+    assert torch.equal(res, table[6:7]) and torch.equal(ref_res, res)
+    with pytest.raises(ValueError, match="need a norm, no residual"):
+        gemv.fused_linear(table, w, ids=ids)
+    with pytest.raises(ValueError, match="ids must be int64"):
+        gemv.fused_linear(table, w, ids=ids.int(), **kwargs)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU every one-token step takes this path anyway")
 def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypatch):
     """Every one-token step through the fused single-token layer (norms folded into the products,

@@ -16,19 +16,19 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
-def single_token_linear(hidden: torch.Tensor):
-    """`gemv.fused_linear` when a step of this many tokens runs its layers as single-token kernels
+def single_token_linear(input_ids: torch.Tensor):
+    """`gemv.fused_linear` when a step of these input ids runs its layers as single-token kernels
     (CUDA, one token, not turned off), else None."""
-    if not hidden.is_cuda:
+    if not input_ids.is_cuda:
         return None
     from tokenmill.layers.kernels import gemv
-    return gemv.fused_linear if gemv.applies(hidden) else None
+    return gemv.fused_linear if gemv.applies(input_ids.shape[0], input_ids.device) else None
 
 
-def decode_attention_kernel(hidden: torch.Tensor, meta: AttentionMetadata):
+def decode_attention_kernel(input_ids: torch.Tensor, meta: AttentionMetadata):
     """`decode_attention.fused_decode_attention` when a step's attention runs as one kernel from the
     packed qkv (CUDA, one new token per sequence, not turned off), else None."""
-    if not (hidden.is_cuda and meta.is_pure_decode(hidden.shape[0])):
+    if not (input_ids.is_cuda and meta.is_pure_decode(input_ids.shape[0])):
         return None
     from tokenmill.layers.kernels import decode_attention
     return decode_attention.fused_decode_attention if decode_attention.ENABLED else None
@@ -105,12 +105,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta, fused_linear=None, decode_attention=None):
+    def forward(self, positions, hidden, residual, meta, fused_linear=None, decode_attention=None, ids=None):
         """`fused_linear` (from `single_token_linear`): run the layer as single-token kernels;
-        `decode_attention` (from `decode_attention_kernel`): the attention as one kernel."""
+        `decode_attention` (from `decode_attention_kernel`): the attention as one kernel; `ids` (first
+        layer, single-token only): `hidden` is the embedding table and the input its rows `ids`."""
         if fused_linear is not None:
             return self._forward_single_token(fused_linear, decode_attention, positions, hidden, residual,
-                                              meta)
+                                              meta, ids)
+        if ids is not None:
+            raise ValueError("a layer gathers its input rows (ids) only as single-token kernels")
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -120,13 +123,14 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta):
+    def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta, ids):
         """The same layer for one token in four weight-reading kernels, each norm folded into the
-        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`)."""
+        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`); the first layer's qkv
+        product also gathers the token's embedding."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                      norm_weight=self.input_layernorm.weight,
-                                     eps=self.input_layernorm.eps, residual=residual)
+                                     eps=self.input_layernorm.eps, residual=residual, ids=ids)
         hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
         hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
                                         norm_weight=self.post_attention_layernorm.weight,
@@ -145,11 +149,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        hidden, residual = self.embed_tokens(input_ids), None
-        fused_linear = single_token_linear(hidden)
-        decode_attention = decode_attention_kernel(hidden, meta)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention)
+        fused_linear = single_token_linear(input_ids)
+        decode_attention = decode_attention_kernel(input_ids, meta)
+        residual, ids = None, None
+        if fused_linear is not None:        # the first product gathers the embedding itself
+            hidden, ids = self.embed_tokens.weight, input_ids
+        else:
+            hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention,
+                                     ids if i == 0 else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -8,6 +8,9 @@ are the only kernels that read weights, the norms and the activation ride along 
 layer), and with programmatic dependent launch (`pdl.py`) a product starts fetching its weights while
 the kernel before it finishes.
 
+The first product of a step can also gather its input row from the embedding table (`ids`): the step
+then starts with that product, where it started with an embedding kernel.
+
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. `TOKENMILL_GEMV=0` sends
 single-token products back to cuBLAS (for A/B benchmarks).
 """
@@ -48,14 +51,17 @@ if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
         CONFIGS.update({(n, k, bool(s)): tuple(c) for n, k, s, c in json.load(f)})
 
 
-def applies(x: torch.Tensor) -> bool:
-    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+def applies(num_tokens: int, device: torch.device) -> bool:
+    return ENABLED and device.type == "cuda" and num_tokens <= MAX_ROWS
 
 
-def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False):
+def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
+                       ids=None):
     """Reference: y = linear(rms_norm(x + residual) * norm_weight) (each step optional), then
     silu(gate) * up over the packed [gate | up] output when `silu`. Returns (y, x + residual), the
-    second being x itself without a residual and None without a norm."""
+    second being x itself without a residual and None without a norm. `ids`: the input is x[ids]."""
+    if ids is not None:
+        x = F.embedding(ids, x)
     res_out = None
     if norm_weight is not None:
         res_out = x
@@ -101,12 +107,13 @@ def _row_totals(acc, ROW_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
                  ROW_SUMS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
-    # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n.
+    # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
+    # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_units = tl.cdiv(n_out, BLOCK_N)
@@ -123,6 +130,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
         u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
                           mask=tile_mask, other=0.0)
     pdl.enter(PDL)
+    if GATHER:   # the id may come from the kernel before (placeholders filled on the device): after the wait
+        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
 
     rstd = 1.0
     if NORM:
@@ -130,7 +139,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps
         for k0 in range(0, K, BLOCK_K):
             h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, k0, c, K, False, RESIDUAL)
             sq += h * h
-            if RESIDUAL:
+            if RESIDUAL or GATHER:
                 if pid == 0:
                     tl.store(res_out_ptr + k0 + c, h.to(res_out_ptr.dtype.element_ty), mask=k0 + c < K)
         rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
@@ -181,11 +190,21 @@ def _num_sms(device: torch.device) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
-                 config: tuple[int, ...] | None = None):
+                 config: tuple[int, ...] | None = None, ids: torch.Tensor | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
-    norm and a residual are given, x when only the norm is, else None."""
-    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+    norm and a residual are given, x when only the norm is, else None.
+
+    `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
+    x[ids], gathered by the kernel, which also returns them as residual_out."""
+    if ids is not None:
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.shape[0] > MAX_ROWS or ids.device != x.device:
+            raise ValueError(f"fused_linear: ids must be int64 [M <= {MAX_ROWS}] on x's device, got {ids.dtype} "
+                             f"{tuple(ids.shape)} on {ids.device}")
+        if norm_weight is None or residual is not None or not x.is_contiguous():
+            raise ValueError("fused_linear: gathered input rows (ids) need a norm, no residual and a "
+                             "contiguous table")
+    if x.dim() != 2 or (ids is None and x.shape[0] > MAX_ROWS):
         raise ValueError(f"fused_linear: x must be [M, K] with M <= {MAX_ROWS}, got {tuple(x.shape)}")
     n, k = weight.shape
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -203,12 +222,18 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"x {tuple(x.shape)} {x.dtype}")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
         raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    tile = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+    if ids is not None and tile[0] == "smem":      # that kernel reads its input as given: gather first
+        return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
+                            config=config)
+    rows = x.shape[0] if ids is None else ids.shape[0]
     n_out = n // 2 if silu else n
-    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     res_out = None
     if norm_weight is not None:
         res_out = torch.empty_like(x) if residual is not None else x
-    tile = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+        if ids is not None:
+            res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     pdl_mode = pdl.mode(x.device)
     if tile[0] == "smem":
         why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
@@ -225,14 +250,15 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     row_sums, stages = tuple(extra) + (0, 1)[len(extra):]
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
-    for m in range(x.shape[0]):
+    for m in range(rows):
         _gemv_kernel[grid](
-            x[m], residual[m] if residual is not None else x[m],
+            x if ids is not None else x[m], residual[m] if residual is not None else x,
             norm_weight if norm_weight is not None else weight, weight,
             bias if bias is not None else weight, out[m],
-            res_out[m] if residual is not None else out[m], eps, n_out, weight.stride(0),
+            res_out[m] if residual is not None or ids is not None else out[m],
+            ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             ROW_SUMS=bool(row_sums), STAGES=stages, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
