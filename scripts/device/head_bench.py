@@ -8,7 +8,13 @@ each variant's difference from the first. Checks each variant's token against to
 float32 reference logits. Writes $OUT/head_bench.json.
 
   cublas   rms_norm kernel, F.linear (cuBLAS), argmax in torch (the engine's path when this was written)
+  engine   rms_norm kernel, F.linear (cuBLAS), argmax.greedy (the engine's path since the argmax kernel)
+  mv       the same with torch.mv(head, x) (cuBLAS's matrix-vector path) for the product
+  mm_t     the same with (head @ x^T)^T (cuBLAS picks for N = 1 instead of M = 1)
   gemv:T   fused_linear with the norm folded in, tile T, argmax in torch
+
+Each variant's kernels (names, from one profiled call) are listed with its row: whether cuBLAS adds a
+memset before its product, for example.
 
 Usage: python scripts/device/head_bench.py [--models qwen3-4b,nanbeige4.1-3b] [--tiles 4x1024x4x8,...]
 """
@@ -27,7 +33,7 @@ VOCAB = {"qwen3-4b": (151936, 2560, 9728), "nanbeige4.1-3b": (166144, 2560, 1049
 def main() -> None:
     from gemv_bench import write_rows        # scripts/device/, the script's own folder
     from profile_decode import replay_ms
-    from tokenmill.layers.kernels import fused_ops, gemv
+    from tokenmill.layers.kernels import argmax, fused_ops, gemv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -63,7 +69,20 @@ def main() -> None:
                 return y.argmax(-1)
             return fn
 
-        variants = {"cublas": cublas}
+        def product(kind):
+            def fn():
+                h, _ = gemv.fused_linear(act, down)
+                x, _ = fused_ops.rms_norm(h, nw, 1e-6, residual)
+                if kind == "mv":
+                    logits = torch.mv(head, x[0])[None]
+                elif kind == "mm_t":
+                    logits = torch.matmul(head, x.t()).t()
+                else:
+                    logits = F.linear(x, head)
+                return argmax.greedy(logits.contiguous())
+            return fn
+
+        variants = {"cublas": cublas, "engine": product("linear"), "mv": product("mv"), "mm_t": product("mm_t")}
         for t in tiles:
             variants[f"gemv:{'x'.join(map(str, t))}"] = fused(t)
         graphs, checks = {}, {}
@@ -79,6 +98,12 @@ def main() -> None:
                 checks[name] = token
             except Exception as e:   # a tile that does not compile: the others still run
                 print(json.dumps({"model": model, "variant": name, "skipped": repr(e)[-400:]}), flush=True)
+        kernels = {}
+        for name in graphs:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                variants[name]()
+                torch.cuda.synchronize()
+            kernels[name] = [e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         times = {name: [] for name in graphs}
         for _ in range(5):                   # turns: every variant once per turn
             for name, g in graphs.items():
@@ -87,7 +112,7 @@ def main() -> None:
         for name, t in times.items():
             us = sorted(t)[len(t) // 2] / args.reps
             row = dict(model=model, variant=name, us=us, diff_us=us - base, token_ok=checks[name] == ref_token,
-                       all_us=[x / args.reps for x in t])
+                       all_us=[x / args.reps for x in t], kernels=kernels[name])
             rows.append(row)
             print(json.dumps(row), flush=True)
         del head, graphs
