@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import _norm_rope_w, _norm_weight_halves, check_prologue_inputs
+from tokenmill.layers.kernels.fused_ops import _norm_rope, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
                                                       _dot_precision, decode_num_splits)
 
@@ -122,21 +122,18 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
-        # the q/k norm weights too: an earlier step read them last, so they come from HBM, not L2
-        qw1, qw2 = _norm_weight_halves(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-        kw1, kw2 = _norm_weight_halves(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
         pdl.enter(PDL)
 
         row = qkv_ptr + b64 * qkv_stride_t
-        q1, q2, _ = _norm_rope_w(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G, HALF,
-                                 BLOCK_HALF, HAS_NORM)
+        q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
+                               BLOCK_HALF, HAS_NORM)
         # the new k as the first of two rows (the second is masked to zero), v as loaded
-        k1, k2, k_mask = _norm_rope_w(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1, 2,
-                                      HALF, BLOCK_HALF, HAS_NORM)
+        k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2,
+                                    HALF, BLOCK_HALF, HAS_NORM)
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
         if (split == 0) & (slot >= 0):
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
             hk = tl.arange(0, 2)[:, None]

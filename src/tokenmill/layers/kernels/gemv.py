@@ -73,10 +73,9 @@ def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, resid
 
 
 @triton.jit
-def _scaled_chunk(x_ptr, res_ptr, nw, rstd, k0, c, K: tl.constexpr, NORM: tl.constexpr,
-                  RESIDUAL: tl.constexpr):
-    # columns k0 + c of the product's input, rounded as rms_norm_torch rounds them, in float32; nw: the
-    # norm weight's columns k0 + c, as loaded
+def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    # columns k0 + c of the product's input, rounded as rms_norm_torch rounds them, in float32
     kk = k0 + c
     mask = kk < K
     h = tl.load(x_ptr + kk, mask=mask, other=0.0)
@@ -84,18 +83,8 @@ def _scaled_chunk(x_ptr, res_ptr, nw, rstd, k0, c, K: tl.constexpr, NORM: tl.con
         h = (h.to(tl.float32) + tl.load(res_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
     if NORM:
         h = (h.to(tl.float32) * rstd).to(h.dtype)
-        h = (h.to(tl.float32) * nw.to(tl.float32)).to(h.dtype)
+        h = (h.to(tl.float32) * tl.load(nw_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
     return h.to(tl.float32)
-
-
-@triton.jit
-def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
-    # `_scaled_chunk` with the norm weight's columns loaded here
-    nw = rstd
-    if NORM:
-        nw = tl.load(nw_ptr + k0 + c, mask=k0 + c < K, other=0.0)
-    return _scaled_chunk(x_ptr, res_ptr, nw, rstd, k0, c, K, NORM, RESIDUAL)
 
 
 @triton.jit
@@ -131,12 +120,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
 
-    # weights never change: the first tile (and the norm weight's first chunk, which every row block
-    # uses first, and which an earlier step left in HBM, not L2) is requested before waiting for the
-    # previous kernel
-    nw_first = 0.0
-    if NORM:
-        nw_first = tl.load(nw_ptr + c, mask=c < K, other=0.0)
+    # weights never change: the first tile is requested before waiting for the previous kernel
     rows = pid * BLOCK_N + r
     tile_mask = (rows < n_out)[:, None] & (c < K)[None, :]
     w_first = tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask,
@@ -174,7 +158,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
             u = w
             if SILU:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
-        xk = _scaled_chunk(x_ptr, res_ptr, nw_first, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
+        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
         acc = _products(w, xk, ROW_SUMS)
         acc_u = acc
         if SILU:

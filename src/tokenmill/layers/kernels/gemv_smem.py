@@ -41,7 +41,7 @@ def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple) -> s
         return f"BLOCK_K {block_k} must be a power of two of at least 256 that divides K {k}"
     if block_n % num_warps or block_n & (block_n - 1):
         return f"BLOCK_N {block_n} must be a power of two and a multiple of num_warps {num_warps}"
-    need = (2 if silu else 1) * block_n * k * 2 + k * 2      # the weight rows and the norm weight
+    need = (2 if silu else 1) * block_n * k * 2
     if need > SMEM_BYTES:
         return f"BLOCK_N {block_n} x K {k} needs {need} bytes of shared memory, over {SMEM_BYTES}"
     return None
@@ -62,15 +62,14 @@ if AVAILABLE:
                                       is_pure=False, pack=1)
 
     @gluon.jit
-    def _input_chunk(x_ptr, res_ptr, nw, rstd, kk, NORM: gl.constexpr, RESIDUAL: gl.constexpr):
-        # columns kk of the product's input in float32, rounded as gemv._input_chunk rounds them; nw: the
-        # norm weight's columns kk, as loaded
+    def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, kk, NORM: gl.constexpr, RESIDUAL: gl.constexpr):
+        # columns kk of the product's input in float32, rounded as gemv._input_chunk rounds them
         h = gl.load(x_ptr + kk)
         if RESIDUAL:
             h = (h.to(gl.float32) + gl.load(res_ptr + kk).to(gl.float32)).to(h.dtype)
         if NORM:
             h = (h.to(gl.float32) * rstd).to(h.dtype)
-            h = (h.to(gl.float32) * nw.to(gl.float32)).to(h.dtype)
+            h = (h.to(gl.float32) * gl.load(nw_ptr + kk).to(gl.float32)).to(h.dtype)
         return h.to(gl.float32)
 
     @gluon.jit
@@ -85,7 +84,6 @@ if AVAILABLE:
                                                 warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         cols: gl.constexpr = gl.SliceLayout(0, layout)
         smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        smem_layout_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         pid = gl.program_id(0)
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         c = gl.arange(0, BLOCK_K, layout=cols)
@@ -101,17 +99,13 @@ if AVAILABLE:
             for i in gl.static_range(NUM_CHUNKS):
                 async_copy.async_copy_global_to_shared(u_s.index(i), u_src + i * BLOCK_K)
         async_copy.commit_group()
-        if NORM:    # the norm weight too (an earlier step left it in HBM, not L2), into shared memory
-            nw_s = gl.allocate_shared_memory(nw_ptr.dtype.element_ty, [NUM_CHUNKS, BLOCK_K], smem_layout_1d)
-            for i in gl.static_range(NUM_CHUNKS):
-                nw_s.index(i).store(gl.load(nw_ptr + i * BLOCK_K + c))
         _enter(PDL)
 
         rstd = 1.0
         if NORM:
             sq = gl.zeros([BLOCK_K], gl.float32, cols)
             for i in gl.static_range(NUM_CHUNKS):
-                h = _input_chunk(x_ptr, res_ptr, 1.0, 1.0, i * BLOCK_K + c, False, RESIDUAL)
+                h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, i * BLOCK_K + c, False, RESIDUAL)
                 sq += h * h
                 if RESIDUAL:
                     if pid == 0:
@@ -123,10 +117,7 @@ if AVAILABLE:
         acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
         acc_u = acc
         for i in gl.static_range(NUM_CHUNKS):
-            nw = rstd
-            if NORM:
-                nw = nw_s.index(i).load(cols)
-            xk = _input_chunk(x_ptr, res_ptr, nw, rstd, i * BLOCK_K + c, NORM, RESIDUAL)[None, :]
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, i * BLOCK_K + c, NORM, RESIDUAL)[None, :]
             acc += w_s.index(i).load(layout).to(gl.float32) * xk
             if SILU:
                 acc_u += u_s.index(i).load(layout).to(gl.float32) * xk
