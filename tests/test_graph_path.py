@@ -92,6 +92,10 @@ def test_packed_step_inputs_go_over_as_one_span():
     assert packed.views["lens"].tolist() == [7, 8, 9]
     assert packed.views["tables"][:2].tolist() == host["tables"][:2].tolist()
     assert not packed.views["tables"][2:].any()          # rows past the step's sequences are not sent
+    host["tables"][:] += 100
+    packed.upload(host, rows=2, width=4)                  # the last row only up to the batch's width
+    assert packed.views["tables"][:2].tolist() == [list(range(100, 106)), [106, 107, 108, 109, 10, 11]]
+    assert packed.span(2, 4) == packed.span(2) - 2 * 4 and packed.span(0, 4) == packed.offsets["tables"]
 
 
 def test_graph_capture_writes_no_kv_slot(qwen3_dir):

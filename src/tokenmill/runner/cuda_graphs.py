@@ -85,7 +85,7 @@ class CudaGraphs:
                 packed.views["tiles"].copy_(torch.from_numpy(prefill_tiles([], packed.views["tiles"].shape[1])))
             # two host copies, used in turn: while step N's copy may still be queued, step N+1 fills
             # the other; a copy is refilled only once the step before last has read it (an event after
-            # each read, by (family, turn): `fetch` does not ensure it for steps that sample nothing)
+            # each replay, by (family, turn): `fetch` does not ensure it for steps that sample nothing)
             self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
         self._staging_read: dict[tuple, torch.cuda.Event] = {}
@@ -167,7 +167,8 @@ class CudaGraphs:
     def _replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
         """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
         graph; returns (hidden of the batch's tokens, logits of its sampled rows, their greedy tokens,
-        and where the graph publishes those on the host: (pinned view, its (key, turn)), or None)."""
+        and where the graph publishes those on the host: (pinned view, its (key, turn), an event recorded
+        after the replay or None), or None)."""
         tokens, seqs = len(inp.input_ids), len(inp.context_lens)
         t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
         packed = self.static[key[0]]
@@ -196,19 +197,21 @@ class CudaGraphs:
             host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
             rows = len(inp.sample_tokens)
             host["sample_idx"][:rows], host["sample_idx"][rows:s_pad] = inp.sample_tokens, 0
-        # a row's columns past `width` keep older block ids, which its context never reaches
+        # a row's columns past `width` keep older block ids, which its context never reaches; so the last
+        # row goes over only up to `width` (a batch of one: a few entries instead of the whole row)
         host["block_tables"][:seqs, :width] = inp.tables
         if self._mapped:     # the staging kernel also fills the placeholders from the step before
-            staging.stage(packed.buffer, host["_buffer"], packed.span(seqs), packed.offsets["positions"], t_pad,
-                          prev_tokens)
+            staging.stage(packed.buffer, host["_buffer"], packed.span(seqs, width), packed.offsets["positions"],
+                          t_pad, prev_tokens)
         else:
-            packed.upload(host, rows=seqs)
+            packed.upload(host, rows=seqs, width=width)
             if prev_tokens is not None:
                 staging.fill_placeholders(packed.views["input_ids"][:tokens], prev_tokens)
-        if packed.buffer.is_cuda:
-            self._staging_read[turn] = torch.cuda.Event()
-            self._staging_read[turn].record()
         self.graphs[key].replay()
+        done = None
+        if packed.buffer.is_cuda:   # one event for both: the host copy was read, the graph's tokens are out
+            done = self._staging_read[turn] = torch.cuda.Event()
+            done.record()
         hidden, logits, greedy = self.graph_outputs[key]
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
             rows = self._to_device(inp.sample_rows)
@@ -216,7 +219,7 @@ class CudaGraphs:
         n = len(inp.sample_rows)
         published = None
         if self._mapped and key in self.published:
-            published = (self.published[key][turn[1], :n], (key, turn[1]))
+            published = (self.published[key][turn[1], :n], (key, turn[1]), done)
         return hidden[:tokens], logits[:n], greedy[:n], published
 
 

@@ -171,8 +171,8 @@ class ModelRunner(CudaGraphs):
             out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids
             if published is not None and out.token_ids is greedy and out.logprobs is None:
-                view, turn = published        # the graph wrote these tokens to the host itself
-                result.start_copy(out, self._mapped, published=view)
+                view, turn, done = published       # the graph wrote these tokens to the host itself
+                result.start_copy(out, self._mapped, published=view, done=done)
                 self._publish_readers[turn] = result
             else:
                 result.start_copy(out, self._mapped)

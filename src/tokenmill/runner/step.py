@@ -74,6 +74,7 @@ class PackedInputs:
         self.views = self._views(self.buffer)
         _, dtype, shape = spec[-1]
         self.row_bytes = self._nbytes(dtype, shape[1:])
+        self.item_bytes = self._nbytes(dtype, ())
 
     @staticmethod
     def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
@@ -88,12 +89,16 @@ class PackedInputs:
         buffer = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         return {**{name: view.numpy() for name, view in self._views(buffer).items()}, "_buffer": buffer}
 
-    def span(self, rows: int) -> int:
-        """Bytes from the start to the end of the last array's first `rows` rows."""
-        return self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+    def span(self, rows: int, width: int | None = None) -> int:
+        """Bytes from the start to the end of the last array's first `rows` rows, of which the last one
+        only up to its first `width` entries (the whole row by default)."""
+        end = self.offsets[self.spec[-1][0]] + rows * self.row_bytes
+        if width is not None and rows:
+            end -= self.row_bytes - width * self.item_bytes
+        return end
 
-    def upload(self, host: dict, rows: int) -> None:
-        end = self.span(rows)
+    def upload(self, host: dict, rows: int, width: int | None = None) -> None:
+        end = self.span(rows, width)
         self.buffer[:end].copy_(host["_buffer"][:end], non_blocking=True)
 
 
@@ -110,14 +115,17 @@ class StepResult:
         self._event = None
         self._shared = False    # _host views a graph's published table, which a later replay overwrites
 
-    def start_copy(self, out: SamplerOutput, mapped: bool = False, published: torch.Tensor | None = None) -> None:
+    def start_copy(self, out: SamplerOutput, mapped: bool = False, published: torch.Tensor | None = None,
+                   done=None) -> None:
         """Starts the copy of the sampled tokens (and logprobs) to the host; with `mapped`, tokens
         alone go by a kernel writing pinned memory (`staging.publish`) instead of a copy engine.
-        `published`: the tokens alone, which the step's graph writes into this pinned view itself."""
+        `published`: the tokens alone, which the step's graph writes into this pinned view itself;
+        `done`: an event recorded after that graph (else one is recorded here)."""
         if published is not None:
             self._host, self._shared = {"token_ids": published}, True
-            self._event = torch.cuda.Event() if published.is_pinned() else None
-            if self._event is not None:
+            self._event = done
+            if done is None and published.is_pinned():
+                self._event = torch.cuda.Event()
                 self._event.record()
             return
         tensors = {"token_ids": out.token_ids}
