@@ -132,7 +132,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
         if args.no_layers:
-            del weights
+            weights = None     # frees the copies
             continue
         # whole layers: every product of every layer in one graph, each path with its best
         hidden = SHAPES[model][0]
@@ -166,7 +166,7 @@ def main() -> None:
             layer_rows.append({"model": model, "path": name, "ms": round(us / 1e3, 3),
                                "TBs": round(total_mb / us, 2)})
             print(json.dumps(layer_rows[-1]), flush=True)
-        del weights
+        weights = None
         torch.cuda.empty_cache()
 
     for path in (os.path.join(args.out, "gemv_configs.json"), "/tmp/gemv_configs.json"):

@@ -52,7 +52,7 @@ def main() -> None:
                            us=us, tb_s=n * k * 2 / us / 1e6, max_abs_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del ws
+            ws = None
             torch.cuda.empty_cache()
     write_rows(args.out, "gemv_smem", rows, ["model", "product (N x K)", "tile", "us", "TB/s", "max abs err vs torch"],
                lambda r: [r["model"], f"{r['product']} {r['n']} x {r['k']}",

@@ -115,7 +115,7 @@ def main() -> None:
                        all_us=[x / args.reps for x in t], kernels=kernels[name])
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del head, graphs
+        head = graphs = None     # frees them before the next model (the closures name head)
         torch.cuda.empty_cache()
     write_rows(args.out, "head_bench", rows,
                ["model", "variant (down, then norm + head + argmax)", "us", "vs cublas", "token ok"],

@@ -245,13 +245,13 @@ def main() -> None:
     for r in prefill:
         print(f"prefill {r['prompt_len']} tokens: {r['wall_ms_median']:.1f} ms wall, "
               f"{r['gpu_kernel_ms']:.1f} ms of kernels")
-    print(f"\n| model | batch | step ms | graph replay ms | host waits | kernels/step | kernel us sum |")
+    print("\n| model | batch | step ms | graph replay ms | host waits | kernels/step | kernel us sum |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['batch']} | {r['step_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
               f"{r['host_wait_frac']:.2f} | {r['kernels_per_step']:.0f} | {r['kernel_us_sum']:.0f} |")
     if variants:
-        print(f"\n| model | gemv variant (batch 1) | graph replay ms, median of turns | all turns |")
+        print("\n| model | gemv variant (batch 1) | graph replay ms, median of turns | all turns |")
         print("|---|---|---|---|")
         for r in variants:
             print(f"| {name} | {r['variant']} | {r['graph_replay_ms']:.3f} | "

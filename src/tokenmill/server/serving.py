@@ -14,7 +14,6 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _MIN_LOGPROB = -9999.0
 
