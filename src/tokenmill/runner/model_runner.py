@@ -170,7 +170,7 @@ class ModelRunner(CudaGraphs):
         if sampled:
             out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids
-            if published is not None and out.token_ids is greedy and out.logprobs is None:
+            if published is not None and out.token_ids is greedy:
                 view, turn, done = published       # the graph wrote these tokens to the host itself
                 result.start_copy(out, self._mapped, published=view, done=done)
                 self._publish_readers[turn] = result

@@ -114,6 +114,7 @@ class StepResult:
         self._host: dict[str, torch.Tensor] = {}
         self._event = None
         self._shared = False    # _host views a graph's published table, which a later replay overwrites
+        self._values: dict[str, list] | None = None    # published tokens, once read
 
     def start_copy(self, out: SamplerOutput, mapped: bool = False, published: torch.Tensor | None = None,
                    done=None) -> None:
@@ -145,11 +146,13 @@ class StepResult:
         self._event.record()
 
     def fetch(self) -> dict[str, list]:
+        if self._values is not None:
+            return self._values
         if self._event is not None:
             self._event.synchronize()
         values = {k: v.tolist() for k, v in self._host.items()}
-        if self._shared:
-            self._host, self._shared = {k: torch.tensor(v) for k, v in values.items()}, False
+        if self._shared:    # these lists are the private copy
+            self._values, self._host, self._shared = values, {}, False
         return values
 
     def settle(self) -> None:
