@@ -24,7 +24,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner import model_runner
+from tokenmill.runner import l2_cache, model_runner
 
 
 def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
@@ -97,15 +97,85 @@ def timeline(runner, run, path: str) -> None:
         json.dump({"graph": [[n, s - t0, d] for n, s, d in replay], "steps": steps[mid - 2000:mid + 2000]}, f)
 
 
+def l2_arena(runner) -> dict:
+    """Moves the small tensors that kernels read right after their wait into one buffer, in the order
+    counters (decode attention, argmax), RMSNorm weights, RoPE table, and rebinds the model to them (the
+    old tensors stay alive: graphs captured before still read them). -> {"ptr", "ends": {part: end}}."""
+    from tokenmill.layers.kernels import counters
+    from tokenmill.layers.norm import RMSNorm
+    model = runner.model
+    dev = next(d for d in counters._kept if d.type == "cuda")
+    old_counters = counters._kept[dev][-1]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    rotaries = [m for m in model.modules() if hasattr(m, "cos_sin") and isinstance(m.cos_sin, torch.Tensor)]
+    parts = [("counters", [old_counters]), ("norms", [m.weight.data for m in norms]),
+             ("cos_sin", [m.cos_sin for m in rotaries])]
+    size, ends, spots = 0, {}, []
+    for part, tensors in parts:
+        for t in tensors:
+            spots.append((size, t))
+            size += (t.numel() * t.element_size() + 255) // 256 * 256
+        ends[part] = size
+    buf = torch.zeros(size, dtype=torch.uint8, device=dev)
+    views = []
+    for off, t in spots:
+        view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views.append(view)
+    runner._l2_kept = [buf] + [t for _, t in spots]
+    it = iter(views)
+    counters._kept[dev].append(next(it))
+    for m in norms:
+        m.weight.data = next(it)
+    for m in rotaries:
+        m.cos_sin = next(it)
+    info = {"ptr": buf.data_ptr(), "ends": ends, **l2_cache.device_limits(dev.index or 0)}
+    print(json.dumps({"l2_arena": info}), flush=True)
+    return info
+
+
+def l2_windows(runner, graph, arena: dict, spec: dict) -> int:
+    """Gives each kernel node of `graph` (captured with keep_graph) one access policy window: on the
+    weight it reads that matches spec["weights"] (a regex over parameter names; hit ratio
+    spec["budget_mb"] over all matched weights' bytes, at most 1), else on the arena up to the end of
+    spec["arena"] (a part name, or none). -> the set-aside to time it with (spec["persist_mb"], default
+    the device's most)."""
+    import re
+    mb = 1 << 20
+    weights = {}
+    if spec.get("weights"):
+        weights = {p.data_ptr(): p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                   if re.search(spec["weights"], n)}
+    hit = min(1.0, spec.get("budget_mb", 0) * mb / max(1, sum(weights.values())))
+    miss = l2_cache.ACCESS_STREAMING if spec.get("miss") == "streaming" else l2_cache.ACCESS_NORMAL
+    arena_end = arena["ends"][spec["arena"]] if spec.get("arena") else 0
+    counts = {"weight": 0, "arena": 0, "none": 0}
+    for node in l2_cache.kernel_nodes(graph.raw_cuda_graph()):
+        w = next((p for p in node.pointers if p in weights), None)
+        if w is not None and hit > 0:
+            l2_cache.set_window(node, w, min(weights[w], arena["max_window_bytes"]), hit, miss=miss)
+            counts["weight"] += 1
+        elif arena_end:
+            l2_cache.set_window(node, arena["ptr"], arena_end)
+            counts["arena"] += 1
+        else:
+            counts["none"] += 1
+    limit = int(spec.get("persist_mb", 0) * mb) or arena["max_persisting_bytes"]
+    print(json.dumps({"l2_windows": spec, "nodes": counts, "hit_ratio": hit, "persisting_bytes": limit}),
+          flush=True)
+    return limit
+
+
 def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
-    "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`."""
+    "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`, its
+    "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
     saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
-    graphs = {}
+    graphs, limits, arena = {}, {}, None
     for v in variants:
         configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
         bad = [f"{key}: {why}" for key, tile in configs.items() if tile[0] == "smem"
@@ -116,21 +186,30 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
         pdl.ATTENTION_MODE = v.get("pdl_attention", saved_mode)
         gemv.CONFIGS = {**saved, **configs}
         decode_attention.CONFIG = {**saved_attention, **v.get("attention", {})}
+        if "l2" in v and arena is None:
+            arena = l2_arena(runner)
         forward = runner._static_forward(("decode", 1))
         try:
             forward()
         except Exception as e:   # a tile that does not compile: the other variants still run
             print(json.dumps({"variant": v["name"], "skipped": repr(e)[-500:]}), flush=True)
             continue
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph="l2" in v)
         with torch.cuda.graph(graph):
             forward()
+        if "l2" in v:
+            limits[v["name"]] = l2_windows(runner, graph, arena, v["l2"])
+            graph.instantiate()
         graphs[v["name"]] = graph
     gemv.CONFIGS, pdl.ATTENTION_MODE, decode_attention.CONFIG = saved, saved_mode, saved_attention
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
+            if limits:
+                l2_cache.set_persisting(limits.get(name, 0))
             times[name].append(replay_ms(graph))
+    if limits:
+        l2_cache.set_persisting(0)
     rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t} for name, t in times.items()]
     for r in rows:
         print(json.dumps(r), flush=True)
