@@ -35,7 +35,8 @@ MAX_ROWS = 1
 # fastest on an H200 for the qwen3-4b and nanbeige4.1-3b products (scripts/device/gemv_bench.py, then
 # profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
 # sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
-# Stages (default 1): chunks in flight per program through shared memory. ("smem", block_n, block_k,
+# Stages (default 1): chunks in flight per program through shared memory. Hint (default 0): how weight
+# loads use the caches (`_load_weights`). ("smem", block_n, block_k,
 # num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
@@ -88,6 +89,18 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
+def _load_weights(ptrs, mask, HINT: tl.constexpr):
+    # a weight tile, read once a step: HINT 1 marks it first to evict (L1 and L2), 2 keeps it out of L1
+    if HINT == 1:
+        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    elif HINT == 2:
+        w = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        w = tl.load(ptrs, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
 def _products(w, xk, ROW_SUMS: tl.constexpr):
     # one weight chunk times the input chunk in float32: per element, or with ROW_SUMS summed per row
     # at once (one float per row instead of a chunk-sized accumulator: fewer registers, more programs
@@ -110,7 +123,7 @@ def _row_totals(acc, ROW_SUMS: tl.constexpr):
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
-                 ROW_SUMS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                 ROW_SUMS: tl.constexpr, STAGES: tl.constexpr, HINT: tl.constexpr, PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
     # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
@@ -123,12 +136,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
     # weights never change: the first tile is requested before waiting for the previous kernel
     rows = pid * BLOCK_N + r
     tile_mask = (rows < n_out)[:, None] & (c < K)[None, :]
-    w_first = tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask,
-                      other=0.0)
+    w_first = _load_weights(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], tile_mask, HINT)
     u_first = w_first
     if SILU:
-        u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
-                          mask=tile_mask, other=0.0)
+        u_first = _load_weights(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
+                                tile_mask, HINT)
     pdl.enter(PDL)
     if GATHER:   # the id may come from the kernel before (placeholders filled on the device): after the wait
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -154,10 +166,10 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
             u = u_first
         else:
             tile_mask = row_mask[:, None] & (c < K)[None, :]
-            w = tl.load(w_rows + c[None, :], mask=tile_mask, other=0.0)
+            w = _load_weights(w_rows + c[None, :], tile_mask, HINT)
             u = w
             if SILU:
-                u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
+                u = _load_weights(u_rows + c[None, :], tile_mask, HINT)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
         acc = _products(w, xk, ROW_SUMS)
         acc_u = acc
@@ -168,9 +180,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-            acc += _products(tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
+            acc += _products(_load_weights(w_rows + k0 + c[None, :], tile_mask, HINT), xk, ROW_SUMS)
             if SILU:
-                acc_u += _products(tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0), xk, ROW_SUMS)
+                acc_u += _products(_load_weights(u_rows + k0 + c[None, :], tile_mask, HINT), xk, ROW_SUMS)
         y = _row_totals(acc, ROW_SUMS)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -247,7 +259,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
         tile = DEFAULT_CONFIG
     block_n, block_k, num_warps, per_sm, *extra = tile
-    row_sums, stages = tuple(extra) + (0, 1)[len(extra):]
+    row_sums, stages, hint = tuple(extra) + (0, 1, 0)[len(extra):]
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     for m in range(rows):
@@ -259,6 +271,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            ROW_SUMS=bool(row_sums), STAGES=stages, PDL=pdl_mode,
+            ROW_SUMS=bool(row_sums), STAGES=stages, HINT=hint, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
