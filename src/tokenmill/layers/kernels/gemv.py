@@ -40,12 +40,14 @@ MAX_ROWS = 1
 # num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
-    (2560, 4096, False): (2, 1024, 4, 12, 1),    # qwen3-4b o_proj
-    (19456, 2560, True): ("smem", 4, 512, 4),    # qwen3-4b gate_up
-    (2560, 9728, False): (2, 1024, 4, 12, 1),    # qwen3-4b down_proj
-    (3584, 2560, False): (4, 1024, 4, 8, 0, 3),  # nanbeige4.1-3b qkv
-    (2560, 2560, False): ("smem", 8, 512, 8),    # nanbeige4.1-3b o_proj
-    (20992, 2560, True): ("smem", 2, 512, 2),    # nanbeige4.1-3b gate_up
+    (6144, 2560, False): (4, 1024, 4, 8, 0, 1, 2),     # qwen3-4b qkv
+    (2560, 4096, False): (2, 1024, 4, 12, 1, 1, 2),    # qwen3-4b o_proj
+    (19456, 2560, True): ("smem", 4, 512, 4),          # qwen3-4b gate_up
+    (2560, 9728, False): (2, 1024, 4, 12, 1, 1, 2),    # qwen3-4b down_proj
+    (3584, 2560, False): (4, 1024, 4, 8, 0, 3, 2),     # nanbeige4.1-3b qkv
+    (2560, 2560, False): ("smem", 8, 512, 8),          # nanbeige4.1-3b o_proj
+    (20992, 2560, True): ("smem", 2, 512, 2),          # nanbeige4.1-3b gate_up
+    (2560, 10496, False): (4, 1024, 4, 8, 0, 1, 2),    # nanbeige4.1-3b down_proj
 }
 if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
     with open(os.environ["TOKENMILL_GEMV_CONFIGS"]) as f:
