@@ -21,7 +21,7 @@ import os
 import pstats
 import time
 
-import l2_cache  # noqa: E402  (beside this script)
+import l2_cache  # beside this script
 import torch
 
 from tokenmill import LLM, SamplingParams
