@@ -311,6 +311,9 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     row_sums, _ = gemv.fused_linear(x, w, config=(4, 32, 4, 1, 1), **kwargs)  # each chunk summed per row
     torch.testing.assert_close(row_sums, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    for hint in (1, 2):   # how weight loads use the caches changes no result
+        hinted, _ = gemv.fused_linear(x, w, config=(4, 32, 4, 1, 0, 1, hint), **kwargs)
+        torch.testing.assert_close(hinted, out, rtol=0, atol=0)
     if not norm:
         assert out_res is None
     elif residual:
