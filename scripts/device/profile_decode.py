@@ -167,16 +167,40 @@ def l2_windows(runner, graph, arena: dict, spec: dict) -> int:
     return limit
 
 
+def flat_weights(runner) -> list:
+    """Copies every parameter into one allocation, in the model's order (each at a 256-byte offset), and
+    returns [(param, its own data, its view of the allocation)]; `use_flat` switches between the two."""
+    params = list(runner.model.parameters())
+    size, offsets = 0, []
+    for p in params:
+        offsets.append(size)
+        size += (p.numel() * p.element_size() + 255) // 256 * 256
+    buf = torch.empty(size, dtype=torch.uint8, device=runner.device)
+    out = []
+    for p, off in zip(params, offsets):
+        view = buf[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        out.append((p, p.data, view))
+    print(json.dumps({"flat_weights_bytes": size, "params": len(params)}), flush=True)
+    return out
+
+
+def use_flat(flat: list, on: bool) -> None:
+    for p, own, view in flat:
+        p.data = view if on else own
+
+
 def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     """Batch-1 decode graph replay per variant of the product tiles ({"name", "configs": [[N, K, silu,
     tile], ...]} over `gemv.CONFIGS`), each captured on the runner's static buffers as they are after
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
     "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`, its
-    "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed."""
+    "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed;
+    with "flat" its graph reads every weight from one allocation (`flat_weights`)."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
     saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
-    graphs, limits, arena = {}, {}, None
+    graphs, limits, arena, flat = {}, {}, None, None
     for v in variants:
         configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
         bad = [f"{key}: {why}" for key, tile in configs.items() if tile[0] == "smem"
@@ -189,6 +213,10 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
         decode_attention.CONFIG = {**saved_attention, **v.get("attention", {})}
         if "l2" in v and arena is None:
             arena = l2_arena(runner)
+        if v.get("flat") and flat is None:
+            flat = flat_weights(runner)
+        if flat is not None:
+            use_flat(flat, bool(v.get("flat")))
         forward = runner._static_forward(("decode", 1))
         try:
             forward()
@@ -203,6 +231,8 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             graph.instantiate()
         graphs[v["name"]] = graph
     gemv.CONFIGS, pdl.ATTENTION_MODE, decode_attention.CONFIG = saved, saved_mode, saved_attention
+    if flat is not None:
+        use_flat(flat, False)
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
