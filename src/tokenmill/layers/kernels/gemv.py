@@ -31,13 +31,13 @@ from tokenmill.layers.norm import rms_norm_torch
 ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM[, row sums[, stages]]), by weight (N, K) and silu: the
-# fastest on an H200 for the qwen3-4b and nanbeige4.1-3b products (scripts/device/gemv_bench.py, then
-# profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
+# (block_n, block_k, num_warps, programs per SM[, row sums[, stages[, hint]]]), by weight (N, K) and
+# silu: the fastest on an H200 for the qwen3-4b and nanbeige4.1-3b products (scripts/device/gemv_bench.py,
+# then profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
 # sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
 # Stages (default 1): chunks in flight per program through shared memory. Hint (default 0): how weight
-# loads use the caches (`_load_weights`). ("smem", block_n, block_k,
-# num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
+# loads use the caches (`_load_weights`; 2, past L1, took 3-5 us off a qwen3-4b step). ("smem", block_n,
+# block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (6144, 2560, False): (4, 1024, 4, 8, 0, 1, 2),     # qwen3-4b qkv
