@@ -197,7 +197,8 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
     "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`, its
     "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed;
-    with "flat" its graph reads every weight from one allocation (`flat_weights`)."""
+    with "flat" its graph reads every weight from one allocation (`flat_weights`); "pool": "engine"
+    captures it into the engine's graph pool (else a pool of its own), after "pad_kb" KB of padding."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
     saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
     graphs, limits, arena, flat = {}, {}, None, None
@@ -224,8 +225,11 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             print(json.dumps({"variant": v["name"], "skipped": repr(e)[-500:]}), flush=True)
             continue
         graph = torch.cuda.CUDAGraph(keep_graph="l2" in v)
-        with torch.cuda.graph(graph):
+        pool = runner.graphs[("decode", 1)].pool() if v.get("pool") == "engine" else None
+        with torch.cuda.graph(graph, pool=pool):
+            pad = torch.empty(int(v.get("pad_kb", 0) * 1024), dtype=torch.uint8, device=runner.device)
             forward()
+        del pad
         if "l2" in v:
             limits[v["name"]] = l2_windows(runner, graph, arena, v["l2"])
             graph.instantiate()
