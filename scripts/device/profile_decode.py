@@ -198,11 +198,15 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     "attention" ({"min_split_len": 128, "pre_tiles": 2, ...}) entries of `decode_attention.CONFIG`, its
     "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed;
     with "flat" its graph reads every weight from one allocation (`flat_weights`); "pool": "engine"
-    captures it into the engine's graph pool (else a pool of its own), after "pad_kb" KB of padding."""
+    captures it into the engine's graph pool (else a pool of its own), after "pad_kb" KB of padding;
+    "engine_graph" times the engine's own batch-1 graph in the same turns."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
     saved, saved_mode, saved_attention = dict(gemv.CONFIGS), pdl.ATTENTION_MODE, dict(decode_attention.CONFIG)
     graphs, limits, arena, flat = {}, {}, None, None
     for v in variants:
+        if v.get("engine_graph"):       # the engine's own batch-1 graph, timed in the same turns
+            graphs[v["name"]] = runner.graphs[("decode", 1)]
+            continue
         configs = {(n, k, bool(silu)): tuple(tile) for n, k, silu, tile in v.get("configs", [])}
         bad = [f"{key}: {why}" for key, tile in configs.items() if tile[0] == "smem"
                and (why := gemv_smem.check_tile(*key, runner.dtype, tile))]
