@@ -18,8 +18,8 @@ MODELS=${MODELS:-"qwen3-4b nanbeige4.1-3b"}
 [ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; }
 base=${PYTHONPATH#"$PWD/src"}    # env.sh put this tree first; each run picks its own source
 mkdir -p "$OUT/ab_latency"
-echo "| model | run | commit | step ms | graph replay ms | step - graph us |"
-echo "|---|---|---|---|---|---|"
+echo "| model | run | commit | step ms | graph replay ms | step - graph us | GPU while replaying |"
+echo "|---|---|---|---|---|---|---|"
 for m in $MODELS; do
   for turn in $(seq 1 "$TURNS"); do
     for side in old new; do

@@ -12,8 +12,8 @@ ENV_B=${ENV_B:?settings for side B}
 TURNS=${TURNS:-2}
 MODELS=${MODELS:-"qwen3-4b"}
 mkdir -p "$OUT/env_ab"
-echo "| model | run | settings | step ms | graph replay ms | step - graph us |"
-echo "|---|---|---|---|---|---|"
+echo "| model | run | settings | step ms | graph replay ms | step - graph us | GPU while replaying |"
+echo "|---|---|---|---|---|---|---|"
 for m in $MODELS; do
   for turn in $(seq 1 "$TURNS"); do
     for side in A B; do

@@ -45,6 +45,33 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 200) -> float:
     return start.elapsed_time(end) / iters
 
 
+def gpu_state_under_load(graph: torch.cuda.CUDAGraph, limit_s: float = 10.0) -> dict:
+    """SM and memory clocks (MHz), temperature (C) and power (W) as nvidia-smi reads them while `graph`
+    replays back to back: what a machine ran at, for comparing figures across machines. {"error"} when
+    there is no reading."""
+    import subprocess
+    import threading
+    out = {}
+
+    def query():
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=limit_s)
+            vals = r.stdout.strip().splitlines()[0].split(",")
+            out.update(zip(("sm_mhz", "mem_mhz", "temp_c", "power_w"), (float(v) for v in vals)))
+        except Exception as e:      # no nvidia-smi, or a field it cannot read: the figures stand without it
+            out["error"] = repr(e)[-200:]
+    t = threading.Thread(target=query)
+    t.start()
+    t0 = time.perf_counter()
+    while t.is_alive() and time.perf_counter() - t0 < limit_s:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    t.join()
+    return out
+
+
 def kernel_table(runner, bs: int, path: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     graph = runner.graphs[("decode", bs)]
@@ -313,6 +340,8 @@ def main() -> None:
                "graph_replay_ms": replay, "host_wait_frac": waited[0] / wall,
                "kernel_us_sum": sum(r["us_per_step"] for r in kernels),
                "kernels_per_step": sum(r["calls_per_step"] for r in kernels)}
+        if gbs is not None:
+            row["gpu"] = gpu_state_under_load(runner.graphs[("decode", gbs)])
         results.append(row)
         print(json.dumps(row), flush=True)
         print("  top kernels (us/step, calls):", flush=True)
