@@ -125,6 +125,23 @@ def timeline(runner, run, path: str) -> None:
         json.dump({"graph": [[n, s - t0, d] for n, s, d in replay], "steps": steps[mid - 2000:mid + 2000]}, f)
 
 
+def _padded_bytes(t: torch.Tensor) -> int:
+    return (t.numel() * t.element_size() + 255) // 256 * 256
+
+
+def packed_copies(tensors: list[torch.Tensor], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One allocation holding a copy of each tensor, in order, each at a 256-byte offset -> (the
+    allocation, the copies)."""
+    buf = torch.empty(sum(_padded_bytes(t) for t in tensors), dtype=torch.uint8, device=device)
+    copies, off = [], 0
+    for t in tensors:
+        view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        copies.append(view)
+        off += _padded_bytes(t)
+    return buf, copies
+
+
 def l2_arena(runner) -> dict:
     """Moves the small tensors that kernels read right after their wait into one buffer, in the order
     counters (decode attention, argmax), RMSNorm weights, RoPE table, and rebinds the model to them (the
@@ -133,25 +150,17 @@ def l2_arena(runner) -> dict:
     from tokenmill.layers.norm import RMSNorm
     model = runner.model
     dev = next(d for d in counters._kept if d.type == "cuda")
-    old_counters = counters._kept[dev][-1]
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     rotaries = [m for m in model.modules() if hasattr(m, "cos_sin") and isinstance(m.cos_sin, torch.Tensor)]
-    parts = [("counters", [old_counters]), ("norms", [m.weight.data for m in norms]),
+    parts = [("counters", [counters._kept[dev][-1]]), ("norms", [m.weight.data for m in norms]),
              ("cos_sin", [m.cos_sin for m in rotaries])]
-    size, ends, spots = 0, {}, []
+    ends, end = {}, 0
     for part, tensors in parts:
-        for t in tensors:
-            spots.append((size, t))
-            size += (t.numel() * t.element_size() + 255) // 256 * 256
-        ends[part] = size
-    buf = torch.zeros(size, dtype=torch.uint8, device=dev)
-    views = []
-    for off, t in spots:
-        view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        views.append(view)
-    runner._l2_kept = [buf] + [t for _, t in spots]
-    it = iter(views)
+        end = ends[part] = end + sum(_padded_bytes(t) for t in tensors)
+    olds = [t for _, tensors in parts for t in tensors]
+    buf, copies = packed_copies(olds, dev)
+    runner._l2_kept = [buf, *olds]
+    it = iter(copies)
     counters._kept[dev].append(next(it))
     for m in norms:
         m.weight.data = next(it)
@@ -195,21 +204,12 @@ def l2_windows(runner, graph, arena: dict, spec: dict) -> int:
 
 
 def flat_weights(runner) -> list:
-    """Copies every parameter into one allocation, in the model's order (each at a 256-byte offset), and
-    returns [(param, its own data, its view of the allocation)]; `use_flat` switches between the two."""
+    """Copies every parameter into one allocation, in the model's order (`packed_copies`), and returns
+    [(param, its own data, its copy in the allocation)]; `use_flat` switches between the two."""
     params = list(runner.model.parameters())
-    size, offsets = 0, []
-    for p in params:
-        offsets.append(size)
-        size += (p.numel() * p.element_size() + 255) // 256 * 256
-    buf = torch.empty(size, dtype=torch.uint8, device=runner.device)
-    out = []
-    for p, off in zip(params, offsets):
-        view = buf[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-        view.copy_(p.data)
-        out.append((p, p.data, view))
-    print(json.dumps({"flat_weights_bytes": size, "params": len(params)}), flush=True)
-    return out
+    buf, copies = packed_copies([p.data for p in params], runner.device)
+    print(json.dumps({"flat_weights_bytes": buf.numel(), "params": len(params)}), flush=True)
+    return [(p, p.data, copy) for p, copy in zip(params, copies)]
 
 
 def use_flat(flat: list, on: bool) -> None:
