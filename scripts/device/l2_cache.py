@@ -58,9 +58,7 @@ def _driver():
             "cuGraphNodeGetType": [p, ctypes.POINTER(ctypes.c_int)],
             "cuGraphKernelNodeGetParams_v2": [p, ctypes.POINTER(_KernelParams)],
             "cuFuncGetParamInfo": [p, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)],
-            "cuFuncGetName": [ctypes.POINTER(ctypes.c_char_p), p],
             "cuGraphKernelNodeSetAttribute": [p, ctypes.c_int, ctypes.POINTER(_AttrValue)],
-            "cuGraphKernelNodeGetAttribute": [p, ctypes.c_int, ctypes.POINTER(_AttrValue)],
         }
         for name, args in sigs.items():
             fn = getattr(lib, name)
@@ -99,7 +97,6 @@ def set_persisting(nbytes: int) -> int:
 @dataclass
 class KernelNode:
     handle: int
-    name: str
     pointers: list[int]       # the values of its 8-byte arguments
 
 
@@ -118,21 +115,14 @@ def kernel_nodes(raw_graph: int) -> list[KernelNode]:
             continue
         params = _KernelParams()
         _check(lib.cuGraphKernelNodeGetParams_v2(node, ctypes.byref(params)), "cuGraphKernelNodeGetParams")
-        name, pointers = "", []
-        if params.func:
-            cname = ctypes.c_char_p()
-            if lib.cuFuncGetName(ctypes.byref(cname), params.func) == 0 and cname.value:
-                name = cname.value.decode(errors="replace")
-            if params.kernelParams:
-                i = 0
-                while True:
-                    off, size = ctypes.c_size_t(), ctypes.c_size_t()
-                    if lib.cuFuncGetParamInfo(params.func, i, ctypes.byref(off), ctypes.byref(size)) != 0:
-                        break
-                    if size.value == 8 and params.kernelParams[i]:
-                        pointers.append(ctypes.c_uint64.from_address(params.kernelParams[i]).value)
-                    i += 1
-        out.append(KernelNode(node, name, pointers))
+        pointers = []
+        i, off, size = 0, ctypes.c_size_t(), ctypes.c_size_t()
+        while (params.func and params.kernelParams
+               and lib.cuFuncGetParamInfo(params.func, i, ctypes.byref(off), ctypes.byref(size)) == 0):
+            if size.value == 8 and params.kernelParams[i]:
+                pointers.append(ctypes.c_uint64.from_address(params.kernelParams[i]).value)
+            i += 1
+        out.append(KernelNode(node, pointers))
     return out
 
 
@@ -142,11 +132,3 @@ def set_window(node: KernelNode, base: int, nbytes: int, hit_ratio: float = 1.0,
     value.window = _Window(base, nbytes, hit_ratio, hit, miss)
     _check(_driver().cuGraphKernelNodeSetAttribute(node.handle, _LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
                                                    ctypes.byref(value)), "cuGraphKernelNodeSetAttribute")
-
-
-def get_window(node: KernelNode) -> tuple[int, int, float, int, int]:
-    value = _AttrValue()
-    _check(_driver().cuGraphKernelNodeGetAttribute(node.handle, _LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
-                                                   ctypes.byref(value)), "cuGraphKernelNodeGetAttribute")
-    w = value.window
-    return w.base_ptr or 0, w.num_bytes, w.hitRatio, w.hitProp, w.missProp
