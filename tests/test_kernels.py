@@ -659,7 +659,7 @@ def _fused_decode_reference(qkv, positions, cos_sin, q_weight, k_weight, k_cache
 
 
 def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
-                        num_splits, config, tol):
+                        num_splits, config, tol, next_weight=None):
     """The one-kernel decode attention against the unfused reference. Context length 0 is a padded
     slot (slot -1, zero output)."""
     da = _decode_attention()
@@ -677,7 +677,8 @@ def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, bl
     for _ in range(2):  # the second launch finds the split counters reset by the first
         out = da.fused_decode_attention(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache,
                                         v_cache, slots, table, ctx, head_dim ** -0.5, num_heads,
-                                        num_kv_heads, head_dim, num_splits=num_splits, config=config)
+                                        num_kv_heads, head_dim, num_splits=num_splits, config=config,
+                                        next_weight=next_weight)
         assert out.shape == (batch, num_heads, head_dim)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(k_cache, ref_k, rtol=tol, atol=tol)
@@ -762,9 +763,10 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     batches = []
 
-    def fused(qkv, *args):
+    def fused(qkv, *args, **kwargs):
         batches.append(qkv.shape[0])
-        return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16, "min_split_len": 16})
+        return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16, "min_split_len": 16},
+                                         **kwargs)
     monkeypatch.setattr(llama, "decode_attention_kernel",
                         lambda h, meta: fused if meta.is_pure_decode(h.shape[0]) else None)
     got = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
@@ -992,6 +994,23 @@ def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):
     context_lens = torch.randint(1, 2100, (batch,), generator=gen).tolist()
     _check_fused_decode(gen, context_lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16,
                         num_q_heads == 32, None, None, 2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode,fraction", [(1, 1.0), (2, 1.0), (2, 0.3)])
+def test_gpu_fused_decode_l2_prefetch_changes_nothing(mode, fraction):
+    """Splits without positions ask L2 for the next product's weights (a 2560 x 4096 o_proj); results,
+    cache and that weight stay as without, with idle splits, none (2,000+ positions at batch 1) and
+    padded slots."""
+    gen = _gen(18)
+    weight = _randn(2560, 4096, dtype=torch.bfloat16, gen=gen)
+    kept = weight.clone()
+    config = {"l2_prefetch": mode, "l2_prefetch_fraction": fraction}
+    for context_lens in ([160], [2100], [1, 0, 700, 90]):
+        _check_fused_decode(gen, context_lens, 32, 8, 128, 16, torch.bfloat16, True, None, config, 2e-2,
+                            next_weight=weight)
+    assert torch.equal(weight, kept)
 
 
 @pytest.mark.gpu

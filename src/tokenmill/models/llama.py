@@ -55,9 +55,10 @@ class Attention(nn.Module):
         return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-                   decode_attention=None) -> torch.Tensor:
+                   decode_attention=None, next_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
-        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel."""
+        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel, which
+        may ask L2 for `next_weight` (what the product after it reads)."""
         T = qkv.shape[0]
         qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
                    else (None, None, 0.0))
@@ -65,7 +66,7 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.context_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim)
+                                   self.head_dim, next_weight=next_weight)
             return out.reshape(T, self.q_size)
         if qkv.is_cuda:
             # one kernel for q/k norm, RoPE and the KV-cache store; attention then reads K/V from the cache
@@ -131,7 +132,8 @@ class DecoderLayer(nn.Module):
         qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                      norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual, ids=ids)
-        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
+        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention, attn.o_proj.weight),
+                                 attn.o_proj.weight)
         hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,

@@ -50,7 +50,35 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # only costs: `many_splits_stages` 1 took 34 us off a qwen3-4b batch-1 step. With 5 splits (batch 8) and
 # fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
 # measured, so those launches keep 2.
-CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1}
+CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
+          "l2_prefetch": 0, "l2_prefetch_fraction": 1.0}
+# l2_prefetch: how the splits that hold no positions ask L2 for the next product's weights (`next_weight`)
+# once the kernel before attention is done: 0 not at all, 1 one `prefetch.global.L2` per 128-byte line,
+# 2 one `cp.async.bulk.prefetch.L2` per thread; l2_prefetch_fraction: the share of the weight's bytes,
+# from its start.
+_LINE_BYTES = 128
+
+
+@triton.jit
+def _prefetch_l2(pf_ptr, first, end, LINE: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
+    # ask L2 for 128-byte lines first .. end of pf_ptr (LINE elements a line), spread over the program's
+    # threads; nothing waits for them
+    per = tl.cdiv(end - first, THREADS)
+    lo = tl.minimum(first + tl.arange(0, THREADS) * per, end)
+    hi = tl.minimum(lo + per, end)
+    if PREFETCH == 2:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r", [pf_ptr + lo.to(tl.int64) * LINE, ((hi - lo) * 128).to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        for i in range(0, per):
+            # an empty range repeats a line of the weight, which is harmless
+            line = tl.maximum(tl.minimum(lo + i, hi - 1), 0)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [pf_ptr + line.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False,
+                                      pack=1)
 
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
@@ -87,7 +115,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 @triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
+                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2, pf_ptr, pf_lines,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -95,7 +123,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                         PF_LINE: tl.constexpr, THREADS: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -193,6 +222,19 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS,
                               NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
+    if PREFETCH > 0:
+        if split >= num_active:
+            # No positions here. Once the product before attention is done, HBM would idle until the
+            # product after it starts streaming: ask L2 for this (b, kv head)'s share of its weights,
+            # spread over the idle splits.
+            pdl.enter(PDL)
+            groups = tl.num_programs(0) * NUM_KV_HEADS
+            per_group = tl.cdiv(pf_lines, groups)
+            g0 = (b * NUM_KV_HEADS + kvh) * per_group
+            g1 = tl.minimum(g0 + per_group, pf_lines)
+            per_split = tl.cdiv(tl.maximum(g1 - g0, 0), NUM_SPLITS - num_active)
+            p0 = tl.minimum(g0 + (split - num_active) * per_split, g1)
+            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), PF_LINE, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -233,12 +275,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, config: dict | None = None,
+                           next_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position context_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
     over the cache; returns the attention output [B, Hq, D]. A sequence with context_len 0 (a padded
-    CUDA-graph slot, slot -1) gets zeros."""
+    CUDA-graph slot, slot -1) gets zeros. `next_weight` (contiguous, on CUDA): what the kernel after this
+    one reads, for the L2 prefetch of `CONFIG["l2_prefetch"]`; results do not depend on it."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]
@@ -272,6 +316,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     else:
         part_out = part_lse = out
         counters = context_lens
+    prefetch = cfg["l2_prefetch"] if next_weight is not None and qkv.is_cuda else 0
+    pf_lines = 0
+    if prefetch:
+        if not next_weight.is_contiguous() or next_weight.device != qkv.device:
+            raise ValueError(f"fused_decode_attention: next_weight must be contiguous on {qkv.device}, got "
+                             f"strides {tuple(next_weight.stride())} on {next_weight.device}")
+        line = _LINE_BYTES // next_weight.element_size()
+        pf_lines = int(next_weight.numel() * cfg["l2_prefetch_fraction"]) // line
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
@@ -279,7 +331,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+        scale * _LOG2E, next_weight if pf_lines else cos_sin, pf_lines,
+        qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_SPLITS=num_splits,
@@ -288,7 +341,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_mode,
+        PDL=pdl_mode, PREFETCH=prefetch if pf_lines else 0,
+        PF_LINE=_LINE_BYTES // next_weight.element_size() if pf_lines else 1, THREADS=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out
