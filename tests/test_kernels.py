@@ -998,15 +998,15 @@ def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode,fraction", [(1, 1.0), (2, 1.0), (2, 0.3)])
-def test_gpu_fused_decode_l2_prefetch_changes_nothing(mode, fraction):
+@pytest.mark.parametrize("prefetch", [[1, 1.0, 0.0, 1.0], [2, 1.0, 0.0, 1.0], [2, 0.3, 0.25, 0.5]])
+def test_gpu_fused_decode_l2_prefetch_changes_nothing(prefetch):
     """Splits without positions ask L2 for the next product's weights (a 2560 x 4096 o_proj); results,
     cache and that weight stay as without, with idle splits, none (2,000+ positions at batch 1) and
     padded slots."""
     gen = _gen(18)
     weight = _randn(2560, 4096, dtype=torch.bfloat16, gen=gen)
     kept = weight.clone()
-    config = {"l2_prefetch": mode, "l2_prefetch_fraction": fraction}
+    config = {"l2_prefetch": {"2560x4096": prefetch}}
     for context_lens in ([160], [2100], [1, 0, 700, 90]):
         _check_fused_decode(gen, context_lens, 32, 8, 128, 16, torch.bfloat16, True, None, config, 2e-2,
                             next_weight=weight)

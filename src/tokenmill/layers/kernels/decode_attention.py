@@ -51,34 +51,37 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
-          "l2_prefetch": 0, "l2_prefetch_fraction": 1.0}
-# l2_prefetch: how the splits that hold no positions ask L2 for the next product's weights (`next_weight`)
-# once the kernel before attention is done: 0 not at all, 1 one `prefetch.global.L2` per 128-byte line,
-# 2 one `cp.async.bulk.prefetch.L2` per thread; l2_prefetch_fraction: the share of the weight's bytes,
-# from its start.
+          "l2_prefetch": {}}
+# l2_prefetch, by the next product's weight shape "NxK": [how, rows, lo, hi]. The splits that hold no
+# positions ask L2 for that weight's first `rows` (a fraction) rows, the bytes from `lo` to `hi` (fractions)
+# of each, once the kernel before attention is done; how: 1 one `prefetch.global.L2` per 128-byte line,
+# 2 one `cp.async.bulk.prefetch.L2` per row. A shape not listed is not prefetched.
 _LINE_BYTES = 128
 
 
 @triton.jit
-def _prefetch_l2(pf_ptr, first, end, LINE: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
-    # ask L2 for 128-byte lines first .. end of pf_ptr (LINE elements a line), spread over the program's
-    # threads; nothing waits for them
+def _prefetch_l2(pf_ptr, first, end, row_stride, col0, span_lines, LINE: tl.constexpr, THREADS: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    # ask L2 for span_lines 128-byte lines (LINE elements each) from column col0 of rows first .. end,
+    # the rows spread over the program's threads; nothing waits for them
     per = tl.cdiv(end - first, THREADS)
     lo = tl.minimum(first + tl.arange(0, THREADS) * per, end)
     hi = tl.minimum(lo + per, end)
-    if PREFETCH == 2:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r", [pf_ptr + lo.to(tl.int64) * LINE, ((hi - lo) * 128).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        for i in range(0, per):
-            # an empty range repeats a line of the weight, which is harmless
-            line = tl.maximum(tl.minimum(lo + i, hi - 1), 0)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [pf_ptr + line.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+    for i in range(0, per):
+        has = lo + i < hi
+        row = tl.where(has, lo + i, first)
+        base = pf_ptr + row.to(tl.int64) * row_stride + col0
+        if PREFETCH == 2:
+            tl.inline_asm_elementwise(
+                "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+                "=r,l,r", [base, tl.where(has, span_lines * 128, 0).to(tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            for j in range(0, span_lines):  # a row past the range repeats the first, which is harmless
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [base + j * LINE], dtype=tl.int32, is_pure=False, pack=1)
+
 
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
@@ -115,7 +118,8 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 @triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2, pf_ptr, pf_lines,
+                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
+                         pf_ptr, pf_rows, pf_row_stride, pf_col0, pf_span_lines,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -229,12 +233,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             # spread over the idle splits.
             pdl.enter(PDL)
             groups = tl.num_programs(0) * NUM_KV_HEADS
-            per_group = tl.cdiv(pf_lines, groups)
+            per_group = tl.cdiv(pf_rows, groups)
             g0 = (b * NUM_KV_HEADS + kvh) * per_group
-            g1 = tl.minimum(g0 + per_group, pf_lines)
+            g1 = tl.minimum(g0 + per_group, pf_rows)
             per_split = tl.cdiv(tl.maximum(g1 - g0, 0), NUM_SPLITS - num_active)
             p0 = tl.minimum(g0 + (split - num_active) * per_split, g1)
-            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), PF_LINE, THREADS, PREFETCH)
+            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), pf_row_stride, pf_col0, pf_span_lines,
+                         PF_LINE, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -282,7 +287,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
     over the cache; returns the attention output [B, Hq, D]. A sequence with context_len 0 (a padded
     CUDA-graph slot, slot -1) gets zeros. `next_weight` (contiguous, on CUDA): what the kernel after this
-    one reads, for the L2 prefetch of `CONFIG["l2_prefetch"]`; results do not depend on it."""
+    one reads, for the L2 prefetch of `CONFIG["l2_prefetch"]` (by its shape); results do not depend on it."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]
@@ -316,14 +321,19 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     else:
         part_out = part_lse = out
         counters = context_lens
-    prefetch = cfg["l2_prefetch"] if next_weight is not None and qkv.is_cuda else 0
-    pf_lines = 0
-    if prefetch:
-        if not next_weight.is_contiguous() or next_weight.device != qkv.device:
-            raise ValueError(f"fused_decode_attention: next_weight must be contiguous on {qkv.device}, got "
-                             f"strides {tuple(next_weight.stride())} on {next_weight.device}")
+    how, pf = 0, (0, 1, 0, 0)
+    if next_weight is not None and qkv.is_cuda:
+        if next_weight.dim() != 2 or next_weight.stride(1) != 1 or next_weight.device != qkv.device:
+            raise ValueError(f"fused_decode_attention: next_weight must be a matrix with unit column stride on "
+                             f"{qkv.device}, got shape {tuple(next_weight.shape)}, strides "
+                             f"{tuple(next_weight.stride())} on {next_weight.device}")
+        how, rows, lo, hi = cfg["l2_prefetch"].get("x".join(map(str, next_weight.shape)), (0, 0, 0, 0))
         line = _LINE_BYTES // next_weight.element_size()
-        pf_lines = int(next_weight.numel() * cfg["l2_prefetch_fraction"]) // line
+        row_lines = next_weight.shape[1] // line
+        pf = (int(next_weight.shape[0] * rows), next_weight.stride(0), int(row_lines * lo) * line,
+              int(row_lines * hi) - int(row_lines * lo))
+        if how and min(pf[0], pf[3]) <= 0:
+            how = 0
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
@@ -331,7 +341,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E, next_weight if pf_lines else cos_sin, pf_lines,
+        scale * _LOG2E, next_weight if how else cos_sin, *pf,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
@@ -341,8 +351,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_mode, PREFETCH=prefetch if pf_lines else 0,
-        PF_LINE=_LINE_BYTES // next_weight.element_size() if pf_lines else 1, THREADS=32 * cfg["num_warps"],
+        PDL=pdl_mode, PREFETCH=how, PF_LINE=_LINE_BYTES // next_weight.element_size() if how else 1,
+        THREADS=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out
