@@ -998,7 +998,7 @@ def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("prefetch", [[1, 1.0, 0.0, 1.0], [2, 1.0, 0.0, 1.0], [2, 0.3, 0.25, 0.5]])
+@pytest.mark.parametrize("prefetch", [[1, 0.0, 1.0], [2, 0.0, 1.0], [2, 0.3, 0.45]])
 def test_gpu_fused_decode_l2_prefetch_changes_nothing(prefetch):
     """Splits without positions ask L2 for the next product's weights (a 2560 x 4096 o_proj); results,
     cache and that weight stay as without, with idle splits, none (2,000+ positions at batch 1) and

@@ -52,35 +52,32 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
           "l2_prefetch": {}}
-# l2_prefetch, by the next product's weight shape "NxK": [how, rows, lo, hi]. The splits that hold no
-# positions ask L2 for that weight's first `rows` (a fraction) rows, the bytes from `lo` to `hi` (fractions)
-# of each, once the kernel before attention is done; how: 1 one `prefetch.global.L2` per 128-byte line,
-# 2 one `cp.async.bulk.prefetch.L2` per row. A shape not listed is not prefetched.
+# l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
+# ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
+# is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
+# line, 2 one `cp.async.bulk.prefetch.L2` per run. A shape not listed is not prefetched.
 _LINE_BYTES = 128
 
 
 @triton.jit
-def _prefetch_l2(pf_ptr, first, end, row_stride, col0, span_lines, LINE: tl.constexpr, THREADS: tl.constexpr,
-                 PREFETCH: tl.constexpr):
-    # ask L2 for span_lines 128-byte lines (LINE elements each) from column col0 of rows first .. end,
-    # the rows spread over the program's threads; nothing waits for them
+def _prefetch_l2(pf_ptr, first, end, LINE: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
+    # ask L2 for 128-byte lines first .. end of pf_ptr (LINE elements each), a run of them per thread;
+    # nothing waits for them
     per = tl.cdiv(end - first, THREADS)
     lo = tl.minimum(first + tl.arange(0, THREADS) * per, end)
     hi = tl.minimum(lo + per, end)
-    for i in range(0, per):
-        has = lo + i < hi
-        row = tl.where(has, lo + i, first)
-        base = pf_ptr + row.to(tl.int64) * row_stride + col0
-        if PREFETCH == 2:
-            tl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                "=r,l,r", [base, tl.where(has, span_lines * 128, 0).to(tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            for j in range(0, span_lines):  # a row past the range repeats the first, which is harmless
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                          [base + j * LINE], dtype=tl.int32, is_pure=False, pack=1)
+    if PREFETCH == 2:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r", [pf_ptr + lo.to(tl.int64) * LINE, ((hi - lo) * 128).to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        for i in range(0, per):  # past a thread's run it repeats its last line (or the range's first)
+            line = tl.maximum(tl.minimum(lo + i, hi - 1), first)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [pf_ptr + line.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False,
+                                      pack=1)
 
 
 @triton.jit
@@ -119,7 +116,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
-                         pf_ptr, pf_rows, pf_row_stride, pf_col0, pf_span_lines,
+                         pf_ptr, pf_first, pf_end,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -233,13 +230,12 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             # spread over the idle splits.
             pdl.enter(PDL)
             groups = tl.num_programs(0) * NUM_KV_HEADS
-            per_group = tl.cdiv(pf_rows, groups)
-            g0 = (b * NUM_KV_HEADS + kvh) * per_group
-            g1 = tl.minimum(g0 + per_group, pf_rows)
+            per_group = tl.cdiv(pf_end - pf_first, groups)
+            g0 = pf_first + (b * NUM_KV_HEADS + kvh) * per_group
+            g1 = tl.minimum(g0 + per_group, pf_end)
             per_split = tl.cdiv(tl.maximum(g1 - g0, 0), NUM_SPLITS - num_active)
             p0 = tl.minimum(g0 + (split - num_active) * per_split, g1)
-            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), pf_row_stride, pf_col0, pf_span_lines,
-                         PF_LINE, THREADS, PREFETCH)
+            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), PF_LINE, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -321,18 +317,15 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     else:
         part_out = part_lse = out
         counters = context_lens
-    how, pf = 0, (0, 1, 0, 0)
+    how, pf = 0, (0, 0)
     if next_weight is not None and qkv.is_cuda:
-        if next_weight.dim() != 2 or next_weight.stride(1) != 1 or next_weight.device != qkv.device:
-            raise ValueError(f"fused_decode_attention: next_weight must be a matrix with unit column stride on "
-                             f"{qkv.device}, got shape {tuple(next_weight.shape)}, strides "
-                             f"{tuple(next_weight.stride())} on {next_weight.device}")
-        how, rows, lo, hi = cfg["l2_prefetch"].get("x".join(map(str, next_weight.shape)), (0, 0, 0, 0))
-        line = _LINE_BYTES // next_weight.element_size()
-        row_lines = next_weight.shape[1] // line
-        pf = (int(next_weight.shape[0] * rows), next_weight.stride(0), int(row_lines * lo) * line,
-              int(row_lines * hi) - int(row_lines * lo))
-        if how and min(pf[0], pf[3]) <= 0:
+        if not next_weight.is_contiguous() or next_weight.device != qkv.device:
+            raise ValueError(f"fused_decode_attention: next_weight must be contiguous on {qkv.device}, got "
+                             f"strides {tuple(next_weight.stride())} on {next_weight.device}")
+        how, lo, hi = cfg["l2_prefetch"].get("x".join(map(str, next_weight.shape)), (0, 0, 0))
+        lines = next_weight.numel() * next_weight.element_size() // _LINE_BYTES
+        pf = (int(lines * lo), int(lines * hi))
+        if pf[1] <= pf[0]:
             how = 0
     has_norm = q_weight is not None
     half = head_dim // 2
