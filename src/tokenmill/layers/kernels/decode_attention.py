@@ -51,11 +51,14 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
-          "l2_prefetch": {}}
+          "l2_prefetch": {"2560x4096": [2, 0.0, 0.125]}}
 # l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
 # ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
 # is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
-# line, 2 one `cp.async.bulk.prefetch.L2` per run. A shape not listed is not prefetched.
+# line, 2 one `cp.async.bulk.prefetch.L2` per run. A shape not listed is not prefetched. For qwen3-4b's
+# o_proj the first eighth took 3-7 us off a batch-1 step on an H200; a quarter or more, or the same bytes
+# as whole rows, made it slower (the product after attention loads its first tiles at the same time), and
+# nanbeige4.1-3b's o_proj, which copies its whole rows before its wait, gained nothing (docs/BENCHMARKS.md).
 _LINE_BYTES = 128
 
 
