@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import _norm_rope, check_prologue_inputs
+from tokenmill.layers.kernels.fused_ops import _norm_rope, _norm_rope_with, _norm_weights, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
                                                       _dot_precision, decode_num_splits)
 
@@ -128,7 +128,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         PF_LINE: tl.constexpr, THREADS: tl.constexpr):
+                         PF_LINE: tl.constexpr, THREADS: tl.constexpr, PF_DELAY_NS: tl.constexpr,
+                         NORM_FIRST: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -155,14 +156,26 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
+        if NORM_FIRST:   # weights: they may be read before the wait
+            qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+            kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [counter_ptr + b * NUM_KV_HEADS + kvh], dtype=tl.int32, is_pure=False,
+                                      pack=1)
         pdl.enter(PDL)
 
         row = qkv_ptr + b64 * qkv_stride_t
-        q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
-                               BLOCK_HALF, HAS_NORM)
-        # the new k as the first of two rows (the second is masked to zero), v as loaded
-        k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2,
-                                    HALF, BLOCK_HALF, HAS_NORM)
+        if NORM_FIRST:
+            q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G,
+                                        HALF, BLOCK_HALF, HAS_NORM)
+            k1, k2, k_mask = _norm_rope_with(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1,
+                                             2, HALF, BLOCK_HALF, HAS_NORM)
+        else:
+            q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
+                                   BLOCK_HALF, HAS_NORM)
+            # the new k as the first of two rows (the second is masked to zero), v as loaded
+            k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2,
+                                        HALF, BLOCK_HALF, HAS_NORM)
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
@@ -232,6 +245,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             # product after it starts streaming: ask L2 for this (b, kv head)'s share of its weights,
             # spread over the idle splits.
             pdl.enter(PDL)
+            if PF_DELAY_NS > 0:
+                tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [b * 0 + PF_DELAY_NS],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             groups = tl.num_programs(0) * NUM_KV_HEADS
             per_group = tl.cdiv(pf_end - pf_first, groups)
             g0 = pf_first + (b * NUM_KV_HEADS + kvh) * per_group
@@ -348,7 +364,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
         PDL=pdl_mode, PREFETCH=how, PF_LINE=_LINE_BYTES // next_weight.element_size() if how else 1,
-        THREADS=32 * cfg["num_warps"],
+        THREADS=32 * cfg["num_warps"], PF_DELAY_NS=cfg.get("l2_prefetch_delay_ns", 0) if how else 0,
+        NORM_FIRST=bool(cfg.get("norm_weights_first", False)) and qkv.is_cuda,
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out

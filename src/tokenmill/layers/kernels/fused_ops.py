@@ -197,11 +197,33 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
 
 @triton.jit
+def _norm_weights(w_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # a head's norm weight as two [1, BLOCK_HALF] float32 halves (ones without a norm)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    if HAS_NORM:
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    else:
+        w1 = tl.full([1, BLOCK_HALF], 1.0, tl.float32)
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
 def _norm_rope(src_ptr, w_ptr, eps, cos, sin,
                NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    # src_ptr: head 0 of one token, heads 2 * HALF apart. Rounds like rms_norm then apply_rotary:
-    # normalised value -> input dtype, times weight in fp32 -> input dtype, rotated in fp32 -> input dtype
+    w1, w2 = _norm_weights(w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+    return _norm_rope_with(src_ptr, w1, w2, eps, cos, sin, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, HAS_NORM)
+
+
+@triton.jit
+def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
+                    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # src_ptr: head 0 of one token, heads 2 * HALF apart; w1, w2: `_norm_weights`. Rounds like rms_norm
+    # then apply_rotary: normalised value -> input dtype, times weight in fp32 -> input dtype, rotated in
+    # fp32 -> input dtype
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
@@ -211,8 +233,6 @@ def _norm_rope(src_ptr, w_ptr, eps, cos, sin,
     f2 = x2.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         f1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         f2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
