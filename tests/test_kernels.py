@@ -999,14 +999,15 @@ def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("prefetch", [[1, 0.0, 1.0], [2, 0.0, 1.0], [2, 0.3, 0.45]])
-def test_gpu_fused_decode_l2_prefetch_changes_nothing(prefetch):
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_gpu_fused_decode_l2_prefetch_changes_nothing(prefetch, norm_first):
     """Splits without positions ask L2 for the next product's weights (a 2560 x 4096 o_proj); results,
     cache and that weight stay as without, with idle splits, none (2,000+ positions at batch 1) and
-    padded slots."""
+    padded slots; with the q/k norm weights read before the wait or after it."""
     gen = _gen(18)
     weight = _randn(2560, 4096, dtype=torch.bfloat16, gen=gen)
     kept = weight.clone()
-    config = {"l2_prefetch": {"2560x4096": prefetch}}
+    config = {"l2_prefetch": {"2560x4096": prefetch}, "norm_weights_first": norm_first}
     for context_lens in ([160], [2100], [1, 0, 700, 90]):
         _check_fused_decode(gen, context_lens, 32, 8, 128, 16, torch.bfloat16, True, None, config, 2e-2,
                             next_weight=weight)

@@ -51,7 +51,10 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
-          "l2_prefetch": {"2560x4096": [2, 0.0, 0.125]}}
+          "l2_prefetch": {"2560x4096": [2, 0.0, 0.125]}, "norm_weights_first": True}
+# norm_weights_first (CUDA): the q/k norm weights are read, and the split counter's line asked into L2,
+# before the wait, so no HBM read of theirs is left between the wait and the output (4 us off a qwen3-4b
+# batch-1 step beside the prefetch below).
 # l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
 # ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
 # is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
@@ -128,8 +131,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         PF_LINE: tl.constexpr, THREADS: tl.constexpr, PF_DELAY_NS: tl.constexpr,
-                         NORM_FIRST: tl.constexpr):
+                         PF_LINE: tl.constexpr, THREADS: tl.constexpr, NORM_FIRST: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -245,9 +247,6 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             # product after it starts streaming: ask L2 for this (b, kv head)'s share of its weights,
             # spread over the idle splits.
             pdl.enter(PDL)
-            if PF_DELAY_NS > 0:
-                tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [b * 0 + PF_DELAY_NS],
-                                          dtype=tl.int32, is_pure=False, pack=1)
             groups = tl.num_programs(0) * NUM_KV_HEADS
             per_group = tl.cdiv(pf_end - pf_first, groups)
             g0 = pf_first + (b * NUM_KV_HEADS + kvh) * per_group
@@ -364,8 +363,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
         PDL=pdl_mode, PREFETCH=how, PF_LINE=_LINE_BYTES // next_weight.element_size() if how else 1,
-        THREADS=32 * cfg["num_warps"], PF_DELAY_NS=cfg.get("l2_prefetch_delay_ns", 0) if how else 0,
-        NORM_FIRST=bool(cfg.get("norm_weights_first", False)) and qkv.is_cuda,
+        THREADS=32 * cfg["num_warps"], NORM_FIRST=cfg["norm_weights_first"] and qkv.is_cuda,
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out
