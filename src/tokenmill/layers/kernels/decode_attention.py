@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernels import pdl
+from tokenmill.layers.kernels import l2_prefetch, pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import _norm_rope, _norm_rope_with, _norm_weights, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
@@ -62,30 +62,6 @@ CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many
 # o_proj the first eighth took 3-7 us off a batch-1 step on an H200; a quarter or more, or the same bytes
 # as whole rows, made it slower (the product after attention loads its first tiles at the same time), and
 # nanbeige4.1-3b's o_proj, which copies its whole rows before its wait, gained nothing (docs/BENCHMARKS.md).
-_LINE_BYTES = 128
-
-
-@triton.jit
-def _prefetch_l2(pf_ptr, first, end, LINE: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
-    # ask L2 for 128-byte lines first .. end of pf_ptr (LINE elements each), a run of them per thread;
-    # nothing waits for them
-    per = tl.cdiv(end - first, THREADS)
-    lo = tl.minimum(first + tl.arange(0, THREADS) * per, end)
-    hi = tl.minimum(lo + per, end)
-    if PREFETCH == 2:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r", [pf_ptr + lo.to(tl.int64) * LINE, ((hi - lo) * 128).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        for i in range(0, per):  # past a thread's run it repeats its last line (or the range's first)
-            line = tl.maximum(tl.minimum(lo + i, hi - 1), first)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [pf_ptr + line.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-
-
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -247,13 +223,10 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             # product after it starts streaming: ask L2 for this (b, kv head)'s share of its weights,
             # spread over the idle splits.
             pdl.enter(PDL)
-            groups = tl.num_programs(0) * NUM_KV_HEADS
-            per_group = tl.cdiv(pf_end - pf_first, groups)
-            g0 = pf_first + (b * NUM_KV_HEADS + kvh) * per_group
-            g1 = tl.minimum(g0 + per_group, pf_end)
-            per_split = tl.cdiv(tl.maximum(g1 - g0, 0), NUM_SPLITS - num_active)
-            p0 = tl.minimum(g0 + (split - num_active) * per_split, g1)
-            _prefetch_l2(pf_ptr, p0, tl.minimum(p0 + per_split, g1), PF_LINE, THREADS, PREFETCH)
+            g0, g1 = l2_prefetch.share(pf_first, pf_end, b * NUM_KV_HEADS + kvh,
+                                       tl.num_programs(0) * NUM_KV_HEADS)
+            p0, p1 = l2_prefetch.share(g0, g1, split - num_active, NUM_SPLITS - num_active)
+            l2_prefetch.prefetch_lines(pf_ptr, p0, p1, PF_LINE, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -336,15 +309,15 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         part_out = part_lse = out
         counters = context_lens
     how, pf = 0, (0, 0)
-    if next_weight is not None and qkv.is_cuda:
-        if not next_weight.is_contiguous() or next_weight.device != qkv.device:
-            raise ValueError(f"fused_decode_attention: next_weight must be contiguous on {qkv.device}, got "
-                             f"strides {tuple(next_weight.stride())} on {next_weight.device}")
+    if next_weight is not None:
         how, lo, hi = cfg["l2_prefetch"].get("x".join(map(str, next_weight.shape)), (0, 0, 0))
-        lines = next_weight.numel() * next_weight.element_size() // _LINE_BYTES
-        pf = (int(lines * lo), int(lines * hi))
-        if pf[1] <= pf[0]:
-            how = 0
+        how = l2_prefetch.how_on(qkv, how)
+        if how:
+            if next_weight.device != qkv.device:
+                raise ValueError(f"fused_decode_attention: next_weight is on {next_weight.device}, not "
+                                 f"{qkv.device}")
+            pf = l2_prefetch.lines(next_weight, lo, hi)
+            how = how if pf[1] > pf[0] else 0
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
@@ -362,7 +335,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_mode, PREFETCH=how, PF_LINE=_LINE_BYTES // next_weight.element_size() if how else 1,
+        PDL=pdl_mode, PREFETCH=how, PF_LINE=l2_prefetch.line_elems(next_weight) if how else 1,
         THREADS=32 * cfg["num_warps"], NORM_FIRST=cfg["norm_weights_first"] and qkv.is_cuda,
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
