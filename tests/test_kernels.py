@@ -1016,38 +1016,6 @@ def test_gpu_fused_decode_l2_prefetch_changes_nothing(prefetch, norm_first):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_added_prefetch_programs_change_nothing():
-    """The staging kernel and RMSNorm with programs added to ask L2 for a weight (more MB than it has,
-    too): the same bytes out as without them, at batch 1 and beyond, and the weight untouched."""
-    _, ops = _kernels()
-    staging = _staging_module()
-    gen = _gen(19)
-    bf16 = torch.bfloat16
-    weight = _randn(6144, 2560, dtype=bf16, gen=gen)
-    kept = weight.clone()
-    for rows in (1, 5):
-        x, res = _randn(rows, 2560, dtype=bf16, gen=gen), _randn(rows, 2560, dtype=bf16, gen=gen)
-        norm_w = _randn(2560, dtype=bf16, gen=gen)
-        want = ops.rms_norm(x, norm_w, 1e-6, res)
-        for mb in (8.0, 64.0):
-            got = ops.rms_norm(x, norm_w, 1e-6, res, prefetch=weight, prefetch_mb=mb)
-            assert all(torch.equal(g, w) for g, w in zip(got, want))
-    ids_bytes, nbytes = 8 * 16, 8 * 16 + 4 * 40
-    src = torch.randint(0, 255, (nbytes,), generator=gen, dtype=torch.uint8)
-    src[:ids_bytes].view(torch.int64).copy_(torch.tensor([-1, 5] * 8))
-    src = src.pin_memory()
-    prev = torch.tensor([77], dtype=torch.int64, device=DEVICE)
-    want = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
-    staging.stage(want, src, nbytes, ids_bytes, 16, prev)
-    for mb in (8.0, 64.0):
-        got = torch.zeros_like(want)
-        staging.stage(got, src, nbytes, ids_bytes, 16, prev, prefetch=weight, prefetch_mb=mb)
-        assert torch.equal(got, want)
-    assert torch.equal(weight, kept)
-
-
-@pytest.mark.gpu
-@gpu
 def test_gpu_fused_decode_cuda_graph_replay_with_new_lengths():
     """Captured once, replayed with new lengths, slots and inputs: the split merge, its counters and the
     cache store all follow the device tensors."""

@@ -25,12 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prefetch: torch.Tensor | None = None, prefetch_mb: float = 0.0):
-        """`prefetch`, `prefetch_mb`: on CUDA, as `fused_ops.rms_norm` takes them (results do not
-        depend on them)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:
             from tokenmill.layers.kernels import fused_ops
-            return fused_ops.rms_norm(x, self.weight, self.eps, residual, prefetch, prefetch_mb)
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         out, residual_out = rms_norm_torch(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual_out)

@@ -150,9 +150,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta, head_weight: torch.Tensor | None = None):
-        """`head_weight`: what the head after this reads, which a single-token step's final norm asks
-        into L2 (`kernels/l2_prefetch.py`)."""
+    def forward(self, input_ids, positions, meta):
         fused_linear = single_token_linear(input_ids)
         decode_attention = decode_attention_kernel(input_ids, meta)
         residual, ids = None, None
@@ -163,11 +161,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention,
                                      ids if i == 0 else None)
-        if fused_linear is not None and head_weight is not None:
-            from tokenmill.layers.kernels import l2_prefetch
-            hidden, _ = self.norm(hidden, residual, prefetch=head_weight, prefetch_mb=l2_prefetch.HEAD_MB)
-        else:
-            hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
@@ -201,11 +195,7 @@ class LlamaForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, head_weight=self.lm_head.weight)
-
-    def first_weight(self) -> torch.Tensor:
-        """The weight a single-token step reads first: layer 0's qkv product."""
-        return self.model.layers[0].self_attn.qkv_proj.weight
+        return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
-from tokenmill.layers.kernels import argmax, l2_prefetch, staging
+from tokenmill.layers.kernels import argmax, staging
 from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
 logger = logging.getLogger("tokenmill")
@@ -201,9 +201,8 @@ class CudaGraphs:
         # row goes over only up to `width` (a batch of one: a few entries instead of the whole row)
         host["block_tables"][:seqs, :width] = inp.tables
         if self._mapped:     # the staging kernel also fills the placeholders from the step before
-            first = getattr(self.model, "first_weight", None) if key == ("decode", 1) else None
             staging.stage(packed.buffer, host["_buffer"], packed.span(seqs, width), packed.offsets["positions"],
-                          t_pad, prev_tokens, first() if first else None, l2_prefetch.STEP_MB)
+                          t_pad, prev_tokens)
         else:
             packed.upload(host, rows=seqs, width=width)
             if prev_tokens is not None:

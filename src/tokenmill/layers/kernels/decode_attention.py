@@ -58,10 +58,11 @@ CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many
 # l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
 # ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
 # is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
-# line, 2 one `cp.async.bulk.prefetch.L2` per run. A shape not listed is not prefetched. For qwen3-4b's
-# o_proj the first eighth took 3-7 us off a batch-1 step on an H200; a quarter or more, or the same bytes
-# as whole rows, made it slower (the product after attention loads its first tiles at the same time), and
-# nanbeige4.1-3b's o_proj, which copies its whole rows before its wait, gained nothing (docs/BENCHMARKS.md).
+# line, 2 one `cp.async.bulk.prefetch.L2` per run (`l2_prefetch.py`). A shape not listed is not
+# prefetched. For qwen3-4b's o_proj the first eighth or quarter took 3-7 us off a batch-1 step on an H200;
+# three eighths or more, a delay before asking, or the bytes handed out as whole rows did not pay (the
+# product after attention loads its first tiles at the same time), nor did any share of nanbeige4.1-3b's
+# o_proj, which copies its whole rows before its wait (docs/BENCHMARKS.md).
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernels import l2_prefetch, pdl
+from tokenmill.layers.kernels import pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -38,17 +38,11 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows, inner,
-                     x_stride_a, x_stride_b, r_stride_a, r_stride_b, pf_ptr, pf_lines, n_norm,
+                     x_stride_a, x_stride_b, r_stride_a, r_stride_b,
                      N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     PF_LINE: tl.constexpr, THREADS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]
     pdl.enter(PDL)
-    if PREFETCH > 0:
-        if tl.program_id(0) >= n_norm:   # added to ask L2 for its share of what the next kernel reads
-            lo, hi = l2_prefetch.share(0, pf_lines, tl.program_id(0) - n_norm, tl.num_programs(0) - n_norm)
-            l2_prefetch.prefetch_lines(pf_ptr, lo, hi, PF_LINE, THREADS, PREFETCH)
-            return
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_N)
     r_mask = r < num_rows
@@ -69,12 +63,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows,
     tl.store(out_ptr + out_rows, (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             prefetch: torch.Tensor | None = None, prefetch_mb: float = 0.0):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim of x [..., N]. Returns `out` when residual is None, else
     `(out, x + residual)`; both are new contiguous tensors (the inputs are not modified).
-    out has dtype promote(weight.dtype, x.dtype), as in the reference. `prefetch` (on x's GPU): added
-    programs ask L2 for its first `prefetch_mb` MB once the kernel before is done (`l2_prefetch`)."""
+    out has dtype promote(weight.dtype, x.dtype), as in the reference."""
     _check_dtype("rms_norm x", x)
     _check_dtype("rms_norm weight", weight)
     n = x.shape[-1]
@@ -95,19 +87,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block_n = triton.next_power_of_2(n)
         block_r = max(1, min(16, 2048 // block_n))
         pdl_mode = pdl.mode(x.device)
-        n_norm = triton.cdiv(num_rows, block_r)
-        how, pf_lines = 0, 0
-        if prefetch is not None and prefetch_mb > 0:
-            how = l2_prefetch.how_on(x)
-            pf_lines = l2_prefetch.leading_lines(prefetch, prefetch_mb) if how else 0
-            how = how if pf_lines else 0
-        num_warps = 8 if block_n >= 4096 else 4
-        _rms_norm_kernel[(n_norm + (l2_prefetch.PROGRAMS if how else 0),)](
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x3, r3, weight, out, res_out, eps, num_rows, x3.shape[1],
-            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), prefetch if how else weight, pf_lines, n_norm,
+            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, PDL=pdl_mode,
-            PREFETCH=how, PF_LINE=l2_prefetch.line_elems(prefetch) if how else 1, THREADS=32 * num_warps,
-            num_warps=num_warps, launch_pdl=pdl_mode > 0)
+            num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_mode > 0)
     return out if residual is None else (out, res_out)
 
 

@@ -1,12 +1,12 @@
 """Asking L2 for weights that a later kernel of the step will read, from programs that run while HBM
-would otherwise idle: the splits of decode attention that hold no positions (while attention's short
-chain of dependent reads runs), programs added to the kernel that stages a step's inputs (before the
-first layer) and to the final RMSNorm (before the head, whose cuBLAS kernels start only after it).
+would otherwise idle. One place does it: the splits of decode attention that hold no positions, once
+the qkv product is done, ask for the start of o_proj's weights (`decode_attention.CONFIG["l2_prefetch"]`).
 
-A batch-1 decode step reads about 8 GB of weights in 2.5 ms, so HBM is the step's bound; but between the
-products there are stretches where nothing streams, and what L2 holds when the next product starts is
-read at L2's speed. Asking for too much delays the reads the step waits on (measured in
-docs/BENCHMARKS.md): the amounts are small, and chosen per place.
+A batch-1 decode step reads about 8 GB of weights in 2.5 ms, so HBM bounds it; between the products there
+are stretches where little streams, and what L2 holds when the next product starts is read at L2's speed.
+But asking for too much delays the reads the step waits on: three eighths of o_proj or more was slower.
+Programs added to the final norm to ask for the head's first 8 MB made the step slower, and programs added
+to the staging kernel for layer 0's qkv gained nothing (docs/BENCHMARKS.md), so neither is done.
 
 `prefetch_lines` is the device part; `share` cuts a range into programs' shares. Nothing waits for a
 prefetch, and results never depend on one. The interpreter has no inline assembly, so callers pass
@@ -14,18 +14,11 @@ HOW 0 there (`how_on`).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 LINE_BYTES = 128
-# bytes asked into L2 (MB): of layer 0's qkv weight by the staging kernel before a batch-1 step, and of
-# the vocabulary head by the final norm; 0 turns either off
-STEP_MB = float(os.environ.get("TOKENMILL_L2_PREFETCH_STEP_MB", "8"))
-HEAD_MB = float(os.environ.get("TOKENMILL_L2_PREFETCH_HEAD_MB", "8"))
-PROGRAMS = 16   # programs added to a kernel to issue its prefetch
 
 
 @triton.jit
@@ -68,11 +61,6 @@ def lines(t: torch.Tensor, lo: float, hi: float) -> tuple[int, int]:
         raise ValueError(f"l2 prefetch: the tensor must be contiguous, got strides {tuple(t.stride())}")
     n = t.numel() * t.element_size() // LINE_BYTES
     return int(n * lo), int(n * hi)
-
-
-def leading_lines(t: torch.Tensor, mb: float) -> int:
-    """How many of `t`'s first 128-byte lines make up `mb` MB (at most all of them)."""
-    return min(lines(t, 0.0, 1.0)[1], int(mb * 2 ** 20) // LINE_BYTES)
 
 
 def line_elems(t: torch.Tensor) -> int:

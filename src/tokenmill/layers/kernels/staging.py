@@ -23,22 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernels import l2_prefetch
-
 BLOCK = 1024
 
 
 # sizes vary by step: one compiled variant for all of them
-@triton.jit(do_not_specialize=["word_start", "word_end", "n_ids", "n_copy"])
+@triton.jit(do_not_specialize=["word_start", "word_end", "n_ids"])
 def _stage_kernel(src_words, dst_words, word_start, word_end, src_ids, dst_ids, n_ids, prev_ptr,
-                  pf_ptr, pf_lines, n_copy, HAS_PREV: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                  PF_LINE: tl.constexpr, THREADS: tl.constexpr):
+                  HAS_PREV: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    if PREFETCH > 0:
-        if pid >= n_copy:   # a program added to ask L2 for its share of the weights the step reads first
-            lo, hi = l2_prefetch.share(0, pf_lines, pid - n_copy, tl.num_programs(0) - n_copy)
-            l2_prefetch.prefetch_lines(pf_ptr, lo, hi, PF_LINE, THREADS, PREFETCH)
-            return
     w = word_start + pid * BLOCK + tl.arange(0, BLOCK)
     tl.store(dst_words + w, tl.load(src_words + w, mask=w < word_end), mask=w < word_end)
     i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -65,23 +57,16 @@ def _check(dst: torch.Tensor, src: torch.Tensor, nbytes: int, ids_bytes: int, n_
 
 
 def stage(dst: torch.Tensor, src: torch.Tensor, nbytes: int, ids_bytes: int, n_ids: int,
-          prev: torch.Tensor | None, prefetch: torch.Tensor | None = None, prefetch_mb: float = 0.0) -> None:
+          prev: torch.Tensor | None) -> None:
     """Copies bytes [ids_bytes, nbytes) of the packed host buffer `src` to `dst`, and its first `n_ids`
-    int64 input ids with each placeholder replaced by its token from `prev` (int64 on the device).
-    `prefetch` (on `dst`'s GPU): added programs ask L2 for its first `prefetch_mb` MB (`l2_prefetch`)."""
+    int64 input ids with each placeholder replaced by its token from `prev` (int64 on the device)."""
     _check(dst, src, nbytes, ids_bytes, n_ids)
     words = (nbytes - ids_bytes) // 4
-    n_copy = max(triton.cdiv(words, BLOCK), triton.cdiv(n_ids, BLOCK), 1)
-    how, pf_lines = 0, 0
-    if prefetch is not None and prefetch_mb > 0:
-        how = l2_prefetch.how_on(dst)
-        pf_lines = l2_prefetch.leading_lines(prefetch, prefetch_mb) if how else 0
-        how = how if pf_lines else 0
-    _stage_kernel[(n_copy + (l2_prefetch.PROGRAMS if how else 0),)](
-        src.view(torch.int32), dst.view(torch.int32), ids_bytes // 4, nbytes // 4,
-        src.view(torch.int64), dst.view(torch.int64), n_ids, prev if prev is not None else dst.view(torch.int64),
-        prefetch if how else dst, pf_lines, n_copy, HAS_PREV=prev is not None, BLOCK=BLOCK, PREFETCH=how,
-        PF_LINE=l2_prefetch.line_elems(prefetch) if how else 1, THREADS=128, num_warps=4)
+    grid = (max(triton.cdiv(words, BLOCK), triton.cdiv(n_ids, BLOCK), 1),)
+    _stage_kernel[grid](src.view(torch.int32), dst.view(torch.int32), ids_bytes // 4, nbytes // 4,
+                        src.view(torch.int64), dst.view(torch.int64), n_ids,
+                        prev if prev is not None else dst.view(torch.int64), HAS_PREV=prev is not None,
+                        BLOCK=BLOCK, num_warps=4)
 
 
 def _resolved(ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -108,8 +93,7 @@ def fill_placeholders(ids: torch.Tensor, prev: torch.Tensor) -> None:
         ids.copy_(_resolved(ids, prev))
     elif n:
         _stage_kernel[(triton.cdiv(n, BLOCK),)](ids.view(torch.int32), ids.view(torch.int32), 0, 0, ids, ids,
-                                               n, prev, ids, 0, triton.cdiv(n, BLOCK), HAS_PREV=True,
-                                               BLOCK=BLOCK, PREFETCH=0, PF_LINE=1, THREADS=128, num_warps=4)
+                                               n, prev, HAS_PREV=True, BLOCK=BLOCK, num_warps=4)
 
 
 def publish(src: torch.Tensor, dst: torch.Tensor) -> None:
