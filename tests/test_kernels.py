@@ -703,6 +703,15 @@ def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv
                         dtype, qk_norm, num_splits, {"block_n": 16, "min_split_len": min_split}, _tol(dtype))
 
 
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_fused_decode_attention_norm_weights_before_or_after_the_wait(norm_first):
+    # the q/k norm weights read before the programmatic-dependent-launch wait or after it: the same
+    # results (on the GPU the first also asks L2 for the split counter's line, test_l2_prefetch.py)
+    _check_fused_decode(_gen(34), [1, 70, 0, 150], 4, 2, 32, 16, torch.float32, True, 4,
+                        {"block_n": 16, "min_split_len": 16, "norm_weights_first": norm_first},
+                        _tol(torch.float32))
+
+
 def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
     """A launch with `many_splits` splits (the most there are, at batch 1) runs its tile loop without
     software pipelining (one stage); one with fewer keeps the configured stages. Both stay correct."""

@@ -35,7 +35,7 @@ bf16 = "*bf16"
 const = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, NUM_SPLITS=32, GROUP=4, BLOCK_G=16, BLOCK_GR=4, SPLIT_CHUNK=8,
              HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, HAS_NORM=True, PAGE_SIZE=16, BLOCK_N=64,
              MIN_SPLIT_LEN=64, DOT_PRECISION="ieee", PDL=2, PREFETCH=how, PF_LINE=64, THREADS=128,
-             NORM_FIRST=bool(norm_first))
+             NORM_FIRST=norm_first)
 types = {**{p: bf16 for p in ("qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "k_cache_ptr", "v_cache_ptr",
                               "out_ptr", "pf_ptr")},
          "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
@@ -63,8 +63,9 @@ def test_sm90_prefetch_comes_after_the_wait():
 
 
 def test_sm90_attention_reads_its_counter_line_before_the_wait_only_when_asked():
-    before = _compile(0, 1)["line"]
+    before = _compile(0, 2)["line"]     # norm weights first, on a GPU
     assert before[0] == 1 and sum(before) == 1
+    assert sum(_compile(0, 1)["line"]) == 0
     assert sum(_compile(0, 0)["line"]) == 0
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import l2_prefetch, pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import _norm_rope, _norm_rope_with, _norm_weights, check_prologue_inputs
+from tokenmill.layers.kernels.fused_ops import _norm_rope_with, _norm_weights, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
                                                       _dot_precision, decode_num_splits)
 
@@ -52,9 +52,9 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
           "l2_prefetch": {"2560x4096": [2, 0.0, 0.125]}, "norm_weights_first": True}
-# norm_weights_first (CUDA): the q/k norm weights are read, and the split counter's line asked into L2,
-# before the wait, so no HBM read of theirs is left between the wait and the output (4 us off a qwen3-4b
-# batch-1 step beside the prefetch below).
+# norm_weights_first: the q/k norm weights are read before the wait (and on a GPU the split counter's line
+# asked into L2 there), so no HBM read of theirs is left between the wait and the output: 4 us off a
+# qwen3-4b batch-1 graph in one variant run beside the prefetch below, a tie in an A/B.
 # l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
 # ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
 # is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
@@ -63,6 +63,8 @@ CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many
 # three eighths or more, a delay before asking, or the bytes handed out as whole rows did not pay (the
 # product after attention loads its first tiles at the same time), nor did any share of nanbeige4.1-3b's
 # o_proj, which copies its whole rows before its wait (docs/BENCHMARKS.md).
+
+
 @triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -135,26 +137,22 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
-        if NORM_FIRST:   # weights: they may be read before the wait
+        if NORM_FIRST > 0:   # weights: they may be read before the wait
             qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
             kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [counter_ptr + b * NUM_KV_HEADS + kvh], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+            if NORM_FIRST == 2:
+                l2_prefetch.prefetch_line(counter_ptr + b * NUM_KV_HEADS + kvh)
         pdl.enter(PDL)
+        if NORM_FIRST == 0:
+            qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+            kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
 
         row = qkv_ptr + b64 * qkv_stride_t
-        if NORM_FIRST:
-            q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G,
-                                        HALF, BLOCK_HALF, HAS_NORM)
-            k1, k2, k_mask = _norm_rope_with(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1,
-                                             2, HALF, BLOCK_HALF, HAS_NORM)
-        else:
-            q1, q2, _ = _norm_rope(row + kvh * GROUP * HEAD_DIM, q_w_ptr, eps, cos, sin, GROUP, BLOCK_G, HALF,
-                                   BLOCK_HALF, HAS_NORM)
-            # the new k as the first of two rows (the second is masked to zero), v as loaded
-            k1, k2, k_mask = _norm_rope(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, k_w_ptr, eps, cos, sin, 1, 2,
-                                        HALF, BLOCK_HALF, HAS_NORM)
+        q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G, HALF,
+                                    BLOCK_HALF, HAS_NORM)
+        # the new k as the first of two rows (the second is masked to zero), v as loaded
+        k1, k2, k_mask = _norm_rope_with(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1, 2,
+                                         HALF, BLOCK_HALF, HAS_NORM)
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
@@ -337,7 +335,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
         PDL=pdl_mode, PREFETCH=how, PF_LINE=l2_prefetch.line_elems(next_weight) if how else 1,
-        THREADS=32 * cfg["num_warps"], NORM_FIRST=cfg["norm_weights_first"] and qkv.is_cuda,
+        THREADS=32 * cfg["num_warps"],
+        NORM_FIRST=(2 if qkv.is_cuda else 1) if cfg["norm_weights_first"] else 0,
         num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out

@@ -8,7 +8,7 @@ But asking for too much delays the reads the step waits on: three eighths of o_p
 Programs added to the final norm to ask for the head's first 8 MB made the step slower, and programs added
 to the staging kernel for layer 0's qkv gained nothing (docs/BENCHMARKS.md), so neither is done.
 
-`prefetch_lines` is the device part; `share` cuts a range into programs' shares. Nothing waits for a
+`prefetch_lines` and `prefetch_line` are the device part; `share` cuts a range into programs' shares. Nothing waits for a
 prefetch, and results never depend on one. The interpreter has no inline assembly, so callers pass
 HOW 0 there (`how_on`).
 """
@@ -36,10 +36,14 @@ def prefetch_lines(ptr, first, end, LINE: tl.constexpr, THREADS: tl.constexpr, H
             dtype=tl.int32, is_pure=False, pack=1)
     elif HOW == 1:
         for i in range(0, per):  # past a thread's run it repeats its last line (or the range's first)
-            line = tl.maximum(tl.minimum(lo + i, hi - 1), first)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [ptr + line.to(tl.int64) * LINE], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+            prefetch_line(ptr + tl.maximum(tl.minimum(lo + i, hi - 1), first).to(tl.int64) * LINE)
+
+
+@triton.jit
+def prefetch_line(ptrs):
+    # ask L2 for the 128-byte line of each pointer
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
