@@ -230,6 +230,7 @@ def test_errors_are_openai_shaped(server):
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0})
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "top_p"
     r = _post(server, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [10 ** 9]})

@@ -4,6 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its range; `param` names it (the OpenAI error's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -35,7 +43,7 @@ class SamplingParams:
 
     def _check(self):
         def bad(name, value, limit):
-            raise ValueError(f"{name} must be {limit}, got {value!r}")
+            raise SamplingParamError(name, f"{name} must be {limit}, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, ">= 1")
         if self.temperature < 0:

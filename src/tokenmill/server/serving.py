@@ -96,7 +96,7 @@ class Serving:
         try:
             params = req.sampling_params(logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), getattr(e, "param", None)) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params.top_k = 0
         return params
@@ -177,7 +177,7 @@ def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, EngineDeadError):
         return APIError(503, "The engine is not running.", code="engine_dead")
     if isinstance(e, ValueError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), getattr(e, "param", None))
     if isinstance(e, _Disconnected):
         return APIError(499, "client disconnected")
     return e
