@@ -73,6 +73,6 @@ def test_prefetch_ranges():
     w = torch.zeros(2560, 4096, dtype=torch.bfloat16)
     assert l2_prefetch.lines(w, 0.0, 0.125) == (0, 2560 * 4096 * 2 // 128 // 8)
     assert l2_prefetch.line_elems(w) == 64
-    assert l2_prefetch.how_on(w) == 0   # no inline assembly off the GPU
+    assert l2_prefetch.how_on(w, 2) == 0   # no inline assembly off the GPU
     with pytest.raises(ValueError, match="contiguous"):
         l2_prefetch.lines(w.t(), 0.0, 1.0)

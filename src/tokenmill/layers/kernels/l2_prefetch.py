@@ -54,7 +54,7 @@ def share(first, end, part, parts):
     return lo, tl.minimum(lo + per, end)
 
 
-def how_on(t: torch.Tensor, how: int = 2) -> int:
+def how_on(t: torch.Tensor, how: int) -> int:
     """`how` where the kernels run on a GPU, else 0 (the interpreter has no inline assembly)."""
     return how if t.is_cuda else 0
 
