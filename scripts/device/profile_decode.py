@@ -223,8 +223,8 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
     the last step; the variants are timed in `rounds` turns and the median replay of each is kept. A
     variant's "pdl_attention" (1 or 2) sets the decode attention kernel's launch mode (`pdl.py`), its
     "attention" ({"min_split_len": 128, "l2_prefetch": {...}, ...}) entries of
-    `decode_attention.CONFIG`, its "l2" the persisting L2 windows of its graph (`l2_windows`), with the set-aside on while it is timed;
-    with "flat" its graph reads every weight from one allocation (`flat_weights`); "pool": "engine"
+    `decode_attention.CONFIG`, its "l2" the persisting L2 windows of its graph (`l2_windows`), with the
+    set-aside on while it is timed; with "flat" its graph reads every weight from one allocation (`flat_weights`); "pool": "engine"
     captures it into the engine's graph pool (else a pool of its own), after "pad_kb" KB of padding;
     "engine_graph" times the engine's own batch-1 graph in the same turns."""
     from tokenmill.layers.kernels import decode_attention, gemv, gemv_smem, pdl
