@@ -337,6 +337,45 @@ def test_fused_linear_shared_memory_tile_falls_back_where_it_cannot_run(monkeypa
         gemv.fused_linear(x, w, config=("smem", 8, 256, 4))
 
 
+@pytest.mark.parametrize("n,k", [(44, 200), (37, 128), (9, 96)])
+def test_fused_linear_whole_row_tiles_match_reference(n, k):
+    """("whole", ...) tiles: a row block's K columns in one load of a power of two and one of the rest
+    (k = 200: 128 + 128 with 56 masked; 128: one load; 96: 64 + 32), the next block's loads issued
+    ahead or not, one or several blocks per program, the last cut short, each with and without a norm,
+    residual, bias and gathered input row."""
+    gemv = _gemv()
+    gen = _gen(24)
+    dtype = HALF
+    x, w = _randn(1, k, dtype=dtype, gen=gen), _randn(n, k, dtype=dtype, gen=gen) / 8
+    norm, res, bias = _randn(k, dtype=dtype, gen=gen), _randn(1, k, dtype=dtype, gen=gen), _randn(n, dtype=dtype, gen=gen)
+    cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-5), dict(norm_weight=norm, eps=1e-5, residual=res, bias=bias)]
+    for kwargs in cases:
+        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+        for tile in [("whole", 4, 4, 1), ("whole", 4, 4, 1, 1), ("whole", 2, 1, 3, 1, 2), ("whole", 16, 4, 1)]:
+            out, out_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+            torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+            if "residual" in kwargs:
+                torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
+            elif "norm_weight" in kwargs:
+                assert out_res is x
+    table, ids = _randn(5, k, dtype=dtype, gen=gen), torch.tensor([3], dtype=torch.int64, device=DEVICE)
+    out, out_res = gemv.fused_linear(table, w, config=("whole", 4, 4, 1, 1), norm_weight=norm, eps=1e-5, ids=ids)
+    ref, _ = gemv.fused_linear_torch(table, w, norm_weight=norm, eps=1e-5, ids=ids)
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    assert torch.equal(out_res, table[3:4])
+
+
+def test_fused_linear_whole_row_tiles_name_their_limits(monkeypatch):
+    gemv = _gemv()
+    x, w = torch.zeros(1, 256, device=DEVICE), torch.zeros(64, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="no SiLU-and-mul"):
+        gemv.fused_linear(x, w, config=("whole", 4, 4, 1), silu=True)
+    with pytest.raises(ValueError, match="row block of 256 x 256 weights is over the 32768"):
+        gemv.fused_linear(x, w, config=("whole", 256, 4, 1))
+    monkeypatch.setitem(gemv.CONFIGS, (64, 256, True), ("whole", 4, 4, 1))   # a table entry falls back
+    torch.testing.assert_close(gemv.fused_linear(x, w, silu=True)[0], torch.zeros(1, 32, device=DEVICE))
+
+
 @pytest.mark.parametrize("silu,bias", [(False, True), (True, False)])
 def test_fused_linear_gathers_its_input_from_the_embedding_table(silu, bias):
     # the first product of a step: the input is row ids[0] of the table, returned as the residual too
@@ -909,6 +948,26 @@ def test_gpu_qk_norm_rope_store_realistic(qk_norm):
     _check_prologue(ops, _gen(14), num_tokens=300, num_heads=32, num_kv_heads=8, head_dim=128,
                     block_size=16, num_blocks=40, dtype=torch.bfloat16, qk_norm=qk_norm, max_pos=4096,
                     tol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k,tile", [(6144, 2560, ("whole", 2, 4, 6, 0, 2)), (6144, 2560, ("whole", 4, 4, 4, 1, 2)),
+                                      (2570, 4096, ("whole", 2, 4, 4, 1, 2)), (1001, 9728, ("whole", 2, 8, 1, 1, 2))])
+def test_gpu_fused_linear_whole_row_tiles(n, k, tile):
+    """("whole", ...) tiles at layer sizes against the reference, with and without a norm, residual and
+    bias, blocks ahead or not, the last block cut short (2570, 1001), K of two loads (2560, 9728) or one."""
+    gemv = _gemv()
+    gen = _gen(18)
+    bf16 = torch.bfloat16
+    x, w = _randn(1, k, dtype=bf16, gen=gen), _randn(n, k, dtype=bf16, gen=gen) / 50
+    norm, res = 1 + _randn(k, dtype=bf16, gen=gen) / 10, _randn(1, k, dtype=bf16, gen=gen)
+    for kwargs in ({}, dict(bias=_randn(n, dtype=bf16, gen=gen)), dict(norm_weight=norm, eps=1e-6, residual=res)):
+        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+        if "residual" in kwargs:
+            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ MAX_ROWS = 1
 # loads use the caches (`_load_weights`; 2, past L1, took 3-5 us off a qwen3-4b step). ("smem", block_n,
 # block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait
 DEFAULT_CONFIG = (4, 1024, 4, 8)
+WHOLE_MAX = 32 * 1024   # weights in a ("whole", ...) tile's row block
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (6144, 2560, False): (4, 1024, 4, 8, 0, 1, 2),     # qwen3-4b qkv
     (2560, 4096, False): (2, 1024, 4, 12, 1, 1, 2),    # qwen3-4b o_proj
@@ -196,6 +197,89 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _normed(h, nw_ptr, rstd, kk, K: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr):
+    # `_input_chunk`'s rounding for input columns kk already loaded (and summed with the residual) as h
+    if NORM:
+        h = (h * rstd).to(dtype).to(tl.float32)
+        h = (h * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                TWO: tl.constexpr, HINT: tl.constexpr):
+    # every weight of row block `unit` (none past the last unit), in one or two loads issued together
+    rows = unit * BLOCK_N + r
+    ok = (rows < n_out) & (unit < num_units)
+    base = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+    wa = _load_weights(base + ca[None, :], ok[:, None] & (ca < K)[None, :], HINT)
+    wb = wa
+    if TWO:
+        wb = _load_weights(base + cb[None, :], ok[:, None] & (cb < K)[None, :], HINT)
+    return wa, wb
+
+
+@triton.jit
+def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
+                       K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATHER: tl.constexpr, AHEAD: tl.constexpr, HINT: tl.constexpr, PDL: tl.constexpr):
+    # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
+    # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
+    # round trip to HBM; the first is requested before the wait. With AHEAD the next row block's loads
+    # are issued before this one is summed. The input is loaded (and normalised) once per program.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_units = tl.cdiv(n_out, BLOCK_N)
+    TWO: tl.constexpr = K > BLOCK_K
+    r = tl.arange(0, BLOCK_N)
+    ca = tl.arange(0, BLOCK_K)
+    cb = BLOCK_K + tl.arange(0, BLOCK_K2)
+    wa, wb = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    pdl.enter(PDL)
+    if GATHER:
+        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    ha = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, 0, ca, K, False, RESIDUAL)
+    hb = ha
+    if TWO:
+        hb = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, 0, cb, K, False, RESIDUAL)
+    rstd = 1.0
+    if NORM:
+        sq = tl.sum(ha * ha, 0)
+        if TWO:
+            sq += tl.sum(hb * hb, 0)
+        if RESIDUAL or GATHER:
+            if pid == 0:
+                tl.store(res_out_ptr + ca, ha.to(dtype), mask=ca < K)
+                if TWO:
+                    tl.store(res_out_ptr + cb, hb.to(dtype), mask=cb < K)
+        rstd = tl.rsqrt(sq / K + eps)
+    xa = _normed(ha, nw_ptr, rstd, ca, K, NORM, dtype)
+    xb = xa
+    if TWO:
+        xb = _normed(hb, nw_ptr, rstd, cb, K, NORM, dtype)
+
+    for unit in range(pid, num_units, num_programs):
+        if AHEAD:
+            na, nb = _whole_rows(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K, BLOCK_N,
+                                 TWO, HINT)
+        y = tl.sum(wa.to(tl.float32) * xa[None, :], 1)
+        if TWO:
+            y += tl.sum(wb.to(tl.float32) * xb[None, :], 1)
+        rows = unit * BLOCK_N + r
+        row_mask = rows < n_out
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if AHEAD:
+            wa, wb = na, nb
+        else:
+            wa, wb = _whole_rows(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K, BLOCK_N,
+                                 TWO, HINT)
+
+
 def _num_sms(device: torch.device) -> int:
     from tokenmill.layers.kernels.paged_attention import _num_sms
     return _num_sms(device.index or 0) if device.type == "cuda" else 4
@@ -260,6 +344,13 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if config is not None:
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
         tile = DEFAULT_CONFIG
+    if tile[0] == "whole":
+        why = _whole_tile_problem(k, silu, tile)
+        if why is None:
+            return _whole_linear(x, weight, bias, norm_weight, eps, residual, ids, tile, out, res_out, pdl_mode)
+        if config is not None:
+            raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
+        tile = DEFAULT_CONFIG
     block_n, block_k, num_warps, per_sm, *extra = tile
     row_sums, stages, hint = tuple(extra) + (0, 1, 0)[len(extra):]
     block_k = min(block_k, triton.next_power_of_2(k))
@@ -275,4 +366,43 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             ROW_SUMS=bool(row_sums), STAGES=stages, HINT=hint, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
+    return out, res_out
+
+
+
+def _whole_blocks(k: int) -> tuple[int, int]:
+    # a whole row's two loads: the largest power of two <= k, then the rest rounded up to one (1: none)
+    block_k = 1 << (k.bit_length() - 1)
+    return block_k, triton.next_power_of_2(k - block_k) if k > block_k else 1
+
+
+def _whole_tile_problem(k: int, silu: bool, tile: tuple) -> str | None:
+    block_n = tile[1]
+    block_k, block_k2 = _whole_blocks(k)
+    width = block_k + (block_k2 if k > block_k else 0)
+    if silu:
+        return "whole rows take no SiLU-and-mul"
+    if block_n * width > WHOLE_MAX:
+        return f"a row block of {block_n} x {width} weights is over the {WHOLE_MAX} that whole rows hold"
+    return None
+
+
+def _whole_linear(x, weight, bias, norm_weight, eps, residual, ids, tile, out, res_out, pdl_mode):
+    # ("whole", block_n, num_warps, programs per SM[, ahead[, hint]]): `_gemv_whole_kernel`
+    k = weight.shape[1]
+    _, block_n, num_warps, per_sm, *extra = tile
+    ahead, hint = tuple(extra) + (0, 0)[len(extra):]
+    block_k, block_k2 = _whole_blocks(k)
+    rows, n_out = out.shape
+    grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
+    for m in range(rows):
+        _gemv_whole_kernel[grid](
+            x if ids is not None else x[m], residual[m] if residual is not None else x,
+            norm_weight if norm_weight is not None else weight, weight,
+            bias if bias is not None else weight, out[m],
+            res_out[m] if residual is not None or ids is not None else out[m],
+            ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
+            K=k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATHER=ids is not None,
+            AHEAD=bool(ahead), HINT=hint, PDL=pdl_mode, num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
