@@ -51,7 +51,7 @@ ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
 # fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
 # measured, so those launches keep 2.
 CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
-          "l2_prefetch": {"2560x4096": [2, 0.0, 0.125]}, "norm_weights_first": True}
+          "l2_prefetch": {}, "norm_weights_first": True}
 # norm_weights_first: the q/k norm weights are read before the wait (and on a GPU the split counter's line
 # asked into L2 there), so no HBM read of theirs is left between the wait and the output: 4 us off a
 # qwen3-4b batch-1 graph in one variant run beside the prefetch below, a tie in an A/B.
@@ -62,7 +62,8 @@ CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many
 # prefetched. For qwen3-4b's o_proj the first eighth or quarter took 3-7 us off a batch-1 step on an H200;
 # three eighths or more, a delay before asking, or the bytes handed out as whole rows did not pay (the
 # product after attention loads its first tiles at the same time), nor did any share of nanbeige4.1-3b's
-# o_proj, which copies its whole rows before its wait (docs/BENCHMARKS.md).
+# o_proj, which copies its whole rows before its wait (docs/BENCHMARKS.md). Since qwen3-4b's o_proj reads
+# whole rows before its wait too, its eighth is 12 us slower than none, so no shape is listed.
 
 
 @triton.jit
