@@ -224,14 +224,24 @@ def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.conste
 
 
 @triton.jit
+def _whole_sums(wa, wb, xa, xb, TWO: tl.constexpr):
+    # one float per row: a row block's whole rows times the input
+    y = tl.sum(wa.to(tl.float32) * xa[None, :], 1)
+    if TWO:
+        y += tl.sum(wb.to(tl.float32) * xb[None, :], 1)
+    return y
+
+
+@triton.jit
 def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                        GATHER: tl.constexpr, AHEAD: tl.constexpr, HINT: tl.constexpr, PDL: tl.constexpr):
     # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
     # round trip to HBM; the first is requested before the wait. With AHEAD the next row block's loads
-    # are issued before this one is summed. The input is loaded (and normalised) once per program.
+    # are issued before this one is summed. The input is loaded (and normalised) once per program. With
+    # SILU the up rows (n_out further on) come with the gate rows.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_units = tl.cdiv(n_out, BLOCK_N)
@@ -239,7 +249,11 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
+    u_ptr = w_ptr + n_out.to(tl.int64) * w_stride
     wa, wb = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    ua, ub = wa, wb
+    if SILU:
+        ua, ub = _whole_rows(u_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -265,22 +279,30 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         xb = _normed(hb, nw_ptr, rstd, cb, K, NORM, dtype)
 
     for unit in range(pid, num_units, num_programs):
+        nxt = unit + num_programs
         if AHEAD:
-            na, nb = _whole_rows(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K, BLOCK_N,
-                                 TWO, HINT)
-        y = tl.sum(wa.to(tl.float32) * xa[None, :], 1)
-        if TWO:
-            y += tl.sum(wb.to(tl.float32) * xb[None, :], 1)
+            na, nb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+            nua, nub = na, nb
+            if SILU:
+                nua, nub = _whole_rows(u_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+        y = _whole_sums(wa, wb, xa, xb, TWO)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if SILU:
+            g = y.to(dtype).to(tl.float32)
+            up = _whole_sums(ua, ub, xa, xb, TWO).to(dtype).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
         if AHEAD:
             wa, wb = na, nb
+            if SILU:
+                ua, ub = nua, nub
         else:
-            wa, wb = _whole_rows(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K, BLOCK_N,
-                                 TWO, HINT)
+            wa, wb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+            if SILU:
+                ua, ub = _whole_rows(u_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -350,7 +372,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if tile[0] == "whole":
         why = _whole_tile_problem(k, silu, tile)
         if why is None:
-            return _whole_linear(x, weight, bias, norm_weight, eps, residual, ids, tile, out, res_out, pdl_mode)
+            return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
+                                 pdl_mode)
         if config is not None:
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
         tile = DEFAULT_CONFIG
@@ -380,17 +403,16 @@ def _whole_blocks(k: int) -> tuple[int, int]:
 
 
 def _whole_tile_problem(k: int, silu: bool, tile: tuple) -> str | None:
-    block_n = tile[1]
+    block_n = tile[1]     # with silu, as many up rows again
     block_k, block_k2 = _whole_blocks(k)
     width = block_k + (block_k2 if k > block_k else 0)
-    if silu:
-        return "whole rows take no SiLU-and-mul"
-    if block_n * width > WHOLE_MAX:
-        return f"a row block of {block_n} x {width} weights is over the {WHOLE_MAX} that whole rows hold"
+    rows = block_n * (2 if silu else 1)
+    if rows * width > WHOLE_MAX:
+        return f"a row block of {rows} x {width} weights is over the {WHOLE_MAX} that whole rows hold"
     return None
 
 
-def _whole_linear(x, weight, bias, norm_weight, eps, residual, ids, tile, out, res_out, pdl_mode):
+def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_mode):
     # ("whole", block_n, num_warps, programs per SM[, ahead[, hint]]): `_gemv_whole_kernel`
     k = weight.shape[1]
     _, block_n, num_warps, per_sm, *extra = tile
@@ -406,6 +428,6 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, ids, tile, out, r
             res_out[m] if residual is not None or ids is not None else out[m],
             ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATHER=ids is not None,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             AHEAD=bool(ahead), HINT=hint, PDL=pdl_mode, num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
