@@ -40,17 +40,17 @@ MAX_ROWS = 1
 # block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait.
 # ("whole", block_n, num_warps, programs per SM[, ahead[, hint]]): `_gemv_whole_kernel`, each row block's
 # whole rows in one round trip, the next block's loads issued ahead; for qkv, o_proj and down_proj together
-# they took 0.13-0.14 ms off both models' batch-1 graph (docs/BENCHMARKS.md)
+# they took 0.13-0.14 ms off both models' batch-1 graph, for gate_up 0.06-0.09 ms more (docs/BENCHMARKS.md)
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 WHOLE_MAX = 32 * 1024   # weights in a ("whole", ...) tile's row block
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (6144, 2560, False): ("whole", 2, 4, 5, 1, 2),     # qwen3-4b qkv
     (2560, 4096, False): ("whole", 2, 4, 4, 1, 2),     # qwen3-4b o_proj
-    (19456, 2560, True): ("smem", 4, 512, 4),          # qwen3-4b gate_up
+    (19456, 2560, True): ("whole", 1, 4, 6, 1, 2),     # qwen3-4b gate_up
     (2560, 9728, False): ("whole", 1, 16, 2, 1, 2),    # qwen3-4b down_proj
     (3584, 2560, False): ("whole", 2, 4, 5, 1, 2),     # nanbeige4.1-3b qkv
     (2560, 2560, False): ("smem", 8, 512, 8),          # nanbeige4.1-3b o_proj
-    (20992, 2560, True): ("smem", 2, 512, 2),          # nanbeige4.1-3b gate_up
+    (20992, 2560, True): ("whole", 1, 4, 6, 1, 2),     # nanbeige4.1-3b gate_up
     (2560, 10496, False): ("whole", 1, 16, 2, 1, 2),   # nanbeige4.1-3b down_proj
 }
 if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
