@@ -210,12 +210,13 @@ def _normed(h, nw_ptr, rstd, kk, K: tl.constexpr, NORM: tl.constexpr, dtype: tl.
 
 
 @triton.jit
-def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                TWO: tl.constexpr, HINT: tl.constexpr):
-    # every weight of row block `unit` (none past the last unit), in one or two loads issued together
+def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
+                BLOCK_N: tl.constexpr, TWO: tl.constexpr, HINT: tl.constexpr):
+    # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
+    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul)
     rows = unit * BLOCK_N + r
     ok = (rows < n_out) & (unit < num_units)
-    base = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+    base = w_ptr + (rows + first_row).to(tl.int64)[:, None] * w_stride
     wa = _load_weights(base + ca[None, :], ok[:, None] & (ca < K)[None, :], HINT)
     wb = wa
     if TWO:
@@ -249,11 +250,10 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
-    u_ptr = w_ptr + n_out.to(tl.int64) * w_stride
-    wa, wb = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    wa, wb = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
     ua, ub = wa, wb
     if SILU:
-        ua, ub = _whole_rows(u_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+        ua, ub = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -281,10 +281,11 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     for unit in range(pid, num_units, num_programs):
         nxt = unit + num_programs
         if AHEAD:
-            na, nb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+            na, nb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
             nua, nub = na, nb
             if SILU:
-                nua, nub = _whole_rows(u_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+                nua, nub = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO,
+                                       HINT)
         y = _whole_sums(wa, wb, xa, xb, TWO)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
@@ -300,9 +301,19 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             if SILU:
                 ua, ub = nua, nub
         else:
-            wa, wb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+            wa, wb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
             if SILU:
-                ua, ub = _whole_rows(u_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+                ua, ub = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO,
+                                     HINT)
+
+
+def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m):
+    # row m's tensors for the kernels' pointer arguments (x_ptr .. ids_ptr); an absent one stands in as
+    # a tensor of the call that the kernel does not read
+    return (x if ids is not None else x[m], residual[m] if residual is not None else x,
+            norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
+            out[m], res_out[m] if residual is not None or ids is not None else out[m],
+            ids[m:] if ids is not None else out[m])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -383,17 +394,12 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_kernel[grid](
-            x if ids is not None else x[m], residual[m] if residual is not None else x,
-            norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, out[m],
-            res_out[m] if residual is not None or ids is not None else out[m],
-            ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
+            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             ROW_SUMS=bool(row_sums), STAGES=stages, HINT=hint, PDL=pdl_mode,
             num_warps=num_warps, launch_pdl=pdl_mode > 0)
     return out, res_out
-
 
 
 def _whole_blocks(k: int) -> tuple[int, int]:
@@ -422,11 +428,7 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, 
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_whole_kernel[grid](
-            x if ids is not None else x[m], residual[m] if residual is not None else x,
-            norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, out[m],
-            res_out[m] if residual is not None or ids is not None else out[m],
-            ids[m:] if ids is not None else out[m], eps, n_out, weight.stride(0),
+            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             AHEAD=bool(ahead), HINT=hint, PDL=pdl_mode, num_warps=num_warps, launch_pdl=pdl_mode > 0)
