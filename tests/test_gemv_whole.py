@@ -1,0 +1,63 @@
+"""The ("whole", ...) tiles of `gemv` exist to put a row block's whole rows in flight in one round trip,
+the first block's before the programmatic-dependent-launch wait. The interpreter checks their results
+(test_kernels.py) but not where the loads sit; here the sm90 code is compiled on the CPU and its weight
+loads (`ld.global.cg`: past L1, hint 2) are counted on each side of the wait."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = r'''
+import json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenmill.layers.kernels import gemv
+K, bn, nw, norm, silu, ahead = json.loads(sys.argv[1])
+fn = gemv._gemv_whole_kernel
+bk, bk2 = gemv._whole_blocks(K)
+const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu,
+             GATHER=False, AHEAD=ahead, HINT=2, PDL=2)
+types = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
+         "ids_ptr": "*i64", "eps": "fp32", "n_out": "i32", "w_stride": "i32"}
+sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+# as a launch specialises them: 16-byte aligned pointers, a row stride that is a multiple of 16
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n][0] == "*" or n == "w_stride"}
+cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": nw})
+before, after = cc.asm["ptx"].split("griddepcontrol.wait", 1)
+weights = r"ld\.global\.cg\.v4"
+print(json.dumps(dict(before=len(re.findall(weights, before)), after=len(re.findall(weights, after)),
+                      other_loads_before=len(re.findall(r"ld\.global(?!\.cg)", before)),
+                      stores_before=len(re.findall(r"st\.global", before)))))
+'''
+
+
+def _compile(k, block_n, warps, norm, silu, ahead):
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([k, block_n, warps, norm, silu, ahead])],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("k,block_n,warps,norm", [
+    (2560, 2, 4, True),      # qkv: 2048 + 512 columns, the norm after the wait
+    (4096, 2, 4, False),     # o_proj: one load
+])
+def test_sm90_whole_rows_load_before_the_wait_and_one_block_ahead(k, block_n, warps, norm):
+    got = _compile(k, block_n, warps, norm, False, True)
+    # 16-byte loads (8 bf16): each thread's share of the block's rows x K, all before the wait
+    assert got["before"] == block_n * k // 8 // (32 * warps)
+    assert got["after"] == got["before"]        # in the loop: the next block's, once
+    assert got["other_loads_before"] == 0 and got["stores_before"] == 0   # no input read, nothing written
+    gate_up = _compile(k, block_n, warps, norm, True, True)
+    assert gate_up["before"] == gate_up["after"] == 2 * got["before"]   # the up rows come with the gate rows
+
+
+def test_sm90_whole_rows_not_ahead_load_the_next_block_once():
+    got = _compile(2560, 2, 4, True, False, False)
+    assert got["before"] == 5 and got["after"] == 5
