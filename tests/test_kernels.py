@@ -954,6 +954,16 @@ def test_gpu_qk_norm_rope_store_realistic(qk_norm):
                     tol=2e-2)
 
 
+def _check_tile_cases(gemv, x, w, tile, cases):
+    # a tile at layer sizes against the reference, for each set of options; the residual out exactly
+    for kwargs in cases:
+        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+        if "residual" in kwargs:
+            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n,k,tile", [(6144, 2560, ("whole", 2, 4, 6, 0, 2)), (6144, 2560, ("whole", 4, 4, 4, 1, 2)),
@@ -971,12 +981,7 @@ def test_gpu_fused_linear_whole_row_tiles(n, k, tile):
     cases = [{}, dict(bias=_randn(n, dtype=bf16, gen=gen)), dict(norm_weight=norm, eps=1e-6, residual=res)]
     if n % 2 == 0:
         cases.append(dict(norm_weight=norm, eps=1e-6, residual=res, silu=True))
-    for kwargs in cases:
-        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
-        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
-        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-        if "residual" in kwargs:
-            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
+    _check_tile_cases(gemv, x, w, tile, cases)
 
 
 @pytest.mark.gpu
@@ -1012,12 +1017,7 @@ def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
     bias = _randn(n, dtype=bf16, gen=gen)
     cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-6), dict(norm_weight=norm, eps=1e-6, residual=res),
              dict(norm_weight=norm, eps=1e-6, residual=res, silu=True)]
-    for kwargs in cases:
-        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
-        ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
-        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-        if "residual" in kwargs:
-            torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)
+    _check_tile_cases(gemv, x, w, tile, cases)
     with pytest.raises(ValueError, match="shared memory"):
         gemv.fused_linear(x, w, config=("smem", 64, 512, 4), silu=True)
 
