@@ -80,18 +80,26 @@ def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, resid
 
 
 @triton.jit
+def _normed(h, nw_ptr, rstd, kk, K: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr):
+    # input columns kk, loaded (and summed with the residual) as h, in float32, normalised with the
+    # rounding of rms_norm_torch: times rstd, then times the norm weight, each rounded to dtype
+    if NORM:
+        h = (h * rstd).to(dtype).to(tl.float32)
+        h = (h * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    return h
+
+
+@triton.jit
 def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     # columns k0 + c of the product's input, rounded as rms_norm_torch rounds them, in float32
     kk = k0 + c
     mask = kk < K
     h = tl.load(x_ptr + kk, mask=mask, other=0.0)
+    dtype: tl.constexpr = h.dtype
     if RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(res_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-    if NORM:
-        h = (h.to(tl.float32) * rstd).to(h.dtype)
-        h = (h.to(tl.float32) * tl.load(nw_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-    return h.to(tl.float32)
+        h = (h.to(tl.float32) + tl.load(res_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    return _normed(h.to(tl.float32), nw_ptr, rstd, kk, K, NORM, dtype)
 
 
 @triton.jit
@@ -201,15 +209,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
 
 
 @triton.jit
-def _normed(h, nw_ptr, rstd, kk, K: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr):
-    # `_input_chunk`'s rounding for input columns kk already loaded (and summed with the residual) as h
-    if NORM:
-        h = (h * rstd).to(dtype).to(tl.float32)
-        h = (h * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-    return h
-
-
-@triton.jit
 def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
                 BLOCK_N: tl.constexpr, TWO: tl.constexpr, HINT: tl.constexpr):
     # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
@@ -222,6 +221,17 @@ def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K
     if TWO:
         wb = _load_weights(base + cb[None, :], ok[:, None] & (cb < K)[None, :], HINT)
     return wa, wb
+
+
+@triton.jit
+def _whole_block(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TWO: tl.constexpr, SILU: tl.constexpr, HINT: tl.constexpr):
+    # `_whole_rows` of row block `unit`, and with SILU of its up rows too (the same as the gate's without)
+    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    ua, ub = wa, wb
+    if SILU:
+        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    return wa, wb, ua, ub
 
 
 @triton.jit
@@ -250,10 +260,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
-    wa, wb = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
-    ua, ub = wa, wb
-    if SILU:
-        ua, ub = _whole_rows(w_ptr, w_stride, pid, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, SILU, HINT)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -281,11 +288,8 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     for unit in range(pid, num_units, num_programs):
         nxt = unit + num_programs
         if AHEAD:
-            na, nb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
-            nua, nub = na, nb
-            if SILU:
-                nua, nub = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO,
-                                       HINT)
+            na, nb, nua, nub = _whole_block(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO,
+                                            SILU, HINT)
         y = _whole_sums(wa, wb, xa, xb, TWO)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
@@ -297,14 +301,10 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
         if AHEAD:
-            wa, wb = na, nb
-            if SILU:
-                ua, ub = nua, nub
+            wa, wb, ua, ub = na, nb, nua, nub
         else:
-            wa, wb = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
-            if SILU:
-                ua, ub = _whole_rows(w_ptr, w_stride, nxt, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO,
-                                     HINT)
+            wa, wb, ua, ub = _whole_block(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO,
+                                          SILU, HINT)
 
 
 def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m):
