@@ -4,12 +4,8 @@ programmatic-dependent-launch wait, none after, in the shared memory the tile as
 checked on the GPU (test_kernels.py, test_gpu_fused_linear_shared_memory_tiles)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import sm90
 
 from tokenmill.layers.kernels import gemv_smem
 
@@ -41,11 +37,7 @@ print(json.dumps(dict(before=len(re.findall(copies, before)), after=len(re.finda
     (9728, 2, 512, 2, False, False),       # down_proj
 ])
 def test_sm90_code_copies_all_weights_before_the_wait(k, block_n, block_k, warps, silu, norm):
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([k, block_n, block_k, warps, silu, norm])],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = sm90.run(_COMPILE, k, block_n, block_k, warps, silu, norm, timeout=300)
     rows = block_n * (2 if silu else 1)
     # 16-byte copies (8 bf16), each thread's share of the program's rows x K
     assert got["before"] == rows * k // 8 // (32 * warps)

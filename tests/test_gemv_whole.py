@@ -4,30 +4,19 @@ the first block's before the programmatic-dependent-launch wait. The interpreter
 loads (`ld.global.cg`: past L1, hint 2) are counted on each side of the wait."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import sm90
 
-_COMPILE = r'''
-import json, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE = sm90.COMPILE + r'''
+import json, re, sys
 from tokenmill.layers.kernels import gemv
 K, bn, nw, norm, silu, ahead = json.loads(sys.argv[1])
-fn = gemv._gemv_whole_kernel
 bk, bk2 = gemv._whole_blocks(K)
 const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu,
              GATHER=False, AHEAD=ahead, HINT=2, PDL=2)
 types = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
-         "ids_ptr": "*i64", "eps": "fp32", "n_out": "i32", "w_stride": "i32"}
-sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
-# as a launch specialises them: 16-byte aligned pointers, a row stride that is a multiple of 16
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n][0] == "*" or n == "w_stride"}
-cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": nw})
+         "ids_ptr": "*i64", "eps": "fp32"}
+cc = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride",))
 before, after = cc.asm["ptx"].split("griddepcontrol.wait", 1)
 weights = r"ld\.global\.cg\.v4"
 print(json.dumps(dict(before=len(re.findall(weights, before)), after=len(re.findall(weights, after)),
@@ -37,11 +26,7 @@ print(json.dumps(dict(before=len(re.findall(weights, before)), after=len(re.find
 
 
 def _compile(k, block_n, warps, norm, silu, ahead):
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([k, block_n, warps, norm, silu, ahead])],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return sm90.run(_COMPILE, k, block_n, warps, norm, silu, ahead, timeout=300)
 
 
 @pytest.mark.parametrize("k,block_n,warps,norm", [

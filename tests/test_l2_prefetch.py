@@ -5,28 +5,18 @@ and not at all when switched off. Their results are checked on the GPU (test_ker
 test_gpu_fused_decode_l2_prefetch_changes_nothing)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import sm90
 import torch
 
 from tokenmill.layers.kernels import l2_prefetch
 
-_COMPILE = r'''
-import json, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE = sm90.COMPILE + r'''
+import json, re, sys
 from tokenmill.layers.kernels import decode_attention
 
 def compile_parts(fn, const, types, num_warps):
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-    parts = ptx.split("griddepcontrol.wait")
+    parts = compile_sm90(fn, const, types, num_warps).asm["ptx"].split("griddepcontrol.wait")
     return dict(bulk=[len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", p)) for p in parts],
                 line=[len(re.findall(r"prefetch\.global\.L2 ", p)) for p in parts])
 
@@ -47,11 +37,7 @@ print(json.dumps(got))
 
 
 def _compile(how, norm_first=0):
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([how, norm_first])], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return sm90.run(_COMPILE, how, norm_first)
 
 
 def test_sm90_prefetch_comes_after_the_wait():
