@@ -172,7 +172,8 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
-        if logprob_row is not None:
+        # a batch samples logprobs when any of its requests asks; only those requests keep them
+        if logprob_row is not None and req.logprobs is not None:
             values, ids, rank = logprob_row
             entry = {ids[0]: Logprob(values[0], rank, self._token_text(ids[0]))}
             for k, (tid, val) in enumerate(zip(ids[1:], values[1:])):

@@ -9,6 +9,9 @@ class Tokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        # lengths are checked against the engine's max_model_len, with an error naming both numbers;
+        # the tokenizer's own limit would only log a warning for prompts that are refused anyway
+        self.hf.model_max_length = 1 << 62
         self.eos_token_ids = tuple(i for i in [self.hf.eos_token_id] if i is not None)
         self.vocab_size = len(self.hf)
         self.all_special_ids = set(self.hf.all_special_ids)
