@@ -16,7 +16,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from tokenmill.layers.kernels import gemv_smem
 K, bn, bk, nw, silu, norm = json.loads(sys.argv[1])
 ptrs = ["x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr"]
-const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=2, NUM_WARPS=nw)
+const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=True, NUM_WARPS=nw)
 sig = {**{p: "*bf16" for p in ptrs}, "eps": "fp32", "n_out": "i32", "w_stride": "i32",
        **{c: "constexpr" for c in const}}
 # as a launch specialises them: 16-byte aligned pointers, a row stride that is a multiple of 16

@@ -1,7 +1,7 @@
 """The ("whole", ...) tiles of `gemv` exist to put a row block's whole rows in flight in one round trip,
 the first block's before the programmatic-dependent-launch wait. The interpreter checks their results
 (test_kernels.py) but not where the loads sit; here the sm90 code is compiled on the CPU and its weight
-loads (`ld.global.cg`: past L1, hint 2) are counted on each side of the wait."""
+loads (`ld.global.cg`: past L1) are counted on each side of the wait."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +10,10 @@ import sm90
 _COMPILE = sm90.COMPILE + r'''
 import json, re, sys
 from tokenmill.layers.kernels import gemv
-K, bn, nw, norm, silu, ahead = json.loads(sys.argv[1])
+K, bn, nw, norm, silu = json.loads(sys.argv[1])
 bk, bk2 = gemv._whole_blocks(K)
 const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu,
-             GATHER=False, AHEAD=ahead, HINT=2, PDL=2)
+             GATHER=False, PDL=True)
 types = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
          "ids_ptr": "*i64", "eps": "fp32"}
 cc = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride",))
@@ -25,8 +25,8 @@ print(json.dumps(dict(before=len(re.findall(weights, before)), after=len(re.find
 '''
 
 
-def _compile(k, block_n, warps, norm, silu, ahead):
-    return sm90.run(_COMPILE, k, block_n, warps, norm, silu, ahead, timeout=300)
+def _compile(k, block_n, warps, norm, silu):
+    return sm90.run(_COMPILE, k, block_n, warps, norm, silu, timeout=300)
 
 
 @pytest.mark.parametrize("k,block_n,warps,norm", [
@@ -34,15 +34,11 @@ def _compile(k, block_n, warps, norm, silu, ahead):
     (4096, 2, 4, False),     # o_proj: one load
 ])
 def test_sm90_whole_rows_load_before_the_wait_and_one_block_ahead(k, block_n, warps, norm):
-    got = _compile(k, block_n, warps, norm, False, True)
+    got = _compile(k, block_n, warps, norm, False)
     # 16-byte loads (8 bf16): each thread's share of the block's rows x K, all before the wait
     assert got["before"] == block_n * k // 8 // (32 * warps)
     assert got["after"] == got["before"]        # in the loop: the next block's, once
     assert got["other_loads_before"] == 0 and got["stores_before"] == 0   # no input read, nothing written
-    gate_up = _compile(k, block_n, warps, norm, True, True)
+    gate_up = _compile(k, block_n, warps, norm, True)
     assert gate_up["before"] == gate_up["after"] == 2 * got["before"]   # the up rows come with the gate rows
 
-
-def test_sm90_whole_rows_not_ahead_load_the_next_block_once():
-    got = _compile(2560, 2, 4, True, False, False)
-    assert got["before"] == 5 and got["after"] == 5

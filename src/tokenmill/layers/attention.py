@@ -98,11 +98,8 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        if q.is_cuda:
-            from tokenmill.layers.kernels import paged_attention as kernels
-            kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        else:
-            store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        """The reference path (on CUDA the prologue kernels store K/V and `attend` follows)."""
+        store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

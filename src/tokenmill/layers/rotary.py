@@ -51,8 +51,6 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = table.to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.is_cuda:
-            from tokenmill.layers.kernels import fused_ops
-            return fused_ops.apply_rotary(positions, q, k, self.cos_sin)
+        """The reference path (on CUDA, RoPE runs inside the attention prologue kernels)."""
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
         return apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)

@@ -18,7 +18,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 
 def single_token_linear(input_ids: torch.Tensor):
     """`gemv.fused_linear` when a step of these input ids runs its layers as single-token kernels
-    (CUDA, one token, not turned off), else None."""
+    (CUDA, one token), else None."""
     if not input_ids.is_cuda:
         return None
     from tokenmill.layers.kernels import gemv
@@ -27,11 +27,11 @@ def single_token_linear(input_ids: torch.Tensor):
 
 def decode_attention_kernel(input_ids: torch.Tensor, meta: AttentionMetadata):
     """`decode_attention.fused_decode_attention` when a step's attention runs as one kernel from the
-    packed qkv (CUDA, one new token per sequence, not turned off), else None."""
+    packed qkv (CUDA, one new token per sequence), else None."""
     if not (input_ids.is_cuda and meta.is_pure_decode(input_ids.shape[0])):
         return None
     from tokenmill.layers.kernels import decode_attention
-    return decode_attention.fused_decode_attention if decode_attention.ENABLED else None
+    return decode_attention.fused_decode_attention
 
 
 class Attention(nn.Module):
@@ -55,10 +55,9 @@ class Attention(nn.Module):
         return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-                   decode_attention=None, next_weight: torch.Tensor | None = None) -> torch.Tensor:
+                   decode_attention=None) -> torch.Tensor:
         """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
-        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel, which
-        may ask L2 for `next_weight` (what the product after it reads)."""
+        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel."""
         T = qkv.shape[0]
         qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
                    else (None, None, 0.0))
@@ -66,7 +65,7 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.context_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, next_weight=next_weight)
+                                   self.head_dim)
             return out.reshape(T, self.q_size)
         if qkv.is_cuda:
             # one kernel for q/k norm, RoPE and the KV-cache store; attention then reads K/V from the cache
@@ -132,8 +131,7 @@ class DecoderLayer(nn.Module):
         qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                      norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual, ids=ids)
-        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention, attn.o_proj.weight),
-                                 attn.o_proj.weight)
+        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
         hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,

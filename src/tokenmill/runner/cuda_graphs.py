@@ -15,7 +15,6 @@ needs nothing after its replay to hand its tokens to the host. The table has a r
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -26,9 +25,6 @@ from tokenmill.layers.kernels import argmax, staging
 from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
 logger = logging.getLogger("tokenmill")
-
-# TOKENMILL_MAPPED_STAGING=0 keeps a graph's inputs and tokens on the copy engines (for A/B benchmarks)
-MAPPED_STAGING = os.environ.get("TOKENMILL_MAPPED_STAGING", "1") != "0"
 
 
 def greedy_ids(logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -89,7 +85,7 @@ class CudaGraphs:
             self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
         self._staging_read: dict[tuple, torch.cuda.Event] = {}
-        self._mapped = pin and MAPPED_STAGING and staging.mapped_host_ok(self.device.index or 0)
+        self._mapped = pin and staging.mapped_host_ok(self.device.index or 0)
         # per graph key, a table of its greedy tokens per turn (pinned), where the GPU can write it;
         # the step that last read each (key, turn), which must have its tokens before they are overwritten
         self.published = {}

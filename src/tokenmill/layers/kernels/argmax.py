@@ -89,11 +89,11 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, block: int = B
     vals = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
     counters = zeroed_counters(logits.device, rows)
-    pdl_mode = pdl.mode(logits.device)
+    pdl_on = pdl.enabled(logits.device)
     host, turn = publish if publish is not None else (out, counters)
     _argmax_kernel[(rows, splits)](logits, logits.stride(0), out, vals, idxs, counters, vocab,
                                    host, turn, host.stride(0) if publish is not None else 0,
                                    SPLITS=splits, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits),
-                                   PUBLISH=publish is not None, PDL=pdl_mode, num_warps=4,
-                                   launch_pdl=pdl_mode > 0)
+                                   PUBLISH=publish is not None, PDL=pdl_on, num_warps=4,
+                                   launch_pdl=pdl_on)
     return out

@@ -1,10 +1,9 @@
 """A decode step's attention in one kernel, from the packed qkv projection to the attention output.
 
-Unfused, a decode step runs three short kernels per layer between the qkv and o_proj products: the
+Unfused, a decode step would run three short kernels per layer between the qkv and o_proj products: the
 prologue (q/k norm, RoPE, KV-cache store, `fused_ops.qk_norm_rope_store`), split-K decode attention and
-the reduction of its splits (`paged_attention.paged_decode_attention`). At batch 1 each of them is a few
-microseconds of launch, ramp-up and drain around almost no work, 36 times a step. Here one kernel does
-all three:
+the reduction of its splits. At batch 1 each of them is a few microseconds of launch, ramp-up and drain
+around almost no work, 36 times a step. Here one kernel does all three:
 
 - every program (sequence b, kv head, split) normalises and rotates its group's q heads and the new k
   from the qkv row itself (a few hundred values), so q never goes through memory;
@@ -18,52 +17,52 @@ all three:
   merges them. Short splits and a merge beat one program walking a long context: its chain of
   dependent tile reads is the step's critical path at batch 1 (docs/BENCHMARKS.md).
 
-Numerics equal the unfused path up to summation order: q and k are rounded to the input dtype after the
+Numerics equal the three kernels up to summation order: q and k are rounded to the input dtype after the
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain).
-Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe
-like `paged_decode_attention`: grid, splits and scratch depend on shapes only, and the counters are a
-persistent zeroed buffer (`counters.py`) that every launch leaves zeroed.
-
-`TOKENMILL_FUSED_DECODE=0` sends decode steps back to the three-kernel path (for A/B benchmarks).
+Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
+grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
+counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
+that every launch leaves zeroed.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernels import l2_prefetch, pdl
+from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import _norm_rope_with, _norm_weights, check_prologue_inputs
-from tokenmill.layers.kernels.paged_attention import (_LOG2E, DECODE_CONFIG, MAX_SPLITS, _check_tables,
-                                                      _dot_precision, decode_num_splits)
+from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
 
-ENABLED = os.environ.get("TOKENMILL_FUSED_DECODE", "1") != "0"
+MAX_SPLITS = 32
+# block_n positions a tile; a split holds at least min_split_len positions (a multiple of block_n), so
+# contexts up to that length take one program per (sequence, kv head) and need no merge. A launch with
+# `many_splits` splits or more (a batch of one sequence, two with 4 kv heads) has splits of one or two
+# tiles, whose loop software pipelining (num_stages 2) only slows: those launches take
+# `many_splits_stages`; launches with fewer, longer splits take num_stages (docs/BENCHMARKS.md).
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "min_split_len": 64, "many_splits": MAX_SPLITS,
+          "many_splits_stages": 1}
 
-# BLOCK_N etc. as for `paged_decode_attention`; a split holds at least min_split_len positions (a multiple
-# of block_n), so contexts up to that length take one program per (sequence, kv head) and need no merge.
-# 64 was the fastest of 64/128/256 on an H200 at batch 1 and 8 (scripts/device/decode_attention_bench.py).
-# With `many_splits` splits, the most a launch takes (a batch of one sequence, two with 4 kv heads), a split
-# is one tile up to 2,048 positions and two up to 4,096, and software pipelining its loop (num_stages 2)
-# only costs: `many_splits_stages` 1 took 34 us off a qwen3-4b batch-1 step. With 5 splits (batch 8) and
-# fewer, programs walk several tiles and 2 stages win (docs/BENCHMARKS.md); between the two it was not
-# measured, so those launches keep 2.
-CONFIG = {**DECODE_CONFIG, "min_split_len": 64, "many_splits": MAX_SPLITS, "many_splits_stages": 1,
-          "l2_prefetch": {}, "norm_weights_first": True}
-# norm_weights_first: the q/k norm weights are read before the wait (and on a GPU the split counter's line
-# asked into L2 there), so no HBM read of theirs is left between the wait and the output: 4 us off a
-# qwen3-4b batch-1 graph in one variant run beside the prefetch below, a tie in an A/B.
-# l2_prefetch, by the next product's weight shape "NxK": [how, lo, hi]. The splits that hold no positions
-# ask L2 for that weight's bytes from `lo` to `hi` (fractions of the whole) once the kernel before attention
-# is done, each program's share cut into one run per thread; how: 1 one `prefetch.global.L2` per 128-byte
-# line, 2 one `cp.async.bulk.prefetch.L2` per run (`l2_prefetch.py`). A shape not listed is not
-# prefetched. For qwen3-4b's o_proj the first eighth or quarter took 3-7 us off a batch-1 step on an H200;
-# three eighths or more, a delay before asking, or the bytes handed out as whole rows did not pay (the
-# product after attention loads its first tiles at the same time), nor did any share of nanbeige4.1-3b's
-# o_proj, which copies its whole rows before its wait (docs/BENCHMARKS.md). Since qwen3-4b's o_proj reads
-# whole rows before its wait too, its eighth is 12 us slower than none, so no shape is listed.
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                      device: torch.device, block_n: int | None = None) -> int:
+    """Split-K factor from shapes only: enough (batch, kv head, split) programs to fill the GPU twice,
+    never more splits than BLOCK_N tiles in the longest possible context."""
+    block_n = block_n or CONFIG["block_n"]
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    return max(1, min(triton.cdiv(2 * num_sms, programs), max_tiles, MAX_SPLITS))
+
+
+@triton.jit
+def _ask_l2(ptrs):
+    # ask L2 for the 128-byte line of each pointer (inline assembly: GPU only); nothing waits for it
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -102,7 +101,6 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
-                         pf_ptr, pf_first, pf_end,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -110,8 +108,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         PF_LINE: tl.constexpr, THREADS: tl.constexpr, NORM_FIRST: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ASK_L2: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -138,15 +135,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
-        if NORM_FIRST > 0:   # weights: they may be read before the wait
-            qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-            kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-            if NORM_FIRST == 2:
-                l2_prefetch.prefetch_line(counter_ptr + b * NUM_KV_HEADS + kvh)
+        # the norm weights are weights, and the split counter's line is only asked into L2: both before
+        # the wait, so no HBM read of theirs is left between the wait and the output
+        qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        if ASK_L2:
+            _ask_l2(counter_ptr + b * NUM_KV_HEADS + kvh)
         pdl.enter(PDL)
-        if NORM_FIRST == 0:
-            qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-            kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
 
         row = qkv_ptr + b64 * qkv_stride_t
         q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G, HALF,
@@ -217,16 +212,6 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS,
                               NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
-    if PREFETCH > 0:
-        if split >= num_active:
-            # No positions here. Once the product before attention is done, HBM would idle until the
-            # product after it starts streaming: ask L2 for this (b, kv head)'s share of its weights,
-            # spread over the idle splits.
-            pdl.enter(PDL)
-            g0, g1 = l2_prefetch.share(pf_first, pf_end, b * NUM_KV_HEADS + kvh,
-                                       tl.num_programs(0) * NUM_KV_HEADS)
-            p0, p1 = l2_prefetch.share(g0, g1, split - num_active, NUM_SPLITS - num_active)
-            l2_prefetch.prefetch_lines(pf_ptr, p0, p1, PF_LINE, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -267,14 +252,12 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           num_splits: int | None = None, config: dict | None = None,
-                           next_weight: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position context_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
     over the cache; returns the attention output [B, Hq, D]. A sequence with context_len 0 (a padded
-    CUDA-graph slot, slot -1) gets zeros. `next_weight` (contiguous, on CUDA): what the kernel after this
-    one reads, for the L2 prefetch of `CONFIG["l2_prefetch"]` (by its shape); results do not depend on it."""
+    CUDA-graph slot, slot -1) gets zeros."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]
@@ -308,24 +291,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     else:
         part_out = part_lse = out
         counters = context_lens
-    how, pf = 0, (0, 0)
-    if next_weight is not None:
-        how, lo, hi = cfg["l2_prefetch"].get("x".join(map(str, next_weight.shape)), (0, 0, 0))
-        how = l2_prefetch.how_on(qkv, how)
-        if how:
-            if next_weight.device != qkv.device:
-                raise ValueError(f"fused_decode_attention: next_weight is on {next_weight.device}, not "
-                                 f"{qkv.device}")
-            pf = l2_prefetch.lines(next_weight, lo, hi)
-            how = how if pf[1] > pf[0] else 0
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
-    pdl_mode = pdl.mode(qkv.device, pdl.ATTENTION_MODE)
+    pdl_on = pdl.enabled(qkv.device)
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E, next_weight if how else cos_sin, *pf,
+        scale * _LOG2E,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
@@ -335,9 +308,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_mode, PREFETCH=how, PF_LINE=l2_prefetch.line_elems(next_weight) if how else 1,
-        THREADS=32 * cfg["num_warps"],
-        NORM_FIRST=(2 if qkv.is_cuda else 1) if cfg["norm_weights_first"] else 0,
-        num_warps=cfg["num_warps"], launch_pdl=pdl_mode > 0,
+        PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg["num_warps"], launch_pdl=pdl_on,
         num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
     return out

@@ -1,10 +1,11 @@
-"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, rotary embedding, and the
-fused attention prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv projection.
+"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, and the fused attention
+prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv projection.
 
 References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
-(rotary.py), `store_kvcache_torch` (attention.py). Each kernel rounds intermediates to the input dtype
-where the reference does, so results match it to the last bit or one rounding step. Inputs need a unit stride on the last dim only; token and
-head strides are free, so views split from the packed qkv projection work as they are.
+(rotary.py) and `store_kvcache_torch` (attention.py) for the prologue. Each kernel rounds intermediates
+to the input dtype where the reference does, so results match it to the last bit or one rounding step.
+Inputs need a unit stride on the last dim only; token and head strides are free, so views split from
+the packed qkv projection work as they are.
 """
 from __future__ import annotations
 
@@ -86,12 +87,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if num_rows > 0:
         block_n = triton.next_power_of_2(n)
         block_r = max(1, min(16, 2048 // block_n))
-        pdl_mode = pdl.mode(x.device)
+        pdl_on = pdl.enabled(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x3, r3, weight, out, res_out, eps, num_rows, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, PDL=pdl_mode,
-            num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_mode > 0)
+            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, PDL=pdl_on,
+            num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
     return out if residual is None else (out, res_out)
 
 
@@ -123,74 +124,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
-        pdl_mode = pdl.mode(x.device)
+        pdl_on = pdl.enabled(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), I=inter, BLOCK=block, PDL=pdl_mode, num_warps=4,
-            launch_pdl=pdl_mode > 0)
+            x2, out, x2.stride(0), I=inter, BLOCK=block, PDL=pdl_on, num_warps=4,
+            launch_pdl=pdl_on)
     return out
-
-
-# ------------------------------------------------------------------------------------------- rotary
-
-
-@triton.jit
-def _rotate(x_ptr, stride_t, stride_h, t, cos, sin,
-            NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < NUM_HEADS) & (d < HALF)
-    p1 = x_ptr + t * stride_t + h * stride_h + d
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    tl.store(p1, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride_t, q_stride_h, k_stride_t,
-                   k_stride_h, cs_stride,
-                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + d, mask=d < HALF, other=0.0)
-    _rotate(q_ptr, q_stride_t, q_stride_h, t, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
-    _rotate(k_ptr, k_stride_t, k_stride_h, t, cos, sin, NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
-
-
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
-    """Rotate-half RoPE, in place: q [T, Hq, D], k [T, Hkv, D] (token and head strides free, e.g. views
-    of a packed qkv), positions [T] int, cos_sin [max_pos, D] float32 (cos | sin). Returns (q, k)."""
-    _check_dtype("apply_rotary q", q)
-    if k.dtype != q.dtype:
-        raise TypeError(f"apply_rotary: q dtype {q.dtype} != k dtype {k.dtype}")
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"apply_rotary: q must be [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} "
-                         f"and {tuple(k.shape)}")
-    head_dim = q.shape[2]
-    if head_dim % 2 or q.stride(2) != 1 or k.stride(2) != 1:
-        raise ValueError(f"apply_rotary: head_dim must be even with unit stride, got q strides "
-                         f"{q.stride()}, k strides {k.stride()}")
-    if positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"apply_rotary: positions must be int32/int64 [{q.shape[0]}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
-    if (cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim
-            or cos_sin.stride(1) != 1):
-        raise ValueError(f"apply_rotary: cos_sin must be float32 [max_pos, {head_dim}] with unit inner "
-                         f"stride, got {cos_sin.dtype} {tuple(cos_sin.shape)}")
-    if q.shape[0] == 0:
-        return q, k
-    half = head_dim // 2
-    _rotary_kernel[(q.shape[0],)](
-        positions, q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
-        BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
-    return q, k
 
 
 # ---------------------------------------------------------------- q/k norm + rotary + KV-cache store
@@ -222,8 +160,8 @@ def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
                     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     # src_ptr: head 0 of one token, heads 2 * HALF apart; w1, w2: `_norm_weights`. Rounds like rms_norm
-    # then apply_rotary: normalised value -> input dtype, times weight in fp32 -> input dtype, rotated in
-    # fp32 -> input dtype
+    # then apply_rotary_torch: normalised value -> input dtype, times weight in fp32 -> input dtype,
+    # rotated in fp32 -> input dtype
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
@@ -322,8 +260,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """The attention prologue in one kernel. qkv [T, (Hq + 2 * Hkv) * D] is the packed projection
     output (row stride free, unit last stride). Per token: q and k heads get RMSNorm with q_weight /
-    k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin as in
-    `apply_rotary`); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
+    k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin [max_pos, D] float32,
+    cos | sin); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
     slot_mapping[t] (slots < 0 are skipped). Returns q as a new contiguous [T, Hq, D]."""
     check_prologue_inputs("qk_norm_rope_store", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
@@ -333,12 +271,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
         return q
     has_norm = q_weight is not None
     half = head_dim // 2
-    pdl_mode = pdl.mode(qkv.device)
+    pdl_on = pdl.enabled(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         eps, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos_sin.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, PDL=pdl_mode,
-        num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=pdl_mode > 0)
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, PDL=pdl_on,
+        num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=pdl_on)
     return q

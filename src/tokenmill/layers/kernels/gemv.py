@@ -11,13 +11,9 @@ the kernel before it finishes.
 The first product of a step can also gather its input row from the embedding table (`ids`): the step
 then starts with that product, where it started with an embedding kernel.
 
-`fused_linear` is the one entry point; `fused_linear_torch` is its reference. `TOKENMILL_GEMV=0` sends
-single-token products back to cuBLAS (for A/B benchmarks).
+`fused_linear` is the one entry point; `fused_linear_torch` is its reference.
 """
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,38 +24,29 @@ from tokenmill.layers.activation import silu_and_mul_torch
 from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
-ENABLED = os.environ.get("TOKENMILL_GEMV", "1") != "0"
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM[, row sums[, stages[, hint]]]), by weight (N, K) and
-# silu: the fastest on an H200 for the qwen3-4b and nanbeige4.1-3b products (scripts/device/gemv_bench.py,
-# then profile_decode.py --gemv-variants in the batch-1 decode graph, where the neighbours count). Row
-# sums (1): each chunk's products are summed per row at once instead of kept per element until the end.
-# Stages (default 1): chunks in flight per program through shared memory. Hint (default 0): how weight
-# loads use the caches (`_load_weights`; 2, past L1, took 3-5 us off a qwen3-4b step). ("smem", block_n,
-# block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the wait.
-# ("whole", block_n, num_warps, programs per SM[, ahead[, hint]]): `_gemv_whole_kernel`, each row block's
-# whole rows in one round trip, the next block's loads issued ahead; for qkv, o_proj and down_proj together
-# they took 0.13-0.14 ms off both models' batch-1 graph, for gate_up 0.06-0.09 ms more (docs/BENCHMARKS.md)
+# (block_n, block_k, num_warps, programs per SM): `_gemv_kernel`, the register tile for shapes not listed.
+# ("smem", block_n, block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the
+# wait. ("whole", block_n, num_warps, programs per SM): `_gemv_whole_kernel`, each row block's whole rows in
+# one round trip, the next block's loads issued ahead. By weight (N, K) and silu, the fastest on an H200 for
+# the qwen3-4b and nanbeige4.1-3b products in the batch-1 decode graph (docs/BENCHMARKS.md).
 DEFAULT_CONFIG = (4, 1024, 4, 8)
 WHOLE_MAX = 32 * 1024   # weights in a ("whole", ...) tile's row block
 CONFIGS: dict[tuple[int, int, bool], tuple] = {
-    (6144, 2560, False): ("whole", 2, 4, 5, 1, 2),     # qwen3-4b qkv
-    (2560, 4096, False): ("whole", 2, 4, 4, 1, 2),     # qwen3-4b o_proj
-    (19456, 2560, True): ("whole", 1, 4, 6, 1, 2),     # qwen3-4b gate_up
-    (2560, 9728, False): ("whole", 1, 16, 2, 1, 2),    # qwen3-4b down_proj
-    (3584, 2560, False): ("whole", 2, 4, 5, 1, 2),     # nanbeige4.1-3b qkv
-    (2560, 2560, False): ("smem", 8, 512, 8),          # nanbeige4.1-3b o_proj
-    (20992, 2560, True): ("whole", 1, 4, 6, 1, 2),     # nanbeige4.1-3b gate_up
-    (2560, 10496, False): ("whole", 1, 16, 2, 1, 2),   # nanbeige4.1-3b down_proj
+    (6144, 2560, False): ("whole", 2, 4, 5),     # qwen3-4b qkv
+    (2560, 4096, False): ("whole", 2, 4, 4),     # qwen3-4b o_proj
+    (19456, 2560, True): ("whole", 1, 4, 6),     # qwen3-4b gate_up
+    (2560, 9728, False): ("whole", 1, 16, 2),    # qwen3-4b down_proj
+    (3584, 2560, False): ("whole", 2, 4, 5),     # nanbeige4.1-3b qkv
+    (2560, 2560, False): ("smem", 8, 512, 8),    # nanbeige4.1-3b o_proj
+    (20992, 2560, True): ("whole", 1, 4, 6),     # nanbeige4.1-3b gate_up
+    (2560, 10496, False): ("whole", 1, 16, 2),   # nanbeige4.1-3b down_proj
 }
-if os.environ.get("TOKENMILL_GEMV_CONFIGS"):
-    with open(os.environ["TOKENMILL_GEMV_CONFIGS"]) as f:
-        CONFIGS.update({(n, k, bool(s)): tuple(c) for n, k, s, c in json.load(f)})
 
 
 def applies(num_tokens: int, device: torch.device) -> bool:
-    return ENABLED and device.type == "cuda" and num_tokens <= MAX_ROWS
+    return device.type == "cuda" and num_tokens <= MAX_ROWS
 
 
 def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
@@ -103,41 +90,16 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
-def _load_weights(ptrs, mask, HINT: tl.constexpr):
-    # a weight tile, read once a step: HINT 1 marks it first to evict (L1 and L2), 2 keeps it out of L1
-    if HINT == 1:
-        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    elif HINT == 2:
-        w = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        w = tl.load(ptrs, mask=mask, other=0.0)
-    return w
-
-
-@triton.jit
-def _products(w, xk, ROW_SUMS: tl.constexpr):
-    # one weight chunk times the input chunk in float32: per element, or with ROW_SUMS summed per row
-    # at once (one float per row instead of a chunk-sized accumulator: fewer registers, more programs
-    # per SM)
-    p = w.to(tl.float32) * xk
-    if ROW_SUMS:
-        p = tl.sum(p, 1)
-    return p
-
-
-@triton.jit
-def _row_totals(acc, ROW_SUMS: tl.constexpr):
-    # an accumulator of `_products` -> one float per row
-    if not ROW_SUMS:
-        acc = tl.sum(acc, 1)
-    return acc
+def _whole_loads(ptrs, mask):
+    # weights of a whole-row block, read once a step: past L1 (.cg)
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
-                 ROW_SUMS: tl.constexpr, STAGES: tl.constexpr, HINT: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
     # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
@@ -150,11 +112,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
     # weights never change: the first tile is requested before waiting for the previous kernel
     rows = pid * BLOCK_N + r
     tile_mask = (rows < n_out)[:, None] & (c < K)[None, :]
-    w_first = _load_weights(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], tile_mask, HINT)
+    w_first = tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask, other=0.0)
     u_first = w_first
     if SILU:
-        u_first = _load_weights(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :],
-                                tile_mask, HINT)
+        u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask,
+                          other=0.0)
     pdl.enter(PDL)
     if GATHER:   # the id may come from the kernel before (placeholders filled on the device): after the wait
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -180,29 +142,28 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
             u = u_first
         else:
             tile_mask = row_mask[:, None] & (c < K)[None, :]
-            w = _load_weights(w_rows + c[None, :], tile_mask, HINT)
+            w = tl.load(w_rows + c[None, :], mask=tile_mask, other=0.0)
             u = w
             if SILU:
-                u = _load_weights(u_rows + c[None, :], tile_mask, HINT)
+                u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
-        acc = _products(w, xk, ROW_SUMS)
+        acc = w.to(tl.float32) * xk      # per element, summed per row once the row is done
         acc_u = acc
         if SILU:
-            acc_u = _products(u, xk, ROW_SUMS)
-        # STAGES > 1: the weight (and input) chunks of the next STAGES - 1 iterations are copied into
-        # shared memory while this one is summed, so more bytes are in flight without more registers
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            acc_u = u.to(tl.float32) * xk
+        # one chunk in flight per program (num_stages=1): the registers hold the next chunk, not a pipeline
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=1):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-            acc += _products(_load_weights(w_rows + k0 + c[None, :], tile_mask, HINT), xk, ROW_SUMS)
+            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
             if SILU:
-                acc_u += _products(_load_weights(u_rows + k0 + c[None, :], tile_mask, HINT), xk, ROW_SUMS)
-        y = _row_totals(acc, ROW_SUMS)
+                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+        y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = _row_totals(acc_u, ROW_SUMS).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             y = act * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -210,27 +171,27 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
 
 @triton.jit
 def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
-                BLOCK_N: tl.constexpr, TWO: tl.constexpr, HINT: tl.constexpr):
+                BLOCK_N: tl.constexpr, TWO: tl.constexpr):
     # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
     # weight rows from first_row on (n_out: the up rows of SiLU-and-mul)
     rows = unit * BLOCK_N + r
     ok = (rows < n_out) & (unit < num_units)
     base = w_ptr + (rows + first_row).to(tl.int64)[:, None] * w_stride
-    wa = _load_weights(base + ca[None, :], ok[:, None] & (ca < K)[None, :], HINT)
+    wa = _whole_loads(base + ca[None, :], ok[:, None] & (ca < K)[None, :])
     wb = wa
     if TWO:
-        wb = _load_weights(base + cb[None, :], ok[:, None] & (cb < K)[None, :], HINT)
+        wb = _whole_loads(base + cb[None, :], ok[:, None] & (cb < K)[None, :])
     return wa, wb
 
 
 @triton.jit
 def _whole_block(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TWO: tl.constexpr, SILU: tl.constexpr, HINT: tl.constexpr):
+                 TWO: tl.constexpr, SILU: tl.constexpr):
     # `_whole_rows` of row block `unit`, and with SILU of its up rows too (the same as the gate's without)
-    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, HINT)
+    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO)
     ua, ub = wa, wb
     if SILU:
-        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, HINT)
+        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO)
     return wa, wb, ua, ub
 
 
@@ -247,11 +208,11 @@ def _whole_sums(wa, wb, xa, xb, TWO: tl.constexpr):
 def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       GATHER: tl.constexpr, AHEAD: tl.constexpr, HINT: tl.constexpr, PDL: tl.constexpr):
+                       GATHER: tl.constexpr, PDL: tl.constexpr):
     # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
-    # round trip to HBM; the first is requested before the wait. With AHEAD the next row block's loads
-    # are issued before this one is summed. The input is loaded (and normalised) once per program. With
+    # round trip to HBM; the first is requested before the wait, and the next row block's loads are
+    # issued before this one is summed. The input is loaded (and normalised) once per program. With
     # SILU the up rows (n_out further on) come with the gate rows.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -260,7 +221,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
-    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, SILU, HINT)
+    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, SILU)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -286,10 +247,8 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         xb = _normed(hb, nw_ptr, rstd, cb, K, NORM, dtype)
 
     for unit in range(pid, num_units, num_programs):
-        nxt = unit + num_programs
-        if AHEAD:
-            na, nb, nua, nub = _whole_block(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO,
-                                            SILU, HINT)
+        na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K,
+                                        BLOCK_N, TWO, SILU)
         y = _whole_sums(wa, wb, xa, xb, TWO)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
@@ -300,11 +259,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             up = _whole_sums(ua, ub, xa, xb, TWO).to(dtype).to(tl.float32)
             y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-        if AHEAD:
-            wa, wb, ua, ub = na, nb, nua, nub
-        else:
-            wa, wb, ua, ub = _whole_block(w_ptr, w_stride, nxt, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO,
-                                          SILU, HINT)
+        wa, wb, ua, ub = na, nb, nua, nub
 
 
 def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m):
@@ -368,14 +323,14 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         res_out = torch.empty_like(x) if residual is not None else x
         if ids is not None:
             res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
-    pdl_mode = pdl.mode(x.device)
+    pdl_on = pdl.enabled(x.device)
     if tile[0] == "smem":
         why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
                 gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
                                       residual[m] if residual is not None else None, silu, out[m],
-                                      res_out[m] if residual is not None else None, tile, pdl_mode)
+                                      res_out[m] if residual is not None else None, tile, pdl_on)
             return out, res_out
         if config is not None:
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
@@ -384,12 +339,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         why = _whole_tile_problem(k, silu, tile)
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
-                                 pdl_mode)
+                                 pdl_on)
         if config is not None:
             raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
         tile = DEFAULT_CONFIG
-    block_n, block_k, num_warps, per_sm, *extra = tile
-    row_sums, stages, hint = tuple(extra) + (0, 1, 0)[len(extra):]
+    block_n, block_k, num_warps, per_sm = tile
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
     for m in range(rows):
@@ -397,8 +351,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            ROW_SUMS=bool(row_sums), STAGES=stages, HINT=hint, PDL=pdl_mode,
-            num_warps=num_warps, launch_pdl=pdl_mode > 0)
+            PDL=pdl_on, num_warps=num_warps, launch_pdl=pdl_on)
     return out, res_out
 
 
@@ -418,11 +371,10 @@ def _whole_tile_problem(k: int, silu: bool, tile: tuple) -> str | None:
     return None
 
 
-def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_mode):
-    # ("whole", block_n, num_warps, programs per SM[, ahead[, hint]]): `_gemv_whole_kernel`
+def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on):
+    # ("whole", block_n, num_warps, programs per SM): `_gemv_whole_kernel`
     k = weight.shape[1]
-    _, block_n, num_warps, per_sm, *extra = tile
-    ahead, hint = tuple(extra) + (0, 0)[len(extra):]
+    _, block_n, num_warps, per_sm = tile
     block_k, block_k2 = _whole_blocks(k)
     rows, n_out = out.shape
     grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
@@ -431,5 +383,5 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, 
             *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            AHEAD=bool(ahead), HINT=hint, PDL=pdl_mode, num_warps=num_warps, launch_pdl=pdl_mode > 0)
+            PDL=pdl_on, num_warps=num_warps, launch_pdl=pdl_on)
     return out, res_out

@@ -50,16 +50,12 @@ def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple) -> s
 if AVAILABLE:
     @gluon.jit
     def _enter(PDL: gl.constexpr):
-        # pdl.enter in Gluon: mode 2 lets the next kernel launch, then waits; mode 1 the other way round
-        if PDL == 2:
+        # pdl.enter in Gluon: lets the next kernel launch, then waits
+        if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        if PDL > 0:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                       pack=1)
-        if PDL == 1:
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, kk, NORM: gl.constexpr, RESIDUAL: gl.constexpr):
@@ -133,7 +129,7 @@ if AVAILABLE:
 
 
 def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: float, residual, silu: bool,
-                out: torch.Tensor, res_out: torch.Tensor | None, tile: tuple, pdl_mode: int) -> None:
+                out: torch.Tensor, res_out: torch.Tensor | None, tile: tuple, pdl_on: bool) -> None:
     """One row of `gemv.fused_linear` (x [K], out [N or N / 2]) with `tile`, which `check_tile` passed;
     gemv.fused_linear checks the arguments and allocates the outputs."""
     _, block_n, block_k, num_warps = tile
@@ -144,5 +140,5 @@ def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: f
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
         eps, n_out, weight.stride(0),
         K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_mode, NUM_WARPS=num_warps,
-        num_warps=num_warps, launch_pdl=pdl_mode > 0)
+        HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_on, NUM_WARPS=num_warps,
+        num_warps=num_warps, launch_pdl=pdl_on)

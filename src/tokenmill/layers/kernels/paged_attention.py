@@ -1,4 +1,5 @@
-"""Triton paged attention: KV-cache store, split-K decode and varlen (chunked) prefill.
+"""Triton paged attention: varlen (chunked) prefill over the paged cache, and the checks and helpers
+that the decode kernel (`decode_attention.py`) shares with it.
 
 Reference: `tokenmill.layers.attention.paged_attention_torch`, whose docstring defines the cache layout
 [num_blocks, block_size, num_kv_heads, head_dim], the -1 padding slot and the causal rule.
@@ -6,9 +7,6 @@ Reference: `tokenmill.layers.attention.paged_attention_torch`, whose docstring d
 Every kernel reaches the cache token by token through the block table (page = block_table[n // block_size]),
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
-
-The decode path is CUDA-graph safe: its grid, its number of splits and its scratch buffers depend only on
-tensor shapes (batch size, block_tables.shape[1], head counts) and never on host copies of lengths.
 """
 from __future__ import annotations
 
@@ -19,35 +17,11 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata
-from tokenmill.layers.kernels import pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
 
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG = {"block_m": PREFILL_BLOCK_M, "block_n": 64, "num_warps": 4, "num_stages": 2}
-
-
-# --------------------------------------------------------------------------------------------- store
-
-
-@triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                          k_stride_t, k_stride_h, v_stride_t, v_stride_h, c_stride_slot, c_stride_h,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < NUM_HEADS) & (d < HEAD_DIM)
-        k = tl.load(k_ptr + t.to(tl.int64) * k_stride_t + h * k_stride_h + d, mask=mask)
-        v = tl.load(v_ptr + t.to(tl.int64) * v_stride_t + h * v_stride_h + d, mask=mask)
-        dst = slot * c_stride_slot + h * c_stride_h + d
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -63,143 +37,9 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise TypeError(f"unsupported cache dtype {k_cache.dtype}; supported: {_DTYPES}")
 
 
-def _check_tokens(name: str, x: torch.Tensor, num_heads: int, head_dim: int) -> None:
-    if x.dim() != 3 or x.shape[1] != num_heads or x.shape[2] != head_dim:
-        raise ValueError(f"{name} must be [T, {num_heads}, {head_dim}], got {tuple(x.shape)}")
-    if x.stride(2) != 1:
-        raise ValueError(f"{name} needs a unit stride on head_dim, got strides {x.stride()}")
-
-
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, Hkv, D] (token and head strides free) into the cache at `slot_mapping` [T];
-    slots < 0 are skipped."""
-    _check_cache(k_cache, v_cache)
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    _check_tokens("key", key, num_kv_heads, head_dim)
-    _check_tokens("value", value, num_kv_heads, head_dim)
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
-        raise TypeError(f"key/value dtype {key.dtype}/{value.dtype} != cache dtype {k_cache.dtype}")
-    num_tokens = key.shape[0]
-    if value.shape[0] != num_tokens or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} disagree on the number of tokens")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
-    if num_tokens == 0:
-        return
-    _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
-
-
-# -------------------------------------------------------------------------------------------- decode
-
-
-@triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-                   q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                   c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
-                   NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
-    # One program: sequence b, kv head kvh, split s. All GROUP query heads of kvh share each K/V tile;
-    # the group is padded to BLOCK_G rows (>= 16 for tl.dot) and the padding rows are never stored.
-    pdl.enter(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
-
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = block_tables_ptr + b.to(tl.int64) * bt_stride_b
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
-        page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    has = l_i > 0
-    acc = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + b.to(tl.int64) * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        row = (b.to(tl.int64) * NUM_Q_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
-                 mask=g_mask[:, None] & d_mask[None, :])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, o_stride_t, o_stride_h,
-                          NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # empty context: every weight is 0, output 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * o_stride_t + h * o_stride_h + d, o.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
-
-
 @lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device, block_n: int | None = None) -> int:
-    """Split-K factor from shapes only: enough (batch, kv head, split) programs to fill the GPU twice,
-    never more splits than BLOCK_N tiles in the longest possible context."""
-    block_n = block_n or DECODE_CONFIG["block_n"]
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    programs = batch * num_kv_heads
-    if programs >= num_sms:
-        return 1
-    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    return max(1, min(triton.cdiv(2 * num_sms, programs), max_tiles, MAX_SPLITS))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -231,52 +71,6 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """One query per sequence: q [B, Hq, D] (row b belongs to sequence b) -> out [B, Hq, D].
-
-    A sequence with context_len 0 (a padded CUDA-graph slot) gets a zero output."""
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if batch != block_tables.shape[0]:
-        raise ValueError(f"decode needs one query per sequence: q has {batch} rows, "
-                         f"block_tables {block_tables.shape[0]}")
-    cfg = {**DECODE_CONFIG, **(config or {})}
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                       q.device, cfg["block_n"])
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if batch == 0:
-        return out
-    group = num_q_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
-    if num_splits > 1:
-        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
-    pdl_mode = pdl.mode(q.device)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_SPLITS=num_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
-        PAGE_SIZE=block_size, BLOCK_N=cfg["block_n"], DOT_PRECISION=_dot_precision(q.dtype),
-        PDL=pdl_mode, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl_mode > 0)
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
-    return out
 
 
 # ------------------------------------------------------------------------------------------- prefill
@@ -404,9 +198,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D].
-    Pure-decode batches (`meta.is_pure_decode`) take the CUDA-graph-safe split-K decode kernel."""
-    if meta.is_pure_decode(q.shape[0]):
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
+    the prefill kernel, which also serves decode rows beside prefill chunks (pure-decode steps run
+    `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, tiles=meta.prefill_tiles)
