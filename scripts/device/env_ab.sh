@@ -2,7 +2,7 @@
 # Batch-1 decode latency under two environment settings on one machine, in alternating turns (A, B, A,
 # B...): profile_decode.py at batch 1 (32 prompt tokens, 128 generated), the engine's ms per step and the
 # decode graph's replay. From the repository root on the GPU machine:
-#   ENV_A="TOKENMILL_PDL=1" ENV_B="TOKENMILL_PDL=2" [TURNS=2] [MODELS=qwen3-4b] \
+#   ENV_A="PYTHONPATH=/path/a/src" ENV_B="PYTHONPATH=/path/b/src" [TURNS=2] [MODELS=qwen3-4b] \
 #     bash scripts/device/env_ab.sh
 # Settings are words (no spaces inside a value). Optional: NAME_A / NAME_B, the runs' names (default A and
 # B); LABEL_A / LABEL_B, what the table shows for each side (default its settings) under LABEL_HEADER
@@ -10,7 +10,7 @@
 # under $OUT/$SUBDIR. ab_latency.sh runs two commits through this.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-ENV_A=${ENV_A:?settings for side A, e.g. "TOKENMILL_X=0"}
+ENV_A=${ENV_A:?settings for side A, e.g. "PYTHONPATH=/path/a/src"}
 ENV_B=${ENV_B:?settings for side B}
 NAME_A=${NAME_A:-A} NAME_B=${NAME_B:-B}
 LABEL_A=${LABEL_A:-$ENV_A} LABEL_B=${LABEL_B:-$ENV_B}

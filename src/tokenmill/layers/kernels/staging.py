@@ -1,9 +1,9 @@
 """A step's inputs into the CUDA graphs' static buffers, and its sampled tokens back to the host, as
 kernels that read and write pinned host memory directly.
 
-Between two batch-1 decode graphs the stream used to run the sampler's argmax, a copy of the tokens to
-the host, a copy of the next step's inputs to the device and a device copy of the tokens into the
-placeholders of those inputs. The copies run on the copy engines, and each hand-over between a copy
+Between two batch-1 decode graphs the stream would otherwise run the sampler's argmax, a copy of the
+tokens to the host, a copy of the next step's inputs to the device and a device copy of the tokens into
+the placeholders of those inputs. Copies run on the copy engines, and each hand-over between a copy
 engine and the compute engine costs several microseconds, about 40 us a step in all on an H200
 (docs/BENCHMARKS.md). Here the compute engine does both ends itself: `stage` copies the packed inputs
 from pinned host memory (which the GPU addresses directly, unified virtual addressing) and fills each
