@@ -10,6 +10,7 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, RequestStatus
@@ -66,6 +67,7 @@ class LLMEngine:
         self.overlap = True
         self._in_flight = None
         self.ready_seconds = time.perf_counter() - t0
+        startup_log.log_startup(self)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import argmax, staging
@@ -127,7 +128,8 @@ class CudaGraphs:
         self._init_static_buffers(keys)
         self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         pool = None
-        for key in sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1])):
+        order = sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1]))
+        for key in tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=emulate):
             forward = self._static_forward(key)
             outputs = forward()                       # warms up the kernels (and their compilation)
             if emulate:
@@ -144,9 +146,9 @@ class CudaGraphs:
         self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
         self._warm_eager()
         self.graph_seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (%d decode, %d with prefill up to %d tokens) in %.1f s",
-                    len(keys), len(self._decode_buckets), len(keys) - len(self._decode_buckets),
-                    max(self._token_buckets, default=0), self.graph_seconds)
+        self.graph_summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
+                              f"{len(keys) - len(self._decode_buckets)} with prefill up to "
+                              f"{max(self._token_buckets, default=0)} tokens) in {self.graph_seconds:.1f} s")
 
     def _graph_key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""

@@ -117,10 +117,6 @@ class ModelRunner(CudaGraphs):
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
-        if num_blocks is None:
-            gib = self.kv_cache_bytes / 2**30
-            logger.info("KV cache: %d blocks of %d tokens, %.2f GiB, %d tokens", n, self.block_size,
-                        gib, n * self.block_size)
 
     @property
     def kv_cache_bytes(self) -> int:
