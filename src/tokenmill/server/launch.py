@@ -69,10 +69,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
-               log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False) -> int:
+               log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
+               log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False) -> int:
+    from tokenmill.server import stats_log
     from tokenmill.server.app import build_app
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    stats_log.enable_request_logging(log_requests)
+    config.extra.setdefault("log_level", log_level)      # the engine core's process logs at this level too
     sock = bind(host, port)
     try:
         engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
@@ -89,7 +93,7 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         bound = sock.getsockname()
         print(f"tokenmill: serving {engine.model_name} on http://{host}:{bound[1]} (engine pid {engine.pid})",
               flush=True)
-        asyncio.run(server.serve(sockets=[sock]))
+        asyncio.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, log_stats, log_stats_interval))
         return server.exit_code
     finally:
         engine.shutdown()

@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError
+from tokenmill.server.stats_log import log_request
 
 _MIN_LOGPROB = -9999.0
 
@@ -129,7 +130,8 @@ class Serving:
                   make_stream, make_final) -> Response:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`)."""
         base = uuid.uuid4().hex
-        gens = [self.engine.generate(f"{base}-{i}", ids, params, priority) for i, ids in enumerate(prompts)]
+        gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority), f"{base}-{i}", ids, params)
+                for i, ids in enumerate(prompts)]
         self._begin()
         try:
             # Wait for the first output so that engine-side rejections are still plain HTTP errors.
