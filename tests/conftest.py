@@ -89,3 +89,14 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
         with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
             dst.write(src.read())
     return path
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """One `tokenmill serve` with no model argument (the default model) for the whole session; the tests
+    that talk to it (test_tiny_model, test_ui) only read from it."""
+    from test_tiny_model import DefaultServer
+    server = DefaultServer(tmp_path_factory.mktemp("default-server"), "--num-kv-blocks", "128",
+                           "--max-model-len", "512")
+    yield server
+    server.stop()

@@ -1,5 +1,5 @@
 """The bundled tiny model: its training script on a few steps, loading through `LLM`, and `tokenmill serve`
-with no model argument answering an `openai` chat request."""
+with no model argument answering an `openai` chat request (the session's `default_server`, conftest.py)."""
 from __future__ import annotations
 
 import json
@@ -25,12 +25,12 @@ TINY_ARGS = ["--max-files", "12", "--vocab-size", "300", "--hidden-size", "32", 
 class DefaultServer:
     """`tokenmill serve` with extra args (no model: the bundled one) on a free loopback port."""
 
-    def __init__(self, tmp_path, *args: str, port: int = 0):
+    def __init__(self, tmp_path, *args: str):
         self.log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_NUM_THREADS="1")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *args, "--port", str(port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *args, "--port", "0",
                                       "--device", "cpu", "--log-level", "warning"],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
@@ -148,18 +148,15 @@ def test_bundled_model_generates_text():
     assert chat[0].outputs[0].text.strip()
 
 
-def test_serve_default_model_answers_chat(tmp_path):
-    openai = pytest.importorskip("openai")
-    server = DefaultServer(tmp_path, "--num-kv-blocks", "128", "--max-model-len", "512")
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
-        assert [m.id for m in client.models.list().data] == [BUNDLED_MODEL_NAME]
-        t0 = time.monotonic()
-        resp = client.chat.completions.create(
-            model=BUNDLED_MODEL_NAME, messages=[{"role": "user", "content": "explain the function split"}],
-            max_tokens=48, temperature=0)
-        elapsed = time.monotonic() - t0
-        assert resp.choices[0].message.content.strip()
-        assert elapsed < 10, elapsed
-    finally:
-        server.stop()
+def test_serve_default_model_answers_chat(default_server):
+    import openai
+
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list().data] == [BUNDLED_MODEL_NAME]
+    t0 = time.monotonic()
+    resp = client.chat.completions.create(
+        model=BUNDLED_MODEL_NAME, messages=[{"role": "user", "content": "explain the function split"}],
+        max_tokens=48, temperature=0)
+    elapsed = time.monotonic() - t0
+    assert resp.choices[0].message.content.strip()
+    assert elapsed < 10, elapsed
