@@ -1,9 +1,11 @@
-"""The Chainlit front-end: its helpers, and in headless Chromium against a real `tokenmill serve` on the
-bundled model (skipped with a reason where Chainlit, Playwright or Chromium is missing)."""
+"""The Chainlit front-end: its helpers, its child process (which never outlives `tokenmill ui`), and in headless
+Chromium against the session's `tokenmill serve` on the default model (skipped with a reason where Chainlit,
+Playwright or Chromium is missing)."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -57,14 +59,57 @@ def _start_ui(tmp_path, base_url: str, port: int) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop(proc: subprocess.Popen):
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from Linux's /proc (empty elsewhere)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+    except OSError:
+        return False
+
+
+def _assert_gone(pids: list[int], timeout: float = 20):
+    deadline = time.monotonic() + timeout
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in pids if _alive(p)]
+    for p in survivors:   # so that a failing run leaves nothing behind either
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, "processes outlived `tokenmill ui`"
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM):
+    """Stop `tokenmill ui` with `sig` and check that nothing it started is left running."""
+    kids = _descendants(proc.pid)
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(sig)
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            _assert_gone(kids, 0)
+            raise
+    _assert_gone(kids)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60):
@@ -82,10 +127,35 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60):
     raise RuntimeError(f"ui did not answer at {url}")
 
 
-@pytest.fixture
-def browser():
+def _needs_chainlit():
     if importlib.util.find_spec("chainlit") is None:   # not imported here: it writes .files/ into the cwd
         pytest.skip("the `ui` extra (chainlit) is not installed")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux's /proc")
+def test_no_process_outlives_tokenmill_ui(tmp_path):
+    """SIGTERM is forwarded to the Chainlit child and waited for; a SIGKILLed parent takes it down too."""
+    _needs_chainlit()
+    dead = _free_port()
+    uis = {sig: _start_ui(tmp_path, f"http://127.0.0.1:{dead}/v1", _free_port())
+           for sig in (signal.SIGTERM, signal.SIGKILL)}
+    try:
+        for ui in uis.values():
+            _wait_http(f"http://127.0.0.1:{ui.args[ui.args.index('--port') + 1]}/", ui)
+            assert _descendants(ui.pid)
+        _stop(uis[signal.SIGTERM])
+        assert uis[signal.SIGTERM].returncode == 0   # Chainlit's own status after a clean shutdown
+        _stop(uis[signal.SIGKILL], signal.SIGKILL)
+    finally:
+        for ui in uis.values():
+            if ui.poll() is None:
+                ui.kill()
+                ui.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _needs_chainlit()
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver)")
@@ -103,17 +173,11 @@ def _send(page, text: str):
     page.keyboard.press("Enter")
 
 
-def test_chat_page_streams_an_answer(browser, tmp_path):
-    from test_tiny_model import DefaultServer
+def test_chat_page_streams_an_answer(browser, default_server, tmp_path):
     from tokenmill.tiny import BUNDLED_MODEL_NAME
 
-    port, server_port = _free_port(), _free_port()
-    ui = _start_ui(tmp_path, f"http://127.0.0.1:{server_port}/v1", port)   # starts while the server loads
-    try:
-        server = DefaultServer(tmp_path, "--num-kv-blocks", "128", "--max-model-len", "512", port=server_port)
-    except Exception:
-        _stop(ui)
-        raise
+    port = _free_port()
+    ui = _start_ui(tmp_path, default_server.url + "/v1", port)
     try:
         _wait_http(f"http://127.0.0.1:{port}/", ui)
         page = browser.new_page(viewport={"width": 1000, "height": 860})
@@ -138,7 +202,6 @@ def test_chat_page_streams_an_answer(browser, tmp_path):
         page.screenshot(path=os.environ.get("TOKENMILL_UI_SCREENSHOT") or str(tmp_path / "ui.png"))
     finally:
         _stop(ui)
-        server.stop()
 
 
 def test_chat_page_reports_an_unreachable_server(browser, tmp_path):

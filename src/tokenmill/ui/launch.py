@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -11,6 +13,8 @@ import tempfile
 from tokenmill.ui.chat import UISettings
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def add_ui_args(p: argparse.ArgumentParser):
@@ -40,9 +44,34 @@ def run_ui(args) -> int:
         cmd = [sys.executable, "-m", "chainlit", "run", APP, "--headless", "--host", args.host,
                "--port", str(args.port)]
         print(f"tokenmill ui on http://{args.host}:{args.port} -> {args.base_url}", flush=True)
-        proc = subprocess.Popen(cmd, env=env, cwd=root)
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            return proc.wait()
+        proc = subprocess.Popen(cmd, env=env, cwd=root, preexec_fn=_child_setup(os.getpid()))
+        return _wait_forwarding(proc)
+
+
+def _child_setup(parent_pid: int):
+    """What the child runs between fork and exec. Its own process group, so a terminal's Ctrl-C reaches only
+    the parent, which forwards it once; and on Linux SIGTERM as soon as the parent dies, however it dies
+    (SIGKILL included), so the page never outlives `tokenmill ui`."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def setup():   # after fork: no imports or allocations beyond the call itself
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+            if os.getppid() != parent_pid:   # the parent died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+    return setup
+
+
+def _wait_forwarding(proc: subprocess.Popen) -> int:
+    """Wait for the child, passing SIGTERM and SIGINT on to it, and return its status (128 + N for a signal
+    N, as a shell reports it)."""
+    def forward(signum, _frame):
+        proc.send_signal(signum)   # a no-op once the child has been reaped
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - rc if rc < 0 else rc
