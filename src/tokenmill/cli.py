@@ -2,9 +2,49 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.config import EngineConfig
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in `--help`, as vLLM shows them: appended to its help text, or as the help
+    of an option that has none; a help text that already says what its default is keeps its words."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+    def _format_action(self, action):
+        if action.help is None and action.default is not argparse.SUPPRESS and (
+                action.option_strings or action.nargs in ("?", "*")):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def package_version() -> str:
+    try:
+        return version("tokenmill")
+    except PackageNotFoundError:       # a source tree on the path, not installed
+        return "unknown"
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    """`--model X` beside the positional MODEL, as vLLM accepts both."""
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the model, as the positional MODEL (give one of them)")
+
+
+def resolve_model(parser: argparse.ArgumentParser, args) -> None:
+    option = getattr(args, "model_option", None)
+    if option is not None:
+        if args.model is not None and args.model != option:
+            parser.error(f"the model is given twice and differently: {args.model!r} and --model {option!r}")
+        args.model = option
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -15,16 +55,21 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     p.add_argument("--dtype", default=d.dtype, help="auto, float32, float16 or bfloat16")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy)
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of the GPU's memory for weights, activations and the KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="most tokens in one step")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context length, prompt plus output (default: the model's)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of equal prompt prefixes")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="order of the waiting requests")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV-cache blocks (default: sized from --gpu-memory-utilization)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's random state")
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=d.cuda_graph_max_tokens,
                    help="largest step with prefill tokens run as a CUDA graph (0: decode graphs only)")
@@ -48,7 +93,9 @@ def _serve(args) -> int:
     return run_server(engine_config(args), host=args.host, port=args.port,
                       served_model_names=args.served_model_name, api_key=args.api_key,
                       max_queue_len=args.max_queue_len, log_level=args.log_level,
-                      engine_factory=args.engine_factory, in_process=args.engine_in_process)
+                      engine_factory=args.engine_factory, in_process=args.engine_in_process,
+                      log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
+                      log_requests=args.enable_log_requests)
 
 
 def _generate(args) -> int:
@@ -64,10 +111,69 @@ def _generate(args) -> int:
         tok = llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    for p in prompts]
-    for out in llm.generate(prompts, params):
-        for c in out.outputs:
-            print(c.text, flush=True)
+    texts = [c.text for out in llm.generate(prompts, params) for c in out.outputs]
+    for i, text in enumerate(texts):
+        if i:
+            print(GENERATE_SEPARATOR, flush=True)
+        print(text, flush=True)
     return 0
+
+
+# between the outputs of several prompts, so that multi-line outputs stay apart
+GENERATE_SEPARATOR = "-" * 40
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `tokenmill` parser and its subcommands' parsers (`bench` parses its own arguments)."""
+    parser = argparse.ArgumentParser(prog="tokenmill", description="PagedAttention LLM inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokenmill {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model directory (Hugging Face layout; default: the bundled tiny model)")
+    add_model_option(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
+    serve.add_argument("--max-queue-len", type=int, default=1024,
+                       help="answer 503 with Retry-After beyond this many waiting requests")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="of the server's and the engine's logs")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no stats line (throughput, requests, KV-cache usage) while busy")
+    serve.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between stats lines")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it arrives and as it finishes")
+    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine loop in a thread of the server process (for debugging)")
+    add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="offline one-shot generation", formatter_class=HelpFormatter)
+    gen.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled tiny model)")
+    add_model_option(gen)
+    gen.add_argument("--prompt", action="append",
+                     help="prompt text (repeatable: outputs are separated by a line of dashes; default: stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling (default: random)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    add_engine_args(gen)
+
+    from tokenmill.ui.launch import add_ui_args
+    ui = sub.add_parser("ui", help="Chainlit chat page for a running server (needs the `ui` extra)",
+                        formatter_class=HelpFormatter)
+    add_ui_args(ui)
+
+    bench = sub.add_parser("bench", help="benchmarks (see `tokenmill bench --help`)", formatter_class=HelpFormatter)
+    return parser, {"serve": serve, "generate": gen, "ui": ui, "bench": bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,43 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.bench.cli import main as bench_main
         return bench_main(argv[1:])
 
-    parser = argparse.ArgumentParser(prog="tokenmill", description="PagedAttention LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="model directory (Hugging Face layout; default: the bundled tiny model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
-    serve.add_argument("--max-queue-len", type=int, default=1024,
-                       help="answer 503 with Retry-After beyond this many waiting requests")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
-    serve.add_argument("--engine-in-process", action="store_true",
-                       help="run the engine loop in a thread of the server process (for debugging)")
-    add_engine_args(serve)
-
-    gen = sub.add_parser("generate", help="offline one-shot generation")
-    gen.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled tiny model)")
-    gen.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    add_engine_args(gen)
-
-    from tokenmill.ui.launch import add_ui_args
-    ui = sub.add_parser("ui", help="Chainlit chat page for a running server (needs the `ui` extra)")
-    add_ui_args(ui)
-
-    sub.add_parser("bench", help="benchmarks (see `tokenmill bench --help`)")
-
+    parser, subs = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("serve", "generate"):
+        resolve_model(subs[args.command], args)
     if args.command in ("serve", "generate") and args.model is None:
         from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
         args.model = bundled_model_path()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,23 +20,107 @@ import time
 from tokenmill.bench import report
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
                                       sharegpt_requests, special_token_ids)
+from tokenmill.bench.serve import DEFAULT_ENDPOINT
+from tokenmill.bench.serve import INPUT_LEN_RANGE as SERVE_INPUT_LEN_RANGE
+from tokenmill.bench.serve import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
 from tokenmill.bench.throughput import BACKENDS
+from tokenmill.cli import HelpFormatter
 
 SUBCOMMANDS = ("throughput", "prepare", "serve", "report")
 
+THROUGHPUT_LEN_RANGE = "100,1024"
+# `vllm bench`'s random dataset when its flags are given without a length
+VLLM_RANDOM_INPUT_LEN, VLLM_RANDOM_OUTPUT_LEN = 1024, 128
+
+
+def add_vllm_args(p: argparse.ArgumentParser, serve: bool) -> None:
+    """`vllm bench`'s flag names, each mapped onto the option of ours with the same meaning by
+    `resolve_vllm_args`, so that a vLLM user's command runs unchanged."""
+    g = p.add_argument_group("vLLM's flag names", "accepted as `vllm bench` has them, with its meanings")
+    g.add_argument("--dataset-name", choices=["random", "sharegpt"], default=None,
+                   help="--dataset random, or --dataset FILE for sharegpt with --dataset-path FILE")
+    g.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file of --dataset-name sharegpt")
+    g.add_argument("--random-input-len", type=int, default=None,
+                   help="random prompts of about this many tokens: --input-len-range LEN*(1-R),LEN*(1+R) "
+                        f"with R the --random-range-ratio (vLLM's default: {VLLM_RANDOM_INPUT_LEN})")
+    g.add_argument("--random-output-len", type=int, default=None,
+                   help="likewise --output-len-range around this many output tokens "
+                        f"(vLLM's default: {VLLM_RANDOM_OUTPUT_LEN})")
+    g.add_argument("--random-range-ratio", type=float, default=None,
+                   help="R in [0, 1): lengths uniform in [LEN*(1-R), LEN*(1+R)] (vLLM's default: 0)")
+    g.add_argument("--save-result", action="store_true",
+                   help="accepted for vLLM's commands; the results are always saved in --output-dir")
+    g.add_argument("--result-filename", default=None, help="--name with .json: the results' file name")
+    if serve:
+        g.add_argument("--backend", choices=["vllm", "openai", "openai-chat"], default=None,
+                       help="the request format when --endpoint is not given: openai-chat is "
+                            "/v1/chat/completions, the others /v1/completions")
+        g.add_argument("--host", default="127.0.0.1", help="the server, when --base-url is not given")
+        g.add_argument("--port", type=int, default=8000, help="the server's port, when --base-url is not given")
+
+
+def vllm_range(length: int, ratio: float) -> str:
+    """vLLM's random lengths: uniform integers in [floor(len*(1-r)), ceil(len*(1+r))], at least 1 (the
+    products rounded first, so that 200 * 1.1 is 220, not 221 as a float would have it)."""
+    lo, hi = round(length * (1 - ratio), 6), round(length * (1 + ratio), 6)
+    return f"{max(1, math.floor(lo))},{max(1, math.ceil(hi))}"
+
+
+def resolve_vllm_args(parser: argparse.ArgumentParser, args, input_len_range: str, output_len_range: str) -> None:
+    """Maps vLLM's flags onto ours; our range options left unset take `input_len_range` and
+    `output_len_range`. Giving both a vLLM flag and the option it maps onto is an error."""
+    ratio = args.random_range_ratio
+    if ratio is not None and not 0.0 <= ratio < 1.0:
+        parser.error(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    if (args.random_input_len, args.random_output_len, ratio) != (None, None, None):
+        if args.input_len_range is not None or args.output_len_range is not None:
+            parser.error("give --input-len-range/--output-len-range or vLLM's --random-input-len/"
+                         "--random-output-len/--random-range-ratio, not both")
+        for name in ("random_input_len", "random_output_len"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                parser.error(f"--{name.replace('_', '-')} must be >= 1")
+        args.input_len_range = vllm_range(args.random_input_len or VLLM_RANDOM_INPUT_LEN, ratio or 0.0)
+        args.output_len_range = vllm_range(args.random_output_len or VLLM_RANDOM_OUTPUT_LEN, ratio or 0.0)
+    args.input_len_range = args.input_len_range or input_len_range
+    args.output_len_range = args.output_len_range or output_len_range
+    if args.dataset_name is not None:
+        dataset = args.dataset_name if args.dataset_name == "random" else args.dataset_path
+        if dataset is None:
+            parser.error("--dataset-name sharegpt needs --dataset-path FILE")
+        if args.dataset not in (parser.get_default("dataset"), dataset):
+            parser.error(f"give --dataset or --dataset-name, not both ({args.dataset!r} and {dataset!r})")
+        args.dataset = dataset
+    if args.result_filename is not None:
+        if args.name is not None:
+            parser.error("give --name or --result-filename, not both")
+        args.name = args.result_filename.removesuffix(".json")
+    if getattr(args, "host", None) is not None:          # bench serve
+        if args.base_url is None:
+            args.base_url = f"http://{args.host}:{args.port}"
+        if args.endpoint is None:
+            args.endpoint = ("/v1/completions" if args.backend in ("vllm", "openai") else DEFAULT_ENDPOINT)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill bench", description="tokenmill benchmarks")
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="tokenmill bench", description="tokenmill benchmarks",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("throughput", help="offline throughput against Hugging Face transformers baselines")
+    p = sub.add_parser("throughput", help="offline throughput against Hugging Face transformers baselines",
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="model directory or preset:NAME")
     p.add_argument("--backend", default="tokenmill",
                    help=f"comma-separated backends from {', '.join(BACKENDS)}; each runs in its own process")
     p.add_argument("--dataset", default="random", help="'random' or a ShareGPT-format JSON file")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for --dataset FILE (default: the model)")
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len-range", default="100,1024", help="inclusive 'LO,HI' (or 'N') prompt lengths")
-    p.add_argument("--output-len-range", default="100,1024", help="inclusive 'LO,HI' (or 'N') output lengths")
+    p.add_argument("--input-len-range", default=None,
+                   help=f"inclusive 'LO,HI' (or 'N') prompt lengths (default: {THROUGHPUT_LEN_RANGE})")
+    p.add_argument("--output-len-range", default=None,
+                   help=f"inclusive 'LO,HI' (or 'N') output lengths (default: {THROUGHPUT_LEN_RANGE})")
     p.add_argument("--subset", type=int, default=None, help="run every backend on the first N requests only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -57,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-max-memory-percent", type=float, default=0.5, help="hf-cb KV cache memory fraction")
     p.add_argument("--memory-bandwidth", type=float, default=4.3e12, help="roofline: bytes/s")
     p.add_argument("--matmul-flops", type=float, default=790e12, help="roofline: FLOP/s")
-    p.add_argument("--output-dir", default="bench_results")
+    p.add_argument("--output-dir", "--result-dir", default="bench_results", help="where the results go")
     p.add_argument("--name", default=None, help="file name stem of the results (default: model-time)")
     p.add_argument("--in-process", action="store_true", help="run the backends in this process (tests)")
     p.add_argument("--no-progress", action="store_true")
@@ -66,17 +151,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-result", help=argparse.SUPPRESS)
     p.add_argument("--worker-model-path", help=argparse.SUPPRESS)
     p.add_argument("--spawn-time", type=float, help=argparse.SUPPRESS)
+    add_vllm_args(p, serve=False)
 
-    q = sub.add_parser("prepare", help="materialise a preset model directory and print its path")
+    q = sub.add_parser("prepare", help="materialise a preset model directory and print its path",
+                       formatter_class=HelpFormatter)
     q.add_argument("--model", required=True)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--dtype", default="bfloat16")
 
     from tokenmill.bench.report_serve import add_report_args
     from tokenmill.bench.serve import add_serve_args
-    add_serve_args(sub.add_parser("serve", help="online benchmark of an OpenAI-compatible server"))
-    add_report_args(sub.add_parser("report", help="markdown + PNG report from `bench serve` results"))
-    return parser
+    serve = sub.add_parser("serve", help="online benchmark of an OpenAI-compatible server",
+                           formatter_class=HelpFormatter)
+    add_serve_args(serve)
+    add_vllm_args(serve, serve=True)
+    add_report_args(sub.add_parser("report", help="markdown + PNG report from `bench serve` results",
+                                   formatter_class=HelpFormatter))
+    return parser, {"throughput": p, "serve": serve}
+
+
+def parse_args(argv: list[str]):
+    """`tokenmill bench` arguments, with vLLM's flag names mapped onto ours."""
+    parser, subs = _build_parsers()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        resolve_vllm_args(subs["serve"], args, SERVE_INPUT_LEN_RANGE, SERVE_OUTPUT_LEN_RANGE)
+    elif args.command == "throughput":
+        resolve_vllm_args(subs["throughput"], args, THROUGHPUT_LEN_RANGE, THROUGHPUT_LEN_RANGE)
+    return args
 
 
 def _preset_dtype(dtype: str) -> str:
@@ -248,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["throughput", *argv]
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "prepare":
         from tokenmill.models.presets import resolve_model_path
         print(resolve_model_path(args.model, _preset_dtype(args.dtype), args.seed))

@@ -309,9 +309,14 @@ def format_level(backend: str, m: dict) -> str:
             f"E2E p95 {m['p95_e2el_ms']:.0f} ms")
 
 
+DEFAULT_ENDPOINT = "/v1/chat/completions"
+INPUT_LEN_RANGE, OUTPUT_LEN_RANGE = "100,1024", "100,300"
+
+
 def add_serve_args(p) -> None:
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: from --host and --port)")
+    p.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
+                   help=f"(default: {DEFAULT_ENDPOINT}, or /v1/completions with --backend vllm or openai)")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="backend name in the results (default: /v1/models owned_by)")
@@ -321,8 +326,10 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-concurrency", default="1,4,8,16,32", help="comma-separated levels, run in turn")
     p.add_argument("--request-rate", default="inf", help="Poisson arrival rate (req/s), or inf")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-len-range", default="100,1024", help="random: inclusive prompt lengths")
-    p.add_argument("--output-len-range", default="100,300", help="random: inclusive max_tokens")
+    p.add_argument("--input-len-range", default=None,
+                   help=f"random: inclusive prompt lengths 'LO,HI' or 'N' (default: {INPUT_LEN_RANGE})")
+    p.add_argument("--output-len-range", default=None,
+                   help=f"random: inclusive max_tokens 'LO,HI' or 'N' (default: {OUTPUT_LEN_RANGE})")
     p.add_argument("--random-vocab-limit", type=int, default=1000, help="random completions: ids below this")
     p.add_argument("--mixed-chat-chars", default="50,1000", help="mixed-chat: inclusive prompt characters")
     p.add_argument("--mixed-chat-output-len", default="100,300", help="mixed-chat: inclusive max_tokens")
@@ -332,7 +339,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=3600.0)
     p.add_argument("--hardware", default=None, help="hardware string for the results (default: detected)")
-    p.add_argument("--output-dir", default="bench_results")
+    p.add_argument("--output-dir", "--result-dir", default="bench_results", help="where the results go")
     p.add_argument("--name", default=None, help="results file stem (default: serve-BACKEND-time)")
     p.add_argument("--no-progress", action="store_true")
 

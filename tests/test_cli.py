@@ -1,0 +1,312 @@
+"""The `tokenmill` command line and the server's logs: --version, defaults in --help, vLLM's spellings
+(`serve --model`, `bench`'s --random-* flags), the separator of `generate`, the stats and request log
+lines, and the start-up summary of a real `tokenmill serve`."""
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+import tokenmill
+from tokenmill import cli
+from tokenmill.bench.cli import _build_parsers, parse_args, vllm_range
+from tokenmill.bench.datasets import parse_range, random_requests
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server import stats_log
+from tokenmill.tiny import bundled_model_path
+
+
+# ---- --version and --help ---------------------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"tokenmill {importlib.metadata.version('tokenmill')}\n"
+
+
+def _shown_defaults(parser: argparse.ArgumentParser) -> tuple[int, str]:
+    """(options whose default --help must show, the help text with its whitespace normalised)."""
+    wanted = [a for a in parser._actions
+              if a.option_strings and a.help is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS
+              and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
+    return len(wanted), " ".join(parser.format_help().split())
+
+
+def test_every_help_shows_the_defaults():
+    _, subs = cli.build_parser()
+    _, bench_subs = _build_parsers()
+    parsers = {**subs, **{f"bench {k}": v for k, v in bench_subs.items()}}
+    for name, parser in parsers.items():
+        wanted, text = _shown_defaults(parser)
+        assert text.count("default") >= wanted, name
+    _, serve = _shown_defaults(subs["serve"])
+    assert "--port PORT 0 picks a free port (default: 8000)" in serve
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 256)" in serve
+    assert "--enable-prefix-caching, --no-enable-prefix-caching reuse the KV blocks of equal prompt " \
+           "prefixes (default: True)" in serve
+    assert "--max-tokens MAX_TOKENS most tokens generated per prompt (default: 64)" in _shown_defaults(subs["generate"])[1]
+    assert "--port PORT (default: 8001)" in _shown_defaults(subs["ui"])[1]      # an option without a help text
+    assert "--num-prompts NUM_PROMPTS (default: 256)" in _shown_defaults(bench_subs["throughput"])[1]
+    assert "--input-len-range INPUT_LEN_RANGE random: inclusive prompt lengths 'LO,HI' or 'N' (default: " \
+           "100,1024)" in _shown_defaults(bench_subs["serve"])[1]
+
+
+# ---- serve --model, the log flags, generate's separator -----------------------------------------------
+@pytest.fixture
+def served(monkeypatch):
+    """Runs `tokenmill serve ...` up to `run_server`, returning its config and keyword arguments."""
+    calls = []
+    import tokenmill.server.launch as launch
+    monkeypatch.setattr(launch, "run_server", lambda config, **kw: calls.append((config, kw)) or 0)
+
+    def serve(*argv):
+        assert cli.main(["serve", *argv]) == 0
+        return calls[-1]
+    return serve
+
+
+def test_serve_takes_the_model_as_vllm_does(served, capsys, tmp_path):
+    model = str(tmp_path)
+    assert served("--model", model)[0].model == model
+    assert served(model)[0].model == model
+    config, kw = served(model, "--model", model)
+    assert config.model == model and kw["served_model_names"] is None       # not the bundled model's name
+    with pytest.raises(SystemExit) as e:
+        served(model, "--model", model + "/other")
+    assert e.value.code == 2 and "the model is given twice and differently" in capsys.readouterr().err
+
+
+def test_serve_log_flags_reach_the_server(served, tmp_path):
+    kw = served(str(tmp_path))[1]
+    assert kw["log_stats"] is True and kw["log_requests"] is False and kw["log_stats_interval"] == 10.0
+    kw = served(str(tmp_path), "--disable-log-stats", "--enable-log-requests", "--log-stats-interval", "2")[1]
+    assert kw["log_stats"] is False and kw["log_requests"] is True and kw["log_stats_interval"] == 2.0
+
+
+def test_generate_separates_the_outputs_of_several_prompts(monkeypatch, capsys):
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params):
+            return [SimpleNamespace(outputs=[SimpleNamespace(text=f"out of {p}\nsecond line")]) for p in prompts]
+
+    monkeypatch.setattr(tokenmill, "LLM", FakeLLM)
+    model = bundled_model_path()
+    assert cli.main(["generate", model, "--prompt", "a", "--prompt", "b"]) == 0
+    sep = cli.GENERATE_SEPARATOR
+    assert capsys.readouterr().out == f"out of a\nsecond line\n{sep}\nout of b\nsecond line\n"
+    assert cli.main(["generate", model, "--prompt", "a"]) == 0
+    assert sep not in capsys.readouterr().out
+
+
+# ---- bench: vLLM's flag names -------------------------------------------------------------------------
+def test_vllm_random_lengths():
+    assert vllm_range(1000, 0.5) == "500,1500" and vllm_range(128, 0.0) == "128,128"
+    assert vllm_range(3, 0.9) == "1,6"            # floor(0.3) is 0: at least 1; ceil(5.7) is 6
+    lo, hi = parse_range(vllm_range(100, 0.25))
+    reqs = random_requests(200, (lo, hi), (1, 2), vocab_size=1000, seed=0)
+    assert {r.prompt_len for r in reqs} <= set(range(75, 126)) and len({r.prompt_len for r in reqs}) > 20
+
+
+def test_bench_serve_accepts_a_vllm_command():
+    args = parse_args(["serve", "--backend", "vllm", "--model", "m", "--dataset-name", "random",
+                       "--random-input-len", "1000", "--random-output-len", "100", "--random-range-ratio", "0.5",
+                       "--num-prompts", "10", "--max-concurrency", "4", "--save-result", "--result-dir", "/r",
+                       "--result-filename", "run1.json", "--port", "8123"])
+    assert (args.input_len_range, args.output_len_range) == ("500,1500", "50,150")
+    assert (args.dataset, args.output_dir, args.name) == ("random", "/r", "run1")
+    assert (args.base_url, args.endpoint) == ("http://127.0.0.1:8123", "/v1/completions")
+    args = parse_args(["serve", "--random-input-len", "64"])      # vLLM's default output length and ratio
+    assert (args.input_len_range, args.output_len_range) == ("64,64", "128,128")
+    args = parse_args(["serve", "--backend", "openai-chat", "--base-url", "http://h:1"])
+    assert (args.base_url, args.endpoint) == ("http://h:1", "/v1/chat/completions")
+    args = parse_args(["serve"])                                   # our own defaults, untouched
+    assert (args.input_len_range, args.output_len_range, args.dataset) == ("100,1024", "100,300", "mixed-chat")
+    assert args.endpoint == "/v1/chat/completions"
+
+
+def test_bench_throughput_accepts_vllm_flags():
+    args = parse_args(["throughput", "--model", "m", "--random-input-len", "200", "--random-output-len", "20",
+                       "--random-range-ratio", "0.1", "--result-dir", "/r", "--save-result"])
+    assert (args.input_len_range, args.output_len_range, args.output_dir) == ("180,220", "18,22", "/r")
+    args = parse_args(["throughput", "--model", "m", "--dataset-name", "sharegpt", "--dataset-path", "sg.json"])
+    assert args.dataset == "sg.json" and args.input_len_range == "100,1024"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--random-input-len", "8", "--input-len-range", "1,9"], "not both"),
+    (["--random-range-ratio", "1.0"], "must be in [0, 1)"),
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--dataset-name", "random", "--dataset", "x.json"], "--dataset or --dataset-name"),
+])
+def test_bench_refuses_contradicting_flags(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["throughput", "--model", "m", *argv])
+    assert message in capsys.readouterr().err
+
+
+# ---- the stats line -----------------------------------------------------------------------------------
+def _stats(prompt=0, generation=0, running=0, waiting=0, usage=0.0, queries=0, hits=0):
+    return {"prompt_tokens": prompt, "generation_tokens": generation, "num_running": running,
+            "num_waiting": waiting, "kv_cache_usage": usage, "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits, "num_preemptions": 0}
+
+
+class FakeStats:
+    def __init__(self, samples):
+        self.samples = list(samples)
+        self.calls = 0
+
+    async def get_stats(self, max_age: float = 0.0):
+        self.calls += 1
+        return self.samples.pop(0) if len(self.samples) > 1 else self.samples[0]
+
+
+def test_stats_line_has_the_interval_numbers(caplog):
+    fake = FakeStats([_stats(100, 10, queries=50, hits=0), _stats(600, 210, 3, 2, 0.25, 150, 75), _stats(600, 210),
+                      _stats(600, 210)])
+    logger = stats_log.StatsLogger(fake.get_stats, interval=10.0)
+
+    async def run():
+        return [await logger.log_once(now=t) for t in (0.0, 10.0, 20.0, 30.0)]
+
+    with caplog.at_level(logging.INFO, logger="tokenmill.stats"):
+        lines = asyncio.run(run())
+    assert lines[0] is None                   # the first sample only starts the interval
+    assert lines[1] == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+                        "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 75.0%")
+    assert lines[2].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+                               "Running: 0 reqs")          # once more: the burst is over
+    assert lines[3] is None                   # idle again: silent
+    assert [r.getMessage() for r in caplog.records] == lines[1:3]
+
+
+def test_stats_logger_is_silent_when_idle_and_off_when_disabled(caplog):
+    async def serve():
+        await asyncio.sleep(0.3)
+        return "served"
+
+    idle = FakeStats([_stats(5, 5)])
+    busy = FakeStats([_stats(0, 0), _stats(10, 10, running=1)])
+    off = FakeStats([_stats(0, 0), _stats(10, 10, running=1)])
+    with caplog.at_level(logging.INFO, logger="tokenmill.stats"):
+        assert asyncio.run(stats_log.serve_with_stats(serve(), SimpleNamespace(get_stats=idle.get_stats),
+                                                      interval=0.02)) == "served"
+        assert idle.calls > 3 and not caplog.records
+        asyncio.run(stats_log.serve_with_stats(serve(), SimpleNamespace(get_stats=off.get_stats), enabled=False,
+                                               interval=0.02))
+        assert off.calls == 0 and not caplog.records
+        asyncio.run(stats_log.serve_with_stats(serve(), SimpleNamespace(get_stats=busy.get_stats), interval=0.02))
+    assert caplog.records and all("Running: 1 reqs" in r.getMessage() for r in caplog.records)
+
+
+# ---- the request lines --------------------------------------------------------------------------------
+def _output(tokens: int, finish_reason=None):
+    return SimpleNamespace(finished=finish_reason is not None,
+                           outputs=[SimpleNamespace(token_ids=[7] * tokens, finish_reason=finish_reason)])
+
+
+async def _outputs(n: int):
+    for i in range(1, n + 1):
+        yield _output(i, "length" if i == n else None)
+
+
+def test_request_lines_only_when_enabled(caplog):
+    params = SamplingParams(temperature=0.0, max_tokens=3, seed=5)
+
+    async def consume(gen, stop_after=None):
+        outs = []
+        async for out in gen:
+            outs.append(out)
+            if len(outs) == stop_after:
+                break
+        await gen.aclose()
+        return outs
+
+    with caplog.at_level(logging.INFO, logger="tokenmill.requests"):
+        try:
+            stats_log.enable_request_logging(False)
+            gen = _outputs(3)
+            assert stats_log.log_request(gen, "r0", [1, 2], params) is gen and not caplog.records
+            stats_log.enable_request_logging(True)
+            assert len(asyncio.run(consume(stats_log.log_request(_outputs(3), "r1", [1, 2, 3], params)))) == 3
+            asyncio.run(consume(stats_log.log_request(_outputs(3), "r2", [1], params), stop_after=1))
+        finally:
+            stats_log.enable_request_logging(False)
+    messages = [re.sub(r"\d+\.\d\d s", "T s", r.getMessage()) for r in caplog.records]
+    assert messages == [
+        "Received request r1: 3 prompt tokens, temperature=0.0, seed=5, max_tokens=3",
+        "Finished request r1: 3 tokens, finish_reason=length, T s",
+        "Received request r2: 1 prompt tokens, temperature=0.0, seed=5, max_tokens=3",
+        "Aborted request r2 after 1 tokens, T s",
+    ]
+
+
+# ---- a real server ------------------------------------------------------------------------------------
+def test_serve_logs_its_startup_stats_and_requests(tmp_path):
+    """`tokenmill serve --log-level info` on the bundled model: the start-up summary from the engine core's
+    process, then a request's lines and a stats line in the server's."""
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", bundled_model_path(), "--device", "cpu", "--port", "0", "--log-level", "info",
+           "--max-model-len", "512", "--num-kv-blocks", "64", "--log-stats-interval", "0.5",
+           "--enable-log-requests"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines: list[str] = []
+    started, port = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if re.search(r"serving .* on http://", line):
+                port.append(re.search(r":(\d+) ", line).group(1))
+                started.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def wait_for(pattern: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hit = next((x for x in lines if re.search(pattern, x)), None)
+            if hit is not None:
+                return hit
+            assert proc.poll() is None, "\n".join(lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n" + "\n".join(lines))
+
+    try:
+        assert started.wait(90), "\n".join(lines)
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port[0]}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        usage = json.load(urllib.request.urlopen(req, timeout=60))["usage"]
+        wait_for(r"INFO tokenmill\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation "
+                         r"throughput: [\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: "
+                         r"[\d.]+%, Prefix cache hit rate: [\d.]+%")
+        wait_for(rf"INFO tokenmill\.requests: Finished request \w+-0: {usage['completion_tokens']} tokens, "
+                 r"finish_reason=\w+")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        reader.join(5)
+    text = "\n".join(lines)
+    for pattern in (r"INFO tokenmill\.engine: model \S+: Qwen3ForCausalLM, dtype float32, device cpu, "
+                    r"max_model_len 512",
+                    r"INFO tokenmill\.engine: weights: [\d.]+ MiB \([\d.]+M parameters\), loaded in [\d.]+ s",
+                    r"INFO tokenmill\.engine: KV cache: 64 blocks of 16 tokens, [\d.]+ MiB, 1,024 tokens; "
+                    r"maximum concurrency for 512 tokens per request: 2\.00x",
+                    r"INFO tokenmill\.engine: CUDA graphs: off \(device cpu\)",
+                    r"INFO tokenmill\.engine: engine ready in [\d.]+ s",
+                    rf"INFO tokenmill\.requests: Received request \w+-0: {usage['prompt_tokens']} prompt tokens, "
+                    r"temperature=0(\.0)?, max_tokens=8"):
+        assert re.search(pattern, text), (pattern, text)
