@@ -95,7 +95,32 @@ def _serve(args) -> int:
                       max_queue_len=args.max_queue_len, log_level=args.log_level,
                       engine_factory=args.engine_factory, in_process=args.engine_in_process,
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
-                      log_requests=args.enable_log_requests)
+                      log_requests=args.enable_log_requests, http=http_options(args))
+
+
+def add_http_args(p: argparse.ArgumentParser):
+    from tokenmill.server.launch import HTTPOptions
+    d = HTTPOptions()
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies get 413 before they are read")
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an idle connection stays open after a response")
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a client has to send a request's headers before its connection is closed")
+    p.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                   help="open connections beyond this many get 503")
+    p.add_argument("--allowed-origins", nargs="+", default=list(d.allowed_origins), help="CORS origins")
+    p.add_argument("--allowed-methods", nargs="+", default=list(d.allowed_methods), help="CORS methods")
+    p.add_argument("--allowed-headers", nargs="+", default=list(d.allowed_headers), help="CORS headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def http_options(args):
+    from tokenmill.server.launch import HTTPOptions
+    return HTTPOptions(max_request_body_bytes=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
+                       header_timeout=args.header_timeout, limit_concurrency=args.limit_concurrency,
+                       allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
 
 
 def _generate(args) -> int:
@@ -151,6 +176,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine loop in a thread of the server process (for debugging)")
+    add_http_args(serve)
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="offline one-shot generation", formatter_class=HelpFormatter)

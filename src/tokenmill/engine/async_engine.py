@@ -134,11 +134,6 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests submitted here that have not produced a first output yet."""
-        return sum(1 for s in self._streams.values() if s.output is None and s.error is None)
-
     async def generate(self, request_id: str, prompt: str | list[int], params, priority: int = 0,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output as it grows; aborts the request if abandoned."""
@@ -177,6 +172,17 @@ class AsyncLLM:
                 stream.event.set()
         if not self.dead:
             self._send(AbortRequests(ids))
+
+    def fail_all(self, error: BaseException) -> int:
+        """Ends every request in flight with `error` (their readers raise it, which aborts them in the
+        core); returns how many there were."""
+        ids = [rid for rid, s in self._streams.items() if not s.done and s.error is None]
+        for rid in ids:
+            self._streams[rid].error = error
+            self._streams[rid].event.set()
+        if ids and not self.dead:
+            self._send(AbortRequests(ids))
+        return len(ids)
 
     async def get_stats(self, max_age: float = 0.0, timeout: float = 2.0) -> dict:
         """The core's latest stats; asks for fresh ones when older than `max_age` seconds."""

@@ -44,9 +44,21 @@ class IncrementalDetokenizer:
                 return s
         return None
 
+    def _pending_text(self) -> str:
+        """The text of tokens added since the last release: bytes that do not (yet) form a character
+        decode to U+FFFD, as a Hugging Face decode of the whole output gives them."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        return full[len(prefix):] if full.startswith(prefix) else full
+
     def output_text(self, finished: bool) -> str:
         if self.stopped_at is not None:
             return self.text[:self.stopped_at]
-        if finished or not self.hold:
+        if finished:
+            return self.text + self._pending_text()
+        if not self.hold:
             return self.text
         return self.text[:max(0, len(self.text) - self.hold)]

@@ -1,27 +1,65 @@
 """The FastAPI application: OpenAI routes, tokenizer routes, health and Prometheus metrics."""
 from __future__ import annotations
 
-import secrets
 import time
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import Depends, FastAPI, Request
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.server import errors
-from tokenmill.server.chat import create_chat_completion, render_chat
+from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError
+from tokenmill.server.guard import RequestGuard
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
 from tokenmill.server.serving import Serving, json_response
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+
+
+class _OrjsonRequest(Request):
+    """Bodies are parsed by orjson, which (unlike the standard library) refuses lone UTF-16 surrogates
+    such as "\\udfff": no string that cannot be encoded as UTF-8 reaches the handlers."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class _OrjsonRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+        return route
+
+
+def package_version() -> str:
+    try:
+        return version("tokenmill")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_queue_len: int = 1024, vocab_size: int | None = None, model_path: str | None = None) -> FastAPI:
+              max_queue_len: int = 1024, vocab_size: int | None = None, model_path: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
+              allowed_headers: list[str] | None = None, allow_credentials: bool = False) -> FastAPI:
+    """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
+    OpenAPI docs included; it is checked, like the body size, before any body is read."""
     names = list(served_model_names or [engine.model_name])
     serving = Serving(engine, names, max_queue_len, vocab_size)
     stats: dict = {}
@@ -34,54 +72,50 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         engine.attach()
         yield
 
-    app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan)
+    app.router.route_class = _OrjsonRoute
     app.state.serving = serving
     app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app)
+    # the guard inside CORS, so that refusals carry CORS headers and preflights need no key
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
+                       allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
+                       allow_credentials=allow_credentials)
 
-    async def check_key(request: Request):
-        if api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Missing or invalid API key.", code="invalid_api_key")
-
-    auth = [Depends(check_key)]
-
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(serving, req, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(serving, req, raw)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models():
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
              "root": model_path or name, "parent": None, "max_model_len": engine.max_model_len}
             for name in names]})
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if req.messages is not None:
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-            ids = render_chat(serving, msgs, req.add_generation_prompt is not False)
+            ids = await serving.render_chat(msgs, req.add_generation_prompt is not False)
         else:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await serving.encode(req.prompt, req.add_special_tokens is not False)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
         if vocab_size is not None and any(t >= vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be below the vocabulary size {vocab_size}", "tokens")
         try:
-            text = serving.tokenizer.decode(req.tokens, skip_special_tokens=False)
+            text = await serving._off_loop(lambda: serving.tokenizer.decode(req.tokens, skip_special_tokens=False))
         except (OverflowError, ValueError, TypeError) as e:
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})
@@ -91,6 +125,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         if engine.dead:
             return Response(status_code=503)
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def server_version():
+        return json_response({"version": package_version()})
 
     @app.get("/metrics")
     async def prometheus():

@@ -5,19 +5,8 @@ import uuid
 
 from fastapi import Request
 
-from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
-
-
-def render_chat(serving: Serving, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    try:
-        text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
-        raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
-    if not isinstance(text, str):
-        raise APIError(400, "The chat template did not render to text.", "messages")
-    return serving.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _logprobs(serving: Serving, token_ids, entries, k: int) -> list[dict]:
@@ -37,7 +26,7 @@ def _logprobs(serving: Serving, token_ids, entries, k: int) -> list[dict]:
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
     serving.check_model(req.model)
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-    prompt = serving.check_prompt(render_chat(serving, req.chat_messages(), add_gen))
+    prompt = serving.check_prompt(await serving.render_chat(req.chat_messages(), add_gen))
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.params(req, k)
     serving.check_room([prompt], params)

@@ -27,9 +27,8 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tupl
 
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request):
     serving.check_model(req.model)
-    tok = serving.tokenizer
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
-    prompts = [serving.check_prompt(tok.encode(p, add_special_tokens=add_special) if isinstance(p, str) else p)
+    prompts = [serving.check_prompt(await serving.encode(p, add_special) if isinstance(p, str) else p)
                for p in req.prompts()]
     params = serving.params(req, req.logprobs)
     serving.check_room(prompts, params)
@@ -75,5 +74,5 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage(list(last.values()))}
 
-    serving.admit()
+    serving.admit(len(prompts))
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final)

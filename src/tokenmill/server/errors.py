@@ -22,8 +22,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's shape: `code` is a string naming the error (e.g. "context_length_exceeded") or null."""
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+                      "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -34,21 +35,54 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message naming the offending fields, and the first field as `param`."""
     errors = exc.errors()
+    bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad_json is not None:
+        return _describe_bad_json(bad_json, getattr(exc, "body", None)), None
     unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         return f"Unknown or unsupported field(s): {', '.join(unknown)}", unknown[0]
-    parts, param = [], None
-    for e in errors[:5]:
+    parts, param, seen = [], None, set()
+    for e in errors:
         ctx_err = (e.get("ctx") or {}).get("error")
         if isinstance(ctx_err, UnsupportedValue):
             return str(ctx_err), ctx_err.field
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # Drop pydantic's union-branch names (e.g. "str", "list[int]") from locations.
-        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
+        # Drop pydantic's union-branch names (e.g. "str", "list[int]", "constrained-str") from locations.
+        loc = [x for x in loc if (x.isidentifier() or x.isdigit()) and x not in ("str", "int", "float", "bool")]
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {e.get('msg', 'invalid value')}")
+        message = f"{where}: {e.get('msg', 'invalid value')}"
+        if "input" in e and e.get("type", "").endswith("_type"):
+            message += f" (got {_kind(e['input'])})"
+        if message not in seen and len(parts) < 5:
+            seen.add(message)
+            parts.append(message)
     return "; ".join(parts) or "invalid request", param
+
+
+def _kind(value) -> str:
+    """A value's JSON type, for 'expected X (got Y)' messages."""
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value!r}"
+    if isinstance(value, str):
+        return f"string {value[:40]!r}"
+    return {list: "array", dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _describe_bad_json(error: dict, doc) -> str:
+    """'The request body is not valid JSON: <what> at line L, column C', from the decoder's position."""
+    what = str((error.get("ctx") or {}).get("error") or "invalid JSON")
+    loc = error.get("loc") or ()
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is not None and isinstance(doc, (str, bytes)):
+        head = doc[:pos]
+        nl = "\n" if isinstance(head, str) else b"\n"
+        line = head.count(nl) + 1
+        column = pos - (head.rfind(nl) + 1) + 1
+        return f"The request body is not valid JSON: {what} at line {line}, column {column} (byte {pos})."
+    return f"The request body is not valid JSON: {what}."
 
 
 async def api_error_handler(request: Request, exc: APIError):

@@ -1,20 +1,47 @@
 """Run the server: start the engine core, serve HTTP with uvicorn, drain on SIGTERM.
 
-Exit status: 0 after a drain (SIGTERM/SIGINT), 1 when the engine core died (after /health has
-answered 503 for `dead_grace_s`), so that an orchestrator restarts the process.
+The first SIGTERM/SIGINT drains: new requests get 503, those in flight finish, then the process
+exits. A second one stops at once: streams in flight end with an error event, other requests get a
+JSON 503, and the process exits within a few seconds. A third closes every connection.
+
+Exit status: 0 after a drain, or a stop that cut nothing; 1 when the engine core died (after /health
+has answered 503 for `dead_grace_s`) or a stop cut requests, so that an orchestrator restarts the
+process. Signals that arrive while the process is already exiting change neither.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import signal
 import socket
 import sys
+
+from dataclasses import dataclass
 
 import uvicorn
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
 
 log = logging.getLogger("tokenmill.server")
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    """What the HTTP side accepts from clients, and how long it waits for them."""
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    timeout_keep_alive: float = 5.0      # an idle connection after a response is closed after this
+    header_timeout: float = 10.0         # a request's headers must be complete within this
+    limit_concurrency: int = 4096        # connections (and requests) beyond this get 503
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self):
+        for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "limit_concurrency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 class _Server(uvicorn.Server):
@@ -28,6 +55,7 @@ class _Server(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._stopping = False
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
@@ -35,12 +63,31 @@ class _Server(uvicorn.Server):
         await super().serve(sockets=sockets)
 
     def handle_exit(self, sig, frame):
-        if self._draining or self._loop is None:
+        if self._loop is None:
             self.should_exit = True
-            self.force_exit = self._draining
-            return
-        self._draining = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        elif not self._draining:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif not self._stopping:
+            self._stopping = True
+            self._loop.call_soon_threadsafe(self._stop_now)
+        else:
+            self.should_exit = self.force_exit = True
+
+    def _stop_now(self):
+        cut = self.serving.stop_now()
+        log.warning("stopping at once: %d requests in flight are cut", cut)
+        if cut:
+            self.exit_code = 1
+
+        async def finish():
+            # the cut requests' handlers still write their 503s and error events
+            try:
+                await asyncio.wait_for(self.serving.wait_idle(), 5.0)
+            except asyncio.TimeoutError:
+                self.force_exit = True
+            self.should_exit = True
+        self._loop.create_task(finish())
 
     def _start_drain(self):
         log.info("draining: %d requests in flight; new requests get 503", self.serving.in_flight)
@@ -57,11 +104,22 @@ class _Server(uvicorn.Server):
         self._loop.call_later(self.dead_grace_s, lambda: setattr(self, "should_exit", True))
 
 
+class PortInUse(OSError):
+    pass
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(e.errno, f"port {port} on {host} is already in use (is another server running "
+                                     f"there?); stop it, or choose another port with --port") from None
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -70,14 +128,19 @@ def bind(host: str, port: int) -> socket.socket:
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
-               log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False) -> int:
+               log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
+               http: HTTPOptions = HTTPOptions()) -> int:
     from tokenmill.server import stats_log
     from tokenmill.server.app import build_app
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     stats_log.enable_request_logging(log_requests)
     config.extra.setdefault("log_level", log_level)      # the engine core's process logs at this level too
-    sock = bind(host, port)
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        print(f"tokenmill: {e.strerror}", file=sys.stderr, flush=True)
+        return 1
     try:
         engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
     except EngineStartError as e:
@@ -85,14 +148,25 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
         return 1
     try:
+        from tokenmill.server.connections import protocol_with_header_timeout
         app = build_app(engine, served_model_names=served_model_names, api_key=api_key,
-                        max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model)
-        server = _Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=5,
+                        max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model,
+                        max_request_body_bytes=http.max_request_body_bytes,
+                        allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
+                        allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials)
+        server = _Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=http.timeout_keep_alive,
+                                        http=protocol_with_header_timeout(http.header_timeout),
+                                        limit_concurrency=http.limit_concurrency,
                                         timeout_graceful_shutdown=30, access_log=False),
                          app.state.serving, engine, dead_grace_s)
         bound = sock.getsockname()
         print(f"tokenmill: serving {engine.model_name} on http://{host}:{bound[1]} (engine pid {engine.pid})",
               flush=True)
+        # uvicorn handles signals while it serves and restores these afterwards: a signal that comes
+        # while the process exits must not kill it with a status of its own. (SIG_IGN, unlike a Python
+        # handler, also holds through the interpreter's finalization.)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         asyncio.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, log_stats, log_stats_interval))
         return server.exit_code
     finally:

@@ -1,6 +1,7 @@
 """OpenAI request schemas (plus vLLM's sampling extensions) as strict pydantic models.
 
-Unknown fields are rejected (`extra="forbid"`). Fields that OpenAI defines but tokenmill does not
+Unknown fields are rejected (`extra="forbid"`) and types are strict where OpenAI's schema is: no
+string is read as a number, no float as an integer, no number or string as a boolean. Fields that OpenAI defines but tokenmill does not
 implement are listed in `_UNSUPPORTED` and accepted only at a value that changes nothing, so that
 clients which send defaults keep working while anything that would be silently ignored is a 400.
 """
@@ -17,6 +18,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 256
+MAX_PROMPT_CHARS = 4_000_000      # one prompt, or the text of all of a chat's messages together
 
 
 class UnsupportedValue(ValueError):
@@ -26,7 +28,7 @@ class UnsupportedValue(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 def _noop_bool(v):
@@ -145,9 +147,9 @@ class _SamplingRequest(_Strict):
 
 
 PromptType = Union[
-    Annotated[str, Field(max_length=4_000_000)],
+    Annotated[str, Field(max_length=MAX_PROMPT_CHARS)],
     Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(max_length=4_000_000)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+    Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]], Field(min_length=1, max_length=MAX_PROMPTS)],
     Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]],
               Field(min_length=1, max_length=MAX_PROMPTS)],
 ]
@@ -169,12 +171,12 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -183,6 +185,13 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+def _check_chat_length(messages: list[ChatMessage] | None) -> None:
+    total = sum(len(m.text()) for m in messages or ())
+    if total > MAX_PROMPT_CHARS:
+        raise UnsupportedValue("messages", f"The messages hold {total} characters together; the limit is "
+                                           f"{MAX_PROMPT_CHARS}.")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -195,6 +204,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+        _check_chat_length(self.messages)
         return self
 
     def chat_messages(self) -> list[dict]:
@@ -218,6 +228,7 @@ class TokenizeRequest(_Strict):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise UnsupportedValue("prompt", "give exactly one of 'prompt' or 'messages'")
+        _check_chat_length(self.messages)
         return self
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.stats_log import log_request
 
 _MIN_LOGPROB = -9999.0
@@ -31,6 +32,10 @@ def _lp(x: float) -> float:
     return _MIN_LOGPROB if x != x or x < _MIN_LOGPROB else float(x)
 
 
+class ServerStopping(RuntimeError):
+    """The server was told to stop at once (a second SIGTERM): requests in flight are cut."""
+
+
 class Serving:
     """Shared front half of both endpoints: checks, tokenisation, submission, draining."""
 
@@ -40,31 +45,72 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.max_queue_len = max_queue_len
-        self.admitting = 0      # admitted, not yet visible in the engine's waiting count
+        self.waiting = 0        # admitted prompts that have not produced a first output yet
         self.vocab_size = vocab_size
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._token_cache: dict[int, str] = {}
+        # Tokenization and chat templates run here, off the event loop, so that one long prompt
+        # never stalls other clients (or /health). One thread: a Hugging Face fast tokenizer must
+        # not be used from two threads at once.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._max_token_chars: int | None = None
 
     # ----- admission -------------------------------------------------------------------------
     def check_model(self, model: str | None):
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def admit(self):
-        """Checks that a new request may enter. Once this returns, the caller must reach `run`,
-        which releases the admission slot (counted until the engine has the request)."""
+    def admit(self, num_prompts: int = 1):
+        """Checks that a new request (of `num_prompts` prompts) may enter. Once this returns, the caller
+        must reach `run`, which counts the prompts as waiting until their first outputs arrive."""
         if self.engine.dead:
             raise APIError(503, "The engine is not running.", code="engine_dead")
         if self.draining:
             raise APIError(503, "The server is shutting down.", code="shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
-        if self.engine.num_waiting + self.admitting >= self.max_queue_len:
-            raise APIError(503, f"Too many waiting requests (limit {self.max_queue_len}); retry later.",
+        if self.waiting + num_prompts > self.max_queue_len:
+            raise APIError(503, f"Too many waiting requests: {self.waiting} are waiting and the limit is "
+                                f"{self.max_queue_len} (--max-queue-len); retry later.",
                            code="queue_full", headers={"Retry-After": "1"})
-        self.admitting += 1
+        self.waiting += num_prompts
+
+    # ----- tokenization (off the event loop) --------------------------------------------------
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _check_chars(self, text: str, param: str) -> None:
+        """Refuses, without tokenizing it, a text too long to fit: no token holds more than
+        `_max_token_chars` characters, so the text has at least len(text) / that many tokens."""
+        if self._max_token_chars is None:
+            vocab = getattr(getattr(self.tokenizer, "hf", None), "get_vocab", None)
+            self._max_token_chars = max((len(t) for t in vocab()), default=0) if vocab else 0
+        per_token = self._max_token_chars
+        limit = self.engine.max_model_len
+        if per_token and len(text) > per_token * (limit - 1):
+            at_least = -(-len(text) // per_token)
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                f"at least {at_least} tokens ({len(text)} characters, no token longer than "
+                                f"{per_token}).", param, "context_length_exceeded")
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        self._check_chars(text, param)
+        return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The chat template rendered and encoded (the rendered text holds its special tokens)."""
+        def render() -> str:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
+                raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
+            if not isinstance(text, str):
+                raise APIError(400, "The chat template did not render to text.", "messages")
+            return text
+        text = await self._off_loop(render)
+        return await self.encode(text, False, "messages")
 
     def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -111,6 +157,12 @@ class Serving:
         if self.in_flight == 0:
             self._idle.set()
 
+    def stop_now(self) -> int:
+        """Cuts every request in flight (streams end with an error event, others get a 503);
+        returns how many were cut."""
+        self.draining = True
+        return self.engine.fail_all(ServerStopping("the server is stopping"))
+
     async def wait_idle(self):
         await self._idle.wait()
 
@@ -141,7 +193,7 @@ class Serving:
             self._end()
             raise _as_api_error(e)
         finally:
-            self.admitting -= 1
+            self.waiting -= len(prompts)
         if not stream:
             try:
                 finals = await _with_disconnect(raw, _last_outputs(gens, first))
@@ -157,9 +209,9 @@ class Serving:
                 try:
                     async for chunk in make_stream(_merge_streams(gens, first)):
                         yield f"data: {dumps(chunk)}\n\n"
-                except (EngineDeadError, ValueError) as e:
-                    err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 503}}
-                    yield f"data: {dumps(err)}\n\n"
+                except (EngineDeadError, ServerStopping, ValueError) as e:
+                    err = _as_api_error(e)
+                    yield f"data: {dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 await _close_all(gens)
@@ -178,6 +230,8 @@ def _as_api_error(e: BaseException) -> BaseException:
         return e
     if isinstance(e, EngineDeadError):
         return APIError(503, "The engine is not running.", code="engine_dead")
+    if isinstance(e, ServerStopping):
+        return APIError(503, "The server stopped before this request finished.", code="shutting_down")
     if isinstance(e, ValueError):
         return APIError(400, str(e), getattr(e, "param", None))
     if isinstance(e, _Disconnected):

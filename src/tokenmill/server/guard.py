@@ -1,0 +1,107 @@
+"""What every HTTP request passes before the application reads it: the API key, then the body size.
+
+Both checks run on the headers alone, so a client without the key, or with a body over the limit,
+never makes the server read (or parse) that body. Refusals are OpenAI-shaped JSON errors.
+"""
+from __future__ import annotations
+
+import secrets
+
+from tokenmill.server.errors import error_body
+
+# Paths that answer without the API key: probes and scraping (as vLLM leaves them open).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _json_message(status: int, message: str, param: str | None, code: str | None,
+                  extra_headers: list[tuple[bytes, bytes]] = ()) -> tuple[dict, dict]:
+    from tokenmill.server.serving import dumps
+    body = dumps(error_body(status, message, param, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
+    return ({"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": body})
+
+
+async def _refuse(send, status: int, message: str, param: str | None = None, code: str | None = None,
+                  extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+    start, body = _json_message(status, message, param, code, extra_headers)
+    await send(start)
+    await send(body)
+
+
+class RequestGuard:
+    """ASGI middleware: API-key check (all paths but `OPEN_PATHS` and CORS preflights) and a body-size
+    limit (`max_body_bytes`, 413 past it, from Content-Length or counted while a chunked body arrives)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if (self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS"
+                and not self._authorized(headers)):
+            return await _refuse(send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                                 code="invalid_api_key",
+                                 extra_headers=[(b"www-authenticate", b'Bearer realm="tokenmill"')])
+        limit = self.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return await _refuse(send, 400, f"Content-Length {length.decode(errors='replace')!r} is not "
+                                                "a number.")
+            if declared > limit:
+                return await _refuse(send, 413, _too_large(declared, limit), code="request_too_large",
+                                     extra_headers=[(b"connection", b"close")])
+        received = 0
+        over = False
+        started = False
+
+        async def counting_receive():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    raise BodyTooLarge()
+            return message
+
+        async def guarded_send(message):
+            # once the body went over the limit, whatever the application answers becomes the 413
+            nonlocal started
+            if over:
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await _refuse(send, 413, _too_large(received, limit), code="request_too_large",
+                                  extra_headers=[(b"connection", b"close")])
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except BodyTooLarge:
+            if not started:
+                await _refuse(send, 413, _too_large(received, limit), code="request_too_large",
+                              extra_headers=[(b"connection", b"close")])
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (f"The request body is larger than the limit of {limit} bytes (at least {size} bytes); "
+            "see --max-request-body-bytes.")

@@ -1,0 +1,429 @@
+"""What no client may do to the server: crash the engine, stall other clients, hold connections, slip
+past the key, or get a 500. Each test here failed before the fix it guards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from test_server import ServerProcess
+
+KEY = "sk-hardening"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def guarded(qwen3_dir, tmp_path_factory):
+    """A server with a key, a small body limit and short connection timeouts."""
+    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-model-len", "512",
+                      "--num-kv-blocks", "512", "--block-size", "4", "--max-request-body-bytes", str(BODY_LIMIT),
+                      "--header-timeout", "1", "--timeout-keep-alive", "1", "--limit-concurrency", "40")
+    s.headers = AUTH
+    yield s
+    assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=60, **kw)
+
+
+def _post_raw(server, path, raw: bytes, headers=AUTH):
+    return httpx.post(server.url + path, content=raw, headers={**headers, "Content-Type": "application/json"},
+                      timeout=60)
+
+
+def _assert_openai_error(r, status: int):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] is None or isinstance(err["code"], str), err
+    return err
+
+
+# ----- 1: logprobs beside a request without them ---------------------------------------------------
+def test_logprobs_beside_a_request_without_them(guarded):
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=60) as c:
+            long = asyncio.ensure_future(c.post("/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}))
+            await asyncio.sleep(0.2)
+            with_lp = await asyncio.gather(
+                c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "logprobs": 1}),
+                c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "logprobs": 0}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 5, "logprobs": True, "top_logprobs": 2}))
+            return await long, with_lp
+    long, with_lp = asyncio.run(main())
+    assert long.status_code == 200, long.text
+    assert long.json()["choices"][0]["logprobs"] is None
+    assert len(long.json()["choices"][0]["text"]) > 0
+    for r in with_lp:
+        assert r.status_code == 200, r.text
+    assert len(with_lp[0].json()["choices"][0]["logprobs"]["tokens"]) == 5
+    assert all(len(t["top_logprobs"]) == 2 for t in with_lp[2].json()["choices"][0]["logprobs"]["content"])
+    assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+# ----- 2: body size, chat content cap, tokenization off the event loop --------------------------------
+def test_bodies_over_the_limit_get_413_before_they_are_read(guarded):
+    big = json.dumps({"prompt": "x" * (BODY_LIMIT + 10), "max_tokens": 1}).encode()
+    err = _assert_openai_error(_post_raw(guarded, "/v1/completions", big), 413)
+    assert str(BODY_LIMIT) in err["message"] and "--max-request-body-bytes" in err["message"]
+
+    def chunks():                   # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b"y" * 1024
+        yield b'", "max_tokens": 1}'
+    r = httpx.post(guarded.url + "/v1/completions", content=chunks(),
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    _assert_openai_error(r, 413)
+    small = _post(guarded, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 1})
+    assert small.status_code == 200, small.text
+
+
+def test_chat_content_has_the_prompt_cap():
+    from pydantic import ValidationError
+
+    from tokenmill.server.protocol import MAX_PROMPT_CHARS, ChatCompletionRequest
+    one = "x" * (MAX_PROMPT_CHARS + 1)
+    for content in (one, [{"type": "text", "text": one}]):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": content}]})
+    half = "x" * (MAX_PROMPT_CHARS // 2 + 1)
+    with pytest.raises(ValidationError, match=str(MAX_PROMPT_CHARS)):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": half},
+                                                           {"role": "user", "content": half}]})
+
+
+def test_tokenization_runs_off_the_event_loop():
+    from tokenmill.server.serving import Serving
+
+    class SlowTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            self.thread = threading.current_thread()
+            time.sleep(0.5)
+            return [1] * len(text)
+
+    class Engine:
+        tokenizer = SlowTokenizer()
+        max_model_len = 1000
+
+    serving = Serving(Engine(), ["m"], 10)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.ensure_future(ticker())
+        ids = await serving.encode("abc", True)
+        t.cancel()
+        return ids, ticks
+    ids, ticks = asyncio.run(main())
+    assert ids == [1, 1, 1]
+    assert Engine.tokenizer.thread is not threading.main_thread()
+    assert ticks >= 20                  # the loop kept running while the tokenizer worked
+
+
+def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):
+    # 512-token context: a prompt of 400,000 characters cannot fit whatever the tokenizer does
+    r = _post(guarded, "/v1/completions", {"prompt": "ab" * 20_000, "max_tokens": 1})
+    err = _assert_openai_error(r, 400)
+    assert err["code"] == "context_length_exceeded" and "512" in err["message"]
+
+
+# ----- 3: the queue limit counts each waiting request once ----------------------------------------------
+@pytest.fixture
+def slow_engine_path(monkeypatch):
+    """Lets a server's engine process import tests/slow_engine.py (`--engine-factory slow_engine:make`)."""
+    monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_max_queue_len_lets_that_many_requests_wait(qwen3_dir, tmp_path, slow_engine_path):
+    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "512", "--num-kv-blocks", "256", "--block-size", "4",
+                      "--max-num-seqs", "1", "--max-queue-len", "4", "--engine-factory", "slow_engine:make")
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                async def stream_first_token(body):
+                    ctx = c.stream("POST", "/v1/completions", json={**body, "stream": True})
+                    r = await ctx.__aenter__()
+                    lines = r.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data: {"):
+                        pass
+                    return ctx, lines           # keep `lines`: collecting it would close the stream
+                blocker_ctx, blocker_lines = await stream_first_token(
+                    {"prompt": "block", "max_tokens": 400, "ignore_eos": True})
+                body = {"prompt": "wait", "max_tokens": 2, "ignore_eos": True}
+                waiting = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(4)]
+                deadline = time.monotonic() + 30
+                while s.metrics()["tokenmill:num_requests_waiting"] < 4:     # all 4 reached the engine
+                    assert time.monotonic() < deadline and not any(w.done() for w in waiting), \
+                        [w.result().text for w in waiting if w.done()]
+                    await asyncio.sleep(0.05)
+                over = await c.post("/v1/completions", json=body)
+                await blocker_ctx.__aexit__(None, None, None)   # disconnect: the queue moves on
+                return over, await asyncio.gather(*waiting)
+        over, waited = asyncio.run(main())
+        assert [r.status_code for r in waited] == [200] * 4, [r.text for r in waited]
+        err = _assert_openai_error(over, 503)
+        assert err["code"] == "queue_full" and "4" in err["message"]
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+# ----- 4: lone surrogates ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}], "max_tokens": 1}'),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "x\\udfff"}]}'),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "x", "max_tokens": 1}'),
+    ("/v1/completions", '{"prompt": "\\udc00\\ud800", "max_tokens": 1}'),
+])
+def test_lone_surrogates_are_a_400(guarded, path, body):
+    err = _assert_openai_error(_post_raw(guarded, path, body.encode()), 400)
+    assert "surrogate" in err["message"] and "not valid JSON" in err["message"]
+
+
+def test_a_surrogate_pair_is_one_character(guarded):
+    r = _post_raw(guarded, "/tokenize", b'{"prompt": "\\ud83d\\ude00"}')
+    assert r.status_code == 200, r.text
+
+
+# ----- 5: the key before the body, docs behind the key ----------------------------------------------------
+def test_the_key_is_checked_before_the_body(guarded):
+    err = _assert_openai_error(_post_raw(guarded, "/v1/completions", b"{not json", headers={}), 401)
+    assert err["code"] == "invalid_api_key"
+    big = b'{"prompt": "' + b"x" * (BODY_LIMIT * 4) + b'"}'
+    r = _post_raw(guarded, "/v1/completions", big, headers={"Authorization": "Bearer wrong"})
+    _assert_openai_error(r, 401)
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    for path in ("/docs", "/redoc", "/openapi.json", "/v1/models"):
+        assert httpx.get(guarded.url + path).status_code == 401, path
+        assert httpx.get(guarded.url + path, headers=AUTH).status_code == 200, path
+    for path in ("/health", "/ping", "/metrics", "/version"):
+        assert httpx.get(guarded.url + path).status_code == 200, path
+    assert httpx.get(guarded.url + "/version").json()["version"]
+
+
+def test_cors_preflight_needs_no_key_and_refusals_carry_cors(guarded):
+    r = httpx.options(guarded.url + "/v1/chat/completions", headers={
+        "Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.test")
+    r = httpx.get(guarded.url + "/v1/models", headers={"Origin": "http://example.test"})
+    assert r.status_code == 401 and "access-control-allow-origin" in r.headers
+
+
+# ----- 6: slow and idle connections -------------------------------------------------------------------------
+def _connect(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_slow_header_connections_are_closed(guarded):
+    idle = [_connect(guarded) for _ in range(5)]
+    slow = _connect(guarded)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.monotonic()
+    for _ in range(6):                  # a header byte every 0.3 s never completes the headers
+        try:
+            slow.sendall(b"X")
+        except OSError:
+            break
+        time.sleep(0.3)
+    assert _closed_within(slow, 3.0)
+    assert time.monotonic() - t0 < 4.0
+    assert all(_closed_within(s, 3.0) for s in idle)
+    # after a response, an idle keep-alive connection goes too
+    ka = _connect(guarded)
+    ka.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"200" in ka.recv(4096)
+    assert _closed_within(ka, 3.0)
+    for s in idle + [slow, ka]:
+        s.close()
+
+
+def test_connections_beyond_the_limit_get_503(guarded):
+    held = [_connect(guarded) for _ in range(40)]
+    try:
+        time.sleep(0.2)
+        assert httpx.get(guarded.url + "/health", timeout=10).status_code == 503
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert httpx.get(guarded.url + "/health", timeout=10).status_code == 200
+
+
+# ----- 8, 9: strict types and one error shape ------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [("max_tokens", "10"), ("n", 1.0), ("stream", "yes"), ("logprobs", True),
+                                         ("prompt", [True]), ("temperature", "0.5"), ("ignore_eos", 1)])
+def test_types_are_not_coerced(guarded, field, value):
+    body = {"prompt": "x", "max_tokens": 1, field: value}
+    err = _assert_openai_error(_post(guarded, "/v1/completions", body), 400)
+    assert err["param"] == field and field in err["message"], err
+
+
+def test_chat_types_are_not_coerced(guarded):
+    r = _post(guarded, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1})
+    assert _assert_openai_error(r, 400)["param"] == "logprobs"
+
+
+def test_malformed_json_says_where(guarded):
+    err = _assert_openai_error(_post_raw(guarded, "/v1/completions", b'{"prompt": "x",\n "max_tokens": }'), 400)
+    assert "not valid JSON" in err["message"] and "line 2" in err["message"], err
+    assert err["param"] is None
+
+
+def test_error_codes_are_strings_or_null(guarded):
+    cases = [_post(guarded, "/v1/completions", {"model": "nope", "prompt": "x"}),
+             _post(guarded, "/v1/completions", {"prompt": "x", "frobnicate": 1}),
+             httpx.get(guarded.url + "/v1/nothing-here", headers=AUTH),
+             httpx.get(guarded.url + "/v1/completions", headers=AUTH),
+             _post(guarded, "/v1/completions", {"prompt": "x", "max_tokens": 10_000})]
+    for r in cases:
+        assert r.status_code in (400, 404, 405), r.text
+        _assert_openai_error(r, r.status_code)
+
+
+# ----- 10: bytes still pending at the end come out as U+FFFD -------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_finished_text_equals_a_decode_of_all_tokens(tokenizer_dir, data):
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+    tok = _tokenizer(tokenizer_dir)
+    ordinary = [i for i in range(tok.vocab_size) if i not in tok.all_special_ids]
+    ids = data.draw(st.lists(st.sampled_from(ordinary), min_size=1, max_size=12))
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello"), [], True)
+    for t in ids:
+        detok.add(t)
+    assert detok.output_text(True) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_split_character_at_the_end_is_u_fffd(tokenizer_dir):
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+    tok = _tokenizer(tokenizer_dir)
+    byte_chars = _bytes_to_unicode()
+    mountain = "山".encode()
+    ids = [tok.hf.convert_tokens_to_ids(byte_chars[b]) for b in mountain[:2]]
+    detok = IncrementalDetokenizer(tok, tok.encode("从前有一座"), [], True)
+    for t in ids:
+        detok.add(t)
+    assert detok.output_text(False) == ""
+    assert detok.output_text(True) == "\ufffd" == tok.decode(ids)
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(path):
+    from tokenmill.engine.tokenizer import Tokenizer
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = Tokenizer(path)
+    return _TOKENIZERS[path]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character table, which byte-level BPE vocabularies are written in."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# ----- 11: no tokenizer warning for prompts the engine refuses ----------------------------------------------
+def test_long_prompts_log_no_tokenizer_length_warning(tokenizer_dir, tmp_path, caplog):
+    import shutil
+
+    from tokenmill.engine.tokenizer import Tokenizer
+    path = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_max_length"] = 16
+    cfg_path.write_text(json.dumps(cfg))
+    tok = Tokenizer(str(path))
+    with caplog.at_level(logging.WARNING):
+        ids = tok.encode("hello world " * 50)
+    assert len(ids) > 16
+    assert "sequence length is longer" not in caplog.text
+
+
+# ----- 7: exit statuses ------------------------------------------------------------------------------------
+def test_sigterm_after_the_engine_died_still_exits_one(qwen3_dir, tmp_path):
+    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "64", "--num-kv-blocks", "32")
+    try:
+        os.kill(s.engine_pid, signal.SIGKILL)
+        time.sleep(2.5)                 # past the 2 s in which /health answers 503: the server is exiting
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 1
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def test_a_second_sigterm_cuts_requests_with_errors_and_exits_nonzero(qwen3_dir, tmp_path, slow_engine_path):
+    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "512", "--num-kv-blocks", "512",
+                      "--block-size", "4", "--engine-factory", "slow_engine:make")
+    body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                async def stream():
+                    lines = []
+                    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line:
+                                lines.append(line)
+                    return lines
+                streams = [asyncio.ensure_future(stream()) for _ in range(3)]
+                plain = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
+                await asyncio.sleep(1.0)
+                s.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                s.proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*streams), await asyncio.gather(*plain)
+        streams, plain = asyncio.run(main())
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2].removeprefix("data: "))
+            assert last["error"]["code"] == "shutting_down", last
+        for r in plain:
+            assert _assert_openai_error(r, 503)["code"] == "shutting_down"
+        assert s.proc.wait(30) == 1
+    finally:
+        s.stop(signal.SIGKILL)
