@@ -48,12 +48,14 @@ def test_sm90_code_copies_all_weights_before_the_wait(k, block_n, block_k, warps
 
 def test_tile_checks_name_the_limit():
     import torch
-    assert gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, ("smem", 8, 1024, 8)) in (
+
+    from tokenmill.layers.kernel_config import SmemTile
+    assert gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, SmemTile(8, 1024, 8)) in (
         None, "this Triton has no Gluon")
     if not gemv_smem.AVAILABLE:
         return
-    assert "BLOCK_K 1024" in gemv_smem.check_tile(2560, 2560, False, torch.bfloat16, ("smem", 8, 1024, 8))
-    assert "shared memory" in gemv_smem.check_tile(19456, 9728, True, torch.bfloat16, ("smem", 8, 512, 8))
-    assert "not 16-bit" in gemv_smem.check_tile(2560, 4096, False, torch.float32, ("smem", 8, 1024, 8))
-    assert "power of two" in gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, ("smem", 6, 1024, 2))
-    assert "BLOCK_K 1280" in gemv_smem.check_tile(19456, 2560, True, torch.bfloat16, ("smem", 4, 1280, 4))
+    assert "BLOCK_K 1024" in gemv_smem.check_tile(2560, 2560, False, torch.bfloat16, SmemTile(8, 1024, 8))
+    assert "shared memory" in gemv_smem.check_tile(19456, 9728, True, torch.bfloat16, SmemTile(8, 512, 8))
+    assert "not 16-bit" in gemv_smem.check_tile(2560, 4096, False, torch.float32, SmemTile(8, 1024, 8))
+    assert "power of two" in gemv_smem.check_tile(2560, 4096, False, torch.bfloat16, SmemTile(6, 1024, 2))
+    assert "BLOCK_K 1280" in gemv_smem.check_tile(19456, 2560, True, torch.bfloat16, SmemTile(4, 1280, 4))

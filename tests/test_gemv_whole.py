@@ -1,7 +1,7 @@
-"""The ("whole", ...) tiles of `gemv` exist to put a row block's whole rows in flight in one round trip,
-the first block's before the programmatic-dependent-launch wait. The interpreter checks their results
-(test_kernels.py) but not where the loads sit; here the sm90 code is compiled on the CPU and its weight
-loads (`ld.global.cg`: past L1) are counted on each side of the wait."""
+"""The whole-row tiles of `gemv` (`WholeRowTile`) exist to put a row block's whole rows in flight in one
+round trip, the first block's before the programmatic-dependent-launch wait. The interpreter checks their
+results (test_kernels.py) but not where the loads sit; here the sm90 code is compiled on the CPU and its
+weight loads (`ld.global.cg`: past L1) are counted on each side of the wait."""
 from __future__ import annotations
 
 import pytest

@@ -68,7 +68,8 @@ def test_single_request_decode_kernels_match_cpu_float32(qwen3_dir, prompts, mon
     from tokenmill.models import llama
     used = []
     original = llama.single_token_linear
-    monkeypatch.setattr(llama, "single_token_linear", lambda h: used.append(original(h)) or used[-1])
+    monkeypatch.setattr(llama, "single_token_linear",
+                        lambda h, kernels: used.append(original(h, kernels)) or used[-1])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     cpu = LLM(qwen3_dir, device="cpu", dtype="float32")
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts[:6], params)]

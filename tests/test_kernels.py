@@ -24,6 +24,8 @@ HALF = torch.bfloat16 if HAS_CUDA else torch.float16
 from tokenmill.layers.activation import silu_and_mul_torch  # noqa: E402
 from tokenmill.layers.attention import (AttentionMetadata, paged_attention_torch,  # noqa: E402
                                         store_kvcache_torch)
+from tokenmill.layers.kernel_config import (DecodeAttentionConfig, KernelConfig,  # noqa: E402
+                                            PrefillAttentionConfig, RegisterTile, SmemTile, WholeRowTile)
 from tokenmill.layers.norm import rms_norm_torch  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_torch  # noqa: E402
 
@@ -112,7 +114,7 @@ def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
     q = qkv[:, :num_q_heads * head_dim].view(-1, num_q_heads, head_dim)  # strided view, as in the model
     ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3)
     out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
-                                     config={"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1})
+                                     config=PrefillAttentionConfig(16, 16, 4, 1))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
 
 
@@ -132,14 +134,14 @@ def test_prefill_tile_grid_equals_sequence_grid():
     q = _randn(tokens + 3, group * num_kv_heads, head_dim, gen=gen)  # 3 padding token rows
     tiles = torch.from_numpy(prefill_tiles(q_lens, tokens // PREFILL_BLOCK_M + len(q_lens))).to(DEVICE)
     assert tiles.shape[1] > int((tiles[1] < 1000).sum())          # spare tiles are present
-    cfg = {"block_m": PREFILL_BLOCK_M, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    cfg = PrefillAttentionConfig(PREFILL_BLOCK_M, 16, 4, 1)
     out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens + 3, 0.3, config=cfg,
                                      tiles=tiles)
     ref = paged_attention_torch(q[:tokens], k_cache, v_cache, table, ctx, qsl, 0.3)
     torch.testing.assert_close(out[:tokens], ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="BLOCK_M"):
         pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens, 0.3,
-                                   config={**cfg, "block_m": 16}, tiles=tiles)
+                                   config=PrefillAttentionConfig(16, 16, 4, 1), tiles=tiles)
 
 
 def test_paged_attention_dispatch_store_then_attend():
@@ -256,7 +258,7 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
                   norm_weight=_randn(k, dtype=dtype, gen=gen) if norm else None, eps=1e-5,
                   residual=_randn(1, k, dtype=dtype, gen=gen) if residual else None, silu=silu)
     ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
-    out, out_res = gemv.fused_linear(x, w, config=(4, 32, 4, 1), **kwargs)
+    out, out_res = gemv.fused_linear(x, w, tile=RegisterTile(4, 32, 4, 1), **kwargs)
     assert out.shape == ((1, n // 2) if silu else (1, n))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     if not norm:
@@ -267,19 +269,18 @@ def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
         assert out_res is x
 
 
-def test_fused_linear_shared_memory_tile_falls_back_where_it_cannot_run(monkeypatch):
-    # a tile table entry ("smem", ...) for a product in float32 (as correctness checks run the presets):
+def test_fused_linear_shared_memory_tile_falls_back_where_it_cannot_run():
+    # a tile table entry SmemTile for a product in float32 (as correctness checks run the presets):
     # the product runs with the default register tile; asked for explicitly, the tile is refused by name
     gemv = _gemv()
     gen = _gen(22)
     x, w = _randn(1, 256, gen=gen), _randn(64, 256, gen=gen) / 8
-    monkeypatch.setitem(gemv.CONFIGS, (64, 256, False), ("smem", 8, 256, 4))
-    monkeypatch.setattr(gemv, "DEFAULT_CONFIG", (4, 64, 4, 2))
-    out, _ = gemv.fused_linear(x, w)
+    kernels = KernelConfig(tiles={(64, 256, False): SmemTile(8, 256, 4)}, default_tile=RegisterTile(4, 64, 4, 2))
+    out, _ = gemv.fused_linear(x, w, kernels=kernels)
     torch.testing.assert_close(out, gemv.fused_linear_torch(x, w)[0], rtol=_tol(torch.float32),
                                atol=_tol(torch.float32))
     with pytest.raises((ValueError,), match="16-bit|no Gluon"):
-        gemv.fused_linear(x, w, config=("smem", 8, 256, 4))
+        gemv.fused_linear(x, w, tile=SmemTile(8, 256, 4))
 
 
 @pytest.mark.parametrize("n,k", [(44, 200), (37, 128), (9, 96)])
@@ -299,30 +300,30 @@ def test_fused_linear_whole_row_tiles_match_reference(n, k):
         cases.pop()
     for kwargs in cases:
         ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
-        for tile in [("whole", 4, 4, 1), ("whole", 2, 1, 3), ("whole", 16, 4, 1)]:
-            out, out_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+        for tile in [WholeRowTile(4, 4, 1), WholeRowTile(2, 1, 3), WholeRowTile(16, 4, 1)]:
+            out, out_res = gemv.fused_linear(x, w, tile=tile, **kwargs)
             torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
             if "residual" in kwargs:
                 torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
             elif "norm_weight" in kwargs:
                 assert out_res is x
     table, ids = _randn(5, k, dtype=dtype, gen=gen), torch.tensor([3], dtype=torch.int64, device=DEVICE)
-    out, out_res = gemv.fused_linear(table, w, config=("whole", 4, 4, 1), norm_weight=norm, eps=1e-5, ids=ids)
+    out, out_res = gemv.fused_linear(table, w, tile=WholeRowTile(4, 4, 1), norm_weight=norm, eps=1e-5, ids=ids)
     ref, _ = gemv.fused_linear_torch(table, w, norm_weight=norm, eps=1e-5, ids=ids)
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     assert torch.equal(out_res, table[3:4])
 
 
-def test_fused_linear_whole_row_tiles_name_their_limits(monkeypatch):
+def test_fused_linear_whole_row_tiles_name_their_limits():
     gemv = _gemv()
     x, w = torch.zeros(1, 256, device=DEVICE), torch.zeros(64, 256, device=DEVICE)
     with pytest.raises(ValueError, match="row block of 256 x 256 weights is over the 32768"):
-        gemv.fused_linear(x, w, config=("whole", 256, 4, 1))
+        gemv.fused_linear(x, w, tile=WholeRowTile(256, 4, 1))
     with pytest.raises(ValueError, match="row block of 256 x 256 weights"):   # gate and up rows
         gemv.fused_linear(torch.zeros(1, 256, device=DEVICE), torch.zeros(512, 256, device=DEVICE),
-                          config=("whole", 128, 4, 1), silu=True)
-    monkeypatch.setitem(gemv.CONFIGS, (64, 256, False), ("whole", 256, 4, 1))   # a table entry falls back
-    torch.testing.assert_close(gemv.fused_linear(x, w)[0], torch.zeros(1, 64, device=DEVICE))
+                          tile=WholeRowTile(128, 4, 1), silu=True)
+    kernels = KernelConfig(tiles={(64, 256, False): WholeRowTile(256, 4, 1)})   # a table entry falls back
+    torch.testing.assert_close(gemv.fused_linear(x, w, kernels=kernels)[0], torch.zeros(1, 64, device=DEVICE))
 
 
 @pytest.mark.parametrize("silu,bias", [(False, True), (True, False)])
@@ -334,11 +335,11 @@ def test_fused_linear_gathers_its_input_from_the_embedding_table(silu, bias):
     table, w = _randn(9, k, gen=gen), _randn(n, k, gen=gen) / 8
     ids = torch.tensor([6], dtype=torch.int64, device=DEVICE)
     kwargs = dict(bias=_randn(n, gen=gen) if bias else None, norm_weight=_randn(k, gen=gen), eps=1e-5, silu=silu)
-    out, res = gemv.fused_linear(table, w, config=(4, 32, 4, 1), ids=ids, **kwargs)
+    out, res = gemv.fused_linear(table, w, tile=RegisterTile(4, 32, 4, 1), ids=ids, **kwargs)
     ref, ref_res = gemv.fused_linear_torch(table, w, ids=ids, **kwargs)
     torch.testing.assert_close(out, ref, rtol=_tol(torch.float32), atol=_tol(torch.float32))
     row = table[6:7].clone()      # the same kernel on the row given: the same sums
-    torch.testing.assert_close(out, gemv.fused_linear(row, w, config=(4, 32, 4, 1), **kwargs)[0], rtol=0, atol=0)
+    torch.testing.assert_close(out, gemv.fused_linear(row, w, tile=RegisterTile(4, 32, 4, 1), **kwargs)[0], rtol=0, atol=0)
     assert torch.equal(res, table[6:7]) and torch.equal(ref_res, res)
     with pytest.raises(ValueError, match="need a norm, no residual"):
         gemv.fused_linear(table, w, ids=ids)
@@ -362,8 +363,8 @@ def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypa
 
     def fused(*args, **kwargs):
         calls.append(kwargs.get("silu", False))
-        return gemv.fused_linear(*args, config=(32, 64, 4, 2), **kwargs)
-    monkeypatch.setattr(llama, "single_token_linear", lambda h: fused if h.shape[0] == 1 else None)
+        return gemv.fused_linear(*args, tile=RegisterTile(32, 64, 4, 2), **kwargs)
+    monkeypatch.setattr(llama, "single_token_linear", lambda h, kernels: fused if h.shape[0] == 1 else None)
     got = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     assert got == expected
     assert calls.count(True) > 0 and len(calls) == 4 * calls.count(True)
@@ -646,7 +647,8 @@ def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, bl
     for _ in range(2):  # the second launch finds the split counters reset by the first
         out = da.fused_decode_attention(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache,
                                         v_cache, slots, table, ctx, head_dim ** -0.5, num_heads,
-                                        num_kv_heads, head_dim, num_splits=num_splits, config=config)
+                                        num_kv_heads, head_dim, num_splits=num_splits,
+                                        config=config or da.SHIPPED)
         assert out.shape == (batch, num_heads, head_dim)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(k_cache, ref_k, rtol=tol, atol=tol)
@@ -668,7 +670,7 @@ def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv
     # one split or several of >= min_split positions (merged in the kernel, 10 splits in two chunks of 8
     # at most); the new token first, last and inside a split, alone, and in a split of its own
     _check_fused_decode(_gen(31), [1, 37, 0, 16, 70, 33, 150], num_heads, num_kv_heads, head_dim, block_size,
-                        dtype, qk_norm, num_splits, {"block_n": 16, "min_split_len": min_split}, _tol(dtype))
+                        dtype, qk_norm, num_splits, DecodeAttentionConfig(16, min_split_len=min_split), _tol(dtype))
 
 
 def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
@@ -684,14 +686,14 @@ def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
                 return kernel[grid](*args, **kwargs)
             return launch
     monkeypatch.setattr(da, "_fused_decode_kernel", Recorder())
-    config = {"block_n": 16, "min_split_len": 16}
-    for num_splits, want in ((da.CONFIG["many_splits"], da.CONFIG["many_splits_stages"]),
-                             (4, da.CONFIG["num_stages"])):
+    config = DecodeAttentionConfig(16, min_split_len=16)
+    for num_splits, want in ((da.SHIPPED.many_splits, da.SHIPPED.many_splits_stages),
+                             (4, da.SHIPPED.num_stages)):
         stages.clear()
         _check_fused_decode(_gen(33), [1, 70, 150], 4, 1, 16, 16, torch.float32, True, num_splits, config,
                             _tol(torch.float32))
         assert stages == [want, want]
-    assert da.CONFIG["many_splits_stages"] != da.CONFIG["num_stages"]
+    assert da.SHIPPED.many_splits_stages != da.SHIPPED.num_stages
 
 
 def test_fused_decode_attention_rejects_bad_inputs():
@@ -733,10 +735,10 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
 
     def fused(qkv, *args, **kwargs):
         batches.append(qkv.shape[0])
-        return da.fused_decode_attention(qkv, *args, num_splits=3, config={"block_n": 16, "min_split_len": 16},
+        return da.fused_decode_attention(qkv, *args, num_splits=3, config=DecodeAttentionConfig(16, min_split_len=16),
                                          **kwargs)
     monkeypatch.setattr(llama, "decode_attention_kernel",
-                        lambda h, meta: fused if meta.is_pure_decode(h.shape[0]) else None)
+                        lambda h, meta, kernels: fused if meta.is_pure_decode(h.shape[0]) else None)
     got = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     assert got == expected
     assert batches and max(batches) > 1
@@ -823,7 +825,7 @@ def test_gpu_qk_norm_rope_store_realistic(qk_norm):
 def _check_tile_cases(gemv, x, w, tile, cases):
     # a tile at layer sizes against the reference, for each set of options; the residual out exactly
     for kwargs in cases:
-        got, got_res = gemv.fused_linear(x, w, config=tile, **kwargs)
+        got, got_res = gemv.fused_linear(x, w, tile=tile, **kwargs)
         ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
         if "residual" in kwargs:
@@ -832,9 +834,9 @@ def _check_tile_cases(gemv, x, w, tile, cases):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n,k,tile", [(6144, 2560, ("whole", 2, 4, 6)), (6144, 2560, ("whole", 4, 4, 4)),
-                                      (2570, 4096, ("whole", 2, 4, 4)), (1001, 9728, ("whole", 2, 8, 1)),
-                                      (19458, 2560, ("whole", 2, 4, 4))])
+@pytest.mark.parametrize("n,k,tile", [(6144, 2560, WholeRowTile(2, 4, 6)), (6144, 2560, WholeRowTile(4, 4, 4)),
+                                      (2570, 4096, WholeRowTile(2, 4, 4)), (1001, 9728, WholeRowTile(2, 8, 1)),
+                                      (19458, 2560, WholeRowTile(2, 4, 4))])
 def test_gpu_fused_linear_whole_row_tiles(n, k, tile):
     """("whole", ...) tiles at layer sizes against the reference, with and without a norm, residual and
     bias and SiLU-and-mul (even n), the last block cut short (2570, 1001, and 9729 gate
@@ -852,8 +854,8 @@ def test_gpu_fused_linear_whole_row_tiles(n, k, tile):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n,k,tile", [(3584, 2560, ("smem", 4, 512, 4)), (2560, 4096, ("smem", 8, 1024, 8)),
-                                      (1000, 9728, ("smem", 2, 512, 2)), (2570, 2560, ("smem", 8, 256, 4))])
+@pytest.mark.parametrize("n,k,tile", [(3584, 2560, SmemTile(4, 512, 4)), (2560, 4096, SmemTile(8, 1024, 8)),
+                                      (1000, 9728, SmemTile(2, 512, 2)), (2570, 2560, SmemTile(8, 256, 4))])
 def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
     """The ("smem", ...) tiles (gemv_smem: whole row blocks copied to shared memory before the wait)
     against the reference, with and without a norm, residual, SiLU-and-mul and bias, including a last
@@ -868,7 +870,7 @@ def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
              dict(norm_weight=norm, eps=1e-6, residual=res, silu=True)]
     _check_tile_cases(gemv, x, w, tile, cases)
     with pytest.raises(ValueError, match="shared memory"):
-        gemv.fused_linear(x, w, config=("smem", 64, 512, 4), silu=True)
+        gemv.fused_linear(x, w, tile=SmemTile(64, 512, 4), silu=True)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.layers.kernel_config import KernelConfig
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -123,6 +125,8 @@ class EngineConfig:
     cuda_graph_max_tokens: int = 2048
     tokenizer: str | None = None
     extra: dict = field(default_factory=dict)
+    # tiles and block sizes of the CUDA kernels (layers/kernel_config.py); the default is the shipped table
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self):
         if self.block_size < 1:

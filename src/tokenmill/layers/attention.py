@@ -17,8 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.layers.kernel_config import PrefillAttentionConfig
+
 # query rows per program of the GPU prefill kernel; `prefill_tiles` cuts sequences into such tiles
-PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_M = PrefillAttentionConfig.block_m
 
 
 @dataclass
@@ -89,13 +91,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the cache, then attends over the cache (`attend` alone when a fused
     kernel already stored them). The runner binds the layer's `k_cache` / `v_cache` once the cache is
-    allocated."""
+    allocated; `prefill_config` is the CUDA kernel's (`LlamaForCausalLM.use_kernels`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
+        self.prefill_config = PrefillAttentionConfig()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """The reference path (on CUDA the prologue kernels store K/V and `attend` follows)."""
@@ -106,6 +109,6 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D] over the cache, which must already hold this step's K/V."""
         if q.is_cuda:
             from tokenmill.layers.kernels import paged_attention as kernels
-            return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.prefill_config)
         return paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables,
                                      meta.context_lens, meta.query_start_loc, self.scale)

@@ -6,32 +6,37 @@ cache through `AttentionMetadata`.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
-def single_token_linear(input_ids: torch.Tensor):
-    """`gemv.fused_linear` when a step of these input ids runs its layers as single-token kernels
-    (CUDA, one token), else None."""
+def single_token_linear(input_ids: torch.Tensor, kernels: KernelConfig):
+    """`gemv.fused_linear` with the tiles of `kernels` when a step of these input ids runs its layers as
+    single-token kernels (CUDA, one token), else None."""
     if not input_ids.is_cuda:
         return None
     from tokenmill.layers.kernels import gemv
-    return gemv.fused_linear if gemv.applies(input_ids.shape[0], input_ids.device) else None
+    if not gemv.applies(input_ids.shape[0], input_ids.device):
+        return None
+    return partial(gemv.fused_linear, kernels=kernels)
 
 
-def decode_attention_kernel(input_ids: torch.Tensor, meta: AttentionMetadata):
-    """`decode_attention.fused_decode_attention` when a step's attention runs as one kernel from the
-    packed qkv (CUDA, one new token per sequence), else None."""
+def decode_attention_kernel(input_ids: torch.Tensor, meta: AttentionMetadata, kernels: KernelConfig):
+    """`decode_attention.fused_decode_attention` with `kernels.decode_attention` when a step's attention
+    runs as one kernel from the packed qkv (CUDA, one new token per sequence), else None."""
     if not (input_ids.is_cuda and meta.is_pure_decode(input_ids.shape[0])):
         return None
     from tokenmill.layers.kernels import decode_attention
-    return decode_attention.fused_decode_attention
+    return partial(decode_attention.fused_decode_attention, config=kernels.decode_attention)
 
 
 class Attention(nn.Module):
@@ -147,10 +152,11 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernels = KernelConfig()
 
     def forward(self, input_ids, positions, meta):
-        fused_linear = single_token_linear(input_ids)
-        decode_attention = decode_attention_kernel(input_ids, meta)
+        fused_linear = single_token_linear(input_ids, self.kernels)
+        decode_attention = decode_attention_kernel(input_ids, meta, self.kernels)
         residual, ids = None, None
         if fused_linear is not None:        # the first product gathers the embedding itself
             hidden, ids = self.embed_tokens.weight, input_ids
@@ -178,6 +184,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def use_kernels(self, kernels: KernelConfig) -> None:
+        """The kernel configuration (tiles, attention blocks) that CUDA steps run with."""
+        self.model.kernels = kernels
+        for layer in self.model.layers:
+            layer.self_attn.attn.prefill_config = kernels.prefill_attention
 
     def tie_weights(self) -> None:
         """Shares the embedding with the head when the checkpoint ties them (must be redone after

@@ -44,6 +44,7 @@ class ModelRunner(CudaGraphs):
         self.vocab_size = model_config.vocab_size
         t0 = time.perf_counter()
         self.model = load_model(model_dir, model_config, self.device, self.dtype)
+        self.model.use_kernels(engine_config.kernels)
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()

@@ -30,26 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import _norm_rope_with, _norm_weights, check_prologue_inputs
 from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
 
 MAX_SPLITS = 32
-# block_n positions a tile; a split holds at least min_split_len positions (a multiple of block_n), so
-# contexts up to that length take one program per (sequence, kv head) and need no merge. A launch with
-# `many_splits` splits or more (a batch of one sequence, two with 4 kv heads) has splits of one or two
-# tiles, whose loop software pipelining (num_stages 2) only slows: those launches take
-# `many_splits_stages`; launches with fewer, longer splits take num_stages (docs/BENCHMARKS.md).
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "min_split_len": 64, "many_splits": MAX_SPLITS,
-          "many_splits_stages": 1}
+SHIPPED = DecodeAttentionConfig()
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device, block_n: int | None = None) -> int:
+                      device: torch.device, block_n: int = SHIPPED.block_n) -> int:
     """Split-K factor from shapes only: enough (batch, kv head, split) programs to fill the GPU twice,
-    never more splits than BLOCK_N tiles in the longest possible context."""
-    block_n = block_n or CONFIG["block_n"]
+    never more splits than block_n tiles in the longest possible context."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     programs = batch * num_kv_heads
     if programs >= num_sms:
@@ -252,7 +246,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           config: DecodeAttentionConfig = SHIPPED) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position context_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
@@ -273,13 +268,10 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         raise ValueError(f"fused_decode_attention needs one token per sequence: qkv has {batch} rows, "
                          f"block_tables {block_tables.shape[0]}")
     block_size = k_cache.shape[1]
-    cfg = {**CONFIG, **(config or {})}
-    if cfg["min_split_len"] % cfg["block_n"]:
-        raise ValueError(f"fused_decode_attention: min_split_len {cfg['min_split_len']} is not a multiple of "
-                         f"block_n {cfg['block_n']}")
+    cfg = config
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                       qkv.device, cfg["block_n"])
+                                       qkv.device, cfg.block_n)
     out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out
@@ -307,7 +299,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
-        BLOCK_N=cfg["block_n"], MIN_SPLIT_LEN=cfg["min_split_len"], DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg["num_warps"], launch_pdl=pdl_on,
-        num_stages=cfg["many_splits_stages"] if num_splits >= cfg["many_splits"] else cfg["num_stages"])
+        BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
+        PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg.num_warps, launch_pdl=pdl_on,
+        num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages)
     return out

@@ -11,7 +11,8 @@ the kernel before it finishes.
 The first product of a step can also gather its input row from the embedding table (`ids`): the step
 then starts with that product, where it started with an embedding kernel.
 
-`fused_linear` is the one entry point; `fused_linear_torch` is its reference.
+`fused_linear` is the one entry point; `fused_linear_torch` is its reference. Which kernel and tile a
+product runs is `KernelConfig.tile` (`layers/kernel_config.py`).
 """
 from __future__ import annotations
 
@@ -21,29 +22,14 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.activation import silu_and_mul_torch
+from tokenmill.layers.kernel_config import KernelConfig, RegisterTile, SmemTile, Tile, WholeRowTile
 from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
 MAX_ROWS = 1
 
-# (block_n, block_k, num_warps, programs per SM): `_gemv_kernel`, the register tile for shapes not listed.
-# ("smem", block_n, block_k, num_warps): `gemv_smem`, whole row blocks copied to shared memory before the
-# wait. ("whole", block_n, num_warps, programs per SM): `_gemv_whole_kernel`, each row block's whole rows in
-# one round trip, the next block's loads issued ahead. By weight (N, K) and silu, the fastest on an H200 for
-# the qwen3-4b and nanbeige4.1-3b products in the batch-1 decode graph (docs/BENCHMARKS.md).
-DEFAULT_CONFIG = (4, 1024, 4, 8)
-WHOLE_MAX = 32 * 1024   # weights in a ("whole", ...) tile's row block
-CONFIGS: dict[tuple[int, int, bool], tuple] = {
-    (6144, 2560, False): ("whole", 2, 4, 5),     # qwen3-4b qkv
-    (2560, 4096, False): ("whole", 2, 4, 4),     # qwen3-4b o_proj
-    (19456, 2560, True): ("whole", 1, 4, 6),     # qwen3-4b gate_up
-    (2560, 9728, False): ("whole", 1, 16, 2),    # qwen3-4b down_proj
-    (3584, 2560, False): ("whole", 2, 4, 5),     # nanbeige4.1-3b qkv
-    (2560, 2560, False): ("smem", 8, 512, 8),    # nanbeige4.1-3b o_proj
-    (20992, 2560, True): ("whole", 1, 4, 6),     # nanbeige4.1-3b gate_up
-    (2560, 10496, False): ("whole", 1, 16, 2),   # nanbeige4.1-3b down_proj
-}
-
+WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
+SHIPPED = KernelConfig()
 
 def applies(num_tokens: int, device: torch.device) -> bool:
     return device.type == "cuda" and num_tokens <= MAX_ROWS
@@ -279,10 +265,13 @@ def _num_sms(device: torch.device) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
-                 config: tuple[int, ...] | None = None, ids: torch.Tensor | None = None):
+                 tile: Tile | None = None, kernels: KernelConfig = SHIPPED, ids: torch.Tensor | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
     norm and a residual are given, x when only the norm is, else None.
+
+    The kernel runs `tile`, which must suit the product, or else `kernels.tile(N, K, silu)`, which falls
+    back to `kernels.default_tile` where it does not (a shared-memory tile for a float32 product).
 
     `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
     x[ids], gathered by the kernel, which also returns them as residual_out."""
@@ -311,10 +300,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"x {tuple(x.shape)} {x.dtype}")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
         raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
-    tile = config or CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
-    if ids is not None and tile[0] == "smem":      # that kernel reads its input as given: gather first
+    explicit = tile is not None
+    tile = tile if explicit else kernels.tile(n, k, silu)
+    if isinstance(tile, SmemTile) and ids is not None:   # that kernel reads its input as given: gather first
         return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                            config=config)
+                            tile=tile if explicit else None, kernels=kernels)
     rows = x.shape[0] if ids is None else ids.shape[0]
     n_out = n // 2 if silu else n
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
@@ -324,7 +314,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if ids is not None:
             res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     pdl_on = pdl.enabled(x.device)
-    if tile[0] == "smem":
+    why = None
+    if isinstance(tile, SmemTile):
         why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
@@ -332,26 +323,25 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                       residual[m] if residual is not None else None, silu, out[m],
                                       res_out[m] if residual is not None else None, tile, pdl_on)
             return out, res_out
-        if config is not None:
-            raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
-        tile = DEFAULT_CONFIG
-    if tile[0] == "whole":
+    elif isinstance(tile, WholeRowTile):
         why = _whole_tile_problem(k, silu, tile)
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
                                  pdl_on)
-        if config is not None:
-            raise ValueError(f"fused_linear: tile {tile} for weight {tuple(weight.shape)}: {why}")
-        tile = DEFAULT_CONFIG
-    block_n, block_k, num_warps, per_sm = tile
-    block_k = min(block_k, triton.next_power_of_2(k))
-    grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
+    if why is not None:
+        if explicit:
+            raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
+        tile = kernels.default_tile
+    if not isinstance(tile, RegisterTile):
+        raise TypeError(f"fused_linear: {tile!r} is not a tile")
+    block_n, block_k = tile.block_n, min(tile.block_k, triton.next_power_of_2(k))
+    grid = (min(triton.cdiv(n_out, block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_kernel[grid](
             *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, num_warps=num_warps, launch_pdl=pdl_on)
+            PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out
 
 
@@ -361,27 +351,24 @@ def _whole_blocks(k: int) -> tuple[int, int]:
     return block_k, triton.next_power_of_2(k - block_k) if k > block_k else 1
 
 
-def _whole_tile_problem(k: int, silu: bool, tile: tuple) -> str | None:
-    block_n = tile[1]     # with silu, as many up rows again
+def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile) -> str | None:
     block_k, block_k2 = _whole_blocks(k)
     width = block_k + (block_k2 if k > block_k else 0)
-    rows = block_n * (2 if silu else 1)
+    rows = tile.block_n * (2 if silu else 1)     # with silu, as many up rows again
     if rows * width > WHOLE_MAX:
         return f"a row block of {rows} x {width} weights is over the {WHOLE_MAX} that whole rows hold"
     return None
 
 
 def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on):
-    # ("whole", block_n, num_warps, programs per SM): `_gemv_whole_kernel`
     k = weight.shape[1]
-    _, block_n, num_warps, per_sm = tile
     block_k, block_k2 = _whole_blocks(k)
     rows, n_out = out.shape
-    grid = (min(triton.cdiv(n_out, block_n), per_sm * _num_sms(x.device)),)
+    grid = (min(triton.cdiv(n_out, tile.block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_whole_kernel[grid](
             *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
-            K=k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
+            K=k, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, num_warps=num_warps, launch_pdl=pdl_on)
+            PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out

@@ -10,7 +10,7 @@ on chip, or on their way, when its input is ready. Shared memory bounds the bloc
 earlier ones finish.
 
 Same operation and rounding as `gemv.fused_linear` (RMSNorm (+ residual) before, SiLU-and-mul after,
-optional bias); `gemv.fused_linear` calls `smem_linear` for a tile ("smem", BLOCK_N, BLOCK_K, warps).
+optional bias); `gemv.fused_linear` calls `smem_linear` for an `SmemTile`.
 Written in Gluon, Triton's dialect with explicit layouts and shared memory, which the interpreter does
 not run: the tests check it on the GPU, and its sm90 code (copies before the wait) on the CPU.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import triton
+
+from tokenmill.layers.kernel_config import SmemTile
 
 try:
     from triton.experimental import gluon
@@ -30,9 +32,9 @@ except ImportError:       # a Triton without Gluon: fused_linear keeps its plain
 SMEM_BYTES = 227 * 1024   # shared memory one program may hold on sm90
 
 
-def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: tuple) -> str | None:
-    """Why `tile` = ("smem", BLOCK_N, BLOCK_K, warps) cannot run this product, or None if it can."""
-    _, block_n, block_k, num_warps = tile
+def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: SmemTile) -> str | None:
+    """Why `tile` cannot run this product, or None if it can."""
+    block_n, block_k, num_warps = tile.block_n, tile.block_k, tile.num_warps
     if not AVAILABLE:
         return "this Triton has no Gluon"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -129,10 +131,10 @@ if AVAILABLE:
 
 
 def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: float, residual, silu: bool,
-                out: torch.Tensor, res_out: torch.Tensor | None, tile: tuple, pdl_on: bool) -> None:
+                out: torch.Tensor, res_out: torch.Tensor | None, tile: SmemTile, pdl_on: bool) -> None:
     """One row of `gemv.fused_linear` (x [K], out [N or N / 2]) with `tile`, which `check_tile` passed;
     gemv.fused_linear checks the arguments and allocates the outputs."""
-    _, block_n, block_k, num_warps = tile
+    block_n, block_k, num_warps = tile.block_n, tile.block_k, tile.num_warps
     n, k = weight.shape
     n_out = n // 2 if silu else n
     _smem_gemv_kernel[(triton.cdiv(n_out, block_n),)](

@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata
+from tokenmill.layers.kernel_config import PrefillAttentionConfig
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
-PREFILL_CONFIG = {"block_m": PREFILL_BLOCK_M, "block_n": 64, "num_warps": 4, "num_stages": 2}
+SHIPPED = PrefillAttentionConfig()
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -156,7 +157,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            config: dict | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
+                            config: PrefillAttentionConfig = SHIPPED,
+                            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid, or, when
     `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M = PREFILL_BLOCK_M) is given, the grid has
@@ -170,7 +172,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("query_start_loc must be contiguous")
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    cfg = {**PREFILL_CONFIG, **(config or {})}
+    cfg = config
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -178,11 +180,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if tiles.dim() != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32 or tiles.stride(1) != 1:
             raise ValueError(f"tiles must be int32 [2, n] with unit inner stride, got {tiles.dtype} "
                              f"{tuple(tiles.shape)}")
-        if cfg["block_m"] != PREFILL_BLOCK_M:
-            raise ValueError(f"tiles are cut for BLOCK_M={PREFILL_BLOCK_M}, config has {cfg['block_m']}")
+        if cfg.block_m != PREFILL_BLOCK_M:
+            raise ValueError(f"tiles are cut for BLOCK_M={PREFILL_BLOCK_M}, config has {cfg.block_m}")
         grid = (tiles.shape[1], num_q_heads, 1)
     else:
-        grid = (triton.cdiv(max_query_len, cfg["block_m"]), num_q_heads, batch)
+        grid = (triton.cdiv(max_query_len, cfg.block_m), num_q_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         tiles if tiles is not None else query_start_loc, out, scale * _LOG2E,
@@ -191,15 +193,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         tiles.stride(0) if tiles is not None else 0,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=block_size,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], DOT_PRECISION=_dot_precision(q.dtype),
-        USE_TILES=tiles is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        USE_TILES=tiles is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
     the prefill kernel, which also serves decode rows beside prefill chunks (pure-decode steps run
     `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                   meta.query_start_loc, meta.max_query_len, scale, tiles=meta.prefill_tiles)
+                                   meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles)

@@ -1,0 +1,98 @@
+"""The kernels' configuration: frozen dataclasses, set once (`EngineConfig.kernels`) and handed to the model
+by the runner. No Triton here, so the CPU path reads it without a Triton backend.
+
+A single-token product (`kernels/gemv.py`) runs one of three tiles, picked by its weight shape (N, K) and
+whether SiLU-and-mul follows; `KernelConfig()` holds the shipped table, the fastest tiles on an H200 for
+the qwen3-4b and nanbeige4.1-3b products inside the batch-1 decode graph (docs/BENCHMARKS.md), and the
+register tile for every other shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Union
+
+
+@dataclass(frozen=True)
+class RegisterTile:
+    """`gemv._gemv_kernel`: a program holds a block_n x block_k weight chunk in registers and walks K in
+    such chunks, its first chunk requested before the programmatic-dependent-launch wait."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class WholeRowTile:
+    """`gemv._gemv_whole_kernel`: a row block's whole rows (block_n x K, with SiLU as many up rows again)
+    in one round trip to HBM, the first block's before the wait and each next block's issued ahead."""
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class SmemTile:
+    """`gemv_smem`: one program per block of block_n rows copies them whole into shared memory (as K //
+    block_k chunks) before the wait, so a product launched during a short kernel has its weights on chip
+    when its input is ready."""
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+Tile = Union[RegisterTile, WholeRowTile, SmemTile]
+
+# (N, K, silu) -> tile
+SHIPPED_TILES: Mapping[tuple[int, int, bool], Tile] = MappingProxyType({
+    (6144, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # qwen3-4b qkv
+    (2560, 4096, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4),     # qwen3-4b o_proj
+    (19456, 2560, True): WholeRowTile(block_n=1, num_warps=4, programs_per_sm=6),     # qwen3-4b gate_up
+    (2560, 9728, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),    # qwen3-4b down_proj
+    (3584, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b qkv
+    (2560, 2560, False): SmemTile(block_n=8, block_k=512, num_warps=8),               # nanbeige4.1-3b o_proj
+    (20992, 2560, True): WholeRowTile(block_n=1, num_warps=4, programs_per_sm=6),     # nanbeige4.1-3b gate_up
+    (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
+})
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """`decode_attention.fused_decode_attention`. A tile is block_n positions; a split holds at least
+    min_split_len of them (a multiple of block_n), so contexts up to that length take one program per
+    (sequence, kv head) and need no merge. A launch with many_splits splits or more (a batch of one
+    sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
+    it takes many_splits_stages; launches with fewer, longer splits take num_stages."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split_len: int = 64
+    many_splits: int = 32
+    many_splits_stages: int = 1
+
+    def __post_init__(self):
+        if self.min_split_len % self.block_n:
+            raise ValueError(f"decode attention: min_split_len {self.min_split_len} is not a multiple of "
+                             f"block_n {self.block_n}")
+
+
+@dataclass(frozen=True)
+class PrefillAttentionConfig:
+    """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    tiles: Mapping[tuple[int, int, bool], Tile] = field(default_factory=lambda: SHIPPED_TILES)
+    default_tile: RegisterTile = RegisterTile(block_n=4, block_k=1024, num_warps=4, programs_per_sm=8)
+    decode_attention: DecodeAttentionConfig = field(default_factory=DecodeAttentionConfig)
+    prefill_attention: PrefillAttentionConfig = field(default_factory=PrefillAttentionConfig)
+
+    def tile(self, n: int, k: int, silu: bool) -> Tile:
+        """The tile for a product with weight [n, k] (SiLU-and-mul after it when `silu`)."""
+        return self.tiles.get((n, k, silu), self.default_tile)
