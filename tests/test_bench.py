@@ -87,9 +87,15 @@ def _args(tmp_path, backend, extra=()):
             "--output-dir", str(tmp_path), "--name", "run", "--no-progress", "--hf-batch-size", "2", *extra]
 
 
+@pytest.fixture(scope="module")
+def preset_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("preset-cache"))
+
+
 @pytest.fixture
-def tiny_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+def tiny_cache(preset_cache, monkeypatch):
+    """A preset cache of the module's own: the first test builds preset:test-tiny, the next one reuses it."""
+    monkeypatch.setenv("TOKENMILL_CACHE", preset_cache)
 
 
 def _check(tmp_path, backends):
