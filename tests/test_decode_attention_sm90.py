@@ -16,7 +16,7 @@ const = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, NUM_SPLITS=32, GROUP=4, BLOCK_G=16,
              MIN_SPLIT_LEN=64, DOT_PRECISION="ieee", PDL=True, ASK_L2=ask_l2)
 types = {**{p: "*bf16" for p in ("qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "k_cache_ptr", "v_cache_ptr",
                                  "out_ptr")},
-         "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+         "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
          "scale_log2": "fp32"}
 parts = compile_sm90(decode_attention._fused_decode_kernel, const, types, 4).asm["ptx"].split("griddepcontrol.wait")

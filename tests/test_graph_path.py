@@ -73,7 +73,7 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
     runner._eager_forward = lambda inp, prev: calls.append(inp) or eager(inp, prev)
     runner._warm_eager()
     assert len(calls) == 1 and calls[0].max_q > 1 and (calls[0].slots == -1).all()
-    assert calls[0].tables.shape[1] * block_size >= calls[0].max_ctx
+    assert calls[0].tables.shape[1] * block_size >= calls[0].max_seq_len
     assert torch.equal(runner.kv_cache, before)
 
 

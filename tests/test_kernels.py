@@ -22,8 +22,8 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 HALF = torch.bfloat16 if HAS_CUDA else torch.float16
 
 from tokenmill.layers.activation import silu_and_mul_torch  # noqa: E402
-from tokenmill.layers.attention import (AttentionMetadata, paged_attention_torch,  # noqa: E402
-                                        store_kvcache_torch)
+from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torch  # noqa: E402
+from tokenmill.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.kernel_config import (DecodeAttentionConfig, KernelConfig,  # noqa: E402
                                             PrefillAttentionConfig, RegisterTile, SmemTile, WholeRowTile)
 from tokenmill.layers.norm import rms_norm_torch  # noqa: E402
@@ -75,13 +75,13 @@ def _randn(*shape, dtype=torch.float32, gen=None) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
 
-def _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=3):
+def _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=3):
     """Random cache with each sequence's blocks scattered over a random permutation of block ids."""
-    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
     max_blocks = max(max(blocks_per_seq), 1) + 1
     num_blocks = sum(blocks_per_seq) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     used = 0
     for b, n in enumerate(blocks_per_seq):
         table[b, :n] = perm[used:used + n].int()
@@ -105,10 +105,10 @@ def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
     gen = _gen(3)
     num_kv_heads, head_dim = 1, 16
     q_lens = [5, 1, 23, 0, 17]
-    context_lens = [5, 40, 30, 9, 17]
-    k_cache, v_cache, table = _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    seq_lens = [5, 40, 30, 9, 17]
+    k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     num_q_heads = group * num_kv_heads
     qkv = _randn(sum(q_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
     q = qkv[:, :num_q_heads * head_dim].view(-1, num_q_heads, head_dim)  # strided view, as in the model
@@ -121,15 +121,15 @@ def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
 def test_prefill_tile_grid_equals_sequence_grid():
     """The tile-map grid of a padded CUDA-graph batch: empty padding sequences, spare tiles, a
     sequence spanning two tiles. Rows past the last sequence (padding tokens) are not attended."""
-    from tokenmill.layers.attention import PREFILL_BLOCK_M, prefill_tiles
+    from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, prefill_tiles
     pa, _ = _kernels()
     gen = _gen(4)
     num_kv_heads, head_dim, group = 2, 16, 2
     q_lens = [5, 1, PREFILL_BLOCK_M + 6, 0, 17, 0, 0]           # the last two: padding sequences
-    context_lens = [5, 40, PREFILL_BLOCK_M + 30, 9, 17, 0, 0]
-    k_cache, v_cache, table = _paged_cache(context_lens, 8, num_kv_heads, head_dim, torch.float32, gen)
+    seq_lens = [5, 40, PREFILL_BLOCK_M + 30, 9, 17, 0, 0]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 8, num_kv_heads, head_dim, torch.float32, gen)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     tokens = sum(q_lens)
     q = _randn(tokens + 3, group * num_kv_heads, head_dim, gen=gen)  # 3 padding token rows
     tiles = torch.from_numpy(prefill_tiles(q_lens, tokens // PREFILL_BLOCK_M + len(q_lens))).to(DEVICE)
@@ -165,12 +165,12 @@ def test_paged_attention_dispatch_store_then_attend():
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.tensor([0, q_lens[0], num_tokens], dtype=torch.int32, device=DEVICE),
-            context_lens=torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE),
             block_tables=table, max_query_len=max(q_lens),
             # decode must not depend on host-side lengths (CUDA graphs replay it with new ones)
-            max_context_len=max(ctx_list) if max(q_lens) > 1 else -1)
+            max_seq_len=max(ctx_list) if max(q_lens) > 1 else -1)
         store_kvcache_torch(k, v, caches[0], caches[1], slots)
-        ref = paged_attention_torch(q, caches[0], caches[1], table, meta.context_lens,
+        ref = paged_attention_torch(q, caches[0], caches[1], table, meta.seq_lens,
                                     meta.query_start_loc, 0.25)
         out = pa.paged_attention(q, caches[0], caches[1], meta, 0.25)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -628,14 +628,14 @@ def _fused_decode_reference(qkv, positions, cos_sin, q_weight, k_weight, k_cache
     return paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5), ref_k, ref_v
 
 
-def _check_fused_decode(gen, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
+def _check_fused_decode(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
                         num_splits, config, tol):
     """The one-kernel decode attention against the unfused reference. Context length 0 is a padded
     slot (slot -1, zero output)."""
     da = _decode_attention()
-    batch = len(context_lens)
-    k_cache, v_cache, table = _paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    batch = len(seq_lens)
+    k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     positions, slots = _decode_positions(table, ctx, block_size)
     rope = RotaryEmbedding(head_dim, 4096, 10000.0).to(DEVICE)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -714,7 +714,7 @@ def test_fused_decode_attention_rejects_bad_inputs():
         call(heads=(3, 2))
     with pytest.raises(ValueError, match=r"one token per sequence: qkv has 1 rows, block_tables 2"):
         call(qkv=qkv[:1], positions=positions[:1], slots=slots[:1])
-    with pytest.raises(ValueError, match=r"context_lens must be int32 \[2\]"):
+    with pytest.raises(ValueError, match=r"seq_lens must be int32 \[2\]"):
         call(ctx=ctx.long())
     with pytest.raises(ValueError, match=r"block_tables must be int32"):
         call(table=table.long())
@@ -762,7 +762,7 @@ def test_engine_eager_prefill_attention_through_a_tile_map(qwen3_dir, monkeypatc
         if meta.is_pure_decode(q.shape[0]):
             return reference(self, q, meta)
         steps.append((meta.prefill_tiles, meta.query_start_loc.diff().tolist()))
-        return pa.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+        return pa.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                           meta.query_start_loc, meta.max_query_len, self.scale,
                                           tiles=meta.prefill_tiles)
     monkeypatch.setattr(PagedAttention, "attend", attend)
@@ -786,10 +786,10 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_prefill_realistic(num_q_heads, num_kv_heads):
     pa, _ = _kernels()
     gen = _gen(11)
-    q_lens, context_lens = [512, 300, 1, 512], [512, 1400, 900, 2000]
-    k_cache, v_cache, table = _paged_cache(context_lens, 16, num_kv_heads, 128, torch.bfloat16, gen)
+    q_lens, seq_lens = [512, 300, 1, 512], [512, 1400, 900, 2000]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.bfloat16, gen)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = _randn(sum(q_lens), num_q_heads, 128, dtype=torch.bfloat16, gen=gen)
     ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 128 ** -0.5)
     out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 128 ** -0.5)
@@ -919,8 +919,8 @@ def test_gpu_fused_linear_chain_in_a_cuda_graph():
 @pytest.mark.parametrize("batch", [1, 33])
 def test_gpu_fused_decode_realistic(num_q_heads, num_kv_heads, batch):
     gen = _gen(16)
-    context_lens = torch.randint(1, 2100, (batch,), generator=gen).tolist()
-    _check_fused_decode(gen, context_lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16,
+    seq_lens = torch.randint(1, 2100, (batch,), generator=gen).tolist()
+    _check_fused_decode(gen, seq_lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16,
                         num_q_heads == 32, None, None, 2e-2)
 
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.attention import PagedAttention
+from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         if decode_attention is not None:
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
-                                   meta.context_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
+                                   meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
                                    self.head_dim)
             return out.reshape(T, self.q_size)
         if qkv.is_cuda:

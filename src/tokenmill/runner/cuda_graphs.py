@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
+from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import argmax, staging
 from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
@@ -66,12 +66,12 @@ class CudaGraphs:
         pin = self.device.type == "cuda"
         self.static, self.staging = {}, {}
         specs = {"decode": [("input_ids", i64, (decode,)), ("positions", i64, (decode,)), ("slots", i64, (decode,)),
-                            ("context_lens", i32, (decode,)), ("qsl", i32, (decode + 1,)),
+                            ("seq_lens", i32, (decode,)), ("qsl", i32, (decode + 1,)),
                             ("publish_turn", i32, (1,)), ("block_tables", i32, (decode, width))]}
         if mixed:
             tokens, seqs = max(k[1] for k in mixed), max(k[2] for k in mixed)
             specs["mixed"] = [("input_ids", i64, (tokens,)), ("positions", i64, (tokens,)), ("slots", i64, (tokens,)),
-                              ("sample_idx", i64, (seqs,)), ("context_lens", i32, (seqs,)), ("qsl", i32, (seqs + 1,)),
+                              ("sample_idx", i64, (seqs,)), ("seq_lens", i32, (seqs,)), ("qsl", i32, (seqs + 1,)),
                               ("tiles", i32, (2, tokens // PREFILL_BLOCK_M + seqs)),
                               ("publish_turn", i32, (1,)), ("block_tables", i32, (seqs, width))]
         for family, spec in specs.items():
@@ -106,8 +106,8 @@ class CudaGraphs:
             _, tokens, seqs = key
             max_query_len, tiles = tokens, s["tiles"][:, :tokens // PREFILL_BLOCK_M + seqs]
         meta = AttentionMetadata(slot_mapping=s["slots"][:tokens], query_start_loc=s["qsl"][:seqs + 1],
-                                 context_lens=s["context_lens"][:seqs], block_tables=s["block_tables"][:seqs],
-                                 max_query_len=max_query_len, max_context_len=self.max_model_len,
+                                 seq_lens=s["seq_lens"][:seqs], block_tables=s["block_tables"][:seqs],
+                                 max_query_len=max_query_len, max_seq_len=self.max_model_len,
                                  prefill_tiles=tiles)
 
         publish = (self.published[key], s["publish_turn"]) if key in self.published else None
@@ -154,7 +154,7 @@ class CudaGraphs:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""
         if not self.graphs:
             return None
-        seqs, tokens = len(inp.context_lens), len(inp.input_ids)
+        seqs, tokens = len(inp.seq_lens), len(inp.input_ids)
         if inp.max_q == 1:
             bs = next((b for b in self._decode_buckets if b >= seqs), None)
             return None if bs is None else ("decode", bs)
@@ -167,7 +167,7 @@ class CudaGraphs:
         graph; returns (hidden of the batch's tokens, logits of its sampled rows, their greedy tokens,
         and where the graph publishes those on the host: (pinned view, its (key, turn), an event recorded
         after the replay or None), or None)."""
-        tokens, seqs = len(inp.input_ids), len(inp.context_lens)
+        tokens, seqs = len(inp.input_ids), len(inp.seq_lens)
         t_pad, s_pad = (key[1], key[1]) if key[0] == "decode" else key[1:]
         packed = self.static[key[0]]
         turn = (key[0], self._staging_turn)
@@ -184,13 +184,13 @@ class CudaGraphs:
         host["input_ids"][:tokens], host["input_ids"][tokens:t_pad] = inp.input_ids, 0
         host["positions"][:tokens], host["positions"][tokens:t_pad] = inp.positions, 0
         host["slots"][:tokens], host["slots"][tokens:t_pad] = inp.slots, -1
-        host["context_lens"][:seqs] = inp.context_lens
+        host["seq_lens"][:seqs] = inp.seq_lens
         host["qsl"][:seqs + 1] = inp.qsl
         if key[0] == "decode":
-            host["context_lens"][seqs:s_pad] = 1
+            host["seq_lens"][seqs:s_pad] = 1
             host["qsl"][seqs + 1:s_pad + 1] = np.arange(seqs + 1, s_pad + 1)
         else:
-            host["context_lens"][seqs:s_pad] = 0
+            host["seq_lens"][seqs:s_pad] = 0
             host["qsl"][seqs + 1:s_pad + 1] = tokens           # empty padding sequences
             host["tiles"][:] = prefill_tiles(np.diff(inp.qsl), host["tiles"].shape[1])
             rows = len(inp.sample_tokens)

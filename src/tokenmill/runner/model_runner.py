@@ -18,7 +18,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request
-from tokenmill.layers.attention import AttentionMetadata, prefill_tiles
+from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import staging
 from tokenmill.runner.cuda_graphs import CudaGraphs
 from tokenmill.runner.loader import load_model
@@ -87,8 +87,8 @@ class ModelRunner(CudaGraphs):
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=tables, max_query_len=seq_len, max_context_len=seq_len)
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=tables, max_query_len=seq_len, max_seq_len=seq_len)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             hidden = self.model(ids, ids.clone(), meta)
@@ -184,8 +184,8 @@ class ModelRunner(CudaGraphs):
             staging.fill_placeholders(ids, prev_tokens)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(inp.slots), query_start_loc=self._to_device(inp.qsl),
-            context_lens=self._to_device(inp.context_lens), block_tables=self._to_device(inp.tables),
-            max_query_len=inp.max_q, max_context_len=inp.max_ctx, prefill_tiles=self._eager_tiles(inp))
+            seq_lens=self._to_device(inp.seq_lens), block_tables=self._to_device(inp.tables),
+            max_query_len=inp.max_q, max_seq_len=inp.max_seq_len, prefill_tiles=self._eager_tiles(inp))
         hidden = self.model(ids, self._to_device(inp.positions), meta)
         logits = None
         if len(inp.sample_rows):

@@ -13,12 +13,12 @@ from tokenmill.runner.sampler import SamplerOutput
 
 class StepInputs:
     """One step's inputs on the host: per token `input_ids` (a placeholder as -(row + 1) of the step in
-    flight), `positions`, `slots`; per sequence `qsl` (query start offsets), `context_lens`, `tables`
+    flight), `positions`, `slots`; per sequence `qsl` (query start offsets), `seq_lens`, `tables`
     (block table rows); the rows that sample (`sample_rows`) and their last tokens (`sample_tokens`);
     the longest query and context; whether any input is a placeholder."""
 
-    __slots__ = ("input_ids", "positions", "slots", "qsl", "context_lens", "tables", "sample_rows",
-                 "sample_tokens", "max_q", "max_ctx", "placeholders")
+    __slots__ = ("input_ids", "positions", "slots", "qsl", "seq_lens", "tables", "sample_rows",
+                 "sample_tokens", "max_q", "max_seq_len", "placeholders")
 
     def __init__(self, *values):
         for name, value in zip(self.__slots__, values):

@@ -93,7 +93,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 
 @triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
-                         k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, context_lens_ptr,
+                         k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -111,7 +111,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     b64 = b.to(tl.int64)
     # Until pdl.enter this reads only what no kernel of this forward pass writes: the step's metadata,
     # written before the pass, and the cache below the new token, written by earlier steps.
-    ctx = tl.load(context_lens_ptr + b)
+    ctx = tl.load(seq_lens_ptr + b)
     new = ctx - 1  # this step's token; ctx 0 is a padded CUDA-graph slot, which has none
     # splits of at least MIN_SPLIT_LEN positions; only the splits that hold positions run
     split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
@@ -244,21 +244,21 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM
 def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
                            num_splits: int | None = None,
                            config: DecodeAttentionConfig = SHIPPED) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
-    token sits at position context_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
+    token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
-    over the cache; returns the attention output [B, Hq, D]. A sequence with context_len 0 (a padded
+    over the cache; returns the attention output [B, Hq, D]. A sequence with seq_len 0 (a padded
     CUDA-graph slot, slot -1) gets zeros."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]
-    _check_tables(block_tables, context_lens)
+    _check_tables(block_tables, seq_lens)
     devices = {t.device for t in (qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables,
-                                  context_lens)}
+                                  seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"fused_decode_attention: all inputs must be on one device, got {devices}")
     if num_heads % num_kv_heads:
@@ -282,14 +282,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         counters = zeroed_counters(qkv.device, batch * num_kv_heads)
     else:
         part_out = part_lse = out
-        counters = context_lens
+        counters = seq_lens
     has_norm = q_weight is not None
     half = head_dim // 2
     group = num_heads // num_kv_heads
     pdl_on = pdl.enabled(qkv.device)
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
-        k_cache, v_cache, slot_mapping, block_tables, context_lens, out, part_out, part_lse, counters,
+        k_cache, v_cache, slot_mapping, block_tables, seq_lens, out, part_out, part_lse, counters,
         scale * _LOG2E,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),

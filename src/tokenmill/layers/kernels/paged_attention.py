@@ -1,8 +1,9 @@
 """Triton paged attention: varlen (chunked) prefill over the paged cache, and the checks and helpers
 that the decode kernel (`decode_attention.py`) shares with it.
 
-Reference: `tokenmill.layers.attention.paged_attention_torch`, whose docstring defines the cache layout
-[num_blocks, block_size, num_kv_heads, head_dim], the -1 padding slot and the causal rule.
+Reference: `tokenmill.layers.attention.paged_attention_torch`. The cache layout [num_blocks, block_size,
+num_kv_heads, head_dim] and the -1 padding slot are defined in attention.py, the causal rule in
+attention_metadata.py.
 
 Every kernel reaches the cache token by token through the block table (page = block_table[n // block_size]),
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import PREFILL_BLOCK_M, AttentionMetadata
+from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import PrefillAttentionConfig
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -47,18 +48,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be int32 [B, max_blocks] with unit inner stride, got "
                          f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")
-    if context_lens.shape != (block_tables.shape[0],) or context_lens.dtype != torch.int32:
-        raise ValueError(f"context_lens must be int32 [{block_tables.shape[0]}], got "
-                         f"{context_lens.dtype} {tuple(context_lens.shape)}")
-    if not context_lens.is_contiguous():
-        raise ValueError("context_lens must be contiguous")
+    if seq_lens.shape != (block_tables.shape[0],) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{block_tables.shape[0]}], got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
 
 
-def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     _check_cache(k_cache, v_cache)
     _, _, num_kv_heads, head_dim = k_cache.shape
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
@@ -68,8 +69,8 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}")
     if q.dtype != k_cache.dtype:
         raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    _check_tables(block_tables, context_lens)
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    _check_tables(block_tables, seq_lens)
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
@@ -80,7 +81,7 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
 # the tile count and the block-table width change from step to step (eager steps size the table to their
 # longest sequence): neither is specialised, so one compiled variant serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "tiles_stride"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                     query_start_loc_ptr, tiles_ptr, out_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
@@ -100,7 +101,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if m_blk * BLOCK_M < q_len:
-        ctx = tl.load(context_lens_ptr + b)
+        ctx = tl.load(seq_lens_ptr + b)
         kvh = h // GROUP
         i = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
@@ -155,7 +156,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             config: PrefillAttentionConfig = SHIPPED,
                             tiles: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +164,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid, or, when
     `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M = PREFILL_BLOCK_M) is given, the grid has
     one program per tile and head, which keeps a CUDA graph padded to many sequences cheap."""
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got "
@@ -186,7 +187,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         grid = (triton.cdiv(max_query_len, cfg.block_m), num_q_heads, batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         tiles if tiles is not None else query_start_loc, out, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -203,5 +204,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
     the prefill kernel, which also serves decode rows beside prefill chunks (pure-decode steps run
     `decode_attention.fused_decode_attention` from the packed qkv instead)."""
-    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles)
