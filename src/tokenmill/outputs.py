@@ -43,4 +43,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None         # number of top alternatives per token (0: the sampled one only)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict)
@@ -64,6 +65,8 @@ class SamplingParams:
             bad("max_tokens", self.max_tokens, "an integer >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", self.logprobs, "in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", self.prompt_logprobs, "in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")
         if any(not s for s in self.stop):
