@@ -9,7 +9,6 @@ register tile for every other shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Mapping, Union
 
 
@@ -44,8 +43,8 @@ class SmemTile:
 
 Tile = Union[RegisterTile, WholeRowTile, SmemTile]
 
-# (N, K, silu) -> tile
-SHIPPED_TILES: Mapping[tuple[int, int, bool], Tile] = MappingProxyType({
+# ((N, K, silu), tile) pairs
+SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (6144, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # qwen3-4b qkv
     (2560, 4096, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4),     # qwen3-4b o_proj
     (19456, 2560, True): WholeRowTile(block_n=1, num_warps=4, programs_per_sm=6),     # qwen3-4b gate_up
@@ -54,7 +53,7 @@ SHIPPED_TILES: Mapping[tuple[int, int, bool], Tile] = MappingProxyType({
     (2560, 2560, False): SmemTile(block_n=8, block_k=512, num_warps=8),               # nanbeige4.1-3b o_proj
     (20992, 2560, True): WholeRowTile(block_n=1, num_warps=4, programs_per_sm=6),     # nanbeige4.1-3b gate_up
     (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
-})
+}.items())
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,18 @@ class PrefillAttentionConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    tiles: Mapping[tuple[int, int, bool], Tile] = field(default_factory=lambda: SHIPPED_TILES)
+    """`tiles`: ((N, K, silu), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
+    immutable and pickles with `EngineConfig` into the engine core's process."""
+    tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_TILES
     default_tile: RegisterTile = RegisterTile(block_n=4, block_k=1024, num_warps=4, programs_per_sm=8)
     decode_attention: DecodeAttentionConfig = field(default_factory=DecodeAttentionConfig)
     prefill_attention: PrefillAttentionConfig = field(default_factory=PrefillAttentionConfig)
 
+    def __post_init__(self):
+        if isinstance(self.tiles, Mapping):
+            object.__setattr__(self, "tiles", tuple(self.tiles.items()))
+        object.__setattr__(self, "_by_shape", dict(self.tiles))
+
     def tile(self, n: int, k: int, silu: bool) -> Tile:
         """The tile for a product with weight [n, k] (SiLU-and-mul after it when `silu`)."""
-        return self.tiles.get((n, k, silu), self.default_tile)
+        return self._by_shape.get((n, k, silu), self.default_tile)
