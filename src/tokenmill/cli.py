@@ -87,7 +87,7 @@ def engine_config(args) -> EngineConfig:
 
 def _serve(args) -> int:
     if args.backend in ("hf", "hf-cb"):
-        from tokenmill.server.hf_backend import run_hf_server
+        from tokenmill.bench.hf_server import run_hf_server
         return run_hf_server(args)
     from tokenmill.server.launch import run_server
     return run_server(engine_config(args), host=args.host, port=args.port,

@@ -18,6 +18,7 @@ import sys
 import time
 
 from tokenmill.bench import report
+from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
                                       sharegpt_requests, special_token_ids)
 from tokenmill.bench.serve import DEFAULT_ENDPOINT
@@ -194,20 +195,6 @@ def _hf_config(model: str) -> dict:
         return json.load(f)
 
 
-def _git_commit() -> str:
-    if os.environ.get("TOKENMILL_GIT_COMMIT"):
-        return os.environ["TOKENMILL_GIT_COMMIT"]
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def build_requests(args, hf_config: dict, model_path: str | None):
     if args.dataset == "random":
         return random_requests(args.num_prompts, parse_range(args.input_len_range),
@@ -315,7 +302,7 @@ def run_throughput(args, argv: list[str]) -> dict:
 
     summary = {
         "command": "tokenmill bench " + " ".join(argv),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hardware": next((r["hardware"] for r in results if "hardware" in r), None),
         "model": args.model,

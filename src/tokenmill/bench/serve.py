@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
 
 PERCENTILES = (50, 95, 99)
@@ -213,11 +214,6 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
 
 
 # ----- run metadata ---------------------------------------------------------------------------------------
-def git_commit() -> str:
-    from tokenmill.bench.cli import _git_commit
-    return _git_commit()
-
-
 def detect_hardware(base_url: str, headers: dict | None = None) -> str | None:
     """The server's own report (/v1/models 'hardware', as the hf baselines give it), else this host's GPU
     when the server is on loopback."""
