@@ -78,8 +78,9 @@ class StatsLogger:
 
 async def serve_with_stats(serve: Awaitable, engine, enabled: bool = True,
                            interval: float = DEFAULT_INTERVAL_S):
-    """Awaits `serve` (the HTTP server) with the stats logger running beside it in the same loop."""
-    if not enabled:
+    """Awaits `serve` (the HTTP server) with the stats logger running beside it in the same loop (not
+    when disabled, nor when the log level hides its lines)."""
+    if not enabled or not stats_logger.isEnabledFor(logging.INFO):
         return await serve
     task = asyncio.ensure_future(StatsLogger(lambda: engine.get_stats(max_age=1.0), interval).run())
     try:
