@@ -1,4 +1,5 @@
-"""Frozen configs: `ModelConfig.from_hf` is the one place that reads a Hugging Face config.json."""
+"""Frozen configs: `ModelConfig.from_hf` is the one place that reads a Hugging Face config.json, and
+`ModelConfig.from_gguf` the one that reads a GGUF file's model metadata."""
 from __future__ import annotations
 
 import json
@@ -99,6 +100,71 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
             hidden_act=hf.get("hidden_act", "silu"),
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf: Any) -> "ModelConfig":
+        """Our config from a GGUF file's metadata (a path, or an opened `runner.gguf_loader.GGUFFile`):
+        `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS/EOS ids, and a
+        head tied to the embedding when the file has no `output.weight`."""
+        from tokenmill.runner.gguf_loader import GGUF_ARCHITECTURES, GGUFFile, open_gguf
+
+        file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
+        md, arch = file.metadata, file.architecture
+
+        def get(key: str, default: Any = None, required: bool = True) -> Any:
+            value = md.get(f"{arch}.{key}", default)
+            if value is None and required:
+                raise ValueError(f"GGUF file {file.path!r} lacks metadata key {arch}.{key}")
+            if isinstance(value, list):
+                raise ValueError(f"GGUF metadata {arch}.{key} varies per layer ({value[:4]}...); "
+                                 "tokenmill needs one value for all layers")
+            return value
+
+        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}")
+        rotary = int(get("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of head_dim={head_dim}; "
+                             "tokenmill rotates whole heads only")
+        scaling_type = get("rope.scaling.type", "none")
+        if scaling_type == "linear":
+            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        elif scaling_type == "none":
+            scaling = None
+        else:
+            raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
+                             "supported: none, linear")
+        if "rope_freqs.weight" in file.tensors:
+            raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight (llama3-style RoPE "
+                             "scaling), which tokenmill does not read from GGUF")
+        vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
+        if not vocab:
+            vocab = int(file.tensors["token_embd.weight"].shape[1])
+        eos = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
+        file_type = md.get("general.file_type")
+        dtype = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}.get(file_type, torch.bfloat16)
+        return cls(
+            architecture=GGUF_ARCHITECTURES[arch],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings="output.weight" not in file.tensors,
+            attention_bias="blk.0.attn_q.bias" in file.tensors,
+            qk_norm=arch == "qwen3",
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            dtype=dtype,
         )
 
     @property

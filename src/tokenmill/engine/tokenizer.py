@@ -1,4 +1,4 @@
-"""Tokenizer and chat template from the model directory (never from the network)."""
+"""Tokenizer and chat template from the model directory or GGUF file (never from the network)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,14 @@ import os
 
 class Tokenizer:
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        """`path`: a Hugging Face tokenizer directory, or a `.gguf` file whose metadata holds one."""
+        if _is_gguf(path):
+            from tokenmill.engine.gguf_tokenizer import build_gguf_tokenizer
+            from tokenmill.runner.gguf_loader import open_gguf
+            self.hf = build_gguf_tokenizer(open_gguf(path).metadata, path)
+        else:
+            from transformers import AutoTokenizer
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         # lengths are checked against the engine's max_model_len, with an error naming both numbers;
         # the tokenizer's own limit would only log a warning for prompts that are refused anyway
         self.hf.model_max_length = 1 << 62
@@ -18,6 +24,9 @@ class Tokenizer:
 
     @staticmethod
     def available(path: str) -> bool:
+        if _is_gguf(path):
+            from tokenmill.runner.gguf_loader import open_gguf
+            return "tokenizer.ggml.tokens" in open_gguf(path).metadata
         return any(os.path.isfile(os.path.join(path, f)) for f in
                    ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"))
 
@@ -41,6 +50,10 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+def _is_gguf(path: str) -> bool:
+    return str(path).lower().endswith(".gguf") and os.path.isfile(path)
 
 
 def generation_eos_ids(model_dir: str) -> tuple[int, ...]:

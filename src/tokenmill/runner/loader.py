@@ -1,4 +1,4 @@
-"""Builds a model from a local directory: config -> registry -> streamed, packed safetensors weights."""
+"""Builds a model from a local directory or GGUF file: config -> registry -> streamed, packed weights."""
 from __future__ import annotations
 
 import glob
@@ -41,32 +41,44 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Streams every tensor into its (possibly packed) parameter, then checks nothing is missing
-    and nothing was left over."""
+    """Streams every safetensors tensor of `model_dir` into its (possibly packed) parameter."""
+    device = next(model.parameters()).device
+
+    def tensors():
+        for path in weight_files(model_dir):
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    yield key, lambda f=f, key=key: f.get_tensor(key)
+    fill_parameters(model, tensors(), repr(model_dir))
+
+
+def fill_parameters(model: nn.Module, tensors, source: str) -> None:
+    """Copies `(hf_key, read)` pairs into the model's (possibly packed) parameters, calling `read()`
+    only for keys the model uses, so one checkpoint tensor at a time is materialised. Ends by checking
+    that every parameter (every shard of a packed one) was filled and no key was left over; `source`
+    names the checkpoint in those errors."""
     cfg: ModelConfig = model.config
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
     leftover: list[str] = []
-    device = next(model.parameters()).device
-    for path in weight_files(model_dir):
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue
-                name, shard = _target(model, key)
-                if name not in params:
-                    leftover.append(key)
-                    continue
-                tensor = f.get_tensor(key)
-                param = params[name]
-                if shard is None:
-                    _copy(param.data, tensor, key)
-                    filled[name].add(0)
-                else:
-                    sizes = model.shard_sizes(name.split(".")[-2])
-                    start = sum(sizes[:shard])
-                    _copy(param.data.narrow(0, start, sizes[shard]), tensor, key)
-                    filled[name].add(shard)
+    for key, read in tensors:
+        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        name, shard = _target(model, key)
+        if name not in params:
+            leftover.append(key)
+            continue
+        tensor = read()
+        param = params[name]
+        if shard is None:
+            _copy(param.data, tensor, key)
+            filled[name].add(0)
+        else:
+            sizes = model.shard_sizes(name.split(".")[-2])
+            start = sum(sizes[:shard])
+            _copy(param.data.narrow(0, start, sizes[shard]), tensor, key)
+            filled[name].add(shard)
+        del tensor
     if leftover:
         raise ValueError(f"checkpoint keys not used by {cfg.architecture}: {leftover[:8]}"
                          f"{' ...' if len(leftover) > 8 else ''} ({len(leftover)} in all)")
@@ -77,7 +89,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if len(shards) < want:
             missing.append(name)
     if missing:
-        raise ValueError(f"parameters missing from the checkpoint in {model_dir!r}: {missing[:8]}"
+        raise ValueError(f"parameters missing from the checkpoint {source}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
 
 
@@ -96,7 +108,16 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     dst.copy_(src)
 
 
-def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file."""
     model = build_model(cfg, device, dtype)
-    load_weights(model, model_dir)
+    if is_gguf(model_path):
+        from tokenmill.runner.gguf_loader import load_gguf_weights
+        load_gguf_weights(model, model_path)
+    else:
+        load_weights(model, model_path)
     return model.eval()
+
+
+def is_gguf(path: str) -> bool:
+    return str(path).lower().endswith(".gguf") and os.path.isfile(path)

@@ -1,0 +1,366 @@
+"""GGUF files written here with `gguf.GGUFWriter` load into the same weights, config and tokenizer as
+transformers' own GGUF reader gives (its dequantizers and its Q/K unpermutation are its own torch code,
+not the `gguf` package's numpy used by tokenmill), and broken files fail with errors that name the cause.
+
+One file per architecture mixes every supported tensor type across its tensors, so three loads cover
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K on llama (permuted q/k), qwen2 (biases) and qwen3
+(q/k norms). Types `gguf` can quantize are quantized from known weights; for the K-quants, which it
+cannot quantize, the blocks are random bytes with small finite scales.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")       # transformers reads GGUF only with accelerate installed
+
+from tokenmill import LLM, SamplingParams                      # noqa: E402
+from tokenmill.config import ModelConfig                       # noqa: E402
+from tokenmill.engine.tokenizer import Tokenizer               # noqa: E402
+from tokenmill.runner.gguf_loader import unpermute_rows        # noqa: E402
+from tokenmill.tiny import bundled_model_path                  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+# transformers' GGUF reader takes Qwen3's head_dim from its config default (128), not the file
+HEAD_DIMS = {"llama": 64, "qwen2": 64, "qwen3": 128}
+# per layer: the type of each projection; norms, biases stay F32
+TYPES = {
+    "llama": [dict(attn_q=Q.Q4_K, attn_k=Q.Q5_K, attn_v=Q.Q6_K, attn_output=Q.Q4_0, ffn_gate=Q.Q4_1,
+                   ffn_up=Q.F16, ffn_down=Q.BF16),
+              dict(attn_q=Q.Q8_0, attn_k=Q.Q4_1, attn_v=Q.F32, attn_output=Q.Q5_K, ffn_gate=Q.Q6_K,
+                   ffn_up=Q.Q4_K, ffn_down=Q.Q4_0)],
+    "qwen2": [dict(attn_q=Q.Q6_K, attn_k=Q.Q4_K, attn_v=Q.Q5_K, attn_output=Q.Q8_0, ffn_gate=Q.BF16,
+                   ffn_up=Q.Q4_0, ffn_down=Q.Q4_1)] * LAYERS,
+    "qwen3": [dict(attn_q=Q.Q5_K, attn_k=Q.Q6_K, attn_v=Q.Q4_K, attn_output=Q.F16, ffn_gate=Q.Q8_0,
+                   ffn_up=Q.Q4_1, ffn_down=Q.Q4_0)] * LAYERS,
+}
+EMBED_TYPE = {"llama": Q.Q8_0, "qwen2": Q.Q6_K, "qwen3": Q.F16}
+K_QUANT_SCALES = {Q.Q4_K: ((0, 2), (2, 4)), Q.Q5_K: ((0, 2), (2, 4)), Q.Q6_K: ((208, 210),)}
+
+
+def tiny_tokenizer_metadata() -> dict:
+    """The bundled tiny model's byte-level BPE tokenizer, as GGUF stores one."""
+    root = bundled_model_path()
+    with open(os.path.join(root, "tokenizer.json")) as f:
+        tj = json.load(f)
+    vocab = tj["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    types = [1] * len(tokens)
+    for added in tj["added_tokens"]:
+        types[added["id"]] = 3 if added["special"] else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    with open(os.path.join(root, "chat_template.jinja")) as f:
+        template = f.read()
+    return dict(tokens=tokens, types=types, merges=merges, template=template, eos=2, pad=0)
+
+
+def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    lo, hi = (1e-5, 1e-4) if qtype == Q.Q6_K else (1e-4, 5e-4)
+    for a, b in K_QUANT_SCALES[qtype]:
+        scale = rng.uniform(lo, hi, size=(rows, cols // block_elems)).astype(np.float16)
+        data[:, :, a:b] = scale.view(np.uint8).reshape(rows, cols // block_elems, 2)
+    return data.reshape(rows, -1)
+
+
+def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, object]:
+    if qtype == Q.F32:
+        return w.astype(np.float32), None
+    if qtype == Q.F16:
+        return w.astype(np.float16), None
+    if qtype in K_QUANT_SCALES:
+        return _random_k_blocks(w.shape[0], w.shape[1], qtype, rng), qtype
+    return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to a llama q/k projection (the inverse of tokenmill's unpermute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(path: str, arch: str, tok: dict, seed: int = 0, tied: bool | None = None,
+               layer_types=None, embed_type=None, rename: dict | None = None, drop=()) -> dict:
+    """Writes the file; returns each tensor's true weights (before llama's permutation) by GGUF name."""
+    rng = np.random.default_rng(seed)
+    truth = {}
+    HEAD_DIM = HEAD_DIMS[arch]
+    tied = arch != "llama" if tied is None else tied
+    vocab = len(tok["tokens"])
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(2048)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_block_count(LAYERS)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_eos_token_id(tok["eos"])
+    w.add_pad_token_id(tok["pad"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok["template"])
+
+    def tensor(name, array, qtype=Q.F32, true=None):
+        truth[name] = array if true is None else true
+        data, raw = _encode(array, qtype, rng)
+        if name not in drop:
+            w.add_tensor((rename or {}).get(name, name), data, raw_dtype=raw)
+
+    def normal(*shape, std=0.05):
+        return rng.normal(0, std, size=shape).astype(np.float32)
+
+    embed_type = EMBED_TYPE[arch] if embed_type is None else embed_type
+    tensor("token_embd.weight", normal(vocab, HIDDEN, std=0.5), embed_type)
+    for i, types in enumerate(layer_types or TYPES[arch]):
+        p = f"blk.{i}."
+        tensor(p + "attn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        tensor(p + "ffn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        shapes = dict(attn_q=(HEADS * HEAD_DIM, HIDDEN), attn_k=(KV_HEADS * HEAD_DIM, HIDDEN),
+                      attn_v=(KV_HEADS * HEAD_DIM, HIDDEN), attn_output=(HIDDEN, HEADS * HEAD_DIM),
+                      ffn_gate=(INTER, HIDDEN), ffn_up=(INTER, HIDDEN), ffn_down=(HIDDEN, INTER))
+        for name, shape in shapes.items():
+            weight = stored = normal(*shape)
+            if arch == "llama" and name in ("attn_q", "attn_k"):
+                stored = _permute(weight, HEADS if name == "attn_q" else KV_HEADS)
+            tensor(f"{p}{name}.weight", stored, types[name], true=weight)
+        if arch == "qwen2":
+            for name, rows in (("attn_q", HEADS * HEAD_DIM), ("attn_k", KV_HEADS * HEAD_DIM),
+                               ("attn_v", KV_HEADS * HEAD_DIM)):
+                tensor(f"{p}{name}.bias", normal(rows, std=0.1))
+        if arch == "qwen3":
+            tensor(p + "attn_q_norm.weight", 1 + normal(HEAD_DIM, std=0.1))
+            tensor(p + "attn_k_norm.weight", 1 + normal(HEAD_DIM, std=0.1))
+    tensor("output_norm.weight", 1 + normal(HIDDEN, std=0.1))
+    if not tied:
+        tensor("output.weight", normal(vocab, HIDDEN), Q.Q6_K)
+    _finish(w)
+    return truth
+
+
+def hf_from_gguf(path: str):
+    from transformers import AutoModelForCausalLM
+    try:                     # transformers 5 keeps GGUF weights quantized unless asked; 4.x dequantizes
+        from transformers import GgufConfig
+        kwargs = dict(quantization_config=GgufConfig(dequantize=True))
+    except ImportError:
+        kwargs = {}
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **kwargs).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models' ops are small: on a shared 2-core runner a second intra-op thread made the engine
+    7x slower (waiting, not computing)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok_md():
+    return tiny_tokenizer_metadata()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def loaded(request, tok_md, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
+    write_gguf(path, request.param, tok_md)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=12)
+    return request.param, path, llm, hf_from_gguf(path)
+
+
+def test_config_from_metadata(loaded, tok_md):
+    arch, path, _, hf = loaded
+    cfg = ModelConfig.from_gguf(path)
+    HEAD_DIM = HEAD_DIMS[arch]
+    assert cfg.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (HIDDEN, INTER, LAYERS)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert cfg.rope_theta == 50000.0 and cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert cfg.max_position_embeddings == 2048 and cfg.vocab_size == len(tok_md["tokens"])
+    assert cfg.tie_word_embeddings == (arch != "llama") == hf.config.tie_word_embeddings
+    assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
+    assert cfg.eos_token_ids == (2,)
+
+
+def test_weights_equal_transformers_dequantized(loaded):
+    """Every parameter, packed ones shard by shard, equals transformers' dequantized (and, for llama,
+    unpermuted) tensor."""
+    _, _, llm, hf = loaded
+    ours = dict(llm.engine.runner.model.named_parameters())
+    ref = hf.state_dict()
+    checked = 0
+    for name, param in ours.items():
+        if ".qkv_proj." in name:
+            parts = [ref[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+        elif ".gate_up_proj." in name:
+            parts = [ref[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
+        else:
+            parts = [ref[name]]
+        torch.testing.assert_close(param.detach(), torch.cat(parts), rtol=1e-6, atol=1e-6, msg=name)
+        checked += 1
+    assert checked == len(ours) > 10
+
+
+def test_quantized_from_known_weights_round_trip(tok_md, tmp_path):
+    """Where the weights are known (types `gguf` quantizes), the loaded ones are them within each
+    type's rounding, and llama's q/k rows come back in Hugging Face order."""
+    per_type = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
+    path = str(tmp_path / "known.gguf")
+    layer = dict(attn_q=Q.Q8_0, attn_k=Q.F16, attn_v=Q.BF16, attn_output=Q.Q4_0, ffn_gate=Q.Q4_1,
+                 ffn_up=Q.F32, ffn_down=Q.Q8_0)
+    raw = write_gguf(path, "llama", tok_md, seed=3, layer_types=[layer] * LAYERS, embed_type=Q.F32)
+    truth = {k.removesuffix(".weight"): v for k, v in raw.items()}
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+    params = dict(llm.engine.runner.model.named_parameters())
+    q_rows, kv_rows = HEADS * HEAD_DIMS["llama"], KV_HEADS * HEAD_DIMS["llama"]
+
+    def check(got, want, qtype):
+        err = (got - torch.from_numpy(want)).norm() / torch.from_numpy(want).norm()
+        assert err <= per_type[qtype] + 1e-7, (qtype.name, err.item())
+        if qtype != Q.F32:
+            assert err > 0
+    check(params["model.embed_tokens.weight"].detach(), truth["token_embd"], Q.F32)
+    for i in range(LAYERS):
+        qkv = params[f"model.layers.{i}.self_attn.qkv_proj.weight"].detach()
+        check(qkv[:q_rows], truth[f"blk.{i}.attn_q"], layer["attn_q"])
+        check(qkv[q_rows:q_rows + kv_rows], truth[f"blk.{i}.attn_k"], layer["attn_k"])
+        check(qkv[q_rows + kv_rows:], truth[f"blk.{i}.attn_v"], layer["attn_v"])
+        check(params[f"model.layers.{i}.self_attn.o_proj.weight"].detach(), truth[f"blk.{i}.attn_output"],
+              layer["attn_output"])
+        gate_up = params[f"model.layers.{i}.mlp.gate_up_proj.weight"].detach()
+        check(gate_up[:INTER], truth[f"blk.{i}.ffn_gate"], layer["ffn_gate"])
+        check(gate_up[INTER:], truth[f"blk.{i}.ffn_up"], layer["ffn_up"])
+        check(params[f"model.layers.{i}.mlp.down_proj.weight"].detach(), truth[f"blk.{i}.ffn_down"],
+              layer["ffn_down"])
+
+
+def test_unpermute_inverts_llama_cpp_order():
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(16, 3)
+    stored = torch.from_numpy(_permute(w.numpy(), 2))
+    assert not torch.equal(stored, w)
+    assert torch.equal(unpermute_rows(stored, 2), w)
+    # within a head, stored rows 2i, 2i+1 are Hugging Face rows i and i + head_dim/2
+    assert torch.equal(stored[:2], w[[0, 4]])
+
+
+def test_greedy_equals_transformers(loaded):
+    """Greedy tokens with chunked prefill and a small block size: at every generated position the
+    token is transformers' argmax over prompt + the tokens generated so far."""
+    _, _, llm, hf = loaded
+    prompts = [[5, 17, 300, 42, 8, 99, 1000, 7, 3, 250, 31, 64, 12, 700, 901], [4000, 12, 9]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
+
+
+def test_tokenizer_equals_the_original(loaded, tok_md):
+    """The tokenizer built from GGUF metadata encodes, decodes and renders chats as the Hugging Face
+    tokenizer it was written from (the bundled tiny model's)."""
+    _, path, llm, _ = loaded
+    ours = llm.get_tokenizer()
+    original = Tokenizer(bundled_model_path())
+    texts = ["Hello world! What's the capital of France?", "  two  spaces\n\n\ttab",
+             "从前有一座山，山上有一座庙。", "emoji 🎉 and 12345 digits", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]
+    for text in texts:
+        assert ours.encode(text) == original.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.encode_chat(chat) == original.encode_chat(chat)
+    assert ours.eos_token_ids == (2,) and ours.vocab_size == original.vocab_size
+    text = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert text.prompt_token_ids == original.encode("Hello")
+
+
+# ---- broken files ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_file(tok_md, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("broken") / "small.gguf")
+    write_gguf(path, "qwen3", tok_md)
+    return path
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.3, 0.999])
+def test_truncated_file_is_named(small_file, tmp_path, fraction):
+    data = open(small_file, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:max(8, int(len(data) * fraction))])
+    with pytest.raises(ValueError, match=r"truncated") as e:
+        LLM(str(cut), device="cpu", dtype="float32", num_kv_blocks=8)
+    assert "cut.gguf" in str(e.value)
+
+
+def test_unknown_type_id_is_named(tmp_path):
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("zzzz.weight", np.zeros((4, 32), np.float32))
+    _finish(w)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"zzzz.weight") + len("zzzz.weight") + 4 + 2 * 8   # name, n_dims, two dims: the type
+    assert data[at:at + 4] == (0).to_bytes(4, "little")
+    data[at:at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"unknown GGML type id 99"):
+        ModelConfig.from_gguf(str(path))
+
+
+def test_unsupported_type_is_named(tmp_path):
+    path = str(tmp_path / "q2k.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=Q.Q2_K)
+    _finish(w)
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' .* type Q2_K; tokenmill dequantizes F32"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = str(tmp_path / "gemma.gguf")
+    w = gguf.GGUFWriter(path, "gemma")
+    w.add_block_count(1)
+    _finish(w)
+    with pytest.raises(ValueError, match=r"architecture 'gemma'; tokenmill supports llama, qwen2, qwen3"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_leftover_and_missing_tensors_are_named(tok_md, tmp_path):
+    path = str(tmp_path / "renamed.gguf")
+    write_gguf(path, "qwen3", tok_md, rename={"blk.0.ffn_up.weight": "blk.0.ffn_upp.weight"})
+    with pytest.raises(ValueError, match=r"not used by Qwen3ForCausalLM: \['blk\.0\.ffn_upp\.weight'\]"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+    path = str(tmp_path / "dropped.gguf")
+    write_gguf(path, "qwen3", tok_md, drop={"blk.1.ffn_up.weight"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint .*dropped\.gguf.*layers\.1\.mlp\.gate_up_proj"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
