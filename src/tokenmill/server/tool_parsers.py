@@ -1,0 +1,325 @@
+"""Tool-call parsers (`--tool-call-parser NAME`) and the schemas that enforce `tool_choice`.
+
+A parser turns the model's text into OpenAI `tool_calls` plus the remaining `content`. It runs on the
+content left by the reasoning parser (`reasoning.py`), never on the reasoning itself.
+
+`hermes` (Qwen3, Nanbeige4.1, Hermes) writes each call as a tagged JSON object, several in a row,
+possibly after some text:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Rules, the same for `extract` and for a stream fed any chunking:
+- A block runs from `<tool_call>` to the next `</tool_call>`, or to the end of the output if never closed.
+- A block is a call when its body is a JSON object with a non-empty string `name` and `arguments` that
+  is an object (or a string holding one, or absent: `{}`). `arguments` is re-serialised with
+  `json.dumps(..., ensure_ascii=False)`, as OpenAI sends it. Any other block stays in the content
+  verbatim, tags included; parsing never raises.
+- Content is all text outside call blocks, verbatim; None when it is only whitespace.
+
+A stream buffers each block until it closes, then sends the call as two deltas in OpenAI's shape: the
+header (`index`, `id`, `type`, `function.name`, `function.arguments: ""`) and the whole arguments
+string. Sending no part of a call before its JSON is known to parse is what keeps streamed and
+non-streamed answers identical: a malformed block turns into content, never into half a call.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+from dataclasses import dataclass, field
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def new_tool_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str                      # a JSON object, serialised
+    id: str = field(default_factory=new_tool_call_id)
+
+    def to_openai(self) -> dict:
+        """The entry of `message.tool_calls`."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ExtractedToolCalls:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece: exactly one of `content` (text) or `tool_call` (an entry of OpenAI's
+    `choices[].delta.tool_calls`) is set."""
+    content: str | None = None
+    tool_call: dict | None = None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str):
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _arguments_json(arguments) -> str | None:
+    """The OpenAI `arguments` string for a parsed `arguments` value, or None if it is not an object."""
+    if arguments is None:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = _loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Base for formats that wrap each call in a start and an end tag. A format sets the tags and
+    `parse_call`; one that is not tagged overrides `extract` and `new_stream`."""
+    start_tag: str
+    end_tag: str
+
+    def parse_call(self, body: str) -> ToolCall | None:
+        """The call written in a block's body, or None if the body is not one."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        content, calls, pos = [], [], 0
+        while (start := text.find(self.start_tag, pos)) >= 0:
+            content.append(text[pos:start])
+            body_at = start + len(self.start_tag)
+            end = text.find(self.end_tag, body_at)
+            body_end = len(text) if end < 0 else end
+            stop = body_end if end < 0 else end + len(self.end_tag)
+            call = self.parse_call(text[body_at:body_end])
+            if call is None:
+                content.append(text[start:stop])
+            else:
+                calls.append(call)
+            pos = stop
+        content.append(text[pos:])
+        joined = "".join(content)
+        return ExtractedToolCalls(joined if joined.strip() else None, calls)
+
+    def new_stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+
+class HermesToolParser(ToolParser):
+    start_tag = TOOL_CALL_START
+    end_tag = TOOL_CALL_END
+
+    def parse_call(self, body: str) -> ToolCall | None:
+        try:
+            obj = _loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        arguments = _arguments_json(obj.get("arguments"))
+        return None if arguments is None else ToolCall(obj["name"], arguments)
+
+
+class ToolCallStream:
+    """Incremental `extract` for a tagged format: `feed(delta_text)` for each decoded piece, then
+    `finish()`; both return the deltas now decided. `tool_calls` lists the calls sent so far (a
+    response with any ends with `finish_reason: "tool_calls"`).
+
+    Over a whole output the content deltas concatenate to `extract(text).content` ("" where that is
+    None) and each call's argument pieces to its `arguments`. Held back until decided: a possible start
+    tag at the end of the text, a block until its end tag, and content while it is only whitespace."""
+
+    def __init__(self, parser: ToolParser):
+        self._parser = parser
+        self._buf = ""                  # outside a block: a partial start tag; inside: the body so far
+        self._inside = False
+        self._pending_ws = ""           # content so far, while it is only whitespace
+        self._content_started = False
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        out: list[Delta] = []
+        start_tag, end_tag = self._parser.start_tag, self._parser.end_tag
+        searched = len(self._buf)
+        self._buf += delta_text
+        while True:
+            if self._inside:
+                end = self._buf.find(end_tag, max(0, searched - len(end_tag) + 1))
+                if end < 0:
+                    return out
+                self._close_block(self._buf[:end], end_tag, out)
+                self._buf = self._buf[end + len(end_tag):]
+            else:
+                start = self._buf.find(start_tag)
+                if start < 0:
+                    keep = _partial_suffix(self._buf, start_tag)
+                    self._content(self._buf[:len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._content(self._buf[:start], out)
+                self._buf, self._inside = self._buf[start + len(start_tag):], True
+            searched = 0
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        if self._inside:
+            self._close_block(self._buf, "", out)
+        else:
+            self._content(self._buf, out)
+        self._buf = ""
+        return out
+
+    def _close_block(self, body: str, end_tag: str, out: list[Delta]) -> None:
+        self._inside = False
+        call = self._parser.parse_call(body)
+        if call is None:
+            self._content(self._parser.start_tag + body + end_tag, out)
+            return
+        index = len(self.tool_calls)
+        self.tool_calls.append(call)
+        out.append(Delta(tool_call={"index": index, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}))
+        out.append(Delta(tool_call={"index": index, "function": {"arguments": call.arguments}}))
+
+    def _content(self, text: str, out: list[Delta]) -> None:
+        if not text:
+            return
+        if not self._content_started:
+            self._pending_ws += text
+            if not self._pending_ws.strip():
+                return
+            text, self._pending_ws, self._content_started = self._pending_ws, "", True
+        out.append(Delta(content=text))
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+
+
+# --- tool_choice "required" or a named function, enforced by a grammar -----------------------------
+
+def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
+    """(name, parameters schema) of each tool of a request, checked."""
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] is not a function tool")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out.append((name, params))
+    return out
+
+
+def _named(tool_choice) -> str | None:
+    """The function a named tool_choice picks; None for "required"; ValueError for anything else."""
+    if tool_choice == "required":
+        return None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if isinstance(name, str) and name:
+            return name
+    raise ValueError('tool_choice must be "required" or {"type": "function", "function": {"name": ...}} '
+                     f"to be enforced by a schema, got {tool_choice!r}")
+
+
+def _rehome_refs(node, prefix: str):
+    """A copy of `node` with local `$ref`s into `$defs`/`definitions` renamed `#/$defs/<prefix><name>`."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for root in ("#/$defs/", "#/definitions/"):
+                    if value.startswith(root):
+                        value = "#/$defs/" + prefix + value[len(root):]
+                        break
+                else:
+                    if value.startswith("#"):
+                        raise ValueError(f"tool parameters: unsupported $ref {value!r} "
+                                         "(only #/$defs/... and #/definitions/...)")
+            out[key] = _rehome_refs(value, prefix)
+        return out
+    if isinstance(node, list):
+        return [_rehome_refs(v, prefix) for v in node]
+    return node
+
+
+def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls: bool = True) -> dict:
+    """The JSON schema a grammar enforces for `tool_choice`.
+
+    "required": an array of at least one (exactly one without `parallel_tool_calls`) object
+    `{"name": <a tool's name>, "arguments": <an object of that tool's parameters>}`, anyOf over tools.
+    A named function: an object of that function's parameters. Each tool's `$defs` are moved to the root,
+    prefixed by the tool's position, so its `$ref`s still resolve. ValueError (a 400) for an unknown
+    function, no tools, or any other tool_choice."""
+    functions = _functions(tools)
+    if not functions:
+        raise ValueError("tool_choice requires at least one tool")
+    name = _named(tool_choice)
+    if name is not None:
+        for fn_name, params in functions:
+            if fn_name == name:
+                return copy.deepcopy(params)
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    defs, variants = {}, []
+    for i, (fn_name, params) in enumerate(functions):
+        params = _rehome_refs(params, f"tool{i}_")
+        for key in ("$defs", "definitions"):
+            for def_name, sub in (params.pop(key, None) or {}).items():
+                defs[f"tool{i}_{def_name}"] = sub
+        variants.append({"type": "object",
+                         "properties": {"name": {"const": fn_name}, "arguments": params},
+                         "required": ["name", "arguments"]})
+    schema = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def tool_calls_from_constrained_output(text: str, tool_choice) -> list[ToolCall]:
+    """The calls in an output generated under `required_tools_schema(tools, tool_choice)`. ValueError if
+    it does not parse (a grammar-complete output always does; one cut by max_tokens may not)."""
+    name = _named(tool_choice)
+    value = _loads(text)
+    if name is not None:
+        items = [{"name": name, "arguments": value}]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise ValueError("expected a JSON array of tool calls")
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError("each tool call must be an object with a string name")
+        arguments = _arguments_json(item.get("arguments"))
+        if arguments is None:
+            raise ValueError(f"arguments of {item['name']!r} must be a JSON object")
+        calls.append(ToolCall(item["name"], arguments))
+    return calls

@@ -1,0 +1,235 @@
+"""The hermes tool-call parser on scripted outputs, its stream against `extract` under any chunking, and
+the schemas that enforce tool_choice "required" / a named function."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser, ToolCall,
+                                           required_tools_schema, tool_calls_from_constrained_output)
+
+HERMES = HermesToolParser()
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def call(name, arguments):
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)}\n</tool_call>'
+
+
+def run_stream(chunks):
+    s = HERMES.new_stream()
+    deltas = []
+    for piece in chunks:
+        deltas += s.feed(piece)
+    deltas += s.finish()
+    return s, deltas
+
+
+def assert_stream_matches(text, chunks):
+    expected = HERMES.extract(text)
+    s, deltas = run_stream(chunks)
+    assert all((d.content is None) != (d.tool_call is None) for d in deltas)
+    assert "".join(d.content for d in deltas if d.content is not None) == (expected.content or "")
+    arguments, headers = {}, {}
+    for d in deltas:
+        if d.tool_call is None:
+            continue
+        i = d.tool_call["index"]
+        if i not in headers:    # the first delta of a call names it and carries the id
+            headers[i] = d.tool_call
+            assert d.tool_call["type"] == "function" and d.tool_call["function"]["arguments"] == ""
+        else:
+            assert set(d.tool_call) == {"index", "function"} and set(d.tool_call["function"]) == {"arguments"}
+        arguments[i] = arguments.get(i, "") + d.tool_call["function"]["arguments"]
+    assert sorted(headers) == list(range(len(expected.tool_calls)))
+    for i, c in enumerate(expected.tool_calls):
+        assert headers[i]["function"]["name"] == c.name
+        assert arguments[i] == c.arguments
+        assert headers[i]["id"] == s.tool_calls[i].id
+    assert [(c.name, c.arguments) for c in s.tool_calls] == [(c.name, c.arguments) for c in expected.tool_calls]
+
+
+def test_registry():
+    assert TOOL_PARSERS["hermes"] is HermesToolParser
+
+
+def test_single_call():
+    out = HERMES.extract(WEATHER)
+    assert out.content is None
+    [c] = out.tool_calls
+    assert (c.name, c.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert re.fullmatch(r"call_[0-9a-f]{24}", c.id)
+    assert c.to_openai() == {"id": c.id, "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_parallel_calls_and_text_before():
+    text = "Let me check both.\n" + WEATHER + "\n" + call("get_time", {"tz": "Europe/Paris"})
+    out = HERMES.extract(text)
+    assert out.content == "Let me check both.\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]
+    assert len({c.id for c in out.tool_calls}) == 2
+
+
+def test_no_call_is_plain_content():
+    assert HERMES.extract("Hello <b>world</b>").content == "Hello <b>world</b>"
+    assert HERMES.extract("  \n").content is None
+    assert HERMES.extract("").tool_calls == []
+
+
+@pytest.mark.parametrize("block", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',    # bad JSON
+    '<tool_call>["get_weather"]</tool_call>',                                        # not an object
+    '<tool_call>{"arguments": {}}</tool_call>',                                      # no name
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',                        # arguments not an object
+    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',                 # not JSON
+    '<tool_call>' + "[" * 100000 + '</tool_call>',                                  # too deep
+])
+def test_malformed_block_stays_content(block):
+    out = HERMES.extract("before " + block + WEATHER)
+    assert out.content == "before " + block
+    assert [c.name for c in out.tool_calls] == ["get_weather"]
+
+
+def test_arguments_forms():
+    [a, b, c] = HERMES.extract('<tool_call>{"name": "f"}</tool_call>'
+                               '<tool_call>{"name": "g", "arguments": "{\\"x\\":1}"}</tool_call>'
+                               '<tool_call>{"name":"h","arguments":{"s":"\\u00e9"}}</tool_call>').tool_calls
+    assert (a.arguments, b.arguments, c.arguments) == ("{}", '{"x": 1}', '{"s": "é"}')
+
+
+def test_unicode_and_nested_braces():
+    args = {"城市": "北京", "note": "a } brace { and \"quotes\" and </tool_cal", "nested": {"l": [1, {"k": "}"}]}}
+    out = HERMES.extract("好的。" + call("查询天气", args))
+    [c] = out.tool_calls
+    assert c.name == "查询天气" and json.loads(c.arguments) == args
+    assert "北京" in c.arguments                      # ensure_ascii=False, as OpenAI sends it
+    assert out.content == "好的。"
+
+
+def test_unclosed_last_block():
+    out = HERMES.extract('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n')
+    assert out.content is None and out.tool_calls[0].arguments == '{"x": 1}'
+    out = HERMES.extract('ok <tool_call>\n{"name": "f", "argum')
+    assert out.content == 'ok <tool_call>\n{"name": "f", "argum' and out.tool_calls == []
+
+
+def test_partial_start_tag_is_held_back():
+    s = HERMES.new_stream()
+    assert [d.content for d in s.feed("Sure <tool")] == ["Sure "]
+    assert s.feed("_ca") == []
+    deltas = s.feed('ll>{"name": "f", "arguments": {}}</tool_call>')
+    assert [d.tool_call["index"] for d in deltas] == [0, 0] and deltas[0].tool_call["function"]["name"] == "f"
+    assert s.finish() == []
+    s = HERMES.new_stream()
+    assert [d.content for d in s.feed("a <tool")] == ["a "]
+    assert [d.content for d in s.feed("box>")] == ["<toolbox>"]
+    assert [d.content for d in s.feed("<")] == []
+    assert [d.content for d in s.finish()] == ["<"]
+
+
+def test_whitespace_only_content_is_never_streamed():
+    _, deltas = run_stream(list("\n" + WEATHER + "\n\n" + WEATHER + "\n"))
+    assert [d.content for d in deltas if d.content] == []
+    assert len([d for d in deltas if d.tool_call]) == 4
+
+
+def test_char_by_char():
+    text = "先查一下。\n" + WEATHER + "\n" + call("f", {"s": "} {", "n": [1, 2]}) + "\nbye"
+    assert_stream_matches(text, list(text))
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool", "<", ">", "\n", " ", "hi", "中文",
+             '{"name": "f", "arguments": {"x": 1}}', '{"name": "天气", "arguments": {"城": "北京 }{"}}',
+             '{"name": "g"}', '{"name": ', '"arguments": {', "}", '"', "[1]", "\\"]
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join), st.data())
+def test_stream_equals_extract(text, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    assert_stream_matches(text, chunks)
+    assert_stream_matches(text, list(text))
+
+
+# --- tool_choice schemas ------------------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                    "required": ["city"]}}},
+    {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+        "$defs": {"Item": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+NAMED = {"type": "function", "function": {"name": "book"}}
+
+
+def validator(schema):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_required_schema_accepts_calls_of_the_tools_only():
+    schema = required_tools_schema(TOOLS, "required")
+    v = validator(schema)
+    good = [{"name": "get_weather", "arguments": {"city": "巴黎"}}, {"name": "book", "arguments": {"item": {"n": 2}}},
+            {"name": "ping", "arguments": {}}]
+    assert v.is_valid(good)
+    for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "book", "arguments": {"item": {"n": "x"}}}],
+                [{"name": "get_weather", "arguments": {}}], [{"name": "ping"}]):
+        assert not v.is_valid(bad), bad
+    calls = tool_calls_from_constrained_output(json.dumps(good, ensure_ascii=False), "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(g["name"], g["arguments"]) for g in good]
+    assert all(isinstance(c, ToolCall) for c in calls)
+
+
+def test_no_parallel_calls_means_one_item():
+    v = validator(required_tools_schema(TOOLS, "required", parallel_tool_calls=False))
+    assert v.is_valid([{"name": "ping", "arguments": {}}])
+    assert not v.is_valid([{"name": "ping", "arguments": {}}] * 2)
+
+
+def test_named_schema_is_the_function_parameters():
+    schema = required_tools_schema(TOOLS, NAMED)
+    v = validator(schema)
+    assert v.is_valid({"item": {"n": 1}}) and not v.is_valid({"item": {}})
+    [c] = tool_calls_from_constrained_output('{"item": {"n": 1}}', NAMED)
+    assert (c.name, c.arguments) == ("book", '{"item": {"n": 1}}')
+
+
+def test_schemas_compile_with_xgrammar():
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(TOOLS, "required")))
+    assert accepts(grammar, '[{"name": "book", "arguments": {"item": {"n": 3}}}]')
+    assert not accepts(grammar, '[{"name": "book", "arguments": {"item": {"n": "3"}}}]')
+    grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(TOOLS, NAMED)))
+    assert accepts(grammar, '{"item": {"n": 3}}')
+
+
+@pytest.mark.parametrize("tools,choice,message", [
+    (TOOLS, {"type": "function", "function": {"name": "missing"}}, "not in tools"),
+    ([], "required", "at least one tool"),
+    (TOOLS, "auto", "tool_choice"),
+    ([{"type": "retrieval"}], "required", "not a function tool"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/properties/x"}}}], "required",
+     "unsupported \\$ref"),
+])
+def test_schema_errors(tools, choice, message):
+    with pytest.raises(ValueError, match=message):
+        required_tools_schema(tools, choice)
+
+
+def test_constrained_output_cut_short_is_an_error():
+    with pytest.raises(ValueError):
+        tool_calls_from_constrained_output('[{"name": "ping", "argu', "required")
+    with pytest.raises(ValueError):
+        tool_calls_from_constrained_output('{"name": "ping"}', "required")
