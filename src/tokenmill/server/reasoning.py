@@ -1,0 +1,146 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): split a thinking model's output into
+`reasoning_content` and `content`.
+
+Order in a chat response: the reasoning parser runs first, on the whole generated text; the tool parser
+(`tool_parsers.py`) then runs only on the `content` it returns. A `<tool_call>` written while thinking is
+therefore reasoning text, never a call. Streaming chains the same way: each `content` delta of the
+reasoning stream is fed to the tool-call stream.
+
+The rule (`qwen3`; also Nanbeige4.1, whose template is Qwen3-Thinking's):
+- Generation starts inside a thinking block when the rendered prompt leaves one open: its last `<think>`
+  has no `</think>` after it. Qwen3-Thinking-2507 and Nanbeige4.1 end the prompt with `<think>\\n`;
+  Qwen3 with `enable_thinking=False` ends it with `<think>\\n\\n</think>\\n\\n`, which is closed.
+- Otherwise the output opens a block itself if it begins, after whitespace, with `<think>` (Qwen3-4B in
+  thinking mode). A `<think>` at the very start is dropped in either case.
+- Inside the block everything up to the first `</think>` is reasoning and the rest is content. A block
+  never closed (max_tokens reached mid-thought) makes the whole output reasoning, content None.
+- Without a block everything is content, and `<think>` / `</think>` later on are ordinary text.
+- Reasoning is stripped of surrounding whitespace and content of leading whitespace (the `\\n\\n` after
+  `</think>`, which Qwen's templates also drop when they render history); an empty part is None.
+
+`deepseek_r1` differs in one point: generation always starts inside the block.
+
+vLLM's qwen3 parser decides from the output alone: without `</think>` its non-streamed answer is all
+content while its stream has already sent the text as reasoning. Deciding from the prompt lets a stream
+route every delta at once, so the streamed parts always concatenate to the non-streamed ones.
+"""
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    """Base: `<think>`/`</think>` blocks. Subclasses choose where generation starts."""
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+
+    def extract(self, text: str, prompt: str = "") -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output; `prompt` is the rendered prompt text."""
+        in_reasoning = self.starts_in_reasoning(prompt)
+        head = text.lstrip()
+        if head.startswith(THINK_START):
+            text, in_reasoning = head[len(THINK_START):], True
+        if not in_reasoning:
+            return None, text.lstrip() or None
+        reasoning, _, content = text.partition(THINK_END)
+        return reasoning.strip() or None, content.lstrip() or None
+
+    def new_stream(self, prompt: str = "") -> ReasoningStream:
+        return ReasoningStream(self.starts_in_reasoning(prompt))
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    pass
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return True
+
+
+class ReasoningStream:
+    """Incremental `extract`: `feed(delta)` and then `finish()` return (reasoning_delta, content_delta),
+    each None when empty. Over a whole output the reasoning deltas concatenate to `extract`'s
+    reasoning_content and the content deltas to its content ("" where `extract` gives None), whatever
+    the chunking. Held back until decided: a possible `<think>` at the start, a possible `</think>`, and
+    whitespace that stripping might remove (leading, and reasoning's trailing)."""
+
+    def __init__(self, in_reasoning: bool):
+        self._phase = "start"           # start -> reasoning -> content, or start -> content
+        self._in_reasoning = in_reasoning
+        self._buf = ""                  # undecided text: start prefix, or a partial `</think>`
+        self._ws = ""                   # reasoning's trailing whitespace, emitted if text follows
+        self._reasoning_started = False
+        self._content_started = False
+
+    def feed(self, delta: str) -> tuple[str | None, str | None]:
+        reasoning, content = [], []
+        self._buf += delta
+        if self._phase == "start":
+            head = self._buf.lstrip()
+            if len(head) < len(THINK_START) and THINK_START.startswith(head):
+                return None, None       # still possibly `<think>` (or only whitespace)
+            if head.startswith(THINK_START):
+                self._buf, self._phase = head[len(THINK_START):], "reasoning"
+            else:
+                self._phase = "reasoning" if self._in_reasoning else "content"
+        if self._phase == "reasoning":
+            end = self._buf.find(THINK_END)
+            if end < 0:
+                keep = _partial_suffix(self._buf, THINK_END)
+                self._reason(self._buf[:len(self._buf) - keep], reasoning)
+                self._buf = self._buf[len(self._buf) - keep:]
+            else:
+                self._reason(self._buf[:end], reasoning)
+                self._buf, self._ws, self._phase = self._buf[end + len(THINK_END):], "", "content"
+        if self._phase == "content":
+            self._content(self._buf, content)
+            self._buf = ""
+        return "".join(reasoning) or None, "".join(content) or None
+
+    def finish(self) -> tuple[str | None, str | None]:
+        reasoning, content = [], []
+        if self._phase == "start":
+            self._phase = "reasoning" if self._in_reasoning else "content"
+        if self._phase == "reasoning":
+            self._reason(self._buf, reasoning)
+        else:
+            self._content(self._buf, content)
+        self._buf = ""
+        return "".join(reasoning) or None, "".join(content) or None
+
+    def _reason(self, text: str, out: list[str]) -> None:
+        if not self._reasoning_started:
+            text = text.lstrip()
+            if not text:
+                return
+            self._reasoning_started = True
+        body = text.rstrip()
+        if body:
+            out.append(self._ws + body)
+            self._ws = ""
+        self._ws += text[len(body):]
+
+    def _content(self, text: str, out: list[str]) -> None:
+        if not self._content_started:
+            text = text.lstrip()
+            if not text:
+                return
+            self._content_started = True
+        out.append(text)
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+}
