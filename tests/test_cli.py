@@ -289,7 +289,10 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port[0]}/v1/completions", body,
                                      {"Content-Type": "application/json"})
-        usage = json.load(urllib.request.urlopen(req, timeout=60))["usage"]
+        try:
+            usage = json.load(urllib.request.urlopen(req, timeout=60))["usage"]
+        except OSError as e:
+            raise AssertionError(f"{e!r}; the server printed:\n" + "\n".join(lines)) from None
         wait_for(r"INFO tokenmill\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation "
                          r"throughput: [\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: "
                          r"[\d.]+%, Prefix cache hit rate: [\d.]+%")
