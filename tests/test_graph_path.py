@@ -132,6 +132,7 @@ def test_published_tokens_survive_a_late_read(qwen3_dir, monkeypatch):
     for _ in range(5):             # launch every step before reading any
         prev = runner.execute([req], [new], prev)
         steps.append(prev)
+        req.append_placeholder(0)      # as the scheduler does for a request that samples
         req.num_computed_tokens += new
         new = 1
     # the prefill step has a graph of its own; decode steps 1 and 2 were settled as steps 3 and 4 took

@@ -137,7 +137,7 @@ class LLMEngine:
         launched = None
         if sched:
             launched = self.runner.execute(sched.requests, sched.num_new_tokens, self._in_flight)
-            self.scheduler.update_after_step(sched)
+            self.scheduler.update_after_step(sched, launched.sample_rows.tolist())
         previous, self._in_flight = self._in_flight, launched
         outputs = self._process(previous) if previous is not None else []
         if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):

@@ -134,8 +134,12 @@ class Scheduler:
         self.waiting.insert(0, request)
         out.preempted.append(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advances `num_computed_tokens` of the scheduled requests and hashes their full blocks."""
+    def update_after_step(self, out: SchedulerOutput, sample_rows=()) -> None:
+        """Advances `num_computed_tokens` of the scheduled requests and hashes their full blocks; each
+        request of `sample_rows` (rows of `out.requests` that the launched step samples, in its order)
+        gets a placeholder for its token (`Request.append_placeholder`), resolved once the step is read."""
+        for j, row in enumerate(sample_rows):
+            out.requests[row].append_placeholder(j)
         for req, n in zip(out.requests, out.num_new_tokens):
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)

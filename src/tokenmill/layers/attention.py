@@ -47,8 +47,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the cache, then attends over the cache (`attend` alone when a fused
-    kernel already stored them). The runner binds the layer's `k_cache` / `v_cache` once the cache is
-    allocated; `prefill_config` is the CUDA kernel's (`LlamaForCausalLM.use_kernels`)."""
+    kernel already stored them). `k_cache` / `v_cache` are bound by `LlamaForCausalLM.bind_kv_cache`
+    once the runner has allocated the cache; `prefill_config` is the CUDA kernel's (`use_kernels`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()

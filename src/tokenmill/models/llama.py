@@ -186,6 +186,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
+        """Layer i's attention reads and writes K in kv_cache[i, 0] and V in kv_cache[i, 1] (kv_cache:
+        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]); None unbinds them."""
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn.attn
+            if kv_cache is None:
+                attn.k_cache = attn.v_cache = torch.empty(0)
+            else:          # plain views (not unbind's), which the cache stores write into in place
+                attn.k_cache, attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+
     def use_kernels(self, kernels: KernelConfig) -> None:
         """The kernel configuration (tiles, attention blocks) that CUDA steps run with."""
         self.model.kernels = kernels

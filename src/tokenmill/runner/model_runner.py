@@ -115,17 +115,14 @@ class ModelRunner(CudaGraphs):
         n = self.num_blocks if num_blocks is None else num_blocks
         shape = (c.num_hidden_layers, 2, n, self.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        self.model.bind_kv_cache(self.kv_cache)
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _free_kv_cache(self) -> None:
-        for layer in self.model.model.layers:
-            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+        self.model.bind_kv_cache(None)
         del self.kv_cache
 
     # ---- inputs -------------------------------------------------------------------------------------
@@ -145,8 +142,10 @@ class ModelRunner(CudaGraphs):
                 prev: StepResult | None = None) -> StepResult:
         """Launches one step and returns at once; `StepResult.fetch()` waits for its sampled tokens.
 
-        Each request that samples this step gets a placeholder token appended; a placeholder among this
-        step's inputs is read on the device from `prev`, the step still in flight."""
+        Reads the requests, never changes them: the scheduler appends a placeholder to each request that
+        samples (`Scheduler.update_after_step`), and a placeholder among this step's inputs is read on
+        the device from `prev`, the step still in flight. `StepResult.positions[j]` is where sample row
+        j's token goes: the request's length before that placeholder."""
         inp = prepare_inputs(requests, num_new_tokens, self.block_size)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
         tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device) if sampled else None
@@ -173,9 +172,7 @@ class ModelRunner(CudaGraphs):
                 self._publish_readers[turn] = result
             else:
                 result.start_copy(out, self._mapped)
-            for j, req in enumerate(sampled):
-                result.positions.append(req.num_tokens)
-                req.append_placeholder(j)
+            result.positions.extend(req.num_tokens for req in sampled)
         return result
 
     def _eager_forward(self, inp: StepInputs, prev_tokens: torch.Tensor | None):
