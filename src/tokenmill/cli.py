@@ -95,7 +95,27 @@ def _serve(args) -> int:
                       max_queue_len=args.max_queue_len, log_level=args.log_level,
                       engine_factory=args.engine_factory, in_process=args.engine_in_process,
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
-                      log_requests=args.enable_log_requests, http=http_options(args))
+                      log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args))
+
+
+def add_chat_args(p: argparse.ArgumentParser):
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file replacing the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1)")
+
+
+def chat_options(args):
+    from tokenmill.server.serving import ChatOptions
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return ChatOptions(chat_template=template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def add_http_args(p: argparse.ArgumentParser):
@@ -180,6 +200,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine loop in a thread of the server process (for debugging)")
     add_http_args(serve)
+    add_chat_args(serve)
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="offline one-shot generation", formatter_class=HelpFormatter)

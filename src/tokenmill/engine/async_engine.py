@@ -291,6 +291,8 @@ def _merge(prev: RequestOutput | None, delta: RequestDelta) -> RequestOutput:
         o.stop_reason = d.stop_reason
     prev.finished = delta.finished
     prev.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        prev.prompt_logprobs = delta.prompt_logprobs
     if delta.metrics is not None:
         prev.metrics = delta.metrics
     return prev

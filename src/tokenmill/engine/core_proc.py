@@ -74,6 +74,7 @@ class RequestDelta:
     metrics: RequestMetrics | None
     finished: bool
     outputs: list[OutputDelta]
+    prompt_logprobs: list | None = None  # only on a request's first delta, when asked for
 
 
 @dataclass
@@ -130,7 +131,8 @@ class _DeltaTracker:
             request_id=out.request_id,
             prompt_token_ids=list(out.prompt_token_ids) if first else None,
             num_cached_tokens=out.num_cached_tokens, metrics=out.metrics,
-            finished=out.finished, outputs=deltas)
+            finished=out.finished, outputs=deltas,
+            prompt_logprobs=out.prompt_logprobs if first else None)
 
 
 def _vocab_size(engine) -> int | None:

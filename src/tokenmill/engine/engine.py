@@ -137,6 +137,7 @@ class LLMEngine:
         launched = None
         if sched:
             launched = self.runner.execute(sched.requests, sched.num_new_tokens, self._in_flight)
+            self._keep_prompt_logprobs(launched.prompt_logprobs)
             self.scheduler.update_after_step(sched, launched.sample_rows.tolist())
         previous, self._in_flight = self._in_flight, launched
         outputs = self._process(previous) if previous is not None else []
@@ -200,6 +201,21 @@ class LLMEngine:
             req.num_pending = 0
             self.scheduler.finish(req, status)
 
+    def _keep_prompt_logprobs(self, scored) -> None:
+        """Stores prompt-token logprobs by position (a recomputed prompt, after preemption, rewrites
+        the same entries)."""
+        for part in scored:
+            req = part.request
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            for j, (value, rank) in enumerate(zip(part.logprobs, part.ranks)):
+                pos = part.first_token + j
+                token = req.prompt_token_ids[pos]
+                entry = {token: Logprob(value, rank, self._token_text(token))}
+                for r, (tid, v) in enumerate(zip(part.top_token_ids[j], part.top_logprobs[j])):
+                    entry.setdefault(tid, Logprob(v, r + 1, self._token_text(tid)))
+                req.prompt_logprobs[pos] = entry
+
     def _token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -224,7 +240,8 @@ class LLMEngine:
             if all(s.status.finished for s in seqs) else None)
         return RequestOutput(request_id=rid, prompt=self.prompts.get(rid), prompt_token_ids=first.prompt_token_ids,
                              outputs=completions, finished=all(s.status.finished for s in seqs),
-                             num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+                             num_cached_tokens=first.num_cached_tokens, metrics=metrics,
+                             prompt_logprobs=first.prompt_logprobs)
 
     def _release(self, rid: str) -> None:
         for s in self.groups.pop(rid):

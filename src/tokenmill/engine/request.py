@@ -58,6 +58,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # filled by the engine
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -65,6 +66,8 @@ class Request:
         self.num_preemptions = 0
         self.num_pending = 0
         self.pending_row = -1
+        # structured output: this sequence's matcher (engine/structured_output.py), else None
+        self.grammar = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -105,7 +105,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 computed = []
-                if req.num_computed_tokens == 0:
+                if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                    # a request scoring its prompt computes all of it (cached blocks have no logits)
                     computed = self.block_manager.get_computed_blocks(req)
                 num_cached = len(computed) * self.block_manager.block_size
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)

@@ -20,6 +20,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import staging
+from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphs
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample
@@ -154,7 +155,8 @@ class ModelRunner(CudaGraphs):
             if prev is None or prev.token_ids is None:
                 raise RuntimeError("a step's inputs hold placeholders but no step in flight samples them")
             prev_tokens = prev.token_ids
-        key = self._graph_key(inp)
+        scores_prompt = prompt_logprobs.wanted(requests, num_new_tokens)
+        key = None if scores_prompt else self._graph_key(inp)
         greedy = published = None
         if key is not None:
             hidden, logits, greedy, published = self._replay(key, inp, prev_tokens)
@@ -163,6 +165,8 @@ class ModelRunner(CudaGraphs):
         if self.hidden_hook is not None:
             self.hidden_hook(requests, num_new_tokens, inp.qsl, hidden)
         result = StepResult(requests, inp.sample_rows, [])
+        if scores_prompt:
+            result.prompt_logprobs = prompt_logprobs.compute(self.model, requests, num_new_tokens, inp.qsl, hidden)
         if sampled:
             out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids

@@ -115,6 +115,7 @@ class StepResult:
         self._event = None
         self._shared = False    # _host views a graph's published table, which a later replay overwrites
         self._values: dict[str, list] | None = None    # published tokens, once read
+        self.prompt_logprobs: list = []      # prompt_logprobs.PromptLogprobs of the requests that asked
 
     def start_copy(self, out: SamplerOutput, mapped: bool = False, published: torch.Tensor | None = None,
                    done=None) -> None:

@@ -21,7 +21,7 @@ from tokenmill.server.guard import RequestGuard
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
-from tokenmill.server.serving import Serving, json_response
+from tokenmill.server.serving import ChatOptions, Serving, json_response
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -57,11 +57,12 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               max_queue_len: int = 1024, vocab_size: int | None = None, model_path: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
-              allowed_headers: list[str] | None = None, allow_credentials: bool = False) -> FastAPI:
+              allowed_headers: list[str] | None = None, allow_credentials: bool = False,
+              chat: ChatOptions = ChatOptions()) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read."""
     names = list(served_model_names or [engine.model_name])
-    serving = Serving(engine, names, max_queue_len, vocab_size)
+    serving = Serving(engine, names, max_queue_len, vocab_size, chat)
     stats: dict = {}
     metrics = ServerMetrics(names[0], lambda: stats)
     engine.on_output = metrics.observe_output
@@ -92,19 +93,25 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(serving, req, raw)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
+                "root": model_path or name, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
-             "root": model_path or name, "parent": None, "max_model_len": engine.max_model_len}
-            for name in names]})
+        return json_response({"object": "list", "data": [model_card(name) for name in names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return json_response(model_card(model_id))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if req.messages is not None:
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-            ids = await serving.render_chat(msgs, req.add_generation_prompt is not False)
+            msgs = [m.for_template() for m in req.messages]
+            _, ids = await serving.render_chat(msgs, req.add_generation_prompt is not False)
         else:
             ids = await serving.encode(req.prompt, req.add_special_tokens is not False)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})

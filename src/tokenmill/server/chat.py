@@ -1,11 +1,18 @@
-"""POST /v1/chat/completions: chat template, then OpenAI chat-completion JSON or chunks."""
+"""POST /v1/chat/completions: chat template (tools included), then OpenAI chat-completion JSON or chunks.
+
+A choice's text goes through the reasoning parser first (`--reasoning-parser`: the thinking becomes
+`reasoning_content`), then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and
+`--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
+to the tools' JSON schema, and that JSON becomes the tool calls.
+"""
 from __future__ import annotations
 
 import uuid
 
 from fastapi import Request
 
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
 
 
@@ -23,10 +30,114 @@ def _logprobs(serving: Serving, token_ids, entries, k: int) -> list[dict]:
     return content
 
 
+class ChoiceText:
+    """Turns one choice's text into message fields: reasoning, content and tool calls, whole (`message`)
+    or as stream deltas (`feed`, then `finish`)."""
+
+    def __init__(self, serving: Serving, req: ChatCompletionRequest, prompt_text: str):
+        self.reasoning = serving.reasoning_parser() if serving.reasoning_parser is not None else None
+        self.prompt_text = prompt_text        # whether the output starts inside a thinking block
+        self.constrained = req.tools_in_use() is not None and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+        auto = req.tools_in_use() is not None and req.tool_choice in (None, "auto")
+        self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
+        self.tool_choice = req.tool_choice
+        self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
+        self._tool_stream = self.tools.new_stream() if self.tools is not None else None
+        self._buffer: list[str] = []     # constrained output: parsed once complete
+        self.called_tools = False
+
+    def message(self, text: str) -> dict:
+        msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
+            msg["reasoning_content"] = reasoning
+            msg["content"] = text
+        if self.constrained:
+            calls = _constrained_calls(text or "", self.tool_choice)
+            msg["content"] = None if calls else text
+            msg["tool_calls"] = calls
+        elif self.tools is not None and text:
+            extracted = self.tools.extract(text)
+            msg["content"] = extracted.content
+            msg["tool_calls"] = [c.to_openai() for c in extracted.tool_calls]
+        self.called_tools = bool(msg["tool_calls"])
+        return msg
+
+    def feed(self, text: str) -> list[dict]:
+        """Message deltas for this piece of the choice's text."""
+        deltas = []
+        if self._reasoning_stream is not None:
+            reasoning, text = self._reasoning_stream.feed(text)
+            if reasoning:
+                deltas.append({"reasoning_content": reasoning})
+        deltas += self._content(text or "")
+        return deltas
+
+    def finish(self) -> list[dict]:
+        deltas = []
+        if self._reasoning_stream is not None:
+            reasoning, text = self._reasoning_stream.finish()
+            if reasoning:
+                deltas.append({"reasoning_content": reasoning})
+            deltas += self._content(text or "")
+        if self._tool_stream is not None:
+            deltas += [self._tool_delta(d) for d in self._tool_stream.finish()]
+        if self.constrained:
+            calls = _constrained_calls("".join(self._buffer), self.tool_choice)
+            if calls:
+                self.called_tools = True
+                deltas += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
+            elif self._buffer:
+                deltas.append({"content": "".join(self._buffer)})
+        return [d for d in deltas if d]
+
+    def _content(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        if self.constrained:
+            self._buffer.append(text)
+            return []
+        if self._tool_stream is not None:
+            return [self._tool_delta(d) for d in self._tool_stream.feed(text)]
+        return [{"content": text}]
+
+    def _tool_delta(self, d) -> dict:
+        if d.tool_call is not None:
+            self.called_tools = True
+            return {"tool_calls": [d.tool_call]}
+        return {"content": d.content} if d.content else {}
+
+
+def _constrained_calls(text: str, tool_choice) -> list[dict]:
+    """Tool calls from output decoded under the tools' schema; none if it does not parse (cut off by
+    max_tokens), and the text stays the content."""
+    from tokenmill.server.tool_parsers import tool_calls_from_constrained_output
+    try:
+        calls = tool_calls_from_constrained_output(text, _choice_value(tool_choice))
+    except ValueError:
+        return []
+    return [c.to_openai() for c in calls]
+
+
+def _choice_value(tool_choice):
+    return tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
+
+
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
     serving.check_model(req.model)
+    tools = req.tools_in_use()
+    if tools is not None and req.tool_choice in (None, "auto") and not serving.enable_auto_tool_choice:
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                            'set on the server', "tool_choice")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-    prompt = serving.check_prompt(await serving.render_chat(req.chat_messages(), add_gen))
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if tools is not None:
+        template_kwargs["tools"] = tools
+    if req.continue_final_message:
+        template_kwargs["continue_final_message"] = True
+    prompt_text, prompt = await serving.render_chat(req.chat_messages(), add_gen, **template_kwargs)
+    serving.check_prompt(prompt)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.params(req, k)
     serving.check_room([prompt], params)
@@ -35,6 +146,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
+    def finish_reason(c, text: ChoiceText) -> str | None:
+        if c.finish_reason == "stop" and text.called_tools and not isinstance(req.tool_choice, NamedToolChoice):
+            return "tool_calls"
+        return c.finish_reason
+
     def final(outs):
         out = outs[0]
         choices = []
@@ -42,19 +158,23 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             lp = None
             if k is not None and c.logprobs is not None:
                 lp = {"content": _logprobs(serving, c.token_ids, c.logprobs, k)}
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            text = ChoiceText(serving, req, prompt_text)
+            message = text.message(c.text)
+            choices.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": finish_reason(c, text), "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(outs)}
+                "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}
 
     def chunk(choices, out=None):
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": serving.fingerprint, "choices": choices}
         if include_usage:
             c["usage"] = usage([out]) if continuous and out is not None else None
         return c
 
     async def stream(merged):
         states: dict[int, ChoiceState] = {}
+        texts: dict[int, ChoiceText] = {}
         last = None
         async for _, out in merged:
             if last is None:
@@ -65,15 +185,24 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 delta = states.setdefault(c.index, ChoiceState()).advance(c, k is not None)
                 if delta is None:
                     continue
-                text, new_ids, new_lps = delta
+                piece, new_ids, new_lps = delta
+                text = texts.setdefault(c.index, ChoiceText(serving, req, prompt_text))
                 lp = None
                 if k is not None and new_lps is not None:
                     lp = {"content": _logprobs(serving, new_ids, new_lps, k)}
-                yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], out)
+                parts = text.feed(piece) if piece else []
+                if c.finish_reason is not None:
+                    parts += text.finish()
+                if not parts and (lp is not None or c.finish_reason is not None):
+                    parts = [{}]
+                for j, part in enumerate(parts):
+                    done = c.finish_reason is not None and j == len(parts) - 1
+                    yield chunk([{"index": c.index, "delta": part, "logprobs": lp if j == 0 else None,
+                                  "finish_reason": finish_reason(c, text) if done else None,
+                                  "stop_reason": c.stop_reason if done else None}], out)
         if include_usage and last is not None:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage([last])}
+                   "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage([last])}
 
     serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final)

@@ -1,4 +1,9 @@
-"""POST /v1/completions: legacy text completions, in OpenAI's shape."""
+"""POST /v1/completions: legacy text completions, in OpenAI's shape (plus vLLM's prompt_logprobs).
+
+With `echo`, each choice's text starts with its prompt's text and, with `logprobs`, its logprobs start
+with the prompt's tokens (the first token's logprob null: nothing precedes it), which is how
+evaluation harnesses score a continuation. `max_tokens: 0` with `echo` returns the prompt alone.
+"""
 from __future__ import annotations
 
 import uuid
@@ -10,27 +15,49 @@ from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
 
 
 def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tuple[dict, int]:
-    """OpenAI completion logprobs for these tokens; returns the block and the next text offset."""
+    """OpenAI completion logprobs for these tokens; returns the block and the next text offset.
+    An entry of None (a prompt's first token) gives a null logprob and null top_logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid)
+        chosen = entry.get(tid) if entry is not None else None
         text = serving.token_text(tid, chosen)
         tokens.append(text)
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            tops.append(None)
+            continue
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k] if k > 0 else [(tid, chosen)]
         ranked = [(t, lp) for t, lp in ranked if lp is not None]
         tops.append({serving.token_text(t, lp): _lp(lp.logprob) for t, lp in ranked})
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _join(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def _prompt_logprobs_json(serving: Serving, out) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
+             for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]
 
 
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request):
     serving.check_model(req.model)
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
+    texts = req.prompts()
     prompts = [serving.check_prompt(await serving.encode(p, add_special) if isinstance(p, str) else p)
-               for p in req.prompts()]
-    params = serving.params(req, req.logprobs)
+               for p in texts]
+    echo = bool(req.echo)
+    prompt_only = req.max_tokens == 0      # echo alone: the engine computes one token, which is dropped
+    params = serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
+                            prompt_logprobs=_prompt_k(req))
     serving.check_room(prompts, params)
     n, k = params.n, req.logprobs
     model = req.model or serving.model_names[0]
@@ -38,17 +65,40 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
+    async def echoed(i: int) -> str:
+        return texts[i] if isinstance(texts[i], str) else await serving.decode(prompts[i])
+
+    echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
+
+    def prompt_block(i: int, out) -> tuple[dict, int]:
+        return _logprobs(serving, out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids),
+                         k, 0)
+
     def final(outs):
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
+                token_ids, entries, text = c.token_ids, c.logprobs, c.text
+                if prompt_only:
+                    token_ids, entries, text, c.finish_reason = [], [], "", "length"
                 lp = None
-                if k is not None and c.logprobs is not None:
-                    lp, _ = _logprobs(serving, c.token_ids, c.logprobs, k, 0)
-                choices.append({"index": i * n + c.index, "text": c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                offset = 0
+                if echo and k is not None:
+                    lp, offset = prompt_block(i, out)
+                if k is not None and entries is not None:
+                    gen, _ = _logprobs(serving, token_ids, entries, k, offset)
+                    lp = _join(lp, gen) if lp is not None else gen
+                choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(serving, out)
+                choices.append(choice)
+        if prompt_only:
+            for out in outs:
+                for c in out.outputs:
+                    c.token_ids = []
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(outs)}
+                "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}
 
     async def stream(merged):
         states: dict[int, ChoiceState] = {}
@@ -56,23 +106,51 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         async for i, out in merged:
             last[i] = out
             for c in out.outputs:
-                st = states.setdefault(i * n + c.index, ChoiceState())
-                delta = st.advance(c, k is not None)
-                if delta is None:
-                    continue
-                text, new_ids, new_lps = delta
-                lp = None
-                if k is not None and new_lps is not None:
-                    lp, st.text_offset = _logprobs(serving, new_ids, new_lps, k, st.text_offset)
+                index = i * n + c.index
+                st = states.get(index)
+                head, lp = "", None
+                if st is None:
+                    st = states[index] = ChoiceState()
+                    if echo:            # the prompt comes first, with the choice's first chunk
+                        head = echoes[i]
+                        if k is not None:
+                            lp, st.text_offset = prompt_block(i, out)
+                if prompt_only:
+                    if st.finished:
+                        continue
+                    st.finished = True
+                    delta = ("", [], [])
+                    finish, stop = "length", None
+                else:
+                    delta = st.advance(c, k is not None)
+                    finish, stop = c.finish_reason, c.stop_reason
+                    if delta is None and not head:
+                        continue
+                text, new_ids, new_lps = delta if delta is not None else ("", [], None)
+                if k is not None and new_lps:
+                    gen, st.text_offset = _logprobs(serving, new_ids, new_lps, k, st.text_offset)
+                    lp = _join(lp, gen) if lp is not None else gen
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": i * n + c.index, "text": text, "logprobs": lp,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                         "system_fingerprint": serving.fingerprint,
+                         "choices": [{"index": index, "text": head + text, "logprobs": lp,
+                                      "finish_reason": finish if delta is not None else None,
+                                      "stop_reason": stop if delta is not None else None}]}
                 if include_usage:
                     chunk["usage"] = usage(list(last.values())) if continuous else None
                 yield chunk
         if include_usage:
+            if prompt_only:
+                for out in last.values():
+                    for c in out.outputs:
+                        c.token_ids = []
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": usage(list(last.values()))}
+                   "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage(list(last.values()))}
 
     serving.admit(len(prompts))
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final)
+
+
+def _prompt_k(req: CompletionRequest) -> int | None:
+    """How many alternatives each prompt token's logprob entry needs (None: no prompt logprobs)."""
+    wanted = [x for x in (req.prompt_logprobs, req.logprobs if req.echo else None) if x is not None]
+    return max(wanted) if wanted else None

@@ -129,7 +129,7 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
-               http: HTTPOptions = HTTPOptions()) -> int:
+               http: HTTPOptions = HTTPOptions(), chat=None) -> int:
     from tokenmill.server import stats_log
     from tokenmill.server.app import build_app
 
@@ -153,7 +153,8 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                         max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model,
                         max_request_body_bytes=http.max_request_body_bytes,
                         allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
-                        allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials)
+                        allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
+                        **({"chat": chat} if chat is not None else {}))
         server = _Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=http.timeout_keep_alive,
                                         http=protocol_with_header_timeout(http.header_timeout),
                                         limit_concurrency=http.limit_concurrency,

@@ -7,6 +7,7 @@ clients which send defaults keep working while anything that would be silently i
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,23 +40,49 @@ def _empty(v):
     return v is None or v == {} or v == [] or v == ""
 
 
-# field -> (what value is accepted, predicate)
+# field -> (what value is accepted, predicate): OpenAI fields whose other values would change the result
 _UNSUPPORTED: dict[str, tuple[str, Any]] = {
-    "echo": ("false", _noop_bool),
     "suffix": ("null or empty", _empty),
-    "logit_bias": ("null or empty", _empty),
-    "tools": ("null or empty", _empty),
-    "functions": ("null or empty", _empty),
-    "tool_choice": ('null or "none"', lambda v: v is None or v == "none"),
-    "function_call": ('null or "none"', lambda v: v is None or v == "none"),
-    "parallel_tool_calls": ("any value when no tools are given", lambda v: v is None or isinstance(v, bool)),
-    "response_format": ('null or {"type": "text"}', lambda v: v is None or v == {"type": "text"}),
-    "store": ("false", _noop_bool),
-    "metadata": ("null or empty", _empty),
+    "functions": ("null or empty (use 'tools')", _empty),
+    "function_call": ('null or "none" (use \'tool_choice\')', lambda v: v is None or v == "none"),
+    "store": ("false (responses are not stored)", _noop_bool),
     "service_tier": ('null, "auto" or "default"', lambda v: v in (None, "auto", "default")),
     "reasoning_effort": ("null", lambda v: v is None),
     "modalities": ('null or ["text"]', lambda v: v is None or v == ["text"]),
+    "audio": ("null", lambda v: v is None),
+    "prediction": ("null", lambda v: v is None),
+    "web_search_options": ("null", lambda v: v is None),
 }
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> dict[str, Any]:
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None}
+        if len(given) != 1:
+            raise UnsupportedValue("structured_outputs", "'structured_outputs' takes exactly one of json, regex, "
+                                                         f"choice, grammar or json_object (got {len(given)})")
+        return given
 
 
 class StreamOptions(_Strict):
@@ -85,23 +112,31 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    # Fields that change nothing here: accepted as OpenAI defines them.
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     # OpenAI fields accepted only at a no-op value (see `_UNSUPPORTED`).
-    echo: Any = None
     suffix: Any = None
-    logit_bias: Any = None
     best_of: Any = None
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     store: Any = None
-    metadata: Any = None
     service_tier: Any = None
     reasoning_effort: Any = None
     modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -117,12 +152,53 @@ class _SamplingRequest(_Strict):
                     raise UnsupportedValue(name, f"'{name}' is not supported by tokenmill (only {accepted} is accepted)")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise UnsupportedValue("best_of", "'best_of' is not supported by tokenmill (only best_of == n is accepted)")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        self.structured_spec()
         return self
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """The one output constraint asked for, as (the field that asked, {kind: value}), or None."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise UnsupportedValue("response_format", "response_format of type 'json_schema' needs "
+                                                          "'json_schema.schema'")
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.spec()))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {kind: getattr(self, name)}))
+        asked += self._extra_constraints()
+        if len(asked) > 1:
+            raise UnsupportedValue(asked[1][0], "only one output constraint per request: "
+                                               + ", ".join(f"'{name}'" for name, _ in asked) + " were given")
+        return asked[0] if asked else None
+
+    def _extra_constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        return []
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with integer keys; range and vocabulary checks happen in SamplingParams."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = float(value)
+            except ValueError:
+                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}") from None
+        return out
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, logprobs: int | None, **overrides) -> SamplingParams:
         """Build the engine's parameters; raises ValueError naming a bad value and its limit."""
         kw: dict[str, Any] = dict(
             n=self.n or 1,
@@ -143,6 +219,10 @@ class _SamplingRequest(_Strict):
             kw["top_k"] = self.top_k
         if self.seed is not None:
             kw["seed"] = self.seed % (2 ** 62)   # room for the engine's per-choice seed offsets
+        bias = self.token_bias()
+        if bias:
+            kw["logit_bias"] = bias
+        kw.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**kw)
 
 
@@ -157,8 +237,18 @@ PromptType = Union[
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
+    # OpenAI's default for completions (chat completions default to the rest of the context)
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_special_tokens: bool | None = True
+
+    @model_validator(mode="after")
+    def _check_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedValue("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -174,10 +264,42 @@ class TextPart(_Strict):
     text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Strict):
+    """An assistant message's tool call, as the API returned it and clients send it back."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    # what clients echo back from a returned message: accepted when null or empty
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _check_fields(self):
+        for name in ("refusal", "annotations", "audio", "function_call"):
+            if not _empty(getattr(self, name)):
+                raise UnsupportedValue(f"messages.{name}", f"a message's '{name}' is not supported by tokenmill "
+                                                           "(only null or empty is accepted)")
+        if self.tool_calls and self.role != "assistant":
+            raise UnsupportedValue("messages.tool_calls", "only assistant messages carry 'tool_calls'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise UnsupportedValue("messages.tool_call_id", "a 'tool' message needs 'tool_call_id'")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -185,6 +307,51 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (Hugging Face's convention: tool-call arguments as
+        objects where they parse, the developer role as system)."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        return d
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _check_chat_length(messages: list[ChatMessage] | None) -> None:
@@ -198,23 +365,51 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         _check_chat_length(self.messages)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedValue("continue_final_message", "'continue_final_message' and "
+                                   "'add_generation_prompt' cannot both be true (set add_generation_prompt false)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise UnsupportedValue("continue_final_message", "'continue_final_message' needs the last message "
+                                                             "to be the assistant's")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise UnsupportedValue("tool_choice", f"tool_choice names the function "
+                                       f"{self.tool_choice.function.name!r}, which is not among the tools {names}")
+        elif self.tool_choice == "required" and not self.tools:
+            raise UnsupportedValue("tool_choice", "tool_choice 'required' needs at least one tool")
         return self
 
+    def tools_in_use(self) -> list[dict] | None:
+        """The tools the template shows the model (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _extra_constraints(self):
+        # "required" and a named function are decoded under the tools' schemas
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            return [("tool_choice", {"tools": (self.tools_in_use(), _tool_choice_value(self.tool_choice))})]
+        return []
+
     def chat_messages(self) -> list[dict]:
-        out = []
-        for m in self.messages:
-            d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                d["name"] = m.name
-            out.append(d)
-        return out
+        return [m.for_template() for m in self.messages]
+
+
+def _tool_choice_value(choice):
+    return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class TokenizeRequest(_Strict):

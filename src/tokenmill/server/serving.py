@@ -7,6 +7,7 @@ import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -32,6 +33,29 @@ def _lp(x: float) -> float:
     return _MIN_LOGPROB if x != x or x < _MIN_LOGPROB else float(x)
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat requests are rendered and their outputs parsed (vLLM's flags)."""
+    chat_template: str | None = None            # a Jinja template replacing the model's
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None         # a name in tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None         # a name in reasoning.REASONING_PARSERS
+
+    def __post_init__(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_parser is not None:
+            from tokenmill.server.tool_parsers import TOOL_PARSERS
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; "
+                                 f"known: {', '.join(sorted(TOOL_PARSERS))}")
+        if self.reasoning_parser is not None:
+            from tokenmill.server.reasoning import REASONING_PARSERS
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}; "
+                                 f"known: {', '.join(sorted(REASONING_PARSERS))}")
+
+
 class ServerStopping(RuntimeError):
     """The server was told to stop at once (a second SIGTERM): requests in flight are cut."""
 
@@ -40,7 +64,7 @@ class Serving:
     """Shared front half of both endpoints: checks, tokenisation, submission, draining."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, chat: ChatOptions = ChatOptions()):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
@@ -57,6 +81,16 @@ class Serving:
         # not be used from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._max_token_chars: int | None = None
+        self.chat_template = chat.chat_template
+        self.enable_auto_tool_choice = chat.enable_auto_tool_choice
+        self.tool_parser = self.reasoning_parser = None
+        if chat.tool_call_parser is not None:
+            from tokenmill.server.tool_parsers import TOOL_PARSERS
+            self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
+        if chat.reasoning_parser is not None:
+            from tokenmill.server.reasoning import REASONING_PARSERS
+            self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
+        self.fingerprint = "fp_tokenmill"
 
     # ----- admission -------------------------------------------------------------------------
     def check_model(self, model: str | None):
@@ -99,18 +133,28 @@ class Serving:
         self._check_chars(text, param)
         return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The chat template rendered and encoded (the rendered text holds its special tokens)."""
+    async def decode(self, ids: list[int]) -> str:
+        return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          **template_kwargs) -> tuple[str, list[int]]:
+        """The chat template rendered, and encoded (the rendered text holds its special tokens).
+        `template_kwargs` (tools, continue_final_message, the request's chat_template_kwargs) go to the
+        template; `--chat-template` replaces the model's."""
+        if self.chat_template is not None:
+            template_kwargs["chat_template"] = self.chat_template
+
         def render() -> str:
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          **template_kwargs)
             except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
                 raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
             if not isinstance(text, str):
                 raise APIError(400, "The chat template did not render to text.", "messages")
             return text
         text = await self._off_loop(render)
-        return await self.encode(text, False, "messages")
+        return text, await self.encode(text, False, "messages")
 
     def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -139,11 +183,12 @@ class Serving:
                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
                                 f"prompt or max_tokens.", "max_tokens", "context_length_exceeded")
 
-    def params(self, req, logprobs: int | None):
+    def params(self, req, logprobs: int | None, **overrides):
+        """The request's SamplingParams; `overrides` replace fields the endpoint decides itself."""
         try:
-            params = req.sampling_params(logprobs)
+            params = req.sampling_params(logprobs, **overrides)
         except ValueError as e:
-            raise APIError(400, str(e), getattr(e, "param", None)) from None
+            raise APIError(400, str(e), getattr(e, "param", getattr(e, "field", None))) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params.top_k = 0
         return params
@@ -362,9 +407,12 @@ class ChoiceState:
 
 
 def usage(outs: list[RequestOutput]) -> dict:
+    """OpenAI's usage; `cached_tokens` counts the prompt tokens whose KV came from the prefix cache."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens or 0 for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def now() -> int:

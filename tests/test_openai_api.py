@@ -1,0 +1,172 @@
+"""The OpenAI API surface that agents and evaluation harnesses send, against a real `tokenmill serve`
+on loopback, driven by the official `openai` client: echo and prompt logprobs, scoring, defaults,
+fields clients send back, model retrieval."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from test_server import ServerProcess
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def api_server(qwen3_dir, tmp_path_factory):
+    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("api"), "--max-model-len", str(MAX_MODEL_LEN),
+                      "--num-kv-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "16")
+    yield s
+    assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def hf_model(qwen3_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir):
+    from tokenmill.engine.tokenizer import Tokenizer
+    return Tokenizer(qwen3_dir)
+
+
+def _hf_prompt_logprobs(hf_model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        lp = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(api_server, hf_model, tokenizer):
+    client = api_server.client()
+    prompt = "The quick brown fox jumps over the lazy dog. 你好，世界！"    # longer than one prefill chunk
+    ids = tokenizer.encode(prompt)
+    ref = _hf_prompt_logprobs(hf_model, ids)
+    for max_tokens in (1, 0):
+        r = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=max_tokens,
+                                      temperature=0)
+        c = r.choices[0]
+        assert c.text.startswith(prompt)
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = lp.token_logprobs[1:len(ids)]
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3, (got, ref)
+        assert "".join(lp.tokens[:len(ids)]).startswith("The quick brown fox")   # split CJK bytes are U+FFFD
+        assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+        if max_tokens == 0:
+            assert c.text == prompt and len(lp.tokens) == len(ids) and r.usage.completion_tokens == 0
+        else:
+            assert len(lp.tokens) == len(ids) + 1 and r.usage.completion_tokens == 1
+    # the second time the prompt's blocks are cached, and the scores are still all there
+    again = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-3)
+
+
+def test_prompt_logprobs_field_and_streamed_echo(api_server, hf_model, tokenizer):
+    ids = tokenizer.encode("hello world, hello tokenmill")
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "max_tokens": 2, "prompt_logprobs": 3, "temperature": 0})
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    ref = _hf_prompt_logprobs(hf_model, ids)
+    assert [pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))] == pytest.approx(ref, abs=1e-3)
+    assert all(len(entry) >= 3 for entry in pl[1:])
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    chunks = list(api_server.client().completions.create(model="tiny", prompt=ids, echo=True, max_tokens=3,
+                                                         temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices).startswith(text)
+
+
+def test_lm_eval_style_loglikelihood_requests(api_server, hf_model, tokenizer):
+    """What lm-eval's local-completions sends to score a continuation: echo, logprobs 1, max_tokens 0
+    (or 1), token-id or text prompts in a batch."""
+    context, continuation = "def main():\n    return", " 42"
+    ids = tokenizer.encode(context + continuation)
+    n_ctx = len(tokenizer.encode(context))
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": [ids, ids[:n_ctx]], "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0, "seed": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2
+    lp = choices[0]["logprobs"]
+    ref = _hf_prompt_logprobs(hf_model, ids)
+    assert sum(lp["token_logprobs"][n_ctx:]) == pytest.approx(sum(ref[n_ctx - 1:]), abs=1e-3)
+    for token_text, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]):
+        assert len(top) >= 1
+
+
+def test_completions_default_to_16_tokens(api_server):
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60,
+                   json={"prompt": "x", "ignore_eos": True, "temperature": 0})
+    assert r.json()["usage"]["completion_tokens"] == 16
+    err = httpx.post(api_server.url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 0}).json()
+    assert err["error"]["param"] == "max_tokens"
+
+
+def test_usage_details_fingerprint_and_stream_options(api_server):
+    client = api_server.client()
+    prompt = "Continuous batching lets requests join and leave the batch at every step. " * 2
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 4          # whole blocks of the prefix
+    assert first.system_fingerprint
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.system_fingerprint and chat.usage.prompt_tokens_details is not None
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 1, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_models_retrieve(api_server):
+    client = api_server.client()
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_messages_clients_send_back(api_server):
+    client = api_server.client()
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3)
+    returned = first.choices[0].message.model_dump()        # refusal, annotations, audio, ... as null
+    history = [{"role": "user", "content": "hi"}, returned,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+               {"role": "user", "content": "and then?"}]
+    r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, prompt_cache_key="k",
+                                       safety_identifier="u1", metadata={"a": "b"}, store=False,
+                                       service_tier="auto")
+    assert r.choices[0].message.role == "assistant"
+    bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x", "audio": {"id": "a1"}}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.audio"
+    bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "tool", "content": "x"}]})
+    assert bad.status_code == 400 and "tool_call_id" in bad.json()["error"]["message"]
+
+
+def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello the"}]
+    r = httpx.post(api_server.url + "/tokenize", timeout=60, json={"messages": msgs, "add_generation_prompt": False})
+    assert r.status_code == 200
+    r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": msgs, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": msgs, "continue_final_message": True, "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_what_would_change_the_result_is_still_refused(api_server):
+    for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
+        r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+        assert field in r.json()["error"]["message"]
