@@ -54,7 +54,8 @@ def test_every_help_shows_the_defaults():
     assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 256)" in serve
     assert "--enable-prefix-caching, --no-enable-prefix-caching reuse the KV blocks of equal prompt " \
            "prefixes (default: True)" in serve
-    assert "--max-tokens MAX_TOKENS most tokens generated per prompt (default: 64)" in _shown_defaults(subs["generate"])[1]
+    generate = _shown_defaults(subs["generate"])[1]
+    assert "--max-tokens MAX_TOKENS most tokens generated per prompt (default: 64)" in generate
     assert "--port PORT (default: 8001)" in _shown_defaults(subs["ui"])[1]      # an option without a help text
     assert "--num-prompts NUM_PROMPTS (default: 256)" in _shown_defaults(bench_subs["throughput"])[1]
     assert "--input-len-range INPUT_LEN_RANGE random: inclusive prompt lengths 'LO,HI' or 'N' (default: " \
@@ -257,7 +258,8 @@ def test_request_lines_only_when_enabled(caplog):
 def test_serve_logs_its_startup_stats_and_requests(tmp_path):
     """`tokenmill serve --log-level info` on the bundled model: the start-up summary from the engine core's
     process, then a request's lines and a stats line in the server's."""
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", bundled_model_path(), "--device", "cpu", "--port", "0", "--log-level", "info",
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", bundled_model_path(), "--device", "cpu", "--port", "0",
+           "--log-level", "info",
            "--max-model-len", "512", "--num-kv-blocks", "64", "--log-stats-interval", "0.5",
            "--enable-log-requests"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
