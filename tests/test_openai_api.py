@@ -170,3 +170,36 @@ def test_what_would_change_the_result_is_still_refused(api_server):
             "messages": [{"role": "user", "content": "x"}], field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
         assert field in r.json()["error"]["message"]
+
+
+def test_responses_create_and_stream(api_server):
+    client = api_server.client()
+    r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,
+                                temperature=0, store=False)
+    assert r.status in ("completed", "incomplete") and r.output and r.output[0].type == "message"
+    assert r.output_text and r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                                  {"role": "user", "content": "hello"}],
+                                          max_tokens=8, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    events = list(client.responses.create(model="tiny", input=[{"role": "user", "content": "hello"}],
+                                          instructions="Be brief.", max_output_tokens=8, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_item.added" in kinds and "response.output_text.delta" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == r.output_text == events[-1].response.output_text
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+
+
+def test_responses_take_function_call_history(api_server):
+    client = api_server.client()
+    r = client.responses.create(model="tiny", max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    assert r.output_text is not None

@@ -23,6 +23,7 @@ from tokenmill.engine.core_proc import (
     run_engine_core,
 )
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParamError
 
 
 class EngineDeadError(RuntimeError):
@@ -228,10 +229,10 @@ class AsyncLLM:
 
     def _apply(self, update: CoreUpdate):
         now = time.time()
-        for rid, message in update.errors:
+        for rid, message, param in update.errors:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream.error = ValueError(message)
+                stream.error = SamplingParamError(param, message) if param else ValueError(message)
                 stream.event.set()
         for delta in update.deltas:
             stream = self._streams.get(delta.request_id)

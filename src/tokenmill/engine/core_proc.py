@@ -80,7 +80,7 @@ class RequestDelta:
 @dataclass
 class CoreUpdate:
     deltas: list[RequestDelta] = field(default_factory=list)
-    errors: list[tuple[str, str]] = field(default_factory=list)   # (request_id, message)
+    errors: list[tuple[str, str, str | None]] = field(default_factory=list)   # (request_id, message, param)
     stats: dict | None = None
     time: float = 0.0
 
@@ -150,7 +150,7 @@ def _handle(engine, cmd, tracker: _DeltaTracker, update: CoreUpdate) -> bool:
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                priority=cmd.priority, arrival_time=cmd.arrival_time)
         except (ValueError, TypeError) as e:
-            update.errors.append((cmd.request_id, str(e)))
+            update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
     elif isinstance(cmd, AbortRequests):
         engine.abort_request(cmd.request_ids)
         for rid in cmd.request_ids:

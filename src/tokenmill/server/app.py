@@ -18,6 +18,7 @@ from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError
 from tokenmill.server.guard import RequestGuard
+from tokenmill.server.responses import ResponsesRequest, create_response
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
@@ -96,6 +97,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
                 "root": model_path or name, "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await create_response(serving, req, raw)
 
     @app.get("/v1/models")
     async def models():

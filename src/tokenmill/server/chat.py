@@ -124,8 +124,8 @@ def _choice_value(tool_choice):
     return tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
 
 
-async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
-    serving.check_model(req.model)
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest):
+    """The rendered prompt (text and ids, checked) and the sampling parameters of a chat request."""
     tools = req.tools_in_use()
     if tools is not None and req.tool_choice in (None, "auto") and not serving.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
@@ -138,9 +138,15 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         template_kwargs["continue_final_message"] = True
     prompt_text, prompt = await serving.render_chat(req.chat_messages(), add_gen, **template_kwargs)
     serving.check_prompt(prompt)
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.params(req, k)
+    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
     serving.check_room([prompt], params)
+    return prompt_text, prompt, params
+
+
+async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
+    serving.check_model(req.model)
+    prompt_text, prompt, params = await prepare_chat(serving, req)
+    k = params.logprobs
     model = req.model or serving.model_names[0]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

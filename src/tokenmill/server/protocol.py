@@ -183,6 +183,27 @@ class _SamplingRequest(_Strict):
     def _extra_constraints(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
+    def structured_params(self):
+        """The engine's StructuredOutputsParams for the request's constraint, or None."""
+        spec = self.structured_spec()
+        if spec is None:
+            return None
+        from tokenmill.sampling_params import StructuredOutputsParams
+        field, kinds = spec
+        if "tools" in kinds:
+            from tokenmill.server.tool_parsers import required_tools_schema
+            tools, choice = kinds["tools"]
+            try:
+                schema = required_tools_schema(tools, choice,
+                                               parallel_tool_calls=getattr(self, "parallel_tool_calls", None) is not False)
+            except ValueError as e:
+                raise UnsupportedValue("tool_choice", f"cannot constrain the output to these tools: {e}") from None
+            return StructuredOutputsParams(json=schema)
+        try:
+            return StructuredOutputsParams(**kinds)
+        except ValueError as e:
+            raise UnsupportedValue(field, f"{field}: {e}") from None
+
     def token_bias(self) -> dict[int, float] | None:
         """`logit_bias` with integer keys; range and vocabulary checks happen in SamplingParams."""
         if not self.logit_bias:
@@ -222,6 +243,9 @@ class _SamplingRequest(_Strict):
         bias = self.token_bias()
         if bias:
             kw["logit_bias"] = bias
+        constraint = self.structured_params()
+        if constraint is not None:
+            kw["structured_outputs"] = constraint
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**kw)
 

@@ -224,8 +224,9 @@ class Serving:
 
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
-                  make_stream, make_final) -> Response:
-        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`)."""
+                  make_stream, make_final, event_names: bool = False) -> Response:
+        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
+        `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`."""
         base = uuid.uuid4().hex
         gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority), f"{base}-{i}", ids, params)
                 for i, ids in enumerate(prompts)]
@@ -253,11 +254,19 @@ class Serving:
             try:
                 try:
                     async for chunk in make_stream(_merge_streams(gens, first)):
-                        yield f"data: {dumps(chunk)}\n\n"
+                        if event_names:
+                            yield f"event: {chunk['type']}\ndata: {dumps(chunk)}\n\n"
+                        else:
+                            yield f"data: {dumps(chunk)}\n\n"
                 except (EngineDeadError, ServerStopping, ValueError) as e:
                     err = _as_api_error(e)
-                    yield f"data: {dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
-                yield "data: [DONE]\n\n"
+                    if event_names:
+                        body = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+                        yield f"event: error\ndata: {dumps(body)}\n\n"
+                    else:
+                        yield f"data: {dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+                if not event_names:
+                    yield "data: [DONE]\n\n"
             finally:
                 await _close_all(gens)
                 self._end()

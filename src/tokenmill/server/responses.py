@@ -1,0 +1,370 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path.
+
+The request becomes a chat conversation (`instructions` first, as the system message; message,
+function_call and function_call_output items as messages), rendered by the same template, decoded
+under the same constraints and parsed by the same reasoning and tool-call parsers. The output is a
+list of items: a `reasoning` item (with --reasoning-parser), a `message` with its `output_text`, and a
+`function_call` per tool call. Responses are not stored: `store: true` and `previous_response_id` are a
+400 saying so.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import Request
+from pydantic import Field, model_validator
+
+from tokenmill.server.chat import ChoiceText, prepare_chat
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import (
+    MAX_PROMPT_CHARS, ChatCompletionRequest, UnsupportedValue, _Strict,
+)
+from tokenmill.server.serving import Serving, now
+
+# ----- the request -------------------------------------------------------------------------------
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+    annotations: Any = None
+    logprobs: Any = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(_Strict):
+    """A reasoning item sent back from an earlier response: accepted and left out of the prompt, as
+    chat templates drop the thinking of earlier turns."""
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: Any = None
+    content: Any = None
+    encrypted_content: Any = None
+    status: str | None = None
+
+
+InputItem = Union[FunctionCallItem, FunctionCallOutputItem, ReasoningItem, MessageItem]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ReasoningOptions(_Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Any = None
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
+    stream: bool | None = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    background: Literal[False] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.store:
+            raise UnsupportedValue("store", "responses are not stored by tokenmill: send 'store': false")
+        if self.previous_response_id is not None:
+            raise UnsupportedValue("previous_response_id", "responses are not stored by tokenmill, so "
+                                   "'previous_response_id' cannot be used: send the whole conversation as 'input'")
+        if self.include:
+            raise UnsupportedValue("include", f"'include' is not supported by tokenmill (got {self.include})")
+        return self
+
+    def as_chat(self, stream: bool) -> ChatCompletionRequest:
+        """The same request as chat completions see it."""
+        messages: list[dict] = []
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        body: dict[str, Any] = {"messages": messages, "stream": stream, "max_tokens": self.max_output_tokens}
+        for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "metadata",
+                     "prompt_cache_key", "safety_identifier"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except UnsupportedValue:
+            raise
+        except ValueError as e:
+            raise APIError(400, f"input: {e}", "input") from None
+
+
+# ----- the response ------------------------------------------------------------------------------
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _items(message: dict) -> list[dict]:
+    """Output items from a parsed chat message."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+    if message.get("content"):
+        items.append({"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                                   "logprobs": []}]})
+    for call in message.get("tool_calls") or ():
+        items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    return items
+
+
+class _Shape:
+    """The response object's fixed fields, for the final body and for every event that carries it."""
+
+    def __init__(self, serving: Serving, req: ResponsesRequest, model: str):
+        self.id, self.created, self.req, self.model = _id("resp"), now(), req, model
+        self.serving = serving
+
+    def body(self, status: str, output: list[dict], out=None, finish: str | None = None) -> dict:
+        r = self.req
+        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {
+            "type": "text"}
+        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+                "temperature": r.temperature, "top_p": r.top_p, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunctionChoice)
+                                else r.tool_choice or "auto"),
+                "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
+                "text": {"format": fmt}, "reasoning": r.reasoning.model_dump() if r.reasoning else None,
+                "store": False, "previous_response_id": None, "metadata": r.metadata or {},
+                "truncation": "disabled", "user": r.user, "usage": None}
+        if out is not None:
+            prompt = len(out.prompt_token_ids)
+            completion = sum(len(c.token_ids) for c in out.outputs)
+            body["usage"] = {"input_tokens": prompt,
+                             "input_tokens_details": {"cached_tokens": out.num_cached_tokens or 0},
+                             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": prompt + completion}
+        return body
+
+
+async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
+    serving.check_model(req.model)
+    chat = req.as_chat(bool(req.stream))
+    prompt_text, prompt, params = await prepare_chat(serving, chat)
+    shape = _Shape(serving, req, req.model or serving.model_names[0])
+
+    def final(outs):
+        out = outs[0]
+        c = out.outputs[0]
+        message = ChoiceText(serving, chat, prompt_text).message(c.text)
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        return shape.body(status, _items(message), out, c.finish_reason)
+
+    async def stream(merged):
+        events = _EventStream(shape)
+        yield events.event("response.created", response=shape.body("in_progress", []))
+        yield events.event("response.in_progress", response=shape.body("in_progress", []))
+        text = ChoiceText(serving, chat, prompt_text)
+        sent = 0
+        last = None
+        async for _, out in merged:
+            last = out
+            c = out.outputs[0]
+            piece = c.text[sent:]
+            sent = len(c.text)
+            parts = text.feed(piece) if piece else []
+            if c.finish_reason is not None:
+                parts += text.finish()
+            for part in parts:
+                for e in events.delta(part):
+                    yield e
+        for e in events.close_all():
+            yield e
+        c = last.outputs[0]
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        yield events.event("response.completed" if status == "completed" else "response.incomplete",
+                           response=shape.body(status, events.items, last, c.finish_reason))
+
+    serving.admit()
+    return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True)
+
+
+class _EventStream:
+    """Responses' streaming events, each with its sequence number: an item is added, its deltas
+    follow, and it is done before the next item opens."""
+
+    def __init__(self, shape: _Shape):
+        self.shape = shape
+        self.seq = 0
+        self.items: list[dict] = []
+        self.open: dict | None = None       # the item receiving deltas
+        self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
+
+    def event(self, kind: str, **fields) -> dict:
+        e = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return e
+
+    def _start(self, item: dict) -> list[dict]:
+        events = self._close()
+        self.open = item
+        self.items.append(item)
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                 item={**item, "status": "in_progress"}))
+        if item["type"] in ("message", "reasoning"):
+            part = {"type": "output_text", "text": "", "annotations": []} if item["type"] == "message" else \
+                {"type": "reasoning_text", "text": ""}
+            item["content"] = [dict(part)]
+            if item["type"] == "message":
+                events.append(self.event("response.content_part.added", item_id=item["id"],
+                                         output_index=len(self.items) - 1, content_index=0, part=part))
+        return events
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=part["text"], logprobs=[]))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                     content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=index, name=item["name"], arguments=item["arguments"]))
+        item["status"] = "completed"
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def delta(self, part: dict) -> list[dict]:
+        events = []
+        if "reasoning_content" in part:
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._start({"type": "reasoning", "id": _id("rs"), "summary": []})
+            self.open["content"][0]["text"] += part["reasoning_content"]
+            events.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                     output_index=len(self.items) - 1, content_index=0,
+                                     delta=part["reasoning_content"]))
+        if part.get("content"):
+            if self.open is None or self.open["type"] != "message":
+                events += self._start({"type": "message", "id": _id("msg"), "role": "assistant"})
+            self.open["content"][0]["text"] += part["content"]
+            events.append(self.event("response.output_text.delta", item_id=self.open["id"],
+                                     output_index=len(self.items) - 1, content_index=0, delta=part["content"],
+                                     logprobs=[]))
+        for call in part.get("tool_calls") or ():
+            item = self.calls.get(call["index"])
+            if item is None:
+                fn = call.get("function", {})
+                item = {"type": "function_call", "id": _id("fc"), "call_id": call.get("id") or _id("call"),
+                        "name": fn.get("name", ""), "arguments": ""}
+                self.calls[call["index"]] = item
+                events += self._start(item)
+            args = call.get("function", {}).get("arguments") or ""
+            if args:
+                item["arguments"] += args
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=self.items.index(item), delta=args))
+        return events
+
+    def close_all(self) -> list[dict]:
+        return self._close()

@@ -1,0 +1,34 @@
+"""Kernel tests: without a GPU, Triton's interpreter runs the kernels (TRITON_INTERPRET=1, set here once,
+before any test module of this folder imports a kernel). `triton.jit` picks interpreter or compiler when
+a module is imported, triton's own `tl.sum` & co. included, so if triton was imported before (by a test
+collected earlier), it and our kernels are imported afresh; the compiled extension `triton._C` is kept,
+it does not depend on the mode. sm90.py compiles GPU code in a fresh interpreter without the variable."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(tl.sum, InterpretedFunction):
+            for name in list(sys.modules):
+                stale = (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+                if stale or name.startswith("tokenmill.layers.kernels"):
+                    del sys.modules[name]
+
+    # The interpreter holds scalars as 1-element arrays and turns them into loop bounds with int(), which
+    # NumPy >= 2.4 rejects for arrays with ndim > 0; index the single element instead.
+    from triton.runtime import interpreter
+
+    _original = interpreter._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patched

@@ -1,0 +1,44 @@
+"""Shared by the kernel tests: the device they run on, random inputs and a scattered paged cache.
+
+Without a GPU the kernels run under Triton's interpreter (switched on in conftest.py) on small shapes,
+half precision as float16: the interpreter keeps bfloat16 as raw uint16 (its tl.dot multiplies the bit
+patterns, its casts truncate). With a GPU the same tests run compiled on it, half precision as
+bfloat16, and the `gpu`-marked tests add realistic bfloat16 sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+HALF = torch.bfloat16 if HAS_CUDA else torch.float16
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype=torch.float32, gen=None) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=3):
+    """Random cache with each sequence's blocks scattered over a random permutation of block ids."""
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
+    max_blocks = max(max(blocks_per_seq), 1) + 1
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        table[b, :n] = perm[used:used + n].int()
+        used += n
+    k_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    v_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    return k_cache, v_cache, table.to(DEVICE)
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]

@@ -1,0 +1,118 @@
+"""The prefill kernel over the paged cache (`kernels/paged_attention.py`) against `paged_attention_torch`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _randn, _tol, gpu
+from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torch
+from tokenmill.layers.attention_metadata import AttentionMetadata
+from tokenmill.layers.kernel_config import PrefillAttentionConfig
+from tokenmill.layers.kernels import paged_attention as pa
+
+
+@pytest.mark.parametrize("group,block_size,dtype", [
+    (5, 16, torch.float32), (4, 1, torch.float32), (4, 32, HALF)])
+def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
+    gen = _gen(3)
+    num_kv_heads, head_dim = 1, 16
+    q_lens = [5, 1, 23, 0, 17]
+    seq_lens = [5, 40, 30, 9, 17]
+    k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    num_q_heads = group * num_kv_heads
+    qkv = _randn(sum(q_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q = qkv[:, :num_q_heads * head_dim].view(-1, num_q_heads, head_dim)  # strided view, as in the model
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3)
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
+                                     config=PrefillAttentionConfig(16, 16, 4, 1))
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+def test_prefill_tile_grid_equals_sequence_grid():
+    """The tile-map grid of a padded CUDA-graph batch: empty padding sequences, spare tiles, a
+    sequence spanning two tiles. Rows past the last sequence (padding tokens) are not attended."""
+    from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, prefill_tiles
+    gen = _gen(4)
+    num_kv_heads, head_dim, group = 2, 16, 2
+    q_lens = [5, 1, PREFILL_BLOCK_M + 6, 0, 17, 0, 0]           # the last two: padding sequences
+    seq_lens = [5, 40, PREFILL_BLOCK_M + 30, 9, 17, 0, 0]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 8, num_kv_heads, head_dim, torch.float32, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    tokens = sum(q_lens)
+    q = _randn(tokens + 3, group * num_kv_heads, head_dim, gen=gen)  # 3 padding token rows
+    tiles = torch.from_numpy(prefill_tiles(q_lens, tokens // PREFILL_BLOCK_M + len(q_lens))).to(DEVICE)
+    assert tiles.shape[1] > int((tiles[1] < 1000).sum())          # spare tiles are present
+    cfg = PrefillAttentionConfig(PREFILL_BLOCK_M, 16, 4, 1)
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens + 3, 0.3, config=cfg,
+                                     tiles=tiles)
+    ref = paged_attention_torch(q[:tokens], k_cache, v_cache, table, ctx, qsl, 0.3)
+    torch.testing.assert_close(out[:tokens], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, tokens, 0.3,
+                                   config=PrefillAttentionConfig(16, 16, 4, 1), tiles=tiles)
+
+
+def test_paged_attention_dispatch_store_then_attend():
+    """Full layer step through AttentionMetadata: a prefill chunk, then a decode step (both through the
+    prefill kernel; pure-decode model steps take the fused decode kernel instead)."""
+    gen = _gen(4)
+    block_size, num_kv_heads, group, head_dim = 4, 2, 4, 16
+    num_q_heads = group * num_kv_heads
+    caches = [torch.zeros(12, block_size, num_kv_heads, head_dim, device=DEVICE) for _ in range(2)]
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 0]], dtype=torch.int32, device=DEVICE)
+    for q_lens, ctx_list in (([6, 9], [6, 9]), ([1, 1], [7, 10])):
+        num_tokens = sum(q_lens)
+        q = _randn(num_tokens, num_q_heads, head_dim, gen=gen)
+        k = _randn(num_tokens, num_kv_heads, head_dim, gen=gen)
+        v = _randn(num_tokens, num_kv_heads, head_dim, gen=gen)
+        positions = [p for n, c in zip(q_lens, ctx_list) for p in range(c - n, c)]
+        owner = [b for b, n in enumerate(q_lens) for _ in range(n)]
+        slots = torch.tensor([int(table[b, p // block_size]) * block_size + p % block_size
+                              for b, p in zip(owner, positions)], device=DEVICE)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor([0, q_lens[0], num_tokens], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE),
+            block_tables=table, max_query_len=max(q_lens),
+            # decode must not depend on host-side lengths (CUDA graphs replay it with new ones)
+            max_seq_len=max(ctx_list) if max(q_lens) > 1 else -1)
+        store_kvcache_torch(k, v, caches[0], caches[1], slots)
+        ref = paged_attention_torch(q, caches[0], caches[1], table, meta.seq_lens,
+                                    meta.query_start_loc, 0.25)
+        out = pa.paged_attention(q, caches[0], caches[1], meta, 0.25)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_wrappers_reject_bad_inputs():
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 2 kv heads"):
+        pa.paged_prefill_attention(torch.zeros(1, 3, 16, device=DEVICE), cache, cache, table, ctx, qsl, 1, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table.long(), ctx, qsl, 1,
+                                   1.0)
+    with pytest.raises(TypeError, match="cache dtype"):
+        pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE, dtype=torch.float16), cache, cache,
+                                   table, ctx, qsl, 1, 1.0)
+    with pytest.raises(ValueError, match="query_start_loc must be int32"):
+        pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table, ctx, qsl.long(), 1,
+                                   1.0)
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (20, 4)])
+def test_gpu_prefill_realistic(num_q_heads, num_kv_heads):
+    gen = _gen(11)
+    q_lens, seq_lens = [512, 300, 1, 512], [512, 1400, 900, 2000]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.bfloat16, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), num_q_heads, 128, dtype=torch.bfloat16, gen=gen)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 128 ** -0.5)
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 128 ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
