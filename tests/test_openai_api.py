@@ -203,3 +203,44 @@ def test_responses_take_function_call_history(api_server):
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
     assert r.output_text is not None
+
+
+def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_model, tokenizer, qwen3_dir,
+                                                                 tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model runs a loglikelihood task from a local file against the
+    server; its per-choice scores equal transformers' on the same token ids."""
+    lm_eval = pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    from lm_eval.tasks import TaskManager
+    docs = [{"question": "def main():\n    return", "choices": [" 42", " None", " banana"], "answer": 0},
+            {"question": "The quick brown fox jumps over the lazy", "choices": [" dog", " cat"], "answer": 1},
+            {"question": "你好，", "choices": ["世界", "模型"], "answer": 0}]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("\n".join(json.dumps(d, ensure_ascii=False) for d in docs))
+    (tmp_path / "mc.yaml").write_text(
+        "task: tokenmill_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+        "target_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tokenmill_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model=tiny,base_url={api_server.url}/v1/completions,tokenizer_backend=huggingface,"
+                   f"tokenizer={qwen3_dir},num_concurrent=1,max_retries=1",
+        log_samples=True, limit=None)
+    samples = results["samples"]["tokenmill_mc"]
+    assert len(samples) == len(docs)
+    expected_acc = 0
+    for sample in samples:
+        doc = sample["doc"]
+        context = tokenizer.encode(doc["question"])
+        scores = []
+        for choice in doc["choices"]:
+            ids = tokenizer.encode(doc["question"] + choice)
+            ref = _hf_prompt_logprobs(hf_model, ids)
+            scores.append(sum(ref[len(context) - 1:]))
+        got = [float(r[0]) for r in sample["filtered_resps"]]
+        assert got == pytest.approx(scores, abs=1e-3)
+        expected_acc += int(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
+    assert results["results"]["tokenmill_mc"]["acc,none"] == pytest.approx(expected_acc / len(docs))
