@@ -10,6 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.layers.attention import store_kvcache_torch
+from tokenmill.layers.norm import rms_norm_torch
+from tokenmill.layers.rotary import apply_rotary_torch
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 HALF = torch.bfloat16 if HAS_CUDA else torch.float16
@@ -42,3 +46,20 @@ def _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, spare
 
 def _tol(dtype):
     return {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slots,
+                        num_heads, num_kv_heads, head_dim):
+    """The unfused attention prologue: split, per-head RMSNorm, RoPE, KV-cache store."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, _ = rms_norm_torch(q, q_weight, eps)
+        k, _ = rms_norm_torch(k, k_weight, eps)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
+    store_kvcache_torch(k, v, k_cache, v_cache, slots)
+    return q

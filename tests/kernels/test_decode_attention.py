@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _randn, _tol, gpu
+from kernel_testing import DEVICE, gpu, HALF, _gen, _paged_cache, _prologue_reference, _randn, _tol
 from tokenmill.layers.attention import paged_attention_torch
 from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da

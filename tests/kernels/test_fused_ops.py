@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, HALF, _gen, _randn, _tol, gpu
+from kernel_testing import DEVICE, gpu, HALF, _gen, _prologue_reference, _randn, _tol
 from tokenmill.layers.activation import silu_and_mul_torch
-from tokenmill.layers.attention import store_kvcache_torch
 from tokenmill.layers.kernels import fused_ops as ops
 from tokenmill.layers.norm import rms_norm_torch
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_torch
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
@@ -47,23 +46,6 @@ def test_silu_and_mul_matches_reference(dtype):
     x = _randn(4, 2 * 40 + 6, dtype=dtype, gen=gen)[:, :80]  # row stride != 2I
     torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul_torch(x), rtol=_tol(dtype),
                                atol=_tol(dtype))
-
-def _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slots,
-                        num_heads, num_kv_heads, head_dim):
-    """The unfused attention prologue: split, per-head RMSNorm, RoPE, KV-cache store."""
-    num_tokens = qkv.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
-    q = q.reshape(num_tokens, num_heads, head_dim)
-    k = k.reshape(num_tokens, num_kv_heads, head_dim)
-    v = v.reshape(num_tokens, num_kv_heads, head_dim)
-    if q_weight is not None:
-        q, _ = rms_norm_torch(q, q_weight, eps)
-        k, _ = rms_norm_torch(k, k_weight, eps)
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
-    store_kvcache_torch(k, v, k_cache, v_cache, slots)
-    return q
-
 
 def _check_prologue(ops, gen, num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                     dtype, qk_norm, max_pos, tol):

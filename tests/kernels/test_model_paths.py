@@ -18,7 +18,7 @@ def test_single_token_layers_give_the_composed_layers_tokens(model_dir, monkeypa
     from tokenmill import LLM, SamplingParams
     from tokenmill.models import llama
     prompts = [[5, 9, 31, 7, 200, 3, 3, 41], [12]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     config = dict(device="cpu", dtype="float32", max_num_seqs=1)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     calls = []
@@ -38,7 +38,7 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir, monkeypatch):
     from tokenmill import LLM, SamplingParams
     from tokenmill.models import llama
     prompts = [[5, 9, 31, 7, 200, 3, 3, 41] * 4, [12], [7, 7, 8]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     config = dict(device="cpu", dtype="float32", block_size=4)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, **config).generate(prompts, params)]
     batches = []
