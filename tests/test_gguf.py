@@ -264,6 +264,29 @@ def test_quantized_from_known_weights_round_trip(tok_md, tmp_path):
               layer["ffn_down"])
 
 
+def test_load_streams_one_tensor_at_a_time(small_file, monkeypatch):
+    """Each tensor is dequantized only when its parameter is filled and freed before the next one is
+    read: at most one dequantized tensor is alive during the load."""
+    import weakref
+
+    from tokenmill.runner import gguf_loader
+
+    alive, peak, reads = [0], [0], [0]
+    real_read = gguf_loader.GGUFFile.read
+
+    def read(self, name):
+        t = real_read(self, name)
+        alive[0] += 1
+        reads[0] += 1
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - 1))
+        return t
+    monkeypatch.setattr(gguf_loader.GGUFFile, "read", read)
+    LLM(small_file, device="cpu", dtype="float32", num_kv_blocks=8)
+    assert reads[0] == len(gguf.GGUFReader(small_file).tensors)
+    assert peak[0] == 1
+
+
 def test_unpermute_inverts_llama_cpp_order():
     w = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(16, 3)
     stored = torch.from_numpy(_permute(w.numpy(), 2))

@@ -128,8 +128,26 @@ def test_greedy_chat_equals_transformers(llm, hf):
         lp = teacher_forced_logprobs(hf, ids + gen)
         assert lp[len(ids) - 1:len(ids) - 1 + len(gen)].argmax(-1).tolist() == gen, out.outputs[0].text
         assert out.outputs[0].finish_reason == ("stop" if gen[-1] == 2 else "length")
+    print(f"{len(outs)} prompts, {sum(len(o.outputs[0].token_ids) for o in outs)} tokens equal; preemptions "
+          f"{stats['num_preemptions'] - before['num_preemptions']}, prefix-cache hits "
+          f"{stats['prefix_cache_hits'] - before['prefix_cache_hits']}")
     france = outs[0].outputs[0].text
     assert "Paris" in france, france
+
+
+@needs_smollm2
+def test_tokenizer_equals_transformers_gguf_tokenizer(llm):
+    """The tokenizer built from the file's metadata against the one transformers builds from it."""
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF))
+    ours = llm.get_tokenizer()
+    for text in ["Hello world!", "It's 2024: 12345 people, don't I'LL we've", "从前有一座山，山上有一座庙。",
+                 "  spaces\n\n\ttabs  ", "<|im_start|>user\nhi<|im_end|>\n", "emoji 🎉 ok", HELD_OUT[:300]]:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.encode_chat(chat) == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False)
 
 
 @needs_smollm2
