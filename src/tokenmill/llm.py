@@ -64,6 +64,8 @@ class LLM:
         """Renders each conversation with the model's chat template, then generates."""
         tok = self.engine.tokenizer
         if tok is None:
+            from tokenmill.models.presets import check_text_prompts
+            check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [tok.encode_chat(c, add_generation_prompt) for c in conversations]
