@@ -1,7 +1,13 @@
-"""Per-request sampling parameters, validated on construction (vLLM's names and meanings)."""
+"""Per-request sampling parameters, validated on construction (vLLM's names and meanings).
+
+What needs the engine (token ids against the vocabulary, grammars compiled for the tokenizer) is checked
+in `LLMEngine.add_request`, with the same error type."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class SamplingParamError(ValueError):
@@ -10,6 +16,64 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self):       # it crosses to the frontend process
+        return type(self), (self.param, str(self))
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a grammar (vLLM's `StructuredOutputsParams`); exactly one of `json` (a
+    JSON schema, as a dict or its text), `regex`, `choice` (the output is one of the strings), `grammar`
+    (EBNF / GBNF) and `json_object` (any JSON object) is set. JSON output allows any whitespace between
+    tokens unless `disable_any_whitespace` (then none). `whitespace_pattern` is refused: xgrammar has no
+    such option."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        kinds = self._kinds()
+        if len(kinds) != 1:
+            raise SamplingParamError("structured_outputs", "exactly one of json, regex, choice, grammar and "
+                                     f"json_object must be set, got {kinds or 'none'}")
+        if self.whitespace_pattern is not None:
+            raise SamplingParamError("structured_outputs.whitespace_pattern",
+                                     "whitespace_pattern is not supported; set disable_any_whitespace to allow "
+                                     "no whitespace in JSON output")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as e:
+                raise SamplingParamError("structured_outputs.json", f"the JSON schema is not valid JSON: {e}") \
+                    from None
+            if not isinstance(parsed, (dict, bool)):
+                raise SamplingParamError("structured_outputs.json", "the JSON schema must be a JSON object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise SamplingParamError("structured_outputs.json",
+                                     f"the JSON schema must be a dict or its JSON text, got {type(self.json).__name__}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamError("structured_outputs.choice", "choice must be a non-empty list of non-empty "
+                                     "strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise SamplingParamError(f"structured_outputs.{name}", f"{name} must be a string")
+
+    def _kinds(self) -> list[str]:
+        # json={} is a schema (any value); json_object=False is unset
+        return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + \
+            (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return self._kinds()[0]
 
 
 @dataclass
@@ -31,6 +95,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> added to its logit before any sampling step, in [-100, 100]; ids are checked against the
+    # model's vocabulary when the request is added
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -40,7 +108,34 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = self._parse_logit_bias(self.logit_bias)
+        else:
+            self.logit_bias = None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise SamplingParamError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         self._check()
+
+    @staticmethod
+    def _parse_logit_bias(bias) -> dict[int, float]:
+        """Keys as ints (JSON sends them as strings), values as floats in [-100, 100]."""
+        if not isinstance(bias, dict):
+            raise SamplingParamError("logit_bias", "logit_bias must be a map of token ids to numbers")
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise SamplingParamError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise SamplingParamError("logit_bias", f"logit_bias value for token {token} must be in "
+                                         f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
+            if token < 0:
+                raise SamplingParamError("logit_bias", f"logit_bias token id {token} must be >= 0")
+            parsed[token] = float(value)
+        return parsed
 
     def _check(self):
         def bad(name, value, limit):

@@ -18,7 +18,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
@@ -67,6 +67,7 @@ class LLMEngine:
         # overlap host work with the device: process each step after launching the next one
         self.overlap = True
         self._in_flight = None
+        self._structured = None      # the StructuredOutputManager, built for the first constrained request
         self.ready_seconds = time.perf_counter() - t0
         startup_log.log_startup(self)
 
@@ -94,12 +95,16 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._check_logit_bias(params)
+        compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Request(seq_id, prompt_ids, params, max_tokens, base_seed + i, priority,
                                 arrival_time, parent_id=request_id, index=i))
+            if compiled is not None:
+                seqs[-1].grammar = self._structured.sequence_grammar(compiled)
         self.groups[request_id] = seqs
         self.num_prompt_tokens += len(prompt_ids)
         self.prompts[request_id] = text
@@ -125,14 +130,31 @@ class LLMEngine:
             self._release(rid)
         return outputs
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise SamplingParamError("logit_bias", f"logit_bias token id {bad} is out of range: token ids must "
+                                     f"be in [0, {vocab}) (the model's vocabulary size is {vocab})")
+
+    def _compile_grammar(self, params: SamplingParams):
+        if self.tokenizer is None:
+            raise SamplingParamError("structured_outputs", "structured output needs the model's tokenizer, and "
+                                     "this model has none")
+        if self._structured is None:
+            from tokenmill.engine.structured_output import StructuredOutputManager
+            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids))
+        return self._structured.compile(params.structured_outputs)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and launches the next step, then processes the step launched before it: the host
-        work of one step overlaps the device work of the next. Batches that use penalties (which need
-        every token's value on the host) are processed before returning."""
+        work of one step overlaps the device work of the next. Batches that use penalties or a grammar
+        (whose next step needs every token's value on the host) are processed before returning."""
         sched = self.scheduler.schedule()
         launched = None
         if sched:
@@ -141,7 +163,8 @@ class LLMEngine:
             self.scheduler.update_after_step(sched, launched.sample_rows.tolist())
         previous, self._in_flight = self._in_flight, launched
         outputs = self._process(previous) if previous is not None else []
-        if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):
+        if launched is not None and (not self.overlap or any(r.params.needs_penalties or r.grammar is not None
+                                                          for r in sched.requests)):
             self._in_flight = None
             outputs += self._process(launched)
         return outputs
@@ -186,10 +209,13 @@ class LLMEngine:
             req.cumulative_logprob += values[0]
         p = req.params
         status = None
+        grammar_ended = req.grammar is not None and self._grammar_ended(req, token)
         if not p.ignore_eos and token in self.eos_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif token in p.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif grammar_ended:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
         else:
             detok = self.detokenizers.get(req.request_id)
             if detok is not None and (hit := detok.add(token)) is not None:
@@ -215,6 +241,16 @@ class LLMEngine:
                 for r, (tid, v) in enumerate(zip(part.top_token_ids[j], part.top_logprobs[j])):
                     entry.setdefault(tid, Logprob(v, r + 1, self._token_text(tid)))
                 req.prompt_logprobs[pos] = entry
+
+    @staticmethod
+    def _grammar_ended(req: Request, token: int) -> bool:
+        """Advances the sequence's grammar by `token`: True once the grammar has terminated (it accepted
+        EOS, which it allows only where the output is complete), or if it refuses the token (which the
+        mask rules out)."""
+        if req.grammar.accept(token):
+            return req.grammar.terminated
+        logger.warning("request %s: sampled token %d is outside its grammar; finishing it", req.request_id, token)
+        return True
 
     def _token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
+    from tokenmill.engine.structured_output import BatchBitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -54,6 +55,8 @@ class SamplingTensors:
     output_counts: torch.Tensor | None        # [S, V] float32 counts of generated tokens
     seen_mask: torch.Tensor | None            # [S, V] bool: token in prompt or output
     max_logprobs: int | None                  # top alternatives to return, None: no logprobs
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, token ids, values)
+    token_bitmask: BatchBitmask | None = None  # the grammar-constrained rows
 
     @staticmethod
     def dummy(rows: int, device: torch.device, greedy: bool) -> "SamplingTensors":
@@ -72,9 +75,14 @@ class SamplingTensors:
         params = [r.params for r in requests]
         rows = len(requests)
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        bias = _logit_bias(params, device) if any(p.logit_bias for p in params) else None
+        bitmask = None
+        if any(r.grammar is not None for r in requests):
+            from tokenmill.engine.structured_output import BatchBitmask
+            bitmask = BatchBitmask.from_requests(requests, vocab_size, device)
         if all(p.greedy for p in params) and not any(p.needs_penalties for p in params):
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
-                                   None, None, max_logprobs)
+                                   None, None, max_logprobs, bias, bitmask)
 
         def tensor(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -103,7 +111,20 @@ class SamplingTensors:
             fp = tensor([p.frequency_penalty for p in params])
             rp = tensor([p.repetition_penalty for p in params])
         return SamplingTensors(temperature, False, top_k, top_p, min_p, seeds, seeded_rows, positions,
-                               pp, fp, rp, counts, seen, max_logprobs)
+                               pp, fp, rp, counts, seen, max_logprobs, bias, bitmask)
+
+
+def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sparse bias of the rows that have one: row, token id and value of each entry."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            ids += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
 
 
 @dataclass
@@ -148,14 +169,21 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
 def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None = None) -> SamplerOutput:
     """`greedy`: each row's argmax of `logits` where the caller has it already (the CUDA graphs end
     with it); used as the tokens when every row is greedy and nothing else is asked of the logits."""
-    if t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None:
+    if (t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None
+            and t.logit_bias is None and t.token_bitmask is None):
         if greedy is not None:
             return SamplerOutput(token_ids=greedy)
         # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
         # row as the float32 argmax (first of equals), without a float copy of the logits per step
         return SamplerOutput(token_ids=logits.argmax(-1))
     logits = logits.float()
+    if t.token_bitmask is not None:
+        logits = t.token_bitmask.apply(logits)
+    # logprobs are those of the model's distribution under the grammar, before logit_bias, penalties,
+    # temperature and top-k/top-p (vLLM v1's default, "raw_logprobs")
     raw = logits
+    if t.logit_bias is not None:
+        logits = logits.index_put(t.logit_bias[:2], t.logit_bias[2], accumulate=True)
     if t.output_counts is not None or t.seen_mask is not None:
         logits = apply_penalties(logits, t)
     greedy_ids = logits.argmax(-1)

@@ -1,0 +1,166 @@
+"""Grammar-constrained decoding (structured output) with xgrammar, on the engine core's side.
+
+`StructuredOutputManager` is built once per engine, on first use, from the tokenizer and the model's
+vocabulary size (the model may have more rows than the tokenizer has tokens; those ids are never allowed).
+It compiles a request's `StructuredOutputsParams` into a grammar (an LRU of compiled grammars keyed by kind
+and spec) and gives every sequence its own `SequenceGrammar`, a matcher that accepts the sequence's tokens.
+
+Each step, the sampler asks `BatchBitmask` for the bitmask of the rows that are constrained: packed
+allowed-token bits filled on the host after the forward pass is launched (so the fill overlaps the device's
+work), copied to the device and applied to those rows only; the other rows' logits are untouched.
+Invariant: a constrained sequence's previous token has been accepted before its next mask is filled; the
+engine processes every step holding a constrained sequence before it launches the next one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
+
+logger = logging.getLogger("tokenmill")
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "choice": "choice", "grammar": "grammar"}
+# xgrammar prefixes its messages with a time and a C++ source location
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class StructuredOutputManager:
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256):
+        import xgrammar as xgr
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        # our LRU is the only cache: xgrammar's own has no entry limit by default
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache_size = cache_size
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of `params`; an invalid spec raises SamplingParamError with xgrammar's
+        message and `param` "structured_outputs.<field>"."""
+        kind = params.kind
+        spec = getattr(params, kind)
+        if kind == "json" and not isinstance(spec, str):
+            spec = json.dumps(spec)          # key order kept: it is the properties' order in the output
+        elif kind == "choice":
+            spec = tuple(spec)
+        key = (kind, spec, params.disable_any_whitespace)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        try:
+            compiled = self._compile(kind, spec, not params.disable_any_whitespace)
+        except RuntimeError as e:
+            message = _LOG_PREFIX.sub("", str(e).strip())
+            raise SamplingParamError(f"structured_outputs.{kind}", f"invalid {_WHAT[kind]}: {message}") from None
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, spec, any_whitespace: bool):
+        c = self._compiler
+        if kind == "json":
+            return c.compile_json_schema(spec, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind == "regex":
+            return c.compile_regex(spec)
+        if kind == "choice":
+            return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(s) for s in spec))
+        return c.compile_grammar(spec)
+
+    def sequence_grammar(self, compiled) -> "SequenceGrammar":
+        return SequenceGrammar(self._xgr.GrammarMatcher(compiled))
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar. The matcher terminates once it accepts a stop token (EOS),
+    which it allows only where the grammar is complete."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class BatchBitmask:
+    """The allowed tokens of one step's constrained rows: `rows` (sampler rows) and their grammars.
+    `apply` fills the packed bitmask [len(rows), ceil(vocab / 32)] int32 on the host and masks those rows."""
+
+    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], vocab_size: int, device: torch.device):
+        self.grammars = grammars
+        self.vocab_size = vocab_size
+        self.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+    @staticmethod
+    def from_requests(requests: list[Request], vocab_size: int, device: torch.device) -> "BatchBitmask | None":
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        return BatchBitmask(rows, [requests[i].grammar for i in rows], vocab_size, device)
+
+    def host_bitmask(self) -> torch.Tensor:
+        bitmask = torch.empty((len(self.grammars), -(-self.vocab_size // 32)), dtype=torch.int32)
+        for i, g in enumerate(self.grammars):
+            g.fill(bitmask, i)
+        return bitmask
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [S, V] float with the tokens each constrained row's grammar forbids at -inf (a new
+        tensor; the input is left as it was)."""
+        bitmask = self.host_bitmask()
+        if logits.is_cuda:
+            bitmask = bitmask.pin_memory()
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        allowed = unpack_bitmask(bitmask, logits.shape[-1])
+        masked = logits[self.rows].masked_fill(~allowed, float("-inf"))
+        return logits.index_put((self.rows,), masked)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32, bit j of word w set where token 32 w + j is allowed -> [R, vocab_size] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal (the characters xgrammar's parser treats as escapes escaped)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

@@ -1,0 +1,157 @@
+"""Structured output (xgrammar) and logit_bias through `LLM.generate` on a tiny random Qwen3 model with the
+400-token byte-level tokenizer (its model vocabulary has 512 rows: ids 400-511 are never allowed).
+
+A random model does not close JSON by itself: the schemas bound every string, number and array, and JSON
+is asked without free whitespace, so the grammar itself must end each output with EOS. Strings are bounded
+by `pattern`, not `maxLength`: xgrammar 0.2.9 turns a length-bounded string into `[^"\\\r\n]{0,n}`,
+which lets raw control characters through (invalid JSON)."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams
+
+EOS = 2
+PROMPTS = ["The quick brown fox", "def main():", "你好，世界", "Continuous batching"]
+
+NESTED = {"type": "object", "properties": {
+    "user": {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z ]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]},
+    "active": {"type": "boolean"}}, "required": ["user", "active"]}
+ENUMS = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "XL"]}},
+    "required": ["color", "size"]}
+ARRAYS = {"type": "object", "properties": {
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9]{0,4}$"}, "minItems": 1,
+             "maxItems": 3},
+    "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "maxItems": 4}},
+    "required": ["tags", "scores"]}
+TOP_ARRAY = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_model_len=256, num_kv_blocks=512)
+
+
+def constrained(max_tokens=80, temperature=0.0, **kw) -> SamplingParams:
+    seed, n = kw.pop("seed", None), kw.pop("n", 1)
+    bias = kw.pop("logit_bias", None)
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=n, logit_bias=bias,
+                          structured_outputs=StructuredOutputsParams(**kw))
+
+
+def ended_by_grammar(c) -> bool:
+    return c.finish_reason == "stop" and c.token_ids[-1] == EOS
+
+
+@pytest.mark.parametrize("schema", [NESTED, ENUMS, ARRAYS, TOP_ARRAY], ids=["nested", "enums", "arrays", "array"])
+def test_json_schema_outputs_validate(llm, schema):
+    outs = llm.generate(PROMPTS[:2], constrained(json=schema, disable_any_whitespace=True))
+    for out in outs:
+        c = out.outputs[0]
+        assert ended_by_grammar(c), (c.text, c.finish_reason)
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_json_schema_as_text_and_sampled_with_seeds(llm):
+    params = constrained(json=json.dumps(NESTED), disable_any_whitespace=True, temperature=1.0, seed=7, n=3)
+    first = llm.generate(PROMPTS[:1], params)
+    for out in first:
+        assert len(out.outputs) == 3
+        for c in out.outputs:
+            assert ended_by_grammar(c)
+            jsonschema.validate(json.loads(c.text), NESTED)
+    assert len({c.text for c in first[0].outputs}) > 1          # each sequence its own draws and matcher
+    again = llm.generate(PROMPTS[:1], params)                  # seeded: the same outputs again
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in first]
+
+
+def test_regex_choice_and_grammar(llm):
+    regex = r"[a-z]{2,4}-\d{3}(!|\?)"
+    choices = ["yes", "no", "café au lait", 'say "hi"\n']
+    grammar = 'root ::= "(" num op num ")" | num\nop ::= "+" | "*"\nnum ::= [1-9] [0-9]?'
+    params = [constrained(regex=regex), constrained(choice=choices), constrained(grammar=grammar)]
+    outs = llm.generate(PROMPTS[:3] * 3, [p for p in params for _ in range(3)])
+    texts = [o.outputs[0].text for o in outs]
+    assert all(ended_by_grammar(o.outputs[0]) for o in outs)
+    assert all(re.fullmatch(regex, t) for t in texts[:3]), texts[:3]
+    assert all(t in choices for t in texts[3:6]), texts[3:6]
+    assert all(re.fullmatch(r"\([1-9][0-9]?[+*][1-9][0-9]?\)|[1-9][0-9]?", t) for t in texts[6:]), texts[6:]
+
+
+def test_json_object_and_eos_only_where_the_grammar_accepts(llm):
+    tok = llm.get_tokenizer()
+    close = tok.encode("}")[0]
+    # +100 on "}" steers the object shut at once; the grammar still decides what may follow
+    out = llm.generate(PROMPTS[0], constrained(json_object=True, logit_bias={close: 100}))[0].outputs[0]
+    assert ended_by_grammar(out) and json.loads(out.text) == {}
+    # EOS pushed with +100 is still refused until the regex is complete
+    out = llm.generate(PROMPTS[0], constrained(regex=r"[a-z]{5}", logit_bias={EOS: 100}))[0].outputs[0]
+    assert ended_by_grammar(out) and re.fullmatch(r"[a-z]{5}", out.text)
+
+
+def test_plain_requests_beside_constrained_ones_are_unchanged(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
+    mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained(json=ENUMS, disable_any_whitespace=True),
+                                                           constrained(choice=["a", "b"]),
+                                                           constrained(regex=r"\d{4}"),
+                                                           SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          logit_bias={7: 50.0, 9: -100})])
+    assert [o.outputs[0].token_ids for o in mixed[:4]] == alone
+    assert json.loads(mixed[4].outputs[0].text)["size"] in ("S", "M", "XL")
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    plain = llm.generate(PROMPTS[0], base)[0].outputs[0]
+    first = plain.token_ids[0]
+    runner_up = next(t for t, lp in plain.logprobs[0].items() if lp.rank == 2)
+    forced = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5,
+                                                     logit_bias={runner_up: 100}))[0].outputs[0]
+    assert forced.token_ids == [runner_up] * 6
+    # logprobs are the model's, before the bias (vLLM's raw_logprobs)
+    assert forced.logprobs[0][runner_up].logprob == pytest.approx(plain.logprobs[0][runner_up].logprob, abs=1e-5)
+    banned = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                     logit_bias={first: -100}))[0].outputs[0]
+    assert banned.token_ids[0] != first and first not in banned.token_ids
+    sampled = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                                                      logit_bias={"333": 100}))[0].outputs[0]
+    assert sampled.token_ids == [333] * 6
+
+
+def test_logit_bias_limits(llm):
+    with pytest.raises(SamplingParamError, match=r"\[0, 512\)") as e:
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={512: 1.0}))
+    assert e.value.param == "logit_bias" and "512" in str(e.value)
+    for bad in (100.5, -101, float("nan"), "x"):
+        with pytest.raises(SamplingParamError, match=r"\[-100, 100\]") as e:
+            SamplingParams(logit_bias={5: bad})
+        assert e.value.param == "logit_bias"
+    with pytest.raises(SamplingParamError, match="not a token id"):
+        SamplingParams(logit_bias={"five": 1})
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("spec, param, message", [
+    (dict(json={"type": "nonsense"}), "structured_outputs.json", 'Unsupported type "nonsense"'),
+    (dict(json='{"type": '), "structured_outputs.json", "not valid JSON"),
+    (dict(regex="a(b"), "structured_outputs.regex", "parenthesis is not closed"),
+    (dict(grammar='root ::= "a" |'), "structured_outputs.grammar", "EBNF parser error"),
+    (dict(choice=[]), "structured_outputs.choice", "non-empty list"),
+    (dict(json={}, regex="a"), "structured_outputs", "exactly one of"),
+    (dict(json={}, whitespace_pattern=" "), "structured_outputs.whitespace_pattern", "not supported"),
+])
+def test_invalid_specs_name_the_problem(llm, spec, param, message):
+    with pytest.raises(SamplingParamError, match=re.escape(message)) as e:
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
+    assert e.value.param == param
+    assert "/project/" not in str(e.value)       # xgrammar's source location is stripped
+    assert not llm.engine.has_unfinished_requests()
