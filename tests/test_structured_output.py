@@ -155,3 +155,16 @@ def test_invalid_specs_name_the_problem(llm, spec, param, message):
     assert e.value.param == param
     assert "/project/" not in str(e.value)       # xgrammar's source location is stripped
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bench_serve_structured_fraction_payloads():
+    from tokenmill.bench.serve import BENCH_SCHEMA, build_payload, structured_indices
+    from tokenmill.bench.serve_datasets import ServeRequest
+    assert sorted(structured_indices(12, 0.25)) == [3, 7, 11]
+    assert len(structured_indices(200, 0.25)) == 50 and not structured_indices(10, 0.0)
+    req = ServeRequest("hi", 8, 1)
+    chat = build_payload("/v1/chat/completions", "m", req, True, 0.0, BENCH_SCHEMA)
+    assert chat["response_format"]["json_schema"]["schema"] == BENCH_SCHEMA
+    assert build_payload("/v1/completions", "m", req, True, 0.0, BENCH_SCHEMA)["structured_outputs"] == \
+        {"json": BENCH_SCHEMA}
+    assert "response_format" not in build_payload("/v1/chat/completions", "m", req, True, 0.0)

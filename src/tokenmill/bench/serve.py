@@ -12,6 +12,9 @@ Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
   (`stream_options.include_usage`), never re-tokenised here.
 - Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
 Each concurrency level sends the same `--num-prompts` requests, one level after the other.
+`--structured-fraction F` puts that fraction of them (evenly spread, the same ones at every level) under
+`BENCH_SCHEMA` (chat: `response_format` json_schema; completions: `structured_outputs`), and reports
+the TPOT of those and of the plain ones apart.
 """
 from __future__ import annotations
 
@@ -107,15 +110,32 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
 
 
 # ----- client ---------------------------------------------------------------------------------------------
-def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool, temperature: float) -> dict:
+# an agent-style answer: mostly free text, as JSON outputs mostly are
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string"}, "confidence": {"type": "number"},
+    "sources": {"type": "array", "items": {"type": "string"}}}, "required": ["answer", "confidence", "sources"]}
+
+
+def structured_indices(n: int, fraction: float) -> set[int]:
+    """round(n * fraction) of range(n), evenly spread."""
+    return {i for i in range(n) if math.floor((i + 1) * fraction + 1e-9) > math.floor(i * fraction + 1e-9)}
+
+
+def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool, temperature: float,
+                  schema: dict | None = None) -> dict:
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
     if endpoint.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": req.prompt}]
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     else:
         body["prompt"] = req.prompt
+        if schema is not None:
+            body["structured_outputs"] = {"json": schema}
     return body
 
 
@@ -180,8 +200,9 @@ def arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
 
 async def run_level(base_url: str, endpoint: str, model: str, requests: list[ServeRequest], max_concurrency: int,
                     request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
-                    headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True
-                    ) -> tuple[list[RequestResult], float]:
+                    headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True,
+                    structured: set[int] = frozenset()) -> tuple[list[RequestResult], float]:
+    """`structured`: the indices of `requests` sent under BENCH_SCHEMA."""
     import httpx
     from tqdm import tqdm
 
@@ -193,20 +214,20 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
         level_t0 = time.perf_counter()
 
-        async def one(req: ServeRequest) -> RequestResult:
+        async def one(req: ServeRequest, schema: dict | None) -> RequestResult:
             async with sem:
                 start = time.perf_counter() - level_t0
-                res = await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature),
-                                         headers)
+                res = await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature,
+                                                                    schema), headers)
                 res.start = start
                 bar.update(1)
                 return res
 
         tasks = []
-        for req, delay in zip(requests, arrival_delays(len(requests), request_rate, seed)):
+        for i, (req, delay) in enumerate(zip(requests, arrival_delays(len(requests), request_rate, seed))):
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(req)))
+            tasks.append(asyncio.ensure_future(one(req, BENCH_SCHEMA if i in structured else None)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - level_t0
     bar.close()
@@ -263,6 +284,9 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     slos = parse_goodput(args.goodput)
     rate = float(args.request_rate)
     levels = [int(c) for c in str(args.max_concurrency).split(",") if c.strip()]
+    if not 0.0 <= args.structured_fraction <= 1.0:
+        raise SystemExit(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
+    structured = structured_indices(len(requests), args.structured_fraction)
     for _ in range(args.num_warmups):
         warm = ServeRequest(requests[0].prompt, min(requests[0].max_tokens, 16), requests[0].prompt_len)
         asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
@@ -277,14 +301,21 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         "base_url": args.base_url, "endpoint": args.endpoint,
         "dataset": {"name": args.dataset, "seed": args.seed, "ignore_eos": not args.no_ignore_eos,
                     **dataset_summary(requests)},
+        "structured": {"fraction": args.structured_fraction, "requests": len(structured),
+                       "schema": BENCH_SCHEMA} if structured else None,
         "request_rate": "inf" if math.isinf(rate) else rate,
         "levels": [],
     }
     for conc in levels:
         results, duration = asyncio.run(run_level(
             args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
-            args.temperature, headers, args.request_timeout, not args.no_progress))
+            args.temperature, headers, args.request_timeout, not args.no_progress, structured))
         m = compute_metrics(results, duration, slos)
+        if structured:
+            for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
+                tpots = [t for i in rows if results[i].success and (t := tpot_of(results[i])) is not None]
+                m[f"median_tpot_ms_{part}"] = float(np.median(tpots)) * 1e3 if tpots else None
+                m[f"output_tokens_{part}"] = sum(results[i].output_tokens for i in rows)
         m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate})
         ok = [r for r in results if r.success]
         m["ttfts_ms"] = _round_ms(r.ttft for r in ok)
@@ -302,7 +333,15 @@ def format_level(backend: str, m: dict) -> str:
     return (f"{backend} c={m['max_concurrency']}: {m['completed']}/{m['num_requests']} ok, "
             f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
             f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
-            f"E2E p95 {m['p95_e2el_ms']:.0f} ms")
+            f"E2E p95 {m['p95_e2el_ms']:.0f} ms" + _structured_tpots(m))
+
+
+def _structured_tpots(m: dict) -> str:
+    if "median_tpot_ms_structured" not in m:
+        return ""
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"      # noqa: E731
+    return (f", TPOT p50 structured {fmt(m['median_tpot_ms_structured'])} / plain "
+            f"{fmt(m['median_tpot_ms_plain'])} ms")
 
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
@@ -331,6 +370,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--mixed-chat-output-len", default="100,300", help="mixed-chat: inclusive max_tokens")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (servers without it)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--structured-fraction", type=float, default=0.0,
+                   help="this fraction of the requests asks for JSON under a schema (structured output)")
     p.add_argument("--goodput", nargs="+", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=3600.0)
