@@ -43,12 +43,15 @@ class StructuredOutputManager:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         # our LRU is the only cache: xgrammar's own has no entry limit by default
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        # JSON never holds a raw control character (in strings they are escaped; between tokens only space,
+        # \t, \n, \r), but xgrammar 0.2.9 lets them into length-bounded strings: JSON rows clear these ids
+        self._json_keep = {any_ws: _keep_words(info.decoded_vocab, vocab_size, any_ws) for any_ws in (True, False)}
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_size = cache_size
 
-    def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of `params`; an invalid spec raises SamplingParamError with xgrammar's
-        message and `param` "structured_outputs.<field>"."""
+    def compile(self, params: StructuredOutputsParams) -> tuple:
+        """The compiled grammar of `params` and its cache key; an invalid spec raises SamplingParamError
+        with xgrammar's message and `param` "structured_outputs.<field>"."""
         kind = params.kind
         spec = getattr(params, kind)
         if kind == "json" and not isinstance(spec, str):
@@ -59,7 +62,7 @@ class StructuredOutputManager:
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
-            return compiled
+            return compiled, key
         try:
             compiled = self._compile(kind, spec, not params.disable_any_whitespace)
         except RuntimeError as e:
@@ -68,7 +71,7 @@ class StructuredOutputManager:
         self._cache[key] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return compiled
+        return compiled, key
 
     def _compile(self, kind: str, spec, any_whitespace: bool):
         c = self._compiler
@@ -82,18 +85,21 @@ class StructuredOutputManager:
             return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(s) for s in spec))
         return c.compile_grammar(spec)
 
-    def sequence_grammar(self, compiled) -> "SequenceGrammar":
-        return SequenceGrammar(self._xgr.GrammarMatcher(compiled))
+    def sequence_grammar(self, compiled: tuple) -> "SequenceGrammar":
+        grammar, (kind, _, no_whitespace) = compiled
+        keep = self._json_keep[not no_whitespace] if kind in ("json", "json_object") else None
+        return SequenceGrammar(self._xgr.GrammarMatcher(grammar), keep)
 
 
 class SequenceGrammar:
     """One sequence's position in its grammar. The matcher terminates once it accepts a stop token (EOS),
     which it allows only where the grammar is complete."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "keep")
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, keep: torch.Tensor | None = None):
         self.matcher = matcher
+        self.keep = keep            # [W] int32: bits of the tokens this kind of output may ever hold
 
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
@@ -104,6 +110,8 @@ class SequenceGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.keep is not None:
+            bitmask[row] &= self.keep
 
 
 class BatchBitmask:
@@ -145,6 +153,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _keep_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
+    """Packed bits of the tokens without a byte JSON forbids outside escapes: control characters, except
+    \t \n \r where whitespace may appear."""
+    allowed_controls = {9, 10, 13} if any_whitespace else set()
+    keep = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    for i, token in enumerate(decoded_vocab[:vocab_size]):
+        if any(b < 0x20 and b not in allowed_controls for b in token):
+            keep[i] = False
+    words = (keep.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)   # as int32 bit patterns
 
 
 def _ebnf_literal(text: str) -> str:
