@@ -59,7 +59,8 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len: int,
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
     pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    return torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v).flatten(1, 2).to(q.dtype)
+    probs = scores.softmax(-1).nan_to_num(0.0)      # a padded slot (seq_len 0) attends to nothing: zeros
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).flatten(1, 2).to(q.dtype)
 
 
 def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float):
