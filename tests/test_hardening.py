@@ -148,43 +148,47 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):
 
 
 # ----- 3: the queue limit counts each waiting request once ----------------------------------------------
-@pytest.fixture
-def slow_engine_path(monkeypatch):
-    """Lets a server's engine process import tests/slow_engine.py (`--engine-factory slow_engine:make`)."""
-    monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+@pytest.fixture(scope="module")
+def slow_server(qwen3_dir, tmp_path_factory):
+    """One sequence at a time, a queue of 4, and steps of at least 20 ms (tests/slow_engine.py)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("slow"), "--max-model-len", "512", "--num-kv-blocks",
+                      "256", "--block-size", "4", "--max-num-seqs", "1", "--max-queue-len", "4",
+                      "--engine-factory", "slow_engine:make")
+    mp.undo()
+    yield s
+    s.stop(signal.SIGKILL)
 
 
-def test_max_queue_len_lets_that_many_requests_wait(qwen3_dir, tmp_path, slow_engine_path):
-    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "512", "--num-kv-blocks", "256", "--block-size", "4",
-                      "--max-num-seqs", "1", "--max-queue-len", "4", "--engine-factory", "slow_engine:make")
-    try:
-        async def main():
-            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
-                async def stream_first_token(body):
-                    ctx = c.stream("POST", "/v1/completions", json={**body, "stream": True})
-                    r = await ctx.__aenter__()
-                    lines = r.aiter_lines()
-                    while not (await lines.__anext__()).startswith("data: {"):
-                        pass
-                    return ctx, lines           # keep `lines`: collecting it would close the stream
-                blocker_ctx, blocker_lines = await stream_first_token(
-                    {"prompt": "block", "max_tokens": 400, "ignore_eos": True})
-                body = {"prompt": "wait", "max_tokens": 2, "ignore_eos": True}
-                waiting = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(4)]
-                deadline = time.monotonic() + 30
-                while s.metrics()["tokenmill:num_requests_waiting"] < 4:     # all 4 reached the engine
-                    assert time.monotonic() < deadline and not any(w.done() for w in waiting), \
-                        [w.result().text for w in waiting if w.done()]
-                    await asyncio.sleep(0.05)
-                over = await c.post("/v1/completions", json=body)
-                await blocker_ctx.__aexit__(None, None, None)   # disconnect: the queue moves on
-                return over, await asyncio.gather(*waiting)
-        over, waited = asyncio.run(main())
-        assert [r.status_code for r in waited] == [200] * 4, [r.text for r in waited]
-        err = _assert_openai_error(over, 503)
-        assert err["code"] == "queue_full" and "4" in err["message"]
-    finally:
-        s.stop(signal.SIGKILL)
+def test_max_queue_len_lets_that_many_requests_wait(slow_server):
+    s = slow_server
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+            async def stream_first_token(body):
+                ctx = c.stream("POST", "/v1/completions", json={**body, "stream": True})
+                r = await ctx.__aenter__()
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass
+                return ctx, lines           # keep `lines`: collecting it would close the stream
+            blocker_ctx, blocker_lines = await stream_first_token(
+                {"prompt": "block", "max_tokens": 400, "ignore_eos": True})
+            body = {"prompt": "wait", "max_tokens": 2, "ignore_eos": True}
+            waiting = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while s.metrics()["tokenmill:num_requests_waiting"] < 4:     # all 4 reached the engine
+                assert time.monotonic() < deadline and not any(w.done() for w in waiting), \
+                    [w.result().text for w in waiting if w.done()]
+                await asyncio.sleep(0.05)
+            over = await c.post("/v1/completions", json=body)
+            await blocker_ctx.__aexit__(None, None, None)   # disconnect: the queue moves on
+            return over, await asyncio.gather(*waiting)
+    over, waited = asyncio.run(main())
+    assert [r.status_code for r in waited] == [200] * 4, [r.text for r in waited]
+    err = _assert_openai_error(over, 503)
+    assert err["code"] == "queue_full" and "4" in err["message"]
 
 
 # ----- 4: lone surrogates ---------------------------------------------------------------------------------
@@ -384,46 +388,35 @@ def test_long_prompts_log_no_tokenizer_length_warning(tokenizer_dir, tmp_path, c
 
 
 # ----- 7: exit statuses ------------------------------------------------------------------------------------
-def test_sigterm_after_the_engine_died_still_exits_one(qwen3_dir, tmp_path):
-    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "64", "--num-kv-blocks", "32")
-    try:
-        os.kill(s.engine_pid, signal.SIGKILL)
-        time.sleep(2.5)                 # past the 2 s in which /health answers 503: the server is exiting
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(30) == 1
-    finally:
-        s.stop(signal.SIGKILL)
-
-
-def test_a_second_sigterm_cuts_requests_with_errors_and_exits_nonzero(qwen3_dir, tmp_path, slow_engine_path):
-    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "512", "--num-kv-blocks", "512",
-                      "--block-size", "4", "--engine-factory", "slow_engine:make")
+def test_a_second_sigterm_cuts_requests_with_errors_and_exits_nonzero(slow_server):
+    """Runs last on `slow_server`: one stream runs, three requests wait; two SIGTERMs cut them all."""
+    s = slow_server
     body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
-    try:
-        async def main():
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                async def stream():
-                    lines = []
-                    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                        async for line in r.aiter_lines():
-                            if line:
-                                lines.append(line)
-                    return lines
-                streams = [asyncio.ensure_future(stream()) for _ in range(3)]
-                plain = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
-                await asyncio.sleep(1.0)
-                s.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
-                s.proc.send_signal(signal.SIGTERM)
-                return await asyncio.gather(*streams), await asyncio.gather(*plain)
-        streams, plain = asyncio.run(main())
-        for lines in streams:
-            assert lines[-1] == "data: [DONE]", lines[-3:]
-            last = json.loads(lines[-2].removeprefix("data: "))
-            assert last["error"]["code"] == "shutting_down", last
-        for r in plain:
-            assert _assert_openai_error(r, 503)["code"] == "shutting_down"
-        assert s.proc.wait(30) == 1
-    finally:
-        s.stop(signal.SIGKILL)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            async def stream():
+                lines = []
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line)
+                return lines
+            streaming = asyncio.ensure_future(stream())
+            while s.metrics()["tokenmill:num_requests_running"] < 1:
+                await asyncio.sleep(0.05)
+            plain = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
+            while s.metrics()["tokenmill:num_requests_waiting"] < 3:
+                await asyncio.sleep(0.05)
+            s.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            s.proc.send_signal(signal.SIGTERM)
+            return await streaming, await asyncio.gather(*plain)
+    lines, plain = asyncio.run(main())
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert last["error"]["code"] == "shutting_down", last
+    assert len(lines) > 3                                  # it was streaming when it was cut
+    for r in plain:
+        assert _assert_openai_error(r, 503)["code"] == "shutting_down"
+    assert s.proc.wait(30) == 1
