@@ -6,11 +6,14 @@
 # and of the plain requests apart.
 #
 # The GPU machine has no network and no xgrammar: carry its wheel. Here, from the repository root:
-#   ../shared/device/wheels.sh xgrammar      # into ./.whl (fastapi, uvicorn, pydantic, openai and xgrammar
-#                                            # with apache-tvm-ffi, for Python 3.12)
-# then run with carry [".whl"]:
+#   ../shared/device/wheels.sh                # server wheels into ./.whl (fastapi, uvicorn, pydantic, openai)
+#   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --no-deps -d .whl xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+# (--no-deps: xgrammar's own dependencies would bring torch's 2 GB of CUDA wheels; the machine has torch,
+# transformers and triton, and pydantic comes with the server wheels), then run with carry [".whl"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-}; OUT=$OUT bash scripts/device/bench_structured.sh
+# check_structured.py (correctness on the GPU, ~1 min) needs only xgrammar, apache-tvm-ffi and pydantic.
 #
 # The preset has random weights, so outputs are not meaningful text; ignore_eos is sent (as in
 # bench_serve.sh), but a constrained request still ends where its grammar ends (EOS is then the only token
