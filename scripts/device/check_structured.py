@@ -2,8 +2,8 @@
 byte-level tokenizer; JSON schema outputs parse and match, plain rows beside constrained ones keep their
 greedy tokens, +100 logit_bias forces a token. Prints one JSON line; exit status 1 on a failed check.
 
-    python3 scripts/device/check_structured.py      (needs xgrammar: carry .whl-structured, see
-                                                      bench_structured.sh)
+    python3 scripts/device/check_structured.py      (needs xgrammar, apache-tvm-ffi and pydantic:
+                                                      carry their wheels as bench_structured.sh says)
 """
 from __future__ import annotations
 
