@@ -116,7 +116,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         serving.check_model(req.model)
         if req.messages is not None:
             msgs = [m.for_template() for m in req.messages]
-            _, ids = await serving.render_chat(msgs, req.add_generation_prompt is not False)
+            tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+            _, ids = await serving.render_chat(msgs, req.add_generation_prompt is not False, **tools)
         else:
             ids = await serving.encode(req.prompt, req.add_special_tokens is not False)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})

@@ -74,6 +74,7 @@ class StructuredOutputs(_Strict):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
     def spec(self) -> dict[str, Any]:
         given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
@@ -82,6 +83,8 @@ class StructuredOutputs(_Strict):
         if len(given) != 1:
             raise UnsupportedValue("structured_outputs", "'structured_outputs' takes exactly one of json, regex, "
                                                          f"choice, grammar or json_object (got {len(given)})")
+        if self.disable_any_whitespace is not None:
+            given["disable_any_whitespace"] = self.disable_any_whitespace
         return given
 
 
@@ -160,14 +163,16 @@ class _SamplingRequest(_Strict):
     def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
         """The one output constraint asked for, as (the field that asked, {kind: value}), or None."""
         asked: list[tuple[str, dict[str, Any]]] = []
+        # OpenAI's JSON modes (and tool calls) are decoded in compact JSON, separators as json.dumps writes
+        # them: free whitespace between tokens lets a model loop on newlines until max_tokens
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            asked.append(("response_format", {"json_object": True}))
+            asked.append(("response_format", {"json_object": True, "disable_any_whitespace": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise UnsupportedValue("response_format", "response_format of type 'json_schema' needs "
                                                           "'json_schema.schema'")
-            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+            asked.append(("response_format", {"json": rf.json_schema.schema_, "disable_any_whitespace": True}))
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", self.structured_outputs.spec()))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -198,7 +203,7 @@ class _SamplingRequest(_Strict):
                                                parallel_tool_calls=getattr(self, "parallel_tool_calls", None) is not False)
             except ValueError as e:
                 raise UnsupportedValue("tool_choice", f"cannot constrain the output to these tools: {e}") from None
-            return StructuredOutputsParams(json=schema)
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         try:
             return StructuredOutputsParams(**kinds)
         except ValueError as e:
@@ -440,6 +445,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: Annotated[str, Field(max_length=4_000_000)] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
 

@@ -1,0 +1,220 @@
+"""Tools, reasoning and structured output through a live `tokenmill serve --enable-auto-tool-choice
+--tool-call-parser hermes --reasoning-parser qwen3 --chat-template FILE`, driven by the official `openai`
+client and LangChain. A tiny random model picks no tool by itself: calls come from decoding under the
+tools' schema (tool_choice "required" or named), or from output steered by a grammar into the hermes
+format, which the parser then reads."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import make_model
+from test_server import ServerProcess
+
+# ChatML with Qwen3's way of showing tools: their JSON in the system turn, calls as <tool_call> blocks
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+        "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCRIPTED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def agent_server(tokenizer_dir, tmp_path_factory):
+    """The tiny Qwen3 with a 2,048-token context: tool schemas take many of its 400-token vocabulary's tokens."""
+    import shutil
+    tmp = tmp_path_factory.mktemp("agent")
+    model = tmp / "model"
+    make_model(str(model), "qwen3", max_position_embeddings=2048)
+    shutil.copytree(tokenizer_dir, model, dirs_exist_ok=True)
+    template = tmp / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    s = ServerProcess(str(model), tmp, "--max-model-len", "2048", "--num-kv-blocks", "2048", "--block-size", "8",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                      "--chat-template", str(template))
+    yield s
+    assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
+def _check_weather(call):
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Tokyo") and args["unit"] in ("c", "f")
+
+
+def test_tools_are_rendered_through_the_template(agent_server):
+    r = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"messages": USER, "tools": [WEATHER]})
+    text = httpx.post(agent_server.url + "/detokenize", timeout=30, json={"tokens": r.json()["tokens"]}).json()
+    assert "# Tools" in text["prompt"] and '"get_weather"' in text["prompt"]
+
+
+def test_tool_choice_required_and_named(agent_server):
+    client = agent_server.client()
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    for call in c.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        assert (call.function.name == "get_weather") == ("city" in args)
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], max_tokens=120,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and len(c.message.tool_calls) == 1
+    _check_weather(c.message.tool_calls[0])
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=USER, tools=[WEATHER], tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, max_tokens=120, temperature=0, stream=True))
+    calls = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    args = "".join(tc.function.arguments or "" for tc in calls)
+    assert json.loads(args) == json.loads(c.message.tool_calls[0].function.arguments)
+
+
+def test_auto_tool_choice_parses_hermes_calls_whole_and_streamed(agent_server):
+    client = agent_server.client()
+    steer = {"structured_outputs": {"regex": re.escape(SCRIPTED)}}
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=200,
+                                       extra_body=steer)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [json.loads(t.function.arguments) for t in c.message.tool_calls] == [{"city": "Paris", "unit": "c"}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=200,
+                                                 extra_body=steer, stream=True))
+    deltas = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or [])]
+    content = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
+    assert "<tool_call>" not in content and content.strip() == ""
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris", "unit": "c"}
+    assert [choice.finish_reason for ch in chunks for choice in ch.choices if choice.finish_reason] == ["tool_calls"]
+    # the call goes back as history, with the tool's answer
+    history = USER + [r.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "18 C"}]
+    again = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=4)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_bad_tool_choices_are_400(agent_server):
+    r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "nope" in r.text
+    r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_reasoning_goes_to_reasoning_content(agent_server):
+    client = agent_server.client()
+    script = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    steer = {"structured_outputs": {"regex": re.escape(script)}}
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=steer)
+    msg = r.choices[0].message
+    assert msg.content == "It is sunny." and msg.model_extra["reasoning_content"] == "The user asks about Paris."
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=steer,
+                                                 stream=True))
+    reasoning = "".join((choice.delta.model_extra or {}).get("reasoning_content") or ""
+                        for ch in chunks for choice in ch.choices)
+    content = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
+    assert reasoning == "The user asks about Paris." and content == "It is sunny."
+
+
+class City(BaseModel):
+    name: str = Field(max_length=8)
+    population: int = Field(ge=0, le=1000)
+    capital: bool
+
+
+def test_parse_with_a_pydantic_model_and_json_modes(agent_server):
+    client = agent_server.client()
+    r = client.chat.completions.parse(model="tiny", messages=USER, response_format=City, max_tokens=120,
+                                      temperature=0)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and 0 <= city.population <= 1000
+    r = client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"},
+                                       max_tokens=150, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    bad = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}})
+    assert bad.status_code == 400, bad.text
+    assert "frobnicate" in bad.json()["error"]["message"] or "type" in bad.json()["error"]["message"]
+
+
+def test_logit_bias_on_both_endpoints(agent_server):
+    client = agent_server.client()
+    forced = 65
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    ids = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"prompt": r.choices[0].text,
+                                                                       "add_special_tokens": False}).json()
+    assert ids["tokens"] == [forced] * 3
+    c = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, logit_bias={str(forced): 100},
+                                       extra_body={"ignore_eos": True})
+    assert c.choices[0].message.content == r.choices[0].text[:len(c.choices[0].message.content)]
+    for bias, word in (({"100000": 5}, "vocabulary"), ({"5": 101}, "100")):
+        bad = httpx.post(agent_server.url + "/v1/completions", timeout=30, json={
+            "prompt": "x", "max_tokens": 1, "logit_bias": bias})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
+        assert word in bad.json()["error"]["message"]
+
+
+def test_responses_with_tools(agent_server):
+    client = agent_server.client()
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model="tiny", input="weather in Paris?", tools=[tool], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Tokyo")
+    events = list(client.responses.create(model="tiny", input="weather in Paris?", tools=[tool],
+                                          tool_choice="required", parallel_tool_calls=False,
+                                          max_output_tokens=200, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and json.loads(done[0].arguments) == json.loads(calls[0].arguments)
+
+
+def test_langchain_bind_tools_and_structured_output(agent_server):
+    pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    class WeatherArgs(BaseModel):
+        city: Literal["Paris", "Tokyo"]
+
+    @tool(args_schema=WeatherArgs)
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(model="tiny", base_url=agent_server.url + "/v1", api_key="none", max_tokens=200,
+                     temperature=0, max_retries=0)
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert msg.tool_calls[0]["args"]["city"] in ("Paris", "Tokyo")
+    city = llm.with_structured_output(City).invoke("Tell me about Paris.")
+    assert isinstance(city, City)
+    with pytest.raises(openai.BadRequestError):
+        llm.bind_tools([get_weather], tool_choice="nope").invoke("x")
