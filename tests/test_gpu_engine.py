@@ -65,11 +65,11 @@ def test_gpu_matches_cpu_float32(qwen3_dir, prompts):
 def test_single_request_decode_kernels_match_cpu_float32(qwen3_dir, prompts, monkeypatch):
     """One request at a time: every decode step is a one-token CUDA graph through the fused
     single-token layer (kernels/gemv.py) with programmatic dependent launch."""
-    from tokenmill.models import llama
+    from tokenmill.layers.backend import TritonBackend
     used = []
-    original = llama.single_token_linear
-    monkeypatch.setattr(llama, "single_token_linear",
-                        lambda h, kernels: used.append(original(h, kernels)) or used[-1])
+    original = TritonBackend.single_token_linear
+    monkeypatch.setattr(TritonBackend, "single_token_linear",
+                        lambda self, h: used.append(original(self, h)) or used[-1])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     cpu = LLM(qwen3_dir, device="cpu", dtype="float32")
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts[:6], params)]

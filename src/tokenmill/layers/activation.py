@@ -9,9 +9,3 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        from tokenmill.layers.kernels import fused_ops
-        return fused_ops.silu_and_mul(x)
-    return silu_and_mul_torch(x)

@@ -2,15 +2,13 @@
 
 Cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim];
 token slot `s` is block `s // block_size`, offset `s % block_size`. A slot of -1 is padding and is
-never written. A batch reaches the cache through `AttentionMetadata` (attention_metadata.py).
+never written. A batch reaches the cache through `AttentionMetadata` (attention_metadata.py); the
+model's backend (backend.py) runs these references or the kernels.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from tokenmill.layers.attention_metadata import AttentionMetadata
-from tokenmill.layers.kernel_config import PrefillAttentionConfig
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -76,26 +74,12 @@ def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float)
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the cache, then attends over the cache (`attend` alone when a fused
-    kernel already stored them). `k_cache` / `v_cache` are bound by `LlamaForCausalLM.bind_kv_cache`
-    once the runner has allocated the cache; `prefill_config` is the CUDA kernel's (`use_kernels`)."""
+    """One layer's view of the paged KV cache and its softmax scale; the model's backend stores this
+    step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
+    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
-        self.prefill_config = PrefillAttentionConfig()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        """The reference path (on CUDA the prologue kernels store K/V and `attend` follows)."""
-        store_kvcache_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D] over the cache, which must already hold this step's K/V."""
-        if q.is_cuda:
-            from tokenmill.layers.kernels import paged_attention as kernels
-            return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.prefill_config)
-        return paged_attention_torch(q, self.k_cache, self.v_cache, meta.block_tables,
-                                     meta.seq_lens, meta.query_start_loc, self.scale)

@@ -20,14 +20,10 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm's weight and eps; the model's backend computes it (`rms_norm`), or folds it into the
+    product after it (`gemv.fused_linear`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:
-            from tokenmill.layers.kernels import fused_ops
-            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
-        out, residual_out = rms_norm_torch(x, self.weight, self.eps, residual)
-        return out if residual is None else (out, residual_out)

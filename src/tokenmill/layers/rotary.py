@@ -49,8 +49,3 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: cos in the first half, sin in the second
         table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
         self.cos_sin = table.to(self.cos_sin.device)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """The reference path (on CUDA, RoPE runs inside the attention prologue kernels)."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
-        return apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)

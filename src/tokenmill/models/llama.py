@@ -6,38 +6,15 @@ cache through `AttentionMetadata`.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import PagedAttention
 from tokenmill.layers.attention_metadata import AttentionMetadata
-from tokenmill.layers.kernel_config import KernelConfig
+from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-
-
-def single_token_linear(input_ids: torch.Tensor, kernels: KernelConfig):
-    """`gemv.fused_linear` with the tiles of `kernels` when a step of these input ids runs its layers as
-    single-token kernels (CUDA, one token), else None."""
-    if not input_ids.is_cuda:
-        return None
-    from tokenmill.layers.kernels import gemv
-    if not gemv.applies(input_ids.shape[0], input_ids.device):
-        return None
-    return partial(gemv.fused_linear, kernels=kernels)
-
-
-def decode_attention_kernel(input_ids: torch.Tensor, meta: AttentionMetadata, kernels: KernelConfig):
-    """`decode_attention.fused_decode_attention` with `kernels.decode_attention` when a step's attention
-    runs as one kernel from the packed qkv (CUDA, one new token per sequence), else None."""
-    if not (input_ids.is_cuda and meta.is_pure_decode(input_ids.shape[0])):
-        return None
-    from tokenmill.layers.kernels import decode_attention
-    return partial(decode_attention.fused_decode_attention, config=kernels.decode_attention)
 
 
 class Attention(nn.Module):
@@ -55,6 +32,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.backend = TorchBackend()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 decode_attention=None) -> torch.Tensor:
@@ -63,7 +41,7 @@ class Attention(nn.Module):
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                    decode_attention=None) -> torch.Tensor:
         """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
-        `decode_attention` (from `decode_attention_kernel`): the whole of it in that one kernel."""
+        `decode_attention` (from the backend's `decode_attention`): the whole of it in that one kernel."""
         T = qkv.shape[0]
         qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
                    else (None, None, 0.0))
@@ -73,22 +51,12 @@ class Attention(nn.Module):
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
                                    self.head_dim)
             return out.reshape(T, self.q_size)
-        if qkv.is_cuda:
-            # one kernel for q/k norm, RoPE and the KV-cache store; attention then reads K/V from the cache
-            from tokenmill.layers.kernels import fused_ops
-            q = fused_ops.qk_norm_rope_store(
-                qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache, self.attn.v_cache,
-                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.attn.attend(q, meta).reshape(T, self.q_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q.contiguous())
-            k = self.k_norm(k.contiguous())
-        q, k = self.rotary(positions, q, k)
-        return self.attn(q, k, v, meta).reshape(T, self.q_size)
+        # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the cache
+        q = self.backend.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
+                                            self.attn.v_cache, meta.slot_mapping, self.num_heads,
+                                            self.num_kv_heads, self.head_dim)
+        return self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale).reshape(
+            T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -98,9 +66,10 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.backend = TorchBackend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,23 +79,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.backend = TorchBackend()
 
     def forward(self, positions, hidden, residual, meta, fused_linear=None, decode_attention=None, ids=None):
-        """`fused_linear` (from `single_token_linear`): run the layer as single-token kernels;
-        `decode_attention` (from `decode_attention_kernel`): the attention as one kernel; `ids` (first
-        layer, single-token only): `hidden` is the embedding table and the input its rows `ids`."""
+        """`fused_linear` (from the backend's `single_token_linear`): run the layer as single-token
+        kernels; `decode_attention` (from its `decode_attention`): the attention as one kernel; `ids`
+        (first layer, single-token only): `hidden` is the embedding table and the input its rows `ids`."""
         if fused_linear is not None:
             return self._forward_single_token(fused_linear, decode_attention, positions, hidden, residual,
                                               meta, ids)
         if ids is not None:
             raise ValueError("a layer gathers its input rows (ids) only as single-token kernels")
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.backend.rms_norm(hidden, norm1.weight, norm1.eps)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.backend.rms_norm(hidden, norm1.weight, norm1.eps, residual)
         hidden = self.self_attn(positions, hidden, meta, decode_attention)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.backend.rms_norm(hidden, norm2.weight, norm2.eps, residual)
         return self.mlp(hidden), residual
 
     def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta, ids):
@@ -153,11 +124,11 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.kernels = KernelConfig()
+        self.backend = TorchBackend()
 
     def forward(self, input_ids, positions, meta):
-        fused_linear = single_token_linear(input_ids, self.kernels)
-        decode_attention = decode_attention_kernel(input_ids, meta, self.kernels)
+        fused_linear = self.backend.single_token_linear(input_ids)
+        decode_attention = self.backend.decode_attention(input_ids, meta)
         residual, ids = None, None
         if fused_linear is not None:        # the first product gathers the embedding itself
             hidden, ids = self.embed_tokens.weight, input_ids
@@ -166,7 +137,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta, fused_linear, decode_attention,
                                      ids if i == 0 else None)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.backend.rms_norm(hidden, self.norm.weight, self.norm.eps, residual)
         return hidden
 
 
@@ -196,11 +167,12 @@ class LlamaForCausalLM(nn.Module):
             else:          # plain views (not unbind's), which the cache stores write into in place
                 attn.k_cache, attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
 
-    def use_kernels(self, kernels: KernelConfig) -> None:
-        """The kernel configuration (tiles, attention blocks) that CUDA steps run with."""
-        self.model.kernels = kernels
-        for layer in self.model.layers:
-            layer.self_attn.attn.prefill_config = kernels.prefill_attention
+    def use_backend(self, backend: TorchBackend) -> None:
+        """The implementation of each operation that the forward pass runs (`layers/backend.py`): every
+        module that asks one (`.backend`) gets this one. Until then, the PyTorch reference."""
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
 
     def tie_weights(self) -> None:
         """Shares the embedding with the head when the checkpoint ties them (must be redone after

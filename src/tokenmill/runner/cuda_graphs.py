@@ -22,28 +22,16 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
-from tokenmill.layers.kernels import argmax, staging
+from tokenmill.layers.kernels import staging
 from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
 logger = logging.getLogger("tokenmill")
 
 
-def greedy_ids(logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Each row's argmax (first of equals): one kernel on CUDA, torch's elsewhere. `publish` (host,
-    turn): also into row `turn` of the host table, as `argmax.greedy` takes it."""
-    if logits.is_cuda:
-        return argmax.greedy(logits, publish=publish)
-    ids = logits.argmax(-1)
-    if publish is not None:
-        argmax.check_publish(publish, len(ids))
-        host, turn = publish
-        host[int(turn)][:len(ids)] = ids
-    return ids
-
-
 class CudaGraphs:
     """Mixed into `ModelRunner`, whose model, KV cache, sizes (`max_num_seqs`, `max_model_len`,
-    `max_blocks_per_seq`), `config`, `device`, `dtype`, `graphs`, `_to_device` and `_warm_eager` it uses."""
+    `max_blocks_per_seq`), `config`, `device`, `dtype`, `backend`, `graphs`, `_to_device` and `_warm_eager`
+    it uses."""
 
     def _graph_keys(self) -> list[tuple]:
         n = self.max_num_seqs
@@ -116,7 +104,7 @@ class CudaGraphs:
             hidden = self.model(s["input_ids"][:tokens], s["positions"][:tokens], meta)
             rows = hidden if key[0] == "decode" else hidden[s["sample_idx"][:seqs]]
             logits = self.model.compute_logits(rows)
-            return hidden, logits, greedy_ids(logits, publish)
+            return hidden, logits, self.backend.greedy(logits, publish)
         return forward
 
     def _capture_graphs(self, emulate: bool = False) -> None:

@@ -19,6 +19,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request
 from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
+from tokenmill.layers.backend import make_backend
 from tokenmill.layers.kernels import staging
 from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphs
@@ -45,7 +46,8 @@ class ModelRunner(CudaGraphs):
         self.vocab_size = model_config.vocab_size
         t0 = time.perf_counter()
         self.model = load_model(model_dir, model_config, self.device, self.dtype)
-        self.model.use_kernels(engine_config.kernels)
+        self.backend = make_backend(self.device, engine_config.kernels)
+        self.model.use_backend(self.backend)
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()

@@ -2,6 +2,6 @@
 and launches one kernel; the plain-PyTorch references they are tested against live next to the layers
 (`layers/attention.py`, `norm.py`, `activation.py`, `rotary.py`).
 
-Modules are imported on first use (the layers import them only for CUDA tensors), so the CPU path never
-needs a working Triton backend, and tests can set `TRITON_INTERPRET=1` before the first import.
+Modules are imported on first use (by the Triton backend, `layers/backend.py`), so the reference path
+never needs a working Triton, and tests can set `TRITON_INTERPRET=1` before the first import.
 """

@@ -31,10 +31,6 @@ MAX_ROWS = 1
 WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
 SHIPPED = KernelConfig()
 
-def applies(num_tokens: int, device: torch.device) -> bool:
-    return device.type == "cuda" and num_tokens <= MAX_ROWS
-
-
 def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
                        ids=None):
     """Reference: y = linear(rms_norm(x + residual) * norm_weight) (each step optional), then

@@ -1,0 +1,126 @@
+"""The compute backend: which implementation of each operation the model runs, chosen once when the runner
+starts (`make_backend`) and bound to the model (`LlamaForCausalLM.use_backend`). `TorchBackend` is the
+PyTorch reference, on any device; `TritonBackend`, on CUDA, runs our kernels (`kernels/`) with the tiles
+and blocks of its `KernelConfig`. The model asks its backend; it never branches on the device.
+
+Kernel modules are imported inside the Triton backend's methods, so the reference path never needs a
+working Triton, and tests can switch Triton's interpreter on before the first import.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from tokenmill.layers.activation import silu_and_mul_torch
+from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torch
+from tokenmill.layers.attention_metadata import AttentionMetadata
+from tokenmill.layers.kernel_config import KernelConfig
+from tokenmill.layers.norm import rms_norm_torch
+from tokenmill.layers.rotary import apply_rotary_torch
+
+
+class TorchBackend:
+    """The reference of every operation; the kernels are tested against these."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        """norm(x + residual) * weight, and x + residual when a residual is given (see `rms_norm_torch`)."""
+        out, summed = rms_norm_torch(x, weight, eps, residual)
+        return out if residual is None else (out, summed)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_torch(x)
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """The attention prologue from the packed qkv [T, (Hq + 2 Hkv) D]: per-head q/k RMSNorm (weights
+        None: none), RoPE at `positions`, K/V stored at `slot_mapping`. Returns q [T, Hq, D]."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.view(t, num_heads, head_dim)
+        k = k.view(t, num_kv_heads, head_dim)
+        v = v.view(t, num_kv_heads, head_dim)
+        if q_weight is not None:
+            q, _ = rms_norm_torch(q.contiguous(), q_weight, eps)
+            k, _ = rms_norm_torch(k.contiguous(), k_weight, eps)
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)
+        q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
+        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """q [T, Hq, D] over the paged cache, which already holds this step's K/V."""
+        return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     scale)
+
+    def single_token_linear(self, input_ids: torch.Tensor):
+        """A `gemv.fused_linear`-like product when a step of these input ids runs its layers as
+        single-token kernels (norm folded into the product, SiLU-and-mul into gate_up), else None."""
+        return None
+
+    def decode_attention(self, input_ids: torch.Tensor, meta: AttentionMetadata):
+        """A `decode_attention.fused_decode_attention`-like function when a step's attention runs as one
+        kernel from the packed qkv, else None."""
+        return None
+
+    def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Each row's argmax (first of equals); `publish` (host, turn): also into row `turn` of the host
+        table, as `argmax.greedy` takes it."""
+        ids = logits.argmax(-1)
+        if publish is not None:
+            from tokenmill.layers.kernels.argmax import check_publish
+            check_publish(publish, len(ids))
+            host, turn = publish
+            host[int(turn)][:len(ids)] = ids
+        return ids
+
+
+class TritonBackend(TorchBackend):
+    """Our Triton kernels (CUDA; Triton's interpreter runs them on the CPU in tests)."""
+
+    name = "triton"
+
+    def __init__(self, kernels: KernelConfig | None = None):
+        self.kernels = kernels or KernelConfig()
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        from tokenmill.layers.kernels import fused_ops
+        return fused_ops.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x):
+        from tokenmill.layers.kernels import fused_ops
+        return fused_ops.silu_and_mul(x)
+
+    def qk_norm_rope_store(self, *args):
+        from tokenmill.layers.kernels import fused_ops
+        return fused_ops.qk_norm_rope_store(*args)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        from tokenmill.layers.kernels import paged_attention
+        return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention)
+
+    def single_token_linear(self, input_ids):
+        from tokenmill.layers.kernels import gemv
+        if input_ids.shape[0] > gemv.MAX_ROWS:
+            return None
+        return partial(gemv.fused_linear, kernels=self.kernels)
+
+    def decode_attention(self, input_ids, meta):
+        if not meta.is_pure_decode(input_ids.shape[0]):
+            return None
+        from tokenmill.layers.kernels import decode_attention
+        return partial(decode_attention.fused_decode_attention, config=self.kernels.decode_attention)
+
+    def greedy(self, logits, publish=None):
+        from tokenmill.layers.kernels import argmax
+        return argmax.greedy(logits, publish=publish)
+
+
+def make_backend(device: torch.device, kernels: KernelConfig | None = None) -> TorchBackend:
+    """Triton on CUDA, the PyTorch reference elsewhere."""
+    return TritonBackend(kernels) if device.type == "cuda" else TorchBackend()
