@@ -153,18 +153,30 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and launches the next step, then processes the step launched before it: the host
-        work of one step overlaps the device work of the next. Batches that use penalties or a grammar
-        (whose next step needs every token's value on the host) are processed before returning."""
+        work of one step overlaps the device work of the next. A batch with a grammar processes the
+        previous step while its own forward runs, before it samples; batches that use penalties (which
+        need every token's value on the host) are processed before returning."""
         sched = self.scheduler.schedule()
-        launched = None
+        previous, launched = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        settled = False
         if sched:
-            launched = self.runner.execute(sched.requests, sched.num_new_tokens, self._in_flight)
+            constrained = any(r.grammar is not None for r in sched.requests)
+
+            def before_sample(step):
+                nonlocal settled
+                self.scheduler.update_after_step(sched, step.sample_rows.tolist())
+                if constrained and previous is not None:
+                    # a grammar's next mask needs the previous token accepted: read that step now,
+                    # while this one's forward runs, before this step samples
+                    outputs.extend(self._process(previous))
+                    settled = True
+            launched = self.runner.execute(sched.requests, sched.num_new_tokens, previous, before_sample)
             self._keep_prompt_logprobs(launched.prompt_logprobs)
-            self.scheduler.update_after_step(sched, launched.sample_rows.tolist())
-        previous, self._in_flight = self._in_flight, launched
-        outputs = self._process(previous) if previous is not None else []
-        if launched is not None and (not self.overlap or any(r.params.needs_penalties or r.grammar is not None
-                                                          for r in sched.requests)):
+        self._in_flight = launched
+        if previous is not None and not settled:
+            outputs += self._process(previous)
+        if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):
             self._in_flight = None
             outputs += self._process(launched)
         return outputs

@@ -109,6 +109,9 @@ class SequenceGrammar:
         return self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():    # finished while its next step was in flight: that token is dropped
+            bitmask[row] = -1
+            return
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.keep is not None:
             bitmask[row] &= self.keep

@@ -142,7 +142,7 @@ class ModelRunner(CudaGraphs):
     # ---- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, requests: list[Request], num_new_tokens: list[int],
-                prev: StepResult | None = None) -> StepResult:
+                prev: StepResult | None = None, before_sample=None) -> StepResult:
         """Launches one step and returns at once; `StepResult.fetch()` waits for its sampled tokens.
 
         Reads the requests, never changes them: the scheduler appends a placeholder to each request that
@@ -169,6 +169,9 @@ class ModelRunner(CudaGraphs):
         result = StepResult(requests, inp.sample_rows, [])
         if scores_prompt:
             result.prompt_logprobs = prompt_logprobs.compute(self.model, requests, num_new_tokens, inp.qsl, hidden)
+        positions = [req.num_tokens for req in sampled]
+        if before_sample is not None:
+            before_sample(result)       # host work while the forward runs (a grammar's mask may wait on it)
         if sampled:
             out = sample(logits, tensors, greedy)
             result.token_ids = out.token_ids
@@ -178,7 +181,7 @@ class ModelRunner(CudaGraphs):
                 self._publish_readers[turn] = result
             else:
                 result.start_copy(out, self._mapped)
-            result.positions.extend(req.num_tokens for req in sampled)
+            result.positions.extend(positions)
         return result
 
     def _eager_forward(self, inp: StepInputs, prev_tokens: torch.Tensor | None):
