@@ -100,3 +100,14 @@ def default_server(tmp_path_factory):
                            "--max-model-len", "512")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_long_dir(tmp_path_factory, tokenizer_dir):
+    """The chat Qwen3 with a 2,048-token context (tool schemas take many of the 400-token vocabulary's tokens)."""
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-long"))
+    make_model(path, "qwen3", max_position_embeddings=2048)
+    for f in os.listdir(tokenizer_dir):
+        with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
+            dst.write(src.read())
+    return path

@@ -13,7 +13,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import make_model
 from test_server import ServerProcess
 
 # ChatML with Qwen3's way of showing tools: their JSON in the system turn, calls as <tool_call> blocks
@@ -39,16 +38,11 @@ SCRIPTED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", 
 
 
 @pytest.fixture(scope="module")
-def agent_server(tokenizer_dir, tmp_path_factory):
-    """The tiny Qwen3 with a 2,048-token context: tool schemas take many of its 400-token vocabulary's tokens."""
-    import shutil
+def agent_server(qwen3_long_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
-    model = tmp / "model"
-    make_model(str(model), "qwen3", max_position_embeddings=2048)
-    shutil.copytree(tokenizer_dir, model, dirs_exist_ok=True)
     template = tmp / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
-    s = ServerProcess(str(model), tmp, "--max-model-len", "2048", "--num-kv-blocks", "2048", "--block-size", "8",
+    s = ServerProcess(qwen3_long_dir, tmp, "--max-model-len", "2048", "--num-kv-blocks", "2048", "--block-size", "8",
                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                       "--chat-template", str(template))
     yield s
