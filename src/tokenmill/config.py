@@ -104,10 +104,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
-        """Our config from a GGUF file's metadata (a path, or an opened `runner.gguf_loader.GGUFFile`):
+        """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS/EOS ids, and a
         head tied to the embedding when the file has no `output.weight`."""
-        from tokenmill.runner.gguf_loader import GGUF_ARCHITECTURES, GGUFFile, open_gguf
+        from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
 
         file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
         md, arch = file.metadata, file.architecture

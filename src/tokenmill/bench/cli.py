@@ -25,7 +25,7 @@ from tokenmill.bench.serve import DEFAULT_ENDPOINT
 from tokenmill.bench.serve import INPUT_LEN_RANGE as SERVE_INPUT_LEN_RANGE
 from tokenmill.bench.serve import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
 from tokenmill.bench.throughput import BACKENDS
-from tokenmill.cli import HelpFormatter
+from tokenmill.cli_help import HelpFormatter
 
 SUBCOMMANDS = ("throughput", "prepare", "serve", "report")
 

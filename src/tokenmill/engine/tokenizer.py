@@ -10,7 +10,7 @@ class Tokenizer:
         """`path`: a Hugging Face tokenizer directory, or a `.gguf` file whose metadata holds one."""
         if _is_gguf(path):
             from tokenmill.engine.gguf_tokenizer import build_gguf_tokenizer
-            from tokenmill.runner.gguf_loader import open_gguf
+            from tokenmill.gguf_file import open_gguf
             self.hf = build_gguf_tokenizer(open_gguf(path).metadata, path)
         else:
             from transformers import AutoTokenizer
@@ -25,7 +25,7 @@ class Tokenizer:
     @staticmethod
     def available(path: str) -> bool:
         if _is_gguf(path):
-            from tokenmill.runner.gguf_loader import open_gguf
+            from tokenmill.gguf_file import open_gguf
             return "tokenizer.ggml.tokens" in open_gguf(path).metadata
         return any(os.path.isfile(os.path.join(path, f)) for f in
                    ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"))
