@@ -420,3 +420,25 @@ def test_a_second_sigterm_cuts_requests_with_errors_and_exits_nonzero(slow_serve
     for r in plain:
         assert _assert_openai_error(r, 503)["code"] == "shutting_down"
     assert s.proc.wait(30) == 1
+
+
+# ----- 15: a port in use is said plainly, before the engine starts -----------------------------------------
+def test_a_port_in_use_is_refused_at_once_with_a_clear_message(qwen3_dir):
+    import subprocess
+    import sys
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(TESTS), "src"))
+    try:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", qwen3_dir, "--device", "cpu",
+                            "--port", str(port)], capture_output=True, text=True, timeout=120, env=env)
+        took = time.monotonic() - t0
+    finally:
+        holder.close()
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert f"port {port}" in p.stderr and "already in use" in p.stderr and "--port" in p.stderr
+    assert "Traceback" not in p.stderr and "engine ready" not in p.stderr
+    assert took < 60
