@@ -42,9 +42,9 @@ def test_graphs_and_overlap_match_eager(qwen3_dir, prompts):
     assert fast.engine.runner.graphs, "decode CUDA graphs were not captured"
     # the graphs' inputs and tokens go through pinned memory by kernels (staging.py); the second half
     # runs the copy-engine path for comparison
-    assert fast.engine.runner._mapped
+    assert fast.engine.runner.graph_runner.mapped
     for mapped in (True, True, False):        # the second round hits the prefix cache
-        fast.engine.runner._mapped = mapped
+        fast.engine.runner.graph_runner.mapped = mapped
         got = [o.outputs[0].token_ids for o in fast.generate(prompts, _params(prompts))]
         assert got == expected
     stats = fast.engine.get_stats()

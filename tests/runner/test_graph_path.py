@@ -35,17 +35,17 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir, monkeypatch, mapp
 
     llm = LLM(qwen3_dir, **config)
     runner = llm.engine.runner
-    runner._capture_graphs(emulate=True)
+    runner.capture_graphs(emulate=True)
     staged = []
     if mapped:
-        runner._mapped = True
+        runner.graph_runner.mapped = True
         monkeypatch.setattr(staging, "stage", lambda *a: staged.append(a[-1] is not None) or staging.stage_torch(*a))
         monkeypatch.setattr(staging, "fill_placeholders", None)      # not used on this path
     keys = set(runner.graphs)
     assert ("mixed", 100, 8) in keys and ("mixed", 64, 1) in keys and ("decode", 8) in keys
     used = []
-    replay = runner._replay
-    runner._replay = lambda key, inp, prev: used.append(key) or replay(key, inp, prev)
+    replay = runner.graph_runner.replay
+    runner.graph_runner.replay = lambda key, inp, prev: used.append(key) or replay(key, inp, prev)
     for _ in range(2):                              # the second round hits the prefix cache
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert got == expected
@@ -104,7 +104,7 @@ def test_graph_capture_writes_no_kv_slot(qwen3_dir):
     runner = llm.engine.runner
     runner.kv_cache.normal_()
     before = runner.kv_cache.clone()
-    runner._capture_graphs(emulate=True)
+    runner.capture_graphs(emulate=True)
     assert torch.equal(runner.kv_cache, before)
 
 
@@ -121,8 +121,8 @@ def test_published_tokens_survive_a_late_read(qwen3_dir, monkeypatch):
     expected = LLM(qwen3_dir, **config).generate([prompt], params)[0].outputs[0].token_ids
 
     runner = LLM(qwen3_dir, **config).engine.runner
-    runner._capture_graphs(emulate=True)
-    runner._mapped = True
+    runner.capture_graphs(emulate=True)
+    runner.graph_runner.mapped = True
     settled = []
     settle = StepResult.settle
     monkeypatch.setattr(StepResult, "settle", lambda self: settled.append((self, self._shared)) or settle(self))

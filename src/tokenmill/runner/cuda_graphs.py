@@ -1,5 +1,5 @@
-"""The CUDA-graph half of the model runner: which graphs exist, their static inputs, capture, and the
-replay of a step through the smallest graph that holds it.
+"""The model runner's CUDA graphs (`CudaGraphRunner`): which graphs exist, their static inputs, capture,
+and the replay of a step through the smallest graph that holds it.
 
 Two families, each with its own static inputs (one packed buffer, `PackedInputs`), share one memory pool:
   ("decode", B):    B sequences of one token each, the split-K decode kernel;
@@ -28,12 +28,20 @@ from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 logger = logging.getLogger("tokenmill")
 
 
-class CudaGraphs:
-    """Mixed into `ModelRunner`, whose model, KV cache, sizes (`max_num_seqs`, `max_model_len`,
-    `max_blocks_per_seq`), `config`, `device`, `dtype`, `backend`, `graphs`, `_to_device` and `_warm_eager`
-    it uses."""
+class CudaGraphRunner:
+    """Owns the graphs, their static input buffers, host staging copies and published-token tables. The
+    runner asks it for the graph of a step (`key`), replays through it (`replay`), and hands back the
+    steps whose tokens a graph published (`read_later`)."""
 
-    def _graph_keys(self) -> list[tuple]:
+    def __init__(self, model, backend, config, device: torch.device, max_num_seqs: int, max_model_len: int,
+                 max_blocks_per_seq: int):
+        self.model, self.backend, self.config, self.device = model, backend, config, device
+        self.max_num_seqs, self.max_model_len, self.max_blocks_per_seq = max_num_seqs, max_model_len, max_blocks_per_seq
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.mapped = False      # inputs and tokens move by kernels through pinned memory (staging.py)
+        self.summary = ""
+
+    def _keys(self) -> list[tuple]:
         n = self.max_num_seqs
         decode = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16)] if b <= n} | {n})
         keys = [("decode", b) for b in decode]
@@ -44,7 +52,7 @@ class CudaGraphs:
             keys += [("mixed", t, s) for t in tokens for s in seqs if s <= t]
         return keys
 
-    def _init_static_buffers(self, keys: list[tuple]) -> None:
+    def _init_buffers(self, keys: list[tuple]) -> None:
         """Static inputs per family, each family's arrays packed into one buffer (`PackedInputs`) in the
         order a step fills them, the block table last, so a step's inputs go over in one copy."""
         i64, i32 = torch.int64, torch.int32
@@ -74,16 +82,16 @@ class CudaGraphs:
             self.staging[family] = [packed.host_copy(pin) for _ in range(2)]
         self._staging_turn = 0
         self._staging_read: dict[tuple, torch.cuda.Event] = {}
-        self._mapped = pin and staging.mapped_host_ok(self.device.index or 0)
+        self.mapped = pin and staging.mapped_host_ok(self.device.index or 0)
         # per graph key, a table of its greedy tokens per turn (pinned), where the GPU can write it;
         # the step that last read each (key, turn), which must have its tokens before they are overwritten
         self.published = {}
-        if self._mapped or not pin:
+        if self.mapped or not pin:
             self.published = {k: torch.zeros(2, k[1] if k[0] == "decode" else k[2], dtype=i64, pin_memory=pin)
                               for k in keys}
         self._publish_readers: dict[tuple, StepResult] = {}
 
-    def _static_forward(self, key: tuple):
+    def static_forward(self, key: tuple):
         """The forward pass of one graph key over views of the static buffers -> (hidden, logits,
         greedy ids of the logits' rows)."""
         s = self.static[key[0]].views
@@ -107,18 +115,18 @@ class CudaGraphs:
             return hidden, logits, self.backend.greedy(logits, publish)
         return forward
 
-    def _capture_graphs(self, emulate: bool = False) -> None:
+    def capture(self, emulate: bool = False) -> None:
         """Captures every graph key, largest first so that the smaller ones reuse the pool. With
         `emulate` (no CUDA), each "graph" re-runs the forward on the static buffers instead, which
         lets the padded-batch path be tested on the CPU."""
         t0 = time.perf_counter()
-        keys = self._graph_keys()
-        self._init_static_buffers(keys)
+        keys = self._keys()
+        self._init_buffers(keys)
         self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         pool = None
         order = sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1]))
         for key in tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=emulate):
-            forward = self._static_forward(key)
+            forward = self.static_forward(key)
             outputs = forward()                       # warms up the kernels (and their compilation)
             if emulate:
                 self.graphs[key] = _EagerGraph(forward, outputs)
@@ -132,13 +140,12 @@ class CudaGraphs:
         self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
         self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
         self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
-        self._warm_eager()
-        self.graph_seconds = time.perf_counter() - t0
-        self.graph_summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
-                              f"{len(keys) - len(self._decode_buckets)} with prefill up to "
-                              f"{max(self._token_buckets, default=0)} tokens) in {self.graph_seconds:.1f} s")
+        seconds = time.perf_counter() - t0
+        self.summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
+                        f"{len(keys) - len(self._decode_buckets)} with prefill up to "
+                        f"{max(self._token_buckets, default=0)} tokens) in {seconds:.1f} s")
 
-    def _graph_key(self, inp: StepInputs) -> tuple | None:
+    def key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""
         if not self.graphs:
             return None
@@ -150,7 +157,12 @@ class CudaGraphs:
         sb = next((b for b in self._seq_buckets if b >= seqs), None)
         return None if t is None or sb is None else ("mixed", t, sb)
 
-    def _replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
+    def read_later(self, turn: tuple, result: StepResult) -> None:
+        """`result`'s tokens are in the published table of (key, turn): it must read them before a
+        later replay of that key and turn overwrites them."""
+        self._publish_readers[turn] = result
+
+    def replay(self, key: tuple, inp: StepInputs, prev_tokens: torch.Tensor | None):
         """Stages the batch into the static buffers (zero-padded to the key's sizes) and replays the
         graph; returns (hidden of the batch's tokens, logits of its sampled rows, their greedy tokens,
         and where the graph publishes those on the host: (pinned view, its (key, turn), an event recorded
@@ -186,7 +198,7 @@ class CudaGraphs:
         # a row's columns past `width` keep older block ids, which its context never reaches; so the last
         # row goes over only up to `width` (a batch of one: a few entries instead of the whole row)
         host["block_tables"][:seqs, :width] = inp.tables
-        if self._mapped:     # the staging kernel also fills the placeholders from the step before
+        if self.mapped:      # the staging kernel also fills the placeholders from the step before
             staging.stage(packed.buffer, host["_buffer"], packed.span(seqs, width), packed.offsets["positions"],
                           t_pad, prev_tokens)
         else:
@@ -200,11 +212,11 @@ class CudaGraphs:
             done.record()
         hidden, logits, greedy = self.graph_outputs[key]
         if key[0] == "decode" and len(inp.sample_rows) != seqs:   # a one-token prefill chunk samples nothing
-            rows = self._to_device(inp.sample_rows)
+            rows = torch.from_numpy(inp.sample_rows).to(self.device, non_blocking=True)
             return hidden[:tokens], logits[rows], greedy[rows], None
         n = len(inp.sample_rows)
         published = None
-        if self._mapped and key in self.published:
+        if self.mapped and key in self.published:
             published = (self.published[key][turn[1], :n], (key, turn[1]), done)
         return hidden[:tokens], logits[:n], greedy[:n], published
 

@@ -22,7 +22,7 @@ from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
 from tokenmill.layers.backend import make_backend
 from tokenmill.layers.kernels import staging
 from tokenmill.runner import prompt_logprobs
-from tokenmill.runner.cuda_graphs import CudaGraphs
+from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
@@ -32,7 +32,7 @@ logger = logging.getLogger("tokenmill")
 _CPU_KV_BUDGET_BYTES = 1 << 30
 
 
-class ModelRunner(CudaGraphs):
+class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, model_dir: str,
                  max_model_len: int):
         self.config = engine_config
@@ -51,13 +51,27 @@ class ModelRunner(CudaGraphs):
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._mapped = False
+        self.graph_runner = CudaGraphRunner(self.model, self.backend, engine_config, self.device,
+                                            self.max_num_seqs, max_model_len, self.max_blocks_per_seq)
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
         # used by correctness checks that compare every position's logits with a reference
         self.hidden_hook = None
         if self.device.type == "cuda" and not engine_config.enforce_eager:
-            self._capture_graphs()
+            self.capture_graphs()
+
+    def capture_graphs(self, emulate: bool = False) -> None:
+        """Captures the CUDA graphs (with `emulate`, stand-ins that re-run the forward, so the padded
+        path runs on the CPU), then warms the eager path for the steps no graph holds."""
+        self.graph_runner.capture(emulate)
+        self._warm_eager()
+
+    @property
+    def graphs(self) -> dict:
+        return self.graph_runner.graphs
+
+    @property
+    def graph_summary(self) -> str:
+        return self.graph_runner.summary
 
     # ---- KV cache ---------------------------------------------------------------------------------
     @property
@@ -158,10 +172,10 @@ class ModelRunner(CudaGraphs):
                 raise RuntimeError("a step's inputs hold placeholders but no step in flight samples them")
             prev_tokens = prev.token_ids
         scores_prompt = prompt_logprobs.wanted(requests, num_new_tokens)
-        key = None if scores_prompt else self._graph_key(inp)
+        key = None if scores_prompt else self.graph_runner.key(inp)
         greedy = published = None
         if key is not None:
-            hidden, logits, greedy, published = self._replay(key, inp, prev_tokens)
+            hidden, logits, greedy, published = self.graph_runner.replay(key, inp, prev_tokens)
         else:
             hidden, logits = self._eager_forward(inp, prev_tokens)
         if self.hidden_hook is not None:
@@ -177,10 +191,10 @@ class ModelRunner(CudaGraphs):
             result.token_ids = out.token_ids
             if published is not None and out.token_ids is greedy:
                 view, turn, done = published       # the graph wrote these tokens to the host itself
-                result.start_copy(out, self._mapped, published=view, done=done)
-                self._publish_readers[turn] = result
+                result.start_copy(out, self.graph_runner.mapped, published=view, done=done)
+                self.graph_runner.read_later(turn, result)
             else:
-                result.start_copy(out, self._mapped)
+                result.start_copy(out, self.graph_runner.mapped)
             result.positions.extend(positions)
         return result
 
