@@ -249,7 +249,7 @@ def gemv_variants(runner, variants: list[dict], rounds: int = 5) -> list[dict]:
             flat = flat_weights(runner)
         if flat is not None:
             use_flat(flat, bool(v.get("flat")))
-        forward = runner._static_forward(("decode", 1))
+        forward = runner.graph_runner.static_forward(("decode", 1))
         try:
             forward()
         except Exception as e:   # a tile that does not compile: the other variants still run
