@@ -111,3 +111,13 @@ def qwen3_long_dir(tmp_path_factory, tokenizer_dir):
         with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
             dst.write(src.read())
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of small models: on a shared 2-core runner a second intra-op thread made the engine
+    7x slower (waiting, not computing)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -79,6 +79,10 @@ def test_prompt_logprobs_field_and_streamed_echo(api_server, hf_model, tokenizer
     chunks = list(api_server.client().completions.create(model="tiny", prompt=ids, echo=True, max_tokens=3,
                                                          temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices).startswith(text)
+    chunks = list(api_server.client().completions.create(model="tiny", prompt=ids, echo=True, max_tokens=0,
+                                                         stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
 def test_lm_eval_style_loglikelihood_requests(api_server, hf_model, tokenizer):

@@ -59,14 +59,7 @@ HELD_OUT = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models' ops are small: on a shared 2-core runner a second intra-op thread made the engine
-    7x slower (waiting, not computing)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model():

@@ -214,10 +214,7 @@ class LLMEngine:
         # a batch samples logprobs when any of its requests asks; only those requests keep them
         if logprob_row is not None and req.logprobs is not None:
             values, ids, rank = logprob_row
-            entry = {ids[0]: Logprob(values[0], rank, self._token_text(ids[0]))}
-            for k, (tid, val) in enumerate(zip(ids[1:], values[1:])):
-                entry.setdefault(tid, Logprob(val, k + 1, self._token_text(tid)))
-            req.logprobs.append(entry)
+            req.logprobs.append(self._logprob_entry(ids[0], values[0], rank, ids[1:], values[1:]))
             req.cumulative_logprob += values[0]
         p = req.params
         status = None
@@ -248,11 +245,8 @@ class LLMEngine:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
             for j, (value, rank) in enumerate(zip(part.logprobs, part.ranks)):
                 pos = part.first_token + j
-                token = req.prompt_token_ids[pos]
-                entry = {token: Logprob(value, rank, self._token_text(token))}
-                for r, (tid, v) in enumerate(zip(part.top_token_ids[j], part.top_logprobs[j])):
-                    entry.setdefault(tid, Logprob(v, r + 1, self._token_text(tid)))
-                req.prompt_logprobs[pos] = entry
+                req.prompt_logprobs[pos] = self._logprob_entry(req.prompt_token_ids[pos], value, rank,
+                                                               part.top_token_ids[j], part.top_logprobs[j])
 
     @staticmethod
     def _grammar_ended(req: Request, token: int) -> bool:
@@ -263,6 +257,13 @@ class LLMEngine:
             return req.grammar.terminated
         logger.warning("request %s: sampled token %d is outside its grammar; finishing it", req.request_id, token)
         return True
+
+    def _logprob_entry(self, token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
+        """{token id: Logprob}: the token at its rank, then the most likely ones (ranks 1, 2, ...)."""
+        entry = {token: Logprob(value, rank, self._token_text(token))}
+        for r, (tid, v) in enumerate(zip(top_ids, top_values)):
+            entry.setdefault(tid, Logprob(v, r + 1, self._token_text(tid)))
+        return entry
 
     def _token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)

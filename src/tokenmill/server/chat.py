@@ -37,9 +37,10 @@ class ChoiceText:
     def __init__(self, serving: Serving, req: ChatCompletionRequest, prompt_text: str):
         self.reasoning = serving.reasoning_parser() if serving.reasoning_parser is not None else None
         self.prompt_text = prompt_text        # whether the output starts inside a thinking block
-        self.constrained = req.tools_in_use() is not None and (
-            req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
-        auto = req.tools_in_use() is not None and req.tool_choice in (None, "auto")
+        shows_tools = bool(req.tools) and req.tool_choice != "none"
+        self.constrained = shows_tools and (req.tool_choice == "required"
+                                            or isinstance(req.tool_choice, NamedToolChoice))
+        auto = shows_tools and req.tool_choice in (None, "auto")
         self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
         self.tool_choice = req.tool_choice
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None

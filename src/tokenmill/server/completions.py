@@ -77,26 +77,21 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     def final(outs):
         choices = []
         for i, out in enumerate(outs):
+            if prompt_only:
+                _drop_generated(out)
             for c in out.outputs:
-                token_ids, entries, text = c.token_ids, c.logprobs, c.text
-                if prompt_only:
-                    token_ids, entries, text, c.finish_reason = [], [], "", "length"
                 lp = None
                 offset = 0
                 if echo and k is not None:
                     lp, offset = prompt_block(i, out)
-                if k is not None and entries is not None:
-                    gen, _ = _logprobs(serving, token_ids, entries, k, offset)
+                if k is not None and c.logprobs is not None:
+                    gen, _ = _logprobs(serving, c.token_ids, c.logprobs, k, offset)
                     lp = _join(lp, gen) if lp is not None else gen
-                choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + text, "logprobs": lp,
+                choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs_json(serving, out)
                 choices.append(choice)
-        if prompt_only:
-            for out in outs:
-                for c in out.outputs:
-                    c.token_ids = []
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}
 
@@ -104,6 +99,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         states: dict[int, ChoiceState] = {}
         last = {}
         async for i, out in merged:
+            if prompt_only:
+                _drop_generated(out)
             last[i] = out
             for c in out.outputs:
                 index = i * n + c.index
@@ -115,17 +112,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                         head = echoes[i]
                         if k is not None:
                             lp, st.text_offset = prompt_block(i, out)
-                if prompt_only:
-                    if st.finished:
-                        continue
-                    st.finished = True
-                    delta = ("", [], [])
-                    finish, stop = "length", None
-                else:
-                    delta = st.advance(c, k is not None)
-                    finish, stop = c.finish_reason, c.stop_reason
-                    if delta is None and not head:
-                        continue
+                delta = st.advance(c, k is not None)
+                if delta is None and not head:
+                    continue
                 text, new_ids, new_lps = delta if delta is not None else ("", [], None)
                 if k is not None and new_lps:
                     gen, st.text_offset = _logprobs(serving, new_ids, new_lps, k, st.text_offset)
@@ -133,21 +122,25 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": serving.fingerprint,
                          "choices": [{"index": index, "text": head + text, "logprobs": lp,
-                                      "finish_reason": finish if delta is not None else None,
-                                      "stop_reason": stop if delta is not None else None}]}
+                                      "finish_reason": c.finish_reason if delta is not None else None,
+                                      "stop_reason": c.stop_reason if delta is not None else None}]}
                 if include_usage:
                     chunk["usage"] = usage(list(last.values())) if continuous else None
                 yield chunk
         if include_usage:
-            if prompt_only:
-                for out in last.values():
-                    for c in out.outputs:
-                        c.token_ids = []
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage(list(last.values()))}
 
     serving.admit(len(prompts))
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final)
+
+
+def _drop_generated(out) -> None:
+    """`max_tokens: 0` with echo: the one token the engine computed is not the client's (nor in usage)."""
+    for c in out.outputs:
+        c.text, c.token_ids, c.finish_reason, c.stop_reason = "", [], "length", None
+        if c.logprobs is not None:
+            c.logprobs = []
 
 
 def _prompt_k(req: CompletionRequest) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 
 from tokenmill.server.errors import error_body
+from tokenmill.server.serving import dumps
 
 # Paths that answer without the API key: probes and scraping (as vLLM leaves them open).
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
@@ -19,7 +20,6 @@ class BodyTooLarge(Exception):
 
 def _json_message(status: int, message: str, param: str | None, code: str | None,
                   extra_headers: list[tuple[bytes, bytes]] = ()) -> tuple[dict, dict]:
-    from tokenmill.server.serving import dumps
     body = dumps(error_body(status, message, param, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *extra_headers]

@@ -80,7 +80,8 @@ class Serving:
         # never stalls other clients (or /health). One thread: a Hugging Face fast tokenizer must
         # not be used from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self._max_token_chars: int | None = None
+        vocab = getattr(getattr(self.tokenizer, "hf", None), "get_vocab", None)
+        self._max_token_chars = max((len(t) for t in vocab()), default=0) if vocab else 0
         self.chat_template = chat.chat_template
         self.enable_auto_tool_choice = chat.enable_auto_tool_choice
         self.tool_parser = self.reasoning_parser = None
@@ -118,9 +119,6 @@ class Serving:
     def _check_chars(self, text: str, param: str) -> None:
         """Refuses, without tokenizing it, a text too long to fit: no token holds more than
         `_max_token_chars` characters, so the text has at least len(text) / that many tokens."""
-        if self._max_token_chars is None:
-            vocab = getattr(getattr(self.tokenizer, "hf", None), "get_vocab", None)
-            self._max_token_chars = max((len(t) for t in vocab()), default=0) if vocab else 0
         per_token = self._max_token_chars
         limit = self.engine.max_model_len
         if per_token and len(text) > per_token * (limit - 1):
