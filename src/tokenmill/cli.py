@@ -50,6 +50,21 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="reuse the KV blocks of equal prompt prefixes")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                    help="order of the waiting requests")
+    p.add_argument("--priority-aging-per-second", type=float, default=d.priority_aging_per_second,
+                   help="priority policy: rank credit per second since arrival (> 0, so nothing starves)")
+    p.add_argument("--priority-tool-boost", type=float, default=d.priority_tool_boost,
+                   help="priority policy: rank credit of a request that carries tools")
+    p.add_argument("--priority-short-boost", type=float, default=d.priority_short_boost,
+                   help="priority policy: rank credit of a short request (see --priority-short-max-tokens)")
+    p.add_argument("--priority-short-max-tokens", type=int, default=d.priority_short_max_tokens,
+                   help="priority policy: a request asking for at most this many tokens is short")
+    p.add_argument("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor,
+                   help="while requests run, new prompts may wait this many times the last step's time to "
+                        "gather into a bigger prefill (0: off)")
+    p.add_argument("--target-itl-ms", type=float, default=d.target_itl_ms,
+                   help="cap each step's tokens and sequences so that a step (the time between two tokens "
+                        "of a request) stays under this many milliseconds, by a model of step time fitted "
+                        "while serving (default: off)")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV-cache blocks (default: sized from --gpu-memory-utilization)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's random state")
@@ -65,7 +80,10 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens)
+        enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        priority_aging_per_second=args.priority_aging_per_second, priority_tool_boost=args.priority_tool_boost,
+        priority_short_boost=args.priority_short_boost, priority_short_max_tokens=args.priority_short_max_tokens,
+        scheduler_delay_factor=args.scheduler_delay_factor, target_itl_ms=args.target_itl_ms)
 
 
 def _serve(args) -> int:

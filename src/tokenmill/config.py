@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +186,15 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
+    # --scheduling-policy priority ranks by priority - boosts - aging x seconds since arrival (lower first)
+    priority_aging_per_second: float = 1.0
+    priority_tool_boost: float = 5.0
+    priority_short_boost: float = 2.0
+    priority_short_max_tokens: int = 100
+    # new prompts may wait this many times the last step's time to join a bigger prefill (0: off)
+    scheduler_delay_factor: float = 0.0
+    # cap each step's shape so that its time stays under this many milliseconds (None: off)
+    target_itl_ms: float | None = None
     seed: int = 0
     enforce_eager: bool = False
     # steps with prefill tokens run as CUDA graphs up to this many tokens (0: only decode graphs)
@@ -203,6 +213,16 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not 0.0 < self.priority_aging_per_second < math.inf:
+            raise ValueError(f"priority_aging_per_second must be > 0 and finite (with 0, a stream of better-ranked "
+                             f"requests could starve one forever), got {self.priority_aging_per_second}")
+        for name in ("priority_tool_boost", "priority_short_boost", "scheduler_delay_factor"):
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        if self.priority_short_max_tokens < 0:
+            raise ValueError(f"priority_short_max_tokens must be >= 0, got {self.priority_short_max_tokens}")
+        if self.target_itl_ms is not None and not 0.0 < self.target_itl_ms < math.inf:
+            raise ValueError(f"target_itl_ms must be > 0 and finite (or None: off), got {self.target_itl_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graph_max_tokens < 0:

@@ -39,7 +39,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, seed: int, priority: int = 0, arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0):
+                 parent_id: str | None = None, index: int = 0, carries_tools: bool = False):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -50,6 +50,8 @@ class Request:
         self.max_tokens = max_tokens
         self.seed = seed
         self.priority = priority
+        # the request offers the model tools (an agent's step): the priority policy may favour it
+        self.carries_tools = carries_tools
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -4,20 +4,43 @@ Each step gives every scheduled request a number of new tokens to compute: the r
 tokens (prompt, or prompt + outputs after a preemption) capped by the step's token budget. A decode
 is simply 1 new token; a long prompt is split over several steps (chunked prefill) without a separate
 phase. Running requests are served first, then waiting ones are admitted while the budget, the
-sequence cap and the free blocks allow.
+sequence cap and the free blocks allow. When blocks run out, the running request that the policy ranks
+last is preempted: its blocks are freed and it is recomputed later (its tokens so far become its prompt
+for the recomputation).
 
-Policies: `fcfs` orders by arrival; `priority` orders by `priority` (lower is served first, as in
-vLLM) minus an aging credit for time spent waiting, so no request starves. When blocks run out, the
-running request that the policy ranks last is preempted: its blocks are freed and it is recomputed
-later (its tokens so far become its prompt for the recomputation).
+Policies: `fcfs` orders by arrival. `priority` orders by the rank
+
+    priority - tool_boost * carries_tools - short_boost * (max_tokens <= short_max_tokens)
+             - aging_per_second * seconds since arrival
+
+(lower is served first and preempted last, as vLLM's `priority`; ties go to the earlier arrival). Nothing
+starves: two requests age at the same rate, so the gap between their ranks is fixed when the second
+arrives. A request A (priority p_A, arrived at t_A) therefore ranks ahead of every request N that arrives
+after t_A + (p_A - p_N + tool_boost + short_boost) / aging_per_second, whatever N's boosts. Only the
+requests that arrive before that time can be served ahead of A; each of them finishes (its max_tokens is
+bounded), and a preempted request keeps its arrival time and so the credit it has earned.
+
+Two optional controls shape the steps (both off by default, and then the schedule is as without them):
+- a batching window (`delay_factor` F, vLLM's `--scheduler-delay-factor`): while a step runs other
+  requests, new prompts wait until the oldest waiting one has waited F times the last step's time, so
+  that prompts arriving close together share one prefill;
+- a latency target (`target_itl_ms`): `step_time.LatencyTarget` caps the prefill tokens and the number of
+  running sequences so that each step's predicted time stays under the target.
+Both read the step times that the engine reports through `observe_step`.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_time import LatencyTarget
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 
 @dataclass
@@ -36,16 +59,35 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", aging_per_second: float = 1.0):
+                 max_model_len: int, policy: str = "fcfs", aging_per_second: float = 1.0, *,
+                 tool_boost: float = 5.0, short_boost: float = 2.0, short_max_tokens: int = 100,
+                 delay_factor: float = 0.0, target_itl_ms: float | None = None,
+                 clock: Callable[[], float] = time.time):
+        """`clock` gives the time on the scale of `Request.arrival_time` (wall-clock seconds)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
         self.aging_per_second = aging_per_second
+        self.tool_boost = tool_boost
+        self.short_boost = short_boost
+        self.short_max_tokens = short_max_tokens
+        self.delay_factor = delay_factor
+        self.latency = None if target_itl_ms is None else LatencyTarget(target_itl_ms / 1000.0)
+        self.clock = clock
+        self.last_step_seconds = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Scheduler:
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                   config.scheduling_policy, config.priority_aging_per_second,
+                   tool_boost=config.priority_tool_boost, short_boost=config.priority_short_boost,
+                   short_max_tokens=config.priority_short_max_tokens,
+                   delay_factor=config.scheduler_delay_factor, target_itl_ms=config.target_itl_ms)
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -61,24 +103,40 @@ class Scheduler:
         elif not request.status.finished and request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        request.finished_time = time.time()
+        request.finished_time = self.clock()
         self.block_manager.free(request)
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """The engine's report of a finished step: its tokens (all of `SchedulerOutput.total_tokens`), its
+        sequences (`len(SchedulerOutput.requests)`) and the seconds it took as its requests saw it."""
+        self.last_step_seconds = seconds
+        if self.latency is not None:
+            self.latency.observe(num_tokens, num_seqs, seconds)
 
     def _rank(self, request: Request, now: float) -> tuple:
         """Smaller ranks are served first and preempted last."""
         if self.policy == "priority":
-            return (request.priority - self.aging_per_second * (now - request.arrival_time),
-                    request.arrival_time)
+            credit = self.aging_per_second * (now - request.arrival_time)
+            if request.carries_tools:
+                credit += self.tool_boost
+            if request.max_tokens <= self.short_max_tokens:
+                credit += self.short_boost
+            return (request.priority - credit, request.arrival_time)
         return (request.arrival_time,)
 
     # ---- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        now = time.time()
+        now = self.clock()
         if self.policy == "priority":
             self.running.sort(key=lambda r: self._rank(r, now))
 
+        # latency target: the tokens this step may compute beyond one per running sequence go to prefill
+        # chunks; a decode is never held back by it, and a chunk still gets `floor` tokens when the room
+        # is gone, so every running request progresses every step
+        room = None if self.latency is None else self.latency.token_cap(len(self.running)) - len(self.running)
+        floor = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -86,6 +144,9 @@ class Scheduler:
                 i += 1      # its last token is in flight; the engine finishes it when it lands
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if room is not None and num_new > 1:
+                num_new = min(num_new, max(1 + room, floor))
+                room -= num_new - 1
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -99,31 +160,66 @@ class Scheduler:
                 continue
             break   # req itself was preempted: everything after it is gone as well
 
-        if not out.preempted:
-            if self.policy == "priority":
-                self.waiting.sort(key=lambda r: self._rank(r, now))
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                computed = []
-                if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-                    # a request scoring its prompt computes all of it (cached blocks have no logits)
-                    computed = self.block_manager.get_computed_blocks(req)
-                num_cached = len(computed) * self.block_manager.block_size
-                num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-                if not self.block_manager.allocate_slots(req, num_new, computed):
-                    break
-                self.waiting.pop(0)
-                if req.status == RequestStatus.WAITING:
-                    req.num_cached_tokens = num_cached
-                req.num_computed_tokens += num_cached
-                req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                self.running.append(req)
-                out.requests.append(req)
-                out.num_new_tokens.append(num_new)
-                budget -= num_new
+        if not out.preempted and self.waiting and not self._hold_prompts(out, budget, now):
+            self._admit(out, budget, now)
         return out
+
+    def _hold_prompts(self, out: SchedulerOutput, budget: int, now: float) -> bool:
+        """The batching window: True while the waiting prompts should wait for more to join them. Only a
+        step that already runs other requests holds them (so holding never idles the engine), only until
+        the oldest waiting request has waited `delay_factor` x the last step's time, and only while more
+        prompts could still make the prefill bigger (seats and budget left over). A preempted request
+        resumes without waiting."""
+        if self.delay_factor <= 0.0 or not out.requests:
+            return False
+        if len(self.waiting) >= self.max_num_seqs - len(self.running):
+            return False
+        oldest, tokens = now, 0
+        for r in self.waiting:
+            if r.status == RequestStatus.PREEMPTED:
+                return False
+            oldest = min(oldest, r.arrival_time)
+            tokens += r.num_tokens - r.num_computed_tokens
+        return now - oldest < self.delay_factor * self.last_step_seconds and tokens < budget
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Moves waiting requests, best ranked first, into the step while the budget, the seats and the free
+        blocks allow; stops at the first that does not fit, so that none overtakes a better-ranked one."""
+        if self.policy == "priority":
+            self.waiting.sort(key=lambda r: self._rank(r, now))
+        max_seqs = self.max_num_seqs
+        if self.latency is not None:     # at least one seat, so that an idle engine admits a request
+            max_seqs = min(max_seqs, max(self.latency.seq_cap(len(self.running)), 1))
+        step_tokens = self.max_num_batched_tokens - budget
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting[0]
+            computed = []
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                # a request scoring its prompt computes all of it (cached blocks have no logits)
+                computed = self.block_manager.get_computed_blocks(req)
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if self.latency is not None:
+                room = self.latency.token_cap(len(out.requests) + 1) - step_tokens
+                if room < 1:
+                    if self.running:
+                        break       # the step is full by the latency target
+                    room = self.block_manager.block_size     # an idle engine still admits one request
+                num_new = min(num_new, room)
+            if not self.block_manager.allocate_slots(req, num_new, computed):
+                break
+            self.waiting.pop(0)
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens += num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+            step_tokens += num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
