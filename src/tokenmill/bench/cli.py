@@ -27,9 +27,10 @@ from tokenmill.bench.serve import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
 from tokenmill.bench.throughput import BACKENDS
 from tokenmill.cli_help import HelpFormatter
 
-SUBCOMMANDS = ("throughput", "prepare", "serve", "report")
+SUBCOMMANDS = ("throughput", "prepare", "serve", "report", "memory")
 
 THROUGHPUT_LEN_RANGE = "100,1024"
+MEMORY_MODELS = ("preset:qwen3-4b", "preset:nanbeige4.1-3b")
 # `vllm bench`'s random dataset when its flags are given without a length
 VLLM_RANDOM_INPUT_LEN, VLLM_RANDOM_OUTPUT_LEN = 1024, 128
 
@@ -168,7 +169,49 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     add_vllm_args(serve, serve=True)
     add_report_args(sub.add_parser("report", help="markdown + PNG report from `bench serve` results",
                                    formatter_class=HelpFormatter))
-    return parser, {"throughput": p, "serve": serve}
+    return parser, {"throughput": p, "serve": serve, "memory": _add_memory_args(sub)}
+
+
+def _add_memory_args(sub) -> argparse.ArgumentParser:
+    m = sub.add_parser("memory", help="KV memory of the paged cache against a static per-request cache",
+                       description="KV memory of the paged cache against a static, contiguous per-request "
+                                   "cache, and the maximum concurrency (see tokenmill/bench/memory.py)",
+                       formatter_class=HelpFormatter)
+    m.add_argument("--model", action="append", default=None,
+                   help="model directory or preset:NAME, repeatable or comma-separated "
+                        f"(default: {','.join(MEMORY_MODELS)})")
+    m.add_argument("--num-concurrent", type=int, default=10, help="requests of the concurrent workload")
+    m.add_argument("--concurrent-len-range", default="500,2000", help="its lengths (prompt + output), uniform")
+    m.add_argument("--num-mixed", type=int, default=32, help="requests of the mixed workload")
+    m.add_argument("--mixed-len-range", default="50,8000", help="its lengths, log-uniform")
+    m.add_argument("--num-long", type=int, default=8, help="requests of the long workload")
+    m.add_argument("--long-len", type=int, default=8192, help="the length of each long request")
+    m.add_argument("--output-len", type=int, default=16, help="output tokens of every request")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="auto")
+    m.add_argument("--device", default="auto")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--max-model-len", type=int, default=8192,
+                   help="the engines' context, and what the static cache reserves per request")
+    m.add_argument("--max-num-seqs", type=int, default=256, help="the KV-budget engine's (serving) setting")
+    m.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the KV-budget engine's (serving) setting; a workload's engine takes at least its "
+                        "prompt tokens, to prefill them in one step")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    m.add_argument("--gpu-gib", type=float, default=24.0, help="the GPU whose figures are computed")
+    m.add_argument("--overhead-gib", type=float, default=2.0,
+                   help="activations, CUDA context and allocator, subtracted from the computed GPU's memory")
+    m.add_argument("--compute-only", action="store_true",
+                   help="no engine: every figure from the formulas (paged blocks: sum of ceil((L-1)/block))")
+    m.add_argument("--replot", default=None, metavar="RESULT.json",
+                   help="rewrite the markdown and plot of a saved result, running nothing")
+    m.add_argument("--output-dir", default="bench_results", help="where the results go")
+    m.add_argument("--name", default=None, help="file name stem of the results (default: memory-time)")
+    m.add_argument("--in-process", action="store_true", help="run the models in this process (tests)")
+    m.add_argument("--worker-model", help=argparse.SUPPRESS)
+    m.add_argument("--worker-model-path", help=argparse.SUPPRESS)
+    m.add_argument("--worker-result", help=argparse.SUPPRESS)
+    return m
 
 
 def parse_args(argv: list[str]):
@@ -331,6 +374,76 @@ def run_throughput(args, argv: list[str]) -> dict:
     return summary
 
 
+def _memory_workloads(args):
+    from tokenmill.bench.memory import make_workloads
+
+    return make_workloads((args.num_concurrent, parse_range(args.concurrent_len_range)),
+                          (args.num_mixed, parse_range(args.mixed_len_range)), (args.num_long, args.long_len),
+                          args.output_len, args.seed)
+
+
+def run_memory(args, argv: list[str]) -> int:
+    """`bench memory`: each model studied in a process of its own (its engines' GPU memory never mixes with
+    another model's, and its KV-budget engine profiles a fresh device), or in this one with --in-process
+    or --compute-only; one JSON, markdown and plot for all of them."""
+    from tokenmill.bench.memory import study_model
+    from tokenmill.bench.memory_report import concurrency_table, memory_table, write_outputs
+    from tokenmill.models.presets import is_preset
+
+    if args.replot:
+        with open(args.replot) as f:
+            summary = json.load(f)
+        write_outputs(summary, args.output_dir, args.name or os.path.basename(args.replot).removesuffix(".json"))
+        print(memory_table(summary) + "\n\n" + concurrency_table(summary))
+        return 0
+    workloads = _memory_workloads(args)
+    if args.worker_result:
+        result = study_model(args.worker_model, args.worker_model_path, workloads, args)
+        with open(args.worker_result, "w") as f:
+            json.dump(result, f)
+        return 0
+    models = [m.strip() for arg in (args.model or [",".join(MEMORY_MODELS)]) for m in arg.split(",") if m.strip()]
+    name = args.name or f"memory-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    os.makedirs(args.output_dir, exist_ok=True)
+    results = []
+    for model in models:
+        print(f"== {model}", file=sys.stderr, flush=True)
+        if args.compute_only:
+            results.append(study_model(model, None if is_preset(model) else model, workloads, args))
+            continue
+        path = _materialise(argparse.Namespace(**{**vars(args), "model": model}))
+        if args.in_process:
+            results.append(study_model(model, path, workloads, args))
+            continue
+        slug = model.replace("preset:", "").rstrip("/").split("/")[-1]
+        result_file = os.path.join(args.output_dir, f"{name}.{slug}.json")
+        cmd = [sys.executable, "-m", "tokenmill.bench", *argv, "--worker-model", model,
+               "--worker-model-path", path, "--worker-result", result_file]
+        proc = subprocess.run(cmd, env=_child_env())
+        if proc.returncode != 0 or not os.path.isfile(result_file):
+            results.append({"model": model, "error": f"exit status {proc.returncode}"})
+            continue
+        with open(result_file) as f:
+            results.append(json.load(f))
+    measured = [r["device_budget"]["hardware"] for r in results if "device_budget" in r]
+    summary = {
+        "command": "tokenmill bench " + " ".join(argv),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hardware": measured[0] if measured else "none (computed, no engine run)",
+        "settings": {k: getattr(args, k) for k in (
+            "block_size", "max_model_len", "output_len", "seed", "dtype", "max_num_seqs",
+            "max_num_batched_tokens", "gpu_memory_utilization", "gpu_gib", "overhead_gib", "compute_only")},
+        "workloads": [{"name": w.name, "description": w.description, "lengths": list(w.lengths),
+                       "output_len": w.output_len} for w in workloads],
+        "models": results,
+    }
+    write_outputs(summary, args.output_dir, name)
+    print(memory_table(summary) + "\n\n" + concurrency_table(summary))
+    print(f"results: {os.path.join(args.output_dir, name)}.{{json,md,png}}", file=sys.stderr)
+    return 1 if any("error" in r for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -348,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from tokenmill.bench.report_serve import main_report
         return main_report(args)
+    if args.command == "memory":
+        return run_memory(args, argv)
     if args.worker_result:
         return _run_worker(args)
     summary = run_throughput(args, argv)
