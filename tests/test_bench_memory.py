@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from conftest import make_model
 from tokenmill.bench.cli import main
 from tokenmill.bench.memory import Workload, blocks_per_request, concurrency, gpu_kv_budget, make_workloads
 from tokenmill.config import ModelConfig
@@ -22,8 +21,16 @@ TINY = ["--num-concurrent", "4", "--concurrent-len-range", "20,120", "--num-mixe
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
+    """A Nanbeige-shaped Llama: GQA group 5, untied head (conftest's `model_dir` would run all three)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     path = str(tmp_path_factory.mktemp("tiny-llama-memory"))
-    make_model(path, "llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=80, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=10, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+                                 bos_token_id=None, pad_token_id=0)).save_pretrained(path)
     return path
 
 
