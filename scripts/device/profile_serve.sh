@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The step profile on the GPU machine: where an engine step's time goes while serving, and where the API
+# server's and the offline engine's CPU time goes. Run from the repository root, the carried wheels in
+# .whl/srv (server) and .whl/tools (py-spy):
+#
+#   OUT=/path/to/results bash scripts/device/profile_serve.sh
+#
+# 1. `tokenmill serve MODEL` with the engine core's phase timers (lab/step_profile.py) and, for each
+#    concurrency level in LEVELS, `tokenmill bench serve` (mixed-chat, NUM_PROMPTS requests, rate inf);
+#    the core's phases per step for that level are printed from the timers' snapshots around it. At
+#    level SPY_LEVEL, py-spy samples the API server and the engine core for SPY_SECONDS.
+# 2. Offline: the short workload (OFFLINE_PROMPTS requests, 50-300 in / 50-300 out, --max-num-seqs 512)
+#    under py-spy, unless OFFLINE=0.
+# Output: $OUT/SUMMARY.md (printed last), the raw profiles and logs beside it.
+set -uo pipefail
+
+MODEL=${MODEL:-preset:qwen3-4b}
+LEVELS=${LEVELS:-"64 256"}
+NUM_PROMPTS=${NUM_PROMPTS:-512}
+SPY_LEVEL=${SPY_LEVEL:-256}
+SPY_SECONDS=${SPY_SECONDS:-8}
+OFFLINE=${OFFLINE:-1}
+OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-2048}
+SERVER_ARGS=${SERVER_ARGS:-}
+START_TIMEOUT_S=${START_TIMEOUT_S:-300}
+
+source "$(dirname "$0")/env.sh"
+SITE=/tmp/site
+python -c "import fastapi, uvicorn" 2>/dev/null || python -m pip install -q --no-index --no-deps --target "$SITE" .whl/srv/*.whl
+python -m pip install -q --no-index --no-deps --target /tmp/tools .whl/tools/*.whl 2>/dev/null
+export PYTHONPATH="$PWD/lab:$SITE:$PYTHONPATH"
+SPY=/tmp/tools/bin/py-spy
+SUMMARY="$OUT/SUMMARY.md"
+SLUG=${MODEL#preset:}
+HARDWARE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+T0=$SECONDS
+{ echo "# step profile: $MODEL, commit $TOKENMILL_GIT_COMMIT, $HARDWARE"; echo; } > "$SUMMARY"
+
+python -m tokenmill.bench prepare --model "$MODEL" > "$OUT/prepare.log" 2>&1 || { cat "$OUT/prepare.log"; exit 1; }
+TOKDIR=/tmp/profile-tokenizer
+python -m tokenmill.bench.serve_datasets --model "$MODEL" --output "$TOKDIR" > /dev/null || exit 1
+
+export STEP_PROFILE_OUT="$OUT/core-profile.json"
+log="$OUT/server.log"
+# shellcheck disable=SC2086
+python -m tokenmill.cli serve "$MODEL" --tokenizer "$TOKDIR" --port 0 --served-model-name "$SLUG" \
+  --log-level warning --engine-factory step_profile:make $SERVER_ARGS > "$log" 2>&1 &
+pid=$!
+url=""
+t=$SECONDS
+while [ -z "$url" ] && kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t)) -lt "$START_TIMEOUT_S" ]; do
+  sleep 1
+  url=$(grep -o 'on http://[0-9.]*:[0-9]*' "$log" | head -1 | cut -c4-)
+done
+[ -z "$url" ] && { echo "server did not start"; tail -30 "$log"; exit 1; }
+core=$(grep -o 'engine pid [0-9]*' "$log" | head -1 | awk '{print $3}')
+echo "serving on $url after $((SECONDS - t)) s (api $pid, core $core)" | tee -a "$SUMMARY"
+
+for c in $LEVELS; do
+  sleep 2.5                      # the timers write every 2 s: the snapshot below is this level's start
+  cp "$STEP_PROFILE_OUT" "$OUT/core-before-$c.json" 2>/dev/null || echo '{"seconds":{},"calls":{},"extra":{}}' > "$OUT/core-before-$c.json"
+  spies=()
+  if [ "$c" = "$SPY_LEVEL" ] && [ -x "$SPY" ]; then
+    ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$pid" -o "$OUT/spy-api-c$c.txt" > "$OUT/spy-api.log" 2>&1 ) &
+    spies+=($!)
+    ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$core" -o "$OUT/spy-core-c$c.txt" > "$OUT/spy-core.log" 2>&1 ) &
+    spies+=($!)
+  fi
+  python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
+    --label tokenmill --dataset mixed-chat --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" \
+    --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress > "$OUT/bench-c$c.log" 2>&1
+  [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
+  sleep 2.5
+  cp "$STEP_PROFILE_OUT" "$OUT/core-after-$c.json"
+  { echo; echo "## concurrency $c"; echo; grep -E "c=" "$OUT/bench-c$c.log"; echo;
+    python lab/step_profile.py "$OUT/core-before-$c.json" "$OUT/core-after-$c.json"; } >> "$SUMMARY"
+  for who in api core; do
+    f="$OUT/spy-$who-c$c.txt"
+    [ -s "$f" ] && { echo; echo "### py-spy: $who process, c=$c"; echo; python lab/collapsed_top.py "$f" 30; } >> "$SUMMARY"
+    [ -f "$OUT/spy-$who.log" ] && [ ! -s "$f" ] && { echo; echo "py-spy ($who) failed:"; tail -3 "$OUT/spy-$who.log"; } >> "$SUMMARY"
+  done
+done
+kill "$pid"; for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done; kill -9 "$pid" 2>/dev/null
+
+if [ "$OFFLINE" = 1 ]; then
+  args=(--model "$MODEL" --backend tokenmill --dataset random --num-prompts "$OFFLINE_PROMPTS"
+        --input-len-range 50,300 --output-len-range 50,300 --max-num-seqs 512 --seed 0 --no-progress
+        --output-dir "$OUT" --name offline-short)
+  if [ -x "$SPY" ]; then
+    "$SPY" record --nonblocking --subprocesses -r 100 -f raw -o "$OUT/spy-offline.txt" -- \
+      python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline.log" 2>&1
+  else
+    python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline.log" 2>&1
+  fi
+  { echo; echo "## offline short workload"; echo; cat "$OUT/offline-short.md" 2>/dev/null || tail -5 "$OUT/offline.log"; } >> "$SUMMARY"
+  [ -s "$OUT/spy-offline.txt" ] && { echo; echo "### py-spy: offline"; echo; python lab/collapsed_top.py "$OUT/spy-offline.txt" 30; } >> "$SUMMARY"
+fi
+echo "total $((SECONDS - T0)) s" >> "$SUMMARY"
+echo "==================== summary ===================="
+cat "$SUMMARY"
