@@ -2,10 +2,13 @@
 runs the default model (see `models/default.py`)."""
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -31,7 +34,8 @@ class LLM:
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, scheduling_policy=scheduling_policy,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer, **engine_args))
-        self.engine.emit_unfinished = False
+        self.processor = OutputProcessor(self.engine.tokenizer)
+        self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -52,10 +56,20 @@ class LLM:
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                ids.append(self.engine.add_request(None, prompt, params,
-                                                   priority=priority[i] if priority else 0))
+                params = params or SamplingParams()
+                text = prompt if isinstance(prompt, str) else None
+                prompt_ids = self.engine.tokenizer.encode(prompt) if text is not None else list(prompt)
+                handle = next(self._ids)
+                rid = str(handle)
+                arrival = time.time()
+                self.engine.add_request(rid, prompt_ids, params, priority=priority[i] if priority else 0,
+                                        arrival_time=arrival, handle=handle)
+                ids.append(rid)
+                self.processor.add(handle, rid, [int(t) for t in prompt_ids], params, text, arrival)
         except Exception:
             self.engine.abort_request(ids)
+            for rid in ids:
+                self.processor.forget(rid)
             raise
         return self._run(ids, use_tqdm)
 
@@ -85,7 +99,10 @@ class LLM:
         while pending:
             if not self.engine.scheduler.has_unfinished():
                 raise RuntimeError(f"requests {sorted(pending)[:4]} were lost by the scheduler")
-            for out in self.engine.step():
+            outputs, stops = self.processor.process(self.engine.step(), time.time())
+            if stops:
+                self.engine.stop_sequences(stops)
+            for out in outputs:
                 if out.finished and out.request_id in pending:
                     done[out.request_id] = out
                     pending.discard(out.request_id)

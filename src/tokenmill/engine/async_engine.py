@@ -12,6 +12,7 @@ interpreter lock; `in_process=True` keeps the thread variant for debugging and c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing as mp
 import threading
 import time
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.core_proc import (
-    AbortRequests, AddRequest, CoreFatal, CoreReady, CoreUpdate, RequestDelta, Shutdown,
-    run_engine_core,
+    AbortRequests, AddRequest, CoreFatal, CoreReady, CoreUpdate, Shutdown, StopSequences, run_engine_core,
 )
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParamError
 
 
@@ -53,7 +54,7 @@ class AsyncLLM:
     def __init__(self, config, *, engine_factory: str | None = None, in_process: bool = False,
                  startup_timeout: float = 600.0, on_output: Callable | None = None):
         self.config = config
-        self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, delta, now)
+        self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, now)
         self._streams: dict[str, _Stream] = {}
         self._pending: list = []
         self._flush_scheduled = False
@@ -64,6 +65,7 @@ class AsyncLLM:
         self.dead: str | None = None       # why the engine is gone, once it is
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._shutdown = False
+        self._handles = itertools.count()
 
         ours, theirs = mp.Pipe(duplex=True)
         self._conn = ours
@@ -92,7 +94,11 @@ class AsyncLLM:
         self.model_name: str = msg.model_name
         self.max_model_len: int = msg.max_model_len
         self.vocab_size: int | None = msg.vocab_size
-        self.tokenizer = msg.tokenizer if msg.tokenizer is not None else _load_tokenizer(config)
+        self.tokenizer = None
+        if msg.tokenizer_path is not None:
+            from tokenmill.engine.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer(msg.tokenizer_path)
+        self.processor = OutputProcessor(self.tokenizer)
 
     # ----- lifecycle -------------------------------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop | None = None):
@@ -136,15 +142,26 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: str | list[int], params, priority: int = 0,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output as it grows; aborts the request if abandoned."""
+                       arrival_time: float | None = None, carries_tools: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output as it grows; aborts the request if abandoned. A text
+        prompt is tokenized here, on the caller's thread (the server tokenizes off its event loop and
+        passes token ids)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            prompt = self.tokenizer.encode(text)
         stream = _Stream()
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, prompt, params, priority, arrival_time or time.time()))
+        handle = next(self._handles)
+        arrival_time = arrival_time or time.time()
+        self.processor.add(handle, request_id, prompt, params, text, arrival_time)
+        self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))
         finished = False
         try:
             while True:
@@ -161,12 +178,14 @@ class AsyncLLM:
                         return
         finally:
             self._streams.pop(request_id, None)
+            self.processor.forget(request_id)
             if not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
 
     def abort(self, request_id: str | list[str]):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            self.processor.forget(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None and not stream.done:
                 stream.error = RequestAbortedError(f"request {rid} was aborted")
@@ -230,19 +249,25 @@ class AsyncLLM:
     def _apply(self, update: CoreUpdate):
         now = time.time()
         for rid, message, param in update.errors:
+            self.processor.forget(rid)
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.error = SamplingParamError(param, message) if param else ValueError(message)
                 stream.event.set()
-        for delta in update.deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
-            stream.output = _merge(stream.output, delta)
-            stream.done = delta.finished
-            if self.on_output is not None:
-                self.on_output(stream, stream.output, delta, now)
-            stream.event.set()
+        if update.outputs is not None:
+            outputs, stops = self.processor.process(update.outputs, now)
+            if stops and not self.dead:
+                self._send(StopSequences(stops))
+            streams, on_output = self._streams, self.on_output
+            for out in outputs:
+                stream = streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.output = out
+                stream.done = out.finished
+                if on_output is not None:
+                    on_output(stream, out, now)
+                stream.event.set()
         if update.stats is not None:
             self._stats = update.stats
             self._stats_time = time.monotonic()
@@ -268,56 +293,3 @@ class AsyncLLM:
                 fut.set_result(None)
         for cb in self._dead_callbacks:
             cb(why)
-
-
-def _merge(prev: RequestOutput | None, delta: RequestDelta) -> RequestOutput:
-    if prev is None:
-        prev = RequestOutput(request_id=delta.request_id, prompt=None,
-                             prompt_token_ids=delta.prompt_token_ids or [], outputs=[],
-                             finished=False)
-    outs = prev.outputs
-    for d in delta.outputs:
-        while len(outs) <= d.index:
-            outs.append(CompletionOutput(index=len(outs), text="", token_ids=[],
-                                         cumulative_logprob=None, logprobs=None))
-        o = outs[d.index]
-        o.text = o.text[:d.text_start] + d.text
-        o.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            if o.logprobs is None:
-                o.logprobs = []
-            o.logprobs.extend(d.logprobs)
-        o.cumulative_logprob = d.cumulative_logprob
-        o.finish_reason = d.finish_reason
-        o.stop_reason = d.stop_reason
-    prev.finished = delta.finished
-    prev.num_cached_tokens = delta.num_cached_tokens
-    if delta.prompt_logprobs is not None:
-        prev.prompt_logprobs = delta.prompt_logprobs
-    if delta.metrics is not None:
-        prev.metrics = delta.metrics
-    return prev
-
-
-def _load_tokenizer(config):
-    from transformers import AutoTokenizer
-    return _HFTokenizer(AutoTokenizer.from_pretrained(config.tokenizer or config.model))
-
-
-class _HFTokenizer:
-    """The engine tokenizer's interface over a Hugging Face tokenizer (used if it cannot be pickled)."""
-
-    def __init__(self, tok):
-        self._tok = tok
-        eos = tok.eos_token_id
-        self.eos_token_ids = [] if eos is None else [eos]
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)

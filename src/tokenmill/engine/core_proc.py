@@ -2,11 +2,8 @@
 
 Both directions are batched so that one engine step costs one poll of the pipe and one send:
 the client sends a list of commands per event-loop tick, and the core answers each step with a
-single `CoreUpdate` holding every request's progress, every rejected request and fresh stats.
-
-Outputs cross the pipe as deltas (`OutputDelta`): the engine's outputs are cumulative, and
-re-pickling whole completions every step would cost O(length^2) per request. The client
-(`AsyncLLM`) rebuilds the cumulative `RequestOutput`.
+single `CoreUpdate` holding the step's report (`StepOutputs`: new token ids as arrays), every rejected
+request and fresh stats. The client (`AsyncLLM`) turns reports into text and cumulative outputs.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.step_outputs import StepOutputs
 
 DEFAULT_ENGINE_FACTORY = "tokenmill.engine.engine:LLMEngine"
 
@@ -28,10 +25,17 @@ DEFAULT_ENGINE_FACTORY = "tokenmill.engine.engine:LLMEngine"
 @dataclass
 class AddRequest:
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]
     params: Any
     priority: int = 0
     arrival_time: float | None = None
+    handle: int = 0                 # the number by which reports name the request
+    carries_tools: bool = False
+
+
+@dataclass
+class StopSequences:
+    sequences: list[tuple[str, int]]     # (request id, index): a stop string ended them in the client
 
 
 @dataclass
@@ -49,37 +53,14 @@ class Shutdown:
 class CoreReady:
     model_name: str
     max_model_len: int
-    tokenizer: Any          # the engine's tokenizer, pickled; None if it cannot be pickled
+    tokenizer_path: str | None      # where the client loads the tokenizer from; None: the model has none
     pid: int
     vocab_size: int | None = None
 
 
 @dataclass
-class OutputDelta:
-    index: int
-    text_start: int         # keep the client's text up to here, then append `text`
-    text: str
-    token_ids: list[int]
-    logprobs: list | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    prompt_token_ids: list[int] | None   # only on a request's first delta
-    num_cached_tokens: int
-    metrics: RequestMetrics | None
-    finished: bool
-    outputs: list[OutputDelta]
-    prompt_logprobs: list | None = None  # only on a request's first delta, when asked for
-
-
-@dataclass
 class CoreUpdate:
-    deltas: list[RequestDelta] = field(default_factory=list)
+    outputs: StepOutputs | None = None
     errors: list[tuple[str, str, str | None]] = field(default_factory=list)   # (request_id, message, param)
     stats: dict | None = None
     time: float = 0.0
@@ -95,46 +76,6 @@ def load_factory(path: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-class _DeltaTracker:
-    """Remembers how much of each request's output was already sent."""
-
-    def __init__(self):
-        self._sent: dict[str, list[list[int]]] = {}     # request_id -> per index [num_tokens, text_len, text]
-
-    def forget(self, request_id: str):
-        self._sent.pop(request_id, None)
-
-    def delta(self, out: RequestOutput) -> RequestDelta:
-        first = out.request_id not in self._sent
-        sent = self._sent.setdefault(out.request_id, [])
-        deltas = []
-        for o in out.outputs:
-            while len(sent) <= o.index:
-                sent.append([0, 0, ""])
-            state = sent[o.index]
-            n_tok, n_text, old_text = state
-            text = o.text
-            # Text is normally append-only; fall back to a full resend if a withheld tail changed.
-            start = n_text if text.startswith(old_text) else 0
-            new_tokens = o.token_ids[n_tok:]
-            if not new_tokens and start == len(text) and o.finish_reason is None and not first:
-                continue
-            deltas.append(OutputDelta(
-                index=o.index, text_start=start, text=text[start:], token_ids=list(new_tokens),
-                logprobs=None if o.logprobs is None else list(o.logprobs[n_tok:]),
-                cumulative_logprob=o.cumulative_logprob, finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason))
-            state[0], state[1], state[2] = len(o.token_ids), len(text), text
-        if out.finished:
-            self.forget(out.request_id)
-        return RequestDelta(
-            request_id=out.request_id,
-            prompt_token_ids=list(out.prompt_token_ids) if first else None,
-            num_cached_tokens=out.num_cached_tokens, metrics=out.metrics,
-            finished=out.finished, outputs=deltas,
-            prompt_logprobs=out.prompt_logprobs if first else None)
-
-
 def _vocab_size(engine) -> int | None:
     for holder in (engine, getattr(engine, "model_config", None), getattr(engine, "config", None)):
         value = getattr(holder, "vocab_size", None)
@@ -143,18 +84,18 @@ def _vocab_size(engine) -> int | None:
     return None
 
 
-def _handle(engine, cmd, tracker: _DeltaTracker, update: CoreUpdate) -> bool:
+def _handle(engine, cmd, update: CoreUpdate) -> bool:
     """Apply one command; returns False on shutdown."""
     if isinstance(cmd, AddRequest):
         try:
-            engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                               priority=cmd.priority, arrival_time=cmd.arrival_time)
+            engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                               arrival_time=cmd.arrival_time, handle=cmd.handle, carries_tools=cmd.carries_tools)
         except (ValueError, TypeError) as e:
             update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
+    elif isinstance(cmd, StopSequences):
+        engine.stop_sequences(cmd.sequences)
     elif isinstance(cmd, AbortRequests):
         engine.abort_request(cmd.request_ids)
-        for rid in cmd.request_ids:
-            tracker.forget(rid)
     elif isinstance(cmd, Shutdown):
         return False
     return True
@@ -174,14 +115,9 @@ def run_engine_core(config, conn: Connection, engine_factory: str | None = None,
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     try:
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
-        try:
-            import pickle
-            tokenizer = engine.tokenizer
-            pickle.dumps(tokenizer)
-        except Exception:
-            tokenizer = None
         conn.send(CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
-                            tokenizer=tokenizer, pid=os.getpid(), vocab_size=_vocab_size(engine)))
+                            tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
+                            vocab_size=_vocab_size(engine)))
     except BaseException:
         conn.send(CoreFatal(traceback.format_exc()))
         raise SystemExit(1)
@@ -198,7 +134,6 @@ def run_engine_core(config, conn: Connection, engine_factory: str | None = None,
 
 
 def _loop(engine, conn: Connection) -> None:
-    tracker = _DeltaTracker()
     running = True
     while running:
         update = CoreUpdate()
@@ -208,12 +143,12 @@ def _loop(engine, conn: Connection) -> None:
         while conn.poll(0 if (busy or received) else None):
             received = True
             for cmd in conn.recv():
-                if not _handle(engine, cmd, tracker, update):
+                if not _handle(engine, cmd, update):
                     running = False
         if not running:
             break
-        outputs = engine.step() if engine.has_unfinished_requests() else []
-        update.deltas = [tracker.delta(o) for o in outputs]
+        outputs = engine.step() if engine.has_unfinished_requests() else None
+        update.outputs = outputs or None
         if received or outputs or busy:
             update.stats = engine.get_stats()
             update.time = time.time()

@@ -1,4 +1,8 @@
-"""The synchronous engine core: requests in, one scheduling + model step at a time, outputs out."""
+"""The engine core: token ids in, one scheduling + model + sampling step at a time, token ids out.
+
+A step reports only what it made (`StepOutputs`: each sampled token, finishes and the rare events);
+text, stop strings and cumulative outputs are built by the frontend (`OutputProcessor`), which tells the
+core which sequences a stop string ended (`stop_sequences`)."""
 from __future__ import annotations
 
 import itertools
@@ -12,11 +16,10 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_outputs import StepOutputs, StepOutputsBuilder
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParamError, SamplingParams
 
@@ -39,6 +42,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_gguf(model_dir) if is_gguf else ModelConfig.from_hf(model_dir)
         tok_dir = config.tokenizer or model_dir
         self.tokenizer = Tokenizer(tok_dir) if Tokenizer.available(tok_dir) else None
+        self.tokenizer_path = tok_dir if self.tokenizer is not None else None   # where a frontend loads it
         mc = self.model_config
         self.eos_token_ids = set(mc.eos_token_ids) | set(generation_eos_ids(model_dir))
         if self.tokenizer is not None:
@@ -53,17 +57,14 @@ class LLMEngine:
         self.max_model_len = min(max_len, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy)
+        self.scheduler = Scheduler.from_config(config, self.block_manager, self.max_model_len)
+        self._last_fetch = 0.0
         self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
-        self.prompts: dict[str, str | None] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
+        self._report = StepOutputsBuilder()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # False: `step` returns only finished requests (offline use, which reads nothing else)
-        self.emit_unfinished = True
         # overlap host work with the device: process each step after launching the next one
         self.overlap = True
         self._in_flight = None
@@ -72,19 +73,20 @@ class LLMEngine:
         startup_log.log_startup(self)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, handle: int | None = None,
+                    carries_tools: bool = False) -> int:
+        """Queues a prompt (token ids: frontends tokenize); returns its handle, the number by which the
+        step reports name it (`handle`, or a new one). `carries_tools`: the request offers tools (the
+        priority policy's boost)."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        handle = next(self._ids) if handle is None else handle
+        request_id = request_id if request_id is not None else str(handle)
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
+            raise TypeError("the engine core takes prompts as token ids; text is tokenized by its frontend")
+        prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise ValueError("the prompt is empty (0 tokens); at least 1 token is required")
         bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
@@ -102,33 +104,36 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Request(seq_id, prompt_ids, params, max_tokens, base_seed + i, priority,
-                                arrival_time, parent_id=request_id, index=i))
+                                arrival_time, parent_id=request_id, index=i, carries_tools=carries_tools))
+            seqs[-1].handle = handle
             if compiled is not None:
                 seqs[-1].grammar = self._structured.sequence_grammar(compiled)
         self.groups[request_id] = seqs
         self.num_prompt_tokens += len(prompt_ids)
-        self.prompts[request_id] = text
         for seq in seqs:
-            if self.tokenizer is not None:
-                self.detokenizers[seq.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
-                    params.include_stop_str_in_output)
             self.scheduler.add(seq)
-        return request_id
+        return handle
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> None:
         """Finishes the given requests at once and frees their blocks; unknown ids are ignored."""
-        outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            seqs = self.groups.get(rid)
-            if seqs is None:
-                continue
-            for seq in seqs:
+            seqs = self.groups.pop(rid, None)
+            for seq in seqs or ():
                 if not seq.status.finished:
                     self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(rid))
-            self._release(rid)
-        return outputs
+
+    def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """Finishes the given (request id, index) sequences, which a stop string ended in the frontend,
+        and frees their blocks; a request whose sequences have all finished is gone. Unknown ones are
+        ignored."""
+        for rid, index in sequences:
+            seqs = self.groups.get(rid)
+            if seqs is None or not 0 <= index < len(seqs):
+                continue
+            if not seqs[index].status.finished:
+                self.scheduler.finish(seqs[index], RequestStatus.FINISHED_STOPPED)
+            if all(s.status.finished for s in seqs):
+                del self.groups[rid]
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -151,16 +156,16 @@ class LLMEngine:
         return bool(self.groups)
 
     # ---- the step ------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         """Schedules and launches the next step, then processes the step launched before it: the host
         work of one step overlaps the device work of the next. A batch with a grammar processes the
         previous step while its own forward runs, before it samples; batches that use penalties (which
         need every token's value on the host) are processed before returning."""
         sched = self.scheduler.schedule()
         previous, launched = self._in_flight, None
-        outputs: list[RequestOutput] = []
         settled = False
         if sched:
+            self._report_started(sched.requests)
             constrained = any(r.grammar is not None for r in sched.requests)
 
             def before_sample(step):
@@ -169,55 +174,63 @@ class LLMEngine:
                 if constrained and previous is not None:
                     # a grammar's next mask needs the previous token accepted: read that step now,
                     # while this one's forward runs, before this step samples
-                    outputs.extend(self._process(previous))
+                    self._process(previous)
                     settled = True
+            t_launch = time.perf_counter()
             launched = self.runner.execute(sched.requests, sched.num_new_tokens, previous, before_sample)
+            launched.shape = (sched.total_tokens, len(sched.requests), t_launch)
             self._keep_prompt_logprobs(launched.prompt_logprobs)
         self._in_flight = launched
         if previous is not None and not settled:
-            outputs += self._process(previous)
+            self._process(previous)
         if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):
             self._in_flight = None
-            outputs += self._process(launched)
-        return outputs
+            self._process(launched)
+        report, self._report = self._report.build(), StepOutputsBuilder()
+        return report
 
-    def _process(self, step) -> list[RequestOutput]:
-        """Writes a finished step's sampled tokens into their requests and applies stop conditions."""
-        touched: dict[str, None] = {}
-        if step.positions:
-            host = step.fetch()
-            token_ids = host["token_ids"]
-            lp = host.get("logprobs")
-            now = time.time()
-            for j, row in enumerate(step.sample_rows.tolist()):
-                req = step.requests[row]
-                if req.status.finished:
-                    continue          # aborted or stopped while this step was in flight
-                req.resolve(step.positions[j], token_ids[j])
-                self._append(req, step.positions[j], token_ids[j], now, None if lp is None else
-                             (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
-                touched[req.parent_id] = None
-        outputs = []
-        for rid in touched:
-            finished = all(s.status.finished for s in self.groups[rid])
-            if finished or self.emit_unfinished:
-                outputs.append(self._output(rid))
-            if finished:
-                self._release(rid)
-        return outputs
+    def _report_started(self, requests: list[Request]) -> None:
+        """Reports each request's first scheduling (once, by its first sequence)."""
+        for req in requests:
+            if not req.reported_start and req.index == 0:
+                req.reported_start = True
+                self._report.started.append((req.handle, req.first_scheduled_time, req.num_cached_tokens))
 
-    def _append(self, req: Request, position: int, token: int, now: float, logprob_row) -> None:
+    def _process(self, step) -> None:
+        """Writes a finished step's sampled tokens into their requests, applies the token-level stop
+        conditions (end of sequence, stop token ids, grammar end, length) and reports the tokens."""
+        if not step.positions:
+            return
+        host = step.fetch()
+        done = time.perf_counter()
+        tokens, seqs, t_launch = step.shape
+        # a step's time as its requests see it: from its launch, or from the previous step's tokens if
+        # those came later (steps overlap); a step that samples nothing counts into the next one
+        self.scheduler.observe_step(tokens, seqs, done - max(t_launch, self._last_fetch))
+        self._last_fetch = done
+        token_ids = host["token_ids"]
+        lp = host.get("logprobs")
+        now = time.time()
+        report = self._report
+        for j, row in enumerate(step.sample_rows.tolist()):
+            req = step.requests[row]
+            if req.status.finished:
+                continue          # aborted or stopped while this step was in flight
+            token = token_ids[j]
+            req.resolve(step.positions[j], token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if req.prompt_logprobs is not None and req.index == 0:
+                    report.prompt_logprobs.append((req.handle, req.prompt_logprobs))
+            # a batch samples logprobs when any of its requests asks; only those requests report them
+            report.token(req.handle, req.index, token, None if lp is None or req.params.logprobs is None else
+                         (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
+            self._append(req, step.positions[j], token)
+
+    def _append(self, req: Request, position: int, token: int) -> None:
         self.num_generation_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        # a batch samples logprobs when any of its requests asks; only those requests keep them
-        if logprob_row is not None and req.logprobs is not None:
-            values, ids, rank = logprob_row
-            req.logprobs.append(self._logprob_entry(ids[0], values[0], rank, ids[1:], values[1:]))
-            req.cumulative_logprob += values[0]
         p = req.params
-        status = None
+        status, text = None, False
         grammar_ended = req.grammar is not None and self._grammar_ended(req, token)
         if not p.ignore_eos and token in self.eos_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
@@ -225,28 +238,29 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif grammar_ended:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        else:
-            detok = self.detokenizers.get(req.request_id)
-            if detok is not None and (hit := detok.add(token)) is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit
-            elif position + 1 - req.num_prompt_tokens >= req.max_tokens or position + 1 >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
+        elif position + 1 - req.num_prompt_tokens >= req.max_tokens or position + 1 >= self.max_model_len:
+            status, text = RequestStatus.FINISHED_LENGTH, True
         if status is not None:
             del req.all_token_ids[position + 1:]      # a placeholder of a step launched since
             req.num_pending = 0
             self.scheduler.finish(req, status)
+            report = self._report
+            report.finished.append((req.handle, req.index, status.finish_reason, req.stop_reason,
+                                    -1 if text else len(report.tokens) - 1))
+            seqs = self.groups.get(req.parent_id)
+            if seqs is not None and all(s.status.finished for s in seqs):
+                del self.groups[req.parent_id]
 
     def _keep_prompt_logprobs(self, scored) -> None:
-        """Stores prompt-token logprobs by position (a recomputed prompt, after preemption, rewrites
-        the same entries)."""
+        """Stores prompt-token logprobs by position as (logprob, rank, top ids, top logprobs); a
+        recomputed prompt, after preemption, rewrites the same entries."""
         for part in scored:
             req = part.request
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
             for j, (value, rank) in enumerate(zip(part.logprobs, part.ranks)):
-                pos = part.first_token + j
-                req.prompt_logprobs[pos] = self._logprob_entry(req.prompt_token_ids[pos], value, rank,
-                                                               part.top_token_ids[j], part.top_logprobs[j])
+                req.prompt_logprobs[part.first_token + j] = (value, rank, part.top_token_ids[j],
+                                                             part.top_logprobs[j])
 
     @staticmethod
     def _grammar_ended(req: Request, token: int) -> bool:
@@ -257,45 +271,6 @@ class LLMEngine:
             return req.grammar.terminated
         logger.warning("request %s: sampled token %d is outside its grammar; finishing it", req.request_id, token)
         return True
-
-    def _logprob_entry(self, token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
-        """{token id: Logprob}: the token at its rank, then the most likely ones (ranks 1, 2, ...)."""
-        entry = {token: Logprob(value, rank, self._token_text(token))}
-        for r, (tid, v) in enumerate(zip(top_ids, top_values)):
-            entry.setdefault(tid, Logprob(v, r + 1, self._token_text(tid)))
-        return entry
-
-    def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _output(self, rid: str) -> RequestOutput:
-        seqs = self.groups[rid]
-        completions = []
-        for s in seqs:
-            detok = self.detokenizers.get(s.request_id)
-            text = detok.output_text(s.status.finished) if detok is not None else ""
-            completions.append(CompletionOutput(
-                index=s.index, text=text, token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason))
-        first = seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time),
-                                     default=None),
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            last_token_time=max((s.last_token_time for s in seqs if s.last_token_time), default=None),
-            finished_time=max((s.finished_time or 0 for s in seqs), default=None)
-            if all(s.status.finished for s in seqs) else None)
-        return RequestOutput(request_id=rid, prompt=self.prompts.get(rid), prompt_token_ids=first.prompt_token_ids,
-                             outputs=completions, finished=all(s.status.finished for s in seqs),
-                             num_cached_tokens=first.num_cached_tokens, metrics=metrics,
-                             prompt_logprobs=first.prompt_logprobs)
-
-    def _release(self, rid: str) -> None:
-        for s in self.groups.pop(rid):
-            self.detokenizers.pop(s.request_id, None)
-        self.prompts.pop(rid, None)
 
     # ---- introspection -----------------------------------------------------------------------------
     def get_stats(self) -> dict:

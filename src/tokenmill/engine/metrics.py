@@ -80,8 +80,8 @@ class ServerMetrics:
                                 labelnames=["model_name", "reason"], registry=self.registry)
         self.registry.register(_StatsCollector(get_stats, model_name, extra or dict))
 
-    def observe_output(self, stream, out, delta, now: float):
-        """Called for every update of a request (cumulative `out`, this step's `delta`)."""
+    def observe_output(self, stream, out, now: float):
+        """Called for every update of a request (its cumulative output `out`)."""
         m = out.metrics
         first = out.outputs[0] if out.outputs else None
         n_tokens = len(first.token_ids) if first is not None else 0

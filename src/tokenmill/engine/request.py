@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -58,9 +57,10 @@ class Request:
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # filled by the engine
+        # per prompt position None or (logprob, rank, top ids, top logprobs), when asked; filled by the engine
+        self.prompt_logprobs: list[tuple | None] | None = None
+        self.handle = 0                  # the frontend's number of the request, which step reports carry
+        self.reported_start = False      # its first scheduling was reported
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -212,4 +212,5 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                    "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage([last])}
 
     serving.admit()
-    return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final)
+    return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
+                             carries_tools=bool(req.tools))

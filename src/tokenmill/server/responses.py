@@ -279,7 +279,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
                            response=shape.body(status, events.items, last, c.finish_reason))
 
     serving.admit()
-    return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True)
+    return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True,
+                             carries_tools=bool(req.tools))
 
 
 class _EventStream:

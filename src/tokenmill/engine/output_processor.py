@@ -1,0 +1,162 @@
+"""The frontend half of the engine: the core's token ids in, cumulative `RequestOutput`s out.
+
+Detokenization, stop strings, logprob text and output assembly happen here, in the process that serves
+the requests (the API server, or the offline `LLM` beside its engine), not in the engine core, whose
+step then does scheduling, the model and sampling only. A stop string found here finishes the sequence
+at once and is reported back (`process` returns it) so that the core stops it and frees its blocks;
+tokens of that sequence already in flight in the core are dropped when they arrive.
+
+Each request's `RequestOutput` is one object, updated in place: token lists grow by appending, so a
+step costs the frontend work in proportion to the tokens it made.
+"""
+from __future__ import annotations
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.step_outputs import StepOutputs
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+class _Sequence:
+    __slots__ = ("out", "detok", "finished")
+
+    def __init__(self, out: CompletionOutput, detok: IncrementalDetokenizer | None):
+        self.out = out
+        self.detok = detok
+        self.finished = False
+
+
+class _Request:
+    __slots__ = ("output", "seqs", "num_finished", "logprobs")
+
+    def __init__(self, output: RequestOutput, seqs: list[_Sequence], logprobs: bool):
+        self.output = output
+        self.seqs = seqs
+        self.num_finished = 0
+        self.logprobs = logprobs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._requests: dict[int, _Request] = {}
+        self._handles: dict[str, int] = {}
+        self._token_text: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, handle: int, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
+            arrival_time: float = 0.0) -> None:
+        """Registers a request before its first report can arrive."""
+        seqs = []
+        want_logprobs = params.logprobs is not None
+        for i in range(params.n):
+            out = CompletionOutput(index=i, text="", token_ids=[],
+                                   cumulative_logprob=0.0 if want_logprobs else None,
+                                   logprobs=[] if want_logprobs else None)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                               params.skip_special_tokens, params.include_stop_str_in_output)
+            seqs.append(_Sequence(out, detok))
+        output = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                               outputs=[s.out for s in seqs], finished=False,
+                               metrics=RequestMetrics(arrival_time=arrival_time))
+        self._requests[handle] = _Request(output, seqs, want_logprobs)
+        self._handles[request_id] = handle
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request (aborted, failed, or its reader gone); later reports of it are ignored."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self._requests.pop(handle, None)
+
+    def process(self, step: StepOutputs, now: float) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Applies one report: the outputs of the requests it changed (finished ones are forgotten), and
+        the (request id, index) of each sequence a stop string finished, which the core must stop."""
+        requests = self._requests
+        touched: dict[int, _Request] = {}
+        stops: list[tuple[str, int]] = []
+        for handle, first_scheduled, cached in step.started:
+            req = requests.get(handle)
+            if req is not None:
+                req.output.metrics.first_scheduled_time = first_scheduled
+                req.output.num_cached_tokens = cached
+        for handle, raw in step.prompt_logprobs:
+            req = requests.get(handle)
+            if req is not None:
+                ids = req.output.prompt_token_ids
+                req.output.prompt_logprobs = [
+                    None if entry is None else self._entry(ids[pos], *entry) for pos, entry in enumerate(raw)]
+        logprobs = step.logprobs
+        # a sequence that ends on an end-of-sequence or stop token id: that last token is not text
+        silent = {f[4] for f in step.finished if f[4] >= 0}
+        for j, (handle, index, token) in enumerate(zip(step.handles.tolist(), step.indexes.tolist(),
+                                                        step.tokens.tolist())):
+            req = requests.get(handle)
+            if req is None:
+                continue
+            seq = req.seqs[index]
+            if seq.finished:
+                continue          # a stop string ended it; the core had this token in flight
+            out = seq.out
+            out.token_ids.append(token)
+            if req.logprobs and j in logprobs:
+                values, ids, rank = logprobs[j]
+                out.logprobs.append(self._entry(ids[0], values[0], rank, ids[1:], values[1:]))
+                out.cumulative_logprob += values[0]
+            detok = seq.detok
+            if detok is not None and not (silent and j in silent):
+                hit = detok.add(token)
+                if hit is not None:
+                    self._finish(req, seq, "stop", hit)
+                    stops.append((req.output.request_id, index))
+                else:
+                    out.text = detok.output_text(False)
+            touched[handle] = req
+        for handle, index, reason, stop_reason, _ in step.finished:
+            req = requests.get(handle)
+            if req is None or req.seqs[index].finished:
+                continue
+            self._finish(req, req.seqs[index], reason, stop_reason)
+            touched[handle] = req
+        outputs = []
+        for handle, req in touched.items():
+            output = req.output
+            metrics = output.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if req.num_finished == len(req.seqs):
+                output.finished = True
+                metrics.finished_time = now
+                del requests[handle]
+                self._handles.pop(output.request_id, None)
+            outputs.append(output)
+        return outputs, stops
+
+    def _finish(self, req: _Request, seq: _Sequence, reason: str, stop_reason) -> None:
+        seq.finished = True
+        req.num_finished += 1
+        out = seq.out
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        if seq.detok is not None:
+            out.text = seq.detok.output_text(True)
+
+    def _entry(self, token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
+        """{token id: Logprob}: the token at its rank, then the most likely ones (ranks 1, 2, ...)."""
+        entry = {token: Logprob(value, rank, self.token_text(token))}
+        for r, (tid, v) in enumerate(zip(top_ids, top_values)):
+            entry.setdefault(tid, Logprob(v, r + 1, self.token_text(tid)))
+        return entry
+
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text, special tokens included (as logprobs show it)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = text
+        return text

@@ -1,0 +1,82 @@
+"""What one engine-core step reports: the new token of each sequence that sampled, and the rare events.
+
+This is all that crosses from the core to its frontend (the `OutputProcessor`, in the API server process
+or beside the offline engine): token ids as three parallel NumPy arrays (no per-request objects, no text,
+nothing cumulative), so the cost of a step's report grows with the tokens it made, never with the
+lengths of the requests. Text, stop strings, logprob text and the cumulative outputs are the frontend's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_EMPTY_I64 = np.zeros(0, np.int64)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+class StepOutputs:
+    """`handles[j]`, `indexes[j]`, `tokens[j]`: sequence `indexes[j]` of request `handles[j]` (the
+    frontend's number for it) sampled `tokens[j]`, in the order the sequence made them.
+
+    Events, each a list of tuples:
+      started:         (handle, first scheduled time, prompt tokens served from the prefix cache)
+      finished:        (handle, index, finish reason "stop" | "length", stop token id or None, the row j of
+                       a last token that is not text (an end-of-sequence or stop token id ended the
+                       sequence) or -1); the sequence's tokens of the same report come first
+      logprobs:        {j: (logprobs of the token then the top k, their token ids, the token's rank)},
+                       for the rows whose request asked
+      prompt_logprobs: (handle, per prompt position None or (logprob, rank, top ids, top logprobs))
+    """
+
+    __slots__ = ("handles", "indexes", "tokens", "started", "finished", "logprobs", "prompt_logprobs")
+
+    def __init__(self, handles=_EMPTY_I64, indexes=_EMPTY_I32, tokens=_EMPTY_I64, started=None, finished=None,
+                 logprobs=None, prompt_logprobs=None):
+        self.handles, self.indexes, self.tokens = handles, indexes, tokens
+        self.started = started or []
+        self.finished = finished or []
+        self.logprobs = logprobs or {}
+        self.prompt_logprobs = prompt_logprobs or []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __bool__(self) -> bool:
+        return bool(len(self.tokens) or self.started or self.finished)
+
+    def __getstate__(self):
+        return (self.handles, self.indexes, self.tokens, self.started, self.finished, self.logprobs,
+                self.prompt_logprobs)
+
+    def __setstate__(self, state):
+        (self.handles, self.indexes, self.tokens, self.started, self.finished, self.logprobs,
+         self.prompt_logprobs) = state
+
+
+class StepOutputsBuilder:
+    """Gathers one step's report as it is processed (possibly over two processed steps)."""
+
+    __slots__ = ("handles", "indexes", "tokens", "started", "finished", "logprobs", "prompt_logprobs")
+
+    def __init__(self):
+        self.handles: list[int] = []
+        self.indexes: list[int] = []
+        self.tokens: list[int] = []
+        self.started: list[tuple] = []
+        self.finished: list[tuple] = []
+        self.logprobs: dict[int, tuple] = {}
+        self.prompt_logprobs: list[tuple] = []
+
+    def token(self, handle: int, index: int, token: int, logprobs: tuple | None = None) -> None:
+        if logprobs is not None:
+            self.logprobs[len(self.tokens)] = logprobs
+        self.handles.append(handle)
+        self.indexes.append(index)
+        self.tokens.append(token)
+
+    def build(self) -> StepOutputs:
+        if not self.tokens:
+            return StepOutputs(started=self.started, finished=self.finished,
+                               prompt_logprobs=self.prompt_logprobs)
+        return StepOutputs(np.array(self.handles, np.int64), np.array(self.indexes, np.int32),
+                           np.array(self.tokens, np.int64), self.started, self.finished, self.logprobs,
+                           self.prompt_logprobs)
