@@ -20,7 +20,7 @@ class BodyTooLarge(Exception):
 
 def _json_message(status: int, message: str, param: str | None, code: str | None,
                   extra_headers: list[tuple[bytes, bytes]] = ()) -> tuple[dict, dict]:
-    body = dumps(error_body(status, message, param, code)).encode()
+    body = dumps(error_body(status, message, param, code))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *extra_headers]
     return ({"type": "http.response.start", "status": status, "headers": headers},

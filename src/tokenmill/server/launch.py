@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 import uvicorn
+import uvloop
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
 
@@ -168,7 +169,11 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         # handler, also holds through the interpreter's finalization.)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        asyncio.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, log_stats, log_stats_interval))
+        # uvloop: the event loop carries every stream's tokens and SSE writes, and its loop is several
+        # times cheaper per callback than asyncio's
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, log_stats,
+                                                  log_stats_interval))
         return server.exit_code
     finally:
         engine.shutdown()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 import uuid
@@ -10,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -21,8 +21,9 @@ from tokenmill.server.stats_log import log_request
 _MIN_LOGPROB = -9999.0
 
 
-def dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def dumps(obj) -> bytes:
+    """Compact UTF-8 JSON (no ASCII escapes, as OpenAI sends it)."""
+    return orjson.dumps(obj)
 
 
 def json_response(obj, status: int = 200) -> Response:
@@ -75,7 +76,6 @@ class Serving:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._token_cache: dict[int, str] = {}
         # Tokenization and chat templates run here, off the event loop, so that one long prompt
         # never stalls other clients (or /health). One thread: a Hugging Face fast tokenizer must
         # not be used from two threads at once.
@@ -213,20 +213,17 @@ class Serving:
     def token_text(self, token_id: int, logprob_entry=None) -> str:
         if logprob_entry is not None and logprob_entry.decoded_token is not None:
             return logprob_entry.decoded_token
-        text = self._token_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_cache) < 200_000:
-                self._token_cache[token_id] = text
-        return text
+        return self.engine.processor.token_text(token_id)
 
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
-                  make_stream, make_final, event_names: bool = False) -> Response:
+                  make_stream, make_final, event_names: bool = False, carries_tools: bool = False) -> Response:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
-        `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`."""
+        `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
+        `carries_tools`: the request offers tools (a boost under the priority policy)."""
         base = uuid.uuid4().hex
-        gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority), f"{base}-{i}", ids, params)
+        gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority, carries_tools=carries_tools),
+                            f"{base}-{i}", ids, params)
                 for i, ids in enumerate(prompts)]
         self._begin()
         try:
@@ -248,23 +245,23 @@ class Serving:
                 self._end()
             return json_response(make_final(finals))
 
-        async def sse() -> AsyncIterator[str]:
+        async def sse() -> AsyncIterator[bytes]:
             try:
                 try:
                     async for chunk in make_stream(_merge_streams(gens, first)):
                         if event_names:
-                            yield f"event: {chunk['type']}\ndata: {dumps(chunk)}\n\n"
+                            yield b"event: " + chunk["type"].encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
                         else:
-                            yield f"data: {dumps(chunk)}\n\n"
+                            yield b"data: " + dumps(chunk) + b"\n\n"
                 except (EngineDeadError, ServerStopping, ValueError) as e:
                     err = _as_api_error(e)
                     if event_names:
                         body = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
-                        yield f"event: error\ndata: {dumps(body)}\n\n"
+                        yield b"event: error\ndata: " + dumps(body) + b"\n\n"
                     else:
-                        yield f"data: {dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+                        yield b"data: " + dumps(error_body(err.status, err.message, err.param, err.code)) + b"\n\n"
                 if not event_names:
-                    yield "data: [DONE]\n\n"
+                    yield b"data: [DONE]\n\n"
             finally:
                 await _close_all(gens)
                 self._end()
