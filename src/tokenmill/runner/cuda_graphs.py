@@ -48,7 +48,9 @@ class CudaGraphRunner:
         limit = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
         if limit > 0:
             tokens = sorted({t for t in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < limit} | {limit})
-            seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < n} | {min(n, 64)})
+            # up to every running sequence: at high concurrency nearly every step carries a prefill
+            # chunk beside its decode rows, and a step no graph holds pays the eager launches
+            seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < n} | {n})
             keys += [("mixed", t, s) for t in tokens for s in seqs if s <= t]
         return keys
 
