@@ -6,11 +6,13 @@
 #   OUT=/path/to/results bash scripts/device/profile_serve.sh
 #
 # 1. `tokenmill serve MODEL` with the engine core's phase timers (lab/step_profile.py) and, for each
-#    concurrency level in LEVELS, `tokenmill bench serve` (mixed-chat, NUM_PROMPTS requests, rate inf);
-#    the core's phases per step for that level are printed from the timers' snapshots around it. At
-#    level SPY_LEVEL, py-spy samples the API server and the engine core for SPY_SECONDS.
-# 2. Offline: the short workload (OFFLINE_PROMPTS requests, 50-300 in / 50-300 out, --max-num-seqs 512)
-#    under py-spy, unless OFFLINE=0.
+#    concurrency level in LEVELS, `tokenmill bench serve` (mixed-chat, NUM_PROMPTS requests or the level
+#    if more, rate inf); the core's phases per step for that level are printed from the timers'
+#    snapshots around it. At level SPY_LEVEL, py-spy samples the API server and the engine core for
+#    SPY_SECONDS. With TTFT_PROBE=N, N 1,000-token prompts at concurrency 1 (64 tokens out) follow.
+# 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
+#    out, --max-num-seqs 512, under py-spy), default (256 requests, 100-1024 in / out, greedy) and
+#    sampled (the default workload at temperature 0.8, top_p 0.95, seeded).
 # Output: $OUT/SUMMARY.md (printed last), the raw profiles and logs beside it.
 set -uo pipefail
 
@@ -19,7 +21,8 @@ LEVELS=${LEVELS:-"64 256"}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
 SPY_LEVEL=${SPY_LEVEL:-256}
 SPY_SECONDS=${SPY_SECONDS:-8}
-OFFLINE=${OFFLINE:-1}
+OFFLINE=${OFFLINE-short}
+TTFT_PROBE=${TTFT_PROBE:-0}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-2048}
 SERVER_ARGS=${SERVER_ARGS:-}
 START_TIMEOUT_S=${START_TIMEOUT_S:-300}
@@ -66,8 +69,9 @@ for c in $LEVELS; do
     ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$core" -o "$OUT/spy-core-c$c.txt" > "$OUT/spy-core.log" 2>&1 ) &
     spies+=($!)
   fi
+  n=$(( c > NUM_PROMPTS ? c : NUM_PROMPTS ))
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
-    --label tokenmill --dataset mixed-chat --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" \
+    --label tokenmill --dataset mixed-chat --num-prompts "$n" --max-concurrency "$c" \
     --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress > "$OUT/bench-c$c.log" 2>&1
   [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
   sleep 2.5
@@ -80,21 +84,35 @@ for c in $LEVELS; do
     [ -f "$OUT/spy-$who.log" ] && [ ! -s "$f" ] && { echo; echo "py-spy ($who) failed:"; tail -3 "$OUT/spy-$who.log"; } >> "$SUMMARY"
   done
 done
+if [ "$TTFT_PROBE" -gt 0 ]; then
+  python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/completions --model "$SLUG" \
+    --label tokenmill-1000in --dataset random --input-len-range 1000,1000 --output-len-range 64,64 \
+    --num-prompts "$TTFT_PROBE" --max-concurrency 1 --hardware "$HARDWARE" --output-dir "$OUT" \
+    --name serve-1000in --no-progress > "$OUT/bench-1000in.log" 2>&1
+  { echo; echo "## concurrency 1, 1,000-token prompts"; echo; grep -E "c=" "$OUT/bench-1000in.log"; } >> "$SUMMARY"
+fi
 kill "$pid"; for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done; kill -9 "$pid" 2>/dev/null
 
-if [ "$OFFLINE" = 1 ]; then
-  args=(--model "$MODEL" --backend tokenmill --dataset random --num-prompts "$OFFLINE_PROMPTS"
-        --input-len-range 50,300 --output-len-range 50,300 --max-num-seqs 512 --seed 0 --no-progress
-        --output-dir "$OUT" --name offline-short)
-  if [ -x "$SPY" ]; then
+for stage in $OFFLINE; do
+  common=(--model "$MODEL" --backend tokenmill --dataset random --seed 0 --no-progress --output-dir "$OUT")
+  case $stage in
+    short)   args=("${common[@]}" --num-prompts "$OFFLINE_PROMPTS" --input-len-range 50,300 --output-len-range 50,300
+                   --max-num-seqs 512 --name offline-short) ;;
+    default) args=("${common[@]}" --num-prompts 256 --input-len-range 100,1024 --output-len-range 100,1024
+                   --name offline-default) ;;
+    sampled) args=("${common[@]}" --num-prompts 256 --input-len-range 100,1024 --output-len-range 100,1024
+                   --temperature 0.8 --top-p 0.95 --name offline-sampled) ;;
+    *) echo "unknown offline stage $stage" >> "$SUMMARY"; continue ;;
+  esac
+  if [ "$stage" = short ] && [ -x "$SPY" ]; then
     "$SPY" record --nonblocking --subprocesses -r 100 -f raw -o "$OUT/spy-offline.txt" -- \
-      python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline.log" 2>&1
+      python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline-$stage.log" 2>&1
   else
-    python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline.log" 2>&1
+    python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline-$stage.log" 2>&1
   fi
-  { echo; echo "## offline short workload"; echo; cat "$OUT/offline-short.md" 2>/dev/null || tail -5 "$OUT/offline.log"; } >> "$SUMMARY"
-  [ -s "$OUT/spy-offline.txt" ] && { echo; echo "### py-spy: offline"; echo; python lab/collapsed_top.py "$OUT/spy-offline.txt" 30; } >> "$SUMMARY"
-fi
+  { echo; echo "## offline: $stage"; echo; cat "$OUT/offline-$stage.md" 2>/dev/null || tail -5 "$OUT/offline-$stage.log"; } >> "$SUMMARY"
+  [ "$stage" = short ] && [ -s "$OUT/spy-offline.txt" ] && { echo; echo "### py-spy: offline"; echo; python lab/collapsed_top.py "$OUT/spy-offline.txt" 30; } >> "$SUMMARY"
+done
 echo "total $((SECONDS - T0)) s" >> "$SUMMARY"
 echo "==================== summary ===================="
 cat "$SUMMARY"

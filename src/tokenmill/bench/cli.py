@@ -127,6 +127,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="tokenmill sampling temperature (the baselines decode greedily)")
+    p.add_argument("--top-p", type=float, default=1.0, help="tokenmill nucleus sampling, with --temperature")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -358,7 +359,7 @@ def run_throughput(args, argv: list[str]) -> dict:
         },
         "engine_args": {k: getattr(args, k) for k in (
             "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "dtype", "block_size",
-            "enforce_eager", "no_prefix_caching", "temperature", "hf_batch_size", "hf_max_memory_percent")},
+            "enforce_eager", "no_prefix_caching", "temperature", "top_p", "hf_batch_size", "hf_max_memory_percent")},
         "roofline": {"memory_bandwidth": hw.memory_bandwidth, "matmul_flops": hw.matmul_flops,
                      "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
                      **floor.as_dict()},

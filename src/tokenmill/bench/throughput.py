@@ -52,7 +52,7 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[1] * 16, [2] * 24], warm, use_tqdm=False)
     mark_ready()
-    params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True,
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=r.output_len, ignore_eos=True,
                              seed=args.seed + i if args.temperature > 0 else None)
               for i, r in enumerate(requests)]
     t0 = time.perf_counter()
