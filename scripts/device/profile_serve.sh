@@ -29,7 +29,7 @@ START_TIMEOUT_S=${START_TIMEOUT_S:-300}
 
 source "$(dirname "$0")/env.sh"
 SITE=/tmp/site
-python -c "import fastapi, uvicorn" 2>/dev/null || python -m pip install -q --no-index --no-deps --target "$SITE" .whl/srv/*.whl
+python -c "import fastapi, uvicorn, uvloop" 2>/dev/null || python -m pip install -q --no-index --no-deps --target "$SITE" .whl/srv/*.whl
 python -m pip install -q --no-index --no-deps --target /tmp/tools .whl/tools/*.whl 2>/dev/null
 export PYTHONPATH="$PWD/lab:$SITE:$PYTHONPATH"
 SPY=/tmp/tools/bin/py-spy
