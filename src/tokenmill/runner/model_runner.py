@@ -24,7 +24,7 @@ from tokenmill.layers.kernels import staging
 from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.loader import load_model
-from tokenmill.runner.sampler import SamplingTensors, sample
+from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
 
 logger = logging.getLogger("tokenmill")
@@ -51,6 +51,8 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            warm_up_sampler(self.vocab_size, self.dtype, self.device)
         self.graph_runner = CudaGraphRunner(self.model, self.backend, engine_config, self.device,
                                             self.max_num_seqs, max_model_len, self.max_blocks_per_seq)
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;

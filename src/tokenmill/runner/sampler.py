@@ -1,15 +1,22 @@
 """Sampling on the device: one batch of logits in, one token id per row out.
 
 Greedy rows take the argmax. Random rows sample by the exponential race (argmax of p / E with
-E ~ Exp(1), which draws from p exactly). For a request with a seed, E comes from a counter-based
-hash of (seed, output position, token id): the draw depends on nothing but the request itself, so it
-is reproducible across runs and independent of which other requests share the batch.
+E ~ Exp(1), which draws from p exactly) over the tokens that top-k, top-p and min-p keep. For a request
+with a seed, E comes from a counter-based hash of (seed, output position, token id): the draw depends on
+nothing but the request itself, so it is reproducible across runs and independent of which other requests
+share the batch.
+
+One path per device: on CUDA a Triton kernel (`layers/kernels/sampling.py`) does the whole random draw in
+one launch without a sort, every row's noise from that hash (a request without a seed has one from the
+engine); elsewhere the torch path below, its reference, with torch's generator for rows without a seed.
+Both keep the same set of tokens (the rule is stated in the kernel's module).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -38,16 +45,24 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size:
     return -torch.log(u).to(torch.float32)
 
 
+# One row's sampling parameters as they travel to the device: a step's rows are one copy, and the tensors of
+# `SamplingTensors` are views of it. 48 bytes, so the int64 fields stay 8-byte aligned in every row.
+ROW = np.dtype([("seed", "<i8"), ("position", "<i8"), ("top_k", "<i4"), ("temperature", "<f4"),
+                ("top_p", "<f4"), ("min_p", "<f4"), ("seeded", "<i4"), ("presence_penalty", "<f4"),
+                ("frequency_penalty", "<f4"), ("repetition_penalty", "<f4")])
+_WORDS = ROW.itemsize // 4
+
+
 @dataclass
 class SamplingTensors:
     """Per-row parameters; a field is None when no row needs it, so its work is skipped."""
     temperature: torch.Tensor | None          # [S] float32, 0 for greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None                # [S] int64, vocab size when disabled
+    top_k: torch.Tensor | None                # [S] integer, vocab size when disabled
     top_p: torch.Tensor | None                # [S] float32
     min_p: torch.Tensor | None                # [S] float32
     seeds: torch.Tensor | None                # [S] int64 for seeded rows
-    seeded_rows: torch.Tensor | None          # [S] bool
+    seeded_rows: torch.Tensor | None          # [S] bool or integer (nonzero: the row has a seed)
     output_positions: torch.Tensor | None     # [S] int64
     presence_penalty: torch.Tensor | None     # [S] float32, with token tensors below
     frequency_penalty: torch.Tensor | None
@@ -57,16 +72,50 @@ class SamplingTensors:
     max_logprobs: int | None                  # top alternatives to return, None: no logprobs
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, token ids, values)
     token_bitmask: BatchBitmask | None = None  # the grammar-constrained rows
+    # what the CUDA kernel reads, every row filled (top_k = vocab size, top_p = 1, min_p = 0 where off, each
+    # row's seed and position): (temperature, top_k, top_p, min_p, seeds, positions)
+    kernel_params: tuple[torch.Tensor, ...] | None = None
+
+    @staticmethod
+    def from_rows(rows: np.ndarray, vocab_size: int, device: torch.device, all_greedy: bool = False,
+                  max_logprobs: int | None = None, output_counts: torch.Tensor | None = None,
+                  seen_mask: torch.Tensor | None = None) -> "SamplingTensors":
+        """The tensors of packed `rows` (a `ROW` array, top_k = `vocab_size` where off), copied to `device`
+        at once; the penalties apply where `output_counts` and `seen_mask` (on `device`) are given."""
+        host = torch.from_numpy(rows.view(np.int32).reshape(len(rows), _WORDS))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        words = host.to(device, non_blocking=True)
+
+        def field(name: str) -> torch.Tensor:
+            offset = ROW.fields[name][1] // 4
+            if ROW[name] == np.int64:
+                return words[:, offset:offset + 2].view(torch.int64)[:, 0]
+            return words[:, offset].view(torch.float32) if ROW[name] == np.float32 else words[:, offset]
+
+        temperature, top_k, top_p, min_p = (field(n) for n in ("temperature", "top_k", "top_p", "min_p"))
+        seeds, positions = field("seed"), field("position")
+        seeded = bool(rows["seeded"].any())
+        penalties = output_counts is not None
+        return SamplingTensors(
+            temperature=temperature, all_greedy=all_greedy,
+            top_k=top_k if (rows["top_k"] < vocab_size).any() else None,
+            top_p=top_p if (rows["top_p"] < 1).any() else None,
+            min_p=min_p if (rows["min_p"] > 0).any() else None,
+            seeds=seeds if seeded else None, seeded_rows=field("seeded") if seeded else None,
+            output_positions=positions if seeded else None,
+            presence_penalty=field("presence_penalty") if penalties else None,
+            frequency_penalty=field("frequency_penalty") if penalties else None,
+            repetition_penalty=field("repetition_penalty") if penalties else None,
+            output_counts=output_counts, seen_mask=seen_mask, max_logprobs=max_logprobs,
+            kernel_params=(temperature, top_k, top_p, min_p, seeds, positions))
 
     @staticmethod
     def dummy(rows: int, device: torch.device, greedy: bool) -> "SamplingTensors":
         """Parameters for a memory-profiling or warm-up pass: top-k and top-p set, so that their work runs."""
-        return SamplingTensors(
-            temperature=torch.ones(rows, device=device), all_greedy=greedy,
-            top_k=torch.full((rows,), 50, device=device), top_p=torch.full((rows,), 0.9, device=device),
-            min_p=None, seeds=None, seeded_rows=None, output_positions=None, presence_penalty=None,
-            frequency_penalty=None, repetition_penalty=None, output_counts=None, seen_mask=None,
-            max_logprobs=None)
+        packed = np.zeros(rows, dtype=ROW)
+        packed["top_k"], packed["temperature"], packed["top_p"], packed["repetition_penalty"] = 50, 1.0, 0.9, 1.0
+        return SamplingTensors.from_rows(packed, 2**31 - 1, device, all_greedy=greedy)   # top_k 50 is on
 
     @staticmethod
     def from_requests(requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingTensors":
@@ -80,26 +129,16 @@ class SamplingTensors:
         if any(r.grammar is not None for r in requests):
             from tokenmill.engine.structured_output import BatchBitmask
             bitmask = BatchBitmask.from_requests(requests, vocab_size, device)
-        if all(p.greedy for p in params) and not any(p.needs_penalties for p in params):
+        all_greedy = all(p.greedy for p in params)
+        penalties = any(p.needs_penalties for p in params)
+        if all_greedy and not penalties:
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
                                    None, None, max_logprobs, bias, bitmask)
-
-        def tensor(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        temperature = tensor([0.0 if p.greedy else p.temperature for p in params])
-        top_k = tensor([p.top_k or vocab_size for p in params], torch.int64) \
-            if any(p.top_k for p in params) else None
-        top_p = tensor([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
-        min_p = tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
-        seeded = [p.seed is not None for p in params]
-        seeds = positions = seeded_rows = None
-        if any(seeded):
-            seeds = tensor([r.seed for r in requests], torch.int64)
-            positions = tensor([r.num_output_tokens for r in requests], torch.int64)
-            seeded_rows = tensor(seeded, torch.bool)
-        pp = fp = rp = counts = seen = None
-        if any(p.needs_penalties for p in params):
+        packed = np.fromiter(((r.seed, r.num_output_tokens, p.top_k or vocab_size, 0.0 if p.greedy else p.temperature,
+                               p.top_p, p.min_p, p.seed is not None, p.presence_penalty, p.frequency_penalty,
+                               p.repetition_penalty) for r, p in zip(requests, params)), dtype=ROW, count=rows)
+        counts = seen = None
+        if penalties:
             counts = torch.zeros(rows, vocab_size, dtype=torch.float32)
             seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
             for i, r in enumerate(requests):
@@ -107,11 +146,9 @@ class SamplingTensors:
                 counts[i].index_add_(0, out, torch.ones(len(out)))
                 seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
             counts, seen = counts.to(device), seen.to(device)
-            pp = tensor([p.presence_penalty for p in params])
-            fp = tensor([p.frequency_penalty for p in params])
-            rp = tensor([p.repetition_penalty for p in params])
-        return SamplingTensors(temperature, False, top_k, top_p, min_p, seeds, seeded_rows, positions,
-                               pp, fp, rp, counts, seen, max_logprobs, bias, bitmask)
+        t = SamplingTensors.from_rows(packed, vocab_size, device, all_greedy, max_logprobs, counts, seen)
+        t.logit_bias, t.token_bitmask = bias, bitmask
+        return t
 
 
 def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,23 +184,56 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """`logits` with the tokens top-k, top-p and min-p drop at -inf. The kept set is every token at or above
+    a cut-off value, so ties at the cut-off stay together (the rule of `kernels/sampling.py`): the k-th
+    largest value; the last value of the smallest sorted prefix whose mass reaches top_p (the mass of the
+    tokens strictly above a kept token is below top_p); p >= min_p * p_max."""
     if t.min_p is not None:
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * t.min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if t.top_k is None and t.top_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    cutoffs = []
     if t.top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        remove |= ranks >= t.top_k[:, None]
+        k = t.top_k.long().clamp(1, logits.shape[-1])
+        cutoffs.append(sorted_logits.gather(-1, k[:, None] - 1))
     if t.top_p is not None:
         probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        remove |= (probs.cumsum(-1) - probs) >= t.top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True)   # >= 1
+        cutoffs.append(sorted_logits.gather(-1, kept - 1))
+    cutoff = cutoffs[0] if len(cutoffs) == 1 else torch.maximum(*cutoffs)
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _random_tokens_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The reference of `kernels.sampling.sample`: float32 `logits`, greedy rows by temperature 0."""
+    greedy_ids = logits.argmax(-1)
+    temp = t.temperature.clamp_min(1e-5)[:, None]
+    scaled = _top_k_top_p_min_p(logits / temp, t)
+    probs = scaled.softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    if t.seeds is not None:
+        seeded = seeded_exponential(t.seeds, t.output_positions, probs.shape[-1])
+        noise = torch.where(t.seeded_rows.bool()[:, None], seeded, noise)
+    random_ids = (probs / noise).argmax(-1)
+    return torch.where(t.temperature < 1e-5, greedy_ids, random_ids)
+
+
+def _random_tokens_kernel(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    from tokenmill.layers.kernels import sampling
+    if t.kernel_params is None:
+        raise ValueError("sample: the kernel path needs SamplingTensors built by from_requests, from_rows or dummy")
+    return sampling.sample(logits, *t.kernel_params)
+
+
+def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compiles the random path's variants on `device` (logits in the model's `dtype`, and float32 after a
+    bias or penalties) before a request needs them: a compile inside a step stalls the whole batch."""
+    t = SamplingTensors.dummy(1, device, greedy=False)
+    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+        sample(torch.zeros(1, vocab_size, dtype=logits_dtype, device=device), t)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None = None) -> SamplerOutput:
@@ -176,32 +246,27 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
         # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
         # row as the float32 argmax (first of equals), without a float copy of the logits per step
         return SamplerOutput(token_ids=logits.argmax(-1))
-    logits = logits.float()
     if t.token_bitmask is not None:
         logits = t.token_bitmask.apply(logits)
     # logprobs are those of the model's distribution under the grammar, before logit_bias, penalties,
     # temperature and top-k/top-p (vLLM v1's default, "raw_logprobs")
     raw = logits
-    if t.logit_bias is not None:
-        logits = logits.index_put(t.logit_bias[:2], t.logit_bias[2], accumulate=True)
-    if t.output_counts is not None or t.seen_mask is not None:
-        logits = apply_penalties(logits, t)
-    greedy_ids = logits.argmax(-1)
+    if t.logit_bias is not None or t.output_counts is not None or t.seen_mask is not None:
+        logits = logits.float()
+        if t.logit_bias is not None:
+            logits = logits.index_put(t.logit_bias[:2], t.logit_bias[2], accumulate=True)
+        if t.output_counts is not None or t.seen_mask is not None:
+            logits = apply_penalties(logits, t)
     if t.all_greedy:
-        token_ids = greedy_ids
+        token_ids = logits.argmax(-1)
+    elif logits.is_cuda:
+        # the kernel reads the logits in their own dtype (bf16 when nothing above changed them)
+        token_ids = _random_tokens_kernel(logits, t)
     else:
-        temp = t.temperature.clamp_min(1e-5)[:, None]
-        scaled = _top_k_top_p_min_p(logits / temp, t)
-        probs = scaled.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        if t.seeds is not None:
-            seeded = seeded_exponential(t.seeds, t.output_positions, probs.shape[-1])
-            noise = torch.where(t.seeded_rows[:, None], seeded, noise)
-        random_ids = (probs / noise).argmax(-1)
-        token_ids = torch.where(t.temperature < 1e-5, greedy_ids, random_ids)
+        token_ids = _random_tokens_torch(logits.float(), t)
     out = SamplerOutput(token_ids=token_ids)
     if t.max_logprobs is not None:
-        logprobs = raw.log_softmax(-1)
+        logprobs = raw.float().log_softmax(-1)
         sampled = logprobs.gather(-1, token_ids[:, None])
         top_vals, top_ids = logprobs.topk(t.max_logprobs, dim=-1) if t.max_logprobs else (
             logprobs[:, :0], token_ids[:, None][:, :0])
