@@ -12,8 +12,8 @@ step (a benchmark level's profile is the difference of the snapshots taken aroun
 Phases: schedule (Scheduler.schedule), execute (ModelRunner.execute: input preparation, graph replay or
 eager launch, sampler launch, less its before_sample callback), before_sample (scheduler bookkeeping and,
 for grammar batches, the previous step's processing), wait (StepResult.fetch: blocking on the device),
-process (LLMEngine._process less wait: appending tokens, detokenizing, stop checks, outputs),
-deltas (the core's output deltas), send / recv (the pipe to the API server, pickling included), and
+process (LLMEngine._process less wait: appending tokens, stop checks, the step's report),
+send / recv (the pipe to the API server, pickling included), and
 step (LLMEngine.step in all) and loop (the core loop's iterations, idle waits excluded).
 """
 from __future__ import annotations
@@ -72,7 +72,6 @@ def install() -> None:
     _timed(Scheduler, "schedule", "schedule")
     _timed(step_mod.StepResult, "fetch", "wait")
     _timed(LLMEngine, "_process", "process", exclude=("wait",))
-    _timed(core_proc._DeltaTracker, "delta", "deltas")
     _timed(Connection, "send", "send")
     _timed(Connection, "recv", "recv")
 
@@ -135,7 +134,7 @@ def report(a: dict, b: dict) -> str:
     lines = [f"{steps} steps; {(b['extra'].get('rows', 0) - a['extra'].get('rows', 0)) / steps:.1f} rows and "
              f"{(b['extra'].get('tokens', 0) - a['extra'].get('tokens', 0)) / steps:.1f} tokens per step",
              "| phase | ms per step |", "|---|---|"]
-    for phase in ("schedule", "execute", "before_sample", "wait", "process", "deltas", "send", "recv",
+    for phase in ("schedule", "execute", "before_sample", "wait", "process", "send", "recv",
                   "commands", "step"):
         dt = b["seconds"].get(phase, 0.0) - a["seconds"].get(phase, 0.0)
         lines.append(f"| {phase} | {1e3 * dt / steps:.3f} |")
