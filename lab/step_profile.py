@@ -121,8 +121,16 @@ def install() -> None:
     core_proc._handle = timed_handle
 
 
+def _writer() -> None:
+    while True:
+        time.sleep(1.0)
+        _write(force=True)
+
+
 def make(config):
+    import threading
     install()
+    threading.Thread(target=_writer, daemon=True, name="step-profile").start()
     from tokenmill.engine.engine import LLMEngine
     return LLMEngine(config)
 
