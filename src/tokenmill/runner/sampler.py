@@ -86,12 +86,12 @@ class SamplingTensors:
         if device.type == "cuda":
             host = host.pin_memory()
         words = host.to(device, non_blocking=True)
+        as_dtype = {np.dtype("<i4"): words, np.dtype("<f4"): words.view(torch.float32),
+                    np.dtype("<i8"): words.view(torch.int64)}
 
         def field(name: str) -> torch.Tensor:
-            offset = ROW.fields[name][1] // 4
-            if ROW[name] == np.int64:
-                return words[:, offset:offset + 2].view(torch.int64)[:, 0]
-            return words[:, offset].view(torch.float32) if ROW[name] == np.float32 else words[:, offset]
+            dtype, offset = ROW.fields[name]
+            return as_dtype[dtype][:, offset // dtype.itemsize]
 
         temperature, top_k, top_p, min_p = (field(n) for n in ("temperature", "top_k", "top_p", "min_p"))
         seeds, positions = field("seed"), field("position")
@@ -134,9 +134,17 @@ class SamplingTensors:
         if all_greedy and not penalties:
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
                                    None, None, max_logprobs, bias, bitmask)
-        packed = np.fromiter(((r.seed, r.num_output_tokens, p.top_k or vocab_size, 0.0 if p.greedy else p.temperature,
-                               p.top_p, p.min_p, p.seed is not None, p.presence_penalty, p.frequency_penalty,
-                               p.repetition_penalty) for r, p in zip(requests, params)), dtype=ROW, count=rows)
+        packed = np.empty(rows, dtype=ROW)
+        packed["seed"] = [r.seed for r in requests]
+        packed["position"] = [r.num_output_tokens for r in requests]
+        packed["temperature"] = [0.0 if p.greedy else p.temperature for p in params]
+        top_k = np.array([p.top_k for p in params], dtype=np.int32)
+        packed["top_k"] = np.where(top_k > 0, top_k, vocab_size)
+        packed["top_p"] = [p.top_p for p in params]
+        packed["min_p"] = [p.min_p for p in params]
+        packed["seeded"] = [p.seed is not None for p in params]
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            packed[name] = [getattr(p, name) for p in params] if penalties else off
         counts = seen = None
         if penalties:
             counts = torch.zeros(rows, vocab_size, dtype=torch.float32)
