@@ -442,3 +442,34 @@ def test_a_port_in_use_is_refused_at_once_with_a_clear_message(qwen3_dir):
     assert f"port {port}" in p.stderr and "already in use" in p.stderr and "--port" in p.stderr
     assert "Traceback" not in p.stderr and "engine ready" not in p.stderr
     assert took < 60
+
+
+def test_a_burst_larger_than_the_pipe_buffer_reaches_the_engine_under_uvloop(qwen3_dir):
+    """uvloop makes a watched descriptor non-blocking: the one message of a tick's commands, once larger
+    than the socket buffer, failed with EAGAIN and marked the engine dead (1,012 of 1,024 requests
+    failed at concurrency 1,024). Every request of a burst sent in one tick must now be served."""
+    import uvloop
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", max_num_seqs=64),
+                      in_process=True)
+
+    async def one(i: int):
+        async for out in engine.generate(f"b{i}", [5 + i % 50] * 30, SamplingParams(max_tokens=1, ignore_eos=True)):
+            last = out
+        return len(last.outputs[0].token_ids)
+
+    async def main():
+        engine.attach()
+        assert os.get_blocking(engine._conn.fileno())
+        return await asyncio.gather(*(one(i) for i in range(800)))    # 800 AddRequests in one message
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            counts = runner.run(main())
+        assert engine.dead is None and counts == [1] * 800
+    finally:
+        engine.shutdown()

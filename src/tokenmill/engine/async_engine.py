@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,11 @@ class AsyncLLM:
     def attach(self, loop: asyncio.AbstractEventLoop | None = None):
         """Start reading the core's updates on this event loop (call from inside it)."""
         self._loop = loop or asyncio.get_running_loop()
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        fd = self._conn.fileno()
+        self._loop.add_reader(fd, self._on_readable)
+        # uvloop makes a watched descriptor non-blocking; the pipe's messages must be sent and received
+        # whole (a large batch of prompts fills the socket buffer, and a half-read update would be lost)
+        os.set_blocking(fd, True)
 
     def on_dead(self, callback: Callable[[str], None]):
         self._dead_callbacks.append(callback)
