@@ -104,7 +104,7 @@ for stage in $OFFLINE; do
                    --temperature 0.8 --top-p 0.95 --name offline-sampled) ;;
     *) echo "unknown offline stage $stage" >> "$SUMMARY"; continue ;;
   esac
-  if [ "$stage" = short ] && [ -x "$SPY" ]; then
+  if [ "$stage" = short ] && [ -x "$SPY" ] && [ "${SPY_OFFLINE:-1}" = 1 ]; then
     "$SPY" record --nonblocking --subprocesses -r 100 -f raw -o "$OUT/spy-offline.txt" -- \
       python -m tokenmill.bench throughput "${args[@]}" > "$OUT/offline-$stage.log" 2>&1
   else
