@@ -183,3 +183,46 @@ def test_sharded_checkpoint_loads(qwen3_dir, tmp_path):
     a = LLM(qwen3_dir, device="cpu", dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     b = LLM(str(d), device="cpu", dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     assert a == b
+
+
+def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
+    """The core reports token ids only; the frontend's OutputProcessor finds the stop string, and the
+    sequence it names is stopped in the core (its blocks free) before another step runs, while the
+    other sequence of the request goes on; tokens of the stopped one still in flight are dropped."""
+    import time as _time
+
+    from tokenmill.engine.output_processor import OutputProcessor
+
+    prompt = [7, 8, 9, 10]
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate([prompt], free)[0].outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    engine = llm.engine
+    total = engine.get_stats()["num_total_blocks"]
+    processor = OutputProcessor(engine.tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], n=2, seed=1)
+    params_other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=1)
+    h = engine.add_request("s", prompt, params, handle=100)
+    processor.add(h, "s", prompt, params)
+    h2 = engine.add_request("other", prompt, params_other, handle=101)
+    processor.add(h2, "other", prompt, params_other)
+    stopped = []
+    while not stopped:
+        outputs, stopped = processor.process(engine.step(), _time.time())
+    assert stopped == [("s", 0), ("s", 1)]          # greedy: both sequences hit the stop string together
+    held = engine.get_stats()["num_free_blocks"]
+    engine.stop_sequences(stopped)
+    assert "s" not in engine.groups and "other" in engine.groups
+    assert engine.get_stats()["num_free_blocks"] > held              # freed now, not at the next step
+    [s_out] = [o for o in outputs if o.request_id == "s"]
+    assert s_out.finished and all(c.finish_reason == "stop" and c.stop_reason == stop for c in s_out.outputs)
+    assert all(c.text == text[:3] for c in s_out.outputs)
+    before = {len(c.token_ids) for c in s_out.outputs}
+    last = None
+    while engine.has_unfinished_requests():
+        outs, _ = processor.process(engine.step(), _time.time())
+        last = next((o for o in outs if o.request_id == "other"), last)
+    assert {len(c.token_ids) for c in s_out.outputs} == before     # in-flight tokens of "s" were dropped
+    assert last.finished and last.outputs[0].text == text and len(processor) == 0
+    assert engine.get_stats()["num_free_blocks"] == total
