@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="cap each step's tokens and sequences so that a step (the time between two tokens "
                         "of a request) stays under this many milliseconds, by a model of step time fitted "
                         "while serving (default: off)")
+    p.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="GiB of CPU memory (pinned on CUDA) holding the KV blocks of swapped-out requests")
+    p.add_argument("--preemption-mode", choices=["swap", "recompute"], default=d.preemption_mode,
+                   help="what a request preempted for lack of KV blocks does: swap its blocks to CPU memory "
+                        "(recompute when the swap space is full) or recompute them later (default: swap "
+                        "if --swap-space > 0, else recompute)")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV-cache blocks (default: sized from --gpu-memory-utilization)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's random state")
@@ -83,7 +89,8 @@ def engine_config(args) -> EngineConfig:
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         priority_aging_per_second=args.priority_aging_per_second, priority_tool_boost=args.priority_tool_boost,
         priority_short_boost=args.priority_short_boost, priority_short_max_tokens=args.priority_short_max_tokens,
-        scheduler_delay_factor=args.scheduler_delay_factor, target_itl_ms=args.target_itl_ms)
+        scheduler_delay_factor=args.scheduler_delay_factor, target_itl_ms=args.target_itl_ms,
+        swap_space=args.swap_space, preemption_mode=args.preemption_mode)
 
 
 def _serve(args) -> int:

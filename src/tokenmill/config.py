@@ -195,6 +195,11 @@ class EngineConfig:
     scheduler_delay_factor: float = 0.0
     # cap each step's shape so that its time stays under this many milliseconds (None: off)
     target_itl_ms: float | None = None
+    # GiB of host memory for KV blocks of swapped-out requests (pinned when the KV cache is on CUDA)
+    swap_space: float = 4.0
+    # how a request gives up its blocks: "swap" (to the swap space, recompute when it is full) or
+    # "recompute"; None: swap when swap_space > 0, else recompute
+    preemption_mode: str | None = None
     seed: int = 0
     enforce_eager: bool = False
     # steps with prefill tokens run as CUDA graphs up to this many tokens (0: only decode graphs)
@@ -223,6 +228,12 @@ class EngineConfig:
             raise ValueError(f"priority_short_max_tokens must be >= 0, got {self.priority_short_max_tokens}")
         if self.target_itl_ms is not None and not 0.0 < self.target_itl_ms < math.inf:
             raise ValueError(f"target_itl_ms must be > 0 and finite (or None: off), got {self.target_itl_ms}")
+        if not 0.0 <= self.swap_space < math.inf:
+            raise ValueError(f"swap_space must be >= 0 GiB and finite, got {self.swap_space}")
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs swap space: set swap_space > 0 GiB")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graph_max_tokens < 0:

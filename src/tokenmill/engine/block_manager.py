@@ -9,6 +9,11 @@ Invariants (checked by `check_invariants`, exercised by property tests):
 - `cached` maps a hash to the one block registered under it; a free block that is hashed stays
   reusable until it is evicted. Free blocks are evicted least-recently-freed first (LRU), and a
   request's blocks are freed tail first, so the ends of prefixes go before their beginnings.
+- Swap space (`num_cpu_blocks` blocks of host memory, their contents owned by the model runner): a CPU
+  block is free or held by exactly one SWAPPED request (`Request.cpu_block_ids`), never shared; a
+  request holds GPU blocks or CPU blocks, never both. Swapping out frees the GPU blocks as `free` does,
+  so a hashed one stays in the prefix cache with its contents intact until it is reallocated (which
+  clears its hash); the runner orders the copy before any reuse.
 """
 from __future__ import annotations
 
@@ -29,8 +34,14 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        # free CPU blocks: those freed so far, then every id from `_cpu_next` on (never used), so that a
+        # swap space of millions of blocks costs nothing to set up
+        self._cpu_free: list[int] = []
+        self._cpu_next = 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -53,6 +64,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free) + self.num_cpu_blocks - self._cpu_next
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -106,16 +121,56 @@ class BlockManager:
                 hashes.append(block.block_hash)
             request.block_ids.extend(computed_blocks)
         for _ in range(max(needed, 0)):
-            bid, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[bid]
-            if block.block_hash is not None:
-                if self.cached.get(block.block_hash) == bid:
-                    del self.cached[block.block_hash]
-                block.block_hash = block.parent_hash = block.token_ids = None
-            block.ref_count = 1
-            request.block_ids.append(bid)
+            request.block_ids.append(self._take_free_block())
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
         return True
+
+    def _take_free_block(self) -> int:
+        """The least recently freed block, evicted from the prefix cache, with ref_count 1."""
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == bid:
+                del self.cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+        block.ref_count = 1
+        return bid
+
+    # ---- swap space --------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(request.block_ids) <= self.num_free_cpu_blocks
+
+    def swap_out(self, request: Request) -> tuple[list[tuple[int, int]], list[int]]:
+        """Gives the request CPU blocks for all its GPU blocks and frees the GPU ones. Returns the copies
+        to make, (GPU block, CPU block) pairs, and the GPU blocks this released (ref count now 0: free
+        for reuse, while a block shared with other holders stays theirs; it is full, so never written
+        again, and its copy is exact)."""
+        n = len(request.block_ids)
+        cpu = [self._cpu_free.pop() for _ in range(min(n, len(self._cpu_free)))]
+        fresh = n - len(cpu)
+        cpu += range(self._cpu_next, self._cpu_next + fresh)
+        self._cpu_next += fresh
+        pairs = list(zip(request.block_ids, cpu))
+        self.free(request)
+        request.cpu_block_ids = cpu
+        return pairs, [g for g, _ in pairs if self.blocks[g].ref_count == 0]
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(request.cpu_block_ids) <= len(self.free_queue)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Gives a SWAPPED request fresh GPU blocks for its CPU blocks and frees those (their copy is
+        queued before any later copy that could overwrite them). Returns (CPU block, GPU block) pairs.
+        Its blocks are hashed again as `cache_full_blocks` passes over them."""
+        pairs = [(c, self._take_free_block()) for c in request.cpu_block_ids]
+        request.block_ids = [g for _, g in pairs]
+        self._free_cpu(request)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        return pairs
+
+    def _free_cpu(self, request: Request) -> None:
+        self._cpu_free.extend(request.cpu_block_ids)
+        request.cpu_block_ids = []
 
     def cache_full_blocks(self, request: Request) -> None:
         """Hashes the request's blocks that became full of computed tokens."""
@@ -138,6 +193,9 @@ class BlockManager:
             parent = h
 
     def free(self, request: Request) -> None:
+        """Returns every block the request holds, GPU or CPU."""
+        if request.cpu_block_ids:
+            self._free_cpu(request)
         for bid in reversed(request.block_ids):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -166,3 +224,11 @@ class BlockManager:
                 f"{block.block_id in self.free_queue}")
         for h, bid in self.cached.items():
             assert self.blocks[bid].block_hash == h, f"cached hash of block {bid} is stale"
+        held = [c for req in requests for c in req.cpu_block_ids]
+        assert not any(req.cpu_block_ids and req.block_ids for req in requests), "a request holds GPU and CPU blocks"
+        assert len(set(held)) == len(held), "a CPU block is held twice"
+        free = set(self._cpu_free) | set(range(self._cpu_next, self.num_cpu_blocks))
+        assert len(free) == self.num_free_cpu_blocks, "a CPU block is free twice"
+        assert not free & set(held), "a CPU block is both free and held"
+        assert len(held) + len(free) == self.num_cpu_blocks, (
+            f"CPU blocks leaked: {len(held)} held + {len(free)} free of {self.num_cpu_blocks}")

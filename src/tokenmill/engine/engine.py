@@ -56,7 +56,7 @@ class LLMEngine:
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(max_len, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.runner.num_cpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.block_manager, self.max_model_len)
         self._last_fetch = 0.0
         self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
@@ -162,6 +162,8 @@ class LLMEngine:
         previous step while its own forward runs, before it samples; batches that use penalties (which
         need every token's value on the host) are processed before returning."""
         sched = self.scheduler.schedule()
+        # before the launch, so that a swap-out reads its blocks before this step may overwrite them
+        self.runner.swap(sched.swap_out, sched.swap_in, sched.swap_out_reused)
         previous, launched = self._in_flight, None
         settled = False
         if sched:
@@ -285,6 +287,14 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped": len(self.scheduler.swapped),
+            "num_cpu_blocks": bm.num_cpu_blocks,
+            "num_free_cpu_blocks": bm.num_free_cpu_blocks,
+            "cpu_cache_usage": 1.0 - bm.num_free_cpu_blocks / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0,
+            "swapped_out_blocks": self.scheduler.num_swapped_out_blocks,
+            "swapped_in_blocks": self.scheduler.num_swapped_in_blocks,
+            "swap_out_bytes": self.scheduler.num_swapped_out_blocks * self.runner.block_bytes,
+            "swap_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.block_bytes,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
         }

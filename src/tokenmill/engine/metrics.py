@@ -28,6 +28,12 @@ _STATS = {
     "prefix_cache_queries": ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
     "prefix_cache_hits": ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
     "num_preemptions": ("tokenmill:num_preemptions", "Requests preempted for lack of KV blocks.", "counter"),
+    "num_swapped": ("tokenmill:num_requests_swapped", "Requests swapped out to CPU memory.", "gauge"),
+    "cpu_cache_usage": ("tokenmill:cpu_cache_usage_perc", "Fraction of swap-space blocks in use (0..1).", "gauge"),
+    "swapped_out_blocks": ("tokenmill:swapped_out_blocks", "KV blocks copied to the swap space.", "counter"),
+    "swapped_in_blocks": ("tokenmill:swapped_in_blocks", "KV blocks copied back from the swap space.", "counter"),
+    "swap_out_bytes": ("tokenmill:swap_out_bytes", "Bytes copied to the swap space.", "counter"),
+    "swap_in_bytes": ("tokenmill:swap_in_bytes", "Bytes copied back from the swap space.", "counter"),
     "prompt_tokens": ("tokenmill:prompt_tokens", "Prefill tokens processed.", "counter"),
     "generation_tokens": ("tokenmill:generation_tokens", "Tokens generated.", "counter"),
 }

@@ -14,10 +14,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    SWAPPED = 6         # preempted with its KV blocks copied to the CPU swap space (`cpu_block_ids`)
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> str | None:
@@ -56,6 +57,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # while SWAPPED: the swap-space blocks holding the K/V of its first `num_computed_tokens` tokens
+        self.cpu_block_ids: list[int] = []
         self.stop_reason: int | str | None = None
         # per prompt position None or (logprob, rank, top ids, top logprobs), when asked; filled by the engine
         self.prompt_logprobs: list[tuple | None] | None = None

@@ -5,8 +5,17 @@ tokens (prompt, or prompt + outputs after a preemption) capped by the step's tok
 is simply 1 new token; a long prompt is split over several steps (chunked prefill) without a separate
 phase. Running requests are served first, then waiting ones are admitted while the budget, the
 sequence cap and the free blocks allow. When blocks run out, the running request that the policy ranks
-last is preempted: its blocks are freed and it is recomputed later (its tokens so far become its prompt
-for the recomputation).
+last is preempted, in one of two ways (`preemption_mode`):
+- swap: its blocks are copied to CPU swap space (`SchedulerOutput.swap_out`, made by the runner before
+  any of those GPU blocks is written again) and it waits in `swapped`, keeping `num_computed_tokens`.
+  Swapped requests resume before any waiting prompt is admitted, best ranked first, as soon as their
+  blocks fit (`SchedulerOutput.swap_in`); a resumed request joins the running batch from the next step
+  on, so that its copy back overlaps a step of the others instead of holding that step up. A request
+  whose blocks do not fit in the free swap space is recomputed instead;
+- recompute: its blocks are freed and it is recomputed later (its tokens so far become its prompt for
+  the recomputation).
+A preempted request's token in flight (a placeholder) has no K/V yet and is not among its computed
+tokens, so either way it is computed once the request runs again.
 
 Policies: `fcfs` orders by arrival. `priority` orders by the rank
 
@@ -48,6 +57,13 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (GPU block, CPU block) copies of the requests swapped out this step, and (CPU block, GPU block)
+    # copies of those swapped back in; the runner makes them before this step's forward may need them
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # a GPU block released by this step's swap-outs was given to a request of this step, whose forward
+    # may write it: the forward must wait for the swap-out copy (otherwise the next step waits for it)
+    swap_out_reused: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -62,8 +78,14 @@ class Scheduler:
                  max_model_len: int, policy: str = "fcfs", aging_per_second: float = 1.0, *,
                  tool_boost: float = 5.0, short_boost: float = 2.0, short_max_tokens: int = 100,
                  delay_factor: float = 0.0, target_itl_ms: float | None = None,
-                 clock: Callable[[], float] = time.time):
-        """`clock` gives the time on the scale of `Request.arrival_time` (wall-clock seconds)."""
+                 preemption_mode: str | None = None, clock: Callable[[], float] = time.time):
+        """`clock` gives the time on the scale of `Request.arrival_time` (wall-clock seconds).
+        `preemption_mode` None: swap when the block manager has swap space, else recompute."""
+        if preemption_mode is None:
+            preemption_mode = "swap" if block_manager.num_cpu_blocks > 0 else "recompute"
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
+        self.preemption_mode = preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -79,7 +101,12 @@ class Scheduler:
         self.last_step_seconds = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_outs = 0              # preemptions that swapped (the others recomputed)
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self._released: list[int] = []      # GPU blocks freed by this step's swap-outs
 
     @classmethod
     def from_config(cls, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Scheduler:
@@ -87,19 +114,22 @@ class Scheduler:
                    config.scheduling_policy, config.priority_aging_per_second,
                    tool_boost=config.priority_tool_boost, short_boost=config.priority_short_boost,
                    short_max_tokens=config.priority_short_max_tokens,
-                   delay_factor=config.scheduler_delay_factor, target_itl_ms=config.target_itl_ms)
+                   delay_factor=config.scheduler_delay_factor, target_itl_ms=config.target_itl_ms,
+                   preemption_mode=config.preemption_mode)
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Removes a request from whichever queue holds it and frees its blocks."""
+        """Removes a request from whichever queue holds it and frees its blocks (GPU or swap space)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         elif not request.status.finished and request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -127,6 +157,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._released = []
         budget = self.max_num_batched_tokens
         now = self.clock()
         if self.policy == "priority":
@@ -160,9 +191,32 @@ class Scheduler:
                 continue
             break   # req itself was preempted: everything after it is gone as well
 
-        if not out.preempted and self.waiting and not self._hold_prompts(out, budget, now):
+        if not out.preempted and self.swapped:
+            self._swap_in(out, now)
+        if not out.preempted and not self.swapped and self.waiting and not self._hold_prompts(out, budget, now):
             self._admit(out, budget, now)
+        if out.swap_out:
+            blocks = self.block_manager.blocks
+            out.swap_out_reused = any(blocks[g].ref_count > 0 for g in self._released)
         return out
+
+    def _swap_in(self, out: SchedulerOutput, now: float) -> None:
+        """Resumes swapped requests, best ranked first, while their blocks fit and seats are left; they
+        join `running` after this step's requests were chosen, so they run from the next step on."""
+        if self.policy == "priority":
+            self.swapped.sort(key=lambda r: self._rank(r, now))
+        resumed = []
+        while self.swapped and len(self.running) + len(resumed) < self.max_num_seqs:
+            req = self.swapped[0]
+            if not self.block_manager.can_swap_in(req):
+                break
+            self.swapped.pop(0)
+            pairs = self.block_manager.swap_in(req)
+            out.swap_in.extend(pairs)
+            self.num_swapped_in_blocks += len(pairs)
+            req.status = RequestStatus.RUNNING
+            resumed.append(req)
+        self.running.extend(resumed)
 
     def _hold_prompts(self, out: SchedulerOutput, budget: int, now: float) -> bool:
         """The batching window: True while the waiting prompts should wait for more to join them. Only a
@@ -223,13 +277,22 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
+            pairs, released = self.block_manager.swap_out(request)
+            out.swap_out.extend(pairs)
+            self._released.extend(released)
+            self.num_swap_outs += 1
+            self.num_swapped_out_blocks += len(pairs)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.insert(0, request)     # victims go lowest ranked first: the last one ranks best
+            return
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.insert(0, request)
-        out.preempted.append(request)
 
     def update_after_step(self, out: SchedulerOutput, sample_rows=()) -> None:
         """Advances `num_computed_tokens` of the scheduled requests and hashes their full blocks; each

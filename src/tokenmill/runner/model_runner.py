@@ -26,6 +26,7 @@ from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
+from tokenmill.runner.swap import SwapSpace
 
 logger = logging.getLogger("tokenmill")
 
@@ -51,6 +52,10 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
+        # swap space for preempted requests' blocks (none when preemption recomputes)
+        self.num_cpu_blocks = 0 if engine_config.preemption_mode == "recompute" else \
+            int(engine_config.swap_space * 2**30) // self.block_bytes
+        self.swap_space = SwapSpace(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
         if self.device.type == "cuda":
             warm_up_sampler(self.vocab_size, self.dtype, self.device)
         self.graph_runner = CudaGraphRunner(self.model, self.backend, engine_config, self.device,
@@ -143,6 +148,12 @@ class ModelRunner:
     def _free_kv_cache(self) -> None:
         self.model.bind_kv_cache(None)
         del self.kv_cache
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: bool) -> None:
+        """Copies blocks between the KV cache and the swap space (`swap.SwapSpace.copy`): called once per
+        step, before `execute`, with the step's (GPU, CPU) swap-outs and (CPU, GPU) swap-ins."""
+        if self.swap_space is not None:
+            self.swap_space.copy(swap_out, swap_in, reused)
 
     # ---- inputs -------------------------------------------------------------------------------------
     def _eager_tiles(self, inp: StepInputs) -> torch.Tensor | None:

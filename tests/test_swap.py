@@ -1,0 +1,205 @@
+"""Swap preemption: a preemption storm with swap space gives the outputs of a run without preemption;
+swapped blocks come back bit for bit; no GPU or CPU block leaks under any add / step / abort sequence."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.runner.swap import SwapSpace
+
+_GIB = 2 ** 30
+
+
+def _llm(qwen3_dir, num_kv_blocks, swap_blocks=None, **kw):
+    """`swap_blocks`: swap space in blocks of the tiny model (2 layers x 2 x 4 tokens x 2 heads x 16 x 4 B)."""
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4
+    swap = 0.0 if swap_blocks is None else swap_blocks * block_bytes / _GIB
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=num_kv_blocks,
+              max_num_seqs=8, swap_space=swap, **kw)
+    assert llm.engine.runner.block_bytes == block_bytes
+    return llm
+
+
+def _prompts(n=8):
+    rng = random.Random(1)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 12))] for _ in range(n)]
+
+
+def _params(seeded: bool):
+    if seeded:
+        return [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, ignore_eos=True, seed=100 + i)
+                for i in range(8)]
+    return SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    """Outputs with blocks for every request at once: no preemption."""
+    llm = _llm(qwen3_dir, num_kv_blocks=200)
+    out = {s: [o.outputs[0].token_ids for o in llm.generate(_prompts(), _params(s))] for s in (False, True)}
+    assert llm.engine.get_stats()["num_preemptions"] == 0
+    return out
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_preemption_storm_with_swap_matches_no_preemption(qwen3_dir, reference, seeded):
+    # 8 requests of up to 52 tokens (13 blocks each) over 16 blocks: most of them are swapped out, often
+    llm = _llm(qwen3_dir, num_kv_blocks=16, swap_blocks=400)
+    assert llm.engine.scheduler.preemption_mode == "swap"
+    out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _params(seeded))]
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["swapped_out_blocks"] > 0
+    assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"]      # every swapped request came back
+    assert stats["num_swapped"] == 0 and stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert out == reference[seeded]
+
+
+def test_full_swap_space_falls_back_to_recompute(qwen3_dir, reference):
+    # swap space for half a request: a preemption that does not fit recomputes; the outputs do not change
+    llm = _llm(qwen3_dir, num_kv_blocks=16, swap_blocks=6)
+    out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _params(False))]
+    stats, sched = llm.engine.get_stats(), llm.engine.scheduler
+    assert 0 < sched.num_swap_outs < stats["num_preemptions"]
+    assert out == reference[False]
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+
+
+def test_no_swap_space_recomputes(qwen3_dir, reference):
+    llm = _llm(qwen3_dir, num_kv_blocks=16)
+    assert llm.engine.scheduler.preemption_mode == "recompute" and llm.engine.runner.swap_space is None
+    out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _params(False))]
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["swapped_out_blocks"] == 0
+    assert out == reference[False]
+
+
+def test_abort_and_finish_while_swapped_free_cpu_blocks(qwen3_dir):
+    llm = _llm(qwen3_dir, num_kv_blocks=16, swap_blocks=400)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    while not engine.scheduler.swapped:
+        engine.step()
+    stats = engine.get_stats()
+    assert stats["num_swapped"] > 0 and stats["num_free_cpu_blocks"] < stats["num_cpu_blocks"]
+    engine.abort_request([r.request_id for r in engine.scheduler.swapped])
+    assert engine.get_stats()["num_swapped"] == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_config_validates_swap_flags(qwen3_dir):
+    from tokenmill.config import EngineConfig
+    with pytest.raises(ValueError, match="needs swap space"):
+        EngineConfig(model=qwen3_dir, swap_space=0, preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(model=qwen3_dir, preemption_mode="drop")
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineConfig(model=qwen3_dir, swap_space=-1)
+    llm = _llm(qwen3_dir, num_kv_blocks=16, swap_blocks=400, preemption_mode="recompute")
+    assert llm.engine.scheduler.preemption_mode == "recompute" and llm.engine.block_manager.num_cpu_blocks == 0
+
+
+# ---- the copies ------------------------------------------------------------------------------------
+def _swap_roundtrip(device: str):
+    torch.manual_seed(0)
+    layers, blocks, block_size, heads, head_dim = 3, 10, 4, 2, 8
+    kv = torch.randn(layers, 2, blocks, block_size, heads, head_dim, device=device)
+    space = SwapSpace(kv, num_blocks=6)
+    known = kv.clone()
+    # out: GPU 7 -> CPU 2, 3 -> 3 (a run), 5 -> 0; then the GPU blocks are overwritten
+    space.copy([(7, 2), (3, 3), (5, 0)], [], reused=True)
+    kv[:, :, [7, 3, 5]] = -1.0
+    # in: to other GPU blocks than they came from, in another order
+    space.copy([], [(3, 1), (0, 9), (2, 4)], reused=False)
+    space.copy([], [], reused=False)      # the next step waits for the swap-in
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for src, dst in ((3, 1), (5, 9), (7, 4)):
+        assert torch.equal(kv[:, :, dst], known[:, :, src]), (src, dst)
+    untouched = [b for b in range(blocks) if b not in (1, 9, 4, 7, 3, 5)]
+    assert torch.equal(kv[:, :, untouched], known[:, :, untouched])
+
+
+def test_swapped_blocks_come_back_intact():
+    _swap_roundtrip("cpu")
+
+
+@pytest.mark.gpu
+def test_swapped_blocks_come_back_intact_cuda():
+    _swap_roundtrip("cuda")
+
+
+# ---- property: no leaks with swapping ---------------------------------------------------------------
+def _step(sched, live, rng):
+    out = sched.schedule()
+    assert not (out.swap_in and out.preempted)
+    assert len(sched.running) <= sched.max_num_seqs
+    for g, c in out.swap_out:
+        assert 0 <= c < sched.block_manager.num_cpu_blocks
+    sched.update_after_step(out)
+    for req in out.requests:
+        assert req.status == RequestStatus.RUNNING and req.num_computed_tokens <= req.num_tokens
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(rng.randrange(100))
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(live.pop(req.request_id), RequestStatus.FINISHED_LENGTH)
+    for req in sched.swapped:
+        assert req.status == RequestStatus.SWAPPED and req.cpu_block_ids and not req.block_ids
+
+
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.tuples(st.integers(1, 30), st.integers(1, 30), st.booleans())),
+    st.tuples(st.just("abort"), st.integers(0, 100)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+), max_size=40)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops, num_blocks=st.integers(8, 24), num_cpu_blocks=st.integers(0, 30),
+       max_seqs=st.integers(1, 6), budget=st.integers(4, 48), policy=st.sampled_from(["fcfs", "priority"]),
+       prefix=st.booleans())
+def test_no_leaks_with_swapping(ops, num_blocks, num_cpu_blocks, max_seqs, budget, policy, prefix):
+    block_size = 4
+    bm = BlockManager(num_blocks, block_size, prefix, num_cpu_blocks=num_cpu_blocks)
+    sched = Scheduler(bm, max_seqs, budget, max_model_len=num_blocks * block_size, policy=policy,
+                      preemption_mode="swap" if num_cpu_blocks else "recompute")
+    live: dict[str, Request] = {}
+    rng = random.Random(0)
+    for i, (kind, arg) in enumerate(ops):
+        if kind == "add":
+            plen, max_tokens, shared = arg
+            prompt = ([7] * 8 if shared else []) + [rng.randrange(100) for _ in range(plen)]
+            prompt = prompt[: num_blocks * block_size - max_tokens - 1] or [1]
+            req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, seed=0,
+                          priority=i % 3, arrival_time=float(i))
+            live[req.request_id] = req
+            sched.add(req)
+        elif kind == "abort" and live:
+            rid = sorted(live)[arg % len(live)]
+            sched.finish(live.pop(rid), RequestStatus.FINISHED_ABORTED)
+        else:
+            for _ in range(arg):
+                _step(sched, live, rng)
+        bm.check_invariants(list(live.values()))
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        _step(sched, live, rng)
+        bm.check_invariants(list(live.values()))
+    assert not live and not sched.has_unfinished(), "a request was lost"
+    assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert sched.num_swapped_in_blocks <= sched.num_swapped_out_blocks
