@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "generate() at a time; hf-cb: transformers' continuous batching)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     p.add_argument("--dtype", default=d.dtype, help="auto, float32, float16 or bfloat16")
+    p.add_argument("--quantization", choices=["awq", "gptq"], default=d.quantization,
+                   help="the checkpoint's 4-bit weight format (default: read from its config.json's "
+                        "quantization_config; given, it must match)")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory for weights, activations and the KV cache")
@@ -82,6 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser):
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

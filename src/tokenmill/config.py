@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tokenmill.layers.kernel_config import KernelConfig
+from tokenmill.quant.w4 import SUPPORTED_METHODS, W4Config, parse_quantization_config
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -51,6 +52,8 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     hidden_act: str = "silu"
+    # the checkpoint's 4-bit weight format (its quantization_config); None: plain weights
+    quantization: W4Config | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
@@ -101,6 +104,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
             hidden_act=hf.get("hidden_act", "silu"),
+            quantization=(parse_quantization_config(hf["quantization_config"])
+                          if hf.get("quantization_config") else None),
         )
 
     @classmethod
@@ -177,6 +182,9 @@ class ModelConfig:
 class EngineConfig:
     model: str
     dtype: str = "auto"
+    # the checkpoint's weight format, as vLLM's --quantization: None takes the checkpoint's
+    # (quantization_config in config.json); "awq" / "gptq" must match it
+    quantization: str | None = None
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -210,6 +218,9 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self):
+        if self.quantization is not None and self.quantization not in SUPPORTED_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_METHODS)} (or None: the checkpoint's own)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -68,6 +68,13 @@ class TorchBackend:
         kernel from the packed qkv, else None."""
         return None
 
+    def w4_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        """x [T, in] @ W^T (+ bias) for a 4-bit `quantized.W4Linear`: W dequantized from the packed
+        tensors for this call (`quant/w4.dequantize`), in x's dtype. The one place a W4 kernel replaces."""
+        from tokenmill.quant.w4 import dequantize
+        w = dequantize(layer.qweight, layer.qzeros, layer.scales, layer.quant, layer.in_features)
+        return torch.nn.functional.linear(x, w.to(x.dtype), layer.bias)
+
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row's argmax (first of equals); `publish` (host, turn): also into row `turn` of the host
         table, as `argmax.greedy` takes it."""

@@ -14,6 +14,7 @@ from tokenmill.layers.attention import PagedAttention
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantized import linear
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -24,8 +25,8 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, cfg.quantization)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, False, cfg.quantization)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -64,8 +65,8 @@ class MLP(nn.Module):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, cfg.quantization)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, False, cfg.quantization)
         self.backend = TorchBackend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +126,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
+        self.quantized = cfg.quantization is not None
 
     def forward(self, input_ids, positions, meta):
-        fused_linear = self.backend.single_token_linear(input_ids)
+        # the single-token kernels read plain weight matrices; 4-bit layers run the backend's w4_linear
+        fused_linear = None if self.quantized else self.backend.single_token_linear(input_ids)
         decode_attention = self.backend.decode_attention(input_ids, meta)
         residual, ids = None, None
         if fused_linear is not None:        # the first product gathers the embedding itself

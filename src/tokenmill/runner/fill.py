@@ -31,9 +31,16 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
             _copy(param.data, tensor, key)
             filled[name].add(0)
         else:
-            sizes = model.shard_sizes(name.split(".")[-2])
+            owner, _, leaf = name.rpartition(".")
+            # shards are concatenated along the output features: dim 0 of a plain weight or bias; a
+            # packed 4-bit tensor says where (`W4Linear.output_dims`: its dim, features per element)
+            dim, per = getattr(model.get_submodule(owner), "output_dims", {}).get(leaf, (0, 1))
+            sizes = model.shard_sizes(owner.rpartition(".")[2])
             start = sum(sizes[:shard])
-            _copy(param.data.narrow(0, start, sizes[shard]), tensor, key)
+            if start % per or sizes[shard] % per:
+                raise ValueError(f"checkpoint tensor {key!r}: shard of {sizes[shard]} features at {start} "
+                                 f"does not fall on whole elements of {per} packed features")
+            _copy(param.data.narrow(dim, start // per, sizes[shard] // per), tensor, key)
             filled[name].add(shard)
         del tensor
     if leftover:

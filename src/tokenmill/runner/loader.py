@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.registry import get_model_class
+from tokenmill.quant.w4 import check_g_idx
 from tokenmill.runner.fill import fill_parameters
 from tokenmill.runner.gguf_loader import load_gguf_weights
 
@@ -30,7 +31,11 @@ def weight_files(model_dir: str) -> list[str]:
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
         model = get_model_class(cfg)(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    for module in model.modules():         # still on meta: packed 4-bit tensors keep their own dtypes
+        if hasattr(module, "keep_checkpoint_dtypes"):
+            module.keep_checkpoint_dtypes()
+    model = model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
@@ -39,19 +44,27 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Streams every safetensors tensor of `model_dir` into its (possibly packed) parameter."""
+    """Streams every safetensors tensor of `model_dir` into its (possibly packed) parameter. A GPTQ
+    checkpoint's `g_idx` tensors are checked to be row // group_size (no act-order) and not kept."""
     device = next(model.parameters()).device
+    quant = model.config.quantization
 
     def tensors():
         for path in weight_files(model_dir):
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for key in f.keys():
+                    if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
+                        check_g_idx(f.get_tensor(key), quant.group_size, key)
+                        continue
                     yield key, lambda f=f, key=key: f.get_tensor(key)
     fill_parameters(model, tensors(), repr(model_dir))
 
 
-def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file."""
+def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               quantization: str | None = None) -> nn.Module:
+    """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file. `quantization` (the
+    engine's): None takes the checkpoint's format, else it must be the checkpoint's."""
+    check_quantization(quantization, cfg, model_path)
     model = build_model(cfg, device, dtype)
     if is_gguf(model_path):
         load_gguf_weights(model, model_path)
@@ -62,3 +75,20 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
 
 def is_gguf(path: str) -> bool:
     return str(path).lower().endswith(".gguf") and os.path.isfile(path)
+
+
+def check_quantization(requested: str | None, cfg: ModelConfig, model_path: str) -> None:
+    """A requested quantization must be the checkpoint's own: tokenmill reads pre-quantized weights and
+    does not quantize at load."""
+    if requested is None:
+        return
+    if is_gguf(model_path):
+        raise ValueError(f"--quantization {requested} applies to safetensors checkpoints with a "
+                         f"quantization_config; {model_path!r} is a GGUF file (its own types are read as they are)")
+    have = cfg.quantization.method if cfg.quantization is not None else None
+    if have is None:
+        raise ValueError(f"--quantization {requested} was asked for, but the checkpoint {model_path!r} has no "
+                         "quantization_config (plain weights); tokenmill does not quantize at load")
+    if have != requested:
+        raise ValueError(f"--quantization {requested} does not match the checkpoint {model_path!r}, which is "
+                         f"{have} (its quantization_config); leave --quantization unset to take the checkpoint's")

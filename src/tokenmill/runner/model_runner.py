@@ -46,7 +46,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
         t0 = time.perf_counter()
-        self.model = load_model(model_dir, model_config, self.device, self.dtype)
+        self.model = load_model(model_dir, model_config, self.device, self.dtype, engine_config.quantization)
         self.backend = make_backend(self.device, engine_config.kernels)
         self.model.use_backend(self.backend)
         self.load_seconds = time.perf_counter() - t0

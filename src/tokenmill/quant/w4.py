@@ -1,0 +1,130 @@
+"""4-bit weight-only checkpoints (W4A16): AutoAWQ's GEMM format and GPTQ's, as they lie on disk.
+
+Layout facts relied on (read from AutoAWQ's `WQLinear_GEMM`, GPTQModel's `AWQ_ORDER`/`AWQ_REVERSE_ORDER`,
+AutoGPTQ's `QuantLinear.pack` and vLLM's `gptq`/`awq` loaders; no code taken from them):
+
+- Every tensor is int32 words of eight 4-bit fields; field i is bits 4i..4i+3 (least significant first).
+  A weight w[out, in] of a Linear is stored transposed, input-major: `[in, out]` before packing.
+- AWQ GEMM: `qweight` int32 [in, out/8] and `qzeros` int32 [in/group, out/8] pack 8 neighbouring output
+  columns per word in the interleaved order `AWQ_ORDER`: field i holds column 8j + AWQ_ORDER[i].
+  `scales` [in/group, out] (fp16). w = (q - z) * s. `in` must be a multiple of the group size.
+- GPTQ: `qweight` int32 [in/8, out] packs 8 consecutive input rows per word in plain order (field i holds
+  row 8j + i); `qzeros` int32 [groups, out/8] packs 8 output columns in plain order; `scales`
+  [groups, out]; `g_idx` int32 [in] names each input row's group. groups = ceil(in / group): the last
+  group may be partial. The v1 format (`checkpoint_format` "gptq", what AutoGPTQ and most published
+  checkpoints write) stores zero - 1 and readers add the 1 back (so a true zero of 0 cannot be stored: it
+  wraps to 15 and reads as 16, which AutoGPTQ's own kernels also do); "gptq_v2" (GPTQModel) stores the
+  zero itself. Symmetric checkpoints store zero 8 (v1: 7) everywhere; the dequantization is the same.
+- act-order (`desc_act: true`) permutes the input rows' groups through g_idx; it is refused here, and a
+  g_idx other than row // group is refused as act-order in disguise (`check_g_idx`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # field i of a word holds output column AWQ_ORDER[i]
+PACK = 8                                       # 4-bit fields per int32 word
+SUPPORTED_METHODS = ("awq", "gptq")
+SUPPORTED_BITS = (4,)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+_SHIFTS = tuple(4 * i for i in range(PACK))
+
+
+@dataclass(frozen=True)
+class W4Config:
+    """A checkpoint's `quantization_config`, checked: `zero_offset` is what readers add to a stored zero
+    (1 for GPTQ v1, else 0)."""
+    method: str
+    group_size: int
+    bits: int = 4
+    sym: bool = False
+    zero_offset: int = 0
+
+    def num_groups(self, in_features: int) -> int:
+        return -(-in_features // self.group_size)
+
+
+def parse_quantization_config(qc: dict) -> W4Config:
+    """A config.json's `quantization_config` -> W4Config, or a ValueError naming the unsupported value."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_METHODS)}")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{method} checkpoint with bits={bits!r} is not supported; supported: 4")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"{method} checkpoint with group_size={group!r} is not supported; supported: "
+                         f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}")
+    if qc.get("modules_to_not_convert"):
+        raise ValueError(f"{method} checkpoint with modules_to_not_convert={qc['modules_to_not_convert']!r} "
+                         "is not supported; supported: every decoder linear layer quantized")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq checkpoint with version={qc.get('version')!r} is not supported; "
+                             "supported: gemm")
+        if not qc.get("zero_point", True):
+            raise ValueError("awq checkpoint with zero_point=false is not supported; supported: true")
+        return W4Config("awq", group, bits)
+    if qc.get("desc_act", False):
+        raise ValueError("gptq checkpoint with desc_act=true (act-order) is not supported; supported: "
+                         "desc_act=false")
+    if qc.get("lm_head", False):
+        raise ValueError("gptq checkpoint with lm_head=true (a quantized head) is not supported; "
+                         "supported: lm_head=false")
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"gptq checkpoint with checkpoint_format={qc.get('checkpoint_format')!r} is not "
+                         "supported; supported: gptq, gptq_v2")
+    return W4Config("gptq", group, bits, sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
+
+
+def check_g_idx(g_idx: torch.Tensor, group_size: int, key: str) -> None:
+    """Without act-order every input row i is in group i // group_size; anything else is refused."""
+    want = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
+    if g_idx.dim() != 1 or not torch.equal(g_idx.to(want.dtype), want):
+        raise ValueError(f"checkpoint tensor {key!r} is not row // group_size={group_size} (an act-order "
+                         "g_idx); act-order (desc_act=true) is not supported")
+
+
+def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C/8] -> int32 [R, C] of 4-bit values; `order`: field i holds column AWQ_ORDER[i]
+    of its eight (None: column i)."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    fields = (packed.unsqueeze(-1) >> shifts) & 0xF                         # [R, C/8, 8] by field
+    if order is not None:
+        fields = fields[..., _inverse(order)]                              # by column within the word
+    return fields.reshape(packed.shape[0], -1)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R/8, C] -> int32 [R, C]: field i of word j is row 8j + i."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    fields = (packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF           # [R/8, 8, C]
+    return fields.reshape(-1, packed.shape[1])
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: W4Config,
+               in_features: int) -> torch.Tensor:
+    """The weight [out, in] in float32 from a layer's packed tensors: the reference every kernel is
+    tested against."""
+    if cfg.method == "awq":
+        q = unpack_cols(qweight, AWQ_ORDER)
+        z = unpack_cols(qzeros, AWQ_ORDER)
+    else:
+        q = unpack_rows(qweight)
+        z = unpack_cols(qzeros) + cfg.zero_offset
+    rows = torch.arange(in_features, device=qweight.device) // cfg.group_size     # [in] -> group
+    w = (q[:in_features] - z[rows]).float() * scales[rows].float()                 # [in, out]
+    return w.t()
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inv = [0] * len(order)
+    for field, col in enumerate(order):
+        inv[col] = field
+    return inv
