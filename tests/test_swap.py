@@ -161,15 +161,15 @@ def _step(sched, live, rng):
 
 
 _ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.tuples(st.integers(1, 30), st.integers(1, 30), st.booleans())),
+    st.tuples(st.just("add"), st.tuples(st.integers(1, 24), st.integers(1, 40), st.booleans(), st.integers(1, 4))),
     st.tuples(st.just("abort"), st.integers(0, 100)),
     st.tuples(st.just("step"), st.integers(1, 4)),
 ), max_size=40)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=_ops, num_blocks=st.integers(8, 24), num_cpu_blocks=st.integers(0, 30),
-       max_seqs=st.integers(1, 6), budget=st.integers(4, 48), policy=st.sampled_from(["fcfs", "priority"]),
+@given(ops=_ops, num_blocks=st.integers(6, 16), num_cpu_blocks=st.sampled_from([0, 3, 10, 30]),
+       max_seqs=st.integers(2, 6), budget=st.integers(4, 48), policy=st.sampled_from(["fcfs", "priority"]),
        prefix=st.booleans())
 def test_no_leaks_with_swapping(ops, num_blocks, num_cpu_blocks, max_seqs, budget, policy, prefix):
     block_size = 4
@@ -180,13 +180,15 @@ def test_no_leaks_with_swapping(ops, num_blocks, num_cpu_blocks, max_seqs, budge
     rng = random.Random(0)
     for i, (kind, arg) in enumerate(ops):
         if kind == "add":
-            plen, max_tokens, shared = arg
-            prompt = ([7] * 8 if shared else []) + [rng.randrange(100) for _ in range(plen)]
-            prompt = prompt[: num_blocks * block_size - max_tokens - 1] or [1]
-            req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, seed=0,
-                          priority=i % 3, arrival_time=float(i))
-            live[req.request_id] = req
-            sched.add(req)
+            plen, max_tokens, shared, count = arg
+            max_tokens = min(max_tokens, num_blocks * block_size - 2)
+            for k in range(count):
+                prompt = ([7] * 8 if shared else []) + [rng.randrange(100) for _ in range(plen)]
+                prompt = prompt[: num_blocks * block_size - max_tokens - 1] or [1]
+                req = Request(f"r{i}.{k}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, seed=0,
+                              priority=(i + k) % 3, arrival_time=float(i))
+                live[req.request_id] = req
+                sched.add(req)
         elif kind == "abort" and live:
             rid = sorted(live)[arg % len(live)]
             sched.finish(live.pop(rid), RequestStatus.FINISHED_ABORTED)
@@ -203,3 +205,53 @@ def test_no_leaks_with_swapping(ops, num_blocks, num_cpu_blocks, max_seqs, budge
     assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert sched.num_swapped_in_blocks <= sched.num_swapped_out_blocks
+
+
+_engine_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.tuples(st.integers(1, 12), st.integers(4, 16), st.sampled_from([1, 1, 2]),
+                                        st.integers(1, 3))),
+    st.tuples(st.just("abort"), st.integers(0, 100)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+), min_size=1, max_size=10)
+
+
+@pytest.fixture(scope="module")
+def small_engine(qwen3_dir):
+    """8 GPU blocks (a request needs up to 7) and swap space for 10: swaps, and recomputes once the swap
+    space is full."""
+    return _llm(qwen3_dir, num_kv_blocks=8, swap_blocks=10).engine
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(ops=_engine_ops)
+def test_engine_no_leaks_with_swapping(small_engine, ops):
+    """The real engine (overlapped steps, in-flight placeholders, n > 1 sharing prompt blocks): after any
+    add / step / abort sequence and a drain, every GPU and CPU block is free and nothing is left."""
+    engine, rng = small_engine, random.Random(0)
+    added = []
+    for i, (kind, arg) in enumerate(ops):
+        if kind == "add":
+            plen, max_tokens, n, count = arg
+            for k in range(count):
+                rid = f"p{i}.{k}"
+                engine.add_request(rid, [rng.randrange(3, 500) for _ in range(plen)], SamplingParams(
+                    max_tokens=max_tokens, ignore_eos=True, n=n, temperature=0.8, seed=i))
+                added.append(rid)
+        elif kind == "abort" and added:
+            engine.abort_request(added[arg % len(added)])
+        else:
+            for _ in range(arg):
+                engine.step()
+        seqs = [s for g in engine.groups.values() for s in g if not s.status.finished]
+        engine.block_manager.check_invariants(seqs)
+    for _ in range(2_000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    while engine._in_flight is not None:      # the last launched step, if any, is read by one more step
+        engine.step()
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]

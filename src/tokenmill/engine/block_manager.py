@@ -224,11 +224,13 @@ class BlockManager:
                 f"{block.block_id in self.free_queue}")
         for h, bid in self.cached.items():
             assert self.blocks[bid].block_hash == h, f"cached hash of block {bid} is stale"
+        # CPU ids below `_cpu_next` have been used: each is now held by one request or in `_cpu_free`
         held = [c for req in requests for c in req.cpu_block_ids]
+        free = self._cpu_free
         assert not any(req.cpu_block_ids and req.block_ids for req in requests), "a request holds GPU and CPU blocks"
         assert len(set(held)) == len(held), "a CPU block is held twice"
-        free = set(self._cpu_free) | set(range(self._cpu_next, self.num_cpu_blocks))
-        assert len(free) == self.num_free_cpu_blocks, "a CPU block is free twice"
-        assert not free & set(held), "a CPU block is both free and held"
-        assert len(held) + len(free) == self.num_cpu_blocks, (
-            f"CPU blocks leaked: {len(held)} held + {len(free)} free of {self.num_cpu_blocks}")
+        assert len(set(free)) == len(free), "a CPU block is free twice"
+        assert all(0 <= c < self._cpu_next for c in held + free), "a CPU block id out of range"
+        assert not set(free) & set(held), "a CPU block is both free and held"
+        assert len(held) + len(free) == self._cpu_next, (
+            f"CPU blocks leaked: {len(held)} held + {len(free)} free of {self._cpu_next} used")

@@ -280,7 +280,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)
-        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
+        # a request whose last token is in flight finishes when it lands: its blocks are never read again
+        if self.preemption_mode == "swap" and not request.done_generating and \
+                self.block_manager.can_swap_out(request):
             pairs, released = self.block_manager.swap_out(request)
             out.swap_out.extend(pairs)
             self._released.extend(released)
