@@ -156,7 +156,10 @@ class BlockManager:
         return pairs, [g for g, _ in pairs if self.blocks[g].ref_count == 0]
 
     def can_swap_in(self, request: Request) -> bool:
-        return len(request.cpu_block_ids) <= len(self.free_queue)
+        """Its blocks fit, and so does the slot of its next token: a request that came back only to be
+        preempted again by its own first step would move its blocks twice for nothing."""
+        need = max(len(request.cpu_block_ids), self.blocks_needed(request.num_computed_tokens + 1))
+        return need <= len(self.free_queue)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Gives a SWAPPED request fresh GPU blocks for its CPU blocks and frees those (their copy is
