@@ -138,6 +138,9 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--swap-space", type=float, default=4.0, help="tokenmill: GiB of CPU swap space for KV blocks")
+    p.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None,
+                   help="tokenmill: swap or recompute preempted requests (default: swap if --swap-space > 0)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="hf-static: requests per generate() batch")
     p.add_argument("--hf-static-attn-impl", default="sdpa")
     p.add_argument("--hf-cb-attn-impl", default=None,

@@ -48,7 +48,8 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              seed=args.seed, enforce_eager=args.enforce_eager)
+              seed=args.seed, enforce_eager=args.enforce_eager, swap_space=args.swap_space,
+              preemption_mode=args.preemption_mode)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[1] * 16, [2] * 24], warm, use_tqdm=False)
     mark_ready()
@@ -60,7 +61,8 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
     elapsed = time.perf_counter() - t0
     stats = llm.engine.get_stats()
     extra: dict[str, Any] = {"elapsed_s": elapsed}
-    for key in ("peak_blocks_used", "num_total_blocks", "num_preemptions", "prefix_cache_hits"):
+    for key in ("peak_blocks_used", "num_total_blocks", "num_preemptions", "prefix_cache_hits",
+                "swapped_out_blocks", "swapped_in_blocks", "swap_out_bytes", "num_cpu_blocks"):
         if key in stats:
             extra[key] = stats[key]
     extra["block_size"] = args.block_size
@@ -71,6 +73,12 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
             tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
     if tpots:
         extra["mean_tpot_ms"] = 1e3 * sum(tpots) / len(tpots)
+    # every request is submitted at t0: its latency is the time to its last token
+    e2e = sorted(m.last_token_time - m.arrival_time for m in (o.metrics for o in outputs)
+                 if m is not None and m.last_token_time is not None)
+    if e2e:
+        extra["p50_latency_s"] = e2e[len(e2e) // 2]
+        extra["p99_latency_s"] = e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))]
     return [list(o.outputs[0].token_ids) for o in outputs], extra
 
 
