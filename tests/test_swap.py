@@ -255,3 +255,14 @@ def test_engine_no_leaks_with_swapping(small_engine, ops):
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+
+
+def test_swap_metrics_are_exported():
+    from tokenmill.engine.metrics import ServerMetrics
+    stats = {"num_swapped": 2, "cpu_cache_usage": 0.25, "swapped_out_blocks": 7, "swapped_in_blocks": 5,
+             "swap_out_bytes": 7 * 1024, "swap_in_bytes": 5 * 1024}
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'tokenmill:num_requests_swapped{model_name="m"} 2.0' in text
+    assert 'tokenmill:swapped_out_blocks_total{model_name="m"} 7.0' in text
+    assert 'tokenmill:swap_in_bytes_total{model_name="m"} 5120.0' in text
+    assert 'tokenmill:cpu_cache_usage_perc{model_name="m"} 0.25' in text
