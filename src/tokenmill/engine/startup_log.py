@@ -43,6 +43,10 @@ def startup_lines(engine) -> list[str]:
         graphs = f"CUDA graphs: off (device {runner.device.type})"
     else:
         graphs = "CUDA graphs: off (--enforce-eager)"
+    preemption = engine.scheduler.preemption_mode
+    if runner.swap_space is not None:
+        preemption += (f" (swap space {format_bytes(runner.num_cpu_blocks * runner.block_bytes)}, "
+                       f"{runner.num_cpu_blocks:,} blocks{', pinned' if runner.swap_space.cuda else ''})")
     return [
         f"model {engine.model_name}: {mc.architecture}, dtype {str(runner.dtype).replace('torch.', '')}, "
         f"device {device}, max_model_len {engine.max_model_len}",
@@ -53,7 +57,8 @@ def startup_lines(engine) -> list[str]:
         f"{runner.num_blocks / blocks_per_request:.2f}x",
         graphs,
         f"scheduler: max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, policy {cfg.scheduling_policy}",
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, policy {cfg.scheduling_policy}, "
+        f"preemption {preemption}",
         f"engine ready in {engine.ready_seconds:.1f} s",
     ]
 

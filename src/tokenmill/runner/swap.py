@@ -61,6 +61,7 @@ class SwapSpace:
             index = index.pin_memory().to(self.kv_cache.device, non_blocking=True)
         return index
 
+    @torch.inference_mode()
     def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: bool) -> None:
         """Makes one step's copies, (GPU, host) pairs out and (host, GPU) pairs in; called once per step
         before the step's forward is launched (also for a step that runs no request)."""
