@@ -227,6 +227,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
      r"zero_point=false is not supported"),
     (dict(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"),
      r"checkpoint_format='marlin' is not supported; supported: gptq, gptq_v2"),
+    (dict(quant_method="gptq", bits=4, group_size=128, pack_dtype="int8"),
+     r"pack_dtype='int8' is not supported; supported: int32"),
     (dict(quant_method="fp8", weight_block_size=[128, 128]),
      r"quant_method 'fp8' is not supported; supported: awq, gptq"),
 ])

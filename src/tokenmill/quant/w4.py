@@ -76,6 +76,8 @@ def parse_quantization_config(qc: dict) -> W4Config:
     if qc.get("lm_head", False):
         raise ValueError("gptq checkpoint with lm_head=true (a quantized head) is not supported; "
                          "supported: lm_head=false")
+    if str(qc.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
+        raise ValueError(f"gptq checkpoint with pack_dtype={qc['pack_dtype']!r} is not supported; supported: int32")
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"gptq checkpoint with checkpoint_format={qc.get('checkpoint_format')!r} is not "
