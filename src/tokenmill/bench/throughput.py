@@ -62,7 +62,8 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
     stats = llm.engine.get_stats()
     extra: dict[str, Any] = {"elapsed_s": elapsed}
     for key in ("peak_blocks_used", "num_total_blocks", "num_preemptions", "prefix_cache_hits",
-                "swapped_out_blocks", "swapped_in_blocks", "swap_out_bytes", "num_cpu_blocks"):
+                "swapped_out_blocks", "swapped_in_blocks", "swap_in_cached_blocks", "swap_out_bytes",
+                "num_cpu_blocks"):
         if key in stats:
             extra[key] = stats[key]
     extra["block_size"] = args.block_size

@@ -78,10 +78,18 @@ class BlockManager:
         to compute, so the last step has logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        tokens, bs = request.all_token_ids, self.block_size
+        tokens = request.all_token_ids
+        hits = self._cached_prefix(tokens, (len(tokens) - 1) // self.block_size)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def _cached_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """The cached blocks holding `tokens`' first full blocks, at most `max_blocks` of them."""
+        bs = self.block_size
         hits: list[int] = []
         parent = None
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(max_blocks):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash((parent, chunk))
             bid = self.cached.get(h)
@@ -92,8 +100,6 @@ class BlockManager:
                 break
             hits.append(bid)
             parent = h
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * bs
         return hits
 
     # ---- allocation ------------------------------------------------------------------------------
@@ -157,16 +163,31 @@ class BlockManager:
 
     def can_swap_in(self, request: Request) -> bool:
         """Its blocks fit, and so does the slot of its next token: a request that came back only to be
-        preempted again by its own first step would move its blocks twice for nothing."""
+        preempted again by its own first step would move its blocks twice for nothing. (Conservative:
+        blocks found in the prefix cache at swap-in need no free block, or one that this counts.)"""
         need = max(len(request.cpu_block_ids), self.blocks_needed(request.num_computed_tokens + 1))
         return need <= len(self.free_queue)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Gives a SWAPPED request fresh GPU blocks for its CPU blocks and frees those (their copy is
-        queued before any later copy that could overwrite them). Returns (CPU block, GPU block) pairs.
-        Its blocks are hashed again as `cache_full_blocks` passes over them."""
-        pairs = [(c, self._take_free_block()) for c in request.cpu_block_ids]
-        request.block_ids = [g for _, g in pairs]
+        """Gives a SWAPPED request GPU blocks for its CPU blocks and frees those (their copies are queued
+        before any later copy that could overwrite them). Its first blocks that the prefix cache still
+        holds (its own, freed at swap-out and not reallocated since, or a prompt prefix shared with other
+        requests) are taken as they are, without a copy, as `allocate_slots` takes prefix hits; the others
+        are fresh blocks. Returns the copies to make, (CPU block, GPU block) pairs."""
+        cpu = request.cpu_block_ids
+        hits = []
+        if self.enable_prefix_caching:
+            full = min(len(cpu), request.num_computed_tokens // self.block_size)
+            hits = self._cached_prefix(request.all_token_ids, full)
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+            hashes.append(block.block_hash)
+        pairs = [(c, self._take_free_block()) for c in cpu[len(hits):]]
+        request.block_ids = hits + [g for _, g in pairs]
         self._free_cpu(request)
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
         return pairs

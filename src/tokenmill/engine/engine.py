@@ -293,6 +293,7 @@ class LLMEngine:
             "cpu_cache_usage": 1.0 - bm.num_free_cpu_blocks / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0,
             "swapped_out_blocks": self.scheduler.num_swapped_out_blocks,
             "swapped_in_blocks": self.scheduler.num_swapped_in_blocks,
+            "swap_in_cached_blocks": self.scheduler.num_swap_in_cached_blocks,
             "swap_out_bytes": self.scheduler.num_swapped_out_blocks * self.runner.block_bytes,
             "swap_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.block_bytes,
             "prompt_tokens": self.num_prompt_tokens,

@@ -106,6 +106,7 @@ class Scheduler:
         self.num_swap_outs = 0              # preemptions that swapped (the others recomputed)
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_swap_in_cached_blocks = 0     # blocks a swap-in found in the prefix cache: no copy
         self._released: list[int] = []      # GPU blocks freed by this step's swap-outs
 
     @classmethod
@@ -214,6 +215,7 @@ class Scheduler:
             pairs = self.block_manager.swap_in(req)
             out.swap_in.extend(pairs)
             self.num_swapped_in_blocks += len(pairs)
+            self.num_swap_in_cached_blocks += len(req.block_ids) - len(pairs)
             req.status = RequestStatus.RUNNING
             resumed.append(req)
         self.running.extend(resumed)
