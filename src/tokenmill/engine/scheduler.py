@@ -9,9 +9,10 @@ last is preempted, in one of two ways (`preemption_mode`):
 - swap: its blocks are copied to CPU swap space (`SchedulerOutput.swap_out`, made by the runner before
   any of those GPU blocks is written again) and it waits in `swapped`, keeping `num_computed_tokens`.
   Swapped requests resume before any waiting prompt is admitted, best ranked first, as soon as their
-  blocks fit (`SchedulerOutput.swap_in`); a resumed request joins the running batch from the next step
-  on, so that its copy back overlaps a step of the others instead of holding that step up. A request
-  whose blocks do not fit in the free swap space is recomputed instead;
+  blocks and the slot of their next token fit (`SchedulerOutput.swap_in`); a resumed request joins the
+  running batch from the next step on, so that its copy back overlaps a step of the others instead of
+  holding that step up. A request whose blocks do not fit in the free swap space is recomputed instead
+  (and one whose last token is in flight is not swapped: it finishes when that token lands);
 - recompute: its blocks are freed and it is recomputed later (its tokens so far become its prompt for
   the recomputation).
 A preempted request's token in flight (a placeholder) has no K/V yet and is not among its computed

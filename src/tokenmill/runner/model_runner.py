@@ -52,10 +52,6 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._determine_num_blocks()
         self._allocate_kv_cache()
-        # swap space for preempted requests' blocks (none when preemption recomputes)
-        self.num_cpu_blocks = 0 if engine_config.preemption_mode == "recompute" else \
-            int(engine_config.swap_space * 2**30) // self.block_bytes
-        self.swap_space = SwapSpace(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
         if self.device.type == "cuda":
             warm_up_sampler(self.vocab_size, self.dtype, self.device)
         self.graph_runner = CudaGraphRunner(self.model, self.backend, engine_config, self.device,
@@ -65,6 +61,11 @@ class ModelRunner:
         self.hidden_hook = None
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self.capture_graphs()
+        # swap space for preempted requests' blocks (none when preemption recomputes); built after the
+        # graphs are captured, since on CUDA it pins its memory in a background thread
+        self.num_cpu_blocks = 0 if engine_config.preemption_mode == "recompute" else \
+            int(engine_config.swap_space * 2**30) // self.block_bytes
+        self.swap_space = SwapSpace(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
 
     def capture_graphs(self, emulate: bool = False) -> None:
         """Captures the CUDA graphs (with `emulate`, stand-ins that re-run the forward, so the padded

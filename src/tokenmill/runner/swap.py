@@ -20,6 +20,8 @@ On the CPU every copy is immediate, and the order of calls is the order of effec
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # blocks gathered per device-side copy: bounds the transient device memory of a swap to this many blocks
@@ -32,11 +34,32 @@ class SwapSpace:
         self.kv_cache = kv_cache
         self.num_blocks = num_blocks
         self.cuda = kv_cache.is_cuda
-        # on the CPU, torch.empty maps pages lazily: an unused swap space costs no memory
-        self.blocks = torch.empty((num_blocks, layers, two, block_size, heads, head_dim), dtype=kv_cache.dtype,
-                                  pin_memory=self.cuda)
+        shape = (num_blocks, layers, two, block_size, heads, head_dim)
         self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
         self._pending: torch.cuda.Event | None = None     # the copies of an earlier step, not yet waited on
+        self._blocks: torch.Tensor | None = None
+        self._pinning: threading.Thread | None = None
+        if self.cuda:
+            # pinning GiBs of host memory takes time in proportion to their size: it runs beside the
+            # engine instead of delaying its start, and the first swap waits for it. Not during CUDA-graph
+            # capture, which forbids allocations from other threads: the runner builds this after capture.
+            def pin():
+                self._blocks = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=True)
+            self._pinning = threading.Thread(target=pin, name="tokenmill-swap-pin", daemon=True)
+            self._pinning.start()
+        else:
+            # on the CPU, torch.empty maps pages lazily: an unused swap space costs no memory
+            self._blocks = torch.empty(shape, dtype=kv_cache.dtype)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The host blocks, once their memory is allocated."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+            if self._blocks is None:
+                raise RuntimeError(f"could not allocate the swap space: {self.num_blocks} pinned KV blocks")
+        return self._blocks
 
     @staticmethod
     def _runs(pairs: list[tuple[int, int]], host_side: int):
@@ -85,13 +108,13 @@ class SwapSpace:
             self._pending = done
 
     def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        kv, nb = self.kv_cache, self.cuda
+        kv, nb, host = self.kv_cache, self.cuda, self.blocks
         for device_ids, runs in self._runs(swap_out, host_side=1):
             gathered = kv.index_select(2, self._index(device_ids)).permute(2, 0, 1, 3, 4, 5).contiguous()
             for row, first, count in runs:
-                self.blocks[first:first + count].copy_(gathered[row:row + count], non_blocking=nb)
+                host[first:first + count].copy_(gathered[row:row + count], non_blocking=nb)
         for device_ids, runs in self._runs(swap_in, host_side=0):
-            staged = torch.empty((len(device_ids),) + self.blocks.shape[1:], dtype=kv.dtype, device=kv.device)
+            staged = torch.empty((len(device_ids),) + host.shape[1:], dtype=kv.dtype, device=kv.device)
             for row, first, count in runs:
-                staged[row:row + count].copy_(self.blocks[first:first + count], non_blocking=nb)
+                staged[row:row + count].copy_(host[first:first + count], non_blocking=nb)
             kv.index_copy_(2, self._index(device_ids), staged.permute(1, 2, 0, 3, 4, 5))
