@@ -65,6 +65,13 @@ def make_model(path: str, arch: str, vocab_size: int = 512, **overrides) -> None
 
 
 @pytest.fixture(scope="session")
+def save_tiny_model():
+    """`make_model`, for tests that save variants of their own (test files cannot import this conftest by
+    name: tests/kernels has one too)."""
+    return make_model
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tokenizer"))
     make_tokenizer(path)

@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.quant import w4
@@ -148,9 +147,9 @@ TINY = [   # arch, method, group, model overrides, quantizer options
 @pytest.mark.parametrize("arch,method,group,overrides,options", TINY,
                          ids=[f"{a}-{m}-g{g}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
                               for a, m, g, _, o in TINY])
-def test_tiny_model_reads_the_format_exactly(tmp_path, arch, method, group, overrides, options):
+def test_tiny_model_reads_the_format_exactly(tmp_path, save_tiny_model, arch, method, group, overrides, options):
     src, qdir, twin = (str(tmp_path / n) for n in ("src", "q", "twin"))
-    make_model(src, arch, **overrides)
+    save_tiny_model(src, arch, **overrides)
     with open(os.path.join(src, "config.json")) as f:
         hf_cfg = json.load(f)
     write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), hf_cfg, method, group, **options)
@@ -173,10 +172,10 @@ def test_tiny_model_reads_the_format_exactly(tmp_path, arch, method, group, over
 
 
 @pytest.fixture(scope="module")
-def awq_dir(tmp_path_factory):
+def awq_dir(tmp_path_factory, save_tiny_model):
     path = str(tmp_path_factory.mktemp("awq"))
     src = os.path.join(path, "src")
-    make_model(src, "qwen3", hidden_size=64)
+    save_tiny_model(src, "qwen3", hidden_size=64)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     write_checkpoint(os.path.join(path, "q"), load_file(os.path.join(src, "model.safetensors")), cfg, "awq", 32)
@@ -246,9 +245,9 @@ def test_config_reads_each_format():
     assert ModelConfig.from_hf(BASE).quantization is None
 
 
-def test_act_order_g_idx_is_refused(tmp_path):
+def test_act_order_g_idx_is_refused(tmp_path, save_tiny_model):
     src, qdir = str(tmp_path / "src"), str(tmp_path / "q")
-    make_model(src, "qwen3", hidden_size=64)
+    save_tiny_model(src, "qwen3", hidden_size=64)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, "gptq", 32)
@@ -261,9 +260,9 @@ def test_act_order_g_idx_is_refused(tmp_path):
         LLM(qdir, device="cpu", num_kv_blocks=8)
 
 
-def test_awq_needs_whole_groups(tmp_path):
+def test_awq_needs_whole_groups(tmp_path, save_tiny_model):
     src = str(tmp_path / "src")
-    make_model(src, "llama")                                 # hidden 80: not a multiple of 32
+    save_tiny_model(src, "llama")                                 # hidden 80: not a multiple of 32
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     with open(os.path.join(src, "config.json"), "w") as f:
@@ -339,3 +338,29 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
               f"margin >= 0.3 nats ({int(confident.sum())} positions)")
         assert ppl / ref_ppl < 1.35
         assert agree[confident].float().mean() > 0.7
+
+
+def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq_dir):
+    """The single-token kernels read plain weight matrices, so a quantized model never asks for them; its
+    steps staged into the padded CUDA-graph buffers (replayed by re-running the forward on the CPU) give
+    the eager tokens."""
+    from tokenmill.layers.backend import TorchBackend
+
+    class SingleTokenKernels(TorchBackend):
+        def single_token_linear(self, input_ids):
+            def fused_linear(*args, **kwargs):
+                raise AssertionError("a quantized layer reached the single-token kernels")
+            return fused_linear
+    prompts = [[(5 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate([3, 20, 41, 9])]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    config = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    eager = LLM(os.path.join(awq_dir, "q"), **config)
+    eager.engine.runner.model.use_backend(SingleTokenKernels())
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    graphs = LLM(os.path.join(awq_dir, "q"), **config)
+    graphs.engine.runner.capture_graphs(emulate=True)
+    used = []
+    replay = graphs.engine.runner.graph_runner.replay
+    graphs.engine.runner.graph_runner.replay = lambda key, inp, prev: used.append(key) or replay(key, inp, prev)
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == expected
+    assert {k[0] for k in used} == {"decode", "mixed"}
