@@ -16,6 +16,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.runner.swap import SwapSpace
 
 _GIB = 2 ** 30
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _llm(qwen3_dir, num_kv_blocks, swap_blocks=None, **kw):
@@ -140,6 +141,7 @@ def test_swapped_blocks_come_back_intact():
 
 
 @pytest.mark.gpu
+@gpu
 def test_swapped_blocks_come_back_intact_cuda():
     _swap_roundtrip("cuda")
 
@@ -292,3 +294,21 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache():
     bm.check_invariants([a, b])
     bm.free(a), bm.free(b)
     assert bm.num_free_blocks == 8 and bm.num_free_cpu_blocks == 8
+
+
+@pytest.mark.gpu
+@gpu
+def test_preemption_storm_with_swap_cuda(qwen3_dir):
+    """The side-stream path end to end (pinned swap space, CUDA graphs, overlapped steps): the storm swaps,
+    and its greedy outputs are those of a run without preemption."""
+    def run(num_kv_blocks, swap_blocks):
+        block_bytes = 2 * 2 * 4 * 2 * 16 * 4
+        llm = LLM(qwen3_dir, device="cuda", dtype="float32", block_size=4, max_model_len=64, max_num_seqs=8,
+                  num_kv_blocks=num_kv_blocks, swap_space=swap_blocks * block_bytes / _GIB)
+        out = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _params(False))]
+        return out, llm.engine.get_stats()
+    reference, _ = run(200, 0)
+    out, stats = run(16, 400)
+    assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] > 0
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    assert out == reference
