@@ -57,7 +57,8 @@ def plain_dequant(tensors: dict[str, np.ndarray], method: str, group: int, in_fe
 
 def test_known_words_unpack_in_each_order():
     word = torch.tensor([[0x76543210]], dtype=torch.int32)           # field i holds the value i
-    assert w4.unpack_cols(word, w4.AWQ_ORDER).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert w4.unpack_cols(word, awq_order=True).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert w4.AWQ_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)            # what the quantizer packs by
     assert w4.unpack_cols(word).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
     assert w4.unpack_rows(word).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     high = torch.tensor([[0x87654321 - (1 << 32)]], dtype=torch.int32)     # the sign bit set

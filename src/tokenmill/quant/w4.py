@@ -29,7 +29,6 @@ PACK = 8                                       # 4-bit fields per int32 word
 SUPPORTED_METHODS = ("awq", "gptq")
 SUPPORTED_BITS = (4,)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-_SHIFTS = tuple(4 * i for i in range(PACK))
 
 
 @dataclass(frozen=True)
@@ -93,20 +92,26 @@ def check_g_idx(g_idx: torch.Tensor, group_size: int, key: str) -> None:
                          "g_idx); act-order (desc_act=true) is not supported")
 
 
-def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C/8] -> int32 [R, C] of 4-bit values; `order`: field i holds column AWQ_ORDER[i]
-    of its eight (None: column i)."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
-    fields = (packed.unsqueeze(-1) >> shifts) & 0xF                         # [R, C/8, 8] by field
-    if order is not None:
-        fields = fields[..., _inverse(order)]                              # by column within the word
+# The unpacking builds no tensor from host data (no torch.tensor(list), no list index), so it runs inside a
+# CUDA-graph capture, where host-to-device copies are not allowed.
+def _shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=device)
+
+
+def unpack_cols(packed: torch.Tensor, awq_order: bool = False) -> torch.Tensor:
+    """int32 [R, C/8] -> int32 [R, C] of 4-bit values: field i of word j is column 8j + i, or with
+    `awq_order` column 8j + AWQ_ORDER[i]."""
+    fields = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF         # [R, C/8, 8] by field
+    if awq_order:
+        # AWQ_ORDER puts fields 0-3 on the even columns and 4-7 on the odd ones: as a [2, 4] grid of
+        # fields read column-major, column 2b + a is field 4a + b
+        fields = fields.unflatten(-1, (2, 4)).transpose(-1, -2)
     return fields.reshape(packed.shape[0], -1)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R/8, C] -> int32 [R, C]: field i of word j is row 8j + i."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
-    fields = (packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF           # [R/8, 8, C]
+    fields = (packed.unsqueeze(1) >> _shifts(packed.device)[None, :, None]) & 0xF     # [R/8, 8, C]
     return fields.reshape(-1, packed.shape[1])
 
 
@@ -115,8 +120,8 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """The weight [out, in] in float32 from a layer's packed tensors: the reference every kernel is
     tested against."""
     if cfg.method == "awq":
-        q = unpack_cols(qweight, AWQ_ORDER)
-        z = unpack_cols(qzeros, AWQ_ORDER)
+        q = unpack_cols(qweight, awq_order=True)
+        z = unpack_cols(qzeros, awq_order=True)
     else:
         q = unpack_rows(qweight)
         z = unpack_cols(qzeros) + cfg.zero_offset
@@ -124,9 +129,3 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     w = (q[:in_features] - z[rows]).float() * scales[rows].float()                 # [in, out]
     return w.t()
 
-
-def _inverse(order: tuple[int, ...]) -> list[int]:
-    inv = [0] * len(order)
-    for field, col in enumerate(order):
-        inv[col] = field
-    return inv
