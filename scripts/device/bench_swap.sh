@@ -13,8 +13,8 @@
 # against 2,304 blocks of 16 = 36,864 tokens (3x), and the excess (~74K tokens x 144 KiB on qwen3-4b,
 # ~10 GiB) fits in SWAP_SPACE=16 GiB, so that swap mode rarely falls back to recompute; the table says
 # how many blocks were swapped. The pinned swap space is allocated at start-up: see time to ready.
-# Each run writes NAME.json / NAME.md under $OUT; the table is printed at the end and saved as
-# $OUT/SWAP.md.
+# tests/test_swap.py runs first, its gpu-marked tests included. Each run writes NAME.json / NAME.md under
+# $OUT; the table is printed at the end and saved as $OUT/SWAP.md.
 set -uo pipefail
 
 MODEL=${MODEL:-qwen3-4b}            # a preset name, or a model directory
@@ -38,6 +38,10 @@ source "$(dirname "$0")/env.sh"
 
 STAMP=$(date +%Y%m%d-%H%M%S)
 FAILED=0
+# the swap path's own tests on the device first (side stream, pinned memory, graphs): a wrong copy would
+# make the numbers below meaningless
+python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/test_swap.py 2>&1 | tee "$OUT/swap_tests.log" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tests/test_swap.py failed: see $OUT/swap_tests.log" >&2; FAILED=1; }
 if [ -d "$MODEL" ]; then SPEC=$MODEL; TAG=$(basename "$MODEL"); else
   SPEC="preset:$MODEL"; TAG=$MODEL
   python -m tokenmill.bench prepare --model "$SPEC" || exit 1
