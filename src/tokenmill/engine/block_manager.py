@@ -13,7 +13,8 @@ Invariants (checked by `check_invariants`, exercised by property tests):
   block is free or held by exactly one SWAPPED request (`Request.cpu_block_ids`), never shared; a
   request holds GPU blocks or CPU blocks, never both. Swapping out frees the GPU blocks as `free` does,
   so a hashed one stays in the prefix cache with its contents intact until it is reallocated (which
-  clears its hash); the runner orders the copy before any reuse.
+  clears its hash); the runner orders the copy before any reuse. Swapping in takes the request's leading
+  blocks that the prefix cache still holds as they are and copies only the others back.
 """
 from __future__ import annotations
 
