@@ -1,7 +1,10 @@
 """4-bit weight-only checkpoints (W4A16): AutoAWQ's GEMM format and GPTQ's, as they lie on disk.
 
-Layout facts relied on (read from AutoAWQ's `WQLinear_GEMM`, GPTQModel's `AWQ_ORDER`/`AWQ_REVERSE_ORDER`,
-AutoGPTQ's `QuantLinear.pack` and vLLM's `gptq`/`awq` loaders; no code taken from them):
+Layout facts relied on (read, no code taken, in: GPTQModel's AWQ GEMM module, `AWQ_ORDER` =
+(0, 2, 4, 6, 1, 3, 5, 7) and its inverse; AutoAWQ's `unpack_awq`, shifts 0, 4, ..., 28 along the packed
+output dim; AutoGPTQ's `zeros -= 1` before packing, as a qzeros-overflow checker citing its
+qlinear_triton.py describes it; the vLLM GPTQv2 write-up on v1's and v2's zero points; and the layouts
+as they are commonly described: GPTQ qweight packed along the input dim, scales [groups, out]):
 
 - Every tensor is int32 words of eight 4-bit fields; field i is bits 4i..4i+3 (least significant first).
   A weight w[out, in] of a Linear is stored transposed, input-major: `[in, out]` before packing.
