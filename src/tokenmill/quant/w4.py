@@ -3,8 +3,9 @@
 Layout facts relied on (read, no code taken, in: GPTQModel's AWQ GEMM module, `AWQ_ORDER` =
 (0, 2, 4, 6, 1, 3, 5, 7) and its inverse; AutoAWQ's `unpack_awq`, shifts 0, 4, ..., 28 along the packed
 output dim; AutoGPTQ's `zeros -= 1` before packing, as a qzeros-overflow checker citing its
-qlinear_triton.py describes it; the vLLM GPTQv2 write-up on v1's and v2's zero points; and the layouts
-as they are commonly described: GPTQ qweight packed along the input dim, scales [groups, out]):
+qlinear_triton.py describes it; the vLLM GPTQv2 write-up on v1's and v2's zero points; GPTQ-style
+QuantLinear buffers, qweight (in // 32 * bits, out); public reference GPTQ decoders: qweight unpacked
+along the input dim, qzeros along the output dim, zero offset 1 by the AutoGPTQ/GPTQModel convention):
 
 - Every tensor is int32 words of eight 4-bit fields; field i is bits 4i..4i+3 (least significant first).
   A weight w[out, in] of a Linear is stored transposed, input-major: `[in, out]` before packing.
