@@ -123,11 +123,14 @@ def _swap_roundtrip(device: str):
     space = SwapSpace(kv, num_blocks=6)
     known = kv.clone()
     # out: GPU 7 -> CPU 2, 3 -> 3 (a run), 5 -> 0; then the GPU blocks are overwritten
-    space.copy([(7, 2), (3, 3), (5, 0)], [], reused=True)
-    kv[:, :, [7, 3, 5]] = -1.0
+    # this step writes block 7 at once (its copy goes first and the step waits for it), 3 and 5 later
+    space.copy([(7, 2), (3, 3), (5, 0)], [], reused=[7])
+    kv[:, :, 7] = -1.0
+    space.copy([], [], reused=[])      # the next step waits for the other copies
+    kv[:, :, [3, 5]] = -1.0
     # in: to other GPU blocks than they came from, in another order
-    space.copy([], [(3, 1), (0, 9), (2, 4)], reused=False)
-    space.copy([], [], reused=False)      # the next step waits for the swap-in
+    space.copy([], [(3, 1), (0, 9), (2, 4)], reused=[])
+    space.copy([], [], reused=[])      # the next step waits for the swap-in
     if device == "cuda":
         torch.cuda.synchronize()
     for src, dst in ((3, 1), (5, 9), (7, 4)):
@@ -153,6 +156,8 @@ def _step(sched, live, rng):
     assert len(sched.running) <= sched.max_num_seqs
     for g, c in out.swap_out:
         assert 0 <= c < sched.block_manager.num_cpu_blocks
+    swapped_gpu = {g for g, _ in out.swap_out}
+    assert all(g in swapped_gpu and sched.block_manager.blocks[g].ref_count > 0 for g in out.swap_out_reused)
     sched.update_after_step(out)
     for req in out.requests:
         assert req.status == RequestStatus.RUNNING and req.num_computed_tokens <= req.num_tokens

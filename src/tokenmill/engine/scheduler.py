@@ -62,9 +62,9 @@ class SchedulerOutput:
     # copies of those swapped back in; the runner makes them before this step's forward may need them
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # a GPU block released by this step's swap-outs was given to a request of this step, whose forward
-    # may write it: the forward must wait for the swap-out copy (otherwise the next step waits for it)
-    swap_out_reused: bool = False
+    # the GPU blocks released by this step's swap-outs that requests of this step took: this step's forward
+    # may write them, so it waits for their copies (and the next step for the others)
+    swap_out_reused: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -199,7 +199,7 @@ class Scheduler:
             self._admit(out, budget, now)
         if out.swap_out:
             blocks = self.block_manager.blocks
-            out.swap_out_reused = any(blocks[g].ref_count > 0 for g in self._released)
+            out.swap_out_reused = [g for g in self._released if blocks[g].ref_count > 0]
         return out
 
     def _swap_in(self, out: SchedulerOutput, now: float) -> None:

@@ -150,9 +150,10 @@ class ModelRunner:
         self.model.bind_kv_cache(None)
         del self.kv_cache
 
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: bool) -> None:
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: list[int]) -> None:
         """Copies blocks between the KV cache and the swap space (`swap.SwapSpace.copy`): called once per
-        step, before `execute`, with the step's (GPU, CPU) swap-outs and (CPU, GPU) swap-ins."""
+        step, before `execute`, with the step's (GPU, CPU) swap-outs, (CPU, GPU) swap-ins and the
+        swapped-out GPU blocks that the step's requests took."""
         if self.swap_space is not None:
             self.swap_space.copy(swap_out, swap_in, reused)
 

@@ -9,10 +9,11 @@ memory is pinned and the copies run on a side stream, in step order:
 - a copy reads or writes a GPU block only after every forward launched before it: the side stream waits
   on the compute stream first (a swapped-out block holds K/V that the step in flight is still writing);
 - the compute stream waits for a step's copies before a forward that may write a block they read or
-  fill: before this step's forward when a GPU block released by a swap-out was given to a request of
-  this step (`swap_out_reused`), else before the next step's forward, by when the copies have had the
-  length of a step to finish. A swapped-in request first runs in the next step, so a swap-in never holds
-  up the step that issues it;
+  fill. The swap-outs of GPU blocks that this step's requests took (`swap_out_reused`: usually the one
+  or two blocks the preempting request needed) are copied first, and this step's forward waits for
+  those only; the rest is waited for before the next step's forward, by when it has had the length of
+  a step to finish. A swapped-in request first runs in the next step, so a swap-in never holds up the
+  step that issues it;
 - copies run in issue order on the one side stream, so a host block freed by a swap-in (or a finish) and
   reused by a later swap-out is read before it is overwritten.
 
@@ -85,9 +86,10 @@ class SwapSpace:
         return index
 
     @torch.inference_mode()
-    def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: bool) -> None:
-        """Makes one step's copies, (GPU, host) pairs out and (host, GPU) pairs in; called once per step
-        before the step's forward is launched (also for a step that runs no request)."""
+    def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], reused: list[int]) -> None:
+        """Makes one step's copies, (GPU, host) pairs out and (host, GPU) pairs in, `reused` the GPU blocks
+        of `swap_out` that this step's forward may write; called once per step before the step's forward
+        is launched (also for a step that runs no request)."""
         if not self.cuda:
             self._copy(swap_out, swap_in)
             return
@@ -97,15 +99,19 @@ class SwapSpace:
             self._pending = None
         if not swap_out and not swap_in:
             return
+        taken = set(reused)
+        first = [p for p in swap_out if p[0] in taken]
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self._copy(swap_out, swap_in)
+            if first:
+                self._copy(first, [])
+                urgent = torch.cuda.Event()
+                urgent.record(self.stream)
+                compute.wait_event(urgent)
+            self._copy([p for p in swap_out if p[0] not in taken], swap_in)
             done = torch.cuda.Event()
             done.record(self.stream)
-        if reused:
-            compute.wait_event(done)
-        else:
-            self._pending = done
+        self._pending = done
 
     def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         kv, nb, host = self.kv_cache, self.cuda, self.blocks
