@@ -40,7 +40,7 @@ PROMPTS = [
     "把这句话翻译成英文：今天天气很好。",
     "你好！你叫什么名字？",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 40
 
 HELD_OUT = (
     "The old harbour town wakes slowly in winter. Before sunrise the fishing boats leave one by one, their "
