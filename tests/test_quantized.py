@@ -26,6 +26,8 @@ from tokenmill.quant import w4
 from tokenmill.quant.quantize import (QUANTIZED_LAYERS, quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
 
+from test_real_model import HELD_OUT, engine_logprobs
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # AutoAWQ GEMM: the 4-bit field i (bits 4i..4i+3) of a word holds output column 8j + AWQ_FIELD_COLUMN[i]
@@ -116,25 +118,6 @@ def write_dequantized_twin(qdir: str, plain_dir: str, cfg: dict) -> None:
         json.dump({k: v for k, v in cfg.items() if k != "quantization_config"}, f)
 
 
-def teacher_forced_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """log-softmax rows [len(ids) - 1, vocab] of each prefix, through the engine's own forward passes."""
-    runner = llm.engine.runner
-    rows: dict[int, torch.Tensor] = {}
-
-    def hook(requests, num_new, qsl, hidden):
-        starts = qsl.tolist()
-        for i, (req, n) in enumerate(zip(requests, num_new)):
-            lg = runner.model.compute_logits(hidden[starts[i]:starts[i] + n]).float().log_softmax(-1)
-            for j in range(n):
-                rows[req.num_computed_tokens + j] = lg[j]
-    runner.hidden_hook = hook
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-    finally:
-        runner.hidden_hook = None
-    return torch.stack([rows[i] for i in range(len(ids) - 1)])
-
-
 TINY = [   # arch, method, group, model overrides, quantizer options
     ("llama", "awq", 32, dict(hidden_size=64, num_attention_heads=8, head_dim=8), {}),
     ("llama", "gptq", 32, {}, dict(sym=True)),                 # hidden 80: a partial last group
@@ -165,8 +148,8 @@ def test_tiny_model_reads_the_format_exactly(tmp_path, save_tiny_model, arch, me
     assert qkv.scales.dtype == torch.float16             # as stored, whatever the model dtype
     float_params = {n for n, p in model.named_parameters() if p.is_floating_point() and p.dim() == 2}
     assert all(n.endswith(".scales") or "embed_tokens" in n or "lm_head" in n for n in float_params)
-    ours = teacher_forced_logprobs(quantized, ids)           # chunked prefill over 16-token steps
-    ref = teacher_forced_logprobs(LLM(twin, device="cpu", num_kv_blocks=8, max_num_batched_tokens=16), ids)
+    ours = engine_logprobs(quantized, ids)           # chunked prefill over 16-token steps
+    ref = engine_logprobs(LLM(twin, device="cpu", num_kv_blocks=8, max_num_batched_tokens=16), ids)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
     greedy = quantized.generate([ids[:5]], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     assert len(greedy.token_ids) == 6                    # decode steps run through the same layers
@@ -314,11 +297,10 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
     long-trained model (measured: AWQ layout g64 +26%, GPTQ g128 asymmetric +27%, symmetric +45%; see
     docs/SERVER.md), so this bound guards the path (a misread layout gives perplexities above 10^8: measured
     with AWQ's field order read as plain and with GPTQ v1's zero offset dropped) and the numbers are printed."""
-    from test_real_model import HELD_OUT
     base = LLM(GGUF, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=512)
     ids = base.get_tokenizer().encode(HELD_OUT)
     target = torch.tensor(ids[1:])
-    ref = teacher_forced_logprobs(base, ids)
+    ref = engine_logprobs(base, ids)
     top2 = ref.topk(2, -1).values
     confident = top2[:, 0] - top2[:, 1] >= 0.3
 
@@ -330,7 +312,7 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
     for method, group, options in REAL:
         qdir = str(tmp_path / f"{method}-g{group}")
         write_checkpoint(qdir, state, hf, method, group, **options)
-        lp = teacher_forced_logprobs(LLM(qdir, device="cpu", num_kv_blocks=32, max_num_batched_tokens=512), ids)
+        lp = engine_logprobs(LLM(qdir, device="cpu", num_kv_blocks=32, max_num_batched_tokens=512), ids)
         ppl = perplexity(lp)
         agree = lp.argmax(-1) == ref.argmax(-1)
         print(f"{method} g{group} {options}: perplexity {ppl:.3f} vs {ref_ppl:.3f} unquantized (ratio "

@@ -143,10 +143,8 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(llm):
                                                              return_dict=False)
 
 
-@needs_smollm2
-def test_perplexity_equals_transformers(llm, hf):
-    ids = llm.get_tokenizer().encode(HELD_OUT)
-    assert 250 < len(ids) < llm.engine.max_model_len
+def engine_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """log-softmax rows [len(ids) - 1, vocab] of each prefix, through the engine's own forward passes."""
     runner = llm.engine.runner
     rows: dict[int, torch.Tensor] = {}
 
@@ -161,7 +159,14 @@ def test_perplexity_equals_transformers(llm, hf):
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
     finally:
         runner.hidden_hook = None
-    ours = torch.stack([rows[i] for i in range(len(ids) - 1)])
+    return torch.stack([rows[i] for i in range(len(ids) - 1)])
+
+
+@needs_smollm2
+def test_perplexity_equals_transformers(llm, hf):
+    ids = llm.get_tokenizer().encode(HELD_OUT)
+    assert 250 < len(ids) < llm.engine.max_model_len
+    ours = engine_logprobs(llm, ids)
     target = torch.tensor(ids[1:])
     nll = -ours.gather(1, target[:, None]).mean().item()
     ref = teacher_forced_logprobs(hf, ids)[:-1]

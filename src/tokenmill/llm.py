@@ -58,14 +58,14 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 params = params or SamplingParams()
                 text = prompt if isinstance(prompt, str) else None
-                prompt_ids = self.engine.tokenizer.encode(prompt) if text is not None else list(prompt)
+                prompt_ids = self.engine.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
                 handle = next(self._ids)
                 rid = str(handle)
                 arrival = time.time()
                 self.engine.add_request(rid, prompt_ids, params, priority=priority[i] if priority else 0,
                                         arrival_time=arrival, handle=handle)
                 ids.append(rid)
-                self.processor.add(handle, rid, [int(t) for t in prompt_ids], params, text, arrival)
+                self.processor.add(handle, rid, prompt_ids, params, text, arrival)
         except Exception:
             self.engine.abort_request(ids)
             for rid in ids:

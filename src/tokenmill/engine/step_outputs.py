@@ -37,19 +37,8 @@ class StepOutputs:
         self.logprobs = logprobs or {}
         self.prompt_logprobs = prompt_logprobs or []
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def __bool__(self) -> bool:
         return bool(len(self.tokens) or self.started or self.finished)
-
-    def __getstate__(self):
-        return (self.handles, self.indexes, self.tokens, self.started, self.finished, self.logprobs,
-                self.prompt_logprobs)
-
-    def __setstate__(self, state):
-        (self.handles, self.indexes, self.tokens, self.started, self.finished, self.logprobs,
-         self.prompt_logprobs) = state
 
 
 class StepOutputsBuilder:
