@@ -104,6 +104,17 @@ class BlockManager:
         return hits
 
     # ---- allocation ------------------------------------------------------------------------------
+    def _take_cached(self, request: Request, block_ids: list[int]) -> None:
+        """Adds a reference of `request` to each cached block (out of the free queue if none held it) and
+        records its hash among the request's."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+            hashes.append(block.block_hash)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:
         """Makes room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
@@ -119,13 +130,7 @@ class BlockManager:
         if needed > len(self.free_queue) - reclaimed:
             return False
         if computed_blocks:
-            hashes = self._hashes.setdefault(request.request_id, [])
-            for bid in computed_blocks:
-                block = self.blocks[bid]
-                if block.ref_count == 0:
-                    del self.free_queue[bid]
-                block.ref_count += 1
-                hashes.append(block.block_hash)
+            self._take_cached(request, computed_blocks)
             request.block_ids.extend(computed_blocks)
         for _ in range(max(needed, 0)):
             request.block_ids.append(self._take_free_block())
@@ -180,13 +185,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             full = min(len(cpu), request.num_computed_tokens // self.block_size)
             hits = self._cached_prefix(request.all_token_ids, full)
-        hashes = self._hashes.setdefault(request.request_id, [])
-        for bid in hits:
-            block = self.blocks[bid]
-            if block.ref_count == 0:
-                del self.free_queue[bid]
-            block.ref_count += 1
-            hashes.append(block.block_hash)
+        self._take_cached(request, hits)
         pairs = [(c, self._take_free_block()) for c in cpu[len(hits):]]
         request.block_ids = hits + [g for _, g in pairs]
         self._free_cpu(request)
