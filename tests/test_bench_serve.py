@@ -12,7 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from tokenmill.bench.serve import RequestResult, arrival_delays, compute_metrics, parse_goodput, tpot_of
+from tokenmill.bench.serve import (BENCH_TOOLS, RequestResult, arrival_delays, build_payload, class_metrics,
+                                   compute_metrics, parse_goodput, structured_indices, tpot_of)
+from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,10 +37,35 @@ def test_metrics_on_hand_made_timings():
     assert m["mean_itl_ms"] == pytest.approx(np.mean([100] * 4 + [200] * 2))
     assert m["p95_itl_ms"] == pytest.approx(np.percentile([100] * 4 + [200] * 2, 95))
     assert m["mean_e2el_ms"] == pytest.approx(np.mean([500, 700, 50]))
+    # the longest wait, of the completed requests only
+    assert m["max_ttft_ms"] == pytest.approx(300.0) and m["max_e2el_ms"] == pytest.approx(700.0)
+    assert m["p99_itl_ms"] == pytest.approx(np.percentile([100] * 4 + [200] * 2, 99))
     # a meets both SLOs, b misses TTFT and TPOT, c (one token, no TPOT) meets them
     assert m["good_requests"] == 2 and m["request_goodput"] == pytest.approx(1.0)
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
+
+
+def test_tool_requests_and_their_class_metrics():
+    """A fifth of the requests, evenly spread, offer the tools with tool_choice "auto" (chat only); the
+    TTFT and E2E statistics of each class come from its own requests."""
+    tools = structured_indices(10, 0.2)
+    assert tools == {4, 9}
+    req = ServeRequest("hello", 8)
+    body = build_payload("/v1/chat/completions", "m", req, True, 0.0, tools=BENCH_TOOLS)
+    assert body["tools"] == BENCH_TOOLS and body["tool_choice"] == "auto"
+    assert body["messages"] == [{"role": "user", "content": "hello"}]
+    assert "tools" not in build_payload("/v1/chat/completions", "m", req, True, 0.0)
+    with pytest.raises(ValueError):
+        build_payload("/v1/completions", "m", req, True, 0.0, tools=BENCH_TOOLS)
+    results = [RequestResult(True, output_tokens=2, ttft=0.01 * (i + 1), latency=1.0 + i) for i in range(10)]
+    results[9] = RequestResult(False, error="HTTP 500")
+    t = class_metrics(results, tools, "tools")
+    assert (t["completed_tools"], t["num_requests_tools"]) == (1, 2)
+    assert t["median_ttft_ms_tools"] == pytest.approx(50.0) and t["max_e2el_ms_tools"] == pytest.approx(5000.0)
+    rest = class_metrics(results, set(range(10)) - tools, "plain")
+    assert rest["completed_plain"] == 8 and rest["max_ttft_ms_plain"] == pytest.approx(90.0)
+    assert rest["p95_ttft_ms_plain"] == pytest.approx(np.percentile([10, 20, 30, 40, 60, 70, 80, 90], 95))
 
 
 def test_poisson_arrivals_seeded():
@@ -107,7 +134,8 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
     from tokenmill.bench.cli import main as bench_main
 
     servers = {"tokenmill": _Server(qwen3_dir, tmp_path / "tm.log", "--max-model-len", "512", "--num-kv-blocks",
-                                    "256", "--block-size", "4"),
+                                    "256", "--block-size", "4", "--enable-auto-tool-choice", "--tool-call-parser",
+                                    "hermes", "--scheduling-policy", "priority"),
                "hf": _Server(qwen3_dir, tmp_path / "hf.log", "--backend", "hf")}
     try:
         paths = []
@@ -118,6 +146,11 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
                     "--output-dir", str(tmp_path), "--name", name, "--no-progress", "--hardware", "test-cpu"]
             assert bench_main(args) == 0
             paths.append(str(tmp_path / f"{name}.json"))
+        # half the requests offer tools: the server renders and boosts them, the report splits the classes
+        assert bench_main(["serve", "--base-url", servers["tokenmill"].url, "--max-concurrency", "2",
+                           "--num-prompts", "4", "--mixed-chat-chars", "30,90", "--mixed-chat-output-len", "4,8",
+                           "--tools-fraction", "0.5", "--output-dir", str(tmp_path), "--name", "tools",
+                           "--no-progress", "--num-warmups", "0"]) == 0
         # completions with token-id prompts, against the hf baseline
         assert bench_main(["serve", "--base-url", servers["hf"].url, "--endpoint", "/v1/completions", "--dataset",
                            "random", "--input-len-range", "4,8", "--output-len-range", "3,5", "--random-vocab-limit",
@@ -138,9 +171,21 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
             assert lv["median_ttft_ms"] > 0 and lv["mean_e2el_ms"] >= lv["mean_ttft_ms"]
             assert len(lv["ttfts_ms"]) == 4 and lv["itls_ms"] and lv["good_requests"] <= 4
 
+    with open(tmp_path / "tools.json") as f:
+        res = json.load(f)
+    assert res["tools"]["requests"] == 2 and res["tools"]["tool_choice"] == "auto"
+    (lv,) = res["levels"]
+    assert lv["failed"] == 0 and (lv["completed_tools"], lv["completed_plain"]) == (2, 2)
+    assert 0 < lv["median_ttft_ms_tools"] <= lv["max_ttft_ms"] and lv["max_e2el_ms"] >= lv["p99_e2el_ms"]
+    assert bench_main(["report", str(tmp_path / "tools.json"), "--output-dir", str(tmp_path / "tools-report"),
+                       "--no-plots"]) == 0
+    tools_md = (tmp_path / "tools-report" / "REPORT.md").read_text()
+    assert "## Requests with tools against the rest" in tools_md and "| tokenmill | 2 | 2/2 |" in tools_md
+
     assert bench_main(["report", *paths, "--output-dir", str(tmp_path / "report")]) == 0
     md = (tmp_path / "report" / "REPORT.md").read_text()
     assert "| tokenmill | 2 | 4/4 |" in md and "| hf | 1 | 4/4 |" in md and "test-cpu" in md and "## tokenmill against" in md
+    assert "## Requests with tools" not in md
     pytest.importorskip("matplotlib")
     for png in ("throughput.png", "latency_p95.png", "ttft_dist.png", "itl_dist.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000 and f"]({png})" in md

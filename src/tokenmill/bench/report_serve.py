@@ -3,7 +3,8 @@
     tokenmill bench report results/serve-*.json --output-dir report/
 
 Writes REPORT.md (a table per backend and concurrency level, ratios against each baseline at equal
-concurrency, and the hardware, model, commit and command of every run) and, when matplotlib is
+concurrency, for runs with `--tools-fraction` the TTFT of tool-carrying requests against the rest and the
+longest wait, and the hardware, model, commit and command of every run) and, when matplotlib is
 installed, throughput.png, latency_p95.png, ttft_dist.png and itl_dist.png.
 """
 from __future__ import annotations
@@ -57,6 +58,31 @@ def summary_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CLASS_COLUMNS = (
+    ("tools ok/n", None), ("tools TTFT p50", "median_ttft_ms_tools"), ("tools TTFT p95", "p95_ttft_ms_tools"),
+    ("plain TTFT p50", "median_ttft_ms_plain"), ("plain TTFT p95", "p95_ttft_ms_plain"),
+    ("tools E2E p95", "p95_e2el_ms_tools"), ("plain E2E p95", "p95_e2el_ms_plain"),
+    ("TTFT max", "max_ttft_ms"), ("E2E max", "max_e2el_ms"),
+)
+
+
+def class_table(runs: list[dict]) -> str:
+    """Runs whose requests were split by `--tools-fraction`: one row per backend and level, latencies in
+    ms; the max columns are the longest wait of any request. Empty when no run was split."""
+    rows = [(r["backend"], lv) for r in runs for lv in r["levels"] if "p95_ttft_ms_tools" in lv]
+    if not rows:
+        return ""
+    head = ["backend", "conc", *(c[0] for c in CLASS_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for backend, lv in rows:
+        cells = [backend, str(lv["max_concurrency"])]
+        for _, key in CLASS_COLUMNS:
+            cells.append(f"{lv['completed_tools']}/{lv['num_requests_tools']}" if key is None
+                         else f"{lv[key]:.1f}" if key in lv else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def ratio_table(runs: list[dict], ours: str = "tokenmill") -> str:
     """Our backend against each other backend at the same concurrency on the same dataset: throughput x,
     p95 E2E fraction. Runs on another workload (e.g. a fixed-length latency probe) are not compared."""
@@ -96,6 +122,9 @@ def markdown_report(runs: list[dict], plots: list[str]) -> str:
     ratios = ratio_table(runs)
     if ratios:
         parts += ["## tokenmill against the baselines, at equal concurrency", "", ratios, ""]
+    classes = class_table(runs)
+    if classes:
+        parts += ["## Requests with tools against the rest", "", classes, ""]
     failures = [(r["backend"], lv["max_concurrency"], lv.get("errors")) for r in runs for lv in r["levels"]
                 if lv.get("failed")]
     if failures:
@@ -170,10 +199,10 @@ def main_report(args) -> int:
     with open(path, "w") as f:
         f.write(text)
     print(summary_table(runs))
-    ratios = ratio_table(runs)
-    if ratios:
-        print()
-        print(ratios)
+    for table in (ratio_table(runs), class_table(runs)):
+        if table:
+            print()
+            print(table)
     print(f"report: {path}", file=sys.stderr)
     return 0
 

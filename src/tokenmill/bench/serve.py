@@ -14,7 +14,10 @@ Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
 Each concurrency level sends the same `--num-prompts` requests, one level after the other.
 `--structured-fraction F` puts that fraction of them (evenly spread, the same ones at every level) under
 `BENCH_SCHEMA` (chat: `response_format` json_schema; completions: `structured_outputs`), and reports
-the TPOT of those and of the plain ones apart.
+the TPOT of those and of the plain ones apart. `--tools-fraction F` (chat only) likewise has that fraction
+offer the model `BENCH_TOOLS` with tool_choice "auto" (the prompt stays the dataset's, so only the tools
+tell the classes apart: a server's priority boost for tool-carrying requests), and reports the TTFT of
+those and of the plain ones apart. Every level records the longest wait: the largest TTFT and E2E latency.
 """
 from __future__ import annotations
 
@@ -96,6 +99,8 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
     m.update(_stats("tpot", tpots))
     m.update(_stats("itl", [g for r in ok for g in r.itl]))
     m.update(_stats("e2el", [r.latency for r in ok]))
+    m["max_ttft_ms"] = max((r.ttft for r in ok), default=0.0) * 1e3
+    m["max_e2el_ms"] = max((r.latency for r in ok), default=0.0) * 1e3
     if slos:
         good = 0
         for r in ok:
@@ -116,13 +121,37 @@ BENCH_SCHEMA = {"type": "object", "properties": {
     "sources": {"type": "array", "items": {"type": "string"}}}, "required": ["answer", "confidence", "sources"]}
 
 
+# two functions an agent might offer; the model may call them or answer in text
+BENCH_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search_docs", "description": "Search the documentation for a query.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "max_results": {"type": "integer"}}, "required": ["query"]}}},
+]
+
+
+def class_metrics(results: list[RequestResult], rows: set[int], part: str) -> dict:
+    """TTFT and E2E statistics of the requests at `rows` of `results`, each key suffixed with `_{part}`."""
+    ok = [results[i] for i in sorted(rows) if results[i].success]
+    m = {"completed": len(ok), "num_requests": len(rows), **_stats("ttft", [r.ttft for r in ok]),
+         **_stats("e2el", [r.latency for r in ok]),
+         "max_ttft_ms": max((r.ttft for r in ok), default=0.0) * 1e3,
+         "max_e2el_ms": max((r.latency for r in ok), default=0.0) * 1e3}
+    return {f"{k}_{part}": v for k, v in m.items()}
+
+
 def structured_indices(n: int, fraction: float) -> set[int]:
     """round(n * fraction) of range(n), evenly spread."""
     return {i for i in range(n) if math.floor((i + 1) * fraction + 1e-9) > math.floor(i * fraction + 1e-9)}
 
 
 def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool, temperature: float,
-                  schema: dict | None = None) -> dict:
+                  schema: dict | None = None, tools: list[dict] | None = None) -> dict:
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -132,7 +161,12 @@ def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool
         if schema is not None:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+        if tools is not None:
+            body["tools"] = tools
+            body["tool_choice"] = "auto"
     else:
+        if tools is not None:
+            raise ValueError("tools are sent on the chat endpoint only")
         body["prompt"] = req.prompt
         if schema is not None:
             body["structured_outputs"] = {"json": schema}
@@ -201,8 +235,9 @@ def arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
 async def run_level(base_url: str, endpoint: str, model: str, requests: list[ServeRequest], max_concurrency: int,
                     request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
                     headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True,
-                    structured: set[int] = frozenset()) -> tuple[list[RequestResult], float]:
-    """`structured`: the indices of `requests` sent under BENCH_SCHEMA."""
+                    structured: set[int] = frozenset(),
+                    tools: set[int] = frozenset()) -> tuple[list[RequestResult], float]:
+    """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS."""
     import httpx
     from tqdm import tqdm
 
@@ -214,11 +249,11 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
         level_t0 = time.perf_counter()
 
-        async def one(req: ServeRequest, schema: dict | None) -> RequestResult:
+        async def one(req: ServeRequest, schema: dict | None, offered: list[dict] | None) -> RequestResult:
             async with sem:
                 start = time.perf_counter() - level_t0
                 res = await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature,
-                                                                    schema), headers)
+                                                                    schema, offered), headers)
                 res.start = start
                 bar.update(1)
                 return res
@@ -227,7 +262,8 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
         for i, (req, delay) in enumerate(zip(requests, arrival_delays(len(requests), request_rate, seed))):
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(req, BENCH_SCHEMA if i in structured else None)))
+            tasks.append(asyncio.ensure_future(one(req, BENCH_SCHEMA if i in structured else None,
+                                                   BENCH_TOOLS if i in tools else None)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - level_t0
     bar.close()
@@ -287,6 +323,14 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     if not 0.0 <= args.structured_fraction <= 1.0:
         raise SystemExit(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
     structured = structured_indices(len(requests), args.structured_fraction)
+    if not 0.0 <= args.tools_fraction <= 1.0:
+        raise SystemExit(f"--tools-fraction must be in [0, 1], got {args.tools_fraction}")
+    if args.tools_fraction > 0 and not chat:
+        raise SystemExit("--tools-fraction needs the chat endpoint (/v1/chat/completions)")
+    if args.tools_fraction > 0 and args.structured_fraction > 0:
+        raise SystemExit("give --tools-fraction or --structured-fraction, not both (each splits the requests "
+                         "into two classes)")
+    tools = structured_indices(len(requests), args.tools_fraction)
     for _ in range(args.num_warmups):
         warm = ServeRequest(requests[0].prompt, min(requests[0].max_tokens, 16), requests[0].prompt_len)
         asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
@@ -303,19 +347,24 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
                     **dataset_summary(requests)},
         "structured": {"fraction": args.structured_fraction, "requests": len(structured),
                        "schema": BENCH_SCHEMA} if structured else None,
+        "tools": {"fraction": args.tools_fraction, "requests": len(tools), "tools": BENCH_TOOLS,
+                  "tool_choice": "auto"} if tools else None,
         "request_rate": "inf" if math.isinf(rate) else rate,
         "levels": [],
     }
     for conc in levels:
         results, duration = asyncio.run(run_level(
             args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
-            args.temperature, headers, args.request_timeout, not args.no_progress, structured))
+            args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools))
         m = compute_metrics(results, duration, slos)
         if structured:
             for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
                 tpots = [t for i in rows if results[i].success and (t := tpot_of(results[i])) is not None]
                 m[f"median_tpot_ms_{part}"] = float(np.median(tpots)) * 1e3 if tpots else None
                 m[f"output_tokens_{part}"] = sum(results[i].output_tokens for i in rows)
+        if tools:
+            m.update(class_metrics(results, tools, "tools"))
+            m.update(class_metrics(results, set(range(len(results))) - tools, "plain"))
         m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate})
         ok = [r for r in results if r.success]
         m["ttfts_ms"] = _round_ms(r.ttft for r in ok)
@@ -333,7 +382,8 @@ def format_level(backend: str, m: dict) -> str:
     return (f"{backend} c={m['max_concurrency']}: {m['completed']}/{m['num_requests']} ok, "
             f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
             f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
-            f"E2E p95 {m['p95_e2el_ms']:.0f} ms" + _structured_tpots(m))
+            f"E2E p95 {m['p95_e2el_ms']:.0f} ms, ITL p99 {m['p99_itl_ms']:.2f} ms, TTFT max {m['max_ttft_ms']:.0f} ms, "
+            f"E2E max {m['max_e2el_ms']:.0f} ms" + _structured_tpots(m) + _tool_ttfts(m))
 
 
 def _structured_tpots(m: dict) -> str:
@@ -342,6 +392,13 @@ def _structured_tpots(m: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"      # noqa: E731
     return (f", TPOT p50 structured {fmt(m['median_tpot_ms_structured'])} / plain "
             f"{fmt(m['median_tpot_ms_plain'])} ms")
+
+
+def _tool_ttfts(m: dict) -> str:
+    if "p95_ttft_ms_tools" not in m:
+        return ""
+    return (f", TTFT p50/p95 tools {m['median_ttft_ms_tools']:.1f}/{m['p95_ttft_ms_tools']:.1f} / plain "
+            f"{m['median_ttft_ms_plain']:.1f}/{m['p95_ttft_ms_plain']:.1f} ms")
 
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
@@ -372,6 +429,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--structured-fraction", type=float, default=0.0,
                    help="this fraction of the requests asks for JSON under a schema (structured output)")
+    p.add_argument("--tools-fraction", type=float, default=0.0,
+                   help='chat: this fraction of the requests offers two tools (tool_choice "auto"; the server '
+                        "needs --enable-auto-tool-choice); TTFT reported per class")
     p.add_argument("--goodput", nargs="+", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=3600.0)
@@ -396,7 +456,11 @@ def main_serve(args, argv: list[str]) -> int:
 
     summary = run_sweep(args, argv, on_level=save)
     path = paths[0]
-    from tokenmill.bench.report_serve import summary_table
+    from tokenmill.bench.report_serve import class_table, summary_table
     print(summary_table([summary]))
+    classes = class_table([summary])
+    if classes:
+        print()
+        print(classes)
     print(f"results: {path}", file=sys.stderr)
     return 0 if all(lv["failed"] == 0 for lv in summary["levels"]) else 1
