@@ -69,11 +69,9 @@ class TorchBackend:
         return None
 
     def w4_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
-        """x [T, in] @ W^T (+ bias) for a 4-bit `quantized.W4Linear`: W dequantized from the packed
-        tensors for this call (`quant/w4.dequantize`), in x's dtype. The one place a W4 kernel replaces."""
-        from tokenmill.quant.w4 import dequantize
-        w = dequantize(layer.qweight, layer.qzeros, layer.scales, layer.quant, layer.in_features)
-        return torch.nn.functional.linear(x, w.to(x.dtype), layer.bias)
+        """x [T, in] @ W^T (+ bias) for a 4-bit `quantized.W4Linear`: W dequantized from its repacked
+        tensors for this call (`quantized.dequantize_w4`), in x's dtype."""
+        return torch.nn.functional.linear(x, layer.dequantized().to(x.dtype), layer.bias)
 
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row's argmax (first of equals); `publish` (host, turn): also into row `turn` of the host
@@ -122,6 +120,10 @@ class TritonBackend(TorchBackend):
             return None
         from tokenmill.layers.kernels import decode_attention
         return partial(decode_attention.fused_decode_attention, config=self.kernels.decode_attention)
+
+    def w4_linear(self, x, layer):
+        from tokenmill.layers.kernels import w4_gemm
+        return w4_gemm.w4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.bias, layer.quant.group_size)
 
     def greedy(self, logits, publish=None):
         from tokenmill.layers.kernels import argmax

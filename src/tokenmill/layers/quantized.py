@@ -1,11 +1,14 @@
-"""The decoder's linear layers: `nn.Linear`, or `W4Linear` for a 4-bit AWQ/GPTQ checkpoint."""
+"""The decoder's linear layers: `nn.Linear`, `W4Linear` for a 4-bit AWQ/GPTQ checkpoint, or
+`fp8_linear.Fp8Linear` for FP8 weights."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
-from tokenmill.quant.w4 import PACK, W4Config
+from tokenmill.quant.w4 import PACK, W4Config, unpack_cols, unpack_rows
+
+_SHIFTS = tuple(range(0, 4 * PACK, 4))
 
 
 def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | None) -> nn.Module:
@@ -13,14 +16,49 @@ def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | No
         W4Linear(in_features, out_features, bias, quant)
 
 
-class W4Linear(nn.Module):
-    """y = x W^T + b with W kept as the checkpoint's packed 4-bit tensors (`quant/w4.py` has the layouts),
-    so the weights take 4 bits each (plus one fp16 scale and a 4-bit zero per group and column). The
-    product is the backend's `w4_linear`: the reference dequantizes W on every call and caches nothing,
-    so memory stays 4-bit (the full-precision W of one layer lives only during its product).
+def repack_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, quant: W4Config,
+              in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's checkpoint tensors (AWQ or GPTQ, `quant/w4.py`) -> the one layout the products read,
+    output-major like `nn.Linear.weight` so that a row of W is contiguous:
 
-    `output_dims[name] = (dim, per)`: parameter `name` lays the layer's output features along `dim`, `per`
-    of them to an element; the loader packs q/k/v and gate/up shards along it (`fill.fill_parameters`)."""
+    - `qweight` int32 [out, in/8]: word j of row n packs W's 4-bit values at inputs 8j .. 8j+7, input
+      8j + i in field i (bits 4i..4i+3);
+    - `scales` fp16 [out, groups] and `zeros` uint8 [out, groups]: W[n, k] = (q - zeros[n, g]) * scales[n, g]
+      with g = k // group_size; the zeros are the true ones (GPTQ v1's offset already added).
+
+    The values are those of `w4.dequantize` on the checkpoint tensors, bit for bit (`dequantize_w4`)."""
+    if quant.method == "awq":
+        q = unpack_cols(qweight, awq_order=True)
+        z = unpack_cols(qzeros, awq_order=True)
+    else:
+        q = unpack_rows(qweight)[:in_features]
+        z = unpack_cols(qzeros) + quant.zero_offset
+    q = q.t().reshape(q.shape[1], in_features // PACK, PACK).to(torch.int64)      # [out, in/8, 8]
+    words = (q << torch.tensor(_SHIFTS, device=q.device)).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous()
+
+
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [out, in] in float32 from `repack_w4`'s tensors: the reference the W4 kernels are tested against."""
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)      # [out, in]
+    groups = torch.arange(q.shape[1], device=q.device) // group_size
+    return (q - zeros[:, groups].to(torch.int32)).float() * scales[:, groups].float()
+
+
+class W4Linear(nn.Module):
+    """y = x W^T + b with W kept as 4-bit values, so the weights take 4 bits each (plus one fp16 scale and
+    an 8-bit zero per group and output feature).
+
+    It is built with the checkpoint's tensors (`qweight`, `qzeros`, `scales` as `quant/w4.py` lays them
+    out), which the loader fills; `process_weights_after_loading` then repacks them into `repack_w4`'s
+    output-major layout (`qweight`, `scales`, `zeros`), the only one kept and the one every backend's
+    `w4_linear` reads: AWQ and GPTQ run the same kernels and the same reference.
+
+    `output_dims[name] = (dim, per)`: checkpoint tensor `name` lays the layer's output features along
+    `dim`, `per` of them to an element; the loader packs q/k/v and gate/up shards along it
+    (`fill.fill_parameters`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: W4Config):
         super().__init__()
@@ -44,12 +82,28 @@ class W4Linear(nn.Module):
         self.qweight = param(*qweight_shape, dtype=torch.int32)
         self.qzeros = param(groups, out_features // PACK, dtype=torch.int32)
         self.scales = param(groups, out_features, dtype=torch.float16)
+        self.register_parameter("zeros", None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.backend = TorchBackend()
 
     def keep_checkpoint_dtypes(self) -> None:
         """Scales stay fp16 as stored whatever the model dtype (`build_model` casts the model first)."""
         self.scales.data = self.scales.data.to(torch.float16)
+
+    def process_weights_after_loading(self) -> None:
+        """Replaces the checkpoint's tensors by `repack_w4`'s (once, after the loader filled them)."""
+        if self.zeros is not None:
+            raise RuntimeError("W4Linear: the weights are already repacked")
+        qweight, scales, zeros = repack_w4(self.qweight.data, self.qzeros.data, self.scales.data, self.quant,
+                                           self.in_features)
+        del self.qzeros
+        self.qweight = nn.Parameter(qweight, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.zeros = nn.Parameter(zeros, requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """W [out, in] in float32 from the repacked tensors."""
+        return dequantize_w4(self.qweight, self.scales, self.zeros, self.quant.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.w4_linear(x, self)
