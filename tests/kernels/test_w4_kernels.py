@@ -10,6 +10,8 @@ checkpoint layouts by our quantizer (AWQ GEMM and GPTQ) and repacked as the laye
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 import torch
 
@@ -19,9 +21,10 @@ from tokenmill.quant import w4
 from tokenmill.quant.quantize import quantize_awq, quantize_gptq
 
 
+@lru_cache(maxsize=8)
 def _layer(method: str, n: int, k: int, group: int, seed: int, sym: bool = False, fmt: str = "gptq"):
     """A random [n, k] weight through the quantizer, repacked: (qweight, scales, zeros) on DEVICE and the
-    checkpoint-layout reference W [n, k] (float32, on the CPU)."""
+    checkpoint-layout reference W [n, k] (float32, on the CPU). Cached: the gpu tests share layers."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
     if method == "awq":
