@@ -172,8 +172,8 @@ def test_requested_quantization_must_match_the_checkpoint(awq_dir):
     with pytest.raises(ValueError, match=r"--quantization awq was asked for, but the checkpoint .* has no "
                                          r"quantization_config"):
         LLM(os.path.join(awq_dir, "src"), device="cpu", num_kv_blocks=8, quantization="awq")
-    with pytest.raises(ValueError, match=r"quantization 'fp8' is not supported; supported: awq, gptq"):
-        EngineConfig(model="x", quantization="fp8")
+    with pytest.raises(ValueError, match=r"quantization 'int8' is not supported; supported: awq, gptq, fp8"):
+        EngineConfig(model="x", quantization="int8")
 
 
 def test_quantization_on_a_gguf_file_is_refused(tmp_path):
@@ -212,8 +212,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
      r"checkpoint_format='marlin' is not supported; supported: gptq, gptq_v2"),
     (dict(quant_method="gptq", bits=4, group_size=128, pack_dtype="int8"),
      r"pack_dtype='int8' is not supported; supported: int32"),
-    (dict(quant_method="fp8", weight_block_size=[128, 128]),
-     r"quant_method 'fp8' is not supported; supported: awq, gptq"),
+    (dict(quant_method="bitsandbytes", bits=4),
+     r"quant_method 'bitsandbytes' is not supported; supported: awq, gptq, fp8"),
 ])
 def test_unsupported_quantization_configs_are_named(qc, message):
     with pytest.raises(ValueError, match=message):

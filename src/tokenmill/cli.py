@@ -37,9 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "generate() at a time; hf-cb: transformers' continuous batching)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     p.add_argument("--dtype", default=d.dtype, help="auto, float32, float16 or bfloat16")
-    p.add_argument("--quantization", choices=["awq", "gptq"], default=d.quantization,
-                   help="the checkpoint's 4-bit weight format (default: read from its config.json's "
-                        "quantization_config; given, it must match)")
+    p.add_argument("--quantization", choices=["awq", "gptq", "fp8"], default=d.quantization,
+                   help="the checkpoint's weight format (default: read from its config.json's "
+                        "quantization_config; given, it must match); fp8 on a plain checkpoint quantizes "
+                        "its linear layers to FP8 E4M3 at load")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory for weights, activations and the KV cache")

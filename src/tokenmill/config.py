@@ -11,7 +11,11 @@ from typing import Any
 import torch
 
 from tokenmill.layers.kernel_config import KernelConfig
-from tokenmill.quant.w4 import SUPPORTED_METHODS, W4Config, parse_quantization_config
+from tokenmill.quant.fp8 import METHODS as FP8_METHODS, Fp8Config, parse_fp8_config
+from tokenmill.quant.w4 import SUPPORTED_METHODS as W4_METHODS, W4Config, parse_quantization_config
+
+# --quantization values: the checkpoint's format (fp8 also quantizes a plain checkpoint at load)
+QUANTIZATION_METHODS = (*W4_METHODS, "fp8")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -29,6 +33,16 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.fl
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(set(_DTYPES))}")
     return _DTYPES[key]
+
+
+def _parse_quantization(qc: dict) -> W4Config | Fp8Config:
+    method = str(qc.get("quant_method", "")).lower()
+    if method in FP8_METHODS:
+        return parse_fp8_config(qc)
+    if method not in W4_METHODS:
+        raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
+                         f"supported: {', '.join((*W4_METHODS, *FP8_METHODS))}")
+    return parse_quantization_config(qc)
 
 
 @dataclass(frozen=True)
@@ -52,8 +66,8 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     hidden_act: str = "silu"
-    # the checkpoint's 4-bit weight format (its quantization_config); None: plain weights
-    quantization: W4Config | None = None
+    # the checkpoint's weight format (its quantization_config); None: plain weights
+    quantization: W4Config | Fp8Config | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
@@ -104,7 +118,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
             hidden_act=hf.get("hidden_act", "silu"),
-            quantization=(parse_quantization_config(hf["quantization_config"])
+            quantization=(_parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
         )
 
@@ -183,7 +197,8 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     # the checkpoint's weight format, as vLLM's --quantization: None takes the checkpoint's
-    # (quantization_config in config.json); "awq" / "gptq" must match it
+    # (quantization_config in config.json); "awq" / "gptq" / "fp8" must match it, and "fp8" on a plain
+    # checkpoint quantizes its linear layers at load (quant/fp8.py)
     quantization: str | None = None
     device: str = "auto"
     block_size: int = 16
@@ -218,9 +233,9 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self):
-        if self.quantization is not None and self.quantization not in SUPPORTED_METHODS:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_METHODS)} (or None: the checkpoint's own)")
+                             f"{', '.join(QUANTIZATION_METHODS)} (or None: the checkpoint's own)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

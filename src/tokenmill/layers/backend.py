@@ -73,6 +73,12 @@ class TorchBackend:
         tensors for this call (`quantized.dequantize_w4`), in x's dtype."""
         return torch.nn.functional.linear(x, layer.dequantized().to(x.dtype), layer.bias)
 
+    def fp8_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        """x [T, in] @ W^T (+ bias) for an `fp8_linear.Fp8Linear`: W dequantized for this call
+        (`quant/fp8.dequantize`), in x's dtype."""
+        from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch
+        return fp8_linear_torch(x, layer.weight, layer.scale, layer.block, layer.bias)
+
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row's argmax (first of equals); `publish` (host, turn): also into row `turn` of the host
         table, as `argmax.greedy` takes it."""
@@ -124,6 +130,10 @@ class TritonBackend(TorchBackend):
     def w4_linear(self, x, layer):
         from tokenmill.layers.kernels import w4_gemm
         return w4_gemm.w4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.bias, layer.quant.group_size)
+
+    def fp8_linear(self, x, layer):
+        from tokenmill.layers.kernels import fp8_gemm
+        return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
 
     def greedy(self, logits, publish=None):
         from tokenmill.layers.kernels import argmax

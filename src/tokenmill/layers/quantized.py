@@ -6,14 +6,19 @@ import torch
 from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
+from tokenmill.quant.fp8 import Fp8Config
 from tokenmill.quant.w4 import PACK, W4Config, unpack_cols, unpack_rows
 
 _SHIFTS = tuple(range(0, 4 * PACK, 4))
 
 
-def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | None) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=bias) if quant is None else \
-        W4Linear(in_features, out_features, bias, quant)
+def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | Fp8Config | None) -> nn.Module:
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    if isinstance(quant, Fp8Config):
+        from tokenmill.layers.fp8_linear import Fp8Linear
+        return Fp8Linear(in_features, out_features, bias, quant)
+    return W4Linear(in_features, out_features, bias, quant)
 
 
 def repack_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, quant: W4Config,

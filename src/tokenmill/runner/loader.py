@@ -1,6 +1,7 @@
 """Builds a model from a local directory or GGUF file: config -> registry -> streamed, packed weights."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -11,6 +12,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.registry import get_model_class
+from tokenmill.quant import fp8
 from tokenmill.quant.w4 import check_g_idx
 from tokenmill.runner.fill import fill_parameters
 from tokenmill.runner.gguf_loader import load_gguf_weights
@@ -57,14 +59,22 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                         check_g_idx(f.get_tensor(key), quant.group_size, key)
                         continue
                     yield key, lambda f=f, key=key: f.get_tensor(key)
-    fill_parameters(model, tensors(), repr(model_dir))
+    stream = tensors()
+    if isinstance(quant, fp8.Fp8Config) and quant.checkpoint_format is None:
+        stream = fp8.quantize_at_load(stream)
+    fill_parameters(model, stream, repr(model_dir))
 
 
 def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                quantization: str | None = None) -> nn.Module:
     """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file. `quantization` (the
-    engine's): None takes the checkpoint's format, else it must be the checkpoint's."""
+    engine's): None takes the checkpoint's format, else it must be the checkpoint's; "fp8" on a plain
+    checkpoint quantizes its linear layers at load."""
     check_quantization(quantization, cfg, model_path)
+    if quantization == "fp8" and cfg.quantization is None:
+        cfg = dataclasses.replace(cfg, quantization=fp8.Fp8Config())
+    if isinstance(cfg.quantization, fp8.Fp8Config):
+        fp8.check_device(device)
     model = build_model(cfg, device, dtype)
     if is_gguf(model_path):
         load_gguf_weights(model, model_path)
@@ -81,17 +91,21 @@ def is_gguf(path: str) -> bool:
 
 
 def check_quantization(requested: str | None, cfg: ModelConfig, model_path: str) -> None:
-    """A requested quantization must be the checkpoint's own: tokenmill reads pre-quantized weights and
-    does not quantize at load."""
+    """A requested quantization must be the checkpoint's own: tokenmill reads pre-quantized weights, and
+    quantizes at load only to fp8."""
     if requested is None:
         return
     if is_gguf(model_path):
         raise ValueError(f"--quantization {requested} applies to safetensors checkpoints with a "
                          f"quantization_config; {model_path!r} is a GGUF file (its own types are read as they are)")
     have = cfg.quantization.method if cfg.quantization is not None else None
+    if have is None and requested == "fp8":
+        return
     if have is None:
         raise ValueError(f"--quantization {requested} was asked for, but the checkpoint {model_path!r} has no "
-                         "quantization_config (plain weights); tokenmill does not quantize at load")
+                         "quantization_config (plain weights); tokenmill quantizes at load only to fp8")
     if have != requested:
+        fmt = getattr(cfg.quantization, "checkpoint_format", None)
         raise ValueError(f"--quantization {requested} does not match the checkpoint {model_path!r}, which is "
-                         f"{have} (its quantization_config); leave --quantization unset to take the checkpoint's")
+                         f"{have}{f' ({fmt})' if fmt and fmt != have else ''} (its quantization_config); leave "
+                         "--quantization unset to take the checkpoint's")

@@ -1,0 +1,202 @@
+"""FP8 weights (E4M3, `torch.float8_e4m3fn`): the formats read, the quantizer that writes them, and the
+dequantizing reference every FP8 kernel is tested against.
+
+Three sources, one layer (`layers/fp8_linear.Fp8Linear`): a weight `[out, in]` in FP8 and a float32 scale
+per block of `block = (block_n, block_k)` weights, `w = q * scale[n // block_n, k // block_k]`.
+
+- Quantized at load (`--quantization fp8` on a plain checkpoint): per output channel, block `(1, in)`,
+  scale `[out, 1]` = the row's absmax / 448, named `weight_scale`.
+- compressed-tensors (`quant_method: compressed-tensors`, one config group whose weights are
+  `{num_bits: 8, type: float, strategy: channel}`): the same layout as stored, `*.weight_scale` [out, 1].
+  Its activations are dynamic per token (or absent); static activation scales are refused.
+- Qwen's block-wise format (`quant_method: fp8`, `fmt: e4m3`, `activation_scheme: dynamic`,
+  `weight_block_size: [128, 128]`): `*.weight_scale_inv` [ceil(out/128), ceil(in/128)], which multiplies
+  the stored weight (the name notwithstanding).
+
+Block scales are kept as stored and used by the kernels directly, not converted to per-channel scales at
+load: a conversion re-rounds every weight whose block scale differs from its row's (a second FP8 rounding,
+about doubling the error variance), and the few-row kernel applies a block scale per 128-column step at
+no measurable cost. Large batches of a block-wise model dequantize the layer and run the bf16 product
+(`layers/backend.py`); per-channel models run FP8 tensor-core products there.
+
+The head and the embedding stay in the model dtype: the embedding is a gather (one row per token, no
+bandwidth to save), the head is tied to it in the Qwen3 models this serves, and every published FP8
+checkpoint of these models keeps `lm_head` unquantized (an FP8 head would move the logits themselves).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)         # 448
+METHODS = ("fp8", "compressed-tensors")        # the quant_method values of FP8 checkpoints
+SUPPORTED_BLOCKS = ((128, 128),)
+# the decoder's linear layers, by their checkpoint names; everything else stays in the model dtype
+QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 weights. `weight_block_size` None: one scale per output channel; else (block_n, block_k).
+    `checkpoint_format`: the quant_method they were stored as, or None when quantized at load."""
+    weight_block_size: tuple[int, int] | None = None
+    checkpoint_format: str | None = None
+    method: str = "fp8"
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale" if self.weight_block_size is None else "weight_scale_inv"
+
+    def block(self, in_features: int) -> tuple[int, int]:
+        return (1, in_features) if self.weight_block_size is None else self.weight_block_size
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
+        bn, bk = self.block(in_features)
+        return -(-out_features // bn), -(-in_features // bk)
+
+
+def parse_fp8_config(qc: dict) -> Fp8Config:
+    """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 checkpoint with fmt={qc.get('fmt')!r} is not supported; supported: e4m3")
+        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+        if scheme != "dynamic":
+            raise ValueError(f"fp8 checkpoint with activation_scheme={qc.get('activation_scheme')!r} is not "
+                             "supported; supported: dynamic")
+        block = qc.get("weight_block_size")
+        if block is None or tuple(block) not in SUPPORTED_BLOCKS:
+            raise ValueError(f"fp8 checkpoint with weight_block_size={block!r} is not supported; supported: "
+                             f"{', '.join(str(list(b)) for b in SUPPORTED_BLOCKS)}")
+        _check_ignored(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), "fp8")
+        return Fp8Config(tuple(block), "fp8")
+    if method != "compressed-tensors":
+        raise ValueError(f"quant_method {qc.get('quant_method')!r} is not an FP8 format; supported: "
+                         f"{', '.join(METHODS)}")
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors checkpoint with format={fmt!r} is not supported; supported: "
+                         "float-quantized")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config_groups is not supported; "
+                         "supported: one group for every Linear")
+    (name, group), = groups.items()
+    targets = group.get("targets") or []
+    if list(targets) != ["Linear"]:
+        raise ValueError(f"compressed-tensors group {name!r} with targets={targets!r} is not supported; "
+                         "supported: ['Linear']")
+    w = group.get("weights") or {}
+    got = (w.get("num_bits"), str(w.get("type")).lower(), str(w.get("strategy")).lower())
+    if got != (8, "float", "channel"):
+        raise ValueError(f"compressed-tensors weights num_bits={w.get('num_bits')!r} type={w.get('type')!r} "
+                         f"strategy={w.get('strategy')!r} are not supported; supported: num_bits=8 "
+                         "type='float' strategy='channel'")
+    if not w.get("symmetric", True) or w.get("dynamic", False):
+        raise ValueError("compressed-tensors weights with symmetric=false or dynamic=true are not supported; "
+                         "supported: static symmetric scales")
+    act = group.get("input_activations")
+    if act is not None and not act.get("dynamic", False):
+        raise ValueError(f"compressed-tensors input_activations with dynamic=false (static scales, strategy="
+                         f"{act.get('strategy')!r}) are not supported; supported: dynamic per-token or none")
+    _check_ignored([m for m in qc.get("ignore") or [] if m != "lm_head"], "compressed-tensors")
+    return Fp8Config(None, "compressed-tensors")
+
+
+def _check_ignored(modules, method: str) -> None:
+    if modules:
+        raise ValueError(f"{method} checkpoint leaving {list(modules)[:4]!r} unquantized is not supported; "
+                         "supported: every decoder linear layer in FP8 (the head may be left out)")
+
+
+def check_device(device: torch.device) -> None:
+    """FP8 tensor cores and conversions need sm89 (Ada) or newer."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 (sm89) or newer; "
+                             f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}")
+
+
+# ---- quantizer and reference ---------------------------------------------------------------------------
+def quantize(w: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (FP8 weight, float32 scale) by round to nearest: per output channel (scale [out, 1])
+    with `block` None, else one scale per (block_n, block_k) tile, a partial last tile included."""
+    w = w.float()
+    n, k = w.shape
+    bn, bk = block or (1, k)
+    pn, pk = -(-n // bn) * bn, -(-k // bk) * bk
+    tiles = torch.nn.functional.pad(w, (0, pk - k, 0, pn - n)).view(pn // bn, bn, pk // bk, bk)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(pn, pk)[:n, :k]
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The weight [out, in] in float32: q * scale of its block. Builds no tensor from host data, so it
+    runs inside a CUDA-graph capture."""
+    n, k = q.shape
+    s = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return q.float() * s
+
+
+def quantization_config(fmt: str) -> dict:
+    """The config.json `quantization_config` of a checkpoint written as `fmt` ("fp8": Qwen's block-wise
+    format, "compressed-tensors": per channel)."""
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}}}
+
+
+def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, fmt: str) -> None:
+    """A plain checkpoint (`state`, `hf_config`) quantized into `fmt`'s on-disk layout: every decoder
+    linear weight as FP8 with its scale tensor, everything else (norms, biases, embedding, head) as is."""
+    from safetensors.torch import save_file
+    block = (128, 128) if fmt == "fp8" else None
+    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    out = {}
+    for key, t in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
+            out[key], out[f"{prefix}.{scale_name}"] = quantize(t, block)
+        else:
+            out[key] = t.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(dict(hf_config, quantization_config=quantization_config(fmt)), f, indent=1)
+
+
+def quantize_at_load(tensors):
+    """A plain checkpoint's `(key, read)` stream with every decoder linear weight quantized per output
+    channel: `X.weight` becomes its FP8 values and `X.weight_scale` its scales, each read (and quantized)
+    once when the loader first asks for either. Rows are independent, so q/k/v and gate/up shards quantize
+    apart and pack as stored ones do."""
+    for key, read in tensors:
+        prefix, _, leaf = key.rpartition(".")
+        if leaf != "weight" or prefix.rpartition(".")[2] not in QUANTIZED_LAYERS:
+            yield key, read
+            continue
+        parts: list = []
+
+        def part(i: int, read=read, parts=parts) -> torch.Tensor:
+            if not parts:
+                parts.extend(quantize(read()))
+            return parts[i]
+        yield key, lambda part=part: part(0)
+        yield f"{prefix}.weight_scale", lambda part=part: part(1)
