@@ -308,7 +308,7 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
     for pattern in (r"INFO tokenmill\.engine: model \S+: Qwen3ForCausalLM, dtype float32, device cpu, "
                     r"max_model_len 512",
                     r"INFO tokenmill\.engine: weights: [\d.]+ MiB \([\d.]+M parameters\), loaded in [\d.]+ s",
-                    r"INFO tokenmill\.engine: KV cache: 64 blocks of 16 tokens, [\d.]+ MiB, 1,024 tokens; "
+                    r"INFO tokenmill\.engine: KV cache: 64 blocks of 16 tokens in float32, [\d.]+ MiB, 1,024 tokens; "
                     r"maximum concurrency for 512 tokens per request: 2\.00x",
                     r"INFO tokenmill\.engine: CUDA graphs: off \(device cpu\)",
                     r"INFO tokenmill\.engine: engine ready in [\d.]+ s",

@@ -6,7 +6,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.cli_help import HelpFormatter
-from tokenmill.config import EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def package_version() -> str:
@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="the checkpoint's weight format (default: read from its config.json's "
                         "quantization_config; given, it must match); fp8 on a plain checkpoint quantizes "
                         "its linear layers to FP8 E4M3 at load")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, half the bytes per token)")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory for weights, activations and the KV cache")
@@ -86,7 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser):
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

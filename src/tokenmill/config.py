@@ -24,6 +24,9 @@ _DTYPES = {
 }
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
     if value is None:
         return default
@@ -200,6 +203,9 @@ class EngineConfig:
     # (quantization_config in config.json); "awq" / "gptq" / "fp8" must match it, and "fp8" on a plain
     # checkpoint quantizes its linear layers at load (quant/fp8.py)
     quantization: str | None = None
+    # the KV cache's element type, as vLLM's --kv-cache-dtype: "auto" (the model dtype) or "fp8" (alias
+    # "fp8_e4m3": E4M3 with per-layer scales, layers/attention.py)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -236,6 +242,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
                              f"{', '.join(QUANTIZATION_METHODS)} (or None: the checkpoint's own)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -278,3 +287,6 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return model_config.dtype if model_config.dtype != torch.float32 else torch.bfloat16
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn

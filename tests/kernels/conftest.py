@@ -32,3 +32,25 @@ if not torch.cuda.is_available():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patched
+
+    # The interpreter's float conversion rounds a mantissa up without carrying into the exponent (E4M3
+    # 1.97 -> 1.0, where the GPU gives 2.0); conversions to or from E4M3 go through torch's, which round to
+    # nearest even as the GPU's cvt does.
+    import numpy as np
+    import triton.language as tl
+
+    _convert_float = interpreter._convert_float
+    _torch_float = {tl.float32: (np.float32, torch.float32), tl.float16: (np.float16, torch.float16),
+                    tl.bfloat16: (np.int16, torch.bfloat16), tl.float8e4nv: (np.uint8, torch.float8_e4m3fn)}
+
+    def _convert_float_e4m3(input, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype) or input_dtype not in _torch_float \
+                or output_dtype not in _torch_float:
+            return _convert_float(input, input_dtype, output_dtype, rounding_mode)
+        raw, src = _torch_float[input_dtype]
+        bits = getattr(np, f"uint{output_dtype.primitive_bitwidth}")
+        x = torch.from_numpy(np.ascontiguousarray(input).view(raw)).view(src)
+        return x.to(_torch_float[output_dtype][1]).view(getattr(torch, f"uint{output_dtype.primitive_bitwidth}")
+                                                        ).numpy().view(bits).reshape(input.shape)
+
+    interpreter._convert_float = _convert_float_e4m3

@@ -49,8 +49,9 @@ def _tol(dtype):
 
 
 def _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slots,
-                        num_heads, num_kv_heads, head_dim):
-    """The unfused attention prologue: split, per-head RMSNorm, RoPE, KV-cache store."""
+                        num_heads, num_kv_heads, head_dim, kv_scale=None):
+    """The unfused attention prologue: split, per-head RMSNorm, RoPE, KV-cache store (quantized with
+    `kv_scale` into an FP8 cache)."""
     num_tokens = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.reshape(num_tokens, num_heads, head_dim)
@@ -61,5 +62,5 @@ def _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, eps, k_cach
         k, _ = rms_norm_torch(k, k_weight, eps)
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
-    store_kvcache_torch(k, v, k_cache, v_cache, slots)
+    store_kvcache_torch(k, v, k_cache, v_cache, slots, kv_scale)
     return q

@@ -112,7 +112,7 @@ def test_qk_norm_rope_store_rejects_bad_inputs():
         call(k_weight=None)
     with pytest.raises(ValueError, match=r"q_weight must be torch.float32 \[16\]"):
         call(q_weight=torch.ones(8, device=DEVICE))
-    with pytest.raises(ValueError, match=r"k_cache must be torch.float32 \[num_blocks, block_size, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"k_cache must be torch.float32 or torch.float8_e4m3fn \[num_blocks, block_size, 2, 16\]"):
         call(k_cache=cache.half())
 
 @pytest.mark.gpu

@@ -52,7 +52,8 @@ def startup_lines(engine) -> list[str]:
         f"device {device}, max_model_len {engine.max_model_len}",
         f"weights: {format_bytes(weight_bytes)} ({num_params / 1e6:.1f}M parameters), "
         f"loaded in {runner.load_seconds:.1f} s",
-        f"KV cache: {runner.num_blocks} blocks of {cfg.block_size} tokens, {format_bytes(runner.kv_cache_bytes)}, "
+        f"KV cache: {runner.num_blocks} blocks of {cfg.block_size} tokens in "
+        f"{str(runner.kv_cache_dtype).replace('torch.', '')}, {format_bytes(runner.kv_cache_bytes)}, "
         f"{kv_tokens:,} tokens; maximum concurrency for {engine.max_model_len:,} tokens per request: "
         f"{runner.num_blocks / blocks_per_request:.2f}x",
         graphs,

@@ -4,6 +4,11 @@ Cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, 
 token slot `s` is block `s // block_size`, offset `s % block_size`. A slot of -1 is padding and is
 never written. A batch reaches the cache through `AttentionMetadata` (attention_metadata.py); the
 model's backend (backend.py) runs these references or the kernels.
+
+An FP8 cache (`--kv-cache-dtype fp8`) holds K / scale and V / scale in float8_e4m3fn, with `kv_scale` a
+float32 tensor [2] (K's scale, V's) of the layer; every reader multiplies back. Values beyond E4M3's
+range (+-448 after the division) saturate to +-448 instead of becoming NaN, which the plain cast would
+give on some versions. Caches in the model dtype have no scale (None).
 """
 from __future__ import annotations
 
@@ -11,22 +16,50 @@ import torch
 from torch import nn
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)      # 448
+
+
+def check_kv_scale(k_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """An FP8 cache comes with its float32 [2] scales, a cache in the model dtype without."""
+    if k_cache.dtype == FP8_KV_DTYPE:
+        if kv_scale is None or kv_scale.shape != (2,) or kv_scale.dtype != torch.float32:
+            got = None if kv_scale is None else f"{kv_scale.dtype} {tuple(kv_scale.shape)}"
+            raise ValueError(f"an {FP8_KV_DTYPE} KV cache needs kv_scale, float32 [2] (K, V), got {got}")
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale is for an {FP8_KV_DTYPE} cache; this cache is {k_cache.dtype}")
+
+
+def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in E4M3, saturated at +-448 (NaN stays NaN)."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        kv_scale: torch.Tensor | None = None) -> None:
+    check_kv_scale(k_cache, kv_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+    key, value = key[keep], value[keep]
+    if kv_scale is not None:
+        key, value = quantize_kv_torch(key, kv_scale[0]), quantize_kv_torch(value, kv_scale[1])
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32.
+                          query_start_loc: torch.Tensor, scale: float,
+                          kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32; an FP8
+    cache is dequantized (times `kv_scale`) to float32.
 
     Sequences with one query token (decodes) are attended together, padded to the longest context;
     a sequence with several (a prefill chunk) is attended on its own, so no step holds scores larger
     than one chunk's [Hq, q_len, context]."""
+    check_kv_scale(k_cache, kv_scale)
+    scales = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -34,25 +67,27 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if decodes:
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decodes], seq_lens[decodes],
-                                      max(lens[b] for b in decodes), scale)
+                                      max(lens[b] for b in decodes), scale, scales)
     for b, ctx in enumerate(lens):
         qs, qe = starts[b], starts[b + 1]
         if qe - qs > 1:
-            out[qs:qe] = _prefill_attention(q[qs:qe], k_cache, v_cache, block_tables[b], ctx, scale)
+            out[qs:qe] = _prefill_attention(q[qs:qe], k_cache, v_cache, block_tables[b], ctx, scale, scales)
     return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """[..., length, Hkv, D] in float32: the first `length` slots of the blocks listed in `blocks`."""
-    return cache[blocks.long()].flatten(-4, -3)[..., :length, :, :].float()
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """[..., length, Hkv, D] in float32: the first `length` slots of the blocks listed in `blocks`, times
+    `scale` when the cache is FP8."""
+    kv = cache[blocks.long()].flatten(-4, -3)[..., :length, :, :].float()
+    return kv if scale is None else kv * scale
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len: int, scale: float):
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len: int, scale: float, scales):
     """q [B, Hq, D], one query per sequence at its last position; contexts padded to `max_len`."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = block_tables[:, : (max_len + block_size - 1) // block_size]
-    k = _gather(k_cache, blocks, max_len)                           # [B, L, Hkv, D]
-    v = _gather(v_cache, blocks, max_len)
+    k = _gather(k_cache, blocks, max_len, scales[0])                # [B, L, Hkv, D]
+    v = _gather(v_cache, blocks, max_len, scales[1])
     qg = q.float().unflatten(1, (num_kv_heads, -1))                 # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
     pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]
@@ -61,11 +96,12 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len: int,
     return torch.einsum("bhgl,blhd->bhgd", probs, v).flatten(1, 2).to(q.dtype)
 
 
-def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float):
+def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float, scales):
     """q [Lq, Hq, D], the last Lq positions of a context of `ctx`, causal."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    k = _gather(k_cache, block_table[: (ctx + block_size - 1) // block_size], ctx)   # [ctx, Hkv, D]
-    v = _gather(v_cache, block_table[: (ctx + block_size - 1) // block_size], ctx)
+    blocks = block_table[: (ctx + block_size - 1) // block_size]
+    k = _gather(k_cache, blocks, ctx, scales[0])                    # [ctx, Hkv, D]
+    v = _gather(v_cache, blocks, ctx, scales[1])
     qg = q.float().unflatten(1, (num_kv_heads, -1))                 # [Lq, Hkv, G, D]
     scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale
     q_pos = torch.arange(ctx - q.shape[0], ctx, device=q.device)
@@ -83,3 +119,4 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
+        self.kv_scale: torch.Tensor | None = None     # float32 [2] (K, V) with an FP8 cache

@@ -36,9 +36,11 @@ class TorchBackend:
     def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                           num_heads: int, num_kv_heads: int, head_dim: int,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The attention prologue from the packed qkv [T, (Hq + 2 Hkv) D]: per-head q/k RMSNorm (weights
-        None: none), RoPE at `positions`, K/V stored at `slot_mapping`. Returns q [T, Hq, D]."""
+        None: none), RoPE at `positions`, K/V stored at `slot_mapping` (quantized with `kv_scale` into an
+        FP8 cache, attention.py). Returns q [T, Hq, D]."""
         t = qkv.shape[0]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q = q.view(t, num_heads, head_dim)
@@ -49,14 +51,14 @@ class TorchBackend:
             k, _ = rms_norm_torch(k.contiguous(), k_weight, eps)
         cos, sin = cos_sin[positions].chunk(2, dim=-1)
         q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
-        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping, kv_scale)
         return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D] over the paged cache, which already holds this step's K/V."""
         return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale)
+                                     scale, kv_scale)
 
     def single_token_linear(self, input_ids: torch.Tensor):
         """A `gemv.fused_linear`-like product when a step of these input ids runs its layers as
@@ -107,13 +109,14 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import fused_ops
         return fused_ops.silu_and_mul(x)
 
-    def qk_norm_rope_store(self, *args):
+    def qk_norm_rope_store(self, *args, **kwargs):
         from tokenmill.layers.kernels import fused_ops
-        return fused_ops.qk_norm_rope_store(*args)
+        return fused_ops.qk_norm_rope_store(*args, **kwargs)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
         from tokenmill.layers.kernels import paged_attention
-        return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention)
+        return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention,
+                                               kv_scale=kv_scale)
 
     def single_token_linear(self, input_ids):
         from tokenmill.layers.kernels import gemv

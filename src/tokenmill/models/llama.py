@@ -50,14 +50,14 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim)
+                                   self.head_dim, kv_scale=self.attn.kv_scale)
             return out.reshape(T, self.q_size)
         # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the cache
         q = self.backend.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                             self.attn.v_cache, meta.slot_mapping, self.num_heads,
-                                            self.num_kv_heads, self.head_dim)
-        return self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale).reshape(
-            T, self.q_size)
+                                            self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
+        return self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
+                                   kv_scale=self.attn.kv_scale).reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -160,15 +160,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor | None, kv_scales: torch.Tensor | None = None) -> None:
         """Layer i's attention reads and writes K in kv_cache[i, 0] and V in kv_cache[i, 1] (kv_cache:
-        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]); None unbinds them."""
+        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]), an FP8 cache with the scales
+        kv_scales[i] (float32 [num_layers, 2]); None unbinds them."""
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn.attn
             if kv_cache is None:
                 attn.k_cache = attn.v_cache = torch.empty(0)
+                attn.kv_scale = None
             else:          # plain views (not unbind's), which the cache stores write into in place
                 attn.k_cache, attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+                attn.kv_scale = None if kv_scales is None else kv_scales[i]
 
     def use_backend(self, backend: TorchBackend) -> None:
         """The implementation of each operation that the forward pass runs (`layers/backend.py`): every

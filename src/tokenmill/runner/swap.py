@@ -32,7 +32,8 @@ _CHUNK_BLOCKS = 32
 class SwapSpace:
     def __init__(self, kv_cache: torch.Tensor, num_blocks: int):
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
-        self.kv_cache = kv_cache
+        # copies move bytes: a one-byte (FP8) cache as uint8, which every indexing op takes on every device
+        self.kv_cache = kv_cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
         self.num_blocks = num_blocks
         self.cuda = kv_cache.is_cuda
         shape = (num_blocks, layers, two, block_size, heads, head_dim)

@@ -18,7 +18,9 @@ around almost no work, 36 times a step. Here one kernel does all three:
   dependent tile reads is the step's critical path at batch 1 (docs/BENCHMARKS.md).
 
 Numerics equal the three kernels up to summation order: q and k are rounded to the input dtype after the
-norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain).
+norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain). With an FP8
+cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
+the cached tokens do; K's scale is folded into the score scale and V's into the output's normalisation.
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
 counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
@@ -33,7 +35,8 @@ import triton.language as tl
 from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import _norm_rope_with, _norm_weights, check_prologue_inputs
+from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
+                                                load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
 
 MAX_SPLITS = 32
@@ -78,7 +81,10 @@ def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_st
 @triton.jit
 def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2,
                  DOT_PRECISION: tl.constexpr):
-    # one online-softmax step over a tile of cached positions (at least one valid), heads in halves
+    # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
+    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype)
+    k_lo, k_hi = k_lo.to(q1.dtype), k_hi.to(q1.dtype)
+    v_lo, v_hi = v_lo.to(q1.dtype), v_hi.to(q1.dtype)
     s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
     s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -94,7 +100,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 @triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
+                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -102,7 +108,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ASK_L2: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+                         ASK_L2: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -133,6 +140,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         # the wait, so no HBM read of theirs is left between the wait and the output
         qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
         kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+        scale_log2 = scale_log2 * k_scale
         if ASK_L2:
             _ask_l2(counter_ptr + b * NUM_KV_HEADS + kvh)
         pdl.enter(PDL)
@@ -146,6 +155,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)
+        # the new k and v as the cache holds them (E4M3 of k / scale with an FP8 cache)
+        k1, k2 = quantize_kv(k1, k_scale, FP8), quantize_kv(k2, k_scale, FP8)
+        v1, v2 = quantize_kv(v1, v_scale, FP8), quantize_kv(v2, v_scale, FP8)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (split == 0) & (slot >= 0):
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
@@ -154,6 +166,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             tl.store(k_cache_ptr + dst + HALF + hk * HEAD_DIM + dr[None, :], k2, mask=k_mask)
             tl.store(v_cache_ptr + dst + dr, v1, mask=d_mask)
             tl.store(v_cache_ptr + dst + HALF + dr, v2, mask=d_mask)
+        k1, k2 = k1.to(q1.dtype), k2.to(q1.dtype)
+        v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -188,7 +202,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         heads = kvh * GROUP + g
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
-        inv = 1.0 / tl.where(has, l_i, 1.0)
+        inv = v_scale / tl.where(has, l_i, 1.0)
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
             tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -247,14 +261,15 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
                            num_splits: int | None = None,
-                           config: DecodeAttentionConfig = SHIPPED) -> torch.Tensor:
+                           config: DecodeAttentionConfig = SHIPPED,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by `paged_decode_attention`
     over the cache; returns the attention output [B, Hq, D]. A sequence with seq_len 0 (a padded
-    CUDA-graph slot, slot -1) gets zeros."""
+    CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its `kv_scale` (attention.py)."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
-                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
     _check_tables(block_tables, seq_lens)
     devices = {t.device for t in (qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -290,7 +305,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, seq_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E,
+        kv_scale if kv_scale is not None else seq_lens, scale * _LOG2E,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
@@ -300,6 +315,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
-        PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg.num_warps, launch_pdl=pdl_on,
+        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg.num_warps, launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages)
     return out

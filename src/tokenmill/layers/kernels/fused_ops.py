@@ -4,6 +4,7 @@ prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv proj
 References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
 (rotary.py) and `store_kvcache_torch` (attention.py) for the prologue. Each kernel rounds intermediates
 to the input dtype where the reference does, so results match it to the last bit or one rounding step.
+An FP8 cache (attention.py) receives K / scale and V / scale saturated to E4M3 (`quantize_kv`).
 Inputs need a unit stride on the last dim only; token and head strides are free, so views split from
 the packed qkv projection work as they are.
 """
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scale
 from tokenmill.layers.kernels import pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -176,13 +178,36 @@ def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
     return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
 
 
+FP8_MAX = tl.constexpr(FP8_KV_MAX)
+
+
+@triton.jit
+def quantize_kv(x, scale, FP8: tl.constexpr):
+    # with FP8: x / scale clamped to E4M3's range, then rounded to it (the cast alone may give NaN);
+    # else x unchanged
+    if FP8:
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        return y.to(tl.float8e4nv)
+    else:
+        return x
+
+
+@triton.jit
+def load_kv_scales(kv_scale_ptr, FP8: tl.constexpr):
+    # the layer's (K, V) scales of an FP8 cache; 1.0 for a cache in the model dtype
+    if FP8:
+        return tl.load(kv_scale_ptr), tl.load(kv_scale_ptr + 1)
+    else:
+        return 1.0, 1.0
+
+
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
-                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qkv_stride_t, cs_stride,
+                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr, qkv_stride_t, cs_stride,
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               PDL: tl.constexpr):
+                               FP8: tl.constexpr, PDL: tl.constexpr):
     # one program per token; the row is [q heads | k heads | v heads], each head 2 * HALF wide
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -206,17 +231,19 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
                                      BLOCK_HALF, HAS_NORM)
         hkv = tl.arange(0, BLOCK_HKV)[:, None]
         dst = slot * (NUM_KV_HEADS * 2 * HALF) + hkv * (2 * HALF) + d
-        tl.store(k_cache_ptr + dst, k1, mask=kv_mask)
-        tl.store(k_cache_ptr + dst + HALF, k2, mask=kv_mask)
+        k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+        tl.store(k_cache_ptr + dst, quantize_kv(k1, k_scale, FP8), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, quantize_kv(k2, k_scale, FP8), mask=kv_mask)
         v_src = k_src + NUM_KV_HEADS * 2 * HALF + hkv * (2 * HALF) + d
-        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + dst, quantize_kv(tl.load(v_src, mask=kv_mask), v_scale, FP8), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, quantize_kv(tl.load(v_src + HALF, mask=kv_mask), v_scale, FP8),
+                 mask=kv_mask)
 
 
 def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                          num_kv_heads: int, head_dim: int) -> None:
+                          num_kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None) -> None:
     """The checks of `qk_norm_rope_store`'s inputs, shared by the kernels that start from a packed qkv;
     errors name the calling function."""
     _check_dtype(f"{name} qkv", qkv)
@@ -247,24 +274,30 @@ def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor,
             raise ValueError(f"{name}: {arg} must be {qkv.dtype} [{head_dim}] with unit "
                              f"stride, got {w.dtype} {tuple(w.shape)}")
     for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.dtype != qkv.dtype:
-            raise ValueError(f"{name}: {arg} must be {qkv.dtype} [num_blocks, block_size, "
+        if (cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim)
+                or cache.dtype not in (qkv.dtype, FP8_KV_DTYPE) or cache.dtype != k_cache.dtype):
+            raise ValueError(f"{name}: {arg} must be {qkv.dtype} or {FP8_KV_DTYPE} [num_blocks, block_size, "
                              f"{num_kv_heads}, {head_dim}], got {cache.dtype} {tuple(cache.shape)}")
         if not cache.is_contiguous():
             raise ValueError(f"{name}: {arg} must be contiguous")
+    check_kv_scale(k_cache, kv_scale)
+    if kv_scale is not None and (kv_scale.device != k_cache.device or not kv_scale.is_contiguous()):
+        raise ValueError(f"{name}: kv_scale must be contiguous on the cache's device {k_cache.device}")
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, head_dim: int,
+                       kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The attention prologue in one kernel. qkv [T, (Hq + 2 * Hkv) * D] is the packed projection
     output (row stride free, unit last stride). Per token: q and k heads get RMSNorm with q_weight /
     k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin [max_pos, D] float32,
     cos | sin); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
-    slot_mapping[t] (slots < 0 are skipped). Returns q as a new contiguous [T, Hq, D]."""
+    slot_mapping[t] (slots < 0 are skipped), quantized with `kv_scale` into an FP8 cache. Returns q as a
+    new contiguous [T, Hq, D]."""
     check_prologue_inputs("qk_norm_rope_store", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
-                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -274,9 +307,11 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
     pdl_on = pdl.enabled(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
-        eps, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos_sin.stride(0),
+        eps, q, k_cache, v_cache, slot_mapping, kv_scale if kv_scale is not None else cos_sin,
+        qkv.stride(0), cos_sin.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, PDL=pdl_on,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, FP8=kv_scale is not None,
+        PDL=pdl_on,
         num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=pdl_on)
     return q

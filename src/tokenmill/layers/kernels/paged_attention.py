@@ -8,6 +8,8 @@ attention_metadata.py.
 Every kernel reaches the cache token by token through the block table (page = block_table[n // block_size]),
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
+An FP8 cache (attention.py) is read as E4M3 and widened to q's dtype (exact) for the products; K's scale
+is folded into the score scale and V's applied to the output once, so a tile costs no multiply more.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import PrefillAttentionConfig
+from tokenmill.layers.kernels.fused_ops import load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -35,8 +39,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(v_cache.shape)} {v_cache.dtype} must match")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.dtype not in _DTYPES:
-        raise TypeError(f"unsupported cache dtype {k_cache.dtype}; supported: {_DTYPES}")
+    if k_cache.dtype not in _DTYPES + (FP8_KV_DTYPE,):
+        raise TypeError(f"unsupported cache dtype {k_cache.dtype}; supported: {_DTYPES + (FP8_KV_DTYPE,)}")
 
 
 @lru_cache(maxsize=None)
@@ -59,18 +63,19 @@ def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
         raise ValueError("seq_lens must be contiguous")
 
 
-def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale=None) -> None:
     _check_cache(k_cache, v_cache)
+    check_kv_scale(k_cache, kv_scale)
     _, _, num_kv_heads, head_dim = k_cache.shape
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"q must be [T, Hq, {head_dim}] with Hq a multiple of {num_kv_heads} kv heads, "
                          f"got {tuple(q.shape)}")
     if q.stride(2) != 1:
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}")
-    if q.dtype != k_cache.dtype:
+    if k_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
         raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     _check_tables(block_tables, seq_lens)
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, kv_scale) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
@@ -82,12 +87,12 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None
 # longest sequence): neither is specialised, so one compiled variant serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "tiles_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, tiles_ptr, out_ptr, scale_log2,
+                    query_start_loc_ptr, tiles_ptr, out_ptr, kv_scale_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h. Query i of the sequence sits at
     # position ctx - q_len + i and sees cached positions <= its own. With USE_TILES, program p takes
     # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
@@ -111,6 +116,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         rows = (q_start + i).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * q_stride_t + h * q_stride_h + d[None, :],
                     mask=q_mask[:, None] & d_mask[None, :], other=0.0)
+        k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+        scale_log2 = scale_log2 * k_scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,13 +131,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             n = n0 + tl.arange(0, BLOCK_N)
             page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         for n0 in range(full_end, hi, BLOCK_N):
@@ -139,18 +146,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
 
@@ -159,12 +166,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             config: PrefillAttentionConfig = SHIPPED,
-                            tiles: torch.Tensor | None = None) -> torch.Tensor:
+                            tiles: torch.Tensor | None = None,
+                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid, or, when
     `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M = PREFILL_BLOCK_M) is given, the grid has
-    one program per tile and head, which keeps a CUDA graph padded to many sequences cheap."""
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    one program per tile and head, which keeps a CUDA graph padded to many sequences cheap. An FP8
+    cache comes with its `kv_scale` (attention.py)."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got "
@@ -188,21 +197,25 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         grid = (triton.cdiv(max_query_len, cfg.block_m), num_q_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        tiles if tiles is not None else query_start_loc, out, scale * _LOG2E,
+        tiles if tiles is not None else query_start_loc, out, kv_scale if kv_scale is not None else seq_lens,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tiles.stride(0) if tiles is not None else 0,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        USE_TILES=tiles is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_TILES=tiles is not None, FP8=kv_scale is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
+                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
     the prefill kernel, which also serves decode rows beside prefill chunks (pure-decode steps run
     `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles)
+                                   meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles,
+                                   kv_scale=kv_scale)

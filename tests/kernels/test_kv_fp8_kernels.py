@@ -1,0 +1,205 @@
+"""The KV-cache writers and readers with an FP8 (E4M3) cache and non-unit per-layer scales, against the
+references of attention.py (`store_kvcache_torch` / `paged_attention_torch` with `kv_scale`).
+
+Readers get a cache quantized by torch, so both sides read the same bytes; stores must give torch's
+bytes (round to nearest even, as the GPU's cvt; conftest.py gives the interpreter that rounding), up to
+one E4M3 step on the CPU where float32 rounding of k before the division can differ.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_testing import DEVICE, HAS_CUDA, HALF, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
+from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
+from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernels import decode_attention as da
+from tokenmill.layers.kernels import fused_ops as ops
+from tokenmill.layers.kernels import paged_attention as pa
+from tokenmill.layers.rotary import RotaryEmbedding
+
+# K's scale small enough that the largest |k| / scale pass 448 and saturate; V's a plain power of two
+KV_SCALE = (0.002, 0.25)
+
+
+def _scales(k=KV_SCALE[0], v=KV_SCALE[1]):
+    return torch.tensor([k, v], dtype=torch.float32, device=DEVICE)
+
+
+def _fp8_cache(k_cache, v_cache, kv_scale):
+    return quantize_kv_torch(k_cache, kv_scale[0]), quantize_kv_torch(v_cache, kv_scale[1])
+
+
+def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal on the GPU; on the CPU within one E4M3 step (1/8 relative, 2^-9 near zero) and mostly equal."""
+    assert out.dtype == ref.dtype == FP8_KV_DTYPE
+    o, r = out.float(), ref.float()
+    assert not o.isnan().any()
+    if HAS_CUDA:
+        assert torch.equal(o, r)
+    else:
+        torch.testing.assert_close(o, r, rtol=0.125, atol=2 ** -9)
+        assert (o == r).float().mean() > 0.9
+
+
+def test_quantize_saturates_instead_of_nan():
+    x = torch.tensor([1e4, -1e4, 448.0, 3.0, 0.0])
+    q = quantize_kv_torch(x, torch.tensor(1.0))
+    assert q.float().tolist() == [448.0, -448.0, 448.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,qk_norm", [
+    (4, 2, 16, 4, torch.float32, True),
+    (5, 1, 32, 1, HALF, False),
+])
+def test_qk_norm_rope_store_into_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm):
+    gen = _gen(41)
+    num_tokens, num_blocks = 7, -(-10 // block_size)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    qkv = 2 * _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[3] = -1
+    slots = slots.to(DEVICE)
+    weights = [_randn(head_dim, dtype=dtype, gen=gen) if qk_norm else None for _ in range(2)]
+    poison = 80.0                 # what untouched slots keep (an E4M3 value)
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), poison, device=DEVICE).to(FP8_KV_DTYPE)
+              for _ in range(4)]
+    kv_scale = _scales()
+    ref_q = _prologue_reference(qkv, positions, rope.cos_sin, *weights, 1e-6, caches[0], caches[1], slots,
+                                num_heads, num_kv_heads, head_dim, kv_scale)
+    q = ops.qk_norm_rope_store(qkv, positions, rope.cos_sin, *weights, 1e-6, caches[2], caches[3], slots,
+                               num_heads, num_kv_heads, head_dim, kv_scale=kv_scale)
+    torch.testing.assert_close(q, ref_q, rtol=_tol(dtype), atol=_tol(dtype))
+    _assert_fp8_close(caches[2], caches[0])
+    _assert_fp8_close(caches[3], caches[1])
+    assert caches[2].float().abs().max() == 448.0          # some k / scale saturated
+    written = caches[2].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]]
+    assert (written.float() != poison).any()
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert torch.all(caches[3].view(-1, num_kv_heads, head_dim)[untouched].float() == poison)
+
+
+@pytest.mark.parametrize("group,block_size,dtype", [(5, 16, torch.float32), (4, 4, HALF)])
+def test_prefill_attention_over_fp8_cache(group, block_size, dtype):
+    gen = _gen(43)
+    num_kv_heads, head_dim = 2, 16
+    q_lens, seq_lens = [5, 1, 23, 17], [5, 40, 30, 17]
+    k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    kv_scale = _scales(0.01, 0.25)
+    k8, v8 = _fp8_cache(k_cache, v_cache, kv_scale)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    ref = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, kv_scale)
+    out = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 0.3,
+                                     config=PrefillAttentionConfig(16, 16, 4, 1), kv_scale=kv_scale)
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    # the scales are applied: the same bytes read as if their scale were 1 give another result
+    plain = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, _scales(1.0, 1.0))
+    assert (plain - ref).abs().max() > 0.1
+
+
+def _check_fused_decode_fp8(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
+                            num_splits, config, tol):
+    batch = len(seq_lens)
+    k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    kv_scale = _scales(0.02, 0.25)
+    k8, v8 = _fp8_cache(k_cache, v_cache, kv_scale)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = (ctx - 1).clamp(min=0).long()
+    pages = table.long().gather(1, (positions // block_size)[:, None])[:, 0]
+    slots = torch.where(ctx > 0, pages * block_size + positions % block_size, -1)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).to(DEVICE)
+    qkv = _randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    weights = [_randn(head_dim, dtype=dtype, gen=gen) if qk_norm else None for _ in range(2)]
+    ref_k, ref_v = k8.clone(), v8.clone()
+    q = _prologue_reference(qkv, positions, rope.cos_sin, *weights, 1e-6, ref_k, ref_v, slots, num_heads,
+                            num_kv_heads, head_dim, kv_scale)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5, kv_scale)
+    out = da.fused_decode_attention(qkv, positions, rope.cos_sin, *weights, 1e-6, k8, v8, slots, table, ctx,
+                                    head_dim ** -0.5, num_heads, num_kv_heads, head_dim, num_splits=num_splits,
+                                    config=config, kv_scale=kv_scale)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    _assert_fp8_close(k8, ref_k)
+    _assert_fp8_close(v8, ref_v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_decode_attention_over_fp8_cache(num_splits):
+    # one program per sequence, and several splits merged in the kernel; a padded slot (context 0)
+    _check_fused_decode_fp8(_gen(47), [1, 37, 0, 70, 16], 4, 2, 16, 4, torch.float32, True, num_splits,
+                            DecodeAttentionConfig(16, min_split_len=16), 1e-4)
+
+
+def test_fp8_cache_needs_its_scales():
+    k_cache, v_cache, table = _paged_cache([8], 4, 1, 16, torch.float32, _gen(5))
+    k8, v8 = _fp8_cache(k_cache, v_cache, _scales())
+    qsl = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    q = _randn(8, 2, 16)
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, 8, 0.3)
+    with pytest.raises(ValueError, match="kv_scale is for an torch.float8_e4m3fn cache"):
+        pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, 8, 0.3, kv_scale=_scales())
+
+
+def test_engine_fp8_cache_through_the_kernels(qwen3_dir):
+    """The engine with an FP8 cache whose attention runs the Triton prologue, prefill kernel and one-kernel
+    decode (interpreted on the CPU) gives the tokens of the torch reference over the same FP8 cache."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TorchBackend
+
+    class Kernels(TorchBackend):
+        def qk_norm_rope_store(self, *args, **kwargs):
+            return ops.qk_norm_rope_store(*args, **kwargs)
+
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
+            return pa.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale=kv_scale)
+
+        def decode_attention(self, input_ids, meta):
+            return da.fused_decode_attention if meta.is_pure_decode(input_ids.shape[0]) else None
+
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41, 9, 4], [12], [7, 7, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(backend=None):
+        llm = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, kv_cache_dtype="fp8")
+        assert llm.engine.runner.kv_cache.dtype == FP8_KV_DTYPE
+        if backend is not None:
+            llm.engine.runner.model.use_backend(backend)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert run(Kernels()) == run()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (20, 4)])
+def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
+    gen = _gen(53)
+    bf16 = torch.bfloat16
+    _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
+                            128, 16, bf16, num_q_heads == 32, None, da.SHIPPED, 2e-2)
+    _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, da.SHIPPED, 2e-2)
+    q_lens, seq_lens = [300, 1, 64, 700], [1300, 900, 64, 700]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.float32, gen)
+    kv_scale = _scales(0.05, 0.25)
+    k8, v8 = _fp8_cache(k_cache, v_cache, kv_scale)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), num_q_heads, 128, dtype=bf16, gen=gen)
+    ref = paged_attention_torch(q, k8, v8, table, ctx, qsl, 128 ** -0.5, kv_scale)
+    out = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 128 ** -0.5, kv_scale=kv_scale)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    rope = RotaryEmbedding(128, 4096, 1e6).to(DEVICE)
+    qkv = 4 * _randn(64, (num_q_heads + 2 * num_kv_heads) * 128, dtype=bf16, gen=gen)
+    slots = torch.randperm(k8.shape[0] * 16, generator=gen)[:64].to(DEVICE)
+    caches = [torch.zeros_like(k8) for _ in range(4)]
+    _prologue_reference(qkv, slots % 4096, rope.cos_sin, None, None, 1e-6, caches[0], caches[1], slots,
+                        num_q_heads, num_kv_heads, 128, kv_scale)
+    ops.qk_norm_rope_store(qkv, slots % 4096, rope.cos_sin, None, None, 1e-6, caches[2], caches[3], slots,
+                           num_q_heads, num_kv_heads, 128, kv_scale=kv_scale)
+    _assert_fp8_close(caches[2], caches[0])
+    _assert_fp8_close(caches[3], caches[1])
