@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# FP8 weights on one H200, from the repository root (about 4-5 minutes):
+#   tests   tests/test_fp8.py and tests/kernels/test_fp8_gemm.py with the gpu-marked tests (kernels compiled
+#           on the GPU: every fp8_linear path on qwen3-4b shapes, an FP8 model under CUDA graphs)
+#   bench   preset:qwen3-4b bf16, then --quantization fp8 (one process each): batch-1 decode ms/token and
+#           the default offline workload's output tok/s (scripts/device/bench_fp8.py)
+# The summary table is printed last and saved as $OUT/SUMMARY-fp8.md.
+#   OUT=/path STAGES="tests bench" bash scripts/device/bench_fp8.sh
+set -uo pipefail
+STAGES=${STAGES:-"tests bench"}
+source "$(dirname "$0")/env.sh"
+status=0
+: > "$OUT/SUMMARY-fp8.md"
+for stage in $STAGES; do
+  t0=$SECONDS
+  case $stage in
+    tests)
+      python -m pytest -q -m "gpu or not gpu" tests/kernels/test_fp8_gemm.py tests/test_fp8.py 2>&1 \
+        | tee "$OUT/fp8_gpu_tests.log" | tail -15
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      { echo "## tests (gpu included)"; echo; grep -E "passed|failed|error" "$OUT/fp8_gpu_tests.log" | tail -3
+        grep -E "^FAILED|^ERROR" "$OUT/fp8_gpu_tests.log" | head -10; echo; } >> "$OUT/SUMMARY-fp8.md" ;;
+    bench)
+      for q in none fp8; do
+        python scripts/device/bench_fp8.py run --quantization $q --out "$OUT" > "$OUT/fp8_bench_$q.log" 2>&1 \
+          || { status=1; tail -20 "$OUT/fp8_bench_$q.log"; { echo "bench $q failed:"; tail -5 "$OUT/fp8_bench_$q.log"; } >> "$OUT/SUMMARY-fp8.md"; }
+      done ;;
+  esac
+  echo "stage $stage: $((SECONDS - t0)) s"
+done
+echo
+python scripts/device/bench_fp8.py summary --out "$OUT" > /dev/null
+{ echo; echo "commit $TOKENMILL_GIT_COMMIT, stages \"$STAGES\", exit $status"; } >> "$OUT/SUMMARY-fp8.md"
+cat "$OUT/SUMMARY-fp8.md"
+exit $status
