@@ -150,6 +150,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return fp8_gemv(x, weight, scale, block, bias)
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
-        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias,
-                                out_dtype=x.dtype)
+        # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        return out if bias is None else out.add_(bias)
     return fp8_linear_torch(x, weight, scale, block, bias)
