@@ -3,6 +3,7 @@ tokens in the same bytes, outputs stay close to the model-dtype cache, swapped b
 and the real SmolLM2-135M keeps its perplexity (the kernels themselves: tests/kernels/test_kv_fp8_kernels.py)."""
 from __future__ import annotations
 
+import gc
 import math
 import random
 
@@ -140,11 +141,12 @@ def test_gpu_fp8_cache_with_cuda_graphs(qwen3_dir):
     seq = out[0].prompt_token_ids + out[0].outputs[0].token_ids
     ref, auto_blocks = engine_logprobs(auto, seq), auto.engine.runner.num_blocks
     del auto
+    gc.collect()
     torch.cuda.empty_cache()
     fp8 = run("fp8")
     runner = fp8.engine.runner
     assert runner.graphs and runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert 1.95 < runner.num_blocks / auto_blocks < 2.05
+    assert 1.9 < runner.num_blocks / auto_blocks < 2.1
     assert all(len(o.outputs[0].token_ids) == 24 for o in fp8.generate(_prompts(8), params))
     err = (engine_logprobs(fp8, seq) - ref).abs().max().item()
     print(f"GPU max |log p fp8 - log p auto|: {err:.4f}; blocks {runner.num_blocks} vs {auto_blocks}")

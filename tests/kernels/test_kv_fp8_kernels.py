@@ -3,14 +3,14 @@ references of attention.py (`store_kvcache_torch` / `paged_attention_torch` with
 
 Readers get a cache quantized by torch, so both sides read the same bytes; stores must give torch's
 bytes (round to nearest even, as the GPU's cvt; conftest.py gives the interpreter that rounding), up to
-one E4M3 step on the CPU where float32 rounding of k before the division can differ.
+one E4M3 step where k before the division differs by a rounding.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_testing import DEVICE, HAS_CUDA, HALF, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
+from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
 from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da
@@ -31,15 +31,13 @@ def _fp8_cache(k_cache, v_cache, kv_scale):
 
 
 def _assert_fp8_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Equal on the GPU; on the CPU within one E4M3 step (1/8 relative, 2^-9 near zero) and mostly equal."""
+    """Within one E4M3 step (1/8 relative, 2^-9 near zero) and mostly equal: k before its division can
+    differ from the reference's by one rounding of the input dtype, which moves E4M3 ties."""
     assert out.dtype == ref.dtype == FP8_KV_DTYPE
     o, r = out.float(), ref.float()
     assert not o.isnan().any()
-    if HAS_CUDA:
-        assert torch.equal(o, r)
-    else:
-        torch.testing.assert_close(o, r, rtol=0.125, atol=2 ** -9)
-        assert (o == r).float().mean() > 0.9
+    torch.testing.assert_close(o, r, rtol=0.125, atol=2 ** -9)
+    assert (o == r).float().mean() > 0.9
 
 
 def test_quantize_saturates_instead_of_nan():
