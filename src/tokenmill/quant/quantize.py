@@ -1,6 +1,6 @@
-"""A round-to-nearest quantizer (no calibration) that writes AWQ GEMM and GPTQ checkpoints in their exact
-on-disk layouts (see `w4.py` for the layout facts), so the loader and future kernels are tested on files
-shaped as the published ones."""
+"""Writes AWQ GEMM and GPTQ checkpoints in their exact on-disk layouts (see `w4.py` for the layout facts):
+weights rounded to nearest here, or grids found by a calibrated quantizer (`gptq.py`) packed as they are,
+so the loader and kernels are tested on files shaped as the published ones."""
 from __future__ import annotations
 
 import json
@@ -48,42 +48,53 @@ def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.reshape(out, g, group)
 
 
-def _round_asym(w: torch.Tensor, group: int, min_zero: int = 0):
-    """Per-group min/max grid: q in [0, 15], zero in [min_zero, 15]; returns q [in, out], zeros and
-    scales [groups, out] (scales rounded to fp16 first, as stored)."""
-    wg = _groups(w, group)
+def group_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit grid of each group of `wg` [..., group]: scales (float32 holding fp16 values, as stored)
+    and zeros [...]. Asymmetric: min/max with q in [0, 15] and zero in [min_zero, 15]; symmetric: zero 8
+    and scale 2 max|w| / 15, as GPTQ's sym=True."""
+    if sym:
+        scales = (2 * wg.abs().amax(-1) / 15).clamp(min=1e-6).half().float()
+        return scales, torch.full_like(scales, 8)
     lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
     scales = ((hi - lo) / 15).clamp(min=1e-6).half().float()
-    zeros = torch.round(-lo / scales).clamp(min_zero, 15)
+    return scales, torch.round(-lo / scales).clamp(min_zero, 15)
+
+
+def _round(w: torch.Tensor, group: int, sym: bool, min_zero: int = 0):
+    """Round to nearest on each group's grid; returns q [in, out], zeros and scales [groups, out]."""
+    wg = _groups(w, group)
+    scales, zeros = group_grid(wg, sym, min_zero)
     q = torch.round(wg / scales[..., None]) + zeros[..., None]
     q = q.clamp(0, 15).reshape(w.shape[0], -1)[:, :w.shape[1]]
     return q.t().to(torch.int32), zeros.t().to(torch.int32), scales.t().half()
 
 
-def _round_sym(w: torch.Tensor, group: int):
-    """Symmetric grid with zero 8: scale = 2 max|w| / 15, as GPTQ's sym=True."""
-    wg = _groups(w, group)
-    scales = (2 * wg.abs().amax(-1) / 15).clamp(min=1e-6).half().float()
-    q = (torch.round(wg / scales[..., None]) + 8).clamp(0, 15).reshape(w.shape[0], -1)[:, :w.shape[1]]
-    zeros = torch.full_like(scales, 8)
-    return q.t().to(torch.int32), zeros.t().to(torch.int32), scales.t().half()
+# A grid: q [in, out] int32 in [0, 15], zeros [groups, out] int32 and scales [groups, out] fp16, with
+# w[o, i] = (q[i, o] - zeros[g, o]) * scales[g, o] for g = i // group_size (as `_round` returns it).
+Grid = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def quantize_awq(w: torch.Tensor, group_size: int = 128) -> dict[str, torch.Tensor]:
-    """A Linear weight [out, in] -> AutoAWQ GEMM's qweight, qzeros and scales."""
+def quantize_awq(w: torch.Tensor, group_size: int = 128, grid: Grid | None = None) -> dict[str, torch.Tensor]:
+    """A Linear weight [out, in] -> AutoAWQ GEMM's qweight, qzeros and scales; `grid`: already quantized
+    (by a calibrated quantizer), only packed."""
     if w.shape[1] % group_size:
         raise ValueError(f"AWQ needs in_features ({w.shape[1]}) to be a multiple of group_size ({group_size})")
-    q, z, s = _round_asym(w, group_size)
+    q, z, s = grid if grid is not None else _round(w, group_size, sym=False)
     return {"qweight": pack_cols(q, AWQ_ORDER), "qzeros": pack_cols(z, AWQ_ORDER), "scales": s}
 
 
+def min_zero(method: str, checkpoint_format: str = "gptq") -> int:
+    """The least zero a format stores: GPTQ's v1 format ("gptq") stores zeros minus one, so an asymmetric
+    grid keeps zeros >= 1 there (a stored -1 would wrap to 15)."""
+    return 1 if method == "gptq" and checkpoint_format == "gptq" else 0
+
+
 def quantize_gptq(w: torch.Tensor, group_size: int = 128, sym: bool = True,
-                  checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
-    """A Linear weight [out, in] -> GPTQ's qweight, qzeros, scales and g_idx (no act-order). In the v1
-    format ("gptq") zeros are stored minus one, so the asymmetric grid keeps zeros >= 1 (a stored -1
-    would wrap to 15)."""
-    offset = 1 if checkpoint_format == "gptq" else 0
-    q, z, s = _round_sym(w, group_size) if sym else _round_asym(w, group_size, min_zero=offset)
+                  checkpoint_format: str = "gptq", grid: Grid | None = None) -> dict[str, torch.Tensor]:
+    """A Linear weight [out, in] -> GPTQ's qweight, qzeros, scales and g_idx (no act-order); `grid`:
+    already quantized (by a calibrated quantizer), only packed."""
+    offset = min_zero("gptq", checkpoint_format)
+    q, z, s = grid if grid is not None else _round(w, group_size, sym, min_zero=offset)
     g_idx = (torch.arange(w.shape[1]) // group_size).to(torch.int32)
     return {"qweight": pack_rows(q), "qzeros": pack_cols(z - offset), "scales": s, "g_idx": g_idx}
 
@@ -99,15 +110,19 @@ def quantization_config(method: str, group_size: int = 128, sym: bool = True,
 
 
 def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size: int = 128, sym: bool = True,
-                        checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+                        checkpoint_format: str = "gptq", grids: dict[str, Grid] | None = None
+                        ) -> dict[str, torch.Tensor]:
     """Hugging Face names in, the quantized checkpoint's tensors out: `*.{q,k,v,o,gate,up,down}_proj.weight`
-    become `.qweight/.qzeros/.scales` (GPTQ: and `.g_idx`), everything else is kept."""
+    become `.qweight/.qzeros/.scales` (GPTQ: and `.g_idx`), everything else is kept. `grids[key]`: that
+    weight's grid from a calibrated quantizer (`gptq.py`); a weight without one is rounded to nearest."""
     out = {}
+    grids = grids or {}
     for key, t in state.items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
-            parts = (quantize_awq(t, group_size) if method == "awq"
-                     else quantize_gptq(t, group_size, sym, checkpoint_format))
+            grid = grids.get(key)
+            parts = (quantize_awq(t, group_size, grid) if method == "awq"
+                     else quantize_gptq(t, group_size, sym, checkpoint_format, grid))
             out.update({f"{prefix}.{name}": v.contiguous() for name, v in parts.items()})
         else:
             out[key] = t.contiguous()
@@ -115,11 +130,13 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
 
 
 def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, method: str,
-                     group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq") -> None:
-    """Quantizes `state` and writes `model.safetensors` and `config.json` (with its quantization_config)."""
+                     group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
+                     grids: dict[str, Grid] | None = None) -> None:
+    """Quantizes `state` (with `grids` where given, see `quantize_state_dict`) and writes
+    `model.safetensors` and `config.json` (with its quantization_config)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format),
+    save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids),
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config = dict(hf_config, quantization_config=quantization_config(method, group_size, sym, checkpoint_format))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
