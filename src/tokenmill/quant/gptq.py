@@ -48,19 +48,19 @@ def clipped_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0, steps: int = 8,
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool = False,
-                  min_zero: int = 0, damp: float = 0.01, block_size: int = 128) -> Grid:
+                  min_zero: int = 0, damp: float = 0.01, block_size: int = 32) -> Grid:
     """Weights [B, out, in] and their inputs' Hessians [B, in, in] (any positive multiple of X^T X) -> B
     grids, stacked: q [B, in, out], zeros and scales [B, groups, out] (see `quantize.Grid`). `damp`: the
     fraction of H's mean diagonal added to its diagonal, which keeps H invertible (fewer samples than
     inputs, dead inputs) and the updates small."""
     batch, out_features, n = w.shape
     w = w.detach().float().clone()
-    h = hessian.detach().double().clone()
-    dead = h.diagonal(dim1=1, dim2=2) == 0             # an input never seen: its column cannot matter
-    h = h + torch.diag_embed(dead.double())
-    w = w * (~dead)[:, None, :]
+    h = hessian.detach().float().clone()
     diag = h.diagonal(dim1=1, dim2=2)
-    h = h + torch.diag_embed(damp * diag.mean(-1, keepdim=True).expand_as(diag))
+    dead = diag == 0                                   # an input never seen: its column cannot matter
+    diag[dead] = 1
+    w = w * (~dead)[:, None, :]
+    diag += damp * diag.mean(-1, keepdim=True)
 
     # static groups: every grid set from the weights before any update, so the columns can be taken in
     # the order of their inputs' energy (largest first: the loss they would leave is the largest) and
@@ -73,23 +73,30 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: 
     h = h.gather(1, perm[:, :, None].expand_as(h)).gather(2, perm[:, None, :].expand_as(h))
     col_groups = (perm // group_size)[:, None, :].expand(batch, out_features, n)
     s_cols, z_cols = scales.gather(2, col_groups), zeros.gather(2, col_groups)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    # U, upper with H^-1 = U^T U, without forming H^-1: the Cholesky factor of H in reversed order is
+    # an upper R with H = R R^T, and U = R^-1
+    r = torch.linalg.cholesky(h.flip(-1, -2)).flip(-1, -2)
+    u = torch.linalg.solve_triangular(r, torch.eye(n).expand_as(r), upper=True)
 
+    # input-major ([B, in, out]) so that a column is a contiguous row; small blocks keep the rank-one
+    # updates inside a block cheap, the rest of the update is one matrix product per block
+    w, s_cols, z_cols = (t.transpose(1, 2).contiguous() for t in (w, s_cols, z_cols))
     q = torch.empty_like(w)
     for b0 in range(0, n, block_size):
         b1 = min(b0 + block_size, n)
-        wb, ub = w[..., b0:b1], u[:, b0:b1, b0:b1]
+        wb, ub = w[:, b0:b1], u[:, b0:b1, b0:b1]
         err = torch.empty_like(wb)
         for i in range(b1 - b0):
-            s, z = s_cols[..., b0 + i], z_cols[..., b0 + i]
-            qi = (torch.round(wb[..., i] / s) + z).clamp_(0, 15)
-            q[..., b0 + i] = qi
-            e = (wb[..., i] - (qi - z) * s) / ub[:, i, i, None]
-            wb[..., i:] -= e[..., None] * ub[:, None, i, i:]
-            err[..., i] = e
-        w[..., b1:] -= err @ u[:, b0:b1, b1:]
-    q = torch.empty_like(q).scatter_(2, perm[:, None, :].expand_as(q), q)            # back to input order
-    return (q.transpose(1, 2).to(torch.int32).contiguous(), zeros.transpose(1, 2).to(torch.int32).contiguous(),
+            s, z = s_cols[:, b0 + i], z_cols[:, b0 + i]
+            qi = torch.round(wb[:, i] / s).add_(z).clamp_(0, 15)
+            q[:, b0 + i] = qi
+            e = err[:, i]
+            torch.sub(wb[:, i], (qi - z).mul_(s), out=e)
+            e.div_(ub[:, i, i, None])
+            wb[:, i + 1:] -= ub[:, i, i + 1:, None] * e[:, None, :]
+        w[:, b1:] -= u[:, b0:b1, b1:].transpose(1, 2) @ err
+    q = torch.empty_like(q).scatter_(1, perm[:, :, None].expand_as(q), q)            # back to input order
+    return (q.to(torch.int32), zeros.transpose(1, 2).to(torch.int32).contiguous(),
             scales.transpose(1, 2).half().contiguous())
 
 
