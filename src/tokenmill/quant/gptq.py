@@ -1,13 +1,19 @@
 """GPTQ (Frantar et al., 2022): 4-bit weights whose rounding error each layer's calibration inputs correct.
 
 For a linear layer y = W x with calibration inputs X [n, in], GPTQ minimises ||W X^T - Q X^T||^2 row by
-row. The loss's Hessian H = 2 X^T X is shared by every output row. Columns are quantized left to right;
-after column i the remaining columns absorb its error through H^-1: with U the upper Cholesky factor of
-H^-1, w[:, j] -= (w[:, i] - q[:, i]) / U[i, i] * U[i, j] for j > i. The update reaches the columns of the
-current block at once and the rest in one matrix product per block (the paper's lazy batch updates).
-A group's scale and zero are set, by min/max as in round to nearest, from its columns as they are when
-its first column is reached (already corrected for the columns before it). No act-order: columns in
-their own order, so a group is contiguous input rows (`g_idx = row // group_size`, as the loader wants).
+row. The loss's Hessian H = 2 X^T X is shared by every output row. Columns are quantized one at a time;
+after column i the columns not yet quantized absorb its error through H^-1: with U the upper Cholesky
+factor of H^-1, w[:, j] -= (w[:, i] - q[:, i]) / U[i, i] * U[i, j] for j after i. The update reaches the
+columns of the current block at once and the rest in one matrix product per block (the paper's lazy
+batch updates).
+
+Columns go in descending order of H's diagonal (their inputs' energy: the paper's act-order), with
+static groups: every group's scale and zero are set before any update, from the weights' own min/max
+shrunk by a clip search (`clipped_grid`). Groups therefore stay contiguous input rows, and the
+checkpoint is a plain one (`desc_act: false`, `g_idx = row // group_size`, as the loader wants); only
+the order of rounding differs. Measured on SmolLM2-135M (g128, held-out perplexity against the
+unquantized model): round to nearest +27%; GPTQ in input order with min/max grids set on the updated
+weights +29%; with act-order and static groups +21%; with the clip search as well +13-18%.
 
 `gptq_model` runs the calibration tokens through a float model layer by layer; each layer is quantized
 on inputs that come from the already quantized layers and sublayers before it, so later layers also
