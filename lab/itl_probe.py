@@ -21,7 +21,7 @@ def run_one(model: str, target: float | None, num: int, max_num_seqs: int) -> di
     import numpy as np
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.serve_datasets import mixed_chat_requests
+    from tokenmill.bench.datasets import random_requests
     from tokenmill.engine import scheduler as scheduler_mod
     from tokenmill.models.presets import resolve_model_path
 
@@ -37,13 +37,12 @@ def run_one(model: str, target: float | None, num: int, max_num_seqs: int) -> di
     scheduler_mod.Scheduler.observe_step = recording
 
     llm = LLM(resolve_model_path(model), max_num_seqs=max_num_seqs, target_itl_ms=target)
-    reqs = mixed_chat_requests(num, seed=0)
-    tok = llm.engine.tokenizer
-    limit = llm.engine.max_model_len
-    prompts = [tok.encode_chat([{"role": "user", "content": r.prompt}])[: limit - r.max_tokens - 1] for r in reqs]
+    # mixed-chat's shape in token ids: short chat prompts (50-1,000 characters), 100-300 tokens out
+    reqs = random_requests(num, (20, 300), (100, 300), llm.engine.model_config.vocab_size, seed=0)
+    prompts = [r.prompt_token_ids for r in reqs]
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))
     steps.clear()
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
