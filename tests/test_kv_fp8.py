@@ -58,13 +58,19 @@ def test_fp8_cache_logits_close_to_auto(qwen3_dir):
     out = _llm(qwen3_dir, "auto").generate([_prompts(1)[0]], SamplingParams(temperature=0, max_tokens=20,
                                                                              ignore_eos=True))
     seq = out[0].prompt_token_ids + out[0].outputs[0].token_ids
-    ref = engine_logprobs(_llm(qwen3_dir, "auto"), seq)
-    ours = engine_logprobs(_llm(qwen3_dir, "fp8"), seq)
+    _assert_close_distributions(engine_logprobs(_llm(qwen3_dir, "fp8"), seq),
+                                engine_logprobs(_llm(qwen3_dir, "auto"), seq), "float32")
+
+
+def _assert_close_distributions(ours: torch.Tensor, ref: torch.Tensor, ref_cache: str) -> None:
+    """Teacher-forced log-prob rows of the FP8 cache against the model-dtype cache's: L1 distance of the
+    distributions < 0.2 and > 0 (the cache really is rounded), mean |delta log p| < 0.1, and the same top-1
+    wherever the reference's margin is >= 0.3 nats (at least 10 such positions)."""
     l1 = (ours.exp() - ref.exp()).abs().sum(-1)
-    mean_err = (ours - ref).abs().mean().item()
-    print(f"FP8 against float32 cache over {len(seq) - 1} positions: L1 <= {l1.max():.4f}, "
-          f"mean |delta log p| {mean_err:.4f}")
-    assert 0 < l1.max() < 0.2 and mean_err < 0.1
+    err = (ours - ref).abs()
+    print(f"FP8 against {ref_cache} cache over {len(ref)} positions: L1 <= {l1.max():.4f}, mean |delta log p| "
+          f"{err.mean():.4f}, max {err.max():.4f}")
+    assert 0 < l1.max() < 0.2 and err.mean() < 0.1
     top2 = ref.topk(2, -1).values
     confident = top2[:, 0] - top2[:, 1] >= 0.3
     assert confident.sum() >= 10
@@ -130,7 +136,11 @@ def test_real_weights_fp8_cache_perplexity():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_cache_with_cuda_graphs(qwen3_dir):
     """On the GPU (Triton kernels, CUDA graphs, profile-sized cache): the FP8 cache holds twice the blocks
-    of the bfloat16 one, and teacher-forced log-probabilities stay within a bf16-sized bound of it."""
+    of the bfloat16 one, and its teacher-forced distributions are as close to the bfloat16 cache's as the
+    torch reference's are on the CPU. Measured there (bfloat16, this recipe, the sequence of each of the 8
+    prompts): L1 0.07-0.12, mean |delta log p| 0.038-0.062, every top-1 with a margin >= 0.3 nats kept (13-20
+    such positions); the max |delta log p| over every vocabulary entry is 0.29-0.50 (0.34 on the GPU), reached
+    at small-probability tokens, and bounds nothing useful (the bfloat16 cache against float32 alone: 0.12)."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def run(kv):
@@ -148,6 +158,5 @@ def test_gpu_fp8_cache_with_cuda_graphs(qwen3_dir):
     assert runner.graphs and runner.kv_cache.dtype == torch.float8_e4m3fn
     assert 1.9 < runner.num_blocks / auto_blocks < 2.1
     assert all(len(o.outputs[0].token_ids) == 24 for o in fp8.generate(_prompts(8), params))
-    err = (engine_logprobs(fp8, seq) - ref).abs().max().item()
-    print(f"GPU max |log p fp8 - log p auto|: {err:.4f}; blocks {runner.num_blocks} vs {auto_blocks}")
-    assert err < 0.1
+    print(f"blocks {runner.num_blocks} vs {auto_blocks}")
+    _assert_close_distributions(engine_logprobs(fp8, seq), ref, "bfloat16")

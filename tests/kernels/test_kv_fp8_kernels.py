@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
+from kernel_testing import DEVICE, HALF, HAS_CUDA, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
 from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da
@@ -144,6 +144,8 @@ def test_fp8_cache_needs_its_scales():
         pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, 8, 0.3, kv_scale=_scales())
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the engine runs these kernels over its FP8 cache itself "
+                                      "(tests/test_kv_fp8.py::test_gpu_fp8_cache_with_cuda_graphs)")
 def test_engine_fp8_cache_through_the_kernels(qwen3_dir):
     """The engine with an FP8 cache whose attention runs the Triton prologue, prefill kernel and one-kernel
     decode (interpreted on the CPU) gives the tokens of the torch reference over the same FP8 cache."""
