@@ -1,12 +1,13 @@
 """W4A16 kernels on the GPU machine: per-product microbenchmark, then batch-1 decode bf16 vs AWQ 4-bit.
 
-micro: each qwen3-4b linear shape at M = 1, 4, 16, 256: the bf16 product the engine runs (the
-single-token GEMV at M = 1, cuBLAS above) against `w4_gemm.w4_linear` with its shipped tile and the
-best of a few other tiles (so a better table can be shipped), each checked against the dequantized
-reference before it is timed. Times are CUDA-graph replays of 20 calls over enough weight copies that
+micro: each qwen3-4b linear shape at M = 1, 4, 8, 16, 256: the bf16 product the engine runs (the
+single-token GEMV at M = 1, cuBLAS above) against `w4_gemm.w4_linear` (the W4 GEMV up to 4 rows,
+dequantize + cuBLAS above), at up to 4 rows with its shipped tile and the best of a few other tiles
+(so a better table can be shipped), each checked against the dequantized reference before it is
+timed; at M = 256 also `w4_gemm.dequantize` alone against a copy of the bf16 weight. Times are CUDA-graph replays of 20 calls over enough weight copies that
 the weights come from HBM, not L2. GB/s counts the weight bytes read (4-bit: words, scales, zeros).
-"dequant+cuBLAS >=" is cuBLAS bf16 plus writing the bf16 weight at copy speed: the least a
-dequantize-then-cuBLAS path would cost.
+"dequant+cuBLAS >=" is cuBLAS bf16 plus writing the bf16 weight at copy speed: the least the
+dequantize-then-cuBLAS path can cost.
 
 decode: `preset:qwen3-4b` bf16, and the same weights quantized to AWQ 4-bit group 128 by
 `quant/quantize.py` (on the GPU) into /tmp; batch-1 ms per token of `LLM.generate` (32 tokens in, 128
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "kernels"))
 
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-ROWS = (1, 4, 16, 256)
+ROWS = (1, 4, 8, 16, 256)
 CALLS = 20
 
 
@@ -67,8 +68,6 @@ def micro(out_dir: str) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     gemv_tiles = [w4_gemm.W4GemvTile(*t) for t in ((2, 256, 4), (4, 256, 8), (8, 128, 4), (16, 64, 4),
                                                    (32, 32, 4), (64, 16, 8))]
-    gemm_tiles = [w4_gemm.W4GemmTile(*t) for t in ((16, 128, 16, 4, 3), (64, 64, 32, 4, 3), (128, 128, 16, 8, 3),
-                                                   (128, 256, 16, 8, 3))]
     rows = []
     for name, (n, k) in SHAPES.items():
         (qweight, scales, zeros), _ = _layer("awq", n, k, 128, 1)
@@ -87,7 +86,7 @@ def micro(out_dir: str) -> list[dict]:
                 bf16_us = graph_us([lambda w=w: gemv.fused_linear(x, w) for w in bf16s])
             else:
                 bf16_us = graph_us([lambda w=w: F.linear(x, w) for w in bf16s])
-            tiles = gemv_tiles if m <= w4_gemm.GEMV_ROWS else gemm_tiles
+            tiles = gemv_tiles if m <= w4_gemm.GEMV_ROWS else []
             results = {}
             for tile in [None, *tiles]:
                 try:
@@ -107,6 +106,9 @@ def micro(out_dir: str) -> list[dict]:
                        dequant_cublas_us_min=bf16_us + copy_us if m > 1 else None,
                        w4_gbs=w4_bytes / results["None"] / 1e3 if isinstance(results["None"], float) else None,
                        tiles=results)
+            if m == ROWS[-1]:          # the dequantize alone, against the copy of the same bf16 bytes
+                row["dequant_us"] = graph_us([lambda t=t: w4_gemm.dequantize(*t, 128, HALF) for t in w4s])
+                row["copy_us"] = copy_us
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tiles"}), flush=True)
         del w4s, bf16s
@@ -198,6 +200,12 @@ def summary(out_dir: str) -> str:
         bad = [(r["shape"], r["m"], t, v) for r in json.load(open(path)) for t, v in r["tiles"].items()
                if isinstance(v, str) and v.startswith("WRONG")]
         lines += ["", f"wrong results: {bad if bad else 'none'}", ""]
+        deq = [r for r in json.load(open(path)) if "dequant_us" in r]
+        if deq:
+            lines += ["| product | dequantize us | bf16 copy us | dequantize / copy |", "|---|---|---|---|"]
+            lines += [f"| {r['shape']} | {r['dequant_us']:.1f} | {r['copy_us']:.1f} | {r['dequant_us'] / r['copy_us']:.2f} |"
+                      for r in deq]
+            lines.append("")
     path = os.path.join(out_dir, "w4_decode.json")
     if os.path.isfile(path):
         lines += ["| model | batch-1 ms/token | graph replay ms | load s |", "|---|---|---|---|"]

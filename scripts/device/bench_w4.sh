@@ -2,7 +2,8 @@
 # W4A16 kernels on one H200, from the repository root (about 5 minutes):
 #   tests   the W4 kernel tests compiled on the GPU: the small cases in bfloat16 and the gpu-marked ones
 #           (qwen3-4b shapes, a CUDA graph)
-#   micro   each qwen3-4b product at M = 1, 4, 16, 256: bf16 (GEMV / cuBLAS) against the W4 kernels,
+#   micro   each qwen3-4b product at M = 1, 4, 8, 16, 256: bf16 (GEMV / cuBLAS) against the W4 path
+#           (GEMV up to 4 rows, dequantize + cuBLAS above; the dequantize alone against a bf16 copy),
 #           us and GB/s, checked against the dequantized reference first ($OUT/w4_micro.json)
 #   decode  batch-1 ms/token of preset:qwen3-4b bf16 and AWQ 4-bit g128 ($OUT/w4_decode.json)
 # The summary table is printed last and saved as $OUT/SUMMARY-w4.md.

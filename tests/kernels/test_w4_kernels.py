@@ -3,10 +3,12 @@ checkpoint layouts by our quantizer (AWQ GEMM and GPTQ) and repacked as the laye
 
 - The repack keeps every value: `dequantize_w4` of the repacked tensors equals `w4.dequantize` of the
   checkpoint's, bit for bit.
-- The GEMV (1-4 rows) and the GEMM (more rows) equal x @ W^T (+ bias) with W from `dequantize_w4`, for
-  group sizes 32/64/128, a partial last GPTQ group, row counts and N not multiples of the blocks, chunks
-  that span groups and a last chunk cut short.
-- `gpu`: qwen3-4b's products at M = 1, 4, 16, 256 in bfloat16, also inside a CUDA graph.
+- The GEMV (1-4 rows) equals x @ W^T (+ bias) with W from `dequantize_w4`, for group sizes 32/64/128, a
+  partial last GPTQ group, row counts and N not multiples of the blocks, chunks that span groups and a
+  last chunk cut short.
+- `dequantize` (the path above 4 rows) writes `dequantize_w4(...).to(dtype)` bit for bit, and the
+  product of more rows equals x @ W^T with W so rounded.
+- `gpu`: qwen3-4b's products at M = 1, 4, 16, 256 in bfloat16; two layers inside one CUDA graph.
 """
 from __future__ import annotations
 
@@ -82,16 +84,30 @@ def test_gemv_matches_dequantized_reference(method, m, n, k, group, bias, opts):
     _close(out.cpu(), _reference(x, qweight, scales, zeros, b, group, False).cpu(), HALF)
 
 
+@pytest.mark.parametrize("method,n,k,group,opts", [
+    ("awq", 40, 2048, 128, {}), ("gptq", 48, 80, 32, dict(sym=False)), ("gptq", 24, 160, 64, dict(fmt="gptq_v2")),
+    ("awq", 8, 192, 64, {})])
+def test_dequantize_equals_the_reference_bit_for_bit(method, n, k, group, opts):
+    # K = 2048 spans two column blocks; 80 and 160 (GPTQ partial groups) and 192 cut one short; N = 40
+    # and 24 are not multiples of the row block
+    from tokenmill.layers.kernels import w4_gemm
+    (qweight, scales, zeros), _ = _layer(method, n, k, group, 4, **opts)
+    ref = dequantize_w4(qweight, scales, zeros, group)
+    for dtype in (HALF, torch.float32):
+        w = w4_gemm.dequantize(qweight, scales, zeros, group, dtype)
+        assert w.dtype == dtype and w.shape == (n, k)
+        assert torch.equal(w, ref.to(dtype))
+
+
 @pytest.mark.parametrize("method,m,n,k,group,bias,opts", [
-    ("awq", 5, 40, 256, 128, True, {}), ("gptq", 19, 48, 80, 32, False, dict(sym=False)),
-    ("awq", 7, 24, 192, 64, False, {})])
-def test_gemm_matches_dequantized_reference(method, m, n, k, group, bias, opts):
+    ("awq", 5, 40, 256, 128, True, {}), ("gptq", 19, 48, 80, 32, False, dict(sym=False))])
+def test_more_rows_multiply_the_dequantized_weight(method, m, n, k, group, bias, opts):
     from tokenmill.layers.kernels import w4_gemm
     (qweight, scales, zeros), _ = _layer(method, n, k, group, 4, **opts)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=gen).to(HALF).to(DEVICE)
     b = (torch.randn(n, generator=gen) * 0.1).to(HALF).to(DEVICE) if bias else None
-    out = w4_gemm.w4_linear(x, qweight, scales, zeros, b, group, tile=w4_gemm.W4GemmTile(16, 16, 16, 4, 1))
+    out = w4_gemm.w4_linear(x, qweight, scales, zeros, b, group)
     _close(out.cpu(), _reference(x, qweight, scales, zeros, b, group, True).cpu(), HALF)
 
 
@@ -114,8 +130,8 @@ def test_shape_errors_name_the_tensor():
         w4_gemm.w4_linear(x[:, :32], qweight, scales, zeros, None, 32)
     with pytest.raises(ValueError, match="zeros"):
         w4_gemm.w4_linear(x, qweight, scales, zeros.to(torch.int32), None, 32)
-    with pytest.raises(TypeError, match="GEMV"):
-        w4_gemm.w4_linear(x, qweight, scales, zeros, None, 32, tile=w4_gemm.W4GemmTile(16, 16, 16, 4, 1))
+    with pytest.raises(TypeError, match="no tile"):
+        w4_gemm.w4_linear(x.expand(5, 64), qweight, scales, zeros, None, 32, tile=w4_gemm.W4GemvTile(8, 8, 4))
 
 
 QWEN3_4B = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]     # qkv, o, gate_up, down
@@ -138,17 +154,19 @@ def test_qwen3_4b_shapes_on_gpu(n, k, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 64])
 def test_gptq_with_bias_in_a_cuda_graph(m):
+    # two layers in one graph: above GEMV_ROWS each dequantizes into a scratch of the graph's pool
     from tokenmill.layers.kernels import w4_gemm
-    (qweight, scales, zeros), _ = _layer("gptq", 1024, 2560, 128, 11, sym=True)
+    layers = [_layer("gptq", 1024, 2560, 128, 11, sym=True)[0], _layer("awq", 2048, 2560, 128, 13)[0]]
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(m, 2560, generator=gen).to(torch.bfloat16).cuda()
-    b = torch.randn(1024, generator=gen).to(torch.bfloat16).cuda()
-    w4_gemm.w4_linear(x, qweight, scales, zeros, b, 128)        # compiled before the capture
+    biases = [torch.randn(n, generator=gen).to(torch.bfloat16).cuda() for n in (1024, 2048)]
+    for layer, b in zip(layers, biases):
+        w4_gemm.w4_linear(x, *layer, b, 128)        # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = w4_gemm.w4_linear(x, qweight, scales, zeros, b, 128)
+        outs = [w4_gemm.w4_linear(x, *layer, b, 128) for layer, b in zip(layers, biases)]
     x.copy_(torch.randn(m, 2560, generator=gen).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
-    ref = _reference(x, qweight, scales, zeros, b, 128, m > w4_gemm.GEMV_ROWS)
-    _close(out, ref, torch.bfloat16)
+    for out, layer, b in zip(outs, layers, biases):
+        _close(out, _reference(x, *layer, b, 128, m > w4_gemm.GEMV_ROWS), torch.bfloat16)

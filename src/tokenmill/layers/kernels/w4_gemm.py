@@ -12,16 +12,19 @@ speed): put into mantissa bits 16..19 of 1.0f it reads 1 + q/128, so per group a
 one shift, one and-or and one FMA per weight; both terms are near |x| in size, so nothing cancels
 catastrophically in float32.
 
-More rows (prefill, large batches): `_w4_gemm_kernel`, tiles of BLOCK_M x BLOCK_N, each chunk's
-weights dequantized to x's dtype (rounded as the reference rounds them) and multiplied on the tensor
-cores, one dot per nibble field: field i of a [BLOCK_N, BLOCK_W] word tile holds inputs 8j + i, so its
-dot takes x's columns 8j + i, and the eight dots cover the chunk's 8 BLOCK_W inputs.
+More rows (prefill, larger batches): `dequantize` writes W in x's dtype into a scratch with
+`_w4_dequant_kernel` (4-bit words in, 16-bit weights out, at copy speed) and cuBLAS multiplies it. A
+tensor-core GEMM that dequantizes each tile in registers reads fewer bytes, but it moves the nibbles
+into the MMA operand layouts tile by tile and stays far from this path's cost, which is cuBLAS's plus
+one write of the 16-bit weight. The product is exactly the torch reference's: W rounded to x's dtype,
+accumulated by cuBLAS.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -39,13 +42,14 @@ class W4GemvTile:
 
 
 @dataclass(frozen=True)
-class W4GemmTile:
-    """`_w4_gemm_kernel`: block_m x block_n outputs a program, block_w words (8 block_w inputs) a step."""
-    block_m: int
+class W4DequantTile:
+    """`_w4_dequant_kernel`: a program writes block_n rows of 8 block_w dequantized weights."""
     block_n: int
     block_w: int
     num_warps: int
-    num_stages: int
+
+
+DEQUANT_TILE = W4DequantTile(block_n=8, block_w=128, num_warps=4)     # 8 KB of bf16 a program
 
 
 def gemv_tile(n: int, k: int, device: torch.device) -> W4GemvTile:
@@ -56,12 +60,6 @@ def gemv_tile(n: int, k: int, device: torch.device) -> W4GemvTile:
     while block_n > 2 and triton.cdiv(n, block_n) < programs:
         block_n //= 2
     return W4GemvTile(block_n=block_n, block_w=min(1024 // block_n, triton.next_power_of_2(k // 8)), num_warps=4)
-
-
-def gemm_tile(m: int) -> W4GemmTile:
-    return W4GemmTile(block_m=16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128,
-                      block_n=64 if m <= 128 else 128, block_w=16, num_warps=4 if m <= 128 else 8,
-                      num_stages=3)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -148,46 +146,27 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, x_stride, 
 
 
 @triton.jit
-def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, x_stride, out_stride,
-                    K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    # program (pid_n, pid_m): outputs [BLOCK_M, BLOCK_N]; the M blocks of one N block are neighbours in
-    # launch order, so a weight tile is read from HBM about once
+def _w4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, GROUPS: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    # program (pid_n, pid_w): W[rows, 8 BLOCK_W inputs] = (q - z) * s in float32, rounded once to the
+    # output's dtype (as `dequantize_w4(...).to(dtype)` rounds it); stored as whole rows of 16-byte
+    # vectors, one word's eight values a thread
     KW: tl.constexpr = K // 8
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    j = tl.arange(0, BLOCK_W)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * KW
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
-    sz_rows = rn[:, None] * GROUPS
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    jj = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    i = tl.arange(0, 8)
+    ok = (rows < N)[:, None] & (jj < KW)[None, :]
+    words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * KW + jj[None, :], mask=ok, other=0)
+    g = rows[:, None] * GROUPS + (jj * 8 // GROUP)[None, :]
+    s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g, mask=ok, other=0).to(tl.int32)
+    # the weights' previous writer is the kernel before only when the scratch is reused: wait first
     pdl.enter(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for w0 in tl.range(0, KW, BLOCK_W, num_stages=NUM_STAGES):
-        jj = w0 + j
-        w_ok = n_ok[:, None] & (jj < KW)[None, :]
-        words = tl.load(w_rows + jj[None, :], mask=w_ok, other=0)
-        g = sz_rows + (jj * 8 // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=w_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=w_ok, other=0).to(tl.float32)
-        x_ok = m_ok[:, None] & (jj < KW)[None, :]
-        for i in tl.static_range(8):
-            q = (_field(words, i) - 1.0) * 128.0          # exact: the nibble as a float
-            w = ((q - z) * s).to(dtype)                     # [BLOCK_N, BLOCK_W], inputs 8jj + i
-            xi = tl.load(x_rows + (jj * 8 + i)[None, :], mask=x_ok, other=0.0)
-            if IEEE:
-                acc = tl.dot(xi, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xi, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * out_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    q = (words[:, :, None] >> (4 * i)[None, None, :]) & 0xF
+    w = ((q - z[:, :, None]).to(tl.float32) * s[:, :, None]).to(out_ptr.dtype.element_ty)
+    cols = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], tl.reshape(w, [BLOCK_N, BLOCK_W * 8]),
+             mask=(rows < N)[:, None] & (cols < K)[None, :])
 
 
 def _check(x, qweight, scales, zeros, bias, group_size):
@@ -212,38 +191,44 @@ def _check(x, qweight, scales, zeros, bias, group_size):
 
 
 def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bias: torch.Tensor | None, group_size: int, tile: W4GemvTile | W4GemmTile | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None, group_size: int, tile: W4GemvTile | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W given as `repack_w4`'s tensors. M <=
-    GEMV_ROWS rows run the GEMV, more the tiled GEMM; `tile` (of the kernel M selects) overrides the
-    shipped choice. No host synchronisation and only the output allocated: CUDA-graph safe."""
+    GEMV_ROWS rows run the GEMV (`tile` overrides its shipped tile), more dequantize W into a scratch
+    in x's dtype and multiply it with torch (cuBLAS). No host synchronisation; the output and the
+    scratch come from torch's caching allocator, so under CUDA-graph capture both live in the graph's
+    pool at fixed addresses, and a scratch freed after its product is reused by the next layer's."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, k, groups = _check(x, qweight, scales, zeros, bias, group_size)
     m = x.shape[0]
+    if m > GEMV_ROWS:
+        if tile is not None:
+            raise TypeError(f"w4_linear: {m} rows dequantize and run cuBLAS, which takes no tile")
+        return F.linear(x, dequantize(qweight, scales, zeros, group_size, x.dtype), bias).reshape(*lead, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
     pdl_on = pdl.enabled(x.device)
-    b = bias if bias is not None else scales
-    if m <= GEMV_ROWS:
-        tile = tile or gemv_tile(n, k, x.device)
-        if not isinstance(tile, W4GemvTile):
-            raise TypeError(f"w4_linear: {m} rows run the GEMV, {tile!r} is not a W4GemvTile")
-        _w4_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-            x, qweight, scales, zeros, b, out, m, n, x.stride(0), out.stride(0), K=k, GROUPS=groups,
-            GROUP=group_size, ROWS=1 if m == 1 else 2 if m == 2 else 4, BLOCK_N=tile.block_n,
-            BLOCK_W=tile.block_w, HAS_BIAS=bias is not None, PDL=pdl_on, num_warps=tile.num_warps,
-            launch_pdl=pdl_on)
-    else:
-        tile = tile or gemm_tile(m)
-        if not isinstance(tile, W4GemmTile):
-            raise TypeError(f"w4_linear: {m} rows run the GEMM, {tile!r} is not a W4GemmTile")
-        grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
-        _w4_gemm_kernel[grid](
-            x, qweight, scales, zeros, b, out, m, n, x.stride(0), out.stride(0), K=k, GROUPS=groups,
-            GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_W=tile.block_w,
-            NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, PDL=pdl_on,
-            num_warps=tile.num_warps, launch_pdl=pdl_on)
+    tile = tile or gemv_tile(n, k, x.device)
+    _w4_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, m, n, x.stride(0), out.stride(0),
+        K=k, GROUPS=groups, GROUP=group_size, ROWS=1 if m == 1 else 2 if m == 2 else 4, BLOCK_N=tile.block_n,
+        BLOCK_W=tile.block_w, HAS_BIAS=bias is not None, PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out.reshape(*lead, n)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` from `repack_w4`'s tensors, equal to `dequantize_w4(...).to(dtype)`: one pass
+    that reads the 4-bit weights and writes the dense ones at copy speed."""
+    n, kw = qweight.shape
+    k = kw * 8
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    pdl_on = pdl.enabled(qweight.device)
+    grid = (triton.cdiv(n, DEQUANT_TILE.block_n), triton.cdiv(kw, DEQUANT_TILE.block_w))
+    _w4_dequant_kernel[grid](qweight, scales, zeros, out, n, K=k, GROUPS=-(-k // group_size), GROUP=group_size,
+                             BLOCK_N=DEQUANT_TILE.block_n, BLOCK_W=DEQUANT_TILE.block_w, PDL=pdl_on,
+                             num_warps=DEQUANT_TILE.num_warps, launch_pdl=pdl_on)
+    return out
