@@ -66,8 +66,8 @@ def micro(out_dir: str) -> list[dict]:
     from test_w4_kernels import _layer, _reference
     from tokenmill.layers.kernels import gemv, w4_gemm
     gen = torch.Generator().manual_seed(0)
-    gemv_tiles = [w4_gemm.W4GemvTile(*t) for t in ((2, 256, 4), (4, 256, 8), (8, 128, 4), (16, 64, 4),
-                                                   (32, 32, 4), (64, 16, 8))]
+    gemv_tiles = [w4_gemm.W4GemvTile(*t) for t in ((4, 128, 1), (8, 128, 1), (16, 128, 1), (4, 256, 2),
+                                                   (8, 256, 2), (16, 256, 2), (8, 512, 4))]
     rows = []
     for name, (n, k) in SHAPES.items():
         (qweight, scales, zeros), _ = _layer("awq", n, k, 128, 1)

@@ -66,9 +66,9 @@ def _close(out, ref, dtype):
 
 
 # (method, M, N, K, group, bias, sym/format): N = 40 is not a multiple of the row blocks; K = 80 with
-# group 32 is GPTQ's partial last group; chunks of 8 words (64 inputs) span two groups of 32 and
-# leave a short last chunk where K/8 is not a multiple of 8
-CASES = [("awq", 1, 40, 256, 128, False, {}), ("awq", 3, 48, 192, 64, True, {}),
+# group 32 is GPTQ's partial last group and ends in a partial quad of words; a chunk of 128 words
+# spans many groups, and K = 2560 takes three chunks, the last cut short
+CASES = [("awq", 1, 40, 2560, 128, False, {}), ("awq", 3, 48, 192, 64, True, {}),
          ("gptq", 2, 40, 80, 32, False, dict(sym=True)), ("gptq", 4, 24, 160, 32, True, dict(fmt="gptq_v2"))]
 
 
@@ -79,7 +79,7 @@ def test_gemv_matches_dequantized_reference(method, m, n, k, group, bias, opts):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(m, k, generator=gen).to(HALF).to(DEVICE)
     b = (torch.randn(n, generator=gen) * 0.1).to(HALF).to(DEVICE) if bias else None
-    out = w4_gemm.w4_linear(x, qweight, scales, zeros, b, group, tile=w4_gemm.W4GemvTile(8, 8, 4))
+    out = w4_gemm.w4_linear(x, qweight, scales, zeros, b, group, tile=w4_gemm.W4GemvTile(8, 128, 1))
     assert out.shape == (m, n)
     _close(out.cpu(), _reference(x, qweight, scales, zeros, b, group, False).cpu(), HALF)
 
@@ -117,7 +117,8 @@ def test_float32_rows_and_shipped_tiles():
     (qweight, scales, zeros), _ = _layer("awq", 32, 128, 32, 6)
     gen = torch.Generator().manual_seed(7)
     for m in (1, 6):
-        x = torch.randn(m, 128, generator=gen).to(DEVICE)
+        # magnitudes from 1e-6 to 1e4: the GEMV's scaled subnormal products keep them all
+        x = (torch.randn(m, 128, generator=gen) * 10.0 ** (torch.rand(m, 128, generator=gen) * 10 - 6)).to(DEVICE)
         out = w4_gemm.w4_linear(x, qweight, scales, zeros, None, 32)
         _close(out.cpu(), _reference(x, qweight, scales, zeros, None, 32, False).cpu(), torch.float32)
 
@@ -131,7 +132,7 @@ def test_shape_errors_name_the_tensor():
     with pytest.raises(ValueError, match="zeros"):
         w4_gemm.w4_linear(x, qweight, scales, zeros.to(torch.int32), None, 32)
     with pytest.raises(TypeError, match="no tile"):
-        w4_gemm.w4_linear(x.expand(5, 64), qweight, scales, zeros, None, 32, tile=w4_gemm.W4GemvTile(8, 8, 4))
+        w4_gemm.w4_linear(x.expand(5, 64), qweight, scales, zeros, None, 32, tile=w4_gemm.W4GemvTile(8, 128, 1))
 
 
 QWEN3_4B = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]     # qkv, o, gate_up, down

@@ -1,16 +1,21 @@
 """W4A16 products: x [M, K] (16-bit or float32) times a 4-bit weight in `quantized.repack_w4`'s layout
 (`qweight` int32 [N, K/8], input 8j + i of row n in field i of word j; `scales` fp16 and `zeros` uint8
-[N, groups]), dequantized in registers, accumulated in float32. `w4_linear` is the entry point; the
-reference is `quantized.dequantize_w4` followed by a plain matmul.
+[N, groups]). `w4_linear` is the entry point; the reference is `quantized.dequantize_w4` followed by
+a plain matmul.
 
 Few rows (M <= GEMV_ROWS, decode): `_w4_gemv_kernel`, one program per block of output rows walking
 their whole K, the next chunk's words loaded while the current one is summed, like the bf16
-single-token products (`gemv.py`); batch-1 decode is bound by these bytes. Each nibble becomes a float
-without an int-to-float conversion (a quarter-rate instruction that would bound the kernel below HBM
-speed): put into mantissa bits 16..19 of 1.0f it reads 1 + q/128, so per group and row
-  sum_k (q_k - z) x_k = 128 sum_k f_k x_k - (128 + z) sum_k x_k    with f_k = 1 + q_k/128,
-one shift, one and-or and one FMA per weight; both terms are near |x| in size, so nothing cancels
-catastrophically in float32.
+single-token products (`gemv.py`); batch-1 decode is bound by these bytes, so the loop must cost
+only a few instructions per weight. A thread holds a quad of four consecutive words (one 16-byte
+load, inside one group) of each of its rows and the 32 inputs of the quad (four 16-byte loads,
+shared by the rows), and every tensor of the loop has those lanes: no data moves between threads.
+A nibble becomes a float with one and, no shift and no int-to-float conversion: kept in place at
+bit p of its word (fields 5-7 after one shift of the word by 16), its bits read as the subnormal
+q 2^(p-149), and with x scaled by 2^(64-p) every product is q x 2^-85; per quad and row
+  sum_k (q_k - z) x_k s = (s 2^85) sum_k f_k x'_k - (s z) sum_k x_k,
+so a weight costs one and one FMA per x row, the scale and zero two FMAs per quad and row. Exact
+for |x| < 2^64; products below 2^-41 in size are rounded to a multiple of 2^-64, far below bf16's
+resolution of the sum. (Subnormals are kept: Triton's float32 FMA does not flush them.)
 
 More rows (prefill, larger batches): `dequantize` writes W in x's dtype into a scratch with
 `_w4_dequant_kernel` (4-bit words in, 16-bit weights out, at copy speed) and cuBLAS multiplies it. A
@@ -35,10 +40,15 @@ GEMV_ROWS = 4          # up to this many rows, one GEMV reads the weights once f
 
 @dataclass(frozen=True)
 class W4GemvTile:
-    """`_w4_gemv_kernel`: a program sums block_n output rows, block_w words (8 inputs each) a chunk."""
+    """`_w4_gemv_kernel`: a program sums block_n output rows, block_w words (8 inputs each) a chunk, four
+    consecutive words of a row per thread: block_w is 128 words per warp."""
     block_n: int
     block_w: int
     num_warps: int
+
+    def __post_init__(self):
+        if self.block_w != 128 * self.num_warps:
+            raise ValueError(f"{self}: block_w must be 128 words per warp (every thread four words)")
 
 
 @dataclass(frozen=True)
@@ -52,14 +62,17 @@ class W4DequantTile:
 DEQUANT_TILE = W4DequantTile(block_n=8, block_w=128, num_warps=4)     # 8 KB of bf16 a program
 
 
-def gemv_tile(n: int, k: int, device: torch.device) -> W4GemvTile:
-    """The fewest rows per program that still give every SM about four programs, so a product of a
-    narrow weight (N = hidden) fills the GPU without splitting K; 1024 words (4 KB) a chunk."""
-    programs = 4 * _num_sms(device)
-    block_n = 16
-    while block_n > 2 and triton.cdiv(n, block_n) < programs:
+def gemv_tile(n: int, k: int, m: int, device: torch.device) -> W4GemvTile:
+    """A chunk of 128 words a row per warp, two warps where N is narrow so that the whole GPU still
+    has about 40 KB of weights in flight per SM (this chunk and the next); then the most rows per
+    program (they share each thread's inputs; 16 for up to 2 x rows and 8 for 4, where 16 would
+    spill registers) that still give every SM about four programs."""
+    sms = _num_sms(device)
+    warps = 1 if n * 128 * 4 * 2 >= 40 * 1024 * sms else 2
+    block_n = 16 if m <= 2 else 8
+    while block_n > 4 and triton.cdiv(n, block_n) < 4 * sms:
         block_n //= 2
-    return W4GemvTile(block_n=block_n, block_w=min(1024 // block_n, triton.next_power_of_2(k // 8)), num_warps=4)
+    return W4GemvTile(block_n=block_n, block_w=128 * warps, num_warps=warps)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -68,34 +81,73 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _field(words, i: tl.constexpr):
-    # field i (bits 4i..4i+3) of each word moved to mantissa bits 16..19 of 1.0f: the float 1 + q/128
-    if 4 * i < 16:
-        t = words << (16 - 4 * i)
-    elif 4 * i > 16:
-        t = words >> (4 * i - 16)
-    else:
-        t = words
-    return ((t & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+def _split4(t):
+    # [..., 4] held by one thread -> its four [...] slices, in order
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
 
 
 @triton.jit
-def _row_chunk(words, x_row, jj, w_ok, s, zc, M, r: tl.constexpr):
-    # row r's share of a chunk, per word: s (sum_i (q_i - z) x_i) over the word's eight inputs 8jj + i
-    # (zc = z + 128, see the module docstring); zero for a row past M
-    x_ok = w_ok & (r < M)
-    dot = tl.zeros(words.shape, tl.float32)
-    xs = tl.zeros(jj.shape, tl.float32)
-    for i in tl.static_range(8):
-        xi = tl.load(x_row + jj * 8 + i, mask=x_ok, other=0.0).to(tl.float32)
-        xs += xi
-        dot += _field(words, i) * xi[None, :]
-    return s * (128.0 * dot - zc * xs[None, :])
+def _split8(t):
+    # [..., 8] held by one thread -> its eight [...] slices, in order
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    t0, t4 = tl.split(a0)
+    t2, t6 = tl.split(a1)
+    t1, t5 = tl.split(b0)
+    t3, t7 = tl.split(b1)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _nib(bits, p: tl.constexpr):
+    # the nibble at bits p..p+3 kept in place, read as a float: q * 2^(p - 149), exact (a subnormal)
+    return (bits & (0xF << p)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_row(w, hi, x_row, x_ok, xw, K: tl.constexpr, i, dot):
+    # dot [BQ, BN] += 2^-85 sum_i q_i x_i over one word per (quad, row), inputs x_row[8 xw + i]; returns
+    # it and sum_i x_i [BQ]. Field i sits at bit 4i (i <= 4) of the word or 4i - 16 of hi; x_i is scaled
+    # by 2^(64 - that bit), so every product is q x 2^-85
+    xv = tl.load(x_row + xw[:, None] * 8 + i[None, :], mask=(xw * 8 < K)[:, None] & x_ok, other=0.0).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
+    dot += _nib(w, 0) * (x0 * 2.0 ** 64)[:, None]
+    dot += _nib(w, 4) * (x1 * 2.0 ** 60)[:, None]
+    dot += _nib(w, 8) * (x2 * 2.0 ** 56)[:, None]
+    dot += _nib(w, 12) * (x3 * 2.0 ** 52)[:, None]
+    dot += _nib(w, 16) * (x4 * 2.0 ** 48)[:, None]
+    dot += _nib(hi, 4) * (x5 * 2.0 ** 60)[:, None]
+    dot += _nib(hi, 8) * (x6 * 2.0 ** 56)[:, None]
+    dot += _nib(hi, 12) * (x7 * 2.0 ** 52)[:, None]
+    return dot, tl.sum(xv, 1)
+
+
+@triton.jit
+def _quad_row(w0, w1, w2, w3, x_ptr, x_stride, M, wq, K: tl.constexpr, i, a, b, acc, r: tl.constexpr):
+    # x row r's share of a chunk (zero past M): per (quad, row) the four words' 2^-85 sum q x, then
+    # acc += s 2^85 (that) - s z (sum x)   (a = s 2^85, b = s z)
+    x_row = x_ptr + r * x_stride
+    x_ok = r < M
+    dot = tl.zeros(acc.shape, tl.float32)
+    dot, x0 = _word_row(w0, _hi(w0), x_row, x_ok, wq, K, i, dot)
+    dot, x1 = _word_row(w1, _hi(w1), x_row, x_ok, wq + 1, K, i, dot)
+    dot, x2 = _word_row(w2, _hi(w2), x_row, x_ok, wq + 2, K, i, dot)
+    dot, x3 = _word_row(w3, _hi(w3), x_row, x_ok, wq + 3, K, i, dot)
+    return acc + a * dot - b * ((x0 + x1) + (x2 + x3))[:, None]
+
+
+@triton.jit
+def _hi(w):
+    return (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _store_row(out_ptr, acc, rows, row_ok, b_ptr, M, out_stride, r: tl.constexpr, HAS_BIAS: tl.constexpr):
-    y = tl.sum(acc, 1)
+    y = tl.sum(acc, 0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * out_stride + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok & (r < M))
@@ -105,37 +157,44 @@ def _store_row(out_ptr, acc, rows, row_ok, b_ptr, M, out_stride, r: tl.constexpr
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, x_stride, out_stride,
                     K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    # program p: output features p*BLOCK_N .. +BLOCK_N of the M <= ROWS (<= 4) input rows; one
-    # accumulator per row, each [BLOCK_N, BLOCK_W] per word until the end
+    # program p: output features p*BLOCK_N .. +BLOCK_N of the M <= ROWS (<= 4) input rows. Tiles are
+    # [quads, rows]: a thread holds four consecutive words (a quad, one 16-byte load, within one group
+    # since groups are multiples of 32 inputs) of each of the BLOCK_N rows, and the 8 inputs of each
+    # of those words (16-byte loads), shared by the rows; every other tensor has the same lanes, so
+    # nothing moves between threads until the last sum. One accumulator per x row, [quads, rows].
     KW: tl.constexpr = K // 8
+    BQ: tl.constexpr = BLOCK_W // 4
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    j = tl.arange(0, BLOCK_W)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * KW
-    sz_rows = rows[:, None] * GROUPS
+    q = tl.arange(0, BQ)
+    v = tl.arange(0, 4)
+    i = tl.arange(0, 8)
+    w_rows = w_ptr + rows.to(tl.int64)[None, :, None] * KW
+    wv = 4 * q[:, None, None] + v[None, None, :]
     # weights never change: the first chunk is requested before waiting for the kernel before
-    words = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < KW)[None, :], other=0, cache_modifier=".cg")
+    words = tl.load(w_rows + wv, mask=row_ok[None, :, None] & (wv < KW), other=0, cache_modifier=".cg")
     pdl.enter(PDL)
-    acc0 = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    acc0 = tl.zeros([BQ, BLOCK_N], tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
     for w0 in tl.range(0, KW, BLOCK_W, num_stages=1):
-        jj = w0 + j
-        w_ok = jj < KW
-        ok = row_ok[:, None] & w_ok[None, :]
-        nj = jj + BLOCK_W       # the next chunk's words, in flight while this one is summed
-        nxt = tl.load(w_rows + nj[None, :], mask=row_ok[:, None] & (nj < KW)[None, :], other=0,
-                      cache_modifier=".cg")
-        g = sz_rows + (jj * 8 // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-        zc = tl.load(z_ptr + g, mask=ok, other=0).to(tl.float32) + 128.0
-        acc0 += _row_chunk(words, x_ptr, jj, w_ok, s, zc, M, 0)
+        wq = w0 + 4 * q
+        nv = wv + (w0 + BLOCK_W)        # the next chunk's words, in flight while this one is summed
+        nxt = tl.load(w_rows + nv, mask=row_ok[None, :, None] & (nv < KW), other=0, cache_modifier=".cg")
+        g = rows[None, :] * GROUPS + (wq * 8 // GROUP)[:, None]
+        g_ok = row_ok[None, :] & (wq < KW)[:, None]
+        s = tl.load(s_ptr + g, mask=g_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=g_ok, other=0).to(tl.float32)
+        a = s * 2.0 ** 85
+        b = s * z
+        w0_, w1_, w2_, w3_ = _split4(words)
+        acc0 = _quad_row(w0_, w1_, w2_, w3_, x_ptr, x_stride, M, wq, K, i, a, b, acc0, 0)
         if ROWS > 1:
-            acc1 += _row_chunk(words, x_ptr + x_stride, jj, w_ok, s, zc, M, 1)
+            acc1 = _quad_row(w0_, w1_, w2_, w3_, x_ptr, x_stride, M, wq, K, i, a, b, acc1, 1)
         if ROWS > 2:
-            acc2 += _row_chunk(words, x_ptr + 2 * x_stride, jj, w_ok, s, zc, M, 2)
-            acc3 += _row_chunk(words, x_ptr + 3 * x_stride, jj, w_ok, s, zc, M, 3)
+            acc2 = _quad_row(w0_, w1_, w2_, w3_, x_ptr, x_stride, M, wq, K, i, a, b, acc2, 2)
+            acc3 = _quad_row(w0_, w1_, w2_, w3_, x_ptr, x_stride, M, wq, K, i, a, b, acc3, 3)
         words = nxt
     _store_row(out_ptr, acc0, rows, row_ok, b_ptr, M, out_stride, 0, HAS_BIAS)
     if ROWS > 1:
@@ -211,7 +270,7 @@ def w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if m == 0:
         return out.reshape(*lead, n)
     pdl_on = pdl.enabled(x.device)
-    tile = tile or gemv_tile(n, k, x.device)
+    tile = tile or gemv_tile(n, k, m, x.device)
     _w4_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, m, n, x.stride(0), out.stride(0),
         K=k, GROUPS=groups, GROUP=group_size, ROWS=1 if m == 1 else 2 if m == 2 else 4, BLOCK_N=tile.block_n,
