@@ -16,7 +16,7 @@ for stage in $STAGES; do
   t0=$SECONDS
   case $stage in
     tests)
-      python -m pytest -q -m "gpu or not gpu" tests/kernels/test_w4_kernels.py 2>&1 | tee "$OUT/w4_gpu_tests.log" | tail -4
+      python -m pytest -q -m "gpu or not gpu" tests/kernels/test_w4_kernels.py tests/kernels/test_w4_sm90.py 2>&1 | tee "$OUT/w4_gpu_tests.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     micro|decode)
       python scripts/device/bench_w4.py "$stage" --out "$OUT" > "$OUT/w4_$stage.log" 2>&1 \
