@@ -358,15 +358,15 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
 
 
 def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq_dir):
-    """The single-token kernels read plain weight matrices, so a quantized model never asks for them; its
-    steps staged into the padded CUDA-graph buffers (replayed by re-running the forward on the CPU) give
-    the eager tokens."""
+    """The single-token kernels read plain and FP8 weight matrices, not 4-bit ones, so a 4-bit model never
+    asks for them; its steps staged into the padded CUDA-graph buffers (replayed by re-running the forward
+    on the CPU) give the eager tokens."""
     from tokenmill.layers.backend import TorchBackend
 
     class SingleTokenKernels(TorchBackend):
         def single_token_linear(self, input_ids):
             def fused_linear(*args, **kwargs):
-                raise AssertionError("a quantized layer reached the single-token kernels")
+                raise AssertionError("a 4-bit layer reached the single-token kernels")
             return fused_linear
     prompts = [[(5 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate([3, 20, 41, 9])]
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)

@@ -1,6 +1,7 @@
-"""The FP8-weight kernels (`kernels/fp8_gemm.py`) against their dequantizing torch references: the few-row
-W8A16 product (per-channel and 128x128 block scales, partial blocks, bias) and the per-token activation
-quantization under the interpreter on the CPU; on the GPU also the W8A8 `_scaled_mm` path, the qwen3-4b
+"""The FP8-weight kernels (`kernels/fp8_gemm.py`, and FP8 weights on the single-token products of
+`kernels/gemv.py`) against their dequantizing torch references: the few-row W8A16 product (per-channel and
+128x128 block scales, partial blocks, bias), the single-token products, an FP8 model decoding through them
+and the per-token activation quantization under the interpreter on the CPU; on the GPU also the W8A8 `_scaled_mm` path, the qwen3-4b
 shapes, and an FP8 model under CUDA graphs."""
 from __future__ import annotations
 
@@ -53,6 +54,124 @@ def test_per_token_quantization_equals_the_reference():
     torch.testing.assert_close(s, s_ref, atol=0, rtol=1e-6)
     assert q.dtype == torch.float8_e4m3fn and (q.float() - q_ref.float()).abs().max() == 0
     assert ((q.float() * s - x).abs() <= x.abs() * 2.0 ** -4 + s * 2.0 ** -9).all()
+
+
+# ---- FP8 weights on the single-token kernels (`gemv.fused_linear` with weight_scale) -------------------
+def _fp8_layer(n: int, k: int, block, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, s = fp8.quantize(torch.randn(n, k, generator=g) * 0.05, block)
+    return q.to(DEVICE), s.to(DEVICE), block or (1, k)
+
+
+@pytest.mark.parametrize("block", [None, (8, 32), (128, 128)])
+@pytest.mark.parametrize("tile", ["register", "whole"])
+def test_single_token_fp8_products_equal_the_dequantized_reference(block, tile):
+    """Each FP8 single-token product (per-channel scales; block scales, several blocks along both dims,
+    partial ones included; the register and whole-row kernels) against `fused_linear_torch` on the
+    dequantized weight, with a bias, a norm and residual, SiLU-and-mul and a gathered input row, in float32
+    (to float32 rounding), and in float16 with block scales."""
+    from tokenmill.layers.kernel_config import RegisterTile, WholeRowTile
+    from tokenmill.layers.kernels import gemv
+    n, k = 48, 200          # 3 x 7 blocks of (8, 32) with a partial last column block; SiLU: gate 24 rows
+    q, s, blk = _fp8_layer(n, k, block, 3)
+    tiles = dict(tile=RegisterTile(4, 64, 4, 1) if tile == "register" else WholeRowTile(2, 4, 1))
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float16) if block == (8, 32) else (torch.float32,):
+        w = fp8.dequantize(q, s, blk).to(dtype)
+        rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)
+        x, res, norm, bias = rnd(1, k), rnd(1, k), rnd(k), rnd(n)
+        cases = [dict(bias=bias), dict(norm_weight=norm, eps=1e-5, residual=res),
+                 dict(norm_weight=norm, eps=1e-5, residual=res, silu=True)]
+        for kwargs in cases:
+            ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+            out, out_res = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, **tiles, **kwargs)
+            tol = 1e-5 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+            if "residual" in kwargs:
+                torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
+        table = rnd(9, k)
+        ids = torch.tensor([6], device=DEVICE)
+        out, out_res = gemv.fused_linear(table, q, norm_weight=norm, eps=1e-5, ids=ids, weight_scale=s,
+                                         weight_block=blk, **tiles)
+        ref, _ = gemv.fused_linear_torch(table, w, norm_weight=norm, eps=1e-5, ids=ids)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(out_res, table[6:7], rtol=0, atol=0)
+
+
+def test_fp8_tiles_keep_the_16_bit_tiles_bytes_and_refuse_straddling_blocks():
+    """`fp8_tile` widens the table's 16-bit tiles (the shared-memory tile, which copies 16-bit rows, gives
+    way to the default), products from the table run them, and a row block that would straddle two rows
+    of block scales is refused by name when asked for and avoided when it comes from the table."""
+    from tokenmill.layers.kernel_config import KernelConfig, RegisterTile, SmemTile, WholeRowTile
+    from tokenmill.layers.kernels import gemv
+    kernels = KernelConfig(default_tile=RegisterTile(4, 1024, 4, 8))
+    assert gemv.fp8_tile(WholeRowTile(2, 4, 5), kernels) == WholeRowTile(4, 4, 5)
+    assert gemv.fp8_tile(RegisterTile(4, 1024, 4, 8), kernels) == RegisterTile(4, 2048, 4, 8)
+    assert gemv.fp8_tile(SmemTile(8, 512, 8), kernels) == RegisterTile(4, 2048, 4, 8)
+    q, s, blk = _fp8_layer(48, 64, (8, 32), 5)
+    x = torch.randn(1, 64, device=DEVICE)
+    table = KernelConfig(tiles={(48, 64, False): WholeRowTile(2, 4, 1), (48, 64, True): RegisterTile(2, 16, 4, 1)})
+    w = fp8.dequantize(q, s, blk)
+    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table)[0],
+                               x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table, silu=True)[0],
+                               gemv.fused_linear_torch(x, w, silu=True)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="straddles scale blocks of 8 rows"):
+        gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, tile=WholeRowTile(16, 4, 1))
+    with pytest.raises(ValueError, match="needs its weight_scale"):
+        gemv.fused_linear(x, q)
+    with pytest.raises(ValueError, match=r"does not fit weight \(48, 64\) with block \(1, 64\)"):
+        gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, 64))
+    # a table tile whose FP8 row block would straddle falls back to a tile that does not
+    wide = KernelConfig(tiles={(48, 64, False): WholeRowTile(8, 4, 1)})
+    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=wide)[0],
+                               x @ fp8.dequantize(q, s, blk).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every one-token step takes this path anyway")
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_fp8_model_decodes_through_the_single_token_products(tmp_path, save_tiny_model, fmt):
+    """An FP8 model (quantized at load, per channel; a block-wise checkpoint as stored) bound to a backend
+    whose one-token steps run the single-token products (`gemv.fused_linear` under the interpreter): every
+    layer's four products read the FP8 weights and scales there, norms and SiLU folded in, the first one
+    gathering the embedding, and the greedy tokens are those of the dequantizing reference."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TorchBackend
+    from tokenmill.layers.kernel_config import RegisterTile
+    from tokenmill.layers.kernels import gemv
+    plain = str(tmp_path / "plain")
+    save_tiny_model(plain, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    path = plain
+    if fmt is not None:
+        import json
+
+        from safetensors.torch import load_file
+        path = str(tmp_path / fmt)
+        with open(f"{plain}/config.json") as f:
+            hf = json.load(f)
+        fp8.write_checkpoint(path, load_file(f"{plain}/model.safetensors"), hf, fmt)
+    config = dict(device="cpu", dtype="float32", max_num_seqs=1, quantization="fp8")
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **config).generate(prompts, params)]
+    calls = []
+
+    def fused(x, weight, bias=None, **kwargs):
+        calls.append((weight.dtype, kwargs.get("weight_block"), kwargs.get("silu", False),
+                      kwargs.get("ids") is not None))
+        return gemv.fused_linear(x, weight, bias, tile=RegisterTile(16, 256, 4, 1), **kwargs)
+
+    class SingleToken(TorchBackend):
+        def single_token_linear(self, input_ids):
+            return fused if input_ids.shape[0] == 1 else None
+    llm = LLM(path, **config)
+    llm.engine.runner.model.use_backend(SingleToken())
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    block = (128, 128) if fmt == "fp8" else None
+    assert calls and all(dtype == torch.float8_e4m3fn and (blk == block or blk[0] == 1) for dtype, blk, _, _ in calls)
+    # 3 one-token (decode) steps x 2 layers x 4 products
+    assert len(calls) == 24 and sum(silu for *_, silu, _ in calls) == 6 and sum(ids for *_, ids in calls) == 3
 
 
 gpu = pytest.mark.gpu

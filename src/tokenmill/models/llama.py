@@ -13,9 +13,19 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import PagedAttention
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.backend import TorchBackend
+from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import linear
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.quant.w4 import W4Config
+
+
+def _weights(layer: nn.Module) -> dict:
+    """A linear layer's tensors as the single-token products take them: the weight and bias, and an FP8
+    layer's block scales."""
+    if isinstance(layer, Fp8Linear):
+        return dict(weight=layer.weight, bias=layer.bias, weight_scale=layer.scale, weight_block=layer.block)
+    return dict(weight=layer.weight, bias=layer.bias)
 
 
 class Attention(nn.Module):
@@ -106,15 +116,14 @@ class DecoderLayer(nn.Module):
         product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`); the first layer's qkv
         product also gathers the token's embedding."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = fused_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                     norm_weight=self.input_layernorm.weight,
+        qkv, residual = fused_linear(hidden, **_weights(attn.qkv_proj), norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual, ids=ids)
-        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), attn.o_proj.weight)
-        hidden, residual = fused_linear(hidden, mlp.gate_up_proj.weight,
+        hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), **_weights(attn.o_proj))
+        hidden, residual = fused_linear(hidden, **_weights(mlp.gate_up_proj),
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,
                                         silu=True)
-        hidden, _ = fused_linear(hidden, mlp.down_proj.weight)
+        hidden, _ = fused_linear(hidden, **_weights(mlp.down_proj))
         return hidden, residual
 
 
@@ -126,11 +135,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
-        self.quantized = cfg.quantization is not None
+        # the single-token products read plain and FP8 weight matrices; 4-bit layers run the backend's
+        # w4_linear on every step
+        self.single_token_layers = not isinstance(cfg.quantization, W4Config)
 
     def forward(self, input_ids, positions, meta):
-        # the single-token kernels read plain weight matrices; 4-bit layers run the backend's w4_linear
-        fused_linear = None if self.quantized else self.backend.single_token_linear(input_ids)
+        fused_linear = self.backend.single_token_linear(input_ids) if self.single_token_layers else None
         decode_attention = self.backend.decode_attention(input_ids, meta)
         residual, ids = None, None
         if fused_linear is not None:        # the first product gathers the embedding itself

@@ -1,6 +1,9 @@
 """Products with FP8 weights (`layers/fp8_linear.Fp8Linear`): `fp8_linear` picks one path per batch shape.
 
-- Up to `FEW_ROWS` input rows (batch-1 and small-batch decode): `_fp8_gemv_kernel`, weight-only (W8A16).
+A step of one token does not come here: its layers run the single-token products of `gemv.py`, which
+read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, as for 16-bit weights.
+
+- Up to `FEW_ROWS` input rows (small-batch decode): `_fp8_gemv_kernel`, weight-only (W8A16).
   These products are bound by reading the weights, so the win is the byte per weight; the FP8 weights are
   widened in registers and multiplied with the activations as they are (no activation rounding), each
   weight times its block's scale (block-wise checkpoints) or each row's sum times the row's (per channel).

@@ -11,10 +11,20 @@ the kernel before it finishes.
 The first product of a step can also gather its input row from the embedding table (`ids`): the step
 then starts with that product, where it started with an embedding kernel.
 
+FP8 weights (`layers/fp8_linear.Fp8Linear`, float8_e4m3fn with float32 block scales) run the same
+kernels with half the weight bytes: the weights are widened to float32 in registers and the scale is
+applied in float32, a row's sum times its scale (per output channel) or, for block-wise scales, the
+input chunk times its block's scale before the product (a row block never straddles two scale rows).
+Their tile is the 16-bit tile of the shape with twice the rows in a whole-row block (twice the columns
+in a register chunk), so that a program has as many bytes in flight as the measured 16-bit tile
+(`fp8_tile`).
+
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. Which kernel and tile a
 product runs is `KernelConfig.tile` (`layers/kernel_config.py`).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +37,10 @@ from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
 MAX_ROWS = 1
+FP8 = torch.float8_e4m3fn
+# the kernels' SCALE: 16-bit or float32 weights as they are, FP8 with a scale per output row, FP8 with
+# a scale per (block_n, block_k) block
+NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 
 WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
 SHIPPED = KernelConfig()
@@ -72,16 +86,35 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
+def _block_scaled(xk, s_ptr, s_stride, first_row, kk, K: tl.constexpr, SCALE: tl.constexpr,
+                  SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    # input columns kk times the block scales of the row block from weight row first_row on (one scale
+    # row: the wrapper checks that a row block never straddles two); xk itself for other weights
+    if SCALE == 2:
+        xk *= tl.load(s_ptr + (first_row // SCALE_BN) * s_stride + kk // SCALE_BK, mask=kk < K, other=0.0)
+    return xk
+
+
+@triton.jit
+def _row_scaled(y, s_ptr, s_stride, rows, row_mask, SCALE: tl.constexpr):
+    # a row's sum times its output channel's scale (per-channel FP8); y itself for other weights
+    if SCALE == 1:
+        y *= tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)
+    return y
+
+
+@triton.jit
 def _whole_loads(ptrs, mask):
     # weights of a whole-row block, read once a step: past L1 (.cg)
     return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
-                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, eps, n_out,
+                 w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+                 SCALE_BK: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
     # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
@@ -128,24 +161,31 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
             u = w
             if SILU:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
-        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)[None, :]
-        acc = w.to(tl.float32) * xk      # per element, summed per row once the row is done
+        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)
+        # per element, summed per row once the row is done
+        acc = w.to(tl.float32) * _block_scaled(xk, s_ptr, s_stride, unit * BLOCK_N, c, K, SCALE, SCALE_BN,
+                                               SCALE_BK)[None, :]
         acc_u = acc
         if SILU:
-            acc_u = u.to(tl.float32) * xk
+            acc_u = u.to(tl.float32) * _block_scaled(xk, s_ptr, s_stride, n_out + unit * BLOCK_N, c, K, SCALE,
+                                                     SCALE_BN, SCALE_BK)[None, :]
         # one chunk in flight per program (num_stages=1): the registers hold the next chunk, not a pipeline
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=1):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
-            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)[None, :]
-            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
+            xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)
+            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * _block_scaled(
+                xk, s_ptr, s_stride, unit * BLOCK_N, k0 + c, K, SCALE, SCALE_BN, SCALE_BK)[None, :]
             if SILU:
-                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk
-        y = tl.sum(acc, 1)
+                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * \
+                    _block_scaled(xk, s_ptr, s_stride, n_out + unit * BLOCK_N, k0 + c, K, SCALE, SCALE_BN,
+                                  SCALE_BK)[None, :]
+        y = _row_scaled(tl.sum(acc, 1), s_ptr, s_stride, rows, row_mask, SCALE)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = _row_scaled(tl.sum(acc_u, 1), s_ptr, s_stride, rows + n_out, row_mask, SCALE)
+            up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             y = act * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -187,10 +227,22 @@ def _whole_sums(wa, wb, xa, xb, TWO: tl.constexpr):
 
 
 @triton.jit
-def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
-                       K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       GATHER: tl.constexpr, PDL: tl.constexpr):
+def _whole_scaled_sums(wa, wb, xa, xb, s_ptr, s_stride, first_row, rows, row_mask, ca, cb, K: tl.constexpr,
+                       TWO: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    # `_whole_sums` of the row block from weight row first_row on (rows: their scale rows with ROW_SCALE)
+    xsa = _block_scaled(xa, s_ptr, s_stride, first_row, ca, K, SCALE, SCALE_BN, SCALE_BK)
+    xsb = xsa
+    if TWO:
+        xsb = _block_scaled(xb, s_ptr, s_stride, first_row, cb, K, SCALE, SCALE_BN, SCALE_BK)
+    return _row_scaled(_whole_sums(wa, wb, xsa, xsb, TWO), s_ptr, s_stride, rows, row_mask, SCALE)
+
+
+@triton.jit
+def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, eps, n_out,
+                       w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_K2: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SILU: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr,
+                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
     # round trip to HBM; the first is requested before the wait, and the next row block's loads are
@@ -231,26 +283,68 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     for unit in range(pid, num_units, num_programs):
         na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K,
                                         BLOCK_N, TWO, SILU)
-        y = _whole_sums(wa, wb, xa, xb, TWO)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
+        y = _whole_scaled_sums(wa, wb, xa, xb, s_ptr, s_stride, unit * BLOCK_N, rows, row_mask, ca, cb, K, TWO,
+                               SCALE, SCALE_BN, SCALE_BK)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(dtype).to(tl.float32)
-            up = _whole_sums(ua, ub, xa, xb, TWO).to(dtype).to(tl.float32)
+            up = _whole_scaled_sums(ua, ub, xa, xb, s_ptr, s_stride, n_out + unit * BLOCK_N, rows + n_out, row_mask,
+                                    ca, cb, K, TWO, SCALE, SCALE_BN, SCALE_BK).to(dtype).to(tl.float32)
             y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
         wa, wb, ua, ub = na, nb, nua, nub
 
 
-def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m):
-    # row m's tensors for the kernels' pointer arguments (x_ptr .. ids_ptr); an absent one stands in as
+def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, scale, m):
+    # row m's tensors for the kernels' pointer arguments (x_ptr .. s_ptr); an absent one stands in as
     # a tensor of the call that the kernel does not read
     return (x if ids is not None else x[m], residual[m] if residual is not None else x,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             out[m], res_out[m] if residual is not None or ids is not None else out[m],
-            ids[m:] if ids is not None else out[m])
+            ids[m:] if ids is not None else out[m], scale if scale is not None else weight)
+
+
+def fp8_tile(tile: Tile, kernels: KernelConfig) -> Tile:
+    """The tile of an FP8 product whose 16-bit tile is `tile`: as many weight bytes per program and load
+    as that one (twice the rows of a whole-row block, twice the columns of a register chunk). The
+    shared-memory kernel copies 16-bit rows, so its products take the default tile's FP8 counterpart."""
+    if isinstance(tile, WholeRowTile):
+        return dataclasses.replace(tile, block_n=2 * tile.block_n)
+    if isinstance(tile, RegisterTile):
+        return dataclasses.replace(tile, block_k=2 * tile.block_k)
+    return fp8_tile(kernels.default_tile, kernels)
+
+
+def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple[int, int]]:
+    # (SCALE, the kernels' (SCALE_BN, SCALE_BK): (1, 1) unless BLOCK_SCALE), or an error naming the misfit
+    n, k = weight.shape
+    if weight.dtype != FP8:
+        if weight_scale is not None or x_dtype != weight.dtype or x_dtype not in (torch.float16, torch.bfloat16,
+                                                                                   torch.float32):
+            raise TypeError(f"fused_linear: x {x_dtype} and weight {weight.dtype} must be one float dtype "
+                            f"(or an FP8 weight with its scale)")
+        return NO_SCALE, (1, 1)
+    if x_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"fused_linear: an FP8 weight needs a float input, got {x_dtype}")
+    if weight_scale is None or weight_block is None:
+        raise ValueError("fused_linear: an FP8 weight needs its weight_scale and weight_block")
+    bn, bk = weight_block
+    if (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (-(-n // bn), -(-k // bk))
+            or weight_scale.stride(1) != 1):
+        raise ValueError(f"fused_linear: weight_scale {weight_scale.dtype} {tuple(weight_scale.shape)} does not "
+                         f"fit weight {tuple(weight.shape)} with block {tuple(weight_block)}")
+    return (ROW_SCALE, (1, 1)) if (bn, bk) == (1, k) else (BLOCK_SCALE, (bn, bk))
+
+
+def _block_scale_problem(scale_mode: int, n_out: int, silu: bool, block_n: int, scale_bn: int) -> str | None:
+    # with block scales, a row block (gate and up rows alike) must lie within one row of scales
+    if scale_mode == BLOCK_SCALE and (scale_bn % block_n or (silu and n_out % block_n)):
+        return (f"a row block of {block_n} rows straddles scale blocks of {scale_bn} rows"
+                f"{f' (or the up rows from {n_out} on)' if silu else ''}")
+    return None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -261,13 +355,18 @@ def _num_sms(device: torch.device) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
-                 tile: Tile | None = None, kernels: KernelConfig = SHIPPED, ids: torch.Tensor | None = None):
+                 tile: Tile | None = None, kernels: KernelConfig = SHIPPED, ids: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
     norm and a residual are given, x when only the norm is, else None.
 
     The kernel runs `tile`, which must suit the product, or else `kernels.tile(N, K, silu)`, which falls
     back to `kernels.default_tile` where it does not (a shared-memory tile for a float32 product).
+
+    An FP8 weight (float8_e4m3fn) comes with `weight_scale` (float32 [ceil(N / bn), ceil(K / bk)]) and
+    `weight_block` (bn, bk): W = weight * weight_scale of its block, (1, K) being per output channel. Its
+    tile is `fp8_tile` of the shape's tile (an explicit `tile` runs as given).
 
     `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
     x[ids], gathered by the kernel, which also returns them as residual_out."""
@@ -284,8 +383,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"fused_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must share "
                          f"K and have unit last strides")
-    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"fused_linear: x {x.dtype} and weight {weight.dtype} must be one float dtype")
+    scale_mode, (scale_bn, scale_bk) = _scale_mode(weight, weight_scale, weight_block, x.dtype)
     if silu and (n % 2 or bias is not None):
         raise ValueError(f"fused_linear: silu needs an even number of weight rows (got {n}) and no bias")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
@@ -298,9 +396,12 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
     explicit = tile is not None
     tile = tile if explicit else kernels.tile(n, k, silu)
+    if scale_mode != NO_SCALE and not explicit:
+        tile = fp8_tile(tile, kernels)
     if isinstance(tile, SmemTile) and ids is not None:   # that kernel reads its input as given: gather first
         return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                            tile=tile if explicit else None, kernels=kernels)
+                            tile=tile if explicit else None, kernels=kernels, weight_scale=weight_scale,
+                            weight_block=weight_block)
     rows = x.shape[0] if ids is None else ids.shape[0]
     n_out = n // 2 if silu else n
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
@@ -312,7 +413,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pdl_on = pdl.enabled(x.device)
     why = None
     if isinstance(tile, SmemTile):
-        why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
+        why = "FP8 weights: the shared-memory kernel copies 16-bit rows" if scale_mode != NO_SCALE else \
+            gemv_smem.check_tile(n, k, silu, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
                 gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
@@ -320,24 +422,31 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                       res_out[m] if residual is not None else None, tile, pdl_on)
             return out, res_out
     elif isinstance(tile, WholeRowTile):
-        why = _whole_tile_problem(k, silu, tile)
+        why = _whole_tile_problem(k, silu, tile) or _block_scale_problem(scale_mode, n_out, silu, tile.block_n,
+                                                                          scale_bn)
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
-                                 pdl_on)
+                                 pdl_on, weight_scale, scale_mode, scale_bn, scale_bk)
+    elif isinstance(tile, RegisterTile):
+        why = _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn)
+    else:
+        raise TypeError(f"fused_linear: {tile!r} is not a tile")
     if why is not None:
         if explicit:
             raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
-        tile = kernels.default_tile
-    if not isinstance(tile, RegisterTile):
-        raise TypeError(f"fused_linear: {tile!r} is not a tile")
+        tile = kernels.default_tile if scale_mode == NO_SCALE else fp8_tile(kernels.default_tile, kernels)
+        if _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn):
+            tile = dataclasses.replace(tile, block_n=1)     # one row never straddles
     block_n, block_k = tile.block_n, min(tile.block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_kernel[grid](
-            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
+            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, weight_scale, m), eps, n_out,
+            weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
             K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
+            PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, num_warps=tile.num_warps,
+            launch_pdl=pdl_on)
     return out, res_out
 
 
@@ -356,15 +465,18 @@ def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile) -> str | None:
     return None
 
 
-def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on):
+def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on,
+                  weight_scale, scale_mode, scale_bn, scale_bk):
     k = weight.shape[1]
     block_k, block_k2 = _whole_blocks(k)
     rows, n_out = out.shape
     grid = (min(triton.cdiv(n_out, tile.block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_whole_kernel[grid](
-            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, m), eps, n_out, weight.stride(0),
+            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, weight_scale, m), eps, n_out,
+            weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
             K=k, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
+            PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, num_warps=tile.num_warps,
+            launch_pdl=pdl_on)
     return out, res_out
