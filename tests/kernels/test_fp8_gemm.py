@@ -1,8 +1,9 @@
 """The FP8-weight kernels (`kernels/fp8_gemm.py`, and FP8 weights on the single-token products of
 `kernels/gemv.py`) against their dequantizing torch references: the few-row W8A16 product (per-channel and
 128x128 block scales, partial blocks, bias), the single-token products, an FP8 model decoding through them
-and the per-token activation quantization under the interpreter on the CPU; on the GPU also the W8A8 `_scaled_mm` path, the qwen3-4b
-shapes, and an FP8 model under CUDA graphs."""
+and the per-token activation quantization under the interpreter on the CPU; on the GPU also the W8A8
+`_scaled_mm` path, the qwen3-4b shapes (single-token products with the shipped tiles included), and an FP8
+model under CUDA graphs."""
 from __future__ import annotations
 
 import pytest
@@ -205,9 +206,31 @@ def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("n,k,silu,norm", [(6144, 2560, False, True), (2560, 4096, False, False),
+                                           (19456, 2560, True, True), (2560, 9728, False, False)])
+def test_gpu_single_token_fp8_products_on_qwen3_4b_shapes(n, k, silu, norm, block):
+    """The single-token products of qwen3-4b's layers with FP8 weights and the shipped tiles' FP8
+    counterparts (`gemv.fp8_tile`), norm, residual and SiLU-and-mul as the decoder runs them, against the
+    dequantized product in float32."""
+    from tokenmill.layers.kernels import gemv
+    q, s, blk, _ = layer(n, k, block, False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    kwargs = dict(norm_weight=(1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16(), eps=1e-6,
+                  residual=torch.randn(1, k, device="cuda", generator=g).bfloat16()) if norm else {}
+    got, _ = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, silu=silu, **kwargs)
+    want, _ = gemv.fused_linear_torch(x.float(), fp8.dequantize(q, s, blk), silu=silu,
+                                      **{key: v.float() if torch.is_tensor(v) else v for key, v in kwargs.items()})
+    assert (got.float() - want).abs().max() / want.abs().mean() < 0.05
+
+
+@gpu
+@needs_cuda
 def test_gpu_fp8_model_under_cuda_graphs(tmp_path, save_tiny_model):
-    """A plain tiny model quantized at load on the GPU: greedy tokens through the decode graphs equal the
-    eager ones, and the teacher-forced log-probs stay close to the CPU's dequantizing reference."""
+    """A plain tiny model quantized at load on the GPU: greedy tokens through the decode graphs (batch 1's
+    through the single-token products) equal the eager ones, and the teacher-forced log-probs stay close to
+    the CPU's dequantizing reference."""
     from tokenmill import LLM, SamplingParams
     from test_real_model import engine_logprobs
     path = str(tmp_path / "plain")
@@ -221,6 +244,9 @@ def test_gpu_fp8_model_under_cuda_graphs(tmp_path, save_tiny_model):
     eager = LLM(path, device="cuda", enforce_eager=True, **config)
     assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    # one request alone: its decode steps replay the batch-1 graph of the single-token products
+    assert graphs.generate(prompts[1:2], params)[0].outputs[0].token_ids == \
+        eager.generate(prompts[1:2], params)[0].outputs[0].token_ids
     ids = [(7 * i + 3) % 500 for i in range(40)]
     ours = engine_logprobs(graphs, ids).float().cpu()
     ref = engine_logprobs(LLM(path, device="cpu", quantization="fp8", num_kv_blocks=8), ids)
