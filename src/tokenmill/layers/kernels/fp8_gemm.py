@@ -42,7 +42,7 @@ class Fp8GemvTile:
 def gemv_tile(rows: int) -> Fp8GemvTile:
     block_m = triton.next_power_of_2(rows)
     # small row blocks, so that even a 2560-row product spreads over several programs per SM; 2048-4096
-    # products per program step (16-32 per thread of 4 warps, each thread's weights one 16-byte load)
+    # products per program step, summed per element (16-32 float32 accumulators per thread of 4 warps)
     return Fp8GemvTile(block_m=block_m, block_n=max(1, 4 // block_m), block_k=512, num_warps=4)
 
 
@@ -66,7 +66,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_s
     m_ok, n_ok = m < M, n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # products summed per element over K, reduced across the threads once at the end (a reduction per
+    # chunk would cost a shuffle and shared-memory round per BLOCK_K columns)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + c < K
         x = tl.load(x_rows + k0 + c[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -75,7 +77,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_s
         if BLOCKWISE:      # each weight times its block's scale (a few distinct values per tile, cached)
             w *= tl.load(s_ptr + (n // SCALE_BN)[:, None] * s_stride + ((k0 + c) // SCALE_BK)[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+        acc3 += x[:, None, :] * w[None, :, :]
+    acc = tl.sum(acc3, 2)
     if not BLOCKWISE:
         acc *= tl.load(s_ptr + n * s_stride, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
