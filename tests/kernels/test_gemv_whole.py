@@ -11,13 +11,13 @@ _COMPILE = sm90.COMPILE + r'''
 import json, re, sys
 from tokenmill.layers.kernels import gemv
 types = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
-         "ids_ptr": "*i64", "eps": "fp32"}
+         "ids_ptr": "*i64", "s_ptr": "*fp32", "eps": "fp32"}
 weights = r"ld\.global\.cg\.v4"
 got = []
 for K, bn, nw, norm, silu in json.loads(sys.argv[1]):
     bk, bk2 = gemv._whole_blocks(K)
     const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu,
-                 GATHER=False, PDL=True)
+                 GATHER=False, PDL=True, SCALE=gemv.NO_SCALE, SCALE_BN=1, SCALE_BK=1)
     cc = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride",))
     before, after = cc.asm["ptx"].split("griddepcontrol.wait", 1)
     got.append(dict(before=len(re.findall(weights, before)), after=len(re.findall(weights, after)),
