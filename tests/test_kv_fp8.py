@@ -4,7 +4,6 @@ and the real SmolLM2-135M keeps its perplexity (the kernels themselves: tests/ke
 from __future__ import annotations
 
 import gc
-import math
 import random
 
 import pytest
@@ -15,7 +14,7 @@ from tokenmill.cli import add_engine_args, engine_config
 from tokenmill.config import EngineConfig
 from tokenmill.engine.startup_log import startup_lines
 from tokenmill.models.default import smollm2_gguf
-from test_real_model import HELD_OUT, engine_logprobs
+from test_real_model import HELD_OUT, against_reference, engine_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GGUF = smollm2_gguf()
@@ -117,19 +116,9 @@ def test_real_weights_fp8_cache_perplexity():
         return ids, engine_logprobs(llm, ids)
     ids, ref = run("auto")
     _, lp = run("fp8")
-    target = torch.tensor(ids[1:])
-
-    def perplexity(x):
-        return math.exp(-x.gather(1, target[:, None]).mean().item())
-    top2 = ref.topk(2, -1).values
-    confident = top2[:, 0] - top2[:, 1] >= 0.3
-    agree = lp.argmax(-1) == ref.argmax(-1)
-    ratio = perplexity(lp) / perplexity(ref)
-    print(f"perplexity fp8 {perplexity(lp):.3f} vs auto {perplexity(ref):.3f} (ratio {ratio:.4f}); top-1 "
-          f"agreement {agree.float().mean():.4f}, {agree[confident].float().mean():.4f} where margin >= 0.3 "
-          f"({int(confident.sum())} positions)")
+    ratio, agree = against_reference("fp8 KV cache against auto", ref, lp, ids)
     assert abs(ratio - 1) < 0.02
-    assert agree[confident].float().mean() >= 0.99
+    assert agree >= 0.99
 
 
 @pytest.mark.gpu

@@ -13,7 +13,6 @@ layouts and loaded through the real loader.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -27,7 +26,7 @@ from tokenmill.quant import w4
 from tokenmill.quant.quantize import (QUANTIZED_LAYERS, quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
 
-from test_real_model import HELD_OUT, engine_logprobs
+from test_real_model import HELD_OUT, against_reference, engine_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -317,22 +316,15 @@ def hf_checkpoint_from_gguf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
 def test_real_weights_perplexity_within_bounds(tmp_path):
     """GPTQ 4-bit, group 128, of SmolLM2-135M, calibrated on 1,024 tokens of `data/calibration.txt`, against
     its unquantized weights (the GGUF file) and against round to nearest, on a held-out English text.
-    The issue's target is within 10%; measured: GPTQ +16-18% (the spread is the rounding noise of this
-    272-token text), round to nearest +27%. A misread layout gives perplexities above 10^8."""
+    The issue's target is within 10%; measured: GPTQ +12.9% (builds of the same algorithm gave +13-18%,
+    the rounding noise of this 272-token text), round to nearest +27%. A misread layout gives perplexities above 10^8."""
     from tokenmill.quant.gptq import gptq_model
     from tokenmill.quant.quantize import min_zero
     from tokenmill.runner.loader import load_model
     base = LLM(GGUF, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=512)
     tok = base.get_tokenizer()
     ids = tok.encode(HELD_OUT)
-    target = torch.tensor(ids[1:])
     ref = engine_logprobs(base, ids)
-    top2 = ref.topk(2, -1).values
-    confident = top2[:, 0] - top2[:, 1] >= 0.3
-
-    def perplexity(lp):
-        return math.exp(-lp.gather(1, target[:, None]).mean().item())
-    ref_ppl = perplexity(ref)
     with open(CALIBRATION) as f:
         calibration = torch.tensor(tok.encode(f.read())[:1024]).view(4, 256)
     del base
@@ -345,14 +337,9 @@ def test_real_weights_perplexity_within_bounds(tmp_path):
         qdir = str(tmp_path / name.replace(" ", "-"))
         write_checkpoint(qdir, state, hf, "gptq", 128, sym=False, grids=g)
         lp = engine_logprobs(LLM(qdir, device="cpu", num_kv_blocks=32, max_num_batched_tokens=512), ids)
-        ratios[name] = perplexity(lp) / ref_ppl
-        agree = lp.argmax(-1) == ref.argmax(-1)
-        print(f"{name} g128: perplexity {perplexity(lp):.3f} vs {ref_ppl:.3f} unquantized (ratio "
-              f"{ratios[name]:.4f}) over {len(ids) - 1} tokens; teacher-forced top-1 agreement "
-              f"{agree.float().mean():.4f}, {agree[confident].float().mean():.4f} where the unquantized "
-              f"margin >= 0.3 nats ({int(confident.sum())} positions)")
+        ratios[name], agree = against_reference(f"{name} g128 against unquantized", ref, lp, ids)
         if g is not None:
-            assert agree[confident].float().mean() > 0.8
+            assert agree > 0.8
     assert ratios["gptq"] < 1.22
     assert ratios["gptq"] < ratios["round to nearest"] - 0.05
 

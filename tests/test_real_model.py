@@ -162,6 +162,24 @@ def engine_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.stack([rows[i] for i in range(len(ids) - 1)])
 
 
+
+def against_reference(name: str, ref: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> tuple[float, float]:
+    """`lp` against `ref` (`engine_logprobs` rows of `ids`), printed: the text's perplexity ratio, and the
+    teacher-forced top-1 agreement where ref's top-1 margin is at least 0.3 nats (near-ties flip under any
+    rounding). Returns (ratio, that agreement)."""
+    target = torch.tensor(ids[1:])
+
+    def perplexity(x):
+        return math.exp(-x.gather(1, target[:, None]).mean().item())
+    top2 = ref.topk(2, -1).values
+    confident = top2[:, 0] - top2[:, 1] >= 0.3
+    agree = lp.argmax(-1) == ref.argmax(-1)
+    ratio = perplexity(lp) / perplexity(ref)
+    print(f"{name}: perplexity {perplexity(lp):.3f} vs {perplexity(ref):.3f} (ratio {ratio:.4f}) over "
+          f"{len(ids) - 1} tokens; top-1 agreement {agree.float().mean():.4f}, "
+          f"{agree[confident].float().mean():.4f} at {int(confident.sum())} positions of margin >= 0.3 nats")
+    return ratio, agree[confident].float().mean().item()
+
 @needs_smollm2
 def test_perplexity_equals_transformers(llm, hf):
     ids = llm.get_tokenizer().encode(HELD_OUT)
