@@ -7,9 +7,8 @@ from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
 from tokenmill.quant.fp8 import Fp8Config
-from tokenmill.quant.w4 import PACK, W4Config, unpack_cols, unpack_rows
-
-_SHIFTS = tuple(range(0, 4 * PACK, 4))
+from tokenmill.quant.quantize import pack_cols
+from tokenmill.quant.w4 import PACK, W4Config, unpack, unpack_cols
 
 
 def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | Fp8Config | None) -> nn.Module:
@@ -32,22 +31,13 @@ def repack_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
       with g = k // group_size; the zeros are the true ones (GPTQ v1's offset already added).
 
     The values are those of `w4.dequantize` on the checkpoint tensors, bit for bit (`dequantize_w4`)."""
-    if quant.method == "awq":
-        q = unpack_cols(qweight, awq_order=True)
-        z = unpack_cols(qzeros, awq_order=True)
-    else:
-        q = unpack_rows(qweight)[:in_features]
-        z = unpack_cols(qzeros) + quant.zero_offset
-    q = q.t().reshape(q.shape[1], in_features // PACK, PACK).to(torch.int64)      # [out, in/8, 8]
-    words = (q << torch.tensor(_SHIFTS, device=q.device)).sum(-1)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    return words.contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous()
+    q, z = unpack(qweight, qzeros, quant, in_features)                             # [in, out], [groups, out]
+    return pack_cols(q.t()).contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous()
 
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [out, in] in float32 from `repack_w4`'s tensors: the reference the W4 kernels are tested against."""
-    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=qweight.device)
-    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)      # [out, in]
+    q = unpack_cols(qweight)                                                         # [out, in]
     groups = torch.arange(q.shape[1], device=q.device) // group_size
     return (q - zeros[:, groups].to(torch.int32)).float() * scales[:, groups].float()
 

@@ -17,7 +17,7 @@ Block scales are kept as stored and used by the kernels directly, not converted 
 load: a conversion re-rounds every weight whose block scale differs from its row's (a second FP8 rounding,
 about doubling the error variance), and the few-row kernel applies a block scale per 128-column step at
 no measurable cost. Large batches of a block-wise model dequantize the layer and run the bf16 product
-(`layers/backend.py`); per-channel models run FP8 tensor-core products there.
+(`layers/kernels/fp8_gemm.py`); per-channel models run FP8 tensor-core products there.
 
 The head and the embedding stay in the model dtype: the embedding is a gather (one row per token, no
 bandwidth to save), the head is tied to it in the Qwen3 models this serves, and every published FP8
@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+# the decoder's linear layers, by their checkpoint names; everything else stays in the model dtype
+from tokenmill.quant.quantize import QUANTIZED_LAYERS
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)         # 448
 METHODS = ("fp8", "compressed-tensors")        # the quant_method values of FP8 checkpoints
 SUPPORTED_BLOCKS = ((128, 128),)
-# the decoder's linear layers, by their checkpoint names; everything else stays in the model dtype
-QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,13 @@ def _check_ignored(modules, method: str) -> None:
                          "supported: every decoder linear layer in FP8 (the head may be left out)")
 
 
-def check_device(device: torch.device) -> None:
-    """FP8 tensor cores and conversions need sm89 (Ada) or newer."""
+def check_device(device: torch.device, what: str = "FP8 weights") -> None:
+    """FP8 (E4M3) tensor cores and conversions need sm89 (Ada) or newer: `what` (FP8 weights, an FP8 KV
+    cache) on a CUDA `device` below that is refused."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
-            raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 (sm89) or newer; "
+            raise ValueError(f"{what} need a GPU of compute capability 8.9 (sm89) or newer; "
                              f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}")
 
 

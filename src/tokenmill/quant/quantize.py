@@ -25,7 +25,7 @@ def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> tor
     v = values.to(torch.int64).reshape(r, c // PACK, PACK)
     if order is not None:
         v = v[..., list(order)]
-    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int64, device=values.device)
     return _to_int32((v << shifts).sum(-1))
 
 

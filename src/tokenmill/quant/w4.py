@@ -119,17 +119,21 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return fields.reshape(-1, packed.shape[1])
 
 
+def unpack(qweight: torch.Tensor, qzeros: torch.Tensor, cfg: W4Config, in_features: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's packed checkpoint tensors -> its 4-bit values [in, out] and true zeros [groups, out]
+    (GPTQ v1's stored offset added), int32."""
+    if cfg.method == "awq":
+        return unpack_cols(qweight, awq_order=True), unpack_cols(qzeros, awq_order=True)
+    return unpack_rows(qweight)[:in_features], unpack_cols(qzeros) + cfg.zero_offset
+
+
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: W4Config,
                in_features: int) -> torch.Tensor:
-    """The weight [out, in] in float32 from a layer's packed tensors: the reference every kernel is
-    tested against."""
-    if cfg.method == "awq":
-        q = unpack_cols(qweight, awq_order=True)
-        z = unpack_cols(qzeros, awq_order=True)
-    else:
-        q = unpack_rows(qweight)
-        z = unpack_cols(qzeros) + cfg.zero_offset
+    """The weight [out, in] in float32 from a layer's packed checkpoint tensors: the reference of the
+    checkpoint layouts, which the repacked layout the kernels read is tested against."""
+    q, z = unpack(qweight, qzeros, cfg, in_features)
     rows = torch.arange(in_features, device=qweight.device) // cfg.group_size     # [in] -> group
-    w = (q[:in_features] - z[rows]).float() * scales[rows].float()                 # [in, out]
+    w = (q - z[rows]).float() * scales[rows].float()                              # [in, out]
     return w.t()
 

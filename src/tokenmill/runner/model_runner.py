@@ -22,6 +22,7 @@ from tokenmill.layers.attention import FP8_KV_DTYPE
 from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
 from tokenmill.layers.backend import make_backend
 from tokenmill.layers.kernels import staging
+from tokenmill.quant import fp8
 from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.loader import load_model
@@ -34,14 +35,6 @@ logger = logging.getLogger("tokenmill")
 _CPU_KV_BUDGET_BYTES = 1 << 30
 
 
-def check_fp8_device(device: torch.device, what: str) -> None:
-    """FP8 (E4M3) conversions need sm89 (Ada) or newer."""
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ValueError(f"{what} needs a GPU with FP8 support (sm89 or newer); "
-                         f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
-
-
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, model_dir: str,
                  max_model_len: int):
@@ -50,8 +43,8 @@ class ModelRunner:
         self.device = engine_config.resolve_device()
         self.dtype = engine_config.resolve_dtype(model_config, self.device)
         self.kv_cache_dtype = engine_config.resolve_kv_cache_dtype(self.dtype)
-        if self.kv_cache_dtype == FP8_KV_DTYPE and self.device.type == "cuda":
-            check_fp8_device(self.device, "--kv-cache-dtype fp8")
+        if self.kv_cache_dtype == FP8_KV_DTYPE:
+            fp8.check_device(self.device, "FP8 KV caches (--kv-cache-dtype fp8)")
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = engine_config.max_num_seqs
