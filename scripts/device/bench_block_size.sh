@@ -36,8 +36,6 @@ T0=$SECONDS
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$RES/env.txt" 2>&1
-note() { echo "$*" | tee -a "$RES/notes.txt" >&2; }
-
 pack() {
   local runs=("$RES"/block-*.json)
   {
@@ -81,10 +79,4 @@ for bs in $BLOCK_SIZES; do
   pack
 done
 
-note "total $((SECONDS - T0)) s"
-pack
-rm -rf "$WORK"
-echo
-echo "==================== summary ($SUMMARY) ===================="
-cat "$SUMMARY"
-exit $FAILED
+finish_run

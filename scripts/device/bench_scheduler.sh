@@ -70,8 +70,6 @@ T0=$SECONDS
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   python -c "import torch; print('torch', torch.__version__)"
 } > "$RES/env.txt" 2>&1
-note() { echo "$*" | tee -a "$RES/notes.txt" >&2; }
-
 pack() {        # the summary of what has finished so far, and the tarball of the details
   python lab/scheduler_summary.py "$RES" --target-itl-ms "$TARGET_ITL_MS" > "$RES/tables.md" 2>> "$RES/summary.log"
   {
@@ -170,10 +168,4 @@ for part in $PARTS; do
   pack
 done
 
-note "total $((SECONDS - T0)) s"
-pack
-rm -rf "$WORK"
-echo
-echo "==================== summary ($SUMMARY) ===================="
-cat "$SUMMARY"
-exit $FAILED
+finish_run

@@ -69,8 +69,6 @@ pack() {        # re-pack everything so far and rewrite SUMMARY.md
   } > "$SUMMARY"
   tar -czf "$OUT/bench_serve.tar.gz.tmp" -C "$WORK" bench_serve && mv "$OUT/bench_serve.tar.gz.tmp" "$OUT/bench_serve.tar.gz"
 }
-note() { echo "$*" | tee -a "$RES/notes.txt" >&2; }
-
 t=$SECONDS
 python -m tokenmill.bench prepare --model "$MODEL" > "$RES/prepare.log" 2>&1 || { note "prepare $MODEL failed"; cat "$RES/prepare.log" >&2; pack; exit 1; }
 MODEL_DIR=$(tail -1 "$RES/prepare.log")
@@ -126,10 +124,4 @@ for backend in $BACKENDS; do
   pack
 done
 
-note "total $((SECONDS - T0)) s"
-pack
-rm -rf "$WORK"
-echo
-echo "==================== summary ($SUMMARY) ===================="
-cat "$SUMMARY"
-exit $FAILED
+finish_run

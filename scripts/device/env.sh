@@ -7,3 +7,17 @@ export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
 export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
+
+# For runners that keep their details in $RES (under $WORK) and their tables in $SUMMARY, and define
+# pack (the summary of what has finished so far): a line to stderr and $RES/notes.txt, and the common end
+# (a last pack, the summary printed, exit with $FAILED).
+note() { echo "$*" | tee -a "$RES/notes.txt" >&2; }
+finish_run() {
+  note "total $((SECONDS - T0)) s"
+  pack
+  rm -rf "$WORK"
+  echo
+  echo "==================== summary ($SUMMARY) ===================="
+  cat "$SUMMARY"
+  exit "$FAILED"
+}
