@@ -99,7 +99,8 @@ def test_gptq_error_compensation_beats_rounding_on_its_own_grid():
     """On a layer whose inputs are correlated, GPTQ's compensated rounding leaves a smaller output error
     ||(W - Q) X^T|| than rounding each weight to nearest on the very same grid (its scales and zeros), and
     its grid packs into the GPTQ layout unchanged."""
-    from tokenmill.quant.gptq import dequantize_grid, gptq_quantize
+    from tokenmill.quant.gptq import gptq_quantize
+    from tokenmill.quant.w4 import dequantize_grid
     torch.manual_seed(0)
     out_f, in_f, group = 64, 200, 64                       # a partial last group
     x = torch.randn(1024, in_f) @ (torch.randn(in_f, in_f) / in_f ** 0.5) + 0.3 * torch.randn(1024, in_f)

@@ -26,6 +26,7 @@ from torch import nn
 
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.quant.quantize import Grid, _groups, group_grid
+from tokenmill.quant.w4 import dequantize_grid
 
 # the model's packed linears and the checkpoint shards they hold, in order (see `LlamaForCausalLM.packed_modules`)
 SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -104,13 +105,6 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: 
     q = torch.empty_like(q).scatter_(1, perm[:, :, None].expand_as(q), q)            # back to input order
     return (q.to(torch.int32), zeros.transpose(1, 2).to(torch.int32).contiguous(),
             scales.transpose(1, 2).half().contiguous())
-
-
-def dequantize_grid(grid: Grid, group_size: int) -> torch.Tensor:
-    """A grid (or stacked grids) -> the weight [..., out, in] in float32 it stands for."""
-    q, zeros, scales = grid
-    rows = torch.arange(q.shape[-2]) // group_size
-    return ((q - zeros[..., rows, :]).float() * scales[..., rows, :].float()).transpose(-1, -2)
 
 
 def _prefill_metadata(num_seqs: int, seq_len: int) -> AttentionMetadata:

@@ -128,12 +128,17 @@ def unpack(qweight: torch.Tensor, qzeros: torch.Tensor, cfg: W4Config, in_featur
     return unpack_rows(qweight)[:in_features], unpack_cols(qzeros) + cfg.zero_offset
 
 
+def dequantize_grid(grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor], group_size: int) -> torch.Tensor:
+    """A grid (q [..., in, out] 4-bit values, true zeros and scales [..., groups, out]; stacked grids too)
+    -> the weight [..., out, in] in float32 it stands for: (q - zero) * scale of each input's group."""
+    q, zeros, scales = grid
+    rows = torch.arange(q.shape[-2], device=q.device) // group_size               # [in] -> group
+    return ((q - zeros[..., rows, :]).float() * scales[..., rows, :].float()).transpose(-1, -2)
+
+
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: W4Config,
                in_features: int) -> torch.Tensor:
     """The weight [out, in] in float32 from a layer's packed checkpoint tensors: the reference of the
     checkpoint layouts, which the repacked layout the kernels read is tested against."""
-    q, z = unpack(qweight, qzeros, cfg, in_features)
-    rows = torch.arange(in_features, device=qweight.device) // cfg.group_size     # [in] -> group
-    w = (q - z[rows]).float() * scales[rows].float()                              # [in, out]
-    return w.t()
+    return dequantize_grid((*unpack(qweight, qzeros, cfg, in_features), scales), cfg.group_size)
 
