@@ -27,7 +27,15 @@ def run(args) -> None:
         hf = json.load(f)
     quant = None if args.quantization == "none" else args.quantization
     t0 = time.perf_counter()
-    llm = LLM(path, quantization=quant)
+    extra, label = {}, args.quantization
+    if args.fp8_tiles:
+        # the products' sweep's fastest tiles (fp8_products.py), as a KernelConfig's fp8_tiles
+        from tokenmill.layers import kernel_config as kc
+        with open(args.fp8_tiles) as f:
+            tiles = {tuple(shape): eval(tile, vars(kc)) for shape, tile in json.load(f)}
+        extra, label = dict(kernels=kc.KernelConfig(fp8_tiles=tiles)), "fp8-swept"
+        print("fp8 tiles:", tiles)
+    llm = LLM(path, quantization=quant, **extra)
     load_s = time.perf_counter() - t0
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -45,19 +53,19 @@ def run(args) -> None:
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = dict(quantization=args.quantization, model=MODEL, load_s=load_s, weight_gib=weight_bytes / 2**30,
+    result = dict(quantization=label, model=MODEL, load_s=load_s, weight_gib=weight_bytes / 2**30,
                   kv_blocks=llm.engine.runner.num_blocks, decode_ms_per_token=decode_ms,
                   offline_elapsed_s=elapsed, offline_output_tok_s=out_tokens / elapsed,
                   offline_first_tokens=[o.outputs[0].token_ids[:8] for o in outs[:4]],
                   commit=os.environ.get("TOKENMILL_GIT_COMMIT", "unknown"), gpu=torch.cuda.get_device_name())
-    with open(os.path.join(args.out, f"fp8_{args.quantization}.json"), "w") as f:
+    with open(os.path.join(args.out, f"fp8_{label}.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "offline_first_tokens"}))
 
 
 def summary(args) -> None:
     rows = {}
-    for q in ("none", "fp8"):
+    for q in ("none", "fp8", "fp8-swept"):
         p = os.path.join(args.out, f"fp8_{q}.json")
         if os.path.isfile(p):
             with open(p) as f:
@@ -68,7 +76,8 @@ def summary(args) -> None:
     base = rows.get("none", {}).get("offline_output_tok_s")
     for q, r in rows.items():
         ratio = f"{r['offline_output_tok_s'] / base:.3f}x" if base else "-"
-        lines.append(f"| {'bf16' if q == 'none' else 'fp8 (at load, per channel)'} | {r['weight_gib']:.2f} | "
+        name = {"none": "bf16", "fp8": "fp8 (at load, per channel)", "fp8-swept": "fp8, the sweep's tiles"}[q]
+        lines.append(f"| {name} | {r['weight_gib']:.2f} | "
                      f"{r['kv_blocks']} | {r['load_s']:.1f} | {r['decode_ms_per_token']:.3f} | "
                      f"{r['offline_output_tok_s']:.0f} | {ratio} |")
     lines += ["", "targets: fp8 batch-1 decode <= 1.4 ms/token (bf16 2.31 measured before); offline >= 1.25x bf16",
@@ -86,6 +95,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["run", "summary"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    p.add_argument("--fp8-tiles", help="fp8_best_tiles.json of fp8_products.py: run FP8 with those tiles")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     run(a) if a.mode == "run" else summary(a)

@@ -6,7 +6,9 @@
 #   products each qwen3-4b product at M = 1-64 rows, bf16 vs FP8 as shipped vs W8A8 (scripts/device/
 #           fp8_products.py, about 1 minute)
 #   bench   preset:qwen3-4b bf16, then --quantization fp8 (one process each): batch-1 decode ms/token and
-#           the default offline workload's output tok/s (scripts/device/bench_fp8.py)
+#           the default offline workload's output tok/s (scripts/device/bench_fp8.py); then fp8 again with
+#           the products stage's fastest single-token tiles where they beat the shipped ones
+#           ($OUT/fp8_best_tiles.json)
 # The summary table is printed last and saved as $OUT/SUMMARY-fp8.md, with the error lines of any failed
 # test. Carry .whl/srv: tests/test_fp8.py (the CLI) and test_real_model, which the kernel tests import,
 # need the server's packages (fastapi, uvicorn), installed from those wheels where the machine lacks them.
@@ -42,7 +44,11 @@ for stage in $STAGES; do
       for q in none fp8; do
         python scripts/device/bench_fp8.py run --quantization $q --out "$OUT" > "$OUT/fp8_bench_$q.log" 2>&1 \
           || { status=1; tail -20 "$OUT/fp8_bench_$q.log"; { echo "bench $q failed:"; tail -5 "$OUT/fp8_bench_$q.log"; } >> "$OUT/SUMMARY-fp8.md"; }
-      done ;;
+      done
+      if [ -s "$OUT/fp8_best_tiles.json" ] && [ "$(cat "$OUT/fp8_best_tiles.json")" != "[]" ]; then
+        python scripts/device/bench_fp8.py run --quantization fp8 --fp8-tiles "$OUT/fp8_best_tiles.json" --out "$OUT" \
+          > "$OUT/fp8_bench_swept.log" 2>&1 || { status=1; tail -20 "$OUT/fp8_bench_swept.log"; }
+      fi ;;
   esac
   echo "stage $stage: $((SECONDS - t0)) s"
 done

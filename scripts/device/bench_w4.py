@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "kernels"))
 
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-ROWS = (1, 4, 8, 16, 256)
+ROWS = tuple(int(m) for m in os.environ.get("W4_ROWS", "1,4,8,16,256").split(","))   # the last: the dequantize row
 CALLS = 20
 
 
@@ -67,7 +67,8 @@ def micro(out_dir: str) -> list[dict]:
     from tokenmill.layers.kernels import gemv, w4_gemm
     gen = torch.Generator().manual_seed(0)
     gemv_tiles = [w4_gemm.W4GemvTile(*t) for t in ((4, 128, 1), (8, 128, 1), (16, 128, 1), (4, 256, 2),
-                                                   (8, 256, 2), (16, 256, 2), (8, 512, 4))]
+                                                   (8, 256, 2), (16, 256, 2), (8, 512, 4), (4, 512, 4),
+                                                   (16, 512, 4), (8, 1024, 8), (4, 1024, 8))]
     rows = []
     for name, (n, k) in SHAPES.items():
         (qweight, scales, zeros), _ = _layer("awq", n, k, 128, 1)

@@ -6,11 +6,15 @@ Per shape and M input rows: bf16 (M = 1: the single-token product `gemv.fused_li
 FP8 as shipped (`fp8_linear`; M = 1: `gemv.fused_linear` with the scales), and for M <= FEW_ROWS also the
 W8A8 path (`quantize_rows` + `_scaled_mm`) that larger batches take, so that the few-row kernel's range can
 be judged. Microseconds per product inside one CUDA graph over COPIES weight copies (weights from HBM),
-checked against the dequantized float32 product before being timed.
+checked against the dequantized float32 product before being timed (W8A8 against the product of the
+row-quantized input). At M = 1 it also times the single-token product with each of CANDIDATES' tiles and
+writes the fastest per shape, where it beats the shipped tile by over 3%, to DIR/fp8_best_tiles.json
+(bench_fp8.py --fp8-tiles runs a model with them: `KernelConfig.fp8_tiles`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -19,6 +23,17 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 ROWS = (1, 2, 4, 8, 16, 64)
 COPIES = 8
+SILU = {"gate_up": True}
+
+
+def candidates():
+    from tokenmill.layers.kernel_config import RegisterTile, WholeRowTile
+    whole = [WholeRowTile(bn, w, p) for bn, w, p in ((1, 4, 6), (2, 4, 5), (4, 4, 5), (4, 8, 4), (8, 8, 3),
+                                                    (2, 8, 4), (1, 8, 4), (1, 16, 2), (2, 16, 2), (4, 16, 2))]
+    reg = [RegisterTile(bn, bk, w, p) for bn, bk, w, p in ((4, 1024, 4, 8), (4, 2048, 4, 8), (8, 1024, 4, 6),
+                                                           (2, 2048, 4, 8), (8, 2048, 8, 4), (16, 1024, 8, 4),
+                                                           (2, 4096, 8, 4), (1, 4096, 8, 6))]
+    return whole + reg
 
 
 def graph_us(fns, reps: int = 20) -> float:
@@ -48,6 +63,7 @@ def main(args) -> None:
     from tokenmill.layers.kernels.fp8_gemm import FEW_ROWS, fp8_linear, quantize_rows
     from tokenmill.quant import fp8
 
+    sweep, lines_sweep, best_tiles = {}, [], []
     lines = ["## FP8 products vs bf16, qwen3-4b shapes (us per product, weights from HBM)", "",
              "| product | M | bf16 us | fp8 shipped us | fp8 W8A8 us | bf16 / fp8 shipped |", "|---|---|---|---|---|---|"]
     for name, (n, k) in SHAPES.items():
@@ -67,13 +83,39 @@ def main(args) -> None:
             def w8a8(q, s):
                 xq, xs = quantize_rows(x)
                 return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype)
-            want = x.float() @ fp8.dequantize(*qs[0], (1, k)).t()
-            for label, fn in (("fp8 shipped", fp8_fn), ("W8A8", w8a8)):
-                err = ((fn(*qs[0]).float() - want).abs().max() / want.abs().mean()).item()
+            w_ref = fp8.dequantize(*qs[0], (1, k)).t()
+            want = x.float() @ w_ref
+            xq, xs = quantize_rows(x)
+            want_q = (xq.float() * xs) @ w_ref
+            for label, fn, ref in (("fp8 shipped", fp8_fn, want), ("W8A8", w8a8, want_q)):
+                err = ((fn(*qs[0]).float() - ref).abs().max() / ref.abs().mean()).item()
                 if err > 0.1:
                     raise SystemExit(f"{name} M={m} {label}: relative error {err:.3f}")
             bf16_us = graph_us([lambda w=w: bf16_fn(w) for w in bf])
             fp8_us = graph_us([lambda q=q: fp8_fn(*q) for q in qs])
+            if m == 1:
+                sweep[name] = swept = {}
+                for tile in candidates():
+                    run = lambda q, s, t=tile: gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, k), tile=t,
+                                                                 silu=SILU.get(name, False))[0]
+                    try:
+                        got = run(*qs[0]).float()
+                        ref = want if name not in SILU else F.silu(want[:, :n // 2]) * want[:, n // 2:]
+                        if (got - ref).abs().max() / ref.abs().max() > 0.02:
+                            swept[repr(tile)] = "WRONG"
+                            continue
+                        swept[repr(tile)] = graph_us([lambda q=q: run(*q) for q in qs])
+                    except Exception as e:       # a tile that does not fit the shape: named, not fatal
+                        swept[repr(tile)] = f"ERROR {type(e).__name__}: {str(e)[:100]}"
+                timed = {t: v for t, v in swept.items() if isinstance(v, float)}
+                shipped = graph_us([lambda q=q, s=s: gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, k),
+                                                                  silu=SILU.get(name, False))[0] for q, s in qs])
+                best = min(timed, key=timed.get) if timed else None
+                lines_sweep.append(f"| {name} {n}x{k} | {shipped:.2f} | {best} | "
+                                   f"{timed[best]:.2f} | {shipped / timed[best]:.2f}x |" if best else
+                                   f"| {name} | {shipped:.2f} | none | - | - |")
+                if best and timed[best] < shipped / 1.03:
+                    best_tiles.append([[n, k, SILU.get(name, False)], best])
             w8a8_us = graph_us([lambda q=q: w8a8(*q) for q in qs]) if 1 < m <= FEW_ROWS else None
             lines.append(f"| {name} {n}x{k} | {m} | {bf16_us:.2f} | {fp8_us:.2f} | "
                          f"{'-' if w8a8_us is None else f'{w8a8_us:.2f}'} | {bf16_us / fp8_us:.2f}x |")
@@ -81,7 +123,14 @@ def main(args) -> None:
         torch.cuda.empty_cache()
     lines += ["", f"M = 1: single-token products; 1 < M <= {FEW_ROWS}: the few-row W8A16 kernel (shipped) "
               "beside W8A8; larger M: W8A8 (shipped)"]
+    lines += ["", "## M = 1 single-token FP8 tiles (us, with SiLU-and-mul for gate_up)", "",
+              "| product | shipped us | best tile | best us | shipped / best |", "|---|---|---|---|---|",
+              *lines_sweep]
     text = "\n".join(lines)
+    with open(os.path.join(args.out, "fp8_best_tiles.json"), "w") as f:
+        json.dump(best_tiles, f)
+    with open(os.path.join(args.out, "fp8_tile_sweep.json"), "w") as f:
+        json.dump(sweep, f, indent=1)
     print(text)
     with open(os.path.join(args.out, "fp8_products.md"), "w") as f:
         f.write(text + "\n")

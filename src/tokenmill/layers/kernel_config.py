@@ -55,6 +55,9 @@ SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
 }.items())
 
+# the FP8 products' measured tiles, where they beat `gemv.fp8_tile` of the 16-bit tile
+SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = ()
+
 
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
@@ -88,17 +91,25 @@ class PrefillAttentionConfig:
 @dataclass(frozen=True)
 class KernelConfig:
     """`tiles`: ((N, K, silu), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
-    immutable and pickles with `EngineConfig` into the engine core's process."""
+    immutable and pickles with `EngineConfig` into the engine core's process. `fp8_tiles`: the same for
+    products with FP8 weights; a shape not there takes `gemv.fp8_tile` of its 16-bit tile."""
     tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_TILES
+    fp8_tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_FP8_TILES
     default_tile: RegisterTile = RegisterTile(block_n=4, block_k=1024, num_warps=4, programs_per_sm=8)
     decode_attention: DecodeAttentionConfig = field(default_factory=DecodeAttentionConfig)
     prefill_attention: PrefillAttentionConfig = field(default_factory=PrefillAttentionConfig)
 
     def __post_init__(self):
-        if isinstance(self.tiles, Mapping):
-            object.__setattr__(self, "tiles", tuple(self.tiles.items()))
+        for name in ("tiles", "fp8_tiles"):
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, tuple(getattr(self, name).items()))
         object.__setattr__(self, "_by_shape", dict(self.tiles))
+        object.__setattr__(self, "_fp8_by_shape", dict(self.fp8_tiles))
 
     def tile(self, n: int, k: int, silu: bool) -> Tile:
         """The tile for a product with weight [n, k] (SiLU-and-mul after it when `silu`)."""
         return self._by_shape.get((n, k, silu), self.default_tile)
+
+    def fp8_tile(self, n: int, k: int, silu: bool) -> Tile | None:
+        """The measured tile for that product with FP8 weights, or None."""
+        return self._fp8_by_shape.get((n, k, silu))

@@ -366,7 +366,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     An FP8 weight (float8_e4m3fn) comes with `weight_scale` (float32 [ceil(N / bn), ceil(K / bk)]) and
     `weight_block` (bn, bk): W = weight * weight_scale of its block, (1, K) being per output channel. Its
-    tile is `fp8_tile` of the shape's tile (an explicit `tile` runs as given).
+    tile is the shape's in `kernels.fp8_tiles`, else `fp8_tile` of its 16-bit tile (an explicit `tile` runs as
+    given).
 
     `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
     x[ids], gathered by the kernel, which also returns them as residual_out."""
@@ -397,7 +398,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     explicit = tile is not None
     tile = tile if explicit else kernels.tile(n, k, silu)
     if scale_mode != NO_SCALE and not explicit:
-        tile = fp8_tile(tile, kernels)
+        tile = kernels.fp8_tile(n, k, silu) or fp8_tile(tile, kernels)
     if isinstance(tile, SmemTile) and ids is not None:   # that kernel reads its input as given: gather first
         return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
                             tile=tile if explicit else None, kernels=kernels, weight_scale=weight_scale,

@@ -63,15 +63,18 @@ DEQUANT_TILE = W4DequantTile(block_n=8, block_w=128, num_warps=4)     # 8 KB of 
 
 
 def gemv_tile(n: int, k: int, m: int, device: torch.device) -> W4GemvTile:
-    """A chunk of 128 words a row per warp, two warps where N is narrow so that the whole GPU still
-    has about 40 KB of weights in flight per SM (this chunk and the next); then the most rows per
-    program (they share each thread's inputs; 16 for up to 2 x rows and 8 for 4, where 16 would
-    spill registers) that still give every SM about four programs."""
+    """Measured on an H200 (docs/BENCHMARKS.md, W4A16 products): products of up to 8192 rows take four
+    warps of 8 rows a program, a row's K in chunks of 512 words, at one input row and wherever K is long
+    (>= 8192), where many warps per program hide the loads' latency that few programs per SM leave
+    exposed. Otherwise a chunk of 128 words a row per warp, two warps where N is narrow so that the
+    whole GPU still has about 40 KB of weights in flight per SM (this chunk and the next), and 8 rows a
+    program (they share each thread's inputs; 16 spill registers at 4 rows) while every SM still gets
+    about four programs, else 4."""
+    if n <= 8192 and (m == 1 or k >= 8192):
+        return W4GemvTile(block_n=8, block_w=512, num_warps=4)
     sms = _num_sms(device)
     warps = 1 if n * 128 * 4 * 2 >= 40 * 1024 * sms else 2
-    block_n = 16 if m <= 2 else 8
-    while block_n > 4 and triton.cdiv(n, block_n) < 4 * sms:
-        block_n //= 2
+    block_n = 8 if triton.cdiv(n, 8) >= 4 * sms else 4
     return W4GemvTile(block_n=block_n, block_w=128 * warps, num_warps=warps)
 
 

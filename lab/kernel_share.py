@@ -1,0 +1,61 @@
+"""Where the GPU's time goes in an offline run: CUDA kernel time by kernel name, from torch.profiler, over
+the whole `generate` of a random workload (the default offline workload's shape, fewer requests).
+
+    PYTHONPATH=src python lab/kernel_share.py preset:qwen3-4b --label auto --out DIR [engine args as
+        key=value, e.g. kv_cache_dtype=fp8]
+
+Writes DIR/kernels-LABEL.json (name -> [total ms, calls]) and prints the top kernels with their share.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--label", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("engine_args", nargs="*")
+    args = p.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.datasets import random_requests, special_token_ids
+    from tokenmill.models.presets import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    extra = {k: (int(v) if v.isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_args)}
+    llm = LLM(path, **extra)
+    requests = random_requests(args.num_prompts, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts = [r.prompt_token_ids for r in requests]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)          # compiles outside the profile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    table = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+            ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
+            if ms > 0:
+                table[e.key] = [ms, e.count]
+    total = sum(v[0] for v in table.values())
+    with open(os.path.join(args.out, f"kernels-{args.label}.json"), "w") as f:
+        json.dump(dict(wall_s=wall, kernel_ms=total, kernels=table), f, indent=1)
+    print(f"## {args.label}: wall {wall:.2f} s (profiled), kernel time {total / 1e3:.2f} s")
+    for name, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"| {name[:70]} | {ms:.0f} ms | {n} | {100 * ms / total:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
