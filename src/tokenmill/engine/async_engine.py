@@ -8,21 +8,21 @@ Own process vs thread (docs/SERVER.md has the numbers): on 2 CPU cores with a ti
 served the same requests per second, the step being the bottleneck. The process is the default so
 that, where steps are short (GPU), the HTTP side's JSON/SSE work never holds the engine's
 interpreter lock; `in_process=True` keeps the thread variant for debugging and comparison.
+
+An `AsyncLLM` starts a core of its own (`EngineCore`), or is the client of one that another process
+started (`CoreClient`: with `--api-server-count N` the server's parent starts a core with N pipes).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from tokenmill.engine.core_proc import (
-    AbortRequests, AddRequest, CoreFatal, CoreReady, CoreUpdate, Shutdown, StopSequences, run_engine_core,
-)
+from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
+from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParamError
@@ -30,10 +30,6 @@ from tokenmill.sampling_params import SamplingParamError
 
 class EngineDeadError(RuntimeError):
     """The engine core process exited or crashed; no request can be served any more."""
-
-
-class EngineStartError(RuntimeError):
-    pass
 
 
 class RequestAbortedError(RuntimeError):
@@ -53,7 +49,10 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, config, *, engine_factory: str | None = None, in_process: bool = False,
-                 startup_timeout: float = 600.0, on_output: Callable | None = None):
+                 startup_timeout: float = 600.0, on_output: Callable | None = None,
+                 client: CoreClient | None = None):
+        """Starts an engine core of its own, or, given `client`, uses a core another process owns (and
+        only leaves it at shutdown)."""
         self.config = config
         self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, now)
         self._streams: dict[str, _Stream] = {}
@@ -66,32 +65,16 @@ class AsyncLLM:
         self.dead: str | None = None       # why the engine is gone, once it is
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._shutdown = False
-        self._handles = itertools.count()
 
-        ours, theirs = mp.Pipe(duplex=True)
-        self._conn = ours
-        if in_process:
-            self._proc = threading.Thread(target=run_engine_core, args=(config, theirs, engine_factory, False),
-                                          daemon=True, name="engine-core")
-        else:
-            ctx = mp.get_context("spawn")
-            self._proc = ctx.Process(target=run_engine_core, args=(config, theirs, engine_factory),
-                                     daemon=True, name="tokenmill-engine-core")
-        self._proc.start()
-        if not in_process:
-            theirs.close()
-        if not self._conn.poll(startup_timeout):
-            self._kill()
-            raise EngineStartError(f"engine core did not start within {startup_timeout} s")
-        try:
-            msg = self._conn.recv()
-        except EOFError:
-            self._kill()
-            raise EngineStartError("engine core exited during start-up") from None
-        if isinstance(msg, CoreFatal):
-            self._kill()
-            raise EngineStartError(f"engine core failed to start:\n{msg.message}")
-        assert isinstance(msg, CoreReady), msg
+        self._core: EngineCore | None = None
+        if client is None:
+            self._core = EngineCore(config, engine_factory=engine_factory, in_process=in_process,
+                                    startup_timeout=startup_timeout)
+            client = self._core.clients[0]
+        self._conn = client.conn
+        self._handles = itertools.count(client.index, client.count)
+        msg = client.ready
+        self._core_pid = msg.pid
         self.model_name: str = msg.model_name
         self.max_model_len: int = msg.max_model_len
         self.vocab_size: int | None = msg.vocab_size
@@ -127,19 +110,14 @@ class AsyncLLM:
             self._conn.send([Shutdown()])
         except (OSError, ValueError):
             pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._kill()
+        if self._core is not None:
+            self._core.join(timeout)
         self._conn.close()
-
-    def _kill(self):
-        if isinstance(self._proc, mp.process.BaseProcess) and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
 
     @property
     def pid(self) -> int | None:
-        return getattr(self._proc, "pid", None)
+        """The engine core's process id (None when it runs in a thread of this process)."""
+        return self._core.pid if self._core is not None else self._core_pid
 
     # ----- requests --------------------------------------------------------------------------
     @property

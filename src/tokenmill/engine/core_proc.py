@@ -1,9 +1,10 @@
-"""The engine-core loop: owns an `LLMEngine` and talks to its client over one duplex pipe.
+"""The engine-core loop: owns an `LLMEngine` and talks to its clients, one duplex pipe each.
 
-Both directions are batched so that one engine step costs one poll of the pipe and one send:
-the client sends a list of commands per event-loop tick, and the core answers each step with a
-single `CoreUpdate` holding the step's report (`StepOutputs`: new token ids as arrays), every rejected
-request and fresh stats. The client (`AsyncLLM`) turns reports into text and cumulative outputs.
+Both directions are batched so that one engine step costs one poll of the pipes and one send per
+client: a client sends a list of commands per event-loop tick, and the core answers each step with a
+single `CoreUpdate` holding the client's part of the step's report (`StepOutputs`: new token ids as
+arrays), its rejected requests and fresh stats. A client (`AsyncLLM`) turns reports into text and
+cumulative outputs. There is one client per API server process (`--api-server-count`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from tokenmill.engine.step_outputs import StepOutputs
@@ -29,7 +30,7 @@ class AddRequest:
     params: Any
     priority: int = 0
     arrival_time: float | None = None
-    handle: int = 0                 # the number by which reports name the request
+    handle: int = 0                 # the number by which reports name the request (see `_Client`)
     carries_tools: bool = False
 
 
@@ -45,7 +46,7 @@ class AbortRequests:
 
 @dataclass
 class Shutdown:
-    pass
+    pass                            # the client leaves; the core stops once every client has
 
 
 # Messages, core -> client.
@@ -84,72 +85,146 @@ def _vocab_size(engine) -> int | None:
     return None
 
 
-def _handle(engine, cmd, update: CoreUpdate) -> bool:
-    """Apply one command; returns False on shutdown."""
-    if isinstance(cmd, AddRequest):
-        try:
-            engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                               arrival_time=cmd.arrival_time, handle=cmd.handle, carries_tools=cmd.carries_tools)
-        except (ValueError, TypeError) as e:
-            update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
-    elif isinstance(cmd, StopSequences):
-        engine.stop_sequences(cmd.sequences)
-    elif isinstance(cmd, AbortRequests):
-        engine.abort_request(cmd.request_ids)
-    elif isinstance(cmd, Shutdown):
-        return False
-    return True
+class _Client:
+    """One client's pipe and the requests it has in the engine, to abort them if its pipe closes.
+
+    Of K clients, client c allocates the handles c, c + K, c + 2K, ..., so a report is split by
+    `handle % K` (`StepOutputs.split`). Its request ids reach the engine prefixed with "c:" when K > 1, so
+    that ids of different clients never collide. A request is forgotten here once each of its sequences
+    has finished (reported by the engine, or stopped by the client) or the client aborted it."""
+
+    def __init__(self, index: int, num_clients: int, conn: Connection):
+        self.index, self.num_clients, self.conn = index, num_clients, conn
+        self.prefix = f"{index}:" if num_clients > 1 else ""
+        self.live: dict[int, tuple[str, int, set[int]]] = {}   # handle -> (request id, n, finished indexes)
+        self.handles: dict[str, int] = {}                     # request id -> handle
+
+    def apply(self, engine, cmd, update: CoreUpdate) -> bool:
+        """Applies one command; returns False when the client leaves."""
+        prefix = self.prefix
+        if isinstance(cmd, AddRequest):
+            try:
+                if cmd.handle % self.num_clients != self.index:
+                    raise ValueError(f"handle {cmd.handle} is not client {self.index}'s of {self.num_clients}")
+                engine.add_request(prefix + cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                                   arrival_time=cmd.arrival_time, handle=cmd.handle,
+                                   carries_tools=cmd.carries_tools)
+            except (ValueError, TypeError) as e:
+                update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
+            else:
+                self.live[cmd.handle] = (cmd.request_id, getattr(cmd.params, "n", 1) or 1, set())
+                self.handles[cmd.request_id] = cmd.handle
+        elif isinstance(cmd, StopSequences):
+            engine.stop_sequences([(prefix + rid, index) for rid, index in cmd.sequences])
+            for rid, index in cmd.sequences:
+                self._finished(self.handles.get(rid), index)
+        elif isinstance(cmd, AbortRequests):
+            engine.abort_request([prefix + rid for rid in cmd.request_ids])
+            for rid in cmd.request_ids:
+                handle = self.handles.pop(rid, None)
+                self.live.pop(handle, None)
+        elif isinstance(cmd, Shutdown):
+            return False
+        return True
+
+    def reported(self, outputs: StepOutputs) -> None:
+        for handle, index, *_ in outputs.finished:
+            self._finished(handle, index)
+
+    def _finished(self, handle: int | None, index: int) -> None:
+        entry = self.live.get(handle)
+        if entry is None:
+            return
+        rid, n, done = entry
+        done.add(index)
+        if len(done) >= n:
+            del self.live[handle]
+            self.handles.pop(rid, None)
+
+    def leave(self, engine) -> None:
+        """The client is gone: its requests are aborted, which frees their blocks."""
+        engine.abort_request([self.prefix + rid for rid in self.handles])
+        self.live.clear()
+        self.handles.clear()
+        self.conn.close()
 
 
-def run_engine_core(config, conn: Connection, engine_factory: str | None = None,
+def run_engine_core(config, conns: Connection | list[Connection], engine_factory: str | None = None,
                     ignore_sigint: bool = True) -> None:
-    """Process entry point: build the engine, announce it, then step until told to stop."""
+    """Process entry point: build the engine, announce it on every pipe, then step until every client
+    has left (`Shutdown`, or its pipe closed)."""
+    conns = [conns] if isinstance(conns, Connection) else list(conns)
     if ignore_sigint:
         # The server process decides when to stop (it drains first); it tells us over the pipe.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if ignore_sigint and "OMP_NUM_THREADS" not in os.environ:
-        # Leave a core to the HTTP process: oversubscribed OpenMP threads spin and made CPU steps
+        # Leave a core to each API server process: oversubscribed OpenMP threads spin and made CPU steps
         # ~25x slower in our measurements (docs/SERVER.md).
         import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - len(conns)))
     try:
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
-        conn.send(CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
-                            tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
-                            vocab_size=_vocab_size(engine)))
+        ready = CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
+                          tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
+                          vocab_size=_vocab_size(engine))
     except BaseException:
-        conn.send(CoreFatal(traceback.format_exc()))
+        fatal = CoreFatal(traceback.format_exc())
+        for conn in conns:
+            _send(conn, fatal)
         raise SystemExit(1)
+    clients = [_Client(i, len(conns), conn) for i, conn in enumerate(conns)]
+    for client in clients:
+        _send(client.conn, ready)
     try:
-        _loop(engine, conn)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return                          # the client is gone; nothing left to serve
+        _loop(engine, clients)
     except BaseException:
-        try:
-            conn.send(CoreFatal(traceback.format_exc()))
-        except Exception:
-            pass
+        fatal = CoreFatal(traceback.format_exc())
+        for client in clients:
+            _send(client.conn, fatal)
         raise SystemExit(1)
 
 
-def _loop(engine, conn: Connection) -> None:
-    running = True
-    while running:
-        update = CoreUpdate()
+def _send(conn: Connection, msg) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except OSError:                         # the client is gone (its pipe is closed)
+        return False
+
+
+def _loop(engine, clients: list[_Client]) -> None:
+    num_clients = len(clients)
+    live = {client.conn: client for client in clients}
+    while live:
         busy = engine.has_unfinished_requests()
         # Block while idle; while busy, only drain what has already arrived.
-        received = False
-        while conn.poll(0 if (busy or received) else None):
-            received = True
-            for cmd in conn.recv():
-                if not _handle(engine, cmd, update):
-                    running = False
-        if not running:
+        updates: dict[_Client, CoreUpdate] = {}
+        for conn in wait(list(live), 0 if busy else None):
+            client = live[conn]
+            update = updates[client] = CoreUpdate()
+            try:
+                while conn.poll(0):
+                    for cmd in conn.recv():
+                        if not client.apply(engine, cmd, update):
+                            raise EOFError
+            except (EOFError, OSError):
+                del live[conn]
+                client.leave(engine)
+        if not live:
             break
         outputs = engine.step() if engine.has_unfinished_requests() else None
-        update.outputs = outputs or None
-        if received or outputs or busy:
-            update.stats = engine.get_stats()
-            update.time = time.time()
-            conn.send(update)
+        parts = ([outputs] if num_clients == 1 else outputs.split(num_clients)) if outputs else None
+        stats = engine.get_stats() if (updates or outputs or busy) else None
+        now = time.time()
+        for conn, client in list(live.items()):
+            part = parts[client.index] if parts is not None else None
+            if part:
+                client.reported(part)
+            update = updates.get(client)
+            if update is not None or part or busy:
+                update = update or CoreUpdate()
+                update.outputs, update.stats, update.time = part or None, stats, now
+                if not _send(conn, update):
+                    del live[conn]
+                    client.leave(engine)

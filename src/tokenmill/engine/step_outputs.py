@@ -40,6 +40,29 @@ class StepOutputs:
     def __bool__(self) -> bool:
         return bool(len(self.tokens) or self.started or self.finished)
 
+    def split(self, num_clients: int) -> list[StepOutputs]:
+        """The report as each of `num_clients` frontends sees it: client c owns the handles h with
+        h % num_clients == c (each allocates its handles so). Rows keep their order; the row numbers in
+        `logprobs` and `finished` are renumbered into each part. The token arrays are split by NumPy
+        masks; only the events (a few per request, not per token) are looped over."""
+        owner = self.handles % num_clients
+        rows = [np.flatnonzero(owner == c) for c in range(num_clients)]
+        # a row's number within its own part
+        local = np.empty(len(owner), np.int64)
+        for r in rows:
+            local[r] = np.arange(len(r))
+        parts = [StepOutputs(self.handles[r], self.indexes[r], self.tokens[r]) for r in rows]
+        for event in self.started:
+            parts[event[0] % num_clients].started.append(event)
+        for handle, index, reason, stop_reason, row in self.finished:
+            parts[handle % num_clients].finished.append(
+                (handle, index, reason, stop_reason, int(local[row]) if row >= 0 else -1))
+        for row, entry in self.logprobs.items():
+            parts[int(owner[row])].logprobs[int(local[row])] = entry
+        for event in self.prompt_logprobs:
+            parts[event[0] % num_clients].prompt_logprobs.append(event)
+        return parts
+
 
 class StepOutputsBuilder:
     """Gathers one step's report as it is processed (possibly over two processed steps)."""

@@ -1,0 +1,89 @@
+"""Starting the engine-core process, and what a frontend needs to be one of its clients.
+
+The core serves one duplex pipe per client (core_proc.py). `EngineCore` starts it with `num_clients`
+pipes and waits for its announcement (`CoreReady`) on each; `AsyncLLM` starts one with a single pipe, and
+`tokenmill serve --api-server-count N` starts one with N and hands each API server process its
+`CoreClient`.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from tokenmill.engine.core_proc import CoreFatal, CoreReady, run_engine_core
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class CoreClient:
+    """What one frontend needs to use a running engine core: its pipe, the core's announcement and its
+    place among the core's clients (it allocates the handles `index + count * k`). Picklable into a
+    spawned process: the pipe travels as a descriptor."""
+    conn: Connection
+    ready: CoreReady
+    index: int = 0
+    count: int = 1
+
+
+class EngineCore:
+    """The engine-core process (or a thread, `in_process`), started and ready, serving `num_clients`
+    pipes (`clients`). It stops once every client has sent `Shutdown` or closed its pipe."""
+
+    def __init__(self, config, *, num_clients: int = 1, engine_factory: str | None = None,
+                 in_process: bool = False, startup_timeout: float = 600.0):
+        pairs = [mp.Pipe(duplex=True) for _ in range(num_clients)]
+        ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+        if in_process:
+            self._proc = threading.Thread(target=run_engine_core, args=(config, theirs, engine_factory, False),
+                                          daemon=True, name="engine-core")
+        else:
+            ctx = mp.get_context("spawn")
+            self._proc = ctx.Process(target=run_engine_core, args=(config, theirs, engine_factory),
+                                     daemon=True, name="tokenmill-engine-core")
+        self._proc.start()
+        if not in_process:
+            for conn in theirs:
+                conn.close()
+        deadline = time.monotonic() + startup_timeout
+        try:
+            self.clients = [CoreClient(conn, self._ready(conn, deadline, startup_timeout), i, num_clients)
+                            for i, conn in enumerate(ours)]
+        except EngineStartError:
+            self.kill()
+            for conn in ours:
+                conn.close()
+            raise
+
+    @staticmethod
+    def _ready(conn: Connection, deadline: float, startup_timeout: float) -> CoreReady:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise EngineStartError(f"engine core did not start within {startup_timeout} s")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            raise EngineStartError("engine core exited during start-up") from None
+        if isinstance(msg, CoreFatal):
+            raise EngineStartError(f"engine core failed to start:\n{msg.message}")
+        assert isinstance(msg, CoreReady), msg
+        return msg
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self._proc, "pid", None)
+
+    def join(self, timeout: float) -> None:
+        """Waits for the core to stop (its clients have left), killing it after `timeout`."""
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self.kill()
+
+    def kill(self):
+        if isinstance(self._proc, mp.process.BaseProcess) and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
