@@ -110,7 +110,26 @@ def _serve(args) -> int:
                       max_queue_len=args.max_queue_len, log_level=args.log_level,
                       engine_factory=args.engine_factory, in_process=args.engine_in_process,
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
-                      log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args))
+                      log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args),
+                      api_server_count=args.api_server_count)
+
+
+def api_server_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (one API server process), got {value}")
+    return value
+
+
+def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
+    if args.api_server_count > 1 and args.engine_in_process:
+        parser.error("--engine-in-process runs the engine in the API server's process, so it cannot serve "
+                     f"--api-server-count {args.api_server_count}")
+    if args.api_server_count > 1 and args.backend != "tokenmill":
+        parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
 
 
 def add_chat_args(p: argparse.ArgumentParser):
@@ -214,6 +233,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine loop in a thread of the server process (for debugging)")
+    serve.add_argument("--api-server-count", type=api_server_count, default=1,
+                       help="API server processes (HTTP, tokenizing, detokenizing, SSE) sharing the port in front "
+                            "of the one engine core; more than 1 where one process's HTTP work is the limit "
+                            "(docs/SERVER.md)")
     add_http_args(serve)
     add_chat_args(serve)
     add_engine_args(serve)
@@ -262,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve" and not args.served_model_name:
             args.served_model_name = [choice.name]
     if args.command == "serve":
+        check_serve_args(subs["serve"], args)
         return _serve(args)
     if args.command == "ui":
         from tokenmill.ui.launch import run_ui

@@ -3,12 +3,18 @@
 Gauges and counters mirror the engine core's cumulative stats and are read at scrape time by a
 collector; latency histograms are observed in the server process as outputs arrive. Everything
 lives in a per-server `CollectorRegistry`, never in the global default registry.
+
+With several API server processes (`--api-server-count`), prometheus_client runs in its multiprocess
+mode (PROMETHEUS_MULTIPROC_DIR, set by the parent before they start): each process writes its histograms
+and counters to files there, and a scrape of any process sums them all. The engine's gauges and counters
+come from the core's stats, the same in every process, so they are rendered by the scraped process alone.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,11 +71,16 @@ class ServerMetrics:
     """All metrics of one server; `observe_output` is the `AsyncLLM` output hook."""
 
     def __init__(self, model_name: str, get_stats: Callable[[], dict],
-                 extra: Callable[[], dict] | None = None):
+                 extra: Callable[[], dict] | None = None, multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        # multiprocess: this process's histograms and counters are read back from the directory's files,
+        # with every other process's, so they are registered nowhere
+        own = self.registry if multiprocess_dir is None else None
+        if multiprocess_dir is not None:
+            MultiProcessCollector(self.registry, path=multiprocess_dir)
         labels = ["model_name"]
-        kw = dict(labelnames=labels, registry=self.registry)
+        kw = dict(labelnames=labels, registry=own)
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds",
                               "Time from arrival to the first generated token.",
                               buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
@@ -81,9 +92,9 @@ class ServerMetrics:
         self.queue = Histogram("tokenmill:request_queue_time_seconds",
                                "Time from arrival to first scheduling.", buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
         self.finished = Counter("tokenmill:request_success", "Finished sequences (choices) by finish reason.",
-                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+                                labelnames=["model_name", "finished_reason"], registry=own)
         self.rejected = Counter("tokenmill:request_rejected", "Requests refused before reaching the engine.",
-                                labelnames=["model_name", "reason"], registry=self.registry)
+                                labelnames=["model_name", "reason"], registry=own)
         self.registry.register(_StatsCollector(get_stats, model_name, extra or dict))
 
     def observe_output(self, stream, out, now: float):

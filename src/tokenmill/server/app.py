@@ -59,13 +59,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
-              chat: ChatOptions = ChatOptions()) -> FastAPI:
+              chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
-    OpenAPI docs included; it is checked, like the body size, before any body is read."""
+    OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
+    the prometheus_client multiprocess directory that several API server processes share."""
     names = list(served_model_names or [engine.model_name])
     serving = Serving(engine, names, max_queue_len, vocab_size, chat)
     stats: dict = {}
-    metrics = ServerMetrics(names[0], lambda: stats)
+    metrics = ServerMetrics(names[0], lambda: stats, multiprocess_dir=metrics_dir)
     engine.on_output = metrics.observe_output
     created = int(time.time())
 

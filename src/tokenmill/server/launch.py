@@ -7,6 +7,9 @@ JSON 503, and the process exits within a few seconds. A third closes every conne
 Exit status: 0 after a drain, or a stop that cut nothing; 1 when the engine core died (after /health
 has answered 503 for `dead_grace_s`) or a stop cut requests, so that an orchestrator restarts the
 process. Signals that arrive while the process is already exiting change neither.
+
+With `api_server_count` > 1, server/api_servers.py runs several API server processes on one socket and one
+engine core, with the same signals and statuses; each of them serves through `serve` here.
 """
 from __future__ import annotations
 
@@ -126,22 +129,54 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """What each API server process serves with, beside its engine client and the listening socket."""
+    served_model_names: tuple[str, ...] | None = None
+    api_key: str | None = None
+    max_queue_len: int = 1024
+    log_level: str = "info"
+    dead_grace_s: float = 2.0
+    log_stats: bool = True
+    log_stats_interval: float = 10.0
+    log_requests: bool = False
+    http: HTTPOptions = HTTPOptions()
+    chat: object | None = None               # a serving.ChatOptions; None: the defaults
+    metrics_dir: str | None = None           # prometheus_client's multiprocess directory, when several serve
+
+
+def configure_logging(options: ServeOptions) -> None:
+    from tokenmill.server import stats_log
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    stats_log.enable_request_logging(options.log_requests)
+
+
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
-               http: HTTPOptions = HTTPOptions(), chat=None) -> int:
-    from tokenmill.server import stats_log
-    from tokenmill.server.app import build_app
-
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    stats_log.enable_request_logging(log_requests)
+               http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1) -> int:
+    """`api_server_count` > 1: that many API server processes share the socket and one engine core
+    (server/api_servers.py); 1 serves from this process."""
+    if api_server_count < 1:
+        raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
+    if api_server_count > 1 and in_process:
+        raise ValueError("the engine loop cannot run in a thread of the server process with several API servers")
+    options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
+                           log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat)
+    configure_logging(options)
     config.extra.setdefault("log_level", log_level)      # the engine core's process logs at this level too
     try:
         sock = bind(host, port)
     except OSError as e:
         print(f"tokenmill: {e.strerror}", file=sys.stderr, flush=True)
         return 1
+    if api_server_count > 1:
+        from tokenmill.server.api_servers import run_api_servers
+        try:
+            return run_api_servers(config, sock, host, options, api_server_count, engine_factory)
+        finally:
+            sock.close()
     try:
         engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
     except EngineStartError as e:
@@ -149,32 +184,48 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        from tokenmill.server.connections import protocol_with_header_timeout
-        app = build_app(engine, served_model_names=served_model_names, api_key=api_key,
-                        max_queue_len=max_queue_len, vocab_size=engine.vocab_size, model_path=config.model,
-                        max_request_body_bytes=http.max_request_body_bytes,
-                        allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
-                        allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
-                        **({"chat": chat} if chat is not None else {}))
-        server = _Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=http.timeout_keep_alive,
-                                        http=protocol_with_header_timeout(http.header_timeout),
-                                        limit_concurrency=http.limit_concurrency,
-                                        timeout_graceful_shutdown=30, access_log=False),
-                         app.state.serving, engine, dead_grace_s)
-        bound = sock.getsockname()
-        print(f"tokenmill: serving {engine.model_name} on http://{host}:{bound[1]} (engine pid {engine.pid})",
-              flush=True)
-        # uvicorn handles signals while it serves and restores these afterwards: a signal that comes
-        # while the process exits must not kill it with a status of its own. (SIG_IGN, unlike a Python
-        # handler, also holds through the interpreter's finalization.)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        # uvloop: the event loop carries every stream's tokens and SSE writes, and its loop is several
-        # times cheaper per callback than asyncio's
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, log_stats,
-                                                  log_stats_interval))
-        return server.exit_code
+        return serve(engine, sock, options, _Server,
+                     lambda: announce(engine.model_name, host, sock.getsockname()[1], engine.pid))
     finally:
         engine.shutdown()
         sock.close()
+
+
+def announce(model_name: str, host: str, port: int, engine_pid: int | None) -> None:
+    print(f"tokenmill: serving {model_name} on http://{host}:{port} (engine pid {engine_pid})", flush=True)
+
+
+def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_class=None,
+          on_serving=None) -> int:
+    """Serves the app on `sock` with uvicorn until it exits; returns the exit status. `server_class`:
+    `_Server` or a subclass; `on_serving` is called once the server is built, before it serves."""
+    from tokenmill.server import stats_log
+    from tokenmill.server.app import build_app
+    from tokenmill.server.connections import protocol_with_header_timeout
+
+    http = options.http
+    app = build_app(engine, served_model_names=list(options.served_model_names or []) or None,
+                    api_key=options.api_key, max_queue_len=options.max_queue_len, vocab_size=engine.vocab_size,
+                    model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
+                    allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
+                    allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
+                    metrics_dir=options.metrics_dir,
+                    **({"chat": options.chat} if options.chat is not None else {}))
+    server = (server_class or _Server)(
+        uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
+                       http=protocol_with_header_timeout(http.header_timeout),
+                       limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False),
+        app.state.serving, engine, options.dead_grace_s)
+    if on_serving is not None:
+        on_serving()
+    # uvicorn handles signals while it serves and restores these afterwards: a signal that comes
+    # while the process exits must not kill it with a status of its own. (SIG_IGN, unlike a Python
+    # handler, also holds through the interpreter's finalization.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    # uvloop: the event loop carries every stream's tokens and SSE writes, and its loop is several
+    # times cheaper per callback than asyncio's
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(stats_log.serve_with_stats(server.serve(sockets=[sock]), engine, options.log_stats,
+                                              options.log_stats_interval))
+    return server.exit_code

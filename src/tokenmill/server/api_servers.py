@@ -1,0 +1,225 @@
+"""`--api-server-count N`: N API server processes in front of one engine core.
+
+One API server process (FastAPI, uvicorn, uvloop) tops out around 20-25K SSE chunks a second
+(lab/sse_harness_probe.py); past that its streams' chunks bunch up and inter-token latency grows. Here the
+parent process binds the socket and starts the engine core once, with one pipe per API server, then
+starts N API server processes (spawn), each serving the same app on the inherited listening socket and
+talking to the core over its own pipe. Each new connection goes to whichever process accepts it first.
+
+The parent alone takes signals. Its k-th SIGTERM/SIGINT is passed to every API server over a control
+pipe as "act as if you had received k" (1: drain, 2: stop at once, 3: close every connection), so a signal
+sent to the whole process group still counts once. Exit status: 0 once every API server has exited 0
+after a signal; 1 when one exited unasked (the others are then stopped at once) or exited 1 (it cut
+requests, or the engine core died). The core stops when its last client has left. An API server whose
+parent is gone (its control pipe closes) stops at once.
+
+Metrics: the API servers share a prometheus_client multiprocess directory (engine/metrics.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError
+from tokenmill.server.launch import ServeOptions, _Server, announce, configure_logging, serve
+
+log = logging.getLogger("tokenmill.server")
+
+_READY = "ready"
+_STOP_NOW = 2          # the signal count at which an API server cuts its requests
+_KILL_AFTER_S = 15.0   # an API server told to stop at once that is still alive after this is killed
+
+
+class _ApiServer(_Server):
+    """An API server under the parent: signal counts arrive over the control pipe, not as signals."""
+
+    def __init__(self, config, serving, engine, dead_grace_s: float, control: Connection):
+        super().__init__(config, serving, engine, dead_grace_s)
+        self.control = control
+        self._signals = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        fd = self.control.fileno()
+        self._loop.add_reader(fd, self._on_control)
+        os.set_blocking(fd, True)          # uvloop made it non-blocking; messages are read whole
+        self.control.send(_READY)
+
+    def _on_control(self):
+        try:
+            count = self.control.recv()
+        except (EOFError, OSError):
+            self._loop.remove_reader(self.control.fileno())
+            log.error("the parent process is gone; stopping at once")
+            count = max(self._signals, _STOP_NOW)
+        while self._signals < count:
+            self._signals += 1
+            self.handle_exit(signal.SIGTERM, None)
+
+
+def _api_server(client: CoreClient, sock: socket.socket, control: Connection, config,
+                options: ServeOptions) -> None:
+    """Process entry point of one API server."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    configure_logging(options)
+    engine = AsyncLLM(config, client=client)
+    try:
+        code = serve(engine, sock, options, functools.partial(_ApiServer, control=control))
+    finally:
+        engine.shutdown()
+        sock.close()
+    sys.exit(code)
+
+
+@dataclasses.dataclass
+class _Child:
+    proc: mp.process.BaseProcess
+    control: Connection
+    ready: bool = False
+
+    def tell(self, count: int) -> None:
+        try:
+            self.control.send(count)
+        except OSError:
+            pass                           # it is exiting; its sentinel says so
+
+
+class _Signals:
+    """Counts SIGTERM/SIGINT and wakes `multiprocessing.connection.wait` through a socket."""
+
+    def __init__(self):
+        self.count = 0
+        self.wake, self._wake_w = socket.socketpair()
+        for end in (self.wake, self._wake_w):
+            end.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._wake_w.fileno())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, sig, frame):
+        self.count += 1
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self.wake.recv(4096)
+
+    def close(self) -> None:
+        # as in run_server: a signal that comes while the process exits changes nothing
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.set_wakeup_fd(self._old_fd)
+        self.wake.close()
+        self._wake_w.close()
+
+
+def run_api_servers(config, sock: socket.socket, host: str, options: ServeOptions, count: int,
+                    engine_factory: str | None) -> int:
+    try:
+        core = EngineCore(config, num_clients=count, engine_factory=engine_factory)
+    except EngineStartError as e:
+        print(f"tokenmill: {e}", file=sys.stderr, flush=True)
+        return 1
+    ready = core.clients[0].ready
+    port = sock.getsockname()[1]
+    metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
+    signals = _Signals()
+    children: list[_Child] = []
+    try:
+        ctx = mp.get_context("spawn")
+        # prometheus_client picks its multiprocess mode at import, from the environment
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        for client in core.clients:
+            # one stats line for the whole server: the stats are the core's, the same in every process
+            opts = dataclasses.replace(options, metrics_dir=metrics_dir,
+                                       log_stats=options.log_stats and client.index == 0)
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_api_server, args=(client, sock, theirs, config, opts),
+                               name=f"tokenmill-api-server-{client.index}", daemon=True)
+            proc.start()
+            theirs.close()
+            client.conn.close()            # the API server holds this end of the core's pipe now
+            children.append(_Child(proc, ours))
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        sock.close()                       # the API servers hold the listening socket
+
+        def serving():
+            print(f"tokenmill: {count} API server processes (pids "
+                  f"{', '.join(str(c.proc.pid) for c in children)})", flush=True)
+            announce(ready.model_name, host, port, ready.pid)
+        return _supervise(children, signals, serving)
+    finally:
+        signals.close()
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        for client in core.clients:
+            client.conn.close()
+        for child in children:
+            if child.proc.is_alive():
+                child.proc.kill()
+            child.proc.join(5)
+            child.control.close()
+        core.join(10.0)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _supervise(children: list[_Child], signals: _Signals, serving) -> int:
+    """Runs until every API server has exited; returns the exit status."""
+    alive = {c.proc.sentinel: c for c in children}
+    controls = {c.control: c for c in children}
+    told = 0
+    failed = False
+    kill_at = None
+    announced = False
+    while alive:
+        timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
+        for ready in wait([*alive, *controls, signals.wake], timeout):
+            if ready is signals.wake:
+                signals.drain()
+            elif ready in controls:
+                child = controls[ready]
+                try:
+                    if ready.recv() == _READY:
+                        child.ready = True
+                except (EOFError, OSError):
+                    del controls[ready]    # it is exiting; its sentinel follows
+            elif ready in alive:
+                child = alive.pop(ready)
+                child.proc.join()
+                code = child.proc.exitcode
+                if code != 0 or not signals.count:
+                    log.error("API server process %d exited with status %s%s", child.proc.pid, code,
+                              "" if signals.count or failed else " unasked; stopping the others")
+                    failed = True
+        if not announced and all(c.ready for c in children):
+            announced = True
+            serving()
+        want = max(signals.count, _STOP_NOW if failed else 0)
+        if want > told and alive:
+            told = want
+            for child in alive.values():
+                child.tell(told)
+        if told >= _STOP_NOW and kill_at is None:
+            kill_at = time.monotonic() + _KILL_AFTER_S
+        if kill_at is not None and time.monotonic() >= kill_at:
+            for child in alive.values():
+                log.error("API server process %d did not stop; killing it", child.proc.pid)
+                child.proc.kill()
+            failed = True
+            kill_at = time.monotonic() + 5.0
+    return 1 if failed else 0
