@@ -1,0 +1,290 @@
+"""`tokenmill serve --api-server-count N`: N API server processes share the port and one engine core.
+
+The core's side (each client's part of a step's report; a client whose pipe closes has its requests
+aborted while the others are served) is tested on the core itself; the processes' side on a real
+`tokenmill serve --api-server-count 2` whose steps take at least 20 ms (tests/slow_engine.py), so that
+streams outlast the test's actions."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from test_server import ServerProcess
+from tokenmill.engine.core_client import EngineCore
+from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreUpdate, Shutdown
+from tokenmill.engine.step_outputs import StepOutputs
+from tokenmill.sampling_params import SamplingParams
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----- the core ------------------------------------------------------------------------------------------
+def test_a_report_splits_by_handle_with_rows_renumbered():
+    # clients 0, 1, 2 of 3 own handles 0 mod 3, 1 mod 3, 2 mod 3
+    handles = np.array([3, 4, 0, 4, 5, 3], np.int64)
+    step = StepOutputs(handles, np.array([0, 0, 0, 1, 0, 0], np.int32), np.array([10, 11, 12, 13, 14, 15], np.int64),
+                       started=[(4, 1.0, 0), (0, 2.0, 8)],
+                       finished=[(3, 0, "length", None, -1), (4, 1, "stop", None, 3), (5, 0, "stop", 7, 4)],
+                       logprobs={1: "lp-row1", 5: "lp-row5"}, prompt_logprobs=[(0, ["p"])])
+    zero, one, two = step.split(3)
+    assert zero.handles.tolist() == [3, 0, 3] and zero.tokens.tolist() == [10, 12, 15]
+    assert one.handles.tolist() == [4, 4] and one.indexes.tolist() == [0, 1] and one.tokens.tolist() == [11, 13]
+    assert two.handles.tolist() == [5] and two.tokens.tolist() == [14]
+    assert zero.started == [(0, 2.0, 8)] and one.started == [(4, 1.0, 0)] and not two.started
+    assert zero.finished == [(3, 0, "length", None, -1)]
+    assert one.finished == [(4, 1, "stop", None, 1)]          # global row 3 is its second row
+    assert two.finished == [(5, 0, "stop", 7, 0)]
+    assert zero.logprobs == {2: "lp-row5"} and one.logprobs == {0: "lp-row1"} and not two.logprobs
+    assert zero.prompt_logprobs == [(0, ["p"])] and not one.prompt_logprobs
+    assert [bool(p) for p in StepOutputs(started=[(1, 0.0, 0)]).split(2)] == [False, True]
+
+
+def _updates(conn, until, timeout: float = 30.0) -> list[CoreUpdate]:
+    """Reads the core's updates on `conn` until `until(update)` holds."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while True:
+        assert conn.poll(max(0.0, deadline - time.monotonic())), f"no update in {timeout} s: {got[-1:]}"
+        got.append(conn.recv())
+        if until(got[-1]):
+            return got
+
+
+def test_the_core_serves_each_client_its_own_requests_and_frees_a_gone_clients(qwen3_dir):
+    from tokenmill.config import EngineConfig
+    config = EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=256,
+                          block_size=4)
+    core = EngineCore(config, num_clients=2, in_process=True)
+    a, b = (c.conn for c in core.clients)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    try:
+        # the same request id from both clients: the core keeps them apart
+        a.send([AddRequest("r", [5, 6, 7], long, handle=0)])
+        b.send([AddRequest("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), handle=1)])
+        seen_b = _updates(b, lambda u: u.outputs is not None and u.outputs.finished)
+        assert all(u.errors == [] for u in seen_b)
+        tokens_b = [t for u in seen_b if u.outputs is not None for t in u.outputs.tokens.tolist()]
+        assert {h for u in seen_b if u.outputs is not None for h in u.outputs.handles.tolist()} == {1}
+        assert len(tokens_b) == 8
+        seen_a = _updates(a, lambda u: u.outputs is not None and len(u.outputs.tokens))
+        assert {h for u in seen_a if u.outputs is not None for h in u.outputs.handles.tolist()} == {0}
+        # a handle of another client is refused
+        b.send([AddRequest("x", [5], long, handle=2)])
+        assert _updates(b, lambda u: u.errors)[-1].errors[0][0] == "x"
+        # client a goes away mid-generation: its request is aborted and its blocks freed
+        a.close()
+        b.send([AbortRequests([])])        # asks for stats
+        idle = _updates(b, lambda u: u.stats and u.stats["num_running"] == 0)[-1].stats
+        assert idle["kv_cache_usage"] == 0 and idle["num_waiting"] == 0
+        assert idle["num_free_blocks"] == idle["num_total_blocks"]
+        # and b is still served
+        b.send([AddRequest("r2", [9, 8], SamplingParams(max_tokens=3, ignore_eos=True), handle=3)])
+        done = _updates(b, lambda u: u.outputs is not None and u.outputs.finished)
+        assert sum(len(u.outputs.tokens) for u in done if u.outputs is not None) == 3
+        b.send([Shutdown()])
+        core.join(10)
+        assert not core._proc.is_alive()
+    finally:
+        for conn in (a, b):
+            conn.close()
+
+
+# ----- the flag ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_count_below_1_is_refused_naming_it(value, capsys):
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--api-server-count", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--api-server-count: must be at least 1" in err and f"got {value}" in err
+
+
+def test_several_api_servers_need_the_engine_in_its_own_process(capsys):
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--api-server-count", "2", "--engine-in-process"])
+    assert e.value.code == 2 and "--engine-in-process" in capsys.readouterr().err
+
+
+# ----- the processes -------------------------------------------------------------------------------------
+PROMPTS = ["The quick brown fox", "PagedAttention keeps", "def main():", "Continuous batching lets"]
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+class Servers(ServerProcess):
+    """`tokenmill serve --api-server-count 2` with 20 ms steps; `api_pids` are its API server processes."""
+
+    def __init__(self, model_dir: str, tmp_path, *args: str):
+        mp = pytest.MonkeyPatch()
+        mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        try:
+            super().__init__(model_dir, tmp_path, "--api-server-count", "2", "--engine-factory", "slow_engine:make",
+                             "--max-model-len", "512", "--num-kv-blocks", "512", "--block-size", "4", *args)
+        finally:
+            mp.undo()
+        m = re.search(r"2 API server processes \(pids (\d+), (\d+)\)", self.log_path.read_text())
+        self.api_pids = [int(m.group(1)), int(m.group(2))]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+
+def connections_by_pid(pids: list[int], port: int) -> dict[int, int]:
+    """How many established connections to `port` each process holds (/proc: socket inodes of its
+    descriptors, matched against the kernel's TCP table)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":    # ESTABLISHED
+                    inodes.add(fields[9])
+    counts = {}
+    for pid in pids:
+        held = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            held += target.startswith("socket:[") and target[8:-1] in inodes
+        counts[pid] = held
+    return counts
+
+
+@pytest.fixture(scope="module")
+def servers(qwen3_dir, tmp_path_factory):
+    s = Servers(qwen3_dir, tmp_path_factory.mktemp("api-servers"))
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def want(qwen3_dir):
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(qwen3_dir, device="cpu", max_model_len=512, num_kv_blocks=256, block_size=4)
+    return [out.outputs[0].text for out in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
+
+
+async def _complete(c: httpx.AsyncClient, prompt: str, stream: bool) -> str:
+    body = {"prompt": prompt, **GREEDY}
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_concurrent_requests_complete_through_both_api_servers(servers, want):
+    """48 requests at once, streaming and not, each on its own connection: every text is the offline
+    engine's, both API server processes accepted connections, and /metrics (one process answers) counts
+    the requests of both."""
+    before = servers.metrics().get("tokenmill:request_success_total", 0.0)
+    held: dict[int, int] = {}
+    rounds = 0
+    while rounds < 5:           # the kernel gives each connection to the first process to accept it
+        rounds += 1
+        async def main():
+            async with httpx.AsyncClient(base_url=servers.url, timeout=60,
+                                         limits=httpx.Limits(max_connections=64)) as c:
+                texts = await asyncio.gather(*(_complete(c, PROMPTS[i % 4], stream=i % 2 == 1) for i in range(48)))
+                return texts, connections_by_pid(servers.api_pids, servers.port)
+        texts, by_pid = asyncio.run(main())
+        assert texts == [want[i % 4] for i in range(48)]
+        held = {pid: held.get(pid, 0) + n for pid, n in by_pid.items()}
+        if all(held.values()):
+            break
+    assert all(held.values()), held
+    m = servers.metrics()
+    assert m["tokenmill:request_success_total"] - before == 48 * rounds
+    assert m["tokenmill:e2e_request_latency_seconds_count"] >= 48 * rounds
+
+
+def test_a_client_gone_mid_stream_frees_its_blocks(servers):
+    """Eight streams, each on a connection of its own, abandoned mid-generation: the core aborts them."""
+    body = {"prompt": "abandoned", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def main():
+        clients = [httpx.AsyncClient(base_url=servers.url, timeout=60) for _ in range(8)]
+        streams = []
+        for c in clients:
+            ctx = c.stream("POST", "/v1/completions", json=body)
+            r = await ctx.__aenter__()
+            lines = r.aiter_lines()
+            while not (await lines.__anext__()).startswith("data: {"):
+                pass
+            streams.append((ctx, lines))      # keep `lines`: collecting it would close the stream
+        assert servers.metrics()["tokenmill:num_requests_running"] == 8
+        for (ctx, _), c in zip(streams, clients):
+            await ctx.__aexit__(None, None, None)
+            await c.aclose()
+    asyncio.run(main())
+    m = servers.wait_engine_idle(timeout=10)
+    assert m["tokenmill:kv_cache_usage_perc"] == 0
+
+
+def test_sigterm_drains_every_api_server_and_exits_0(servers, want):
+    """Runs last on `servers`: the streams in flight finish whole, new requests get 503 from either process,
+    and every API server exits (the parent's wait would time out if one had not been told to drain)."""
+    async def main():
+        async with httpx.AsyncClient(base_url=servers.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            body = {"prompt": PROMPTS[0], **GREEDY, "max_tokens": 60, "stream": True}
+            async def stream():
+                lines = []
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line)
+                return lines
+            streams = [asyncio.ensure_future(stream()) for _ in range(16)]
+            while servers.metrics()["tokenmill:num_requests_running"] < 16:
+                await asyncio.sleep(0.05)
+            servers.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = [await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1},
+                                    headers={"Connection": "close"}) for _ in range(4)]
+            return await asyncio.gather(*streams), refused
+    streams, refused = asyncio.run(main())
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(want[0])
+    # a new connection may reach either process: both are draining
+    assert {r.status_code for r in refused} == {503}, [r.text for r in refused]
+    assert servers.proc.wait(30) == 0, servers.log_path.read_text()[-3000:]
+    for pid in [*servers.api_pids, servers.engine_pid]:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_an_api_server_that_dies_takes_the_server_down_with_status_1(qwen3_dir, tmp_path):
+    s = Servers(qwen3_dir, tmp_path)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        os.kill(s.api_pids[0], signal.SIGKILL)
+        assert s.proc.wait(30) == 1
+        assert "exited with status -9 unasked" in s.log_path.read_text()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in [s.api_pids[1], s.engine_pid]):
+            assert time.monotonic() < deadline, "the other API server or the engine core outlived the parent"
+            time.sleep(0.1)
+    finally:
+        s.stop(signal.SIGKILL)
