@@ -1,6 +1,6 @@
 """The FP8-weight kernels (`kernels/fp8_gemm.py`, and FP8 weights on the single-token products of
-`kernels/gemv.py`) against their dequantizing torch references: the few-row W8A16 product (per-channel and
-128x128 block scales, partial blocks, bias), the single-token products, an FP8 model decoding through them
+`kernels/gemv.py`) against their dequantizing torch references: the few-row W8A16 product (block scales,
+partial blocks, bias), the single-token products, an FP8 model decoding through them
 and the per-token activation quantization under the interpreter on the CPU; on the GPU also the W8A8
 `_scaled_mm` path, the qwen3-4b shapes (single-token products with the shipped tiles included), and an FP8
 model under CUDA graphs."""
@@ -24,7 +24,7 @@ def layer(n: int, k: int, block, bias: bool, seed: int = 0):
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("block,bias", [(None, False), ((128, 128), True)])
+@pytest.mark.parametrize("block,bias", [((128, 128), False), ((64, 128), True)])
 def test_few_row_product_equals_the_reference(rows, block, bias):
     from tokenmill.layers.kernels.fp8_gemm import fp8_gemv, fp8_linear_torch
     q, s, blk, b = layer(136, 200, block, bias)              # partial blocks along both dims
@@ -40,8 +40,11 @@ def test_few_row_product_equals_the_reference(rows, block, bias):
 def test_few_row_product_refuses_more_rows_and_misfit_scales():
     from tokenmill.layers.kernels.fp8_gemm import FEW_ROWS, fp8_gemv
     q, s, blk, _ = layer(64, 64, None, False)
+    with pytest.raises(ValueError, match="per-channel FP8 weights take the W8A8 product"):
+        fp8_gemv(torch.zeros(1, 64, device=DEVICE), q, s, blk)
+    qb, sb, bb, _ = layer(64, 64, (32, 32), False)
     with pytest.raises(ValueError, match=f"at most {FEW_ROWS} rows"):
-        fp8_gemv(torch.zeros(FEW_ROWS + 1, 64, device=DEVICE), q, s, blk)
+        fp8_gemv(torch.zeros(FEW_ROWS + 1, 64, device=DEVICE), qb, sb, bb)
     with pytest.raises(ValueError, match=r"scale .* does not fit weight \(64, 64\) with block \(128, 128\)"):
         fp8_gemv(torch.zeros(1, 64, device=DEVICE), q, s, (128, 128))
 
@@ -99,7 +102,7 @@ def test_single_token_fp8_products_equal_the_dequantized_reference(block, tile):
         torch.testing.assert_close(out_res, table[6:7], rtol=0, atol=0)
 
 
-def test_fp8_tiles_keep_the_16_bit_tiles_bytes_and_refuse_straddling_blocks():
+def test_fp8_tiles_keep_the_16_bit_tiles_bytes_and_refuse_straddling_blocks(monkeypatch):
     """`fp8_tile` widens the table's 16-bit tiles (the shared-memory tile, which copies 16-bit rows, gives
     way to the default), products from the table run them, and a row block that would straddle two rows
     of block scales is refused by name when asked for and avoided when it comes from the table."""
@@ -123,6 +126,17 @@ def test_fp8_tiles_keep_the_16_bit_tiles_bytes_and_refuse_straddling_blocks():
         gemv.fused_linear(x, q)
     with pytest.raises(ValueError, match=r"does not fit weight \(48, 64\) with block \(1, 64\)"):
         gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, 64))
+    # a shape in fp8_tiles runs that tile, not fp8_tile of its 16-bit one (here: not the whole-row kernel)
+    own = KernelConfig(tiles=table.tiles, fp8_tiles={(48, 64, False): RegisterTile(1, 16, 4, 1)})
+    assert own.fp8_tile(48, 64, False) == RegisterTile(1, 16, 4, 1) and own.fp8_tile(48, 64, True) is None
+    whole_runs = []
+    real_whole = gemv._whole_linear
+    monkeypatch.setattr(gemv, "_whole_linear", lambda *a, **k: whole_runs.append(1) or real_whole(*a, **k))
+    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=own)[0],
+                               x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert not whole_runs
+    gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table)
+    assert whole_runs
     # a table tile whose FP8 row block would straddle falls back to a tile that does not
     wide = KernelConfig(tiles={(48, 64, False): WholeRowTile(8, 4, 1)})
     torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=wide)[0],
@@ -207,17 +221,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("n,k,block", [(6144, 2560, None), (2560, 9728, None), (19456, 2560, None),
                                        (6144, 2560, (128, 128)), (2560, 9728, (128, 128))])
 def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
-    """Every path of `fp8_linear` against the dequantized float32 product: W8A16 within bf16 rounding; the
-    W8A8 path within the activations' FP8 rounding (checked against the product of the quantized
-    activations, and loosely against the unrounded one)."""
-    from tokenmill.layers.kernels.fp8_gemm import FEW_ROWS, fp8_linear, quantize_rows_torch
+    """Every path of `fp8_linear` against the dequantized float32 product: W8A16 (block scales) within bf16
+    rounding; the W8A8 path (per channel, every row count) within the activations' FP8 rounding (checked
+    against the product of the quantized activations, and loosely against the unrounded one)."""
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, quantize_rows_torch
     q, s, blk, _ = layer(n, k, block, False)
     x = torch.randn(rows, k, device="cuda").bfloat16()
     got = fp8_linear(x, q, s, blk).float()
     w = fp8.dequantize(q, s, blk)
     exact = x.float() @ w.t()
     scale = exact.abs().mean()
-    if rows <= FEW_ROWS or block is not None:
+    if block is not None:
         assert (got - exact).abs().max() / scale < 0.05
     else:
         xq, xs = quantize_rows_torch(x)
@@ -232,8 +246,8 @@ def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
 @pytest.mark.parametrize("n,k,silu,norm", [(6144, 2560, False, True), (2560, 4096, False, False),
                                            (19456, 2560, True, True), (2560, 9728, False, False)])
 def test_gpu_single_token_fp8_products_on_qwen3_4b_shapes(n, k, silu, norm, block):
-    """The single-token products of qwen3-4b's layers with FP8 weights and the shipped tiles' FP8
-    counterparts (`gemv.fp8_tile`), norm, residual and SiLU-and-mul as the decoder runs them, against the
+    """The single-token products of qwen3-4b's layers with FP8 weights and their shipped FP8 tiles
+    (`KernelConfig.fp8_tiles`, else `gemv.fp8_tile` of the 16-bit tile), norm, residual and SiLU-and-mul as the decoder runs them, against the
     dequantized product in float32 of the bf16-normed input."""
     from tokenmill.layers.kernels import gemv
     from tokenmill.layers.norm import rms_norm_torch

@@ -3,15 +3,15 @@
 A step of one token does not come here: its layers run the single-token products of `gemv.py`, which
 read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, as for 16-bit weights.
 
-- Up to `FEW_ROWS` input rows (small-batch decode): `_fp8_gemv_kernel`, weight-only (W8A16).
-  These products are bound by reading the weights, so the win is the byte per weight; the FP8 weights are
-  widened in registers and multiplied with the activations as they are (no activation rounding), each
-  weight times its block's scale (block-wise checkpoints) or each row's sum times the row's (per channel).
-- More rows, per-channel scales: W8A8 on the FP8 tensor cores, `torch._scaled_mm` with the weight's
-  per-channel scales and dynamic per-token activation scales (`quantize_rows`: each row's absmax / 448).
-  There the products are bound by compute, which FP8 doubles.
-- More rows, block scales: the layer is dequantized to the activation dtype and multiplied there (the
-  rowwise `_scaled_mm` cannot apply a scale that changes along K).
+- Per-channel scales: W8A8 on the FP8 tensor cores, `torch._scaled_mm` with the weight's per-channel
+  scales and dynamic per-token activation scales (`quantize_rows`: each row's absmax / 448), from one row
+  on. At 2-8 rows it took 0.4-0.9x the time of the weight-only GEMV below on an H200 (qwen3-4b shapes,
+  docs/BENCHMARKS.md), whose widening of each FP8 weight in registers costs more instructions than the
+  bytes it saves; above, the products are bound by compute, which FP8 doubles.
+- Block scales, up to `FEW_ROWS` input rows (small-batch decode): `_fp8_gemv_kernel`, weight-only
+  (W8A16): the weights widened in registers, each times its block's scale, the activations as they are.
+  More rows: the layer is dequantized to the activation dtype and multiplied there (the rowwise
+  `_scaled_mm` cannot apply a scale that changes along K).
 
 `fp8_linear_torch` (dequantize, then `F.linear`) is the reference the kernels are tested against.
 """
@@ -55,9 +55,8 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_stride, s_stride, out_stride,
-                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCKWISE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program p: output columns p * BLOCK_N ... of every input row (M <= BLOCK_M)
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -74,13 +73,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_s
         x = tl.load(x_rows + k0 + c[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows + k0 + c[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     cache_modifier=".cg").to(tl.float32)
-        if BLOCKWISE:      # each weight times its block's scale (a few distinct values per tile, cached)
-            w *= tl.load(s_ptr + (n // SCALE_BN)[:, None] * s_stride + ((k0 + c) // SCALE_BK)[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # each weight times its block's scale (a few distinct values per tile, cached)
+        w *= tl.load(s_ptr + (n // SCALE_BN)[:, None] * s_stride + ((k0 + c) // SCALE_BK)[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc3 += x[:, None, :] * w[None, :, :]
     acc = tl.sum(acc3, 2)
-    if not BLOCKWISE:
-        acc *= tl.load(s_ptr + n * s_stride, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m.to(tl.int64)[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -89,7 +86,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_s
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= FEW_ROWS, K] @ (weight [N, K] FP8 * scale)^T (+ bias), W8A16, in x's dtype."""
+    """x [M <= FEW_ROWS, K] @ (weight [N, K] FP8 * block scale)^T (+ bias), W8A16, in x's dtype; for block
+    scales only (per-channel weights take W8A8 at any row count)."""
     M, K = x.shape
     N = weight.shape[0]
     if M > FEW_ROWS:
@@ -97,7 +95,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"fp8_gemv needs an FP8 weight [N, {K}] and x with unit column strides; got "
                          f"{weight.dtype} {tuple(weight.shape)}")
-    blockwise = block != (1, K)
+    if block == (1, K):
+        raise ValueError("fp8_gemv is for block scales; per-channel FP8 weights take the W8A8 product")
     if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
         raise ValueError(f"fp8_gemv: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
                          f"{tuple(weight.shape)} with block {block}")
@@ -105,10 +104,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, tile.block_n),)
     _fp8_gemv_kernel[grid](x, weight, scale, bias if bias is not None else out, out, M, N, K, x.stride(0),
-                           weight.stride(0), scale.stride(0), out.stride(0), SCALE_BN=block[0] if blockwise else 1,
-                           SCALE_BK=block[1] if blockwise else 1, BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
-                           BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                           num_warps=tile.num_warps)
+                           weight.stride(0), scale.stride(0), out.stride(0), SCALE_BN=block[0], SCALE_BK=block[1],
+                           HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                           BLOCK_K=tile.block_k, num_warps=tile.num_warps)
     return out
 
 
@@ -152,11 +150,11 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
-    if x.shape[0] <= FEW_ROWS:
-        return fp8_gemv(x, weight, scale, block, bias)
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         return out if bias is None else out.add_(bias)
+    if x.shape[0] <= FEW_ROWS:
+        return fp8_gemv(x, weight, scale, block, bias)
     return fp8_linear_torch(x, weight, scale, block, bias)

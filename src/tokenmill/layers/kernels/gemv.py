@@ -15,9 +15,11 @@ FP8 weights (`layers/fp8_linear.Fp8Linear`, float8_e4m3fn with float32 block sca
 kernels with half the weight bytes: the weights are widened to float32 in registers and the scale is
 applied in float32, a row's sum times its scale (per output channel) or, for block-wise scales, the
 input chunk times its block's scale before the product (a row block never straddles two scale rows).
-Their tile is the 16-bit tile of the shape with twice the rows in a whole-row block (twice the columns
-in a register chunk), so that a program has as many bytes in flight as the measured 16-bit tile
-(`fp8_tile`).
+Their tile is the shape's measured FP8 tile (`KernelConfig.fp8_tiles`), else the 16-bit tile of the
+shape with twice the rows in a whole-row block (twice the columns in a register chunk), so that a
+program has as many bytes in flight as the measured 16-bit tile (`fp8_tile`). Widening costs more
+instructions per byte than the 16-bit kernels spend, and these products run at about the 16-bit ones'
+time on an H200 rather than half of it (docs/BENCHMARKS.md).
 
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. Which kernel and tile a
 product runs is `KernelConfig.tile` (`layers/kernel_config.py`).
