@@ -47,6 +47,38 @@ def test_a_report_splits_by_handle_with_rows_renumbered():
     assert [bool(p) for p in StepOutputs(started=[(1, 0.0, 0)]).split(2)] == [False, True]
 
 
+def test_the_core_forgets_a_clients_request_once_each_sequence_has_ended():
+    """What the core keeps of a client's requests (to abort them if the client goes away) empties as
+    they end: sequences finished in the engine or by a stop string, reported twice or not, or aborted."""
+    from tokenmill.engine.core_proc import StopSequences, _Client
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def add_request(self, request_id, *args, **kw):
+            self.calls.append(("add", request_id))
+
+        def stop_sequences(self, sequences):
+            self.calls.append(("stop", sequences))
+
+        def abort_request(self, request_ids):
+            self.calls.append(("abort", request_ids))
+
+    engine, update = Engine(), CoreUpdate()
+    client = _Client(1, 2, conn=None)
+    client.apply(engine, AddRequest("two", [1], SamplingParams(n=2), handle=1), update)
+    client.apply(engine, AddRequest("one", [1], SamplingParams(), handle=3), update)
+    client.apply(engine, AddRequest("gone", [1], SamplingParams(), handle=5), update)
+    assert engine.calls[:3] == [("add", "1:two"), ("add", "1:one"), ("add", "1:gone")]
+    client.reported(StepOutputs(finished=[(1, 0, "length", None, -1), (3, 0, "stop", None, -1)]))
+    assert set(client.handles) == {"two", "gone"}
+    client.apply(engine, StopSequences([("two", 1), ("two", 0)]), update)     # 0 had finished already
+    client.apply(engine, AbortRequests(["gone"]), update)
+    assert engine.calls[3:] == [("stop", [("1:two", 1), ("1:two", 0)]), ("abort", ["1:gone"])]
+    assert not client.handles and not client.live and not update.errors
+
+
 def _updates(conn, until, timeout: float = 30.0) -> list[CoreUpdate]:
     """Reads the core's updates on `conn` until `until(update)` holds."""
     got = []
