@@ -38,6 +38,7 @@ from tokenmill.server.launch import ServeOptions, _Server, announce, configure_l
 log = logging.getLogger("tokenmill.server")
 
 _READY = "ready"
+_METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _STOP_NOW = 2          # the signal count at which an API server cuts its requests
 _KILL_AFTER_S = 15.0   # an API server told to stop at once that is still alive after this is killed
 
@@ -141,10 +142,11 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
     metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
     signals = _Signals()
     children: list[_Child] = []
+    environ = os.environ.get(_METRICS_ENV)
     try:
         ctx = mp.get_context("spawn")
         # prometheus_client picks its multiprocess mode at import, from the environment
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.environ[_METRICS_ENV] = metrics_dir
         for client in core.clients:
             # one stats line for the whole server: the stats are the core's, the same in every process
             opts = dataclasses.replace(options, metrics_dir=metrics_dir,
@@ -156,7 +158,6 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
             theirs.close()
             client.conn.close()            # the API server holds this end of the core's pipe now
             children.append(_Child(proc, ours))
-        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
         sock.close()                       # the API servers hold the listening socket
 
         def serving():
@@ -166,7 +167,10 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
         return _supervise(children, signals, serving)
     finally:
         signals.close()
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if environ is None:
+            os.environ.pop(_METRICS_ENV, None)
+        else:
+            os.environ[_METRICS_ENV] = environ
         for client in core.clients:
             client.conn.close()
         for child in children:
@@ -202,9 +206,9 @@ def _supervise(children: list[_Child], signals: _Signals, serving) -> int:
                 child = alive.pop(ready)
                 child.proc.join()
                 code = child.proc.exitcode
-                if code != 0 or not signals.count:
+                if code != 0 or not told:
                     log.error("API server process %d exited with status %s%s", child.proc.pid, code,
-                              "" if signals.count or failed else " unasked; stopping the others")
+                              "" if told else " unasked; stopping the others")
                     failed = True
         if not announced and all(c.ready for c in children):
             announced = True
