@@ -44,6 +44,14 @@ _STATS = {
     "generation_tokens": ("tokenmill:generation_tokens", "Tokens generated.", "counter"),
 }
 
+# the same gauges under vLLM's own names, which vLLM-aware inference gateways (routing by queue and cache)
+# and autoscaler recipes read; gpu_cache_usage_perc is vLLM's older name for kv_cache_usage_perc
+_VLLM_NAMES = {
+    "num_running": ("vllm:num_requests_running",),
+    "num_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+
 
 class _StatsCollector:
     def __init__(self, get_stats: Callable[[], dict], model_name: str, extra: Callable[[], dict]):
@@ -60,6 +68,10 @@ class _StatsCollector:
                 name, doc, labels=["model_name"])
             family.add_metric([self._model], float(stats[key]))
             yield family
+            for alias in _VLLM_NAMES.get(key, ()):
+                g = GaugeMetricFamily(alias, f"{doc} (tokenmill's {name}, under vLLM's name)", labels=["model_name"])
+                g.add_metric([self._model], float(stats[key]))
+                yield g
         for name, (doc, value) in self._extra().items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(value))
