@@ -2,8 +2,8 @@
 
     python lab/scheduler_summary.py RESULTS_DIR [--target-itl-ms 25]
 
-Reads RESULTS_DIR/{itl,priority,delay}-*.json (one level each); the baselines are itl-baseline,
-priority-fcfs and delay-0, every other file of a part is a variant, compared against its part's baseline.
+Reads RESULTS_DIR/{itl,priority,delay,api}-*.json (one level each); the baselines are itl-baseline,
+priority-fcfs, delay-0 and api-1 (one API server process), every other file of a part is a variant, compared against its part's baseline.
 Latencies in ms; throughput change = variant / baseline - 1.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import glob
 import json
 import os
 
-BASELINES = {"itl": "itl-baseline", "priority": "priority-fcfs", "delay": "delay-0"}
+BASELINES = {"itl": "itl-baseline", "priority": "priority-fcfs", "delay": "delay-0", "api": "api-1"}
 
 
 def _runs(directory: str, part: str) -> list[tuple[str, dict]]:
@@ -42,7 +42,7 @@ def _change(lv: dict, base: dict | None, key: str) -> str:
 def itl_table(runs, target_ms: float) -> str:
     lines = ["| server | ok/n | req/s | out tok/s | throughput change | ITL p50 | ITL p95 | ITL p99 | "
              f"p99 <= {target_ms:g} ms | TPOT p50 | TTFT p50 | TTFT p99 | E2E p99 |", "|" + "---|" * 13]
-    base = runs[0][1] if runs and runs[0][0] == BASELINES["itl"] else None
+    base = runs[0][1] if runs and runs[0][0] in BASELINES.values() else None
     for name, lv in runs:
         lines.append(f"| {name} | {lv['completed']}/{lv['num_requests']} | {lv['request_throughput']:.2f} | "
                      f"{lv['output_throughput']:,.0f} | {_change(lv, base, 'output_throughput')} | "
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-itl-ms", type=float, default=25.0)
     args = p.parse_args(argv)
     sections = (("itl", "Latency target under overload", lambda r: itl_table(r, args.target_itl_ms)),
+                ("api", "API server processes (--api-server-count) at high concurrency",
+                 lambda r: itl_table(r, args.target_itl_ms)),
                 ("priority", "Priority boosts: requests with tools against the rest", priority_table),
                 ("delay", "Batching window at a Poisson rate near saturation", delay_table))
     for part, title, table in sections:

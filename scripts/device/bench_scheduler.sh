@@ -23,6 +23,9 @@
 #             must form for an order to matter: PRIO_PROMPTS requests at concurrency PRIO_CONC against
 #             --max-num-seqs PRIO_MAX_NUM_SEQS on both servers keep ~190 requests waiting. Judged on the
 #             TTFT p95 of tool requests against the rest, and the longest wait (max TTFT and E2E) of any.
+#   api       --api-server-count API_SERVERS against 1 (one API server process), API_PROMPTS requests at
+#             concurrency API_CONC (rate inf): judged on ITL p95/p99 and throughput, where one process's
+#             HTTP and detokenizing work bunches the streams' chunks.
 #   delay     --scheduler-delay-factor DELAY_FACTOR against 0, Poisson arrivals at DELAY_RATE req/s (near
 #             saturation for this workload at c256) for DELAY_PROMPTS requests: TTFT and throughput.
 # Time: ~70 s per part for the two starts plus 20-40 s of benchmarks; ~5 min for all three.
@@ -44,6 +47,9 @@ DELAY_FACTOR=${DELAY_FACTOR:-0.5}
 DELAY_RATE=${DELAY_RATE:-85}
 DELAY_PROMPTS=${DELAY_PROMPTS:-768}
 DELAY_CONC=${DELAY_CONC:-256}
+API_SERVERS=${API_SERVERS:-4}
+API_PROMPTS=${API_PROMPTS:-1024}
+API_CONC=${API_CONC:-512}
 SERVER_ARGS=${SERVER_ARGS:-}        # extra `tokenmill serve` flags for every server (e.g. "--device cpu")
 BENCH_ARGS=${BENCH_ARGS:-}          # extra `tokenmill bench serve` flags for every run
 START_TIMEOUT_S=${START_TIMEOUT_S:-300}
@@ -154,7 +160,11 @@ for part in $PARTS; do
       base=(--scheduler-delay-factor 0); variant=(--scheduler-delay-factor "$DELAY_FACTOR")
       names=(delay-0 "delay-$DELAY_FACTOR")
       args=(--num-prompts "$DELAY_PROMPTS" --max-concurrency "$DELAY_CONC" --request-rate "$DELAY_RATE" --seed 0) ;;
-    *) note "unknown part $part (choose from: itl priority delay)"; FAILED=1; continue ;;
+    api)
+      base=(--api-server-count 1); variant=(--api-server-count "$API_SERVERS")
+      names=(api-1 "api-$API_SERVERS")
+      args=(--num-prompts "$API_PROMPTS" --max-concurrency "$API_CONC" --request-rate inf) ;;
+    *) note "unknown part $part (choose from: itl priority delay api)"; FAILED=1; continue ;;
   esac
   start_server "${names[0]}" "${base[@]}"
   start_server "${names[1]}" "${variant[@]}"
