@@ -2,7 +2,9 @@
 
 Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`).
 The forward pass works on a flat batch of T tokens from many sequences; attention reaches the KV
-cache through `AttentionMetadata`.
+cache through `AttentionMetadata`. Built with a `TensorParallel`, each module holds its rank's slice
+(`layers/parallel.py` says which) and joins the slices with all-reduces after o_proj and down_proj, in
+the embedding and an all-gather of the logits.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.parallel import TensorParallel
 from tokenmill.layers.quantized import linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.quant.w4 import W4Config
@@ -28,11 +31,16 @@ def _weights(layer: nn.Module) -> dict:
     return dict(weight=layer.weight, bias=layer.bias)
 
 
+def _ranks(tp: TensorParallel | None) -> int:
+    return 1 if tp is None else tp.size
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None):
         super().__init__()
+        # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            cfg.num_attention_heads // _ranks(tp), cfg.num_key_value_heads // _ranks(tp), cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, cfg.quantization)
@@ -44,10 +52,12 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.backend = TorchBackend()
+        self.tp = tp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 decode_attention=None) -> torch.Tensor:
-        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
+        out = self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                    decode_attention=None) -> torch.Tensor:
@@ -71,23 +81,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, cfg.quantization)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, False, cfg.quantization)
+        intermediate = cfg.intermediate_size // _ranks(tp)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, False, cfg.quantization)
+        self.down_proj = linear(intermediate, cfg.hidden_size, False, cfg.quantization)
         self.backend = TorchBackend()
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rotary, tp)
+        self.mlp = MLP(cfg, tp)
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
@@ -119,20 +133,25 @@ class DecoderLayer(nn.Module):
         qkv, residual = fused_linear(hidden, **_weights(attn.qkv_proj), norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual, ids=ids)
         hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), **_weights(attn.o_proj))
+        if self.tp is not None:       # the partial sums join between kernels, before the norm folded into gate_up
+            self.tp.all_reduce(hidden)
         hidden, residual = fused_linear(hidden, **_weights(mlp.gate_up_proj),
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,
                                         silu=True)
         hidden, _ = fused_linear(hidden, **_weights(mlp.down_proj))
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         return hidden, residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // _ranks(tp), cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
+        self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
         # the single-token products read plain and FP8 weight matrices; 4-bit layers run the backend's
@@ -143,7 +162,9 @@ class DecoderModel(nn.Module):
         fused_linear = self.backend.single_token_linear(input_ids) if self.single_token_layers else None
         decode_attention = self.backend.decode_attention(input_ids, meta)
         residual, ids = None, None
-        if fused_linear is not None:        # the first product gathers the embedding itself
+        if self.tp is not None:             # a rank holds only its vocabulary rows of the table
+            hidden = self.tp.vocab_embedding(input_ids, self.embed_tokens.weight)
+        elif fused_linear is not None:      # the first product gathers the embedding itself
             hidden, ids = self.embed_tokens.weight, input_ids
         else:
             hidden = self.embed_tokens(input_ids)
@@ -163,11 +184,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // _ranks(tp), bias=False)
         self.tie_weights()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None, kv_scales: torch.Tensor | None = None) -> None:
@@ -197,14 +219,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def shard_sizes(self, packed: str) -> list[int]:
-        c = self.config
+        """The output features of each part of a packed projection (this rank's, with tensor parallelism)."""
+        c, n = self.config, _ranks(self.tp)
         if packed == "qkv_proj":
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+            kv = c.num_key_value_heads // n * c.head_dim
+            return [c.num_attention_heads // n * c.head_dim, kv, kv]
+        return [c.intermediate_size // n] * 2
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.tp is None else self.tp.all_gather_last(logits)

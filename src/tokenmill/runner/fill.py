@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.layers.parallel import split_dim
+
 # keys some checkpoints carry that hold no learned state
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -13,8 +15,13 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
     """Copies `(hf_key, read)` pairs into the model's (possibly packed) parameters, calling `read()`
     only for keys the model uses, so one checkpoint tensor at a time is materialised. Ends by checking
     that every parameter (every shard of a packed one) was filled and no key was left over; `source`
-    names the checkpoint in those errors."""
+    names the checkpoint in those errors.
+
+    A tensor-parallel model (`model.tp`) takes only its rank's slice of each split parameter
+    (`parallel.split_dim`): `read(index)` then returns the checkpoint tensor indexed by that tuple of
+    slices, which a safetensors file reads without materialising the rest."""
     cfg = model.config
+    tp = getattr(model, "tp", None)
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
     leftover: list[str] = []
@@ -25,9 +32,10 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
         if name not in params:
             leftover.append(key)
             continue
-        tensor = read()
         param = params[name]
+        split = split_dim(name) if tp is not None else None
         if shard is None:
+            tensor = read() if split is None else read(_rank_slice(split, tp.rank, param.shape[split]))
             _copy(param.data, tensor, key)
             filled[name].add(0)
         else:
@@ -36,6 +44,8 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
             # packed 4-bit tensor says where (`W4Linear.output_dims`: its dim, features per element)
             dim, per = getattr(model.get_submodule(owner), "output_dims", {}).get(leaf, (0, 1))
             sizes = model.shard_sizes(owner.rpartition(".")[2])
+            # a rank's part of a packed shard: the shard's features split along the output (dim 0)
+            tensor = read() if split is None else read(_rank_slice(split, tp.rank, sizes[shard]))
             start = sum(sizes[:shard])
             if start % per or sizes[shard] % per:
                 raise ValueError(f"checkpoint tensor {key!r}: shard of {sizes[shard]} features at {start} "
@@ -55,6 +65,11 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
     if missing:
         raise ValueError(f"parameters missing from the checkpoint {source}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+
+
+def _rank_slice(dim: int, rank: int, length: int) -> tuple[slice, ...]:
+    """Rank `rank`'s `length` entries along `dim`."""
+    return (slice(None),) * dim + (slice(rank * length, (rank + 1) * length),)
 
 
 def _target(model: nn.Module, key: str) -> tuple[str, int | None]:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.w4 import check_g_idx
@@ -30,9 +31,11 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallel | None = None) -> nn.Module:
+    """`tp`: build rank tp.rank's slice of a tensor-parallel model (`layers/parallel.py`)."""
     with torch.device("meta"):
-        model = get_model_class(cfg)(cfg)
+        model = get_model_class(cfg)(cfg, tp)
     model = model.to(dtype)
     for module in model.modules():         # still on meta: packed 4-bit tensors keep their own dtypes
         if hasattr(module, "keep_checkpoint_dtypes"):
@@ -58,7 +61,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
                         check_g_idx(f.get_tensor(key), quant.group_size, key)
                         continue
-                    yield key, lambda f=f, key=key: f.get_tensor(key)
+                    yield key, lambda index=None, f=f, key=key: (f.get_tensor(key) if index is None
+                                                                 else f.get_slice(key)[index])
     stream = tensors()
     if isinstance(quant, fp8.Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)
@@ -66,16 +70,20 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file. `quantization` (the
     engine's): None takes the checkpoint's format, else it must be the checkpoint's; "fp8" on a plain
-    checkpoint quantizes its linear layers at load."""
+    checkpoint quantizes its linear layers at load. `tp`: load rank tp.rank's slices only, from plain
+    safetensors weights."""
     check_quantization(quantization, cfg, model_path)
+    if tp is not None and (is_gguf(model_path) or quantization is not None or cfg.quantization is not None):
+        raise ValueError(f"tensor_parallel_size={tp.size} loads plain safetensors checkpoints only; "
+                         f"{model_path!r} is {'a GGUF file' if is_gguf(model_path) else 'quantized'}")
     if quantization == "fp8" and cfg.quantization is None:
         cfg = dataclasses.replace(cfg, quantization=fp8.Fp8Config())
     if isinstance(cfg.quantization, fp8.Fp8Config):
         fp8.check_device(device)
-    model = build_model(cfg, device, dtype)
+    model = build_model(cfg, device, dtype, tp)
     if is_gguf(model_path):
         load_gguf_weights(model, model_path)
     else:
