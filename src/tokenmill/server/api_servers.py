@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError
-from tokenmill.server.launch import ServeOptions, _Server, announce, configure_logging, serve
+from tokenmill.server.http_server import DrainingServer, ServeOptions, announce, configure_logging, serve
 
 log = logging.getLogger("tokenmill.server")
 
@@ -43,7 +43,7 @@ _STOP_NOW = 2          # the signal count at which an API server cuts its reques
 _KILL_AFTER_S = 15.0   # an API server told to stop at once that is still alive after this is killed
 
 
-class _ApiServer(_Server):
+class _ApiServer(DrainingServer):
     """An API server under the parent: signal counts arrive over the control pipe, not as signals."""
 
     def __init__(self, config, serving, engine, dead_grace_s: float, control: Connection):
