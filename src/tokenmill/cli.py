@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="most tokens in one step")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="processes that split every layer (heads, MLP features, vocabulary) between them; "
+                        "must divide the model's KV heads. CPU (gloo) only for now")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length, prompt plus output (default: the model's)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
@@ -97,7 +100,8 @@ def engine_config(args) -> EngineConfig:
         priority_aging_per_second=args.priority_aging_per_second, priority_tool_boost=args.priority_tool_boost,
         priority_short_boost=args.priority_short_boost, priority_short_max_tokens=args.priority_short_max_tokens,
         scheduler_delay_factor=args.scheduler_delay_factor, target_itl_ms=args.target_itl_ms,
-        swap_space=args.swap_space, preemption_mode=args.preemption_mode)
+        swap_space=args.swap_space, preemption_mode=args.preemption_mode,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _serve(args) -> int:

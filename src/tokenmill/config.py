@@ -237,6 +237,9 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
     # tiles and block sizes of the CUDA kernels (layers/kernel_config.py); the default is the shipped table
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    # ranks (one process each) that split every layer, as vLLM's --tensor-parallel-size
+    # (runner/tensor_parallel.py); 1: one process, no process group
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -275,6 +278,26 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.preemption_mode == "swap":
+            raise ValueError(f"preemption_mode 'swap' is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each rank would have to swap its own KV heads); "
+                             "preempted requests recompute")
+
+    def check_tensor_parallel(self, model: ModelConfig, device: torch.device) -> None:
+        """Refuses a tensor_parallel_size that does not split the model evenly, or a device whose
+        multi-process path is not built."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        if device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size={n} runs on the CPU only (gloo process group); the "
+                             f"{device.type} path (NCCL, all-reduces inside CUDA graphs) is not implemented")
+        for name in ("num_key_value_heads", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if getattr(model, name) % n:
+                raise ValueError(f"tensor_parallel_size={n} must divide the model's {name}="
+                                 f"{getattr(model, name)} (each rank holds an equal share)")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -275,6 +275,11 @@ class LLMEngine:
         return True
 
     # ---- introspection -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops the model runner's worker processes (tensor parallelism), if any; the engine takes no
+        more steps after it. Collecting the engine does the same."""
+        self.runner.shutdown()
+
     def get_stats(self) -> dict:
         bm = self.block_manager
         return {

@@ -44,6 +44,8 @@ def startup_lines(engine) -> list[str]:
     else:
         graphs = "CUDA graphs: off (--enforce-eager)"
     preemption = engine.scheduler.preemption_mode
+    if cfg.tensor_parallel_size > 1:    # the weights and KV cache below are rank 0's slice
+        device += f", tensor_parallel_size {cfg.tensor_parallel_size} (each rank's share below)"
     if runner.swap_space is not None:
         preemption += (f" (swap space {format_bytes(runner.num_cpu_blocks * runner.block_bytes)}, "
                        f"{runner.num_cpu_blocks:,} blocks{', pinned' if runner.swap_space.cuda else ''})")

@@ -6,7 +6,9 @@ pure decode by batch size, steps with prefill tokens by tokens and sequences, up
 `cuda_graph_max_tokens`). Where the GPU addresses pinned host memory, a graph's inputs and its sampled
 tokens move by kernels (`kernels/staging.py`), not by the copy engines. The only host synchronisation
 per step is reading back the sampled token ids. This file holds the model, its KV cache (sized from a
-measured memory profile) and the step itself.
+measured memory profile) and the step itself. With tensor_parallel_size > 1 it is rank 0: it holds
+rank 0's slice of the model and of the KV cache, and its model calls run on every rank
+(`tensor_parallel.py`); nothing of that exists at size 1.
 """
 from __future__ import annotations
 
@@ -29,10 +31,22 @@ from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
 from tokenmill.runner.swap import SwapSpace
+from tokenmill.runner.tensor_parallel import ShardedModel, TensorParallelWorkers
 
 logger = logging.getLogger("tokenmill")
 
 _CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+def kv_cache_tensors(c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device, tp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A KV cache [layers, 2, num_blocks, block_size, kv_heads / tp_size, head_dim] of one rank and, in
+    FP8, its per-layer K and V scales (see `ModelRunner._allocate_kv_cache`)."""
+    shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads // tp_size, c.head_dim)
+    kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    kv_scales = (torch.ones(c.num_hidden_layers, 2, dtype=torch.float32, device=device)
+                 if dtype == FP8_KV_DTYPE else None)
+    return kv_cache, kv_scales
 
 
 class ModelRunner:
@@ -50,12 +64,27 @@ class ModelRunner:
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
+        self.tp_size = engine_config.tensor_parallel_size
+        engine_config.check_tensor_parallel(model_config, self.device)
         t0 = time.perf_counter()
-        self.model = load_model(model_dir, model_config, self.device, self.dtype, engine_config.quantization)
-        self.backend = make_backend(self.device, engine_config.kernels)
-        self.model.use_backend(self.backend)
-        self.load_seconds = time.perf_counter() - t0
-        self.num_blocks = self._determine_num_blocks()
+        # ranks 1..N-1 load their slices while this process loads rank 0's
+        self.workers = (TensorParallelWorkers(engine_config, model_config, model_dir)
+                        if self.tp_size > 1 else None)
+        try:
+            self.model = load_model(model_dir, model_config, self.device, self.dtype, engine_config.quantization,
+                                    self.workers.tp if self.workers else None)
+            self.backend = make_backend(self.device, engine_config.kernels)
+            self.model.use_backend(self.backend)
+            if self.workers is not None:
+                self.workers.connect()
+                self.model = ShardedModel(self.model, self.workers.tp)
+            self.load_seconds = time.perf_counter() - t0
+            self.num_blocks = self._determine_num_blocks()
+            if self.workers is not None:
+                self.workers.start(self.num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
         self._allocate_kv_cache()
         if self.device.type == "cuda":
             warm_up_sampler(self.vocab_size, self.dtype, self.device)
@@ -68,9 +97,15 @@ class ModelRunner:
             self.capture_graphs()
         # swap space for preempted requests' blocks (none when preemption recomputes); built after the
         # graphs are captured, since on CUDA it pins its memory in a background thread
-        self.num_cpu_blocks = 0 if engine_config.preemption_mode == "recompute" else \
+        # (none with tensor parallelism: preempted requests recompute, EngineConfig refuses "swap")
+        self.num_cpu_blocks = 0 if engine_config.preemption_mode == "recompute" or self.tp_size > 1 else \
             int(engine_config.swap_space * 2**30) // self.block_bytes
         self.swap_space = SwapSpace(self.kv_cache, self.num_cpu_blocks) if self.num_cpu_blocks else None
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (also done when the runner is collected)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
 
     def capture_graphs(self, emulate: bool = False) -> None:
         """Captures the CUDA graphs (with `emulate`, stand-ins that re-run the forward, so the padded
@@ -90,7 +125,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         c = self.model_config
-        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+        return (2 * c.num_hidden_layers * self.block_size * (c.num_key_value_heads // self.tp_size) * c.head_dim
                 * self.kv_cache_dtype.itemsize)
 
     def _determine_num_blocks(self) -> int:
@@ -147,12 +182,9 @@ class ModelRunner:
         (3 mantissa bits) is the same from 2^-6 to 448, so a scale only moves that window, and the K/V of
         the models served here lie inside it (SmolLM2-135M's |K| peaks near 20); a fixed scale also
         keeps what a block holds independent of which request came first. Values outside saturate."""
-        c = self.model_config
         n = self.num_blocks if num_blocks is None else num_blocks
-        shape = (c.num_hidden_layers, 2, n, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        self.kv_scales = (torch.ones(c.num_hidden_layers, 2, dtype=torch.float32, device=self.device)
-                          if self.kv_cache_dtype == FP8_KV_DTYPE else None)
+        self.kv_cache, self.kv_scales = kv_cache_tensors(self.model_config, n, self.block_size, self.kv_cache_dtype,
+                                                         self.device, self.tp_size)
         self.model.bind_kv_cache(self.kv_cache, self.kv_scales)
 
     @property

@@ -1,0 +1,84 @@
+"""A tensor-parallel worker process, rank r > 0 (`python -m tokenmill.runner.tp_worker`, started by
+`tensor_parallel.TensorParallelWorkers`): it loads rank r's slice of the model, allocates its slice of
+the KV cache, then replays every model call that rank 0 broadcasts (see `tensor_parallel.py`) until
+its stdin closes."""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.layers.backend import make_backend
+from tokenmill.layers.parallel import TensorParallel
+from tokenmill.runner import tensor_parallel as wire
+from tokenmill.runner.loader import load_model
+from tokenmill.runner.model_runner import kv_cache_tensors
+
+
+def _exit_when_stdin_closes() -> None:
+    """Rank 0 holds the other end of stdin: EOF means it stopped us or died."""
+    sys.stdin.buffer.read()
+    os._exit(0)
+
+
+class Worker:
+    def __init__(self, engine_config, model_config, model_dir: str, rank: int):
+        self.config, self.model_config = engine_config, model_config
+        self.device = engine_config.resolve_device()
+        self.dtype = engine_config.resolve_dtype(model_config, self.device)
+        self.tp = TensorParallel(rank, engine_config.tensor_parallel_size)
+        self.model = load_model(model_dir, model_config, self.device, self.dtype, engine_config.quantization,
+                                self.tp)
+        self.model.use_backend(make_backend(self.device, engine_config.kernels))
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Allocates the KV cache rank 0 sized, then runs each call rank 0 broadcasts."""
+        h = self.tp.broadcast(wire.header()).tolist()
+        if h[0] != wire.START:
+            raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: expected START, got {h}")
+        kv_cache, kv_scales = kv_cache_tensors(
+            self.model_config, h[1], self.config.block_size,
+            self.config.resolve_kv_cache_dtype(self.dtype), self.device, self.tp.size)
+        self.model.bind_kv_cache(kv_cache, kv_scales)
+        while True:
+            h = self.tp.broadcast(wire.header()).tolist()
+            if h[0] == wire.FORWARD:
+                tokens, seqs, width, num_tiles = h[1], h[2], h[3], h[6]
+                n = 3 * tokens + 2 * seqs + 1 + seqs * width + max(num_tiles, 0) * 2
+                payload = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device))
+                self.model(*wire.unpack_forward(h, payload))
+            elif h[0] == wire.LOGITS:
+                hidden = torch.empty(h[1], h[2], dtype=self.dtype, device=self.device)
+                self.model.compute_logits(self.tp.broadcast(hidden))
+            else:
+                raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: unknown call {h}")
+
+
+def main() -> None:
+    engine_config, model_config, model_dir, rank, port = pickle.load(sys.stdin.buffer)
+    threading.Thread(target=_exit_when_stdin_closes, name="tokenmill-tp-parent", daemon=True).start()
+    size = engine_config.tensor_parallel_size
+    torch.set_num_threads(wire.threads_per_rank(size))      # the ranks share the host's cores
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    try:
+        worker = Worker(engine_config, model_config, model_dir, rank)
+    except BaseException:
+        store.set(wire.ready_key(rank), traceback.format_exc())
+        raise
+    store.set(wire.ready_key(rank), "ok")
+    worker.tp.group = wire.make_group(store, rank, size)
+    try:
+        worker.serve()
+    except RuntimeError as e:       # a collective failed: rank 0 (or another rank) is gone
+        print(f"tokenmill tensor-parallel worker rank {rank} stops: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
