@@ -160,9 +160,10 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if ignore_sigint and "OMP_NUM_THREADS" not in os.environ:
         # Leave a core to each API server process: oversubscribed OpenMP threads spin and made CPU steps
-        # ~25x slower in our measurements (docs/SERVER.md).
+        # ~25x slower in our measurements (docs/SERVER.md). Data-parallel cores are given their share.
         import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - len(conns)))
+        torch.set_num_threads(getattr(config, "extra", {}).get("cpu_threads")
+                              or max(1, (os.cpu_count() or 2) - len(conns)))
     try:
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
         ready = CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
