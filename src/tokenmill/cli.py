@@ -115,7 +115,7 @@ def _serve(args) -> int:
                       engine_factory=args.engine_factory, in_process=args.engine_in_process,
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
                       log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args),
-                      api_server_count=args.api_server_count)
+                      api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size)
 
 
 def api_server_count(text: str) -> int:
@@ -128,7 +128,26 @@ def api_server_count(text: str) -> int:
     return value
 
 
+def data_parallel_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (one engine core), got {value}")
+    return value
+
+
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
+    dp = args.data_parallel_size
+    if dp > 1 and args.api_server_count > 1:
+        parser.error(f"--data-parallel-size {dp} and --api-server-count {args.api_server_count} are not "
+                     "supported together yet")
+    if dp > 1 and args.engine_in_process:
+        parser.error(f"--engine-in-process runs one engine loop in the API server's process, so it cannot serve "
+                     f"--data-parallel-size {dp}")
+    if dp > 1 and args.backend != "tokenmill":
+        parser.error(f"--data-parallel-size {dp} needs --backend tokenmill")
     if args.api_server_count > 1 and args.engine_in_process:
         parser.error("--engine-in-process runs the engine in the API server's process, so it cannot serve "
                      f"--api-server-count {args.api_server_count}")
@@ -241,6 +260,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="API server processes (HTTP, tokenizing, detokenizing, SSE) sharing the port in front "
                             "of the one engine core; more than 1 where one process's HTTP work is the limit "
                             "(docs/SERVER.md)")
+    serve.add_argument("--data-parallel-size", "-dp", type=data_parallel_size, default=1,
+                       help="engine cores, each a whole copy of the model (on CUDA, core i on device i), behind "
+                            "the one API server; each request goes to one of them by prefix-cache affinity "
+                            "and load (docs/SERVER.md)")
     add_http_args(serve)
     add_chat_args(serve)
     add_engine_args(serve)

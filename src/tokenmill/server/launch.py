@@ -39,13 +39,20 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
-               http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1) -> int:
+               http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1,
+               data_parallel_size: int = 1) -> int:
     """`api_server_count` > 1: that many API server processes share the socket and one engine core
-    (server/api_servers.py); 1 serves from this process."""
+    (server/api_servers.py); 1 serves from this process. `data_parallel_size` > 1: this process serves
+    in front of that many engine cores (engine/data_parallel.py)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
     if api_server_count > 1 and in_process:
         raise ValueError("the engine loop cannot run in a thread of the server process with several API servers")
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    if data_parallel_size > 1 and (api_server_count > 1 or in_process):
+        raise ValueError(f"data_parallel_size={data_parallel_size} runs its engine cores in processes of their own "
+                         "behind one API server process (not with several API servers, nor in process)")
     options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
                            log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat)
     configure_logging(options)
@@ -62,7 +69,12 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         finally:
             sock.close()
     try:
-        engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
+        if data_parallel_size > 1:
+            from tokenmill.engine.data_parallel import DataParallelLLM
+            engine = DataParallelLLM.start(config, data_parallel_size, engine_factory=engine_factory)
+            print(f"tokenmill: {data_parallel_size} engine cores (pids {', '.join(map(str, engine.pids))})", flush=True)
+        else:
+            engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
     except EngineStartError as e:
         sock.close()
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
