@@ -1,0 +1,262 @@
+"""`tokenmill serve --data-parallel-size N`: N engine cores behind one API server.
+
+The routing rule is tested on `PrefixRouter` alone; that it holds for real cores on two tiny engines
+driven in this process by a `DataParallelLLM` (each core's own stats: which served which prompts, and
+whose prefix cache was hit); the whole on a real `tokenmill serve --data-parallel-size 2` whose steps
+take at least 20 ms (tests/slow_engine.py), so that streams outlast a SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from test_server import ServerProcess
+from tokenmill.engine.dp_router import PrefixRouter, block_hashes
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BS = 4
+
+
+# ----- the rule ------------------------------------------------------------------------------------------
+def test_block_hashes_chain_the_full_blocks_only():
+    a, b = block_hashes(list(range(10)), BS), block_hashes(list(range(8)) + [0, 0, 0], BS)
+    assert len(a) == 2 and a == b                         # the partial third block is not hashed
+    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], BS)[1] != a[1]    # a block's hash covers its parent's
+    assert block_hashes([1, 2, 3], BS) == []
+
+
+def test_a_shared_prefix_stays_on_its_core_until_it_is_too_loaded():
+    router = PrefixRouter(2, BS, min_imbalance=2, imbalance_ratio=0.5)
+    prefix = list(range(100, 112))                       # three full blocks
+    loads = [0, 0]
+    first = router.choose(prefix + [1], loads)
+    loads[first] += 1
+    for tail in range(2, 4):                             # in flight, the other core idle: still affinity
+        assert router.choose(prefix + [tail], loads) == first
+        loads[first] += 1
+    assert loads[first] - loads[1 - first] == 3          # now beyond max(2, 0.5 x 0): the other core
+    assert router.choose(prefix + [9], loads) == 1 - first
+    # that core last received the prefix: it takes the next one too
+    assert router.choose(prefix + [10], [0, 0]) == 1 - first
+    # one shared block is enough; a prompt shorter than a block has no affinity (least loaded)
+    assert router.choose(prefix[:BS] + [7, 7], [5, 4]) == 1 - first
+    assert router.choose(prefix[:3], [5, 4]) == 1
+
+
+def test_distinct_prefixes_spread_by_load_and_ties_take_turns():
+    router = PrefixRouter(3, BS)
+    assert [router.choose([i] * 8, [0, 0, 0]) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert router.choose([42] * 8, [3, 1, 2]) == 1
+
+
+def test_the_map_is_bounded_least_recently_used_first():
+    router = PrefixRouter(2, BS, max_entries=4)
+    router.choose([1] * 8, [0, 0])                       # 2 hashes -> core 0
+    router.choose([2] * 8, [0, 0])                       # 2 hashes -> core 1
+    assert len(router) == 4
+    router.choose([1] * 8, [9, 0])                       # refreshed (and moved: core 0 is far too loaded)
+    router.choose([3] * 8, [0, 0])                       # evicts [2]'s blocks, the least recent
+    assert len(router) == 4
+    assert router.affinity(block_hashes([2] * 8, BS)) == (None, 0)
+    assert router.affinity(block_hashes([1] * 8, BS)) == (1, 2)
+
+
+# ----- the frontend over fake cores ----------------------------------------------------------------
+class FakeCore:
+    """What `DataParallelLLM` uses of an `AsyncLLM`: each request yields one output, then waits for `gate`."""
+
+    def __init__(self, stats: dict):
+        self.config = None
+        self.model_name, self.max_model_len, self.vocab_size, self.tokenizer, self.processor = "m", 96, 512, None, None
+        self.on_output = None
+        self.stats, self.requests, self.aborted, self.dead_callbacks = stats, [], [], []
+        self.gate: asyncio.Event | None = None
+        self.pid = self.dead = None
+        self.failed: list[BaseException] = []
+
+    def on_dead(self, callback):
+        self.dead_callbacks.append(callback)
+
+    async def generate(self, request_id, prompt, params, *args):
+        self.requests.append(request_id)
+        yield "first"
+        await self.gate.wait()
+        yield "last"
+
+    def abort(self, ids):
+        self.aborted += ids
+
+    def fail_all(self, error):
+        self.failed.append(error)
+        return 0
+
+    async def get_stats(self, max_age=0.0, timeout=2.0):
+        return dict(self.stats)
+
+
+def test_the_frontend_routes_follows_and_sums_its_cores():
+    from tokenmill.engine.data_parallel import DataParallelLLM
+    cores = [FakeCore({"num_running": 2, "num_total_blocks": 100, "num_free_blocks": 50, "kv_cache_usage": 0.5,
+                       "prompt_tokens": 10}),
+             FakeCore({"num_running": 1, "num_total_blocks": 300, "num_free_blocks": 300, "kv_cache_usage": 0.0,
+                       "prompt_tokens": 5})]
+    dp = DataParallelLLM(cores, BS)
+    shared = list(range(100, 112))
+    deaths = []
+    dp.on_dead(deaths.append)
+
+    async def main():
+        for core in cores:
+            core.gate = asyncio.Event()
+        gens = [dp.generate(f"s{i}", shared + [i], None) for i in range(4)]
+        gens += [dp.generate(f"d{i}", [50 + i] * 8, None) for i in range(4)]
+        for g in gens:                       # every request in flight at once
+            assert await g.__anext__() == "first"
+        held = list(dp.loads)
+        dp.abort(["s1", "d2", "unknown"])
+        stats = await dp.get_stats()
+        for core in cores:
+            core.gate.set()
+        for g in gens:
+            assert [out async for out in g] == ["last"]
+        return held, stats
+    held, stats = asyncio.run(main())
+    shared_core = 0 if "s0" in cores[0].requests else 1
+    assert sorted(cores[shared_core].requests) == ["s0", "s1", "s2", "s3"]       # affinity, load 4 < 8 apart
+    assert sorted(cores[1 - shared_core].requests) == ["d0", "d1", "d2", "d3"]   # the least-loaded core
+    assert held == [4, 4] and dp.loads == [0, 0] and not dp._owner
+    assert cores[shared_core].aborted == ["s1"] and cores[1 - shared_core].aborted == ["d2"]
+    assert stats["num_running"] == 3 and stats["prompt_tokens"] == 15 and stats["num_total_blocks"] == 400
+    assert stats["kv_cache_usage"] == 50 / 400
+    cores[1].dead = "engine core exited (EOFError)"
+    cores[1].dead_callbacks[0](cores[1].dead)
+    cores[0].dead_callbacks[0]("later")
+    assert deaths == [dp.dead] and dp.dead.startswith("engine core 1 of 2: engine core exited")
+    assert [str(e) for e in cores[0].failed] == [dp.dead] and not cores[1].failed   # the live core's requests end
+
+
+# ----- the server ----------------------------------------------------------------------------------------
+PROMPTS = ["The quick brown fox", "PagedAttention keeps", "def main():", "Continuous batching lets"]
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+class DPServer(ServerProcess):
+    def __init__(self, model_dir: str, tmp_path, *args: str):
+        mp = pytest.MonkeyPatch()
+        mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        try:
+            super().__init__(model_dir, tmp_path, "-dp", "2", "--engine-factory", "slow_engine:make",
+                             "--max-model-len", "96", "--num-kv-blocks", "256", "--block-size", str(BS), *args)
+        finally:
+            mp.undo()
+        m = re.search(r"2 engine cores \(pids (\d+), (\d+)\)", self.log_path.read_text())
+        self.core_pids = [int(m.group(1)), int(m.group(2))]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    s = DPServer(qwen3_dir, tmp_path_factory.mktemp("dp-server"))
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def want(qwen3_dir):
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(qwen3_dir, device="cpu", max_model_len=96, num_kv_blocks=128, block_size=BS)
+    outs = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    return [o.outputs[0].text for o in outs], [len(o.prompt_token_ids) for o in outs]
+
+
+async def _complete(c: httpx.AsyncClient, prompt: str, stream: bool, max_tokens: int = 12) -> str:
+    body = {"prompt": prompt, **GREEDY, "max_tokens": max_tokens}
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_served_text_is_the_offline_engines_and_metrics_sum_both_cores(server, want):
+    """32 requests at once, streaming and not: the offline engine's greedy text; once idle, /metrics shows
+    both cores' blocks, and the token counters grew by all requests' tokens."""
+    texts, lengths = want
+    before = server.metrics()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*(_complete(c, PROMPTS[i % 4], stream=i % 2 == 1) for i in range(32)))
+    assert asyncio.run(main()) == [texts[i % 4] for i in range(32)]
+    m = server.wait_engine_idle()
+    assert m["tokenmill:num_total_blocks"] == m["tokenmill:num_free_blocks"] == 2 * 256
+    assert m["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] == 32 * 12
+    assert m["tokenmill:prompt_tokens_total"] - before["tokenmill:prompt_tokens_total"] == 8 * sum(lengths)
+    assert m["tokenmill:request_success_total"] - before.get("tokenmill:request_success_total", 0) == 32
+
+
+def test_prompts_sharing_a_prefix_hit_one_cores_prefix_cache(server):
+    """Eight prompts, one after another, sharing five full blocks: every one after the first finds all
+    five in the prefix cache, which only happens if they all reached the same core."""
+    before = server.metrics()
+    shared = list(range(10, 30))
+    for i in range(8):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": shared + [40 + i, 41], **GREEDY,
+                                                             "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+    hits = server.metrics()["tokenmill:prefix_cache_hits_total"] - before["tokenmill:prefix_cache_hits_total"]
+    assert hits == 7 * 20
+
+
+def test_sigterm_drains_both_cores_and_exits_0(server, want):
+    """Runs last on `server`: 16 streams in flight finish whole, a new request gets 503, the server exits
+    0 and neither core is left."""
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            streams = [asyncio.ensure_future(_complete(c, PROMPTS[i % 4], True, max_tokens=40)) for i in range(16)]
+            while server.metrics()["tokenmill:num_requests_running"] < 16:
+                await asyncio.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1},
+                                headers={"Connection": "close"})
+            return await asyncio.gather(*streams), late
+    texts, late = asyncio.run(main())
+    assert all(t.startswith(want[0][i % 4]) for i, t in enumerate(texts)), texts
+    assert late.status_code == 503
+    assert server.proc.wait(30) == 0, server.log_path.read_text()[-3000:]
+    for pid in server.core_pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+# ----- the flag ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_size_below_1_is_refused_naming_it(value, capsys):
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--data-parallel-size", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--data-parallel-size/-dp: must be at least 1" in err and f"got {value}" in err
+
+
+def test_with_several_api_servers_it_is_refused(capsys):
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "-dp", "2", "--api-server-count", "2"])
+    assert e.value.code == 2 and "not supported together yet" in capsys.readouterr().err
