@@ -71,11 +71,20 @@ def forward_payload(input_ids: torch.Tensor, positions: torch.Tensor,
                    -1 if tiles is None else tiles.shape[1]), payload)
 
 
+def _forward_sizes(h: list[int]) -> list[int]:
+    _, tokens, seqs, width, _, _, num_tiles, _ = h
+    return [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, max(num_tiles, 0) * 2]
+
+
+def forward_payload_len(h: list[int]) -> int:
+    """The int64 elements of the payload that follows forward header `h`."""
+    return sum(_forward_sizes(h))
+
+
 def unpack_forward(h: list[int], payload: torch.Tensor):
     """(input_ids, positions, meta) from `forward_payload`'s header values and payload."""
-    _, tokens, seqs, width, max_q, max_seq_len, num_tiles, _ = h
-    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, max(num_tiles, 0) * 2]
-    ids, positions, slots, qsl, seq_lens, tables, tiles = payload.split(sizes)
+    _, _, seqs, width, max_q, max_seq_len, num_tiles, _ = h
+    ids, positions, slots, qsl, seq_lens, tables, tiles = payload.split(_forward_sizes(h))
     i32 = torch.int32
     meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl.to(i32), seq_lens=seq_lens.to(i32),
                              block_tables=tables.to(i32).view(seqs, width), max_query_len=max_q,

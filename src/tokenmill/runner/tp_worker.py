@@ -49,9 +49,8 @@ class Worker:
         while True:
             h = self.tp.broadcast(wire.header()).tolist()
             if h[0] == wire.FORWARD:
-                tokens, seqs, width, num_tiles = h[1], h[2], h[3], h[6]
-                n = 3 * tokens + 2 * seqs + 1 + seqs * width + max(num_tiles, 0) * 2
-                payload = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device))
+                payload = torch.empty(wire.forward_payload_len(h), dtype=torch.int64, device=self.device)
+                self.tp.broadcast(payload)
                 self.model(*wire.unpack_forward(h, payload))
             elif h[0] == wire.LOGITS:
                 hidden = torch.empty(h[1], h[2], dtype=self.dtype, device=self.device)
