@@ -5,7 +5,6 @@ norms and a tied head); refusals name the value and the limit; no worker outlive
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap

@@ -136,15 +136,17 @@ class TensorParallelWorkers:
         # computes on (at two ranks on two cores, spinning made a step ten times slower)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.procs: list[subprocess.Popen] = []
-        # the ranks share the host's cores: each computes on its share of them (restored at `close`)
+        # the ranks share this process's threads (the host's cores, or the share the engine core was
+        # given): each computes on 1/N of them; restored at `close`
         threads = torch.get_num_threads()
-        torch.set_num_threads(threads_per_rank(size))
+        per_rank = max(1, threads // size)
+        torch.set_num_threads(per_rank)
         self._finalizer = weakref.finalize(self, _stop, self.procs, threads)
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.runner.tp_worker"], stdin=subprocess.PIPE,
                                     env=env)
             self.procs.append(proc)
-            proc.stdin.write(pickle.dumps((engine_config, model_config, model_dir, rank, self.store.port)))
+            proc.stdin.write(pickle.dumps((engine_config, model_config, model_dir, rank, self.store.port, per_rank)))
             proc.stdin.flush()
 
     def connect(self) -> None:
@@ -173,10 +175,6 @@ class TensorParallelWorkers:
     def close(self) -> None:
         """Stops the workers (closes their stdin) and waits for them; idempotent."""
         self._finalizer()
-
-
-def threads_per_rank(size: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // size)
 
 
 def _stop(procs: list[subprocess.Popen], threads: int) -> None:

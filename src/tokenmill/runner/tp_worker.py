@@ -60,10 +60,10 @@ class Worker:
 
 
 def main() -> None:
-    engine_config, model_config, model_dir, rank, port = pickle.load(sys.stdin.buffer)
+    engine_config, model_config, model_dir, rank, port, threads = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_when_stdin_closes, name="tokenmill-tp-parent", daemon=True).start()
     size = engine_config.tensor_parallel_size
-    torch.set_num_threads(wire.threads_per_rank(size))      # the ranks share the host's cores
+    torch.set_num_threads(threads)          # rank 0's share of its threads
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     try:
         worker = Worker(engine_config, model_config, model_dir, rank)
