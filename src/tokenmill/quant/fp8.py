@@ -165,17 +165,24 @@ def quantization_config(fmt: str) -> dict:
                                       "dynamic": True}}}}
 
 
-def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, fmt: str) -> None:
+def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, fmt: str,
+                     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
     """A plain checkpoint (`state`, `hf_config`) quantized into `fmt`'s on-disk layout: every decoder
-    linear weight as FP8 with its scale tensor, everything else (norms, biases, embedding, head) as is."""
+    linear weight as FP8 with its scale tensor, everything else (norms, biases, embedding, head) as is.
+    `weights[key]`: that weight already quantized by a calibrated quantizer (`gptq.gptq_fp8_model`: FP8
+    weight, scale [out, 1]; compressed-tensors only); a weight without one is rounded to nearest."""
     from safetensors.torch import save_file
     block = (128, 128) if fmt == "fp8" else None
     scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    weights = weights or {}
+    if weights and block is not None:
+        raise ValueError("calibrated FP8 weights have one scale per output channel: write them as "
+                         "compressed-tensors")
     out = {}
     for key, t in state.items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
-            out[key], out[f"{prefix}.{scale_name}"] = quantize(t, block)
+            out[key], out[f"{prefix}.{scale_name}"] = weights.get(key) or quantize(t, block)
         else:
             out[key] = t.contiguous()
     os.makedirs(out_dir, exist_ok=True)

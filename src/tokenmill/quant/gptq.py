@@ -1,30 +1,35 @@
-"""GPTQ (Frantar et al., 2022): 4-bit weights whose rounding error each layer's calibration inputs correct.
+"""GPTQ (Frantar et al., 2022): quantized weights whose rounding error each layer's calibration inputs
+correct, onto two grids: 4-bit groups (the GPTQ checkpoint layout) and FP8 E4M3 with one scale per output
+channel (compressed-tensors' layout).
 
 For a linear layer y = W x with calibration inputs X [n, in], GPTQ minimises ||W X^T - Q X^T||^2 row by
 row. The loss's Hessian H = 2 X^T X is shared by every output row. Columns are quantized one at a time;
 after column i the columns not yet quantized absorb its error through H^-1: with U the upper Cholesky
 factor of H^-1, w[:, j] -= (w[:, i] - q[:, i]) / U[i, i] * U[i, j] for j after i. The update reaches the
 columns of the current block at once and the rest in one matrix product per block (the paper's lazy
-batch updates).
+batch updates). Only the rounding of one column differs between the grids (`gptq_columns`).
 
 Columns go in descending order of H's diagonal (their inputs' energy: the paper's act-order), with
-static groups: every group's scale and zero are set before any update, from the weights' own min/max
-shrunk by a clip search (`clipped_grid`). Groups therefore stay contiguous input rows, and the
-checkpoint is a plain one (`desc_act: false`, `g_idx = row // group_size`, as the loader wants); only
-the order of rounding differs. Measured on SmolLM2-135M (g128, held-out perplexity against the
-unquantized model): round to nearest +27%; GPTQ in input order with min/max grids set on the updated
-weights +29%; with act-order and static groups +21%; with the clip search as well +13-18%.
+static grids: every scale (and 4-bit zero) is set before any update, from the weights themselves. 4-bit
+groups therefore stay contiguous input rows and the checkpoint is a plain one (`desc_act: false`,
+`g_idx = row // group_size`, as the loader wants); only the order of rounding differs. The 4-bit grids'
+ranges are the weights' min/max shrunk by a clip search (`clipped_grid`); FP8's scale is the row's
+absmax / 448, as at load.
 
-`gptq_model` runs the calibration tokens through a float model layer by layer; each layer is quantized
-on inputs that come from the already quantized layers and sublayers before it, so later layers also
-correct the error of earlier ones.
+`gptq_model` and `gptq_fp8_model` run the calibration tokens through a float model layer by layer; each
+layer is quantized on inputs that come from the already quantized layers and sublayers before it, so
+later layers also correct the error of earlier ones. Measured on SmolLM2-135M-Instruct against its
+unquantized weights: docs/benchmarks/20261201/quant-quality.md.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 from tokenmill.layers.attention_metadata import AttentionMetadata
+from tokenmill.quant.fp8 import FP8, FP8_MAX
 from tokenmill.quant.quantize import Grid, _groups, group_grid
 from tokenmill.quant.w4 import dequantize_grid
 
@@ -34,17 +39,24 @@ SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "mlp.down_proj": ("mlp.down_proj",)}
 
+# round_column(i, w) -> (codes, values): input column i's weights w [out] on the grid, as the checkpoint
+# stores them (4-bit values, FP8 values in float32) and as the weight they stand for
+RoundColumn = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 def clipped_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0, steps: int = 8,
                  min_shrink: float = 0.7) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize.group_grid` of each group [..., group] with its range shrunk by the factor in
     linspace(1, min_shrink, steps) that rounds the group with the least squared error: clipping a few
     extreme weights buys a finer step for all the others."""
+    # a group's grid depends only on its min and max, which a shrink scales: the grid of the pair
+    # [min, max] * f is the grid of the shrunk group
+    ranges = torch.stack([wg.amin(-1), wg.amax(-1)], -1)
     best = best_err = None
     for f in torch.linspace(1, min_shrink, steps).tolist():
-        s, z = group_grid(wg * f, sym, min_zero)
-        deq = ((torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15) - z[..., None]) * s[..., None]
-        err = (deq - wg).square().sum(-1)
+        s, z = group_grid(ranges * f, sym, min_zero)
+        s_, z_ = s[..., None], z[..., None]
+        err = torch.round(wg / s_).add_(z_).clamp_(0, 15).sub_(z_).mul_(s_).sub_(wg).square_().sum(-1)
         if best is None:
             best, best_err = (s, z), err
         else:
@@ -54,57 +66,74 @@ def clipped_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0, steps: int = 8,
     return best
 
 
-def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool = False,
-                  min_zero: int = 0, damp: float = 0.01, block_size: int = 32) -> Grid:
-    """Weights [B, out, in] and their inputs' Hessians [B, in, in] (any positive multiple of X^T X) -> B
-    grids, stacked: q [B, in, out], zeros and scales [B, groups, out] (see `quantize.Grid`). `damp`: the
-    fraction of H's mean diagonal added to its diagonal, which keeps H invertible (fewer samples than
-    inputs, dead inputs) and the updates small."""
-    batch, out_features, n = w.shape
+def gptq_columns(w: torch.Tensor, hessian: torch.Tensor, round_column: RoundColumn, damp: float = 0.01,
+                 block_size: int = 32) -> torch.Tensor:
+    """The error-compensated rounding of a weight [out, in] with its inputs' Hessian [in, in] (any positive
+    multiple of X^T X): the codes [in, out] that `round_column` gives each column, in input order.
+    `damp`: the fraction of H's mean diagonal added to its diagonal, which keeps H invertible (fewer
+    samples than inputs, dead inputs) and the updates small."""
+    n = w.shape[1]
     w = w.detach().float().clone()
     h = hessian.detach().float().clone()
-    diag = h.diagonal(dim1=1, dim2=2)
+    diag = h.diagonal()
     dead = diag == 0                                   # an input never seen: its column cannot matter
     diag[dead] = 1
-    w = w * (~dead)[:, None, :]
-    diag += damp * diag.mean(-1, keepdim=True)
-
-    # static groups: every grid set from the weights before any update, so the columns can be taken in
-    # the order of their inputs' energy (largest first: the loss they would leave is the largest) and
-    # groups still are contiguous input rows
-    groups = -(-n // group_size)
-    wg = _groups(w.reshape(batch * out_features, n), group_size)
-    scales, zeros = (t.reshape(batch, out_features, groups) for t in clipped_grid(wg, sym, min_zero))
-    perm = torch.argsort(h.diagonal(dim1=1, dim2=2), dim=-1, descending=True)         # [B, in]
-    w = w.gather(2, perm[:, None, :].expand_as(w))
-    h = h.gather(1, perm[:, :, None].expand_as(h)).gather(2, perm[:, None, :].expand_as(h))
-    col_groups = (perm // group_size)[:, None, :].expand(batch, out_features, n)
-    s_cols, z_cols = scales.gather(2, col_groups), zeros.gather(2, col_groups)
+    w[:, dead] = 0
+    diag += damp * diag.mean()
+    # act-order: the inputs with the most energy first (the loss they would leave is the largest)
+    perm = torch.argsort(diag, descending=True)
+    order = perm.tolist()
+    h = h[perm][:, perm]
     # U, upper with H^-1 = U^T U, without forming H^-1: the Cholesky factor of H in reversed order is
     # an upper R with H = R R^T, and U = R^-1
     r = torch.linalg.cholesky(h.flip(-1, -2)).flip(-1, -2)
-    u = torch.linalg.solve_triangular(r, torch.eye(n).expand_as(r), upper=True)
+    u = torch.linalg.solve_triangular(r, torch.eye(n), upper=True)
 
-    # input-major ([B, in, out]) so that a column is a contiguous row; small blocks keep the rank-one
-    # updates inside a block cheap, the rest of the update is one matrix product per block
-    w, s_cols, z_cols = (t.transpose(1, 2).contiguous() for t in (w, s_cols, z_cols))
-    q = torch.empty_like(w)
+    # input-major ([in, out]) so that a column is a contiguous row; small blocks keep the rank-one updates
+    # inside a block cheap, the rest of the update is one matrix product per block
+    w = w[:, perm].t().contiguous()
+    codes = torch.empty_like(w)
     for b0 in range(0, n, block_size):
         b1 = min(b0 + block_size, n)
-        wb, ub = w[:, b0:b1], u[:, b0:b1, b0:b1]
+        wb, ub = w[b0:b1], u[b0:b1, b0:b1]
         err = torch.empty_like(wb)
         for i in range(b1 - b0):
-            s, z = s_cols[:, b0 + i], z_cols[:, b0 + i]
-            qi = torch.round(wb[:, i] / s).add_(z).clamp_(0, 15)
-            q[:, b0 + i] = qi
-            e = err[:, i]
-            torch.sub(wb[:, i], (qi - z).mul_(s), out=e)
-            e.div_(ub[:, i, i, None])
-            wb[:, i + 1:] -= ub[:, i, i + 1:, None] * e[:, None, :]
-        w[:, b1:] -= u[:, b0:b1, b1:].transpose(1, 2) @ err
-    q = torch.empty_like(q).scatter_(1, perm[:, :, None].expand_as(q), q)            # back to input order
-    return (q.to(torch.int32), zeros.transpose(1, 2).to(torch.int32).contiguous(),
-            scales.transpose(1, 2).half().contiguous())
+            codes[b0 + i], value = round_column(order[b0 + i], wb[i])
+            e = torch.sub(wb[i], value, out=err[i]).div_(ub[i, i])
+            wb[i + 1:].addr_(ub[i, i + 1:], e, alpha=-1)
+        w[b1:].addmm_(u[b0:b1, b1:].t(), err, alpha=-1)
+    return torch.empty_like(codes).index_copy_(0, perm, codes)                      # back to input order
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool = False,
+                  min_zero: int = 0, damp: float = 0.01) -> Grid:
+    """A weight [out, in] and its inputs' Hessian [in, in] -> its 4-bit grid: q [in, out], zeros and
+    scales [groups, out] (see `quantize.Grid`)."""
+    w = w.float() * (hessian.diagonal() != 0)          # dead inputs' weights: see `gptq_columns`
+    scales, zeros = (t.t().contiguous() for t in clipped_grid(_groups(w, group_size), sym, min_zero))
+
+    def round_column(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, z = scales[i // group_size], zeros[i // group_size]
+        q = torch.round(x / s).add_(z).clamp_(0, 15)
+        return q, (q - z).mul_(s)
+    q = gptq_columns(w, hessian, round_column, damp)
+    return q.to(torch.int32), zeros.to(torch.int32), scales.half()
+
+
+def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] and its inputs' Hessian -> (FP8 E4M3 weight [out, in], float32 scale [out, 1]):
+    the per-channel scale of `fp8.quantize` (the row's absmax / 448), values rounded with compensation.
+    A compensated weight can outgrow the row's absmax; it saturates at +-448."""
+    w = w.float() * (hessian.diagonal() != 0)          # dead inputs' weights: see `gptq_columns`
+    amax = w.abs().amax(1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+    def round_column(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float()
+        return q, q * scale
+    q = gptq_columns(w, hessian, round_column, damp)
+    return q.t().to(FP8).contiguous(), scale[:, None].contiguous()
 
 
 def _prefill_metadata(num_seqs: int, seq_len: int) -> AttentionMetadata:
@@ -117,29 +146,24 @@ def _prefill_metadata(num_seqs: int, seq_len: int) -> AttentionMetadata:
         max_query_len=seq_len, max_seq_len=seq_len)
 
 
+# quantize_linear(name, layer, x [T, in], prefix): quantizes `layer` (the packed linear `name` of the
+# decoder layer `prefix`) on its inputs x, replaces its weight by the weight its quantized values stand for
+QuantizeLinear = Callable[[str, nn.Linear, torch.Tensor, str], None]
+
+
 @torch.no_grad()
-def gptq_model(model: nn.Module, calibration: torch.Tensor, group_size: int, sym: bool = False,
-               min_zero: int = 0, damp: float = 0.01) -> dict[str, Grid]:
-    """GPTQ grids of every decoder linear of `model` (a float `LlamaForCausalLM` on the CPU), keyed by the
-    Hugging Face weight names that `quantize.write_checkpoint` takes. `calibration`: token ids
-    [num_seqs, seq_len]. The model's linear weights are replaced by their quantized values on the way
-    (each layer's inputs must come from the quantized layers before it)."""
+def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: QuantizeLinear) -> None:
+    """Runs `calibration` [num_seqs, seq_len] through `model` (a float `LlamaForCausalLM` on the CPU) layer
+    by layer, quantizing each linear on the way on inputs from the quantized ones before it."""
     cfg = model.config
     num_seqs, seq_len = calibration.shape
     meta = _prefill_metadata(num_seqs, seq_len)
     positions = torch.arange(seq_len).repeat(num_seqs)
     cache = [torch.zeros(num_seqs, seq_len, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
-    grids: dict[str, Grid] = {}
 
     def quantize(name: str, layer: nn.Linear, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        """Quantizes `layer` on its inputs x [T, in] and returns its (quantized) output."""
         x = x.float()
-        grid = [t[0] for t in gptq_quantize(layer.weight[None], (x.t() @ x)[None], group_size, sym, min_zero, damp)]
-        layer.weight.copy_(dequantize_grid(grid, group_size))
-        sizes = model.shard_sizes(name.rpartition(".")[2]) if len(SHARDS[name]) > 1 else [layer.out_features]
-        q, zeros, scales = (t.split(sizes, dim=1) for t in grid)
-        for shard, *parts in zip(SHARDS[name], q, zeros, scales):
-            grids[f"{prefix}.{shard}.weight"] = tuple(p.contiguous() for p in parts)
+        quantize_linear(name, layer, x, prefix)
         return layer(x)
 
     hidden, residual = model.model.embed_tokens(calibration.flatten()), None
@@ -157,4 +181,40 @@ def gptq_model(model: nn.Module, calibration: torch.Tensor, group_size: int, sym
         gate_up = quantize("mlp.gate_up_proj", mlp.gate_up_proj, x, prefix)
         hidden = quantize("mlp.down_proj", mlp.down_proj, backend.silu_and_mul(gate_up), prefix)
         attn.attn.k_cache = attn.attn.v_cache = torch.empty(0)
+
+
+def _shard_sizes(model: nn.Module, name: str, layer: nn.Linear) -> list[int]:
+    return model.shard_sizes(name.rpartition(".")[2]) if len(SHARDS[name]) > 1 else [layer.out_features]
+
+
+def gptq_model(model: nn.Module, calibration: torch.Tensor, group_size: int, sym: bool = False,
+               min_zero: int = 0, damp: float = 0.01) -> dict[str, Grid]:
+    """4-bit GPTQ grids of every decoder linear of `model` (a float `LlamaForCausalLM` on the CPU), keyed
+    by the Hugging Face weight names that `quantize.write_checkpoint` takes. `calibration`: token ids
+    [num_seqs, seq_len]. The model's linear weights are replaced by their quantized values on the way."""
+    grids: dict[str, Grid] = {}
+
+    def quantize_linear(name: str, layer: nn.Linear, x: torch.Tensor, prefix: str) -> None:
+        grid = gptq_quantize(layer.weight, x.t() @ x, group_size, sym, min_zero, damp)
+        layer.weight.copy_(dequantize_grid(grid, group_size))
+        sizes = _shard_sizes(model, name, layer)
+        for shard, *parts in zip(SHARDS[name], *(t.split(sizes, dim=1) for t in grid)):
+            grids[f"{prefix}.{shard}.weight"] = tuple(p.contiguous() for p in parts)
+    _sequential(model, calibration, quantize_linear)
     return grids
+
+
+def gptq_fp8_model(model: nn.Module, calibration: torch.Tensor, damp: float = 0.01
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """FP8 (E4M3, per output channel) GPTQ weights of every decoder linear of `model`: (weight, scale)
+    keyed by the Hugging Face weight names that `fp8.write_checkpoint` takes; otherwise as `gptq_model`."""
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def quantize_linear(name: str, layer: nn.Linear, x: torch.Tensor, prefix: str) -> None:
+        q, scale = gptq_fp8_quantize(layer.weight, x.t() @ x, damp)
+        layer.weight.copy_(q.float() * scale)
+        sizes = _shard_sizes(model, name, layer)
+        for shard, wq, s in zip(SHARDS[name], q.split(sizes), scale.split(sizes)):
+            weights[f"{prefix}.{shard}.weight"] = (wq.contiguous(), s.contiguous())
+    _sequential(model, calibration, quantize_linear)
+    return weights
