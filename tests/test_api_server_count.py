@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from test_server import ServerProcess
+from test_server import ServerProcess, completion_text
 from tokenmill.engine.core_client import EngineCore
 from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreUpdate, Shutdown
 from tokenmill.engine.step_outputs import StepOutputs
@@ -205,18 +205,7 @@ def want(qwen3_dir):
 
 
 async def _complete(c: httpx.AsyncClient, prompt: str, stream: bool) -> str:
-    body = {"prompt": prompt, **GREEDY}
-    if not stream:
-        r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return await completion_text(c, {"prompt": prompt, **GREEDY}, stream)
 
 
 def test_concurrent_requests_complete_through_both_api_servers(servers, want):

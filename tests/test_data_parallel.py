@@ -7,7 +7,6 @@ take at least 20 ms (tests/slow_engine.py), so that streams outlast a SIGTERM.""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from test_server import ServerProcess
+from test_server import ServerProcess, completion_text
 from tokenmill.engine.dp_router import PrefixRouter, block_hashes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -175,18 +174,7 @@ def want(qwen3_dir):
 
 
 async def _complete(c: httpx.AsyncClient, prompt: str, stream: bool, max_tokens: int = 12) -> str:
-    body = {"prompt": prompt, **GREEDY, "max_tokens": max_tokens}
-    if not stream:
-        r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return await completion_text(c, {"prompt": prompt, **GREEDY, "max_tokens": max_tokens}, stream)
 
 
 def test_served_text_is_the_offline_engines_and_metrics_sum_both_cores(server, want):

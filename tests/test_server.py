@@ -30,6 +30,22 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+async def completion_text(c, body: dict, stream: bool) -> str:
+    """The text of one /v1/completions request with `body`, read whole or from its stream (an
+    httpx.AsyncClient with the server's base URL)."""
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
 class ServerProcess:
     def __init__(self, model_dir: str, tmp_path, *args: str):
         self.log_path = tmp_path / f"server-{os.getpid()}-{time.monotonic_ns()}.log"

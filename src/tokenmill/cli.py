@@ -118,24 +118,21 @@ def _serve(args) -> int:
                       api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size)
 
 
-def api_server_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (one API server process), got {value}")
-    return value
+def at_least_one(what: str):
+    """An argparse type: an int of at least 1, the refusal naming `what` one of them is."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 ({what}), got {value}")
+        return value
+    return parse
 
 
-def data_parallel_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (one engine core), got {value}")
-    return value
+api_server_count = at_least_one("one API server process")
+data_parallel_size = at_least_one("one engine core")
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
