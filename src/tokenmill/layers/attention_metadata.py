@@ -36,10 +36,12 @@ class AttentionMetadata:
 
 def prefill_tiles(query_lens: np.ndarray, num_tiles: int | None = None,
                   block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
-    """The (sequence, query-block) pairs of a batch, one column per tile of `block_m` query rows,
-    padded to `num_tiles` columns (default: none) with a block index too large to hold queries. A
-    batch of T tokens in B sequences needs at most T // block_m + B tiles."""
-    per_seq = -(-np.asarray(query_lens, dtype=np.int64) // block_m)
+    """The (sequence, query-block) pairs of a batch's prefill chunks, one column per tile of `block_m`
+    query rows, padded to `num_tiles` columns (default: none) with a block index too large to hold
+    queries. A sequence of one query (a decode row) has no tile: the prefill kernel leaves it to the
+    decode-rows kernel. A batch of T tokens in B sequences needs at most T // block_m + B tiles."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    per_seq = np.where(lens > 1, -(-lens // block_m), 0)
     total = int(per_seq.sum())
     num_tiles = total if num_tiles is None else num_tiles
     if total > num_tiles:

@@ -118,7 +118,7 @@ class TritonBackend(TorchBackend):
     def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
         from tokenmill.layers.kernels import paged_attention
         return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention,
-                                               kv_scale=kv_scale)
+                                               kv_scale=kv_scale, decode_config=self.kernels.decode_attention)
 
     def single_token_linear(self, input_ids):
         from tokenmill.layers.kernels import gemv

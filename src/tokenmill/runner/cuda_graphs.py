@@ -47,7 +47,10 @@ class CudaGraphRunner:
         keys = [("decode", b) for b in decode]
         limit = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
         if limit > 0:
-            tokens = sorted({t for t in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < limit} | {limit})
+            # a step's tokens are padded to its bucket, and from a few hundred tokens on the products are
+            # compute-bound, so padding costs in proportion: buckets 64 apart up to 512, 128 up to 2048
+            steps = (*range(64, 512, 64), *range(512, 2048, 128), 2048, 4096, 8192)
+            tokens = sorted({t for t in steps if t < limit} | {limit})
             # up to every running sequence: at high concurrency nearly every step carries a prefill
             # chunk beside its decode rows, and a step no graph holds pays the eager launches
             seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < n} | {n})

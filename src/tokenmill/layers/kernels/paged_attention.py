@@ -1,5 +1,5 @@
-"""Triton paged attention: varlen (chunked) prefill over the paged cache, and the checks and helpers
-that the decode kernel (`decode_attention.py`) shares with it.
+"""Triton paged attention: varlen (chunked) prefill over the paged cache with the decode rows beside its
+chunks, and the checks and helpers that the decode kernel (`decode_attention.py`) shares with it.
 
 Reference: `tokenmill.layers.attention.paged_attention_torch`. The cache layout [num_blocks, block_size,
 num_kv_heads, head_dim] and the -1 padding slot are defined in attention.py, the causal rule in
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
-from tokenmill.layers.kernel_config import PrefillAttentionConfig
+from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels.fused_ops import load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,6 +80,59 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
 
+# ---------------------------------------------------------------------- decode rows beside prefill
+
+
+@triton.jit(do_not_specialize=["bt_stride_b"])
+def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                        out_ptr, kv_scale_ptr, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                        c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+    # One program: sequence b and kv head kvh, when b has a single query (at position ctx - 1, so every
+    # cached position is visible); other sequences' programs exit. The group's GROUP q heads are padded
+    # to BLOCK_G rows (>= 16 for tl.dot).
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.load(query_start_loc_ptr + b)
+    if tl.load(query_start_loc_ptr + b + 1) - row == 1:
+        ctx = tl.load(seq_lens_ptr + b)
+        table = block_tables_ptr + b.to(tl.int64) * bt_stride_b
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        row64 = row.to(tl.int64)
+        q = tl.load(q_ptr + row64 * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+        scale_log2 = scale_log2 * k_scale
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(0, ctx, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < ctx
+            page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+        tl.store(out_ptr + row64 * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
 # ------------------------------------------------------------------------------------------- prefill
 
 
@@ -91,10 +144,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
-    # One program: BLOCK_M queries of sequence b, query head h. Query i of the sequence sits at
-    # position ctx - q_len + i and sees cached positions <= its own. With USE_TILES, program p takes
+                    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
+    # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
+    # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
+    # own. With USE_TILES, program p takes
     # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
     h = tl.program_id(1)
     if USE_TILES:
@@ -105,7 +158,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         b = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if m_blk * BLOCK_M < q_len:
+    if (q_len > 1) & (m_blk * BLOCK_M < q_len):
         ctx = tl.load(seq_lens_ptr + b)
         kvh = h // GROUP
         i = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,12 +220,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             config: PrefillAttentionConfig = SHIPPED,
                             tiles: torch.Tensor | None = None,
-                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            kv_scale: torch.Tensor | None = None,
+                            decode_config: DecodeAttentionConfig = DecodeAttentionConfig()) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
-    rows query_start_loc[b]:query_start_loc[b+1]. `max_query_len` (a host int) sizes the grid, or, when
-    `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M = PREFILL_BLOCK_M) is given, the grid has
-    one program per tile and head, which keeps a CUDA graph padded to many sequences cheap. An FP8
-    cache comes with its `kv_scale` (attention.py)."""
+    rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
+    of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
+    one query, a program per (sequence, kv head) for the kv head's whole group of q heads, so a decode
+    row's K/V is read once per kv head and its tiles have the group's rows, not BLOCK_M
+    (`decode_config`: block_n, num_warps, num_stages). For the prefill kernel `max_query_len` (a host
+    int) sizes the grid, or, when `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M =
+    PREFILL_BLOCK_M) is given, the grid has one program per tile and head, which keeps a CUDA graph
+    padded to many sequences cheap. An FP8 cache comes with its `kv_scale` (attention.py)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
@@ -193,29 +251,45 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if cfg.block_m != PREFILL_BLOCK_M:
             raise ValueError(f"tiles are cut for BLOCK_M={PREFILL_BLOCK_M}, config has {cfg.block_m}")
         grid = (tiles.shape[1], num_q_heads, 1)
-    else:
+    elif max_query_len > 1:
         grid = (triton.cdiv(max_query_len, cfg.block_m), num_q_heads, batch)
+    else:
+        grid = None
+    group = num_q_heads // num_kv_heads
+    fp8 = kv_scale is not None
+    kv_scale = kv_scale if fp8 else seq_lens
+    dot_precision = _dot_precision(q.dtype)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dcfg = decode_config
+    _decode_rows_kernel[(batch, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, kv_scale, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n, DOT_PRECISION=dot_precision, FP8=fp8,
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages)
+    if grid is None:
+        return out
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        tiles if tiles is not None else query_start_loc, out, kv_scale if kv_scale is not None else seq_lens,
-        scale * _LOG2E,
+        tiles if tiles is not None else query_start_loc, out, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tiles.stride(0) if tiles is not None else 0,
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        USE_TILES=tiles is not None, FP8=kv_scale is not None, num_warps=cfg.num_warps,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
+        USE_TILES=tiles is not None, FP8=fp8, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
-                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scale: torch.Tensor | None = None,
+                    decode_config: DecodeAttentionConfig = DecodeAttentionConfig()) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
-    the prefill kernel, which also serves decode rows beside prefill chunks (pure-decode steps run
-    `decode_attention.fused_decode_attention` from the packed qkv instead)."""
+    `paged_prefill_attention`, for steps with prefill chunks and the decode rows beside them
+    (pure-decode steps run `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles,
-                                   kv_scale=kv_scale)
+                                   kv_scale=kv_scale, decode_config=decode_config)

@@ -1,0 +1,64 @@
+"""The attention of a mixed step alone: decode rows beside a prefill chunk, through the prefill kernel's
+tile map as the mixed-step CUDA graphs run it (qwen3-4b's heads: 32 q over 8 kv, head_dim 128, bf16,
+block size 16). Run it with each tree's src on PYTHONPATH to compare kernels:
+
+    PYTHONPATH=src python lab/mixed_attention_bench.py --label new
+
+Prints one row per case: microseconds per call (one layer), from triton.testing.do_bench.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def case(decodes: int, prefill: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch.Generator):
+    from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, prefill_tiles
+    hq, hkv, d, bs = 32, 8, 128, 16
+    ctx = torch.randint(ctx_range[0], ctx_range[1] + 1, (decodes,), generator=gen).tolist()
+    seq_lens = ctx + ([prefill] if prefill else [])
+    q_lens = [1] * decodes + ([prefill] if prefill else [])
+    blocks = [-(-c // bs) for c in seq_lens]
+    width = max(blocks)
+    num_blocks = sum(blocks) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[used:used + n].int()
+        used += n
+    dev = "cuda"
+    k = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
+    v = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
+    kv_scale = None
+    if kv_fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        kv_scale = torch.ones(2, dtype=torch.float32, device=dev)
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, generator=gen).to(dev, torch.bfloat16)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    tiles = torch.from_numpy(prefill_tiles(q_lens, t // PREFILL_BLOCK_M + len(q_lens))).to(dev)
+    args = (q, k, v, table.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl, max(q_lens),
+            d ** -0.5)
+    return args, dict(tiles=tiles, kv_scale=kv_scale)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--label", required=True)
+    a = p.parse_args()
+    import triton.testing
+    from tokenmill.layers.kernels import paged_attention as pa
+    gen = torch.Generator().manual_seed(0)
+    cases = [(63, 225, (100, 700), False), (255, 225, (100, 700), False), (255, 0, (100, 700), False),
+             (255, 225, (100, 700), True), (16, 2048, (1000, 4000), False)]
+    for decodes, prefill, ctx_range, fp8 in cases:
+        args, kw = case(decodes, prefill, ctx_range, fp8, gen)
+        us = 1e3 * triton.testing.do_bench(lambda: pa.paged_prefill_attention(*args, **kw), warmup=20, rep=200)
+        print(f"| {a.label} | {decodes} decodes, ctx {ctx_range[0]}-{ctx_range[1]} | prefill {prefill} | "
+              f"{'fp8' if fp8 else 'bf16'} KV | {us:.1f} us |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
