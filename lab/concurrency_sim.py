@@ -2,14 +2,15 @@
 asks of the engine, without HTTP, tokenization or a client.
 
     PYTHONPATH=src python lab/concurrency_sim.py preset:qwen3-4b --levels 64,256 --num-prompts 512 \
-        --out DIR [--profile-level 256] [engine args as key=value]
+        --out DIR [--profile-levels 64,256] [engine args as key=value]
 
 The requests are mixed-chat's (`bench.serve_datasets.mixed_chat_requests`, seed 0; each level its own) as the chat endpoint
 tokenizes them (ChatML through the offline tokenizer of the model's vocabulary), ignore_eos, greedy. Each
 level keeps C requests in the engine: a finished one is replaced by the next before the next step. It
 reports req/s, output tok/s, the mean sequences and tokens per step, the share of steps with prefill
-tokens; with --profile-level C, one more level at C (its own prompts) reports the CUDA kernel time per
-step by kernel, from torch.profiler over 200 steps of its steady state. Writes DIR/sim.json; prints a markdown table.
+tokens; for each of --profile-levels C, one more level at C (its own prompts) reports the CUDA kernel
+time per step by kernel, from torch.profiler over 200 steps of its steady state. Writes DIR/LABEL.json;
+prints a markdown table.
 """
 from __future__ import annotations
 
@@ -72,13 +73,13 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
         if profile_steps and steps == 100:
             import torch
             from torch.profiler import ProfilerActivity, profile
-            torch.cuda.synchronize()
-            prof = profile(activities=[ProfilerActivity.CUDA])
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
             prof.__enter__()
             prof_start, prof_steps = steps, len(shapes)
         if prof is not None and steps == 100 + profile_steps:
             import torch
-            torch.cuda.synchronize()
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
             prof.__exit__(None, None, None)
             kernels = _kernel_table(prof, len(shapes) - prof_steps)
             profiled_shapes = shapes[prof_steps:]
@@ -102,8 +103,9 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
 def _kernel_table(prof, steps: int) -> dict:
     table = {}
     for e in prof.key_averages():
-        ms = getattr(e, "self_device_time_total", 0) / 1e3
-        if ms > 0:
+        # device time of kernels and copies; on the CPU (tests of this script) the operators' own time
+        ms = (e.self_device_time_total if e.self_device_time_total else e.self_cpu_time_total) / 1e3
+        if ms > 0 and not e.key.startswith(("cuda", "cu", "Activity Buffer", "Buffer Flush")):
             table[e.key] = round(ms / steps, 4)
     return dict(sorted(table.items(), key=lambda kv: -kv[1]))
 
@@ -113,7 +115,7 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--levels", default="64,256")
     p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--profile-level", type=int, default=0)
+    p.add_argument("--profile-levels", default="", help="comma-separated levels to profile")
     p.add_argument("--label", default="sim")
     p.add_argument("--out", required=True)
     p.add_argument("engine_args", nargs="*")
@@ -125,12 +127,13 @@ def main() -> None:
     extra = {k: (int(v) if v.isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_args)}
     extra.setdefault("max_num_seqs", max(levels))
     n = args.num_prompts
+    profiled = [int(x) for x in args.profile_levels.split(",") if x]
     # each level its own prompts: a level after another would otherwise find its prompts in the prefix cache
-    prompts = chat_prompts(path, 32 + n * (len(levels) + 1))
+    prompts = chat_prompts(path, 32 + n * (len(levels) + len(profiled)))
     engine = LLM(path, **extra).engine
     run_level(engine, prompts[:32], 16)        # compiles and warms outside the levels
     results = []
-    runs = [(c, 0) for c in levels] + ([(args.profile_level, 200)] if args.profile_level else [])
+    runs = [(c, 0) for c in levels] + [(c, 200) for c in profiled]
     for i, (c, profile_steps) in enumerate(runs):
         results.append(run_level(engine, prompts[32 + i * n:32 + (i + 1) * n], c, profile_steps))
         r = results[-1]

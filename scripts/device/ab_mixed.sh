@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mixed steps (decode rows beside prefill chunks) of two trees on one machine: the attention alone
 # (lab/mixed_attention_bench.py, qwen3-4b's heads) and the engine core at fixed concurrency with
-# mixed-chat's requests (lab/concurrency_sim.py, with a kernel profile at PROFILE_LEVEL), old then new.
+# mixed-chat's requests (lab/concurrency_sim.py, with kernel profiles at PROFILE_LEVELS), old then new.
 #
 # Before the device run, put the older commit's source next to this tree (the folder is not tracked):
 #   mkdir -p .ab_old && git archive "$OLD" src | tar x -C .ab_old && echo /.ab_old/ >> .git/info/exclude
@@ -15,7 +15,7 @@ NEW=${NEW:-$TOKENMILL_GIT_COMMIT}
 MODEL=${MODEL:-qwen3-4b}
 LEVELS=${LEVELS:-64,256}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
-PROFILE_LEVEL=${PROFILE_LEVEL:-256}
+PROFILE_LEVELS=${PROFILE_LEVELS:-64,256}
 SIDES=${SIDES:-"old new"}
 [ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; }
 base=${PYTHONPATH#"$PWD/src"}
@@ -30,7 +30,7 @@ for side in $SIDES; do
 done
 for side in $SIDES; do
   TOKENMILL_GIT_COMMIT=$(commit_of $side) PYTHONPATH="$(src_of $side)$base" python lab/concurrency_sim.py \
-    "preset:$MODEL" --levels "$LEVELS" --num-prompts "$NUM_PROMPTS" --profile-level "$PROFILE_LEVEL" \
+    "preset:$MODEL" --levels "$LEVELS" --num-prompts "$NUM_PROMPTS" --profile-levels "$PROFILE_LEVELS" \
     --label "$side" --out "$RES" max_num_seqs=256 > "$RES/sim-$side.md" 2> "$RES/sim-$side.log" \
     || tail -20 "$RES/sim-$side.log"
 done

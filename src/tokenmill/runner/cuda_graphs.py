@@ -52,8 +52,9 @@ class CudaGraphRunner:
             steps = (*range(64, 512, 64), *range(512, 2048, 128), 2048, 4096, 8192)
             tokens = sorted({t for t in steps if t < limit} | {limit})
             # up to every running sequence: at high concurrency nearly every step carries a prefill
-            # chunk beside its decode rows, and a step no graph holds pays the eager launches
-            seqs = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < n} | {n})
+            # chunk beside its decode rows, and a step no graph holds pays the eager launches. Padding
+            # sequences cost only logits rows and programs that exit, so their buckets are 4x apart
+            seqs = sorted({s for s in (1, 4, 16, 64, 256, 1024) if s < n} | {n})
             keys += [("mixed", t, s) for t in tokens for s in seqs if s <= t]
         return keys
 
