@@ -7,7 +7,8 @@
 #
 # 1. `tokenmill serve MODEL` with the engine core's phase timers (lab/step_profile.py) and, for each
 #    concurrency level in LEVELS, `tokenmill bench serve` (mixed-chat, NUM_PROMPTS requests or the level
-#    if more, rate inf); the core's phases per step for that level are printed from the timers'
+#    if more, rate inf; each level its own prompts, --seed its index, so that no level finds its prompts
+#    in the prefix cache from the level before); the core's phases per step for that level are printed from the timers'
 #    snapshots around it. At level SPY_LEVEL, py-spy samples the API server and the engine core for
 #    SPY_SECONDS. With TTFT_PROBE=N, N 1,000-token prompts at concurrency 1 (64 tokens out) follow.
 # 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
@@ -59,7 +60,9 @@ done
 core=$(grep -o 'engine pid [0-9]*' "$log" | head -1 | awk '{print $3}')
 echo "serving on $url after $((SECONDS - t)) s (api $pid, core $core)" | tee -a "$SUMMARY"
 
+level=0
 for c in $LEVELS; do
+  level=$((level + 1))
   sleep 2.5                      # the timers write every 2 s: the snapshot below is this level's start
   cp "$STEP_PROFILE_OUT" "$OUT/core-before-$c.json" 2>/dev/null || echo '{"seconds":{},"calls":{},"extra":{}}' > "$OUT/core-before-$c.json"
   spies=()
@@ -71,7 +74,7 @@ for c in $LEVELS; do
   fi
   n=$(( c > NUM_PROMPTS ? c : NUM_PROMPTS ))
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
-    --label tokenmill --dataset mixed-chat --num-prompts "$n" --max-concurrency "$c" \
+    --label tokenmill --dataset mixed-chat --seed "$level" --num-prompts "$n" --max-concurrency "$c" \
     --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress > "$OUT/bench-c$c.log" 2>&1
   [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
   sleep 2.5

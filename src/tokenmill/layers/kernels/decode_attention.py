@@ -36,7 +36,7 @@ from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
-                                                load_kv_scales, quantize_kv)
+                                                fp8_kv_operand, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
 
 MAX_SPLITS = 32
@@ -149,6 +149,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         row = qkv_ptr + b64 * qkv_stride_t
         q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G, HALF,
                                     BLOCK_HALF, HAS_NORM)
+        q1, q2 = fp8_kv_operand(q1, FP8), fp8_kv_operand(q2, FP8)
         # the new k as the first of two rows (the second is masked to zero), v as loaded
         k1, k2, k_mask = _norm_rope_with(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1, 2,
                                          HALF, BLOCK_HALF, HAS_NORM)

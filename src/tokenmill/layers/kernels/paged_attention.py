@@ -8,8 +8,9 @@ attention_metadata.py.
 Every kernel reaches the cache token by token through the block table (page = block_table[n // block_size]),
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
-An FP8 cache (attention.py) is read as E4M3 and widened to q's dtype (exact) for the products; K's scale
-is folded into the score scale and V's applied to the output once, so a tile costs no multiply more.
+An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
+for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale and V's applied
+to the output once, so a tile costs no multiply more.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import triton.language as tl
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
-from tokenmill.layers.kernels.fused_ops import load_kv_scales
+from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -107,6 +108,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
         row64 = row.to(tl.int64)
         q = tl.load(q_ptr + row64 * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = fp8_kv_operand(q, FP8)
         k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
         scale_log2 = scale_log2 * k_scale
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -169,6 +171,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         rows = (q_start + i).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * q_stride_t + h * q_stride_h + d[None, :],
                     mask=q_mask[:, None] & d_mask[None, :], other=0.0)
+        q = fp8_kv_operand(q, FP8)
         k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
         scale_log2 = scale_log2 * k_scale
 
