@@ -109,16 +109,16 @@ def install() -> None:
             _write()
     LLMEngine.step = timed_step
 
-    handle = core_proc._handle
+    apply = core_proc._Client.apply
 
-    def timed_handle(*args):
+    def timed_apply(*args):
         t0 = time.perf_counter()
         try:
-            return handle(*args)
+            return apply(*args)
         finally:
             _totals["commands"] += time.perf_counter() - t0
             _counts["commands"] += 1
-    core_proc._handle = timed_handle
+    core_proc._Client.apply = timed_apply
 
 
 def _writer() -> None:
