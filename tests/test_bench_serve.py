@@ -2,9 +2,11 @@
 workload, the offline preset tokenizer, and short sweeps against real `tokenmill serve` and `--backend hf`."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -12,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from tokenmill.bench.serve import (BENCH_TOOLS, RequestResult, arrival_delays, build_payload, class_metrics,
-                                   compute_metrics, parse_goodput, structured_indices, tpot_of)
+from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_delays, build_payload,
+                                   class_metrics, compute_metrics, parse_goodput, send_request, structured_indices,
+                                   tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
 
@@ -72,6 +75,94 @@ def test_poisson_arrivals_seeded():
     assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
     d = arrival_delays(2000, 10.0, 1)
     assert d == arrival_delays(2000, 10.0, 1) and np.mean(d) == pytest.approx(0.1, rel=0.1)
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _sse(obj) -> bytes:
+    return _chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+async def _fake_openai(reader, writer, seen):
+    """Answers requests on one keep-alive connection by path: /ok streams a role chunk, two content chunks
+    (the second split across writes), usage and [DONE]; /bad is an HTTP 400; /err streams an error object; /stall
+    sends the head only."""
+    seen["handlers"].append(asyncio.current_task())
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return
+        lines = head.decode().split("\r\n")
+        fields = dict(line.split(": ", 1) for line in lines[1:] if line)
+        seen["bodies"].append(json.loads(await reader.readexactly(int(fields["Content-Length"]))))
+        seen["auth"].append(fields.get("Authorization"))
+        path = lines[0].split()[1]
+        if path == "/bad":
+            body = b'{"error": {"message": "max_tokens too large"}}'
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            continue
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if path == "/err":
+            writer.write(_sse({"error": {"message": "engine died"}}))
+            continue
+        if path == "/stall":
+            await reader.read()             # until the client gives up and closes
+            return
+        writer.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+                     + _sse({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        second = _sse({"choices": [{"index": 0, "delta": {"content": "lo"}}]})
+        writer.write(second[:9])
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(second[9:] + _sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}})
+                     + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+
+def test_client_reads_sse_errors_and_keeps_connections_alive():
+    seen = {"handlers": [], "bodies": [], "auth": []}
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: _fake_openai(r, w, seen), "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = HTTPClient(base, timeout_s=5)
+        try:
+            ok = await send_request(client, base + "/ok", {"n": 1}, {"Authorization": "Bearer k"})
+            bad = await send_request(client, base + "/bad", {"n": 2})
+            connections_after_two = len(seen["handlers"])
+            err = await send_request(client, base + "/err", {"n": 3})
+            again = await send_request(client, base + "/ok", {"n": 4})
+            connections_after_four = len(seen["handlers"])
+            stalled = await send_request(HTTPClient(base, timeout_s=0.2), base + "/stall", {"n": 5})
+        finally:
+            await client.aclose()
+            server.close()
+            await asyncio.wait(seen["handlers"], timeout=2)    # each ends when its client closes
+        return ok, bad, connections_after_two, err, again, connections_after_four, stalled
+
+    ok, bad, connections_after_two, err, again, connections_after_four, stalled = asyncio.run(main())
+    assert ok.success and ok.error == "" and ok.usage_reported
+    assert (ok.prompt_tokens, ok.output_tokens) == (3, 7)          # the server's usage, not the chunk count
+    assert 0 < ok.ttft < 0.05 and len(ok.itl) == 1 and ok.itl[0] >= 0.05 and ok.latency >= ok.ttft + ok.itl[0]
+    assert not bad.success and bad.error == 'HTTP 400: {"error": {"message": "max_tokens too large"}}'
+    assert connections_after_two == 1                                # both responses ended: one connection
+    assert not err.success and err.error == "{'message': 'engine died'}"
+    assert again.success and len(again.itl) == 1 and connections_after_four == 2   # /err's connection was dropped
+    assert [b["n"] for b in seen["bodies"]][:4] == [1, 2, 3, 4] and seen["auth"][:2] == ["Bearer k", None]
+    assert not stalled.success and stalled.error.startswith("TimeoutError")     # the request timeout
+    with socket.socket() as s:              # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    refused = asyncio.run(send_request(HTTPClient(closed, timeout_s=5), closed + "/ok", {}))
+    assert not refused.success and refused.error.startswith(("ConnectionRefusedError", "OSError"))
+    with pytest.raises(ValueError, match="http://"):
+        HTTPClient("https://example.com")
 
 
 def test_mixed_chat_deterministic_and_in_range():

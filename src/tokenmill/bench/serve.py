@@ -18,10 +18,14 @@ the TPOT of those and of the plain ones apart. `--tools-fraction F` (chat only) 
 offer the model `BENCH_TOOLS` with tool_choice "auto" (the prompt stays the dataset's, so only the tools
 tell the classes apart: a server's priority boost for tool-carrying requests), and reports the TTFT of
 those and of the plain ones apart. Every level records the longest wait: the largest TTFT and E2E latency.
+One Python process reads every stream, so its cost per SSE chunk bounds the concurrency it can measure: the
+requests go through `HTTPClient`, a small HTTP/1.1 client on asyncio streams (http:// only) that takes each
+network read's chunks at once and parses their data lines with orjson.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -30,9 +34,11 @@ import platform
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
@@ -173,36 +179,167 @@ def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool
     return body
 
 
-def _chunk_content(obj: dict) -> str:
-    text = ""
-    for choice in obj.get("choices") or []:
+def _has_content(obj: dict) -> bool:
+    for choice in obj.get("choices") or ():
         delta = choice.get("delta")
-        text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
-    return text
+        if (delta.get("content") if isinstance(delta, dict) else choice.get("text")):
+            return True
+    return False
 
 
-async def send_request(client, url: str, payload: dict, headers: dict | None = None) -> RequestResult:
+class _Body:
+    """One response body as it arrives, framed by chunked transfer-encoding, a Content-Length or the server
+    closing. `read()` returns the body bytes of each network read (b"" at the end); `reusable` once the body
+    ended inside its framing with nothing after it, so the connection can carry the next request."""
+
+    def __init__(self, reader: asyncio.StreamReader, headers: dict[bytes, bytes]):
+        self.reader = reader
+        self.chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = headers.get(b"content-length")
+        self.left = None if self.chunked or length is None else int(length)
+        self.buf = bytearray()
+        self.done = self.left == 0
+        self.reusable = self.done
+
+    async def read(self) -> bytes:
+        while not self.done:
+            data = await self.reader.read(1 << 16)
+            if not data:
+                if self.chunked or self.left is not None:
+                    raise ConnectionError("the server closed the connection inside a response")
+                self.done = True
+                return b""
+            if not self.chunked:
+                if self.left is not None:
+                    self.left -= len(data)
+                    self.done, self.reusable = self.left <= 0, self.left == 0
+                return data
+            out = self._dechunk(data)
+            if out:
+                return out
+        return b""
+
+    def _dechunk(self, data: bytes) -> bytes:
+        # a chunk is taken only once it is whole (size line, data, CRLF); SSE chunks are small
+        buf = self.buf
+        buf += data
+        out, pos, n = [], 0, len(buf)
+        while (eol := buf.find(b"\r\n", pos)) >= 0:
+            size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                end = buf.find(b"\r\n\r\n", eol)        # the last chunk, then trailers (if any) and a CRLF
+                if end >= 0:
+                    pos = end + 4
+                    self.done = True
+                    self.reusable = pos == n
+                break
+            if n < eol + 2 + size + 2:
+                break
+            out.append(bytes(buf[eol + 2:eol + 2 + size]))
+            pos = eol + 2 + size + 2
+        del buf[:pos]
+        return b"".join(out)
+
+
+class HTTPClient:
+    """A small HTTP/1.1 client for streamed POSTs to one http:// server, with keep-alive connections: a
+    connection goes back to the pool only after a whole response, so at most as many are open as requests
+    in flight. `timeout_s` bounds each request from connecting to the last byte of its response."""
+
+    def __init__(self, base_url: str, timeout_s: float = 3600.0, connect_timeout_s: float = 30.0):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"bench serve speaks plain HTTP to the server: give an http:// base URL, "
+                             f"not {base_url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.authority = parts.netloc.encode("latin-1")
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not reader.at_eof() and not writer.is_closing():    # the server may close an idle connection
+                return reader, writer
+            writer.close()
+        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.connect_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def post(self, path: str, payload: dict, headers: dict | None = None):
+        """POST `payload` as JSON; yields (status, body) with the response head read."""
+        body = orjson.dumps(payload)
+        head = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nHost: ", self.authority,
+                b"\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: ",
+                str(len(body)).encode(), b"\r\n"]
+        for k, v in (headers or {}).items():
+            head += [k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n"]
+        head.append(b"\r\n")
+        reader, writer = await self._connection()
+        resp = None
+        try:
+            writer.write(b"".join(head) + body)
+            status_line, *lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            version, status = status_line.split(b" ", 2)[:2]
+            fields = {}
+            for line in lines:
+                k, _, v = line.partition(b":")
+                fields[k.strip().lower()] = v.strip()
+            keep_alive = version == b"HTTP/1.1" and fields.get(b"connection", b"").lower() != b"close"
+            resp = _Body(reader, fields)
+            yield int(status), resp
+        finally:
+            if resp is not None and keep_alive and resp.reusable:
+                self.idle.append((reader, writer))
+            else:
+                writer.close()
+
+    async def aclose(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def send_request(client: HTTPClient, url: str, payload: dict, headers: dict | None = None) -> RequestResult:
+    """One streamed request to `url`, on `client`'s server."""
     r = RequestResult()
+    try:
+        await asyncio.wait_for(_stream(client, urllib.parse.urlsplit(url).path, payload, headers, r),
+                               client.timeout_s)
+    except Exception as e:     # connection errors, timeouts, bad JSON: a failed request, not a crash
+        r.success = False
+        r.error = f"{type(e).__name__}: {e}"[:300]
+    return r
+
+
+async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | None, r: RequestResult) -> None:
     content_chunks = 0
     t0 = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                r.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+    async with client.post(path, payload, headers) as (status, body):
+        if status != 200:
+            text = b""
+            while data := await body.read():
+                text += data
+            r.error = f"HTTP {status}: {text.decode('utf-8', 'replace')[:300]}"
+            return
+        pending, finished = b"", False
+        while data := await body.read():
+            if finished:                    # past [DONE]: read to the end of the body, for keep-alive
+                continue
+            now = time.perf_counter()       # every event of one read arrived together
+            lines = (pending + data).split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                if not line.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                event = line[5:].strip()
+                if event == b"[DONE]":
+                    finished = True
                     break
-                obj = json.loads(data)
+                obj = orjson.loads(event)
                 if "error" in obj:
                     r.error = str(obj["error"])[:300]
-                    return r
-                now = time.perf_counter()
-                if _chunk_content(obj):
+                    return
+                if _has_content(obj):
                     if content_chunks == 0:
                         r.ttft = now - t0
                     else:
@@ -214,15 +351,12 @@ async def send_request(client, url: str, payload: dict, headers: dict | None = N
                     r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     r.output_tokens = int(usage.get("completion_tokens") or 0)
                     r.usage_reported = True
-        r.latency = time.perf_counter() - t0
-        if not r.usage_reported:
-            r.output_tokens = content_chunks
-        r.success = content_chunks > 0 or r.output_tokens > 0
-        if not r.success:
-            r.error = "the stream carried no content"
-    except Exception as e:     # connection errors, timeouts, bad JSON: a failed request, not a crash
-        r.error = f"{type(e).__name__}: {e}"[:300]
-    return r
+    r.latency = time.perf_counter() - t0
+    if not r.usage_reported:
+        r.output_tokens = content_chunks
+    r.success = content_chunks > 0 or r.output_tokens > 0
+    if not r.success:
+        r.error = "the stream carried no content"
 
 
 def arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
@@ -238,15 +372,14 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                     structured: set[int] = frozenset(),
                     tools: set[int] = frozenset()) -> tuple[list[RequestResult], float]:
     """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS."""
-    import httpx
     from tqdm import tqdm
 
     url = base_url.rstrip("/") + endpoint
-    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
+    client = HTTPClient(base_url, timeout_s)
     sem = asyncio.Semaphore(max_concurrency)
     bar = tqdm(total=len(requests), desc=f"concurrency {max_concurrency}", unit="req", disable=not progress,
                file=sys.stderr)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
+    try:
         level_t0 = time.perf_counter()
 
         async def one(req: ServeRequest, schema: dict | None, offered: list[dict] | None) -> RequestResult:
@@ -266,6 +399,8 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                                                    BENCH_TOOLS if i in tools else None)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - level_t0
+    finally:
+        await client.aclose()
     bar.close()
     return list(results), duration
 
@@ -434,7 +569,8 @@ def add_serve_args(p) -> None:
                         "needs --enable-auto-tool-choice); TTFT reported per class")
     p.add_argument("--goodput", nargs="+", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds a request may take, from connecting to the last byte of its response")
     p.add_argument("--hardware", default=None, help="hardware string for the results (default: detected)")
     p.add_argument("--output-dir", "--result-dir", default="bench_results", help="where the results go")
     p.add_argument("--name", default=None, help="results file stem (default: serve-BACKEND-time)")
