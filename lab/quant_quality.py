@@ -6,7 +6,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py fp8-rtn
     python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
 
-Both held-out texts of the tests (`test_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
+Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
 and the teacher-forced top-1 agreement where the unquantized top-1 margin is >= 0.3 nats
 (`test_real_model.against_reference`). Calibration: the first N tokens of tests/data/calibration.txt in
@@ -55,13 +55,13 @@ def quiet_against(ref: dict, lp: dict) -> dict:
     """`against_unquantized` without its printing."""
     import contextlib
     import io
-    from test_quantized import against_unquantized
+    from test_real_quantized import against_unquantized
     with contextlib.redirect_stdout(io.StringIO()):
         return against_unquantized("", ref, lp)
 
 
 def checkpoints(tokens: list[int]) -> None:
-    from test_quantized import GGUF, REAL, calibration_ids, held_out_logprobs, real_model
+    from test_real_quantized import GGUF, REAL, calibration_ids, held_out_logprobs, real_model
     from tokenmill import LLM
     from tokenmill.quant import fp8
     from tokenmill.quant.gptq import gptq_fp8_model, gptq_model
@@ -97,7 +97,7 @@ class FloatModel:
     """The unquantized model in an engine, whose linear weights `evaluate` replaces for one measurement."""
 
     def __init__(self):
-        from test_quantized import GGUF, REAL, held_out_logprobs, real_model
+        from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
         from tokenmill import LLM
         self.real = real_model(os.path.join(tempfile.mkdtemp(), "plain"))
         self.llm = LLM(self.real.path, tokenizer=GGUF, **dict(REAL, enable_prefix_caching=False))
@@ -353,7 +353,7 @@ ABLATIONS = {
 
 
 def ablations(tokens: int, only: list[str] | None) -> None:
-    from test_quantized import calibration_ids
+    from test_real_quantized import calibration_ids
     fm = FloatModel()
     header(True)
     for name, k in ABLATIONS.items():

