@@ -57,7 +57,7 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
         engine.add_request(f"{base}{next_id[0]}", ids, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                       ignore_eos=True))
         next_id[0] += 1
-    prof = None
+    prof = kernels = None
     t0 = time.perf_counter()
     steps = 0
     while todo or in_flight:
@@ -76,7 +76,7 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
             prof.__enter__()
-            prof_start, prof_steps = steps, len(shapes)
+            prof_steps = len(shapes)
         if prof is not None and steps == 100 + profile_steps:
             import torch
             torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -93,7 +93,7 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
                steps=len(shapes), ms_per_step=1e3 * wall / max(len(shapes), 1),
                rows_per_step=sum(rows) / len(rows), tokens_per_step=sum(tokens) / len(tokens),
                mixed_share=mixed / len(shapes))
-    if profile_steps and "kernels" in locals():
+    if kernels is not None:
         res["kernels_ms_per_step"] = kernels
         res["profiled_rows_per_step"] = sum(s[0] for s in profiled_shapes) / len(profiled_shapes)
         res["profiled_tokens_per_step"] = sum(s[1] for s in profiled_shapes) / len(profiled_shapes)
