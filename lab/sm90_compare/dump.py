@@ -110,10 +110,21 @@ K["qk_prologue"] = lambda: comp(fused_ops._qk_norm_rope_store_kernel, dict(NUM_Q
 K["argmax"] = lambda: comp(argmax._argmax_kernel, dict(SPLITS=38, BLOCK=4096, BLOCK_S=64, PUBLISH=True, PDL=2),
                            {"logits_ptr": BF, "out_ptr": "*i64", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
                             "counter_ptr": "*i32", "host_ptr": "*i64", "turn_ptr": "*i32"}, 4, aligned=("stride",))
-K["prefill"] = lambda: comp(paged_attention._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
-                            BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True),
-                            {**dt, "q_ptr": BF, "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32"}, 4, 2,
-                            aligned=("q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "c_stride_blk", "c_stride_tok", "c_stride_h"))
+pa_aligned = ("q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "c_stride_blk", "c_stride_tok", "c_stride_h")
+def pa_types(fp8):
+    cache = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "kv_scale_ptr": "*fp32"} if fp8 else {}
+    return {**dt, "q_ptr": BF, "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "kv_scale_ptr": "*i32", **cache}
+def prefill(fp8):
+    return comp(paged_attention._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_M=64,
+                BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True, FP8=fp8), pa_types(fp8), 4, 2, aligned=pa_aligned)
+def decode_rows(fp8):
+    return comp(paged_attention._decode_rows_kernel, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128,
+                PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION="tf32", FP8=fp8), pa_types(fp8), 4, 2, aligned=pa_aligned)
+K["prefill"] = lambda: prefill(False)
+K["prefill_fp8"] = lambda: prefill(True)
+if hasattr(paged_attention, "_decode_rows_kernel"):
+    K["decode_rows"] = lambda: decode_rows(False)
+    K["decode_rows_fp8"] = lambda: decode_rows(True)
 K["stage"] = lambda: comp(staging._stage_kernel, dict(HAS_PREV=True, BLOCK=1024),
                           {"src_words": "*i32", "dst_words": "*i32", "src_ids": "*i64", "dst_ids": "*i64", "prev_ptr": "*i64"}, 4)
 res = {}

@@ -84,6 +84,24 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
 # ---------------------------------------------------------------------- decode rows beside prefill
 
 
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    # one online-softmax step over a tile of cached positions: K and V at kv_off (loads masked by kv_mask),
+    # widened to q's dtype; with MASKED, scores outside `visible` are dropped
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["bt_stride_b"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                         out_ptr, kv_scale_ptr, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -119,17 +137,9 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
             valid = n < ctx
             page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
+                                         valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
+                                         scale_log2, DOT_PRECISION, True)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out_ptr + row64 * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -146,11 +156,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
+                    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
-    # own. With USE_TILES, program p takes
-    # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
+    # own. With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of
+    # from its grid coordinates.
     h = tl.program_id(1)
     if USE_TILES:
         b = tl.load(tiles_ptr + tl.program_id(0))
@@ -187,31 +198,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             n = n0 + tl.arange(0, BLOCK_N)
             page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
+                                         d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
             page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
+                                         valid[:, None] & d_mask[None, :],
+                                         valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
+                                         scale_log2, DOT_PRECISION, True)
 
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         tl.store(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :],
