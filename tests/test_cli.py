@@ -157,6 +157,24 @@ def test_bench_refuses_contradicting_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, messages", [
+    (["--api-server-count", "0"], ["--api-server-count: must be at least 1", "got 0"]),
+    (["--api-server-count", "-2"], ["--api-server-count: must be at least 1", "got -2"]),
+    (["--data-parallel-size", "0"], ["--data-parallel-size/-dp: must be at least 1", "got 0"]),
+    (["--data-parallel-size", "-1"], ["--data-parallel-size/-dp: must be at least 1", "got -1"]),
+    (["--api-server-count", "2", "--engine-in-process"], ["--engine-in-process"]),
+    (["-dp", "2", "--api-server-count", "2"], ["not supported together yet"]),
+])
+def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
+    """--api-server-count and --data-parallel-size (one argparse type, `cli.at_least_one`) and the
+    combinations of them that serve cannot run."""
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(m in err for m in messages)
+
+
 # ---- the stats line -----------------------------------------------------------------------------------
 def _stats(prompt=0, generation=0, running=0, waiting=0, usage=0.0, queries=0, hits=0):
     return {"prompt_tokens": prompt, "generation_tokens": generation, "num_running": running,

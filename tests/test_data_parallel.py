@@ -10,12 +10,11 @@ import asyncio
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
 
-from test_server import ServerProcess, completion_text
+from test_server import ServerProcess, alive, completion_text
 from tokenmill.engine.dp_router import PrefixRouter, block_hashes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -225,26 +224,4 @@ def test_sigterm_drains_both_cores_and_exits_0(server, want):
     assert late.status_code == 503
     assert server.proc.wait(30) == 0, server.log_path.read_text()[-3000:]
     for pid in server.core_pids:
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
-
-
-def _zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-# ----- the flag ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value", ["0", "-1"])
-def test_a_size_below_1_is_refused_naming_it(value, capsys):
-    from tokenmill import cli
-    with pytest.raises(SystemExit) as e:
-        cli.main(["serve", "--data-parallel-size", value])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "--data-parallel-size/-dp: must be at least 1" in err and f"got {value}" in err
-
-
-def test_with_several_api_servers_it_is_refused(capsys):
-    from tokenmill import cli
-    with pytest.raises(SystemExit) as e:
-        cli.main(["serve", "-dp", "2", "--api-server-count", "2"])
-    assert e.value.code == 2 and "not supported together yet" in capsys.readouterr().err
+        assert not alive(pid), pid

@@ -46,6 +46,15 @@ async def completion_text(c, body: dict, stream: bool) -> str:
     return text
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs: False once it has exited, reaped or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class ServerProcess:
     def __init__(self, model_dir: str, tmp_path, *args: str):
         self.log_path = tmp_path / f"server-{os.getpid()}-{time.monotonic_ns()}.log"

@@ -17,6 +17,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.cli import build_parser, engine_config
 from tokenmill.config import EngineConfig, ModelConfig
 
+from test_server import alive
+
 # a shared prefix, lengths 3 to 40 (several prefill chunks under max_num_batched_tokens=24), one token
 PROMPTS = [[7, 3, 11], [5, 9, 13, 2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
            [5, 9, 13, 2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 60, 61, 62, 63],
@@ -102,11 +104,7 @@ def test_cli_flag_and_alias():
 def _gone(pid: int, within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":      # exited, not yet reaped by its parent
-                    return True
-        except FileNotFoundError:
+        if not alive(pid):
             return True
         time.sleep(0.05)
     return False

@@ -15,6 +15,8 @@ import pytest
 
 from tokenmill.ui.chat import UISettings, describe_error, trim_history
 
+from test_server import alive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -79,19 +81,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
-    except OSError:
-        return False
-
-
 def _assert_gone(pids: list[int], timeout: float = 20):
     deadline = time.monotonic() + timeout
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = [p for p in pids if _alive(p)]
+    survivors = [p for p in pids if alive(p)]
     for p in survivors:   # so that a failing run leaves nothing behind either
         os.kill(p, signal.SIGKILL)
     assert not survivors, "processes outlived `tokenmill ui`"
