@@ -9,8 +9,13 @@ Prints one row per case: microseconds per call (one layer), from triton.testing.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from kernel_testing import _paged_cache  # noqa: E402  (the kernel tests' scattered paged cache)
 
 
 def case(decodes: int, prefill: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch.Generator):
@@ -19,18 +24,8 @@ def case(decodes: int, prefill: int, ctx_range: tuple[int, int], kv_fp8: bool, g
     ctx = torch.randint(ctx_range[0], ctx_range[1] + 1, (decodes,), generator=gen).tolist()
     seq_lens = ctx + ([prefill] if prefill else [])
     q_lens = [1] * decodes + ([prefill] if prefill else [])
-    blocks = [-(-c // bs) for c in seq_lens]
-    width = max(blocks)
-    num_blocks = sum(blocks) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks):
-        table[b, :n] = perm[used:used + n].int()
-        used += n
-    dev = "cuda"
-    k = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
-    v = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dev, torch.bfloat16)
+    k, v, table = _paged_cache(seq_lens, bs, hkv, d, torch.bfloat16, gen, spare_blocks=1)
+    dev = k.device
     kv_scale = None
     if kv_fp8:
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
@@ -39,7 +34,7 @@ def case(decodes: int, prefill: int, ctx_range: tuple[int, int], kv_fp8: bool, g
     q = torch.randn(t, hq, d, generator=gen).to(dev, torch.bfloat16)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     tiles = torch.from_numpy(prefill_tiles(q_lens, t // PREFILL_BLOCK_M + len(q_lens))).to(dev)
-    args = (q, k, v, table.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl, max(q_lens),
+    args = (q, k, v, table, torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl, max(q_lens),
             d ** -0.5)
     return args, dict(tiles=tiles, kv_scale=kv_scale)
 
