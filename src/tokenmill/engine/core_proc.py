@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from tokenmill.engine.heap import freeze_startup_objects
 from tokenmill.engine.step_outputs import StepOutputs
 
 DEFAULT_ENGINE_FACTORY = "tokenmill.engine.engine:LLMEngine"
@@ -175,6 +176,7 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
             _send(conn, fatal)
         raise SystemExit(1)
     clients = [_Client(i, len(conns), conn) for i, conn in enumerate(conns)]
+    freeze_startup_objects()
     for client in clients:
         _send(client.conn, ready)
     try:

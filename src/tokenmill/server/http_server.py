@@ -20,6 +20,7 @@ import uvicorn
 import uvloop
 
 from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.heap import freeze_startup_objects
 
 log = logging.getLogger("tokenmill.server")
 
@@ -152,6 +153,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
         app.state.serving, engine, options.dead_grace_s)
     if on_serving is not None:
         on_serving()
+    freeze_startup_objects()
     # uvicorn handles signals while it serves and restores these afterwards: a signal that comes
     # while the process exits must not kill it with a status of its own. (SIG_IGN, unlike a Python
     # handler, also holds through the interpreter's finalization.)
