@@ -14,11 +14,12 @@
 # 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
 #    out, --max-num-seqs 512, under py-spy), default (256 requests, 100-1024 in / out, greedy) and
 #    sampled (the default workload at temperature 0.8, top_p 0.95, seeded).
+# LEVELS="" with TTFT_PROBE=0 starts no server (offline stages only).
 # Output: $OUT/SUMMARY.md (printed last), the raw profiles and logs beside it.
 set -uo pipefail
 
 MODEL=${MODEL:-preset:qwen3-4b}
-LEVELS=${LEVELS:-"64 256"}
+LEVELS=${LEVELS-"64 256"}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
 SPY_LEVEL=${SPY_LEVEL:-256}
 SPY_SECONDS=${SPY_SECONDS:-8}
@@ -45,6 +46,7 @@ TOKDIR=/tmp/profile-tokenizer
 python -m tokenmill.bench.serve_datasets --model "$MODEL" --output "$TOKDIR" > /dev/null || exit 1
 
 export STEP_PROFILE_OUT="$OUT/core-profile.json"
+if [ -n "${LEVELS// }" ] || [ "$TTFT_PROBE" -gt 0 ]; then
 log="$OUT/server.log"
 # shellcheck disable=SC2086
 python -m tokenmill.cli serve "$MODEL" --tokenizer "$TOKDIR" --port 0 --served-model-name "$SLUG" \
@@ -95,6 +97,7 @@ if [ "$TTFT_PROBE" -gt 0 ]; then
   { echo; echo "## concurrency 1, 1,000-token prompts"; echo; grep -E "c=" "$OUT/bench-1000in.log"; } >> "$SUMMARY"
 fi
 kill "$pid"; for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done; kill -9 "$pid" 2>/dev/null
+fi
 
 for stage in $OFFLINE; do
   common=(--model "$MODEL" --backend tokenmill --dataset random --seed 0 --no-progress --output-dir "$OUT")
