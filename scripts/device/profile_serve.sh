@@ -14,7 +14,9 @@
 # 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
 #    out, --max-num-seqs 512, under py-spy), default (256 requests, 100-1024 in / out, greedy) and
 #    sampled (the default workload at temperature 0.8, top_p 0.95, seeded).
-# LEVELS="" with TTFT_PROBE=0 starts no server (offline stages only).
+# LEVELS="" with TTFT_PROBE=0 starts no server (offline stages only). $OUT/levels-window holds the unix times
+# the levels began and ended (with GC_LOG_DIR and lab/gc_log on PYTHONPATH, lab/gc_log/summary.py reads
+# the collections between them).
 # Output: $OUT/SUMMARY.md (printed last), the raw profiles and logs beside it.
 set -uo pipefail
 
@@ -63,6 +65,7 @@ core=$(grep -o 'engine pid [0-9]*' "$log" | head -1 | awk '{print $3}')
 echo "serving on $url after $((SECONDS - t)) s (api $pid, core $core)" | tee -a "$SUMMARY"
 
 level=0
+LEVELS_T0=$(date +%s.%N)
 for c in $LEVELS; do
   level=$((level + 1))
   sleep 2.5                      # the timers write every 2 s: the snapshot below is this level's start
@@ -89,6 +92,7 @@ for c in $LEVELS; do
     [ -f "$OUT/spy-$who.log" ] && [ ! -s "$f" ] && { echo; echo "py-spy ($who) failed:"; tail -3 "$OUT/spy-$who.log"; } >> "$SUMMARY"
   done
 done
+echo "$LEVELS_T0 $(date +%s.%N)" > "$OUT/levels-window"     # unix times, for lab/gc_log/summary.py
 if [ "$TTFT_PROBE" -gt 0 ]; then
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/completions --model "$SLUG" \
     --label tokenmill-1000in --dataset random --input-len-range 1000,1000 --output-len-range 64,64 \
