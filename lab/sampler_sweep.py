@@ -29,7 +29,7 @@ from tokenmill.runner.sampler import ROW, SamplingTensors
 
 SHAPES = [(2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 16),
           (16384, 32)]
-SHIPPED = (sampling.BLOCK, sampling.NUM_WARPS)
+SHIPPED = sampling.RACE_SHAPE       # the shape before batches with top-k/top-p took FILTER_SHAPE
 
 
 def params(rows: int, vocab: int, top_p: float) -> tuple[torch.Tensor, ...]:

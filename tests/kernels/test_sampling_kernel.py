@@ -26,8 +26,8 @@ def _tensors(vocab, temperature, top_k=None, top_p=None, min_p=None, seeds=None,
     return SamplingTensors.from_rows(rows, vocab, torch.device(DEVICE))
 
 
-def _kernel(logits, t, block):
-    return sampling.sample(logits, *t.kernel_params, block=block)
+def _kernel(logits, t, block=None, filtered=True):
+    return sampling.sample(logits, *t.kernel_params, filtered=filtered, block=block)
 
 
 def _allowed(logits, t):
@@ -216,14 +216,15 @@ def test_kernel_parameters_are_views_of_one_packed_copy():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_kernel_matches_the_torch_path_at_a_real_vocabulary():
+@pytest.mark.parametrize("filtered", [True, False], ids=["filter-shape", "race-shape"])
+def test_gpu_kernel_matches_the_torch_path_at_a_real_vocabulary(filtered):
     from tokenmill.runner.sampler import _top_k_top_p_min_p
     gen = torch.Generator().manual_seed(3)
     rows, vocab = 64, 151936
     scale = torch.tensor([0.5, 2.0, 4.0, 8.0]).repeat(rows // 4)[:, None]
     logits = (torch.randn(rows, vocab, generator=gen) * scale).to(torch.bfloat16).cuda()
     t = _mixed_rows(gen, rows, vocab)
-    got = _kernel(logits, t, block=sampling.BLOCK)
+    got = _kernel(logits, t, filtered=filtered)      # either launch shape gives the same tokens
     expect = _random_tokens_torch(logits.float(), t)
     # the two compute p in different orders: only a near-tie of the two best ratios, or a top-p or min-p
     # boundary within float32 rounding, can tell them apart

@@ -13,7 +13,7 @@ Both keep the same set of tokens (the rule is stated in the kernel's module).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -233,15 +233,17 @@ def _random_tokens_kernel(logits: torch.Tensor, t: SamplingTensors) -> torch.Ten
     from tokenmill.layers.kernels import sampling
     if t.kernel_params is None:
         raise ValueError("sample: the kernel path needs SamplingTensors built by from_requests, from_rows or dummy")
-    return sampling.sample(logits, *t.kernel_params)
+    return sampling.sample(logits, *t.kernel_params, filtered=t.top_k is not None or t.top_p is not None)
 
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles the random path's variants on `device` (logits in the model's `dtype`, and float32 after a
-    bias or penalties) before a request needs them: a compile inside a step stalls the whole batch."""
-    t = SamplingTensors.dummy(1, device, greedy=False)
-    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
-        sample(torch.zeros(1, vocab_size, dtype=logits_dtype, device=device), t)
+    bias or penalties; the kernel's two launch shapes, with top-k/top-p and without) before a request needs
+    them: a compile inside a step stalls the whole batch."""
+    filtered = SamplingTensors.dummy(1, device, greedy=False)
+    for t in (filtered, replace(filtered, top_k=None, top_p=None)):
+        for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+            sample(torch.zeros(1, vocab_size, dtype=logits_dtype, device=device), t)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None = None) -> SamplerOutput:

@@ -32,8 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
-NUM_WARPS = 8
+# Launch shapes (BLOCK columns a step of a pass, warps a program). A step's sampling lasts as long as its
+# slowest row, and with top-k or top-p one row in a few dozen bisects, a pass per probe: such batches take
+# wide programs, whose passes keep more bytes in flight (1.3-1.6x faster at 64-256 rows of 152K-166K
+# logits on an H200, docs/BENCHMARKS.md); batches that only race (two passes at most) keep narrow ones,
+# which the wide lose to by 12-18% at 256 rows.
+RACE_SHAPE = (2048, 8)
+FILTER_SHAPE = (8192, 32)
 # value-space halvings of the bracket; finite float32 logits converge in far fewer (~10-20 for a 152k
 # vocabulary). A row still unresolved after them keeps its bracket's undecided tokens, which then lie within
 # 2^-64 of the bracket's first width of each other.
@@ -186,11 +191,13 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+           min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, filtered: bool = True,
+           block: int | None = None) -> torch.Tensor:
     """int64 [rows]: one token per row of `logits` [rows, V] (any float dtype, unit last stride), by the
     per-row parameters (1-D, any stride): temperature float32 (< 1e-5: greedy), top_k integer (>= V: off),
-    top_p float32 (1: off), min_p float32 (0: off), seeds and positions int64 (the noise's counter). `block`:
-    columns per step of a pass (a power of two)."""
+    top_p float32 (1: off), min_p float32 (0: off), seeds and positions int64 (the noise's counter).
+    `filtered`: whether any row has top-k or top-p on (the launch shape, not the result, depends on it);
+    `block`: columns per step of a pass (a power of two) in place of the shape's."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sample: logits must be [rows, V] with unit last stride, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
@@ -205,8 +212,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
+    shape_block, warps = FILTER_SHAPE if filtered else RACE_SHAPE
     _sample_kernel[(rows,)](logits, logits.stride(0), out, vocab,
                             temperature, temperature.stride(0), top_k, top_k.stride(0), top_p, top_p.stride(0),
                             min_p, min_p.stride(0), seeds, seeds.stride(0), positions, positions.stride(0),
-                            BLOCK=block, MAX_PROBES=MAX_PROBES, LOG2E=_LOG2E, num_warps=NUM_WARPS)
+                            BLOCK=block or shape_block, MAX_PROBES=MAX_PROBES, LOG2E=_LOG2E, num_warps=warps)
     return out
