@@ -75,6 +75,22 @@ def test_abort_frees_blocks(llm):
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
 
 
+def test_vllm_dict_prompts_equal_their_plain_forms(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = llm.generate(["def main():", [5, 6, 7]], params)
+    dicts = llm.generate([{"prompt": "def main():"}, {"prompt_token_ids": [5, 6, 7]}], params)
+    assert [o.prompt_token_ids for o in dicts] == [o.prompt_token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    one = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)       # a single dict is one prompt
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"exactly one of the keys \['prompt', 'prompt_token_ids'\], got "
+                                         r"\['multi_modal_data', 'prompt'\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
+    with pytest.raises(ValueError, match="'prompt' must be a string, got list"):
+        llm.generate({"prompt": [5, 6]}, params)
+    assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
+
+
 def test_text_prompts_and_chat(llm):
     tok = llm.get_tokenizer()
     out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]

@@ -12,7 +12,24 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids) of a prompt: a string, token ids, or vLLM's dict forms
+    {"prompt": text} and {"prompt_token_ids": ids}."""
+    if isinstance(prompt, dict):
+        if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+            raise ValueError(f"a prompt dict takes exactly one of the keys {list(PROMPT_KEYS)}, got "
+                             f"{sorted(prompt)}")
+        (key, value), = prompt.items()
+        if key == "prompt" and not isinstance(value, str):
+            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(value).__name__}")
+        prompt = value
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, [int(t) for t in prompt]
 
 
 class LLM:
@@ -44,21 +61,21 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        if self.engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        parts = [_prompt_parts(p) for p in prompts]
+        if self.engine.tokenizer is None and any(text is not None for text, _ in parts):
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            for i, ((text, token_ids), params) in enumerate(zip(parts, sampling_params)):
                 params = params or SamplingParams()
-                text = prompt if isinstance(prompt, str) else None
-                prompt_ids = self.engine.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
+                prompt_ids = self.engine.tokenizer.encode(text) if text is not None else token_ids
                 handle = next(self._ids)
                 rid = str(handle)
                 arrival = time.time()
