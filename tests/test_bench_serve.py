@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_delays, build_payload,
-                                   class_metrics, compute_metrics, parse_goodput, send_request, structured_indices,
-                                   tpot_of)
+                                   class_metrics, compute_metrics, format_level, parse_goodput, send_request,
+                                   structured_indices, tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
 
@@ -45,6 +45,10 @@ def test_metrics_on_hand_made_timings():
     assert m["p99_itl_ms"] == pytest.approx(np.percentile([100] * 4 + [200] * 2, 99))
     # a meets both SLOs, b misses TTFT and TPOT, c (one token, no TPOT) meets them
     assert m["good_requests"] == 2 and m["request_goodput"] == pytest.approx(1.0)
+    # the console line names the failures' error, not only the count
+    m["max_concurrency"], m["errors"] = 4, ["HTTP 500"]        # as the level loop fills them
+    assert format_level("tm", m).startswith("tm c=4: 3/4 ok, ")
+    assert format_level("tm", m).endswith("; 1 distinct error(s), first: HTTP 500")
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
 

@@ -518,7 +518,13 @@ def format_level(backend: str, m: dict) -> str:
             f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
             f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
             f"E2E p95 {m['p95_e2el_ms']:.0f} ms, ITL p99 {m['p99_itl_ms']:.2f} ms, TTFT max {m['max_ttft_ms']:.0f} ms, "
-            f"E2E max {m['max_e2el_ms']:.0f} ms" + _structured_tpots(m) + _tool_ttfts(m))
+            f"E2E max {m['max_e2el_ms']:.0f} ms" + _structured_tpots(m) + _tool_ttfts(m) + _errors(m))
+
+
+def _errors(m: dict) -> str:
+    """The distinct errors of the failed requests (up to 10 kept in the metrics), the first one shown."""
+    errors = m.get("errors") or []
+    return f"; {len(errors)} distinct error(s), first: {errors[0]}" if errors else ""
 
 
 def _structured_tpots(m: dict) -> str:
