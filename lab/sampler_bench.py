@@ -118,6 +118,7 @@ def requests_for(batch: int, config: dict, step: int = 0):
         p = SamplingParams(seed=1000 + i if config.get("seeded") else None, max_tokens=1024, **kw)
         out.append(SimpleNamespace(params=p, seed=(1000 + i) if p.seed is not None else (77 << 40) + i,
                                    num_output_tokens=step + i % 97, grammar=None, output_token_ids=[],
+                                   min_tokens_ids=[],
                                    all_token_ids=[]))
     return out
 

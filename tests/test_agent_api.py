@@ -174,6 +174,26 @@ def test_logit_bias_on_both_endpoints(agent_server):
         assert word in bad.json()["error"]["message"]
 
 
+def test_min_tokens_on_both_endpoints(agent_server):
+    client = agent_server.client()
+    # the model's end-of-sequence id forced by logit_bias ends each output at its first token; min_tokens
+    # (vLLM's extra parameter) holds it back for that many tokens, so that it ends the output after them
+    eos = httpx.post(agent_server.url + "/tokenize", timeout=30, json={
+        "prompt": "<|im_end|>", "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1
+    for extra, tokens in (({}, 1), ({"min_tokens": 5}, 6)):
+        r = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0,
+                                      logit_bias={str(eos[0]): 100}, extra_body=extra)
+        assert r.usage.completion_tokens == tokens and r.choices[0].finish_reason == "stop", (extra, r)
+        c = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0,
+                                           logit_bias={str(eos[0]): 100}, extra_body=extra)
+        assert c.usage.completion_tokens == tokens and c.choices[0].finish_reason == "stop", (extra, c)
+    bad = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "max_tokens": 4, "min_tokens": 6})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens", bad.text
+    assert "min_tokens must be <= max_tokens (4), got 6" in bad.json()["error"]["message"]
+
+
 def test_responses_with_tools(agent_server):
     client = agent_server.client()
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}

@@ -91,6 +91,29 @@ def test_vllm_dict_prompts_equal_their_plain_forms(llm):
     assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
 
 
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
+    greedy = dict(temperature=0, max_tokens=8)
+    free = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True))[0].outputs[0]
+    first = free.token_ids[0]
+    # the first token as a stop token id ends the output at once, unless min_tokens holds it back: it is
+    # then never sampled among the first min_tokens tokens, and stops the output after them
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[first]))[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[first], min_tokens=4))[0].outputs[0]
+    assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
+    # a stop string in the first tokens' text counts only from the min_tokens-th token on
+    word = llm.get_tokenizer().decode(free.token_ids[:1])
+    text_stop = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True, stop=[word]))[0].outputs[0]
+    assert text_stop.finish_reason == "stop" and len(text_stop.token_ids) == 1
+    late = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True, stop=[word], min_tokens=8))[0]
+    assert late.outputs[0].token_ids == free.token_ids and late.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(8\), got 9"):
+        SamplingParams(**greedy, min_tokens=9)
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer >= 0, got -1"):
+        SamplingParams(min_tokens=-1)
+    assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
+
+
 def test_text_prompts_and_chat(llm):
     tok = llm.get_tokenizer()
     out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]

@@ -10,10 +10,13 @@ _CONTEXT_TOKENS = 4
 class IncrementalDetokenizer:
     """Decodes a growing token list. Text is released only once it stops changing: a trailing
     U+FFFD means a multi-byte character is still split across tokens. With stop strings, the last
-    `max(len(stop)) - 1` characters are held back until they can no longer begin a stop string."""
+    `max(len(stop)) - 1` characters are held back until they can no longer begin a stop string. Stop
+    strings are looked for from the `min_tokens`-th token on (vLLM's rule), each time in the text a token
+    adds and the held-back characters before it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -24,10 +27,12 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped_at: int | None = None  # length of the final text once a stop string matched
+        self.unchecked = min_tokens           # tokens still to add before stop strings count
 
     def add(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string if the text now contains one."""
         self.ids.append(token_id)
+        self.unchecked -= 1
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
         full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
@@ -37,6 +42,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.hold)
         self.text += new
+        if self.unchecked > 0:
+            return None
         for s in self.stop:
             pos = self.text.find(s, start)
             if pos != -1:

@@ -106,6 +106,9 @@ class LLMEngine:
             seqs.append(Request(seq_id, prompt_ids, params, max_tokens, base_seed + i, priority,
                                 arrival_time, parent_id=request_id, index=i, carries_tools=carries_tools))
             seqs[-1].handle = handle
+            if params.min_tokens:
+                seqs[-1].min_tokens_ids = sorted(set(params.stop_token_ids) | (
+                    set() if params.ignore_eos else set(self.eos_token_ids)))
             if compiled is not None:
                 seqs[-1].grammar = self._structured.sequence_grammar(compiled)
         self.groups[request_id] = seqs

@@ -57,7 +57,8 @@ class OutputProcessor:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                               params.skip_special_tokens, params.include_stop_str_in_output)
+                                               params.skip_special_tokens, params.include_stop_str_in_output,
+                                               params.min_tokens)
             seqs.append(_Sequence(out, detok))
         output = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                outputs=[s.out for s in seqs], finished=False,

@@ -63,6 +63,8 @@ class Request:
         # per prompt position None or (logprob, rank, top ids, top logprobs), when asked; filled by the engine
         self.prompt_logprobs: list[tuple | None] | None = None
         self.handle = 0                  # the frontend's number of the request, which step reports carry
+        # with min_tokens: the end-of-sequence and stop token ids its first min_tokens tokens may not be
+        self.min_tokens_ids: list[int] = []
         self.reported_start = False      # its first scheduling was reported
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -98,6 +98,7 @@ class _SamplingRequest(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 0
     temperature: float | None = None
     top_p: float | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
@@ -229,6 +230,7 @@ class _SamplingRequest(_Strict):
         kw: dict[str, Any] = dict(
             n=self.n or 1,
             max_tokens=self.requested_max_tokens(),
+            min_tokens=self.min_tokens or 0,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
