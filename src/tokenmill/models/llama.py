@@ -148,7 +148,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size // _ranks(tp), cfg.hidden_size)
+        # an uninitialised weight (the checkpoint fills it): nn.Embedding's own random init, on the meta
+        # device the model is built on, runs torch's Python reference of normal_, whose first call imports
+        # torch._dynamo, 1.0-1.4 s of every process's start-up on the CPU machine
+        rows = cfg.vocab_size // _ranks(tp)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
         self.tp = tp
