@@ -40,7 +40,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     for module in model.modules():         # still on meta: packed 4-bit tensors keep their own dtypes
         if hasattr(module, "keep_checkpoint_dtypes"):
             module.keep_checkpoint_dtypes()
-    model = model.to_empty(device=device)
+    # what nn.Module.to_empty does, without torch.empty_like: on a meta tensor that runs torch's Python
+    # reference, whose first call imports sympy (0.4 s of every engine's start-up on the CPU machine)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
