@@ -10,6 +10,7 @@ import pytest
 from tokenmill import LLM, ModelConfig, SamplingParams
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,8 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
         SamplingParams(**greedy, min_tokens=9)
     with pytest.raises(ValueError, match=r"min_tokens must be an integer >= 0, got -1"):
         SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match=r"min_tokens must be 0 with structured outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
 
 

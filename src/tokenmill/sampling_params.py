@@ -165,6 +165,9 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured_outputs is not None:
+            # the grammar decides where the output ends: held-back end tokens would leave it no token
+            bad("min_tokens", self.min_tokens, "0 with structured outputs (the grammar decides the length)")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", self.logprobs, "in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
