@@ -293,3 +293,16 @@ def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
     cfg["clean_up_tokenization_spaces"] = True
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert not Tokenizer(str(tmp_path))._rust_decode
+
+
+def test_building_the_engine_imports_neither_dynamo_nor_sympy(qwen3_dir):
+    """Start-up cost: the model is built on the meta device, where nn.Embedding's random init and
+    to_empty's empty_like ran torch's Python references, whose first calls import torch._dynamo and sympy
+    (1.5 s of every engine process's start on the CPU machine); the loader allocates without them."""
+    import subprocess
+    import sys
+    code = ("import sys; from tokenmill import LLM; LLM(sys.argv[1], device='cpu', num_kv_blocks=8); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
