@@ -100,15 +100,16 @@ class LLMEngine:
         self._check_logit_bias(params)
         compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        # the ids min_tokens holds back (read only, shared by the n sequences)
+        held_back = [] if not params.min_tokens else sorted(
+            set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Request(seq_id, prompt_ids, params, max_tokens, base_seed + i, priority,
                                 arrival_time, parent_id=request_id, index=i, carries_tools=carries_tools))
             seqs[-1].handle = handle
-            if params.min_tokens:
-                seqs[-1].min_tokens_ids = sorted(set(params.stop_token_ids) | (
-                    set() if params.ignore_eos else set(self.eos_token_ids)))
+            seqs[-1].min_tokens_ids = held_back
             if compiled is not None:
                 seqs[-1].grammar = self._structured.sequence_grammar(compiled)
         self.groups[request_id] = seqs

@@ -124,9 +124,7 @@ class SamplingTensors:
         params = [r.params for r in requests]
         rows = len(requests)
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        bias = _logit_bias(requests, device) if any(
-            p.logit_bias or (r.min_tokens_ids and r.num_output_tokens < p.min_tokens)
-            for r, p in zip(requests, params)) else None
+        bias = _logit_bias(requests, device)
         bitmask = None
         if any(r.grammar is not None for r in requests):
             from tokenmill.engine.structured_output import BatchBitmask
@@ -161,10 +159,11 @@ class SamplingTensors:
         return t
 
 
-def _logit_bias(requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sparse bias of the rows that have one: row, token id and value of each entry. A row short of
-    its min_tokens also gets -inf on the end-of-sequence and stop token ids it may not sample yet (the
-    token it samples is output number `num_output_tokens`)."""
+def _logit_bias(requests: list[Request], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The sparse bias of the rows that have one: row, token id and value of each entry; None when no row
+    has any. A row short of its min_tokens also gets -inf on the end-of-sequence and stop token ids it may
+    not sample yet (the token it samples is output number `num_output_tokens`)."""
     rows, ids, values = [], [], []
     for i, r in enumerate(requests):
         p = r.params
@@ -176,6 +175,8 @@ def _logit_bias(requests: list[Request], device: torch.device) -> tuple[torch.Te
             rows += [i] * len(r.min_tokens_ids)
             ids += r.min_tokens_ids
             values += [float("-inf")] * len(r.min_tokens_ids)
+    if not rows:
+        return None
     return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
