@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-# The files that take longest on the 2-core CI machine (summed test time, seconds: 113, 51, 38, 32, 30, 25, 25,
-# 21), collected first: `-n 2 --dist loadfile` hands whole files to the two workers in collection order, and
-# a long file handed out last leaves one worker running it alone while the other has finished.
+# The files that take longest on the 2-core CI machine, longest first, collected before the rest: `-n 2
+# --dist loadfile` hands whole files to the two workers in collection order, and a long file handed out
+# last leaves one worker running it alone while the other has finished.
 LONGEST_FIRST = ("test_real_quantized.py", "test_ui.py", "test_real_model.py", "test_server.py",
                  "test_hardening.py", "test_api_server_count.py", "test_tiny_model.py", "test_fp8_gemm.py")
 
