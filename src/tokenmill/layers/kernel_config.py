@@ -41,20 +41,7 @@ class SmemTile:
     num_warps: int
 
 
-@dataclass(frozen=True)
-class DotTile:
-    """`gemv._gemv_fp8_dot_kernel` (FP8 weights only): one program per block_n output rows feeds the FP8
-    weights to the tensor cores with the input row quantized to FP8, walking K in block_k steps with
-    num_stages of them in flight; with split_k > 1, split_k programs share a row block's K steps."""
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-    prefetch: bool = False
-
-
-Tile = Union[RegisterTile, WholeRowTile, SmemTile, DotTile]
+Tile = Union[RegisterTile, WholeRowTile, SmemTile]
 
 # ((N, K, silu), tile) pairs
 SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.activation import silu_and_mul_torch
-from tokenmill.layers.kernel_config import DotTile, KernelConfig, RegisterTile, SmemTile, Tile, WholeRowTile
+from tokenmill.layers.kernel_config import KernelConfig, RegisterTile, SmemTile, Tile, WholeRowTile
 from tokenmill.layers.kernels import gemv_smem, pdl
 from tokenmill.layers.norm import rms_norm_torch
 
@@ -300,128 +300,6 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         wa, wb, ua, ub = na, nb, nua, nub
 
 
-@triton.jit
-def _prefetch_rows(w_ptr, w_stride, first_row, n_rows, k_begin, k_end, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   LINES: tl.constexpr):
-    # columns k_begin ... k_end (at most COLS) of rows first_row ... + BLOCK_N (those below n_rows) into L2,
-    # a 128-byte line a lane, nothing waited for
-    LINE_COLS: tl.constexpr = (COLS + 127) // 128
-    i = tl.arange(0, LINES)
-    row = first_row + i // LINE_COLS
-    col = k_begin + (i % LINE_COLS) * 128
-    ok = ((i < BLOCK_N * LINE_COLS) & (row < n_rows) & (col < k_end)).to(tl.int32)
-    addr = w_ptr + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride + tl.minimum(col, k_end - 1)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [addr, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_fp8_dot_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, part_ptr,
-                         count_ptr, eps, n_out, w_stride, s_stride, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
-                         SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                         PREFETCH: tl.constexpr, LINES: tl.constexpr):
-    # FP8 weights on the tensor cores: program p computes output rows p * BLOCK_N ... as
-    # tl.dot(weights [BLOCK_N, BLOCK_K] FP8, input [BLOCK_K, 16] FP8) per step, the input row quantized
-    # with one scale (its absmax / 448) in column 0 of the narrowest operand the tensor cores take, the
-    # other columns zero. Weights go to the tensor cores as they are, with no widening instruction per
-    # weight. With SILU the up rows (n_out further on) come with the gate rows, as in the other kernels.
-    pid = tl.program_id(0)
-    r = tl.arange(0, BLOCK_N)
-    c = tl.arange(0, BLOCK_K)
-    col = tl.arange(0, 16)
-    rows = pid * BLOCK_N + r
-    row_mask = rows < n_out
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
-    u_rows = w_rows + n_out * w_stride
-    # split `split` of SPLIT walks its share of the K steps
-    split = tl.program_id(1)
-    STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    SPLIT_STEPS: tl.constexpr = (STEPS + SPLIT - 1) // SPLIT
-    k_begin = split * SPLIT_STEPS * BLOCK_K
-    k_end = tl.minimum(k_begin + SPLIT_STEPS * BLOCK_K, K)
-    if PREFETCH:
-        _prefetch_rows(w_ptr, w_stride, pid * BLOCK_N, n_out, k_begin, k_end, SPLIT_STEPS * BLOCK_K, BLOCK_N, LINES)
-        if SILU:
-            _prefetch_rows(w_ptr + n_out * w_stride, w_stride, pid * BLOCK_N, n_out, k_begin, k_end,
-                           SPLIT_STEPS * BLOCK_K, BLOCK_N, LINES)
-    pdl.enter(PDL)
-    if GATHER:
-        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
-    # one pass over the input: its sum of squares (NORM) and the absmax of the values before the rstd
-    # factor, which gives the scale; the rounding to dtype after it moves a value by at most one part
-    # in 2^8, which the margin and the clamp to the FP8 range cover
-    sq = tl.zeros([BLOCK_K], tl.float32)
-    amax = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + c
-        h = _input_chunk(x_ptr, res_ptr, nw_ptr, 1.0, k0, c, K, False, RESIDUAL)
-        if NORM:
-            sq += h * h
-            if RESIDUAL or GATHER:
-                if pid == 0:
-                    tl.store(res_out_ptr + kk, h.to(dtype), mask=kk < K)
-            h *= tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(h))
-    rstd = 1.0
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    x_scale = tl.maximum(tl.max(amax, 0) * rstd * (1.0 + 1.0 / 64), 1e-12) / 448.0
-
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    acc_u = acc
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + c
-        xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)
-        xq = tl.clamp(xk / x_scale, -448.0, 448.0)
-        xq = tl.where(col[None, :] == 0, xq[:, None], 0.0).to(w_ptr.dtype.element_ty)
-        tile_mask = row_mask[:, None] & (kk < K)[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
-        if SCALE == 2:   # a row block lies within one scale row and a step within one scale column
-            s = tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK)
-            acc += tl.dot(w, xq) * s
-        else:
-            acc = tl.dot(w, xq, acc)
-        if SILU:
-            u = tl.load(u_rows + kk[None, :], mask=tile_mask, other=0.0)
-            if SCALE == 2:
-                s = tl.load(s_ptr + ((n_out + pid * BLOCK_N) // SCALE_BN) * s_stride + k0 // SCALE_BK)
-                acc_u += tl.dot(u, xq) * s
-            else:
-                acc_u = tl.dot(u, xq, acc_u)
-    y = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), 1)
-    y_u = tl.sum(tl.where(col[None, :] == 0, acc_u, 0.0), 1)
-    if SPLIT > 1:
-        # each split writes its sums to part (SPLIT x [gate sums, up sums] per row); the row block's last
-        # split to arrive adds them in split order (the same sums whichever arrives last) and finishes the
-        # rows. Its counter returns to zero for the next launch.
-        part_rows = part_ptr + split * 2 * n_out + rows
-        tl.store(part_rows, y, mask=row_mask)
-        if SILU:
-            tl.store(part_rows + n_out, y_u, mask=row_mask)
-        tl.debug_barrier()
-        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
-        row_mask &= last
-        y = tl.zeros([BLOCK_N], tl.float32)
-        y_u = y
-        for i in range(SPLIT):
-            y += tl.load(part_ptr + i * 2 * n_out + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-            if SILU:
-                y_u += tl.load(part_ptr + (i * 2 + 1) * n_out + rows, mask=row_mask, other=0.0,
-                               cache_modifier=".cg")
-        tl.store(count_ptr + pid, 0, mask=last)
-    y = _row_scaled(y * x_scale, s_ptr, s_stride, rows, row_mask, SCALE)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if SILU:
-        g = y.to(dtype).to(tl.float32)
-        up = _row_scaled(y_u * x_scale, s_ptr, s_stride, rows + n_out, row_mask, SCALE).to(dtype).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
 def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, scale, m):
     # row m's tensors for the kernels' pointer arguments (x_ptr .. s_ptr); an absent one stands in as
     # a tensor of the call that the kernel does not read
@@ -552,11 +430,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
                                  pdl_on, weight_scale, scale_mode, scale_bn, scale_bk)
-    elif isinstance(tile, DotTile):
-        why = _dot_tile_problem(scale_mode, n_out, silu, tile, scale_bn, scale_bk)
-        if why is None:
-            return _dot_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on,
-                               weight_scale, scale_mode, scale_bn, scale_bk)
     elif isinstance(tile, RegisterTile):
         why = _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn)
     else:
@@ -609,54 +482,4 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, 
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, num_warps=tile.num_warps,
             launch_pdl=pdl_on)
-    return out, res_out
-
-
-def _dot_tile_problem(scale_mode: int, n_out: int, silu: bool, tile: DotTile, scale_bn: int,
-                      scale_bk: int) -> str | None:
-    if scale_mode == NO_SCALE:
-        return "the tensor-core kernel takes FP8 weights only"
-    if tile.block_n < 16 or tile.block_k < 32 or tile.block_n & (tile.block_n - 1) or tile.block_k & (tile.block_k - 1):
-        return "its blocks must be powers of two, at least 16 rows and 32 columns"
-    if scale_mode == BLOCK_SCALE and scale_bk % tile.block_k:
-        return f"a step of {tile.block_k} columns straddles scale blocks of {scale_bk} columns"
-    return _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn)
-
-
-def _prefetch_lines(k: int, tile: DotTile) -> int:
-    # lanes of `_prefetch_rows`: a split's 128-byte lines of each of block_n rows, rounded to a power of two
-    block_k = min(tile.block_k, max(32, triton.next_power_of_2(k)))
-    steps = triton.cdiv(triton.cdiv(k, block_k), tile.split_k)
-    return triton.next_power_of_2(tile.block_n * triton.cdiv(steps * block_k, 128))
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    # one arrival counter per row block, zero between launches (each launch's last split resets its own);
-    # the products of a step run one after another, so they share one buffer
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < blocks:
-        _COUNTERS[device] = have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-    return have
-
-
-def _dot_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on,
-                weight_scale, scale_mode, scale_bn, scale_bk):
-    k = weight.shape[1]
-    rows, n_out = out.shape
-    blocks = triton.cdiv(n_out, tile.block_n)
-    split = tile.split_k
-    part = torch.empty((split, 2, n_out) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    count = _split_counters(x.device, blocks) if split > 1 else part
-    for m in range(rows):
-        _gemv_fp8_dot_kernel[(blocks, split)](
-            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, weight_scale, m), part, count, eps,
-            n_out, weight.stride(0), weight_scale.stride(0), K=k, SPLIT=split, BLOCK_N=tile.block_n,
-            BLOCK_K=min(tile.block_k, max(32, triton.next_power_of_2(k))), NUM_STAGES=tile.num_stages,
-            NORM=norm_weight is not None, RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-            GATHER=ids is not None, PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-            PREFETCH=tile.prefetch and pdl_on, LINES=_prefetch_lines(k, tile),
-            num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out
