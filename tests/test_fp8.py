@@ -6,9 +6,9 @@ written by our quantizer (`quant/fp8.py`) in their on-disk layouts, and plain ch
 - Load-time quantization: 1 byte per weight, logits close to the unquantized model's.
 - Errors: a mismatched --quantization, unsupported block sizes / bits / strategies / static activations,
   a GPU below sm89.
-- The Triton kernels (few-row W8A16 product, per-token activation quantization) against dequantized torch
-  references under the interpreter; on the GPU (`gpu`-marked) also the W8A8 `_scaled_mm` path and an
-  FP8 model under CUDA graphs.
+- The Triton kernels (few-row W8A8 product, per-token activation quantization) against torch references
+  under the interpreter; on the GPU (`gpu`-marked) also the W8A8 `_scaled_mm` path and an FP8 model under
+  CUDA graphs.
 The real SmolLM2-135M weights in FP8: test_real_quantized.py.
 """
 from __future__ import annotations

@@ -3,9 +3,9 @@
   python scripts/device/fp8_products.py --out DIR      DIR/fp8_products.md (also printed)
 
 Per shape and M input rows: bf16 (M = 1: the single-token product `gemv.fused_linear`; else `F.linear`),
-FP8 as shipped (`fp8_linear`; M = 1: `gemv.fused_linear` with the scales), and for M <= FEW_ROWS also the
-W8A8 path (`quantize_rows` + `_scaled_mm`) that larger batches take, so that the few-row kernel's range can
-be judged. Microseconds per product inside one CUDA graph over COPIES weight copies (weights from HBM),
+FP8 as shipped (`fp8_linear`; M = 1: `gemv.fused_linear` with the scales), and for 1 < M <= ROWS_MAX also
+the `_scaled_mm` W8A8 path (`quantize_rows` + `_scaled_mm`) that larger batches take, so that the few-row
+kernel's range can be judged. Microseconds per product inside one CUDA graph over COPIES weight copies (weights from HBM),
 checked against the dequantized float32 product before being timed (W8A8 against the product of the
 row-quantized input). At M = 1 it also times the single-token product with each of CANDIDATES' tiles and
 writes the fastest per shape, where it beats the shipped tile by over 3%, to DIR/fp8_best_tiles.json
@@ -60,12 +60,12 @@ def graph_us(fns, reps: int = 20) -> float:
 
 def main(args) -> None:
     from tokenmill.layers.kernels import gemv
-    from tokenmill.layers.kernels.fp8_gemm import FEW_ROWS, fp8_linear, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, quantize_rows
     from tokenmill.quant import fp8
 
     sweep, lines_sweep, best_tiles = {}, [], []
     lines = ["## FP8 products vs bf16, qwen3-4b shapes (us per product, weights from HBM)", "",
-             "| product | M | bf16 us | fp8 shipped us | fp8 W8A8 us | bf16 / fp8 shipped |", "|---|---|---|---|---|---|"]
+             "| product | M | bf16 us | fp8 shipped us | fp8 `_scaled_mm` us | bf16 / fp8 shipped |", "|---|---|---|---|---|---|"]
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda").mul_(0.05) for _ in range(COPIES)]
         qs = [fp8.quantize(w) for w in ws]
@@ -120,13 +120,13 @@ def main(args) -> None:
                     best_tiles.append([[n, k, SILU.get(name, False)], best])
                 with open(os.path.join(args.out, "fp8_best_tiles.json"), "w") as f:     # so far
                     json.dump(best_tiles, f)
-            w8a8_us = graph_us([lambda q=q: w8a8(*q) for q in qs]) if 1 < m <= FEW_ROWS else None
+            w8a8_us = graph_us([lambda q=q: w8a8(*q) for q in qs]) if 1 < m <= ROWS_MAX else None
             lines.append(f"| {name} {n}x{k} | {m} | {bf16_us:.2f} | {fp8_us:.2f} | "
                          f"{'-' if w8a8_us is None else f'{w8a8_us:.2f}'} | {bf16_us / fp8_us:.2f}x |")
         del qs, bf
         torch.cuda.empty_cache()
-    lines += ["", f"M = 1: single-token products; 1 < M <= {FEW_ROWS}: the few-row W8A16 kernel (shipped) "
-              "beside W8A8; larger M: W8A8 (shipped)"]
+    lines += ["", f"M = 1: single-token products; 1 < M <= {ROWS_MAX}: the few-row W8A8 kernel (shipped) "
+              "beside `_scaled_mm`; larger M: `_scaled_mm` (shipped)"]
     lines += ["", "## M = 1 single-token FP8 tiles (us, with SiLU-and-mul for gate_up)", "",
               "| product | shipped us | best tile | best us | shipped / best |", "|---|---|---|---|---|",
               *lines_sweep]

@@ -1,8 +1,8 @@
 """The FP8-weight kernels (`kernels/fp8_gemm.py`, and FP8 weights on the single-token products of
-`kernels/gemv.py`) against their dequantizing torch references: the few-row W8A16 product (block scales,
-partial blocks, bias), the single-token products, an FP8 model decoding through them
-and the per-token activation quantization under the interpreter on the CPU; on the GPU also the W8A8
-`_scaled_mm` path, the qwen3-4b shapes (single-token products with the shipped tiles included), and an FP8
+`kernels/gemv.py`) against their torch references: the few-row W8A8 product against the row-quantized
+input's (per-channel and block scales, partial blocks, bias, split K), the single-token products, an FP8
+model decoding through them and the per-token activation quantization under the interpreter on the CPU;
+on the GPU also every `fp8_linear` path, the qwen3-4b shapes (single-token products with the shipped tiles included), and an FP8
 model under CUDA graphs."""
 from __future__ import annotations
 
@@ -23,30 +23,49 @@ def layer(n: int, k: int, block, bias: bool, seed: int = 0):
     return to(q), to(s), block or (1, k), to(b)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("block,bias", [((128, 128), False), ((64, 128), True)])
-def test_few_row_product_equals_the_reference(rows, block, bias):
-    from tokenmill.layers.kernels.fp8_gemm import fp8_gemv, fp8_linear_torch
-    q, s, blk, b = layer(136, 200, block, bias)              # partial blocks along both dims
-    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want = fp8_linear_torch(x, q, s, blk, b)
-    torch.testing.assert_close(fp8_gemv(x, q, s, blk, b), want, atol=1e-4, rtol=1e-4)
-    if DEVICE == "cuda":
-        xb = x.bfloat16()
-        torch.testing.assert_close(fp8_gemv(xb, q, s, blk, b.bfloat16() if bias else None).float(),
-                                   fp8_linear_torch(x, q, s, blk, b), atol=3e-2, rtol=2e-2)
+def w8a8_reference(x, q, s, blk, b=None):
+    """The product of the row-quantized input (`quantize_rows_torch`) with the dequantized weight, float32."""
+    from tokenmill.layers.kernels.fp8_gemm import quantize_rows_torch
+    xq, xs = quantize_rows_torch(x)
+    out = (xq.float() * xs) @ fp8.dequantize(q, s, blk).float().t()
+    return out if b is None else out + b.float()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("block,bias", [(None, False), ((128, 128), False), ((64, 64), True)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
+    """`fp8_rows` (W8A8 on the tensor cores) against the row-quantized input's product: per-channel and
+    block scales with partial blocks along both dims (200 x 448), a bias, rows padded to 16 and 32 columns,
+    K split over three programs a row block (partial last split); a second call gives the same bits, and
+    the arrival counters are back at zero."""
+    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows
+    q, s, blk, b = layer(200, 448, block, bias)
+    x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(1)).to(DEVICE) * \
+        torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
+    tile = Fp8RowsTile(64, 64, 4, 2, split)
+    got = fp8_rows(x, q, s, blk, b, tile=tile)
+    torch.testing.assert_close(got, w8a8_reference(x, q, s, blk, b), atol=1e-4, rtol=1e-4)
+    assert torch.equal(fp8_rows(x, q, s, blk, b, tile=tile), got)
+    if split > 1:
+        assert not fp8_gemm._COUNTERS[got.device].any()
 
 
 def test_few_row_product_refuses_more_rows_and_misfit_scales():
-    from tokenmill.layers.kernels.fp8_gemm import FEW_ROWS, fp8_gemv
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, Fp8RowsTile, fp8_rows, rows_tile
     q, s, blk, _ = layer(64, 64, None, False)
-    with pytest.raises(ValueError, match="per-channel FP8 weights take the W8A8 product"):
-        fp8_gemv(torch.zeros(1, 64, device=DEVICE), q, s, blk)
-    qb, sb, bb, _ = layer(64, 64, (32, 32), False)
-    with pytest.raises(ValueError, match=f"at most {FEW_ROWS} rows"):
-        fp8_gemv(torch.zeros(FEW_ROWS + 1, 64, device=DEVICE), qb, sb, bb)
+    with pytest.raises(ValueError, match=f"at most {ROWS_MAX} rows"):
+        fp8_rows(torch.zeros(ROWS_MAX + 1, 64, device=DEVICE), q, s, blk)
     with pytest.raises(ValueError, match=r"scale .* does not fit weight \(64, 64\) with block \(128, 128\)"):
-        fp8_gemv(torch.zeros(1, 64, device=DEVICE), q, s, (128, 128))
+        fp8_rows(torch.zeros(1, 64, device=DEVICE), q, s, (128, 128))
+    qb, sb, bb, _ = layer(64, 64, (32, 32), False)
+    with pytest.raises(ValueError, match=r"does not fit within scale blocks of \(32, 32\)"):
+        fp8_rows(torch.zeros(1, 64, device=DEVICE), qb, sb, bb, tile=Fp8RowsTile(64, 64, 4, 2, 1))
+    # the default tile shrinks to the blocks, and there is none for blocks of fewer than 16 rows
+    small = rows_tile(64, (32, 32), torch.device(DEVICE))
+    assert (small.block_n, small.block_k) == (32, 32)
+    assert rows_tile(64, (8, 128), torch.device(DEVICE)) is None
 
 
 def test_per_token_quantization_equals_the_reference():
@@ -217,26 +236,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 4, 8, 64, 300])
+@pytest.mark.parametrize("rows", [1, 4, 8, 17, 64, 300])
 @pytest.mark.parametrize("n,k,block", [(6144, 2560, None), (2560, 9728, None), (19456, 2560, None),
                                        (6144, 2560, (128, 128)), (2560, 9728, (128, 128))])
 def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
-    """Every path of `fp8_linear` against the dequantized float32 product: W8A16 (block scales) within bf16
-    rounding; the W8A8 path (per channel, every row count) within the activations' FP8 rounding (checked
-    against the product of the quantized activations, and loosely against the unrounded one)."""
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, quantize_rows_torch
+    """Every path of `fp8_linear` against the dequantized float32 product: the W8A8 paths (the few-row
+    kernel up to ROWS_MAX rows, `_scaled_mm` above, per channel) within the activations' FP8 rounding
+    (checked against the product of the quantized activations, and loosely against the unrounded one);
+    block scales above ROWS_MAX rows (dequantized, bf16) within bf16 rounding."""
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear
     q, s, blk, _ = layer(n, k, block, False)
     x = torch.randn(rows, k, device="cuda").bfloat16()
     got = fp8_linear(x, q, s, blk).float()
-    w = fp8.dequantize(q, s, blk)
-    exact = x.float() @ w.t()
+    exact = x.float() @ fp8.dequantize(q, s, blk).t()
     scale = exact.abs().mean()
-    if block is not None:
+    if block is not None and rows > ROWS_MAX:
         assert (got - exact).abs().max() / scale < 0.05
     else:
-        xq, xs = quantize_rows_torch(x)
-        w8a8 = (xq.float() * xs) @ w.t()
-        assert (got - w8a8).abs().max() / scale < 0.05
+        assert (got - w8a8_reference(x, q, s, blk)).abs().max() / scale < 0.05
         assert (got - exact).abs().mean() / scale < 0.1
 
 

@@ -3,14 +3,16 @@
 A step of one token does not come here: its layers run the single-token products of `gemv.py`, which
 read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, as for 16-bit weights.
 
-- Per-channel scales: W8A8 on the FP8 tensor cores, `torch._scaled_mm` with the weight's per-channel
-  scales and dynamic per-token activation scales (`quantize_rows`: each row's absmax / 448), from one row
-  on. At 2-8 rows it took 0.4-0.9x the time of the weight-only GEMV below on an H200 (qwen3-4b shapes,
-  docs/BENCHMARKS.md), whose widening of each FP8 weight in registers costs more instructions than the
-  bytes it saves; above, the products are bound by compute, which FP8 doubles.
-- Block scales, up to `FEW_ROWS` input rows (small-batch decode): `_fp8_gemv_kernel`, weight-only
-  (W8A16): the weights widened in registers, each times its block's scale, the activations as they are.
-  More rows: the layer is dequantized to the activation dtype and multiplied there (the rowwise
+All paths but the last are W8A8: each input row is quantized to FP8 with its own scale (`quantize_rows`:
+the row's absmax / 448) and the products run on the FP8 tensor cores.
+
+- Up to `ROWS_MAX` input rows (decode batches): `_fp8_rows_kernel`, the weight rows on the tensor cores'
+  wide side and the input rows on the narrow one, the K steps split over enough programs to fill the
+  SMs; per-channel or block scales. On an H200 it took 0.03-0.9x the time of the paths below at 2-64 rows
+  and 0.56-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
+- More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
+  products are bound by compute, which FP8 doubles.
+- More rows, block scales: the layer dequantized to the activation dtype and multiplied there (the rowwise
   `_scaled_mm` cannot apply a scale that changes along K).
 
 `fp8_linear_torch` (dequantize, then `F.linear`) is the reference the kernels are tested against.
@@ -26,24 +28,7 @@ import triton.language as tl
 
 from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
 
-FEW_ROWS = 8
-
-
-@dataclass(frozen=True)
-class Fp8GemvTile:
-    """A program holds block_m (input rows, padded to a power of two) x block_n weight rows x block_k
-    columns of products in registers and walks K in block_k steps."""
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
-def gemv_tile(rows: int) -> Fp8GemvTile:
-    block_m = triton.next_power_of_2(rows)
-    # small row blocks, so that even a 2560-row product spreads over several programs per SM; 2048-4096
-    # products per program step, summed per element (16-32 float32 accumulators per thread of 4 warps)
-    return Fp8GemvTile(block_m=block_m, block_n=max(1, 4 // block_m), block_k=512, num_warps=4)
+ROWS_MAX = 64
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -53,60 +38,134 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return F.linear(x, dequantize(weight, scale, block).to(x.dtype), bias)
 
 
+@dataclass(frozen=True)
+class Fp8RowsTile:
+    """`_fp8_rows_kernel`: a program multiplies block_n weight rows by the input rows (up to 64, padded to a
+    power of two of at least 16 columns) on the tensor cores, walking K in block_k steps with num_stages of
+    them in flight; split_k programs share a row block's K steps."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+
+
+def rows_tile(n: int, block: tuple[int, int], device: torch.device) -> Fp8RowsTile | None:
+    """The tile of an n-row weight with scale blocks `block` ((1, K) per channel), or None where block
+    scales admit none: 64 weight rows (the tensor cores' narrowest side with FP8) by 128 columns, fewer
+    where a block is smaller, four steps in flight, and the K steps split so that the row blocks' programs
+    fill the SMs about once (the fastest of the tiles measured at 2-64 rows on an H200)."""
+    block_n, block_k = 64, 128
+    if block[0] != 1:
+        block_n = next((b for b in (64, 32, 16) if block[0] % b == 0), None)
+        block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
+        if block_n is None or block_k is None:
+            return None
+    return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), triton.cdiv(n, block_n))))
+
+
+def _num_sms(device: torch.device) -> int:
+    from tokenmill.layers.kernels.paged_attention import _num_sms
+    return _num_sms(device.index or 0) if device.type == "cuda" else 4
+
+
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_stride, s_stride, out_stride,
-                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program p: output columns p * BLOCK_N ... of every input row (M <= BLOCK_M)
+def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
+                     w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     BLOCK_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    # W8A8: out[m, n] = x_scale[m] * sum_k xq[m, k] * w[n, k] * w_scale, as tl.dot(w [BLOCK_N, BLOCK_K],
+    # xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores' 64-row side and the few
+    # input rows the narrow one. Program (p, s): rows p * BLOCK_N ..., split s of the K steps.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = m < M, n < N
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
-    # products summed per element over K, reduced across the threads once at the end (a reduction per
-    # chunk would cost a shuffle and shared-memory round per BLOCK_K columns)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + c < K
-        x = tl.load(x_rows + k0 + c[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k0 + c[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        # each weight times its block's scale (a few distinct values per tile, cached)
-        w *= tl.load(s_ptr + (n // SCALE_BN)[:, None] * s_stride + ((k0 + c) // SCALE_BK)[None, :],
-                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc3 += x[:, None, :] * w[None, :, :]
-    acc = tl.sum(acc3, 2)
+    row_mask, m_mask = rows < N, m < M
+    STEPS = tl.cdiv(K, BLOCK_K)
+    split_steps = tl.cdiv(STEPS, SPLIT)
+    k_begin = split * split_steps * BLOCK_K
+    k_end = tl.minimum(k_begin + split_steps * BLOCK_K, K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+    x_cols = xq_ptr + m.to(tl.int64)[None, :] * x_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + c
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+        xq = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & m_mask[None, :], other=0.0)
+        if BLOCK_SCALE:   # a row block lies within one scale row and a step within one scale column
+            acc += tl.dot(w, xq) * tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK)
+        else:
+            acc = tl.dot(w, xq, acc)
+    out_mask = row_mask[:, None] & m_mask[None, :]
+    if SPLIT > 1:
+        # each split writes its sums to part [SPLIT, N, BLOCK_M]; the row block's last split to arrive adds
+        # them in split order (the same sums whichever arrives last) and finishes the rows, then returns
+        # the block's counter to zero for the next launch
+        tile = rows.to(tl.int64)[:, None] * BLOCK_M + m[None, :]
+        tl.store(part_ptr + split * N * BLOCK_M + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
+        out_mask &= last
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for i in range(SPLIT):
+            acc += tl.load(part_ptr + i * N * BLOCK_M + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0, mask=last)
+    acc *= tl.load(xs_ptr + m, mask=m_mask, other=0.0)[None, :]
+    if not BLOCK_SCALE:
+        acc *= tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= FEW_ROWS, K] @ (weight [N, K] FP8 * block scale)^T (+ bias), W8A16, in x's dtype; for block
-    scales only (per-channel weights take W8A8 at any row count)."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    # one arrival counter per row block, zero between launches (each launch's last split resets its own);
+    # the products of a step run one after another on one stream, so they share one buffer
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < blocks:
+        _COUNTERS[device] = have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+             bias: torch.Tensor | None = None, tile: Fp8RowsTile | None = None) -> torch.Tensor:
+    """x [M <= ROWS_MAX, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per
+    row (`quantize_rows`), per-channel or block scales."""
     M, K = x.shape
     N = weight.shape[0]
-    if M > FEW_ROWS:
-        raise ValueError(f"fp8_gemv takes at most {FEW_ROWS} rows, got {M}")
-    if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"fp8_gemv needs an FP8 weight [N, {K}] and x with unit column strides; got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    if block == (1, K):
-        raise ValueError("fp8_gemv is for block scales; per-channel FP8 weights take the W8A8 product")
+    if M > ROWS_MAX:
+        raise ValueError(f"fp8_rows takes at most {ROWS_MAX} rows, got {M}")
+    if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"fp8_rows needs an FP8 weight [N, {K}] with unit column stride; got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
     if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
-        raise ValueError(f"fp8_gemv: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
+        raise ValueError(f"fp8_rows: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
                          f"{tuple(weight.shape)} with block {block}")
-    tile = gemv_tile(M)
+    block_scale = block != (1, K)
+    tile = tile or rows_tile(N, block, x.device)
+    if tile is None or block_scale and (block[0] % tile.block_n or block[1] % tile.block_k):
+        raise ValueError(f"fp8_rows: {tile} does not fit within scale blocks of {block}")
+    if M == 0:
+        return x.new_empty(0, N)
+    xq, x_scale = quantize_rows(x)
+    block_m = max(16, triton.next_power_of_2(M))
+    blocks = triton.cdiv(N, tile.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, tile.block_n),)
-    _fp8_gemv_kernel[grid](x, weight, scale, bias if bias is not None else out, out, M, N, K, x.stride(0),
-                           weight.stride(0), scale.stride(0), out.stride(0), SCALE_BN=block[0], SCALE_BK=block[1],
-                           HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                           BLOCK_K=tile.block_k, num_warps=tile.num_warps)
+    part = torch.empty((tile.split_k, N, block_m) if tile.split_k > 1 else (1,), dtype=torch.float32,
+                       device=x.device)
+    count = _split_counters(x.device, blocks) if tile.split_k > 1 else part
+    _fp8_rows_kernel[(blocks, tile.split_k)](
+        xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
+        weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k, BLOCK_N=tile.block_n,
+        BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
+        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
     return out
 
 
@@ -150,11 +209,12 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
+    tile = rows_tile(weight.shape[0], block, x.device) if x.shape[0] <= ROWS_MAX else None
+    if tile is not None:
+        return fp8_rows(x, weight, scale, block, bias, tile)
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         return out if bias is None else out.add_(bias)
-    if x.shape[0] <= FEW_ROWS:
-        return fp8_gemv(x, weight, scale, block, bias)
     return fp8_linear_torch(x, weight, scale, block, bias)

@@ -1,0 +1,163 @@
+"""FP8 products at 2-64 input rows on one GPU: the tensor-core few-row kernel (`fp8_gemm.fp8_rows`) against
+the other FP8 paths and bf16, then in a decoding model.
+
+  python scripts/device/fp8_rows.py --out DIR [--stages products,decode]
+                                           DIR/fp8_rows.md (also printed), DIR/fp8_rows.json
+
+1. Each qwen3-4b product (per-channel scales, and 128 x 128 block scales), M in ROWS: bf16 `F.linear`,
+   the path above ROWS_MAX rows (per channel W8A8 `quantize_rows` + `_scaled_mm`; block scales dequantize
+   + `F.linear`) and `fp8_rows` with each of TILES (the split of `rows_tile`'s rule for that block_n, and
+   twice it), microseconds per product inside one CUDA graph over COPIES weight copies, each checked
+   first against the product of the row-quantized input.
+2. preset:qwen3-4b decoding BATCHES requests (32 in, 128 out, greedy), ms per step: bf16, then
+   --quantization fp8 with every product on the path above ROWS_MAX rows, then as shipped (`fp8_rows` up
+   to ROWS_MAX rows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+ROWS = (2, 8, 16, 64)
+COPIES = 8
+TILES = ((128, 128, 4, 4), (128, 256, 4, 3), (64, 128, 4, 4))
+BATCHES = (8, 32)
+
+
+def graph_us(fns, reps: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / reps / len(fns)
+
+
+def products(lines, results):
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, quantize_rows_torch, rows_tile
+    from tokenmill.quant import fp8
+    lines += ["## FP8 products at 2-64 rows, qwen3-4b shapes (us per product, weights from HBM)", "",
+              "| product | scales | M | bf16 | fp8 above ROWS_MAX's path | fp8_rows best | best tile | that path / best | bf16 / best |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda").mul_(0.05) for _ in range(COPIES)]
+        bf = [w.bfloat16() for w in ws]
+        for block in (None, (128, 128)):
+            qs = [fp8.quantize(w, block) for w in ws]
+            blk = block or (1, k)
+            w_ref = fp8.dequantize(*qs[0], blk).t()
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda").bfloat16()
+                xq, xs = quantize_rows_torch(x)
+                want = (xq.float() * xs) @ w_ref
+                base = rows_tile(n, blk, x.device)
+                row = {}
+                for bn, bk, w, st in TILES:
+                    split = max(1, -(-torch.cuda.get_device_properties(0).multi_processor_count // -(-n // bn)))
+                    for s in (split, 2 * split):
+                        tile = Fp8RowsTile(bn, bk, w, st, s)
+                        if block and (block[0] % bn or block[1] % bk):
+                            continue
+                        got = fp8_rows(x, *qs[0], blk, tile=tile).float()
+                        err = ((got - want).abs().max() / want.abs().mean()).item()
+                        row[repr(tile)] = graph_us([lambda q=q, t=tile: fp8_rows(x, *q, blk, tile=t) for q in qs]) \
+                            if err < 0.05 else f"WRONG {err:.3f}"
+                shipped = graph_us([lambda q=q: above(x, *q, blk) for q in qs])
+                bf16 = graph_us([lambda w=w: F.linear(x, w) for w in bf])
+                timed = {t: v for t, v in row.items() if isinstance(v, float)}
+                best = min(timed, key=timed.get)
+                results.append(dict(product=name, n=n, k=k, block=block, m=m, bf16_us=bf16, shipped_us=shipped,
+                                    tiles=row, default_tile=repr(base)))
+                lines.append(f"| {name} | {'128x128' if block else 'channel'} | {m} | {bf16:.2f} | {shipped:.2f} | "
+                             f"{timed[best]:.2f} | {best.replace('Fp8RowsTile', '')} | {shipped / timed[best]:.2f}x | "
+                             f"{bf16 / timed[best]:.2f}x |")
+                print(lines[-1], "default", repr(base), row.get(repr(base)), flush=True)
+            del qs
+        del ws, bf
+        torch.cuda.empty_cache()
+
+
+def above(x, weight, scale, block, bias=None):
+    """The FP8 product that more than ROWS_MAX rows take, at any row count."""
+    from tokenmill.layers.kernels import fp8_gemm
+    if fp8_gemm.scaled_mm_fits(weight, block):
+        xq, xs = fp8_gemm.quantize_rows(x)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        return out if bias is None else out.add_(bias)
+    return fp8_gemm.fp8_linear_torch(x, weight, scale, block, bias)
+
+
+def decode(lines, results):
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.models.presets import resolve_model_path
+    path = resolve_model_path("preset:qwen3-4b")
+    shipped = fp8_gemm.fp8_linear
+    lines += ["", "## preset:qwen3-4b decoding (32 in, 128 out, greedy), ms per step", "",
+              "| batch | bf16 | fp8, `_scaled_mm` at every row count | fp8 shipped (`fp8_rows` up to 64 rows) | "
+              "`_scaled_mm` / shipped | bf16 / shipped |", "|---|---|---|---|---|---|"]
+    timings = {}
+    for label, fn in (("bf16", shipped), ("above", above), ("rows", shipped)):
+        fp8_gemm.fp8_linear = fn
+        llm = LLM(path, quantization=None if label == "bf16" else "fp8", num_kv_blocks=4096, max_num_seqs=64)
+        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        for b in BATCHES:
+            prompts = [[(17 * i + 5 * j) % 50000 + 100 for i in range(32)] for j in range(b)]
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            ms = [1e3 * (o.metrics.last_token_time - o.metrics.first_token_time) / 127 for o in outs]
+            timings[(label, b)] = (sum(ms) / len(ms), [o.outputs[0].token_ids[:8] for o in outs[:2]])
+            print(label, b, timings[(label, b)][0], time.perf_counter() - t0, flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    fp8_gemm.fp8_linear = shipped
+    for b in BATCHES:
+        h, a, r = (timings[(label, b)][0] for label in ("bf16", "above", "rows"))
+        same = timings[("above", b)][1] == timings[("rows", b)][1]
+        lines.append(f"| {b} | {h:.3f} | {a:.3f} | {r:.3f} | {a / r:.3f}x | {h / r:.3f}x |"
+                     + ("" if same else " (the two FP8 runs' first tokens differ)"))
+        results.append(dict(batch=b, bf16_ms=h, scaled_mm_ms=a, rows_ms=r, same_first_tokens=same))
+
+
+def main(args) -> None:
+    lines, results = [], []
+    try:
+        if "products" in args.stages:
+            products(lines, results)
+        if "decode" in args.stages:
+            decode(lines, results)
+    finally:
+        lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}"]
+        text = "\n".join(lines)
+        print(text)
+        with open(os.path.join(args.out, "fp8_rows.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "fp8_rows.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", default="products,decode")
+    main(p.parse_args())
