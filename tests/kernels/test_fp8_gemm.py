@@ -46,7 +46,11 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
         torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
     tile = Fp8RowsTile(64, 64, 4, 2, split)
     got = fp8_rows(x, q, s, blk, b, tile=tile)
-    torch.testing.assert_close(got, w8a8_reference(x, q, s, blk, b), atol=1e-4, rtol=1e-4)
+    want = w8a8_reference(x, q, s, blk, b)
+    # on the GPU the tensor cores sum a step's FP8 products with fewer bits than float32 (errors of up to
+    # 5e-4 of the largest output on an H200); a wrong scale or a lost split errs by whole percents
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
     assert torch.equal(fp8_rows(x, q, s, blk, b, tile=tile), got)
     if split > 1:
         assert not fp8_gemm._COUNTERS[got.device].any()

@@ -95,10 +95,11 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
         kk = k0 + c
         w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
         xq = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & m_mask[None, :], other=0.0)
+        # each step's product added in float32: Hopper's FP8 tensor cores accumulate with fewer bits
+        step = tl.dot(w, xq)
         if BLOCK_SCALE:   # a row block lies within one scale row and a step within one scale column
-            acc += tl.dot(w, xq) * tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK)
-        else:
-            acc = tl.dot(w, xq, acc)
+            step *= tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK)
+        acc += step
     out_mask = row_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:
         # each split writes its sums to part [SPLIT, N, BLOCK_M]; the row block's last split to arrive adds
