@@ -8,8 +8,8 @@ the row's absmax / 448) and the products run on the FP8 tensor cores.
 
 - Up to `ROWS_MAX` input rows (decode batches): `_fp8_rows_kernel`, the weight rows on the tensor cores'
   wide side and the input rows on the narrow one, the K steps split over enough programs to fill the
-  SMs; per-channel or block scales. On an H200 it took 0.03-0.9x the time of the paths below at 2-64 rows
-  and 0.56-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
+  SMs; per-channel or block scales. On an H200 it took 0.03-0.89x the time of the paths below at 2-64 rows
+  and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - More rows, block scales: the layer dequantized to the activation dtype and multiplied there (the rowwise
