@@ -24,10 +24,13 @@ def layer(n: int, k: int, block, bias: bool, seed: int = 0):
 
 
 def w8a8_reference(x, q, s, blk, b=None):
-    """The product of the row-quantized input (`quantize_rows_torch`) with the dequantized weight, float32."""
+    """The product of the quantized input (`quantize_rows_torch`: per row for per-channel weights, per row
+    and block of columns for block-scaled ones) with the dequantized weight, in float32."""
     from tokenmill.layers.kernels.fp8_gemm import quantize_rows_torch
-    xq, xs = quantize_rows_torch(x)
-    out = (xq.float() * xs) @ fp8.dequantize(q, s, blk).float().t()
+    k = x.shape[1]
+    group = None if blk == (1, k) else blk[1]
+    xq, xs = quantize_rows_torch(x, group)
+    out = fp8.dequantize(xq, xs, (1, group or k)) @ fp8.dequantize(q, s, blk).t()
     return out if b is None else out + b.float()
 
 
@@ -72,15 +75,22 @@ def test_few_row_product_refuses_more_rows_and_misfit_scales():
     assert rows_tile(64, (8, 128), torch.device(DEVICE)) is None
 
 
-def test_per_token_quantization_equals_the_reference():
+@pytest.mark.parametrize("group", [None, 128])
+def test_per_token_quantization_equals_the_reference(group):
+    """Per row, and per row and group of 128 columns (a partial last group: K = 300)."""
     from tokenmill.layers.kernels.fp8_gemm import quantize_rows, quantize_rows_torch
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE) * torch.tensor(
         [1e-3, 1.0, 30.0, 0.0, 5.0], device=DEVICE)[:, None]           # a zero row too
-    q, s = quantize_rows(x)
-    q_ref, s_ref = quantize_rows_torch(x)
+    x[1, 250:] *= 100                                                  # the last group far larger
+    q, s = quantize_rows(x, group)
+    q_ref, s_ref = quantize_rows_torch(x, group)
+    assert s.shape == (5, 1 if group is None else 3)
     torch.testing.assert_close(s, s_ref, atol=0, rtol=1e-6)
     assert q.dtype == torch.float8_e4m3fn and (q.float() - q_ref.float()).abs().max() == 0
-    assert ((q.float() * s - x).abs() <= x.abs() * 2.0 ** -4 + s * 2.0 ** -9).all()
+    x_scale = s.repeat_interleave(group or 300, 1)[:, :300]
+    assert ((q.float() * x_scale - x).abs() <= x.abs() * 2.0 ** -4 + x_scale * 2.0 ** -9).all()
+    if group:   # the small first group keeps its own precision beside the large last one
+        assert s[1, 0] * 50 < s[1, 2]
 
 
 # ---- FP8 weights on the single-token kernels (`gemv.fused_linear` with weight_scale) -------------------

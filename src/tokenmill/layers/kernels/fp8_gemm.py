@@ -3,8 +3,9 @@
 A step of one token does not come here: its layers run the single-token products of `gemv.py`, which
 read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, as for 16-bit weights.
 
-All paths but the last are W8A8: each input row is quantized to FP8 with its own scale (`quantize_rows`:
-the row's absmax / 448) and the products run on the FP8 tensor cores.
+All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_rows`: absmax / 448 of the
+row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
+the products run on the FP8 tensor cores.
 
 - Up to `ROWS_MAX` input rows (decode batches): `_fp8_rows_kernel`, the weight rows on the tensor cores'
   wide side and the input rows on the narrow one, the K steps split over enough programs to fill the
@@ -71,13 +72,14 @@ def _num_sms(device: torch.device) -> int:
 
 @triton.jit
 def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
-                     w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                      BLOCK_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      HAS_BIAS: tl.constexpr):
-    # W8A8: out[m, n] = x_scale[m] * sum_k xq[m, k] * w[n, k] * w_scale, as tl.dot(w [BLOCK_N, BLOCK_K],
-    # xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores' 64-row side and the few
-    # input rows the narrow one. Program (p, s): rows p * BLOCK_N ..., split s of the K steps.
+    # W8A8: out[m, n] = sum over k of xq[m, k] * w[n, k] times the scales of (m, k) and (n, k), as
+    # tl.dot(w [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores'
+    # 64-row side and the few input rows the narrow one. Program (p, s): rows p * BLOCK_N ..., split s of
+    # the K steps.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,7 +100,8 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
         # each step's product added in float32: Hopper's FP8 tensor cores accumulate with fewer bits
         step = tl.dot(w, xq)
         if BLOCK_SCALE:   # a row block lies within one scale row and a step within one scale column
-            step *= tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK)
+            step *= tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK) * \
+                tl.load(xs_ptr + m * xs_stride + k0 // SCALE_BK, mask=m_mask, other=0.0)[None, :]
         acc += step
     out_mask = row_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:
@@ -114,9 +117,9 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
         for i in range(SPLIT):
             acc += tl.load(part_ptr + i * N * BLOCK_M + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + pid, 0, mask=last)
-    acc *= tl.load(xs_ptr + m, mask=m_mask, other=0.0)[None, :]
     if not BLOCK_SCALE:
-        acc *= tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
+        acc *= tl.load(xs_ptr + m, mask=m_mask, other=0.0)[None, :] * \
+            tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -138,7 +141,7 @@ def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              bias: torch.Tensor | None = None, tile: Fp8RowsTile | None = None) -> torch.Tensor:
     """x [M <= ROWS_MAX, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per
-    row (`quantize_rows`), per-channel or block scales."""
+    row (`quantize_rows`) for per-channel scales, per row and block of columns for block scales."""
     M, K = x.shape
     N = weight.shape[0]
     if M > ROWS_MAX:
@@ -155,7 +158,9 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError(f"fp8_rows: {tile} does not fit within scale blocks of {block}")
     if M == 0:
         return x.new_empty(0, N)
-    xq, x_scale = quantize_rows(x)
+    # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
+    # dynamic per-token-group scheme), per-channel ones one per row
+    xq, x_scale = quantize_rows(x, block[1] if block_scale else None)
     block_m = max(16, triton.next_power_of_2(M))
     blocks = triton.cdiv(N, tile.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -164,40 +169,53 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     count = _split_counters(x.device, blocks) if tile.split_k > 1 else part
     _fp8_rows_kernel[(blocks, tile.split_k)](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
-        weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k, BLOCK_N=tile.block_n,
+        x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k, BLOCK_N=tile.block_n,
         BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
     return out
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, FP8_MAX: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, s_stride, GROUP: tl.constexpr,
+                          FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (row, g): columns g * GROUP ... of the row, quantized with their absmax / FP8_MAX
     row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     c = tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + row * x_stride + c, mask=c < K, other=0.0).to(tl.float32)
+    cols = g * GROUP + c
+    mask = (c < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
     q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * q_stride + c, q.to(q_ptr.dtype.element_ty), mask=c < K)
-    tl.store(s_ptr + row, scale)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * s_stride + g, scale)
 
 
-def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of `quantize_rows`."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    M, K = x.shape
+    group = group or K
+    groups = -(-K // group)
+    padded = F.pad(x.float(), (0, groups * group - K)).view(M, groups, group)
+    scale = padded.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(M, -1)[:, :K]
+    return q.to(FP8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: x [M, K] -> (FP8 [M, K], float32 scale [M, 1]), scale = the row's absmax /
-    448, so x ~= q * scale."""
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 activations: x [M, K] -> (FP8 [M, K], float32 scale [M, ceil(K / group)]), each group of
+    `group` columns (default: the whole row, one scale per token) scaled by its absmax / 448, so x ~= q *
+    its group's scale."""
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError("quantize_rows needs unit column strides")
+    group = group or K
+    groups = triton.cdiv(K, group)
     q = torch.empty(M, K, dtype=FP8, device=x.device)
-    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
-                                BLOCK_K=triton.next_power_of_2(K), num_warps=8 if K > 4096 else 4)
+    scale = torch.empty(M, groups, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    _quantize_rows_kernel[(M, groups)](x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), GROUP=group,
+                                       FP8_MAX=FP8_MAX, BLOCK_K=block, num_warps=8 if block > 4096 else 4)
     return q, scale
 
 
