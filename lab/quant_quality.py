@@ -5,6 +5,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py checkpoints [--tokens 1024 2048 4096]
     python lab/quant_quality.py fp8-rtn
     python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
+    python lab/quant_quality.py fp8-activations
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -17,6 +18,10 @@ sequences of 256.
   GPTQ v1 checkpoints.
 - `fp8-rtn`: where FP8's round to nearest loses: one linear kind at a time, subnormals flushed to zero, a
   clipped absmax.
+- `fp8-activations`: FP8 weights per channel, at load (SmolLM2's 576 and 192 features do not fall on the
+  128-row blocks of Qwen's format), with the activations as the GPU's products of 2 or more rows take them: W8A8, each input row quantized to FP8
+  per row or per row and group of 128 columns (`quantize_rows_torch`), emulated in float32 beside the CPU
+  reference's W8A16 (the prompt's products; one-token steps keep W8A16 on the GPU too).
 - `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
   (`Knobs`), and FP8 GPTQ without act-order.
 
@@ -366,12 +371,42 @@ def ablations(tokens: int, only: list[str] | None) -> None:
         row(f"{name}, {tokens} tokens", fm.evaluate(weights, norms), seconds)
 
 
+def fp8_activations() -> None:
+    from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
+    from tokenmill import LLM
+    from tokenmill.layers.backend import TorchBackend
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, quantize_rows_torch
+    from tokenmill.quant import fp8
+    tmp = tempfile.mkdtemp()
+    real = real_model(os.path.join(tmp, "plain"))
+    reference = TorchBackend.fp8_linear
+
+    def w8a8(group_of):
+        def product(self, x, layer):
+            group = group_of(layer)
+            xq, xs = quantize_rows_torch(x.reshape(-1, x.shape[-1]), group)
+            x8 = fp8.dequantize(xq, xs, (1, group or x.shape[-1])).to(x.dtype).view(x.shape)
+            return fp8_linear_torch(x8, layer.weight, layer.scale, layer.block, layer.bias)
+        return product
+    header(False)
+    for label, path, kw in (("per channel, at load", real.path, dict(quantization="fp8")),):
+        for acts, fn in (("W8A16 (the CPU reference)", reference), ("W8A8, a scale per row", w8a8(lambda l: None)),
+                         ("W8A8, a scale per row and 128 columns", w8a8(lambda l: 128))):
+            TorchBackend.fp8_linear = fn
+            try:
+                got = quiet_against(real.ref, held_out_logprobs(LLM(path, tokenizer=GGUF, **REAL, **kw)))
+            finally:
+                TorchBackend.fp8_linear = reference
+            row(f"FP8 {label}, {acts}", got, timed=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("checkpoints")
     c.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
     sub.add_parser("fp8-rtn")
+    sub.add_parser("fp8-activations")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
     a.add_argument("--only", nargs="*")
@@ -381,6 +416,8 @@ def main() -> None:
         checkpoints(args.tokens)
     elif args.cmd == "fp8-rtn":
         fp8_rtn()
+    elif args.cmd == "fp8-activations":
+        fp8_activations()
     else:
         ablations(args.tokens, args.only)
 
