@@ -22,33 +22,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fp8_products import graph_us     # this folder: the script's own
 
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 ROWS = (2, 8, 16, 64)
 COPIES = 8
 TILES = ((128, 128, 4, 4), (128, 256, 4, 3), (64, 128, 4, 4))
 BATCHES = (8, 32)
-
-
-def graph_us(fns, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps / len(fns)
 
 
 def products(lines, results):
