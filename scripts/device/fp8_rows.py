@@ -35,7 +35,8 @@ def products(lines, results):
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, quantize_rows_torch, rows_tile
     from tokenmill.quant import fp8
     lines += ["## FP8 products at 2-64 rows, qwen3-4b shapes (us per product, weights from HBM)", "",
-              "| product | scales | M | bf16 | fp8 above ROWS_MAX's path | fp8_rows best | best tile | that path / best | bf16 / best |",
+              "| product | scales | M | bf16 | fp8 above ROWS_MAX's path | fp8_rows best | best tile | "
+              "that path / best | bf16 / best |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda").mul_(0.05) for _ in range(COPIES)]

@@ -2,8 +2,8 @@
 `kernels/gemv.py`) against their torch references: the few-row W8A8 product against the row-quantized
 input's (per-channel and block scales, partial blocks, bias, split K), the single-token products, an FP8
 model decoding through them and the per-token activation quantization under the interpreter on the CPU;
-on the GPU also every `fp8_linear` path, the qwen3-4b shapes (single-token products with the shipped tiles included), and an FP8
-model under CUDA graphs."""
+on the GPU also every `fp8_linear` path, the qwen3-4b shapes (single-token products with the shipped
+tiles included), and an FP8 model under CUDA graphs."""
 from __future__ import annotations
 
 import pytest

@@ -169,8 +169,8 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     count = _split_counters(x.device, blocks) if tile.split_k > 1 else part
     _fp8_rows_kernel[(blocks, tile.split_k)](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
-        x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k, BLOCK_N=tile.block_n,
-        BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
+        x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k,
+        BLOCK_N=tile.block_n, BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
     return out
 
