@@ -27,8 +27,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["check"] and not torch.cuda.is_a
 import triton
 import triton.language as tl
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
+from tokenmill.layers.kernels import split_k
+from tokenmill.layers.kernels.gemv import _num_sms
 
 @triton.jit
 def _w4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
@@ -36,7 +36,6 @@ def _w4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                     HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     BW: tl.constexpr = BLOCK_K // 8
@@ -45,10 +44,7 @@ def _w4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_
     c = tl.arange(0, BLOCK_K)
     row_mask, m_mask = rows < N, m < M
     KW = K // 8
-    STEPS = tl.cdiv(K, BLOCK_K)
-    split_steps = tl.cdiv(STEPS, SPLIT)
-    k_begin = split * split_steps * BLOCK_K
-    k_end = tl.minimum(k_begin + split_steps * BLOCK_K, K)
+    k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * KW
     x_cols = x_ptr + m.to(tl.int64)[None, :] * x_stride
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -66,17 +62,8 @@ def _w4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_
         kk = k0 + c
         x = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & m_mask[None, :], other=0.0)
         acc += tl.dot(w, x)
-    out_mask = row_mask[:, None] & m_mask[None, :]
-    if SPLIT > 1:
-        tile = rows.to(tl.int64)[:, None] * BLOCK_M + m[None, :]
-        tl.store(part_ptr + split * N * BLOCK_M + tile, acc, mask=out_mask)
-        tl.debug_barrier()
-        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
-        out_mask &= last
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for t in range(SPLIT):
-            acc += tl.load(part_ptr + t * N * BLOCK_M + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + pid, 0, mask=last)
+    acc, out_mask = split_k.gather(acc, row_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, rows, m, N,
+                                   BLOCK_M, SPLIT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -84,20 +71,16 @@ def _w4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, count_
 
 
 def w4_rows(x, qweight, scales, zeros, bias, group_size, block_n=64, block_k=128, num_warps=4, num_stages=3,
-            split_k=None):
+            split=None):
     """x [M <= 64, K] @ W^T (+ bias) in x's dtype, W as `quantized.repack_w4`'s tensors."""
     M, K = x.shape
     N = qweight.shape[0]
     assert M <= 64 and group_size % block_k == 0 and x.stride(1) == 1
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     blocks = triton.cdiv(N, block_n)
-    split = split_k or max(1, triton.cdiv(sms, blocks))
+    split = split or max(1, triton.cdiv(_num_sms(x.device), blocks))
     block_m = max(16, triton.next_power_of_2(M))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty((split, N, block_m) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    count = _COUNTERS.get(x.device)
-    if count is None or count.numel() < blocks:
-        _COUNTERS[x.device] = count = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=x.device)
+    part, count = split_k.scratch(x.device, split, N, block_m, blocks)
     _w4_rows_kernel[(blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, part, count, M, N, K, x.stride(0),
         out.stride(0), scales.shape[1], SPLIT=split, GROUP=group_size, BLOCK_N=block_n, BLOCK_M=block_m,
@@ -123,7 +106,7 @@ def check() -> None:
         qweight, scales, zeros, w = _layer(136, 512, 128, "cpu")
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(1))
         b = torch.randn(136) if bias else None
-        got = w4_rows(x, qweight, scales, zeros, b, 128, block_n=64, block_k=64, num_stages=2, split_k=split)
+        got = w4_rows(x, qweight, scales, zeros, b, 128, block_n=64, block_k=64, num_stages=2, split=split)
         want = x @ w.t() + (0 if b is None else b)
         err = ((got - want).abs().max() / want.abs().mean()).item()
         print(f"M={m} split={split} bias={bias}: max error / mean {err:.2e}")

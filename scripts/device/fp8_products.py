@@ -60,7 +60,7 @@ def graph_us(fns, reps: int = 20) -> float:
 
 def main(args) -> None:
     from tokenmill.layers.kernels import gemv
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_many, quantize_rows
     from tokenmill.quant import fp8
 
     sweep, lines_sweep, best_tiles = {}, [], []
@@ -81,8 +81,7 @@ def main(args) -> None:
                 fp8_fn = lambda q, s: fp8_linear(x, q, s, (1, k))
 
             def w8a8(q, s):
-                xq, xs = quantize_rows(x)
-                return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype)
+                return fp8_linear_many(x, q, s, (1, k))
             w_ref = fp8.dequantize(*qs[0], (1, k)).t()
             want = x.float() @ w_ref
             xq, xs = quantize_rows(x)

@@ -32,6 +32,7 @@ BATCHES = (8, 32)
 
 
 def products(lines, results):
+    from tokenmill.layers.kernels import fp8_gemm
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, quantize_rows_torch, rows_tile
     from tokenmill.quant import fp8
     lines += ["## FP8 products at 2-64 rows, qwen3-4b shapes (us per product, weights from HBM)", "",
@@ -61,7 +62,7 @@ def products(lines, results):
                         err = ((got - want).abs().max() / want.abs().mean()).item()
                         row[repr(tile)] = graph_us([lambda q=q, t=tile: fp8_rows(x, *q, blk, tile=t) for q in qs]) \
                             if err < 0.05 else f"WRONG {err:.3f}"
-                shipped = graph_us([lambda q=q: above(x, *q, blk) for q in qs])
+                shipped = graph_us([lambda q=q: fp8_gemm.fp8_linear_many(x, *q, blk) for q in qs])
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in bf])
                 timed = {t: v for t, v in row.items() if isinstance(v, float)}
                 best = min(timed, key=timed.get)
@@ -76,16 +77,6 @@ def products(lines, results):
         torch.cuda.empty_cache()
 
 
-def above(x, weight, scale, block, bias=None):
-    """The FP8 product that more than ROWS_MAX rows take, at any row count."""
-    from tokenmill.layers.kernels import fp8_gemm
-    if fp8_gemm.scaled_mm_fits(weight, block):
-        xq, xs = fp8_gemm.quantize_rows(x)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-        return out if bias is None else out.add_(bias)
-    return fp8_gemm.fp8_linear_torch(x, weight, scale, block, bias)
-
-
 def decode(lines, results):
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.kernels import fp8_gemm
@@ -96,7 +87,7 @@ def decode(lines, results):
               "| batch | bf16 | fp8, `_scaled_mm` at every row count | fp8 shipped (`fp8_rows` up to 64 rows) | "
               "`_scaled_mm` / shipped | bf16 / shipped |", "|---|---|---|---|---|---|"]
     timings = {}
-    for label, fn in (("bf16", shipped), ("above", above), ("rows", shipped)):
+    for label, fn in (("bf16", shipped), ("above", fp8_gemm.fp8_linear_many), ("rows", shipped)):
         fp8_gemm.fp8_linear = fn
         llm = LLM(path, quantization=None if label == "bf16" else "fp8", num_kv_blocks=4096, max_num_seqs=64)
         params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)

@@ -41,7 +41,7 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
     block scales with partial blocks along both dims (200 x 448), a bias, rows padded to 16 and 32 columns,
     K split over three programs a row block (partial last split); a second call gives the same bits, and
     the arrival counters are back at zero."""
-    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.layers.kernels import split_k
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows
     q, s, blk, b = layer(200, 448, block, bias)
     x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(1)).to(DEVICE) * \
@@ -55,7 +55,7 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
     torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
     assert torch.equal(fp8_rows(x, q, s, blk, b, tile=tile), got)
     if split > 1:
-        assert not fp8_gemm._COUNTERS[got.device].any()
+        assert not split_k._COUNTERS[got.device].any()
 
 
 def test_few_row_product_refuses_more_rows_and_misfit_scales():

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tokenmill.layers.kernels import split_k
+from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
 
 ROWS_MAX = 64
@@ -65,11 +67,6 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device) -> Fp8RowsTi
     return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), triton.cdiv(n, block_n))))
 
 
-def _num_sms(device: torch.device) -> int:
-    from tokenmill.layers.kernels.paged_attention import _num_sms
-    return _num_sms(device.index or 0) if device.type == "cuda" else 4
-
-
 @triton.jit
 def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
                      xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -79,17 +76,13 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
     # W8A8: out[m, n] = sum over k of xq[m, k] * w[n, k] times the scales of (m, k) and (n, k), as
     # tl.dot(w [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores'
     # 64-row side and the few input rows the narrow one. Program (p, s): rows p * BLOCK_N ..., split s of
-    # the K steps.
+    # the K steps (`split_k`).
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_K)
     row_mask, m_mask = rows < N, m < M
-    STEPS = tl.cdiv(K, BLOCK_K)
-    split_steps = tl.cdiv(STEPS, SPLIT)
-    k_begin = split * split_steps * BLOCK_K
-    k_end = tl.minimum(k_begin + split_steps * BLOCK_K, K)
+    k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
     x_cols = xq_ptr + m.to(tl.int64)[None, :] * x_stride
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -103,20 +96,8 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
             step *= tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK) * \
                 tl.load(xs_ptr + m * xs_stride + k0 // SCALE_BK, mask=m_mask, other=0.0)[None, :]
         acc += step
-    out_mask = row_mask[:, None] & m_mask[None, :]
-    if SPLIT > 1:
-        # each split writes its sums to part [SPLIT, N, BLOCK_M]; the row block's last split to arrive adds
-        # them in split order (the same sums whichever arrives last) and finishes the rows, then returns
-        # the block's counter to zero for the next launch
-        tile = rows.to(tl.int64)[:, None] * BLOCK_M + m[None, :]
-        tl.store(part_ptr + split * N * BLOCK_M + tile, acc, mask=out_mask)
-        tl.debug_barrier()
-        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
-        out_mask &= last
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for i in range(SPLIT):
-            acc += tl.load(part_ptr + i * N * BLOCK_M + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + pid, 0, mask=last)
+    acc, out_mask = split_k.gather(acc, row_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, rows, m, N,
+                                   BLOCK_M, SPLIT)
     if not BLOCK_SCALE:
         acc *= tl.load(xs_ptr + m, mask=m_mask, other=0.0)[None, :] * \
             tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
@@ -124,18 +105,6 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=out_mask)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    # one arrival counter per row block, zero between launches (each launch's last split resets its own);
-    # the products of a step run one after another on one stream, so they share one buffer
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < blocks:
-        _COUNTERS[device] = have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-    return have
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -164,9 +133,7 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     block_m = max(16, triton.next_power_of_2(M))
     blocks = triton.cdiv(N, tile.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty((tile.split_k, N, block_m) if tile.split_k > 1 else (1,), dtype=torch.float32,
-                       device=x.device)
-    count = _split_counters(x.device, blocks) if tile.split_k > 1 else part
+    part, count = split_k.scratch(x.device, tile.split_k, N, block_m, blocks)
     _fp8_rows_kernel[(blocks, tile.split_k)](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
         x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k,
@@ -231,6 +198,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     tile = rows_tile(weight.shape[0], block, x.device) if x.shape[0] <= ROWS_MAX else None
     if tile is not None:
         return fp8_rows(x, weight, scale, block, bias, tile)
+    return fp8_linear_many(x, weight, scale, block, bias)
+
+
+def fp8_linear_many(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product `fp8_linear` takes above ROWS_MAX rows (at any row count): `_scaled_mm` with per-channel
+    scales, else the dequantized layer."""
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
