@@ -13,15 +13,15 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     """(text, None) or (None, token ids) of a prompt: a string, token ids, or vLLM's dict forms
     {"prompt": text} and {"prompt_token_ids": ids}."""
     if isinstance(prompt, dict):
-        if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
-            raise ValueError(f"a prompt dict takes exactly one of the keys {list(PROMPT_KEYS)}, got "
+        if len(prompt) != 1 or next(iter(prompt)) not in _PROMPT_KEYS:
+            raise ValueError(f"a prompt dict takes exactly one of the keys {list(_PROMPT_KEYS)}, got "
                              f"{sorted(prompt)}")
         (key, value), = prompt.items()
         if key == "prompt" and not isinstance(value, str):
