@@ -55,12 +55,12 @@ SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
 }.items())
 
-# the FP8 products' tiles where an H200 sweep found one over 3% faster than `gemv.fp8_tile` of the 16-bit
-# tile (scripts/device/fp8_products.py, docs/BENCHMARKS.md)
+# the FP8 products' whole-row tiles where an H200 sweep found one over 3% faster than `gemv.fp8_tile` of the
+# 16-bit tile (scripts/device/fp8_products.py, docs/BENCHMARKS.md)
 SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
-    (6144, 2560, False): RegisterTile(block_n=4, block_k=1024, num_warps=4, programs_per_sm=8),  # qwen3-4b qkv
-    (2560, 4096, False): WholeRowTile(block_n=1, num_warps=4, programs_per_sm=6),     # qwen3-4b o_proj
-    (2560, 9728, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # qwen3-4b down_proj
+    (3584, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=4),     # nanbeige4.1-3b qkv
+    (2560, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b o_proj
+    (2560, 10496, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=3),    # nanbeige4.1-3b down_proj
 }.items())
 
 

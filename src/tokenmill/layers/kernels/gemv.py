@@ -11,15 +11,13 @@ the kernel before it finishes.
 The first product of a step can also gather its input row from the embedding table (`ids`): the step
 then starts with that product, where it started with an embedding kernel.
 
-FP8 weights (`layers/fp8_linear.Fp8Linear`, float8_e4m3fn with float32 block scales) run the same
-kernels with half the weight bytes: the weights are widened to float32 in registers and the scale is
-applied in float32, a row's sum times its scale (per output channel) or, for block-wise scales, the
-input chunk times its block's scale before the product (a row block never straddles two scale rows).
-Their tile is the shape's measured FP8 tile (`KernelConfig.fp8_tiles`), else the 16-bit tile of the
-shape with twice the rows in a whole-row block (twice the columns in a register chunk), so that a
-program has as many bytes in flight as the measured 16-bit tile (`fp8_tile`). Widening costs more
-instructions per byte than the 16-bit kernels spend, and these products run at about the 16-bit ones'
-time on an H200 rather than half of it (docs/BENCHMARKS.md).
+FP8 weights (`layers/fp8_linear.Fp8Linear`, float8_e4m3fn with float32 block scales) run the whole-row
+kernel with half the weight bytes, read as int32 words of four weights. Widened to float32 for an FMA each,
+they cost more instructions per byte than the 16-bit kernels spend, enough to leave the product at the
+16-bit one's time; instead a pair of words meets the input as float16 pairs (see "FP8 weights" below):
+about 2.6 instructions per weight in the sm90 loop against 6.6 widened (docs/BENCHMARKS.md). A row's
+sum is times its scale (per output channel), or each eight columns' sum times their block's scale. Their
+tile is the shape's measured FP8 tile (`KernelConfig.fp8_tiles`), else `fp8_tile` of its 16-bit tile.
 
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. Which kernel and tile a
 product runs is `KernelConfig.tile` (`layers/kernel_config.py`).
@@ -45,6 +43,8 @@ FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 
 WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
+# the tile of FP8 products whose 16-bit tile is not whole rows
+FP8_TILE = WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4)
 SHIPPED = KernelConfig()
 
 def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
@@ -88,16 +88,6 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K: tl.constexpr,
 
 
 @triton.jit
-def _block_scaled(xk, s_ptr, s_stride, first_row, kk, K: tl.constexpr, SCALE: tl.constexpr,
-                  SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
-    # input columns kk times the block scales of the row block from weight row first_row on (one scale
-    # row: the wrapper checks that a row block never straddles two); xk itself for other weights
-    if SCALE == 2:
-        xk *= tl.load(s_ptr + (first_row // SCALE_BN) * s_stride + kk // SCALE_BK, mask=kk < K, other=0.0)
-    return xk
-
-
-@triton.jit
 def _row_scaled(y, s_ptr, s_stride, rows, row_mask, SCALE: tl.constexpr):
     # a row's sum times its output channel's scale (per-channel FP8); y itself for other weights
     if SCALE == 1:
@@ -112,11 +102,10 @@ def _whole_loads(ptrs, mask):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, eps, n_out,
-                 w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
-                 SCALE_BK: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
+                 PDL: tl.constexpr):
     # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
     # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
     # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
@@ -165,29 +154,23 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)
         # per element, summed per row once the row is done
-        acc = w.to(tl.float32) * _block_scaled(xk, s_ptr, s_stride, unit * BLOCK_N, c, K, SCALE, SCALE_BN,
-                                               SCALE_BK)[None, :]
+        acc = w.to(tl.float32) * xk[None, :]
         acc_u = acc
         if SILU:
-            acc_u = u.to(tl.float32) * _block_scaled(xk, s_ptr, s_stride, n_out + unit * BLOCK_N, c, K, SCALE,
-                                                     SCALE_BN, SCALE_BK)[None, :]
+            acc_u = u.to(tl.float32) * xk[None, :]
         # one chunk in flight per program (num_stages=1): the registers hold the next chunk, not a pipeline
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=1):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)
-            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * _block_scaled(
-                xk, s_ptr, s_stride, unit * BLOCK_N, k0 + c, K, SCALE, SCALE_BN, SCALE_BK)[None, :]
+            acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk[None, :]
             if SILU:
-                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * \
-                    _block_scaled(xk, s_ptr, s_stride, n_out + unit * BLOCK_N, k0 + c, K, SCALE, SCALE_BN,
-                                  SCALE_BK)[None, :]
-        y = _row_scaled(tl.sum(acc, 1), s_ptr, s_stride, rows, row_mask, SCALE)
+                acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk[None, :]
+        y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = _row_scaled(tl.sum(acc_u, 1), s_ptr, s_stride, rows + n_out, row_mask, SCALE)
-            up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             y = act * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -195,27 +178,37 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
 
 @triton.jit
 def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
-                BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+                BLOCK_N: tl.constexpr, TWO: tl.constexpr, PACKED: tl.constexpr):
     # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
-    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul)
+    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul). PACKED (FP8): w_ptr holds int32
+    # words of four FP8 weights, ca / cb index pairs of words (eight columns), and a load is [rows, pairs, 2]
     rows = unit * BLOCK_N + r
     ok = (rows < n_out) & (unit < num_units)
     base = w_ptr + (rows + first_row).to(tl.int64)[:, None] * w_stride
-    wa = _whole_loads(base + ca[None, :], ok[:, None] & (ca < K)[None, :])
-    wb = wa
-    if TWO:
-        wb = _whole_loads(base + cb[None, :], ok[:, None] & (cb < K)[None, :])
+    if PACKED:
+        two = tl.arange(0, 2)
+        wa = _whole_loads(base[:, :, None] + (2 * ca[None, :, None] + two[None, None, :]),
+                          ok[:, None, None] & (8 * ca < K)[None, :, None])
+        wb = wa
+        if TWO:
+            wb = _whole_loads(base[:, :, None] + (2 * cb[None, :, None] + two[None, None, :]),
+                              ok[:, None, None] & (8 * cb < K)[None, :, None])
+    else:
+        wa = _whole_loads(base + ca[None, :], ok[:, None] & (ca < K)[None, :])
+        wb = wa
+        if TWO:
+            wb = _whole_loads(base + cb[None, :], ok[:, None] & (cb < K)[None, :])
     return wa, wb
 
 
 @triton.jit
 def _whole_block(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TWO: tl.constexpr, SILU: tl.constexpr):
+                 TWO: tl.constexpr, SILU: tl.constexpr, PACKED: tl.constexpr):
     # `_whole_rows` of row block `unit`, and with SILU of its up rows too (the same as the gate's without)
-    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO)
+    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     ua, ub = wa, wb
     if SILU:
-        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO)
+        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     return wa, wb, ua, ub
 
 
@@ -228,15 +221,100 @@ def _whole_sums(wa, wb, xa, xb, TWO: tl.constexpr):
     return y
 
 
+# ---- FP8 weights: products in float16 pairs --------------------------------------------------------------
+# Widening each FP8 weight to float32 for an FMA costs more instructions than the weight's byte is worth.
+# Instead each program scales its input by a power of two so that |x| < 16, rounds it to float16 pairs, and
+# a step of eight weights is two `cvt.f16x2.e4m3x2` per word and four `fma.f16x2`: each half of the pair
+# sums four products of at most 448 * 16, below float16's 65504. The eight-weight sums are added in float32.
+# Triton's interpreter runs no PTX: on CPU tensors the same arithmetic is emulated (ASM off).
+
 @triton.jit
-def _whole_scaled_sums(wa, wb, xa, xb, s_ptr, s_stride, first_row, rows, row_mask, ca, cb, K: tl.constexpr,
-                       TWO: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
-    # `_whole_sums` of the row block from weight row first_row on (rows: their scale rows with ROW_SCALE)
-    xsa = _block_scaled(xa, s_ptr, s_stride, first_row, ca, K, SCALE, SCALE_BN, SCALE_BK)
-    xsb = xsa
-    if TWO:
-        xsb = _block_scaled(xb, s_ptr, s_stride, first_row, cb, K, SCALE, SCALE_BN, SCALE_BK)
-    return _row_scaled(_whole_sums(wa, wb, xsa, xsb, TWO), s_ptr, s_stride, rows, row_mask, SCALE)
+def _f16_pairs(lo, hi, ASM: tl.constexpr):
+    # float32 vectors lo, hi as one int32 vector of float16 pairs, lo in the low half
+    if ASM:
+        pairs = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        pairs = (lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | \
+            (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    return pairs
+
+
+@triton.jit
+def _fp8_byte(word, i: tl.constexpr):
+    # FP8 weight i of each int32 word, as float32 (emulation)
+    return ((word >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_half(pairs, i: tl.constexpr):
+    # half i of each float16 pair, as float32 (emulation)
+    return ((pairs >> (16 * i)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp8_dot8(w, x0, x1, x2, x3, ASM: tl.constexpr):
+    # w [rows, pairs, 2] words of FP8 weights times the input's float16 pairs x0..x3 [pairs] (columns
+    # 8p + 0/1, 2/3, 4/5, 6/7): [rows, pairs] float32 sums of eight products
+    lo, hi = tl.split(w)
+    x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+    if ASM:
+        y = tl.inline_asm_elementwise(
+            """{ .reg .b16 l, h; .reg .b32 a, b, p; .reg .f16 pl, ph; .reg .f32 fl, fh;
+            mov.b32 {l, h}, $1;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            mul.rn.f16x2 p, a, $3;
+            fma.rn.f16x2 p, b, $4, p;
+            mov.b32 {l, h}, $2;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            fma.rn.f16x2 p, a, $5, p;
+            fma.rn.f16x2 p, b, $6, p;
+            mov.b32 {pl, ph}, p;
+            cvt.f32.f16 fl, pl;
+            cvt.f32.f16 fh, ph;
+            add.f32 $0, fl, fh; }""",
+            "=f,r,r,r,r,r,r", [lo, hi, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = _fp8_byte(lo, 0) * _f16_half(x0, 0) + _fp8_byte(lo, 1) * _f16_half(x0, 1) + \
+            _fp8_byte(lo, 2) * _f16_half(x1, 0) + _fp8_byte(lo, 3) * _f16_half(x1, 1) + \
+            _fp8_byte(hi, 0) * _f16_half(x2, 0) + _fp8_byte(hi, 1) * _f16_half(x2, 1) + \
+            _fp8_byte(hi, 2) * _f16_half(x3, 0) + _fp8_byte(hi, 3) * _f16_half(x3, 1)
+    return y
+
+
+@triton.jit
+def _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, p, K: tl.constexpr, NORM: tl.constexpr,
+                 RESIDUAL: tl.constexpr, ASM: tl.constexpr):
+    # the input's columns 8p .. 8p + 7 as `_input_chunk` gives them, times xs, as four float16-pair vectors
+    x0 = _f16_pairs(_input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, 8 * p, K, NORM, RESIDUAL) * xs,
+                    _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 1, 8 * p, K, NORM, RESIDUAL) * xs, ASM)
+    x1 = _f16_pairs(_input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 2, 8 * p, K, NORM, RESIDUAL) * xs,
+                    _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 3, 8 * p, K, NORM, RESIDUAL) * xs, ASM)
+    x2 = _f16_pairs(_input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 4, 8 * p, K, NORM, RESIDUAL) * xs,
+                    _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 5, 8 * p, K, NORM, RESIDUAL) * xs, ASM)
+    x3 = _f16_pairs(_input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 6, 8 * p, K, NORM, RESIDUAL) * xs,
+                    _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 7, 8 * p, K, NORM, RESIDUAL) * xs, ASM)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _pow2(e):
+    # 2 ** e for an int32 e in [-126, 127], exactly
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_sums(w, x0, x1, x2, x3, s_ptr, s_stride, first_row, p, K: tl.constexpr, SCALE: tl.constexpr,
+              SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ASM: tl.constexpr):
+    # one float per row of w's pairs of words times the input pairs; with block scales each eight-column
+    # sum times its block's scale (a row block within one scale row, eight columns within one block)
+    y = _fp8_dot8(w, x0, x1, x2, x3, ASM)
+    if SCALE == 2:
+        y *= tl.load(s_ptr + (first_row // SCALE_BN) * s_stride + (8 * p) // SCALE_BK, mask=8 * p < K,
+                     other=0.0)[None, :]
+    return tl.sum(y, 1)
 
 
 @triton.jit
@@ -244,20 +322,28 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
                        w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_K2: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SILU: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr,
-                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ASM: tl.constexpr):
     # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
     # round trip to HBM; the first is requested before the wait, and the next row block's loads are
     # issued before this one is summed. The input is loaded (and normalised) once per program. With
-    # SILU the up rows (n_out further on) come with the gate rows.
+    # SILU the up rows (n_out further on) come with the gate rows. FP8 weights (SCALE > 0) come as int32
+    # words (w_ptr, w_stride in words) and multiply as float16 pairs (above).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_units = tl.cdiv(n_out, BLOCK_N)
     TWO: tl.constexpr = K > BLOCK_K
+    PACKED: tl.constexpr = SCALE > 0
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
-    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, ca, cb, K, BLOCK_N, TWO, SILU)
+    if PACKED:      # the weights' columns as pairs of words, eight columns each
+        wca = tl.arange(0, BLOCK_K // 8)
+        wcb = BLOCK_K // 8 + tl.arange(0, BLOCK_K2 // 8)
+    else:
+        wca, wcb = ca, cb
+    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, wca, wcb, K, BLOCK_N, TWO, SILU,
+                                  PACKED)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -281,20 +367,47 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     xb = xa
     if TWO:
         xb = _normed(hb, nw_ptr, rstd, cb, K, NORM, dtype)
+    if PACKED:
+        # x times 2 ** (130 - E), E the biased exponent of its largest |x|, lies below 16 in magnitude
+        amax = tl.max(tl.abs(xa), 0)
+        if TWO:
+            amax = tl.maximum(amax, tl.max(tl.abs(xb), 0))
+        e = tl.minimum(tl.maximum(130 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
+        xs = _pow2(e)
+        x_unscale = _pow2(-e)
+        xa0, xa1, xa2, xa3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wca, K, NORM, RESIDUAL, ASM)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TWO:
+            xb0, xb1, xb2, xb3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wcb, K, NORM, RESIDUAL, ASM)
 
     for unit in range(pid, num_units, num_programs):
-        na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, ca, cb, K,
-                                        BLOCK_N, TWO, SILU)
+        na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, wca, wcb, K,
+                                        BLOCK_N, TWO, SILU, PACKED)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
-        y = _whole_scaled_sums(wa, wb, xa, xb, s_ptr, s_stride, unit * BLOCK_N, rows, row_mask, ca, cb, K, TWO,
-                               SCALE, SCALE_BN, SCALE_BK)
+        if PACKED:
+            y = _fp8_sums(wa, xa0, xa1, xa2, xa3, s_ptr, s_stride, unit * BLOCK_N, wca, K, SCALE, SCALE_BN,
+                          SCALE_BK, ASM)
+            if TWO:
+                y += _fp8_sums(wb, xb0, xb1, xb2, xb3, s_ptr, s_stride, unit * BLOCK_N, wcb, K, SCALE, SCALE_BN,
+                               SCALE_BK, ASM)
+            y = _row_scaled(y * x_unscale, s_ptr, s_stride, rows, row_mask, SCALE)
+        else:
+            y = _whole_sums(wa, wb, xa, xb, TWO)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(dtype).to(tl.float32)
-            up = _whole_scaled_sums(ua, ub, xa, xb, s_ptr, s_stride, n_out + unit * BLOCK_N, rows + n_out, row_mask,
-                                    ca, cb, K, TWO, SCALE, SCALE_BN, SCALE_BK).to(dtype).to(tl.float32)
+            if PACKED:
+                up = _fp8_sums(ua, xa0, xa1, xa2, xa3, s_ptr, s_stride, n_out + unit * BLOCK_N, wca, K, SCALE,
+                               SCALE_BN, SCALE_BK, ASM)
+                if TWO:
+                    up += _fp8_sums(ub, xb0, xb1, xb2, xb3, s_ptr, s_stride, n_out + unit * BLOCK_N, wcb, K, SCALE,
+                                    SCALE_BN, SCALE_BK, ASM)
+                up = _row_scaled(up * x_unscale, s_ptr, s_stride, rows + n_out, row_mask, SCALE)
+            else:
+                up = _whole_sums(ua, ub, xa, xb, TWO)
+            up = up.to(dtype).to(tl.float32)
             y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
         wa, wb, ua, ub = na, nb, nua, nub
@@ -309,15 +422,12 @@ def _pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, scale, 
             ids[m:] if ids is not None else out[m], scale if scale is not None else weight)
 
 
-def fp8_tile(tile: Tile, kernels: KernelConfig) -> Tile:
-    """The tile of an FP8 product whose 16-bit tile is `tile`: as many weight bytes per program and load
-    as that one (twice the rows of a whole-row block, twice the columns of a register chunk). The
-    shared-memory kernel copies 16-bit rows, so its products take the default tile's FP8 counterpart."""
+def fp8_tile(tile: Tile) -> WholeRowTile:
+    """The tile of an FP8 product whose 16-bit tile is `tile`. FP8 products run whole rows (a register holds
+    four weights): twice the rows of a 16-bit whole-row block (as many bytes in flight), else FP8_TILE."""
     if isinstance(tile, WholeRowTile):
         return dataclasses.replace(tile, block_n=2 * tile.block_n)
-    if isinstance(tile, RegisterTile):
-        return dataclasses.replace(tile, block_k=2 * tile.block_k)
-    return fp8_tile(kernels.default_tile, kernels)
+    return FP8_TILE
 
 
 def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple[int, int]]:
@@ -367,9 +477,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     back to `kernels.default_tile` where it does not (a shared-memory tile for a float32 product).
 
     An FP8 weight (float8_e4m3fn) comes with `weight_scale` (float32 [ceil(N / bn), ceil(K / bk)]) and
-    `weight_block` (bn, bk): W = weight * weight_scale of its block, (1, K) being per output channel. Its
-    tile is the shape's in `kernels.fp8_tiles`, else `fp8_tile` of its 16-bit tile (an explicit `tile` runs as
-    given).
+    `weight_block` (bn, bk): W = weight * weight_scale of its block, (1, K) being per output channel. It
+    runs a whole-row tile: the shape's in `kernels.fp8_tiles`, else `fp8_tile` of its 16-bit tile (an
+    explicit `tile` runs as given). Its products take the input in float16 (above); a K or a block of
+    columns that is not a multiple of 8 has its weight dequantized for the call instead.
 
     `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
     x[ids], gathered by the kernel, which also returns them as residual_out."""
@@ -398,15 +509,29 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
         raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
     explicit = tile is not None
-    tile = tile if explicit else kernels.tile(n, k, silu)
-    if scale_mode != NO_SCALE and not explicit:
-        tile = kernels.fp8_tile(n, k, silu) or fp8_tile(tile, kernels)
+    n_out = n // 2 if silu else n
+    one_row = dataclasses.replace(FP8_TILE, block_n=1)     # one row never straddles scale blocks
+    if scale_mode != NO_SCALE and (k % 8 or (scale_mode == BLOCK_SCALE and scale_bk % 8) or weight.stride(0) % 4
+                                   or _whole_tile_problem(k, silu, one_row, FP8)):
+        from tokenmill.quant.fp8 import dequantize
+        return fused_linear(x, dequantize(weight, weight_scale, weight_block).to(x.dtype), bias,
+                            norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, kernels=kernels, ids=ids)
+    if scale_mode != NO_SCALE:
+        if not explicit:
+            tile = kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu))
+        why = ("FP8 weights run whole-row tiles" if not isinstance(tile, WholeRowTile) else
+               _whole_tile_problem(k, silu, tile, FP8) or _block_scale_problem(scale_mode, n_out, silu,
+                                                                               tile.block_n, scale_bn))
+        if why is not None:
+            if explicit:
+                raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
+            tile = one_row
+    else:
+        tile = tile if explicit else kernels.tile(n, k, silu)
     if isinstance(tile, SmemTile) and ids is not None:   # that kernel reads its input as given: gather first
         return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                            tile=tile if explicit else None, kernels=kernels, weight_scale=weight_scale,
-                            weight_block=weight_block)
+                            tile=tile if explicit else None, kernels=kernels)
     rows = x.shape[0] if ids is None else ids.shape[0]
-    n_out = n // 2 if silu else n
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     res_out = None
     if norm_weight is not None:
@@ -416,8 +541,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pdl_on = pdl.enabled(x.device)
     why = None
     if isinstance(tile, SmemTile):
-        why = "FP8 weights: the shared-memory kernel copies 16-bit rows" if scale_mode != NO_SCALE else \
-            gemv_smem.check_tile(n, k, silu, x.dtype, tile)
+        why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
                 gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
@@ -425,31 +549,24 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                       res_out[m] if residual is not None else None, tile, pdl_on)
             return out, res_out
     elif isinstance(tile, WholeRowTile):
-        why = _whole_tile_problem(k, silu, tile) or _block_scale_problem(scale_mode, n_out, silu, tile.block_n,
-                                                                          scale_bn)
+        why = _whole_tile_problem(k, silu, tile, weight.dtype)
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
                                  pdl_on, weight_scale, scale_mode, scale_bn, scale_bk)
-    elif isinstance(tile, RegisterTile):
-        why = _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn)
-    else:
+    elif not isinstance(tile, RegisterTile):
         raise TypeError(f"fused_linear: {tile!r} is not a tile")
     if why is not None:
         if explicit:
             raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
-        tile = kernels.default_tile if scale_mode == NO_SCALE else fp8_tile(kernels.default_tile, kernels)
-        if _block_scale_problem(scale_mode, n_out, silu, tile.block_n, scale_bn):
-            tile = dataclasses.replace(tile, block_n=1)     # one row never straddles
+        tile = kernels.default_tile
     block_n, block_k = tile.block_n, min(tile.block_k, triton.next_power_of_2(k))
     grid = (min(triton.cdiv(n_out, block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         _gemv_kernel[grid](
-            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, weight_scale, m), eps, n_out,
-            weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
-            K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, None, m)[:8], eps, n_out,
+            weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, num_warps=tile.num_warps,
-            launch_pdl=pdl_on)
+            PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out
 
 
@@ -459,12 +576,14 @@ def _whole_blocks(k: int) -> tuple[int, int]:
     return block_k, triton.next_power_of_2(k - block_k) if k > block_k else 1
 
 
-def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile) -> str | None:
+def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile, dtype: torch.dtype) -> str | None:
     block_k, block_k2 = _whole_blocks(k)
     width = block_k + (block_k2 if k > block_k else 0)
     rows = tile.block_n * (2 if silu else 1)     # with silu, as many up rows again
-    if rows * width > WHOLE_MAX:
-        return f"a row block of {rows} x {width} weights is over the {WHOLE_MAX} that whole rows hold"
+    per_register = 4 if dtype == FP8 else 1      # FP8 weights: four to an int32 word
+    if rows * width > WHOLE_MAX * per_register:
+        return (f"a row block of {rows} x {width} weights is over the {WHOLE_MAX * per_register} that whole rows "
+                f"hold")
     return None
 
 
@@ -472,14 +591,17 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, 
                   weight_scale, scale_mode, scale_bn, scale_bk):
     k = weight.shape[1]
     block_k, block_k2 = _whole_blocks(k)
+    w, w_stride = weight, weight.stride(0)
+    if scale_mode != NO_SCALE:      # FP8: int32 words of four weights; a pair of words is the kernel's step
+        w, w_stride, block_k2 = weight.view(torch.int32), w_stride // 4, max(block_k2, 8)
     rows, n_out = out.shape
     grid = (min(triton.cdiv(n_out, tile.block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
+        pointers = _pointers(x, w, bias, norm_weight, residual, ids, out, res_out, weight_scale, m)
         _gemv_whole_kernel[grid](
-            *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, weight_scale, m), eps, n_out,
-            weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
+            *pointers, eps, n_out, w_stride, weight_scale.stride(0) if weight_scale is not None else 0,
             K=k, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
-            PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, num_warps=tile.num_warps,
-            launch_pdl=pdl_on)
+            PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, ASM=x.is_cuda,
+            num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out
