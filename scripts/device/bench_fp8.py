@@ -1,6 +1,6 @@
 """FP8 weights against bf16 on one GPU (scripts/device/bench_fp8.sh runs it).
 
-  run --quantization {none,fp8} --out DIR   one engine: batch-1 decode ms/token (one request, 32 in / 256
+  run [--model M] --quantization {none,fp8} --out DIR   one engine (M: preset:qwen3-4b unless given): batch-1 decode ms/token (one request, 32 in / 256
                                             out, the mean time between output tokens) and the default
                                             offline workload (256 requests, 100-1024 in / 100-1024 out,
                                             seed 0, ignore_eos) output tok/s; DIR/fp8_<q>.json
@@ -22,7 +22,7 @@ def run(args) -> None:
     from tokenmill.bench.datasets import random_requests, special_token_ids
     from tokenmill.models.presets import resolve_model_path
 
-    path = resolve_model_path(MODEL)
+    path = resolve_model_path(args.model)
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     quant = None if args.quantization == "none" else args.quantization
@@ -53,7 +53,7 @@ def run(args) -> None:
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = dict(quantization=label, model=MODEL, load_s=load_s, weight_gib=weight_bytes / 2**30,
+    result = dict(quantization=label, model=args.model, load_s=load_s, weight_gib=weight_bytes / 2**30,
                   kv_blocks=llm.engine.runner.num_blocks, decode_ms_per_token=decode_ms,
                   offline_elapsed_s=elapsed, offline_output_tok_s=out_tokens / elapsed,
                   offline_first_tokens=[o.outputs[0].token_ids[:8] for o in outs[:4]],
@@ -70,7 +70,8 @@ def summary(args) -> None:
         if os.path.isfile(p):
             with open(p) as f:
                 rows[q] = json.load(f)
-    lines = [f"## FP8 weights vs bf16, {MODEL}", "",
+    model = next(iter(rows.values()))["model"] if rows else MODEL
+    lines = [f"## FP8 weights vs bf16, {model}", "",
              "| weights | weights GiB | KV blocks | load s | batch-1 decode ms/token | offline output tok/s | vs bf16 |",
              "|---|---|---|---|---|---|---|"]
     base = rows.get("none", {}).get("offline_output_tok_s")
@@ -94,6 +95,7 @@ def summary(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["run", "summary"])
+    p.add_argument("--model", default=MODEL)
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--fp8-tiles", help="fp8_best_tiles.json of fp8_products.py: run FP8 with those tiles")
     p.add_argument("--out", required=True)

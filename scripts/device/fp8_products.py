@@ -1,4 +1,4 @@
-"""Each qwen3-4b decoder product with FP8 weights against bf16, by rows (scripts/device/bench_fp8.sh runs it):
+"""Each qwen3-4b and nanbeige4.1-3b ("nb") decoder product with FP8 weights against bf16, by rows (scripts/device/bench_fp8.sh runs it):
 
   python scripts/device/fp8_products.py --out DIR      DIR/fp8_products.md (also printed)
 
@@ -20,20 +20,20 @@ import os
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
+          "nb qkv": (3584, 2560), "nb o_proj": (2560, 2560), "nb gate_up": (20992, 2560), "nb down": (2560, 10496)}
 ROWS = (1, 2, 4, 8, 16, 64)
 COPIES = 8
-SILU = {"gate_up": True}
+SILU = {"gate_up": True, "nb gate_up": True}
 
 
 def candidates():
-    from tokenmill.layers.kernel_config import RegisterTile, WholeRowTile
-    whole = [WholeRowTile(bn, w, p) for bn, w, p in ((1, 4, 6), (2, 4, 5), (4, 4, 5), (4, 8, 4), (8, 8, 3),
-                                                    (2, 8, 4), (1, 8, 4), (1, 16, 2), (2, 16, 2), (4, 16, 2))]
-    reg = [RegisterTile(bn, bk, w, p) for bn, bk, w, p in ((4, 1024, 4, 8), (4, 2048, 4, 8), (8, 1024, 4, 6),
-                                                           (2, 2048, 4, 8), (8, 2048, 8, 4), (16, 1024, 8, 4),
-                                                           (2, 4096, 8, 4), (1, 4096, 8, 6))]
-    return whole + reg
+    # FP8 single-token products run whole rows (four weights a register): (block_n, num_warps, programs_per_sm)
+    from tokenmill.layers.kernel_config import WholeRowTile
+    return [WholeRowTile(bn, w, p) for bn, w, p in (
+        (1, 4, 6), (1, 4, 8), (2, 4, 3), (2, 4, 5), (2, 4, 8), (4, 4, 4), (4, 4, 6), (8, 4, 3), (8, 4, 4),
+        (16, 4, 2), (1, 8, 4), (2, 8, 4), (4, 8, 3), (8, 8, 2), (16, 8, 2), (1, 16, 2), (2, 16, 2), (4, 16, 1),
+        (8, 16, 1))]
 
 
 def graph_us(fns, reps: int = 20) -> float:
