@@ -126,3 +126,15 @@ def test_bench_tokenmill_and_hf_static_subprocesses(tmp_path, tiny_cache):
     tm = summary["results"][0]
     assert tm["peak_blocks_used"] > 0 and summary["workload"]["num_requests"] == 3
     assert "hf-static" in tm["output_tok_s_vs"]
+
+
+def test_bench_tokenmill_quantization_reaches_the_engine(tmp_path, tiny_cache):
+    """`--quantization` as `serve` takes it: fp8 quantizes the preset at load and is recorded with the result;
+    a format the checkpoint is not in is refused by the engine, naming it."""
+    pytest.importorskip("tokenmill.llm")
+    from tokenmill.bench.cli import main
+
+    assert main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "fp8"])) == 0
+    assert _check(tmp_path, ["tokenmill"])["results"][0]["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="awq"):
+        main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "awq"]))

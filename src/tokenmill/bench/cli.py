@@ -18,7 +18,7 @@ import sys
 import time
 
 from tokenmill.bench import report
-from tokenmill.config import KV_CACHE_DTYPES
+from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
                                       sharegpt_requests, special_token_ids)
@@ -138,6 +138,9 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="tokenmill: KV-cache element type (auto: the model dtype; fp8: E4M3)")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="tokenmill: the weights' format, as `serve --quantization` (fp8 also quantizes a plain "
+                        "model at load; default: the checkpoint's own)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")

@@ -49,7 +49,8 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
               enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
               seed=args.seed, enforce_eager=args.enforce_eager, swap_space=args.swap_space,
-              preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype)
+              preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[1] * 16, [2] * 24], warm, use_tqdm=False)
     mark_ready()
@@ -68,6 +69,7 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
             extra[key] = stats[key]
     extra["block_size"] = args.block_size
     extra["kv_cache_dtype"] = args.kv_cache_dtype
+    extra["quantization"] = args.quantization
     tpots = []
     for out in outputs:
         m, n = out.metrics, len(out.outputs[0].token_ids)
