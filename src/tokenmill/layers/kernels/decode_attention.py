@@ -20,7 +20,8 @@ around almost no work, 36 times a step. Here one kernel does all three:
 Numerics equal the three kernels up to summation order: q and k are rounded to the input dtype after the
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain). With an FP8
 cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
-the cached tokens do; K's scale is folded into the score scale and V's into the output's normalisation.
+the cached tokens do; K's scale is folded into the score scale and V is widened and scaled in registers
+before its product (`fused_ops.fp8_v_operand`).
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
 counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
@@ -36,7 +37,7 @@ from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
-                                                fp8_kv_operand, load_kv_scales, quantize_kv)
+                                                fp8_kv_operand, fp8_v_operand, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
 
 MAX_SPLITS = 32
@@ -79,12 +80,12 @@ def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_st
 
 
 @triton.jit
-def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2,
-                 DOT_PRECISION: tl.constexpr):
+def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2, v_scale,
+                 DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
-    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype)
+    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), V times its scale
     k_lo, k_hi = k_lo.to(q1.dtype), k_hi.to(q1.dtype)
-    v_lo, v_hi = v_lo.to(q1.dtype), v_hi.to(q1.dtype)
+    v_lo, v_hi = fp8_v_operand(v_lo, v_scale, q1.dtype, FP8), fp8_v_operand(v_hi, v_scale, q1.dtype, FP8)
     s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
     s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -168,7 +169,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             tl.store(v_cache_ptr + dst + dr, v1, mask=d_mask)
             tl.store(v_cache_ptr + dst + HALF + dr, v2, mask=d_mask)
         k1, k2 = k1.to(q1.dtype), k2.to(q1.dtype)
-        v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
+        v1, v2 = fp8_v_operand(v1, v_scale, q1.dtype, FP8), fp8_v_operand(v2, v_scale, q1.dtype, FP8)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -176,13 +177,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
         if start < cached_end:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, DOT_PRECISION)
+                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
             k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, table, n0, cached_end, kvh,
                                                        c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
                                                        PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, DOT_PRECISION)
+                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8)
         if (new >= start) & (new < end):
             k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
             k2f = tl.sum(k2.to(tl.float32), 0)
@@ -203,7 +204,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         heads = kvh * GROUP + g
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
-        inv = v_scale / tl.where(has, l_i, 1.0)
+        inv = 1.0 / tl.where(has, l_i, 1.0)
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
             tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -9,8 +9,8 @@ Every kernel reaches the cache token by token through the block table (page = bl
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
 An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
-for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale and V's applied
-to the output once, so a tile costs no multiply more.
+for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
+and scaled in registers before its product (`fused_ops.fp8_v_operand`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
-from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
+from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_operand, load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -85,10 +85,11 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2, v_scale,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr):
     # one online-softmax step over a tile of cached positions: K and V at kv_off (loads masked by kv_mask),
-    # widened to q's dtype; with MASKED, scores outside `visible` are dropped
+    # widened to q's dtype, V times its scale (`fp8_v_operand`); with MASKED, scores outside `visible` are
+    # dropped
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -97,7 +98,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    v = fp8_v_operand(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0), v_scale, q.dtype, FP8)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -139,8 +140,8 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                          valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
-                                         scale_log2, DOT_PRECISION, True)
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+                                         scale_log2, v_scale, DOT_PRECISION, True, FP8)
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row64 * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
@@ -199,7 +200,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
-                                         d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False)
+                                         d_mask[None, :], m_i, l_i, acc, scale_log2, v_scale, DOT_PRECISION, False,
+                                         FP8)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
@@ -208,9 +210,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                          valid[:, None] & d_mask[None, :],
                                          valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
-                                         scale_log2, DOT_PRECISION, True)
+                                         scale_log2, v_scale, DOT_PRECISION, True, FP8)
 
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
 
