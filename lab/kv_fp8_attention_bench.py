@@ -16,21 +16,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_testing import _paged_cache  # noqa: E402
-from mixed_attention_bench import case as mixed_case  # noqa: E402
+from mixed_attention_bench import case as mixed_case, paged_kv  # noqa: E402  (it puts tests/kernels on sys.path)
 
 
 def decode_case(batch: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch.Generator):
     from tokenmill.layers.rotary import RotaryEmbedding
     hq, hkv, d, bs = 32, 8, 128, 16
     ctx = torch.randint(ctx_range[0], ctx_range[1] + 1, (batch,), generator=gen).tolist()
-    k, v, table = _paged_cache(ctx, bs, hkv, d, torch.bfloat16, gen, spare_blocks=1)
+    k, v, table, kv_scale = paged_kv(ctx, kv_fp8, gen, hkv, d, bs)
     dev = k.device
-    kv_scale = None
-    if kv_fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        kv_scale = torch.ones(2, dtype=torch.float32, device=dev)
     seq_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
     positions = (seq_lens - 1).to(torch.int64)
     # the new token's slot: its position's block in the sequence's table

@@ -18,18 +18,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_testing import _paged_cache  # noqa: E402  (the kernel tests' scattered paged cache)
 
 
+def paged_kv(seq_lens: list[int], kv_fp8: bool, gen: torch.Generator, hkv: int = 8, d: int = 128, bs: int = 16):
+    """A scattered paged cache for seq_lens (bf16, or E4M3 with unit scales): (k, v, table, kv_scale)."""
+    k, v, table = _paged_cache(seq_lens, bs, hkv, d, torch.bfloat16, gen, spare_blocks=1)
+    if not kv_fp8:
+        return k, v, table, None
+    return k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), table, torch.ones(2, device=k.device)
+
+
 def case(decodes: int, prefill: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch.Generator):
     from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, prefill_tiles
-    hq, hkv, d, bs = 32, 8, 128, 16
+    hq, d = 32, 128
     ctx = torch.randint(ctx_range[0], ctx_range[1] + 1, (decodes,), generator=gen).tolist()
     seq_lens = ctx + ([prefill] if prefill else [])
     q_lens = [1] * decodes + ([prefill] if prefill else [])
-    k, v, table = _paged_cache(seq_lens, bs, hkv, d, torch.bfloat16, gen, spare_blocks=1)
+    k, v, table, kv_scale = paged_kv(seq_lens, kv_fp8, gen)
     dev = k.device
-    kv_scale = None
-    if kv_fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        kv_scale = torch.ones(2, dtype=torch.float32, device=dev)
     t = sum(q_lens)
     q = torch.randn(t, hq, d, generator=gen).to(dev, torch.bfloat16)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
