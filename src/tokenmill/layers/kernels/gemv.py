@@ -16,7 +16,7 @@ kernel with half the weight bytes, read as int32 words of four weights. Widened 
 they cost more instructions per byte than the 16-bit kernels spend, enough to leave the product at the
 16-bit one's time; instead a pair of words meets the input as float16 pairs (see "FP8 weights" below):
 about 2.6 instructions per weight in the sm90 loop against 6.6 widened (docs/BENCHMARKS.md). A row's
-sum is times its scale (per output channel), or each eight columns' sum times their block's scale. Their
+sum is multiplied by its scale (per output channel), or each eight columns' sum by their block's. Their
 tile is the shape's measured FP8 tile (`KernelConfig.fp8_tiles`), else `fp8_tile` of its 16-bit tile.
 
 `fused_linear` is the one entry point; `fused_linear_torch` is its reference. Which kernel and tile a
