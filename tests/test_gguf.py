@@ -380,3 +380,44 @@ def test_leftover_and_missing_tensors_are_named(tok_md, tmp_path):
     write_gguf(path, "qwen3", tok_md, drop={"blk.1.ffn_up.weight"})
     with pytest.raises(ValueError, match=r"missing from the checkpoint .*dropped\.gguf.*layers\.1\.mlp\.gate_up_proj"):
         LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_header_reads_as_the_gguf_packages_reader_does(tmp_path):
+    """`GGUFFile` parses the header itself: every metadata value type (integers of each width, floats,
+    bools, strings, arrays of numbers and of strings) and the tensors' shapes, types and offsets equal what
+    gguf's own reader finds, and a tensor reads as the reader's bytes dequantize."""
+    from tokenmill.gguf_file import GGUFFile
+    path = str(tmp_path / "all.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for add, value in ((w.add_uint8, 200), (w.add_int8, -100), (w.add_uint16, 60000), (w.add_int16, -30000),
+                       (w.add_uint32, 4_000_000_000), (w.add_int32, -2_000_000_000), (w.add_float32, 0.1),
+                       (w.add_uint64, 2 ** 60), (w.add_int64, -(2 ** 60)), (w.add_float64, 0.1), (w.add_bool, True),
+                       (w.add_string, "naïve ☕"), (w.add_array, [3, 1, 4]), (w.add_array, [0.5, -2.25]),
+                       (w.add_array, ["a", "", "☕ b"])):
+        add(f"t.{add.__name__}.{len(str(value))}", value)
+    w.add_tensor("a.weight", np.arange(6 * 32, dtype=np.float32).reshape(6, 32))
+    w.add_tensor("b.weight", np.ones((3, 64), np.float16))
+    w.add_tensor("c.weight", gguf.quants.quantize(np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64),
+                                                  Q.Q8_0), raw_dtype=Q.Q8_0)
+    _finish(w)
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    expected = {}
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            parts = [field.parts[i] for i in field.data]
+            expected[key] = [bytes(p).decode() if field.types[-1] == gguf.GGUFValueType.STRING else p.tolist()[0]
+                             for p in parts]
+        elif field.types[0] == gguf.GGUFValueType.STRING:
+            expected[key] = bytes(field.parts[field.data[0]]).decode()
+        else:
+            expected[key] = field.parts[field.data[0]].tolist()[0]
+    assert ours.metadata == expected and len(expected) == 16         # general.architecture and the 15 above
+    assert [type(ours.metadata[k]) for k in expected] == [type(v) for v in expected.values()]
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.shape, mine.tensor_type, mine.offset, mine.n_bytes) == \
+            (tuple(t.shape.tolist()), t.tensor_type, int(t.data_offset), int(t.n_bytes))
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        assert torch.equal(ours.read(t.name), torch.from_numpy(np.array(want, dtype=np.float32)))

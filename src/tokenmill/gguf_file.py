@@ -4,9 +4,11 @@ the tokenizer (`engine/gguf_tokenizer.py`) and the weights (`runner/gguf_loader.
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
-import re
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -18,45 +20,47 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
+class GGUFTensor(NamedTuple):
+    """A tensor's entry in the file: `shape` in GGUF's order (innermost dimension first), its bytes at
+    `offset` from the file's start."""
+    name: str
+    tensor_type: Any            # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
 class GGUFFile:
-    """An opened GGUF file: `metadata` (key -> Python value), `tensors` (name -> reader tensor).
+    """An opened GGUF file: `metadata` (key -> Python value), `tensors` (name -> `GGUFTensor`).
 
     Opening checks what can be checked before any weight is read: the header parses, every tensor's
-    bytes lie inside the file, and every tensor type is one tokenmill dequantizes."""
+    bytes lie inside the file, and every tensor type is one tokenmill dequantizes. The header is parsed
+    here from the memory map (a 49k-token vocabulary's strings in a tenth of a second; the `gguf` package's
+    reader takes seconds over them), and `gguf` dequantizes the tensors."""
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file {self.path!r} does not exist")
         size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         try:
-            reader = gguf.GGUFReader(self.path)
-        except ValueError as e:
-            unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
-            if unknown:
-                raise ValueError(f"GGUF file {self.path!r} has a tensor of unknown GGML type id "
-                                 f"{unknown.group(1)}; tokenmill reads {', '.join(SUPPORTED_TYPES)}") from None
+            self.metadata, self.tensors = _parse(self._map)
+        except _Truncated as e:
             raise ValueError(f"cannot read GGUF file {self.path!r} ({size} bytes): truncated or not a GGUF "
                              f"file ({e})") from None
-        except (IndexError, OSError) as e:
-            raise ValueError(f"cannot read GGUF file {self.path!r} ({size} bytes): truncated or not a GGUF "
-                             f"file ({type(e).__name__}: {e})") from None
-        self.tensors = {t.name: t for t in reader.tensors}
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size or t.data.nbytes != int(t.n_bytes):
+        except _UnknownType as e:
+            raise ValueError(f"GGUF file {self.path!r} has a tensor of unknown GGML type id {e}; tokenmill "
+                             f"reads {', '.join(SUPPORTED_TYPES)}") from None
+        for t in self.tensors.values():
+            end = t.offset + t.n_bytes
+            if end > size:
                 raise ValueError(f"GGUF file {self.path!r} is truncated: tensor {t.name!r} ends at byte {end}, "
                                  f"the file has {size} bytes")
             if t.tensor_type.name not in SUPPORTED_TYPES:
                 raise ValueError(f"GGUF tensor {t.name!r} in {self.path!r} has quantization type "
                                  f"{t.tensor_type.name}; tokenmill dequantizes {', '.join(SUPPORTED_TYPES)}")
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            self.metadata[key] = _value(field)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -75,9 +79,14 @@ class GGUFFile:
         import gguf
 
         t = self.tensors[name]
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        shape = tuple(reversed(t.shape))
+        if t.tensor_type.name in ("F32", "F16"):
+            dtype = np.float32 if t.tensor_type.name == "F32" else np.float16
+            data = np.frombuffer(self._map, dtype, math.prod(shape), t.offset).reshape(shape)
+        else:   # bytes, as many a row as its blocks take
+            data = np.frombuffer(self._map, np.uint8, t.n_bytes, t.offset).reshape(
+                gguf.quants.quant_shape_to_byte_shape(shape, t.tensor_type))
+        array = np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
         if not array.flags.writeable:        # an F32 tensor is the memory map itself
             array = array.copy()
         return torch.from_numpy(array)
@@ -99,17 +108,93 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
-def _value(field):
-    """A metadata field as a Python value (strings decoded, arrays as lists)."""
+# GGUF metadata value types: the scalars' struct formats (standard sizes), then string and array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _UnknownType(Exception):
+    pass
+
+
+class _Header:
+    """A cursor over the header's little-endian fields."""
+
+    def __init__(self, buf):
+        self.buf, self.off = buf, 0
+
+    def unpack(self, fmt: str):
+        try:
+            values = struct.unpack_from(fmt, self.buf, self.off)
+        except struct.error:
+            raise _Truncated(f"the header ends at byte {len(self.buf)}") from None
+        self.off += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        end = self.off + n
+        if end > len(self.buf):
+            raise _Truncated(f"a string of {n} bytes at byte {self.off} runs past the end")
+        text = self.buf[self.off:end].decode("utf-8", errors="replace")
+        self.off = end
+        return text
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<IQ")
+            if etype in _SCALARS:
+                dtype = np.dtype("<" + _SCALARS[etype])
+                if self.off + count * dtype.itemsize > len(self.buf):
+                    raise _Truncated(f"an array of {count} values at byte {self.off} runs past the end")
+                values = np.frombuffer(self.buf, dtype, count, self.off).tolist()
+                self.off += count * dtype.itemsize
+                return values
+            return [self.value(etype) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise _Truncated(f"unknown metadata value type {vtype} at byte {self.off}")
+        return self.unpack("<" + _SCALARS[vtype])[0]
+
+
+def _parse(buf) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """(metadata, tensors) of a GGUF file's bytes (v2 or v3, little-endian)."""
     import gguf
 
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]].tolist()[0]
+    h = _Header(buf)
+    if bytes(buf[:4]) != _MAGIC:
+        raise _Truncated("no GGUF magic")
+    (version,) = h.unpack("<4xI")
+    if version not in (2, 3):
+        raise _Truncated(f"GGUF version {version} (big-endian or unknown); tokenmill reads 2 and 3")
+    tensor_count, kv_count = h.unpack("<QQ")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = h.string()
+        (vtype,) = h.unpack("<I")
+        metadata[key] = h.value(vtype)
+    infos = []
+    for _ in range(tensor_count):
+        name = h.string()
+        (n_dims,) = h.unpack("<I")
+        dims = h.unpack(f"<{n_dims}Q")
+        raw_type, offset = h.unpack("<IQ")
+        try:
+            qtype = gguf.GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise _UnknownType(raw_type) from None
+        infos.append((name, qtype, tuple(int(d) for d in dims), offset))
+    align = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-h.off // align) * align
+    tensors = {}
+    for name, qtype, dims, offset in infos:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        tensors[name] = GGUFTensor(name, qtype, dims, data_start + offset, math.prod(dims) * type_size // block)
+    return metadata, tensors
