@@ -1,6 +1,7 @@
-"""A GGUF file (llama.cpp's single-file format) opened for reading: metadata values and tensors, each
-dequantized on its own from the memory map by the `gguf` package. The config (`ModelConfig.from_gguf`),
-the tokenizer (`engine/gguf_tokenizer.py`) and the weights (`runner/gguf_loader.py`) read it."""
+"""A GGUF file (llama.cpp's single-file format) opened for reading: its header parsed here, metadata
+values and tensors, each tensor dequantized on its own from the memory map by the `gguf` package. The
+config (`ModelConfig.from_gguf`), the tokenizer (`engine/gguf_tokenizer.py`) and the weights
+(`runner/gguf_loader.py`) read it."""
 from __future__ import annotations
 
 import functools
@@ -93,9 +94,8 @@ class GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """The opened file, shared by the config, the tokenizer and the weight load of one engine start
-    (parsing the header of a 49k-token vocabulary takes seconds); keyed by size and mtime, so a file
-    rewritten in place is opened again."""
+    """The opened file, shared by the config, the tokenizer and the weight load of one engine start (one
+    parse and one memory map); keyed by size and mtime, so a file rewritten in place is opened again."""
     path = os.path.realpath(os.fspath(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
