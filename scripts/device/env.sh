@@ -1,8 +1,15 @@
-# Sourced by the device scripts here, from the repository root: the repository's source on PYTHONPATH, a
-# cache for materialised presets, the commit that results record, unbuffered output, and $OUT (default
-# ./bench_results) created.
+# Sourced by the device scripts here, from the repository root: the repository's source on PYTHONPATH (with
+# the server's wheels where .whl/srv is carried), a cache for materialised presets, the commit that results
+# record, unbuffered output, and $OUT (default ./bench_results) created.
 OUT=${OUT:-$PWD/bench_results}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# the server's packages that the machine lacks (the benchmark CLI imports them too), from the carried
+# wheels of scripts/device/server_wheels.sh
+SRV_SITE=${TMPDIR:-/tmp}/tokenmill-srv-site
+if [ -d .whl/srv ] && ! python -c "import fastapi, uvicorn, orjson, uvloop" 2>/dev/null; then
+  python -m pip install -q --no-index --no-deps --target "$SRV_SITE" .whl/srv/*.whl
+fi
+export PYTHONPATH="$PYTHONPATH:$SRV_SITE"
 export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
 export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
