@@ -6,6 +6,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py fp8-rtn
     python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
     python lab/quant_quality.py fp8-activations
+    python lab/quant_quality.py fp8-head
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -161,6 +162,41 @@ def fp8_rtn() -> None:
           f"zero) and {zero / total:.2e} are zero; "
           f"relative rounding error ||Q - W|| / ||W|| by kind: "
           + ", ".join(f"{k} {v:.4f}" for k, v in rel.items()))
+
+
+def fp8_head() -> None:
+    """The vocabulary head (SmolLM2's is tied to the embedding) in FP8 E4M3 with a scale per vocabulary row,
+    as `quant/fp8.py` quantizes a linear at load: the head alone (an untied FP8 copy, the embedding kept),
+    the embedding and head together, and with every decoder linear in FP8 too."""
+    from torch import nn
+
+    from tokenmill.quant import fp8
+    fm = FloatModel()
+    model = fm.llm.engine.runner.model
+    table = model.model.embed_tokens.weight
+    q, scale = fp8.quantize(table.detach().float())
+    head = fp8.dequantize(q, scale, (1, table.shape[1])).to(table.dtype)
+    linears = {}
+    for n, w in fm.weights.items():
+        wq, ws = fp8.quantize(w.float())
+        linears[n] = fp8.dequantize(wq, ws, (1, w.shape[1])).to(w.dtype)
+    header(False)
+    row("none (the reference)", fm.evaluate({}), timed=False)
+    row("decoder linears (as `--quantization fp8` at load)", fm.evaluate(linears), timed=False)
+    model.lm_head.weight = nn.Parameter(head, requires_grad=False)           # untied: the embedding stays
+    try:
+        row("head only", fm.evaluate({}), timed=False)
+        row("head and decoder linears", fm.evaluate(linears), timed=False)
+    finally:
+        model.tie_weights()
+    saved = table.detach().clone()
+    with torch.no_grad():
+        table.copy_(head)
+    try:
+        row("embedding and head (tied)", fm.evaluate({}), timed=False)
+    finally:
+        with torch.no_grad():
+            table.copy_(saved)
 
 
 # ---- 4-bit GPTQ with knobs (the ablations; the product is quant/gptq.py) --------------------------------
@@ -407,6 +443,7 @@ def main() -> None:
     c.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
     sub.add_parser("fp8-rtn")
     sub.add_parser("fp8-activations")
+    sub.add_parser("fp8-head")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
     a.add_argument("--only", nargs="*")
@@ -418,6 +455,8 @@ def main() -> None:
         fp8_rtn()
     elif args.cmd == "fp8-activations":
         fp8_activations()
+    elif args.cmd == "fp8-head":
+        fp8_head()
     else:
         ablations(args.tokens, args.only)
 
