@@ -353,6 +353,17 @@ def test_unknown_type_id_is_named(tmp_path):
         ModelConfig.from_gguf(str(path))
 
 
+def test_duplicated_tensor_is_refused(tmp_path):
+    path = tmp_path / "twice.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("aaaa.weight", np.zeros((4, 32), np.float32))
+    w.add_tensor("bbbb.weight", np.ones((4, 32), np.float32))
+    _finish(w)
+    path.write_bytes(path.read_bytes().replace(b"bbbb.weight", b"aaaa.weight"))
+    with pytest.raises(ValueError, match=r"twice\.gguf.*tensor 'aaaa\.weight' appears twice"):
+        ModelConfig.from_gguf(str(path))
+
+
 def test_unsupported_type_is_named(tmp_path):
     path = str(tmp_path / "q2k.gguf")
     w = gguf.GGUFWriter(path, "llama")

@@ -190,11 +190,13 @@ def _parse(buf) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
             qtype = gguf.GGMLQuantizationType(raw_type)
         except ValueError:
             raise _UnknownType(raw_type) from None
-        infos.append((name, qtype, tuple(int(d) for d in dims), offset))
+        infos.append((name, qtype, dims, offset))
     align = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     data_start = -(-h.off // align) * align
     tensors = {}
     for name, qtype, dims, offset in infos:
+        if name in tensors:
+            raise _Truncated(f"tensor {name!r} appears twice")
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         tensors[name] = GGUFTensor(name, qtype, dims, data_start + offset, math.prod(dims) * type_size // block)
     return metadata, tensors
