@@ -17,10 +17,17 @@ Passes over the row (each a masked reduction, no sort):
   1. the maximum, and the race over all tokens (online: the best ratio rescales when the maximum grows);
   2. if the race's winner w is kept, it is also the race's winner over the kept set: done. A row with top-p
      0.95 stops here 95% of the time or more. Deciding needs one pass: count and mass above x_w;
-  3. otherwise bisection over the value for the cut-off: each probe one pass (count, mass, the nearest values
+  3. otherwise (top-p and min-p rows) the race again over the tokens above the dropped winner, {x > x_w}, a
+     superset of the kept set: its winner, if kept, is the kept set's winner too (the same noise, every
+     kept token in the race), which one probe at its value decides. A race over a superset of the nucleus
+     ends outside it with probability at most 1 - top_p, so one retry settles nearly every such row in two
+     passes where bisection took a dozen; after RETRIES dropped winners (and for rows with top-k, whose
+     kept set may hold a sliver of the mass above x_w), step 4;
+  4. bisection over the value for the cut-off: each probe one pass (count, mass, the nearest values
      on both sides); the bracket (lo, hi] always holds the cut-off and shrinks to a single distinct value
      (then every token in it shares {x > value} with hi and is kept, so kept = {x > lo}, exactly), snapping
      its ends to the nearest token values; then the race over the kept tokens.
+Steps 3 and 4 draw the same token: both are the race's winner over the kept set, given the same noise.
 The race skips the exact noise (a float64 log) wherever a cheap lower bound E >= w + w^2 / 2, w = 1 - u,
 already shows a token cannot beat the best so far, so the log runs on a few blocks per row.
 
@@ -43,6 +50,8 @@ FILTER_SHAPE = (8192, 32)
 # vocabulary). A row still unresolved after them keeps its bracket's undecided tokens, which then lie within
 # 2^-64 of the bracket's first width of each other.
 MAX_PROBES = 64
+# races over a superset of the nucleus before bisecting (step 3)
+RETRIES = 3
 _LOG2E = 1.4426950408889634
 
 
@@ -111,10 +120,25 @@ def _probe(row_ptr, V, tau, m, c, min_p, want_mass, TOTAL: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _race_above(row_ptr, V, lo, m, c, min_p, key, BLOCK: tl.constexpr):
+    """The race's winner over the tokens with x > lo and e >= min_p (at least one), the maximum m known."""
+    best_r = 0.0
+    best_id = 0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        e = tl.exp2((x - m) * c)
+        keep = (x > lo) & (e >= min_p)
+        if tl.max(keep.to(tl.int32), 0) > 0:
+            best_r, best_id = _race(tl.where(keep, e, 0.0), key, offs, best_r, best_id)
+    return best_id
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride, out_ptr, V,
                    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
                    min_p_ptr, min_p_stride, seed_ptr, seed_stride, pos_ptr, pos_stride,
-                   BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr, LOG2E: tl.constexpr):
+                   BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr, RETRIES: tl.constexpr, LOG2E: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     temperature = tl.load(temp_ptr + row * temp_stride)
@@ -157,10 +181,24 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
             limit = top_p * total
             dropped = (use_k & (cnt >= k)) | (use_p & (mass >= limit))
             done = done & ~dropped
+            min_in = m
             if dropped:
-                # bisection: the bracket (lo, hi] holds the cut-off, its tokens span [min_in, max_in]
                 lo = x0
                 min_in = above
+                # step 3: the race over x > lo, whose winner is the kept set's if it is kept
+                retries = 0
+                while dropped & ~use_k & (retries < RETRIES):
+                    best_id = _race_above(row_ptr, V, lo, m, c, min_p, key, BLOCK)
+                    x0 = tl.load(row_ptr + best_id).to(tl.float32)
+                    cnt, mass, above, below, _ = _probe(row_ptr, V, x0, m, c, min_p, use_p, False, BLOCK)
+                    dropped = mass >= limit
+                    if dropped:
+                        lo = x0
+                        min_in = above
+                    retries += 1
+                done = ~dropped
+            if dropped:
+                # bisection: the bracket (lo, hi] holds the cut-off, its tokens span [min_in, max_in]
                 max_in = m
                 probes = 0
                 while (min_in < max_in) & (probes < MAX_PROBES):
@@ -176,17 +214,7 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
         if done:
             token = best_id
         else:
-            # the race over the kept tokens: x > lo and e >= min_p
-            best_r = 0.0
-            best_id = 0
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                e = tl.exp2((x - m) * c)
-                keep = (x > lo) & (e >= min_p)
-                if tl.max(keep.to(tl.int32), 0) > 0:
-                    best_r, best_id = _race(tl.where(keep, e, 0.0), key, offs, best_r, best_id)
-            token = best_id
+            token = _race_above(row_ptr, V, lo, m, c, min_p, key, BLOCK)
     tl.store(out_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
 
 
@@ -216,5 +244,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     _sample_kernel[(rows,)](logits, logits.stride(0), out, vocab,
                             temperature, temperature.stride(0), top_k, top_k.stride(0), top_p, top_p.stride(0),
                             min_p, min_p.stride(0), seeds, seeds.stride(0), positions, positions.stride(0),
-                            BLOCK=block or shape_block, MAX_PROBES=MAX_PROBES, LOG2E=_LOG2E, num_warps=warps)
+                            BLOCK=block or shape_block, MAX_PROBES=MAX_PROBES, RETRIES=RETRIES, LOG2E=_LOG2E,
+                            num_warps=warps)
     return out
