@@ -70,13 +70,18 @@ class DecodeAttentionConfig:
     min_split_len of them (a multiple of block_n), so contexts up to that length take one program per
     (sequence, kv head) and need no merge. A launch with many_splits splits or more (a batch of one
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
-    it takes many_splits_stages; launches with fewer, longer splits take num_stages."""
+    it takes many_splits_stages; launches with fewer, longer splits take num_stages. fp8_maxnreg caps the
+    registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): at 96 five
+    programs of 4 warps share an SM, as many as their shared memory allows, where their 106-125 registers
+    allowed four (1.5-5% faster on an H200, docs/BENCHMARKS.md); the bf16 kernels run uncapped (capping them
+    measured 1-3% slower)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     min_split_len: int = 64
     many_splits: int = 32
     many_splits_stages: int = 1
+    fp8_maxnreg: int | None = 96
 
     def __post_init__(self):
         if self.min_split_len % self.block_n:
@@ -86,11 +91,15 @@ class DecodeAttentionConfig:
 
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
-    """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile."""
+    """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile.
+    fp8_maxnreg caps the FP8-cache variant's registers: at 168 three programs share an SM where its 185
+    allowed two (4% faster on a 2,048-token prefill); the bf16 variant needs its 192 (its shared memory
+    allows two programs anyway)."""
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    fp8_maxnreg: int | None = 168
 
 
 @dataclass(frozen=True)

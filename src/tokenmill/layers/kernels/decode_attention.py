@@ -318,5 +318,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
         FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg.num_warps, launch_pdl=pdl_on,
-        num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages)
+        num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
+        maxnreg=cfg.fp8_maxnreg if kv_scale is not None else None)
     return out

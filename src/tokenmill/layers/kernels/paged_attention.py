@@ -269,7 +269,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n, DOT_PRECISION=dot_precision, FP8=fp8,
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages)
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        maxnreg=dcfg.fp8_maxnreg if fp8 else None)
     if grid is None:
         return out
     _prefill_kernel[grid](
@@ -281,7 +282,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
         USE_TILES=tiles is not None, FP8=fp8, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return out
 
 

@@ -1,0 +1,88 @@
+"""Decode attention's launch configurations with a bf16 and an FP8 KV cache, one layer of qwen3-4b's heads
+(32 q over 8 kv, head_dim 128, block size 16): the one-kernel decode step (`fused_decode_attention`) at 256
+sequences of two context ranges, and a mixed step's decode rows beside a prefill chunk
+(`paged_prefill_attention`, whose decode rows take the same `DecodeAttentionConfig`). Each configuration is
+(block_n, num_warps, num_stages[, the FP8 variants' register cap, 0: none]). Run once per source tree (PYTHONPATH) to compare kernels:
+
+    PYTHONPATH=src python lab/attention_config_sweep.py --label new --configs 64x4x2,64x8x2,128x4x2
+
+Prints one row per (case, cache, configuration): microseconds per call (triton.testing.do_bench), the
+GB/s of K/V it reads, and the largest difference from the shipped configuration's output.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kv_fp8_attention_bench import decode_case  # noqa: E402
+from mixed_attention_bench import case as mixed_case  # noqa: E402
+
+
+def kv_bytes(seq_lens, fp8: bool) -> int:
+    return sum(seq_lens) * 8 * 128 * 2 * (1 if fp8 else 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--label", required=True)
+    p.add_argument("--configs", default="64x4x2")
+    p.add_argument("--prefill-maxnreg", default="", help="comma-separated register caps for the prefill kernel's "
+                   "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
+    a = p.parse_args()
+    import triton.testing
+    from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+    from tokenmill.layers.kernels import decode_attention as da
+    from tokenmill.layers.kernels import paged_attention as pa
+    configs = []
+    for c in a.configs.split(","):
+        bn, nw, st, *reg = (int(x) for x in c.split("x"))
+        configs.append((c, DecodeAttentionConfig(block_n=bn, num_warps=nw, num_stages=st, min_split_len=bn,
+                                                 fp8_maxnreg=(reg[0] or None) if reg else DecodeAttentionConfig.fp8_maxnreg)))
+    for fp8 in (False, True):
+        cache = "fp8" if fp8 else "bf16"
+        for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):
+            gen = torch.Generator().manual_seed(0)
+            args, kw = decode_case(256, ctx, fp8, gen)
+            seq_lens = args[10].tolist()
+            ref = None
+            for label, cfg in configs:
+                run = lambda: da.fused_decode_attention(*args, **kw, config=cfg)  # noqa: E731
+                out = run().float()
+                ref = out if ref is None else ref
+                us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
+                print(f"| {a.label} | {name} | {cache} | {label} | {us:.1f} us | "
+                      f"{kv_bytes(seq_lens, fp8) / us / 1e3:.0f} GB/s | {(out - ref).abs().max().item():.2e} |",
+                      flush=True)
+        gen = torch.Generator().manual_seed(0)
+        args, kw = mixed_case(255, 225, (100, 700), fp8, gen)
+        ref = None
+        for label, cfg in configs:
+            run = lambda: pa.paged_prefill_attention(*args, **kw, decode_config=cfg)  # noqa: E731
+            out = run().float()
+            ref = out if ref is None else ref
+            us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
+            print(f"| {a.label} | mixed, 255 decodes ctx 100-700 + prefill 225 | {cache} | {label} | {us:.1f} us "
+                  f"| - | {(out - ref).abs().max().item():.2e} |", flush=True)
+
+        for name, decodes, prefill, ctx in (("16 decodes ctx 1000-4000 + prefill 2048", 16, 2048, (1000, 4000)),
+                                            ("255 decodes ctx 100-700 + prefill 225", 255, 225, (100, 700))):
+            gen = torch.Generator().manual_seed(0)
+            args, kw = mixed_case(decodes, prefill, ctx, fp8, gen)
+            ref = None
+            for reg in ["shipped"] + [r for r in a.prefill_maxnreg.split(",") if r]:
+                cfg = PrefillAttentionConfig() if reg == "shipped" else PrefillAttentionConfig(
+                    fp8_maxnreg=int(reg) or None)
+                run = lambda: pa.paged_prefill_attention(*args, **kw, config=cfg)  # noqa: E731
+                out = run().float()
+                ref = out if ref is None else ref
+                us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
+                print(f"| {a.label} | prefill kernel: {name} | {cache} | maxnreg {reg} | {us:.1f} us | - | "
+                      f"{(out - ref).abs().max().item():.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
