@@ -5,25 +5,31 @@
 # Before the device run, put the older commit's source next to this tree (the folder is not tracked):
 #   mkdir -p .ab_old && git archive "$OLD" src | tar x -C .ab_old && echo /.ab_old/ >> .git/info/exclude
 # then, on the GPU machine, from the repository root (carry .ab_old with the tree):
-#   OLD=<old commit> NEW=<this commit> [TURNS=2] [MODEL=qwen3-4b] bash scripts/device/ab_throughput.sh
-# Prints one table row per turn; results (JSON, markdown, logs) under $OUT/ab.
+#   OLD=<old commit> NEW=<this commit> [TURNS=2] [MODEL=qwen3-4b] [SIDES="old new"] [ARGS="..."] \
+#     [NAME=ab] bash scripts/device/ab_throughput.sh
+# ARGS: more `bench throughput` arguments for both sides (e.g. "--temperature 0.8 --top-p 0.95" or
+# "--quantization fp8 --kv-cache-dtype fp8"); SIDES: the sides each turn runs, in order.
+# Prints one table row per turn and side; results (JSON, markdown, logs) under $OUT/$NAME.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 OLD=${OLD:?the older commit, whose source is in .ab_old/src}
 NEW=${NEW:-$TOKENMILL_GIT_COMMIT}
 TURNS=${TURNS:-2}
 MODEL=${MODEL:-qwen3-4b}
-[ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; }
+SIDES=${SIDES:-old new}
+ARGS=${ARGS:-}
+NAME=${NAME:-ab}
+case " $SIDES " in *" old "*) [ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; } ;; esac
 base=${PYTHONPATH#"$PWD/src"}    # env.sh put this tree first; each turn picks its own source
-mkdir -p "$OUT/ab"
-python -m tokenmill.bench prepare --model "preset:$MODEL" > "$OUT/ab/prepare.log" 2>&1
+mkdir -p "$OUT/$NAME"
+python -m tokenmill.bench prepare --model "preset:$MODEL" > "$OUT/$NAME/prepare.log" 2>&1
 for turn in $(seq 1 "$TURNS"); do
-  for side in old new; do
+  for side in $SIDES; do
     if [ $side = old ]; then src=$PWD/.ab_old/src commit=$OLD; else src=$PWD/src commit=$NEW; fi
     TOKENMILL_GIT_COMMIT=$commit PYTHONPATH="$src$base" python -m tokenmill.bench throughput \
       --model "preset:$MODEL" --backend tokenmill --dataset random --num-prompts 256 \
-      --input-len-range 100,1024 --output-len-range 100,1024 --seed 0 --no-progress \
-      --output-dir "$OUT/ab" --name "$side$turn" > "$OUT/ab/$side$turn.log" 2>&1
-    echo "$side$turn $commit $(grep '^| tokenmill' "$OUT/ab/$side$turn.md" 2>/dev/null || echo FAILED)"
+      --input-len-range 100,1024 --output-len-range 100,1024 --seed 0 --no-progress $ARGS \
+      --output-dir "$OUT/$NAME" --name "$side$turn" > "$OUT/$NAME/$side$turn.log" 2>&1
+    echo "$NAME $side$turn $commit $(grep '^| tokenmill' "$OUT/$NAME/$side$turn.md" 2>/dev/null || echo FAILED)"
   done
 done
