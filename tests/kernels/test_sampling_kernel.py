@@ -106,7 +106,7 @@ def test_rows_whose_first_winner_top_p_drops_race_again_and_agree_with_the_torch
     # likely at top_p 0.05), and must draw the race's winner over the kept set, as the torch path does
     gen = torch.Generator().manual_seed(11)
     rows, vocab = 48, 500
-    logits = (torch.randn(rows, vocab, generator=gen) * 0.4).to(dtype).float()
+    logits = (torch.randn(rows, vocab, generator=gen) * 0.4).to(dtype).float().to(DEVICE)
     top_p = [0.05] * 12 + [0.3] * 12 + [0.6] * 12 + [0.9] * 12
     min_p = [0.0, 0.2] * (rows // 2)
     t = _tensors(vocab, [1.0] * rows, top_p=top_p, min_p=min_p,
@@ -115,11 +115,11 @@ def test_rows_whose_first_winner_top_p_drops_race_again_and_agree_with_the_torch
     keep, _ = _allowed(logits, t)
     unfiltered = _tensors(vocab, [1.0] * rows, min_p=min_p, seeds=t.kernel_params[4].cpu().numpy(),
                           positions=t.kernel_params[5].cpu().numpy())
-    first = _random_tokens_torch(logits, unfiltered)          # each row's winner over its min-p survivors
+    first = _random_tokens_torch(logits, unfiltered).cpu()    # each row's winner over its min-p survivors
     dropped = ~keep[torch.arange(rows), first]
     assert dropped.sum() >= 12, "too few rows take the path under test"
-    got = _kernel(logits.to(dtype).to(DEVICE), t, block=64).cpu()
-    assert got.tolist() == _random_tokens_torch(logits, t).tolist()
+    got = _kernel(logits.to(dtype), t, block=64).cpu()
+    assert got.tolist() == _random_tokens_torch(logits, t).cpu().tolist()
     assert keep[torch.arange(rows), got].all()
 
 
