@@ -295,6 +295,45 @@ def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
     assert not Tokenizer(str(tmp_path))._rust_decode
 
 
+def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
+    """The detokenizer steps the Rust tokenizer's DecodeStream, one call a token: its released text, token
+    by token, and its final text (pending bytes flushed as U+FFFD) must equal the two-window decode that a
+    tokenizer needing transformers' clean-up still takes, on random ids with special tokens, prompt context
+    and stop strings."""
+    import random
+
+    tok = Tokenizer(qwen3_dir)
+    for name in os.listdir(qwen3_dir):
+        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
+            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    window = Tokenizer(str(tmp_path))
+    window.hf.clean_up_tokenization_spaces = False       # the same text, through the window decode
+    assert tok.decode_stream([], True) is not None and window.decode_stream([], True) is None
+    rng = random.Random(3)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(300):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 6))]
+        if tok.decode(prompt[-4:]).endswith("\ufffd"):
+            continue        # a prompt ending inside a character: the stream drops it as context
+        out = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.3:
+            out.insert(rng.randint(0, len(out)), rng.choice(specials))
+        skip = rng.random() < 0.7
+        stop = rng.choice([[], ["e"], ["the", "\n"]])
+        a = IncrementalDetokenizer(tok, prompt, stop, skip)
+        b = IncrementalDetokenizer(window, prompt, stop, skip)
+        assert a.stream is not None and b.stream is None
+        for t in out:
+            hit = a.add(t)
+            assert hit == b.add(t) and a.output_text(False) == b.output_text(False)
+            if hit:
+                break
+        assert a.output_text(True) == b.output_text(True)
+
+
 def test_building_the_engine_imports_neither_dynamo_nor_sympy(qwen3_dir):
     """Start-up cost: the model is built on the meta device, where nn.Embedding's random init and
     to_empty's empty_like ran torch's Python references, whose first calls import torch._dynamo and sympy

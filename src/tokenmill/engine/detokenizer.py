@@ -19,7 +19,11 @@ class IncrementalDetokenizer:
                  min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        # the Rust tokenizer's incremental decoder where it applies: it keeps the window below itself, and
+        # `ids` holds only the tokens of the last released text and those after it (for the final flush)
+        self.stream = tokenizer.decode_stream(context, skip_special_tokens)
+        self.ids = [] if self.stream is not None else context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""                      # all text decoded so far (possibly past a stop string)
@@ -33,13 +37,20 @@ class IncrementalDetokenizer:
         """Adds one token; returns the stop string if the text now contains one."""
         self.ids.append(token_id)
         self.unchecked -= 1
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return None
-        new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.stream is not None:
+            new = self.tokenizer.stream_step(self.stream, token_id)
+            if not new:
+                return None
+            del self.ids[:self.read_offset]
+            self.read_offset = len(self.ids)
+        else:
+            decode = self.tokenizer.decode
+            prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+            full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+            if full.endswith("\ufffd") or len(full) <= len(prefix):
+                return None
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.hold)
         self.text += new
         if self.unchecked > 0:

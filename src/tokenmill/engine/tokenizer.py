@@ -43,6 +43,27 @@ class Tokenizer:
             return self.hf._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, context: list[int], skip_special_tokens: bool = True):
+        """An incremental decoder (`tokenizers`' DecodeStream: one call per token, where a window decode
+        takes two) primed with `context`, the ids before the first token it decodes, so that the first
+        token's leading space decodes as in the text. None where decoding needs transformers (no Rust
+        tokenizer, or its clean-up of tokenization spaces). A context that ends inside a character is
+        dropped: the stream would hold its bytes and emit them with the first output token."""
+        if not self._rust_decode:
+            return None
+        from tokenizers.decoders import DecodeStream
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        text = ""
+        for token_id in context:
+            text = stream.step(self.hf._tokenizer, token_id)
+        if text is None:
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return stream
+
+    def stream_step(self, stream, token_id: int) -> str | None:
+        """The text `token_id` completes in `stream` (None while a character is still split)."""
+        return stream.step(self.hf._tokenizer, token_id)
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
 
