@@ -14,7 +14,8 @@ The kept set is {x_i >= cut-off}; the boundary rule, shared with the torch refer
 The largest logit always stays.
 
 Passes over the row (each a masked reduction, no sort):
-  1. the maximum, and the race over all tokens (online: the best ratio rescales when the maximum grows);
+  1. the maximum, and the race over all tokens but those below min-p of the maximum so far, a superset of
+     the min-p survivors (online: the best ratio rescales when the maximum grows);
   2. if the race's winner w is kept, it is also the race's winner over the kept set: done. A row with top-p
      0.95 stops here 95% of the time or more. Deciding needs one pass: count and mass above x_w;
   3. otherwise (top-p and min-p rows) the race again over the tokens above the dropped winner, {x > x_w}, a
@@ -167,6 +168,9 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
             m = bmax
         if random:
             e = tl.exp2((x - m) * c)
+            if min_p > 0:
+                # below min-p of the maximum so far is below it of the row's maximum: never kept
+                e = tl.where(e >= min_p, e, 0.0)
             best_r, best_id = _race(e, key, offs, best_r, best_id)
     token = first
     if random:
