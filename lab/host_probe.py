@@ -1,11 +1,12 @@
 """The offline engine's host work alone: `LLM.generate` on the bundled model with the model's forward and
 the sampler replaced by constants (each sampled row gets a fixed word of the tokenizer), so what is timed
 is the scheduler, input preparation, the core's processing of tokens and the frontend (detokenization,
-output assembly): the work that must fit under each device step for the GPU never to wait. The short
-offline workload's shape: requests of 50-300 prompt tokens and 50-300 output tokens (eos ignored),
-`--max-num-seqs 512`, prefix caching on.
+output assembly): the work that must fit under each device step for the GPU never to wait. By default
+the short offline workload's shape: requests of 50-300 prompt tokens and 50-300 output tokens (eos
+ignored), `--max-num-seqs 512`, prefix caching on; the default workload's is `--num-prompts 256
+--len-range 100,1024 --max-num-seqs 256`.
 
-    python lab/host_probe.py [--num-prompts 2048] [--profile]
+    python lab/host_probe.py [--num-prompts 2048] [--len-range 50,300] [--max-num-seqs 512] [--profile]
 
 Prints requests, tokens, steps, seconds, ms per step and us per output token (and with --profile, the top
 of cProfile by own time).
@@ -40,16 +41,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=2048)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--len-range", default="50,300", help="prompt and output lengths, uniform (lo,hi)")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
     args = ap.parse_args()
     model_runner.ModelRunner._eager_forward = _no_forward
     model_runner.sample = _no_sample
     model = os.path.join(os.path.dirname(__file__), "..", "src", "tokenmill", "assets", "tiny")
-    llm = LLM(model, max_num_seqs=512, max_model_len=1024, enable_prefix_caching=True)
+    lo, hi = (int(x) for x in args.len_range.split(","))
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=min(2 * hi + 16, 2048),
+              enable_prefix_caching=True)
     rng = random.Random(0)
     n = args.num_prompts
-    prompts = [{"prompt_token_ids": [rng.randrange(300, 1300) for _ in range(rng.randint(50, 300))]}
+    prompts = [{"prompt_token_ids": [rng.randrange(300, 1300) for _ in range(rng.randint(lo, hi))]}
                for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(50, 300), ignore_eos=True, temperature=0) for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(lo, hi), ignore_eos=True, temperature=0) for _ in range(n)]
     steps = 0
     step = llm.engine.step
 
