@@ -150,3 +150,73 @@ def test_stop_conditions(llm):
     assert out.finish_reason == "stop" and out.stop_reason is None
     assert out.token_ids == toks[:first + 1]
     assert ignored.token_ids == toks and ignored.finish_reason == "length"
+
+
+def test_penalty_tensors_follow_each_requests_tokens_as_they_grow():
+    # counts of generated tokens and the mask of prompt and generated ones, built from each request's int32
+    # copy of its tokens that only the new (and a resolved placeholder's) entries are copied into
+    from tokenmill.engine.request import PLACEHOLDER, Request
+    from tokenmill.runner.sampler import _penalty_tensors, token_array
+
+    vocab = 50
+    a = Request("a", [3, 4, 4], SamplingParams(frequency_penalty=1.0), 100, 0)
+    b = Request("b", [7], SamplingParams(repetition_penalty=1.2), 100, 0)
+
+    def expected(requests):
+        counts = torch.zeros(len(requests), vocab)
+        seen = torch.zeros(len(requests), vocab, dtype=torch.bool)
+        for i, r in enumerate(requests):
+            for t in r.all_token_ids[r.num_prompt_tokens:]:
+                counts[i, t] += 1
+            seen[i, r.all_token_ids] = True
+        return counts, seen
+
+    rng = torch.Generator().manual_seed(0)
+    for step in range(150):                       # past the copies' first capacity (64)
+        for r in (a, b):
+            r.append_placeholder(0)
+            if step % 5 == 0:
+                token_array(r)                    # copied while its last token is a placeholder
+            r.resolve(r.num_tokens - 1, int(torch.randint(vocab, (1,), generator=rng)))
+        if step % 7 == 0:
+            counts, seen = _penalty_tensors([b, a], vocab, torch.device("cpu"))
+            want_counts, want_seen = expected([b, a])
+            assert torch.equal(counts, want_counts) and torch.equal(seen, want_seen)
+    assert PLACEHOLDER not in a.all_token_ids
+
+
+def test_penalised_steps_overlap_and_give_the_tokens_of_steps_processed_one_by_one(llm):
+    # a penalised batch is launched before the step in flight is read: the counts take that step's tokens
+    # on the device (placeholders), so the tokens equal those of an engine that reads each step first
+    # prompts whose greedy continuation repeats its last token (26, 26; 54, 54, 54): there a penalty on the
+    # token in flight decides the next one
+    repeating = [[261, 74, 147, 74, 389], [172, 244, 289, 54, 184, 225, 164, 315, 330, 470, 107, 497]]
+    params, prompts = [], []
+    for penalty in (0.2, 0.5, 1.0, 2.0):
+        for prompt in repeating:
+            params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=penalty))
+            prompts.append(prompt)
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=1.0,
+                              repetition_penalty=1.3),
+               SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, frequency_penalty=2.0),
+               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    prompts += [repeating[0], repeating[1], PROMPTS[0]]
+    engine = llm.engine
+    assert engine.overlap
+    overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engine.overlap = False
+    try:
+        one_by_one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        engine.overlap = True
+    assert overlapped == one_by_one
+    plain = llm.generate(repeating, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in plain] != overlapped[:2]     # the penalties changed the tokens
+    # and a penalised step returns with its tokens still in flight, as any other
+    engine.add_request("penalised", repeating[0], params[0])
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request("penalised")
+    while engine.has_unfinished_requests() or engine._in_flight is not None:
+        engine.step()

@@ -163,8 +163,7 @@ class LLMEngine:
     def step(self) -> StepOutputs:
         """Schedules and launches the next step, then processes the step launched before it: the host
         work of one step overlaps the device work of the next. A batch with a grammar processes the
-        previous step while its own forward runs, before it samples; batches that use penalties (which
-        need every token's value on the host) are processed before returning."""
+        previous step while its own forward runs, before it samples."""
         sched = self.scheduler.schedule()
         # before the launch, so that a swap-out reads its blocks before this step may overwrite them
         self.runner.swap(sched.swap_out, sched.swap_in, sched.swap_out_reused)
@@ -189,7 +188,7 @@ class LLMEngine:
         self._in_flight = launched
         if previous is not None and not settled:
             self._process(previous)
-        if launched is not None and (not self.overlap or any(r.params.needs_penalties for r in sched.requests)):
+        if launched is not None and not self.overlap:
             self._in_flight = None
             self._process(launched)
         report, self._report = self._report.build(), StepOutputsBuilder()

@@ -65,6 +65,9 @@ class Request:
         self.table: np.ndarray | None = None
         self.table_src: list[int] | None = None
         self.table_len = 0
+        # the same for `all_token_ids`, read by the penalties (`runner/sampler.token_array`)
+        self.tokens: np.ndarray | None = None
+        self.tokens_len = 0
         # while SWAPPED: the swap-space blocks holding the K/V of its first `num_computed_tokens` tokens
         self.cpu_block_ids: list[int] = []
         self.stop_reason: int | str | None = None

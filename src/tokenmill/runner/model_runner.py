@@ -225,7 +225,8 @@ class ModelRunner:
         j's token goes: the request's length before that placeholder."""
         inp = prepare_inputs(requests, num_new_tokens, self.block_size)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
-        tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device) if sampled else None
+        tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device,
+                                                prev.token_ids if prev is not None else None) if sampled else None
         prev_tokens = None
         if inp.placeholders:
             if prev is None or prev.token_ids is None:

@@ -118,9 +118,11 @@ class SamplingTensors:
         return SamplingTensors.from_rows(packed, 2**31 - 1, device, all_greedy=greedy)   # top_k 50 is on
 
     @staticmethod
-    def from_requests(requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingTensors":
+    def from_requests(requests: list[Request], vocab_size: int, device: torch.device,
+                      prev_tokens: torch.Tensor | None = None) -> "SamplingTensors":
         """The tensors of the rows `requests` sample (on `device`): all None but `max_logprobs` when every
-        row is greedy without penalties."""
+        row is greedy without penalties. `prev_tokens`: the sampled tokens of the step in flight, whose
+        placeholders the penalties' counts read on the device."""
         params = [r.params for r in requests]
         rows = len(requests)
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -147,16 +149,57 @@ class SamplingTensors:
             packed[name] = [getattr(p, name) for p in params] if penalties else off
         counts = seen = None
         if penalties:
-            counts = torch.zeros(rows, vocab_size, dtype=torch.float32)
-            seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
-            for i, r in enumerate(requests):
-                out = torch.tensor(r.output_token_ids, dtype=torch.int64)
-                counts[i].index_add_(0, out, torch.ones(len(out)))
-                seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
-            counts, seen = counts.to(device), seen.to(device)
+            counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens)
         t = SamplingTensors.from_rows(packed, vocab_size, device, all_greedy, max_logprobs, counts, seen)
         t.logit_bias, t.token_bitmask = bias, bitmask
         return t
+
+
+def token_array(r: Request) -> np.ndarray:
+    """`r.all_token_ids` as int32 (at least that long), copying only what changed since the last call:
+    the tokens appended since, and the last one copied before (a placeholder then, resolved since)."""
+    ids = r.all_token_ids
+    n = len(ids)
+    start = min(max(r.tokens_len - 1, 0), n)
+    if r.tokens is None or len(r.tokens) < n:
+        grown = np.empty(max(64, 2 * n), dtype=np.int32)
+        grown[:start] = r.tokens[:start] if start else 0
+        r.tokens = grown
+    r.tokens[start:n] = ids[start:n]
+    r.tokens_len = n
+    return r.tokens
+
+
+def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.device,
+                     prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, V] float32 counts of each row's generated tokens and the bool mask of its prompt and generated
+    tokens, built on `device` from the token ids alone (a step sends 8 bytes a token, not two dense rows
+    of the vocabulary), each request's ids from its int32 copy that only grows. A token still in flight
+    (a placeholder, the last of its request) is read on the device from `prev_tokens`, the sampled tokens
+    of the step in flight, as the input ids' placeholders are."""
+    arrays = [token_array(r)[:r.num_tokens] for r in requests]
+    lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
+    prompts = np.fromiter((r.num_prompt_tokens for r in requests), np.int64, len(requests))
+    flat = np.concatenate(arrays).astype(np.int64)
+    pending = [i for i, r in enumerate(requests) if r.num_pending]
+    if pending:
+        if prev_tokens is None:
+            raise RuntimeError("penalties: a request's last token is in flight but no step in flight samples it")
+        last = np.cumsum(lengths) - 1
+        flat[last[pending]] = [-1 - requests[i].pending_row for i in pending]
+    ids = torch.from_numpy(flat).to(device, non_blocking=True)
+    if pending:
+        from tokenmill.layers.kernels import staging
+        staging.fill_placeholders(ids, prev_tokens)
+    rows = torch.from_numpy(np.repeat(np.arange(len(requests), dtype=np.int32), lengths)
+                            ).to(device, non_blocking=True).long()
+    generated = torch.from_numpy(np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+                                 >= np.repeat(prompts, lengths)).to(device, non_blocking=True)
+    seen = torch.zeros(len(requests), vocab_size, dtype=torch.bool, device=device)
+    seen[rows, ids] = True
+    counts = torch.zeros(len(requests), vocab_size, dtype=torch.float32, device=device)
+    counts.index_put_((rows, ids), generated.to(torch.float32), accumulate=True)
+    return counts, seen
 
 
 def _logit_bias(requests: list[Request], device: torch.device
