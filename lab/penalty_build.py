@@ -27,7 +27,7 @@ def dense(requests):
     counts = torch.zeros(len(requests), VOCAB, dtype=torch.float32)
     seen = torch.zeros(len(requests), VOCAB, dtype=torch.bool)
     for i, r in enumerate(requests):
-        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        out = torch.tensor(r.all_token_ids[r.num_prompt_tokens:], dtype=torch.int64)
         counts[i].index_add_(0, out, torch.ones(len(out)))
         seen[i, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
     return counts.numel() * 4 + seen.numel()

@@ -88,11 +88,6 @@ class Request:
         self.grammar = None
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """Generated tokens whose values are known."""
-        return self.all_token_ids[self.num_prompt_tokens:len(self.all_token_ids) - self.num_pending]
-
-    @property
     def num_output_tokens(self) -> int:
         """Generated tokens, counting one still in flight."""
         return len(self.all_token_ids) - self.num_prompt_tokens
