@@ -42,47 +42,33 @@ def main() -> None:
         bn, nw, st, *reg = (int(x) for x in c.split("x"))
         configs.append((c, DecodeAttentionConfig(block_n=bn, num_warps=nw, num_stages=st, min_split_len=bn,
                                                  fp8_maxnreg=(reg[0] or None) if reg else DecodeAttentionConfig.fp8_maxnreg)))
+    def sweep(row: str, variants, call, kv=None):
+        # one table row per variant: us per call, K/V GB/s (kv: its bytes), largest difference from the first
+        ref = None
+        for label, cfg in variants:
+            out = call(cfg).float()
+            ref = out if ref is None else ref
+            us = 1e3 * triton.testing.do_bench(lambda: call(cfg), warmup=20, rep=200)
+            rate = f"{kv / us / 1e3:.0f} GB/s" if kv else "-"
+            print(f"| {a.label} | {row} | {label} | {us:.1f} us | {rate} | {(out - ref).abs().max().item():.2e} |",
+                  flush=True)
+
+    prefill_variants = [("maxnreg shipped", PrefillAttentionConfig())] + [
+        (f"maxnreg {r}", PrefillAttentionConfig(fp8_maxnreg=int(r) or None)) for r in a.prefill_maxnreg.split(",") if r]
     for fp8 in (False, True):
         cache = "fp8" if fp8 else "bf16"
         for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):
-            gen = torch.Generator().manual_seed(0)
-            args, kw = decode_case(256, ctx, fp8, gen)
-            seq_lens = args[10].tolist()
-            ref = None
-            for label, cfg in configs:
-                run = lambda: da.fused_decode_attention(*args, **kw, config=cfg)  # noqa: E731
-                out = run().float()
-                ref = out if ref is None else ref
-                us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
-                print(f"| {a.label} | {name} | {cache} | {label} | {us:.1f} us | "
-                      f"{kv_bytes(seq_lens, fp8) / us / 1e3:.0f} GB/s | {(out - ref).abs().max().item():.2e} |",
-                      flush=True)
-        gen = torch.Generator().manual_seed(0)
-        args, kw = mixed_case(255, 225, (100, 700), fp8, gen)
-        ref = None
-        for label, cfg in configs:
-            run = lambda: pa.paged_prefill_attention(*args, **kw, decode_config=cfg)  # noqa: E731
-            out = run().float()
-            ref = out if ref is None else ref
-            us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
-            print(f"| {a.label} | mixed, 255 decodes ctx 100-700 + prefill 225 | {cache} | {label} | {us:.1f} us "
-                  f"| - | {(out - ref).abs().max().item():.2e} |", flush=True)
-
+            args, kw = decode_case(256, ctx, fp8, torch.Generator().manual_seed(0))
+            sweep(f"{name} | {cache}", configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
+                  kv_bytes(args[10].tolist(), fp8))
+        args, kw = mixed_case(255, 225, (100, 700), fp8, torch.Generator().manual_seed(0))
+        sweep(f"mixed, 255 decodes ctx 100-700 + prefill 225 | {cache}", configs,
+              lambda cfg: pa.paged_prefill_attention(*args, **kw, decode_config=cfg))
         for name, decodes, prefill, ctx in (("16 decodes ctx 1000-4000 + prefill 2048", 16, 2048, (1000, 4000)),
                                             ("255 decodes ctx 100-700 + prefill 225", 255, 225, (100, 700))):
-            gen = torch.Generator().manual_seed(0)
-            args, kw = mixed_case(decodes, prefill, ctx, fp8, gen)
-            ref = None
-            for reg in ["shipped"] + [r for r in a.prefill_maxnreg.split(",") if r]:
-                cfg = PrefillAttentionConfig() if reg == "shipped" else PrefillAttentionConfig(
-                    fp8_maxnreg=int(reg) or None)
-                run = lambda: pa.paged_prefill_attention(*args, **kw, config=cfg)  # noqa: E731
-                out = run().float()
-                ref = out if ref is None else ref
-                us = 1e3 * triton.testing.do_bench(run, warmup=20, rep=200)
-                print(f"| {a.label} | prefill kernel: {name} | {cache} | maxnreg {reg} | {us:.1f} us | - | "
-                      f"{(out - ref).abs().max().item():.2e} |", flush=True)
-
+            args, kw = mixed_case(decodes, prefill, ctx, fp8, torch.Generator().manual_seed(0))
+            sweep(f"prefill kernel: {name} | {cache}", prefill_variants,
+                  lambda cfg: pa.paged_prefill_attention(*args, **kw, config=cfg))
 
 if __name__ == "__main__":
     main()

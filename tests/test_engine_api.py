@@ -286,6 +286,17 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     assert engine.get_stats()["num_free_blocks"] == total
 
 
+def _tokenizer_with_clean_up(model_dir, tmp_path) -> Tokenizer:
+    """The model's tokenizer, copied to tmp_path with `clean_up_tokenization_spaces` set."""
+    for name in os.listdir(model_dir):
+        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
+            shutil.copy(os.path.join(model_dir, name), tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return Tokenizer(str(tmp_path))
+
+
 def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
     """Tokenizer.decode calls the Rust tokenizer directly: it must give transformers' text for any ids,
     special tokens skipped or kept, and leave tokenizers that ask for space clean-up to transformers."""
@@ -302,13 +313,7 @@ def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
     # a tokenizer that asks for transformers' clean-up keeps transformers' decode
-    for name in os.listdir(qwen3_dir):
-        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
-            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
-    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    cfg["clean_up_tokenization_spaces"] = True
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert not Tokenizer(str(tmp_path))._rust_decode
+    assert not _tokenizer_with_clean_up(qwen3_dir, tmp_path)._rust_decode
 
 
 def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
@@ -319,13 +324,7 @@ def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
     import random
 
     tok = Tokenizer(qwen3_dir)
-    for name in os.listdir(qwen3_dir):
-        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
-            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
-    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    cfg["clean_up_tokenization_spaces"] = True
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    window = Tokenizer(str(tmp_path))
+    window = _tokenizer_with_clean_up(qwen3_dir, tmp_path)
     window.hf.clean_up_tokenization_spaces = False       # the same text, through the window decode
     assert tok.decode_stream([], True) is not None and window.decode_stream([], True) is None
     rng = random.Random(3)
