@@ -99,15 +99,14 @@ def test_race_skips_no_block_that_holds_the_winner():
     assert _kernel(logits, t, block=32).tolist() == _random_tokens_torch(logits, t).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_rows_whose_first_winner_top_p_drops_race_again_and_agree_with_the_torch_path(dtype):
+def test_rows_whose_first_winner_top_p_drops_race_again_and_agree_with_the_torch_path():
     # flat rows with top-p alone (and with min-p): the race over every token often ends outside the nucleus;
     # the kernel then races over the tokens above that winner (and bisects after RETRIES dropped winners,
     # likely at top_p 0.05), and must draw the race's winner over the kept set, as the torch path does
     gen = torch.Generator().manual_seed(11)
-    rows, vocab = 48, 500
-    logits = (torch.randn(rows, vocab, generator=gen) * 0.4).to(dtype).float().to(DEVICE)
-    top_p = [0.05] * 12 + [0.3] * 12 + [0.6] * 12 + [0.9] * 12
+    rows, vocab = 32, 256
+    logits = (torch.randn(rows, vocab, generator=gen) * 0.4).to(DEVICE)
+    top_p = [0.05] * 8 + [0.3] * 8 + [0.6] * 8 + [0.9] * 8
     min_p = [0.0, 0.2] * (rows // 2)
     t = _tensors(vocab, [1.0] * rows, top_p=top_p, min_p=min_p,
                  seeds=torch.randint(0, 2**62, (rows,), generator=gen).numpy(),
@@ -117,8 +116,8 @@ def test_rows_whose_first_winner_top_p_drops_race_again_and_agree_with_the_torch
                           positions=t.kernel_params[5].cpu().numpy())
     first = _random_tokens_torch(logits, unfiltered).cpu()    # each row's winner over its min-p survivors
     dropped = ~keep[torch.arange(rows), first]
-    assert dropped.sum() >= 12, "too few rows take the path under test"
-    got = _kernel(logits.to(dtype), t, block=64).cpu()
+    assert dropped.sum() >= 8, "too few rows take the path under test"
+    got = _kernel(logits, t, block=64).cpu()
     assert got.tolist() == _random_tokens_torch(logits, t).cpu().tolist()
     assert keep[torch.arange(rows), got].all()
 
