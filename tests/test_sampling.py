@@ -156,7 +156,8 @@ def test_penalty_tensors_follow_each_requests_tokens_as_they_grow():
     # counts of generated tokens and the mask of prompt and generated ones, built from each request's int32
     # copy of its tokens that only the new (and a resolved placeholder's) entries are copied into
     from tokenmill.engine.request import PLACEHOLDER, Request
-    from tokenmill.runner.sampler import _penalty_tensors, token_array
+    from tokenmill.runner.host_copies import HostCopies
+    from tokenmill.runner.sampler import _penalty_tensors
 
     vocab = 50
     a = Request("a", [3, 4, 4], SamplingParams(frequency_penalty=1.0), 100, 0)
@@ -172,14 +173,15 @@ def test_penalty_tensors_follow_each_requests_tokens_as_they_grow():
         return counts, seen
 
     rng = torch.Generator().manual_seed(0)
+    copies = HostCopies()
     for step in range(150):                       # past the copies' first capacity (64)
         for r in (a, b):
             r.append_placeholder(0)
             if step % 5 == 0:
-                token_array(r)                    # copied while its last token is a placeholder
+                copies.tokens([r])                # copied while its last token is a placeholder
             r.resolve(r.num_tokens - 1, int(torch.randint(vocab, (1,), generator=rng)))
         if step % 7 == 0:
-            counts, seen = _penalty_tensors([b, a], vocab, torch.device("cpu"))
+            counts, seen = _penalty_tensors([b, a], vocab, torch.device("cpu"), copies=copies)
             want_counts, want_seen = expected([b, a])
             assert torch.equal(counts, want_counts) and torch.equal(seen, want_seen)
     assert PLACEHOLDER not in a.all_token_ids

@@ -1,19 +1,22 @@
-"""`prepare_inputs`' block tables: each request's row comes from an int32 copy of its `block_ids` that only
-the entries added since the last step are copied into; a list the block manager replaces (swap-in, a
-request freed and scheduled again) is copied anew."""
+"""`prepare_inputs`' block tables: each request's row comes from the runner's int32 copy of its `block_ids`
+(`HostCopies`), which only the entries added since the last step are copied into; a list the block
+manager replaces (swap-in, a request freed and scheduled again) is copied anew."""
 from __future__ import annotations
 
 import numpy as np
 
 from tokenmill.engine.request import Request
+from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.step import prepare_inputs
+
+COPIES = HostCopies()
 from tokenmill.sampling_params import SamplingParams
 
 
 def _tables(requests):
     for r in requests:
         r.num_computed_tokens = len(r.block_ids) * 4 - 1      # one token left to compute, in the last block
-    return prepare_inputs(requests, [1] * len(requests), 4).tables
+    return prepare_inputs(requests, [1] * len(requests), 4, COPIES).tables
 
 
 def _expected(requests):

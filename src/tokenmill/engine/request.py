@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-import numpy as np
-
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -59,15 +57,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
-        # the runner's int32 copy of `block_ids` for its block-table rows (`runner/step.table_row`): the
-        # list it mirrors and how much of it is copied; the block manager only appends to a request's list
-        # or replaces the list, so new entries are copied once, and a new list is copied anew
-        self.table: np.ndarray | None = None
-        self.table_src: list[int] | None = None
-        self.table_len = 0
-        # the same for `all_token_ids`, read by the penalties (`runner/sampler.token_array`)
-        self.tokens: np.ndarray | None = None
-        self.tokens_len = 0
         # while SWAPPED: the swap-space blocks holding the K/V of its first `num_computed_tokens` tokens
         self.cpu_block_ids: list[int] = []
         self.stop_reason: int | str | None = None

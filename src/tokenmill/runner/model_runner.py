@@ -29,6 +29,7 @@ from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
+from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
 from tokenmill.runner.swap import SwapSpace
 from tokenmill.runner.tensor_parallel import ShardedModel, TensorParallelWorkers
@@ -64,6 +65,7 @@ class ModelRunner:
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
+        self.host_copies = HostCopies()      # int32 copies of the requests' block ids and tokens, across steps
         self.tp_size = engine_config.tensor_parallel_size
         engine_config.check_tensor_parallel(model_config, self.device)
         t0 = time.perf_counter()
@@ -223,10 +225,11 @@ class ModelRunner:
         samples (`Scheduler.update_after_step`), and a placeholder among this step's inputs is read on
         the device from `prev`, the step still in flight. `StepResult.positions[j]` is where sample row
         j's token goes: the request's length before that placeholder."""
-        inp = prepare_inputs(requests, num_new_tokens, self.block_size)
+        inp = prepare_inputs(requests, num_new_tokens, self.block_size, self.host_copies)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
         tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device,
-                                                prev.token_ids if prev is not None else None) if sampled else None
+                                                prev.token_ids if prev is not None else None,
+                                                self.host_copies) if sampled else None
         prev_tokens = None
         if inp.placeholders:
             if prev is None or prev.token_ids is None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.runner.host_copies import HostCopies
+
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
     from tokenmill.engine.structured_output import BatchBitmask
@@ -119,10 +121,12 @@ class SamplingTensors:
 
     @staticmethod
     def from_requests(requests: list[Request], vocab_size: int, device: torch.device,
-                      prev_tokens: torch.Tensor | None = None) -> "SamplingTensors":
+                      prev_tokens: torch.Tensor | None = None, copies: HostCopies | None = None
+                      ) -> "SamplingTensors":
         """The tensors of the rows `requests` sample (on `device`): all None but `max_logprobs` when every
         row is greedy without penalties. `prev_tokens`: the sampled tokens of the step in flight, whose
-        placeholders the penalties' counts read on the device."""
+        placeholders the penalties' counts read on the device; `copies`: the runner's copies of the
+        requests' tokens."""
         params = [r.params for r in requests]
         rows = len(requests)
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -149,35 +153,22 @@ class SamplingTensors:
             packed[name] = [getattr(p, name) for p in params] if penalties else off
         counts = seen = None
         if penalties:
-            counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens)
+            counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens, copies)
         t = SamplingTensors.from_rows(packed, vocab_size, device, all_greedy, max_logprobs, counts, seen)
         t.logit_bias, t.token_bitmask = bias, bitmask
         return t
 
 
-def token_array(r: Request) -> np.ndarray:
-    """`r.all_token_ids` as int32 (at least that long), copying only what changed since the last call:
-    the tokens appended since, and the last one copied before (a placeholder then, resolved since)."""
-    ids = r.all_token_ids
-    n = len(ids)
-    start = min(max(r.tokens_len - 1, 0), n)
-    if r.tokens is None or len(r.tokens) < n:
-        grown = np.empty(max(64, 2 * n), dtype=np.int32)
-        grown[:start] = r.tokens[:start] if start else 0
-        r.tokens = grown
-    r.tokens[start:n] = ids[start:n]
-    r.tokens_len = n
-    return r.tokens
-
-
 def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.device,
-                     prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     prev_tokens: torch.Tensor | None = None, copies: HostCopies | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, V] float32 counts of each row's generated tokens and the bool mask of its prompt and generated
     tokens, built on `device` from the token ids alone (a step sends 8 bytes a token, not two dense rows
-    of the vocabulary), each request's ids from its int32 copy that only grows. A token still in flight
+    of the vocabulary), each request's ids from its int32 copy in `copies` (the runner's), which a step
+    extends by what changed. A token still in flight
     (a placeholder, the last of its request) is read on the device from `prev_tokens`, the sampled tokens
     of the step in flight, as the input ids' placeholders are."""
-    arrays = [token_array(r)[:r.num_tokens] for r in requests]
+    arrays = [a[:r.num_tokens] for r, a in zip(requests, (copies or HostCopies()).tokens(requests))]
     lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
     prompts = np.fromiter((r.num_prompt_tokens for r in requests), np.int64, len(requests))
     flat = np.concatenate(arrays).astype(np.int64)

@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.engine.request import Request
 from tokenmill.layers.kernels import staging
+from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.sampler import SamplerOutput
 
 
@@ -25,26 +26,11 @@ class StepInputs:
             setattr(self, name, value)
 
 
-def table_row(r: Request) -> np.ndarray:
-    """`r.block_ids` as int32 (at least that long), copying only the entries added since the last call: a
-    step's block tables cost in proportion to the blocks that changed, not to the context lengths."""
-    ids = r.block_ids
-    n = len(ids)
-    if r.table_src is not ids or r.table_len > n:      # a new list (swap-in, after a free): copy anew
-        r.table_src, r.table_len = ids, 0
-    if n > r.table_len:
-        if r.table is None or len(r.table) < n:
-            grown = np.empty(max(16, 2 * n), dtype=np.int32)
-            grown[:r.table_len] = r.table[:r.table_len] if r.table_len else 0
-            r.table = grown
-        r.table[r.table_len:n] = ids[r.table_len:n]
-        r.table_len = n
-    return r.table if r.table is not None else np.empty(0, dtype=np.int32)
-
-
-def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_size: int) -> StepInputs:
+def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_size: int,
+                   copies: HostCopies | None = None) -> StepInputs:
     """The flat arrays of one step: `num_new_tokens[i]` tokens of `requests[i]`, from its
-    `num_computed_tokens` on (NumPy, vectorised over tokens)."""
+    `num_computed_tokens` on (NumPy, vectorised over tokens); the block-table rows from `copies` (the
+    runner's, kept across steps)."""
     bs = block_size
     starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
     counts = np.asarray(num_new_tokens, dtype=np.int64)
@@ -64,9 +50,9 @@ def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_siz
                                            np.int64, len(held))
     width = max(len(r.block_ids) for r in requests)
     block_tables = np.zeros((len(requests), width), dtype=np.int32)
-    for i, r in enumerate(requests):
+    for i, (r, row) in enumerate(zip(requests, (copies or HostCopies()).block_tables(requests))):
         n = len(r.block_ids)
-        block_tables[i, :n] = table_row(r)[:n]
+        block_tables[i, :n] = row[:n]
     slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
     sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
