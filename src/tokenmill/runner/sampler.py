@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.layers.kernels import staging
 from tokenmill.runner.host_copies import HostCopies
 
 if TYPE_CHECKING:
@@ -165,9 +166,9 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.dev
     """[rows, V] float32 counts of each row's generated tokens and the bool mask of its prompt and generated
     tokens, built on `device` from the token ids alone (a step sends 8 bytes a token, not two dense rows
     of the vocabulary), each request's ids from its int32 copy in `copies` (the runner's), which a step
-    extends by what changed. A token still in flight
-    (a placeholder, the last of its request) is read on the device from `prev_tokens`, the sampled tokens
-    of the step in flight, as the input ids' placeholders are."""
+    extends by what changed. A token still in flight (a placeholder, the last of its request) is read on
+    the device from `prev_tokens`, the sampled tokens of the step in flight, as the input ids'
+    placeholders are."""
     arrays = [a[:r.num_tokens] for r, a in zip(requests, (copies or HostCopies()).tokens(requests))]
     lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
     prompts = np.fromiter((r.num_prompt_tokens for r in requests), np.int64, len(requests))
@@ -180,7 +181,6 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.dev
         flat[last[pending]] = [-1 - requests[i].pending_row for i in pending]
     ids = torch.from_numpy(flat).to(device, non_blocking=True)
     if pending:
-        from tokenmill.layers.kernels import staging
         staging.fill_placeholders(ids, prev_tokens)
     rows = torch.from_numpy(np.repeat(np.arange(len(requests), dtype=np.int32), lengths)
                             ).to(device, non_blocking=True).long()
