@@ -46,7 +46,8 @@ def run(logits: torch.Tensor, kp: tuple, block: int, warps: int) -> torch.Tensor
     sampling._sample_kernel[(rows,)](logits, logits.stride(0), out, vocab, temperature, temperature.stride(0),
                                      top_k, top_k.stride(0), top_p, top_p.stride(0), min_p, min_p.stride(0),
                                      seeds, seeds.stride(0), positions, positions.stride(0), BLOCK=block,
-                                     MAX_PROBES=sampling.MAX_PROBES, LOG2E=sampling._LOG2E, num_warps=warps)
+                                     MAX_PROBES=sampling.MAX_PROBES, RETRIES=sampling.RETRIES, LOG2E=sampling._LOG2E,
+                                     num_warps=warps)
     return out
 
 
