@@ -8,18 +8,20 @@
 #   OLD=<old commit> NEW=<this commit> [TURNS=2] [MODEL=qwen3-4b] [SIDES="old new"] [ARGS="..."] \
 #     [NAME=ab] bash scripts/device/ab_throughput.sh
 # ARGS: more `bench throughput` arguments for both sides (e.g. "--temperature 0.8 --top-p 0.95" or
-# "--quantization fp8 --kv-cache-dtype fp8"); SIDES: the sides each turn runs, in order.
+# "--quantization fp8 --kv-cache-dtype fp8"; given after the default workload's, they override it, e.g.
+# "--num-prompts 64 --input-len-range 6000,8000 --output-len-range 64,256"); SIDES: the sides each turn
+# runs, in order (OLD is needed only with old).
 # Prints one table row per turn and side; results (JSON, markdown, logs) under $OUT/$NAME.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-OLD=${OLD:?the older commit, whose source is in .ab_old/src}
+OLD=${OLD:-}
 NEW=${NEW:-$TOKENMILL_GIT_COMMIT}
 TURNS=${TURNS:-2}
 MODEL=${MODEL:-qwen3-4b}
 SIDES=${SIDES:-old new}
 ARGS=${ARGS:-}
 NAME=${NAME:-ab}
-case " $SIDES " in *" old "*) [ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; } ;; esac
+case " $SIDES " in *" old "*) [ -n "$OLD" ] && [ -d .ab_old/src ] || { echo "SIDES has old: set OLD and put its src in .ab_old (see the head of this script)" >&2; exit 2; } ;; esac
 base=${PYTHONPATH#"$PWD/src"}    # env.sh put this tree first; each turn picks its own source
 mkdir -p "$OUT/$NAME"
 python -m tokenmill.bench prepare --model "preset:$MODEL" > "$OUT/$NAME/prepare.log" 2>&1
