@@ -27,9 +27,9 @@ from tokenmill.layers.kernels import staging
 from tokenmill.quant import fp8
 from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
+from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
-from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
 from tokenmill.runner.swap import SwapSpace
 from tokenmill.runner.tensor_parallel import ShardedModel, TensorParallelWorkers

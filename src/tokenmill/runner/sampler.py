@@ -172,19 +172,20 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.dev
     arrays = [a[:r.num_tokens] for r, a in zip(requests, (copies or HostCopies()).tokens(requests))]
     lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
     prompts = np.fromiter((r.num_prompt_tokens for r in requests), np.int64, len(requests))
+    ends = np.cumsum(lengths)
     flat = np.concatenate(arrays).astype(np.int64)
     pending = [i for i, r in enumerate(requests) if r.num_pending]
     if pending:
         if prev_tokens is None:
             raise RuntimeError("penalties: a request's last token is in flight but no step in flight samples it")
-        last = np.cumsum(lengths) - 1
-        flat[last[pending]] = [-1 - requests[i].pending_row for i in pending]
+        flat[ends[pending] - 1] = [-1 - requests[i].pending_row for i in pending]
     ids = torch.from_numpy(flat).to(device, non_blocking=True)
     if pending:
         staging.fill_placeholders(ids, prev_tokens)
     rows = torch.from_numpy(np.repeat(np.arange(len(requests), dtype=np.int32), lengths)
                             ).to(device, non_blocking=True).long()
-    generated = torch.from_numpy(np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # a token is generated where its index within its row reaches the row's prompt length
+    generated = torch.from_numpy(np.arange(len(flat)) - np.repeat(ends - lengths, lengths)
                                  >= np.repeat(prompts, lengths)).to(device, non_blocking=True)
     seen = torch.zeros(len(requests), vocab_size, dtype=torch.bool, device=device)
     seen[rows, ids] = True
