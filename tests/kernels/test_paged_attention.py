@@ -7,7 +7,7 @@ import torch
 from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _randn, _tol, gpu
 from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torch
 from tokenmill.layers.attention_metadata import AttentionMetadata
-from tokenmill.layers.kernel_config import PrefillAttentionConfig
+from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import paged_attention as pa
 
 
@@ -28,6 +28,42 @@ def test_prefill_varlen_with_cached_prefix(group, block_size, dtype):
     out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
                                      config=PrefillAttentionConfig(16, 16, 4, 1))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits,dtype", [(1, torch.float32), (3, torch.float32), (8, torch.float32),
+                                              (4, HALF)])
+def test_decode_rows_split_over_the_context(num_splits, dtype):
+    """Decode rows beside prefill chunks, each row's context cut into splits (16 positions at least): a
+    context shorter than one split, one that fills fewer splits than asked, one that spans them all, and a
+    padding sequence. The merged rows equal the reference, and the split counters are left zeroed, so a
+    second launch gives the same result."""
+    gen = _gen(11)
+    num_kv_heads, head_dim, group = 2, 16, 4
+    q_lens = [1, 7, 1, 1, 12, 1, 0]
+    seq_lens = [9, 20, 37, 150, 12, 64, 0]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 8, num_kv_heads, head_dim, dtype, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3)
+    dcfg = DecodeAttentionConfig(block_n=16, num_warps=4, num_stages=1, min_split_len=16)
+    for _ in range(2):
+        out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
+                                         config=PrefillAttentionConfig(16, 16, 4, 1), decode_config=dcfg,
+                                         num_splits=num_splits)
+        torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    from tokenmill.layers.kernels import counters
+    assert all(int(c.abs().sum()) == 0 for bufs in counters._kept.values() for c in bufs)
+
+
+def test_decode_rows_splits_from_shapes():
+    """The split count depends on shapes only: more sequences, fewer splits; never more splits than tiles
+    in the longest possible context."""
+    cpu = torch.device("cpu")
+    few = pa.decode_rows_num_splits(1, 8, 256, 16, cpu, 64)
+    many = pa.decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
+    assert few >= many >= 1
+    assert pa.decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
 
 
 def test_prefill_tile_grid_equals_sequence_grid():

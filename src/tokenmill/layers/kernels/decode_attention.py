@@ -38,7 +38,8 @@ from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_operand, load_kv_scales, quantize_kv)
-from tokenmill.layers.kernels.paged_attention import _LOG2E, _check_tables, _dot_precision, _num_sms
+from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
+                                                      _num_sms)
 
 MAX_SPLITS = 32
 SHIPPED = DecodeAttentionConfig()
@@ -219,42 +220,10 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             counter = counter_ptr + b * NUM_KV_HEADS + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_active - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS,
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM), b64, kvh,
+                              num_active, NUM_Q_HEADS,
                               NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b64, kvh, num_active, NUM_Q_HEADS: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
-                  SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    # the group's heads x SPLIT_CHUNK splits x head_dim per load; every active split holds at least one
-    # position, so every lse read is finite
-    g = tl.arange(0, BLOCK_GR)
-    g_mask = g < GROUP
-    heads = kvh * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
-    m = tl.full([BLOCK_GR], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_GR], tl.float32)
-    o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
-    for s0 in range(0, num_active, SPLIT_CHUNK):
-        sp = s0 + tl.arange(0, SPLIT_CHUNK)
-        idx = rows[:, None] + sp[None, :]
-        mask = g_mask[:, None] & (sp < num_active)[None, :]
-        lse = tl.load(part_lse_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        lse = tl.where(g_mask[:, None], lse, 0.0)  # padding heads: finite, never stored
-        o_s = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])
-        w_sum = w_sum * alpha + tl.sum(w, 1)
-        o = o * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
-        m = m_new
-    dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
-    tl.store(dst, (o / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

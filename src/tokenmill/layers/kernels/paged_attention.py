@@ -23,12 +23,15 @@ import triton.language as tl
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_operand, load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 SHIPPED = PrefillAttentionConfig()
+ROWS_WAVES = 1
+ROWS_MAX_SPLITS = 16
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -47,6 +50,16 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 @lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_rows_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                           device: torch.device, block_n: int) -> int:
+    """Splits of a mixed step's decode rows, from shapes only (CUDA-graph safe): enough (sequence, kv head,
+    split) programs for ROWS_WAVES programs an SM, never more splits than block_n tiles in the longest
+    possible context."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    return max(1, min(triton.cdiv(ROWS_WAVES * num_sms, batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -103,47 +116,109 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i
     return m_new, l_i, acc
 
 
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active, NUM_Q_HEADS: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
+                  SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the partial results of (b64, kvh)'s num_active splits, merged into the output row at out_row_ptr
+    # (its q heads contiguous, head_dim apart): the group's heads x SPLIT_CHUNK splits x head_dim per
+    # load, splits in order, so the result does not depend on which program merges; every active split
+    # holds at least one position, so every lse read is finite
+    g = tl.arange(0, BLOCK_GR)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
+    m = tl.full([BLOCK_GR], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_GR], tl.float32)
+    o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
+    for s0 in range(0, num_active, SPLIT_CHUNK):
+        sp = s0 + tl.arange(0, SPLIT_CHUNK)
+        idx = rows[:, None] + sp[None, :]
+        mask = g_mask[:, None] & (sp < num_active)[None, :]
+        lse = tl.load(part_lse_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        lse = tl.where(g_mask[:, None], lse, 0.0)  # padding heads: finite, never stored
+        o_s = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        w_sum = w_sum * alpha + tl.sum(w, 1)
+        o = o * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
+        m = m_new
+    dst = out_row_ptr + heads[:, None] * HEAD_DIM + d[None, :]
+    tl.store(dst, (o / w_sum[:, None]).to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+
 @triton.jit(do_not_specialize=["bt_stride_b"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                        out_ptr, kv_scale_ptr, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                        c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
-                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
+                        q_stride_t, q_stride_h, c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
+                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        SPLIT_CHUNK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_GR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    # One program: sequence b and kv head kvh, when b has a single query (at position ctx - 1, so every
-    # cached position is visible); other sequences' programs exit. The group's GROUP q heads are padded
-    # to BLOCK_G rows (>= 16 for tl.dot).
+    # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
+    # every cached position is visible); other sequences' programs exit. The group's GROUP q heads are
+    # padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode (decode_attention.py):
+    # at least MIN_SPLIT_LEN positions each, only those holding positions run, and the last of a
+    # (b, kvh) to finish merges the partial results.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + b)
     if tl.load(query_start_loc_ptr + b + 1) - row == 1:
         ctx = tl.load(seq_lens_ptr + b)
-        table = block_tables_ptr + b.to(tl.int64) * bt_stride_b
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        g_mask = g < GROUP
-        d_mask = d < HEAD_DIM
-        heads = kvh * GROUP + g
-        row64 = row.to(tl.int64)
-        q = tl.load(q_ptr + row64 * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        q = fp8_kv_operand(q, FP8)
-        k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
-        scale_log2 = scale_log2 * k_scale
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for n0 in range(0, ctx, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < ctx
-            page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
-            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
-                                         valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
-                                         scale_log2, v_scale, DOT_PRECISION, True, FP8)
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row64 * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+        if split < num_active:
+            start = split * split_len
+            end = tl.minimum(start + split_len, ctx)
+            b64 = b.to(tl.int64)
+            table = block_tables_ptr + b64 * bt_stride_b
+            g = tl.arange(0, BLOCK_G)
+            d = tl.arange(0, BLOCK_D)
+            g_mask = g < GROUP
+            d_mask = d < HEAD_DIM
+            heads = kvh * GROUP + g
+            row64 = row.to(tl.int64)
+            q = tl.load(q_ptr + row64 * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            q = fp8_kv_operand(q, FP8)
+            k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+            scale_log2 = scale_log2 * k_scale
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                valid = n < end
+                page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+                off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+                m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
+                                             valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
+                                             scale_log2, v_scale, DOT_PRECISION, True, FP8)
+            has = l_i > 0
+            acc = acc / tl.where(has, l_i, 1.0)[:, None]
+            o_mask = g_mask[:, None] & d_mask[None, :]
+            out_row = out_ptr + row64 * (NUM_Q_HEADS * HEAD_DIM)
+            if num_active == 1:
+                tl.store(out_row + heads[:, None] * HEAD_DIM + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=o_mask)
+            else:
+                prow = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS + split
+                tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=o_mask)
+                tl.store(part_lse_ptr + prow, m_i + tl.log2(tl.where(has, l_i, 1.0)), mask=g_mask)
+                # release our partials, and learn whether every other split of (b, kvh) has released its own
+                counter = counter_ptr + b * NUM_KV_HEADS + kvh
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == num_active - 1:
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_row, b64, kvh, num_active, NUM_Q_HEADS,
+                                  NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
+                    tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
 # ------------------------------------------------------------------------------------------- prefill
@@ -223,7 +298,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             config: PrefillAttentionConfig = SHIPPED,
                             tiles: torch.Tensor | None = None,
                             kv_scale: torch.Tensor | None = None,
-                            decode_config: DecodeAttentionConfig = DecodeAttentionConfig()) -> torch.Tensor:
+                            decode_config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                            num_splits: int | None = None) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
     of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
@@ -263,12 +339,25 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dot_precision = _dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(head_dim))
     dcfg = decode_config
-    _decode_rows_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, kv_scale, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    if num_splits is None:
+        num_splits = decode_rows_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, q.device,
+                                            dcfg.block_n)
+    if num_splits > 1:
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        counters = zeroed_counters(q.device, batch * num_kv_heads)
+    else:
+        part_out = part_lse = out
+        counters = seq_lens
+    _decode_rows_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, counters, kv_scale,
+        scale * _LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n, DOT_PRECISION=dot_precision, FP8=fp8,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
+        SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
+        MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         maxnreg=dcfg.fp8_maxnreg if fp8 else None)
     if grid is None:
