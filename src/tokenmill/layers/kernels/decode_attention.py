@@ -47,14 +47,16 @@ SHIPPED = DecodeAttentionConfig()
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n) -> int:
-    """Split-K factor from shapes only: enough (batch, kv head, split) programs to fill the GPU twice,
-    never more splits than block_n tiles in the longest possible context."""
+    """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
+    context. Fewer (batch, kv head) programs than SMs: enough splits to fill the GPU twice. From one a
+    SM on: splits while they keep at most four programs an SM (as many as share one), e.g. two at 32
+    sequences of 8 kv heads on 132 SMs (28% faster than one there), one from 66 on (splitting 64
+    sequences was 3-40% slower, docs/BENCHMARKS.md)."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     programs = batch * num_kv_heads
-    if programs >= num_sms:
-        return 1
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    return max(1, min(triton.cdiv(2 * num_sms, programs), max_tiles, MAX_SPLITS))
+    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (4 * num_sms) // programs
+    return max(1, min(wanted, max_tiles, MAX_SPLITS))
 
 
 @triton.jit

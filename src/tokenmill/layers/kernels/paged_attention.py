@@ -30,7 +30,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 SHIPPED = PrefillAttentionConfig()
-ROWS_WAVES = 1
+ROWS_WAVES = 16
 ROWS_MAX_SPLITS = 16
 
 
@@ -54,12 +54,15 @@ def _num_sms(device_index: int) -> int:
 
 def decode_rows_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                            device: torch.device, block_n: int) -> int:
-    """Splits of a mixed step's decode rows, from shapes only (CUDA-graph safe): enough (sequence, kv head,
-    split) programs for ROWS_WAVES programs an SM, never more splits than block_n tiles in the longest
-    possible context."""
+    """Splits of a mixed step's decode rows, from shapes only (CUDA-graph safe): up to ROWS_WAVES (sequence,
+    kv head, split) programs an SM, never more splits than block_n tiles in the longest possible context.
+    A split holds at least min_split_len positions, so short contexts run fewer programs than the grid
+    has, and the rows' batch counts the prefill sequences, whose programs exit. On an H200 (8 kv heads),
+    against one split: 8 at 32 rows 14-31% faster, 4 at 64 rows 0-10%, 2 at 128 rows 0-9%; 2 at 256
+    rows were 0-7% slower, so 256 rows take one (docs/BENCHMARKS.md)."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    return max(1, min(triton.cdiv(ROWS_WAVES * num_sms, batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
+    return max(1, min((ROWS_WAVES * num_sms) // (batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
