@@ -121,7 +121,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active, NUM_Q_HEADS: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
+                  num_splits, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
                   SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     # the partial results of (b64, kvh)'s num_active splits, merged into the output row at out_row_ptr
     # (its q heads contiguous, head_dim apart): the group's heads x SPLIT_CHUNK splits x head_dim per
@@ -132,7 +132,7 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
     heads = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    rows = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS
+    rows = (b64 * NUM_Q_HEADS + heads) * num_splits
     m = tl.full([BLOCK_GR], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_GR], tl.float32)
     o = tl.zeros([BLOCK_GR, BLOCK_D], tl.float32)
@@ -155,11 +155,13 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
 
 
 
-@triton.jit(do_not_specialize=["bt_stride_b"])
+# the split count changes with the batch (eager steps): it is not specialised, so one compiled variant
+# serves every step
+@triton.jit(do_not_specialize=["bt_stride_b", "num_splits"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
-                        q_stride_t, q_stride_h, c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b,
-                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        q_stride_t, q_stride_h, c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, num_splits,
+                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         SPLIT_CHUNK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_GR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
@@ -175,7 +177,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     row = tl.load(query_start_loc_ptr + b)
     if tl.load(query_start_loc_ptr + b + 1) - row == 1:
         ctx = tl.load(seq_lens_ptr + b)
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
         num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
         if split < num_active:
             start = split * split_len
@@ -212,7 +214,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                 tl.store(out_row + heads[:, None] * HEAD_DIM + d[None, :], acc.to(out_ptr.dtype.element_ty),
                          mask=o_mask)
             else:
-                prow = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS + split
+                prow = (b64 * NUM_Q_HEADS + heads) * num_splits + split
                 tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=o_mask)
                 tl.store(part_lse_ptr + prow, m_i + tl.log2(tl.where(has, l_i, 1.0)), mask=g_mask)
                 # release our partials, and learn whether every other split of (b, kvh) has released its own
@@ -220,7 +222,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if done == num_active - 1:
                     _merge_splits(part_out_ptr, part_lse_ptr, out_row, b64, kvh, num_active, NUM_Q_HEADS,
-                                  NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
+                                  num_splits, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
                     tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
@@ -349,15 +351,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         counters = zeroed_counters(q.device, batch * num_kv_heads)
-    else:
-        part_out = part_lse = out
+    else:  # float32 as above, so that one compiled variant serves every split count
+        part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
         counters = seq_lens
     _decode_rows_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, counters, kv_scale,
         scale * _LOG2E, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
-        SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, SPLIT_CHUNK=8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8,
