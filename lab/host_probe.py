@@ -6,7 +6,8 @@ the short offline workload's shape: requests of 50-300 prompt tokens and 50-300 
 ignored), `--max-num-seqs 512`, prefix caching on; the default workload's is `--num-prompts 256
 --len-range 100,1024 --max-num-seqs 256`.
 
-    python lab/host_probe.py [--num-prompts 2048] [--len-range 50,300] [--max-num-seqs 512] [--profile]
+    python lab/host_probe.py [--num-prompts 2048] [--len-range 50,300] [--max-num-seqs 512] [--temperature T]
+        [--profile]
 
 Prints requests, tokens, steps, seconds, ms per step and us per output token (and with --profile, the top
 of cProfile by own time).
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--len-range", default="50,300", help="prompt and output lengths, uniform (lo,hi)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=0.0, help="above 0: sampled requests (top_p 0.95), "
+                    "whose per-row sampling parameters the runner builds each step")
     args = ap.parse_args()
     model_runner.ModelRunner._eager_forward = _no_forward
     model_runner.sample = _no_sample
@@ -54,7 +57,8 @@ def main() -> None:
     n = args.num_prompts
     prompts = [{"prompt_token_ids": [rng.randrange(300, 1300) for _ in range(rng.randint(lo, hi))]}
                for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(lo, hi), ignore_eos=True, temperature=0) for _ in range(n)]
+    sampled = dict(temperature=args.temperature, top_p=0.95) if args.temperature > 0 else dict(temperature=0)
+    params = [SamplingParams(max_tokens=rng.randint(lo, hi), ignore_eos=True, **sampled) for _ in range(n)]
     steps = 0
     step = llm.engine.step
 
@@ -76,6 +80,7 @@ def main() -> None:
           f"{1e6 * dt / tokens:.2f} us/token")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
 
 
 if __name__ == "__main__":
