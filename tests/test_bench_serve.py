@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_delays, build_payload,
-                                   class_metrics, compute_metrics, format_level, parse_goodput, send_request,
-                                   structured_indices, tpot_of)
+                                   class_metrics, compute_metrics, format_level, parse_goodput,
+                                   run_level_processes, send_request, structured_indices, tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
 
@@ -167,6 +167,58 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
     assert not refused.success and refused.error.startswith(("ConnectionRefusedError", "OSError"))
     with pytest.raises(ValueError, match="http://"):
         HTTPClient("https://example.com")
+
+
+def test_client_processes_share_a_level():
+    """A level read by three client processes: every request answered once, each result back at its own
+    request's index (the fake server reports the prompt's length as its usage), the structured requests
+    still the ones sent under the schema, and never more requests open at once than the concurrency."""
+    import threading
+    state = {"open": 0, "most": 0, "schema": []}
+    lock = threading.Lock()
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
+            body = json.loads(await reader.readexactly(int(fields["Content-Length"])))
+            with lock:
+                state["open"] += 1
+                state["most"] = max(state["most"], state["open"])
+                if "structured_outputs" in body:
+                    state["schema"].append(body["prompt"])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + _sse({"choices": [{"index": 0, "text": "a"}]}))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            with lock:
+                state["open"] -= 1
+            writer.write(_sse({"choices": [{"index": 0, "text": "b"}]})
+                         + _sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}})
+                         + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        requests = [ServeRequest("x" * (i + 1), 2) for i in range(20)]
+        structured = {1, 7, 13}
+        results, duration = run_level_processes(3, base, "/v1/completions", "m", requests, 4,
+                                                structured=structured)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    assert all(r.success for r in results)
+    assert [r.prompt_tokens for r in results] == [i + 1 for i in range(20)]
+    assert sorted(len(p) - 1 for p in state["schema"]) == sorted(structured)
+    assert 1 < state["most"] <= 4
+    assert duration >= 5 * 0.05 and all(0 <= r.start < duration for r in results)
 
 
 def test_mixed_chat_deterministic_and_in_range():

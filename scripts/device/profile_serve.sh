@@ -29,6 +29,7 @@ OFFLINE=${OFFLINE-short}
 TTFT_PROBE=${TTFT_PROBE:-0}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-2048}
 SERVER_ARGS=${SERVER_ARGS:-}
+CLIENT_PROCESSES=${CLIENT_PROCESSES:-1}      # bench serve --client-processes: processes reading the streams
 START_TIMEOUT_S=${START_TIMEOUT_S:-300}
 
 source "$(dirname "$0")/env.sh"
@@ -80,7 +81,8 @@ for c in $LEVELS; do
   n=$(( c > NUM_PROMPTS ? c : NUM_PROMPTS ))
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
     --label tokenmill --dataset mixed-chat --seed "$level" --num-prompts "$n" --max-concurrency "$c" \
-    --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress > "$OUT/bench-c$c.log" 2>&1
+    --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress \
+    --client-processes "$CLIENT_PROCESSES" > "$OUT/bench-c$c.log" 2>&1
   [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
   sleep 2.5
   cp "$STEP_PROFILE_OUT" "$OUT/core-after-$c.json"

@@ -20,7 +20,8 @@ tell the classes apart: a server's priority boost for tool-carrying requests), a
 those and of the plain ones apart. Every level records the longest wait: the largest TTFT and E2E latency.
 One Python process reads every stream, so its cost per SSE chunk bounds the concurrency it can measure: the
 requests go through `HTTPClient`, a small HTTP/1.1 client on asyncio streams (http:// only) that takes each
-network read's chunks at once and parses their data lines with orjson.
+network read's chunks at once and parses their data lines with orjson. `--client-processes N` deals each
+level's requests and concurrency among N such processes that begin together.
 """
 from __future__ import annotations
 
@@ -370,8 +371,10 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                     request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
                     headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True,
                     structured: set[int] = frozenset(),
-                    tools: set[int] = frozenset()) -> tuple[list[RequestResult], float]:
-    """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS."""
+                    tools: set[int] = frozenset(), start_at: float | None = None) -> tuple[list[RequestResult], float]:
+    """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS.
+    `start_at`: a `time.time()` at which to begin (the client processes of one level begin together), from
+    which the requests' starts and the level's duration count."""
     from tqdm import tqdm
 
     url = base_url.rstrip("/") + endpoint
@@ -380,7 +383,9 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
     bar = tqdm(total=len(requests), desc=f"concurrency {max_concurrency}", unit="req", disable=not progress,
                file=sys.stderr)
     try:
-        level_t0 = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        level_t0 = time.perf_counter() - (time.time() - start_at if start_at is not None else 0.0)
 
         async def one(req: ServeRequest, schema: dict | None, offered: list[dict] | None) -> RequestResult:
             async with sem:
@@ -403,6 +408,70 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
         await client.aclose()
     bar.close()
     return list(results), duration
+
+
+def _client_process(job: tuple, ready, go, start_at, out) -> None:
+    """One client process's share of a level: reports ready once imported and connected to nothing yet,
+    waits for the common start time, runs, and puts (its request indices, their results, its duration)."""
+    indices, args, kwargs = job
+    ready.put(True)
+    go.wait()
+    results, duration = asyncio.run(run_level(*args, **kwargs, start_at=start_at.value))
+    out.put((indices, results, duration))
+
+
+def run_level_processes(processes: int, base_url: str, endpoint: str, model: str, requests: list[ServeRequest],
+                        max_concurrency: int, request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True,
+                        temperature: float = 0.0, headers: dict | None = None, timeout_s: float = 3600.0,
+                        structured: set[int] = frozenset(), tools: set[int] = frozenset()
+                        ) -> tuple[list[RequestResult], float]:
+    """`run_level` from `processes` client processes, so that reading the streams is not bounded by one
+    process's cost per SSE chunk: the requests are dealt to them in turn, and so are the concurrency slots
+    (a process with k slots keeps k requests open); with a finite rate each sends a Poisson stream at its
+    share of it (their sum is a Poisson stream at the whole rate). They begin together once all have
+    started, and the level lasts until the last one's last response. Results come back in the order of
+    `requests`."""
+    import multiprocessing
+    import queue
+    processes = max(1, min(processes, max_concurrency, len(requests)))
+    ctx = multiprocessing.get_context("spawn")
+    ready, out, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    workers = []
+    for i in range(processes):
+        indices = list(range(i, len(requests), processes))
+        slots = max_concurrency // processes + (1 if i < max_concurrency % processes else 0)
+        local = {j: k for k, j in enumerate(indices)}
+        rate = request_rate * len(indices) / len(requests)
+        job = (indices, (base_url, endpoint, model, [requests[j] for j in indices], slots, rate, seed + i,
+                         ignore_eos, temperature, headers, timeout_s, False,
+                         {local[j] for j in structured if j in local}, {local[j] for j in tools if j in local}), {})
+        workers.append(ctx.Process(target=_client_process, args=(job, ready, go, start_at, out), daemon=True))
+    results: list[RequestResult | None] = [None] * len(requests)
+    duration = 0.0
+    try:
+        for w in workers:
+            w.start()
+        for _ in workers:
+            ready.get(timeout=120)
+        start_at.value = time.time() + 0.2
+        go.set()
+        for _ in workers:
+            while True:
+                try:
+                    indices, part, took = out.get(timeout=5)
+                    break
+                except queue.Empty:
+                    if not any(w.is_alive() for w in workers):
+                        raise RuntimeError("a client process exited without its results") from None
+            for j, r in zip(indices, part):
+                results[j] = r
+            duration = max(duration, took)
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.terminate()
+    return results, duration
 
 
 # ----- run metadata ---------------------------------------------------------------------------------------
@@ -485,12 +554,20 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         "tools": {"fraction": args.tools_fraction, "requests": len(tools), "tools": BENCH_TOOLS,
                   "tool_choice": "auto"} if tools else None,
         "request_rate": "inf" if math.isinf(rate) else rate,
+        "client_processes": args.client_processes,
         "levels": [],
     }
+    if args.client_processes < 1:
+        raise SystemExit(f"--client-processes must be >= 1, got {args.client_processes}")
     for conc in levels:
-        results, duration = asyncio.run(run_level(
-            args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
-            args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools))
+        if args.client_processes > 1:
+            results, duration = run_level_processes(
+                args.client_processes, args.base_url, args.endpoint, model, requests, conc, rate, args.seed,
+                not args.no_ignore_eos, args.temperature, headers, args.request_timeout, structured, tools)
+        else:
+            results, duration = asyncio.run(run_level(
+                args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
+                args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools))
         m = compute_metrics(results, duration, slos)
         if structured:
             for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
@@ -581,6 +658,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--output-dir", "--result-dir", default="bench_results", help="where the results go")
     p.add_argument("--name", default=None, help="results file stem (default: serve-BACKEND-time)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="read the streams from this many processes, the requests and concurrency dealt among "
+                        "them (one process's cost per SSE chunk bounds what it can measure at high concurrency)")
 
 
 def main_serve(args, argv: list[str]) -> int:
