@@ -57,13 +57,19 @@ def test_decode_rows_split_over_the_context(num_splits, dtype):
 
 
 def test_decode_rows_splits_from_shapes():
-    """The split count depends on shapes only: more sequences, fewer splits; never more splits than tiles
+    """The split counts depend on shapes only: more sequences, fewer splits; never more splits than tiles
     in the longest possible context."""
     cpu = torch.device("cpu")
     few = pa.decode_rows_num_splits(1, 8, 256, 16, cpu, 64)
     many = pa.decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
     assert few >= many >= 1
     assert pa.decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
+    # the one-kernel decode (8 SMs on the CPU): past one program an SM it keeps four programs an SM, and
+    # eight with an FP8 cache
+    from tokenmill.layers.kernels import decode_attention as da
+    assert da.decode_num_splits(2, 8, 256, 16, cpu, 64) == 2
+    assert da.decode_num_splits(2, 8, 256, 16, cpu, 64, fp8=True) == 4
+    assert da.decode_num_splits(64, 8, 256, 16, cpu, 64, fp8=True) == 1
 
 
 def test_prefill_tile_grid_equals_sequence_grid():

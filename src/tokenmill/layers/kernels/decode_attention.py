@@ -46,16 +46,18 @@ SHIPPED = DecodeAttentionConfig()
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device, block_n: int = SHIPPED.block_n) -> int:
+                      device: torch.device, block_n: int = SHIPPED.block_n, fp8: bool = False) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
     context. Fewer (batch, kv head) programs than SMs: enough splits to fill the GPU twice. From one a
     SM on: splits while they keep at most four programs an SM (as many as share one), e.g. two at 32
     sequences of 8 kv heads on 132 SMs (28% faster than one there), one from 66 on (splitting 64
-    sequences was 3-40% slower, docs/BENCHMARKS.md)."""
+    sequences was 3-40% slower); with an FP8 cache (`fp8`), whose programs spend longer per byte, at most
+    eight: two at 64 sequences (6% faster than one), one at 256 (docs/BENCHMARKS.md)."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (4 * num_sms) // programs
+    per_sm = 8 if fp8 else 4
+    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (per_sm * num_sms) // programs
     return max(1, min(wanted, max_tiles, MAX_SPLITS))
 
 
@@ -259,7 +261,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     cfg = config
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                       qkv.device, cfg.block_n)
+                                       qkv.device, cfg.block_n, fp8=kv_scale is not None)
     out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out
