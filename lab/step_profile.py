@@ -10,7 +10,8 @@ STEP_PROFILE_OUT as JSON; `python lab/step_profile.py A.json B.json` prints the 
 step (a benchmark level's profile is the difference of the snapshots taken around it).
 
 Phases: schedule (Scheduler.schedule), execute (ModelRunner.execute: input preparation, graph replay or
-eager launch, sampler launch, less its before_sample callback), before_sample (scheduler bookkeeping and,
+eager launch, sampler launch, less its before_sample callback; the eager forward's launch alone is also
+counted apart, as eager_forward), before_sample (scheduler bookkeeping and,
 for grammar batches, the previous step's processing), wait (StepResult.fetch: blocking on the device),
 process (LLMEngine._process less wait: appending tokens, stop checks, the step's report),
 send / recv (the pipe to the API server, pickling included), and
@@ -74,6 +75,7 @@ def install() -> None:
     _timed(LLMEngine, "_process", "process", exclude=("wait",))
     _timed(Connection, "send", "send")
     _timed(Connection, "recv", "recv")
+    _timed(ModelRunner, "_eager_forward", "eager_forward")
 
     execute = ModelRunner.execute
 
@@ -146,6 +148,12 @@ def report(a: dict, b: dict) -> str:
                   "commands", "step"):
         dt = b["seconds"].get(phase, 0.0) - a["seconds"].get(phase, 0.0)
         lines.append(f"| {phase} | {1e3 * dt / steps:.3f} |")
+    eager = b["calls"].get("eager_forward", 0) - a["calls"].get("eager_forward", 0)
+    if eager:
+        dt = b["seconds"].get("eager_forward", 0.0) - a["seconds"].get("eager_forward", 0.0)
+        lines.append(f"\n{eager} steps ({100 * eager / steps:.1f}%) ran eagerly (no CUDA graph holds them), their "
+                     f"forward's launch {1e3 * dt / eager:.2f} ms a step, {1e3 * dt / steps:.3f} ms of execute's "
+                     f"share per step")
     return "\n".join(lines)
 
 
