@@ -44,3 +44,28 @@ def test_block_tables_follow_appends_replacements_and_reallocation():
         assert np.array_equal(_tables([a, b]), _expected([a, b]))
     # the same requests in another order (a request's row follows it)
     assert np.array_equal(_tables([b, a]), _expected([b, a]))
+
+
+def test_sampling_records_follow_their_requests_across_steps():
+    """Each request's sampling record and flags, built once into the runner's table: the rows of a step
+    are its requests' whatever their order, as requests leave and join, and after the table fills and keeps
+    only the asked requests."""
+    from tokenmill.runner.sampler import FLAGS, ROW, sampling_row
+    copies = HostCopies()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=5),
+              SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=0.5, logprobs=3)]
+    live = [Request(f"r{i}", [1, 2], params[i % 3], 10, 1000 + i) for i in range(5)]
+    joined = 5
+    for step in range(60):
+        if step % 3 == 0:                          # one leaves, two join: the table fills and compacts
+            live.pop(step % len(live))
+            for _ in range(2):
+                live.append(Request(f"r{joined}", [1, 2], params[joined % 3], 10, 1000 + joined))
+                joined += 1
+        order = live[::-1] if step % 2 else live
+        records, flags = copies.sampling_rows(order, 512)
+        want = [sampling_row(r, 512) for r in order]
+        assert np.array_equal(records, np.array([w[0] for w in want], dtype=ROW))
+        assert np.array_equal(flags, np.array([w[1] for w in want], dtype=FLAGS))
+    assert records["top_k"].tolist().count(512) == sum(1 for r in order if r.params.top_k == 0)
+    assert len(copies._records) < 4 * len(live) + 64            # compacted, not grown with every request seen

@@ -1,4 +1,4 @@
-"""The runner's host copies of request lists it reads every step (`HostCopies`)."""
+"""The runner's host copies of what it reads from its requests every step (`HostCopies`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,12 +11,16 @@ class HostCopies:
     penalties), so that a step copies only what changed in each list since the last step that read it: the
     block manager only appends to a request's `block_ids` or replaces the list (a new list is copied anew),
     and tokens are appended, the last one perhaps resolved in place from a placeholder since (it is copied
-    again). Requests are read, never written. Copies of requests no longer asked for are dropped once they
-    outnumber the asked ones, so the copies stay within about two steps' worth."""
+    again). Also each request's sampling record (`sampler.sampling_row`), built on its first step: a
+    request's parameters do not change once it reaches the engine. Requests are read, never written.
+    Copies of requests no longer asked for are dropped once they outnumber the asked ones, so the copies
+    stay within about two steps' worth."""
 
     def __init__(self):
         self._tables: dict[Request, list] = {}
         self._tokens: dict[Request, list] = {}
+        self._slots: dict[Request, int] = {}          # a request's row in the sampling tables
+        self._records = self._flags = np.zeros(0)
 
     def block_tables(self, requests: list[Request]) -> list[np.ndarray]:
         """Each request's `block_ids` as int32 (the array may be longer)."""
@@ -27,6 +31,30 @@ class HostCopies:
         """Each request's `all_token_ids` as int32 (the array may be longer)."""
         self._tokens, rows = _update(self._tokens, requests, [r.all_token_ids for r in requests], 1)
         return rows
+
+    def sampling_rows(self, requests: list[Request], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The requests' packed sampling records (`sampler.ROW`, positions 0) and their flags (`sampler.FLAGS`:
+        greedy, needs penalties, logprobs asked or -1), each request's built on its first step into a table
+        that a step gathers from."""
+        from tokenmill.runner.sampler import FLAGS, ROW, sampling_row
+        slots = self._slots
+        idx = np.fromiter((slots.get(r, -1) for r in requests), np.int64, len(requests))
+        new = np.nonzero(idx < 0)[0]
+        if len(new):
+            if len(slots) + len(new) > len(self._records):       # full: keep the asked requests only
+                keep = [r for r in requests if r in slots]
+                size = max(64, 2 * (len(keep) + len(new)))
+                records, flags = np.zeros(size, ROW), np.zeros(size, FLAGS)
+                old = np.fromiter((slots[r] for r in keep), np.int64, len(keep))
+                records[:len(keep)], flags[:len(keep)] = self._records[old], self._flags[old]
+                self._records, self._flags = records, flags
+                slots = self._slots = {r: i for i, r in enumerate(keep)}
+                idx = np.fromiter((slots.get(r, -1) for r in requests), np.int64, len(requests))
+            for i in new.tolist():
+                r = requests[i]
+                slot = idx[i] = slots[r] = len(slots)
+                self._records[slot], self._flags[slot] = sampling_row(r, vocab_size)
+        return self._records[idx], self._flags[idx]
 
 
 def _update(copies: dict, requests: list[Request], lists: list[list[int]], recopy: int):

@@ -56,6 +56,21 @@ ROW = np.dtype([("seed", "<i8"), ("position", "<i8"), ("top_k", "<i4"), ("temper
 _WORDS = ROW.itemsize // 4
 
 
+FLAGS = np.dtype([("greedy", "?"), ("penalties", "?"), ("logprobs", "<i4")])
+
+
+def sampling_row(request: Request, vocab_size: int) -> tuple[tuple, tuple]:
+    """`request`'s sampling parameters as its `ROW` record (position 0: a step fills it in; temperature 0
+    for greedy rows, top_k `vocab_size` where off, penalties neutral where none) and its `FLAGS` (greedy,
+    needs penalties, logprobs asked or -1)."""
+    p = request.params
+    penalties = p.needs_penalties
+    record = (request.seed, 0, p.top_k if p.top_k > 0 else vocab_size, 0.0 if p.greedy else p.temperature,
+              p.top_p, p.min_p, int(p.seed is not None), p.presence_penalty if penalties else 0.0,
+              p.frequency_penalty if penalties else 0.0, p.repetition_penalty if penalties else 1.0)
+    return record, (p.greedy, penalties, -1 if p.logprobs is None else p.logprobs)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row parameters; a field is None when no row needs it, so its work is skipped."""
@@ -128,30 +143,21 @@ class SamplingTensors:
         row is greedy without penalties. `prev_tokens`: the sampled tokens of the step in flight, whose
         placeholders the penalties' counts read on the device; `copies`: the runner's copies of the
         requests' tokens."""
-        params = [r.params for r in requests]
         rows = len(requests)
-        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        packed, flags = (copies or HostCopies()).sampling_rows(requests, vocab_size)
+        most = int(flags["logprobs"].max()) if rows else -1
+        max_logprobs = most if most >= 0 else None
         bias = _logit_bias(requests, device)
         bitmask = None
         if any(r.grammar is not None for r in requests):
             from tokenmill.engine.structured_output import BatchBitmask
             bitmask = BatchBitmask.from_requests(requests, vocab_size, device)
-        all_greedy = all(p.greedy for p in params)
-        penalties = any(p.needs_penalties for p in params)
+        all_greedy = bool(flags["greedy"].all())
+        penalties = bool(flags["penalties"].any())
         if all_greedy and not penalties:
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
                                    None, None, max_logprobs, bias, bitmask)
-        packed = np.empty(rows, dtype=ROW)
-        packed["seed"] = [r.seed for r in requests]
-        packed["position"] = [r.num_output_tokens for r in requests]
-        packed["temperature"] = [0.0 if p.greedy else p.temperature for p in params]
-        top_k = np.array([p.top_k for p in params], dtype=np.int32)
-        packed["top_k"] = np.where(top_k > 0, top_k, vocab_size)
-        packed["top_p"] = [p.top_p for p in params]
-        packed["min_p"] = [p.min_p for p in params]
-        packed["seeded"] = [p.seed is not None for p in params]
-        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            packed[name] = [getattr(p, name) for p in params] if penalties else off
+        packed["position"] = np.fromiter((r.num_output_tokens for r in requests), np.int64, rows)
         counts = seen = None
         if penalties:
             counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens, copies)
