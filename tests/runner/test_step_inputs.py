@@ -50,7 +50,7 @@ def test_sampling_records_follow_their_requests_across_steps():
     """Each request's sampling record and flags, built once into the runner's table: the rows of a step
     are its requests' whatever their order, as requests leave and join, and after the table fills and keeps
     only the asked requests."""
-    from tokenmill.runner.sampler import FLAGS, ROW, sampling_row
+    from tokenmill.runner.sampling_rows import FLAGS, ROW, sampling_row
     copies = HostCopies()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=5),
               SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=0.5, logprobs=3)]

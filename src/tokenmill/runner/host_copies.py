@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.engine.request import Request
+from tokenmill.runner.sampling_rows import FLAGS, ROW, sampling_row
 
 
 class HostCopies:
@@ -11,7 +12,7 @@ class HostCopies:
     penalties), so that a step copies only what changed in each list since the last step that read it: the
     block manager only appends to a request's `block_ids` or replaces the list (a new list is copied anew),
     and tokens are appended, the last one perhaps resolved in place from a placeholder since (it is copied
-    again). Also each request's sampling record (`sampler.sampling_row`), built on its first step: a
+    again). Also each request's sampling record (`sampling_rows.sampling_row`), built on its first step: a
     request's parameters do not change once it reaches the engine. Requests are read, never written.
     Copies of requests no longer asked for are dropped once they outnumber the asked ones, so the copies
     stay within about two steps' worth."""
@@ -33,10 +34,9 @@ class HostCopies:
         return rows
 
     def sampling_rows(self, requests: list[Request], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The requests' packed sampling records (`sampler.ROW`, positions 0) and their flags (`sampler.FLAGS`:
+        """The requests' packed sampling records (`ROW`, positions 0) and their flags (`FLAGS`:
         greedy, needs penalties, logprobs asked or -1), each request's built on its first step into a table
         that a step gathers from."""
-        from tokenmill.runner.sampler import FLAGS, ROW, sampling_row
         slots = self._slots
         idx = np.fromiter((slots.get(r, -1) for r in requests), np.int64, len(requests))
         new = np.nonzero(idx < 0)[0]
