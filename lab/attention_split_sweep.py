@@ -88,8 +88,9 @@ def main() -> None:
                         ref = out if ref is None else ref
                         us = graph_us(lambda: call(n))
                         label = "rule" if n is None else str(n)
+                        rate = nbytes / max(us, 1e-9) / 1e3
                         print(f"| {a.label} | {kernel} | {batch} | {lo}-{hi} | {cache} | {label} | {us:.1f} | "
-                              f"{nbytes / max(us, 1e-9) / 1e3:.0f} | {(out - ref).abs().max().item():.1e} |", flush=True)
+                              f"{rate:.0f} | {(out - ref).abs().max().item():.1e} |", flush=True)
 
 
 if __name__ == "__main__":

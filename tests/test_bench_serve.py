@@ -196,8 +196,8 @@ def test_client_processes_share_a_level():
             await asyncio.sleep(0.05)
             with lock:
                 state["open"] -= 1
-            writer.write(_sse({"choices": [{"index": 0, "text": "b"}]})
-                         + _sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}})
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}
+            writer.write(_sse({"choices": [{"index": 0, "text": "b"}]}) + _sse({"choices": [], "usage": usage})
                          + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
 

@@ -371,7 +371,8 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                     request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
                     headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True,
                     structured: set[int] = frozenset(),
-                    tools: set[int] = frozenset(), start_at: float | None = None) -> tuple[list[RequestResult], float]:
+                    tools: set[int] = frozenset(), start_at: float | None = None
+                    ) -> tuple[list[RequestResult], float]:
     """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS.
     `start_at`: a `time.time()` at which to begin (the client processes of one level begin together), from
     which the requests' starts and the level's duration count."""

@@ -241,8 +241,9 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by attention over the cache
-    (`attention.paged_attention_torch`, one query a sequence); returns the attention output [B, Hq, D]. A sequence with seq_len 0 (a padded
-    CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its `kv_scale` (attention.py)."""
+    (`attention.paged_attention_torch`, one query a sequence); returns the attention output [B, Hq, D].
+    A sequence with seq_len 0 (a padded CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its
+    `kv_scale` (attention.py)."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]

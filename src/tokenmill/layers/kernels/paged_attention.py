@@ -154,7 +154,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
     tl.store(dst, (o / w_sum[:, None]).to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-
 # the split count changes with the batch (eager steps): it is not specialised, so one compiled variant
 # serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "num_splits"])
