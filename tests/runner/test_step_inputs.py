@@ -69,3 +69,29 @@ def test_sampling_records_follow_their_requests_across_steps():
         assert np.array_equal(flags, np.array([w[1] for w in want], dtype=FLAGS))
     assert records["top_k"].tolist().count(512) == sum(1 for r in order if r.params.top_k == 0)
     assert len(copies._records) < 4 * len(live) + 64            # compacted, not grown with every request seen
+
+
+def test_block_table_rows_survive_requests_joining_and_leaving():
+    """Many requests over many steps, each step's requests in a new order: lists grow past the table's
+    width, the table fills and keeps only the asked requests' rows, and every step's table is the
+    requests' lists, zero-padded."""
+    copies = HostCopies()
+    rng = np.random.default_rng(0)
+    live = [Request(f"r{i}", [1], SamplingParams(), 10, 0) for i in range(6)]
+    joined = 6
+    for step in range(80):
+        for r in live:
+            if rng.random() < 0.5:
+                r.block_ids.extend(rng.integers(1, 10_000, rng.integers(1, 9)).tolist())
+            if rng.random() < 0.05:
+                r.block_ids = rng.integers(1, 10_000, rng.integers(1, 4)).tolist()     # replaced, shorter
+        if step % 4 == 0:
+            live.pop(int(rng.integers(len(live))))
+            live += [Request(f"r{joined + k}", [1], SamplingParams(), 10, 0) for k in range(2)]
+            joined += 2
+            for r in live[-2:]:
+                r.block_ids = rng.integers(1, 10_000, rng.integers(1, 5)).tolist()
+        order = [live[i] for i in rng.permutation(len(live))]
+        assert np.array_equal(copies.block_table(order), _expected(order))
+    assert max(len(r.block_ids) for r in live) > 16                 # the table's columns grew
+    assert len(copies._table) < 4 * len(live) + 64                 # and its rows stayed bounded

@@ -8,8 +8,9 @@ from tokenmill.runner.sampling_rows import FLAGS, ROW, sampling_row
 
 
 class HostCopies:
-    """The runner's int32 copies of its requests' `block_ids` (the block tables) and `all_token_ids` (the
-    penalties), so that a step copies only what changed in each list since the last step that read it: the
+    """The runner's int32 copies of its requests' `block_ids` (the block tables, a row per request in one
+    table) and `all_token_ids` (the penalties), so that a step copies only what changed in each list since
+    the last step that read it: the
     block manager only appends to a request's `block_ids` or replaces the list (a new list is copied anew),
     and tokens are appended, the last one perhaps resolved in place from a placeholder since (it is copied
     again). Also each request's sampling record (`sampling_rows.sampling_row`), built on its first step: a
@@ -18,15 +19,49 @@ class HostCopies:
     stay within about two steps' worth."""
 
     def __init__(self):
-        self._tables: dict[Request, list] = {}
+        self._table = np.zeros((0, 16), np.int32)      # block ids, a row per request (`block_table`)
+        self._table_slots: dict[Request, int] = {}
+        self._table_state: dict[Request, tuple] = {}    # the list each row copies, and its entries copied
         self._tokens: dict[Request, list] = {}
         self._slots: dict[Request, int] = {}          # a request's row in the sampling tables
         self._records = self._flags = np.zeros(0)
 
-    def block_tables(self, requests: list[Request]) -> list[np.ndarray]:
-        """Each request's `block_ids` as int32 (the array may be longer)."""
-        self._tables, rows = _update(self._tables, requests, [r.block_ids for r in requests], 0)
-        return rows
+    def block_table(self, requests: list[Request]) -> np.ndarray:
+        """The requests' `block_ids` as the rows of an int32 table [len(requests), longest], zero-padded:
+        gathered from a table that keeps a row per request, into which only the entries a request's list
+        gained since its last step are copied (all of a list the block manager replaced)."""
+        slots, state = self._table_slots, self._table_state
+        idx = np.fromiter((slots.get(r, -1) for r in requests), np.int64, len(requests))
+        new = np.nonzero(idx < 0)[0]
+        if len(slots) + len(new) > len(self._table):       # full: keep the asked requests' rows only
+            keep = [r for r in requests if r in slots]
+            table = np.zeros((max(64, 2 * (len(keep) + len(new))), self._table.shape[1]), np.int32)
+            table[:len(keep)] = self._table[np.fromiter((slots[r] for r in keep), np.int64, len(keep))]
+            self._table = table
+            slots = self._table_slots = {r: i for i, r in enumerate(keep)}
+            state = self._table_state = {r: state[r] for r in keep}
+            idx = np.fromiter((slots.get(r, -1) for r in requests), np.int64, len(requests))
+        for i in new.tolist():
+            idx[i] = slots[requests[i]] = len(slots)
+            self._table[idx[i]] = 0
+            state[requests[i]] = (None, 0)
+        width = 0
+        for r, slot in zip(requests, idx.tolist()):
+            ids = r.block_ids
+            n = len(ids)
+            src, done = state[r]
+            start = done if src is ids and done <= n else 0
+            if n > self._table.shape[1]:
+                grown = np.zeros((len(self._table), max(16, 2 * n)), np.int32)
+                grown[:, :self._table.shape[1]] = self._table
+                self._table = grown
+            if start < n:
+                self._table[slot, start:n] = ids[start:n]
+            if start == 0 and n < done:
+                self._table[slot, n:done] = 0               # a shorter list replaced a longer one
+            state[r] = (ids, n)
+            width = max(width, n)
+        return self._table[idx, :width]
 
     def tokens(self, requests: list[Request]) -> list[np.ndarray]:
         """Each request's `all_token_ids` as int32 (the array may be longer)."""

@@ -48,11 +48,7 @@ def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_siz
     if len(held):    # placeholders, as -(row + 1): the token of that row of the step in flight
         input_ids[held] = -1 - np.fromiter((requests[i].pending_row for i in seq_of_token[held].tolist()),
                                            np.int64, len(held))
-    width = max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), width), dtype=np.int32)
-    for i, (r, row) in enumerate(zip(requests, (copies or HostCopies()).block_tables(requests))):
-        n = len(r.block_ids)
-        block_tables[i, :n] = row[:n]
+    block_tables = (copies or HostCopies()).block_table(requests)
     slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     query_start_loc = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
     sample_rows = np.nonzero(ends == np.fromiter((r.num_tokens for r in requests), np.int64,
