@@ -8,9 +8,11 @@
 # 1. `tokenmill serve MODEL` with the engine core's phase timers (lab/step_profile.py) and, for each
 #    concurrency level in LEVELS, `tokenmill bench serve` (mixed-chat, NUM_PROMPTS requests or the level
 #    if more, rate inf; each level its own prompts, --seed its index, so that no level finds its prompts
-#    in the prefix cache from the level before); the core's phases per step for that level are printed from the timers'
-#    snapshots around it. At level SPY_LEVEL, py-spy samples the API server and the engine core for
-#    SPY_SECONDS. With TTFT_PROBE=N, N 1,000-token prompts at concurrency 1 (64 tokens out) follow.
+#    in the prefix cache from the level before); the core's phases per step for that level are printed
+#    from the timers' snapshots around it, and the server's own mean latencies from /metrics
+#    (lab/server_latency.py), beside the client's. At level SPY_LEVEL, py-spy samples the API server and
+#    the engine core for SPY_SECONDS. With TTFT_PROBE=N, N 1,000-token prompts at concurrency 1 (64
+#    tokens out) follow.
 # 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
 #    out, --max-num-seqs 512, under py-spy), default (256 requests, 100-1024 in / out, greedy) and
 #    sampled (the default workload at temperature 0.8, top_p 0.95, seeded).
@@ -78,6 +80,7 @@ for c in $LEVELS; do
     ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$core" -o "$OUT/spy-core-c$c.txt" > "$OUT/spy-core.log" 2>&1 ) &
     spies+=($!)
   fi
+  curl -s "$url/metrics" > "$OUT/metrics-before-$c.txt" 2>/dev/null
   n=$(( c > NUM_PROMPTS ? c : NUM_PROMPTS ))
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
     --label tokenmill --dataset mixed-chat --seed "$level" --num-prompts "$n" --max-concurrency "$c" \
@@ -86,7 +89,9 @@ for c in $LEVELS; do
   [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
   sleep 2.5
   cp "$STEP_PROFILE_OUT" "$OUT/core-after-$c.json"
-  { echo; echo "## concurrency $c"; echo; grep -E "c=" "$OUT/bench-c$c.log"; echo;
+  curl -s "$url/metrics" > "$OUT/metrics-after-$c.txt" 2>/dev/null
+  { echo; echo "## concurrency $c"; echo; grep -E "c=" "$OUT/bench-c$c.log";
+    python lab/server_latency.py "$OUT/metrics-before-$c.txt" "$OUT/metrics-after-$c.txt"; echo;
     python lab/step_profile.py "$OUT/core-before-$c.json" "$OUT/core-after-$c.json"; } >> "$SUMMARY"
   for who in api core; do
     f="$OUT/spy-$who-c$c.txt"
