@@ -68,7 +68,7 @@ def test_sampling_records_follow_their_requests_across_steps():
         assert np.array_equal(records, np.array([w[0] for w in want], dtype=ROW))
         assert np.array_equal(flags, np.array([w[1] for w in want], dtype=FLAGS))
     assert records["top_k"].tolist().count(512) == sum(1 for r in order if r.params.top_k == 0)
-    assert len(copies._records) < 4 * len(live) + 64            # compacted, not grown with every request seen
+    assert len(copies._sampling.arrays[0]) < 4 * len(live) + 64    # compacted, not grown with every request seen
 
 
 def test_block_table_rows_survive_requests_joining_and_leaving():
@@ -94,4 +94,4 @@ def test_block_table_rows_survive_requests_joining_and_leaving():
         order = [live[i] for i in rng.permutation(len(live))]
         assert np.array_equal(copies.block_table(order), _expected(order))
     assert max(len(r.block_ids) for r in live) > 16                 # the table's columns grew
-    assert len(copies._table) < 4 * len(live) + 64                 # and its rows stayed bounded
+    assert len(copies._blocks.arrays[0]) < 4 * len(live) + 64    # and its rows stayed bounded

@@ -65,7 +65,7 @@ class ModelRunner:
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
-        self.host_copies = HostCopies()      # int32 copies of the requests' block ids and tokens, across steps
+        self.host_copies = HostCopies()      # what steps read of the requests, kept across steps
         self.tp_size = engine_config.tensor_parallel_size
         engine_config.check_tensor_parallel(model_config, self.device)
         t0 = time.perf_counter()
