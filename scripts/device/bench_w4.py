@@ -9,9 +9,9 @@ the weights come from HBM, not L2. GB/s counts the weight bytes read (4-bit: wor
 "dequant+cuBLAS >=" is cuBLAS bf16 plus writing the bf16 weight at copy speed: the least the
 dequantize-then-cuBLAS path can cost.
 
-decode: `preset:qwen3-4b` bf16, and the same weights quantized to AWQ 4-bit group 128 by
-`quant/quantize.py` (on the GPU) into /tmp; batch-1 ms per token of `LLM.generate` (32 tokens in, 128
-out, ignore_eos) and the decode graph's replay time.
+decode: `preset:qwen3-4b` (or each preset of --models / W4_MODELS) bf16, and the same weights quantized to
+AWQ 4-bit group 128 by `quant/quantize.py` (on the GPU) into /tmp; batch-1 ms per token of `LLM.generate`
+(32 tokens in, 128 out, ignore_eos) and the decode graph's replay time.
 
 Usage: python scripts/device/bench_w4.py {micro,decode} --out DIR   (results: DIR/w4_<stage>.json)
 """
@@ -172,15 +172,17 @@ def decode_ms(model: str, label: str) -> dict:
     return row
 
 
-def decode(out_dir: str) -> list[dict]:
+def decode(out_dir: str, models: list[str]) -> list[dict]:
     sys.path.insert(0, os.path.dirname(__file__))
     from tokenmill.models.presets import resolve_model_path
-    bf16 = resolve_model_path("preset:qwen3-4b", "bfloat16", 0)
-    awq = "/tmp/tokenmill-w4/qwen3-4b-awq-g128"
-    t0 = time.perf_counter()
-    quantize_preset(bf16, awq)
-    print(json.dumps({"quantize_s": time.perf_counter() - t0}), flush=True)
-    rows = [decode_ms(bf16, "qwen3-4b bf16"), decode_ms(awq, "qwen3-4b awq g128")]
+    rows = []
+    for model in models:
+        bf16 = resolve_model_path(f"preset:{model}", "bfloat16", 0)
+        awq = f"/tmp/tokenmill-w4/{model}-awq-g128"
+        t0 = time.perf_counter()
+        quantize_preset(bf16, awq)
+        print(json.dumps({"model": model, "quantize_s": time.perf_counter() - t0}), flush=True)
+        rows += [decode_ms(bf16, f"{model} bf16"), decode_ms(awq, f"{model} awq g128")]
     with open(os.path.join(out_dir, "w4_decode.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return rows
@@ -219,12 +221,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("stage", choices=("micro", "decode", "summary"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default=os.environ.get("W4_MODELS", "qwen3-4b"),
+                    help="decode: the presets, comma-separated (qwen3-4b,nanbeige4.1-3b)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.stage == "micro":
         micro(args.out)
     elif args.stage == "decode":
-        decode(args.out)
+        decode(args.out, args.models.split(","))
     else:
         text = summary(args.out)
         with open(os.path.join(args.out, "SUMMARY-w4.md"), "w") as f:
