@@ -7,6 +7,8 @@
 #   mkdir -p .ab_old && git archive "$OLD" src | tar x -C .ab_old && echo /.ab_old/ >> .git/info/exclude
 # then, on the GPU machine, from the repository root (carry .ab_old with the tree):
 #   OLD=<old commit> NEW=<this commit> [MODEL=qwen3-4b] [LEVELS=64,256] bash scripts/device/ab_mixed.sh
+# ENGINE_ARGS: more engine arguments for the simulation, key=value (e.g. "quantization=fp8
+# kv_cache_dtype=fp8"); PARTS: "attention sim" (default) or either alone.
 # Results under $OUT/mixed (sim JSON with the kernel tables, logs); the tables print last.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -17,6 +19,8 @@ LEVELS=${LEVELS:-64,256}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
 PROFILE_LEVELS=${PROFILE_LEVELS:-64,256}
 SIDES=${SIDES:-"old new"}
+ENGINE_ARGS=${ENGINE_ARGS:-}
+PARTS=${PARTS:-"attention sim"}
 [ -d .ab_old/src ] || { echo "no .ab_old/src: see the head of this script" >&2; exit 2; }
 base=${PYTHONPATH#"$PWD/src"}
 RES="$OUT/mixed"
@@ -25,13 +29,16 @@ python -m tokenmill.bench prepare --model "preset:$MODEL" > "$RES/prepare.log" 2
 src_of() { if [ "$1" = old ]; then echo "$PWD/.ab_old/src"; else echo "$PWD/src"; fi; }
 commit_of() { if [ "$1" = old ]; then echo "$OLD"; else echo "$NEW"; fi; }
 for side in $SIDES; do
+  case " $PARTS " in *" attention "*) ;; *) break ;; esac
   PYTHONPATH="$(src_of $side)$base" python lab/mixed_attention_bench.py --label "$side $(commit_of $side)" \
     >> "$RES/attention.md" 2> "$RES/attention-$side.log" || tail -5 "$RES/attention-$side.log"
 done
 for side in $SIDES; do
+  case " $PARTS " in *" sim "*) ;; *) break ;; esac
+  # shellcheck disable=SC2086
   TOKENMILL_GIT_COMMIT=$(commit_of $side) PYTHONPATH="$(src_of $side)$base" python lab/concurrency_sim.py \
     "preset:$MODEL" --levels "$LEVELS" --num-prompts "$NUM_PROMPTS" --profile-levels "$PROFILE_LEVELS" \
-    --label "$side" --out "$RES" max_num_seqs=256 > "$RES/sim-$side.md" 2> "$RES/sim-$side.log" \
+    --label "$side" --out "$RES" max_num_seqs=256 $ENGINE_ARGS > "$RES/sim-$side.md" 2> "$RES/sim-$side.log" \
     || tail -20 "$RES/sim-$side.log"
 done
 echo "## attention alone, one layer (us per call)"; cat "$RES/attention.md"

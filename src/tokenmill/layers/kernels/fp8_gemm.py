@@ -7,10 +7,12 @@ All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_r
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
 the products run on the FP8 tensor cores.
 
-- Up to `ROWS_MAX` input rows (decode batches): `_fp8_rows_kernel`, the weight rows on the tensor cores'
-  wide side and the input rows on the narrow one, the K steps split over enough programs to fill the
-  SMs; per-channel or block scales. On an H200 it took 0.03-0.89x the time of the paths below at 2-64 rows
-  and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
+- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests):
+  `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and the input rows, in blocks of 64,
+  on the narrow one, the K steps split over enough programs to fill the SMs; per-channel or block
+  scales. On an H200 it took 0.03-0.89x the time of the paths below at 2-64 rows, 0.71-1.02x
+  `_scaled_mm`'s at 128-192 (0.85-0.86x over a layer's four products) and 0.57-0.93x bf16's at 2-16
+  (qwen3-4b shapes, docs/BENCHMARKS.md); from 256 rows on `_scaled_mm` is faster.
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - More rows, block scales: the layer dequantized to the activation dtype and multiplied there (the rowwise
@@ -31,7 +33,7 @@ from tokenmill.layers.kernels import split_k
 from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
 
-ROWS_MAX = 64
+ROWS_MAX = 192
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -43,28 +45,31 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 @dataclass(frozen=True)
 class Fp8RowsTile:
-    """`_fp8_rows_kernel`: a program multiplies block_n weight rows by the input rows (up to 64, padded to a
-    power of two of at least 16 columns) on the tensor cores, walking K in block_k steps with num_stages of
-    them in flight; split_k programs share a row block's K steps."""
+    """`_fp8_rows_kernel`: a program multiplies block_n weight rows by up to block_m input rows (padded to a
+    power of two of at least 16) on the tensor cores, walking K in block_k steps with num_stages of them
+    in flight; split_k programs share a tile's K steps."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int
+    block_m: int = 64
 
 
-def rows_tile(n: int, block: tuple[int, int], device: torch.device) -> Fp8RowsTile | None:
-    """The tile of an n-row weight with scale blocks `block` ((1, K) per channel), or None where block
-    scales admit none: 64 weight rows (the tensor cores' narrowest side with FP8) by 128 columns, fewer
-    where a block is smaller, four steps in flight, and the K steps split so that the row blocks' programs
-    fill the SMs about once (the fastest of the tiles measured at 2-64 rows on an H200)."""
+def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) -> Fp8RowsTile | None:
+    """The tile of an n-row weight with scale blocks `block` ((1, K) per channel) for m input rows, or
+    None where block scales admit none: 64 weight rows (the tensor cores' narrowest side with FP8) by 128
+    columns, fewer where a block is smaller, four steps in flight, input rows in blocks of 64, and the K
+    steps split so that the tiles' programs fill the SMs about once (the fastest of the tiles measured at
+    2-64 rows on an H200, and within 0-16% of the fastest of 18 at 128-192)."""
     block_n, block_k = 64, 128
     if block[0] != 1:
         block_n = next((b for b in (64, 32, 16) if block[0] % b == 0), None)
         block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
         if block_n is None or block_k is None:
             return None
-    return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), triton.cdiv(n, block_n))))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
+    return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), tiles)))
 
 
 @triton.jit
@@ -75,11 +80,14 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
                      HAS_BIAS: tl.constexpr):
     # W8A8: out[m, n] = sum over k of xq[m, k] * w[n, k] times the scales of (m, k) and (n, k), as
     # tl.dot(w [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores'
-    # 64-row side and the few input rows the narrow one. Program (p, s): rows p * BLOCK_N ..., split s of
-    # the K steps (`split_k`).
+    # 64-row side and the input rows the narrow one. Program (p, s): tile p (its input row blocks the
+    # fastest, so that the programs sharing a weight row block run together and read it once from HBM),
+    # split s of the K steps (`split_k`).
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    n_block = pid // m_blocks
+    rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_K)
     row_mask, m_mask = rows < N, m < M
     k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
@@ -93,11 +101,11 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
         # each step's product added in float32: Hopper's FP8 tensor cores accumulate with fewer bits
         step = tl.dot(w, xq)
         if BLOCK_SCALE:   # a row block lies within one scale row and a step within one scale column
-            step *= tl.load(s_ptr + (pid * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK) * \
+            step *= tl.load(s_ptr + (n_block * BLOCK_N // SCALE_BN) * s_stride + k0 // SCALE_BK) * \
                 tl.load(xs_ptr + m * xs_stride + k0 // SCALE_BK, mask=m_mask, other=0.0)[None, :]
         acc += step
     acc, out_mask = split_k.gather(acc, row_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, rows, m, N,
-                                   BLOCK_M, SPLIT)
+                                   m_blocks * BLOCK_M, SPLIT)
     if not BLOCK_SCALE:
         acc *= tl.load(xs_ptr + m, mask=m_mask, other=0.0)[None, :] * \
             tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
@@ -109,12 +117,10 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              bias: torch.Tensor | None = None, tile: Fp8RowsTile | None = None) -> torch.Tensor:
-    """x [M <= ROWS_MAX, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per
-    row (`quantize_rows`) for per-channel scales, per row and block of columns for block scales."""
+    """x [M, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per row
+    (`quantize_rows`) for per-channel scales, per row and block of columns for block scales."""
     M, K = x.shape
     N = weight.shape[0]
-    if M > ROWS_MAX:
-        raise ValueError(f"fp8_rows takes at most {ROWS_MAX} rows, got {M}")
     if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"fp8_rows needs an FP8 weight [N, {K}] with unit column stride; got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -122,7 +128,7 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError(f"fp8_rows: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
                          f"{tuple(weight.shape)} with block {block}")
     block_scale = block != (1, K)
-    tile = tile or rows_tile(N, block, x.device)
+    tile = tile or rows_tile(N, block, x.device, M)
     if tile is None or block_scale and (block[0] % tile.block_n or block[1] % tile.block_k):
         raise ValueError(f"fp8_rows: {tile} does not fit within scale blocks of {block}")
     if M == 0:
@@ -130,10 +136,11 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
     # dynamic per-token-group scheme), per-channel ones one per row
     xq, x_scale = quantize_rows(x, block[1] if block_scale else None)
-    block_m = max(16, triton.next_power_of_2(M))
-    blocks = triton.cdiv(N, tile.block_n)
+    block_m = min(tile.block_m, max(16, triton.next_power_of_2(M)))
+    m_blocks = triton.cdiv(M, block_m)
+    blocks = triton.cdiv(N, tile.block_n) * m_blocks
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part, count = split_k.scratch(x.device, tile.split_k, N, block_m, blocks)
+    part, count = split_k.scratch(x.device, tile.split_k, N, m_blocks * block_m, blocks)
     _fp8_rows_kernel[(blocks, tile.split_k)](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
         x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k,
@@ -195,7 +202,7 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
-    tile = rows_tile(weight.shape[0], block, x.device) if x.shape[0] <= ROWS_MAX else None
+    tile = rows_tile(weight.shape[0], block, x.device, x.shape[0]) if x.shape[0] <= ROWS_MAX else None
     if tile is not None:
         return fp8_rows(x, weight, scale, block, bias, tile)
     return fp8_linear_many(x, weight, scale, block, bias)

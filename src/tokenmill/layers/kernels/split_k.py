@@ -32,27 +32,29 @@ def k_range(K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def gather(acc, out_mask, part_ptr, count_ptr, rows, m, N, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
-    """The row block's whole sums [BLOCK_N, BLOCK_M] and the mask of the outputs this program stores:
-    `out_mask` in the last split to arrive, nothing in the others. `part_ptr`: float32 [SPLIT, N, BLOCK_M]."""
+def gather(acc, out_mask, part_ptr, count_ptr, rows, m, N, WIDTH, SPLIT: tl.constexpr):
+    """The tile's whole sums [BLOCK_N, BLOCK_M] (weight rows `rows`, input rows `m`) and the mask of the
+    outputs this program stores: `out_mask` in the last split to arrive, nothing in the others.
+    `part_ptr`: float32 [SPLIT, N, WIDTH], WIDTH covering every input row of the launch; one arrival
+    counter per tile (program_id(0))."""
     if SPLIT > 1:
         pid = tl.program_id(0)
-        tile = rows.to(tl.int64)[:, None] * BLOCK_M + m[None, :]
-        tl.store(part_ptr + tl.program_id(1) * N * BLOCK_M + tile, acc, mask=out_mask)
+        tile = rows.to(tl.int64)[:, None] * WIDTH + m[None, :]
+        tl.store(part_ptr + tl.program_id(1) * N * WIDTH + tile, acc, mask=out_mask)
         tl.debug_barrier()
         last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
         out_mask &= last
         acc = tl.zeros(acc.shape, tl.float32)
         for i in range(SPLIT):
-            acc += tl.load(part_ptr + i * N * BLOCK_M + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            acc += tl.load(part_ptr + i * N * WIDTH + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + pid, 0, mask=last)
     return acc, out_mask
 
 
-def scratch(device: torch.device, split: int, n: int, block_m: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part, counters) for a launch of `split` splits over `blocks` row blocks of an n-row product (with
-    one split, placeholders the kernel does not read)."""
+def scratch(device: torch.device, split: int, n: int, width: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part, counters) for a launch of `split` splits over `blocks` tiles of an n-row product whose input
+    rows fit in `width` (with one split, placeholders the kernel does not read)."""
     if split == 1:
         part = torch.empty(1, dtype=torch.float32, device=device)
         return part, part
-    return torch.empty((split, n, block_m), dtype=torch.float32, device=device), counters(device, blocks)
+    return torch.empty((split, n, width), dtype=torch.float32, device=device), counters(device, blocks)
