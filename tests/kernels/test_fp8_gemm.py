@@ -260,7 +260,7 @@ def test_fp8_model_decodes_through_the_single_token_products(tmp_path, save_tiny
     def fused(x, weight, bias=None, **kwargs):
         calls.append((weight.dtype, kwargs.get("weight_block"), kwargs.get("silu", False),
                       kwargs.get("ids") is not None))
-        return gemv.fused_linear(x, weight, bias, tile=WholeRowTile(16, 4, 1), **kwargs)
+        return gemv.fused_linear(x, weight, bias, tile=WholeRowTile(64, 4, 1), **kwargs)
 
     class SingleToken(TorchBackend):
         def single_token_linear(self, input_ids):
