@@ -59,6 +59,20 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
         assert not split_k._COUNTERS[got.device].any()
 
 
+def test_block_scaled_products_take_the_w8a8_kernel_above_rows_max():
+    """Block-scaled weights have no `_scaled_mm` path: above ROWS_MAX rows `fp8_linear` still runs
+    `fp8_rows` (input rows in blocks of 64, the activations quantized per row and 128 columns), not the
+    dequantized layer, whose unrounded activations miss the W8A8 reference by whole percents."""
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_torch
+    q, s, blk, _ = layer(200, 448, (128, 128), False)
+    x = torch.randn(ROWS_MAX + 9, 448, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want = w8a8_reference(x, q, s, blk)
+    got = fp8_linear(x, q, s, blk)
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
+    assert (fp8_linear_torch(x, q, s, blk) - want).abs().max() > 100 * tol
+
+
 def test_few_row_product_refuses_misfit_scales():
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, rows_tile
     q, s, blk, _ = layer(64, 64, None, False)
@@ -285,20 +299,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
                                        (6144, 2560, (128, 128)), (2560, 9728, (128, 128))])
 def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
     """Every path of `fp8_linear` against the dequantized float32 product: the W8A8 paths (the few-row
-    kernel up to ROWS_MAX rows, `_scaled_mm` above, per channel) within the activations' FP8 rounding
-    (checked against the product of the quantized activations, and loosely against the unrounded one);
-    block scales above ROWS_MAX rows (dequantized, bf16) within bf16 rounding."""
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear
+    kernel up to ROWS_MAX rows and with block scales at every row count, `_scaled_mm` above ROWS_MAX per
+    channel) within the activations' FP8 rounding (checked against the product of the quantized
+    activations, and loosely against the unrounded one)."""
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear
     q, s, blk, _ = layer(n, k, block, False)
     x = torch.randn(rows, k, device="cuda").bfloat16()
     got = fp8_linear(x, q, s, blk).float()
     exact = x.float() @ fp8.dequantize(q, s, blk).t()
     scale = exact.abs().mean()
-    if block is not None and rows > ROWS_MAX:
-        assert (got - exact).abs().max() / scale < 0.05
-    else:
-        assert (got - w8a8_reference(x, q, s, blk)).abs().max() / scale < 0.05
-        assert (got - exact).abs().mean() / scale < 0.1
+    assert (got - w8a8_reference(x, q, s, blk)).abs().max() / scale < 0.05
+    assert (got - exact).abs().mean() / scale < 0.1
 
 
 @gpu

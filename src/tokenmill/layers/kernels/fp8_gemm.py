@@ -7,16 +7,19 @@ All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_r
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
 the products run on the FP8 tensor cores.
 
-- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests):
-  `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and the input rows, in blocks of 64,
-  on the narrow one, the K steps split over enough programs to fill the SMs; per-channel or block
-  scales. On an H200 it took 0.03-0.89x the time of the paths below at 2-64 rows, 0.71-1.02x
-  `_scaled_mm`'s at 128-192 (0.85-0.86x over a layer's four products) and 0.57-0.93x bf16's at 2-16
-  (qwen3-4b shapes, docs/BENCHMARKS.md); from 256 rows on `_scaled_mm` is faster.
+- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests), and with
+  block scales at every row count: `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and
+  the input rows, in blocks of 64, on the narrow one, the K steps split over enough programs to fill the
+  SMs. On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64
+  rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at
+  256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md). Block scales take it at every row
+  count: the rowwise `_scaled_mm` cannot apply a scale that changes along K, and the one other way,
+  dequantizing the layer for each product, cost 118-512 us a product (qwen3-4b's, at 16-64 rows): with
+  bf16's product added, six to eight times `fp8_rows`' per-channel time at 512 rows.
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
-- More rows, block scales: the layer dequantized to the activation dtype and multiplied there (the rowwise
-  `_scaled_mm` cannot apply a scale that changes along K).
+- Block scales that no tile fits (blocks of fewer than 16 weight rows or 32 columns): the layer
+  dequantized to the activation dtype and multiplied there.
 
 `fp8_linear_torch` (dequantize, then `F.linear`) is the reference the kernels are tested against.
 """
@@ -72,7 +75,10 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
     return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), tiles)))
 
 
-@triton.jit
+# M unspecialized: an eager step of any row count reuses the variant that a CUDA graph of the same tile
+# compiled (input rows in blocks of 64 and one split, as block-scaled products of a few hundred rows and
+# more run)
+@triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
                      xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -202,16 +208,17 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
-    tile = rows_tile(weight.shape[0], block, x.device, x.shape[0]) if x.shape[0] <= ROWS_MAX else None
-    if tile is not None:
-        return fp8_rows(x, weight, scale, block, bias, tile)
+    if x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight, block):
+        tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
+        if tile is not None:
+            return fp8_rows(x, weight, scale, block, bias, tile)
     return fp8_linear_many(x, weight, scale, block, bias)
 
 
 def fp8_linear_many(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product `fp8_linear` takes above ROWS_MAX rows (at any row count): `_scaled_mm` with per-channel
-    scales, else the dequantized layer."""
+    """The product `fp8_linear` takes where `fp8_rows` does not (at any row count): `_scaled_mm` with
+    per-channel scales, else the dequantized layer."""
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
