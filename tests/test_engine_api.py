@@ -316,6 +316,30 @@ def test_tokenizer_decode_equals_transformers_decode(qwen3_dir, tmp_path):
     assert not _tokenizer_with_clean_up(qwen3_dir, tmp_path)._rust_decode
 
 
+def test_tokenizer_encode_batch_equals_encode(qwen3_dir, tmp_path):
+    """Tokenizer.encode_batch (one call of the Rust tokenizer for many texts, what the API server encodes a
+    burst of prompts with) gives each text transformers' `encode` ids, with and without special tokens,
+    for the test tokenizer and the bundled model's; one whose tokenizer.json truncates goes through
+    transformers (which turns the truncation off), not the Rust call."""
+    from tokenmill.tiny import bundled_model_path
+    texts = ["Hello world!", "", "  spaces\n\n\ttabs  ", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+             "从前有一座山，山上有一座庙。 😀", "It's 2024: don't I'LL we've " * 20]
+    for path in (qwen3_dir, bundled_model_path()):
+        tok = Tokenizer(path)
+        for flag in (True, False):
+            assert tok.encode_batch(texts, flag) == [tok.hf.encode(t, add_special_tokens=flag) for t in texts]
+    for name in os.listdir(qwen3_dir):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    truncating = Tokenizer(str(tmp_path))
+    assert truncating.hf._tokenizer.truncation is not None
+    assert truncating.encode_batch(texts[-1:], False) == [Tokenizer(qwen3_dir).encode(texts[-1], False)]
+    assert len(truncating.encode_batch(texts[-1:], False)[0]) > 4
+
+
 def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
     """The detokenizer steps the Rust tokenizer's DecodeStream, one call a token: its released text, token
     by token, and its final text (pending bytes flushed as U+FFFD) must equal the two-window decode that a

@@ -140,6 +140,50 @@ def test_tokenization_runs_off_the_event_loop():
     assert ticks >= 20                  # the loop kept running while the tokenizer worked
 
 
+def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
+    """Prompts that arrive while the tokenizer thread works wait for it together: 30 at once, after a first
+    one, take batches of at most `_encode_batch_max` (10 here) texts, each add_special_tokens flag apart,
+    not 30 calls; every request gets its own text's ids, and a text the tokenizer refuses fails its
+    request only."""
+    from tokenmill.server.serving import Serving
+
+    class BatchTokenizer:
+        calls: list[int] = []
+
+        def encode(self, text, add_special_tokens=True):
+            if text == "bad":
+                raise ValueError("cannot encode 'bad'")
+            return [len(text), int(add_special_tokens)]
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            self.calls.append(len(texts))
+            time.sleep(0.2)
+            return [self.encode(t, add_special_tokens) for t in texts]
+
+    class Engine:
+        tokenizer = BatchTokenizer()
+        max_model_len = 1000
+
+    serving = Serving(Engine(), ["m"], 10)
+    serving._encode_batch_max = 10
+    texts = ["x" * (i + 1) for i in range(29)]
+
+    async def main():
+        first = asyncio.ensure_future(serving.encode("first", True))
+        await asyncio.sleep(0.05)            # the tokenizer thread is busy with it
+        rest = [serving.encode(t, i % 2 == 0) for i, t in enumerate(texts)]
+        got = await asyncio.gather(first, *rest, serving.encode("bad", True), return_exceptions=True)
+        return got
+    got = asyncio.run(main())
+    assert got[0] == [5, 1]
+    assert got[1:-1] == [[i + 1, int(i % 2 == 0)] for i in range(29)]
+    assert isinstance(got[-1], ValueError) and "bad" in str(got[-1])
+    calls = BatchTokenizer.calls
+    # the first alone, then three batches of 10, each split by flag (the bad text's group once more by
+    # `encode`, one text at a time)
+    assert calls[0] == 1 and sum(calls) == 31 and max(calls[1:]) <= 10 and len(calls) <= 7
+
+
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):
     # 512-token context: a prompt of 400,000 characters cannot fit whatever the tokenizer does
     r = _post(guarded, "/v1/completions", {"prompt": "ab" * 20_000, "max_tokens": 1})

@@ -38,6 +38,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call of the Rust tokenizer where there is one (it spreads the
+        texts over the cores; transformers' fast tokenizers encode through that same call, with the
+        truncation and padding of tokenizer.json, if any, turned off first, so those go through
+        transformers)."""
+        rust = getattr(self.hf, "_tokenizer", None)
+        if rust is None or rust.truncation is not None or rust.padding is not None:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [e.ids for e in rust.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._rust_decode:
             return self.hf._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,11 @@ class Serving:
         # never stalls other clients (or /health). One thread: a Hugging Face fast tokenizer must
         # not be used from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._to_encode: list[tuple[str, bool, asyncio.Future]] = []
+        self._encoding, self._encoder = False, None
+        # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
+        # holding the first of a burst back until the whole burst is encoded
+        self._encode_batch_max = 4 * (os.cpu_count() or 1)
         vocab = getattr(getattr(self.tokenizer, "hf", None), "get_vocab", None)
         self._max_token_chars = max((len(t) for t in vocab()), default=0) if vocab else 0
         self.chat_template = chat.chat_template
@@ -128,8 +134,59 @@ class Serving:
                                 f"{per_token}).", param, "context_length_exceeded")
 
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """The text's ids. Texts that arrive while the tokenizer thread is busy wait for it together and
+        are then encoded in `encode_batch` calls of a few texts a core, which spread them over the cores:
+        a burst of requests is tokenized in batches, not one by one."""
         self._check_chars(text, param)
-        return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._to_encode.append((text, add_special_tokens, done))
+        if not self._encoding:
+            self._encoding = True
+            self._encoder = loop.create_task(self._encode_waiting())     # held: the loop keeps weak ones
+        return await done
+
+    async def _encode_waiting(self) -> None:
+        """Encodes what waits, batch after batch, until nothing does (`_to_encode` changes on the loop only)."""
+        try:
+            while self._to_encode:
+                cut = self._encode_batch_max
+                batch, self._to_encode = self._to_encode[:cut], self._to_encode[cut:]
+                try:
+                    results = await self._off_loop(self._encode_batch, [(t, a) for t, a, _ in batch])
+                except asyncio.CancelledError:
+                    self._to_encode = batch + self._to_encode
+                    raise
+                except Exception as e:                # the pool itself failed: every waiter hears of it
+                    results = [e] * len(batch)
+                for (_, _, done), ids in zip(batch, results):
+                    if done.done():                   # its request was cancelled meanwhile
+                        continue
+                    if isinstance(ids, BaseException):
+                        done.set_exception(ids)
+                    else:
+                        done.set_result(ids)
+        finally:
+            self._encoding = False       # what still waits (after a cancellation) goes with the next call
+
+    def _encode_batch(self, items: list[tuple[str, bool]]) -> list:
+        """Each text's ids (or the error encoding it raised), one `encode_batch` per add_special_tokens."""
+        out: list = [None] * len(items)
+        batched = getattr(self.tokenizer, "encode_batch", None)
+        for flag in {a for _, a in items}:
+            index = [i for i, (_, a) in enumerate(items) if a == flag]
+            try:
+                if batched is None:
+                    raise NotImplementedError
+                for i, ids in zip(index, batched([items[i][0] for i in index], flag)):
+                    out[i] = ids
+            except Exception:                        # one by one: a bad text fails alone
+                for i in index:
+                    try:
+                        out[i] = self.tokenizer.encode(items[i][0], add_special_tokens=flag)
+                    except Exception as e:
+                        out[i] = e
+        return out
 
     async def decode(self, ids: list[int]) -> str:
         return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
