@@ -85,7 +85,8 @@ class Serving:
         self._encoding, self._encoder = False, None
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
         # holding the first of a burst back until the whole burst is encoded
-        self._encode_batch_max = 4 * (os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._encode_batch_max = 4 * cores
         vocab = getattr(getattr(self.tokenizer, "hf", None), "get_vocab", None)
         self._max_token_chars = max((len(t) for t in vocab()), default=0) if vocab else 0
         self.chat_template = chat.chat_template
