@@ -7,6 +7,9 @@
 #   gemm   a split-K W8A8 GEMM with the input rows on the wide side against _scaled_mm at 256-1,024 rows
 #          (lab/fp8_mid_rows.py --gemm)
 #   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py)
+#   offline  preset:qwen3-4b written as Qwen's block-wise FP8 checkpoint (write_fp8_block.py), the default
+#          offline workload on it with each tree of SIDES ("old new"; old: .ab_old/src, e.g. e390365's,
+#          where block scales dequantized the layer above 192 rows), and bf16 beside them
 #   OUT=/path STAGES="tests block gemm" bash scripts/device/fp8_mid_rows.sh
 # Tables under $OUT (fp8_block_rows.md, fp8_gemm_split.md, fp8_mid_rows.md), printed last.
 set -uo pipefail
@@ -25,10 +28,24 @@ for stage in $STAGES; do
              || { status=1; tail -20 "$OUT/gemm.log"; } ;;
     rows)  python lab/fp8_mid_rows.py --rows 128,192,256,384,512 --out "$OUT" > "$OUT/rows.log" 2>&1 \
              || { status=1; tail -20 "$OUT/rows.log"; } ;;
+    offline)
+      block=/tmp/tokenmill-fp8-block/qwen3-4b
+      python scripts/device/write_fp8_block.py preset:qwen3-4b "$block" > "$OUT/write_block.log" 2>&1 \
+        || { status=1; tail -20 "$OUT/write_block.log"; continue; }
+      base=${PYTHONPATH#"$PWD/src"}
+      for side in bf16 ${SIDES:-old new}; do
+        src=$PWD/src model=$block
+        [ "$side" = old ] && src=$PWD/.ab_old/src
+        [ "$side" = bf16 ] && model=preset:qwen3-4b
+        PYTHONPATH="$src$base" python -m tokenmill.bench throughput --model "$model" --backend tokenmill \
+          --dataset random --num-prompts 256 --input-len-range 100,1024 --output-len-range 100,1024 --seed 0 \
+          --no-progress --output-dir "$OUT/offline" --name "$side" > "$OUT/offline-$side.log" 2>&1
+        echo "offline $side: $(grep '^| tokenmill' "$OUT/offline/$side.md" 2>/dev/null || echo FAILED)" | tee -a "$OUT/offline.md"
+      done ;;
   esac
   echo "stage $stage: $((SECONDS - t0)) s"
 done
-for f in fp8_block_rows.md fp8_gemm_split.md fp8_mid_rows.md; do
+for f in fp8_block_rows.md fp8_gemm_split.md fp8_mid_rows.md offline.md; do
   [ -f "$OUT/$f" ] && { echo; echo "## $f"; cat "$OUT/$f"; }
 done
 echo; echo "commit $TOKENMILL_GIT_COMMIT, stages \"$STAGES\", exit $status"
