@@ -9,7 +9,8 @@
 #   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py)
 #   offline  preset:qwen3-4b written as Qwen's block-wise FP8 checkpoint (write_fp8_block.py), the default
 #          offline workload on it with each tree of SIDES ("old new"; old: .ab_old/src, e.g. e390365's,
-#          where block scales dequantized the layer above 192 rows), and bf16 beside them
+#          where block scales dequantized the layer above 192 rows: `git archive e390365 src | tar x -C
+#          .ab_old`, its src/tokenmill/assets removed to fit the carry), and bf16 beside them
 #   OUT=/path STAGES="tests block gemm" bash scripts/device/fp8_mid_rows.sh
 # Tables under $OUT (fp8_block_rows.md, fp8_gemm_split.md, fp8_mid_rows.md), printed last.
 set -uo pipefail
@@ -33,6 +34,8 @@ for stage in $STAGES; do
       python scripts/device/write_fp8_block.py preset:qwen3-4b "$block" > "$OUT/write_block.log" 2>&1 \
         || { status=1; tail -20 "$OUT/write_block.log"; continue; }
       base=${PYTHONPATH#"$PWD/src"}
+      # .ab_old may travel without the bundled model's files (the carry limit): this tree's serve for both
+      [ -d .ab_old/src/tokenmill ] && [ ! -d .ab_old/src/tokenmill/assets ] && cp -r src/tokenmill/assets .ab_old/src/tokenmill/
       for side in bf16 ${SIDES:-old new}; do
         src=$PWD/src model=$block
         [ "$side" = old ] && src=$PWD/.ab_old/src
