@@ -18,7 +18,7 @@ the products run on the FP8 tensor cores.
   bf16's product added, six to eight times `fp8_rows`' per-channel time at 512 rows.
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
-- Block scales that no tile fits (blocks of fewer than 16 weight rows or 32 columns): the layer
+- Block scales that no tile fits (blocks not a multiple of 16 weight rows and 32 columns): the layer
   dequantized to the activation dtype and multiplied there.
 
 `fp8_linear_torch` (dequantize, then `F.linear`) is the reference the kernels are tested against.
