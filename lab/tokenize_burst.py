@@ -1,5 +1,5 @@
 """The API server's tokenization under a burst: N chat requests arriving at once through
-`Serving.render_chat` (the chat template, then the prompt's encoding, off the event loop), with mixed-chat's
+`PromptTokenizer.render_chat` (the chat template, then the prompt's encoding, off the event loop), with mixed-chat's
 prompts and the benchmark tokenizer of a preset's vocabulary (what `profile_serve.sh` serves). Prints the
 time until every request has its ids and the mean and largest wait of one request, per burst size.
 
@@ -12,7 +12,6 @@ import asyncio
 import statistics
 import tempfile
 import time
-from types import SimpleNamespace
 
 
 def main() -> None:
@@ -23,15 +22,14 @@ def main() -> None:
     args = p.parse_args()
     from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
     from tokenmill.engine.tokenizer import Tokenizer
-    from tokenmill.server.serving import Serving
+    from tokenmill.server.prompts import PromptTokenizer
     cfg = {"vocab_size": 151936, "eos_token_id": 151645, "bos_token_id": None}
     tok = Tokenizer(write_tokenizer_dir(tempfile.mkdtemp(), 151936, cfg))
-    engine = SimpleNamespace(tokenizer=tok, max_model_len=40960, dead=False)
-    serving = Serving(engine, ["m"], 1 << 20)
+    prompts = PromptTokenizer(tok, 40960)
 
     async def one(text: str) -> float:
         t0 = time.perf_counter()
-        await serving.render_chat([{"role": "user", "content": text}], True)
+        await prompts.render_chat([{"role": "user", "content": text}], True)
         return time.perf_counter() - t0
 
     async def burst(texts: list[str]) -> tuple[float, list[float]]:

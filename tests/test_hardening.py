@@ -108,7 +108,7 @@ def test_chat_content_has_the_prompt_cap():
 
 
 def test_tokenization_runs_off_the_event_loop():
-    from tokenmill.server.serving import Serving
+    from tokenmill.server.prompts import PromptTokenizer
 
     class SlowTokenizer:
         def encode(self, text, add_special_tokens=True):
@@ -116,11 +116,8 @@ def test_tokenization_runs_off_the_event_loop():
             time.sleep(0.5)
             return [1] * len(text)
 
-    class Engine:
-        tokenizer = SlowTokenizer()
-        max_model_len = 1000
-
-    serving = Serving(Engine(), ["m"], 10)
+    tokenizer = SlowTokenizer()
+    prompts = PromptTokenizer(tokenizer, 1000)
 
     async def main():
         ticks = 0
@@ -131,21 +128,21 @@ def test_tokenization_runs_off_the_event_loop():
                 await asyncio.sleep(0.01)
                 ticks += 1
         t = asyncio.ensure_future(ticker())
-        ids = await serving.encode("abc", True)
+        ids = await prompts.encode("abc", True)
         t.cancel()
         return ids, ticks
     ids, ticks = asyncio.run(main())
     assert ids == [1, 1, 1]
-    assert Engine.tokenizer.thread is not threading.main_thread()
+    assert tokenizer.thread is not threading.main_thread()
     assert ticks >= 20                  # the loop kept running while the tokenizer worked
 
 
 def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     """Prompts that arrive while the tokenizer thread works wait for it together: 30 at once, after a first
-    one, take batches of at most `_encode_batch_max` (10 here) texts, each add_special_tokens flag apart,
+    one, take batches of at most `batch_max` (10 here) texts, each add_special_tokens flag apart,
     not 30 calls; every request gets its own text's ids, and a text the tokenizer refuses fails its
     request only."""
-    from tokenmill.server.serving import Serving
+    from tokenmill.server.prompts import PromptTokenizer
 
     class BatchTokenizer:
         calls: list[int] = []
@@ -160,19 +157,15 @@ def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
             time.sleep(0.2)
             return [self.encode(t, add_special_tokens) for t in texts]
 
-    class Engine:
-        tokenizer = BatchTokenizer()
-        max_model_len = 1000
-
-    serving = Serving(Engine(), ["m"], 10)
-    serving._encode_batch_max = 10
+    prompts = PromptTokenizer(BatchTokenizer(), 1000)
+    prompts.batch_max = 10
     texts = ["x" * (i + 1) for i in range(29)]
 
     async def main():
-        first = asyncio.ensure_future(serving.encode("first", True))
+        first = asyncio.ensure_future(prompts.encode("first", True))
         await asyncio.sleep(0.05)            # the tokenizer thread is busy with it
-        rest = [serving.encode(t, i % 2 == 0) for i, t in enumerate(texts)]
-        got = await asyncio.gather(first, *rest, serving.encode("bad", True), return_exceptions=True)
+        rest = [prompts.encode(t, i % 2 == 0) for i, t in enumerate(texts)]
+        got = await asyncio.gather(first, *rest, prompts.encode("bad", True), return_exceptions=True)
         return got
     got = asyncio.run(main())
     assert got[0] == [5, 1]

@@ -118,9 +118,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         if req.messages is not None:
             msgs = [m.for_template() for m in req.messages]
             tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-            _, ids = await serving.render_chat(msgs, req.add_generation_prompt is not False, **tools)
+            _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False, **tools)
         else:
-            ids = await serving.encode(req.prompt, req.add_special_tokens is not False)
+            ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
@@ -129,7 +129,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         if vocab_size is not None and any(t >= vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be below the vocabulary size {vocab_size}", "tokens")
         try:
-            text = await serving._off_loop(lambda: serving.tokenizer.decode(req.tokens, skip_special_tokens=False))
+            text = await serving.prompts.decode(req.tokens)
         except (OverflowError, ValueError, TypeError) as e:
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})

@@ -137,7 +137,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest):
         template_kwargs["tools"] = tools
     if req.continue_final_message:
         template_kwargs["continue_final_message"] = True
-    prompt_text, prompt = await serving.render_chat(req.chat_messages(), add_gen, **template_kwargs)
+    prompt_text, prompt = await serving.prompts.render_chat(req.chat_messages(), add_gen, **template_kwargs)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
     serving.check_room([prompt], params)

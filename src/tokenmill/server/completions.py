@@ -52,7 +52,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     serving.check_model(req.model)
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     texts = req.prompts()
-    prompts = [serving.check_prompt(await serving.encode(p, add_special) if isinstance(p, str) else p)
+    prompts = [serving.check_prompt(await serving.prompts.encode(p, add_special) if isinstance(p, str) else p)
                for p in texts]
     echo = bool(req.echo)
     prompt_only = req.max_tokens == 0      # echo alone: the engine computes one token, which is dropped
@@ -66,7 +66,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     async def echoed(i: int) -> str:
-        return texts[i] if isinstance(texts[i], str) else await serving.decode(prompts[i])
+        return texts[i] if isinstance(texts[i], str) else await serving.prompts.decode(prompts[i])
 
     echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
 
