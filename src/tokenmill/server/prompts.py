@@ -21,7 +21,7 @@ class PromptTokenizer:
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._to_encode: list[tuple[str, bool, asyncio.Future]] = []
-        self._encoding, self._encoder = False, None
+        self._encoder: asyncio.Task | None = None      # encoding what waits; held, as the loop keeps weak ones
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
         # holding the first of a burst back until the whole burst is encoded
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -51,33 +51,30 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._to_encode.append((text, add_special_tokens, done))
-        if not self._encoding:
-            self._encoding = True
-            self._encoder = loop.create_task(self._encode_waiting())     # held: the loop keeps weak ones
+        if self._encoder is None or self._encoder.done():
+            self._encoder = loop.create_task(self._encode_waiting())
         return await done
 
     async def _encode_waiting(self) -> None:
-        """Encodes what waits, batch after batch, until nothing does (`_to_encode` changes on the loop only)."""
-        try:
-            while self._to_encode:
-                cut = self.batch_max
-                batch, self._to_encode = self._to_encode[:cut], self._to_encode[cut:]
-                try:
-                    results = await self._off_loop(self._encode_batch, [(t, a) for t, a, _ in batch])
-                except asyncio.CancelledError:
-                    self._to_encode = batch + self._to_encode
-                    raise
-                except Exception as e:                # the pool itself failed: every waiter hears of it
-                    results = [e] * len(batch)
-                for (_, _, done), ids in zip(batch, results):
-                    if done.done():                   # its request was cancelled meanwhile
-                        continue
-                    if isinstance(ids, BaseException):
-                        done.set_exception(ids)
-                    else:
-                        done.set_result(ids)
-        finally:
-            self._encoding = False       # what still waits (after a cancellation) goes with the next call
+        """Encodes what waits, batch after batch, until nothing does (`_to_encode` changes on the loop only;
+        after a cancellation what still waits goes with the next call's task)."""
+        while self._to_encode:
+            cut = self.batch_max
+            batch, self._to_encode = self._to_encode[:cut], self._to_encode[cut:]
+            try:
+                results = await self._off_loop(self._encode_batch, [(t, a) for t, a, _ in batch])
+            except asyncio.CancelledError:
+                self._to_encode = batch + self._to_encode
+                raise
+            except Exception as e:                # the pool itself failed: every waiter hears of it
+                results = [e] * len(batch)
+            for (_, _, done), ids in zip(batch, results):
+                if done.done():                   # its request was cancelled meanwhile
+                    continue
+                if isinstance(ids, BaseException):
+                    done.set_exception(ids)
+                else:
+                    done.set_result(ids)
 
     def _encode_batch(self, items: list[tuple[str, bool]]) -> list:
         """Each text's ids (or the error encoding it raised), one `encode_batch` per add_special_tokens."""
@@ -85,18 +82,22 @@ class PromptTokenizer:
         batched = getattr(self.tokenizer, "encode_batch", None)
         for flag in {a for _, a in items}:
             index = [i for i, (_, a) in enumerate(items) if a == flag]
+            texts = [items[i][0] for i in index]
             try:
-                if batched is None:
-                    raise NotImplementedError
-                for i, ids in zip(index, batched([items[i][0] for i in index], flag)):
-                    out[i] = ids
-            except Exception:                        # one by one: a bad text fails alone
-                for i in index:
-                    try:
-                        out[i] = self.tokenizer.encode(items[i][0], add_special_tokens=flag)
-                    except Exception as e:
-                        out[i] = e
+                results = batched(texts, flag) if batched is not None else None
+            except Exception:                        # then one by one: a bad text fails alone
+                results = None
+            if results is None:
+                results = [self._encode_one(t, flag) for t in texts]
+            for i, ids in zip(index, results):
+                out[i] = ids
         return out
+
+    def _encode_one(self, text: str, add_special_tokens: bool):
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:
+            return e
 
     async def decode(self, ids: list[int]) -> str:
         return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))

@@ -12,10 +12,10 @@ the products run on the FP8 tensor cores.
   the input rows, in blocks of 64, on the narrow one, the K steps split over enough programs to fill the
   SMs. On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64
   rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at
-  256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md). Block scales take it at every row
-  count: the rowwise `_scaled_mm` cannot apply a scale that changes along K, and the one other way,
-  dequantizing the layer for each product, cost 118-512 us a product (qwen3-4b's, at 16-64 rows): with
-  bf16's product added, six to eight times `fp8_rows`' per-channel time at 512 rows.
+  256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md). Block scales take it
+  at every row count: the rowwise `_scaled_mm` cannot apply a scale that changes along K, and the one
+  other way, dequantizing the layer for each product, cost 118-512 us a product (qwen3-4b's, at 16-64
+  rows): with bf16's product added, six to eight times `fp8_rows`' per-channel time at 512 rows.
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - Block scales that no tile fits (blocks not a multiple of 16 weight rows and 32 columns): the layer
@@ -37,6 +37,7 @@ from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
 
 ROWS_MAX = 192
+ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -56,7 +57,7 @@ class Fp8RowsTile:
     num_warps: int
     num_stages: int
     split_k: int
-    block_m: int = 64
+    block_m: int = ROWS_BLOCK_M
 
 
 def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) -> Fp8RowsTile | None:
@@ -71,7 +72,7 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
         block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
         if block_n is None or block_k is None:
             return None
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, ROWS_BLOCK_M)
     return Fp8RowsTile(block_n, block_k, 4, 4, max(1, triton.cdiv(_num_sms(device), tiles)))
 
 
