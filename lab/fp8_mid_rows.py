@@ -6,12 +6,12 @@ input first.
     python lab/fp8_mid_rows.py --out DIR [--rows 64,128,...] [--models qwen3-4b,nanbeige4.1-3b]
                                            DIR/fp8_mid_rows.md (also printed), DIR/fp8_mid_rows.json
 
-    python lab/fp8_mid_rows.py --block --rows 256,2048,8192 --out DIR      DIR/fp8_block_rows.md: 128 x 128
-        block scales, `fp8_rows` against the dequantized layer and bf16
+    python lab/fp8_mid_rows.py --block --rows 128,256,2048,8192 --out DIR  DIR/fp8_block_rows.md: 128 x 128
+        block scales, `fp8_block_gemm` (at BLOCK_GEMM_TILES too) and `fp8_rows` against the dequantized
+        layer and bf16
 
-    python lab/fp8_mid_rows.py --gemm --rows 256,384,512,1024 --out DIR     DIR/fp8_gemm_split.md: a W8A8 GEMM
-        with the input rows on the tensor cores' wide side and K split (`_gemm_kernel`, GEMM_TILES, the
-        tensor cores' accumulation or float32 steps) against `_scaled_mm`, qwen3-4b's products
+(The per-channel split-K W8A8 GEMM that `--gemm` timed against `_scaled_mm` is at commit 266464b; it lost,
+docs/BENCHMARKS.md.)
 
 On the CPU (`TRITON_INTERPRET=1`, `--check`) it only checks the kernels on small shapes.
 """
@@ -24,10 +24,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-from tokenmill.layers.kernels import split_k
 
 SHAPES = {"qwen3-4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
           "nanbeige4.1-3b": {"qkv": (3584, 2560), "o_proj": (2560, 2560), "gate_up": (20992, 2560),
@@ -39,109 +35,9 @@ TILES = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 
          (64, 64, 256, 4, 3), (128, 64, 128, 8, 4))
 
 
-# --gemm: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemm_kernel`, each at split 1, the split
-# that fills the SMs once, and twice that; with the tensor cores' own accumulation and with each step's
-# product added in float32
-GEMM_TILES = ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
-              (64, 256, 128, 8, 3))
-
-
-@triton.jit
-def _gemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, w_stride,
-                 out_stride, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, FAST_ACC: tl.constexpr):
-    # W8A8 per channel, the input rows on the tensor cores' wide side (`fp8_rows` puts the weight rows
-    # there); tile p: its input row blocks the fastest; split s of the K steps, gathered as in fp8_rows
-    # with the roles of the two sides swapped (part [SPLIT, M, N])
-    pid = tl.program_id(0)
-    m_blocks = tl.cdiv(M, BLOCK_M)
-    rm = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid // m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask, n_mask = rm < M, rn < N
-    k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
-    a_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * x_stride
-    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * w_stride
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + rk
-        a = tl.load(a_ptrs + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-        b = tl.load(b_ptrs + kk[:, None], mask=(kk < K)[:, None] & n_mask[None, :], other=0.0)
-        if FAST_ACC:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc += tl.dot(a, b)
-    acc, out_mask = split_k.gather(acc, m_mask[:, None] & n_mask[None, :], part_ptr, count_ptr, rm, rn, M, N,
-                                   SPLIT)
-    acc *= tl.load(xs_ptr + rm, mask=m_mask, other=0.0)[:, None] * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * out_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=out_mask)
-
-
-def gemm(xq, xs, weight, scale, tile, split, fast_acc, out_dtype=torch.bfloat16):
-    """xq [M, K] FP8, xs [M, 1] float32, weight [N, K] FP8, scale [N] float32 -> [M, N]."""
-    M, K = xq.shape
-    N = weight.shape[0]
-    bm, bn, bk, warps, stages = tile
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    part, count = split_k.scratch(xq.device, split, M, N, tiles)
-    _gemm_kernel[(tiles, split)](xq, xs, weight, scale, out, part, count, M, N, K, xq.stride(0), weight.stride(0),
-                                 out.stride(0), SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                 NUM_STAGES=stages, FAST_ACC=fast_acc, num_warps=warps)
-    return out
-
-
-def gemm_bench(args):
-    """`_gemm_kernel` at GEMM_TILES against `_scaled_mm` (both without the activations' quantization) and
-    bf16, qwen3-4b's products, per channel."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
-    from fp8_products import graph_us
-    from tokenmill.layers.kernels.fp8_gemm import quantize_rows
-    from tokenmill.quant import fp8
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    lines = ["| product | M | bf16 | _scaled_mm | gemm best (fast acc) | tile, split | gemm best (float32 steps) | "
-             "tile, split | _scaled_mm / fast | _scaled_mm / float32 steps |", "|---|---|---|---|---|---|---|---|---|---|"]
-    results = []
-    for name, (n, k) in SHAPES["qwen3-4b"].items():
-        ws = [torch.randn(n, k, device="cuda").mul_(0.05) for _ in range(COPIES)]
-        bf = [w.bfloat16() for w in ws]
-        qs = [fp8.quantize(w) for w in ws]
-        w_ref = fp8.dequantize(*qs[0], (1, k)).t()
-        for m in [int(r) for r in args.rows.split(",")]:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            xq, xs = quantize_rows(x)
-            want = (xq.float() * xs) @ w_ref
-            bf16 = graph_us([lambda w=w: F.linear(x, w) for w in bf])
-            smm = graph_us([lambda q=q: torch._scaled_mm(xq, q[0].t(), scale_a=xs, scale_b=q[1].view(1, -1),
-                                                         out_dtype=torch.bfloat16) for q in qs])
-            best = {}
-            for fast in (True, False):
-                for tile in GEMM_TILES:
-                    fill = max(1, -(-sms // (-(-m // tile[0]) * -(-n // tile[1]))))
-                    for split in sorted({1, fill, 2 * fill}):
-                        got = gemm(xq, xs, qs[0][0], qs[0][1].view(-1), tile, split, fast).float()
-                        err = ((got - want).abs().max() / want.abs().mean()).item()
-                        if err > 0.05:
-                            print("WRONG", name, m, tile, split, fast, err, flush=True)
-                            continue
-                        us = graph_us([lambda q=q: gemm(xq, xs, q[0], q[1].view(-1), tile, split, fast) for q in qs])
-                        results.append(dict(product=name, m=m, tile=tile, split=split, fast=fast, us=us, err=err))
-                        if fast not in best or us < best[fast][0]:
-                            best[fast] = (us, f"{tile}, {split}")
-            f, p = best.get(True, (float("nan"), "-")), best.get(False, (float("nan"), "-"))
-            lines.append(f"| {name} | {m} | {bf16:.2f} | {smm:.2f} | {f[0]:.2f} | {f[1]} | {p[0]:.2f} | {p[1]} | "
-                         f"{smm / f[0]:.2f}x | {smm / p[0]:.2f}x |")
-            print(lines[-1], flush=True)
-        del ws, bf, qs
-        torch.cuda.empty_cache()
-    text = "\n".join(lines + ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, "
-                                   f"{torch.cuda.get_device_name()}"])
-    print(text)
-    with open(os.path.join(args.out, "fp8_gemm_split.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "fp8_gemm_split.json"), "w") as f:
-        json.dump(results, f, indent=1)
+# --block: `fp8_block_gemm` tiles (block_m, block_n, block_k, num_warps, num_stages) beside `gemm_tile`'s
+BLOCK_GEMM_TILES = ((64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 64, 128, 4, 4),
+                    (128, 64, 128, 4, 4))
 
 
 def tiles_for(n: int, m: int, sms: int):
@@ -167,11 +63,6 @@ def check_cpu():
             err = ((got - want).abs().max() / want.abs().mean()).item()
             print(m, n, k, split, f"err {err:.4f}")
             assert err < 0.05
-            for fast in (True, False):
-                got = gemm(xq, xs, q, s.view(-1), (16, 32, 64, 4, 2), split, fast).float()
-                err = ((got - want).abs().max() / want.abs().mean()).item()
-                print(m, n, k, split, "gemm", fast, f"err {err:.4f}")
-                assert err < 0.05
 
 
 def bench(args):
@@ -229,15 +120,20 @@ def bench(args):
 
 
 def block_bench(args):
-    """Block-scaled (128 x 128) weights at many rows: `fp8_rows` at `rows_tile`'s tile against the
-    dequantized layer (`fp8_linear_torch`) and bf16, each checked first."""
+    """Block-scaled (128 x 128) weights: `fp8_block_gemm` at `gemm_tile`'s tile and at BLOCK_GEMM_TILES,
+    `fp8_rows` at `rows_tile`'s, the dequantized layer (`fp8_linear_torch`) and bf16, each checked against
+    the block-quantized input's product first."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
     from fp8_products import graph_us
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, fp8_rows, quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_gemm import (Fp8GemmTile, fp8_block_gemm, fp8_linear_torch, fp8_rows,
+                                                   gemm_tile, quantize_rows_torch)
     from tokenmill.quant import fp8
     blk = (128, 128)
-    lines = ["| product | M | bf16 | dequantized layer + bf16 | fp8_rows | dequantized / fp8_rows | bf16 / fp8_rows |",
-             "|---|---|---|---|---|---|---|"]
+    rule = gemm_tile(blk)
+    tiles = [rule] + [t for t in map(lambda t: Fp8GemmTile(*t), BLOCK_GEMM_TILES) if t != rule]
+    lines = ["| product | M | bf16 | dequantized layer + bf16 | fp8_rows | fp8_block_gemm, gemm_tile | best gemm | "
+             "best tile | bf16 / gemm_tile | fp8_rows / gemm_tile |", "|---|---|---|---|---|---|---|---|---|---|"]
+    results = []
     for name, (n, k) in SHAPES["qwen3-4b"].items():
         ws = [torch.randn(n, k, device="cuda").mul_(0.05) for _ in range(4)]
         bf = [w.bfloat16() for w in ws]
@@ -246,13 +142,20 @@ def block_bench(args):
             x = torch.randn(m, k, device="cuda").bfloat16()
             xq, xs = quantize_rows_torch(x, 128)
             want = (xq.float().view(m, -1, 128) * xs[:, :, None]).view(m, k) @ fp8.dequantize(*qs[0], blk).t()
-            got = fp8_rows(x, *qs[0], blk).float()
-            err = ((got - want).abs().max() / want.abs().mean()).item()
-            rows_us = graph_us([lambda q=q: fp8_rows(x, *q, blk) for q in qs]) if err < 0.05 else float("nan")
+
+            def timed(fn, qs=qs):
+                err = ((fn(*qs[0]).float() - want).abs().max() / want.abs().mean()).item()
+                return graph_us([lambda q=q: fn(*q) for q in qs]) if err < 0.05 else float("nan")
+            rows_us = timed(lambda q, s: fp8_rows(x, q, s, blk))
+            gemm_us = {t: timed(lambda q, s, t=t: fp8_block_gemm(x, q, s, blk, tile=t)) for t in tiles}
             deq = graph_us([lambda q=q: fp8_linear_torch(x, *q, blk) for q in qs])
             bf16 = graph_us([lambda w=w: F.linear(x, w) for w in bf])
-            lines.append(f"| {name} | {m} | {bf16:.1f} | {deq:.1f} | {rows_us:.1f} (err {err:.4f}) | "
-                         f"{deq / rows_us:.2f}x | {bf16 / rows_us:.2f}x |")
+            best = min(gemm_us, key=lambda t: gemm_us[t] if gemm_us[t] == gemm_us[t] else float("inf"))
+            results.append(dict(product=name, m=m, bf16=bf16, dequantized=deq, fp8_rows=rows_us,
+                                gemm={str(t): v for t, v in gemm_us.items()}))
+            lines.append(f"| {name} | {m} | {bf16:.1f} | {deq:.1f} | {rows_us:.1f} | {gemm_us[rule]:.1f} | "
+                         f"{gemm_us[best]:.1f} | {tuple(best.__dict__.values())} | {bf16 / gemm_us[rule]:.2f}x | "
+                         f"{rows_us / gemm_us[rule]:.2f}x |")
             print(lines[-1], flush=True)
         del ws, bf, qs
         torch.cuda.empty_cache()
@@ -261,6 +164,8 @@ def block_bench(args):
     print(text)
     with open(os.path.join(args.out, "fp8_block_rows.md"), "w") as f:
         f.write(text + "\n")
+    with open(os.path.join(args.out, "fp8_block_rows.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
@@ -269,8 +174,7 @@ if __name__ == "__main__":
     p.add_argument("--rows", default="64,128,192,256,384,512,1024")
     p.add_argument("--models", default="qwen3-4b")
     p.add_argument("--check", action="store_true")
-    p.add_argument("--block", action="store_true", help="block-scaled weights: fp8_rows against the dequantized layer")
-    p.add_argument("--gemm", action="store_true", help="the split-K W8A8 GEMM (input rows on the wide side) "
-                   "against _scaled_mm")
+    p.add_argument("--block", action="store_true", help="block-scaled weights: fp8_block_gemm and fp8_rows "
+                   "against the dequantized layer")
     a = p.parse_args()
-    check_cpu() if a.check else block_bench(a) if a.block else gemm_bench(a) if a.gemm else bench(a)
+    check_cpu() if a.check else block_bench(a) if a.block else bench(a)

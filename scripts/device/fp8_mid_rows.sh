@@ -2,19 +2,18 @@
 # FP8 products of many rows on one H200, from the repository root (about 6 minutes):
 #   tests  the FP8 product tests on the GPU (tests/kernels/test_fp8_gemm.py, gpu-marked and not): among them
 #          block-scaled products at 300 rows, which take fp8_rows since 32f73df
-#   block  block-scaled (128 x 128) products at 256-8,192 rows: fp8_rows against the dequantized layer
-#          and bf16 (lab/fp8_mid_rows.py --block)
-#   gemm   a split-K W8A8 GEMM with the input rows on the wide side against _scaled_mm at 256-1,024 rows
-#          (lab/fp8_mid_rows.py --gemm)
+#   block  block-scaled (128 x 128) products at 64-8,192 rows: fp8_block_gemm (its tiles) and fp8_rows
+#          against the dequantized layer and bf16 (lab/fp8_mid_rows.py --block)
 #   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py)
 #   offline  preset:qwen3-4b written as Qwen's block-wise FP8 checkpoint (write_fp8_block.py), the default
 #          offline workload on it with each tree of SIDES ("old new"; old: .ab_old/src, e.g. e390365's,
 #          where block scales dequantized the layer above 192 rows: `git archive e390365 src | tar x -C
 #          .ab_old`, its src/tokenmill/assets removed to fit the carry), and bf16 beside them
-#   OUT=/path STAGES="tests block gemm" bash scripts/device/fp8_mid_rows.sh
-# Tables under $OUT (fp8_block_rows.md, fp8_gemm_split.md, fp8_mid_rows.md), printed last.
+#   OUT=/path STAGES="tests block" bash scripts/device/fp8_mid_rows.sh
+# Tables under $OUT (fp8_block_rows.md, fp8_mid_rows.md, offline.md), printed last; the logs and the
+# benchmarks' JSON in $OUT/details.tgz (the device returns few files).
 set -uo pipefail
-STAGES=${STAGES:-"tests block gemm"}
+STAGES=${STAGES:-"tests block"}
 source "$(dirname "$0")/env.sh"
 status=0
 for stage in $STAGES; do
@@ -23,10 +22,8 @@ for stage in $STAGES; do
     tests) python -m pytest -q -m "gpu or not gpu" tests/kernels/test_fp8_gemm.py -p no:cacheprovider 2>&1 \
              | tee "$OUT/fp8_tests.log" | tail -3
            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    block) python lab/fp8_mid_rows.py --block --rows 256,512,2048,8192 --out "$OUT" > "$OUT/block.log" 2>&1 \
+    block) python lab/fp8_mid_rows.py --block --rows 64,128,192,256,512,2048,8192 --out "$OUT" > "$OUT/block.log" 2>&1 \
              || { status=1; tail -20 "$OUT/block.log"; } ;;
-    gemm)  python lab/fp8_mid_rows.py --gemm --rows 256,384,512,1024 --out "$OUT" > "$OUT/gemm.log" 2>&1 \
-             || { status=1; tail -20 "$OUT/gemm.log"; } ;;
     rows)  python lab/fp8_mid_rows.py --rows 128,192,256,384,512 --out "$OUT" > "$OUT/rows.log" 2>&1 \
              || { status=1; tail -20 "$OUT/rows.log"; } ;;
     offline)
@@ -48,7 +45,8 @@ for stage in $STAGES; do
   esac
   echo "stage $stage: $((SECONDS - t0)) s"
 done
-for f in fp8_block_rows.md fp8_gemm_split.md fp8_mid_rows.md offline.md; do
+(cd "$OUT" && tar czf details.tgz --exclude details.tgz --exclude '*.md' . && find . -mindepth 1 ! -name '*.md' ! -name details.tgz -delete 2>/dev/null)
+for f in fp8_block_rows.md fp8_mid_rows.md offline.md; do
   [ -f "$OUT/$f" ] && { echo; echo "## $f"; cat "$OUT/$f"; }
 done
 echo; echo "commit $TOKENMILL_GIT_COMMIT, stages \"$STAGES\", exit $status"

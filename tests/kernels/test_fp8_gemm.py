@@ -59,18 +59,47 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
         assert not split_k._COUNTERS[got.device].any()
 
 
-def test_block_scaled_products_take_the_w8a8_kernel_above_rows_max():
-    """Block-scaled weights have no `_scaled_mm` path: above ROWS_MAX rows `fp8_linear` still runs
-    `fp8_rows` (input rows in blocks of 64, the activations quantized per row and 128 columns), not the
-    dequantized layer, whose unrounded activations miss the W8A8 reference by whole percents."""
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_torch
+@pytest.mark.parametrize("rows,block,bias,tile", [
+    (70, (128, 128), False, (64, 128, 128, 4, 2)),     # partial last blocks along all three dims
+    (70, (64, 64), True, (32, 64, 64, 4, 2)),          # a bias; tiles smaller than the scale blocks
+    (3, (128, 128), False, (16, 32, 32, 4, 2))])       # fewer rows than the tile; four steps per scale block
+def test_block_gemm_equals_the_w8a8_reference(rows, block, bias, tile):
+    """`fp8_block_gemm` (block-scaled W8A8, the input rows on the tensor cores' wide side) against the
+    product of the input quantized per row and block of columns; a second call gives the same bits."""
+    from tokenmill.layers.kernels.fp8_gemm import Fp8GemmTile, fp8_block_gemm
+    q, s, blk, b = layer(200, 448, block, bias)
+    x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(1)).to(DEVICE) * \
+        torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
+    got = fp8_block_gemm(x, q, s, blk, b, tile=Fp8GemmTile(*tile))
+    want = w8a8_reference(x, q, s, blk, b)
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
+    assert torch.equal(fp8_block_gemm(x, q, s, blk, b, tile=Fp8GemmTile(*tile)), got)
+
+
+def test_block_scaled_products_take_the_w8a8_gemm_above_rows_max():
+    """Block-scaled weights have no `_scaled_mm` path: above ROWS_MAX rows `fp8_linear` runs
+    `fp8_block_gemm` (the activations quantized per row and 128 columns), not the dequantized layer, whose
+    unrounded activations miss the W8A8 reference by far more than the kernel does."""
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_block_gemm, fp8_linear, fp8_linear_torch
     q, s, blk, _ = layer(200, 448, (128, 128), False)
     x = torch.randn(ROWS_MAX + 9, 448, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     want = w8a8_reference(x, q, s, blk)
     got = fp8_linear(x, q, s, blk)
     tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
     torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
-    assert (fp8_linear_torch(x, q, s, blk) - want).abs().max() > 100 * tol
+    assert torch.equal(got, fp8_block_gemm(x, q, s, blk))
+    assert (fp8_linear_torch(x, q, s, blk) - want).abs().max() > 5 * (got.float() - want).abs().max()
+
+
+def test_block_gemm_refuses_misfit_scales():
+    from tokenmill.layers.kernels.fp8_gemm import Fp8GemmTile, fp8_block_gemm, gemm_tile
+    qb, sb, bb, _ = layer(64, 64, (32, 32), False)
+    with pytest.raises(ValueError, match=r"does not fit within scale blocks of \(32, 32\)"):
+        fp8_block_gemm(torch.zeros(1, 64, device=DEVICE), qb, sb, bb, tile=Fp8GemmTile(64, 64, 32, 4, 2))
+    assert gemm_tile((32, 32)) == Fp8GemmTile(64, 32, 32, 4, 4)
+    assert gemm_tile((128, 128)) == Fp8GemmTile(64, 128, 128, 4, 4)
+    assert gemm_tile((8, 128)) is None
 
 
 def test_few_row_product_refuses_misfit_scales():
@@ -294,13 +323,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 4, 8, 17, 64, 130, 192, 300])
+@pytest.mark.parametrize("rows", [1, 4, 8, 17, 64, 130, 192, 300, 1000])
 @pytest.mark.parametrize("n,k,block", [(6144, 2560, None), (2560, 9728, None), (19456, 2560, None),
                                        (6144, 2560, (128, 128)), (2560, 9728, (128, 128))])
 def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
     """Every path of `fp8_linear` against the dequantized float32 product: the W8A8 paths (the few-row
-    kernel up to ROWS_MAX rows and with block scales at every row count, `_scaled_mm` above ROWS_MAX per
-    channel) within the activations' FP8 rounding (checked against the product of the quantized
+    kernel up to ROWS_MAX rows, above them `_scaled_mm` per channel and the block GEMM with block scales) within the activations' FP8 rounding (checked against the product of the quantized
     activations, and loosely against the unrounded one)."""
     from tokenmill.layers.kernels.fp8_gemm import fp8_linear
     q, s, blk, _ = layer(n, k, block, False)

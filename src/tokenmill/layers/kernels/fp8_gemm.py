@@ -7,17 +7,18 @@ All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_r
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
 the products run on the FP8 tensor cores.
 
-- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests), and with
-  block scales at every row count: `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and
-  the input rows, in blocks of 64, on the narrow one, the K steps split over enough programs to fill the
-  SMs. On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64
-  rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at
-  256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md). Block scales take it
-  at every row count: the rowwise `_scaled_mm` cannot apply a scale that changes along K, and the one
-  other way, dequantizing the layer for each product, cost 118-512 us a product (qwen3-4b's, at 16-64
-  rows): with bf16's product added, six to eight times `fp8_rows`' per-channel time at 512 rows.
+- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests):
+  `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and the input rows, in blocks of 64,
+  on the narrow one, the K steps split over enough programs to fill the SMs. On an H200, per channel, it
+  took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192
+  (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's
+  at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
+- More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
+  product scaled in float32. The rowwise `_scaled_mm` cannot apply a scale that changes along K;
+  `fp8_rows` took 2.4-3.7x bf16's time at 256-8,192 rows, and dequantizing the layer for each product
+  121-530 us a product at 256 rows.
 - Block scales that no tile fits (blocks not a multiple of 16 weight rows and 32 columns): the layer
   dequantized to the activation dtype and multiplied there.
 
@@ -156,6 +157,90 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     return out
 
 
+@dataclass(frozen=True)
+class Fp8GemmTile:
+    """`_fp8_block_gemm_kernel`: a program multiplies block_m input rows by block_n weight rows, walking K in
+    block_k steps with num_stages of them in flight."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_tile(block: tuple[int, int]) -> Fp8GemmTile | None:
+    """The tile of a block-scaled product of more than ROWS_MAX rows, or None where the scale blocks admit
+    none: 64 input rows by 128 weight rows and 128 columns, fewer where a block is smaller (a tile lies
+    within one scale block, so that each step takes one weight scale), four steps in flight."""
+    block_n = next((b for b in (128, 64, 32, 16) if block[0] % b == 0), None)
+    block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
+    if block_n is None or block_k is None:
+        return None
+    return Fp8GemmTile(64, block_n, block_k, 4, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, xs_stride, w_stride,
+                           s_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SCALE_BN: tl.constexpr,
+                           SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # W8A8 with block scales: out[m, n] = sum over the K steps of (xq[m, step] . w[n, step]) times the
+    # input row's scale for the step's columns and the weight block's scale, each step's product added in
+    # float32 (the scales change along K). The input rows on the tensor cores' wide side: with many rows,
+    # the weight is read once per block of 64 of them. Program p: its input row block the fastest, so that
+    # the programs sharing a weight row block run together.
+    pid = tl.program_id(0)
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    n_block = pid // m_blocks
+    m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    m_mask, row_mask = m < M, rows < N
+    x_rows = xq_ptr + m.to(tl.int64)[:, None] * x_stride
+    w_cols = w_ptr + rows.to(tl.int64)[None, :] * w_stride
+    xs_rows = xs_ptr + m * xs_stride
+    s_row = s_ptr + (n_block * BLOCK_N // SCALE_BN) * s_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + c
+        xq = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+        w = tl.load(w_cols + kk[:, None], mask=(kk < K)[:, None] & row_mask[None, :], other=0.0)
+        scale = tl.load(xs_rows + k0 // SCALE_BK, mask=m_mask, other=0.0) * tl.load(s_row + k0 // SCALE_BK)
+        acc += tl.dot(xq, w) * scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * out_stride + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & row_mask[None, :])
+
+
+def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   bias: torch.Tensor | None = None, tile: Fp8GemmTile | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] FP8 * block scale)^T (+ bias) in x's dtype, W8A8: x quantized per row and
+    block of columns (`quantize_rows(x, block[1])`)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"fp8_block_gemm needs an FP8 weight [N, {K}] with unit column stride; got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
+        raise ValueError(f"fp8_block_gemm: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
+                         f"{tuple(weight.shape)} with block {block}")
+    tile = tile or gemm_tile(block)
+    if tile is None or block[0] % tile.block_n or block[1] % tile.block_k:
+        raise ValueError(f"fp8_block_gemm: {tile} does not fit within scale blocks of {block}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    xq, x_scale = quantize_rows(x, block[1])
+    grid = (triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n),)
+    _fp8_block_gemm_kernel[grid](
+        xq, x_scale, weight, scale, bias if bias is not None else out, out, M, N, K, xq.stride(0),
+        x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, SCALE_BN=block[0],
+        SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
+    return out
+
+
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, s_stride, GROUP: tl.constexpr,
                           FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -209,7 +294,11 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
-    if x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight, block):
+    if x.shape[0] > ROWS_MAX and block != (1, x.shape[1]):
+        tile = gemm_tile(block)
+        if tile is not None:
+            return fp8_block_gemm(x, weight, scale, block, bias, tile)
+    elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight, block):
         tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
         if tile is not None:
             return fp8_rows(x, weight, scale, block, bias, tile)
