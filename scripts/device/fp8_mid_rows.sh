@@ -45,7 +45,8 @@ for stage in $STAGES; do
   esac
   echo "stage $stage: $((SECONDS - t0)) s"
 done
-(cd "$OUT" && tar czf details.tgz --exclude details.tgz --exclude '*.md' . && find . -mindepth 1 ! -name '*.md' ! -name details.tgz -delete 2>/dev/null)
+tar czf /tmp/fp8-mid-rows-details.tgz -C "$OUT" --exclude '*.md' . && find "$OUT" -type f ! -name '*.md' -delete \
+  && mv /tmp/fp8-mid-rows-details.tgz "$OUT/details.tgz"
 for f in fp8_block_rows.md fp8_mid_rows.md offline.md; do
   [ -f "$OUT/$f" ] && { echo; echo "## $f"; cat "$OUT/$f"; }
 done

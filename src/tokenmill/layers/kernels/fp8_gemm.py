@@ -7,18 +7,19 @@ All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_r
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
 the products run on the FP8 tensor cores.
 
-- Up to `ROWS_MAX` input rows (decode batches, and the mixed steps of a few dozen requests):
-  `_fp8_rows_kernel`, the weight rows on the tensor cores' wide side and the input rows, in blocks of 64,
-  on the narrow one, the K steps split over enough programs to fill the SMs. On an H200, per channel, it
-  took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192
-  (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's
-  at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
+- Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
+  requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
+  cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
+  programs to fill the SMs. On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
+  `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
+  1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
+  docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
-  product scaled in float32. The rowwise `_scaled_mm` cannot apply a scale that changes along K;
-  `fp8_rows` took 2.4-3.7x bf16's time at 256-8,192 rows, and dequantizing the layer for each product
-  121-530 us a product at 256 rows.
+  product scaled in float32. The rowwise `_scaled_mm` cannot apply a scale that changes along K. Over a
+  layer of qwen3-4b it took 0.56-0.79x `fp8_rows`' time at 64-8,192 rows; dequantizing the layer for
+  each product cost 120-520 us a product.
 - Block scales that no tile fits (blocks not a multiple of 16 weight rows and 32 columns): the layer
   dequantized to the activation dtype and multiplied there.
 
@@ -39,6 +40,7 @@ from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
 
 ROWS_MAX = 192
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
+BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -168,11 +170,13 @@ class Fp8GemmTile:
     num_stages: int
 
 
-def gemm_tile(block: tuple[int, int]) -> Fp8GemmTile | None:
-    """The tile of a block-scaled product of more than ROWS_MAX rows, or None where the scale blocks admit
-    none: 64 input rows by 128 weight rows and 128 columns, fewer where a block is smaller (a tile lies
-    within one scale block, so that each step takes one weight scale), four steps in flight."""
-    block_n = next((b for b in (128, 64, 32, 16) if block[0] % b == 0), None)
+def gemm_tile(block: tuple[int, int], m: int = 1) -> Fp8GemmTile | None:
+    """The tile of a block-scaled product of m input rows, or None where the scale blocks admit none: 64
+    input rows by 128 columns and 64 weight rows below 512 input rows, 128 from there (a tile lies within
+    one scale block, so that each step takes one weight scale; fewer where a block is smaller), four
+    steps in flight. On an H200 (qwen3-4b's products, 128 x 128 blocks) these were the fastest of five
+    tiles over a layer at 64-256 rows and 2,048-8,192, and within 1% of them at 512."""
+    block_n = next((b for b in ((64, 32, 16) if m < 512 else (128, 64, 32, 16)) if block[0] % b == 0), None)
     block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
     if block_n is None or block_k is None:
         return None
@@ -225,7 +229,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
         raise ValueError(f"fp8_block_gemm: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
                          f"{tuple(weight.shape)} with block {block}")
-    tile = tile or gemm_tile(block)
+    tile = tile or gemm_tile(block, M)
     if tile is None or block[0] % tile.block_n or block[1] % tile.block_k:
         raise ValueError(f"fp8_block_gemm: {tile} does not fit within scale blocks of {block}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -294,8 +298,8 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
-    if x.shape[0] > ROWS_MAX and block != (1, x.shape[1]):
-        tile = gemm_tile(block)
+    if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
+        tile = gemm_tile(block, x.shape[0])
         if tile is not None:
             return fp8_block_gemm(x, weight, scale, block, bias, tile)
     elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight, block):
