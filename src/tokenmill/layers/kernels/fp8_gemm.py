@@ -63,6 +63,18 @@ class Fp8RowsTile:
     block_m: int = ROWS_BLOCK_M
 
 
+def check_weight(kernel: str, k: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+    """What the W8A8 kernels take: an FP8 weight [N, k] with unit column stride and float32 scales, one per
+    block."""
+    n = weight.shape[0]
+    if weight.dtype != FP8 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"{kernel} needs an FP8 weight [N, {k}] with unit column stride; got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-n // block[0]), -(-k // block[1])):
+        raise ValueError(f"{kernel}: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
+                         f"{tuple(weight.shape)} with block {block}")
+
+
 def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) -> Fp8RowsTile | None:
     """The tile of an n-row weight with scale blocks `block` ((1, K) per channel) for m input rows, or
     None where block scales admit none: 64 weight rows (the tensor cores' narrowest side with FP8) by 128
@@ -131,12 +143,7 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     (`quantize_rows`) for per-channel scales, per row and block of columns for block scales."""
     M, K = x.shape
     N = weight.shape[0]
-    if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1:
-        raise ValueError(f"fp8_rows needs an FP8 weight [N, {K}] with unit column stride; got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
-        raise ValueError(f"fp8_rows: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
-                         f"{tuple(weight.shape)} with block {block}")
+    check_weight("fp8_rows", K, weight, scale, block)
     block_scale = block != (1, K)
     tile = tile or rows_tile(N, block, x.device, M)
     if tile is None or block_scale and (block[0] % tile.block_n or block[1] % tile.block_k):
@@ -223,12 +230,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     block of columns (`quantize_rows(x, block[1])`)."""
     M, K = x.shape
     N = weight.shape[0]
-    if weight.dtype != FP8 or weight.shape[1] != K or weight.stride(1) != 1:
-        raise ValueError(f"fp8_block_gemm needs an FP8 weight [N, {K}] with unit column stride; got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-N // block[0]), -(-K // block[1])):
-        raise ValueError(f"fp8_block_gemm: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
-                         f"{tuple(weight.shape)} with block {block}")
+    check_weight("fp8_block_gemm", K, weight, scale, block)
     tile = tile or gemm_tile(block, M)
     if tile is None or block[0] % tile.block_n or block[1] % tile.block_k:
         raise ValueError(f"fp8_block_gemm: {tile} does not fit within scale blocks of {block}")
