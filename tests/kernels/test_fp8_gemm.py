@@ -77,15 +77,13 @@ def test_block_gemm_equals_the_w8a8_reference(rows, block, bias, tile):
     assert torch.equal(fp8_block_gemm(x, q, s, blk, b, tile=Fp8GemmTile(*tile)), got)
 
 
-@pytest.mark.parametrize("rows", [40, 201])
-def test_block_scaled_products_take_the_w8a8_gemm_above_32_rows(rows):
-    """Block-scaled weights have no `_scaled_mm` path: above BLOCK_GEMM_ROWS rows (and above ROWS_MAX)
-    `fp8_linear` runs `fp8_block_gemm` (the activations quantized per row and 128 columns), not the
+def test_block_scaled_products_take_the_w8a8_gemm_above_32_rows():
+    """Block-scaled weights have no `_scaled_mm` path: above BLOCK_GEMM_ROWS rows `fp8_linear` runs `fp8_block_gemm` (the activations quantized per row and 128 columns), not the
     dequantized layer, whose unrounded activations miss the W8A8 reference by far more than the kernel
     does."""
     from tokenmill.layers.kernels.fp8_gemm import fp8_block_gemm, fp8_linear, fp8_linear_torch
     q, s, blk, _ = layer(200, 448, (128, 128), False)
-    x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(40, 448, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     want = w8a8_reference(x, q, s, blk)
     got = fp8_linear(x, q, s, blk)
     tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
