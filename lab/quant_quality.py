@@ -7,6 +7,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
     python lab/quant_quality.py fp8-activations
     python lab/quant_quality.py fp8-head
+    python lab/quant_quality.py fp8-attention
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -23,6 +24,10 @@ sequences of 256.
   128-row blocks of Qwen's format), with the activations as the GPU's products of 2 or more rows take them: W8A8, each input row quantized to FP8
   per row or per row and group of 128 columns (`quantize_rows_torch`), emulated in float32 beside the CPU
   reference's W8A16 (the prompt's products; one-token steps keep W8A16 on the GPU too).
+- `fp8-attention`: an FP8 KV cache with the attention's other operands in FP8 as well, as FP8 tensor
+  cores would take them (no widening of K and V): the queries quantized per token and head (absmax / 448)
+  for q @ K^T, the probabilities as P x 448 rounded to E4M3 for P @ V, each alone and both, emulated in
+  float32 in the torch reference's prefill and decode attention, beside the FP8 cache alone.
 - `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
   (`Knobs`), and FP8 GPTQ without act-order.
 
@@ -436,6 +441,75 @@ def fp8_activations() -> None:
             row(f"FP8 {label}, {acts}", got, timed=False)
 
 
+def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded as E4M3 at `scale` (x / scale in E4M3, times scale), float32."""
+    from tokenmill.quant.fp8 import FP8, FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+
+def _attention_fp8(q_fp8: bool, p_fp8: bool):
+    """`attention._prefill_attention` and `_decode_attention` with q and/or P rounded to E4M3."""
+    from tokenmill.layers import attention as A
+    from tokenmill.quant.fp8 import FP8_MAX
+
+    def q_round(qg):   # [..., G, D]: a scale per token and q head
+        return _fp8_round(qg, qg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX) if q_fp8 else qg
+
+    def p_round(p):
+        return _fp8_round(p, torch.tensor(1.0 / FP8_MAX)) if p_fp8 else p
+
+    def prefill(q, k_cache, v_cache, block_table, ctx, scale, scales):
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        blocks = block_table[: (ctx + block_size - 1) // block_size]
+        k = A._gather(k_cache, blocks, ctx, scales[0])
+        v = A._gather(v_cache, blocks, ctx, scales[1])
+        qg = q_round(q.float().unflatten(1, (num_kv_heads, -1)))
+        scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale
+        q_pos = torch.arange(ctx - q.shape[0], ctx, device=q.device)
+        scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
+        # the kernels' online softmax: P = exp(s - running max) <= 1, normalized after P @ V
+        p = (scores - scores.amax(-1, keepdim=True)).exp()
+        out = torch.einsum("hgqk,khd->qhgd", p_round(p), v) / p.sum(-1).permute(2, 0, 1)[..., None]
+        return out.flatten(1, 2).to(q.dtype)
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale, scales):
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        blocks = block_tables[:, : (max_len + block_size - 1) // block_size]
+        k = A._gather(k_cache, blocks, max_len, scales[0]).transpose(1, 2)      # [B, Hkv, L, D]
+        v = A._gather(v_cache, blocks, max_len, scales[1]).transpose(1, 2)
+        qg = q_round(q.float().unflatten(1, (num_kv_heads, -1)))                # [B, Hkv, G, D]
+        scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * scale
+        keep = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+        scores.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        p = (scores - scores.amax(-1, keepdim=True)).exp().nan_to_num(0.0)
+        out = torch.einsum("bhgl,bhld->bhgd", p_round(p), v) / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        return out.flatten(1, 2).to(q.dtype)
+    return prefill, decode
+
+
+def fp8_attention() -> None:
+    from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
+    from tokenmill import LLM
+    from tokenmill.layers import attention as A
+    tmp = tempfile.mkdtemp()
+    real = real_model(os.path.join(tmp, "plain"))
+    shipped = A._prefill_attention, A._decode_attention
+    header(False)
+    for label, emulate, q8, p8 in (("FP8 KV cache (the shipped kernels' operands)", False, False, False),
+                                   ("FP8 KV, the emulation with nothing rounded", True, False, False),
+                                   ("FP8 KV, q in E4M3 (a scale per token and head)", True, True, False),
+                                   ("FP8 KV, P x 448 in E4M3", True, False, True),
+                                   ("FP8 KV, q and P in E4M3", True, True, True)):
+        if emulate:
+            A._prefill_attention, A._decode_attention = _attention_fp8(q8, p8)
+        try:
+            got = quiet_against(real.ref, held_out_logprobs(LLM(real.path, tokenizer=GGUF, kv_cache_dtype="fp8",
+                                                                **REAL)))
+        finally:
+            A._prefill_attention, A._decode_attention = shipped
+        row(label, got, timed=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -444,6 +518,7 @@ def main() -> None:
     sub.add_parser("fp8-rtn")
     sub.add_parser("fp8-activations")
     sub.add_parser("fp8-head")
+    sub.add_parser("fp8-attention")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
     a.add_argument("--only", nargs="*")
@@ -457,6 +532,8 @@ def main() -> None:
         fp8_activations()
     elif args.cmd == "fp8-head":
         fp8_head()
+    elif args.cmd == "fp8-attention":
+        fp8_attention()
     else:
         ablations(args.tokens, args.only)
 
