@@ -313,8 +313,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 def fp8_linear_many(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product `fp8_linear` takes where `fp8_rows` does not (at any row count): `_scaled_mm` with
-    per-channel scales, else the dequantized layer."""
+    """The product `fp8_linear` takes where neither Triton kernel does (at any row count): `_scaled_mm`
+    with per-channel scales, else the dequantized layer."""
     if scaled_mm_fits(weight, block):
         xq, x_scale = quantize_rows(x)
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
