@@ -15,17 +15,21 @@ product of the row-quantized input, over the largest output (bf16's own rounding
 2^-9 = 2e-3 of it).
 
     python lab/fp8_fast_acc.py --out DIR [--rows 16,64,128,192,256,384,512]     DIR/fp8_fast_acc.md, .json
-    TRITON_INTERPRET=1 python lab/fp8_fast_acc.py --check                        the kernel on the CPU
+    python lab/fp8_fast_acc.py --check                                           the kernel on the CPU
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+if __name__ == "__main__" and "--check" in sys.argv and not torch.cuda.is_available():
+    # the kernel tests' interpreter set-up (TRITON_INTERPRET and its patches), before Triton is imported
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    __import__("conftest")
 import triton
 import triton.language as tl
 
@@ -114,7 +118,7 @@ def check_cpu():
 
 def bench(args):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
-    from fp8_products import graph_us
+    from fp8_products import graph_us, write_report
     from tokenmill.layers.kernels.fp8_gemm import fp8_linear, rows_tile
     from tokenmill.quant import fp8
     rows = [int(r) for r in args.rows.split(",")]
@@ -154,13 +158,7 @@ def bench(args):
         best = min(sums[m][v] for v in variants if v.startswith("fast") or v == "_scaled_mm fast")
         cells = [f"{sums[m]['bf16']:.1f}"] + [f"{sums[m][v]:.1f} ({errs[m][v]:.1e})" for v in variants[1:]]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {sums[m]['shipped'] / best:.2f}x |")
-    text = "\n".join(lines + ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, "
-                                   f"{torch.cuda.get_device_name()}"])
-    print(text)
-    with open(os.path.join(args.out, "fp8_fast_acc.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "fp8_fast_acc.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_report(args.out, "fp8_fast_acc", lines, results)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,21 @@ input first.
 (The per-channel split-K W8A8 GEMM that `--gemm` timed against `_scaled_mm` is at commit 266464b; it lost,
 docs/BENCHMARKS.md.)
 
-On the CPU (`TRITON_INTERPRET=1`, `--check`) it only checks the kernels on small shapes.
+On the CPU (`--check`, under the interpreter) it only checks the kernels on small shapes.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+if __name__ == "__main__" and "--check" in sys.argv and not torch.cuda.is_available():
+    # the kernel tests' interpreter set-up (TRITON_INTERPRET and its patches), before Triton is imported
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    __import__("conftest")
 
 SHAPES = {"qwen3-4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
           "nanbeige4.1-3b": {"qkv": (3584, 2560), "o_proj": (2560, 2560), "gate_up": (20992, 2560),
@@ -67,7 +71,7 @@ def check_cpu():
 
 def bench(args):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
-    from fp8_products import graph_us
+    from fp8_products import graph_us, write_report
     from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_rows, quantize_rows, rows_tile
     from tokenmill.quant import fp8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -110,13 +114,7 @@ def bench(args):
                 print(lines[-1], flush=True)
             del ws, bf, qs
             torch.cuda.empty_cache()
-    lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}"]
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(args.out, "fp8_mid_rows.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "fp8_mid_rows.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_report(args.out, "fp8_mid_rows", lines, results)
 
 
 def block_bench(args):
@@ -124,7 +122,7 @@ def block_bench(args):
     `fp8_rows` at `rows_tile`'s, the dequantized layer (`fp8_linear_torch`) and bf16, each checked against
     the block-quantized input's product first."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
-    from fp8_products import graph_us
+    from fp8_products import graph_us, write_report
     from tokenmill.layers.kernels.fp8_gemm import (Fp8GemmTile, fp8_block_gemm, fp8_linear_torch, fp8_rows,
                                                    gemm_tile, quantize_rows_torch)
     from tokenmill.quant import fp8
@@ -159,13 +157,7 @@ def block_bench(args):
             print(lines[-1], flush=True)
         del ws, bf, qs
         torch.cuda.empty_cache()
-    text = "\n".join(lines + ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, "
-                                   f"{torch.cuda.get_device_name()}"])
-    print(text)
-    with open(os.path.join(args.out, "fp8_block_rows.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "fp8_block_rows.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_report(args.out, "fp8_block_rows", lines, results)
 
 
 if __name__ == "__main__":

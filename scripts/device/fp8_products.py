@@ -58,6 +58,19 @@ def graph_us(fns, reps: int = 20) -> float:
     return 1e3 * start.elapsed_time(end) / reps / len(fns)
 
 
+def write_report(out_dir: str, stem: str, lines: list[str], results) -> str:
+    """A product benchmark's table (`lines`, with the commit and GPU appended) printed and written to
+    out_dir/stem.md, its raw results to out_dir/stem.json; returns the table."""
+    text = "\n".join(lines + ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, "
+                                   f"{torch.cuda.get_device_name()}"])
+    print(text)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return text
+
+
 def main(args) -> None:
     from tokenmill.layers.kernels import gemv
     from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_many, quantize_rows

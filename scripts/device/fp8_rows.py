@@ -16,13 +16,11 @@ the other FP8 paths and bf16, then in a decoding model.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
-from fp8_products import graph_us     # this folder: the script's own
+from fp8_products import graph_us, write_report     # this folder: the script's own
 
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 ROWS = (2, 8, 16, 64)
@@ -119,13 +117,7 @@ def main(args) -> None:
         if "decode" in args.stages:
             decode(lines, results)
     finally:
-        lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}"]
-        text = "\n".join(lines)
-        print(text)
-        with open(os.path.join(args.out, "fp8_rows.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "fp8_rows.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_report(args.out, "fp8_rows", lines, results)
 
 
 if __name__ == "__main__":

@@ -92,8 +92,7 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
 
 
 # M unspecialized: an eager step of any row count reuses the variant that a CUDA graph of the same tile
-# compiled (input rows in blocks of 64 and one split, as block-scaled products of a few hundred rows and
-# more run)
+# compiled (input rows in blocks of 64, as per-channel products of 65-192 rows run)
 @triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
                      xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
