@@ -7,7 +7,7 @@ in float32 rounded to x's dtype (as `dequantize_w4(...).to(dtype)`), and multipl
 
     python lab/w4_rows.py check                 CPU (the interpreter, as the kernel tests run it): against
                                                 the dequantized product, float32
-    python lab/w4_rows.py bench --out DIR       GPU: qwen3-4b products, M in 2..64, us per product in a CUDA
+    python lab/w4_rows.py bench --out DIR       GPU: qwen3-4b products, M in 2..128, us per product in a CUDA
                                                 graph: bf16, w4_linear as shipped, this kernel's tiles
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def bench(out_dir: str) -> None:
         layers = [_layer(n, k, 128, "cuda", seed) for seed in range(8)]
         bf = [w.bfloat16() for *_, w in layers]
         layers = [(q, s, z) for q, s, z, _ in layers]
-        for m in (2, 4, 8, 16, 64):
+        for m in (2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(m, k, device="cuda").bfloat16()
             want = x.float() @ bf[0].float().t()
             timed = {}
