@@ -5,8 +5,6 @@
 #   micro   each qwen3-4b product at M = 1, 4, 8, 16, 256: bf16 (GEMV / cuBLAS) against the W4 path
 #           (GEMV up to 4 rows, dequantize + cuBLAS above; the dequantize alone against a bf16 copy),
 #           us and GB/s, checked against the dequantized reference first ($OUT/w4_micro.json)
-#   rows    lab/w4_rows.py bench: a W4 product of 2-64 rows on the tensor cores (4-bit words unpacked per
-#           K step) against bf16 and the shipped path ($OUT/w4_rows.md, .json)
 #   decode  batch-1 ms/token of preset:qwen3-4b (W4_MODELS="qwen3-4b,nanbeige4.1-3b": each) bf16 and AWQ
 #           4-bit g128 ($OUT/w4_decode.json)
 # The summary table is printed last and saved as $OUT/SUMMARY-w4.md.
@@ -21,8 +19,6 @@ for stage in $STAGES; do
     tests)
       python -m pytest -q -m "gpu or not gpu" tests/kernels/test_w4_kernels.py tests/kernels/test_w4_sm90.py 2>&1 | tee "$OUT/w4_gpu_tests.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    rows)
-      python lab/w4_rows.py bench --out "$OUT" > "$OUT/w4_rows.log" 2>&1 || { status=1; tail -20 "$OUT/w4_rows.log"; } ;;
     micro|decode)
       python scripts/device/bench_w4.py "$stage" --out "$OUT" > "$OUT/w4_$stage.log" 2>&1 \
         || { status=1; tail -20 "$OUT/w4_$stage.log"; } ;;
@@ -30,6 +26,5 @@ for stage in $STAGES; do
   echo "stage $stage: $((SECONDS - t0)) s"
 done
 python scripts/device/bench_w4.py summary --out "$OUT"
-[ -f "$OUT/w4_rows.md" ] && { echo; cat "$OUT/w4_rows.md"; }
 { echo; echo "commit $TOKENMILL_GIT_COMMIT, stages \"$STAGES\", exit $status"; } | tee -a "$OUT/SUMMARY-w4.md"
 exit $status

@@ -4,8 +4,6 @@
 #          block-scaled products at 300 rows, which take fp8_rows since 32f73df
 #   block  block-scaled (128 x 128) products at 64-8,192 rows: fp8_block_gemm (its tiles) and fp8_rows
 #          against the dequantized layer and bf16 (lab/fp8_mid_rows.py --block)
-#   fast   per-channel products with the accumulation in the MMA (lab/fp8_fast_acc.py): fp8_rows' loop so,
-#          and _scaled_mm(use_fast_accum=True), against the shipped path and bf16 at 16-512 rows, with errors
 #   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py)
 #   offline  preset:qwen3-4b written as Qwen's block-wise FP8 checkpoint (write_fp8_block.py), the default
 #          offline workload on it with each tree of SIDES ("old new"; old: .ab_old/src, e.g. e390365's,
@@ -26,7 +24,6 @@ for stage in $STAGES; do
            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     block) python lab/fp8_mid_rows.py --block --rows 64,128,192,256,512,2048,8192 --out "$OUT" > "$OUT/block.log" 2>&1 \
              || { status=1; tail -20 "$OUT/block.log"; } ;;
-    fast)  python lab/fp8_fast_acc.py --out "$OUT" > "$OUT/fast.log" 2>&1 || { status=1; tail -20 "$OUT/fast.log"; } ;;
     rows)  python lab/fp8_mid_rows.py --rows 128,192,256,384,512 --out "$OUT" > "$OUT/rows.log" 2>&1 \
              || { status=1; tail -20 "$OUT/rows.log"; } ;;
     offline)
@@ -50,7 +47,7 @@ for stage in $STAGES; do
 done
 tar czf /tmp/fp8-mid-rows-details.tgz -C "$OUT" --exclude '*.md' . && find "$OUT" -type f ! -name '*.md' -delete \
   && mv /tmp/fp8-mid-rows-details.tgz "$OUT/details.tgz"
-for f in fp8_block_rows.md fp8_fast_acc.md fp8_mid_rows.md offline.md; do
+for f in fp8_block_rows.md fp8_mid_rows.md offline.md; do
   [ -f "$OUT/$f" ] && { echo; echo "## $f"; cat "$OUT/$f"; }
 done
 echo; echo "commit $TOKENMILL_GIT_COMMIT, stages \"$STAGES\", exit $status"
