@@ -34,7 +34,7 @@ SHAPES = {"qwen3-4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (
                              "down": (2560, 10496)}}
 COPIES = 8
 # fp8_rows tiles beside rows_tile's: (block_n, block_m, block_k, num_warps, num_stages), each at split 1, the
-# split that fills the SMs once, and twice that
+# split that fills the SMs once, half and twice that
 TILES = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 128, 128, 8, 3),
          (64, 64, 256, 4, 3), (128, 64, 128, 8, 4))
 
@@ -48,7 +48,7 @@ def tiles_for(n: int, m: int, sms: int):
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile
     for bn, bm, bk, warps, stages in TILES:
         fill = max(1, -(-sms // ((-(-n // bn)) * (-(-m // bm)))))
-        for split in sorted({1, fill, 2 * fill}):
+        for split in sorted({1, max(1, fill // 2), fill, 2 * fill}):
             yield Fp8RowsTile(bn, bk, warps, stages, split, bm)
 
 

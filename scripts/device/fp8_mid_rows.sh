@@ -4,7 +4,8 @@
 #          block-scaled products at 300 rows, which take fp8_rows since 32f73df
 #   block  block-scaled (128 x 128) products at 64-8,192 rows: fp8_block_gemm (its tiles) and fp8_rows
 #          against the dequantized layer and bf16 (lab/fp8_mid_rows.py --block)
-#   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py)
+#   rows   the per-channel sweep: the shipped dispatch, _scaled_mm, fp8_rows tiles (lab/fp8_mid_rows.py), at
+#          ROWS (128,192,256,384,512)
 #   offline  preset:qwen3-4b written as Qwen's block-wise FP8 checkpoint (write_fp8_block.py), the default
 #          offline workload on it with each tree of SIDES ("old new"; old: .ab_old/src, e.g. e390365's,
 #          where block scales dequantized the layer above 192 rows: `git archive e390365 src | tar x -C
@@ -24,7 +25,7 @@ for stage in $STAGES; do
            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     block) python lab/fp8_mid_rows.py --block --rows 64,128,192,256,512,2048,8192 --out "$OUT" > "$OUT/block.log" 2>&1 \
              || { status=1; tail -20 "$OUT/block.log"; } ;;
-    rows)  python lab/fp8_mid_rows.py --rows 128,192,256,384,512 --out "$OUT" > "$OUT/rows.log" 2>&1 \
+    rows)  python lab/fp8_mid_rows.py --rows "${ROWS:-128,192,256,384,512}" --out "$OUT" > "$OUT/rows.log" 2>&1 \
              || { status=1; tail -20 "$OUT/rows.log"; } ;;
     offline)
       block=/tmp/tokenmill-fp8-block/qwen3-4b
