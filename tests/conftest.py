@@ -8,10 +8,18 @@ import pytest
 import torch
 
 # The files that take longest on the 2-core CI machine, longest first, collected before the rest: `-n 2
-# --dist loadfile` hands whole files to the two workers in collection order, and a long file handed out
-# last leaves one worker running it alone while the other has finished.
-LONGEST_FIRST = ("test_real_quantized.py", "test_ui.py", "test_real_model.py", "test_server.py",
-                 "test_hardening.py", "test_api_server_count.py", "test_tiny_model.py", "test_fp8_gemm.py")
+# --dist loadfile` hands whole files to the two workers in the order of its queue, and a long file handed
+# out last leaves one worker running it alone while the other has finished. xdist orders that queue by
+# each file's number of tests unless told not to (`pytest_configure` below), which put the longest file,
+# of three tests, near the end.
+LONGEST_FIRST = ("test_real_quantized.py", "test_fp8_gemm.py", "test_real_model.py", "test_server.py",
+                 "test_hardening.py", "test_api_server_count.py", "test_openai_api.py", "test_ui.py",
+                 "test_sampling_kernel.py", "test_tiny_model.py", "test_bench_serve.py", "test_model_paths.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):

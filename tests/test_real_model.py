@@ -145,22 +145,27 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(llm):
 
 def engine_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     """log-softmax rows [len(ids) - 1, vocab] of each prefix, through the engine's own forward passes."""
+    return engine_logprobs_many(llm, [ids])[0]
+
+
+def engine_logprobs_many(llm: LLM, texts: list[list[int]]) -> list[torch.Tensor]:
+    """`engine_logprobs` of each id list, all submitted at once: the engine batches them as its token
+    budget allows, so a quantized layer's CPU reference dequantizes once per step, not per text."""
     runner = llm.engine.runner
-    rows: dict[int, torch.Tensor] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}
 
     def hook(requests, num_new, qsl, hidden):
         starts = qsl.tolist()
         for i, (req, n) in enumerate(zip(requests, num_new)):
             lg = runner.model.compute_logits(hidden[starts[i]:starts[i] + n]).float().log_softmax(-1)
             for j in range(n):
-                rows[req.num_computed_tokens + j] = lg[j]
+                rows.setdefault(req.request_id, {})[req.num_computed_tokens + j] = lg[j]
     runner.hidden_hook = hook
     try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+        outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=1))
     finally:
         runner.hidden_hook = None
-    return torch.stack([rows[i] for i in range(len(ids) - 1)])
-
+    return [torch.stack([rows[out.request_id][i] for i in range(len(ids) - 1)]) for out, ids in zip(outs, texts)]
 
 
 def against_reference(name: str, ref: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> tuple[float, float]:

@@ -54,3 +54,24 @@ if not torch.cuda.is_available():
                                                         ).numpy().view(bits).reshape(input.shape)
 
     interpreter._convert_float = _convert_float_e4m3
+
+    # Every call of a @triton.jit helper inside a kernel patches the language anew, and each patch walked
+    # the whole module with inspect.getmembers: a quarter of a kernel test's time. The builtin names of
+    # each patched namespace, listed once here before any kernel has run (so none is patched yet), are
+    # all a patch needs to visit; a name whose member is already patched is skipped, as before.
+    import inspect
+
+    _builtin_names = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+                      for pkg in (tl, tl.core, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base)}
+    _patch_builtin = interpreter._patch_builtin
+
+    def _patch_builtin_by_name(pkg, builder, scope):
+        names = _builtin_names.get(id(pkg))
+        if names is None:
+            return _patch_builtin(pkg, builder, scope)
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = _patch_builtin_by_name
