@@ -55,23 +55,90 @@ if not torch.cuda.is_available():
 
     interpreter._convert_float = _convert_float_e4m3
 
-    # Every call of a @triton.jit helper inside a kernel patches the language anew, and each patch walked
-    # the whole module with inspect.getmembers: a quarter of a kernel test's time. The builtin names of
-    # each patched namespace, listed once here before any kernel has run (so none is patched yet), are
-    # all a patch needs to visit; a name whose member is already patched is skipped, as before.
+    # Every call of a @triton.jit helper inside a kernel patches the language anew: it scans the helper's
+    # module for the language modules and walks each of them with inspect.getmembers, a third of a kernel
+    # test's time. Here the modules found are kept per module, and a namespace patched since the last
+    # restore is not walked again (nothing but a restore unpatches a name); otherwise a patch visits the
+    # builtin names listed once below, before any kernel has run, and skips those already patched, as the
+    # interpreter's own walk does.
     import inspect
 
     _builtin_names = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
                       for pkg in (tl, tl.core, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base)}
+    _restores = [0]
+    _patched_since = {}
     _patch_builtin = interpreter._patch_builtin
+    _restore = interpreter._LangPatchScope.restore
+
+    def _restore_counted(self):
+        _restores[0] += 1
+        _restore(self)
 
     def _patch_builtin_by_name(pkg, builder, scope):
         names = _builtin_names.get(id(pkg))
         if names is None:
             return _patch_builtin(pkg, builder, scope)
+        if _patched_since.get(id(pkg)) == _restores[0]:
+            return
         for name in names:
             member = getattr(pkg, name)
             if tl.core.is_builtin(member):
                 interpreter._patch_attr(pkg, name, member, builder, scope)
+        _patched_since[id(pkg)] = _restores[0]
 
+    _langs_of = {}
+
+    def _patch_lang(fn):
+        # the interpreter's `_patch_lang`, its language modules found once per module
+        scope = interpreter._LangPatchScope()
+        langs = _langs_of.get(id(fn.__globals__))
+        if langs is None:
+            langs = _langs_of[id(fn.__globals__)] = [value for value in fn.__globals__.values()
+                                                     if inspect.ismodule(value) and value in (tl, tl.core)]
+        assert langs, "triton.language must be visible from within jit'd function"
+        builder = interpreter.interpreter_builder
+        for lang in langs:
+            _patch_builtin_by_name(lang, builder, scope)
+            _patch_builtin_by_name(lang.tensor, builder, scope)
+            if lang == tl:
+                _patch_builtin_by_name(lang.math, builder, scope)
+            interpreter._patch_lang_tensor(lang.tensor, scope)
+            interpreter._patch_lang_core(lang, scope)
+        _patch_builtin_by_name(tl.core.tensor_descriptor_base, builder, scope)
+        return scope
+
+    interpreter._LangPatchScope.restore = _restore_counted
     interpreter._patch_builtin = _patch_builtin_by_name
+    interpreter._patch_lang = _patch_lang
+
+    # The interpreter rebuilds its table of NumPy dtypes on every lookup (several per operation); the
+    # answer depends on the element type only.
+    _np_dtypes = {}
+    _get_np_dtype = interpreter._get_np_dtype
+
+    def _get_np_dtype_once(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):          # unhashable; every pointer is held as uint64
+            return _get_np_dtype(key)
+        np_dtype = _np_dtypes.get(key)
+        if np_dtype is None:
+            np_dtype = _np_dtypes[key] = _get_np_dtype(key)
+        return np_dtype
+
+    interpreter._get_np_dtype = _get_np_dtype_once
+
+    # Every operation builds its result's block type anew (its shape validated and its name formatted); a
+    # type is a value, so equal ones are shared.
+    _block_types = {}
+
+    def _block_type(dtype, shape):
+        if isinstance(dtype, tl.pointer_type) or not all(type(s) is int for s in shape):
+            return tl.block_type(dtype, shape)
+        key = (dtype, tuple(shape))
+        ty = _block_types.get(key)
+        if ty is None:
+            ty = _block_types[key] = tl.block_type(dtype, shape)
+        return ty
+
+    interpreter.InterpreterBuilder.get_block_ty = lambda self, dtype, shape: _block_type(dtype, shape)
+    tl.core.block_type.with_element_ty = lambda self, scalar_ty: _block_type(scalar_ty, self.shape)
