@@ -59,6 +59,37 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
         assert not split_k._COUNTERS[got.device].any()
 
 
+def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their_tiles_fit_one_wave(monkeypatch):
+    """`rows_tile` on an H200's 132 SMs: per channel, up to 64 rows, a product whose 64-row tiles fit in one
+    wave (qkv, o_proj and down of qwen3-4b) takes 256-column steps, gate_up's 304 tiles keep 128; the split
+    fills the SMs about once, halved for 33-64 rows; block scales and more rows keep the 128-column tile.
+    Each choice against the tile it replaced: 13.43 -> 10.53 us (qkv), 13.74 -> 11.51 (o_proj) and
+    18.78 -> 17.68 (down) at 64 rows (docs/benchmarks/20261202/fp8-rows-split-fc634fb.md)."""
+    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, rows_tile
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert rows_tile(6144, (1, 2560), cpu, 16) == Fp8RowsTile(64, 256, 4, 3, 2)
+    assert rows_tile(6144, (1, 2560), cpu, 64) == Fp8RowsTile(64, 256, 4, 3, 1)
+    assert rows_tile(2560, (1, 4096), cpu, 32) == Fp8RowsTile(64, 256, 4, 3, 4)
+    assert rows_tile(2560, (1, 4096), cpu, 33) == Fp8RowsTile(64, 256, 4, 3, 2)
+    assert rows_tile(19456, (1, 2560), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 1)
+    assert rows_tile(2560, (1, 9728), cpu, 128) == Fp8RowsTile(64, 128, 4, 4, 2)
+    assert rows_tile(6144, (128, 128), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 2)
+
+
+def test_few_row_product_in_256_column_steps_equals_the_w8a8_reference():
+    """The 256-column steps `rows_tile` picks for narrow per-channel products: K = 448 (one whole step and
+    a partial one), split over two programs, 40 rows in two blocks of 32."""
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows
+    q, s, blk, _ = layer(200, 448, None, False)
+    x = torch.randn(40, 448, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = fp8_rows(x, q, s, blk, tile=Fp8RowsTile(64, 256, 4, 3, 2, 32))
+    want = w8a8_reference(x, q, s, blk, None)
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rows,block,bias,tile", [
     (70, (128, 128), False, (64, 128, 128, 4, 2)),     # partial last blocks along all three dims
     (70, (64, 64), True, (32, 64, 64, 4, 2)),          # a bias; tiles smaller than the scale blocks
