@@ -397,3 +397,36 @@ def test_an_api_server_process_imports_neither_triton_nor_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "LLM"]
+
+
+def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(qwen3_dir, tmp_path):
+    """The engine reads the tokenizer's EOS id from tokenizer_config.json and tokenizer.json (no
+    transformers) and loads the tokenizer when first asked for: a served engine core, whose frontend
+    tokenizes, starts without it. The id is the one transformers resolves; where the files leave it
+    unclear the tokenizer is loaded at start, as before."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids
+    code = ("import json, sys; from tokenmill.config import EngineConfig; from tokenmill.engine.engine import "
+            "LLMEngine; e = LLMEngine(EngineConfig(model=sys.argv[1], device='cpu', num_kv_blocks=8)); "
+            "at_start = 'transformers' in sys.modules; eos = sorted(e.eos_token_ids); "
+            "print(json.dumps([at_start, eos, list(e.tokenizer.eos_token_ids), 'transformers' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    at_start, engine_eos, loaded_eos, after = json.loads(out.stdout.strip().splitlines()[-1])
+    eos = Tokenizer(qwen3_dir).eos_token_ids
+    assert eos and plain_eos_ids(qwen3_dir) == eos and tuple(loaded_eos) == eos
+    assert set(eos) <= set(engine_eos)
+    assert (at_start, after) == (False, True)
+    # a special_tokens_map.json naming another EOS, or none named: only the tokenizer can tell
+    other = tmp_path / "other"
+    shutil.copytree(qwen3_dir, other)
+    (other / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert plain_eos_ids(str(other)) is None
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    (other / "special_tokens_map.json").unlink()
+    assert plain_eos_ids(str(other)) is None

@@ -19,7 +19,7 @@ from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_outputs import StepOutputs, StepOutputsBuilder
-from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids
+from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids, plain_eos_ids
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParamError, SamplingParams
 
@@ -41,12 +41,18 @@ class LLMEngine:
         self.model_name = config.model
         self.model_config = ModelConfig.from_gguf(model_dir) if is_gguf else ModelConfig.from_hf(model_dir)
         tok_dir = config.tokenizer or model_dir
-        self.tokenizer = Tokenizer(tok_dir) if Tokenizer.available(tok_dir) else None
-        self.tokenizer_path = tok_dir if self.tokenizer is not None else None   # where a frontend loads it
+        self.tokenizer_path = tok_dir if Tokenizer.available(tok_dir) else None   # where a frontend loads it
+        # the tokenizer is loaded when first asked for (`tokenizer`): a served engine core, whose frontend
+        # tokenizes, needs it only for structured output, and only its EOS id at start, read plainly
+        # where the files allow (`plain_eos_ids`)
+        self._tokenizer = None
+        tokenizer_eos = ()
+        if self.tokenizer_path is not None:
+            tokenizer_eos = plain_eos_ids(tok_dir)
+            if tokenizer_eos is None:
+                tokenizer_eos = self.tokenizer.eos_token_ids
         mc = self.model_config
-        self.eos_token_ids = set(mc.eos_token_ids) | set(generation_eos_ids(model_dir))
-        if self.tokenizer is not None:
-            self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = set(mc.eos_token_ids) | set(generation_eos_ids(model_dir)) | set(tokenizer_eos)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
@@ -73,6 +79,13 @@ class LLMEngine:
         startup_log.log_startup(self)
 
     # ---- requests ----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None without one), loaded on first use."""
+        if self._tokenizer is None and self.tokenizer_path is not None:
+            self._tokenizer = Tokenizer(self.tokenizer_path)
+        return self._tokenizer
+
     def add_request(self, request_id: str | None, prompt: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, handle: int | None = None,
                     carries_tools: bool = False) -> int:

@@ -94,6 +94,28 @@ def _is_gguf(path: str) -> bool:
     return str(path).lower().endswith(".gguf") and os.path.isfile(path)
 
 
+def plain_eos_ids(path: str) -> tuple[int, ...] | None:
+    """`Tokenizer(path).eos_token_ids` read without transformers, where that is plain: tokenizer_config.json
+    names the EOS token (special_tokens_map.json, if any, names the same one) and tokenizer.json maps it to
+    an id. None otherwise (a GGUF file, no tokenizer.json, no EOS named, an unknown token): then only the
+    tokenizer itself can tell."""
+    def eos_named(name: str):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return None
+        with open(file, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+        return eos.get("content") if isinstance(eos, dict) else eos
+    if _is_gguf(path) or not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    eos = eos_named("tokenizer_config.json")
+    if not isinstance(eos, str) or eos_named("special_tokens_map.json") not in (None, eos):
+        return None
+    from tokenizers import Tokenizer as RustTokenizer
+    token_id = RustTokenizer.from_file(os.path.join(path, "tokenizer.json")).token_to_id(eos)
+    return None if token_id is None else (token_id,)
+
+
 def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
