@@ -9,7 +9,7 @@ the other FP8 paths and bf16, then in a decoding model.
    + `F.linear`) and `fp8_rows` with each of TILES (the split of `rows_tile`'s rule for that block_n, and
    twice it), microseconds per product inside one CUDA graph over COPIES weight copies, each checked
    first against the product of the row-quantized input.
-2. preset:qwen3-4b decoding BATCHES requests (32 in, 128 out, greedy), ms per step: bf16, then
+2. --model (preset:qwen3-4b) decoding BATCHES requests (32 in, 128 out, greedy), ms per step: bf16, then
    --quantization fp8 with `fp8_rows` on the previous tile rule (`previous_rows_tile`), then as shipped.
 """
 from __future__ import annotations
@@ -88,13 +88,13 @@ def previous_rows_tile(n, block, device, m=1):
     return Fp8RowsTile(block_n, block_k, 4, 4, max(1, -(-_num_sms(device) // tiles)))
 
 
-def decode(lines, results):
+def decode(lines, results, model):
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.kernels import fp8_gemm
     from tokenmill.models.presets import resolve_model_path
-    path = resolve_model_path("preset:qwen3-4b")
+    path = resolve_model_path(model)
     shipped = fp8_gemm.rows_tile
-    lines += ["", "## preset:qwen3-4b decoding (32 in, 128 out, greedy), ms per step", "",
+    lines += ["", f"## {model} decoding (32 in, 128 out, greedy), ms per step", "",
               "| batch | bf16 | fp8, the previous `rows_tile` | fp8 shipped | previous / shipped | bf16 / shipped |",
               "|---|---|---|---|---|---|"]
     timings = {}
@@ -128,7 +128,7 @@ def main(args) -> None:
         if "products" in args.stages:
             products(lines, results)
         if "decode" in args.stages:
-            decode(lines, results)
+            decode(lines, results, args.model)
     finally:
         write_report(args.out, "fp8_rows", lines, results)
 
@@ -137,4 +137,5 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stages", default="products,decode")
+    p.add_argument("--model", default="preset:qwen3-4b", help="the decode stage's model")
     main(p.parse_args())
