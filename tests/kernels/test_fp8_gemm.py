@@ -148,6 +148,70 @@ def test_few_row_product_refuses_misfit_scales():
     assert rows_tile(64, (8, 128), torch.device(DEVICE)) is None
 
 
+@pytest.mark.parametrize("rows,block", [(5, None), (40, None), (5, (128, 128)), (40, (128, 128))])
+def test_products_take_rows_their_producer_quantized(rows, block):
+    """`fp8_linear` given its input as `Fp8Rows` (quantized by the kernel that wrote them, with the group
+    of `input_group`) gives the bits it gives for the unquantized rows, on the few-row kernel and the
+    block GEMM; rows quantized with another group are refused."""
+    from tokenmill.layers.kernels.fp8_gemm import Fp8Rows, fp8_linear, input_group, quantize_rows
+    q, s, blk, _ = layer(256, 448, block, False)
+    x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    group = input_group(tuple(q.shape), blk, torch.device(DEVICE))
+    assert group == (448 if block is None else 128)
+    got = fp8_linear(Fp8Rows(*quantize_rows(x, group), group, x.dtype), q, s, blk)
+    assert got.dtype == x.dtype and torch.equal(got, fp8_linear(x, q, s, blk))
+    other = 64 if block is None else 448
+    with pytest.raises(ValueError, match=f"quantized {other} columns a scale; this product takes {group}"):
+        fp8_linear(Fp8Rows(*quantize_rows(x, other), other, x.dtype), q, s, blk)
+
+
+def test_input_group_is_none_where_a_path_takes_unquantized_rows():
+    """Per channel, a weight whose dims are not multiples of 16 runs the dequantized layer above ROWS_MAX
+    rows; block scales of fewer than 16 rows fit no tile."""
+    from tokenmill.layers.kernels.fp8_gemm import input_group
+    cpu = torch.device("cpu")
+    assert input_group((200, 448), (1, 448), cpu) is None and input_group((208, 448), (1, 448), cpu) == 448
+    assert input_group((256, 448), (8, 128), cpu) is None and input_group((256, 448), (32, 64), cpu) == 64
+
+
+def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_path, save_tiny_model):
+    """An FP8 model (quantized at load, per channel) on a backend running the Triton RMSNorm, SiLU-and-mul
+    and FP8 products: qkv, gate_up and down take their rows quantized by the kernel before them (o_proj
+    quantizes its own), and the greedy tokens and log-probs equal those of the same kernels passing
+    unquantized rows."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TorchBackend, TritonBackend
+    from tokenmill.layers.kernels import fp8_gemm
+    path = str(tmp_path / "plain")
+    save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    inputs = []
+
+    class Kernels(TorchBackend):
+        rms_norm, silu_and_mul, _fp8_group = TritonBackend.rms_norm, TritonBackend.silu_and_mul, \
+            staticmethod(TritonBackend._fp8_group)
+
+        def fp8_linear(self, x, layer):
+            inputs.append(isinstance(x, fp8_gemm.Fp8Rows))
+            return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+
+    class Unquantized(Kernels):
+        _fp8_group = staticmethod(lambda layer: None)
+
+    def run(backend):
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=2, quantization="fp8")
+        llm.engine.runner.model.use_backend(backend)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6]], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    unquantized = run(Unquantized())
+    assert inputs and not any(inputs)
+    inputs.clear()
+    assert run(Kernels()) == unquantized
+    # each step's layers: qkv, gate_up and down quantized by their producer, o_proj not
+    assert len(inputs) % 4 == 0 and inputs == [True, False, True, True] * (len(inputs) // 4)
+
+
 @pytest.mark.parametrize("group", [None, 128])
 def test_per_token_quantization_equals_the_reference(group):
     """Per row, and per row and group of 128 columns (a partial last group: K = 300)."""

@@ -47,6 +47,50 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul_torch(x), rtol=_tol(dtype),
                                atol=_tol(dtype))
 
+def _same_fp8_rows(got, plain, group):
+    """`got` (an `Fp8Rows`) holds what `quantize_rows(plain, group)` gives, to the bit."""
+    from tokenmill.layers.kernels.fp8_gemm import Fp8Rows, quantize_rows
+    q, scale = quantize_rows(plain, group)
+    assert isinstance(got, Fp8Rows) and got.group == group and got.dtype == plain.dtype
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, scale)
+
+
+@pytest.mark.parametrize("group", [48, 32, 16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_with_fp8_output_quantizes_the_rows_it_would_write(group, with_residual):
+    """RMSNorm writing FP8 rows for the product after it: the rows of the plain kernel quantized as the
+    product would quantize them, per row (48) or per 32 (the last group partial) or 16 columns, five rows
+    to a program, the residual sum unchanged."""
+    gen = _gen(15)
+    x = _randn(5, 48, dtype=HALF, gen=gen) * torch.linspace(0.1, 4.0, 5, device=DEVICE, dtype=HALF)[:, None]
+    weight = _randn(48, dtype=HALF, gen=gen)
+    residual = _randn(5, 48, dtype=HALF, gen=gen) if with_residual else None
+    plain = ops.rms_norm(x, weight, 1e-5, residual)
+    fused = ops.rms_norm(x, weight, 1e-5, residual, fp8_group=group)
+    if with_residual:
+        (plain, plain_res), (fused, fused_res) = plain, fused
+        assert torch.equal(fused_res, plain_res)
+    _same_fp8_rows(fused, plain, group)
+
+
+@pytest.mark.parametrize("inter,group", [(40, 40), (40, 16), (1100, 1100), (1100, 128)])
+def test_silu_and_mul_with_fp8_output_quantizes_the_values_it_would_write(inter, group):
+    """SiLU-and-mul writing FP8 rows for down_proj: the plain kernel's values quantized per row (one
+    program a row, 2,048 columns wide for 1,100) or per group of columns (groups across two programs of
+    a row, the last partial)."""
+    gen = _gen(16)
+    x = _randn(3, 2 * inter + 4, dtype=HALF, gen=gen)[:, :2 * inter]  # row stride != 2I
+    _same_fp8_rows(ops.silu_and_mul(x, fp8_group=group), ops.silu_and_mul(x), group)
+
+
+def test_fp8_output_refuses_groups_it_cannot_form():
+    x = _randn(2, 48, dtype=HALF, gen=_gen(17))
+    with pytest.raises(ValueError, match="group of 24 columns narrower than the row .48. must be a power of two"):
+        ops.rms_norm(x, torch.ones(48, dtype=HALF, device=DEVICE), 1e-5, fp8_group=24)
+    with pytest.raises(ValueError, match="FP8 output takes x \\[T, N\\] and a weight of x's dtype"):
+        ops.rms_norm(x, torch.ones(48, dtype=torch.float32, device=DEVICE), 1e-5, fp8_group=48)
+
+
 def _check_prologue(ops, gen, num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                     dtype, qk_norm, max_pos, tol):
     rope = RotaryEmbedding(head_dim, max_pos, 10000.0).to(DEVICE)
@@ -128,6 +172,14 @@ def test_gpu_fused_ops_realistic():
     torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
     up = _randn(300, 2 * 9728, dtype=bf16, gen=gen)
     torch.testing.assert_close(ops.silu_and_mul(up), silu_and_mul_torch(up), rtol=2e-2, atol=2e-2)
+    # with FP8 output for the product after them, per row and per 128 columns, as the decoder asks
+    for group in (2560, 128):
+        fused, fused_res = ops.rms_norm(x, weight, 1e-5, res, fp8_group=group)
+        _same_fp8_rows(fused, out, group)
+        assert torch.equal(fused_res, out_res)
+    plain = ops.silu_and_mul(up)
+    for group in (9728, 128):
+        _same_fp8_rows(ops.silu_and_mul(up, fp8_group=group), plain, group)
 
 
 @pytest.mark.gpu

@@ -25,12 +25,16 @@ class TorchBackend:
 
     name = "torch"
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-        """norm(x + residual) * weight, and x + residual when a residual is given (see `rms_norm_torch`)."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 into=None):
+        """norm(x + residual) * weight, and x + residual when a residual is given (see `rms_norm_torch`).
+        `into`: the linear layer the result goes into, if any; a backend may give the result in the form
+        that layer's product takes (the Triton backend: an FP8 layer's quantized rows)."""
         out, summed = rms_norm_torch(x, weight, eps, residual)
         return out if residual is None else (out, summed)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, into=None) -> torch.Tensor:
+        """silu(gate) * up of the packed [gate | up] x; `into` as for `rms_norm`."""
         return silu_and_mul_torch(x)
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -103,13 +107,23 @@ class TritonBackend(TorchBackend):
     def __init__(self, kernels: KernelConfig | None = None):
         self.kernels = kernels or KernelConfig()
 
-    def rms_norm(self, x, weight, eps, residual=None):
+    def rms_norm(self, x, weight, eps, residual=None, into=None):
         from tokenmill.layers.kernels import fused_ops
-        return fused_ops.rms_norm(x, weight, eps, residual)
+        return fused_ops.rms_norm(x, weight, eps, residual, fp8_group=self._fp8_group(into))
 
-    def silu_and_mul(self, x):
+    def silu_and_mul(self, x, into=None):
         from tokenmill.layers.kernels import fused_ops
-        return fused_ops.silu_and_mul(x)
+        return fused_ops.silu_and_mul(x, fp8_group=self._fp8_group(into))
+
+    @staticmethod
+    def _fp8_group(layer) -> int | None:
+        """The columns per scale with which an FP8 layer's product takes its input rows quantized
+        (`fp8_gemm.input_group`), so that the kernel writing them quantizes them; else None."""
+        from tokenmill.layers.fp8_linear import Fp8Linear
+        if not isinstance(layer, Fp8Linear):
+            return None
+        from tokenmill.layers.kernels import fp8_gemm
+        return fp8_gemm.input_group(layer.weight.shape, layer.block, layer.weight.device)
 
     def qk_norm_rope_store(self, *args, **kwargs):
         from tokenmill.layers.kernels import fused_ops

@@ -92,7 +92,7 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x), into=self.down_proj))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -116,13 +116,15 @@ class DecoderLayer(nn.Module):
         if ids is not None:
             raise ValueError("a layer gathers its input rows (ids) only as single-token kernels")
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.backend.rms_norm(hidden, norm1.weight, norm1.eps)
+            hidden = self.backend.rms_norm(hidden, norm1.weight, norm1.eps, into=qkv_proj)
         else:
-            hidden, residual = self.backend.rms_norm(hidden, norm1.weight, norm1.eps, residual)
+            hidden, residual = self.backend.rms_norm(hidden, norm1.weight, norm1.eps, residual, into=qkv_proj)
         hidden = self.self_attn(positions, hidden, meta, decode_attention)
-        hidden, residual = self.backend.rms_norm(hidden, norm2.weight, norm2.eps, residual)
+        hidden, residual = self.backend.rms_norm(hidden, norm2.weight, norm2.eps, residual,
+                                                 into=self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
     def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta, ids):

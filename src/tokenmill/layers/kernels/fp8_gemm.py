@@ -5,7 +5,9 @@ read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, a
 
 All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_rows`: absmax / 448 of the
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
-the products run on the FP8 tensor cores.
+the products run on the FP8 tensor cores. The kernel that writes a product's input may quantize it on its
+way out instead (`Fp8Rows`; `input_group` says with which columns per scale): the RMSNorm before qkv and
+gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of the rows a product.
 
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
@@ -27,6 +29,7 @@ the products run on the FP8 tensor cores.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +64,47 @@ class Fp8RowsTile:
     num_stages: int
     split_k: int
     block_m: int = ROWS_BLOCK_M
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Input rows that the kernel writing them quantized, as `quantize_rows(x, group)` would: q [M, K] FP8,
+    scale [M, ceil(K / group)] float32 (group K: one scale a row); `dtype` is the rows' own dtype, which
+    the product's output takes."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+@functools.lru_cache(maxsize=None)
+def input_group(shape: tuple[int, int], block: tuple[int, int], device: torch.device) -> int | None:
+    """The columns per activation scale with which every path of `fp8_linear` quantizes the input rows of
+    a weight of `shape` [N, K], at any row count (K for per-channel scales, the scale block's width for
+    block scales), so that their producer may quantize them (`Fp8Rows`); None where some path takes them
+    unquantized (the dequantized layer). Cached: the decoder asks for each layer on each eager step."""
+    n, k = shape
+    if block == (1, k):
+        return k if n % 16 == 0 and k % 16 == 0 else None     # `scaled_mm_fits`
+    return block[1] if rows_tile(n, block, device) is not None and gemm_tile(block) is not None else None
+
+
+def _quantized(x: torch.Tensor | Fp8Rows, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows in FP8 with their scales, `group` columns a scale: quantized here, or as their producer
+    quantized them."""
+    if isinstance(x, Fp8Rows):
+        if x.group != group:
+            raise ValueError(f"input rows quantized {x.group} columns a scale; this product takes {group}")
+        return x.q, x.scale
+    return quantize_rows(x, group)
 
 
 def check_weight(kernel: str, k: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
@@ -146,7 +190,7 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
              mask=out_mask)
 
 
-def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              bias: torch.Tensor | None = None, tile: Fp8RowsTile | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per row
     (`quantize_rows`) for per-channel scales, per row and block of columns for block scales."""
@@ -158,10 +202,10 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if tile is None or block_scale and (block[0] % tile.block_n or block[1] % tile.block_k):
         raise ValueError(f"fp8_rows: {tile} does not fit within scale blocks of {block}")
     if M == 0:
-        return x.new_empty(0, N)
+        return torch.empty(0, N, dtype=x.dtype, device=x.device)
     # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
     # dynamic per-token-group scheme), per-channel ones one per row
-    xq, x_scale = quantize_rows(x, block[1] if block_scale else None)
+    xq, x_scale = _quantized(x, block[1] if block_scale else K)
     block_m = min(tile.block_m, max(16, triton.next_power_of_2(M)))
     m_blocks = triton.cdiv(M, block_m)
     blocks = triton.cdiv(N, tile.block_n) * m_blocks
@@ -233,7 +277,7 @@ def _fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K
              mask=m_mask[:, None] & row_mask[None, :])
 
 
-def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def fp8_block_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                    bias: torch.Tensor | None = None, tile: Fp8GemmTile | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] FP8 * block scale)^T (+ bias) in x's dtype, W8A8: x quantized per row and
     block of columns (`quantize_rows(x, block[1])`)."""
@@ -246,7 +290,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    xq, x_scale = quantize_rows(x, block[1])
+    xq, x_scale = _quantized(x, block[1])
     grid = (triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n),)
     _fp8_block_gemm_kernel[grid](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, M, N, K, xq.stride(0),
@@ -306,9 +350,10 @@ def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
     return block[1] == k and block[0] == 1 and n % 16 == 0 and k % 16 == 0
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring."""
+    """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
+    (`Fp8Rows`, with the group of `input_group`)."""
     if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:
@@ -320,13 +365,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return fp8_linear_many(x, weight, scale, block, bias)
 
 
-def fp8_linear_many(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def fp8_linear_many(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product `fp8_linear` takes where neither Triton kernel does (at any row count): `_scaled_mm`
     with per-channel scales, else the dequantized layer."""
     if scaled_mm_fits(weight, block):
-        xq, x_scale = quantize_rows(x)
+        xq, x_scale = _quantized(x, x.shape[1])
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         return out if bias is None else out.add_(bias)
+    if isinstance(x, Fp8Rows):
+        raise ValueError(f"the dequantized product of a {tuple(weight.shape)} weight with block {block} takes "
+                         "unquantized rows (input_group is None)")
     return fp8_linear_torch(x, weight, scale, block, bias)

@@ -16,8 +16,10 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scale
 from tokenmill.layers.kernels import pdl
+from tokenmill.quant.fp8 import FP8
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_MAX = tl.constexpr(FP8_KV_MAX)   # E4M3's largest value, 448, for the cache and the products' inputs
 
 
 def _check_dtype(name: str, x: torch.Tensor) -> None:
@@ -40,11 +42,23 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows, inner,
-                     x_stride_a, x_stride_b, r_stride_a, r_stride_b,
+def _fp8_groups(y, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    # y [BLOCK_R, BLOCK_N] float32, zero where masked -> (FP8 values [BLOCK_R, BLOCK_N], scales
+    # [BLOCK_R, BLOCK_N // GROUP]): each GROUP columns over their absmax / FP8_MAX, as quantize_rows does
+    g = tl.reshape(y, [BLOCK_R, BLOCK_N // GROUP, GROUP])
+    scale = tl.maximum(tl.max(tl.abs(g), 2), 1e-12) / FP8_MAX
+    q = tl.clamp(g / scale[:, :, None], -FP8_MAX, FP8_MAX)
+    return tl.reshape(q, [BLOCK_R, BLOCK_N]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, eps, num_rows, inner,
+                     x_stride_a, x_stride_b, r_stride_a, r_stride_b, s_stride,
                      N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]
+                     HAS_RESIDUAL: tl.constexpr, FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
+    # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]. FP8_GROUP > 0: out is
+    # FP8, the rows as the plain kernel writes them quantized with a scale per FP8_GROUP columns (BLOCK_N:
+    # per row) into s_ptr
     pdl.enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_N)
@@ -63,13 +77,35 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, num_rows,
     rstd = tl.rsqrt(tl.sum(h * h, 1) / N + eps)
     h = (h * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_rows, (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_GROUP > 0:
+        q, scale = _fp8_groups((h * w[None, :]).to(x.dtype).to(tl.float32), BLOCK_R, BLOCK_N, FP8_GROUP)
+        tl.store(out_ptr + out_rows, q, mask=mask)
+        g = tl.arange(0, BLOCK_N // FP8_GROUP)
+        tl.store(s_ptr + r.to(tl.int64)[:, None] * s_stride + g[None, :], scale,
+                 mask=r_mask[:, None] & (g < tl.cdiv(N, FP8_GROUP))[None, :])
+    else:
+        tl.store(out_ptr + out_rows, (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def _fp8_out(name: str, rows: int, n: int, group: int, x: torch.Tensor):
+    """The FP8 output of a kernel quantizing its rows [rows, n] with `group` columns a scale (at least n:
+    one a row), as `fp8_gemm.Fp8Rows` takes them, and the group the kernel uses within its block of
+    columns. A group narrower than the row must be a power of two."""
+    if group < n and group & (group - 1):
+        raise ValueError(f"{name}: an FP8 group of {group} columns narrower than the row ({n}) must be a "
+                         "power of two")
+    group = min(group, n)
+    q = torch.empty(rows, n, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, triton.cdiv(n, group), dtype=torch.float32, device=x.device)
+    return q, scale, group
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             fp8_group: int | None = None):
     """RMSNorm over the last dim of x [..., N]. Returns `out` when residual is None, else
     `(out, x + residual)`; both are new contiguous tensors (the inputs are not modified).
-    out has dtype promote(weight.dtype, x.dtype), as in the reference."""
+    out has dtype promote(weight.dtype, x.dtype), as in the reference. `fp8_group` (x 2-D, weight of x's
+    dtype): out comes as `fp8_gemm.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
     _check_dtype("rms_norm x", x)
     _check_dtype("rms_norm weight", weight)
     n = x.shape[-1]
@@ -83,18 +119,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                              f"{x.dtype} {tuple(x.shape)} and have a unit last stride")
     x3 = _as_3d(x)
     r3 = _as_3d(residual) if residual is not None else x3
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     num_rows = x3.shape[0] * x3.shape[1]
+    block_n = triton.next_power_of_2(n)
+    if fp8_group is not None:
+        if x.dim() != 2 or weight.dtype != x.dtype:
+            raise ValueError(f"rms_norm: FP8 output takes x [T, N] and a weight of x's dtype, got x {x.dtype} "
+                             f"{tuple(x.shape)}, weight {weight.dtype}")
+        out, scale, group = _fp8_out("rms_norm", num_rows, n, fp8_group, x)
+        kernel_group = block_n if group == n else group
+    else:
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        scale, kernel_group = out, 0
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     if num_rows > 0:
-        block_n = triton.next_power_of_2(n)
         block_r = max(1, min(16, 2048 // block_n))
         pdl_on = pdl.enabled(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-            x3, r3, weight, out, res_out, eps, num_rows, x3.shape[1],
-            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, PDL=pdl_on,
-            num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
+            x3, r3, weight, out, res_out, scale, eps, num_rows, x3.shape[1],
+            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), scale.stride(0),
+            N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, FP8_GROUP=kernel_group,
+            PDL=pdl_on, num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
+    if fp8_group is not None:
+        from tokenmill.layers.kernels.fp8_gemm import Fp8Rows
+        out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out if residual is None else (out, res_out)
 
 
@@ -102,8 +149,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, I: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.constexpr, BLOCK: tl.constexpr,
+                         FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
+    # program (t, j): columns j * BLOCK ... of token t. FP8_GROUP > 0: out is FP8, the values as the plain
+    # kernel writes them quantized with a scale per FP8_GROUP columns (BLOCK: per block, which then spans
+    # the row) into s_ptr
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -112,24 +162,45 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, I: tl.constexpr, BLOCK: tl.
     up = tl.load(x_ptr + t * x_stride_t + I + c, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + t * I + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    if FP8_GROUP > 0:
+        q, scale = _fp8_groups(tl.reshape(y.to(tl.float32), [1, BLOCK]), 1, BLOCK, FP8_GROUP)
+        tl.store(out_ptr + t * I + c, tl.reshape(q, [BLOCK]), mask=mask)
+        j = tl.program_id(1) * (BLOCK // FP8_GROUP) + tl.arange(0, BLOCK // FP8_GROUP)
+        tl.store(s_ptr + t * s_stride + j, tl.reshape(scale, [BLOCK // FP8_GROUP]), mask=j < tl.cdiv(I, FP8_GROUP))
+    else:
+        tl.store(out_ptr + t * I + c, y, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] packed as [gate | up] -> silu(gate) * up, [..., I] (contiguous)."""
+def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
+    """x [..., 2I] packed as [gate | up] -> silu(gate) * up, [..., I] (contiguous). `fp8_group` (x 2-D): the
+    result comes as `fp8_gemm.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
     _check_dtype("silu_and_mul x", x)
     if x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul: last dim must be even with unit stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if fp8_group is not None:
+        if x.dim() != 2:
+            raise ValueError(f"silu_and_mul: FP8 output takes x [T, 2I], got {tuple(x.shape)}")
+        out, scale, group = _fp8_out("silu_and_mul", x.shape[0], inter, fp8_group, x)
+        if group == inter:   # a program takes the whole row, to see its absmax
+            block = kernel_group = triton.next_power_of_2(inter)
+        else:
+            block, kernel_group = max(block, group), group
+    else:
+        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+        scale, kernel_group = out, 0
     if x2.shape[0] > 0 and inter > 0:
-        block = min(1024, triton.next_power_of_2(inter))
         pdl_on = pdl.enabled(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), I=inter, BLOCK=block, PDL=pdl_on, num_warps=4,
-            launch_pdl=pdl_on)
+            x2, out, scale, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
+            PDL=pdl_on, num_warps=4 if block <= 1024 else 16, launch_pdl=pdl_on)
+    if fp8_group is not None:
+        from tokenmill.layers.kernels.fp8_gemm import Fp8Rows
+        out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out
 
 
@@ -178,7 +249,6 @@ def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
     return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
 
 
-FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
 @triton.jit
