@@ -153,7 +153,8 @@ def test_products_take_rows_their_producer_quantized(rows, block):
     """`fp8_linear` given its input as `Fp8Rows` (quantized by the kernel that wrote them, with the group
     of `input_group`) gives the bits it gives for the unquantized rows, on the few-row kernel and the
     block GEMM; rows quantized with another group are refused."""
-    from tokenmill.layers.kernels.fp8_gemm import Fp8Rows, fp8_linear, input_group, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, input_group, quantize_rows
+    from tokenmill.quant.fp8 import Fp8Rows
     q, s, blk, _ = layer(256, 448, block, False)
     x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     group = input_group(tuple(q.shape), blk, torch.device(DEVICE))
@@ -192,7 +193,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
             staticmethod(TritonBackend._fp8_group)
 
         def fp8_linear(self, x, layer):
-            inputs.append(isinstance(x, fp8_gemm.Fp8Rows))
+            inputs.append(isinstance(x, fp8.Fp8Rows))
             return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
 
     class Unquantized(Kernels):

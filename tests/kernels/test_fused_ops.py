@@ -49,7 +49,8 @@ def test_silu_and_mul_matches_reference(dtype):
 
 def _same_fp8_rows(got, plain, group):
     """`got` (an `Fp8Rows`) holds what `quantize_rows(plain, group)` gives, to the bit."""
-    from tokenmill.layers.kernels.fp8_gemm import Fp8Rows, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import quantize_rows
+    from tokenmill.quant.fp8 import Fp8Rows
     q, scale = quantize_rows(plain, group)
     assert isinstance(got, Fp8Rows) and got.group == group and got.dtype == plain.dtype
     assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, scale)

@@ -18,6 +18,7 @@ from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.layers.norm import rms_norm_torch
 from tokenmill.layers.rotary import apply_rotary_torch
+from tokenmill.quant.fp8 import FP8
 
 
 class TorchBackend:
@@ -119,8 +120,7 @@ class TritonBackend(TorchBackend):
     def _fp8_group(layer) -> int | None:
         """The columns per scale with which an FP8 layer's product takes its input rows quantized
         (`fp8_gemm.input_group`), so that the kernel writing them quantizes them; else None."""
-        from tokenmill.layers.fp8_linear import Fp8Linear
-        if not isinstance(layer, Fp8Linear):
+        if layer is None or layer.weight.dtype != FP8:
             return None
         from tokenmill.layers.kernels import fp8_gemm
         return fp8_gemm.input_group(layer.weight.shape, layer.block, layer.weight.device)

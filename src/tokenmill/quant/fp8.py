@@ -60,6 +60,25 @@ class Fp8Config:
         return -(-out_features // bn), -(-in_features // bk)
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 product's input rows, quantized by the kernel that wrote them as
+    `layers/kernels/fp8_gemm.quantize_rows(x, group)` would: q [M, K] FP8, scale [M, ceil(K / group)]
+    float32 (group K: one scale a row); `dtype` is the rows' own dtype, which the product's output takes."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
 def parse_fp8_config(qc: dict) -> Fp8Config:
     """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
     method = str(qc.get("quant_method", "")).lower()

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import split_k
 from tokenmill.layers.kernels.gemv import _num_sms
-from tokenmill.quant.fp8 import FP8, FP8_MAX, dequantize
+from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, dequantize
 
 ROWS_MAX = 192
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
@@ -64,25 +64,6 @@ class Fp8RowsTile:
     num_stages: int
     split_k: int
     block_m: int = ROWS_BLOCK_M
-
-
-@dataclass(frozen=True)
-class Fp8Rows:
-    """Input rows that the kernel writing them quantized, as `quantize_rows(x, group)` would: q [M, K] FP8,
-    scale [M, ceil(K / group)] float32 (group K: one scale a row); `dtype` is the rows' own dtype, which
-    the product's output takes."""
-    q: torch.Tensor
-    scale: torch.Tensor
-    group: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
 
 @functools.lru_cache(maxsize=None)

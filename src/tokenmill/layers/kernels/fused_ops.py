@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scale
 from tokenmill.layers.kernels import pdl
-from tokenmill.quant.fp8 import FP8
+from tokenmill.quant.fp8 import FP8, Fp8Rows
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_MAX = tl.constexpr(FP8_KV_MAX)   # E4M3's largest value, 448, for the cache and the products' inputs
@@ -89,7 +89,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, eps, nu
 
 def _fp8_out(name: str, rows: int, n: int, group: int, x: torch.Tensor):
     """The FP8 output of a kernel quantizing its rows [rows, n] with `group` columns a scale (at least n:
-    one a row), as `fp8_gemm.Fp8Rows` takes them, and the group the kernel uses within its block of
+    one a row), as `quant/fp8.Fp8Rows` takes them, and the group the kernel uses within its block of
     columns. A group narrower than the row must be a power of two."""
     if group < n and group & (group - 1):
         raise ValueError(f"{name}: an FP8 group of {group} columns narrower than the row ({n}) must be a "
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """RMSNorm over the last dim of x [..., N]. Returns `out` when residual is None, else
     `(out, x + residual)`; both are new contiguous tensors (the inputs are not modified).
     out has dtype promote(weight.dtype, x.dtype), as in the reference. `fp8_group` (x 2-D, weight of x's
-    dtype): out comes as `fp8_gemm.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
+    dtype): out comes as `quant/fp8.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
     _check_dtype("rms_norm x", x)
     _check_dtype("rms_norm weight", weight)
     n = x.shape[-1]
@@ -140,7 +140,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, FP8_GROUP=kernel_group,
             PDL=pdl_on, num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
     if fp8_group is not None:
-        from tokenmill.layers.kernels.fp8_gemm import Fp8Rows
         out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out if residual is None else (out, res_out)
 
@@ -174,7 +173,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.cons
 
 def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
     """x [..., 2I] packed as [gate | up] -> silu(gate) * up, [..., I] (contiguous). `fp8_group` (x 2-D): the
-    result comes as `fp8_gemm.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
+    result comes as `quant/fp8.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
     _check_dtype("silu_and_mul x", x)
     if x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul: last dim must be even with unit stride, got shape "
@@ -199,7 +198,6 @@ def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
             x2, out, scale, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
             PDL=pdl_on, num_warps=4 if block <= 1024 else 16, launch_pdl=pdl_on)
     if fp8_group is not None:
-        from tokenmill.layers.kernels.fp8_gemm import Fp8Rows
         out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out
 
