@@ -16,8 +16,8 @@ per block of `block = (block_n, block_k)` weights, `w = q * scale[n // block_n, 
 Block scales are kept as stored and used by the kernels directly, not converted to per-channel scales at
 load: a conversion re-rounds every weight whose block scale differs from its row's (a second FP8 rounding,
 about doubling the error variance), and the few-row kernel applies a block scale per 128-column step at
-no measurable cost. Large batches of a block-wise model dequantize the layer and run the bf16 product
-(`layers/kernels/fp8_gemm.py`); per-channel models run FP8 tensor-core products there.
+no measurable cost, and the block GEMM of many rows scales each K step's product
+(`layers/kernels/fp8_gemm.py`).
 
 The head and the embedding stay in the model dtype: the embedding is a gather (one row per token, no
 bandwidth to save), the head is tied to it in the Qwen3 models this serves, and every published FP8
