@@ -127,16 +127,32 @@ def _needs_chainlit():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux's /proc")
-def test_no_process_outlives_tokenmill_ui(tmp_path):
-    """SIGTERM is forwarded to the Chainlit child and waited for; a SIGKILLed parent takes it down too."""
+def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_server(tmp_path, request):
+    """SIGTERM is forwarded to the Chainlit child and waited for; a SIGKILLed parent takes it down too.
+    Before that, where a browser is at hand, the page of a UI whose server cannot be reached says so, on
+    opening and on a message, and the UI keeps running."""
     _needs_chainlit()
     dead = _free_port()
     uis = {sig: _start_ui(tmp_path, f"http://127.0.0.1:{dead}/v1", _free_port())
            for sig in (signal.SIGTERM, signal.SIGKILL)}
     try:
         for ui in uis.values():
-            _wait_http(f"http://127.0.0.1:{ui.args[ui.args.index('--port') + 1]}/", ui)
+            _wait_http(_ui_url(ui), ui)
             assert _descendants(ui.pid)
+        try:
+            browser = request.getfixturevalue("browser")
+        except pytest.skip.Exception:
+            browser = None
+        if browser is not None:
+            ui = uis[signal.SIGTERM]
+            page = browser.new_page()
+            page.goto(_ui_url(ui), wait_until="domcontentloaded")
+            page.wait_for_selector(f"{ASSISTANT}:has-text('Cannot reach the server')", timeout=30_000)
+            _send(page, "hello")
+            page.wait_for_function(
+                "(sel) => document.querySelectorAll(sel).length >= 2", arg=ASSISTANT, timeout=30_000)
+            assert "Cannot reach the server" in page.locator(ASSISTANT).all_inner_texts()[-1]
+            assert ui.poll() is None
         _stop(uis[signal.SIGTERM])
         assert uis[signal.SIGTERM].returncode == 0   # Chainlit's own status after a clean shutdown
         _stop(uis[signal.SIGKILL], signal.SIGKILL)
@@ -145,6 +161,10 @@ def test_no_process_outlives_tokenmill_ui(tmp_path):
             if ui.poll() is None:
                 ui.kill()
                 ui.wait()
+
+
+def _ui_url(ui: subprocess.Popen) -> str:
+    return f"http://127.0.0.1:{ui.args[ui.args.index('--port') + 1]}/"
 
 
 @pytest.fixture(scope="module")
@@ -195,22 +215,5 @@ def test_chat_page_streams_an_answer(browser, default_server, tmp_path):
         page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight)"
                       " e.scrollTop = 0; })")
         page.screenshot(path=os.environ.get("TOKENMILL_UI_SCREENSHOT") or str(tmp_path / "ui.png"))
-    finally:
-        _stop(ui)
-
-
-def test_chat_page_reports_an_unreachable_server(browser, tmp_path):
-    port, dead = _free_port(), _free_port()
-    ui = _start_ui(tmp_path, f"http://127.0.0.1:{dead}/v1", port)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/", ui)
-        page = browser.new_page()
-        page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
-        page.wait_for_selector(f"{ASSISTANT}:has-text('Cannot reach the server')", timeout=30_000)
-        _send(page, "hello")
-        page.wait_for_function(
-            "(sel) => document.querySelectorAll(sel).length >= 2", arg=ASSISTANT, timeout=30_000)
-        assert "Cannot reach the server" in page.locator(ASSISTANT).all_inner_texts()[-1]
-        assert ui.poll() is None
     finally:
         _stop(ui)

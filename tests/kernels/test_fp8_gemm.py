@@ -185,7 +185,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     from tokenmill.layers.kernels import fp8_gemm
     path = str(tmp_path / "plain")
     save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+                    num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
     inputs = []
 
     class Kernels(TorchBackend):
@@ -202,7 +202,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     def run(backend):
         llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=2, quantization="fp8")
         llm.engine.runner.model.use_backend(backend)
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
         out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6]], params)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
     unquantized = run(Unquantized())
