@@ -36,3 +36,24 @@ def test_triton_backend_gives_the_reference_tokens(qwen3_dir):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert set(calls) == {"rms_norm", "silu_and_mul", "qk_norm_rope_store", "attend", "single_token_linear",
                           "decode_attention"}
+
+
+def test_triton_norm_and_silu_quantize_only_for_fp8_products_that_take_quantized_rows():
+    """The Triton backend's RMSNorm and SiLU-and-mul write FP8 rows (`Fp8Rows`) where the linear layer
+    they feed is FP8 and every path of its product quantizes its input; for a plain layer, a 4-bit one
+    (which has no `weight`) and an FP8 one whose dims are not multiples of 16 they write plain rows."""
+    from tokenmill.layers.quantized import linear
+    from tokenmill.quant.fp8 import Fp8Config, Fp8Rows
+    from tokenmill.quant.w4 import W4Config
+    backend = TritonBackend()
+    x = torch.randn(3, 128)
+    w = torch.ones(128)
+    gate_up = torch.randn(3, 256)
+    layers = {"plain": linear(128, 64, False, None), "w4": linear(128, 64, False, W4Config("gptq", 128)),
+              "fp8": linear(128, 64, False, Fp8Config()), "fp8, 56 rows": linear(128, 56, False, Fp8Config())}
+    for name, layer in layers.items():
+        quantized = name == "fp8"
+        assert isinstance(backend.rms_norm(x, w, 1e-6, into=layer), Fp8Rows) == quantized, name
+        out, _ = backend.rms_norm(x, w, 1e-6, residual=x, into=layer)
+        assert isinstance(out, Fp8Rows) == quantized, name
+        assert isinstance(backend.silu_and_mul(gate_up, into=layer), Fp8Rows) == quantized, name

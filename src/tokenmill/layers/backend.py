@@ -120,10 +120,11 @@ class TritonBackend(TorchBackend):
     def _fp8_group(layer) -> int | None:
         """The columns per scale with which an FP8 layer's product takes its input rows quantized
         (`fp8_gemm.input_group`), so that the kernel writing them quantizes them; else None."""
-        if layer is None or layer.weight.dtype != FP8:
+        weight = getattr(layer, "weight", None)      # 4-bit layers have none
+        if weight is None or weight.dtype != FP8:
             return None
         from tokenmill.layers.kernels import fp8_gemm
-        return fp8_gemm.input_group(layer.weight.shape, layer.block, layer.weight.device)
+        return fp8_gemm.input_group(weight.shape, layer.block, weight.device)
 
     def qk_norm_rope_store(self, *args, **kwargs):
         from tokenmill.layers.kernels import fused_ops
