@@ -152,20 +152,24 @@ def engine_logprobs_many(llm: LLM, texts: list[list[int]]) -> list[torch.Tensor]
     """`engine_logprobs` of each id list, all submitted at once: the engine batches them as its token
     budget allows, so a quantized layer's CPU reference dequantizes once per step, not per text."""
     runner = llm.engine.runner
-    rows: dict[str, dict[int, torch.Tensor]] = {}
+    chunks: dict[str, dict[int, torch.Tensor]] = {}     # request -> first position -> its chunk's rows
 
     def hook(requests, num_new, qsl, hidden):
         starts = qsl.tolist()
         for i, (req, n) in enumerate(zip(requests, num_new)):
             lg = runner.model.compute_logits(hidden[starts[i]:starts[i] + n]).float().log_softmax(-1)
-            for j in range(n):
-                rows.setdefault(req.request_id, {})[req.num_computed_tokens + j] = lg[j]
+            chunks.setdefault(req.request_id, {})[req.num_computed_tokens] = lg
     runner.hidden_hook = hook
     try:
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=1))
     finally:
         runner.hidden_hook = None
-    return [torch.stack([rows[out.request_id][i] for i in range(len(ids) - 1)]) for out, ids in zip(outs, texts)]
+    result = []
+    for out, ids in zip(outs, texts):
+        parts = sorted(chunks[out.request_id].items())
+        assert [p for p, _ in parts] == [sum(len(c) for _, c in parts[:i]) for i in range(len(parts))]
+        result.append(torch.cat([c for _, c in parts])[:len(ids) - 1])
+    return result
 
 
 def against_reference(name: str, ref: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> tuple[float, float]:
