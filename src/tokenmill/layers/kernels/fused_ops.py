@@ -4,7 +4,9 @@ prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv proj
 References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
 (rotary.py) and `store_kvcache_torch` (attention.py) for the prologue. Each kernel rounds intermediates
 to the input dtype where the reference does, so results match it to the last bit or one rounding step.
-An FP8 cache (attention.py) receives K / scale and V / scale saturated to E4M3 (`quantize_kv`).
+An FP8 cache (attention.py) receives K / scale and V / scale saturated to E4M3 (`quantize_kv`). Before
+an FP8 product, RMSNorm and SiLU-and-mul write their rows in E4M3 with their scales (`fp8_group`): the
+rows they would write otherwise, quantized as the product would quantize them (`fp8_gemm.input_group`).
 Inputs need a unit stride on the last dim only; token and head strides are free, so views split from
 the packed qkv projection work as they are.
 """
