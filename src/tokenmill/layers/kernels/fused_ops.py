@@ -187,7 +187,10 @@ def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
         if x.dim() != 2:
             raise ValueError(f"silu_and_mul: FP8 output takes x [T, 2I], got {tuple(x.shape)}")
         out, scale, group = _fp8_out("silu_and_mul", x.shape[0], inter, fp8_group, x)
-        if group == inter:   # a program takes the whole row, to see its absmax
+        if group == inter:
+            # a program takes the whole row, to see its absmax, at 8 warps: for 9,728 columns on an H200,
+            # 3.7-28.2 us at 64-2,048 rows against 4.4-37.0 at 16 warps and 3.9-37.2 at 32
+            # (lab/fused_quant_bench.py)
             block = kernel_group = triton.next_power_of_2(inter)
         else:
             block, kernel_group = max(block, group), group
@@ -198,7 +201,7 @@ def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
         pdl_on = pdl.enabled(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, scale, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
-            PDL=pdl_on, num_warps=4 if block <= 1024 else 16, launch_pdl=pdl_on)
+            PDL=pdl_on, num_warps=4 if block <= 1024 else 8, launch_pdl=pdl_on)
     if fp8_group is not None:
         out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out
