@@ -175,17 +175,27 @@ def test_input_group_is_none_where_a_path_takes_unquantized_rows():
     assert input_group((256, 448), (8, 128), cpu) is None and input_group((256, 448), (32, 64), cpu) == 64
 
 
-def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_path, save_tiny_model):
-    """An FP8 model (quantized at load, per channel) on a backend running the Triton RMSNorm, SiLU-and-mul
-    and FP8 products: qkv, gate_up and down take their rows quantized by the kernel before them (o_proj
-    quantizes its own), and the greedy tokens and log-probs equal those of the same kernels passing
-    unquantized rows."""
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_path, save_tiny_model, fmt):
+    """An FP8 model (quantized at load, per channel; a block-wise checkpoint, rows quantized per 128
+    columns) on a backend running the Triton RMSNorm, SiLU-and-mul and FP8 products: qkv, gate_up and
+    down take their rows quantized by the kernel before them (o_proj quantizes its own), on the few-row
+    kernel and (41 rows, block scales) the block GEMM, and the greedy tokens and log-probs equal those of
+    the same kernels passing unquantized rows."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TorchBackend, TritonBackend
     from tokenmill.layers.kernels import fp8_gemm
     path = str(tmp_path / "plain")
     save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
+    if fmt is not None:
+        import json
+
+        from safetensors.torch import load_file
+        with open(f"{path}/config.json") as f:
+            hf = json.load(f)
+        fp8.write_checkpoint(str(tmp_path / fmt), load_file(f"{path}/model.safetensors"), hf, fmt)
+        path = str(tmp_path / fmt)
     inputs = []
 
     class Kernels(TorchBackend):
@@ -200,10 +210,10 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
         _fp8_group = staticmethod(lambda layer: None)
 
     def run(backend):
-        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=2, quantization="fp8")
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8")
         llm.engine.runner.model.use_backend(backend)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
-        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6]], params)
+        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6], [(7 * i) % 500 for i in range(30)]], params)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
     unquantized = run(Unquantized())
     assert inputs and not any(inputs)
