@@ -74,7 +74,7 @@ def input_group(shape: tuple[int, int], block: tuple[int, int], device: torch.de
     unquantized (the dequantized layer). Cached: the decoder asks for each layer on each eager step."""
     n, k = shape
     if block == (1, k):
-        return k if n % 16 == 0 and k % 16 == 0 else None     # `scaled_mm_fits`
+        return k if scaled_mm_fits(shape, block) else None
     return block[1] if rows_tile(n, block, device) is not None and gemm_tile(block) is not None else None
 
 
@@ -325,9 +325,10 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q, scale
 
 
-def scaled_mm_fits(weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """`torch._scaled_mm` with rowwise scales: per-channel scales and both dims multiples of 16."""
-    n, k = weight.shape
+def scaled_mm_fits(shape: tuple[int, int], block: tuple[int, int]) -> bool:
+    """`torch._scaled_mm` with rowwise scales, for a weight of `shape` [N, K]: per-channel scales and both
+    dims multiples of 16."""
+    n, k = shape
     return block[1] == k and block[0] == 1 and n % 16 == 0 and k % 16 == 0
 
 
@@ -339,7 +340,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:
             return fp8_block_gemm(x, weight, scale, block, bias, tile)
-    elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight, block):
+    elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight.shape, block):
         tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
         if tile is not None:
             return fp8_rows(x, weight, scale, block, bias, tile)
@@ -350,7 +351,7 @@ def fp8_linear_many(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torc
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product `fp8_linear` takes where neither Triton kernel does (at any row count): `_scaled_mm`
     with per-channel scales, else the dequantized layer."""
-    if scaled_mm_fits(weight, block):
+    if scaled_mm_fits(weight.shape, block):
         xq, x_scale = _quantized(x, x.shape[1])
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)

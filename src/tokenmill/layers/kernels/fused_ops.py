@@ -252,8 +252,6 @@ def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
     return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
 
 
-
-
 @triton.jit
 def quantize_kv(x, scale, FP8: tl.constexpr):
     # with FP8: x / scale clamped to E4M3's range, then rounded to it (the cast alone may give NaN);
