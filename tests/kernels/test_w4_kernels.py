@@ -135,6 +135,91 @@ def test_shape_errors_name_the_tensor():
         w4_gemm.w4_linear(x.expand(5, 64), qweight, scales, zeros, None, 32, tile=w4_gemm.W4GemvTile(8, 128, 1))
 
 
+# ---- the single-token products (`gemv.fused_linear` with 4-bit words) ---------------------------------------
+def _single(x, packed, group, **kwargs):
+    from tokenmill.layers.kernels import gemv
+    qweight, scales, zeros = packed
+    return gemv.fused_linear(x, qweight, weight_scale=scales, weight_zeros=zeros, weight_block=(1, group), **kwargs)
+
+
+def _f16_bound(ref):
+    # the products take their input in float16 (scaled by a power of two) and sum eight products a word in
+    # float16: within a few 2^-11 of the largest output; a misread nibble, scale or zero errs by percents
+    return dict(rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("method,k,group,block_n", [("gptq", 352, 128, 8), ("awq", 320, 64, 4), ("gptq", 256, 32, 8)])
+def test_single_token_products_equal_the_dequantized_reference(method, k, group, block_n):
+    """Each 4-bit single-token product against `fused_linear_torch` on the dequantized weight, with a bias,
+    a norm and residual, SiLU-and-mul and a gathered input row, in float32 and float16: K = 352 and 320 are
+    one load of 256 columns and a partial one (GPTQ's last group of 128 partial), K = 256 one load; 48 rows
+    (24 gate rows) are not a multiple of eight-row blocks."""
+    from tokenmill.layers.kernel_config import WholeRowTile
+    from tokenmill.layers.kernels import gemv
+    n = 48
+    packed, _ = _layer(method, n, k, group, 21)
+    tile = WholeRowTile(block_n, 4, 1)
+    g = torch.Generator().manual_seed(22)
+    for dtype in (torch.float32, torch.float16):
+        w = dequantize_w4(*packed, group).to(dtype)
+        rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)
+        x, res, norm, bias = rnd(1, k), rnd(1, k), rnd(k), rnd(n)
+        for kwargs in (dict(bias=bias), dict(norm_weight=norm, eps=1e-5, residual=res),
+                       dict(norm_weight=norm, eps=1e-5, residual=res, silu=True)):
+            ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
+            out, out_res = _single(x, packed, group, tile=tile, **kwargs)
+            torch.testing.assert_close(out.float(), ref.float(), **_f16_bound(ref.float()))
+            if "residual" in kwargs:
+                torch.testing.assert_close(out_res, ref_res, rtol=0, atol=0)
+        table = rnd(9, k)
+        ids = torch.tensor([6], device=DEVICE)
+        out, out_res = _single(table, packed, group, norm_weight=norm, eps=1e-5, ids=ids, tile=tile)
+        ref, _ = gemv.fused_linear_torch(table, w, norm_weight=norm, eps=1e-5, ids=ids)
+        torch.testing.assert_close(out.float(), ref.float(), **_f16_bound(ref.float()))
+        torch.testing.assert_close(out_res, table[6:7], rtol=0, atol=0)
+
+
+def test_single_token_products_scale_their_input_into_float16():
+    """Inputs far outside float16's range (1e6, and 1e-6) give the dequantized weight's product to within
+    float16's precision: the program's power-of-two scale keeps every product below 2^-5 and the sums
+    finite."""
+    packed, _ = _layer("awq", 16, 128, 32, 23)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(24)).to(DEVICE)
+    w = dequantize_w4(*packed, 32)
+    for magnitude in (1e6, 1e-6):
+        ref = (x * magnitude) @ w.t()
+        out, _ = _single(x * magnitude, packed, 32)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, **_f16_bound(ref))
+
+
+def test_single_token_products_off_the_quad_grid_dequantize():
+    """K = 80 (not a multiple of the kernel's 32-column step) runs on the dequantized weight, exactly; a
+    4-bit weight without its zeros, or with scales of another shape, is refused by name."""
+    from tokenmill.layers.kernels import gemv
+    packed, _ = _layer("gptq", 24, 80, 32, 25)
+    x = torch.randn(1, 80, generator=torch.Generator().manual_seed(26)).to(DEVICE)
+    out, _ = _single(x, packed, 32)
+    torch.testing.assert_close(out, x @ dequantize_w4(*packed, 32).t(), rtol=1e-5, atol=1e-5)
+    qweight, scales, zeros = packed
+    with pytest.raises(ValueError, match="needs its weight_scale, weight_zeros"):
+        gemv.fused_linear(x, qweight, weight_scale=scales, weight_block=(1, 32))
+    with pytest.raises(ValueError, match="must be contiguous float16 and uint8"):
+        gemv.fused_linear(x, qweight, weight_scale=scales[:, :2], weight_zeros=zeros, weight_block=(1, 32))
+
+
+def test_w4_tiles_are_whole_rows():
+    """`w4_tile` takes four times the rows of the table's 16-bit whole-row tiles (as many bytes) and gives
+    W4_TILE for the others; a register tile asked for is refused by name."""
+    from tokenmill.layers.kernel_config import RegisterTile, SmemTile, WholeRowTile
+    from tokenmill.layers.kernels import gemv
+    assert gemv.w4_tile(WholeRowTile(2, 4, 5)) == WholeRowTile(8, 4, 5)
+    assert gemv.w4_tile(RegisterTile(4, 1024, 4, 8)) == gemv.w4_tile(SmemTile(8, 512, 8)) == gemv.W4_TILE
+    packed, _ = _layer("awq", 16, 64, 32, 27)
+    with pytest.raises(ValueError, match="4-bit weights run whole-row tiles"):
+        _single(torch.zeros(1, 64, device=DEVICE), packed, 32, tile=RegisterTile(4, 64, 4, 1))
+
+
 QWEN3_4B = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]     # qkv, o, gate_up, down
 
 
@@ -171,3 +256,22 @@ def test_gptq_with_bias_in_a_cuda_graph(m):
     torch.cuda.synchronize()
     for out, layer, b in zip(outs, layers, biases):
         _close(out, _reference(x, *layer, b, 128, m > w4_gemm.GEMV_ROWS), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,silu", [(6144, 2560, False), (2560, 4096, False), (19456, 2560, True),
+                                      (2560, 9728, False)])
+def test_single_token_products_at_qwen3_4b_shapes_on_gpu(n, k, silu):
+    """The shipped 4-bit single-token products (compiled, inline PTX) at qwen3-4b's shapes in bfloat16, with
+    the norm and residual folded in, against the float32 product of the dequantized weight."""
+    from tokenmill.layers.kernels import gemv
+    packed, _ = _layer("awq", n, k, 128, 28)
+    gen = torch.Generator().manual_seed(29)
+    x, res, norm = (torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda() for shape in ((1, k), (1, k), (k,)))
+    out, _ = _single(x, packed, 128, norm_weight=norm, eps=1e-6, residual=res, silu=silu)
+    w = dequantize_w4(*packed, 128)
+    ref, _ = gemv.fused_linear_torch(x.float(), w, norm_weight=norm.float(), eps=1e-6, residual=res.float(),
+                                     silu=silu)
+    # bfloat16 input rounding and output: within a few bfloat16 ulps of the largest output
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
