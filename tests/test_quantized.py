@@ -299,13 +299,22 @@ def test_awq_needs_whole_groups(tmp_path, save_tiny_model):
         LLM(src, device="cpu", num_kv_blocks=8)
 
 
-def test_quantized_layers_on_the_graph_path(awq_dir):
-    """A 4-bit model's steps staged into the padded CUDA-graph buffers (replayed by re-running the forward
+def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq_dir):
+    """The single-token kernels read plain and FP8 weight matrices, not 4-bit ones, so a 4-bit model never
+    asks for them; its steps staged into the padded CUDA-graph buffers (replayed by re-running the forward
     on the CPU) give the eager tokens."""
+    from tokenmill.layers.backend import TorchBackend
+
+    class SingleTokenKernels(TorchBackend):
+        def single_token_linear(self, input_ids):
+            def fused_linear(*args, **kwargs):
+                raise AssertionError("a 4-bit layer reached the single-token kernels")
+            return fused_linear
     prompts = [[(5 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate([3, 20, 41, 9])]
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     config = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
     eager = LLM(os.path.join(awq_dir, "q"), **config)
+    eager.engine.runner.model.use_backend(SingleTokenKernels())
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     graphs = LLM(os.path.join(awq_dir, "q"), **config)
     graphs.engine.runner.capture_graphs(emulate=True)

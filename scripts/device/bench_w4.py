@@ -11,7 +11,10 @@ dequantize-then-cuBLAS path can cost.
 
 decode: `preset:qwen3-4b` (or each preset of --models / W4_MODELS) bf16, and the same weights quantized to
 AWQ 4-bit group 128 by `quant/quantize.py` (on the GPU) into /tmp; batch-1 ms per token of `LLM.generate`
-(32 tokens in, 128 out, ignore_eos) and the decode graph's replay time.
+(32 tokens in, 128 out, ignore_eos) and the decode graph's replay time. A third row runs the AWQ model
+with its layers' RMSNorms and SiLU-and-mul skipped (the rows pass through unchanged; its tokens are
+meaningless): the most that folding them into the 4-bit products, as the 16-bit and FP8 single-token
+products fold them, could save.
 
 Usage: python scripts/device/bench_w4.py {micro,decode} --out DIR   (results: DIR/w4_<stage>.json)
 """
@@ -172,6 +175,23 @@ def decode_ms(model: str, label: str) -> dict:
     return row
 
 
+def layer_norms_skipped():
+    """The Triton backend with the decoder layers' RMSNorms (those feeding a product) returning their input
+    rows, and SiLU-and-mul returning the gate half: the layers' own kernels gone, every product as it was."""
+    from unittest import mock
+    from tokenmill.layers.backend import TritonBackend
+    norm = TritonBackend.rms_norm
+
+    def rms_norm(self, x, weight, eps, residual=None, into=None):
+        if into is None:                   # the model's last norm, before the head
+            return norm(self, x, weight, eps, residual)
+        return x if residual is None else (x, residual)
+
+    def silu_and_mul(self, x, into=None):
+        return x[..., : x.shape[-1] // 2]
+    return mock.patch.multiple(TritonBackend, rms_norm=rms_norm, silu_and_mul=silu_and_mul)
+
+
 def decode(out_dir: str, models: list[str]) -> list[dict]:
     sys.path.insert(0, os.path.dirname(__file__))
     from tokenmill.models.presets import resolve_model_path
@@ -183,6 +203,8 @@ def decode(out_dir: str, models: list[str]) -> list[dict]:
         quantize_preset(bf16, awq)
         print(json.dumps({"model": model, "quantize_s": time.perf_counter() - t0}), flush=True)
         rows += [decode_ms(bf16, f"{model} bf16"), decode_ms(awq, f"{model} awq g128")]
+        with layer_norms_skipped():
+            rows.append(decode_ms(awq, f"{model} awq g128, layer norms and SiLU-and-mul skipped (bound)"))
     with open(os.path.join(out_dir, "w4_decode.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return rows

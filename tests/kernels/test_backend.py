@@ -57,33 +57,3 @@ def test_triton_norm_and_silu_quantize_only_for_fp8_products_that_take_quantized
         out, _ = backend.rms_norm(x, w, 1e-6, residual=x, into=layer)
         assert isinstance(out, Fp8Rows) == quantized, name
         assert isinstance(backend.silu_and_mul(gate_up, into=layer), Fp8Rows) == quantized, name
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the engine runs the Triton backend anyway")
-def test_triton_backend_runs_4bit_layers_in_the_single_token_kernels(tmp_path, save_tiny_model):
-    """A 4-bit (AWQ, group 32) model through the Triton backend gives the reference backend's tokens, its
-    one-token steps' products in the single-token kernels, which get the layers' 4-bit words."""
-    import json
-    import os
-    from safetensors.torch import load_file
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.layers.kernels import gemv
-    from tokenmill.quant.quantize import write_checkpoint
-    src, qdir = str(tmp_path / "src"), str(tmp_path / "q")
-    save_tiny_model(src, "qwen3", hidden_size=64)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, "awq", 32)
-    prompts = [[5, 9, 31, 7, 200, 3], [12, 7]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4)]
-    config = dict(device="cpu", dtype="float32", block_size=4)
-    expected = [o.outputs[0].token_ids for o in LLM(qdir, **config).generate(prompts, params)]
-    llm = LLM(qdir, **config)
-    weights = []
-    backend = TritonBackend()
-    backend.single_token_linear = lambda ids: (
-        None if ids.shape[0] > gemv.MAX_ROWS else
-        lambda *a, **k: weights.append(k["weight"].dtype) or gemv.fused_linear(*a, **k))
-    llm.engine.runner.model.use_backend(backend)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-    assert weights and set(weights) == {torch.int32}

@@ -82,34 +82,3 @@ def test_sm90_fp8_whole_rows_multiply_float16_pairs(scale):
     # per thread and row block: 4 rows x 320 eight-column steps over 128 threads, one assembly block each
     steps = 4 * 2560 // 8 // 128
     assert (got["mul"], got["fma"], got["widen"], got["f32_widen"]) == (steps, 3 * steps, 4 * steps, 2 * steps)
-
-
-_COMPILE_W4 = sm90.COMPILE + r'''
-import json, re, sys
-from tokenmill.layers.kernels import gemv
-types = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "nw_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
-         "w_ptr": "*i32", "ids_ptr": "*i64", "s_ptr": "*fp16", "z_ptr": "*u8", "eps": "fp32"}
-got = []
-for K, bn, nw in json.loads(sys.argv[1]):
-    bk, bk2 = gemv._whole_blocks(K)
-    const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=max(bk2, 32), NORM=True, RESIDUAL=True, HAS_BIAS=False,
-                 SILU=False, GATHER=False, PDL=True, SCALE=gemv.W4_GROUPS, SCALE_BN=1, SCALE_BK=128, ASM=True)
-    ptx = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride", "s_stride")).asm["ptx"]
-    before, after = ptx.split("griddepcontrol.wait", 1)
-    got.append(dict(before=len(re.findall(r"ld\.global\.cg\.v4\.b32", before)),
-                    fma=len(re.findall(r"fma\.rn\.f16x2", after)), mul=len(re.findall(r"mul\.rn\.f16x2", after)),
-                    shr=len(re.findall(r"shr\.u32\s+t,", after)),
-                    nibbles=len(re.findall(r"and\.b32[^;]*0x(?:000F000F|00F000F0);", after))))
-print(json.dumps(got))
-'''
-
-
-def test_sm90_w4_whole_rows_read_nibbles_as_float16_subnormals():
-    """qwen3-4b's 4-bit qkv (K = 2560, eight rows a block): each thread's words (quads of int32, 32 weights)
-    are requested before the wait, and every eight weights cost one shift, four ands and four float16-pair
-    products (no integer-to-float conversion of a nibble)."""
-    got, = sm90.run(_COMPILE_W4, (2560, 8, 4), timeout=300)
-    assert got["before"] == 8 * 2560 // 32 // (32 * 4)         # 16-byte loads of 32 weights
-    # per thread and row block: 8 rows x 80 quads over 128 threads, one assembly block each
-    quads = 8 * 2560 // 32 // 128
-    assert (got["mul"], got["fma"], got["shr"], got["nibbles"]) == (quads, 15 * quads, 4 * quads, 16 * quads)

@@ -68,8 +68,8 @@ class TorchBackend:
     def single_token_linear(self, input_ids: torch.Tensor):
         """A `gemv.fused_linear`-like product when a step of these input ids runs its layers as
         single-token kernels (norm folded into the product, SiLU-and-mul into gate_up), else None. It
-        takes plain weights, FP8 ones (with `weight_scale` and `weight_block`) and 4-bit ones (also with
-        `weight_zeros`)."""
+        takes plain weights and FP8 ones (with `weight_scale` and `weight_block`); a 4-bit model never
+        asks for it."""
         return None
 
     def decode_attention(self, input_ids: torch.Tensor, meta: AttentionMetadata):

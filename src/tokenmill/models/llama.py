@@ -18,18 +18,16 @@ from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.layers.quantized import W4Linear, linear
+from tokenmill.layers.quantized import linear
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.quant.w4 import W4Config
 
 
 def _weights(layer: nn.Module) -> dict:
-    """A linear layer's tensors as the single-token products take them: the weight and bias, an FP8
-    layer's block scales, a 4-bit layer's words with their group scales and zeros."""
+    """A linear layer's tensors as the single-token products take them: the weight and bias, and an FP8
+    layer's block scales."""
     if isinstance(layer, Fp8Linear):
         return dict(weight=layer.weight, bias=layer.bias, weight_scale=layer.scale, weight_block=layer.block)
-    if isinstance(layer, W4Linear):
-        return dict(weight=layer.qweight, bias=layer.bias, weight_scale=layer.scales, weight_zeros=layer.zeros,
-                    weight_block=(1, layer.quant.group_size))
     return dict(weight=layer.weight, bias=layer.bias)
 
 
@@ -162,9 +160,12 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
+        # the single-token products read plain and FP8 weight matrices; 4-bit layers run the backend's
+        # w4_linear on every step
+        self.single_token_layers = not isinstance(cfg.quantization, W4Config)
 
     def forward(self, input_ids, positions, meta):
-        fused_linear = self.backend.single_token_linear(input_ids)
+        fused_linear = self.backend.single_token_linear(input_ids) if self.single_token_layers else None
         decode_attention = self.backend.decode_attention(input_ids, meta)
         residual, ids = None, None
         if self.tp is not None:             # a rank holds only its vocabulary rows of the table

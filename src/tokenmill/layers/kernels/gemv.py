@@ -39,13 +39,12 @@ from tokenmill.layers.norm import rms_norm_torch
 MAX_ROWS = 1
 FP8 = torch.float8_e4m3fn
 # the kernels' SCALE: 16-bit or float32 weights as they are, FP8 with a scale per output row, FP8 with
-# a scale per (block_n, block_k) block, 4-bit words with a scale and a zero per row and group of columns
-NO_SCALE, ROW_SCALE, BLOCK_SCALE, W4_GROUPS = 0, 1, 2, 3
+# a scale per (block_n, block_k) block
+NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 
 WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
-# the tiles of FP8 and 4-bit products whose 16-bit tile is not whole rows
+# the tile of FP8 products whose 16-bit tile is not whole rows
 FP8_TILE = WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4)
-W4_TILE = WholeRowTile(block_n=8, num_warps=4, programs_per_sm=4)
 SHIPPED = KernelConfig()
 
 def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
@@ -179,23 +178,21 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
 
 @triton.jit
 def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
-                BLOCK_N: tl.constexpr, TWO: tl.constexpr, WORDS: tl.constexpr):
+                BLOCK_N: tl.constexpr, TWO: tl.constexpr, PACKED: tl.constexpr):
     # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
-    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul). WORDS > 0 (FP8, 4-bit): w_ptr
-    # holds int32 words, ca / cb index steps of WORDS words (FP8: a pair of words, eight columns; 4-bit: a
-    # quad, 32 columns), and a load is [rows, steps, WORDS]
+    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul). PACKED (FP8): w_ptr holds int32
+    # words of four FP8 weights, ca / cb index pairs of words (eight columns), and a load is [rows, pairs, 2]
     rows = unit * BLOCK_N + r
     ok = (rows < n_out) & (unit < num_units)
     base = w_ptr + (rows + first_row).to(tl.int64)[:, None] * w_stride
-    if WORDS > 0:
-        COLS: tl.constexpr = WORDS * (8 if WORDS == 4 else 4)
-        v = tl.arange(0, WORDS)
-        wa = _whole_loads(base[:, :, None] + (WORDS * ca[None, :, None] + v[None, None, :]),
-                          ok[:, None, None] & (COLS * ca < K)[None, :, None])
+    if PACKED:
+        two = tl.arange(0, 2)
+        wa = _whole_loads(base[:, :, None] + (2 * ca[None, :, None] + two[None, None, :]),
+                          ok[:, None, None] & (8 * ca < K)[None, :, None])
         wb = wa
         if TWO:
-            wb = _whole_loads(base[:, :, None] + (WORDS * cb[None, :, None] + v[None, None, :]),
-                              ok[:, None, None] & (COLS * cb < K)[None, :, None])
+            wb = _whole_loads(base[:, :, None] + (2 * cb[None, :, None] + two[None, None, :]),
+                              ok[:, None, None] & (8 * cb < K)[None, :, None])
     else:
         wa = _whole_loads(base + ca[None, :], ok[:, None] & (ca < K)[None, :])
         wb = wa
@@ -206,12 +203,12 @@ def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K
 
 @triton.jit
 def _whole_block(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TWO: tl.constexpr, SILU: tl.constexpr, WORDS: tl.constexpr):
+                 TWO: tl.constexpr, SILU: tl.constexpr, PACKED: tl.constexpr):
     # `_whole_rows` of row block `unit`, and with SILU of its up rows too (the same as the gate's without)
-    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, WORDS)
+    wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     ua, ub = wa, wb
     if SILU:
-        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, WORDS)
+        ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     return wa, wb, ua, ub
 
 
@@ -320,123 +317,9 @@ def _fp8_sums(w, x0, x1, x2, x3, s_ptr, s_stride, first_row, p, K: tl.constexpr,
     return tl.sum(y, 1)
 
 
-# ---- 4-bit weights: nibbles read as float16 subnormals ------------------------------------------------------
-# `quantized.repack_w4`'s words: field i (bits 4i..4i+3) of word j holds the weight of column 8j + i. A word
-# and 0x000F000F keeps fields 0 and 4 in place at the bottom of its two halves, which read as float16 are
-# the subnormals q 2^-24, exactly; 0x00F000F0 keeps fields 1 and 5, read as q 2^-20; the word shifted right
-# by 8 gives fields 2, 6 and 3, 7 the same way. Each program scales its input by a power of two so that
-# |x| < 2^15 and rounds it to float16 pairs (columns i, i + 4; fields 1, 3 with x / 16), so that every
-# product is q x 2^-24, at most 15 * 2^15 * 2^-24 = 2^-5 (products below 2^-14 keep an absolute precision
-# of 2^-25, far below a sum's rounding). Eight weights cost one shift, four ands and four `fma.f16x2`, a
-# quad of four words (32 columns, within one group) one float16 -> float32 sum; per quad and row
-#   sum_k (q_k - z) x_k s = s (2^24 sum_k q_k x_k 2^-24 - z sum_k x_k).
-# Triton's interpreter runs no PTX: on CPU tensors the same arithmetic is emulated (ASM off).
-
 @triton.jit
-def _split4(t):
-    # [..., 4] held by one thread -> its four [...] slices, in order
-    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _w4_input(x_ptr, res_ptr, nw_ptr, rstd, xs, p, K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-              ASM: tl.constexpr):
-    # the input's columns 32p .. 32p + 31 as `_input_chunk` gives them, times xs, as four float16-pair
-    # tensors [quads, 4 words] (pair i: columns 8v + i and 8v + i + 4 of word v, pairs 1 and 3 over 16),
-    # and each quad's sum of the float16 values [quads]
-    c = 32 * p[:, None] + 8 * tl.arange(0, 4)[None, :]
-    x0 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL) * xs
-    x1 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 1, c, K, NORM, RESIDUAL) * xs
-    x2 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 2, c, K, NORM, RESIDUAL) * xs
-    x3 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 3, c, K, NORM, RESIDUAL) * xs
-    x4 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 4, c, K, NORM, RESIDUAL) * xs
-    x5 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 5, c, K, NORM, RESIDUAL) * xs
-    x6 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 6, c, K, NORM, RESIDUAL) * xs
-    x7 = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 7, c, K, NORM, RESIDUAL) * xs
-    total = (_f16(x0) + _f16(x1) + _f16(x2) + _f16(x3)) + (_f16(x4) + _f16(x5) + _f16(x6) + _f16(x7))
-    return (_f16_pairs(x0, x4, ASM), _f16_pairs(x1 * 0.0625, x5 * 0.0625, ASM), _f16_pairs(x2, x6, ASM),
-            _f16_pairs(x3 * 0.0625, x7 * 0.0625, ASM), tl.sum(total, 1))
-
-
-@triton.jit
-def _f16(x):
-    return x.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
-def _nib16(word, shift: tl.constexpr):
-    # the field at bits shift..shift+3 as float32 (emulation)
-    return ((word >> shift) & 0xF).to(tl.float32)
-
-
-@triton.jit
-def _w4_word(w, a, b, c, d):
-    # 2^24 times the emulated sum of one word's eight products with its pairs a, b, c, d
-    return (_nib16(w, 0) * _f16_half(a, 0) + _nib16(w, 16) * _f16_half(a, 1)) + \
-        16.0 * (_nib16(w, 4) * _f16_half(b, 0) + _nib16(w, 20) * _f16_half(b, 1)) + \
-        (_nib16(w, 8) * _f16_half(c, 0) + _nib16(w, 24) * _f16_half(c, 1)) + \
-        16.0 * (_nib16(w, 12) * _f16_half(d, 0) + _nib16(w, 28) * _f16_half(d, 1))
-
-
-@triton.jit
-def _w4_dot32(w, xp0, xp1, xp2, xp3, ASM: tl.constexpr):
-    # w [rows, quads, 4] words times the input pairs [quads, 4] of `_w4_input`: [rows, quads] float32 sums
-    # of 32 products, each q x 2^-24
-    w0, w1, w2, w3 = _split4(w)
-    a0, a1, a2, a3 = _split4(xp0)
-    b0, b1, b2, b3 = _split4(xp1)
-    c0, c1, c2, c3 = _split4(xp2)
-    d0, d1, d2, d3 = _split4(xp3)
-    if ASM:
-        y = tl.inline_asm_elementwise(
-            """{ .reg .b32 t, a, b, c, d, p; .reg .b16 pl, ph; .reg .f32 fl, fh;
-            and.b32 a, $1, 0x000F000F; and.b32 b, $1, 0x00F000F0; shr.u32 t, $1, 8;
-            and.b32 c, t, 0x000F000F; and.b32 d, t, 0x00F000F0;
-            mul.rn.f16x2 p, a, $5; fma.rn.f16x2 p, b, $6, p; fma.rn.f16x2 p, c, $7, p; fma.rn.f16x2 p, d, $8, p;
-            and.b32 a, $2, 0x000F000F; and.b32 b, $2, 0x00F000F0; shr.u32 t, $2, 8;
-            and.b32 c, t, 0x000F000F; and.b32 d, t, 0x00F000F0;
-            fma.rn.f16x2 p, a, $9, p; fma.rn.f16x2 p, b, $10, p; fma.rn.f16x2 p, c, $11, p; fma.rn.f16x2 p, d, $12, p;
-            and.b32 a, $3, 0x000F000F; and.b32 b, $3, 0x00F000F0; shr.u32 t, $3, 8;
-            and.b32 c, t, 0x000F000F; and.b32 d, t, 0x00F000F0;
-            fma.rn.f16x2 p, a, $13, p; fma.rn.f16x2 p, b, $14, p; fma.rn.f16x2 p, c, $15, p; fma.rn.f16x2 p, d, $16, p;
-            and.b32 a, $4, 0x000F000F; and.b32 b, $4, 0x00F000F0; shr.u32 t, $4, 8;
-            and.b32 c, t, 0x000F000F; and.b32 d, t, 0x00F000F0;
-            fma.rn.f16x2 p, a, $17, p; fma.rn.f16x2 p, b, $18, p; fma.rn.f16x2 p, c, $19, p; fma.rn.f16x2 p, d, $20, p;
-            mov.b32 {pl, ph}, p;
-            cvt.f32.f16 fl, pl;
-            cvt.f32.f16 fh, ph;
-            add.f32 $0, fl, fh; }""",
-            "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :],
-             c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :],
-             b3[None, :], c3[None, :], d3[None, :]], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        y = (_w4_word(w0, a0[None, :], b0[None, :], c0[None, :], d0[None, :]) +
-             _w4_word(w1, a1[None, :], b1[None, :], c1[None, :], d1[None, :]) +
-             _w4_word(w2, a2[None, :], b2[None, :], c2[None, :], d2[None, :]) +
-             _w4_word(w3, a3[None, :], b3[None, :], c3[None, :], d3[None, :])) * 2.0 ** -24
-    return y
-
-
-@triton.jit
-def _w4_sums(w, xp0, xp1, xp2, xp3, xsum, s_ptr, z_ptr, s_stride, rows, row_ok, p, K: tl.constexpr,
-             GROUP: tl.constexpr, ASM: tl.constexpr):
-    # one float per weight row `rows` of w's quads: sum over quads of s (2^24 dot - z sum x), s and z
-    # those of the quad's group in that row
-    y = _w4_dot32(w, xp0, xp1, xp2, xp3, ASM) * 2.0 ** 24
-    g = rows[:, None] * s_stride + ((32 * p) // GROUP)[None, :]
-    ok = row_ok[:, None] & (32 * p < K)[None, :]
-    s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g, mask=ok, other=0).to(tl.float32)
-    return tl.sum(s * (y - z * xsum[None, :]), 1)
-
-
-@triton.jit
-def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, z_ptr, eps,
-                       n_out, w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, eps, n_out,
+                       w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_K2: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SILU: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr,
                        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ASM: tl.constexpr):
@@ -444,27 +327,23 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
     # round trip to HBM; the first is requested before the wait, and the next row block's loads are
     # issued before this one is summed. The input is loaded (and normalised) once per program. With
-    # SILU the up rows (n_out further on) come with the gate rows. FP8 weights (SCALE 1, 2) come as int32
-    # words (w_ptr, w_stride in words) and multiply as float16 pairs (above); 4-bit ones (SCALE 3) as
-    # int32 words of eight, with scales (s_ptr) and zeros (z_ptr) [rows, groups of SCALE_BK columns].
+    # SILU the up rows (n_out further on) come with the gate rows. FP8 weights (SCALE > 0) come as int32
+    # words (w_ptr, w_stride in words) and multiply as float16 pairs (above).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_units = tl.cdiv(n_out, BLOCK_N)
     TWO: tl.constexpr = K > BLOCK_K
     PACKED: tl.constexpr = SCALE > 0
-    W4: tl.constexpr = SCALE == 3
-    WORDS: tl.constexpr = 4 if W4 else 2 if PACKED else 0     # words a step: a 4-bit quad, an FP8 pair
-    COLS: tl.constexpr = 32 if W4 else 8                        # columns a step of packed words
     r = tl.arange(0, BLOCK_N)
     ca = tl.arange(0, BLOCK_K)
     cb = BLOCK_K + tl.arange(0, BLOCK_K2)
-    if PACKED:      # the weights' columns as steps of words
-        wca = tl.arange(0, BLOCK_K // COLS)
-        wcb = BLOCK_K // COLS + tl.arange(0, BLOCK_K2 // COLS)
+    if PACKED:      # the weights' columns as pairs of words, eight columns each
+        wca = tl.arange(0, BLOCK_K // 8)
+        wcb = BLOCK_K // 8 + tl.arange(0, BLOCK_K2 // 8)
     else:
         wca, wcb = ca, cb
     wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, wca, wcb, K, BLOCK_N, TWO, SILU,
-                                  WORDS)
+                                  PACKED)
     pdl.enter(PDL)
     if GATHER:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
@@ -489,38 +368,24 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     if TWO:
         xb = _normed(hb, nw_ptr, rstd, cb, K, NORM, dtype)
     if PACKED:
-        # x times 2 ** (BIAS - E), E the biased exponent of its largest |x|, lies below 16 (FP8) or 2^15
-        # (4-bit) in magnitude
-        BIAS: tl.constexpr = 141 if W4 else 130
+        # x times 2 ** (130 - E), E the biased exponent of its largest |x|, lies below 16 in magnitude
         amax = tl.max(tl.abs(xa), 0)
         if TWO:
             amax = tl.maximum(amax, tl.max(tl.abs(xb), 0))
-        e = tl.minimum(tl.maximum(BIAS - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
+        e = tl.minimum(tl.maximum(130 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
         xs = _pow2(e)
         x_unscale = _pow2(-e)
-        if W4:
-            xa0, xa1, xa2, xa3, xsa = _w4_input(x_ptr, res_ptr, nw_ptr, rstd, xs, wca, K, NORM, RESIDUAL, ASM)
-            xb0, xb1, xb2, xb3, xsb = xa0, xa1, xa2, xa3, xsa
-            if TWO:
-                xb0, xb1, xb2, xb3, xsb = _w4_input(x_ptr, res_ptr, nw_ptr, rstd, xs, wcb, K, NORM, RESIDUAL, ASM)
-        else:
-            xa0, xa1, xa2, xa3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wca, K, NORM, RESIDUAL, ASM)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TWO:
-                xb0, xb1, xb2, xb3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wcb, K, NORM, RESIDUAL, ASM)
+        xa0, xa1, xa2, xa3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wca, K, NORM, RESIDUAL, ASM)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TWO:
+            xb0, xb1, xb2, xb3 = _input_pairs(x_ptr, res_ptr, nw_ptr, rstd, xs, wcb, K, NORM, RESIDUAL, ASM)
 
     for unit in range(pid, num_units, num_programs):
         na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, wca, wcb, K,
-                                        BLOCK_N, TWO, SILU, WORDS)
+                                        BLOCK_N, TWO, SILU, PACKED)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
-        if W4:
-            y = _w4_sums(wa, xa0, xa1, xa2, xa3, xsa, s_ptr, z_ptr, s_stride, rows, row_mask, wca, K, SCALE_BK, ASM)
-            if TWO:
-                y += _w4_sums(wb, xb0, xb1, xb2, xb3, xsb, s_ptr, z_ptr, s_stride, rows, row_mask, wcb, K, SCALE_BK,
-                              ASM)
-            y *= x_unscale
-        elif PACKED:
+        if PACKED:
             y = _fp8_sums(wa, xa0, xa1, xa2, xa3, s_ptr, s_stride, unit * BLOCK_N, wca, K, SCALE, SCALE_BN,
                           SCALE_BK, ASM)
             if TWO:
@@ -533,14 +398,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if SILU:
             g = y.to(dtype).to(tl.float32)
-            if W4:
-                up = _w4_sums(ua, xa0, xa1, xa2, xa3, xsa, s_ptr, z_ptr, s_stride, rows + n_out, row_mask, wca, K,
-                              SCALE_BK, ASM)
-                if TWO:
-                    up += _w4_sums(ub, xb0, xb1, xb2, xb3, xsb, s_ptr, z_ptr, s_stride, rows + n_out, row_mask, wcb,
-                                   K, SCALE_BK, ASM)
-                up *= x_unscale
-            elif PACKED:
+            if PACKED:
                 up = _fp8_sums(ua, xa0, xa1, xa2, xa3, s_ptr, s_stride, n_out + unit * BLOCK_N, wca, K, SCALE,
                                SCALE_BN, SCALE_BK, ASM)
                 if TWO:
@@ -572,22 +430,9 @@ def fp8_tile(tile: Tile) -> WholeRowTile:
     return FP8_TILE
 
 
-def w4_tile(tile: Tile) -> WholeRowTile:
-    """The tile of a 4-bit product whose 16-bit tile is `tile`: four times the rows of a 16-bit whole-row
-    block (as many bytes in flight), else W4_TILE."""
-    if isinstance(tile, WholeRowTile):
-        return dataclasses.replace(tile, block_n=4 * tile.block_n)
-    return W4_TILE
-
-
-def _scale_mode(weight, weight_scale, weight_block, weight_zeros, x_dtype) -> tuple[int, tuple[int, int]]:
-    # (SCALE, the kernels' (SCALE_BN, SCALE_BK): (1, 1) unless BLOCK_SCALE, (1, group) for 4-bit weights), or
-    # an error naming the misfit
+def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple[int, int]]:
+    # (SCALE, the kernels' (SCALE_BN, SCALE_BK): (1, 1) unless BLOCK_SCALE), or an error naming the misfit
     n, k = weight.shape
-    if weight.dtype == torch.int32:
-        return W4_GROUPS, _w4_group(n, 8 * k, weight_scale, weight_block, weight_zeros, x_dtype)
-    if weight_zeros is not None:
-        raise ValueError("fused_linear: weight_zeros belong to 4-bit (int32) weights")
     if weight.dtype != FP8:
         if weight_scale is not None or x_dtype != weight.dtype or x_dtype not in (torch.float16, torch.bfloat16,
                                                                                    torch.float32):
@@ -604,22 +449,6 @@ def _scale_mode(weight, weight_scale, weight_block, weight_zeros, x_dtype) -> tu
         raise ValueError(f"fused_linear: weight_scale {weight_scale.dtype} {tuple(weight_scale.shape)} does not "
                          f"fit weight {tuple(weight.shape)} with block {tuple(weight_block)}")
     return (ROW_SCALE, (1, 1)) if (bn, bk) == (1, k) else (BLOCK_SCALE, (bn, bk))
-
-
-def _w4_group(n, k, scales, block, zeros, x_dtype) -> tuple[int, int]:
-    # (1, group) of a 4-bit weight [n, k / 8] in `quantized.repack_w4`'s layout, or an error naming the misfit
-    if x_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"fused_linear: a 4-bit weight needs a float input, got {x_dtype}")
-    if scales is None or zeros is None or block is None or block[0] != 1:
-        raise ValueError("fused_linear: a 4-bit (int32) weight needs its weight_scale, weight_zeros and "
-                         f"weight_block (1, group size), got block {block}")
-    groups = (n, -(-k // block[1]))
-    if (scales.dtype != torch.float16 or tuple(scales.shape) != groups or not scales.is_contiguous()
-            or zeros.dtype != torch.uint8 or tuple(zeros.shape) != groups or not zeros.is_contiguous()):
-        raise ValueError(f"fused_linear: weight_scale {scales.dtype} {tuple(scales.shape)} and weight_zeros "
-                         f"{zeros.dtype} {tuple(zeros.shape)} must be contiguous float16 and uint8 {groups} for a "
-                         f"4-bit weight of {k} columns in groups of {block[1]}")
-    return 1, block[1]
 
 
 def _block_scale_problem(scale_mode: int, n_out: int, silu: bool, block_n: int, scale_bn: int) -> str | None:
@@ -639,8 +468,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  residual: torch.Tensor | None = None, silu: bool = False,
                  tile: Tile | None = None, kernels: KernelConfig = SHIPPED, ids: torch.Tensor | None = None,
-                 weight_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None,
-                 weight_zeros: torch.Tensor | None = None):
+                 weight_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
     (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
     norm and a residual are given, x when only the norm is, else None.
@@ -654,11 +482,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     explicit `tile` runs as given). Its products take the input in float16 (above); a K or a block of
     columns that is not a multiple of 8 has its weight dequantized for the call instead.
 
-    A 4-bit weight is `quantized.repack_w4`'s: int32 [N, K / 8] words, with `weight_scale` (float16) and
-    `weight_zeros` (uint8) [N, groups] and `weight_block` (1, group size). It runs a whole-row tile, `w4_tile`
-    of the shape's 16-bit tile; a K or a group size that is not a multiple of 32 has its weight dequantized
-    for the call instead.
-
     `ids` (int64 [M], with a norm and no residual): x is an embedding table [V, K] and the input rows are
     x[ids], gathered by the kernel, which also returns them as residual_out."""
     if ids is not None:
@@ -671,12 +494,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dim() != 2 or (ids is None and x.shape[0] > MAX_ROWS):
         raise ValueError(f"fused_linear: x must be [M, K] with M <= {MAX_ROWS}, got {tuple(x.shape)}")
     n, k = weight.shape
-    if weight.dtype == torch.int32:        # 4-bit: eight columns a word
-        k *= 8
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"fused_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must share "
                          f"K and have unit last strides")
-    scale_mode, (scale_bn, scale_bk) = _scale_mode(weight, weight_scale, weight_block, weight_zeros, x.dtype)
+    scale_mode, (scale_bn, scale_bk) = _scale_mode(weight, weight_scale, weight_block, x.dtype)
     if silu and (n % 2 or bias is not None):
         raise ValueError(f"fused_linear: silu needs an even number of weight rows (got {n}) and no bias")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
@@ -690,25 +511,17 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     explicit = tile is not None
     n_out = n // 2 if silu else n
     one_row = dataclasses.replace(FP8_TILE, block_n=1)     # one row never straddles scale blocks
-    if scale_mode == W4_GROUPS and (k % 32 or scale_bk % 32 or weight.stride(0) % 4
-                                    or _whole_tile_problem(k, silu, one_row, torch.int32)):
-        from tokenmill.layers.quantized import dequantize_w4
-        return fused_linear(x, dequantize_w4(weight, weight_scale, weight_zeros, scale_bk).to(x.dtype), bias,
-                            norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, kernels=kernels, ids=ids)
-    if scale_mode in (ROW_SCALE, BLOCK_SCALE) and (k % 8 or (scale_mode == BLOCK_SCALE and scale_bk % 8)
-                                                  or weight.stride(0) % 4
-                                                  or _whole_tile_problem(k, silu, one_row, FP8)):
+    if scale_mode != NO_SCALE and (k % 8 or (scale_mode == BLOCK_SCALE and scale_bk % 8) or weight.stride(0) % 4
+                                   or _whole_tile_problem(k, silu, one_row, FP8)):
         from tokenmill.quant.fp8 import dequantize
         return fused_linear(x, dequantize(weight, weight_scale, weight_block).to(x.dtype), bias,
                             norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, kernels=kernels, ids=ids)
     if scale_mode != NO_SCALE:
         if not explicit:
-            tile = (w4_tile(kernels.tile(n, k, silu)) if scale_mode == W4_GROUPS else
-                    kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu)))
-        why = (f"{'4-bit' if scale_mode == W4_GROUPS else 'FP8'} weights run whole-row tiles"
-               if not isinstance(tile, WholeRowTile) else
-               _whole_tile_problem(k, silu, tile, weight.dtype) or _block_scale_problem(scale_mode, n_out, silu,
-                                                                                        tile.block_n, scale_bn))
+            tile = kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu))
+        why = ("FP8 weights run whole-row tiles" if not isinstance(tile, WholeRowTile) else
+               _whole_tile_problem(k, silu, tile, FP8) or _block_scale_problem(scale_mode, n_out, silu,
+                                                                               tile.block_n, scale_bn))
         if why is not None:
             if explicit:
                 raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
@@ -739,7 +552,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         why = _whole_tile_problem(k, silu, tile, weight.dtype)
         if why is None:
             return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
-                                 pdl_on, weight_scale, weight_zeros, scale_mode, scale_bn, scale_bk)
+                                 pdl_on, weight_scale, scale_mode, scale_bn, scale_bk)
     elif not isinstance(tile, RegisterTile):
         raise TypeError(f"fused_linear: {tile!r} is not a tile")
     if why is not None:
@@ -767,7 +580,7 @@ def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile, dtype: torch.dty
     block_k, block_k2 = _whole_blocks(k)
     width = block_k + (block_k2 if k > block_k else 0)
     rows = tile.block_n * (2 if silu else 1)     # with silu, as many up rows again
-    per_register = {FP8: 4, torch.int32: 8}.get(dtype, 1)    # FP8 weights: four to an int32 word, 4-bit eight
+    per_register = 4 if dtype == FP8 else 1      # FP8 weights: four to an int32 word
     if rows * width > WHOLE_MAX * per_register:
         return (f"a row block of {rows} x {width} weights is over the {WHOLE_MAX * per_register} that whole rows "
                 f"hold")
@@ -775,22 +588,18 @@ def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile, dtype: torch.dty
 
 
 def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on,
-                  weight_scale, weight_zeros, scale_mode, scale_bn, scale_bk):
+                  weight_scale, scale_mode, scale_bn, scale_bk):
     k = weight.shape[1]
-    w, w_stride = weight, weight.stride(0)
-    if scale_mode == W4_GROUPS:     # int32 words of eight weights; a quad of words is the kernel's step
-        k *= 8
     block_k, block_k2 = _whole_blocks(k)
-    if scale_mode == W4_GROUPS:
-        block_k2 = max(block_k2, 32)
-    elif scale_mode != NO_SCALE:    # FP8: int32 words of four weights; a pair of words is the kernel's step
+    w, w_stride = weight, weight.stride(0)
+    if scale_mode != NO_SCALE:      # FP8: int32 words of four weights; a pair of words is the kernel's step
         w, w_stride, block_k2 = weight.view(torch.int32), w_stride // 4, max(block_k2, 8)
     rows, n_out = out.shape
     grid = (min(triton.cdiv(n_out, tile.block_n), tile.programs_per_sm * _num_sms(x.device)),)
     for m in range(rows):
         pointers = _pointers(x, w, bias, norm_weight, residual, ids, out, res_out, weight_scale, m)
         _gemv_whole_kernel[grid](
-            *pointers, weight_zeros if weight_zeros is not None else pointers[-1], eps, n_out, w_stride, weight_scale.stride(0) if weight_scale is not None else 0,
+            *pointers, eps, n_out, w_stride, weight_scale.stride(0) if weight_scale is not None else 0,
             K=k, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
             RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
             PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, ASM=x.is_cuda,
