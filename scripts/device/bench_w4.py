@@ -35,6 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "kernels"))
 
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+if os.environ.get("W4_SHAPES") == "all":       # nanbeige4.1-3b's products too
+    SHAPES.update({"nb qkv": (3584, 2560), "nb o_proj": (2560, 2560), "nb gate_up": (20992, 2560),
+                   "nb down": (2560, 10496)})
 ROWS = tuple(int(m) for m in os.environ.get("W4_ROWS", "1,4,8,16,256").split(","))   # the last: the dequantize row
 CALLS = 20
 

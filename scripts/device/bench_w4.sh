@@ -4,7 +4,8 @@
 #           (qwen3-4b shapes, a CUDA graph)
 #   micro   each qwen3-4b product at M = 1, 4, 8, 16, 256: bf16 (GEMV / cuBLAS) against the W4 path
 #           (GEMV up to 4 rows, dequantize + cuBLAS above; the dequantize alone against a bf16 copy),
-#           us and GB/s, checked against the dequantized reference first ($OUT/w4_micro.json)
+#           us and GB/s, checked against the dequantized reference first ($OUT/w4_micro.json); W4_ROWS=1,4
+#           picks the row counts, W4_SHAPES=all adds nanbeige4.1-3b's products
 #   decode  batch-1 ms/token of preset:qwen3-4b (W4_MODELS="qwen3-4b,nanbeige4.1-3b": each) bf16 and AWQ
 #           4-bit g128 ($OUT/w4_decode.json)
 # The summary table is printed last and saved as $OUT/SUMMARY-w4.md.
