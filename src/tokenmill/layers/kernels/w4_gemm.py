@@ -63,15 +63,14 @@ DEQUANT_TILE = W4DequantTile(block_n=8, block_w=128, num_warps=4)     # 8 KB of 
 
 
 def gemv_tile(n: int, k: int, m: int, device: torch.device) -> W4GemvTile:
-    """Measured on an H200 (docs/BENCHMARKS.md, W4A16 products): products of up to 8192 rows take four
-    warps a program, a row's K in chunks of 512 words, at one input row and wherever K is long (>= 8192),
-    where many warps per program hide the loads' latency that few programs per SM leave exposed; 8 rows a
-    program, or 4 at one row where K is shorter and 8-row programs would leave an SM fewer than three
-    (qwen3-4b's o_proj, 2560 x 4096: 3.5 us against 4.3; its qkv, 6144 x 2560, nearly six 8-row programs an
-    SM, keeps 8: 5.0 us against 6.4). Otherwise a chunk of 128 words a row per warp,
-    two warps where N is narrow so that the whole GPU still has about 40 KB of weights in flight per SM
-    (this chunk and the next), and 8 rows a program (they share each thread's inputs; 16 spill registers
-    at 4 rows) while every SM still gets about four programs, else 4."""
+    """Measured on an H200 (docs/BENCHMARKS.md, W4A16 products and "W4 GEMV at one row"): products of up to
+    8192 rows take four warps a program, a row's K in chunks of 512 words, at one input row and wherever K
+    is long (>= 8192), where many warps per program hide the loads' latency that few programs per SM leave
+    exposed; 8 rows a program, or 4 at one row where K is shorter and 8-row programs would leave an SM
+    fewer than three (both models' o_proj; their qkv, with more programs, are faster at 8). Otherwise a
+    chunk of 128 words a row per warp, two warps where N is narrow so that the whole GPU still has about
+    40 KB of weights in flight per SM (this chunk and the next), and 8 rows a program (they share each
+    thread's inputs; 16 spill registers at 4 rows) while every SM still gets about four programs, else 4."""
     sms = _num_sms(device)
     if n <= 8192 and (m == 1 or k >= 8192):
         few = m == 1 and k < 8192 and triton.cdiv(n, 8) < 3 * sms
