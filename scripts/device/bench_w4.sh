@@ -7,7 +7,7 @@
 #           us and GB/s, checked against the dequantized reference first ($OUT/w4_micro.json); W4_ROWS=1,4
 #           picks the row counts, W4_SHAPES=all adds nanbeige4.1-3b's products
 #   tiles   the W4 GEMV's tiles in the batch-1 decode graph of each W4_MODELS model, one product's tile varied
-#           at a time (scripts/device/w4_decode_tiles.py -> $OUT/w4_decode_tiles-<model>.md)
+#           at a time (scripts/device/decode_tiles.py --weights awq -> $OUT/decode_tiles-awq-<model>.md)
 #   decode  batch-1 ms/token of preset:qwen3-4b (W4_MODELS="qwen3-4b,nanbeige4.1-3b": each) bf16 and AWQ
 #           4-bit g128 ($OUT/w4_decode.json)
 # The summary table is printed last and saved as $OUT/SUMMARY-w4.md.
@@ -25,9 +25,9 @@ for stage in $STAGES; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tiles)
       for model in ${W4_MODELS//,/ }; do
-        python scripts/device/w4_decode_tiles.py --model "$model" --out "$OUT" > "$OUT/w4_tiles_$model.log" 2>&1 \
-          || { status=1; tail -20 "$OUT/w4_tiles_$model.log"; }
-        cat "$OUT/w4_decode_tiles-$model.md" 2>/dev/null
+        python scripts/device/decode_tiles.py --model "$model" --weights awq --out "$OUT" \
+          > "$OUT/w4_tiles_$model.log" 2>&1 || { status=1; tail -20 "$OUT/w4_tiles_$model.log"; }
+        cat "$OUT/decode_tiles-awq-$model.md" 2>/dev/null
       done ;;
     micro|decode)
       python scripts/device/bench_w4.py "$stage" --out "$OUT" > "$OUT/w4_$stage.log" 2>&1 \

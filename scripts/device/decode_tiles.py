@@ -1,0 +1,136 @@
+"""Single-row product tiles timed where they run: the batch-1 decode CUDA graph captured again for each
+variant (one product's tile changed from the shipped one), the variants' replays timed in turns, side by
+side in one process, and the median of each kept. A product timed alone can mislead: qwen3-4b's AWQ o_proj
+gained 0.8 us alone with 4 rows a program and 2.7 us a layer in the model (docs/BENCHMARKS.md, "W4 GEMV at
+one row").
+
+  --weights awq   the AWQ g128 model (quantized into /tmp as bench_w4.py does); the W4 GEMV's tiles
+                  (`w4_gemm.gemv_tile`, block_n x block_w words x num_warps)
+  --weights fp8   the model quantized to FP8 at load; the single-token products' whole-row tiles
+                  (`KernelConfig.fp8_tiles`, block_n x num_warps x programs_per_sm)
+
+  python scripts/device/decode_tiles.py --model qwen3-4b --weights awq --out DIR   DIR/decode_tiles-<weights>-<model>.md
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_w4 import quantize_preset  # noqa: E402
+from profile_decode import replay_ms  # noqa: E402
+
+W4_CANDIDATES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 256, 2), (8, 256, 2), (8, 128, 1), (8, 1024, 8))
+FP8_CANDIDATES = ((1, 4, 6), (2, 4, 4), (2, 4, 5), (4, 4, 3), (4, 4, 4), (4, 4, 5), (8, 4, 3), (2, 8, 4), (4, 8, 2),
+                  (1, 16, 2), (2, 16, 2))
+
+
+def w4_variants(runner):
+    """{name: setter}: each sets one W4 product's tile at one row (None: the shipped rule)."""
+    from tokenmill.layers.kernels import w4_gemm
+    from tokenmill.layers.quantized import W4Linear
+    shapes = sorted({(m.out_features, m.in_features) for m in runner.model.modules() if isinstance(m, W4Linear)})
+    original = w4_gemm.gemv_tile
+    shipped = {s: original(*s, 1, torch.device("cuda")) for s in shapes}
+
+    def setter(tiles):
+        def apply():
+            w4_gemm.gemv_tile = lambda n, k, m, dev: tiles[(n, k)] if m == 1 and (n, k) in tiles else original(n, k, m, dev)
+        return apply
+    variants = {"shipped": setter({})}
+    for s in shapes:
+        for t in W4_CANDIDATES:
+            if w4_gemm.W4GemvTile(*t) != shipped[s]:
+                variants[f"{s[0]}x{s[1]} {t}"] = setter({s: w4_gemm.W4GemvTile(*t)})
+    variants["shipped again"] = setter({})
+    return variants, setter({}), {f"{n}x{k}": str(t) for (n, k), t in shipped.items()}
+
+
+def fp8_variants(runner):
+    """{name: setter}: each gives the backend a KernelConfig with one FP8 product's whole-row tile."""
+    from tokenmill.layers.fp8_linear import Fp8Linear
+    from tokenmill.layers.kernel_config import WholeRowTile
+    from tokenmill.layers.kernels import gemv
+    backend = runner.model.model.backend
+    base = backend.kernels
+    keys = set()
+    for name, m in runner.model.named_modules():
+        if isinstance(m, Fp8Linear):
+            keys.add((*m.weight.shape, name.endswith("gate_up_proj")))     # (N, K, SiLU-and-mul after it)
+    shipped = {key: base.fp8_tile(*key) or gemv.fp8_tile(base.tile(*key)) for key in sorted(keys)}
+
+    def setter(extra):
+        def apply():
+            backend.kernels = dataclasses.replace(base, fp8_tiles=tuple({**dict(base.fp8_tiles), **extra}.items()))
+        return apply
+    variants = {"shipped": setter({})}
+    for key in sorted(keys):
+        for t in FP8_CANDIDATES:
+            if WholeRowTile(*t) != shipped[key]:
+                variants[f"{key[0]}x{key[1]}{' silu' if key[2] else ''} {t}"] = setter({key: WholeRowTile(*t)})
+    variants["shipped again"] = setter({})
+    return variants, setter({}), {f"{n}x{k}{' silu' if s else ''}": str(t) for (n, k, s), t in shipped.items()}
+
+
+def main(args) -> None:
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.models.presets import resolve_model_path
+
+    bf16 = resolve_model_path(f"preset:{args.model}", "bfloat16", 0)
+    path, extra = bf16, {}
+    if args.weights == "awq":
+        path = f"/tmp/tokenmill-w4/{args.model}-awq-g128"
+        quantize_preset(bf16, path)
+    else:
+        extra = dict(quantization="fp8")
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.35, **extra)
+    llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    runner = llm.engine.runner
+    variants, restore, shipped = (w4_variants if args.weights == "awq" else fp8_variants)(runner)
+    forward = runner.graph_runner.static_forward(("decode", 1))
+    graphs = {}
+    for name, apply in variants.items():
+        apply()
+        try:
+            forward()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            graphs[name] = graph
+        except Exception as e:      # a tile that does not compile or fit: named, not fatal
+            print(json.dumps({"variant": name, "skipped": repr(e)[-300:]}), flush=True)
+    restore()
+    times = {name: [] for name in graphs}
+    for _ in range(args.rounds):
+        for name, graph in graphs.items():
+            times[name].append(replay_ms(graph))
+    rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t} for name, t in times.items()]
+    base = min(r["graph_replay_ms"] for r in rows if r["variant"].startswith("shipped"))
+    lines = [f"# Single-row product tiles in the batch-1 decode graph: {args.model}, {args.weights}", "",
+             f"shipped tiles: {json.dumps(shipped)}", "",
+             "| variant (one product's tile) | graph replay ms (median) | vs shipped |", "|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["graph_replay_ms"]):
+        lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} |")
+    lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}, "
+              f"{args.rounds} turns"]
+    text = "\n".join(lines)
+    print(text)
+    stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}")
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-4b")
+    p.add_argument("--weights", choices=("awq", "fp8"), default="awq")
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    main(p.parse_args())
