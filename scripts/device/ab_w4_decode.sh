@@ -18,12 +18,9 @@ for side in old new new2 old2; do
 import os, sys
 sys.path.insert(0, "scripts/device")
 import bench_w4 as b
-from tokenmill.models.presets import resolve_model_path
 side = sys.argv[1]
 for model in os.environ.get("W4_MODELS", "qwen3-4b,nanbeige4.1-3b").split(","):
-    bf16 = resolve_model_path(f"preset:{model}", "bfloat16", 0)
-    awq = f"/tmp/tokenmill-w4/{model}-awq-g128"
-    b.quantize_preset(bf16, awq)
+    bf16, awq = b.awq_preset(model)
     rows = [b.decode_ms(awq, f"{side} {model} awq")]
     if side == "new":
         rows.append(b.decode_ms(bf16, f"{side} {model} bf16"))

@@ -195,16 +195,22 @@ def layer_norms_skipped():
     return mock.patch.multiple(TritonBackend, rms_norm=rms_norm, silu_and_mul=silu_and_mul)
 
 
+def awq_preset(model: str) -> tuple[str, str]:
+    """(the bf16 preset's path, its AWQ g128 checkpoint's), the latter quantized into /tmp unless there."""
+    from tokenmill.models.presets import resolve_model_path
+    bf16 = resolve_model_path(f"preset:{model}", "bfloat16", 0)
+    awq = f"/tmp/tokenmill-w4/{model}-awq-g128"
+    quantize_preset(bf16, awq)
+    return bf16, awq
+
+
 def decode(out_dir: str, models: list[str]) -> list[dict]:
     sys.path.insert(0, os.path.dirname(__file__))
-    from tokenmill.models.presets import resolve_model_path
     rows = []
     for model in models:
-        bf16 = resolve_model_path(f"preset:{model}", "bfloat16", 0)
-        awq = f"/tmp/tokenmill-w4/{model}-awq-g128"
         t0 = time.perf_counter()
-        quantize_preset(bf16, awq)
-        print(json.dumps({"model": model, "quantize_s": time.perf_counter() - t0}), flush=True)
+        bf16, awq = awq_preset(model)
+        print(json.dumps({"model": model, "prepare_s": time.perf_counter() - t0}), flush=True)   # preset and AWQ copy
         rows += [decode_ms(bf16, f"{model} bf16"), decode_ms(awq, f"{model} awq g128")]
         with layer_norms_skipped():
             rows.append(decode_ms(awq, f"{model} awq g128, layer norms and SiLU-and-mul skipped (bound)"))

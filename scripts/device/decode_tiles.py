@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_w4 import quantize_preset  # noqa: E402
+from bench_w4 import awq_preset  # noqa: E402
 from profile_decode import replay_ms  # noqa: E402
 
 W4_CANDIDATES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 256, 2), (8, 256, 2), (8, 128, 1), (8, 1024, 8))
@@ -31,7 +31,8 @@ FP8_CANDIDATES = ((1, 4, 6), (2, 4, 4), (2, 4, 5), (4, 4, 3), (4, 4, 4), (4, 4, 
 
 
 def w4_variants(runner):
-    """{name: setter}: each sets one W4 product's tile at one row (None: the shipped rule)."""
+    """({name: setter}, the setter that restores the shipped rule, the shipped tiles by shape): each setter
+    gives one W4 product its variant's tile at one row, the others the rule's (`w4_gemm.gemv_tile`)."""
     from tokenmill.layers.kernels import w4_gemm
     from tokenmill.layers.quantized import W4Linear
     shapes = sorted({(m.out_features, m.in_features) for m in runner.model.modules() if isinstance(m, W4Linear)})
@@ -52,7 +53,8 @@ def w4_variants(runner):
 
 
 def fp8_variants(runner):
-    """{name: setter}: each gives the backend a KernelConfig with one FP8 product's whole-row tile."""
+    """As `w4_variants`: each setter gives the backend a KernelConfig with one FP8 product's whole-row tile
+    (the shipped tile as `gemv.fused_linear` picks it)."""
     from tokenmill.layers.fp8_linear import Fp8Linear
     from tokenmill.layers.kernel_config import WholeRowTile
     from tokenmill.layers.kernels import gemv
@@ -81,13 +83,10 @@ def main(args) -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.models.presets import resolve_model_path
 
-    bf16 = resolve_model_path(f"preset:{args.model}", "bfloat16", 0)
-    path, extra = bf16, {}
     if args.weights == "awq":
-        path = f"/tmp/tokenmill-w4/{args.model}-awq-g128"
-        quantize_preset(bf16, path)
+        path, extra = awq_preset(args.model)[1], {}
     else:
-        extra = dict(quantization="fp8")
+        path, extra = resolve_model_path(f"preset:{args.model}", "bfloat16", 0), dict(quantization="fp8")
     llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.35, **extra)
     llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
