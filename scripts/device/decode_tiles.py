@@ -9,6 +9,10 @@ one row").
   --weights fp8   the model quantized to FP8 at load; the single-token products' whole-row tiles
                   (`KernelConfig.fp8_tiles`, block_n x num_warps x programs_per_sm)
 
+  --vary "NxK[ silu],..."      vary only these products' tiles
+  --combine "NxK[ silu]=a,b,c"  (repeatable) one more variant with all these products' tiles changed together:
+                                whether the winners of single changes add up
+
   python scripts/device/decode_tiles.py --model qwen3-4b --weights awq --out DIR   DIR/decode_tiles-<weights>-<model>.md
 """
 from __future__ import annotations
@@ -26,11 +30,25 @@ from bench_w4 import awq_preset  # noqa: E402
 from profile_decode import replay_ms  # noqa: E402
 
 W4_CANDIDATES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 256, 2), (8, 256, 2), (8, 128, 1), (8, 1024, 8))
-FP8_CANDIDATES = ((1, 4, 6), (2, 4, 4), (2, 4, 5), (4, 4, 3), (4, 4, 4), (4, 4, 5), (8, 4, 3), (2, 8, 4), (4, 8, 2),
-                  (1, 16, 2), (2, 16, 2))
+FP8_CANDIDATES = ((1, 4, 4), (1, 4, 5), (1, 4, 6), (2, 4, 3), (2, 4, 4), (2, 4, 5), (2, 4, 6), (4, 4, 2), (4, 4, 3),
+                  (4, 4, 4), (4, 4, 5), (8, 4, 3), (2, 8, 4), (4, 8, 2), (1, 16, 2), (2, 16, 2))
 
 
-def w4_variants(runner):
+def shape_key(key) -> str:
+    """"NxK" for a W4 product's (N, K), "NxK" or "NxK silu" for an FP8 product's (N, K, SiLU-and-mul after)."""
+    return f"{key[0]}x{key[1]}" + (" silu" if len(key) > 2 and key[2] else "")
+
+
+def parse_tiles(specs) -> dict:
+    """--combine's "NxK[ silu]=a,b,c" specs -> {shape_key: (a, b, c)}."""
+    out = {}
+    for spec in specs:
+        shape, tile = spec.split("=")
+        out[shape.strip()] = tuple(int(v) for v in tile.split(","))
+    return out
+
+
+def w4_variants(runner, vary, combine):
     """({name: setter}, the setter that restores the shipped rule, the shipped tiles by shape): each setter
     gives one W4 product its variant's tile at one row, the others the rule's (`w4_gemm.gemv_tile`)."""
     from tokenmill.layers.kernels import w4_gemm
@@ -45,14 +63,17 @@ def w4_variants(runner):
         return apply
     variants = {"shipped": setter({})}
     for s in shapes:
-        for t in W4_CANDIDATES:
+        for t in W4_CANDIDATES if vary is None or shape_key(s) in vary else ():
             if w4_gemm.W4GemvTile(*t) != shipped[s]:
-                variants[f"{s[0]}x{s[1]} {t}"] = setter({s: w4_gemm.W4GemvTile(*t)})
+                variants[f"{shape_key(s)} {t}"] = setter({s: w4_gemm.W4GemvTile(*t)})
+    if combine:
+        variants[f"together: {combine}"] = setter({s: w4_gemm.W4GemvTile(*combine[shape_key(s)])
+                                                   for s in shapes if shape_key(s) in combine})
     variants["shipped again"] = setter({})
     return variants, setter({}), {f"{n}x{k}": str(t) for (n, k), t in shipped.items()}
 
 
-def fp8_variants(runner):
+def fp8_variants(runner, vary, combine):
     """As `w4_variants`: each setter gives the backend a KernelConfig with one FP8 product's whole-row tile
     (the shipped tile as `gemv.fused_linear` picks it)."""
     from tokenmill.layers.fp8_linear import Fp8Linear
@@ -72,9 +93,12 @@ def fp8_variants(runner):
         return apply
     variants = {"shipped": setter({})}
     for key in sorted(keys):
-        for t in FP8_CANDIDATES:
+        for t in FP8_CANDIDATES if vary is None or shape_key(key) in vary else ():
             if WholeRowTile(*t) != shipped[key]:
-                variants[f"{key[0]}x{key[1]}{' silu' if key[2] else ''} {t}"] = setter({key: WholeRowTile(*t)})
+                variants[f"{shape_key(key)} {t}"] = setter({key: WholeRowTile(*t)})
+    if combine:
+        variants[f"together: {combine}"] = setter({key: WholeRowTile(*combine[shape_key(key)])
+                                                   for key in keys if shape_key(key) in combine})
     variants["shipped again"] = setter({})
     return variants, setter({}), {f"{n}x{k}{' silu' if s else ''}": str(t) for (n, k, s), t in shipped.items()}
 
@@ -90,7 +114,9 @@ def main(args) -> None:
     llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.35, **extra)
     llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
-    variants, restore, shipped = (w4_variants if args.weights == "awq" else fp8_variants)(runner)
+    vary = None if args.vary is None else {v.strip() for v in args.vary.split(",")}
+    variants, restore, shipped = (w4_variants if args.weights == "awq" else fp8_variants)(
+        runner, vary, parse_tiles(args.combine))
     forward = runner.graph_runner.static_forward(("decode", 1))
     graphs = {}
     for name, apply in variants.items():
@@ -119,7 +145,7 @@ def main(args) -> None:
               f"{args.rounds} turns"]
     text = "\n".join(lines)
     print(text)
-    stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}")
+    stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}{args.suffix}")
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
     with open(stem + ".json", "w") as f:
@@ -132,4 +158,8 @@ if __name__ == "__main__":
     p.add_argument("--weights", choices=("awq", "fp8"), default="awq")
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--suffix", default="", help="appended to the output files' names")
+    p.add_argument("--vary", help="the products whose tile is varied, as \"NxK[ silu],...\" (default: every one)")
+    p.add_argument("--combine", action="append", default=[], metavar="\"NxK[ silu]=a,b,c\"",
+                   help="one more variant with each of these products' tiles changed together")
     main(p.parse_args())
