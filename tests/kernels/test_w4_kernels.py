@@ -175,12 +175,15 @@ def test_gptq_with_bias_in_a_cuda_graph(m):
 
 def test_gemv_tile_rule_at_one_row(monkeypatch):
     """On a GPU of 132 SMs (an H200): at one row, o_proj-like products (K < 8192, under three 8-row programs
-    an SM) take 4 rows a program, qwen3-4b's qkv and down and nanbeige4.1-3b's qkv 8; four input rows keep
-    the few-row rule (two warps of 128-word chunks)."""
+    an SM) take 4 rows a program, qwen3-4b's qkv and down and nanbeige4.1-3b's qkv 8, nanbeige4.1-3b's down
+    its measured 4 (`ONE_ROW_TILES`); four input rows keep the few-row rule (two warps of 128-word chunks),
+    and the long-K rule for nanbeige4.1-3b's down."""
     from tokenmill.layers.kernels import w4_gemm
     monkeypatch.setattr(w4_gemm, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     rows = {shape: w4_gemm.gemv_tile(*shape, 1, cuda).block_n
-            for shape in [(2560, 4096), (2560, 2560), (6144, 2560), (3584, 2560), (2560, 9728)]}
-    assert rows == {(2560, 4096): 4, (2560, 2560): 4, (6144, 2560): 8, (3584, 2560): 8, (2560, 9728): 8}
+            for shape in [(2560, 4096), (2560, 2560), (6144, 2560), (3584, 2560), (2560, 9728), (2560, 10496)]}
+    assert rows == {(2560, 4096): 4, (2560, 2560): 4, (6144, 2560): 8, (3584, 2560): 8, (2560, 9728): 8,
+                    (2560, 10496): 4}
     assert w4_gemm.gemv_tile(2560, 4096, 4, cuda) == w4_gemm.W4GemvTile(4, 256, 2)
+    assert w4_gemm.gemv_tile(2560, 10496, 4, cuda) == w4_gemm.W4GemvTile(8, 512, 4)

@@ -55,11 +55,16 @@ SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
 }.items())
 
-# the FP8 products' whole-row tiles where an H200 sweep found one over 3% faster than `gemv.fp8_tile` of the
-# 16-bit tile (scripts/device/fp8_products.py, docs/BENCHMARKS.md)
+# the FP8 products' whole-row tiles where an H200 sweep found one faster than `gemv.fp8_tile` of the 16-bit
+# tile, timed inside the batch-1 decode graph (scripts/device/decode_tiles.py --weights fp8; nanbeige4.1-3b's
+# down_proj tile is an isolated sweep's, scripts/device/fp8_products.py, which held in the graph);
+# docs/BENCHMARKS.md
 SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
-    (3584, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=4),     # nanbeige4.1-3b qkv
-    (2560, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b o_proj
+    (6144, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=3),     # qwen3-4b qkv
+    (19456, 2560, True): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # qwen3-4b gate_up
+    (3584, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b qkv
+    (2560, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b o_proj
+    (20992, 2560, True): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b gate_up
     (2560, 10496, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=3),    # nanbeige4.1-3b down_proj
 }.items())
 

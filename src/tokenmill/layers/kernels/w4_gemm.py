@@ -62,6 +62,12 @@ class W4DequantTile:
 DEQUANT_TILE = W4DequantTile(block_n=8, block_w=128, num_warps=4)     # 8 KB of bf16 a program
 
 
+# one-row tiles timed inside the batch-1 decode graph where the rule below lost (scripts/device/decode_tiles.py
+# --weights awq, docs/BENCHMARKS.md): nanbeige4.1-3b's down_proj at 4 rows a program, where qwen3-4b's
+# (K = 9,728) is faster at the rule's 8
+ONE_ROW_TILES = {(2560, 10496): W4GemvTile(block_n=4, block_w=512, num_warps=4)}
+
+
 def gemv_tile(n: int, k: int, m: int, device: torch.device) -> W4GemvTile:
     """Measured on an H200 (docs/BENCHMARKS.md, W4A16 products and "W4 GEMV at one row"): products of up to
     8192 rows take four warps a program, a row's K in chunks of 512 words, at one input row and wherever K
@@ -71,6 +77,8 @@ def gemv_tile(n: int, k: int, m: int, device: torch.device) -> W4GemvTile:
     chunk of 128 words a row per warp, two warps where N is narrow so that the whole GPU still has about
     40 KB of weights in flight per SM (this chunk and the next), and 8 rows a program (they share each
     thread's inputs; 16 spill registers at 4 rows) while every SM still gets about four programs, else 4."""
+    if m == 1 and (n, k) in ONE_ROW_TILES:
+        return ONE_ROW_TILES[(n, k)]
     sms = _num_sms(device)
     if n <= 8192 and (m == 1 or k >= 8192):
         few = m == 1 and k < 8192 and triton.cdiv(n, 8) < 3 * sms
