@@ -418,7 +418,7 @@ def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
     """schemathesis against the live OpenAPI schema, bounded in time; any 5xx fails."""
     pytest.importorskip("schemathesis")
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", small_server.url + "/openapi.json",
-           "--checks", "not_a_server_error", "--max-time", "5", "--max-examples", "60", "--seed", "1",
+           "--checks", "not_a_server_error", "--max-time", "10", "--max-examples", "60", "--seed", "1",
            "--workers", "1", "--request-timeout", "20", "--phases", "examples,coverage,fuzzing",
            "--suppress-health-check", "all"]
     env = dict(os.environ, SCHEMATHESIS_HOOKS="")
