@@ -2,7 +2,8 @@
 variant (one product's tile changed from the shipped one), the variants' replays timed in turns, side by
 side in one process, and the median of each kept. A product timed alone can mislead: qwen3-4b's AWQ o_proj
 gained 0.8 us alone with 4 rows a program and 2.7 us a layer in the model (docs/BENCHMARKS.md, "W4 GEMV at
-one row").
+one row"). Each variant's logits are compared with the shipped tiles' (same input, same step), so a tile
+that computes something else shows.
 
   --weights awq   the AWQ g128 model (quantized into /tmp as bench_w4.py does); the W4 GEMV's tiles
                   (`w4_gemm.gemv_tile`, block_n x block_w words x num_warps)
@@ -118,14 +119,14 @@ def main(args) -> None:
     variants, restore, shipped = (w4_variants if args.weights == "awq" else fp8_variants)(
         runner, vary, parse_tiles(args.combine))
     forward = runner.graph_runner.static_forward(("decode", 1))
-    graphs = {}
+    graphs, logits = {}, {}
     for name, apply in variants.items():
         apply()
         try:
             forward()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                forward()
+                logits[name] = forward()[1]     # the graph's own output buffer, written at each replay
             graphs[name] = graph
         except Exception as e:      # a tile that does not compile or fit: named, not fatal
             print(json.dumps({"variant": name, "skipped": repr(e)[-300:]}), flush=True)
@@ -134,13 +135,24 @@ def main(args) -> None:
     for _ in range(args.rounds):
         for name, graph in graphs.items():
             times[name].append(replay_ms(graph))
-    rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t} for name, t in times.items()]
+    # every variant computes the same step: its logits against the shipped tiles' (the same input, so only
+    # the products' summation order differs), the largest difference over the largest logit
+    ref = logits["shipped"].float()
+    for name in graphs:
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    diff = {name: ((logits[name].float() - ref).abs().max() / ref.abs().max()).item() for name in graphs}
+    same_top = {name: bool((logits[name].argmax(-1) == ref.argmax(-1)).all()) for name in graphs}
+    rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t,
+             "logits_rel_diff": diff[name], "same_top1": same_top[name]} for name, t in times.items()]
     base = min(r["graph_replay_ms"] for r in rows if r["variant"].startswith("shipped"))
     lines = [f"# Single-row product tiles in the batch-1 decode graph: {args.model}, {args.weights}", "",
              f"shipped tiles: {json.dumps(shipped)}", "",
-             "| variant (one product's tile) | graph replay ms (median) | vs shipped |", "|---|---|---|"]
+             "| variant (one product's tile) | graph replay ms (median) | vs shipped | logits max diff / max | same top-1 |",
+             "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["graph_replay_ms"]):
-        lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} |")
+        lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} | "
+                     f"{r['logits_rel_diff']:.1e} | {'yes' if r['same_top1'] else 'NO'} |")
     lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}, "
               f"{args.rounds} turns"]
     text = "\n".join(lines)
