@@ -452,11 +452,14 @@ def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
 @needs_cuda
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("n,k,silu,norm", [(6144, 2560, False, True), (2560, 4096, False, False),
-                                           (19456, 2560, True, True), (2560, 9728, False, False)])
-def test_gpu_single_token_fp8_products_on_qwen3_4b_shapes(n, k, silu, norm, block):
-    """The single-token products of qwen3-4b's layers with FP8 weights and their shipped FP8 tiles
-    (`KernelConfig.fp8_tiles`, else `gemv.fp8_tile` of the 16-bit tile), norm, residual and SiLU-and-mul as the decoder runs them, against the
-    dequantized product in float32 of the bf16-normed input."""
+                                           (19456, 2560, True, True), (2560, 9728, False, False),
+                                           (3584, 2560, False, True), (2560, 2560, False, False),
+                                           (20992, 2560, True, True), (2560, 10496, False, False)])
+def test_gpu_single_token_fp8_products_on_the_models_shapes(n, k, silu, norm, block):
+    """The single-token products of qwen3-4b's and nanbeige4.1-3b's layers with FP8 weights and their shipped
+    FP8 tiles (`KernelConfig.fp8_tiles`, else `gemv.fp8_tile` of the 16-bit tile), norm, residual and
+    SiLU-and-mul as the decoder runs them, against the dequantized product in float32 of the bf16-normed
+    input."""
     from tokenmill.layers.kernels import gemv
     from tokenmill.layers.norm import rms_norm_torch
     q, s, blk, _ = layer(n, k, block, False)
