@@ -9,6 +9,8 @@ that computes something else shows.
                   (`w4_gemm.gemv_tile`, block_n x block_w words x num_warps)
   --weights fp8   the model quantized to FP8 at load; the single-token products' whole-row tiles
                   (`KernelConfig.fp8_tiles`, block_n x num_warps x programs_per_sm)
+  --weights bf16  the bf16 model; the single-token products' tiles (`KernelConfig.tiles`), varied over
+                  whole-row tiles as for FP8 (a shipped register or shared-memory tile included)
 
   --vary "NxK[ silu],..."      vary only these products' tiles
   --combine "NxK[ silu]=a,b,c"  (repeatable) one more variant with all these products' tiles changed together:
@@ -31,6 +33,8 @@ from bench_w4 import awq_preset  # noqa: E402
 from profile_decode import replay_ms  # noqa: E402
 
 W4_CANDIDATES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 256, 2), (8, 256, 2), (8, 128, 1), (8, 1024, 8))
+BF16_CANDIDATES = ((1, 4, 4), (1, 4, 5), (1, 4, 6), (1, 4, 7), (2, 4, 3), (2, 4, 4), (2, 4, 5), (2, 4, 6), (1, 8, 3),
+                   (1, 8, 4), (2, 8, 3), (1, 16, 2), (2, 16, 2))
 FP8_CANDIDATES = ((1, 4, 4), (1, 4, 5), (1, 4, 6), (2, 4, 3), (2, 4, 4), (2, 4, 5), (2, 4, 6), (4, 4, 2), (4, 4, 3),
                   (4, 4, 4), (4, 4, 5), (8, 4, 3), (2, 8, 4), (4, 8, 2), (1, 16, 2), (2, 16, 2))
 
@@ -74,27 +78,34 @@ def w4_variants(runner, vary, combine):
     return variants, setter({}), {f"{n}x{k}": str(t) for (n, k), t in shipped.items()}
 
 
-def fp8_variants(runner, vary, combine):
-    """As `w4_variants`: each setter gives the backend a KernelConfig with one FP8 product's whole-row tile
-    (the shipped tile as `gemv.fused_linear` picks it)."""
+def whole_row_variants(runner, fp8: bool, vary, combine):
+    """As `w4_variants`, for the fused single-token products (`gemv.fused_linear`): each setter gives the
+    backend a KernelConfig with one product's whole-row tile, in `fp8_tiles` for FP8 weights (the shipped
+    tile as fused_linear picks it: the shape's entry, else `gemv.fp8_tile` of the 16-bit tile), in `tiles`
+    for bf16 (whatever tile type the shape ships with)."""
+    from torch import nn
     from tokenmill.layers.fp8_linear import Fp8Linear
     from tokenmill.layers.kernel_config import WholeRowTile
     from tokenmill.layers.kernels import gemv
     backend = runner.model.model.backend
     base = backend.kernels
+    field, kind, candidates = (("fp8_tiles", Fp8Linear, FP8_CANDIDATES) if fp8
+                               else ("tiles", nn.Linear, BF16_CANDIDATES))
     keys = set()
     for name, m in runner.model.named_modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, kind) and name.rpartition(".")[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             keys.add((*m.weight.shape, name.endswith("gate_up_proj")))     # (N, K, SiLU-and-mul after it)
-    shipped = {key: base.fp8_tile(*key) or gemv.fp8_tile(base.tile(*key)) for key in sorted(keys)}
+    shipped = {key: (base.fp8_tile(*key) or gemv.fp8_tile(base.tile(*key))) if fp8 else base.tile(*key)
+               for key in sorted(keys)}
 
     def setter(extra):
         def apply():
-            backend.kernels = dataclasses.replace(base, fp8_tiles=tuple({**dict(base.fp8_tiles), **extra}.items()))
+            tiles = {**dict(getattr(base, field)), **extra}
+            backend.kernels = dataclasses.replace(base, **{field: tuple(tiles.items())})
         return apply
     variants = {"shipped": setter({})}
     for key in sorted(keys):
-        for t in FP8_CANDIDATES if vary is None or shape_key(key) in vary else ():
+        for t in candidates if vary is None or shape_key(key) in vary else ():
             if WholeRowTile(*t) != shipped[key]:
                 variants[f"{shape_key(key)} {t}"] = setter({key: WholeRowTile(*t)})
     if combine:
@@ -111,13 +122,16 @@ def main(args) -> None:
     if args.weights == "awq":
         path, extra = awq_preset(args.model)[1], {}
     else:
-        path, extra = resolve_model_path(f"preset:{args.model}", "bfloat16", 0), dict(quantization="fp8")
+        path = resolve_model_path(f"preset:{args.model}", "bfloat16", 0)
+        extra = dict(quantization="fp8") if args.weights == "fp8" else {}
     llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.35, **extra)
     llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
     vary = None if args.vary is None else {v.strip() for v in args.vary.split(",")}
-    variants, restore, shipped = (w4_variants if args.weights == "awq" else fp8_variants)(
-        runner, vary, parse_tiles(args.combine))
+    if args.weights == "awq":
+        variants, restore, shipped = w4_variants(runner, vary, parse_tiles(args.combine))
+    else:
+        variants, restore, shipped = whole_row_variants(runner, args.weights == "fp8", vary, parse_tiles(args.combine))
     forward = runner.graph_runner.static_forward(("decode", 1))
     graphs, logits = {}, {}
     for name, apply in variants.items():
@@ -148,7 +162,8 @@ def main(args) -> None:
     base = min(r["graph_replay_ms"] for r in rows if r["variant"].startswith("shipped"))
     lines = [f"# Single-row product tiles in the batch-1 decode graph: {args.model}, {args.weights}", "",
              f"shipped tiles: {json.dumps(shipped)}", "",
-             "| variant (one product's tile) | graph replay ms (median) | vs shipped | logits max diff / max | same top-1 |",
+             "| variant (one product's tile) | graph replay ms (median) | vs shipped | logits max diff / max "
+             "| same top-1 |",
              "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["graph_replay_ms"]):
         lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} | "
@@ -167,7 +182,7 @@ def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-4b")
-    p.add_argument("--weights", choices=("awq", "fp8"), default="awq")
+    p.add_argument("--weights", choices=("awq", "fp8", "bf16"), default="awq")
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--suffix", default="", help="appended to the output files' names")
