@@ -53,9 +53,25 @@ def parse_tiles(specs) -> dict:
     return out
 
 
+def tile_variants(keys, shipped, candidates, tile_type, setter, vary, combine):
+    """({name: setter}, the setter that restores the shipped tiles, the shipped tiles by shape): "shipped",
+    then each candidate tile (`tile_type(*t)`) of each product in `vary` (None: every one) that is not its
+    shipped tile, the `combine` tiles together if any, and "shipped again". `setter(tiles)`: a function
+    that, called, makes the products in `tiles` ({key: tile}) run that tile and the others the shipped."""
+    variants = {"shipped": setter({})}
+    for key in keys:
+        for t in candidates if vary is None or shape_key(key) in vary else ():
+            if tile_type(*t) != shipped[key]:
+                variants[f"{shape_key(key)} {t}"] = setter({key: tile_type(*t)})
+    if combine:
+        variants[f"together: {combine}"] = setter({key: tile_type(*combine[shape_key(key)])
+                                                   for key in keys if shape_key(key) in combine})
+    variants["shipped again"] = setter({})
+    return variants, setter({}), {shape_key(key): str(t) for key, t in shipped.items()}
+
+
 def w4_variants(runner, vary, combine):
-    """({name: setter}, the setter that restores the shipped rule, the shipped tiles by shape): each setter
-    gives one W4 product its variant's tile at one row, the others the rule's (`w4_gemm.gemv_tile`)."""
+    """`tile_variants` of the W4 products' tiles at one row, the others the rule's (`w4_gemm.gemv_tile`)."""
     from tokenmill.layers.kernels import w4_gemm
     from tokenmill.layers.quantized import W4Linear
     shapes = sorted({(m.out_features, m.in_features) for m in runner.model.modules() if isinstance(m, W4Linear)})
@@ -64,22 +80,14 @@ def w4_variants(runner, vary, combine):
 
     def setter(tiles):
         def apply():
-            w4_gemm.gemv_tile = lambda n, k, m, dev: tiles[(n, k)] if m == 1 and (n, k) in tiles else original(n, k, m, dev)
+            w4_gemm.gemv_tile = lambda n, k, m, dev: (tiles[(n, k)] if m == 1 and (n, k) in tiles
+                                                      else original(n, k, m, dev))
         return apply
-    variants = {"shipped": setter({})}
-    for s in shapes:
-        for t in W4_CANDIDATES if vary is None or shape_key(s) in vary else ():
-            if w4_gemm.W4GemvTile(*t) != shipped[s]:
-                variants[f"{shape_key(s)} {t}"] = setter({s: w4_gemm.W4GemvTile(*t)})
-    if combine:
-        variants[f"together: {combine}"] = setter({s: w4_gemm.W4GemvTile(*combine[shape_key(s)])
-                                                   for s in shapes if shape_key(s) in combine})
-    variants["shipped again"] = setter({})
-    return variants, setter({}), {f"{n}x{k}": str(t) for (n, k), t in shipped.items()}
+    return tile_variants(shapes, shipped, W4_CANDIDATES, w4_gemm.W4GemvTile, setter, vary, combine)
 
 
 def whole_row_variants(runner, fp8: bool, vary, combine):
-    """As `w4_variants`, for the fused single-token products (`gemv.fused_linear`): each setter gives the
+    """`tile_variants` of the fused single-token products (`gemv.fused_linear`): each setter gives the
     backend a KernelConfig with one product's whole-row tile, in `fp8_tiles` for FP8 weights (the shipped
     tile as fused_linear picks it: the shape's entry, else `gemv.fp8_tile` of the 16-bit tile), in `tiles`
     for bf16 (whatever tile type the shape ships with)."""
@@ -91,28 +99,19 @@ def whole_row_variants(runner, fp8: bool, vary, combine):
     base = backend.kernels
     field, kind, candidates = (("fp8_tiles", Fp8Linear, FP8_CANDIDATES) if fp8
                                else ("tiles", nn.Linear, BF16_CANDIDATES))
-    keys = set()
-    for name, m in runner.model.named_modules():
-        if isinstance(m, kind) and name.rpartition(".")[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            keys.add((*m.weight.shape, name.endswith("gate_up_proj")))     # (N, K, SiLU-and-mul after it)
+    products = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    keys = sorted({(*m.weight.shape, name.endswith("gate_up_proj"))      # (N, K, SiLU-and-mul after it)
+                   for name, m in runner.model.named_modules()
+                   if isinstance(m, kind) and name.rpartition(".")[2] in products})
     shipped = {key: (base.fp8_tile(*key) or gemv.fp8_tile(base.tile(*key))) if fp8 else base.tile(*key)
-               for key in sorted(keys)}
+               for key in keys}
 
     def setter(extra):
         def apply():
             tiles = {**dict(getattr(base, field)), **extra}
             backend.kernels = dataclasses.replace(base, **{field: tuple(tiles.items())})
         return apply
-    variants = {"shipped": setter({})}
-    for key in sorted(keys):
-        for t in candidates if vary is None or shape_key(key) in vary else ():
-            if WholeRowTile(*t) != shipped[key]:
-                variants[f"{shape_key(key)} {t}"] = setter({key: WholeRowTile(*t)})
-    if combine:
-        variants[f"together: {combine}"] = setter({key: WholeRowTile(*combine[shape_key(key)])
-                                                   for key in keys if shape_key(key) in combine})
-    variants["shipped again"] = setter({})
-    return variants, setter({}), {f"{n}x{k}{' silu' if s else ''}": str(t) for (n, k, s), t in shipped.items()}
+    return tile_variants(keys, shipped, candidates, WholeRowTile, setter, vary, combine)
 
 
 def main(args) -> None:
