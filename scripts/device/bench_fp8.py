@@ -1,9 +1,10 @@
 """FP8 weights against bf16 on one GPU (scripts/device/bench_fp8.sh runs it).
 
   run [--model M] --quantization {none,fp8} --out DIR   one engine (M: preset:qwen3-4b unless given): batch-1 decode ms/token (one request, 32 in / 256
-                                            out, the mean time between output tokens) and the default
-                                            offline workload (256 requests, 100-1024 in / 100-1024 out,
-                                            seed 0, ignore_eos) output tok/s; DIR/fp8_<q>.json
+                                            out, the mean time between output tokens) and, unless
+                                            --decode-only, the default offline workload (256 requests,
+                                            100-1024 in / 100-1024 out, seed 0, ignore_eos) output tok/s;
+                                            DIR/fp8_<q>.json
   summary --out DIR                         the table, printed and saved as DIR/SUMMARY-fp8.md
 """
 from __future__ import annotations
@@ -46,17 +47,19 @@ def run(args) -> None:
     m = one.metrics
     decode_ms = 1e3 * (m.last_token_time - m.first_token_time) / (len(one.outputs[0].token_ids) - 1)
 
-    requests = random_requests(256, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    offline = dict(offline_elapsed_s=None, offline_output_tok_s=None, offline_first_tokens=None)
+    if not args.decode_only:
+        requests = random_requests(256, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        offline = dict(offline_elapsed_s=elapsed, offline_output_tok_s=out_tokens / elapsed,
+                       offline_first_tokens=[o.outputs[0].token_ids[:8] for o in outs[:4]])
     result = dict(quantization=label, model=args.model, load_s=load_s, weight_gib=weight_bytes / 2**30,
-                  kv_blocks=llm.engine.runner.num_blocks, decode_ms_per_token=decode_ms,
-                  offline_elapsed_s=elapsed, offline_output_tok_s=out_tokens / elapsed,
-                  offline_first_tokens=[o.outputs[0].token_ids[:8] for o in outs[:4]],
+                  kv_blocks=llm.engine.runner.num_blocks, decode_ms_per_token=decode_ms, **offline,
                   commit=os.environ.get("TOKENMILL_GIT_COMMIT", "unknown"), gpu=torch.cuda.get_device_name())
     with open(os.path.join(args.out, f"fp8_{label}.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -99,5 +102,6 @@ if __name__ == "__main__":
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--fp8-tiles", help="fp8_best_tiles.json of fp8_products.py: run FP8 with those tiles")
     p.add_argument("--out", required=True)
+    p.add_argument("--decode-only", action="store_true", help="run: batch-1 decode only, not the offline workload")
     a = p.parse_args()
     run(a) if a.mode == "run" else summary(a)

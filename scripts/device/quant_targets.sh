@@ -32,7 +32,7 @@ for part in $PARTS; do
   case $part in
     decode)
       for q in none fp8; do
-        python scripts/device/bench_fp8.py run --model "preset:$MODEL" --quantization $q --out "$OUT" \
+        python scripts/device/bench_fp8.py run --model "preset:$MODEL" --quantization $q --decode-only --out "$OUT" \
           > "$OUT/quant-$MODEL-decode-$q.log" 2>&1 || { FAILED=1; tail -5 "$OUT/quant-$MODEL-decode-$q.log" >&2; }
         mv "$OUT/fp8_$q.json" "$OUT/quant-$MODEL-decode-$q.json" 2>/dev/null
       done
