@@ -103,8 +103,7 @@ def whole_row_variants(runner, fp8: bool, vary, combine):
     keys = sorted({(*m.weight.shape, name.endswith("gate_up_proj"))      # (N, K, SiLU-and-mul after it)
                    for name, m in runner.model.named_modules()
                    if isinstance(m, kind) and name.rpartition(".")[2] in products})
-    shipped = {key: (base.fp8_tile(*key) or gemv.fp8_tile(base.tile(*key))) if fp8 else base.tile(*key)
-               for key in keys}
+    shipped = {key: gemv.fp8_tile_of(base, *key) if fp8 else base.tile(*key) for key in keys}
 
     def setter(extra):
         def apply():

@@ -430,6 +430,12 @@ def fp8_tile(tile: Tile) -> WholeRowTile:
     return FP8_TILE
 
 
+def fp8_tile_of(kernels: KernelConfig, n: int, k: int, silu: bool) -> Tile:
+    """The tile an FP8 product of weight [n, k] runs unless given one: its shape's `kernels.fp8_tiles` entry,
+    else `fp8_tile` of its 16-bit tile."""
+    return kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu))
+
+
 def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple[int, int]]:
     # (SCALE, the kernels' (SCALE_BN, SCALE_BK): (1, 1) unless BLOCK_SCALE), or an error naming the misfit
     n, k = weight.shape
@@ -518,7 +524,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                             norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, kernels=kernels, ids=ids)
     if scale_mode != NO_SCALE:
         if not explicit:
-            tile = kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu))
+            tile = fp8_tile_of(kernels, n, k, silu)
         why = ("FP8 weights run whole-row tiles" if not isinstance(tile, WholeRowTile) else
                _whole_tile_problem(k, silu, tile, FP8) or _block_scale_problem(scale_mode, n_out, silu,
                                                                                tile.block_n, scale_bn))
