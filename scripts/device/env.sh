@@ -5,11 +5,12 @@ OUT=${OUT:-$PWD/bench_results}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # the server's packages that the machine lacks (the benchmark CLI imports them too), from the carried
 # wheels of scripts/device/server_wheels.sh
+# (installed once while the machine stays warm: the check sees what an earlier call put there)
 SRV_SITE=${TMPDIR:-/tmp}/tokenmill-srv-site
+export PYTHONPATH="$PYTHONPATH:$SRV_SITE"
 if [ -d .whl/srv ] && ! python -c "import fastapi, uvicorn, orjson, uvloop" 2>/dev/null; then
   python -m pip install -q --no-index --no-deps --target "$SRV_SITE" .whl/srv/*.whl
 fi
-export PYTHONPATH="$PYTHONPATH:$SRV_SITE"
 export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
 export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
