@@ -12,6 +12,8 @@ if [ -d .whl/srv ] && ! python -c "import fastapi, uvicorn, orjson, uvloop" 2>/d
   python -m pip install -q --no-index --no-deps --target "$SRV_SITE" .whl/srv/*.whl
 fi
 export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
+# the commit results record: set it by hand for a tree newer than the copy's git metadata (a warm machine
+# reused by a later call has labelled a newer tree with the commit of its first call)
 export TOKENMILL_GIT_COMMIT=${TOKENMILL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
