@@ -20,6 +20,11 @@ LONGEST_FIRST = ("test_real_quantized.py", "test_fp8_gemm.py", "test_real_model.
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    # an xdist worker's share of the cores for torch's intra-op threads: two workers of two threads each on
+    # two cores wait on each other's threads (see `one_torch_thread`)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(items):
