@@ -122,7 +122,10 @@ def main(args) -> None:
     else:
         path = resolve_model_path(f"preset:{args.model}", "bfloat16", 0)
         extra = dict(quantization="fp8") if args.weights == "fp8" else {}
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.35, **extra)
+    # max_model_len as the engine's graphs see it: the batch-1 decode attention's split count follows the
+    # block table's width (32 splits from 4,096 positions on, the engine's and profile_decode.py's; 1,024
+    # gave 16, a launch of the other pipelining depth, `DecodeAttentionConfig.many_splits`)
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=4096, gpu_memory_utilization=0.35, **extra)
     llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
     vary = None if args.vary is None else {v.strip() for v in args.vary.split(",")}
