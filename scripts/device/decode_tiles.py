@@ -17,6 +17,9 @@ that computes something else shows.
                                 whether the winners of single changes add up
 
   python scripts/device/decode_tiles.py --model qwen3-4b --weights awq --out DIR   DIR/decode_tiles-<weights>-<model>.md
+
+The engine is built as the engine's graphs see it (4,096 positions: the batch-1 decode attention's 32
+splits) and the timed step attends to --context positions (160).
 """
 from __future__ import annotations
 
@@ -126,7 +129,9 @@ def main(args) -> None:
     # block table's width (32 splits from 4,096 positions on, the engine's and profile_decode.py's; 1,024
     # gave 16, a launch of the other pipelining depth, `DecodeAttentionConfig.many_splits`)
     llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=4096, gpu_memory_utilization=0.35, **extra)
-    llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    # the graph's static inputs are those of the last decode step: a context of args.context positions
+    llm.generate([[100 + j for j in range(args.context - 16)]],
+                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
     vary = None if args.vary is None else {v.strip() for v in args.vary.split(",")}
     if args.weights == "awq":
@@ -170,7 +175,7 @@ def main(args) -> None:
         lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} | "
                      f"{r['logits_rel_diff']:.1e} | {'yes' if r['same_top1'] else 'NO'} |")
     lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}, "
-              f"{args.rounds} turns"]
+              f"{args.rounds} turns, context {args.context} positions, max_model_len 4096"]
     text = "\n".join(lines)
     print(text)
     stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}{args.suffix}")
@@ -186,6 +191,8 @@ if __name__ == "__main__":
     p.add_argument("--weights", choices=("awq", "fp8", "bf16"), default="awq")
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--context", type=int, default=160,
+                   help="positions in the timed step's context (160: the mean of bench_fp8.py's 32 in / 256 out)")
     p.add_argument("--suffix", default="", help="appended to the output files' names")
     p.add_argument("--vary", help="the products whose tile is varied, as \"NxK[ silu],...\" (default: every one)")
     p.add_argument("--combine", action="append", default=[], metavar="\"NxK[ silu]=a,b,c\"",
