@@ -29,21 +29,25 @@ if __name__ == "__main__" and "--check" in sys.argv and not torch.cuda.is_availa
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from tokenmill.layers.kernels import split_k  # noqa: E402
+
 SHAPES = {"qwen3-4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
           "nanbeige4.1-3b": {"qkv": (3584, 2560), "o_proj": (2560, 2560), "gate_up": (20992, 2560),
                              "down": (2560, 10496)}}
 COPIES = 4
 # (swap, block_m, block_n, block_k, num_warps, num_stages): swap puts the weight rows on the tensor cores'
-# wide side (block_n of them) and the input rows on the narrow one, as `fp8_rows` does
+# wide side (block_n of them) and the input rows on the narrow one, as `fp8_rows` does, and is also timed
+# with K split so that the tiles fill the SMs once (`split_k`, as `fp8_rows` splits)
 TILES = ((True, 32, 64, 128, 4, 4), (True, 64, 64, 128, 4, 4), (True, 64, 128, 128, 4, 3), (True, 128, 128, 64, 8, 3),
          (False, 64, 64, 128, 4, 4), (False, 64, 128, 128, 4, 4), (False, 128, 128, 64, 8, 3),
          (False, 128, 256, 64, 8, 3))
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, s_stride, out_stride,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  SWAP: tl.constexpr, BLOCK_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, w_stride, s_stride,
+                  out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+                  SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     # out[m, n] = sum over k of x[m, k] * w[n, k] (* the block's scale), w widened to x's type; program p:
     # its input row block the fastest, so that the programs sharing a weight row block run together
     pid = tl.program_id(0)
@@ -59,7 +63,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, s_s
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)       # SPLIT > 1: SWAP only
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + c
         k_ok = kk < K
         if SWAP:
@@ -81,10 +86,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, s_s
         else:
             acc = tl.dot(x, w, acc)
     if SWAP:
+        acc, out_mask = split_k.gather(acc, row_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, rows, m, N,
+                                       m_blocks * BLOCK_M, SPLIT)
         if not BLOCK_SCALE:
             acc *= tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[:, None]
-        tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(dtype),
-                 mask=row_mask[:, None] & m_mask[None, :])
+        tl.store(out_ptr + m.to(tl.int64)[None, :] * out_stride + rows[:, None], acc.to(dtype), mask=out_mask)
     else:
         if not BLOCK_SCALE:
             acc *= tl.load(s_ptr + rows * s_stride, mask=row_mask, other=0.0)[None, :]
@@ -92,20 +98,32 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, s_s
                  mask=m_mask[:, None] & row_mask[None, :])
 
 
-def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], tile) -> torch.Tensor:
+def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], tile,
+          split: int = 1) -> torch.Tensor:
     """x [M, K] (16-bit) @ (weight [N, K] FP8 * scale)^T in x's dtype; `block` (1, K) per channel."""
     swap, block_m, block_n, block_k, warps, stages = tile
+    if split > 1 and not swap:
+        raise ValueError("K splits only with the weight rows on the wide side")
     M, K = x.shape
     N = weight.shape[0]
     block_scale = block != (1, K)
     if block_scale and (block[0] % block_n or block[1] % block_k):
         raise ValueError(f"{tile} straddles scale blocks of {block}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _w8a16_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SWAP=swap,
-                        BLOCK_SCALE=block_scale, SCALE_BN=block[0], SCALE_BK=block[1], num_warps=warps)
+    m_blocks = triton.cdiv(M, block_m)
+    blocks = m_blocks * triton.cdiv(N, block_n)
+    part, count = split_k.scratch(x.device, split, N, m_blocks * block_m, blocks)
+    _w8a16_kernel[(blocks, split)](x, weight, scale, out, part, count, M, N, K, x.stride(0), weight.stride(0),
+                                   scale.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   NUM_STAGES=stages, SWAP=swap, SPLIT=split, BLOCK_SCALE=block_scale,
+                                   SCALE_BN=block[0], SCALE_BK=block[1], num_warps=warps)
     return out
+
+
+def fill_split(tile, m: int, n: int, sms: int) -> int:
+    """The K split with which a swapped tile's programs fill the SMs about once."""
+    swap, block_m, block_n = tile[:3]
+    return max(1, -(-sms // (-(-m // block_m) * -(-n // block_n)))) if swap else 1
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -121,9 +139,10 @@ def check_cpu():
         for blk in ((1, k), (128, 128)):
             q, s = fp8.quantize(w, blk if blk[0] > 1 else None)
             want = x.float() @ fp8.dequantize(q, s, blk).t()
-            for tile in ((True, 16, 64, 128, 4, 2), (False, 16, 64, 64, 4, 2)):
-                err = _error(w8a16(x, q, s, blk, tile), want)
-                print(m, n, k, blk, tile, f"err {err:.4f}")
+            for tile, split in (((True, 16, 64, 128, 4, 2), 1), ((True, 16, 64, 128, 4, 2), 2),
+                                ((False, 16, 64, 64, 4, 2), 1)):
+                err = _error(w8a16(x, q, s, blk, tile, split), want)
+                print(m, n, k, blk, tile, split, f"err {err:.4f}")
                 assert err < 0.02
 
 
@@ -132,6 +151,7 @@ def bench(args):
     from fp8_products import graph_us, write_report
     from tokenmill.layers.kernels.fp8_gemm import fp8_linear
     from tokenmill.quant import fp8
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| model | product | scales | M | bf16 | shipped FP8 | W8A16 best | best tile | bf16 / shipped | "
              "bf16 / W8A16 |", "|---|---|---|---|---|---|---|---|---|---|"]
     results = []
@@ -148,13 +168,14 @@ def bench(args):
                     bf16 = graph_us([lambda w=w: F.linear(x, w) for w in bf])
                     shipped = graph_us([lambda q=q: fp8_linear(x, *q, blk) for q in qs])
                     tiles = {}
-                    for tile in TILES:
+                    for tile, split in [(t, sp) for t in TILES for sp in sorted({1, fill_split(t, m, n, sms)})]:
+                        name = f"{tile} split {split}"
                         try:
-                            err = _error(w8a16(x, *qs[0], blk, tile), want)
+                            err = _error(w8a16(x, *qs[0], blk, tile, split), want)
                         except Exception as e:      # a tile that does not fit: named, not fatal
-                            tiles[str(tile)] = f"skipped {type(e).__name__}"
+                            tiles[name] = f"skipped {type(e).__name__}"
                             continue
-                        tiles[str(tile)] = graph_us([lambda q=q, t=tile: w8a16(x, *q, blk, t) for q in qs]) \
+                        tiles[name] = graph_us([lambda q=q, t=tile, sp=split: w8a16(x, *q, blk, t, sp) for q in qs]) \
                             if err < 0.02 else f"WRONG {err:.4f}"
                     timed = {t: v for t, v in tiles.items() if isinstance(v, float)}
                     best = min(timed, key=timed.get)
