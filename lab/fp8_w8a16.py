@@ -10,6 +10,15 @@ against the dequantized product first, us per product inside a CUDA graph over s
 
     python lab/fp8_w8a16.py --out DIR [--rows 64,128,256,512,2048] [--models qwen3-4b]   DIR/fp8_w8a16.md
 
+`engine`: the default offline workload (256 requests, 100-1,024 tokens in and out, seed 0, greedy, eos
+ignored) with FP8 weights (and `--kv fp8`), output tok/s, shipped or (`--w8a16 R`) with every product of
+33-R rows through `w8a16` at ENGINE_TILE. For that run the norms and SiLU-and-mul write unquantized rows
+(`fp8_gemm.input_group` None), so the products left on the W8A8 paths quantize their input themselves:
+a cost the shipped run does not pay. One process per run, alternating:
+
+    python lab/fp8_w8a16.py engine --bf16                     # the bf16 model, for the ratio
+    for r in 0 512 0 512; do python lab/fp8_w8a16.py engine --w8a16 $r; done    # 0: shipped
+
 On the CPU (`--check`, under the interpreter) it only checks the kernel on small shapes.
 """
 from __future__ import annotations
@@ -191,11 +200,57 @@ def bench(args):
     write_report(args.out, "fp8_w8a16", lines, results)
 
 
+ENGINE_TILE = ((True, 64, 64, 128, 4, 4), "fill")     # (tile, split): the split that fills the SMs once
+
+
+def engine(args):
+    import time
+
+    import numpy as np
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.datasets import random_requests
+    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.models.presets import resolve_model_path
+    path = resolve_model_path(args.model, "bfloat16", 0)
+    if args.w8a16:
+        shipped, sms = fp8_gemm.fp8_linear, torch.cuda.get_device_properties(0).multi_processor_count
+        tile, split = ENGINE_TILE
+
+        def routed(x, weight, scale, block, bias=None):
+            if 32 < x.shape[0] <= args.w8a16 and not isinstance(x, fp8_gemm.Fp8Rows):
+                out = w8a16(x, weight, scale, block, tile,
+                            fill_split(tile, x.shape[0], weight.shape[0], sms) if split == "fill" else split)
+                return out if bias is None else out.add_(bias)
+            return shipped(x, weight, scale, block, bias)
+        fp8_gemm.fp8_linear = routed
+        fp8_gemm.input_group = lambda shape, block, device: None
+    llm = LLM(path, dtype="bfloat16", quantization=None if args.bf16 else "fp8",
+              kv_cache_dtype=args.kv, seed=0)
+    vocab = llm.engine.runner.model.config.vocab_size
+    reqs = random_requests(256, (100, 1024), (100, 1024), vocab, seed=0)
+    prompts = [r.prompt_token_ids for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:8], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 8)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    tokens = int(np.sum([len(o.outputs[0].token_ids) for o in outs]))
+    label = "bf16" if args.bf16 else f"fp8 w8a16<= {args.w8a16}" if args.w8a16 else "fp8 shipped"
+    print(f"ROW {args.model} {label} kv={args.kv} {tokens / dt:.1f} output tok/s ({tokens} tokens, {dt:.2f} s)",
+          flush=True)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
+    p.add_argument("mode", nargs="?", default="bench", choices=("bench", "engine"))
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="64,128,256,512,2048")
     p.add_argument("--models", default="qwen3-4b")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--model", default="preset:qwen3-4b", help="engine: the model")
+    p.add_argument("--w8a16", type=int, default=0, help="engine: products of 33 to this many rows through w8a16")
+    p.add_argument("--kv", default="auto", help="engine: --kv-cache-dtype")
+    p.add_argument("--bf16", action="store_true", help="engine: the bf16 model, for the ratio")
     a = p.parse_args()
-    check_cpu() if a.check else bench(a)
+    check_cpu() if a.check else engine(a) if a.mode == "engine" else bench(a)
