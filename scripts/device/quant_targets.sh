@@ -8,7 +8,8 @@
 #            weights, FP8 weights and KV cache
 #   long     64 requests, 6,000-8,000 in / 64-256 out: bf16, FP8 weights and KV cache
 # Each run is its own process, one after the other; the table (each figure against bf16's in this call) is
-# printed last and saved as $OUT/SUMMARY-quant-<model>.md.
+# printed last and saved as $OUT/SUMMARY-quant-<model>.md, the runs' logs and JSON in
+# $OUT/quant-<model>-details.tgz.
 #   OUT=/path MODEL=qwen3-4b [PARTS="decode default long"] [AWQ=1] bash scripts/device/quant_targets.sh
 set -uo pipefail
 MODEL=${MODEL:-qwen3-4b}
@@ -80,6 +81,8 @@ for workload, variants in (("default", (("fp8w", "FP8 weights", ">= 1.25x"), ("f
                            ("long", (("fp8wkv", "FP8 weights + KV", ">= 1.3x"),))):
     base = load(f"{workload}-bf16")
     base_tok = base["results"][0]["output_tok_s"] if base else None
+    if base is None and not any(load(f"{workload}-{name}") for name, _, _ in variants):
+        continue        # a part not run in this call
     for name, label, target in variants:
         got = load(f"{workload}-{name}")
         tok = got["results"][0]["output_tok_s"] if got else None
@@ -88,4 +91,7 @@ for workload, variants in (("default", (("fp8w", "FP8 weights", ">= 1.25x"), ("f
 print("\ndecode: one request, 32 in / 256 out (bench_fp8.py; AWQ: bench_w4.py, 128 out); default: 256 requests, "
       "100-1,024 in / 100-1,024 out; long: 64 requests, 6,000-8,000 in / 64-256 out; seed 0, ignore_eos")
 EOF
+# the details in one archive beside the summary (the device tool brings back a limited number of files)
+(cd "$OUT" && tar czf "quant-$MODEL-details.tgz" --remove-files $(ls "quant-$MODEL"-* "prepare-$MODEL.log" 2>/dev/null \
+  | grep -v "\.tgz$"))
 exit $FAILED
