@@ -12,6 +12,8 @@ that computes something else shows.
   --weights bf16  the bf16 model; the single-token products' tiles (`KernelConfig.tiles`), varied over
                   whole-row tiles as for FP8 (a shipped register or shared-memory tile included)
 
+  --attention     the decode attention's launch instead (`attention_variants`: split caps, pipelining)
+
   --vary "NxK[ silu],..."      vary only these products' tiles
   --combine "NxK[ silu]=a,b,c"  (repeatable) one more variant with all these products' tiles changed together:
                                 whether the winners of single changes add up
@@ -116,6 +118,27 @@ def whole_row_variants(runner, fp8: bool, vary, combine):
     return tile_variants(keys, shipped, candidates, WholeRowTile, setter, vary, combine)
 
 
+def attention_variants(runner):
+    """The batch-1 decode attention's launch beside the shipped one ({name: setter}, the restoring setter,
+    the shipped config): the split count capped at 16 and 8 (`decode_attention.MAX_SPLITS`; the engine's
+    graphs run 32 splits a kv head at batch 1, most of them holding no position at short contexts), and the
+    32-split launch at the pipelining depth of fewer splits (`many_splits_stages` 2)."""
+    from tokenmill.layers.kernels import decode_attention as da
+    backend = runner.model.model.backend
+    base, base_max = backend.kernels, da.MAX_SPLITS
+
+    def setter(max_splits=base_max, **config):
+        def apply():
+            da.MAX_SPLITS = max_splits
+            backend.kernels = dataclasses.replace(base, decode_attention=dataclasses.replace(base.decode_attention,
+                                                                                             **config))
+        return apply
+    variants = {"shipped": setter(), "max 16 splits": setter(16), "max 16 splits, one stage": setter(16, many_splits=16),
+                "max 8 splits": setter(8), "32 splits, two stages": setter(many_splits_stages=2),
+                "shipped again": setter()}
+    return variants, setter(), {"decode_attention": str(base.decode_attention), "MAX_SPLITS": base_max}
+
+
 def main(args) -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.models.presets import resolve_model_path
@@ -134,7 +157,9 @@ def main(args) -> None:
                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runner = llm.engine.runner
     vary = None if args.vary is None else {v.strip() for v in args.vary.split(",")}
-    if args.weights == "awq":
+    if args.attention:
+        variants, restore, shipped = attention_variants(runner)
+    elif args.weights == "awq":
         variants, restore, shipped = w4_variants(runner, vary, parse_tiles(args.combine))
     else:
         variants, restore, shipped = whole_row_variants(runner, args.weights == "fp8", vary, parse_tiles(args.combine))
@@ -166,7 +191,8 @@ def main(args) -> None:
     rows = [{"variant": name, "graph_replay_ms": sorted(t)[len(t) // 2], "all_ms": t,
              "logits_rel_diff": diff[name], "same_top1": same_top[name]} for name, t in times.items()]
     base = min(r["graph_replay_ms"] for r in rows if r["variant"].startswith("shipped"))
-    lines = [f"# Single-row product tiles in the batch-1 decode graph: {args.model}, {args.weights}", "",
+    what = "Decode attention launches" if args.attention else "Single-row product tiles"
+    lines = [f"# {what} in the batch-1 decode graph: {args.model}, {args.weights}", "",
              f"shipped tiles: {json.dumps(shipped)}", "",
              "| variant (one product's tile) | graph replay ms (median) | vs shipped | logits max diff / max "
              "| same top-1 |",
@@ -178,7 +204,8 @@ def main(args) -> None:
               f"{args.rounds} turns, context {args.context} positions, max_model_len 4096"]
     text = "\n".join(lines)
     print(text)
-    stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}{args.suffix}")
+    stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}{'-attention' if args.attention else ''}"
+                                  f"{args.suffix}")
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
     with open(stem + ".json", "w") as f:
@@ -194,6 +221,8 @@ if __name__ == "__main__":
     p.add_argument("--context", type=int, default=160,
                    help="positions in the timed step's context (160: the mean of bench_fp8.py's 32 in / 256 out)")
     p.add_argument("--suffix", default="", help="appended to the output files' names")
+    p.add_argument("--attention", action="store_true",
+                   help="vary the decode attention's split count and pipelining instead of the products' tiles")
     p.add_argument("--vary", help="the products whose tile is varied, as \"NxK[ silu],...\" (default: every one)")
     p.add_argument("--combine", action="append", default=[], metavar="\"NxK[ silu]=a,b,c\"",
                    help="one more variant with each of these products' tiles changed together")
