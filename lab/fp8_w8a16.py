@@ -37,11 +37,9 @@ if __name__ == "__main__" and "--check" in sys.argv and not torch.cuda.is_availa
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fp8_mid_rows import SHAPES  # noqa: E402  (the models' products, as that sweep times them)
 from tokenmill.layers.kernels import split_k  # noqa: E402
 
-SHAPES = {"qwen3-4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
-          "nanbeige4.1-3b": {"qkv": (3584, 2560), "o_proj": (2560, 2560), "gate_up": (20992, 2560),
-                             "down": (2560, 10496)}}
 COPIES = 4
 # (swap, block_m, block_n, block_k, num_warps, num_stages): swap puts the weight rows on the tensor cores'
 # wide side (block_n of them) and the input rows on the narrow one, as `fp8_rows` does, and is also timed
@@ -203,12 +201,11 @@ ENGINE_TILE = ((True, 64, 64, 128, 4, 4), "fill")     # (tile, split): the split
 
 
 def engine(args):
-    import time
+    import json
 
-    import numpy as np
-
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
+    from bench_fp8 import default_workload
     from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.datasets import random_requests
     from tokenmill.layers.kernels import fp8_gemm
     from tokenmill.models.presets import resolve_model_path
     path = resolve_model_path(args.model, "bfloat16", 0)
@@ -216,8 +213,11 @@ def engine(args):
         shipped, sms = fp8_gemm.fp8_linear, torch.cuda.get_device_properties(0).multi_processor_count
         tile, split = ENGINE_TILE
 
+        def ours(x):
+            return 32 < x.shape[0] <= args.w8a16
+
         def routed(x, weight, scale, block, bias=None):
-            if 32 < x.shape[0] <= args.w8a16 and not isinstance(x, fp8_gemm.Fp8Rows):
+            if ours(x) and not isinstance(x, fp8_gemm.Fp8Rows):
                 out = w8a16(x, weight, scale, block, tile,
                             fill_split(tile, x.shape[0], weight.shape[0], sms) if split == "fill" else split)
                 return out if bias is None else out.add_(bias)
@@ -226,23 +226,14 @@ def engine(args):
         # the norms and SiLU-and-mul before a product of those rows write them unquantized
         from tokenmill.layers.backend import TritonBackend
         rms_norm, silu_and_mul = TritonBackend.rms_norm, TritonBackend.silu_and_mul
-
-        def ours(x):
-            return 32 < x.shape[0] <= args.w8a16
         TritonBackend.rms_norm = lambda self, x, weight, eps, residual=None, into=None: rms_norm(
             self, x, weight, eps, residual, None if ours(x) else into)
         TritonBackend.silu_and_mul = lambda self, x, into=None: silu_and_mul(self, x, None if ours(x) else into)
     llm = LLM(path, dtype="bfloat16", quantization=None if args.bf16 else "fp8",
               kv_cache_dtype=args.kv, seed=0)
-    vocab = llm.engine.runner.model.config.vocab_size
-    reqs = random_requests(256, (100, 1024), (100, 1024), vocab, seed=0)
-    prompts = [r.prompt_token_ids for r in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    llm.generate(prompts[:8], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 8)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    tokens = int(np.sum([len(o.outputs[0].token_ids) for o in outs]))
+    llm.generate([[1] * 16, [2] * 24], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    with open(os.path.join(path, "config.json")) as f:
+        dt, tokens, _ = default_workload(llm, json.load(f))
     label = "bf16" if args.bf16 else f"fp8 w8a16<= {args.w8a16}" if args.w8a16 else "fp8 shipped"
     print(f"ROW {args.model} {label} kv={args.kv} {tokens / dt:.1f} output tok/s ({tokens} tokens, {dt:.2f} s)",
           flush=True)

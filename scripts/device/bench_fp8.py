@@ -17,10 +17,24 @@ import time
 MODEL = "preset:qwen3-4b"
 
 
+def default_workload(llm, hf: dict):
+    """The default offline workload on `llm` (256 requests, 100-1,024 tokens in and out, seed 0, greedy,
+    eos ignored; `hf` the model's config.json): (seconds, output tokens, the outputs)."""
+    import torch
+    from tokenmill import SamplingParams
+    from tokenmill.bench.datasets import random_requests, special_token_ids
+    requests = random_requests(256, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs), outs
+
+
 def run(args) -> None:
     import torch
     from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.datasets import random_requests, special_token_ids
     from tokenmill.models.presets import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -49,13 +63,7 @@ def run(args) -> None:
 
     offline = dict(offline_elapsed_s=None, offline_output_tok_s=None, offline_first_tokens=None)
     if not args.decode_only:
-        requests = random_requests(256, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        elapsed, out_tokens, outs = default_workload(llm, hf)
         offline = dict(offline_elapsed_s=elapsed, offline_output_tok_s=out_tokens / elapsed,
                        offline_first_tokens=[o.outputs[0].token_ids[:8] for o in outs[:4]])
     result = dict(quantization=label, model=args.model, load_s=load_s, weight_gib=weight_bytes / 2**30,

@@ -37,6 +37,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_w4 import awq_preset  # noqa: E402
 from profile_decode import replay_ms  # noqa: E402
 
+# max_model_len as the engine's graphs see it: the batch-1 decode attention's split count follows the block
+# table's width (32 splits from 4,096 positions on, the engine's and profile_decode.py's; 1,024 gave 16, a
+# launch of the other pipelining depth, `DecodeAttentionConfig.many_splits`)
+MAX_MODEL_LEN = 4096
 W4_CANDIDATES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 256, 2), (8, 256, 2), (8, 128, 1), (8, 1024, 8))
 BF16_CANDIDATES = ((1, 4, 4), (1, 4, 5), (1, 4, 6), (1, 4, 7), (2, 4, 3), (2, 4, 4), (2, 4, 5), (2, 4, 6), (1, 8, 3),
                    (1, 8, 4), (2, 8, 3), (1, 16, 2), (2, 16, 2))
@@ -148,10 +152,8 @@ def main(args) -> None:
     else:
         path = resolve_model_path(f"preset:{args.model}", "bfloat16", 0)
         extra = dict(quantization="fp8") if args.weights == "fp8" else {}
-    # max_model_len as the engine's graphs see it: the batch-1 decode attention's split count follows the
-    # block table's width (32 splits from 4,096 positions on, the engine's and profile_decode.py's; 1,024
-    # gave 16, a launch of the other pipelining depth, `DecodeAttentionConfig.many_splits`)
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=4096, gpu_memory_utilization=0.35, **extra)
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.35,
+              **extra)
     # the graph's static inputs are those of the last decode step: a context of args.context positions
     llm.generate([[100 + j for j in range(args.context - 16)]],
                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -193,15 +195,15 @@ def main(args) -> None:
     base = min(r["graph_replay_ms"] for r in rows if r["variant"].startswith("shipped"))
     what = "Decode attention launches" if args.attention else "Single-row product tiles"
     lines = [f"# {what} in the batch-1 decode graph: {args.model}, {args.weights}", "",
-             f"shipped tiles: {json.dumps(shipped)}", "",
-             "| variant (one product's tile) | graph replay ms (median) | vs shipped | logits max diff / max "
+             f"shipped: {json.dumps(shipped)}", "",
+             "| variant | graph replay ms (median) | vs shipped | logits max diff / max "
              "| same top-1 |",
              "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["graph_replay_ms"]):
         lines.append(f"| {r['variant']} | {r['graph_replay_ms']:.4f} | {r['graph_replay_ms'] - base:+.4f} | "
                      f"{r['logits_rel_diff']:.1e} | {'yes' if r['same_top1'] else 'NO'} |")
     lines += ["", f"commit {os.environ.get('TOKENMILL_GIT_COMMIT', 'unknown')}, {torch.cuda.get_device_name()}, "
-              f"{args.rounds} turns, context {args.context} positions, max_model_len 4096"]
+              f"{args.rounds} turns, context {args.context} positions, max_model_len {MAX_MODEL_LEN}"]
     text = "\n".join(lines)
     print(text)
     stem = os.path.join(args.out, f"decode_tiles-{args.weights}-{args.model}{'-attention' if args.attention else ''}"
