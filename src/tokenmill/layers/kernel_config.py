@@ -63,7 +63,7 @@ SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
 SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (6144, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=3),     # qwen3-4b qkv
     (19456, 2560, True): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # qwen3-4b gate_up
-    (3584, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b qkv
+    (3584, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=3),     # nanbeige4.1-3b qkv
     (2560, 2560, False): WholeRowTile(block_n=4, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b o_proj
     (20992, 2560, True): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=5),     # nanbeige4.1-3b gate_up
     (2560, 10496, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=3),    # nanbeige4.1-3b down_proj
