@@ -7,6 +7,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py ablations [--tokens 4096] [--only NAME ...]
     python lab/quant_quality.py fp8-activations
     python lab/quant_quality.py fp8-head
+    python lab/quant_quality.py fp8-block-to-channel
     python lab/quant_quality.py fp8-attention
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
@@ -441,6 +442,35 @@ def fp8_activations() -> None:
             row(f"FP8 {label}, {acts}", got, timed=False)
 
 
+def fp8_block_to_channel() -> None:
+    """What serving a 128 x 128 block-scaled FP8 checkpoint (Qwen's format) through the per-channel
+    products would cost in quality: each shard quantized in 128 x 128 blocks (as the checkpoint stores it),
+    then that weight re-rounded to E4M3 with one scale per output channel (a second rounding of every
+    weight whose block scale is not its row's times a power of two), against per-channel quantization of
+    the float weight (`--quantization fp8` at load) and the blocks as stored. W8A16, as the CPU reference."""
+    from tokenmill.quant import fp8
+    fm = FloatModel()
+    model = fm.llm.engine.runner.model
+
+    def shards(name: str, w: torch.Tensor) -> list[torch.Tensor]:
+        kind = name.rpartition(".")[2]
+        return list(w.split(model.shard_sizes(kind))) if kind in ("qkv_proj", "gate_up_proj") else [w]
+
+    def rounded(w: torch.Tensor, block) -> torch.Tensor:
+        q, scale = fp8.quantize(w.float(), block)
+        return fp8.dequantize(q, scale, block or (1, w.shape[1]))
+    variants = {
+        "per channel from the float weight (at load)": lambda w: rounded(w, None),
+        "128 x 128 blocks (the checkpoint as stored)": lambda w: rounded(w, (128, 128)),
+        "128 x 128 blocks, then re-rounded per channel": lambda w: rounded(rounded(w, (128, 128)), None),
+    }
+    header(False)
+    for label, fn in variants.items():
+        weights = {n: torch.cat([fn(s) for s in shards(n, w)]).to(w.dtype) for n, w in fm.weights.items()}
+        err = sum((weights[n] - w).norm().item() / w.norm().item() for n, w in fm.weights.items()) / len(weights)
+        row(f"{label}; mean ||Q - W|| / ||W|| {err:.4f}", fm.evaluate(weights), timed=False)
+
+
 def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x rounded as E4M3 at `scale` (x / scale in E4M3, times scale), float32."""
     from tokenmill.quant.fp8 import FP8, FP8_MAX
@@ -518,6 +548,7 @@ def main() -> None:
     sub.add_parser("fp8-rtn")
     sub.add_parser("fp8-activations")
     sub.add_parser("fp8-head")
+    sub.add_parser("fp8-block-to-channel")
     sub.add_parser("fp8-attention")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
@@ -532,6 +563,8 @@ def main() -> None:
         fp8_activations()
     elif args.cmd == "fp8-head":
         fp8_head()
+    elif args.cmd == "fp8-block-to-channel":
+        fp8_block_to_channel()
     elif args.cmd == "fp8-attention":
         fp8_attention()
     else:
