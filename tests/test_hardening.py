@@ -137,6 +137,62 @@ def test_tokenization_runs_off_the_event_loop():
     assert ticks >= 20                  # the loop kept running while the tokenizer worked
 
 
+def _nested_schema_chat(levels: int) -> dict:
+    """A chat body whose JSON schema nests `levels` objects: the body nests 4 + 2 x levels deep."""
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def test_bodies_nested_past_the_limit_are_a_400(guarded):
+    """orjson parses 1,024 levels of nesting. A JSON schema 300 objects deep passed it, and its request,
+    pickled for the engine core, raised RecursionError in the event-loop tick that sent it: that request
+    and every other one sent in the tick waited forever. Bodies now nest at most MAX_JSON_DEPTH levels."""
+    from tokenmill.server.app import MAX_JSON_DEPTH, json_depth
+    deep = _nested_schema_chat(300)
+    err = _assert_openai_error(_post(guarded, "/v1/chat/completions", deep), 400)
+    assert f"{json_depth(deep)} levels deep; at most {MAX_JSON_DEPTH}" in err["message"], err
+    at_limit = _nested_schema_chat((MAX_JSON_DEPTH - 4) // 2)
+    assert json_depth(at_limit) == MAX_JSON_DEPTH
+    r = _post(guarded, "/v1/chat/completions", at_limit)
+    assert r.status_code == 200, r.text
+    assert json_depth([[], {"a": [1]}]) == 3 and json_depth("x") == 0
+
+
+def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
+    """Through the Python API a request's parameters may still nest past the pickler's recursion limit. Its
+    RecursionError lost every command of the tick (the other request here waited forever); now that request
+    fails alone, naming why, and the others of its tick are served."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    deep = {"type": "integer"}
+    for _ in range(1000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=deep))
+    good = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def run(rid, params):
+        async for out in engine.generate(rid, [5, 6, 7], params):
+            last = out
+        return len(last.outputs[0].token_ids)
+
+    async def main():
+        engine.attach()
+        return await asyncio.wait_for(asyncio.gather(run("bad", bad), run("good", good), return_exceptions=True),
+                                      60)
+    try:
+        failed, served = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert isinstance(failed, ValueError) and "RecursionError" in str(failed), failed
+    assert served == 2 and engine.dead is None
+
+
 def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     """Prompts that arrive while the tokenizer thread works wait for it together: 30 at once, after a first
     one, take batches of at most `batch_max` (10 here) texts, each add_special_tokens flag apart,

@@ -19,6 +19,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
@@ -213,9 +214,35 @@ class AsyncLLM:
         if not cmds or self.dead:
             return
         try:
-            self._conn.send(cmds)
+            data = ForkingPickler.dumps(cmds)
+        except Exception:
+            data = self._dumps_each(cmds)
+            if data is None:
+                return
+        try:
+            self._conn.send_bytes(data)          # framed as `send` frames it: the core's `recv` unpickles
         except (OSError, ValueError) as e:
             self._mark_dead(f"engine core pipe closed: {e}")
+
+    def _dumps_each(self, cmds: list):
+        """The tick's commands that pickle, as one message (None if none does). A request that does not
+        pickle (a value nested past the pickler's recursion limit, which the server's body check keeps
+        out but the Python API does not) fails alone, with the reason; the tick's other commands go."""
+        sendable = []
+        for cmd in cmds:
+            try:
+                ForkingPickler.dumps(cmd)
+            except Exception as e:
+                if not isinstance(cmd, AddRequest):
+                    raise
+                stream = self._streams.get(cmd.request_id)
+                if stream is not None:
+                    stream.error = ValueError(f"the request cannot be passed to the engine core: "
+                                              f"{type(e).__name__}: {e}")
+                    stream.event.set()
+                continue
+            sendable.append(cmd)
+        return ForkingPickler.dumps(sendable) if sendable else None
 
     def _on_readable(self):
         try:

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -28,13 +28,41 @@ from tokenmill.server.serving import ChatOptions, Serving, json_response
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 
 
+# the deepest nesting of arrays and objects a body may have (the body itself is level 1): a JSON schema of
+# about 30 nested objects. orjson parses up to 1,024 levels, but a request's parameters travel to the
+# engine core pickled, and the pickler's recursion gives out at a few hundred.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value) -> int:
+    """How deeply arrays and objects nest in a value as orjson parses it (a scalar 0, [] and {} 1), level by
+    level rather than by recursion; a container of scalars (a prompt's token ids) is scanned by type alone."""
+    depth, level = 0, [value] if type(value) in (dict, list) else []
+    while level:
+        depth += 1
+        deeper = []
+        for v in level:
+            items = v.values() if type(v) is dict else v
+            kinds = set(map(type, items))
+            if dict in kinds or list in kinds:
+                deeper.extend(c for c in items if type(c) in (dict, list))
+        level = deeper
+    return depth
+
+
 class _OrjsonRequest(Request):
     """Bodies are parsed by orjson, which (unlike the standard library) refuses lone UTF-16 surrogates
-    such as "\\udfff": no string that cannot be encoded as UTF-8 reaches the handlers."""
+    such as "\\udfff": no string that cannot be encoded as UTF-8 reaches the handlers; and nest at most
+    `MAX_JSON_DEPTH` levels."""
 
     async def json(self):
         if not hasattr(self, "_json"):
-            self._json = orjson.loads(await self.body())
+            body = orjson.loads(await self.body())
+            depth = json_depth(body)
+            if depth > MAX_JSON_DEPTH:
+                raise HTTPException(400, f"The request body nests arrays and objects {depth} levels deep; "
+                                         f"at most {MAX_JSON_DEPTH} are accepted.")
+            self._json = body
         return self._json
 
 
