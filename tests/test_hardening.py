@@ -161,6 +161,23 @@ def test_bodies_nested_past_the_limit_are_a_400(guarded):
     assert json_depth([[], {"a": [1]}]) == 3 and json_depth("x") == 0
 
 
+def test_image_parts_are_refused_by_name(guarded):
+    """The models served read text only. An image part in a Responses input got a 400 listing the fields of
+    every kind of input item ("Unknown or unsupported field(s): role, content, role, content, role,
+    image_url"); chat's named its image_url field. Both now say what is not supported."""
+    image = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    err = _assert_openai_error(_post(guarded, "/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"}, image]}]}), 400)
+    assert err["message"].startswith("'input_image' content is not supported") and err["param"] == "input.content"
+    err = _assert_openai_error(_post(guarded, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}), 400)
+    assert err["message"].startswith("'image_url' content is not supported") and err["param"] == "messages.content"
+    # an item of another kind is checked as that kind alone
+    err = _assert_openai_error(_post(guarded, "/v1/responses", {"input": [
+        {"type": "function_call", "call_id": "c1", "name": "f"}]}), 400)
+    assert "arguments: Field required" in err["message"] and "role" not in err["message"], err
+
+
 def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
     """Through the Python API a request's parameters may still nest past the pickler's recursion limit. Its
     RecursionError lost every command of the tick (the other request here waited forever); now that request

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -53,6 +53,22 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "prediction": ("null", lambda v: v is None),
     "web_search_options": ("null", lambda v: v is None),
 }
+
+
+# content parts of other modalities, refused by their type: every model served here reads text only
+MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
+
+
+def refuse_media_parts(content, field: str):
+    """A message's content as given, unless a part of it is an image, audio, video or file: then a 400 that
+    says so (rather than one listing the fields such a part has and a text part lacks)."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise UnsupportedValue(field, f"'{kind}' content is not supported: tokenmill serves text-only "
+                                              "models (send the message's text as text parts)")
+    return content
 
 
 class JsonSchemaFormat(_Strict):
@@ -319,6 +335,11 @@ class ChatMessage(_Strict):
     annotations: Any = None
     audio: Any = None
     function_call: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        return refuse_media_parts(content, "messages.content")
 
     @model_validator(mode="after")
     def _check_fields(self):

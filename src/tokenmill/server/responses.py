@@ -13,12 +13,12 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenmill.server.chat import ChoiceText, prepare_chat
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
-    MAX_PROMPT_CHARS, ChatCompletionRequest, UnsupportedValue, _Strict,
+    MAX_PROMPT_CHARS, ChatCompletionRequest, UnsupportedValue, _Strict, refuse_media_parts,
 )
 from tokenmill.server.serving import Serving, now
 
@@ -38,6 +38,11 @@ class MessageItem(_Strict):
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
     id: str | None = None
     status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        return refuse_media_parts(content, "input.content")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -71,7 +76,17 @@ class ReasoningItem(_Strict):
     status: str | None = None
 
 
-InputItem = Union[FunctionCallItem, FunctionCallOutputItem, ReasoningItem, MessageItem]
+def _item_kind(item) -> str:
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if kind in ("function_call", "function_call_output", "reasoning") else "message"
+
+
+# an item is validated as the kind its type names (a message where it names none), so that a bad item's 400
+# speaks of that kind's fields only
+InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")],
+                            Annotated[MessageItem, Tag("message")]], Discriminator(_item_kind)]
 
 
 class FunctionTool(_Strict):
