@@ -178,6 +178,33 @@ def test_image_parts_are_refused_by_name(guarded):
     assert "arguments: Field required" in err["message"] and "role" not in err["message"], err
 
 
+def test_a_request_asking_for_more_logprobs_than_memory_holds_is_a_400():
+    """The frontend holds a request's logprob entries until it finishes, ~670 bytes each (32 choices x 1,000
+    tokens x 21 entries: +448 MB of the server's memory, 50 MB of JSON, measured on the CPU machine). One
+    request of 128 choices x 40,960 tokens x 21 entries would have taken ~74 GB and every other client's
+    requests with it. Such a request is now a 400 naming its count and the limit; the requests people send
+    with logprobs, including a whole context of one choice with 20 alternatives, pass."""
+    from types import SimpleNamespace
+
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.serving import MAX_LOGPROB_ENTRIES, Serving
+
+    serving = Serving(SimpleNamespace(tokenizer=None, max_model_len=40960), ["m"], 8)
+    prompt = [[1] * 100]
+    # max_tokens None, as chat sends it when the client gives none: up to the context's end
+    serving.check_room(prompt, SamplingParams(n=1, logprobs=20, max_tokens=None))  # 40,860 x 21 entries
+    serving.check_room(prompt, SamplingParams(n=4, logprobs=20, max_tokens=8192))
+    serving.check_room(prompt, SamplingParams(n=128, max_tokens=40000))           # no logprobs asked
+    with pytest.raises(APIError) as e:
+        serving.check_room(prompt, SamplingParams(n=128, logprobs=20, max_tokens=None))
+    assert e.value.status == 400 and e.value.param == "logprobs"
+    assert f"{128 * 40860 * 21:,} logprob entries" in e.value.message
+    assert f"at most {MAX_LOGPROB_ENTRIES:,}" in e.value.message
+    with pytest.raises(APIError):
+        serving.check_room([[1] * 40000] * 8, SamplingParams(max_tokens=1, prompt_logprobs=20))
+
+
 def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
     """Through the Python API a request's parameters may still nest past the pickler's recursion limit. Its
     RecursionError lost every command of the tick (the other request here waited forever); now that request

@@ -57,6 +57,11 @@ class ChatOptions:
                                  f"known: {', '.join(sorted(REASONING_PARSERS))}")
 
 
+# the most logprob entries (a token's, or one of its top alternatives) one request may ask for: ~2.7 GB of the
+# frontend's memory and 300 MB of JSON at the most
+MAX_LOGPROB_ENTRIES = 4_000_000
+
+
 class ServerStopping(RuntimeError):
     """The server was told to stop at once (a second SIGTERM): requests in flight are cut."""
 
@@ -121,16 +126,31 @@ class Serving:
 
     def check_room(self, prompts: list[list[int]], params) -> None:
         """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
-        (the offline API instead stops such a request at the context length, finish_reason "length")."""
-        if params.max_tokens is None:
-            return
+        (the offline API instead stops such a request at the context length, finish_reason "length").
+        And a request whose logprobs could come to more than `MAX_LOGPROB_ENTRIES` is refused: the frontend
+        holds every entry of a request until it finishes (~670 bytes each, its JSON ~75), so one request of
+        128 choices x 40,960 tokens x 21 entries would take the server's memory and every client with it."""
         limit = self.engine.max_model_len
         longest = max(len(ids) for ids in prompts)
-        if longest + params.max_tokens > limit:
+        if params.max_tokens is not None and longest + params.max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
                                 f"prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        entries, parts = 0, []
+        if params.logprobs is not None:
+            tokens = sum(params.max_tokens if params.max_tokens is not None else limit - len(ids) for ids in prompts)
+            entries += params.n * tokens * (params.logprobs + 1)
+            why = "max_tokens" if params.max_tokens is not None else "to the context's end: no max_tokens"
+            parts.append(f"{params.n} choices x {tokens:,} tokens ({why}) x {params.logprobs + 1} entries a token")
+        if params.prompt_logprobs is not None:
+            tokens = sum(len(ids) for ids in prompts)
+            entries += tokens * (params.prompt_logprobs + 1)
+            parts.append(f"{tokens:,} prompt tokens x {params.prompt_logprobs + 1} entries a token")
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
+                                f"most {MAX_LOGPROB_ENTRIES:,} are returned for one request. Lower max_tokens, n or "
+                                f"the number of top logprobs.", "logprobs")
 
     def params(self, req, logprobs: int | None, **overrides):
         """The request's SamplingParams; `overrides` replace fields the endpoint decides itself."""
