@@ -169,3 +169,50 @@ def test_bench_serve_structured_fraction_payloads():
     assert build_payload("/v1/completions", "m", req, True, 0.0, BENCH_SCHEMA)["structured_outputs"] == \
         {"json": BENCH_SCHEMA}
     assert "response_format" not in build_payload("/v1/chat/completions", "m", req, True, 0.0)
+
+
+def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
+    """The engine core compiled a request's grammar inside its loop: a schema of thousands of tools (tool_choice
+    "required") took 16 s to compile on the CPU machine, and every other request's steps waited for it. The
+    core now compiles on a thread of its own and adds the request when its grammar is ready: here a compile
+    made to take 3 s, while a plain request beside it finishes at once; the constrained one then completes
+    under its grammar, and an invalid spec compiled there is still that request's error alone."""
+    import asyncio
+    import time
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.structured_output import StructuredOutputManager
+
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow(self, kind, spec, any_whitespace):
+        if kind == "regex" and spec.startswith("(yes|no)"):
+            time.sleep(3)
+            finished["slow compile"] = time.monotonic()
+        return compile_grammar(self, kind, spec, any_whitespace)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow)
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    finished = {}
+
+    async def run(rid, params):
+        async for out in engine.generate(rid, [5, 6, 7], params):
+            last = out
+        finished[rid] = time.monotonic()
+        return last.outputs[0].text
+
+    async def main():
+        engine.attach()
+        results = await asyncio.wait_for(asyncio.gather(
+            run("slow", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))),
+            run("plain", SamplingParams(max_tokens=4, ignore_eos=True)),
+            run("bad", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(("))),
+            return_exceptions=True), 60)
+        return results
+    try:
+        slow_text, plain_text, bad = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert finished["plain"] < finished["slow compile"] < finished["slow"], finished
+    assert slow_text in ("yes!", "no!") and isinstance(plain_text, str)
+    assert isinstance(bad, SamplingParamError) or (isinstance(bad, ValueError) and "invalid regex" in str(bad)), bad

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import traceback
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
@@ -94,27 +95,27 @@ class _Client:
     that ids of different clients never collide. A request is forgotten here once each of its sequences
     has finished (reported by the engine, or stopped by the client) or the client aborted it."""
 
-    def __init__(self, index: int, num_clients: int, conn: Connection):
+    def __init__(self, index: int, num_clients: int, conn: Connection, compiler: Executor | None = None):
         self.index, self.num_clients, self.conn = index, num_clients, conn
         self.prefix = f"{index}:" if num_clients > 1 else ""
         self.live: dict[int, tuple[str, int, set[int]]] = {}   # handle -> (request id, n, finished indexes)
         self.handles: dict[str, int] = {}                     # request id -> handle
+        # requests whose grammar compiles on `compiler`'s thread, added to the engine once it is ready, so
+        # that a grammar of many seconds (thousands of tools) stalls no other request's steps
+        self.compiler = compiler
+        self.compiling: dict[str, tuple[Future, AddRequest]] = {}
 
     def apply(self, engine, cmd, update: CoreUpdate) -> bool:
         """Applies one command; returns False when the client leaves."""
         prefix = self.prefix
         if isinstance(cmd, AddRequest):
-            try:
-                if cmd.handle % self.num_clients != self.index:
-                    raise ValueError(f"handle {cmd.handle} is not client {self.index}'s of {self.num_clients}")
-                engine.add_request(prefix + cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                                   arrival_time=cmd.arrival_time, handle=cmd.handle,
-                                   carries_tools=cmd.carries_tools)
-            except (ValueError, TypeError) as e:
-                update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
+            if cmd.handle % self.num_clients != self.index:
+                update.errors.append((cmd.request_id, f"handle {cmd.handle} is not client {self.index}'s of "
+                                                      f"{self.num_clients}", None))
+            elif self.compiler is not None and engine.grammar_to_compile(cmd.params):
+                self.compiling[cmd.request_id] = (self.compiler.submit(engine.compile_grammar, cmd.params), cmd)
             else:
-                self.live[cmd.handle] = (cmd.request_id, getattr(cmd.params, "n", 1) or 1, set())
-                self.handles[cmd.request_id] = cmd.handle
+                self._add(engine, cmd, update)
         elif isinstance(cmd, StopSequences):
             engine.stop_sequences([(prefix + rid, index) for rid, index in cmd.sequences])
             for rid, index in cmd.sequences:
@@ -124,9 +125,35 @@ class _Client:
             for rid in cmd.request_ids:
                 handle = self.handles.pop(rid, None)
                 self.live.pop(handle, None)
+                self.compiling.pop(rid, None)
         elif isinstance(cmd, Shutdown):
             return False
         return True
+
+    def _add(self, engine, cmd: AddRequest, update: CoreUpdate) -> None:
+        try:
+            engine.add_request(self.prefix + cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                               arrival_time=cmd.arrival_time, handle=cmd.handle, carries_tools=cmd.carries_tools)
+        except (ValueError, TypeError) as e:
+            update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
+        else:
+            self.live[cmd.handle] = (cmd.request_id, getattr(cmd.params, "n", 1) or 1, set())
+            self.handles[cmd.request_id] = cmd.handle
+
+    def add_compiled(self, engine, update: CoreUpdate) -> bool:
+        """Adds the requests whose grammar has compiled (an invalid one is the request's error, as it
+        would have been at once); returns whether any was."""
+        ready = [rid for rid, (future, _) in self.compiling.items() if future.done()]
+        for rid in ready:
+            future, cmd = self.compiling.pop(rid)
+            error = future.exception()
+            if error is None:
+                self._add(engine, cmd, update)
+            elif isinstance(error, (ValueError, TypeError)):
+                update.errors.append((rid, str(error), getattr(error, "param", None)))
+            else:
+                raise error
+        return bool(ready)
 
     def reported(self, outputs: StepOutputs) -> None:
         for handle, index, *_ in outputs.finished:
@@ -147,6 +174,7 @@ class _Client:
         engine.abort_request([self.prefix + rid for rid in self.handles])
         self.live.clear()
         self.handles.clear()
+        self.compiling.clear()
         self.conn.close()
 
 
@@ -175,7 +203,9 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         for conn in conns:
             _send(conn, fatal)
         raise SystemExit(1)
-    clients = [_Client(i, len(conns), conn) for i, conn in enumerate(conns)]
+    # engines without grammars (a test factory's) add every request at once
+    compiler = ThreadPoolExecutor(1, "grammar") if hasattr(engine, "grammar_to_compile") else None
+    clients = [_Client(i, len(conns), conn, compiler) for i, conn in enumerate(conns)]
     freeze_startup_objects()
     for client in clients:
         _send(client.conn, ready)
@@ -186,6 +216,9 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         for client in clients:
             _send(client.conn, fatal)
         raise SystemExit(1)
+    finally:
+        if compiler is not None:
+            compiler.shutdown(wait=False, cancel_futures=True)
 
 
 def _send(conn: Connection, msg) -> bool:
@@ -201,9 +234,11 @@ def _loop(engine, clients: list[_Client]) -> None:
     live = {client.conn: client for client in clients}
     while live:
         busy = engine.has_unfinished_requests()
-        # Block while idle; while busy, only drain what has already arrived.
+        compiling = any(client.compiling for client in live.values())
+        # Block while idle (looking in on grammars that compile every 5 ms); while busy, only drain what
+        # has already arrived.
         updates: dict[_Client, CoreUpdate] = {}
-        for conn in wait(list(live), 0 if busy else None):
+        for conn in wait(list(live), 0 if busy else 0.005 if compiling else None):
             client = live[conn]
             update = updates[client] = CoreUpdate()
             try:
@@ -216,6 +251,11 @@ def _loop(engine, clients: list[_Client]) -> None:
                 client.leave(engine)
         if not live:
             break
+        for client in live.values():
+            if client.compiling:
+                update = updates.get(client) or CoreUpdate()
+                if client.add_compiled(engine, update):
+                    updates[client] = update
         outputs = engine.step() if engine.has_unfinished_requests() else None
         parts = ([outputs] if num_clients == 1 else outputs.split(num_clients)) if outputs else None
         stats = engine.get_stats() if (updates or outputs or busy) else None

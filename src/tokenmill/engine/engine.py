@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 
 import torch
@@ -75,6 +76,7 @@ class LLMEngine:
         self.overlap = True
         self._in_flight = None
         self._structured = None      # the StructuredOutputManager, built for the first constrained request
+        self._structured_lock = threading.Lock()
         self.ready_seconds = time.perf_counter() - t0
         startup_log.log_startup(self)
 
@@ -163,11 +165,25 @@ class LLMEngine:
         if self.tokenizer is None:
             raise SamplingParamError("structured_outputs", "structured output needs the model's tokenizer, and "
                                      "this model has none")
-        if self._structured is None:
-            from tokenmill.engine.structured_output import StructuredOutputManager
-            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                       sorted(self.eos_token_ids))
+        with self._structured_lock:
+            if self._structured is None:
+                from tokenmill.engine.structured_output import StructuredOutputManager
+                self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                           sorted(self.eos_token_ids))
         return self._structured.compile(params.structured_outputs)
+
+    def grammar_to_compile(self, params: SamplingParams) -> bool:
+        """Whether `add_request` with `params` would compile a grammar (one not in the cache), which can
+        take seconds for a large schema (a request's many tools): the engine core compiles it first, off
+        its loop (`compile_grammar`), and adds the request once it is ready."""
+        if params.structured_outputs is None or self.tokenizer is None:
+            return False
+        return self._structured is None or not self._structured.cached(params.structured_outputs)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles `params`' grammar into the cache; callable from another thread while the engine steps.
+        An invalid spec raises SamplingParamError, as `add_request` would."""
+        self._compile_grammar(params)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

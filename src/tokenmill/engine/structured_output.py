@@ -4,6 +4,8 @@
 vocabulary size (the model may have more rows than the tokenizer has tokens; those ids are never allowed).
 It compiles a request's `StructuredOutputsParams` into a grammar (an LRU of compiled grammars keyed by kind
 and spec) and gives every sequence its own `SequenceGrammar`, a matcher that accepts the sequence's tokens.
+The engine core compiles a grammar not yet cached on a thread of its own before it adds the request
+(`core_proc._Client`), so a slow compile stalls no other request; `compile` is thread-safe for that.
 
 Each step, the sampler asks `BatchBitmask` for the bitmask of the rows that are constrained: packed
 allowed-token bits filled on the host after the forward pass is launched (so the fill overlaps the device's
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -48,29 +51,43 @@ class StructuredOutputManager:
         self._json_keep = {any_ws: _keep_words(info.decoded_vocab, vocab_size, any_ws) for any_ws in (True, False)}
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_size = cache_size
+        # the engine core compiles in a thread of its own (`Engine.compile_grammar`) while it steps
+        self._lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams) -> tuple:
-        """The compiled grammar of `params` and its cache key; an invalid spec raises SamplingParamError
-        with xgrammar's message and `param` "structured_outputs.<field>"."""
+    @staticmethod
+    def key(params: StructuredOutputsParams) -> tuple:
         kind = params.kind
         spec = getattr(params, kind)
         if kind == "json" and not isinstance(spec, str):
             spec = json.dumps(spec)          # key order kept: it is the properties' order in the output
         elif kind == "choice":
             spec = tuple(spec)
-        key = (kind, spec, params.disable_any_whitespace)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled, key
+        return kind, spec, params.disable_any_whitespace
+
+    def cached(self, params: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return self.key(params) in self._cache
+
+    def compile(self, params: StructuredOutputsParams) -> tuple:
+        """The compiled grammar of `params` and its cache key; an invalid spec raises SamplingParamError
+        with xgrammar's message and `param` "structured_outputs.<field>". Thread-safe; xgrammar compiles
+        without the interpreter lock."""
+        key = self.key(params)
+        kind, spec, no_whitespace = key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled, key
         try:
-            compiled = self._compile(kind, spec, not params.disable_any_whitespace)
+            compiled = self._compile(kind, spec, not no_whitespace)
         except RuntimeError as e:
             message = _LOG_PREFIX.sub("", str(e).strip())
             raise SamplingParamError(f"structured_outputs.{kind}", f"invalid {_WHAT[kind]}: {message}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return compiled, key
 
     def _compile(self, kind: str, spec, any_whitespace: bool):
