@@ -617,3 +617,34 @@ def test_a_burst_larger_than_the_pipe_buffer_reaches_the_engine_under_uvloop(qwe
         assert engine.dead is None and counts == [1] * 500
     finally:
         engine.shutdown()
+
+
+def test_prompt_logprobs_score_a_long_prompt_a_slice_at_a_time(qwen3_dir, monkeypatch):
+    """Prompt logprobs took the logits of a whole prompt chunk at once, [max_num_batched_tokens x vocabulary]
+    in float32: 5 GB on qwen3-4b for one request's 8,192-token chunk, beyond the memory the start-up profile
+    left (it sized the KV cache around the logits of max_num_seqs rows), so one client could run the GPU out
+    of memory. They are now scored `ROWS_AT_ONCE` positions at a time, with the same values."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.runner import prompt_logprobs
+
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    rows = []
+    compute_logits = model.compute_logits
+
+    def counted(hidden):
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+    monkeypatch.setattr(model, "compute_logits", counted)
+    prompt = [5 + (7 * i) % 300 for i in range(40)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+
+    def scored():
+        out = llm.generate([prompt], params)[0].prompt_logprobs
+        return [None if p is None else {t: (round(v.logprob, 5), v.rank) for t, v in p.items()} for p in out]
+    whole = scored()
+    assert max(rows) >= 39
+    rows.clear()
+    monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 7, raising=False)
+    assert scored() == whole and len(whole) == 40
+    assert max(rows) <= 7, rows

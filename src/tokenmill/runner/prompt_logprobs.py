@@ -29,6 +29,12 @@ def wanted(requests, num_new_tokens) -> bool:
                for r, n in zip(requests, num_new_tokens))
 
 
+# positions scored at once: the start-up profile sized the KV cache around the logits of at most
+# max_num_seqs rows (256 by default), and a prompt chunk of max_num_batched_tokens rows at once would hold
+# [8,192 x 151,936] float32 logprobs, 5 GB beyond that on qwen3-4b
+ROWS_AT_ONCE = 256
+
+
 @torch.inference_mode()
 def compute(model, requests, num_new_tokens, query_start_loc: np.ndarray, hidden: torch.Tensor
             ) -> list[PromptLogprobs]:
@@ -40,11 +46,17 @@ def compute(model, requests, num_new_tokens, query_start_loc: np.ndarray, hidden
         if k is None or end <= start:
             continue
         row = int(query_start_loc[i])
-        logprobs = model.compute_logits(hidden[row:row + end - start]).float().log_softmax(-1)
-        targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])
-        ranks = (logprobs > chosen).sum(-1) + 1
-        top_v, top_i = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
-        out.append(PromptLogprobs(req, start + 1, chosen.squeeze(1).tolist(), ranks.tolist(),
-                                  top_v.tolist(), top_i.tolist()))
+        scored = PromptLogprobs(req, start + 1, [], [], [], [])
+        for a in range(start, end, ROWS_AT_ONCE):
+            b = min(a + ROWS_AT_ONCE, end)
+            logprobs = model.compute_logits(hidden[row + a - start:row + b - start]).float().log_softmax(-1)
+            targets = torch.tensor(req.prompt_token_ids[a + 1:b + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(-1) + 1
+            top_v, top_i = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
+            scored.logprobs += chosen.squeeze(1).tolist()
+            scored.ranks += ranks.tolist()
+            scored.top_logprobs += top_v.tolist()
+            scored.top_token_ids += top_i.tolist()
+        out.append(scored)
     return out
