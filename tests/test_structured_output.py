@@ -199,6 +199,8 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
         async for out in engine.generate(rid, [5, 6, 7], params):
             last = out
         finished[rid] = time.monotonic()
+        if rid == "plain":                  # the other two wait for their grammars, and are counted so
+            finished["waiting"] = (await engine.get_stats())["num_waiting"]
         return last.outputs[0].text
 
     async def main():
@@ -214,5 +216,6 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
     finally:
         engine.shutdown()
     assert finished["plain"] < finished["slow compile"] < finished["slow"], finished
+    assert finished["waiting"] == 2, finished
     assert slow_text in ("yes!", "no!") and isinstance(plain_text, str)
     assert isinstance(bad, SamplingParamError) or (isinstance(bad, ValueError) and "invalid regex" in str(bad)), bad

@@ -259,6 +259,9 @@ def _loop(engine, clients: list[_Client]) -> None:
         outputs = engine.step() if engine.has_unfinished_requests() else None
         parts = ([outputs] if num_clients == 1 else outputs.split(num_clients)) if outputs else None
         stats = engine.get_stats() if (updates or outputs or busy) else None
+        if stats is not None and "num_waiting" in stats:
+            # a request whose grammar compiles waits as much as one the scheduler holds
+            stats["num_waiting"] += sum(len(client.compiling) for client in live.values())
         now = time.time()
         for conn, client in list(live.items()):
             part = parts[client.index] if parts is not None else None
