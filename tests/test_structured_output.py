@@ -175,8 +175,9 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
     """The engine core compiled a request's grammar inside its loop: a schema of thousands of tools (tool_choice
     "required") took 16 s to compile on the CPU machine, and every other request's steps waited for it. The
     core now compiles on a thread of its own and adds the request when its grammar is ready: here a compile
-    made to take 3 s, while a plain request beside it finishes at once; the constrained one then completes
-    under its grammar, and an invalid spec compiled there is still that request's error alone."""
+    made to take 3 s, while a plain request and one whose grammar is cached finish beside it; the constrained
+    one then completes under its grammar, and an invalid spec compiled there is still that request's error
+    alone."""
     import asyncio
     import time
 
@@ -203,19 +204,25 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
             finished["waiting"] = (await engine.get_stats())["num_waiting"]
         return last.outputs[0].text
 
+    def json_object():
+        return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True))
+
     async def main():
         engine.attach()
+        await run("warm-up", json_object())                  # its grammar compiled, and cached
         results = await asyncio.wait_for(asyncio.gather(
             run("slow", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))),
             run("plain", SamplingParams(max_tokens=4, ignore_eos=True)),
+            run("cached", json_object()),
             run("bad", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(("))),
             return_exceptions=True), 60)
         return results
     try:
-        slow_text, plain_text, bad = asyncio.run(main())
+        slow_text, plain_text, cached_text, bad = asyncio.run(main())
     finally:
         engine.shutdown()
     assert finished["plain"] < finished["slow compile"] < finished["slow"], finished
+    assert finished["cached"] < finished["slow compile"] and isinstance(cached_text, str), finished
     assert finished["waiting"] == 2, finished
     assert slow_text in ("yes!", "no!") and isinstance(plain_text, str)
     assert isinstance(bad, SamplingParamError) or (isinstance(bad, ValueError) and "invalid regex" in str(bad)), bad

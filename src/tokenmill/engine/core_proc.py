@@ -112,10 +112,12 @@ class _Client:
             if cmd.handle % self.num_clients != self.index:
                 update.errors.append((cmd.request_id, f"handle {cmd.handle} is not client {self.index}'s of "
                                                       f"{self.num_clients}", None))
-            elif self.compiler is not None and engine.grammar_to_compile(cmd.params):
-                self.compiling[cmd.request_id] = (self.compiler.submit(engine.compile_grammar, cmd.params), cmd)
-            else:
+            elif self.compiler is None or not engine.grammar_to_compile(cmd.params):
                 self._add(engine, cmd, update)
+            elif (grammar := engine.cached_grammar(cmd.params)) is not None:
+                self._add(engine, cmd, update, grammar)
+            else:
+                self.compiling[cmd.request_id] = (self.compiler.submit(engine.compile_grammar, cmd.params), cmd)
         elif isinstance(cmd, StopSequences):
             engine.stop_sequences([(prefix + rid, index) for rid, index in cmd.sequences])
             for rid, index in cmd.sequences:
@@ -130,10 +132,13 @@ class _Client:
             return False
         return True
 
-    def _add(self, engine, cmd: AddRequest, update: CoreUpdate) -> None:
+    def _add(self, engine, cmd: AddRequest, update: CoreUpdate, grammar: tuple | None = None) -> None:
+        # only a compiled grammar is passed on: engines without grammars (a test factory's) take no such argument
+        extra = {} if grammar is None else {"grammar": grammar}
         try:
             engine.add_request(self.prefix + cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                               arrival_time=cmd.arrival_time, handle=cmd.handle, carries_tools=cmd.carries_tools)
+                               arrival_time=cmd.arrival_time, handle=cmd.handle, carries_tools=cmd.carries_tools,
+                               **extra)
         except (ValueError, TypeError) as e:
             update.errors.append((cmd.request_id, str(e), getattr(e, "param", None)))
         else:
@@ -148,7 +153,7 @@ class _Client:
             future, cmd = self.compiling.pop(rid)
             error = future.exception()
             if error is None:
-                self._add(engine, cmd, update)
+                self._add(engine, cmd, update, future.result())
             elif isinstance(error, (ValueError, TypeError)):
                 update.errors.append((rid, str(error), getattr(error, "param", None)))
             else:

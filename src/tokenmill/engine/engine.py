@@ -9,7 +9,6 @@ import itertools
 import logging
 import os
 import random
-import threading
 import time
 
 import torch
@@ -76,7 +75,6 @@ class LLMEngine:
         self.overlap = True
         self._in_flight = None
         self._structured = None      # the StructuredOutputManager, built for the first constrained request
-        self._structured_lock = threading.Lock()
         self.ready_seconds = time.perf_counter() - t0
         startup_log.log_startup(self)
 
@@ -90,10 +88,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, handle: int | None = None,
-                    carries_tools: bool = False) -> int:
+                    carries_tools: bool = False, grammar: tuple | None = None) -> int:
         """Queues a prompt (token ids: frontends tokenize); returns its handle, the number by which the
         step reports name it (`handle`, or a new one). `carries_tools`: the request offers tools (the
-        priority policy's boost)."""
+        priority policy's boost). `grammar`: `compile_grammar(params)`'s result, compiled beforehand."""
         params = params or SamplingParams()
         handle = next(self._ids) if handle is None else handle
         request_id = request_id if request_id is not None else str(handle)
@@ -113,7 +111,7 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._check_logit_bias(params)
-        compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
+        compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         # the ids min_tokens holds back (read only, shared by the n sequences)
         held_back = [] if not params.min_tokens else sorted(
@@ -161,29 +159,26 @@ class LLMEngine:
             raise SamplingParamError("logit_bias", f"logit_bias token id {bad} is out of range: token ids must "
                                      f"be in [0, {vocab}) (the model's vocabulary size is {vocab})")
 
-    def _compile_grammar(self, params: SamplingParams):
+    def compile_grammar(self, params: SamplingParams) -> tuple:
+        """`params`' compiled grammar, for `add_request`; an invalid spec raises SamplingParamError. One thread
+        compiles: the caller's, or the engine core's compile thread while the engine steps."""
         if self.tokenizer is None:
             raise SamplingParamError("structured_outputs", "structured output needs the model's tokenizer, and "
                                      "this model has none")
-        with self._structured_lock:
-            if self._structured is None:
-                from tokenmill.engine.structured_output import StructuredOutputManager
-                self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                           sorted(self.eos_token_ids))
+        if self._structured is None:
+            from tokenmill.engine.structured_output import StructuredOutputManager
+            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids))
         return self._structured.compile(params.structured_outputs)
 
     def grammar_to_compile(self, params: SamplingParams) -> bool:
-        """Whether `add_request` with `params` would compile a grammar (one not in the cache), which can
-        take seconds for a large schema (a request's many tools): the engine core compiles it first, off
-        its loop (`compile_grammar`), and adds the request once it is ready."""
-        if params.structured_outputs is None or self.tokenizer is None:
-            return False
-        return self._structured is None or not self._structured.cached(params.structured_outputs)
+        """Whether `params` need a grammar, whose compile can take seconds (a schema of many tools): the
+        engine core compiles one not cached off its loop (`compile_grammar`) and adds the request with it."""
+        return params.structured_outputs is not None and self.tokenizer is not None
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        """Compiles `params`' grammar into the cache; callable from another thread while the engine steps.
-        An invalid spec raises SamplingParamError, as `add_request` would."""
-        self._compile_grammar(params)
+    def cached_grammar(self, params: SamplingParams) -> tuple | None:
+        """`compile_grammar(params)` if that grammar is in the cache, else None."""
+        return None if self._structured is None else self._structured.cached(params.structured_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

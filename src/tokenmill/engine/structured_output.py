@@ -4,8 +4,8 @@
 vocabulary size (the model may have more rows than the tokenizer has tokens; those ids are never allowed).
 It compiles a request's `StructuredOutputsParams` into a grammar (an LRU of compiled grammars keyed by kind
 and spec) and gives every sequence its own `SequenceGrammar`, a matcher that accepts the sequence's tokens.
-The engine core compiles a grammar not yet cached on a thread of its own before it adds the request
-(`core_proc._Client`), so a slow compile stalls no other request; `compile` is thread-safe for that.
+The engine core compiles a grammar not in the cache on a thread of its own (`core_proc._Client`: a slow
+compile stalls no other request's steps) while its loop looks grammars up (`cached`): the cache is locked.
 
 Each step, the sampler asks `BatchBitmask` for the bitmask of the rows that are constrained: packed
 allowed-token bits filled on the host after the forward pass is launched (so the fill overlaps the device's
@@ -51,34 +51,20 @@ class StructuredOutputManager:
         self._json_keep = {any_ws: _keep_words(info.decoded_vocab, vocab_size, any_ws) for any_ws in (True, False)}
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_size = cache_size
-        # the engine core compiles in a thread of its own (`Engine.compile_grammar`) while it steps
         self._lock = threading.Lock()
 
-    @staticmethod
-    def key(params: StructuredOutputsParams) -> tuple:
-        kind = params.kind
-        spec = getattr(params, kind)
-        if kind == "json" and not isinstance(spec, str):
-            spec = json.dumps(spec)          # key order kept: it is the properties' order in the output
-        elif kind == "choice":
-            spec = tuple(spec)
-        return kind, spec, params.disable_any_whitespace
-
-    def cached(self, params: StructuredOutputsParams) -> bool:
-        with self._lock:
-            return self.key(params) in self._cache
+    def cached(self, params: StructuredOutputsParams) -> tuple | None:
+        """`compile(params)` if its grammar is in the cache, else None (nothing is compiled)."""
+        return self._lookup(_key(params))
 
     def compile(self, params: StructuredOutputsParams) -> tuple:
         """The compiled grammar of `params` and its cache key; an invalid spec raises SamplingParamError
-        with xgrammar's message and `param` "structured_outputs.<field>". Thread-safe; xgrammar compiles
-        without the interpreter lock."""
-        key = self.key(params)
+        with xgrammar's message and `param` "structured_outputs.<field>"."""
+        key = _key(params)
+        hit = self._lookup(key)
+        if hit is not None:
+            return hit
         kind, spec, no_whitespace = key
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-                return compiled, key
         try:
             compiled = self._compile(kind, spec, not no_whitespace)
         except RuntimeError as e:
@@ -89,6 +75,14 @@ class StructuredOutputManager:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled, key
+
+    def _lookup(self, key: tuple) -> tuple | None:
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is None:
+                return None
+            self._cache.move_to_end(key)
+            return compiled, key
 
     def _compile(self, kind: str, spec, any_whitespace: bool):
         c = self._compiler
@@ -173,6 +167,16 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _key(params: StructuredOutputsParams) -> tuple:
+    kind = params.kind
+    spec = getattr(params, kind)
+    if kind == "json" and not isinstance(spec, str):
+        spec = json.dumps(spec)          # key order kept: it is the properties' order in the output
+    elif kind == "choice":
+        spec = tuple(spec)
+    return kind, spec, params.disable_any_whitespace
 
 
 def _keep_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
