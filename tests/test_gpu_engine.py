@@ -110,3 +110,27 @@ def test_no_kernel_compiles_after_ready(qwen3_dir, prompts):
     after = _compiled_variants()
     grew = {k: (ready.get(k, 0), v) for k, v in after.items() if v != ready.get(k, 0)}
     assert not grew, f"kernels compiled after ready (before, after): {grew}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prompt_logprobs_of_a_long_prompt_match_cpu_float32(qwen3_long_dir):
+    """A prompt of several chunks, each scored ROWS_AT_ONCE positions at a time on the GPU, against the
+    CPU engine's values."""
+    from tokenmill.runner import prompt_logprobs
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 400) for _ in range(1500)]
+    assert len(prompt) > 2 * prompt_logprobs.ROWS_AT_ONCE
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    cpu = LLM(qwen3_long_dir, device="cpu", dtype="float32", max_num_batched_tokens=600)
+    expected = cpu.generate([prompt], params)[0].prompt_logprobs
+    del cpu
+    gpu = LLM(qwen3_long_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=600,
+              gpu_memory_utilization=0.3)
+    got = gpu.generate([prompt], params)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(expected) == len(prompt)
+    for position, (g, e) in enumerate(zip(got[1:], expected[1:]), 1):
+        token = prompt[position]
+        assert g[token].logprob == pytest.approx(e[token].logprob, abs=2e-3), position
+        assert len(g) >= 3
+    stats = gpu.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -8,6 +8,7 @@ $OUT/host_profile_bs1.txt. Then single-request prefill: wall time of `generate` 
 fresh prompts of each length, against the GPU kernel time of one such request.
 
 Usage: python scripts/device/profile_decode.py --model preset:qwen3-4b --batch-sizes 1,8,64 --out DIR
+       [--quantization fp8] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -133,13 +134,16 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--timeline", action="store_true",
                     help="device events of a batch-1 graph replay and of batch-1 steps to timeline_<model>.json")
+    ap.add_argument("--quantization", default=None, help="as `LLM(quantization=...)`: fp8, awq, gptq")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     name = args.model.split(":")[-1]
 
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=256, max_model_len=4096,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     waited = [0.0]
     fetch = model_runner.StepResult.fetch
