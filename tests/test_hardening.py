@@ -108,7 +108,7 @@ def test_chat_content_has_the_prompt_cap():
 
 
 def test_tokenization_runs_off_the_event_loop():
-    from tokenmill.server.prompts import PromptTokenizer
+    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
 
     class SlowTokenizer:
         def encode(self, text, add_special_tokens=True):
@@ -242,7 +242,7 @@ def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     one, take batches of at most `batch_max` (10 here) texts, each add_special_tokens flag apart,
     not 30 calls; every request gets its own text's ids, and a text the tokenizer refuses fails its
     request only."""
-    from tokenmill.server.prompts import PromptTokenizer
+    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
 
     class BatchTokenizer:
         calls: list[int] = []
@@ -275,6 +275,44 @@ def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     # the first alone, then three batches of 10, each split by flag (the bad text's group once more by
     # `encode`, one text at a time)
     assert calls[0] == 1 and sum(calls) == 31 and max(calls[1:]) <= 10 and len(calls) <= 7
+
+
+def test_a_long_text_is_encoded_apart_from_the_others():
+    """A prompt near the character limit takes seconds to encode (4M characters: ~5 s); the other clients'
+    prompts arriving meanwhile are encoded on the tokenizer's own thread, not queued behind it, and the
+    long one's error is its own."""
+    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
+
+    class SlowOnLongTexts:
+        def encode(self, text, add_special_tokens=True):
+            if len(text) > LONG_TEXT_CHARS:
+                time.sleep(2.0)
+                if text.startswith("bad"):
+                    raise ValueError("cannot encode this long text")
+            return [len(text)]
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            return [self.encode(t, add_special_tokens) for t in texts]
+
+    prompts = PromptTokenizer(SlowOnLongTexts(), 10 * LONG_TEXT_CHARS)
+    long_text = "x" * (LONG_TEXT_CHARS + 1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        long_one = asyncio.ensure_future(prompts.encode(long_text, True))
+        bad_one = asyncio.ensure_future(prompts.encode("bad" + long_text, True))
+        await asyncio.sleep(0.05)
+        short = await asyncio.gather(*(prompts.encode("y" * (i + 1), True) for i in range(5)))
+        short_s = loop.time() - start
+        got = await asyncio.gather(long_one, bad_one, return_exceptions=True)
+        return short, short_s, got, loop.time() - start
+    short, short_s, got, total_s = asyncio.run(main())
+    assert short == [[i + 1] for i in range(5)]
+    assert short_s < 1.0, f"short prompts waited {short_s:.2f} s behind a long one"
+    assert got[0] == [LONG_TEXT_CHARS + 1]
+    assert isinstance(got[1], ValueError) and "cannot encode" in str(got[1])
+    assert total_s >= 4.0               # the long texts share their thread: one at a time
 
 
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):

@@ -3,16 +3,23 @@ their own, off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from tokenmill.server.errors import APIError
 
+# a text longer than this (0.1-0.2 s of tokenizing on one core) is encoded on a thread of its own with a
+# tokenizer of its own, one such text at a time: a prompt near the character limit takes seconds (4M
+# characters: ~5 s), and the other clients' prompts must not queue behind it
+LONG_TEXT_CHARS = 100_000
+
 
 class PromptTokenizer:
     """Tokenization and chat templates run on one thread of their own, so that one long prompt never
     stalls other clients (or /health); one thread, as a Hugging Face fast tokenizer must not be used from
-    two threads at once. `max_model_len` bounds a prompt's characters before it is encoded
+    two threads at once. Texts over `LONG_TEXT_CHARS` go to a second thread with a copy of the tokenizer,
+    so that they delay only each other. `max_model_len` bounds a prompt's characters before it is encoded
     (`_check_chars`); `chat_template` (`--chat-template`) replaces the model's."""
 
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None):
@@ -20,6 +27,8 @@ class PromptTokenizer:
         self.max_model_len = max_model_len
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long")
+        self._long_tokenizer = None       # the copy the long texts' thread uses, made there when first needed
         self._to_encode: list[tuple[str, bool, asyncio.Future]] = []
         self._encoder: asyncio.Task | None = None      # encoding what waits; held, as the loop keeps weak ones
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
@@ -49,6 +58,11 @@ class PromptTokenizer:
         a burst of requests is tokenized in batches, not one by one."""
         self._check_chars(text, param)
         loop = asyncio.get_running_loop()
+        if len(text) > LONG_TEXT_CHARS:
+            ids = await loop.run_in_executor(self._long_pool, self._encode_long, text, add_special_tokens)
+            if isinstance(ids, BaseException):
+                raise ids
+            return ids
         done = loop.create_future()
         self._to_encode.append((text, add_special_tokens, done))
         if self._encoder is None or self._encoder.done():
@@ -92,6 +106,17 @@ class PromptTokenizer:
             for i, ids in zip(index, results):
                 out[i] = ids
         return out
+
+    def _encode_long(self, text: str, add_special_tokens: bool):
+        if self._long_tokenizer is None:
+            self._long_tokenizer = copy.deepcopy(self.tokenizer)
+        batched = getattr(self._long_tokenizer, "encode_batch", None)
+        try:
+            if batched is not None:
+                return batched([text], add_special_tokens)[0]
+            return self._long_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:
+            return e
 
     def _encode_one(self, text: str, add_special_tokens: bool):
         try:
