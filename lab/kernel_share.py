@@ -1,8 +1,8 @@
 """Where the GPU's time goes in an offline run: CUDA kernel time by kernel name, from torch.profiler, over
 the whole `generate` of a random workload (the default offline workload's shape, fewer requests).
 
-    PYTHONPATH=src python lab/kernel_share.py preset:qwen3-4b --label auto --out DIR [engine args as
-        key=value, e.g. kv_cache_dtype=fp8]
+    PYTHONPATH=src python lab/kernel_share.py preset:qwen3-4b --label auto --out DIR [--num-prompts N]
+        [--len-range 50,300] [engine args as key=value, e.g. kv_cache_dtype=fp8 max_num_seqs=512]
 
 Writes DIR/kernels-LABEL.json (name -> [total ms, calls]) and prints the top kernels with their share.
 """
@@ -14,12 +14,18 @@ import os
 import time
 
 
+# kernel names by kind: cuBLAS / Triton products, attention, everything else
+KINDS = [("products", ("nvjet", "gemm", "gemv", "cutlass", "fp8_rows", "w4_", "sm90_xmma", "_scaled_mm")),
+         ("attention", ("attention", "_decode_rows", "_prefill", "_fused_decode", "paged"))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--label", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--len-range", default="100,1024", help="prompt and output lengths, uniform in lo,hi")
     p.add_argument("engine_args", nargs="*")
     args = p.parse_args()
     import torch
@@ -33,7 +39,8 @@ def main() -> None:
         hf = json.load(f)
     extra = {k: (int(v) if v.isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_args)}
     llm = LLM(path, **extra)
-    requests = random_requests(args.num_prompts, (100, 1024), (100, 1024), hf["vocab_size"], special_token_ids(hf), 0)
+    lo, hi = (int(v) for v in args.len_range.split(","))
+    requests = random_requests(args.num_prompts, (lo, hi), (lo, hi), hf["vocab_size"], special_token_ids(hf), 0)
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)          # compiles outside the profile
@@ -53,6 +60,11 @@ def main() -> None:
     with open(os.path.join(args.out, f"kernels-{args.label}.json"), "w") as f:
         json.dump(dict(wall_s=wall, kernel_ms=total, kernels=table), f, indent=1)
     print(f"## {args.label}: wall {wall:.2f} s (profiled), kernel time {total / 1e3:.2f} s")
+    kinds = {}
+    for name, (ms, _) in table.items():
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    print(" | ".join(f"{k} {ms / 1e3:.2f} s ({100 * ms / total:.0f}%)" for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])))
     for name, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"| {name[:70]} | {ms:.0f} ms | {n} | {100 * ms / total:.1f}% |")
 
