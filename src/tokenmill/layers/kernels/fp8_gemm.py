@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernels import split_k
+from tokenmill.layers.kernels import pdl, split_k
 from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, dequantize
 
@@ -133,7 +133,7 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
                      xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                      BLOCK_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     # W8A8: out[m, n] = sum over k of xq[m, k] * w[n, k] times the scales of (m, k) and (n, k), as
     # tl.dot(w [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores'
     # 64-row side and the input rows the narrow one. Program (p, s): tile p (its input row blocks the
@@ -149,6 +149,10 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
     k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
     x_cols = xq_ptr + m.to(tl.int64)[None, :] * x_stride
+    # programmatic dependent launch (`pdl.py`): the programs launch and take their shared memory while the
+    # kernel before finishes; asking L2 for their first weight steps before the wait was slower (one H200,
+    # docs/BENCHMARKS.md)
+    pdl.enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + c
@@ -192,11 +196,13 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
     blocks = triton.cdiv(N, tile.block_n) * m_blocks
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part, count = split_k.scratch(x.device, tile.split_k, N, m_blocks * block_m, blocks)
+    pdl_on = pdl.enabled(x.device)
     _fp8_rows_kernel[(blocks, tile.split_k)](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
         x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k,
         BLOCK_N=tile.block_n, BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
-        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
+        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, PDL=pdl_on,
+        num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out
 
 
