@@ -28,7 +28,8 @@ def guarded(qwen3_dir, tmp_path_factory):
     """A server with a key, a small body limit and short connection timeouts."""
     s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-model-len", "512",
                       "--num-kv-blocks", "512", "--block-size", "4", "--max-request-body-bytes", str(BODY_LIMIT),
-                      "--header-timeout", "1", "--timeout-keep-alive", "1", "--limit-concurrency", "40")
+                      "--header-timeout", "1", "--body-timeout", "2", "--timeout-keep-alive", "1",
+                      "--limit-concurrency", "40")
     s.headers = AUTH
     yield s
     assert s.stop() == 0, s.log_path.read_text()[-3000:]
@@ -448,6 +449,30 @@ def test_idle_and_slow_header_connections_are_closed(guarded):
     assert b"200" in ka.recv(4096)
     assert _closed_within(ka, 3.0)
     for s in idle + [slow, ka]:
+        s.close()
+
+
+def test_a_body_that_never_completes_is_cut(guarded):
+    """Headers that announce more body than the client sends held the connection (and a slot under
+    --limit-concurrency) forever, whether the client sent nothing more or a byte now and then: the body must
+    now be complete within --body-timeout (2 s here) of the headers. The server serves on."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    silent, trickling = _connect(guarded), _connect(guarded)
+    for s in (silent, trickling):
+        s.sendall(head + b'{"prompt": ')
+    t0 = time.monotonic()
+    for _ in range(8):                  # a body byte every 0.3 s, never the whole body
+        try:
+            trickling.sendall(b" ")
+        except OSError:
+            break
+        time.sleep(0.3)
+    assert _closed_within(trickling, 3.0) and _closed_within(silent, 1.0)
+    assert 1.5 < time.monotonic() - t0 < 5.0
+    r = _post(guarded, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    for s in (silent, trickling):
         s.close()
 
 

@@ -1,10 +1,13 @@
-"""The HTTP connection protocol: uvicorn's httptools protocol with a deadline for request headers.
+"""The HTTP connection protocol: uvicorn's httptools protocol with deadlines for a request's headers and
+for its body.
 
 uvicorn closes a connection that idles after a response (`timeout_keep_alive`), but not one that
-never completes a request's headers: a client that connects and sends nothing, or trickles its
-headers, would hold its connection (and a slot under `limit_concurrency`) forever. Here each
-request's headers must be complete within `header_timeout` seconds of the connection opening or of
-the request's first byte.
+never completes a request: a client that connects and sends nothing, trickles its headers, or sends
+headers and then less body than they announce, would hold its connection (and a slot under
+`limit_concurrency`) forever. Here each request's headers must be complete within `header_timeout`
+seconds of the connection opening or of the request's first byte, and its body within `body_timeout`
+seconds of its headers; a connection past either deadline is closed (the request, if its handler
+already runs, sees the client gone).
 """
 from __future__ import annotations
 
@@ -13,16 +16,19 @@ import asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-def protocol_with_header_timeout(header_timeout: float) -> type:
-    class Protocol(_HeaderTimeoutProtocol):
+def protocol_with_timeouts(header_timeout: float, body_timeout: float) -> type:
+    class Protocol(_TimeoutProtocol):
         pass
     Protocol.header_timeout = header_timeout
+    Protocol.body_timeout = body_timeout
     return Protocol
 
 
-class _HeaderTimeoutProtocol(HttpToolsProtocol):
+class _TimeoutProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
+    body_timeout: float = 60.0
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -33,8 +39,20 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _on_header_timeout(self) -> None:
         self._header_timer = None
+        self._close()
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        self._close()
+
+    def _close(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -48,8 +66,16 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
+        # armed for every request; one without a body completes at once (on_message_complete)
+        self._body_timer = self.loop.call_later(self.body_timeout, self._on_body_timeout)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_timer()
+        super().on_message_complete()
 
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         super().connection_lost(exc)
