@@ -476,6 +476,39 @@ def test_a_body_that_never_completes_is_cut(guarded):
         s.close()
 
 
+def test_a_client_that_stops_reading_is_dropped():
+    """A response's writes wait while the client's buffers are full; a client that read nothing more held its
+    request's handler, the unread response and its connection for good. The protocol now drops the connection
+    once writing has waited --send-timeout, and not while the client keeps reading. (Served, the response must
+    first fill the kernel's socket buffers, megabytes on loopback: here the transport's calls are played.)"""
+    import uvicorn
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.server import ServerState
+
+    from tokenmill.server.connections import protocol_with_timeouts
+
+    class Transport:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    async def main():
+        protocol = protocol_with_timeouts(10.0, 10.0, 0.2)(uvicorn.Config(app=None), ServerState(), {})
+        transport = Transport()
+        protocol.transport, protocol.flow = transport, FlowControl(transport)
+        protocol.pause_writing()                 # the client reads again in time: kept
+        await asyncio.sleep(0.1)
+        protocol.resume_writing()
+        await asyncio.sleep(0.3)
+        kept = not transport.aborted
+        protocol.pause_writing()                 # then reads nothing more
+        await asyncio.sleep(0.3)
+        return kept, transport.aborted
+    kept, dropped = asyncio.run(main())
+    assert kept and dropped
+
+
 def test_connections_beyond_the_limit_get_503(guarded):
     held = [_connect(guarded) for _ in range(40)]
     try:

@@ -184,6 +184,9 @@ def add_http_args(p: argparse.ArgumentParser):
     p.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help="seconds a client has to send a request's body, from its headers, before its connection "
                         "is closed")
+    p.add_argument("--send-timeout", type=float, default=d.send_timeout,
+                   help="seconds a client may leave its response unread (its buffers full) before its connection "
+                        "is dropped and its request aborted")
     p.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
                    help="open connections beyond this many get 503")
     p.add_argument("--allowed-origins", nargs="+", default=list(d.allowed_origins), help="CORS origins")
@@ -196,6 +199,7 @@ def http_options(args):
     from tokenmill.server.launch import HTTPOptions
     return HTTPOptions(max_request_body_bytes=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                       send_timeout=args.send_timeout,
                        limit_concurrency=args.limit_concurrency,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)

@@ -1,5 +1,5 @@
 """The HTTP connection protocol: uvicorn's httptools protocol with deadlines for a request's headers and
-for its body.
+body, and for a client that stops reading its response.
 
 uvicorn closes a connection that idles after a response (`timeout_keep_alive`), but not one that
 never completes a request: a client that connects and sends nothing, trickles its headers, or sends
@@ -7,7 +7,10 @@ headers and then less body than they announce, would hold its connection (and a 
 `limit_concurrency`) forever. Here each request's headers must be complete within `header_timeout`
 seconds of the connection opening or of the request's first byte, and its body within `body_timeout`
 seconds of its headers; a connection past either deadline is closed (the request, if its handler
-already runs, sees the client gone).
+already runs, sees the client gone). A response's writes wait while the client's buffers are full
+(uvicorn's flow control); a client that reads nothing for `send_timeout` seconds while they are full
+would hold its request's handler, the response it has not read and its connection for good, so its
+connection is dropped then (nothing more can be sent to it), and its request with it.
 """
 from __future__ import annotations
 
@@ -16,19 +19,22 @@ import asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-def protocol_with_timeouts(header_timeout: float, body_timeout: float) -> type:
+def protocol_with_timeouts(header_timeout: float, body_timeout: float, send_timeout: float) -> type:
     class Protocol(_TimeoutProtocol):
         pass
     Protocol.header_timeout = header_timeout
     Protocol.body_timeout = body_timeout
+    Protocol.send_timeout = send_timeout
     return Protocol
 
 
 class _TimeoutProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     body_timeout: float = 60.0
+    send_timeout: float = 60.0
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -44,6 +50,11 @@ class _TimeoutProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
 
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         self._close()
@@ -52,9 +63,22 @@ class _TimeoutProtocol(HttpToolsProtocol):
         self._body_timer = None
         self._close()
 
+    def _on_send_timeout(self) -> None:
+        self._send_timer = None
+        self.transport.abort()       # close() would wait to flush what the client does not read
+
     def _close(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._on_send_timeout)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_timer()
+        super().resume_writing()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -78,4 +102,5 @@ class _TimeoutProtocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
         self._disarm_body_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)

@@ -32,6 +32,7 @@ class HTTPOptions:
     timeout_keep_alive: float = 5.0      # an idle connection after a response is closed after this
     header_timeout: float = 10.0         # a request's headers must be complete within this
     body_timeout: float = 60.0           # and its body within this of its headers
+    send_timeout: float = 60.0           # a client that reads none of its response for this long is cut
     limit_concurrency: int = 4096        # connections (and requests) beyond this get 503
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -40,7 +41,7 @@ class HTTPOptions:
 
     def __post_init__(self):
         for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "body_timeout",
-                     "limit_concurrency"):
+                     "send_timeout", "limit_concurrency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -150,7 +151,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                     **({"chat": options.chat} if options.chat is not None else {}))
     server = (server_class or DrainingServer)(
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
-                       http=protocol_with_timeouts(http.header_timeout, http.body_timeout),
+                       http=protocol_with_timeouts(http.header_timeout, http.body_timeout, http.send_timeout),
                        limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False),
         app.state.serving, engine, options.dead_grace_s)
     if on_serving is not None:
