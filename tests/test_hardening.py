@@ -29,7 +29,7 @@ def guarded(qwen3_dir, tmp_path_factory):
     s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-model-len", "512",
                       "--num-kv-blocks", "512", "--block-size", "4", "--max-request-body-bytes", str(BODY_LIMIT),
                       "--header-timeout", "1", "--body-timeout", "2", "--timeout-keep-alive", "1",
-                      "--limit-concurrency", "40")
+                      "--limit-concurrency", "40", "--max-header-bytes", "16384")
     s.headers = AUTH
     yield s
     assert s.stop() == 0, s.log_path.read_text()[-3000:]
@@ -109,7 +109,7 @@ def test_chat_content_has_the_prompt_cap():
 
 
 def test_tokenization_runs_off_the_event_loop():
-    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
+    from tokenmill.server.prompts import PromptTokenizer
 
     class SlowTokenizer:
         def encode(self, text, add_special_tokens=True):
@@ -243,7 +243,7 @@ def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     one, take batches of at most `batch_max` (10 here) texts, each add_special_tokens flag apart,
     not 30 calls; every request gets its own text's ids, and a text the tokenizer refuses fails its
     request only."""
-    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
+    from tokenmill.server.prompts import PromptTokenizer
 
     class BatchTokenizer:
         calls: list[int] = []
@@ -476,6 +476,37 @@ def test_a_body_that_never_completes_is_cut(guarded):
         s.close()
 
 
+def test_headers_over_the_limit_get_431(guarded):
+    """httptools holds a request's line and headers until they are complete: one header line streamed at the
+    server grew its memory by ~125 MB in 8 s (85 MB sent), before any key was checked. Over
+    --max-header-bytes (16 KiB here) the request gets 431 and its connection is closed; a request with
+    headers under the limit, and a body far over it, is served on the same server."""
+    s = _connect(guarded)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent = 0
+    try:
+        while sent < 4 << 20:
+            s.sendall(b"a" * 65536)
+            sent += 65536
+    except OSError:
+        pass
+    s.settimeout(5)
+    reply = b""
+    try:
+        while chunk := s.recv(65536):
+            reply += chunk
+    except OSError:
+        pass
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert b"16384 bytes" in reply and sent < 4 << 20     # cut off long before the 4 MB were sent
+    big_url = _post(guarded, "/v1/completions?" + "q" * 20000, {"prompt": "x", "max_tokens": 1})
+    assert big_url.status_code == 431
+    ok = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 40000, "max_tokens": 1},
+                    headers={**AUTH, "X-Padding": "p" * 12000}, timeout=60)
+    assert ok.status_code == 400 and "context length" in ok.text    # read and judged, not refused for its size
+
+
 def test_a_client_that_stops_reading_is_dropped():
     """A response's writes wait while the client's buffers are full; a client that read nothing more held its
     request's handler, the unread response and its connection for good. The protocol now drops the connection
@@ -485,7 +516,7 @@ def test_a_client_that_stops_reading_is_dropped():
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.server import ServerState
 
-    from tokenmill.server.connections import protocol_with_timeouts
+    from tokenmill.server.connections import protocol_with_limits
 
     class Transport:
         aborted = False
@@ -494,7 +525,7 @@ def test_a_client_that_stops_reading_is_dropped():
             self.aborted = True
 
     async def main():
-        protocol = protocol_with_timeouts(10.0, 10.0, 0.2)(uvicorn.Config(app=None), ServerState(), {})
+        protocol = protocol_with_limits(10.0, 10.0, 0.2, 65536)(uvicorn.Config(app=None), ServerState(), {})
         transport = Transport()
         protocol.transport, protocol.flow = transport, FlowControl(transport)
         protocol.pause_writing()                 # the client reads again in time: kept

@@ -184,6 +184,8 @@ def add_http_args(p: argparse.ArgumentParser):
     p.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help="seconds a client has to send a request's body, from its headers, before its connection "
                         "is closed")
+    p.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="a request whose line and headers are longer gets 431")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout,
                    help="seconds a client may leave its response unread (its buffers full) before its connection "
                         "is dropped and its request aborted")
@@ -199,7 +201,7 @@ def http_options(args):
     from tokenmill.server.launch import HTTPOptions
     return HTTPOptions(max_request_body_bytes=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                       send_timeout=args.send_timeout,
+                       send_timeout=args.send_timeout, max_header_bytes=args.max_header_bytes,
                        limit_concurrency=args.limit_concurrency,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)

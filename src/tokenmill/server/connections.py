@@ -1,5 +1,5 @@
 """The HTTP connection protocol: uvicorn's httptools protocol with deadlines for a request's headers and
-body, and for a client that stops reading its response.
+body, and for a client that stops reading its response, and a limit on a request's header bytes.
 
 uvicorn closes a connection that idles after a response (`timeout_keep_alive`), but not one that
 never completes a request: a client that connects and sends nothing, trickles its headers, or sends
@@ -11,20 +11,32 @@ already runs, sees the client gone). A response's writes wait while the client's
 (uvicorn's flow control); a client that reads nothing for `send_timeout` seconds while they are full
 would hold its request's handler, the response it has not read and its connection for good, so its
 connection is dropped then (nothing more can be sent to it), and its request with it.
+
+httptools keeps a request's line and headers in memory until they are complete, however long (and
+uvicorn joins a long URL piece by piece): within the header deadline one connection could push ~100 MB
+of one header line into the server, before any API key is checked. A request whose line and headers
+pass `max_header_bytes` gets 431 and its connection is closed.
 """
 from __future__ import annotations
 
 import asyncio
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-def protocol_with_timeouts(header_timeout: float, body_timeout: float, send_timeout: float) -> type:
+class _HeadersTooLarge(Exception):
+    pass
+
+
+def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeout: float,
+                         max_header_bytes: int) -> type:
     class Protocol(_TimeoutProtocol):
         pass
     Protocol.header_timeout = header_timeout
     Protocol.body_timeout = body_timeout
     Protocol.send_timeout = send_timeout
+    Protocol.max_header_bytes = max_header_bytes
     return Protocol
 
 
@@ -32,6 +44,10 @@ class _TimeoutProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     send_timeout: float = 60.0
+    max_header_bytes: int = 65536
+    _header_bytes = 0                 # received since the request's first byte, while its headers are incomplete
+    _header_fields = 0                # the request's URL and header fields, as the parser hands them over
+    _refused = False                  # a 431 was sent: the connection is closing and reads nothing more
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
@@ -84,8 +100,49 @@ class _TimeoutProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._arm_header_timer()
 
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        # the header timer is armed exactly while a request's headers are incomplete (from the connection's
+        # start, or the request's first byte, to on_headers_complete): a header line that does not end is
+        # held by the parser, unseen by the callbacks below
+        if self._header_timer is not None:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if self._header_timer is not None and self._header_bytes > self.max_header_bytes:
+            self._refuse_headers()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_header(self, n: int) -> None:
+        self._header_fields += n
+        if self._header_fields > self.max_header_bytes:
+            self._refuse_headers()
+            raise _HeadersTooLarge     # stops the parser; uvicorn's 400 for it is not sent (send_400_response)
+
+    def _refuse_headers(self) -> None:
+        self._refused = True
+        self._disarm_header_timer()
+        body = orjson.dumps({"error": {
+            "message": f"The request's line and headers are over {self.max_header_bytes} bytes.",
+            "type": "invalid_request_error", "param": None, "code": None}})
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:
+            super().send_400_response(msg)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._header_bytes = self._header_fields = 0
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:

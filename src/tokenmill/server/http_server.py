@@ -33,6 +33,7 @@ class HTTPOptions:
     header_timeout: float = 10.0         # a request's headers must be complete within this
     body_timeout: float = 60.0           # and its body within this of its headers
     send_timeout: float = 60.0           # a client that reads none of its response for this long is cut
+    max_header_bytes: int = 65536        # a request's line and headers together; more gets 431
     limit_concurrency: int = 4096        # connections (and requests) beyond this get 503
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -41,7 +42,7 @@ class HTTPOptions:
 
     def __post_init__(self):
         for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "body_timeout",
-                     "send_timeout", "limit_concurrency"):
+                     "send_timeout", "max_header_bytes", "limit_concurrency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -139,7 +140,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
     built, before it serves."""
     from tokenmill.server import stats_log
     from tokenmill.server.app import build_app
-    from tokenmill.server.connections import protocol_with_timeouts
+    from tokenmill.server.connections import protocol_with_limits
 
     http = options.http
     app = build_app(engine, served_model_names=list(options.served_model_names or []) or None,
@@ -151,7 +152,8 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                     **({"chat": options.chat} if options.chat is not None else {}))
     server = (server_class or DrainingServer)(
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
-                       http=protocol_with_timeouts(http.header_timeout, http.body_timeout, http.send_timeout),
+                       http=protocol_with_limits(http.header_timeout, http.body_timeout, http.send_timeout,
+                                                 http.max_header_bytes),
                        limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False),
         app.state.serving, engine, options.dead_grace_s)
     if on_serving is not None:
