@@ -21,6 +21,16 @@ class APIError(Exception):
         self.headers = headers
 
 
+class BodyError(APIError, StarletteHTTPException):
+    """An `APIError` raised while a body is parsed (`request.json()`): FastAPI passes only HTTP exceptions
+    from there on unchanged (any other becomes "There was an error parsing the body"); it is answered by
+    the `APIError` handler, first in its class order."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        APIError.__init__(self, status, message, param, code)
+        StarletteHTTPException.__init__(self, status, message)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's shape: `code` is a string naming the error (e.g. "context_length_exceeded") or null."""
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
