@@ -20,7 +20,7 @@ from tokenmill.server.errors import APIError, BodyError
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.responses import ResponsesRequest, create_response
 from tokenmill.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
 from tokenmill.server.serving import ChatOptions, Serving, json_response
 
@@ -66,11 +66,20 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
                 raise BodyError(400, f"This model's maximum context length is {max_model_len} tokens, but the "
                                      f"prompt has {len(ids)} tokens (at least 1 token must be left for the "
                                      "completion).", "prompt", "context_length_exceeded")
-    for field, what in (("tokens", "token ids"), ("messages", "messages"), ("input", "input items")):
+    if type(prompt) is list and len(prompt) > MAX_PROMPTS and type(prompt[0]) is not int:
+        raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.", "prompt")
+    for field, what in (("tokens", "token ids"), ("messages", "messages"), ("input", "input items"),
+                        ("tools", "tools")):
         items = body.get(field)
-        if type(items) is list and len(items) > max_model_len:
-            raise BodyError(400, f"'{field}' holds {len(items)} {what}, more than this model's maximum context "
-                                 f"length of {max_model_len} tokens.", field, "context_length_exceeded")
+        if type(items) is list:
+            count = len(items)
+            if field in ("messages", "input"):       # and the content parts within them
+                count = max(count, sum(len(m["content"]) for m in items
+                                       if type(m) is dict and type(m.get("content")) is list))
+                what = f"{what} or content parts" if count > len(items) else what
+            if count > max_model_len:
+                raise BodyError(400, f"'{field}' holds {count} {what}, more than this model's maximum context "
+                                     f"length of {max_model_len} tokens.", field, "context_length_exceeded")
     bias = body.get("logit_bias")
     if vocab_size is not None and type(bias) is dict and len(bias) > vocab_size:
         raise BodyError(400, f"logit_bias has {len(bias)} entries; the model's vocabulary has {vocab_size} "
