@@ -31,7 +31,7 @@ class _HeadersTooLarge(Exception):
 
 def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeout: float,
                          max_header_bytes: int) -> type:
-    class Protocol(_TimeoutProtocol):
+    class Protocol(_GuardedProtocol):
         pass
     Protocol.header_timeout = header_timeout
     Protocol.body_timeout = body_timeout
@@ -40,7 +40,7 @@ def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeou
     return Protocol
 
 
-class _TimeoutProtocol(HttpToolsProtocol):
+class _GuardedProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     send_timeout: float = 60.0
