@@ -22,7 +22,7 @@ from tokenmill.server.responses import ResponsesRequest, create_response
 from tokenmill.server.protocol import (
     MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
-from tokenmill.server.serving import ChatOptions, Serving, json_response
+from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt_too_long
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -54,20 +54,21 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     """Refuses, right after parsing, a body whose arrays cannot fit what they are for, before it is walked
     and validated: validation runs on the event loop at ~60 ns to ~10 us an element, so a 32 MB body of 16M
     prompt ids held every other client ~2 s (and took ~450 MB), 300,000 one-word messages 4.3 s, 1.5M
-    logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s. A prompt of ids (or a batch's), /detokenize's
-    tokens, and chat messages or Responses input items (each at least a token) longer than the context, and
-    more logit_bias entries than the vocabulary has tokens, are refused with what they hold and the limit."""
+    logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
+    prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
+    Responses input items with their content parts, and tools (each at least a token) beyond the context; a
+    batch of more than MAX_PROMPTS prompts; and more logit_bias entries than the vocabulary has tokens are
+    refused with what they hold and the limit."""
     if type(body) is not dict:
         return
     prompt = body.get("prompt")
-    if type(prompt) is list:
-        for ids in (prompt if prompt and type(prompt[0]) is list else [prompt]):
+    if type(prompt) is list and prompt:
+        for ids in (prompt if type(prompt[0]) is list else [prompt]):
             if type(ids) is list and ids and type(ids[0]) is int and len(ids) >= max_model_len:
-                raise BodyError(400, f"This model's maximum context length is {max_model_len} tokens, but the "
-                                     f"prompt has {len(ids)} tokens (at least 1 token must be left for the "
-                                     "completion).", "prompt", "context_length_exceeded")
-    if type(prompt) is list and len(prompt) > MAX_PROMPTS and type(prompt[0]) is not int:
-        raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.", "prompt")
+                raise BodyError(400, prompt_too_long(max_model_len, len(ids)), "prompt", "context_length_exceeded")
+        if type(prompt[0]) is not int and len(prompt) > MAX_PROMPTS:
+            raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.",
+                            "prompt")
     for field, what in (("tokens", "token ids"), ("messages", "messages"), ("input", "input items"),
                         ("tools", "tools")):
         items = body.get(field)

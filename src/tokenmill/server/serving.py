@@ -62,6 +62,11 @@ class ChatOptions:
 MAX_LOGPROB_ENTRIES = 4_000_000
 
 
+def prompt_too_long(max_model_len: int, tokens: int) -> str:
+    return (f"This model's maximum context length is {max_model_len} tokens, but the prompt has {tokens} tokens "
+            f"(at least 1 token must be left for the completion).")
+
+
 class ServerStopping(RuntimeError):
     """The server was told to stop at once (a second SIGTERM): requests in flight are cut."""
 
@@ -114,9 +119,8 @@ class Serving:
         if not ids:
             raise APIError(400, "The prompt is empty (0 tokens).", "prompt")
         if len(ids) >= self.engine.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens, "
-                                f"but the prompt has {len(ids)} tokens "
-                                f"(at least 1 token must be left for the completion).", "prompt", "context_length_exceeded")
+            raise APIError(400, prompt_too_long(self.engine.max_model_len, len(ids)), "prompt",
+                           "context_length_exceeded")
         if self.vocab_size is not None:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
