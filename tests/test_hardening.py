@@ -6,8 +6,10 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -805,3 +807,52 @@ def test_prompt_logprobs_score_a_long_prompt_a_slice_at_a_time(qwen3_dir, monkey
     monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 7, raising=False)
     assert scored() == whole and len(whole) == 40
     assert max(rows) <= 7, rows
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1 (also a CA: it signs itself)."""
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate with")
+def test_https_with_client_certificates(qwen3_dir, tmp_path, capsys):
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (and say so), --ssl-ca-certs with --ssl-cert-reqs 2 refuses
+    a client without a certificate, and the connection guards hold inside TLS. Files that cannot serve are
+    refused before the model loads, naming the file."""
+    import ssl
+    from tokenmill.cli import main
+    key, cert = _self_signed(tmp_path)
+    for args, says in ((["--ssl-keyfile", key], "ssl_keyfile and ssl_certfile go together"),
+                       (["--ssl-keyfile", key, "--ssl-certfile", str(tmp_path / "none.pem")],
+                        "none.pem' with ssl_keyfile"),
+                       (["--ssl-keyfile", cert, "--ssl-certfile", cert], "not a PEM certificate and its private key"),
+                       (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "2"], "needs the CAs")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", qwen3_dir, "--device", "cpu", "--port", "0", *args])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, args
+    s = ServerProcess(qwen3_dir, tmp_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", cert,
+                      "--ssl-cert-reqs", "2", "--header-timeout", "1")
+    try:
+        assert s.url.startswith("https://127.0.0.1:")
+        ctx = ssl.create_default_context(cafile=cert)
+        ctx.load_cert_chain(cert, key)
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       verify=ctx, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(httpx.HTTPError):        # no client certificate
+            httpx.get(s.url + "/health", verify=ssl.create_default_context(cafile=cert), timeout=10).raise_for_status()
+        with pytest.raises(httpx.HTTPError):        # plain HTTP to the HTTPS port
+            httpx.get(s.url.replace("https://", "http://") + "/health", timeout=10)
+        host, port = s.url.removeprefix("https://").rsplit(":", 1)
+        slow = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10), server_hostname=host)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")     # headers never finished
+        t0 = time.monotonic()
+        slow.settimeout(5)
+        assert slow.recv(4096) == b"" and time.monotonic() - t0 < 4
+        slow.close()
+    finally:
+        assert s.stop() == 0, s.log_path.read_text()[-3000:]

@@ -67,7 +67,7 @@ class ServerProcess:
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            m = re.search(r"on (http://[\d.]+:\d+) \(engine pid (\d+)\)", self.log_path.read_text())
+            m = re.search(r"on (https?://[\d.]+:\d+) \(engine pid (\d+)\)", self.log_path.read_text())
             if m:
                 self.url, self.engine_pid = m.group(1), int(m.group(2))
                 break

@@ -150,6 +150,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--api-server-count {args.api_server_count}")
     if args.api_server_count > 1 and args.backend != "tokenmill":
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
+    if args.ssl_certfile is not None and args.backend != "tokenmill":
+        parser.error("--ssl-certfile (HTTPS) needs --backend tokenmill")
+    try:                 # the HTTP options' own checks and the TLS files, before the model loads
+        http_options(args).check_tls()
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def add_chat_args(p: argparse.ArgumentParser):
@@ -195,6 +201,12 @@ def add_http_args(p: argparse.ArgumentParser):
     p.add_argument("--allowed-methods", nargs="+", default=list(d.allowed_methods), help="CORS methods")
     p.add_argument("--allowed-headers", nargs="+", default=list(d.allowed_headers), help="CORS headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    p.add_argument("--ssl-ca-certs", default=None, help="the CA certificates that client certificates are checked "
+                   "against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs,
+                   help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
 
 
 def http_options(args):
@@ -204,7 +216,9 @@ def http_options(args):
                        send_timeout=args.send_timeout, max_header_bytes=args.max_header_bytes,
                        limit_concurrency=args.limit_concurrency,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
+                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                       ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                       ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def _generate(args) -> int:

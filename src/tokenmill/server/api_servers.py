@@ -163,7 +163,7 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
         def serving():
             print(f"tokenmill: {count} API server processes (pids "
                   f"{', '.join(str(c.proc.pid) for c in children)})", flush=True)
-            announce(ready.model_name, host, port, ready.pid)
+            announce(ready.model_name, host, port, ready.pid, options.http.scheme)
         return _supervise(children, signals, serving)
     finally:
         signals.close()

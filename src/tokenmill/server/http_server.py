@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 from dataclasses import dataclass
 
 import uvicorn
@@ -39,12 +40,55 @@ class HTTPOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    ssl_keyfile: str | None = None       # with ssl_certfile: HTTPS (TLS) instead of HTTP
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None      # the CAs that client certificates are checked against
+    ssl_cert_reqs: int = ssl.CERT_NONE   # CERT_OPTIONAL / CERT_REQUIRED: ask clients for a certificate
 
     def __post_init__(self):
         for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "body_timeout",
                      "send_timeout", "max_header_bytes", "limit_concurrency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: HTTPS needs both the key and its certificate")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"ssl_cert_reqs must be {int(ssl.CERT_NONE)} (none), {int(ssl.CERT_OPTIONAL)} "
+                             f"(optional) or {int(ssl.CERT_REQUIRED)} (required), got {self.ssl_cert_reqs}")
+        if not self.tls and (self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE):
+            raise ValueError("ssl_ca_certs and ssl_cert_reqs need HTTPS (ssl_keyfile and ssl_certfile)")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
+            raise ValueError("checking client certificates (ssl_cert_reqs) needs the CAs to check them against "
+                             "(ssl_ca_certs)")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def check_tls(self) -> None:
+        """Loads the key, certificate and CAs once, so that a missing or unreadable file, or a key that is not
+        the certificate's, is refused before the model loads (uvicorn would load them only to serve)."""
+        if not self.tls:
+            return
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        what = f"ssl_certfile {self.ssl_certfile!r} with ssl_keyfile {self.ssl_keyfile!r}"
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except ssl.SSLError as e:
+            raise ValueError(f"{what}: not a PEM certificate and its private key (OpenSSL: {e})") from None
+        except OSError as e:
+            raise ValueError(f"{what}: {e.strerror}") from None
+        if self.ssl_ca_certs is not None:
+            try:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+            except ssl.SSLError as e:
+                raise ValueError(f"ssl_ca_certs {self.ssl_ca_certs!r}: not PEM certificates (OpenSSL: {e})") from None
+            except OSError as e:
+                raise ValueError(f"ssl_ca_certs {self.ssl_ca_certs!r}: {e.strerror}") from None
 
 
 class DrainingServer(uvicorn.Server):
@@ -129,8 +173,8 @@ def configure_logging(options: ServeOptions) -> None:
     stats_log.enable_request_logging(options.log_requests)
 
 
-def announce(model_name: str, host: str, port: int, engine_pid: int | None) -> None:
-    print(f"tokenmill: serving {model_name} on http://{host}:{port} (engine pid {engine_pid})", flush=True)
+def announce(model_name: str, host: str, port: int, engine_pid: int | None, scheme: str = "http") -> None:
+    print(f"tokenmill: serving {model_name} on {scheme}://{host}:{port} (engine pid {engine_pid})", flush=True)
 
 
 def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_class=None,
@@ -154,7 +198,9 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
                        http=protocol_with_limits(http.header_timeout, http.body_timeout, http.send_timeout,
                                                  http.max_header_bytes),
-                       limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False),
+                       limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False,
+                       ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile, ssl_ca_certs=http.ssl_ca_certs,
+                       ssl_cert_reqs=http.ssl_cert_reqs),
         app.state.serving, engine, options.dead_grace_s)
     if on_serving is not None:
         on_serving()

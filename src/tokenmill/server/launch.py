@@ -55,6 +55,11 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                          "behind one API server process (not with several API servers, nor in process)")
     options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
                            log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat)
+    try:
+        http.check_tls()
+    except ValueError as e:
+        print(f"tokenmill: {e}", file=sys.stderr, flush=True)
+        return 1
     configure_logging(options)
     config.extra.setdefault("log_level", log_level)      # the engine core's process logs at this level too
     try:
@@ -81,7 +86,8 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         return 1
     try:
         return serve(engine, sock, options,
-                     on_serving=lambda: announce(engine.model_name, host, sock.getsockname()[1], engine.pid))
+                     on_serving=lambda: announce(engine.model_name, host, sock.getsockname()[1], engine.pid,
+                                                  http.scheme))
     finally:
         engine.shutdown()
         sock.close()
