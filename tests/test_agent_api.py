@@ -23,6 +23,8 @@ TOOLS_TEMPLATE = (
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    # as gpt-oss's template does with it
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
 )
 
 WEATHER = {"type": "function", "function": {
@@ -232,3 +234,26 @@ def test_langchain_bind_tools_and_structured_output(agent_server):
     assert isinstance(city, City)
     with pytest.raises(openai.BadRequestError):
         llm.bind_tools([get_weather], tool_choice="nope").invoke("x")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(agent_server):
+    """reasoning_effort (chat) and reasoning.effort (Responses) go to the chat template as vLLM passes
+    them; test_openai_api checks the 400 where the template does not read it."""
+    def chat_prompt(**kw) -> int:
+        r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": USER, "max_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    def responses_prompt(**kw) -> int:
+        r = httpx.post(agent_server.url + "/v1/responses", timeout=60,
+                       json={"input": USER[0]["content"], "max_output_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    plain, high = chat_prompt(), chat_prompt(reasoning_effort="high")
+    assert high > plain
+    assert responses_prompt(reasoning={"effort": "high"}) == high and responses_prompt() == plain
+    r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": USER, "max_tokens": 1, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"

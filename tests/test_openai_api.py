@@ -174,6 +174,13 @@ def test_what_would_change_the_result_is_still_refused(api_server):
             "messages": [{"role": "user", "content": "x"}], field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
         assert field in r.json()["error"]["message"]
+    # a reasoning effort the model's template does not read (Qwen3's reads enable_thinking instead)
+    r = httpx.post(api_server.url + "/v1/responses", timeout=60, json={"input": "x", "reasoning": {"effort": "low"}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "reasoning.effort", r.text
+    assert "does not read reasoning_effort" in error["message"]
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={"prompt": "x", "reasoning_effort": "low"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_responses_create_and_stream(api_server):
@@ -248,3 +255,16 @@ def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_
         assert got == pytest.approx(scores, abs=1e-3)
         expected_acc += int(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
     assert results["results"]["tokenmill_mc"]["acc,none"] == pytest.approx(expected_acc / len(docs))
+
+
+
+def test_which_variables_a_chat_template_reads():
+    """What decides whether reasoning_effort is honored, and the hint of its refusal."""
+    from tokenmill.server.prompts import _template_reads
+    qwen3 = ("{%- for m in messages %}{{ m.content }}{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+             "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+             "{%- endif %}")
+    assert _template_reads(qwen3, "enable_thinking") and not _template_reads(qwen3, "reasoning_effort")
+    assert _template_reads({"default": qwen3, "effort": "{{ reasoning_effort }}"}, "reasoning_effort")
+    assert _template_reads("{% generation %}{{ x }}{% endgeneration %}", "reasoning_effort")   # unparseable here
+    assert not _template_reads(None, "reasoning_effort")

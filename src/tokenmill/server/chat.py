@@ -137,6 +137,13 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest):
         template_kwargs["tools"] = tools
     if req.continue_final_message:
         template_kwargs["continue_final_message"] = True
+    if req.reasoning_effort is not None:
+        template_kwargs["reasoning_effort"] = req.reasoning_effort
+        if not serving.prompts.template_reads("reasoning_effort"):
+            hint = (': it reads enable_thinking, so chat_template_kwargs {"enable_thinking": false} turns thinking '
+                    'off' if serving.prompts.template_reads("enable_thinking") else "")
+            raise APIError(400, f"reasoning_effort {req.reasoning_effort!r} cannot be honored: this model's chat "
+                                f"template does not read reasoning_effort{hint}", "reasoning_effort")
     prompt_text, prompt = await serving.prompts.render_chat(req.chat_messages(), add_gen, **template_kwargs)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)

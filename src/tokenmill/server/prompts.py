@@ -29,6 +29,7 @@ class PromptTokenizer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long")
         self._long_tokenizer = None       # the copy the long texts' thread uses, made there when first needed
+        self._template_reads: dict[str, bool] = {}
         self._to_encode: list[tuple[str, bool, asyncio.Future]] = []
         self._encoder: asyncio.Task | None = None      # encoding what waits; held, as the loop keeps weak ones
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
@@ -127,6 +128,15 @@ class PromptTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template (`--chat-template`'s, else the model's, every named one of a model with
+        several) reads the variable `name`. A template Jinja cannot parse here counts as reading it, so
+        that only the render decides about it."""
+        if name not in self._template_reads:
+            self._template_reads[name] = _template_reads(
+                self.chat_template or getattr(getattr(self.tokenizer, "hf", None), "chat_template", None), name)
+        return self._template_reads[name]
+
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                           **template_kwargs) -> tuple[str, list[int]]:
         """The chat template rendered, and encoded (the rendered text holds its special tokens).
@@ -146,3 +156,20 @@ class PromptTokenizer:
             return text
         text = await self._off_loop(render)
         return text, await self.encode(text, False, "messages")
+
+
+def _template_reads(template, name: str) -> bool:
+    """`PromptTokenizer.template_reads` for a template source (or a dict of named ones; None: no template)."""
+    if template is None:
+        return False
+    sources = template.values() if isinstance(template, dict) else [template]
+    import jinja2
+    from jinja2 import meta
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"])
+    for source in sources:
+        try:
+            if name in meta.find_undeclared_variables(env.parse(source)):
+                return True
+        except jinja2.TemplateSyntaxError:       # a tag of the renderer's own (e.g. {% generation %})
+            return True
+    return False

@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 256
 MAX_PROMPT_CHARS = 4_000_000      # one prompt, or the text of all of a chat's messages together
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high"]
 
 
 class UnsupportedValue(ValueError):
@@ -145,6 +146,11 @@ class _SamplingRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    @classmethod
+    def model_fields_honored(cls) -> frozenset[str]:
+        """`_UNSUPPORTED` fields this request type does honor (their own type checks them instead)."""
+        return frozenset()
+
     # OpenAI fields accepted only at a no-op value (see `_UNSUPPORTED`).
     suffix: Any = None
     best_of: Any = None
@@ -161,7 +167,7 @@ class _SamplingRequest(_Strict):
     @model_validator(mode="after")
     def _check_unsupported(self):
         for name in self.model_fields_set:
-            if name in _UNSUPPORTED:
+            if name in _UNSUPPORTED and name not in type(self).model_fields_honored():
                 accepted, ok = _UNSUPPORTED[name]
                 value = getattr(self, name)
                 try:
@@ -423,6 +429,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
+    reasoning_effort: REASONING_EFFORTS | None = None
+
+    @classmethod
+    def model_fields_honored(cls) -> frozenset[str]:
+        return frozenset({"reasoning_effort"})
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -18,7 +18,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from tokenmill.server.chat import ChoiceText, prepare_chat
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
-    MAX_PROMPT_CHARS, ChatCompletionRequest, UnsupportedValue, _Strict, refuse_media_parts,
+    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, UnsupportedValue, _Strict, refuse_media_parts,
 )
 from tokenmill.server.serving import Serving, now
 
@@ -116,7 +116,7 @@ class TextOptions(_Strict):
 
 
 class ReasoningOptions(_Strict):
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: REASONING_EFFORTS | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Any = None
 
@@ -186,6 +186,8 @@ class ResponsesRequest(_Strict):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
@@ -258,7 +260,12 @@ class _Shape:
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
     serving.check_model(req.model)
     chat = req.as_chat(bool(req.stream))
-    prompt_text, prompt, params = await prepare_chat(serving, chat)
+    try:
+        prompt_text, prompt, params = await prepare_chat(serving, chat)
+    except APIError as e:                        # chat's name for the one field Responses nests
+        if e.param == "reasoning_effort":
+            e.param, e.message = "reasoning.effort", e.message.replace("reasoning_effort ", "reasoning.effort ", 1)
+        raise
     shape = _Shape(serving, req, req.model or serving.model_names[0])
 
     def final(outs):
