@@ -856,3 +856,23 @@ def test_https_with_client_certificates(qwen3_dir, tmp_path, capsys):
         slow.close()
     finally:
         assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
+def test_sampling_values_at_the_edges_of_float32_are_served(guarded):
+    """A top_p below float32's smallest normal number rounded to 0 in the step's sampling record and
+    killed the engine core (an index of -1 in the top-p cut-off), and every request after it got 503.
+    Such values now keep their meaning in 32 bits: the top token for a vanishing top_p, uniform choice
+    for a huge temperature (masked tokens stay out), a huge or tiny repetition penalty, top_k past int32."""
+    def text(**params) -> str:
+        r = _post(guarded, "/v1/completions", {"model": "tiny", "prompt": "hello there", "max_tokens": 6,
+                                                "ignore_eos": True, **params})
+        assert r.status_code == 200, (params, r.text)
+        return r.json()["choices"][0]["text"]
+    greedy = text(temperature=0)
+    assert text(temperature=1.0, top_p=1e-320, seed=3) == greedy
+    assert text(temperature=1.0, top_p=5e-324, top_k=10**14, seed=4) == greedy
+    json_text = text(temperature=1e308, response_format={"type": "json_object"}, max_tokens=40)
+    assert json_text.lstrip().startswith("{")
+    for rp in (1e308, 1e-308):
+        text(temperature=1.0, repetition_penalty=rp, seed=5)
+    assert text(temperature=0) == greedy
