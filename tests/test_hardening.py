@@ -876,3 +876,19 @@ def test_sampling_values_at_the_edges_of_float32_are_served(guarded):
     for rp in (1e308, 1e-308):
         text(temperature=1.0, repetition_penalty=rp, seed=5)
     assert text(temperature=0) == greedy
+
+
+def test_chat_template_kwargs_cannot_reach_the_template_call(guarded):
+    """chat_template_kwargs are the template's variables. Names of the template call's own parameters
+    collided with the server's (add_generation_prompt, messages: a 500) or replaced its template with
+    the client's (chat_template: any Jinja, whose loops run on the tokenizer thread all requests share)."""
+    def chat(**kwargs):
+        return _post(guarded, "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "chat_template_kwargs": kwargs,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    for kwargs in ({"add_generation_prompt": "x"}, {"messages": 5}, {"tokenize": True}, {"tools": []},
+                   {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"}):
+        r = chat(**kwargs)
+        assert r.status_code == 400, (kwargs, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and repr(next(iter(kwargs))) in error["message"]
+    assert chat(enable_thinking=False, documents=[]).status_code == 200

@@ -419,6 +419,21 @@ def _check_chat_length(messages: list[ChatMessage] | None) -> None:
                                            f"{MAX_PROMPT_CHARS}.")
 
 
+# Names chat_template_kwargs may not use: the template call's own parameters (Hugging Face's
+# apply_chat_template and ours), which are not template variables; set there, they collided with ours (a
+# 500) or replaced the server's template with the client's (whose Jinja, sandboxed but unbounded, runs on
+# the one tokenizer thread every request shares). `documents` stays: it reaches the template as a variable.
+_USE_FIELD = "set by the request's own field of that name"
+_TEMPLATE_CALL_PARAMETERS = {
+    "messages": _USE_FIELD, "conversation": "the request's 'messages' are the conversation",
+    "add_generation_prompt": _USE_FIELD, "continue_final_message": _USE_FIELD, "tools": _USE_FIELD,
+    "chat_template": "the chat template is the server's (--chat-template)",
+    **{name: "a parameter of the template call, not a template variable" for name in (
+        "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs")},
+}
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
@@ -438,6 +453,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_logprobs(self):
+        for key in self.chat_template_kwargs or ():
+            if key in _TEMPLATE_CALL_PARAMETERS:
+                raise UnsupportedValue("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}: "
+                                       + _TEMPLATE_CALL_PARAMETERS[key])
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         _check_chat_length(self.messages)
