@@ -149,6 +149,9 @@ def test_logit_bias_limits(llm):
     (dict(choice=[]), "structured_outputs.choice", "non-empty list"),
     (dict(json={}, regex="a"), "structured_outputs", "exactly one of"),
     (dict(json={}, whitespace_pattern=" "), "structured_outputs.whitespace_pattern", "not supported"),
+    (dict(json={"enum": ["x" * 100] * 9_901}), "structured_outputs.json",
+     "JSON schema is 1,029,714 characters long, over the limit of 1,000,000"),
+    (dict(choice=["y" * 999] * 1_001), "structured_outputs.choice", "over the limit of 1,000,000"),
 ])
 def test_invalid_specs_name_the_problem(llm, spec, param, message):
     with pytest.raises(SamplingParamError, match=re.escape(message)) as e:
@@ -226,3 +229,26 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
     assert finished["waiting"] == 2, finished
     assert slow_text in ("yes!", "no!") and isinstance(plain_text, str)
     assert isinstance(bad, SamplingParamError) or (isinstance(bad, ValueError) and "invalid regex" in str(bad)), bad
+
+
+def test_the_grammar_cache_is_bounded_in_bytes(llm):
+    """Compiled grammars kept for reuse hold at most `cache_bytes` together (a schema of 5,000 tools
+    compiles to ~216 MB with SmolLM2's vocabulary, so 256 entries could take tens of GB): the most
+    recently used stay, and one larger than the budget is used but not kept."""
+    from tokenmill.engine.structured_output import StructuredOutputManager
+    engine = llm.engine
+    schemas = [{"type": "object", "properties": {f"k{i}": {"enum": list(range(i + 2))}}, "required": [f"k{i}"]}
+               for i in range(6)]
+    size = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS]).compile(
+        StructuredOutputsParams(json=schemas[0]))[0].memory_size_bytes
+    manager = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS],
+                                      cache_bytes=int(size * 3.5))
+    params = [StructuredOutputsParams(json=schema) for schema in schemas]
+    for p in params:
+        manager.compile(p)
+        assert manager.cached_bytes <= int(size * 3.5)
+    assert manager.cached(params[0]) is None and manager.cached(params[-1]) is not None
+    assert manager.cached_bytes == sum(manager.cached(p)[0].memory_size_bytes
+                                       for p in params if manager.cached(p) is not None)
+    small = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS], cache_bytes=size // 2)
+    assert small.compile(params[0])[0] is not None and small.cached(params[0]) is None and small.cached_bytes == 0
