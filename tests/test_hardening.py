@@ -892,3 +892,39 @@ def test_chat_template_kwargs_cannot_reach_the_template_call(guarded):
         error = r.json()["error"]
         assert error["param"] == "chat_template_kwargs" and repr(next(iter(kwargs))) in error["message"]
     assert chat(enable_thinking=False, documents=[]).status_code == 200
+
+
+def test_logprobs_in_flight_have_a_bound(tmp_path):
+    """Each request may ask for up to 4,000,000 logprob entries (~2.7 GB of the API server's memory), and
+    the queue holds --max-queue-len requests: in flight together they are bounded too, counted as each
+    could come to. Past the bound a request gets 503 with Retry-After; as requests end, room returns."""
+    from tokenmill.server.serving import MAX_LOGPROB_ENTRIES_IN_FLIGHT
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    s = ServerProcess(os.path.join(TESTS, "..", "src", "tokenmill", "assets", "tiny"), tmp_path, "--max-num-seqs", "128",
+                      "--max-queue-len", "16", "--engine-factory", "slow_engine:make")
+    mp.undo()
+    big = {"model": "tiny", "prompt": "hi", "n": 126, "max_tokens": 1500, "logprobs": 20, "ignore_eos": True}
+    each = 126 * 1500 * 21
+    fit = MAX_LOGPROB_ENTRIES_IN_FLIGHT // each
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            held = [asyncio.create_task(c.post(s.url + "/v1/completions", json=big)) for _ in range(fit)]
+            await asyncio.sleep(2)
+            assert not any(t.done() for t in held)
+            r = await c.post(s.url + "/v1/completions", json=big)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "logprobs_in_flight" and f"{fit * each:,}" in r.text
+            for t in held:
+                t.cancel()
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                r = await c.post(s.url + "/v1/completions", json={**big, "max_tokens": 3})
+                if r.status_code == 200:
+                    break
+            assert r.status_code == 200, r.text
+    try:
+        asyncio.run(main())
+    finally:
+        s.stop(signal.SIGKILL)

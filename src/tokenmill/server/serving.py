@@ -60,6 +60,9 @@ class ChatOptions:
 # the most logprob entries (a token's, or one of its top alternatives) one request may ask for: ~2.7 GB of the
 # frontend's memory and 300 MB of JSON at the most
 MAX_LOGPROB_ENTRIES = 4_000_000
+# and all requests in flight together (admitted and not finished), counted as each could come to: without it,
+# a thousand queued requests at the limit above could ask for terabytes
+MAX_LOGPROB_ENTRIES_IN_FLIGHT = 4 * MAX_LOGPROB_ENTRIES
 
 
 def prompt_too_long(max_model_len: int, tokens: int) -> str:
@@ -83,6 +86,7 @@ class Serving:
         self.vocab_size = vocab_size
         self.draining = False
         self.in_flight = 0
+        self.logprob_entries_in_flight = 0    # what the requests in flight could return (`_logprob_entries`)
         self._idle = asyncio.Event()
         self._idle.set()
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, chat.chat_template)
@@ -141,6 +145,15 @@ class Serving:
                                 f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
                                 f"prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        entries, parts = self._logprob_entries(prompts, params)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
+                                f"most {MAX_LOGPROB_ENTRIES:,} are returned for one request. Lower max_tokens, n or "
+                                f"the number of top logprobs.", "logprobs")
+
+    def _logprob_entries(self, prompts: list[list[int]], params) -> tuple[int, list[str]]:
+        """The most logprob entries a request could return, and how they add up (for its refusal)."""
+        limit = self.engine.max_model_len
         entries, parts = 0, []
         if params.logprobs is not None:
             tokens = sum(params.max_tokens if params.max_tokens is not None else limit - len(ids) for ids in prompts)
@@ -151,10 +164,7 @@ class Serving:
             tokens = sum(len(ids) for ids in prompts)
             entries += tokens * (params.prompt_logprobs + 1)
             parts.append(f"{tokens:,} prompt tokens x {params.prompt_logprobs + 1} entries a token")
-        if entries > MAX_LOGPROB_ENTRIES:
-            raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
-                                f"most {MAX_LOGPROB_ENTRIES:,} are returned for one request. Lower max_tokens, n or "
-                                f"the number of top logprobs.", "logprobs")
+        return entries, parts
 
     def params(self, req, logprobs: int | None, **overrides):
         """The request's SamplingParams; `overrides` replace fields the endpoint decides itself."""
@@ -166,12 +176,14 @@ class Serving:
             params.top_k = 0
         return params
 
-    def _begin(self):
+    def _begin(self, logprob_entries: int):
         self.in_flight += 1
+        self.logprob_entries_in_flight += logprob_entries
         self._idle.clear()
 
-    def _end(self):
+    def _end(self, logprob_entries: int):
         self.in_flight -= 1
+        self.logprob_entries_in_flight -= logprob_entries
         if self.in_flight == 0:
             self._idle.set()
 
@@ -196,17 +208,24 @@ class Serving:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
         `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
         `carries_tools`: the request offers tools (a boost under the priority policy)."""
+        entries = self._logprob_entries(prompts, params)[0]
+        if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
+            self.waiting -= len(prompts)
+            raise APIError(503, f"The requests in flight could already return {self.logprob_entries_in_flight:,} "
+                                f"logprob entries and this one {entries:,}; the server holds at most "
+                                f"{MAX_LOGPROB_ENTRIES_IN_FLIGHT:,} at once. Retry later.", "logprobs",
+                           code="logprobs_in_flight", headers={"Retry-After": "1"})
         base = uuid.uuid4().hex
         gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority, carries_tools=carries_tools),
                             f"{base}-{i}", ids, params)
                 for i, ids in enumerate(prompts)]
-        self._begin()
+        self._begin(entries)
         try:
             # Wait for the first output so that engine-side rejections are still plain HTTP errors.
             first = await _with_disconnect(raw, _first_outputs(gens))
         except BaseException as e:
             await _close_all(gens)
-            self._end()
+            self._end(entries)
             raise _as_api_error(e)
         finally:
             self.waiting -= len(prompts)
@@ -217,7 +236,7 @@ class Serving:
                 raise _as_api_error(e)
             finally:
                 await _close_all(gens)
-                self._end()
+                self._end(entries)
             return json_response(make_final(finals))
 
         async def sse() -> AsyncIterator[bytes]:
@@ -239,7 +258,7 @@ class Serving:
                     yield b"data: [DONE]\n\n"
             finally:
                 await _close_all(gens)
-                self._end()
+                self._end(entries)
 
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
