@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)          # one per logprob entry: a request may hold millions
 class Logprob:
     logprob: float
     rank: int                       # 1 = most likely under the model
