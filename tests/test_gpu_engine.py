@@ -134,3 +134,33 @@ def test_prompt_logprobs_of_a_long_prompt_match_cpu_float32(qwen3_long_dir):
         assert len(g) >= 3
     stats = gpu.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_values_at_float32_edges_on_the_kernel(qwen3_dir, prompts):
+    """The sampling kernel (`kernels/sampling.py`) with the values that rounded to 0 or inf in the step's
+    float32 record (`sampling_rows`): a vanishing top_p keeps the top token (greedy's); huge and tiny
+    repetition penalties and top_k past int32 sample."""
+    # float32: bf16 logits tie often, and ties at top-p's cut-off stay together (the kernel's rule)
+    llm = LLM(qwen3_dir, device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    base = dict(max_tokens=8, ignore_eos=True)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], SamplingParams(temperature=0, **base))]
+    for top_p in (1e-320, 5e-324, 1e-40):
+        got = llm.generate(prompts[:4], SamplingParams(temperature=1.0, top_p=top_p, seed=1, **base))
+        assert [o.outputs[0].token_ids for o in got] == greedy, top_p
+    for extra in (dict(repetition_penalty=1e308), dict(repetition_penalty=1e-308), dict(top_k=10**14)):
+        got = llm.generate(prompts[:4], SamplingParams(temperature=1.0, seed=3, **base, **extra))
+        assert all(len(o.outputs[0].token_ids) == 8 for o in got), extra
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_huge_temperature_keeps_to_the_grammar_on_the_kernel(qwen3_dir, prompts):
+    """temperature 1e308 (inf in float32 made 0 * inf of the masked logits) samples under a grammar."""
+    pytest.importorskip("xgrammar")
+    from tokenmill.sampling_params import StructuredOutputsParams
+    llm = LLM(qwen3_dir, device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    out = llm.generate(prompts[0], SamplingParams(temperature=1e308, max_tokens=40, seed=2,
+                                                  structured_outputs=StructuredOutputsParams(regex="[ab]{1,30}")))
+    assert set(out[0].outputs[0].text) <= {"a", "b"} and out[0].outputs[0].text
