@@ -147,7 +147,7 @@ class _SamplingRequest(_Strict):
     safety_identifier: str | None = None
 
     @classmethod
-    def model_fields_honored(cls) -> frozenset[str]:
+    def honored_unsupported_fields(cls) -> frozenset[str]:
         """`_UNSUPPORTED` fields this request type does honor (their own type checks them instead)."""
         return frozenset()
 
@@ -167,7 +167,7 @@ class _SamplingRequest(_Strict):
     @model_validator(mode="after")
     def _check_unsupported(self):
         for name in self.model_fields_set:
-            if name in _UNSUPPORTED and name not in type(self).model_fields_honored():
+            if name in _UNSUPPORTED and name not in type(self).honored_unsupported_fields():
                 accepted, ok = _UNSUPPORTED[name]
                 value = getattr(self, name)
                 try:
@@ -448,7 +448,7 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: REASONING_EFFORTS | None = None
 
     @classmethod
-    def model_fields_honored(cls) -> frozenset[str]:
+    def honored_unsupported_fields(cls) -> frozenset[str]:
         return frozenset({"reasoning_effort"})
 
     @model_validator(mode="after")
