@@ -252,3 +252,44 @@ def test_the_grammar_cache_is_bounded_in_bytes(llm):
                                        for p in params if manager.cached(p) is not None)
     small = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS], cache_bytes=size // 2)
     assert small.compile(params[0])[0] is not None and small.cached(params[0]) is None and small.cached_bytes == 0
+
+
+def test_a_compile_queued_for_an_aborted_request_never_runs():
+    """The engine core compiles grammars one at a time on a thread of its own: a request aborted (or whose
+    client left) while its compile waited behind another's was dropped, but its compile still ran,
+    holding up every constrained request queued after it (a 2,500-tool schema: 9 s)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreUpdate, _Client
+    release, compiled = threading.Event(), []
+
+    class Engine:
+        def grammar_to_compile(self, params):
+            return True
+
+        def cached_grammar(self, params):
+            return None
+
+        def compile_grammar(self, params):
+            compiled.append(params.structured_outputs.regex)
+            release.wait(10)
+            return ("grammar",)
+
+        def abort_request(self, request_ids):
+            pass
+
+    def constrained(regex):
+        return SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+    pool = ThreadPoolExecutor(1)
+    engine, update = Engine(), CoreUpdate()
+    client = _Client(0, 1, conn=None, compiler=pool)
+    for i, regex in enumerate(["a", "b", "c"]):
+        client.apply(engine, AddRequest(regex, [1], constrained(regex), handle=i), update)
+    client.apply(engine, AbortRequests(["b"]), update)          # queued behind "a"'s compile
+    other = _Client(0, 1, conn=None, compiler=pool)
+    other.apply(engine, AddRequest("d", [1], constrained("d"), handle=0), update)
+    other.conn = type("Pipe", (), {"close": lambda self: None})()
+    other.leave(engine)                                          # its client left while "d" waited
+    release.set()
+    pool.shutdown(wait=True)
+    assert compiled == ["a", "c"] and set(client.compiling) == {"a", "c"} and not other.compiling

@@ -127,7 +127,9 @@ class _Client:
             for rid in cmd.request_ids:
                 handle = self.handles.pop(rid, None)
                 self.live.pop(handle, None)
-                self.compiling.pop(rid, None)
+                compiling = self.compiling.pop(rid, None)
+                if compiling is not None:
+                    compiling[0].cancel()     # a compile still queued behind others never runs
         elif isinstance(cmd, Shutdown):
             return False
         return True
@@ -179,6 +181,8 @@ class _Client:
         engine.abort_request([self.prefix + rid for rid in self.handles])
         self.live.clear()
         self.handles.clear()
+        for future, _ in self.compiling.values():
+            future.cancel()
         self.compiling.clear()
         self.conn.close()
 
