@@ -528,7 +528,16 @@ def test_arrays_that_cannot_fit_are_refused_before_validation(guarded):
               "tools", "600 tools"),
              ("/v1/completions", {"prompt": ["x"] * 300, **bad}, "prompt", "300 prompts"),
              ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(600)}, **bad},
-              "logit_bias", "600 entries")]
+              "logit_bias", "600 entries"),
+             # OpenAI's limit on metadata (16 pairs), and more template variables than any template reads:
+             # 1M metadata pairs (16 MB) held the loop ~1 s, 1M chat_template_kwargs 1.7 s
+             ("/v1/completions", {"prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}, **bad}, "metadata",
+              "17 entries; at most 16"),
+             ("/v1/responses", {"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}, "max_output_tokens": "x"},
+              "metadata", "17 entries"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                       "chat_template_kwargs": {f"k{i}": 1 for i in range(257)}, **bad},
+              "chat_template_kwargs", "257 entries; at most 256")]
     for path, body, param, says in cases:
         err = _assert_openai_error(_post(guarded, path, body), 400)
         assert err["param"] == param and says in err["message"], (path, err)
@@ -537,6 +546,8 @@ def test_arrays_that_cannot_fit_are_refused_before_validation(guarded):
     assert _assert_openai_error(r, 400)["param"] == "max_tokens"
     r = _post(guarded, "/v1/completions", {"prompt": ["a"] * 600, "max_tokens": 1})
     assert "context length" not in _assert_openai_error(r, 400)["message"]
+    r = _post(guarded, "/v1/completions", {"prompt": "x", "max_tokens": 1, "metadata": {"k" * 65: "v"}})
+    assert _assert_openai_error(r, 400)["param"].startswith("metadata")
 
 
 def test_a_client_that_stops_reading_is_dropped():

@@ -20,7 +20,8 @@ from tokenmill.server.errors import APIError, BodyError
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.responses import ResponsesRequest, create_response
 from tokenmill.server.protocol import (
-    MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    TokenizeRequest,
 )
 from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt_too_long
 
@@ -57,7 +58,8 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
     prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
     Responses input items with their content parts, and tools (each at least a token) beyond the context; a
-    batch of more than MAX_PROMPTS prompts; and more logit_bias entries than the vocabulary has tokens are
+    batch of more than MAX_PROMPTS prompts; more logit_bias entries than the vocabulary has tokens; and
+    metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the loop ~1 s) are
     refused with what they hold and the limit."""
     if type(body) is not dict:
         return
@@ -85,6 +87,10 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     if vocab_size is not None and type(bias) is dict and len(bias) > vocab_size:
         raise BodyError(400, f"logit_bias has {len(bias)} entries; the model's vocabulary has {vocab_size} "
                              "tokens.", "logit_bias")
+    for field, limit in (("metadata", MAX_METADATA), ("chat_template_kwargs", MAX_TEMPLATE_KWARGS)):
+        entries = body.get(field)
+        if type(entries) is dict and len(entries) > limit:
+            raise BodyError(400, f"'{field}' has {len(entries)} entries; at most {limit} are accepted.", field)
 
 
 class _OrjsonRequest(Request):

@@ -20,6 +20,12 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 256
 MAX_PROMPT_CHARS = 4_000_000      # one prompt, or the text of all of a chat's messages together
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
+MAX_METADATA = 16
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=MAX_METADATA)]
+# a template reads a handful of variables; more than this many is no template's
+MAX_TEMPLATE_KWARGS = 256
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high"]
 
 
@@ -142,7 +148,7 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = None
 
     # Fields that change nothing here: accepted as OpenAI defines them.
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -443,7 +449,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
 

@@ -18,7 +18,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from tokenmill.server.chat import ChoiceText, prepare_chat
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
-    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, UnsupportedValue, _Strict, refuse_media_parts,
+    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
 )
 from tokenmill.server.serving import Serving, now
 
@@ -136,7 +136,7 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     store: bool | None = None
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
