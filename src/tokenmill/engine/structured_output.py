@@ -78,7 +78,10 @@ class StructuredOutputManager:
         if hit is not None:
             return hit
         kind, spec, no_whitespace = key
-        chars = len(spec) if isinstance(spec, str) else sum(len(s) + 1 for s in spec) if kind == "choice" else 0
+        if isinstance(spec, str):
+            chars = len(spec)
+        else:                     # the choices, one separator each; json_object's spec is a flag
+            chars = sum(len(s) + 1 for s in spec) if kind == "choice" else 0
         if chars > MAX_SPEC_CHARS:
             raise SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} is {chars:,} characters "
                                      f"long, over the limit of {MAX_SPEC_CHARS:,}")

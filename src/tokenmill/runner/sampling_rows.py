@@ -35,8 +35,9 @@ def sampling_row(request: Request, vocab_size: int) -> tuple[tuple, tuple]:
     p = request.params
     penalties = p.needs_penalties
     low, high = _REPETITION_PENALTY_RANGE
+    repetition_penalty = min(max(p.repetition_penalty, low), high) if penalties else 1.0
     record = (request.seed, 0, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
               0.0 if p.greedy else min(p.temperature, _TEMPERATURE_MAX), max(p.top_p, _TOP_P_MIN), p.min_p,
               int(p.seed is not None), p.presence_penalty if penalties else 0.0,
-              p.frequency_penalty if penalties else 0.0, min(max(p.repetition_penalty, low), high) if penalties else 1.0)
+              p.frequency_penalty if penalties else 0.0, repetition_penalty)
     return record, (p.greedy, penalties, -1 if p.logprobs is None else p.logprobs)

@@ -125,8 +125,9 @@ def _choice_value(tool_choice):
     return tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
 
 
-async def prepare_chat(serving: Serving, req: ChatCompletionRequest):
-    """The rendered prompt (text and ids, checked) and the sampling parameters of a chat request."""
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):
+    """The rendered prompt (text and ids, checked) and the sampling parameters of a chat request.
+    `effort_param`: what the client called `reasoning_effort` (Responses nests it in `reasoning`)."""
     tools = req.tools_in_use()
     if tools is not None and req.tool_choice in (None, "auto") and not serving.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
@@ -142,8 +143,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest):
         if not serving.prompts.template_reads("reasoning_effort"):
             hint = (': it reads enable_thinking, so chat_template_kwargs {"enable_thinking": false} turns thinking '
                     'off' if serving.prompts.template_reads("enable_thinking") else "")
-            raise APIError(400, f"reasoning_effort {req.reasoning_effort!r} cannot be honored: this model's chat "
-                                f"template does not read reasoning_effort{hint}", "reasoning_effort")
+            raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
+                                f"template does not read reasoning_effort{hint}", effort_param)
     prompt_text, prompt = await serving.prompts.render_chat(req.chat_messages(), add_gen, **template_kwargs)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)

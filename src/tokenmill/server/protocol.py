@@ -8,7 +8,7 @@ clients which send defaults keep working while anything that would be silently i
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -152,10 +152,8 @@ class _SamplingRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    @classmethod
-    def honored_unsupported_fields(cls) -> frozenset[str]:
-        """`_UNSUPPORTED` fields this request type does honor (their own type checks them instead)."""
-        return frozenset()
+    # `_UNSUPPORTED` fields a request type does honor (its own field's type checks them instead)
+    honored: ClassVar[frozenset[str]] = frozenset()
 
     # OpenAI fields accepted only at a no-op value (see `_UNSUPPORTED`).
     suffix: Any = None
@@ -173,7 +171,7 @@ class _SamplingRequest(_Strict):
     @model_validator(mode="after")
     def _check_unsupported(self):
         for name in self.model_fields_set:
-            if name in _UNSUPPORTED and name not in type(self).honored_unsupported_fields():
+            if name in _UNSUPPORTED and name not in self.honored:
                 accepted, ok = _UNSUPPORTED[name]
                 value = getattr(self, name)
                 try:
@@ -452,10 +450,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
-
-    @classmethod
-    def honored_unsupported_fields(cls) -> frozenset[str]:
-        return frozenset({"reasoning_effort"})
+    honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -260,12 +260,7 @@ class _Shape:
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
     serving.check_model(req.model)
     chat = req.as_chat(bool(req.stream))
-    try:
-        prompt_text, prompt, params = await prepare_chat(serving, chat)
-    except APIError as e:                        # chat's name for the one field Responses nests
-        if e.param == "reasoning_effort":
-            e.param, e.message = "reasoning.effort", e.message.replace("reasoning_effort ", "reasoning.effort ", 1)
-        raise
+    prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
     shape = _Shape(serving, req, req.model or serving.model_names[0])
 
     def final(outs):
