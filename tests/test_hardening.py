@@ -326,15 +326,21 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):
 
 
 # ----- 3: the queue limit counts each waiting request once ----------------------------------------------
+def _slow_engine_server(model_dir, tmp_path, *args: str) -> ServerProcess:
+    """A server whose engine steps take at least 20 ms (tests/slow_engine.py, imported by the server)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        return ServerProcess(model_dir, tmp_path, *args, "--engine-factory", "slow_engine:make")
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(scope="module")
 def slow_server(qwen3_dir, tmp_path_factory):
     """One sequence at a time, a queue of 4, and steps of at least 20 ms (tests/slow_engine.py)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    s = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("slow"), "--max-model-len", "512", "--num-kv-blocks",
-                      "256", "--block-size", "4", "--max-num-seqs", "1", "--max-queue-len", "4",
-                      "--engine-factory", "slow_engine:make")
-    mp.undo()
+    s = _slow_engine_server(qwen3_dir, tmp_path_factory.mktemp("slow"), "--max-model-len", "512", "--num-kv-blocks",
+                            "256", "--block-size", "4", "--max-num-seqs", "1", "--max-queue-len", "4")
     yield s
     s.stop(signal.SIGKILL)
 
@@ -910,11 +916,8 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
     the queue holds --max-queue-len requests: in flight together they are bounded too, counted as each
     could come to. Past the bound a request gets 503 with Retry-After; as requests end, room returns."""
     from tokenmill.server.serving import MAX_LOGPROB_ENTRIES_IN_FLIGHT
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    s = ServerProcess(os.path.join(TESTS, "..", "src", "tokenmill", "assets", "tiny"), tmp_path, "--max-num-seqs", "128",
-                      "--max-queue-len", "16", "--engine-factory", "slow_engine:make")
-    mp.undo()
+    s = _slow_engine_server(os.path.join(TESTS, "..", "src", "tokenmill", "assets", "tiny"), tmp_path,
+                            "--max-num-seqs", "128", "--max-queue-len", "16")
     big = {"model": "tiny", "prompt": "hi", "n": 126, "max_tokens": 1500, "logprobs": 20, "ignore_eos": True}
     each = 126 * 1500 * 21
     fit = MAX_LOGPROB_ENTRIES_IN_FLIGHT // each
