@@ -239,6 +239,17 @@ def test_a_client_gone_mid_stream_frees_its_blocks(servers):
     assert m["tokenmill:kv_cache_usage_perc"] == 0
 
 
+def test_several_api_servers_store_no_responses(servers):
+    """Each API server process would keep only the Responses it made, and a later request may reach
+    another: none stores, and continuing or fetching one is a 400 that says why."""
+    r = httpx.post(servers.url + "/v1/responses", timeout=60, json={"input": "x", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["store"] is False, r.text
+    for response in (httpx.post(servers.url + "/v1/responses", timeout=60,
+                                json={"input": "x", "previous_response_id": r.json()["id"]}),
+                     httpx.get(servers.url + f"/v1/responses/{r.json()['id']}", timeout=60)):
+        assert response.status_code == 400 and "--api-server-count" in response.json()["error"]["message"]
+
+
 def test_sigterm_drains_every_api_server_and_exits_0(servers, want):
     """Runs last on `servers`: the streams in flight finish whole, new requests get 503 from either process,
     and every API server exits (the parent's wait would time out if one had not been told to drain)."""

@@ -203,8 +203,38 @@ def test_responses_create_and_stream(api_server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == r.output_text == events[-1].response.output_text
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+
+
+def test_responses_are_stored_retrieved_continued_and_deleted(api_server):
+    """A response is stored unless `store: false`; `previous_response_id` continues its conversation as if
+    its input and output had been sent again (its instructions not carried over, as OpenAI's API has it);
+    a streamed response is stored as its last event carries it; deleting one ends its conversation."""
+    client = api_server.client()
+    first = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=6,
+                                    temperature=0)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model="tiny", input="and then?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    history = [{"role": "user", "content": "hello"}, *[item.model_dump(exclude_none=True) for item in first.output],
+               {"role": "user", "content": "and then?"}]
+    resent = client.responses.create(model="tiny", input=history, max_output_tokens=6, temperature=0, store=False)
+    assert resent.store is False
+    assert (resent.output_text, resent.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resent.id)
+    events = list(client.responses.create(model="tiny", input="stream", previous_response_id=second.id,
+                                          max_output_tokens=4, temperature=0, stream=True))
+    assert client.responses.retrieve(events[-1].response.id).model_dump() == events[-1].response.model_dump()
+    with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_1' not found") as e:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match=f"{first.id}.*no longer stored"):
+        client.responses.create(model="tiny", input="x", previous_response_id=events[-1].response.id)
 
 
 def test_responses_take_function_call_history(api_server):

@@ -149,7 +149,7 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
         os.environ[_METRICS_ENV] = metrics_dir
         for client in core.clients:
             # one stats line for the whole server: the stats are the core's, the same in every process
-            opts = dataclasses.replace(options, metrics_dir=metrics_dir,
+            opts = dataclasses.replace(options, metrics_dir=metrics_dir, api_servers=len(core.clients),
                                        log_stats=options.log_stats and client.index == 0)
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_api_server, args=(client, sock, theirs, config, opts),

@@ -18,7 +18,8 @@ from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError
 from tokenmill.server.guard import RequestGuard
-from tokenmill.server.responses import ResponsesRequest, create_response
+from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.responses import ResponsesRequest, create_response, response_store
 from tokenmill.server.protocol import (
     MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeRequest,
@@ -131,12 +132,17 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
-              chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None) -> FastAPI:
+              chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
+              store_responses: bool = True) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
-    the prometheus_client multiprocess directory that several API server processes share."""
+    the prometheus_client multiprocess directory that several API server processes share.
+    `store_responses`: this process keeps the Responses it makes (off where several API server processes
+    share the socket, as a later request may reach another)."""
     names = list(served_model_names or [engine.model_name])
     serving = Serving(engine, names, max_queue_len, vocab_size, chat)
+    if store_responses:
+        serving.responses = ResponseStore()
     stats: dict = {}
     metrics = ServerMetrics(names[0], lambda: stats, multiprocess_dir=metrics_dir)
     engine.on_output = metrics.observe_output
@@ -174,6 +180,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):
         return await create_response(serving, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return json_response(response_store(serving, "response_id").get(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        response_store(serving, "response_id").delete(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def models():

@@ -165,6 +165,7 @@ class ServeOptions:
     http: HTTPOptions = HTTPOptions()
     chat: object | None = None               # a serving.ChatOptions; None: the defaults
     metrics_dir: str | None = None           # prometheus_client's multiprocess directory, when several serve
+    api_servers: int = 1                     # API server processes on the socket
 
 
 def configure_logging(options: ServeOptions) -> None:
@@ -192,7 +193,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                     model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
                     allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
                     allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
-                    metrics_dir=options.metrics_dir,
+                    metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
                     **({"chat": options.chat} if options.chat is not None else {}))
     server = (server_class or DrainingServer)(
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,

@@ -4,8 +4,9 @@ The request becomes a chat conversation (`instructions` first, as the system mes
 function_call and function_call_output items as messages), rendered by the same template, decoded
 under the same constraints and parsed by the same reasoning and tool-call parsers. The output is a
 list of items: a `reasoning` item (with --reasoning-parser), a `message` with its `output_text`, and a
-`function_call` per tool call. Responses are not stored: `store: true` and `previous_response_id` are a
-400 saying so.
+`function_call` per tool call. A response is stored unless the request says `store: false`
+(server/response_store.py): `previous_response_id` continues its conversation, and `GET` / `DELETE
+/v1/responses/{id}` reach it.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
 from tokenmill.server.chat import ChoiceText, prepare_chat
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
     MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
 )
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
 
 # ----- the request -------------------------------------------------------------------------------
@@ -87,6 +89,7 @@ InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")],
                             Annotated[ReasoningItem, Tag("reasoning")],
                             Annotated[MessageItem, Tag("message")]], Discriminator(_item_kind)]
+_ITEMS = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(_Strict):
@@ -147,22 +150,24 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.store:
-            raise UnsupportedValue("store", "responses are not stored by tokenmill: send 'store': false")
-        if self.previous_response_id is not None:
-            raise UnsupportedValue("previous_response_id", "responses are not stored by tokenmill, so "
-                                   "'previous_response_id' cannot be used: send the whole conversation as 'input'")
         if self.include:
             raise UnsupportedValue("include", f"'include' is not supported by tokenmill (got {self.include})")
         return self
 
-    def as_chat(self, stream: bool) -> ChatCompletionRequest:
-        """The same request as chat completions see it."""
+    def input_items(self) -> list[dict]:
+        """The input as items, as a stored response keeps them."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(exclude_none=True) for item in self.input]
+
+    def as_chat(self, stream: bool, history: list[dict] = ()) -> ChatCompletionRequest:
+        """The same request as chat completions see it, after the items of `history` (the conversation of
+        `previous_response_id`)."""
         messages: list[dict] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for item in items:
+        for item in (_ITEMS.validate_python(list(history)) if history else []) + list(items):
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
@@ -228,9 +233,9 @@ def _items(message: dict) -> list[dict]:
 class _Shape:
     """The response object's fixed fields, for the final body and for every event that carries it."""
 
-    def __init__(self, serving: Serving, req: ResponsesRequest, model: str):
+    def __init__(self, serving: Serving, req: ResponsesRequest, model: str, stored: bool):
         self.id, self.created, self.req, self.model = _id("resp"), now(), req, model
-        self.serving = serving
+        self.serving, self.stored = serving, stored
 
     def body(self, status: str, output: list[dict], out=None, finish: str | None = None) -> dict:
         r = self.req
@@ -245,7 +250,7 @@ class _Shape:
                                 else r.tool_choice or "auto"),
                 "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
                 "text": {"format": fmt}, "reasoning": r.reasoning.model_dump() if r.reasoning else None,
-                "store": False, "previous_response_id": None, "metadata": r.metadata or {},
+                "store": self.stored, "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
                 "truncation": "disabled", "user": r.user, "usage": None}
         if out is not None:
             prompt = len(out.prompt_token_ids)
@@ -257,18 +262,35 @@ class _Shape:
         return body
 
 
+def response_store(serving: Serving, param: str) -> ResponseStore:
+    """The process's store; with several API server processes there is none (a 400 naming `param`)."""
+    if serving.responses is None:
+        raise APIError(400, "responses are not stored with --api-server-count above 1 (a later request may reach "
+                       "another API server process): send the whole conversation as 'input'", param)
+    return serving.responses
+
+
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
     serving.check_model(req.model)
-    chat = req.as_chat(bool(req.stream))
+    history = []
+    if req.previous_response_id is not None:
+        history = response_store(serving, "previous_response_id").conversation(req.previous_response_id)
+    chat = req.as_chat(bool(req.stream), history)
     prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
-    shape = _Shape(serving, req, req.model or serving.model_names[0])
+    keep = serving.responses is not None and req.store is not False
+    shape = _Shape(serving, req, req.model or serving.model_names[0], keep)
+
+    def done(body: dict) -> dict:
+        if keep:
+            serving.responses.put(body, req.input_items(), req.previous_response_id)
+        return body
 
     def final(outs):
         out = outs[0]
         c = out.outputs[0]
         message = ChoiceText(serving, chat, prompt_text).message(c.text)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        return shape.body(status, _items(message), out, c.finish_reason)
+        return done(shape.body(status, _items(message), out, c.finish_reason))
 
     async def stream(merged):
         events = _EventStream(shape)
@@ -293,7 +315,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         c = last.outputs[0]
         status = "incomplete" if c.finish_reason == "length" else "completed"
         yield events.event("response.completed" if status == "completed" else "response.incomplete",
-                           response=shape.body(status, events.items, last, c.finish_reason))
+                           response=done(shape.body(status, events.items, last, c.finish_reason)))
 
     serving.admit()
     return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True,

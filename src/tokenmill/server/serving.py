@@ -16,6 +16,7 @@ from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.prompts import PromptTokenizer
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.stats_log import log_request
 
 _MIN_LOGPROB = -9999.0
@@ -99,6 +100,7 @@ class Serving:
             from tokenmill.server.reasoning import REASONING_PARSERS
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
         self.fingerprint = "fp_tokenmill"
+        self.responses: ResponseStore | None = None       # set by build_app where this process stores them
 
     # ----- admission -------------------------------------------------------------------------
     def check_model(self, model: str | None):

@@ -1,0 +1,89 @@
+"""Stored responses: what `store` keeps, `previous_response_id` continues and `GET` / `DELETE
+/v1/responses/{id}` reach.
+
+A response is kept as the items it added to its conversation: its request's input items and its output
+items, with the id of the response it continued. A request that names `previous_response_id` is
+prefixed with the conversation so far, each stored response's input then output, oldest first (not
+their `instructions`, as OpenAI's API has it). Each entry is held as its JSON bytes, so that the bound
+counts what the process holds; past `max_bytes` the least recently used entries go first (reading a
+conversation counts as a use of every response in it), and a conversation one of whose responses is
+gone cannot be continued (a 400 naming it).
+
+One API server process keeps what it made: with several (`--api-server-count`), a request may reach
+another, so none stores (server/app.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import orjson
+
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import MAX_PROMPT_CHARS
+
+MAX_BYTES = 256 * 2 ** 20
+# a conversation longer than this (its JSON) could not pass the prompt's own bound, and reading it back
+# runs on the event loop
+CONVERSATION_MAX_BYTES = 4 * MAX_PROMPT_CHARS
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, body: dict, input_items: list[dict], previous_id: str | None) -> None:
+        blob = orjson.dumps({"body": body, "input": input_items, "previous": previous_id})
+        if len(blob) > self.max_bytes:
+            return
+        self._entries[body["id"]] = blob
+        self.nbytes += len(blob)
+        while self.nbytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= len(old)
+
+    def _entry(self, response_id: str) -> dict | None:
+        blob = self._entries.get(response_id)
+        if blob is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return orjson.loads(blob)
+
+    def get(self, response_id: str) -> dict:
+        entry = self._entry(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return entry["body"]
+
+    def delete(self, response_id: str) -> None:
+        blob = self._entries.pop(response_id, None)
+        if blob is None:
+            raise not_found(response_id)
+        self.nbytes -= len(blob)
+
+    def conversation(self, previous_id: str) -> list[dict]:
+        """The items of `previous_id`'s conversation, oldest first: each response's input, then its output."""
+        chain, rid, size = [], previous_id, 0
+        while rid is not None:
+            size += len(self._entries.get(rid, b""))
+            if size > CONVERSATION_MAX_BYTES:
+                raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
+                               "bytes, more than one prompt may", "previous_response_id")
+            entry = self._entry(rid)
+            if entry is None:
+                message = (f"Previous response with id '{rid}' not found." if rid == previous_id else
+                           f"Response '{rid}', earlier in the conversation of '{previous_id}', is no longer "
+                           "stored (deleted, or dropped as the oldest past the store's bound); send the "
+                           "conversation as 'input' instead.")
+                raise APIError(400, message, "previous_response_id", "previous_response_not_found")
+            chain.append(entry)
+            rid = entry["previous"]
+        return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response found with id '{response_id}'.", "response_id", "response_not_found")

@@ -1,0 +1,60 @@
+"""The Responses store's bounds (server/response_store.py): least recently used entries dropped past its
+bytes, a conversation's read counting as a use of each of its responses, and a conversation too long to
+be a prompt refused before it is read back."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.server import response_store
+from tokenmill.server.errors import APIError
+from tokenmill.server.response_store import ResponseStore
+
+
+def _put(store: ResponseStore, rid: str, text: str, previous: str | None = None) -> None:
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
+    store.put({"id": rid, "output": output}, [{"type": "message", "role": "user", "content": text}], previous)
+
+
+def test_the_store_drops_the_least_recently_used_past_its_bytes():
+    store = ResponseStore(max_bytes=10_000)
+    for i in range(3):
+        _put(store, f"r{i}", "x" * 1_000)
+    one = store.nbytes // 3
+    store.conversation("r0")                 # r0 used last: r1 is now the oldest
+    for i in range(3, 3 + (10_000 - store.nbytes) // one + 1):
+        _put(store, f"r{i}", "x" * 1_000)
+    assert store.nbytes <= 10_000
+    assert store.get("r0")["id"] == "r0"
+    with pytest.raises(APIError) as e:
+        store.get("r1")
+    assert e.value.status == 404
+    _put(store, "huge", "x" * 20_000)        # larger than the whole store: not kept, nothing dropped for it
+    assert store.nbytes <= 10_000 and store.get("r0")
+    with pytest.raises(APIError):
+        store.get("huge")
+
+
+def test_a_conversation_is_its_responses_inputs_and_outputs_oldest_first():
+    store = ResponseStore()
+    _put(store, "a", "one")
+    _put(store, "b", "two", previous="a")
+    _put(store, "c", "three", previous="b")
+    texts = [item["content"] if isinstance(item["content"], str) else item["content"][0]["text"]
+             for item in store.conversation("c")]
+    assert texts == ["one", "one", "two", "two", "three", "three"]
+    store.delete("b")
+    with pytest.raises(APIError, match="'b', earlier in the conversation of 'c', is no longer stored"):
+        store.conversation("c")
+
+
+def test_a_conversation_longer_than_a_prompt_is_refused_before_it_is_read(monkeypatch):
+    monkeypatch.setattr(response_store, "CONVERSATION_MAX_BYTES", 5_000)
+    store = ResponseStore()
+    previous = None
+    for i in range(8):
+        _put(store, f"r{i}", "x" * 1_000, previous)
+        previous = f"r{i}"
+    with pytest.raises(APIError, match="holds more than 5,000 bytes") as e:
+        store.conversation("r7")
+    assert e.value.param == "previous_response_id"
+    assert len(store.conversation("r1")) == 4
