@@ -52,7 +52,7 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "suffix": ("null or empty", _empty),
     "functions": ("null or empty (use 'tools')", _empty),
     "function_call": ('null or "none" (use \'tool_choice\')', lambda v: v is None or v == "none"),
-    "store": ("false (responses are not stored)", _noop_bool),
+    "store": ("false (chat completions are not stored; /v1/responses stores)", _noop_bool),
     "service_tier": ('null, "auto" or "default"', lambda v: v in (None, "auto", "default")),
     "reasoning_effort": ("null", lambda v: v is None),
     "modalities": ('null or ["text"]', lambda v: v is None or v == ["text"]),
