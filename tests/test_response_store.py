@@ -12,7 +12,8 @@ from tokenmill.server.response_store import ResponseStore
 
 def _put(store: ResponseStore, rid: str, text: str, previous: str | None = None) -> None:
     output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
-    store.put({"id": rid, "output": output}, [{"type": "message", "role": "user", "content": text}], previous)
+    store.put({"id": rid, "output": output, "previous_response_id": previous},
+              [{"type": "message", "role": "user", "content": text}])
 
 
 def test_the_store_drops_the_least_recently_used_past_its_bytes():

@@ -33,11 +33,10 @@ class ResponseStore:
         self.nbytes = 0
         self._entries: OrderedDict[str, bytes] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, body: dict, input_items: list[dict], previous_id: str | None) -> None:
-        blob = orjson.dumps({"body": body, "input": input_items, "previous": previous_id})
+    def put(self, body: dict, input_items: list[dict]) -> None:
+        """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
+        request's input items."""
+        blob = orjson.dumps({"body": body, "input": input_items})
         if len(blob) > self.max_bytes:
             return
         self._entries[body["id"]] = blob
@@ -46,18 +45,12 @@ class ResponseStore:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= len(old)
 
-    def _entry(self, response_id: str) -> dict | None:
+    def get(self, response_id: str) -> dict:
         blob = self._entries.get(response_id)
         if blob is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return orjson.loads(blob)
-
-    def get(self, response_id: str) -> dict:
-        entry = self._entry(response_id)
-        if entry is None:
             raise not_found(response_id)
-        return entry["body"]
+        self._entries.move_to_end(response_id)
+        return orjson.loads(blob)["body"]
 
     def delete(self, response_id: str) -> None:
         blob = self._entries.pop(response_id, None)
@@ -69,19 +62,21 @@ class ResponseStore:
         """The items of `previous_id`'s conversation, oldest first: each response's input, then its output."""
         chain, rid, size = [], previous_id, 0
         while rid is not None:
-            size += len(self._entries.get(rid, b""))
-            if size > CONVERSATION_MAX_BYTES:
-                raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
-                               "bytes, more than one prompt may", "previous_response_id")
-            entry = self._entry(rid)
-            if entry is None:
+            blob = self._entries.get(rid)
+            if blob is None:
                 message = (f"Previous response with id '{rid}' not found." if rid == previous_id else
                            f"Response '{rid}', earlier in the conversation of '{previous_id}', is no longer "
                            "stored (deleted, or dropped as the oldest past the store's bound); send the "
                            "conversation as 'input' instead.")
                 raise APIError(400, message, "previous_response_id", "previous_response_not_found")
+            size += len(blob)
+            if size > CONVERSATION_MAX_BYTES:
+                raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
+                               "bytes, more than one prompt may", "previous_response_id")
+            self._entries.move_to_end(rid)
+            entry = orjson.loads(blob)
             chain.append(entry)
-            rid = entry["previous"]
+            rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]
 
 

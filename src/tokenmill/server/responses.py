@@ -282,7 +282,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
 
     def done(body: dict) -> dict:
         if keep:
-            serving.responses.put(body, req.input_items(), req.previous_response_id)
+            serving.responses.put(body, req.input_items())
         return body
 
     def final(outs):
