@@ -56,6 +56,7 @@ def make_tokenizer(path: str) -> None:
     tok.train_from_iterator([_TEXT], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
+    fast.add_tokens(["<think>", "</think>"])      # one token each, as in Qwen3's vocabulary (not special)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 

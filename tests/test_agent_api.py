@@ -23,8 +23,8 @@ TOOLS_TEMPLATE = (
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    # as gpt-oss's template does with it
-    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+    # as gpt-oss's template does with it; and then opens a thinking block, as thinking models' templates do
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n<think>\n{% endif %}"
 )
 
 WEATHER = {"type": "function", "function": {
@@ -132,6 +132,44 @@ def test_reasoning_goes_to_reasoning_content(agent_server):
                         for ch in chunks for choice in ch.choices)
     content = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
     assert reasoning == "The user asks about Paris." and content == "It is sunny."
+
+
+def test_reasoning_tokens_are_counted_in_usage(agent_server):
+    """usage's reasoning tokens: the output tokens between the <think> and </think> tokens, here read off
+    the tokens that logprobs names; the same count streamed and from /v1/responses. (A random model spells
+    the tags out in pieces as readily as it writes their tokens: a logit bias makes it write the tokens, as
+    a trained model does.)"""
+    client = agent_server.client()
+    script = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    tags = [httpx.post(agent_server.url + "/tokenize", timeout=30, json={"prompt": t, "add_special_tokens": False}
+                       ).json()["tokens"] for t in ("<think>", "</think>")]
+    assert all(len(t) == 1 for t in tags), tags
+    bias = {str(t[0]): 50 for t in tags}
+    args = dict(model="tiny", messages=USER, max_tokens=200, temperature=0, logit_bias=bias,
+                extra_body={"structured_outputs": {"regex": re.escape(script)}})
+    r = client.chat.completions.create(logprobs=True, **args)
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    expected = tokens.index("</think>") - tokens.index("<think>") - 1
+    assert expected > 3 and r.usage.completion_tokens == len(tokens)
+    assert r.usage.completion_tokens_details.reasoning_tokens == expected
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
+    # a block the template opened (with a reasoning effort): the tokens before </think>, or all of them;
+    # Responses count as chat does
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0, logprobs=True,
+                                       reasoning_effort="high")
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    thinking = tokens.index("</think>") if "</think>" in tokens else len(tokens)
+    assert thinking > 0 and r.usage.completion_tokens_details.reasoning_tokens == thinking
+    resp = client.responses.create(model="tiny", input=USER, max_output_tokens=12, temperature=0,
+                                   reasoning={"effort": "high"})
+    assert resp.usage.output_tokens == len(tokens) and resp.usage.output_tokens_details.reasoning_tokens == thinking
+    # thinking cut off by max_tokens: every token is reasoning but the opening tag
+    r = client.chat.completions.create(**{**args, "max_tokens": 5})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens_details.reasoning_tokens == 4
+    # no block: none
+    r = client.chat.completions.create(**{**args, "extra_body": {"structured_outputs": {"regex": "It is sunny."}}})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 class City(BaseModel):

@@ -2,9 +2,12 @@
 any chunking. Also the order with the tool parser: a `<tool_call>` while thinking is not a call."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import tokenmill
 from tokenmill.server.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from tokenmill.server.tool_parsers import HermesToolParser
 
@@ -130,3 +133,43 @@ def test_chained_streams_equal_chained_extract(data):
     assert "".join(d.content for d in deltas if d.content) == expected.content
     assert [(c.name, c.arguments) for c in tool_stream.tool_calls] == \
         [(c.name, c.arguments) for c in expected.tool_calls]
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from tokenmill.engine.tokenizer import Tokenizer
+    return Tokenizer(tokenizer_dir)
+
+
+@pytest.mark.parametrize("text,prompt,name,expected", [
+    # thinking opened by the template: everything before </think>
+    ("Let me see.\n</think>\n\nParis.", OPEN_PROMPT, "qwen3", "Let me see.\n"),
+    # opened by the output: between the tags
+    ("<think>\nLet me see.\n</think>\n\nParis.", PLAIN_PROMPT, "qwen3", "\nLet me see.\n"),
+    ("  <think>a b</think>c", PLAIN_PROMPT, "qwen3", "a b"),
+    # a <think> the template had already opened is dropped, as extract drops it
+    ("<think>a b</think>c", OPEN_PROMPT, "qwen3", "a b"),
+    # cut off while thinking: all of it
+    ("still thinking", OPEN_PROMPT, "qwen3", "still thinking"),
+    ("<think>still", PLAIN_PROMPT, "qwen3", "still"),
+    # no block: nothing, whatever tags come later
+    ("Paris.", CLOSED_PROMPT, "qwen3", ""),
+    ("Paris. <think>x</think>", PLAIN_PROMPT, "qwen3", ""),
+    ("a</think>b", CLOSED_PROMPT, "qwen3", ""),
+    ("abc</think>xyz", PLAIN_PROMPT, "deepseek_r1", "abc"),
+])
+def test_reasoning_tokens_are_those_inside_the_block(tok, text, prompt, name, expected):
+    from tokenmill.server.reasoning import think_token_ids
+    tags = think_token_ids(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tags[0] in ids or "<think>" not in text
+    count = REASONING_PARSERS[name]().reasoning_tokens(ids, text, prompt, tags)
+    assert count == len(tok.encode(expected, add_special_tokens=False)) and (count > 0) == bool(expected)
+
+
+def test_a_tokenizer_without_think_tokens_is_refused():
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.server.reasoning import think_token_ids
+    bundled = Tokenizer(os.path.join(os.path.dirname(tokenmill.__file__), "assets", "tiny"))
+    with pytest.raises(ValueError, match=r"<think> as one token .* encodes <think> as \d+ tokens"):
+        think_token_ids(bundled)

@@ -110,6 +110,15 @@ class ChoiceText:
         return {"content": d.content} if d.content else {}
 
 
+def reasoning_tokens(serving: Serving, prompt_text: str, outputs) -> int | None:
+    """How many of the whole `outputs`' (CompletionOutputs') tokens are reasoning; None without a
+    reasoning parser."""
+    if serving.reasoning_parser is None or serving.think_tags is None:
+        return None
+    parser = serving.reasoning_parser()
+    return sum(parser.reasoning_tokens(c.token_ids, c.text, prompt_text, serving.think_tags) for c in outputs)
+
+
 def _constrained_calls(text: str, tool_choice) -> list[dict]:
     """Tool calls from output decoded under the tools' schema; none if it does not parse (cut off by
     max_tokens), and the text stays the content."""
@@ -178,7 +187,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": finish_reason(c, text), "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}
+                "system_fingerprint": serving.fingerprint, "choices": choices,
+                "usage": usage(outs, reasoning_tokens(serving, prompt_text, out.outputs))}
 
     def chunk(choices, out=None):
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -217,7 +227,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                                   "stop_reason": c.stop_reason if done else None}], out)
         if include_usage and last is not None:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage([last])}
+                   "system_fingerprint": serving.fingerprint, "choices": [],
+                   "usage": usage([last], reasoning_tokens(serving, prompt_text, last.outputs))}
 
     serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import ssl
+import sys
 from dataclasses import dataclass
 
 import uvicorn
@@ -188,13 +189,17 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
     from tokenmill.server.connections import protocol_with_limits
 
     http = options.http
-    app = build_app(engine, served_model_names=list(options.served_model_names or []) or None,
-                    api_key=options.api_key, max_queue_len=options.max_queue_len, vocab_size=engine.vocab_size,
-                    model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
-                    allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
-                    allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
-                    metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
-                    **({"chat": options.chat} if options.chat is not None else {}))
+    try:
+        app = build_app(engine, served_model_names=list(options.served_model_names or []) or None,
+                        api_key=options.api_key, max_queue_len=options.max_queue_len, vocab_size=engine.vocab_size,
+                        model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
+                        allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
+                        allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
+                        metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
+                        **({"chat": options.chat} if options.chat is not None else {}))
+    except ValueError as e:        # what the model's tokenizer cannot do that the options ask
+        print(f"tokenmill: {e}", file=sys.stderr, flush=True)
+        return 1
     server = (server_class or DrainingServer)(
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
                        http=protocol_with_limits(http.header_timeout, http.body_timeout, http.send_timeout,

@@ -20,6 +20,11 @@ The rule (`qwen3`; also Nanbeige4.1, whose template is Qwen3-Thinking's):
 
 `deepseek_r1` differs in one point: generation always starts inside the block.
 
+Reasoning tokens (usage's `completion_tokens_details.reasoning_tokens`, Responses'
+`output_tokens_details.reasoning_tokens`) are counted on the output's token ids: those inside the block
+that `extract` reads, the tags themselves not counted. Every model these parsers are for has `<think>` and
+`</think>` as single tokens of its vocabulary; `think_token_ids` refuses a tokenizer without them.
+
 vLLM's qwen3 parser decides from the output alone: without `</think>` its non-streamed answer is all
 content while its stream has already sent the text as reasoning. Deciding from the prompt lets a stream
 route every delta at once, so the streamed parts always concatenate to the non-streamed ones.
@@ -28,6 +33,19 @@ from __future__ import annotations
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+
+
+def think_token_ids(tokenizer) -> tuple[int, int]:
+    """The ids of `<think>` and `</think>`; a ValueError naming a tag that is not one token."""
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        got = tokenizer.encode(tag, add_special_tokens=False)
+        if len(got) != 1:
+            raise ValueError(f"--reasoning-parser needs {tag} as one token of the tokenizer's vocabulary (it "
+                             f"counts reasoning tokens by it); this tokenizer encodes {tag} as {len(got)} tokens "
+                             f"{got}")
+        ids.append(got[0])
+    return ids[0], ids[1]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -54,6 +72,27 @@ class ReasoningParser:
             return None, text.lstrip() or None
         reasoning, _, content = text.partition(THINK_END)
         return reasoning.strip() or None, content.lstrip() or None
+
+    def reasoning_tokens(self, token_ids: list[int], text: str, prompt: str, tags: tuple[int, int]) -> int:
+        """How many of an output's `token_ids` (whose text is `text`) lie inside the thinking block that
+        `extract` reads: those before the first `</think>` token (`tags`: `think_token_ids`) and after the
+        output's own `<think>` token if it opened the block. The tags are not counted. A model writes its
+        tags as those tokens; one spelled out in smaller pieces is not read as a tag here."""
+        opened = text.lstrip().startswith(THINK_START)
+        if not (opened or self.starts_in_reasoning(prompt)):
+            return 0
+        start, end = tags
+        try:
+            n = token_ids.index(end)
+        except ValueError:
+            n = len(token_ids)
+        first = 0
+        if opened:
+            try:
+                first = token_ids.index(start, 0, n) + 1
+            except ValueError:
+                pass
+        return n - first
 
     def new_stream(self, prompt: str = "") -> ReasoningStream:
         return ReasoningStream(self.starts_in_reasoning(prompt))

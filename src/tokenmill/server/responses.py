@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from fastapi import Request
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
-from tokenmill.server.chat import ChoiceText, prepare_chat
+from tokenmill.server.chat import ChoiceText, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
     MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
@@ -233,9 +233,10 @@ def _items(message: dict) -> list[dict]:
 class _Shape:
     """The response object's fixed fields, for the final body and for every event that carries it."""
 
-    def __init__(self, serving: Serving, req: ResponsesRequest, model: str, stored: bool):
+    def __init__(self, serving: Serving, req: ResponsesRequest, model: str, stored: bool, prompt_text: str):
         self.id, self.created, self.req, self.model = _id("resp"), now(), req, model
         self.serving, self.stored = serving, stored
+        self.prompt_text = prompt_text        # where the output starts, for its reasoning tokens' count
 
     def body(self, status: str, output: list[dict], out=None, finish: str | None = None) -> dict:
         r = self.req
@@ -255,9 +256,10 @@ class _Shape:
         if out is not None:
             prompt = len(out.prompt_token_ids)
             completion = sum(len(c.token_ids) for c in out.outputs)
+            reasoning = reasoning_tokens(self.serving, self.prompt_text, out.outputs) or 0
             body["usage"] = {"input_tokens": prompt,
                              "input_tokens_details": {"cached_tokens": out.num_cached_tokens or 0},
-                             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
                              "total_tokens": prompt + completion}
         return body
 
@@ -278,7 +280,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     chat = req.as_chat(bool(req.stream), history)
     prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
     keep = serving.responses is not None and req.store is not False
-    shape = _Shape(serving, req, req.model or serving.model_names[0], keep)
+    shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text)
 
     def done(body: dict) -> dict:
         if keep:

@@ -93,12 +93,15 @@ class Serving:
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, chat.chat_template)
         self.enable_auto_tool_choice = chat.enable_auto_tool_choice
         self.tool_parser = self.reasoning_parser = None
+        self.think_tags: tuple[int, int] | None = None       # (<think>, </think>) ids, with a reasoning parser
         if chat.tool_call_parser is not None:
             from tokenmill.server.tool_parsers import TOOL_PARSERS
             self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
         if chat.reasoning_parser is not None:
-            from tokenmill.server.reasoning import REASONING_PARSERS
+            from tokenmill.server.reasoning import REASONING_PARSERS, think_token_ids
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
+            if engine.tokenizer is not None:
+                self.think_tags = think_token_ids(engine.tokenizer)
         self.fingerprint = "fp_tokenmill"
         self.responses: ResponseStore | None = None       # set by build_app where this process stores them
 
@@ -406,13 +409,17 @@ class ChoiceState:
         return text, new_ids, new_logprobs
 
 
-def usage(outs: list[RequestOutput]) -> dict:
-    """OpenAI's usage; `cached_tokens` counts the prompt tokens whose KV came from the prefix cache."""
+def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `cached_tokens` counts the prompt tokens whose KV came from the prefix cache.
+    `reasoning_tokens` (where a reasoning parser counted them) goes in `completion_tokens_details`."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens or 0 for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def now() -> int:
