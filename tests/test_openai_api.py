@@ -246,6 +246,35 @@ def test_responses_take_function_call_history(api_server):
     assert r.output_text is not None
 
 
+def test_a_stored_responses_input_items_are_listed(api_server):
+    """GET /v1/responses/{id}/input_items through the openai client: the request's own input items, each
+    with an id, newest first by default, in pages that `after` continues."""
+    client = api_server.client()
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+            "id": "fc_given"}
+    r = client.responses.create(model="tiny", max_output_tokens=2, temperature=0, input=[
+        {"role": "user", "content": "weather?"}, call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    page = client.responses.input_items.list(r.id)
+    assert [i.type for i in page.data] == ["function_call_output", "function_call", "message"]
+    assert not page.has_more and page.data[1].id == "fc_given" and len({i.id for i in page.data}) == 3
+    message = page.data[2]
+    assert (message.role, message.content[0].type, message.content[0].text) == ("user", "input_text", "weather?")
+    first = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.type for i in first.data] == ["message", "function_call"] and first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", limit=2, after=first.last_id)
+    assert [i.type for i in rest.data] == ["function_call_output"] and not rest.has_more
+    # the stored items continue the conversation as the input did
+    again = client.responses.create(model="tiny", max_output_tokens=2, temperature=0, input="ok",
+                                    previous_response_id=r.id)
+    assert again.usage.input_tokens > r.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r.id, limit=101)
+    assert e.value.param == "limit" and "101" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+
+
 def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_model, tokenizer, qwen3_dir,
                                                                  tmp_path, monkeypatch):
     """lm-eval's `local-completions` model runs a loglikelihood task from a local file against the

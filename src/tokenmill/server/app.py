@@ -19,7 +19,7 @@ from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import ResponsesRequest, create_response, response_store
+from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store
 from tokenmill.server.protocol import (
     MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeRequest,
@@ -184,6 +184,11 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return json_response(response_store(serving, "response_id").get(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
+        items = response_store(serving, "response_id").input_items(response_id)
+        return json_response(list_page(items, limit, order, after))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

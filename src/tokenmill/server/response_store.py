@@ -46,11 +46,18 @@ class ResponseStore:
             self.nbytes -= len(old)
 
     def get(self, response_id: str) -> dict:
+        return self._entry(response_id)["body"]
+
+    def input_items(self, response_id: str) -> list[dict]:
+        """The input items of `response_id`'s own request, in the order sent."""
+        return self._entry(response_id)["input"]
+
+    def _entry(self, response_id: str) -> dict:
         blob = self._entries.get(response_id)
         if blob is None:
             raise not_found(response_id)
         self._entries.move_to_end(response_id)
-        return orjson.loads(blob)["body"]
+        return orjson.loads(blob)
 
     def delete(self, response_id: str) -> None:
         blob = self._entries.pop(response_id, None)

@@ -78,6 +78,9 @@ class ReasoningItem(_Strict):
     status: str | None = None
 
 
+_ITEM_ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def _item_kind(item) -> str:
     kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
     return kind if kind in ("function_call", "function_call_output", "reasoning") else "message"
@@ -155,10 +158,21 @@ class ResponsesRequest(_Strict):
         return self
 
     def input_items(self) -> list[dict]:
-        """The input as items, as a stored response keeps them."""
-        if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
-        return [item.model_dump(exclude_none=True) for item in self.input]
+        """The input as items, as a stored response keeps them and `input_items` lists them: each with
+        an id (the client's, or a new one) and a status, a message's text as content parts."""
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        out = []
+        for item in items:
+            d = item.model_dump(exclude_none=True)
+            d.setdefault("id", _id(_ITEM_ID_PREFIX.get(d.get("type"), "msg")))
+            d.setdefault("status", "completed")
+            if isinstance(item, MessageItem):
+                d["type"] = "message"
+                if isinstance(item.content, str):
+                    part = "output_text" if item.role == "assistant" else "input_text"
+                    d["content"] = [{"type": part, "text": item.content}]
+            out.append(d)
+        return out
 
     def as_chat(self, stream: bool, history: list[dict] = ()) -> ChatCompletionRequest:
         """The same request as chat completions see it, after the items of `history` (the conversation of
@@ -270,6 +284,26 @@ def response_store(serving: Serving, param: str) -> ResponseStore:
         raise APIError(400, "responses are not stored with --api-server-count above 1 (a later request may reach "
                        "another API server process): send the whole conversation as 'input'", param)
     return serving.responses
+
+
+def list_page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """OpenAI's cursor page over `items` (oldest first): `limit` (1-100) of them in `order` ("asc" oldest
+    first, "desc" newest first), starting after the item whose id is `after`."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    if order == "desc":
+        items = items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no item with id {after!r} in this list", "after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
