@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -116,7 +117,21 @@ def _serve(args) -> int:
                       engine_factory=args.engine_factory, in_process=args.engine_in_process,
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
                       log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args),
-                      api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size)
+                      api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size,
+                      sampling_defaults=generation_defaults(args))
+
+
+def generation_defaults(args) -> dict:
+    from tokenmill.generation_config import sampling_defaults
+    overrides = None
+    if args.override_generation_config is not None:
+        try:
+            overrides = json.loads(args.override_generation_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError(f"--override-generation-config takes a JSON object, got {args.override_generation_config!r}")
+    return sampling_defaults(args.generation_config, args.model, overrides)
 
 
 def at_least_one(what: str):
@@ -169,6 +184,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
         engine_config(args)
+        generation_defaults(args)
     except ValueError as e:
         parser.error(str(e))
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -183,6 +199,12 @@ def add_chat_args(p: argparse.ArgumentParser):
     p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
     p.add_argument("--reasoning-parser", default=None,
                    help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the model's "
+                        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty), 'vllm' "
+                        "(none: temperature 1.0, no truncation), or a directory holding a generation_config.json")
+    p.add_argument("--override-generation-config", default=None,
+                   help='a JSON object of generation_config.json keys over those defaults, e.g. {"temperature": 0.5}')
 
 
 def chat_options(args):

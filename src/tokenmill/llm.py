@@ -53,9 +53,16 @@ class LLM:
             cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer, **engine_args))
         self.processor = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
+        from tokenmill.generation_config import sampling_defaults
+        self._sampling_defaults = sampling_defaults("auto", model)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation_config.json
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty) where it has them, as vLLM's LLM."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,7 +71,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         parts = [_prompt_parts(p) for p in prompts]
@@ -74,7 +81,7 @@ class LLM:
         ids = []
         try:
             for i, ((text, token_ids), params) in enumerate(zip(parts, sampling_params)):
-                params = params or SamplingParams()
+                params = params or self.get_default_sampling_params()
                 prompt_ids = self.engine.tokenizer.encode(text) if text is not None else token_ids
                 handle = next(self._ids)
                 rid = str(handle)

@@ -133,14 +133,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
               chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
-              store_responses: bool = True) -> FastAPI:
+              store_responses: bool = True, sampling_defaults: dict | None = None) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
     the prometheus_client multiprocess directory that several API server processes share.
     `store_responses`: this process keeps the Responses it makes (off where several API server processes
-    share the socket, as a later request may reach another)."""
+    share the socket, as a later request may reach another). `sampling_defaults`: what requests that leave
+    those fields unset sample with (`generation_config.sampling_defaults`)."""
     names = list(served_model_names or [engine.model_name])
-    serving = Serving(engine, names, max_queue_len, vocab_size, chat)
+    serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults)
     if store_responses:
         serving.responses = ResponseStore()
     stats: dict = {}

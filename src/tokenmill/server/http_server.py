@@ -167,6 +167,7 @@ class ServeOptions:
     chat: object | None = None               # a serving.ChatOptions; None: the defaults
     metrics_dir: str | None = None           # prometheus_client's multiprocess directory, when several serve
     api_servers: int = 1                     # API server processes on the socket
+    sampling_defaults: tuple = ()            # (field, value) pairs: generation_config.sampling_defaults
 
 
 def configure_logging(options: ServeOptions) -> None:
@@ -196,6 +197,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                         allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
                         allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
                         metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
+                        sampling_defaults=dict(options.sampling_defaults),
                         **({"chat": options.chat} if options.chat is not None else {}))
     except ValueError as e:        # what the model's tokenizer cannot do that the options ask
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ in front of one engine core, with the same signals and exit statuses; each serve
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import sys
 
@@ -40,10 +41,11 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
                http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1,
-               data_parallel_size: int = 1) -> int:
+               data_parallel_size: int = 1, sampling_defaults: dict | None = None) -> int:
     """`api_server_count` > 1: that many API server processes share the socket and one engine core
     (server/api_servers.py); 1 serves from this process. `data_parallel_size` > 1: this process serves
-    in front of that many engine cores (engine/data_parallel.py)."""
+    in front of that many engine cores (engine/data_parallel.py). `sampling_defaults`: what requests that
+    leave those fields unset sample with (generation_config.sampling_defaults)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
     if api_server_count > 1 and in_process:
@@ -54,13 +56,19 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         raise ValueError(f"data_parallel_size={data_parallel_size} runs its engine cores in processes of their own "
                          "behind one API server process (not with several API servers, nor in process)")
     options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
-                           log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat)
+                           log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat,
+                           sampling_defaults=tuple((sampling_defaults or {}).items()))
     try:
         http.check_tls()
     except ValueError as e:
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
         return 1
     configure_logging(options)
+    if sampling_defaults:
+        from tokenmill.generation_config import describe
+        logging.getLogger("tokenmill.server").info(
+            "requests that leave them unset sample with the generation config's defaults: %s (--generation-config "
+            "vllm keeps tokenmill's own)", describe(sampling_defaults))
     config.extra.setdefault("log_level", log_level)      # the engine core's process logs at this level too
     try:
         sock = bind(host, port)

@@ -251,8 +251,9 @@ class _SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, logprobs: int | None, **overrides) -> SamplingParams:
-        """Build the engine's parameters; raises ValueError naming a bad value and its limit."""
+    def sampling_params(self, logprobs: int | None, defaults: dict | None = None, **overrides) -> SamplingParams:
+        """Build the engine's parameters; raises ValueError naming a bad value and its limit. `defaults`:
+        the fields a request that leaves them unset takes (`generation_config.sampling_defaults`)."""
         kw: dict[str, Any] = dict(
             n=self.n or 1,
             max_tokens=self.requested_max_tokens(),
@@ -264,13 +265,17 @@ class _SamplingRequest(_Strict):
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
+        defaults = defaults or {}
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kw[name] = float(value)
-        if self.top_k is not None:
-            kw["top_k"] = self.top_k
+        top_k = self.top_k if self.top_k is not None else defaults.get("top_k")
+        if top_k is not None:
+            kw["top_k"] = int(top_k)
         if self.seed is not None:
             kw["seed"] = self.seed % (2 ** 62)   # room for the engine's per-choice seed offsets
         bias = self.token_bias()

@@ -79,8 +79,10 @@ class Serving:
     """Shared front half of both endpoints: checks, tokenisation (`prompts`), submission, draining."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int,
-                 vocab_size: int | None = None, chat: ChatOptions = ChatOptions()):
+                 vocab_size: int | None = None, chat: ChatOptions = ChatOptions(),
+                 sampling_defaults: dict | None = None):
         self.engine = engine
+        self.sampling_defaults = dict(sampling_defaults or {})    # generation_config.sampling_defaults
         self.model_names = served_model_names
         self.max_queue_len = max_queue_len
         self.waiting = 0        # admitted prompts that have not produced a first output yet
@@ -174,7 +176,7 @@ class Serving:
     def params(self, req, logprobs: int | None, **overrides):
         """The request's SamplingParams; `overrides` replace fields the endpoint decides itself."""
         try:
-            params = req.sampling_params(logprobs, **overrides)
+            params = req.sampling_params(logprobs, self.sampling_defaults, **overrides)
         except ValueError as e:
             raise APIError(400, str(e), getattr(e, "param", getattr(e, "field", None))) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:

@@ -1,0 +1,48 @@
+"""A model's recommended sampling defaults, from its `generation_config.json`, as vLLM applies them
+(`--generation-config auto`, its default): a request that leaves temperature, top_p, top_k, min_p or
+repetition_penalty unset takes the model's value (Qwen3's: temperature 0.6, top_p 0.95, top_k 20) instead
+of SamplingParams' own (temperature 1.0, no truncation). `vllm` keeps SamplingParams' defaults; a
+directory reads that directory's `generation_config.json`. `do_sample` is not read, as vLLM does not: a
+file that sets a temperature is taken to recommend it. `max_new_tokens` is not taken: a request's token
+budget stays its own (the endpoint's default), so that no request is refused for a budget it never asked.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+# generation_config.json's key -> the SamplingParams field it sets
+KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+        "repetition_penalty": "repetition_penalty"}
+
+
+def sampling_defaults(source: str, model: str, overrides: dict | None = None) -> dict:
+    """The SamplingParams fields that requests default to: from `source` ("auto": the `model` directory's
+    generation_config.json where it has one; "vllm": none; else a directory that must hold one), then
+    `overrides` (generation_config.json's keys, vLLM's --override-generation-config). A ValueError names
+    an unknown source or key, or a value SamplingParams refuses."""
+    found: dict = {}
+    if source != "vllm":
+        folder = model if source == "auto" else source
+        path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            found = {field: config[key] for key, field in KEYS.items() if config.get(key) is not None}
+        elif source != "auto":
+            raise ValueError(f"--generation-config {source!r}: no generation_config.json there (give 'auto' for "
+                             "the model's own, 'vllm' for none, or a directory that holds one)")
+    for key, value in (overrides or {}).items():
+        if key not in KEYS:
+            raise ValueError(f"--override-generation-config: unknown key {key!r}; known: {', '.join(KEYS)}")
+        found[KEYS[key]] = value
+    from tokenmill.sampling_params import SamplingParams
+    try:
+        SamplingParams(**found)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the generation config's sampling defaults {found}: {e}") from None
+    return found
+
+
+def describe(defaults: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in defaults.items()) or "none"

@@ -1,0 +1,97 @@
+"""The model's sampling defaults (its generation_config.json), as vLLM applies them: requests that leave
+temperature, top_p, top_k, min_p or repetition_penalty unset take the model's values, through the server
+(`--generation-config`, `--override-generation-config`) and the offline API's default SamplingParams."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import LLM
+from tokenmill.generation_config import sampling_defaults
+from test_server import ROOT, ServerProcess
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Qwen3-4B's own recommendation, with keys the defaults do not read beside it
+QWEN3_LIKE = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [2, 1],
+              "max_new_tokens": 32768, "transformers_version": "4.51.0"}
+
+
+def with_generation_config(src: str, dst: str, config: dict) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "generation_config.json")) as f:
+        merged = {**json.load(f), **config}
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        json.dump(merged, f)
+    return dst
+
+
+def test_defaults_are_read_from_the_model_a_directory_or_overrides(tmp_path, qwen3_dir):
+    model = with_generation_config(qwen3_dir, str(tmp_path / "m"), QWEN3_LIKE)
+    assert sampling_defaults("auto", model) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert sampling_defaults("vllm", model) == {}
+    assert sampling_defaults("auto", qwen3_dir) == {}                  # a file without sampling keys
+    assert sampling_defaults("auto", "preset:qwen3-4b") == {}           # no directory at all
+    assert sampling_defaults(model, qwen3_dir) == sampling_defaults("auto", model)
+    assert sampling_defaults("auto", model, {"temperature": 0, "min_p": 0.1}) == {
+        "temperature": 0, "top_p": 0.95, "top_k": 20, "min_p": 0.1}
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        sampling_defaults(str(tmp_path), model)
+    with pytest.raises(ValueError, match="unknown key 'temprature'"):
+        sampling_defaults("auto", model, {"temprature": 0.5})
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults("auto", model, {"top_p": 1.5})
+
+
+def test_the_offline_api_samples_with_the_models_defaults(tmp_path, qwen3_dir):
+    model = with_generation_config(qwen3_dir, str(tmp_path / "m"), {"temperature": 0.0})
+    llm = LLM(model, device="cpu", dtype="float32")
+    assert llm.get_default_sampling_params().temperature == 0.0
+    from tokenmill import SamplingParams
+    prompts = ["hello there", "the quick brown fox"]
+    greedy = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))]
+    assert [o.outputs[0].text for o in llm.generate(prompts)] == greedy
+    assert LLM(qwen3_dir, device="cpu", dtype="float32").get_default_sampling_params().temperature == 1.0
+
+
+def test_served_requests_take_the_defaults_they_leave_unset(tmp_path, qwen3_dir):
+    """top_k 1 (greedy) from the model's file and a repetition penalty from --override-generation-config:
+    a request that sets no sampling field decodes greedily under that penalty, one that sets its own
+    fields samples with them."""
+    model = with_generation_config(qwen3_dir, str(tmp_path / "m"), {"temperature": 0.7, "top_k": 1,
+                                                                     "repetition_penalty": 1.0})
+    server = ServerProcess(model, tmp_path, "--override-generation-config", '{"repetition_penalty": 1.5}')
+    try:
+        client = server.client()
+
+        def text(**kw) -> str:
+            return client.completions.create(model="tiny", prompt="hello", max_tokens=24, **kw).choices[0].text
+        greedy = text(temperature=0, extra_body={"repetition_penalty": 1.5})
+        assert text() == greedy and text(seed=3) == greedy
+        assert text(temperature=0, extra_body={"repetition_penalty": 1.0}) != greedy
+        sampled = {text(temperature=1.0, top_p=1.0, seed=s, extra_body={"top_k": 0}) for s in range(4)}
+        assert sampled != {greedy} and len(sampled) > 1
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=24)
+        again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=24, temperature=0, extra_body={"repetition_penalty": 1.5})
+        assert chat.choices[0].message.content == again.choices[0].message.content
+    finally:
+        assert server.stop() == 0, server.log_path.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--generation-config", "/nonexistent"], "--generation-config '/nonexistent': no generation_config.json"),
+    (["--override-generation-config", '{"temprature": 1}'], "unknown key 'temprature'"),
+    (["--override-generation-config", "[1]"], "takes a JSON object"),
+])
+def test_bad_generation_configs_are_refused_before_the_model_loads(args, message, qwen3_dir):
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", qwen3_dir, "--device", "cpu", *args],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
