@@ -46,6 +46,10 @@ def test_defaults_are_read_from_the_model_a_directory_or_overrides(tmp_path, qwe
         sampling_defaults("auto", model, {"temprature": 0.5})
     with pytest.raises(ValueError, match="top_p"):
         sampling_defaults("auto", model, {"top_p": 1.5})
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="generation_config.json: Expecting property name"):
+        sampling_defaults("auto", model)
 
 
 def test_the_offline_api_samples_with_the_models_defaults(tmp_path, qwen3_dir):

@@ -26,8 +26,13 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None) ->
         folder = model if source == "auto" else source
         path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: {e}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{path}: not a JSON object")
             found = {field: config[key] for key, field in KEYS.items() if config.get(key) is not None}
         elif source != "auto":
             raise ValueError(f"--generation-config {source!r}: no generation_config.json there (give 'auto' for "
