@@ -19,7 +19,10 @@ from test_server import ServerProcess
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
     "</tools><|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    # an assistant turn's thinking, where the client sent it back (Qwen3's template keeps it within a turn)
+    "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] or '' }}"
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -246,6 +249,46 @@ def test_responses_with_tools(agent_server):
                                           max_output_tokens=200, temperature=0, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done and json.loads(done[0].arguments) == json.loads(calls[0].arguments)
+
+
+def test_responses_carry_reasoning_between_turns(agent_server):
+    """A reasoning item sent back reaches the template as the next assistant message's reasoning_content;
+    with include ["reasoning.encrypted_content"] (what Codex sends with store: false) reasoning items carry
+    an opaque encrypted_content that stands for their text when sent back alone."""
+    client = agent_server.client()
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris", "unit": "c"}'}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    thought = "The user asks about the weather in Paris, so I call the tool."
+
+    def input_tokens(*items) -> int:
+        return client.responses.create(model="tiny", input=[USER[0], *items, call, answer], tools=[tool],
+                                       max_output_tokens=1, temperature=0, store=False).usage.input_tokens
+    plain = input_tokens()
+    said = input_tokens({"type": "reasoning", "id": "rs_1", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": thought}]})
+    assert said > plain + 10
+    assert input_tokens({"type": "reasoning", "id": "rs_1",
+                         "summary": [{"type": "summary_text", "text": thought}]}) == said
+    # a thinking response (the template opens the block under a reasoning effort), its items sent back
+    r = client.responses.create(model="tiny", input=USER, max_output_tokens=12, temperature=0, store=False,
+                                reasoning={"effort": "high"}, include=["reasoning.encrypted_content"])
+    item = next(i for i in r.output if i.type == "reasoning")
+    assert isinstance(item.encrypted_content, str) and item.content[0].text
+    blob_only = {"type": "reasoning", "id": item.id, "summary": [], "encrypted_content": item.encrypted_content}
+    again = input_tokens(item.model_dump(exclude_none=True))
+    assert again > plain and input_tokens(blob_only) == again
+    # another server's blob is not read
+    assert input_tokens({**blob_only, "encrypted_content": "gAAAAABfoo"}) == plain
+    events = list(client.responses.create(model="tiny", input=USER, max_output_tokens=12, temperature=0,
+                                          store=False, reasoning={"effort": "high"}, stream=True,
+                                          include=["reasoning.encrypted_content"]))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert done and done[0].encrypted_content == item.encrypted_content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", include=["message.output_text.logprobs"])
+    assert e.value.param == "include" and "message.output_text.logprobs" in e.value.message
 
 
 def test_langchain_bind_tools_and_structured_output(agent_server):

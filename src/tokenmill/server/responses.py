@@ -10,6 +10,7 @@ list of items: a `reasoning` item (with --reasoning-parser), a `message` with it
 """
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Annotated, Any, Literal, Union
 
@@ -68,14 +69,47 @@ class FunctionCallOutputItem(_Strict):
 
 
 class ReasoningItem(_Strict):
-    """A reasoning item sent back from an earlier response: accepted and left out of the prompt, as
-    chat templates drop the thinking of earlier turns."""
+    """A reasoning item sent back from an earlier response: its text becomes the `reasoning_content` of
+    the assistant message that follows it, for the chat template to keep or drop (Qwen3's keeps the
+    thinking of the turn in progress, between tool calls, and drops that of earlier turns)."""
     type: Literal["reasoning"]
     id: str | None = None
     summary: Any = None
     content: Any = None
     encrypted_content: Any = None
     status: str | None = None
+
+    def text(self) -> str:
+        """The reasoning text: its content parts', else what `encrypted_content` carries if this server
+        wrote it, else its summary's; "" where none is readable."""
+        for parts in (self.content, _unwrap(self.encrypted_content), self.summary):
+            if isinstance(parts, str):
+                return parts
+            texts = [p.get("text") for p in parts or () if isinstance(p, dict)]
+            if texts and all(isinstance(t, str) for t in texts):
+                return "".join(texts)
+        return ""
+
+
+# `include: ["reasoning.encrypted_content"]` (what Codex and the Agents SDK send with `store: false`, to
+# carry reasoning between turns themselves): reasoning items then carry their text in `encrypted_content`.
+# It is encoded, not encrypted (this server holds no key and the text is in the item's content already);
+# the prefix tells a blob of ours from another server's, which is ignored.
+INCLUDES = ("reasoning.encrypted_content",)
+_BLOB_PREFIX = "tokenmill-reasoning-v1."
+
+
+def _wrap(text: str) -> str:
+    return _BLOB_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def _unwrap(blob) -> str | None:
+    if not isinstance(blob, str) or not blob.startswith(_BLOB_PREFIX):
+        return None
+    try:
+        return base64.urlsafe_b64decode(blob[len(_BLOB_PREFIX):]).decode("utf-8")
+    except ValueError:
+        return None
 
 
 _ITEM_ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -153,8 +187,10 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.include:
-            raise UnsupportedValue("include", f"'include' is not supported by tokenmill (got {self.include})")
+        unknown = [v for v in self.include or () if v not in INCLUDES]
+        if unknown:
+            raise UnsupportedValue("include", f"'include' value {unknown[0]!r} is not supported by tokenmill "
+                                              f"(only {', '.join(map(repr, INCLUDES))})")
         return self
 
     def input_items(self) -> list[dict]:
@@ -181,18 +217,25 @@ class ResponsesRequest(_Strict):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        thinking = ""           # reasoning items' text, for the next assistant message
         for item in (_ITEMS.validate_python(list(history)) if history else []) + list(items):
+            if isinstance(item, ReasoningItem):
+                thinking += item.text()
+                continue
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+                if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"] and not thinking:
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            if thinking and messages[-1]["role"] == "assistant":
+                messages[-1]["reasoning_content"] = thinking
+            thinking = ""
         body: dict[str, Any] = {"messages": messages, "stream": stream, "max_tokens": self.max_output_tokens}
         for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "metadata",
                      "prompt_cache_key", "safety_identifier"):
@@ -228,12 +271,13 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _items(message: dict) -> list[dict]:
+def _items(message: dict, include: list[str] | None) -> list[dict]:
     """Output items from a parsed chat message."""
     items = []
     if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        items.append(_encrypted({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
+                                 "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]},
+                                include))
     if message.get("content"):
         items.append({"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": [],
@@ -242,6 +286,13 @@ def _items(message: dict) -> list[dict]:
         items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
     return items
+
+
+def _encrypted(item: dict, include: list[str] | None) -> dict:
+    """A reasoning item with `encrypted_content` where the request included it."""
+    if include and "reasoning.encrypted_content" in include:
+        item["encrypted_content"] = _wrap(item["content"][0]["text"])
+    return item
 
 
 class _Shape:
@@ -326,7 +377,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         c = out.outputs[0]
         message = ChoiceText(serving, chat, prompt_text).message(c.text)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        return done(shape.body(status, _items(message), out, c.finish_reason))
+        return done(shape.body(status, _items(message, req.include), out, c.finish_reason))
 
     async def stream(merged):
         events = _EventStream(shape)
@@ -404,6 +455,7 @@ class _EventStream:
         elif item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                      content_index=0, text=item["content"][0]["text"]))
+            _encrypted(item, self.shape.req.include)
         elif item["type"] == "function_call":
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=index, name=item["name"], arguments=item["arguments"]))
