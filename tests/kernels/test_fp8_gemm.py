@@ -166,6 +166,33 @@ def test_products_take_rows_their_producer_quantized(rows, block):
         fp8_linear(Fp8Rows(*quantize_rows(x, other), other, x.dtype), q, s, blk)
 
 
+@pytest.mark.parametrize("rows", [64, 100, 384])
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_products_of_64_to_384_rows_scale_after_a_scalar_scaled_product(rows, bias, monkeypatch):
+    """A per-channel weight no wider than deep (o_proj, down_proj) at 64-384 rows: `_scaled_mm` with scalar
+    scales into float32, then each row's and channel's scale and the bias, against the row-quantized
+    input's product; its input quantized by its producer gives the same bits. Wider weights and other row
+    counts keep their paths."""
+    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.quant.fp8 import Fp8Rows
+    q, s, blk, b = layer(96, 256, None, bias)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE) * \
+        torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
+    taken = []
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_tensorwise", lambda *a, f=fp8_gemm.fp8_linear_tensorwise:
+                        taken.append(1) or f(*a))
+    got = fp8_gemm.fp8_linear(x, q, s, blk, b)
+    assert taken and got.dtype == x.dtype
+    want = w8a8_reference(x, q, s, blk, b)
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=1e-4)
+    pre = Fp8Rows(*fp8_gemm.quantize_rows(x), 256, x.dtype)
+    assert torch.equal(fp8_gemm.fp8_linear(pre, q, s, blk, b), got)
+    assert not fp8_gemm.tensorwise_fits((512, 256), blk, rows)        # wider than deep
+    assert not fp8_gemm.tensorwise_fits((96, 256), blk, 63) and not fp8_gemm.tensorwise_fits((96, 256), blk, 385)
+    assert not fp8_gemm.tensorwise_fits((96, 256), (128, 128), rows)  # block scales
+
+
 def test_input_group_is_none_where_a_path_takes_unquantized_rows():
     """Per channel, a weight whose dims are not multiples of 16 runs the dequantized layer above ROWS_MAX
     rows; block scales of fewer than 16 rows fit no tile."""

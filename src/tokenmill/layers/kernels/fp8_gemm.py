@@ -16,6 +16,11 @@ gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of
   `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
   1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
   docs/BENCHMARKS.md).
+- Per-channel weights no wider than deep (o_proj, down_proj) at `TENSORWISE_ROWS`: `torch._scaled_mm` with
+  scalar scales (cuBLASLt, whose kernels split K on these shapes) into float32, then `_scale_rows_kernel`
+  (each row's and each channel's scale, the bias, the cast). With the row and channel scales in the call
+  (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows on an H200, and 13-18 us this way
+  at 64-384 rows; wider products (qkv, gate_up) lose it to the float32 round trip (docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
@@ -42,6 +47,7 @@ from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, dequantize
 
 ROWS_MAX = 192
+TENSORWISE_ROWS = (64, 384)     # input rows of the narrow per-channel products that take `fp8_linear_tensorwise`
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
 
@@ -338,6 +344,12 @@ def scaled_mm_fits(shape: tuple[int, int], block: tuple[int, int]) -> bool:
     return block[1] == k and block[0] == 1 and n % 16 == 0 and k % 16 == 0
 
 
+def tensorwise_fits(shape: tuple[int, int], block: tuple[int, int], rows: int) -> bool:
+    """Whether `fp8_linear` takes `fp8_linear_tensorwise` for `rows` input rows and a weight of `shape`."""
+    n, k = shape
+    return scaled_mm_fits(shape, block) and n <= k and TENSORWISE_ROWS[0] <= rows <= TENSORWISE_ROWS[1]
+
+
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
@@ -346,11 +358,47 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:
             return fp8_block_gemm(x, weight, scale, block, bias, tile)
+    elif tensorwise_fits(tuple(weight.shape), block, x.shape[0]):
+        return fp8_linear_tensorwise(x, weight, scale, bias)
     elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight.shape, block):
         tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
         if tile is not None:
             return fp8_rows(x, weight, scale, block, bias, tile)
     return fp8_linear_many(x, weight, scale, block, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), device=device)
+
+
+def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` of a per-channel weight: the unscaled product in float32 by `_scaled_mm` with scalar
+    scales of 1, then each row's and channel's scale and the bias in `_scale_rows_kernel`."""
+    xq, x_scale = _quantized(x, x.shape[1])
+    one = _one(xq.device)
+    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    m, n = raw.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=raw.device)
+    _scale_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
+        raw, x_scale, scale, bias if bias is not None else scale, out, m, n, HAS_BIAS=bias is not None,
+        BLOCK_M=32, BLOCK_N=128, num_warps=4)
+    return out
+
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, rs_ptr, cs_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    # out = x * row scale * channel scale (+ bias), x float32 [M, N], the scales [M, 1] and [N, 1]
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
+    y = x * tl.load(rs_ptr + rm, mask=rm < M, other=0.0)[:, None] * tl.load(cs_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_linear_many(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
