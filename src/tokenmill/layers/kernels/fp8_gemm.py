@@ -16,11 +16,13 @@ gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of
   `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
   1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
   docs/BENCHMARKS.md).
-- Per-channel weights no wider than deep (o_proj, down_proj) at `TENSORWISE_ROWS`: `torch._scaled_mm` with
-  scalar scales (cuBLASLt, whose kernels split K on these shapes) into float32, then `_scale_rows_kernel`
-  (each row's and each channel's scale, the bias, the cast). With the row and channel scales in the call
-  (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows on an H200, and 13-18 us this way
-  at 64-384 rows; wider products (qkv, gate_up) lose it to the float32 round trip (docs/BENCHMARKS.md).
+- Per-channel weights no wider than deep (o_proj, down_proj) at `TENSORWISE_ROWS`, before either path
+  around it: `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into
+  float32, then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast). With the
+  row and channel scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows
+  on an H200, and 13-18 us this way at 64-384 rows (1.3-1.5x faster than `fp8_rows` at 64-128); wider
+  products (qkv, gate_up) lose it to the float32 round trip, and `fp8_rows` wins below 48 rows
+  (docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
