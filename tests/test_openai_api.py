@@ -246,6 +246,31 @@ def test_responses_take_function_call_history(api_server):
     assert r.output_text is not None
 
 
+def test_responses_give_the_output_texts_logprobs_as_chat_does(api_server):
+    """include ["message.output_text.logprobs"] with top_logprobs: the message's text carries each
+    output token's logprob and alternatives, equal to chat's for the same conversation; streamed, the
+    output_text deltas carry them in order."""
+    client = api_server.client()
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    want = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    args = dict(model="tiny", input="hello", max_output_tokens=6, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    r = client.responses.create(**args)
+    part = r.output[-1].content[0]
+    assert r.top_logprobs == 2 and len(want) == r.usage.output_tokens
+    assert [t.model_dump() for t in part.logprobs] == want and all(len(t["top_logprobs"]) == 2 for t in want)
+    events = list(client.responses.create(stream=True, **args))
+    streamed = [t.model_dump() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == want
+    assert [t.model_dump() for t in events[-1].response.output[-1].content[0].logprobs] == want
+    plain = client.responses.create(model="tiny", input="hello", max_output_tokens=6, temperature=0)
+    assert plain.output[-1].content[0].logprobs == [] and plain.output_text == r.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hello", top_logprobs=21)
+    assert e.value.param == "top_logprobs"
+
+
 def test_a_stored_responses_input_items_are_listed(api_server):
     """GET /v1/responses/{id}/input_items through the openai client: the request's own input items, each
     with an id, newest first by default, in pages that `after` continues."""

@@ -16,7 +16,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
 
 
-def _logprobs(serving: Serving, token_ids, entries, k: int) -> list[dict]:
+def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
     content = []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid)
@@ -181,7 +181,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         for c in out.outputs:
             lp = None
             if k is not None and c.logprobs is not None:
-                lp = {"content": _logprobs(serving, c.token_ids, c.logprobs, k)}
+                lp = {"content": logprob_entries(serving, c.token_ids, c.logprobs, k)}
             text = ChoiceText(serving, req, prompt_text)
             message = text.message(c.text)
             choices.append({"index": c.index, "message": message, "logprobs": lp,
@@ -214,7 +214,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 text = texts.setdefault(c.index, ChoiceText(serving, req, prompt_text))
                 lp = None
                 if k is not None and new_lps is not None:
-                    lp = {"content": _logprobs(serving, new_ids, new_lps, k)}
+                    lp = {"content": logprob_entries(serving, new_ids, new_lps, k)}
                 parts = text.feed(piece) if piece else []
                 if c.finish_reason is not None:
                     parts += text.finish()

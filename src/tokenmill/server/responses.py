@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from fastapi import Request
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
-from tokenmill.server.chat import ChoiceText, prepare_chat, reasoning_tokens
+from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
     MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
@@ -95,7 +95,7 @@ class ReasoningItem(_Strict):
 # carry reasoning between turns themselves): reasoning items then carry their text in `encrypted_content`.
 # It is encoded, not encrypted (this server holds no key and the text is in the item's content already);
 # the prefix tells a blob of ours from another server's, which is ignored.
-INCLUDES = ("reasoning.encrypted_content",)
+INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 _BLOB_PREFIX = "tokenmill-reasoning-v1."
 
 
@@ -166,6 +166,7 @@ class ResponsesRequest(_Strict):
     input: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[FunctionTool] | None = None
@@ -192,6 +193,10 @@ class ResponsesRequest(_Strict):
             raise UnsupportedValue("include", f"'include' value {unknown[0]!r} is not supported by tokenmill "
                                               f"(only {', '.join(map(repr, INCLUDES))})")
         return self
+
+    def wants_logprobs(self) -> bool:
+        """The output text's token logprobs: asked by include (OpenAI's way) or by top_logprobs alone."""
+        return "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None
 
     def input_items(self) -> list[dict]:
         """The input as items, as a stored response keeps them and `input_items` lists them: each with
@@ -250,6 +255,8 @@ class ResponsesRequest(_Strict):
             body["tool_choice"] = self.tool_choice
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
+        if self.wants_logprobs():
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
@@ -271,8 +278,8 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _items(message: dict, include: list[str] | None) -> list[dict]:
-    """Output items from a parsed chat message."""
+def _items(message: dict, include: list[str] | None, logprobs: list[dict]) -> list[dict]:
+    """Output items from a parsed chat message; `logprobs` (the output's tokens') go with its text."""
     items = []
     if message.get("reasoning_content"):
         items.append(_encrypted({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
@@ -281,7 +288,7 @@ def _items(message: dict, include: list[str] | None) -> list[dict]:
     if message.get("content"):
         items.append({"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": [],
-                                   "logprobs": []}]})
+                                   "logprobs": logprobs}]})
     for call in message.get("tool_calls") or ():
         items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
@@ -311,7 +318,7 @@ class _Shape:
                 "model": self.model, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "temperature": r.temperature, "top_p": r.top_p, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "temperature": r.temperature, "top_p": r.top_p, "top_logprobs": r.top_logprobs, "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunctionChoice)
                                 else r.tool_choice or "auto"),
                 "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
@@ -372,25 +379,34 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
             serving.responses.put(body, req.input_items())
         return body
 
+    k = params.logprobs
+
+    def token_logprobs(token_ids, entries) -> list[dict]:
+        return logprob_entries(serving, token_ids, entries, k) if k is not None and entries is not None else []
+
     def final(outs):
         out = outs[0]
         c = out.outputs[0]
         message = ChoiceText(serving, chat, prompt_text).message(c.text)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        return done(shape.body(status, _items(message, req.include), out, c.finish_reason))
+        lps = token_logprobs(c.token_ids, c.logprobs)
+        return done(shape.body(status, _items(message, req.include, lps), out, c.finish_reason))
 
     async def stream(merged):
         events = _EventStream(shape)
         yield events.event("response.created", response=shape.body("in_progress", []))
         yield events.event("response.in_progress", response=shape.body("in_progress", []))
         text = ChoiceText(serving, chat, prompt_text)
-        sent = 0
+        sent = sent_tokens = 0
         last = None
         async for _, out in merged:
             last = out
             c = out.outputs[0]
             piece = c.text[sent:]
             sent = len(c.text)
+            events.pending_logprobs += token_logprobs(c.token_ids[sent_tokens:],
+                                                      c.logprobs[sent_tokens:] if c.logprobs is not None else None)
+            sent_tokens = len(c.token_ids)
             parts = text.feed(piece) if piece else []
             if c.finish_reason is not None:
                 parts += text.finish()
@@ -419,6 +435,7 @@ class _EventStream:
         self.items: list[dict] = []
         self.open: dict | None = None       # the item receiving deltas
         self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
+        self.pending_logprobs: list[dict] = []   # tokens' logprobs not yet sent with an output_text delta
 
     def event(self, kind: str, **fields) -> dict:
         e = {"type": kind, "sequence_number": self.seq, **fields}
@@ -432,7 +449,7 @@ class _EventStream:
         events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
                                  item={**item, "status": "in_progress"}))
         if item["type"] in ("message", "reasoning"):
-            part = {"type": "output_text", "text": "", "annotations": []} if item["type"] == "message" else \
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message" else \
                 {"type": "reasoning_text", "text": ""}
             item["content"] = [dict(part)]
             if item["type"] == "message":
@@ -449,7 +466,7 @@ class _EventStream:
         if item["type"] == "message":
             part = item["content"][0]
             events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                     content_index=0, text=part["text"], logprobs=[]))
+                                     content_index=0, text=part["text"], logprobs=part["logprobs"]))
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                      content_index=0, part=part))
         elif item["type"] == "reasoning":
@@ -476,9 +493,11 @@ class _EventStream:
             if self.open is None or self.open["type"] != "message":
                 events += self._start({"type": "message", "id": _id("msg"), "role": "assistant"})
             self.open["content"][0]["text"] += part["content"]
+            lps, self.pending_logprobs = self.pending_logprobs, []
+            self.open["content"][0]["logprobs"] += lps
             events.append(self.event("response.output_text.delta", item_id=self.open["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=part["content"],
-                                     logprobs=[]))
+                                     logprobs=lps))
         for call in part.get("tool_calls") or ():
             item = self.calls.get(call["index"])
             if item is None:
