@@ -287,8 +287,8 @@ def test_responses_carry_reasoning_between_turns(agent_server):
     done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
     assert done and done[0].encrypted_content == item.encrypted_content
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="tiny", input="hi", include=["message.output_text.logprobs"])
-    assert e.value.param == "include" and "message.output_text.logprobs" in e.value.message
+        client.responses.create(model="tiny", input="hi", include=["file_search_call.results"])
+    assert e.value.param == "include" and "file_search_call.results" in e.value.message
 
 
 def test_langchain_bind_tools_and_structured_output(agent_server):
