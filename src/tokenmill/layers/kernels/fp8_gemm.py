@@ -371,6 +371,10 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
 
 @functools.lru_cache(maxsize=None)
 def _one(device: torch.device) -> torch.Tensor:
+    # filled by a kernel, which a CUDA graph being captured would record instead of running: the first
+    # call must be eager (the runner warms every graph up eagerly before capturing it)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("fp8_linear_tensorwise's first call on a device must run eagerly, not under capture")
     return torch.ones((), device=device)
 
 
