@@ -279,8 +279,9 @@ def test_responses_carry_reasoning_between_turns(agent_server):
     blob_only = {"type": "reasoning", "id": item.id, "summary": [], "encrypted_content": item.encrypted_content}
     again = input_tokens(item.model_dump(exclude_none=True))
     assert again > plain and input_tokens(blob_only) == again
-    # another server's blob is not read
+    # another server's blob is not read, nor content of a shape no client sends
     assert input_tokens({**blob_only, "encrypted_content": "gAAAAABfoo"}) == plain
+    assert input_tokens({"type": "reasoning", "content": True, "summary": [{"text": 3}]}) == plain
     events = list(client.responses.create(model="tiny", input=USER, max_output_tokens=12, temperature=0,
                                           store=False, reasoning={"effort": "high"}, stream=True,
                                           include=["reasoning.encrypted_content"]))

@@ -85,7 +85,9 @@ class ReasoningItem(_Strict):
         for parts in (self.content, _unwrap(self.encrypted_content), self.summary):
             if isinstance(parts, str):
                 return parts
-            texts = [p.get("text") for p in parts or () if isinstance(p, dict)]
+            if not isinstance(parts, list):      # absent, or a shape no client sends: nothing to read
+                continue
+            texts = [p.get("text") for p in parts if isinstance(p, dict)]
             if texts and all(isinstance(t, str) for t in texts):
                 return "".join(texts)
         return ""
