@@ -137,6 +137,18 @@ def test_reasoning_goes_to_reasoning_content(agent_server):
     assert reasoning == "The user asks about Paris." and content == "It is sunny."
 
 
+def test_a_user_quoting_the_think_tag_opens_no_block(agent_server):
+    """The reasoning parser reads whether the reply starts inside a thinking block from the prompt's last
+    turn: a `<think>` quoted in the user's message leaves the answer in content."""
+    client = agent_server.client()
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What does <think> do?"}],
+                                       max_tokens=60, temperature=0, extra_body={"structured_outputs": {
+                                           "regex": re.escape("It opens a block.")}})
+    msg = r.choices[0].message
+    assert msg.content == "It opens a block." and msg.model_extra.get("reasoning_content") is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_reasoning_tokens_are_counted_in_usage(agent_server):
     """usage's reasoning tokens: the output tokens between the <think> and </think> tokens, here read off
     the tokens that logprobs names; the same count streamed and from /v1/responses. (A random model spells

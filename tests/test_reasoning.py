@@ -173,3 +173,18 @@ def test_a_tokenizer_without_think_tokens_is_refused():
     bundled = Tokenizer(os.path.join(os.path.dirname(tokenmill.__file__), "assets", "tiny"))
     with pytest.raises(ValueError, match=r"<think> as one token .* encodes <think> as \d+ tokens"):
         think_token_ids(bundled)
+
+
+def test_a_think_tag_in_an_earlier_turn_opens_no_block():
+    """`last_turn` keeps what follows the prompt's last special token, so a user quoting `<think>` opens no
+    block, while a template that opens one for the reply, or a continued assistant message, still does."""
+    from tokenmill.server.reasoning import last_turn
+    markers = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    quoted = "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"
+    assert QWEN3.starts_in_reasoning(quoted)                        # the whole prompt misleads
+    assert not QWEN3.starts_in_reasoning(last_turn(quoted, markers))
+    assert QWEN3.extract("It opens a block.", last_turn(quoted, markers)) == (None, "It opens a block.")
+    for prompt in (OPEN_PROMPT, quoted + "<think>\n", "<|im_start|>assistant\n<think>\nhmm"):
+        assert QWEN3.starts_in_reasoning(last_turn(prompt, markers))
+    assert not QWEN3.starts_in_reasoning(last_turn(CLOSED_PROMPT, markers))
+    assert last_turn("no markers here", ()) == "no markers here"

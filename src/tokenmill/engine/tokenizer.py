@@ -21,6 +21,11 @@ class Tokenizer:
         self.eos_token_ids = tuple(i for i in [self.hf.eos_token_id] if i is not None)
         self.vocab_size = len(self.hf)
         self.all_special_ids = set(self.hf.all_special_ids)
+        # every special token's text (the named ones and the added ones marked special, such as ChatML's
+        # <|im_start|>, which some tokenizers do not name)
+        added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        self.all_special_tokens = tuple(dict.fromkeys(
+            [*self.hf.all_special_tokens, *(t.content for t in added.values() if getattr(t, "special", False))]))
         # Decoding goes straight to the Rust tokenizer (a third of transformers' cost per call, and the
         # frontend decodes twice per generated token) unless the tokenizer asks for transformers'
         # clean-up of tokenization spaces, which only transformers applies.

@@ -135,7 +135,8 @@ def _choice_value(tool_choice):
 
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):
-    """The rendered prompt (text and ids, checked) and the sampling parameters of a chat request.
+    """The rendered prompt (its text, as much as the reasoning parser reads: `reasoning.last_turn`; and its
+    ids, checked) and the sampling parameters of a chat request.
     `effort_param`: what the client called `reasoning_effort` (Responses nests it in `reasoning`)."""
     tools = req.tools_in_use()
     if tools is not None and req.tool_choice in (None, "auto") and not serving.enable_auto_tool_choice:
@@ -155,6 +156,9 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
             raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
                                 f"template does not read reasoning_effort{hint}", effort_param)
     prompt_text, prompt = await serving.prompts.render_chat(req.chat_messages(), add_gen, **template_kwargs)
+    if serving.reasoning_parser is not None:
+        from tokenmill.server.reasoning import last_turn
+        prompt_text = last_turn(prompt_text, serving.turn_markers)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
     serving.check_room([prompt], params)

@@ -96,6 +96,7 @@ class Serving:
         self.enable_auto_tool_choice = chat.enable_auto_tool_choice
         self.tool_parser = self.reasoning_parser = None
         self.think_tags: tuple[int, int] | None = None       # (<think>, </think>) ids, with a reasoning parser
+        self.turn_markers: tuple[str, ...] = ()                # special tokens: where a chat turn starts or ends
         if chat.tool_call_parser is not None:
             from tokenmill.server.tool_parsers import TOOL_PARSERS
             self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
@@ -104,6 +105,8 @@ class Serving:
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
             if engine.tokenizer is not None:
                 self.think_tags = think_token_ids(engine.tokenizer)
+                self.turn_markers = tuple(t for t in engine.tokenizer.all_special_tokens
+                                          if t not in ("<think>", "</think>"))
         self.fingerprint = "fp_tokenmill"
         self.responses: ResponseStore | None = None       # set by build_app where this process stores them
 
