@@ -130,7 +130,8 @@ def generation_defaults(args) -> dict:
         except json.JSONDecodeError as e:
             raise ValueError(f"--override-generation-config is not JSON: {e}") from None
         if not isinstance(overrides, dict):
-            raise ValueError(f"--override-generation-config takes a JSON object, got {args.override_generation_config!r}")
+            raise ValueError("--override-generation-config takes a JSON object, got "
+                             f"{args.override_generation_config!r}")
     return sampling_defaults(args.generation_config, args.model, overrides)
 
 

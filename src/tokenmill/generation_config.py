@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-# generation_config.json's key -> the SamplingParams field it sets
-KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-        "repetition_penalty": "repetition_penalty"}
+# generation_config.json's keys that set the SamplingParams fields of the same names
+KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_defaults(source: str, model: str, overrides: dict | None = None) -> dict:
@@ -33,14 +32,14 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None) ->
                 raise ValueError(f"{path}: {e}") from None
             if not isinstance(config, dict):
                 raise ValueError(f"{path}: not a JSON object")
-            found = {field: config[key] for key, field in KEYS.items() if config.get(key) is not None}
+            found = {key: config[key] for key in KEYS if config.get(key) is not None}
         elif source != "auto":
             raise ValueError(f"--generation-config {source!r}: no generation_config.json there (give 'auto' for "
                              "the model's own, 'vllm' for none, or a directory that holds one)")
     for key, value in (overrides or {}).items():
         if key not in KEYS:
             raise ValueError(f"--override-generation-config: unknown key {key!r}; known: {', '.join(KEYS)}")
-        found[KEYS[key]] = value
+        found[key] = value
     from tokenmill.sampling_params import SamplingParams
     try:
         SamplingParams(**found)

@@ -8,8 +8,9 @@ reasoning stream is fed to the tool-call stream.
 
 The rule (`qwen3`; also Nanbeige4.1, whose template is Qwen3-Thinking's):
 - Generation starts inside a thinking block when the rendered prompt leaves one open in its last turn
-  (`last_turn`: after the last special token): its last `<think>` has no `</think>` after it. Qwen3-Thinking-2507 and Nanbeige4.1 end the prompt with `<think>\\n`;
-  Qwen3 with `enable_thinking=False` ends it with `<think>\\n\\n</think>\\n\\n`, which is closed.
+  (`last_turn`: after the last special token): its last `<think>` has no `</think>` after it.
+  Qwen3-Thinking-2507 and Nanbeige4.1 end the prompt with `<think>\\n`; Qwen3 with `enable_thinking=False`
+  ends it with `<think>\\n\\n</think>\\n\\n`, which is closed.
 - Otherwise the output opens a block itself if it begins, after whitespace, with `<think>` (Qwen3-4B in
   thinking mode). A `<think>` at the very start is dropped in either case.
 - Inside the block everything up to the first `</think>` is reasoning and the rest is content. A block
@@ -40,7 +41,7 @@ def last_turn(prompt: str, markers: tuple[str, ...]) -> str:
     ChatML's `<|im_start|>`): the part where the template opens a thinking block for the reply, or a
     continued assistant message has one open. A `<think>` in an earlier turn (a user quoting the tag) then
     opens nothing."""
-    cut = max((prompt.rfind(m) + len(m) for m in markers if m and m in prompt), default=0)
+    cut = max((i + len(m) for m in markers if m and (i := prompt.rfind(m)) >= 0), default=0)
     return prompt[cut:]
 
 

@@ -101,12 +101,12 @@ class Serving:
             from tokenmill.server.tool_parsers import TOOL_PARSERS
             self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
         if chat.reasoning_parser is not None:
-            from tokenmill.server.reasoning import REASONING_PARSERS, think_token_ids
+            from tokenmill.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, think_token_ids
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
             if engine.tokenizer is not None:
                 self.think_tags = think_token_ids(engine.tokenizer)
                 self.turn_markers = tuple(t for t in engine.tokenizer.all_special_tokens
-                                          if t not in ("<think>", "</think>"))
+                                          if t not in (THINK_START, THINK_END))
         self.fingerprint = "fp_tokenmill"
         self.responses: ResponseStore | None = None       # set by build_app where this process stores them
 

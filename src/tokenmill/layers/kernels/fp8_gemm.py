@@ -401,7 +401,9 @@ def _scale_rows_kernel(x_ptr, rs_ptr, cs_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    y = x * tl.load(rs_ptr + rm, mask=rm < M, other=0.0)[:, None] * tl.load(cs_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    rs = tl.load(rs_ptr + rm, mask=rm < M, other=0.0)
+    cs = tl.load(cs_ptr + rn, mask=rn < N, other=0.0)
+    y = x * rs[:, None] * cs[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
