@@ -20,7 +20,7 @@ gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of
   around it: `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into
   float32, then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast). With the
   row and channel scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows
-  on an H200, and 13-18 us this way at 64-384 rows (1.3-1.5x faster than `fp8_rows` at 64-128); wider
+  on an H200, and 13-21 us this way at 64-384 rows (1.2-1.5x faster than `fp8_rows` at 64-128); wider
   products (qkv, gate_up) lose it to the float32 round trip, and `fp8_rows` wins below 48 rows
   (docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
