@@ -21,8 +21,8 @@ for v in $VARIANTS; do
   esac
   t0=$SECONDS
   # shellcheck disable=SC2086
-  python lab/kernel_share.py "preset:$MODEL" --label "$MODEL-$v" --out "$OUT" --num-prompts "$NUM" \
-    --len-range "$LENS" $extra > "$OUT/kernels-$MODEL-$v.log" 2>&1 || { FAILED=1; tail -5 "$OUT/kernels-$MODEL-$v.log" >&2; }
+  python lab/kernel_share.py "preset:$MODEL" $extra --label "$MODEL-$v" --out "$OUT" --num-prompts "$NUM" \
+    --len-range "$LENS" > "$OUT/kernels-$MODEL-$v.log" 2>&1 || { FAILED=1; tail -5 "$OUT/kernels-$MODEL-$v.log" >&2; }
   echo "$v: $((SECONDS - t0)) s" >&2
 done
 for v in $VARIANTS; do grep -v "^\[" "$OUT/kernels-$MODEL-$v.log" | tail -17; echo; done
