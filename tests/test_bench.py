@@ -81,6 +81,46 @@ def test_roofline_real_model_figures():
     assert 1e3 * cost.weight_bytes / 4.3e12 == pytest.approx(1.87, abs=0.01)
 
 
+def test_roofline_quantized_costs():
+    """FP8 projections are a byte a parameter at twice the FLOP rate, 4-bit ones half a byte plus a group's
+    scale and zero; the head, embedding and norms stay 16-bit; an FP8 cache halves the bytes a token."""
+    mc = ModelConfig.from_hf(PRESETS["qwen3-4b"])
+    bf16 = ModelCost.from_model_config(mc)
+    fp8 = ModelCost.from_model_config(mc, quantization="fp8", kv_cache_dtype="fp8")
+    awq = ModelCost.from_model_config(mc, quantization="awq", group_size=64)
+    rest = bf16.weight_bytes - 2 * bf16.matmul_params
+    assert fp8.weight_bytes == pytest.approx(rest + bf16.matmul_params)
+    assert awq.weight_bytes == pytest.approx(rest + bf16.matmul_params * (0.5 + 2.5 / 64))
+    assert 2 * fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == awq.kv_bytes_per_token
+    assert (bf16.matmul_rate, fp8.matmul_rate, awq.matmul_rate) == (1.0, 2.0, 1.0)
+    # batch-1 decode: the FP8 projections and the bf16 tied head, 4.4 GB
+    assert 1e3 * fp8.weight_bytes / 4.3e12 == pytest.approx(1.03, abs=0.01)
+    with pytest.raises(ValueError, match="int3"):
+        ModelCost.from_model_config(mc, quantization="int3")
+
+
+def test_roofline_matmul_rate_speeds_the_projections_only():
+    hw = Hardware(memory_bandwidth=1000.0, matmul_flops=1000.0)
+    # one compute-bound step: a 5-token prompt, its last chunk sampling the one output token;
+    # projections 2 * 1000 * 5 = 10,000 flops, attention 8 * 15 pairs = 120
+    plain = ModelCost(weight_bytes=0.0, matmul_params=1000, lm_head_params=0, kv_bytes_per_token=0,
+                      attn_flops_per_pair=8)
+    fast = ModelCost(**{**plain.__dict__, "matmul_rate": 2.0})
+    assert roofline_floor([5], [1], plain, hw=hw).seconds == pytest.approx(10.12)
+    floor = roofline_floor([5], [1], fast, hw=hw)
+    assert floor.seconds == pytest.approx(5.12) and floor.total_flops == pytest.approx(10_120)
+
+
+def test_bench_weight_format_follows_the_engine():
+    from tokenmill.bench.cli import _weight_format
+
+    assert _weight_format(None, {}) == (None, 128)
+    assert _weight_format("fp8", {}) == ("fp8", 128)
+    assert _weight_format(None, {"quantization_config": {"quant_method": "compressed-tensors"}})[0] == "fp8"
+    assert _weight_format(None, {"quantization_config": {"quant_method": "GPTQ", "group_size": 64}}) == ("gptq", 64)
+    assert _weight_format(None, {"quantization_config": {"quant_method": "awq", "q_group_size": 32}}) == ("awq", 32)
+
+
 def _args(tmp_path, backend, extra=()):
     return ["throughput", "--model", "preset:test-tiny", "--backend", backend, "--num-prompts", "5",
             "--input-len-range", "4,12", "--output-len-range", "2,6", "--dtype", "float32", "--device", "cpu",
@@ -135,6 +175,9 @@ def test_bench_tokenmill_quantization_reaches_the_engine(tmp_path, tiny_cache):
     from tokenmill.bench.cli import main
 
     assert main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "fp8"])) == 0
-    assert _check(tmp_path, ["tokenmill"])["results"][0]["quantization"] == "fp8"
+    summary = _check(tmp_path, ["tokenmill"])
+    assert summary["results"][0]["quantization"] == "fp8"
+    # the floor is the FP8 weights' (a byte a projection parameter against float32's four)
+    assert summary["roofline"]["weights"] == "fp8" and summary["roofline"]["matmul_rate"] == 2.0
     with pytest.raises(ValueError, match="awq"):
         main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "awq"]))

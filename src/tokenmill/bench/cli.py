@@ -303,6 +303,18 @@ def _run_child(args, argv: list[str], backend: str, model_path: str, requests_fi
         return json.load(f)
 
 
+def _weight_format(quantization: str | None, hf_config: dict) -> tuple[str | None, int]:
+    """The projections' format the engine serves (`--quantization`, else the checkpoint's
+    quantization_config) as the roofline takes it, and the 4-bit group size."""
+    from tokenmill.quant.fp8 import METHODS as FP8_METHODS
+
+    qc = hf_config.get("quantization_config") or {}
+    method = quantization or (str(qc["quant_method"]).lower() if "quant_method" in qc else None)
+    if method in FP8_METHODS:
+        return "fp8", 128
+    return method, int(qc.get("group_size", qc.get("q_group_size", 128)))
+
+
 def run_throughput(args, argv: list[str]) -> dict:
     from tokenmill.bench.roofline import Hardware, ModelCost, decode_floor_ms_per_token, roofline_floor
     from tokenmill.config import ModelConfig
@@ -321,7 +333,8 @@ def run_throughput(args, argv: list[str]) -> dict:
 
     model_config = ModelConfig.from_hf(hf_config)
     dtype_bytes = 4 if args.dtype in ("float32", "fp32", "float") else 2
-    cost = ModelCost.from_model_config(model_config, dtype_bytes)
+    weights, group = _weight_format(args.quantization, hf_config)
+    cost = ModelCost.from_model_config(model_config, dtype_bytes, weights, args.kv_cache_dtype, group)
     hw = Hardware(args.memory_bandwidth, args.matmul_flops)
     floor = roofline_floor([r.prompt_len for r in requests], [r.output_len for r in requests], cost,
                            args.max_num_seqs, args.max_num_batched_tokens, hw)
@@ -370,7 +383,9 @@ def run_throughput(args, argv: list[str]) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "dtype", "block_size",
             "enforce_eager", "no_prefix_caching", "temperature", "top_p", "hf_batch_size", "hf_max_memory_percent")},
         "roofline": {"memory_bandwidth": hw.memory_bandwidth, "matmul_flops": hw.matmul_flops,
+                     "weights": weights or args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                      "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
+                     "matmul_rate": cost.matmul_rate,
                      **floor.as_dict()},
         "results": results,
     }

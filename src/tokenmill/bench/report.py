@@ -55,6 +55,8 @@ def markdown_report(summary: dict, table: str | None = None) -> str:
         f"{w['output_tokens']:,} output tokens",
         f"- roofline floor {roof['floor_s']:.2f} s ({roof['floor_output_tok_s']:,.0f} output tok/s) at "
         f"{roof['memory_bandwidth'] / 1e12:.1f} TB/s and {roof['matmul_flops'] / 1e12:.0f} TFLOP/s"
+        + (f", weights {roof['weights']} (products at {roof['matmul_rate']:g}x that), KV cache "
+           f"{roof['kv_cache_dtype']}" if "weights" in roof else "")
         + (f"; batch-1 decode floor {decode_floor:.2f} ms/token" if decode_floor is not None else ""),
         "",
         table if table is not None else markdown_table(summary),

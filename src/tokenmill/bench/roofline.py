@@ -7,7 +7,7 @@ the token budget goes to prompt chunks (chunked prefill), oldest request first, 
 while there is room. A request's last prompt chunk yields its first output token, so a request of P prompt
 and O output tokens computes P + O - 1 tokens. Each step costs
 
-    time = max(bytes / memory_bandwidth, flops / matmul_peak)
+    time = max(bytes / memory_bandwidth, (projection flops / matmul_rate + other flops) / matmul_peak)
 
     bytes = weight_bytes + kv_bytes_per_token * sum(cached tokens read + new tokens written)
     flops = 2 * matmul_params * new_tokens + 2 * lm_head_params * sampled_tokens
@@ -18,6 +18,12 @@ and O output tokens computes P + O - 1 tokens. Each step costs
 - kv_bytes_per_token = 2 (K and V) * layers * kv_heads * head_dim * dtype size: an ideal attention kernel
   reads each running sequence's cache once per step, whatever its number of query tokens.
 - matmul_params: the decoder's projections (q/k/v/o, gate/up/down); lm_head_params = vocab * hidden.
+- Quantized weights and cache (`ModelCost.from_model_config`'s `quantization` and `kv_cache_dtype`, as the
+  engine takes them): FP8 projections are one byte a parameter and, as W8A8, run on the FP8 tensor cores
+  at twice the 16-bit peak (`matmul_rate` 2); 4-bit ones (AWQ, GPTQ: W4A16) half a byte plus a 16-bit
+  scale and a 4-bit zero a group of input columns, at the 16-bit peak. The head and the embedding stay in
+  the model dtype, as the engine keeps them. An FP8 cache is one byte a value. Per-channel and per-layer
+  scales (under 0.2% of the bytes) are left out.
 - Ignored, so the floor stays a lower bound: activations, norms, rotary, sampling, kernel launches,
   host work, and the KV capacity limit (no preemption). Defaults are one H200: 4.3e12 B/s measured device
   copy bandwidth and 790e12 FLOP/s dense bf16 matmul.
@@ -48,9 +54,23 @@ class ModelCost:
     lm_head_params: int             # applied to sampled positions only
     kv_bytes_per_token: int
     attn_flops_per_pair: int        # 4 * layers * q_heads * head_dim
+    matmul_rate: float = 1.0        # the projections' FLOP rate as a multiple of the 16-bit peak
 
     @classmethod
-    def from_model_config(cls, mc, dtype_bytes: int = 2) -> "ModelCost":
+    def from_model_config(cls, mc, dtype_bytes: int = 2, quantization: str | None = None,
+                          kv_cache_dtype: str = "auto", group_size: int = 128) -> "ModelCost":
+        """The cost of `mc` with weights in `dtype_bytes`, or its projections in `quantization` ("fp8",
+        "awq", "gptq"; 4-bit with `group_size` columns a scale), and the cache in the model dtype or
+        FP8 (`kv_cache_dtype` "fp8" / "fp8_e4m3")."""
+        if quantization == "fp8":
+            param_bytes, rate = 1.0, 2.0
+        elif quantization in ("awq", "gptq"):
+            param_bytes, rate = 0.5 + 2.5 / group_size, 1.0
+        elif quantization is None:
+            param_bytes, rate = float(dtype_bytes), 1.0
+        else:
+            raise ValueError(f"roofline: unknown quantization {quantization!r}; known: fp8, awq, gptq")
+        kv_bytes = 1 if kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype_bytes
         h, hd = mc.hidden_size, mc.head_dim
         q, kv = mc.num_attention_heads * hd, mc.num_key_value_heads * hd
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * mc.intermediate_size
@@ -59,11 +79,12 @@ class ModelCost:
                                         + ((q + 2 * kv) if mc.attention_bias else 0)) + h
         embed = mc.vocab_size * h
         return cls(
-            weight_bytes=float((matmul + small + embed) * dtype_bytes),
+            weight_bytes=matmul * param_bytes + float((small + embed) * dtype_bytes),
             matmul_params=matmul,
             lm_head_params=embed,
-            kv_bytes_per_token=2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * dtype_bytes,
+            kv_bytes_per_token=2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * kv_bytes,
             attn_flops_per_pair=4 * mc.num_hidden_layers * mc.num_attention_heads * hd,
+            matmul_rate=rate,
         )
 
     @staticmethod
@@ -128,10 +149,11 @@ def roofline_floor(prompt_lens, output_lens, cost: ModelCost, max_num_seqs: int 
         sampled = (past + new >= prompt[idx]) & (new > 0)
         pairs = int((new * past + new * (new + 1) // 2).sum())
         step_bytes = cost.weight_bytes + cost.kv_bytes_per_token * float((past + new)[new > 0].sum())
-        step_flops = (2.0 * cost.matmul_params * float(new.sum())
-                      + 2.0 * cost.lm_head_params * float(sampled.sum())
-                      + float(cost.attn_flops_per_pair) * pairs)
-        t_mem, t_flop = step_bytes / hw.memory_bandwidth, step_flops / hw.matmul_flops
+        proj_flops = 2.0 * cost.matmul_params * float(new.sum())
+        other_flops = 2.0 * cost.lm_head_params * float(sampled.sum()) + float(cost.attn_flops_per_pair) * pairs
+        step_flops = proj_flops + other_flops
+        t_mem = step_bytes / hw.memory_bandwidth
+        t_flop = (proj_flops / cost.matmul_rate + other_flops) / hw.matmul_flops
         seconds += max(t_mem, t_flop)
         memory_steps += t_mem >= t_flop
         total_bytes += step_bytes
