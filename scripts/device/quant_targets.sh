@@ -64,8 +64,8 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 
 print(f"## Quantized serving against bf16: preset:{model}, commit {os.environ.get('TOKENMILL_GIT_COMMIT', '?')}\n")
-print("| figure | bf16 | quantized | ratio | target |")
-print("|---|---|---|---|---|")
+print("| figure | bf16 | quantized | ratio | target | floors' ratio | measured / floor, bf16 -> quantized |")
+print("|---|---|---|---|---|---|---|")
 bf16, fp8 = load("decode-none"), load("decode-fp8")
 if bf16 and fp8:
     print(f"| batch-1 decode ms/token, FP8 weights | {bf16['decode_ms_per_token']:.3f} | "
@@ -87,7 +87,11 @@ for workload, variants in (("default", (("fp8w", "FP8 weights", ">= 1.25x"), ("f
         got = load(f"{workload}-{name}")
         tok = got["results"][0]["output_tok_s"] if got else None
         ratio = f"**{tok / base_tok:.3f}x**" if tok and base_tok else "(failed)"
-        print(f"| {workload} workload output tok/s, {label} | {base_tok or 0:,.0f} | {tok or 0:,.0f} | {ratio} | {target} |")
+        # each run's floor is its own weights' and cache's (tokenmill.bench.roofline)
+        floors = (f"{base['roofline']['floor_s'] / got['roofline']['floor_s']:.3f}x | "
+                  f"{base['results'][0]['measured_over_floor']:.2f} -> {got['results'][0]['measured_over_floor']:.2f}"
+                  if tok and base_tok else "- | -")
+        print(f"| {workload} workload output tok/s, {label} | {base_tok or 0:,.0f} | {tok or 0:,.0f} | {ratio} | {target} | {floors} |")
 print("\ndecode: one request, 32 in / 256 out (bench_fp8.py; AWQ: bench_w4.py, 128 out); default: 256 requests, "
       "100-1,024 in / 100-1,024 out; long: 64 requests, 6,000-8,000 in / 64-256 out; seed 0, ignore_eos")
 EOF
