@@ -174,8 +174,10 @@ def test_bench_tokenmill_quantization_reaches_the_engine(tmp_path, tiny_cache):
     pytest.importorskip("tokenmill.llm")
     from tokenmill.bench.cli import main
 
-    assert main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "fp8"])) == 0
+    assert main(_args(tmp_path, "tokenmill", ["--in-process", "--quantization", "fp8",
+                                               "--cuda-graph-max-tokens", "4096"])) == 0
     summary = _check(tmp_path, ["tokenmill"])
+    assert summary["engine_args"]["cuda_graph_max_tokens"] == 4096
     assert summary["results"][0]["quantization"] == "fp8"
     # the floor is the FP8 weights' (a byte a projection parameter against float32's four)
     assert summary["roofline"]["weights"] == "fp8" and summary["roofline"]["matmul_rate"] == 2.0

@@ -18,7 +18,7 @@ import sys
 import time
 
 from tokenmill.bench import report
-from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
                                       sharegpt_requests, special_token_ids)
@@ -144,6 +144,8 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=EngineConfig.cuda_graph_max_tokens,
+                   help="tokenmill: steps with prefill tokens run as CUDA graphs up to this many tokens, as `serve`'s")
     p.add_argument("--swap-space", type=float, default=4.0, help="tokenmill: GiB of CPU swap space for KV blocks")
     p.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None,
                    help="tokenmill: swap or recompute preempted requests (default: swap if --swap-space > 0)")
@@ -381,7 +383,7 @@ def run_throughput(args, argv: list[str]) -> dict:
         },
         "engine_args": {k: getattr(args, k) for k in (
             "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "dtype", "block_size",
-            "enforce_eager", "no_prefix_caching", "temperature", "top_p", "hf_batch_size", "hf_max_memory_percent")},
+            "enforce_eager", "cuda_graph_max_tokens", "no_prefix_caching", "temperature", "top_p", "hf_batch_size", "hf_max_memory_percent")},
         "roofline": {"memory_bandwidth": hw.memory_bandwidth, "matmul_flops": hw.matmul_flops,
                      "weights": weights or args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                      "weight_bytes": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,

@@ -48,7 +48,8 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              seed=args.seed, enforce_eager=args.enforce_eager, swap_space=args.swap_space,
+              seed=args.seed, enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+              swap_space=args.swap_space,
               preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
