@@ -516,4 +516,11 @@ class _EventStream:
         return events
 
     def close_all(self) -> list[dict]:
+        """The last item's done events. Tokens after the last text delta (the end-of-sequence token, a
+        trailing tool call's) go with the message's text, as in the response that is not streamed: in its
+        output_text.done while it is open, and in the completed response's items either way."""
+        message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
+        if message is not None and self.pending_logprobs:
+            message["content"][0]["logprobs"] += self.pending_logprobs
+            self.pending_logprobs = []
         return self._close()
