@@ -1,42 +1,59 @@
 #!/usr/bin/env bash
-# lab/fp8_decode_widen_asm.patch on a GPU, in one call, from the repository root (carry .whl for the
-# default part: bash scripts/device/server_wheels.sh). The machine's copy of the tree is disposable: the
-# shipped src is copied to .ab_old/src and the patch applied to src in place. Parts (PARTS, in order):
+# The FP8 attention patches in lab/ on a GPU, in one call, from the repository root (carry .whl for the
+# default part: bash scripts/device/server_wheels.sh):
+#   lab/fp8_attention_widen_kv_asm.patch  K and V widened in impure inline assembly (every operand 16-bit)
+#   lab/fp8_attention_widen_v_asm.patch   V alone (the q @ K^T product keeps its 8-bit packing)
+# The machine's copy of the tree is disposable: the shipped src goes to .ab_old/src, each patch to
+# .v<n>/src, and PATCH (default: the first) is applied to src in place for the engine parts. Parts
+# (PARTS, in order):
 #   tests      the attention kernels' and the FP8 cache's tests on the GPU (the kernel tests run on CUDA
-#              where it is there), on the patched tree
-#   attention  lab/kv_fp8_attention_bench.py, shipped then patched then shipped again (one layer, us)
-#   sim        scripts/device/ab_mixed.sh PARTS=sim, FP8 weights and KV (the engine core at C 64 and 256)
-#   default    the default offline workload, bf16 and FP8 W+KV, on the patched tree (issue 28's row)
-#   OUT=/path [PARTS="tests attention sim default"] [MODEL=qwen3-4b] bash scripts/device/fp8_attention_patch.sh
+#              where it is there), on each patched tree
+#   attention  lab/kv_fp8_attention_bench.py: shipped, each patch, shipped again (one layer, us)
+#   sim        scripts/device/ab_mixed.sh PARTS=sim, FP8 weights and KV (the engine core at C 64 and 256),
+#              shipped against PATCH
+#   default    the default offline workload, bf16 and FP8 W+KV, with PATCH (issue 28's row)
+#   OUT=/path [PARTS="tests attention sim default"] [PATCH=lab/...patch] [MODEL=qwen3-4b] \
+#     bash scripts/device/fp8_attention_patch.sh
 set -uo pipefail
 PARTS=${PARTS:-"tests attention sim default"}
+PATCHES="lab/fp8_attention_widen_kv_asm.patch lab/fp8_attention_widen_v_asm.patch"
+PATCH=${PATCH:-lab/fp8_attention_widen_kv_asm.patch}
 MODEL=${MODEL:-qwen3-4b}
 source "$(dirname "$0")/env.sh"
 HEAD=$TOKENMILL_GIT_COMMIT
 rm -rf .ab_old && mkdir -p .ab_old && cp -r src .ab_old/src
-patch -p1 -s < lab/fp8_decode_widen_asm.patch || { echo "the patch does not apply" >&2; exit 2; }
+n=0; TREES=""
+for p in $PATCHES; do
+  n=$((n + 1)); rm -rf ".v$n" && mkdir -p ".v$n" && cp -r .ab_old/src ".v$n/src"
+  (cd ".v$n" && patch -p1 -s < "../$p") || { echo "$p does not apply" >&2; exit 2; }
+  TREES="$TREES $n:$p"
+done
+patch -p1 -s < "$PATCH" || { echo "$PATCH does not apply" >&2; exit 2; }
 FAILED=0
 base=${PYTHONPATH#"$PWD/src"}
 for part in $PARTS; do
   t0=$SECONDS
   case $part in
     tests)
-      python -m pytest -q -p no:cacheprovider tests/kernels/test_kv_fp8_kernels.py \
-        tests/kernels/test_decode_attention.py tests/kernels/test_paged_attention.py tests/test_kv_fp8.py \
-        > "$OUT/patch-tests.log" 2>&1 || FAILED=1
-      tail -3 "$OUT/patch-tests.log" ;;
+      for t in $TREES; do
+        PYTHONPATH="$PWD/.v${t%%:*}/src$base" python -m pytest -q -p no:cacheprovider tests/kernels/test_kv_fp8_kernels.py \
+          tests/kernels/test_decode_attention.py tests/kernels/test_paged_attention.py tests/test_kv_fp8.py \
+          > "$OUT/patch-tests-${t%%:*}.log" 2>&1 || FAILED=1
+        echo "${t#*:}: $(tail -1 "$OUT/patch-tests-${t%%:*}.log")"
+      done ;;
     attention)
-      for side in shipped patched shipped; do
-        tree=$PWD/src; [ $side = shipped ] && tree=$PWD/.ab_old/src
-        PYTHONPATH="$tree$base" python lab/kv_fp8_attention_bench.py --label "$side" >> "$OUT/patch-attention.md" \
-          2> "$OUT/patch-attention-$side.log" || { FAILED=1; tail -5 "$OUT/patch-attention-$side.log"; }
+      for side in shipped $TREES shipped; do
+        tree=$PWD/.ab_old/src; label=shipped
+        [ "$side" != shipped ] && { tree=$PWD/.v${side%%:*}/src; label=$(basename "${side#*:}" .patch); }
+        PYTHONPATH="$tree$base" python lab/kv_fp8_attention_bench.py --label "$label" >> "$OUT/patch-attention.md" \
+          2> "$OUT/patch-attention-$label.log" || { FAILED=1; tail -5 "$OUT/patch-attention-$label.log"; }
       done
       cat "$OUT/patch-attention.md" ;;
     sim)
-      OLD=$HEAD NEW="$HEAD+patch" PARTS=sim LEVELS=64,256 PROFILE_LEVELS="" MODEL=$MODEL \
+      OLD=$HEAD NEW="$HEAD+$(basename "$PATCH" .patch)" PARTS=sim LEVELS=64,256 PROFILE_LEVELS="" MODEL=$MODEL \
         ENGINE_ARGS="quantization=fp8 kv_cache_dtype=fp8" bash scripts/device/ab_mixed.sh 2>&1 | tail -12 ;;
     default)
-      TOKENMILL_GIT_COMMIT="$HEAD+patch" OUT=$OUT MODEL=$MODEL PARTS=default AWQ=0 \
+      TOKENMILL_GIT_COMMIT="$HEAD+$(basename "$PATCH" .patch)" OUT=$OUT MODEL=$MODEL PARTS=default AWQ=0 \
         bash scripts/device/quant_targets.sh 2>&1 | grep -E "^\||^##" ;;
     *) echo "unknown part $part" >&2; FAILED=1 ;;
   esac
