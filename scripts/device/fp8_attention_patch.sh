@@ -6,7 +6,7 @@
 # The machine's copy of the tree is disposable: the shipped src goes to .ab_old/src, each patch to
 # .v<n>/src, and PATCH (default: the first) is applied to src in place for the engine parts. Parts
 # (PARTS, in order):
-#   tests      the attention kernels' and the FP8 cache's tests on the GPU (the kernel tests run on CUDA
+#   tests      the attention kernels' and the FP8 cache's tests, the gpu-marked ones too (the kernel tests run on CUDA
 #              where it is there), on each patched tree
 #   attention  lab/kv_fp8_attention_bench.py: shipped, each patch, shipped again (one layer, us)
 #   sim        scripts/device/ab_mixed.sh PARTS=sim, FP8 weights and KV (the engine core at C 64 and 256),
@@ -36,7 +36,7 @@ for part in $PARTS; do
   case $part in
     tests)
       for t in $TREES; do
-        PYTHONPATH="$PWD/.v${t%%:*}/src$base" python -m pytest -q -p no:cacheprovider tests/kernels/test_kv_fp8_kernels.py \
+        PYTHONPATH="$PWD/.v${t%%:*}/src$base" python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels/test_kv_fp8_kernels.py \
           tests/kernels/test_decode_attention.py tests/kernels/test_paged_attention.py tests/test_kv_fp8.py \
           > "$OUT/patch-tests-${t%%:*}.log" 2>&1 || FAILED=1
         echo "${t#*:}: $(tail -1 "$OUT/patch-tests-${t%%:*}.log")"
