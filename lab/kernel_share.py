@@ -1,8 +1,14 @@
 """Where the GPU's time goes in an offline run: CUDA kernel time by kernel name, from torch.profiler, over
 the whole `generate` of a random workload (the default offline workload's shape, fewer requests).
 
-    PYTHONPATH=src python lab/kernel_share.py preset:qwen3-4b --label auto --out DIR [--num-prompts N]
-        [--len-range 50,300] [engine args as key=value, e.g. kv_cache_dtype=fp8 max_num_seqs=512]
+    PYTHONPATH=src python lab/kernel_share.py preset:qwen3-4b [engine args as key=value, e.g.
+        kv_cache_dtype=fp8 max_num_seqs=512] --label auto --out DIR [--num-prompts N] [--len-range 50,300]
+        [--no-pdl]
+
+With programmatic dependent launch (`layers/kernels/pdl.py`) a kernel starts while the one before it runs
+and waits inside, so the profiler counts that wait in its time: per-kernel times overlap and their sum
+overstates the GPU's busy time. --no-pdl launches every kernel plainly (the run is slower, but each
+kernel's time is its own).
 
 Writes DIR/kernels-LABEL.json (name -> [total ms, calls]) and prints the top kernels with their share.
 """
@@ -26,8 +32,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--len-range", default="100,1024", help="prompt and output lengths, uniform in lo,hi")
+    p.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     p.add_argument("engine_args", nargs="*")
     args = p.parse_args()
+    if args.no_pdl:
+        from tokenmill.layers.kernels import pdl
+        pdl.enabled = lambda device: False      # every launcher asks pdl.enabled at each launch
     import torch
     from torch.profiler import ProfilerActivity, profile
     from tokenmill import LLM, SamplingParams
