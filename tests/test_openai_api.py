@@ -85,6 +85,31 @@ def test_prompt_logprobs_field_and_streamed_echo(api_server, hf_model, tokenizer
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
+def test_chat_prompt_logprobs_are_the_rendered_prompts(api_server, tokenizer):
+    """vLLM's prompt_logprobs on chat: the rendered prompt's tokens, in the response beside the choices,
+    each entry as completions gives it for the same ids; with stream, a 400 naming it on both endpoints."""
+    messages = [{"role": "user", "content": "hello world"}]
+    r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.encode_chat(messages)
+    pl = body["prompt_logprobs"]
+    assert len(pl) == len(ids) == body["usage"]["prompt_tokens"] and pl[0] is None
+    want = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}).json()["choices"][0]["prompt_logprobs"]
+    for got, ref, token in zip(pl[1:], want[1:], ids[1:]):
+        assert str(token) in got and got.keys() == ref.keys() and len(got) >= 2
+        for t in got:
+            assert got[t]["logprob"] == pytest.approx(ref[t]["logprob"], abs=1e-5)
+            assert (got[t]["rank"], got[t]["decoded_token"]) == (ref[t]["rank"], ref[t]["decoded_token"])
+    assert "prompt_logprobs" not in httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 1}).json()
+    for path, extra in (("/v1/chat/completions", {"messages": messages}), ("/v1/completions", {"prompt": "x"})):
+        e = httpx.post(api_server.url + path, timeout=60, json={**extra, "stream": True, "prompt_logprobs": 1})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", e.text
+
+
 def test_lm_eval_style_loglikelihood_requests(api_server, hf_model, tokenizer):
     """What lm-eval's local-completions sends to score a continuation: echo, logprobs 1, max_tokens 0
     (or 1), token-id or text prompts in a batch."""

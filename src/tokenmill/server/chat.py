@@ -13,7 +13,7 @@ from fastapi import Request
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
-from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
+from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
 
 
 def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
@@ -190,9 +190,12 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             message = text.message(c.text)
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": finish_reason(c, text), "stop_reason": c.stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices,
                 "usage": usage(outs, reasoning_tokens(serving, prompt_text, out.outputs))}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(serving, out)
+        return body
 
     def chunk(choices, out=None):
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

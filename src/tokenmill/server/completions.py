@@ -11,7 +11,7 @@ import uuid
 from fastapi import Request
 
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import ChoiceState, Serving, _lp, now, usage
+from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
 
 
 def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tuple[dict, int]:
@@ -36,16 +36,6 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tupl
 
 def _join(a: dict, b: dict) -> dict:
     return {key: a[key] + b[key] for key in a}
-
-
-def _prompt_logprobs_json(serving: Serving, out) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank, decoded_token}}."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if entry is None else
-            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
-             for t, lp in entry.items()}
-            for entry in out.prompt_logprobs]
 
 
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request):
@@ -90,7 +80,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(serving, out)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(serving, out)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}

@@ -137,6 +137,9 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives (completions: in each choice; chat: in
+    # the response), not with stream
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
     logit_bias: dict[str, float] | None = None
@@ -184,6 +187,8 @@ class _SamplingRequest(_Strict):
             raise UnsupportedValue("best_of", "'best_of' is not supported by tokenmill (only best_of == n is accepted)")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedValue("prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true")
         self.structured_spec()
         return self
 
@@ -264,6 +269,7 @@ class _SamplingRequest(_Strict):
             logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            prompt_logprobs=self.prompt_logprobs,
         )
         defaults = defaults or {}
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -303,7 +309,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_special_tokens: bool | None = True
 
     @model_validator(mode="after")

@@ -427,6 +427,17 @@ def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None) -> dic
     return body
 
 
+def prompt_logprobs_json(serving: Serving, out: RequestOutput) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank,
+    decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
+             for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]
+
+
 def now() -> int:
     return int(time.time())
 
