@@ -113,12 +113,14 @@ def test_roofline_matmul_rate_speeds_the_projections_only():
 
 def test_bench_weight_format_follows_the_engine():
     from tokenmill.bench.cli import _weight_format
+    from tokenmill.quant.fp8 import Fp8Config
+    from tokenmill.quant.w4 import W4Config
 
-    assert _weight_format(None, {}) == (None, 128)
-    assert _weight_format("fp8", {}) == ("fp8", 128)
-    assert _weight_format(None, {"quantization_config": {"quant_method": "compressed-tensors"}})[0] == "fp8"
-    assert _weight_format(None, {"quantization_config": {"quant_method": "GPTQ", "group_size": 64}}) == ("gptq", 64)
-    assert _weight_format(None, {"quantization_config": {"quant_method": "awq", "q_group_size": 32}}) == ("awq", 32)
+    assert _weight_format(None, None) == (None, 128)
+    assert _weight_format("fp8", None) == ("fp8", 128)
+    assert _weight_format(None, Fp8Config((128, 128), "compressed-tensors"))[0] == "fp8"
+    assert _weight_format(None, W4Config("gptq", 64)) == ("gptq", 64)
+    assert _weight_format(None, W4Config("awq", 32)) == ("awq", 32)
 
 
 def _args(tmp_path, backend, extra=()):

@@ -305,16 +305,11 @@ def _run_child(args, argv: list[str], backend: str, model_path: str, requests_fi
         return json.load(f)
 
 
-def _weight_format(quantization: str | None, hf_config: dict) -> tuple[str | None, int]:
-    """The projections' format the engine serves (`--quantization`, else the checkpoint's
-    quantization_config) as the roofline takes it, and the 4-bit group size."""
-    from tokenmill.quant.fp8 import METHODS as FP8_METHODS
-
-    qc = hf_config.get("quantization_config") or {}
-    method = quantization or (str(qc["quant_method"]).lower() if "quant_method" in qc else None)
-    if method in FP8_METHODS:
-        return "fp8", 128
-    return method, int(qc.get("group_size", qc.get("q_group_size", 128)))
+def _weight_format(quantization: str | None, checkpoint) -> tuple[str | None, int]:
+    """The projections' format the engine serves (`--quantization`, else the checkpoint's, as
+    `ModelConfig.quantization` parsed it) as the roofline takes it, and the 4-bit group size."""
+    method = quantization or (checkpoint.method if checkpoint is not None else None)
+    return method, getattr(checkpoint, "group_size", 128)
 
 
 def run_throughput(args, argv: list[str]) -> dict:
@@ -335,7 +330,7 @@ def run_throughput(args, argv: list[str]) -> dict:
 
     model_config = ModelConfig.from_hf(hf_config)
     dtype_bytes = 4 if args.dtype in ("float32", "fp32", "float") else 2
-    weights, group = _weight_format(args.quantization, hf_config)
+    weights, group = _weight_format(args.quantization, model_config.quantization)
     cost = ModelCost.from_model_config(model_config, dtype_bytes, weights, args.kv_cache_dtype, group)
     hw = Hardware(args.memory_bandwidth, args.matmul_flops)
     floor = roofline_floor([r.prompt_len for r in requests], [r.output_len for r in requests], cost,

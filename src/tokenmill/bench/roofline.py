@@ -60,8 +60,8 @@ class ModelCost:
     def from_model_config(cls, mc, dtype_bytes: int = 2, quantization: str | None = None,
                           kv_cache_dtype: str = "auto", group_size: int = 128) -> "ModelCost":
         """The cost of `mc` with weights in `dtype_bytes`, or its projections in `quantization` ("fp8",
-        "awq", "gptq"; 4-bit with `group_size` columns a scale), and the cache in the model dtype or
-        FP8 (`kv_cache_dtype` "fp8" / "fp8_e4m3")."""
+        "awq", "gptq"; 4-bit with `group_size` columns a scale), and the cache in the model dtype
+        (`kv_cache_dtype` "auto") or FP8."""
         if quantization == "fp8":
             param_bytes, rate = 1.0, 2.0
         elif quantization in ("awq", "gptq"):
@@ -70,7 +70,7 @@ class ModelCost:
             param_bytes, rate = float(dtype_bytes), 1.0
         else:
             raise ValueError(f"roofline: unknown quantization {quantization!r}; known: fp8, awq, gptq")
-        kv_bytes = 1 if kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype_bytes
+        kv_bytes = dtype_bytes if kv_cache_dtype == "auto" else 1     # as EngineConfig.resolve_kv_cache_dtype
         h, hd = mc.hidden_size, mc.head_dim
         q, kv = mc.num_attention_heads * hd, mc.num_key_value_heads * hd
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * mc.intermediate_size
