@@ -3,6 +3,8 @@
 # default part: bash scripts/device/server_wheels.sh):
 #   lab/fp8_attention_widen_kv_asm.patch  K and V widened in impure inline assembly (every operand 16-bit)
 #   lab/fp8_attention_widen_v_asm.patch   V alone (the q @ K^T product keeps its 8-bit packing)
+#   lab/fp8_attention_widen_v_asm_decode.patch  V alone, in the one-kernel decode only (mixed steps'
+#                                         kernels in paged_attention.py unchanged)
 # The machine's copy of the tree is disposable: the shipped src goes to .ab_old/src, each patch to
 # .v<n>/src, and PATCH (default: the first) is applied to src in place for the engine parts. Parts
 # (PARTS, in order):
@@ -12,11 +14,12 @@
 #   sim        scripts/device/ab_mixed.sh PARTS=sim, FP8 weights and KV (the engine core at C 64 and 256),
 #              shipped against PATCH
 #   default    the default offline workload, bf16 and FP8 W+KV, with PATCH (issue 28's row)
-#   OUT=/path [PARTS="tests attention sim default"] [PATCH=lab/...patch] [MODEL=qwen3-4b] \
+#   OUT=/path [PARTS="tests attention sim default"] [PATCHES="lab/a.patch ..."] [PATCH=lab/...patch] \
+#     [MODEL=qwen3-4b] \
 #     bash scripts/device/fp8_attention_patch.sh
 set -uo pipefail
 PARTS=${PARTS:-"tests attention sim default"}
-PATCHES="lab/fp8_attention_widen_kv_asm.patch lab/fp8_attention_widen_v_asm.patch"
+PATCHES=${PATCHES:-"lab/fp8_attention_widen_kv_asm.patch lab/fp8_attention_widen_v_asm.patch"}
 PATCH=${PATCH:-lab/fp8_attention_widen_kv_asm.patch}
 MODEL=${MODEL:-qwen3-4b}
 source "$(dirname "$0")/env.sh"
