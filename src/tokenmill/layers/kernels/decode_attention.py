@@ -20,8 +20,8 @@ around almost no work, 36 times a step. Here one kernel does all three:
 Numerics equal the three kernels up to summation order: q and k are rounded to the input dtype after the
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain). With an FP8
 cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
-the cached tokens do; K's scale is folded into the score scale and V is widened and scaled in registers
-before its product (`fused_ops.fp8_v_operand`).
+the cached tokens do; K's scale is folded into the score scale and V's multiplies the output, V widened
+by `fused_ops.fp8_v_tile`.
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
 counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
@@ -37,7 +37,7 @@ from tokenmill.layers.kernel_config import DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
-                                                fp8_kv_operand, fp8_v_operand, load_kv_scales, quantize_kv)
+                                                fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
                                                       _num_sms)
 
@@ -86,11 +86,11 @@ def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_st
 
 @triton.jit
 def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2, v_scale,
-                 DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
     # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
-    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), V times its scale
+    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), unscaled
     k_lo, k_hi = k_lo.to(q1.dtype), k_hi.to(q1.dtype)
-    v_lo, v_hi = fp8_v_operand(v_lo, v_scale, q1.dtype, FP8), fp8_v_operand(v_hi, v_scale, q1.dtype, FP8)
+    v_lo, v_hi = fp8_v_tile(v_lo, q1.dtype, FP8, WIDEN_ASM), fp8_v_tile(v_hi, q1.dtype, FP8, WIDEN_ASM)
     s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
     s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -115,7 +115,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-                         ASK_L2: tl.constexpr):
+                         ASK_L2: tl.constexpr, WIDEN_ASM: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -174,7 +174,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             tl.store(v_cache_ptr + dst + dr, v1, mask=d_mask)
             tl.store(v_cache_ptr + dst + HALF + dr, v2, mask=d_mask)
         k1, k2 = k1.to(q1.dtype), k2.to(q1.dtype)
-        v1, v2 = fp8_v_operand(v1, v_scale, q1.dtype, FP8), fp8_v_operand(v2, v_scale, q1.dtype, FP8)
+        v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -182,13 +182,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
         if start < cached_end:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8)
+                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8, WIDEN_ASM)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
             k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, table, n0, cached_end, kvh,
                                                        c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
                                                        PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8)
+                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8, WIDEN_ASM)
         if (new >= start) & (new < end):
             k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
             k2f = tl.sum(k2.to(tl.float32), 0)
@@ -210,6 +210,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
         inv = 1.0 / tl.where(has, l_i, 1.0)
+        if FP8:
+            inv = inv * v_scale
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
             tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -291,7 +293,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
-        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, num_warps=cfg.num_warps, launch_pdl=pdl_on,
+        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, num_warps=cfg.num_warps,
+        launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
         maxnreg=cfg.fp8_maxnreg if kv_scale is not None else None)
     return out

@@ -290,6 +290,30 @@ def fp8_v_operand(v, v_scale, dtype: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def widen_e4m3(x):
+    # an E4M3 tile -> float16 (exact) by the conversion instruction, in inline assembly marked impure:
+    # Triton traces a product's operands back through element-wise ops, and one that reaches 8-bit values
+    # gives every operand of the product, and of the products sharing them (q, P), 4-wide k packs that
+    # 16-bit HMMA operands do not have natively (moves, q reloaded, P through shared memory each tile);
+    # the trace does not cross this op. GPU only (the interpreter runs no assembly).
+    return tl.inline_asm_elementwise(
+        "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi;}",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def fp8_v_tile(v, dtype: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
+    # a V tile for p @ V in the one-kernel decode, in the operand dtype; from an FP8 cache unscaled (V's
+    # scale multiplies the output) and widened by `widen_e4m3` where WIDEN_ASM (compiled for a GPU) and
+    # the operand is float16 (a float32 model takes the plain conversion). The mixed steps' kernels keep
+    # `fp8_v_operand`: there the assembly made the step's attention slower (docs/BENCHMARKS.md).
+    if FP8 and WIDEN_ASM and dtype == tl.float16:
+        return widen_e4m3(v)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
 def load_kv_scales(kv_scale_ptr, FP8: tl.constexpr):
     # the layer's (K, V) scales of an FP8 cache; 1.0 for a cache in the model dtype
     if FP8:
