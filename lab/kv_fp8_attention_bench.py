@@ -5,7 +5,8 @@ rows beside a 225-token prefill chunk). Run it with each tree's src on PYTHONPAT
 
     PYTHONPATH=src python lab/kv_fp8_attention_bench.py --label new
 
-Prints one row per case: microseconds per call (one layer), from triton.testing.do_bench.
+Prints one row per case: microseconds per call (one layer), from triton.testing.do_bench, or with --graph
+from do_bench_cudagraph (the calls replayed in a CUDA graph: kernel time without the host's launches).
 """
 from __future__ import annotations
 
@@ -40,24 +41,30 @@ def decode_case(batch: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
+    p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     import triton.testing
+
+    def bench(fn):
+        if a.graph:
+            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200)
+        return 1e3 * triton.testing.do_bench(fn, warmup=20, rep=200)
     from tokenmill.layers.kernels import decode_attention as da
     from tokenmill.layers.kernels import paged_attention as pa
     for fp8 in (False, True):
         gen = torch.Generator().manual_seed(0)
         args, kw = decode_case(256, (100, 1000), fp8, gen)
-        us = 1e3 * triton.testing.do_bench(lambda: da.fused_decode_attention(*args, **kw), warmup=20, rep=200)
+        us = bench(lambda: da.fused_decode_attention(*args, **kw))
         print(f"| {a.label} | decode, 256 sequences, ctx 100-1000 | {'fp8' if fp8 else 'bf16'} KV | {us:.1f} us |",
               flush=True)
         gen = torch.Generator().manual_seed(0)
         args, kw = mixed_case(255, 225, (100, 700), fp8, gen)
-        us = 1e3 * triton.testing.do_bench(lambda: pa.paged_prefill_attention(*args, **kw), warmup=20, rep=200)
+        us = bench(lambda: pa.paged_prefill_attention(*args, **kw))
         print(f"| {a.label} | mixed, 255 decodes ctx 100-700 + prefill 225 | {'fp8' if fp8 else 'bf16'} KV | "
               f"{us:.1f} us |", flush=True)
         gen = torch.Generator().manual_seed(0)
         args, kw = mixed_case(16, 2048, (1000, 4000), fp8, gen)
-        us = 1e3 * triton.testing.do_bench(lambda: pa.paged_prefill_attention(*args, **kw), warmup=20, rep=200)
+        us = bench(lambda: pa.paged_prefill_attention(*args, **kw))
         print(f"| {a.label} | mixed, 16 decodes ctx 1000-4000 + prefill 2048 | {'fp8' if fp8 else 'bf16'} KV | "
               f"{us:.1f} us |", flush=True)
 
