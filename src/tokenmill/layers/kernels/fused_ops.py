@@ -277,19 +277,6 @@ def fp8_kv_operand(x, FP8: tl.constexpr):
 
 
 @triton.jit
-def fp8_v_operand(v, v_scale, dtype: tl.constexpr, FP8: tl.constexpr):
-    # a V tile for the product p @ V in the operand dtype. From an FP8 cache it is widened and times V's
-    # scale in registers: the widening alone is folded into the product's operand load, which for V (the
-    # product's K dimension runs across cached positions, not along a row) reads shared memory a byte at
-    # a time, about 75% more instructions per tile than the bf16 kernels spend. In float16 V's values hold
-    # while |V| < 65504. Without FP8, v widened to dtype (v_scale is 1.0).
-    if FP8:
-        return v.to(dtype) * v_scale.to(dtype)
-    else:
-        return v.to(dtype)
-
-
-@triton.jit
 def widen_e4m3(x):
     # an E4M3 tile -> float16 (exact) by the conversion instruction, in inline assembly marked impure:
     # Triton traces a product's operands back through element-wise ops, and one that reaches 8-bit values
@@ -303,10 +290,11 @@ def widen_e4m3(x):
 
 @triton.jit
 def fp8_v_tile(v, dtype: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
-    # a V tile for p @ V in the one-kernel decode, in the operand dtype; from an FP8 cache unscaled (V's
-    # scale multiplies the output) and widened by `widen_e4m3` where WIDEN_ASM (compiled for a GPU) and
-    # the operand is float16 (a float32 model takes the plain conversion). The mixed steps' kernels keep
-    # `fp8_v_operand`: there the assembly made the step's attention slower (docs/BENCHMARKS.md).
+    # a V tile for p @ V in the operand dtype; from an FP8 cache unscaled (V's scale multiplies the
+    # output) and widened by `widen_e4m3` where WIDEN_ASM (compiled for a GPU) and the operand is float16
+    # (a float32 model takes the plain conversion). Widened in registers without the assembly, the
+    # product reads V from shared memory a byte at a time, about 75% more instructions per tile than the
+    # bf16 kernels spend.
     if FP8 and WIDEN_ASM and dtype == tl.float16:
         return widen_e4m3(v)
     else:

@@ -10,7 +10,7 @@ so any block size works, including 1, and a tile of BLOCK_N tokens may span seve
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
 An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
 for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
-and scaled in registers before its product (`fused_ops.fp8_v_operand`).
+by `fused_ops.fp8_v_tile`, its scale applied to the output.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_operand, load_kv_scales
+from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_tile, load_kv_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -101,10 +101,10 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2, v_scale,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr):
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
     # one online-softmax step over a tile of cached positions: K and V at kv_off (loads masked by kv_mask),
-    # widened to q's dtype, V times its scale (`fp8_v_operand`); with MASKED, scores outside `visible` are
+    # widened to q's dtype (`fp8_v_tile`: V unscaled); with MASKED, scores outside `visible` are
     # dropped
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -114,7 +114,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = fp8_v_operand(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0), v_scale, q.dtype, FP8)
+    v = fp8_v_tile(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0), q.dtype, FP8, WIDEN_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -164,7 +164,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                         SPLIT_CHUNK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_GR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
     # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
     # every cached position is visible); other sequences' programs exit. The group's GROUP q heads are
     # padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode (decode_attention.py):
@@ -204,9 +204,9 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                 off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
                 m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                              valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
-                                             scale_log2, v_scale, DOT_PRECISION, True, FP8)
+                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
             has = l_i > 0
-            acc = acc / tl.where(has, l_i, 1.0)[:, None]
+            acc = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
             o_mask = g_mask[:, None] & d_mask[None, :]
             out_row = out_ptr + row64 * (NUM_Q_HEADS * HEAD_DIM)
             if num_active == 1:
@@ -237,7 +237,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr,
+                    WIDEN_ASM: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
     # own. With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of
@@ -279,8 +280,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
             off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
-                                         d_mask[None, :], m_i, l_i, acc, scale_log2, v_scale, DOT_PRECISION, False,
-                                         FP8)
+                                         d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False,
+                                         FP8, WIDEN_ASM)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
@@ -289,9 +290,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                          valid[:, None] & d_mask[None, :],
                                          valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
-                                         scale_log2, v_scale, DOT_PRECISION, True, FP8)
+                                         scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
 
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        acc = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         tl.store(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
 
@@ -360,7 +361,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, SPLIT_CHUNK=8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
-        MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8,
+        MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         maxnreg=dcfg.fp8_maxnreg if fp8 else None)
     if grid is None:
@@ -373,7 +374,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         tiles.stride(0) if tiles is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
-        USE_TILES=tiles is not None, FP8=fp8, num_warps=cfg.num_warps,
+        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return out
 
