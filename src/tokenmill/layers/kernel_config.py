@@ -78,9 +78,9 @@ class DecodeAttentionConfig:
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
     it takes many_splits_stages; launches with fewer, longer splits take num_stages. fp8_maxnreg caps the
     registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): at 96 five
-    programs of 4 warps share an SM, as many as their shared memory allows, where their 106-125 registers
-    allowed four (1.5-5% faster on an H200, docs/BENCHMARKS.md); the bf16 kernels run uncapped (capping them
-    measured 1-3% slower)."""
+    programs of 4 warps share an SM, as many as their shared memory allows, where the one-kernel decode's
+    134 registers uncapped (sm90) allow three; the cap spills a few values outside its loop (faster on an
+    H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
