@@ -9,6 +9,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py fp8-head
     python lab/quant_quality.py fp8-block-to-channel
     python lab/quant_quality.py fp8-attention
+    python lab/quant_quality.py generated-calibration [--generated 8192 16384] [--awq]
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -31,6 +32,11 @@ sequences of 256.
   float32 in the torch reference's prefill and decode attention, beside the FP8 cache alone.
 - `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
   (`Knobs`), and FP8 GPTQ without act-order.
+
+- `generated-calibration`: 4-bit GPTQ (the product's algorithm; with --awq, AWQ scales first) calibrated on
+  text the unquantized model writes itself (sequences of 256 tokens sampled at temperature 1.0, each from
+  a vocabulary token drawn at random, as data-free quantization-aware training does), alone and after the
+  test's 2,048 tokens of calibration.txt, against those 2,048 and 4,096 tokens alone.
 
 `fp8-rtn` and `ablations` put each quantized weight's value into the engine's float model instead of
 writing a checkpoint: the CPU reference of an FP8 or 4-bit layer dequantizes and multiplies in float32, so
@@ -413,6 +419,37 @@ def ablations(tokens: int, only: list[str] | None) -> None:
         row(f"{name}, {tokens} tokens", fm.evaluate(weights, norms), seconds)
 
 
+def generated_ids(fm: "FloatModel", num_tokens: int, seq_len: int = 256, seed: int = 0) -> torch.Tensor:
+    """[num_tokens / seq_len, seq_len] ids sampled from the unquantized model at temperature 1.0, each
+    sequence from one vocabulary token drawn at random (ids 0-100 are SmolLM2's special tokens)."""
+    from tokenmill import SamplingParams
+    gen = torch.Generator().manual_seed(seed)
+    n = num_tokens // seq_len
+    firsts = torch.randint(100, fm.llm.engine.runner.model.config.vocab_size, (n,), generator=gen).tolist()
+    params = [SamplingParams(temperature=1.0, max_tokens=seq_len - 1, ignore_eos=True, seed=seed + i)
+              for i in range(n)]
+    outs = fm.llm.generate([{"prompt_token_ids": [t]} for t in firsts], params)
+    return torch.tensor([[t] + list(o.outputs[0].token_ids) for t, o in zip(firsts, outs)])
+
+
+def generated_calibration(sizes: list[int], awq: bool) -> None:
+    from test_real_quantized import calibration_ids
+    fm = FloatModel()
+    t = time.time()
+    generated = generated_ids(fm, max(sizes))
+    print(f"generated {generated.numel()} tokens in {time.time() - t:.0f} s", flush=True)
+    real = {n: calibration_ids(fm.real.tokenizer, n) for n in (2048, 4096)}
+    cases = [(f"calibration.txt {n}", ids) for n, ids in real.items()]
+    for n in sizes:
+        g = generated[: n // generated.shape[1]]
+        cases += [(f"generated {n}", g), (f"calibration.txt 2048 + generated {n}", torch.cat([real[2048], g]))]
+    header(True)
+    for label, ids in cases:
+        t = time.time()
+        weights, norms = gptq_with_knobs(fm.real.model(), ids, Knobs(awq=awq))
+        row(f"{'AWQ + ' if awq else ''}GPTQ, {label} tokens", fm.evaluate(weights, norms), time.time() - t)
+
+
 def fp8_activations() -> None:
     from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
     from tokenmill import LLM
@@ -550,6 +587,9 @@ def main() -> None:
     sub.add_parser("fp8-head")
     sub.add_parser("fp8-block-to-channel")
     sub.add_parser("fp8-attention")
+    g = sub.add_parser("generated-calibration")
+    g.add_argument("--generated", type=int, nargs="+", default=[8192, 16384])
+    g.add_argument("--awq", action="store_true", help="AWQ input-channel scales before GPTQ")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
     a.add_argument("--only", nargs="*")
@@ -567,6 +607,8 @@ def main() -> None:
         fp8_block_to_channel()
     elif args.cmd == "fp8-attention":
         fp8_attention()
+    elif args.cmd == "generated-calibration":
+        generated_calibration(args.generated, args.awq)
     else:
         ablations(args.tokens, args.only)
 
