@@ -7,6 +7,9 @@
 #                                          the cap, five programs an SM; K by the assembly at two stages
 #                                          took 53,248 bytes, four programs, and lost)
 #   lab/fp8_decode_one_stage.patch        the control: the shipped FP8 decode at one stage (22,528 bytes)
+#   lab/fp8_mixed_k_asm.patch             K by the assembly in the mixed steps' kernels (paged_attention.py;
+#                                          the decode rows' loop 466 -> 444 instructions, shared memory and
+#                                          the prefill's loops unchanged)
 # The machine's copy of the tree is disposable: the shipped src goes to .ab_old/src, each patch to
 # .v<n>/src, and PATCH (default: the first) is applied to src in place for the engine parts. Parts
 # (PARTS, in order):
@@ -22,7 +25,7 @@
 #     bash scripts/device/fp8_attention_patch.sh
 set -uo pipefail
 PARTS=${PARTS:-"tests attention sim default"}
-PATCHES=${PATCHES:-"lab/fp8_decode_k_asm_one_stage.patch lab/fp8_decode_one_stage.patch"}
+PATCHES=${PATCHES:-"lab/fp8_decode_k_asm_one_stage.patch lab/fp8_decode_one_stage.patch lab/fp8_mixed_k_asm.patch"}
 PATCH=${PATCH:-lab/fp8_decode_k_asm_one_stage.patch}
 MODEL=${MODEL:-qwen3-4b}
 source "$(dirname "$0")/env.sh"
