@@ -6,8 +6,10 @@ sequences of two context ranges, and a mixed step's decode rows beside a prefill
 
     PYTHONPATH=src python lab/attention_config_sweep.py --label new --configs 64x4x2,64x8x2,128x4x2
 
-Prints one row per (case, cache, configuration): microseconds per call (triton.testing.do_bench), the
-GB/s of K/V it reads, and the largest difference from the shipped configuration's output.
+Prints one row per (case, cache, configuration): microseconds per call (triton.testing.do_bench; with
+--graph do_bench_cudagraph, the calls replayed in a CUDA graph, which the mixed steps need: their plain
+figures moved by up to 27% between calls on one tree), the GB/s of K/V it reads, and the largest
+difference from the shipped configuration's output.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main() -> None:
     p.add_argument("--configs", default="64x4x2")
     p.add_argument("--prefill-maxnreg", default="", help="comma-separated register caps for the prefill kernel's "
                    "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
+    p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     import triton.testing
     from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
@@ -48,7 +51,8 @@ def main() -> None:
         for label, cfg in variants:
             out = call(cfg).float()
             ref = out if ref is None else ref
-            us = 1e3 * triton.testing.do_bench(lambda: call(cfg), warmup=20, rep=200)
+            us = 1e3 * (triton.testing.do_bench_cudagraph(lambda: call(cfg), rep=200) if a.graph
+                        else triton.testing.do_bench(lambda: call(cfg), warmup=20, rep=200))
             rate = f"{kv / us / 1e3:.0f} GB/s" if kv else "-"
             print(f"| {a.label} | {row} | {label} | {us:.1f} us | {rate} | {(out - ref).abs().max().item():.2e} |",
                   flush=True)
