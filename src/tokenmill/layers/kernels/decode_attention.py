@@ -85,7 +85,7 @@ def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_st
 
 
 @triton.jit
-def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2, v_scale,
+def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2,
                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
     # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
     # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), unscaled
@@ -182,13 +182,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
         if start < cached_end:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8, WIDEN_ASM)
+                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
             k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, table, n0, cached_end, kvh,
                                                        c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
                                                        PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, v_scale, DOT_PRECISION, FP8, WIDEN_ASM)
+                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
         if (new >= start) & (new < end):
             k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
             k2f = tl.sum(k2.to(tl.float32), 0)
