@@ -209,9 +209,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         heads = kvh * GROUP + g
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
-        inv = 1.0 / tl.where(has, l_i, 1.0)
-        if FP8:
-            inv = inv * v_scale
+        inv = v_scale / tl.where(has, l_i, 1.0)     # V's scale (1.0 without FP8) with the softmax's sum
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
             tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
