@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kv_fp8_attention_bench import decode_case  # noqa: E402
+from kv_fp8_attention_bench import decode_case, time_us  # noqa: E402
 from mixed_attention_bench import case as mixed_case  # noqa: E402
 
 
@@ -36,7 +36,6 @@ def main() -> None:
                    "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
-    import triton.testing
     from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
     from tokenmill.layers.kernels import decode_attention as da
     from tokenmill.layers.kernels import paged_attention as pa
@@ -51,8 +50,7 @@ def main() -> None:
         for label, cfg in variants:
             out = call(cfg).float()
             ref = out if ref is None else ref
-            us = 1e3 * (triton.testing.do_bench_cudagraph(lambda: call(cfg), rep=200) if a.graph
-                        else triton.testing.do_bench(lambda: call(cfg), warmup=20, rep=200))
+            us = time_us(lambda: call(cfg), a.graph)
             rate = f"{kv / us / 1e3:.0f} GB/s" if kv else "-"
             print(f"| {a.label} | {row} | {label} | {us:.1f} us | {rate} | {(out - ref).abs().max().item():.2e} |",
                   flush=True)

@@ -38,33 +38,35 @@ def decode_case(batch: int, ctx_range: tuple[int, int], kv_fp8: bool, gen: torch
         dict(kv_scale=kv_scale)
 
 
+def time_us(fn, graph: bool) -> float:
+    """Microseconds per call of fn: triton.testing.do_bench, or replayed in a CUDA graph with `graph`."""
+    import triton.testing
+    if graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200)
+    return 1e3 * triton.testing.do_bench(fn, warmup=20, rep=200)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
-    import triton.testing
-
-    def bench(fn):
-        if a.graph:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200)
-        return 1e3 * triton.testing.do_bench(fn, warmup=20, rep=200)
     from tokenmill.layers.kernels import decode_attention as da
     from tokenmill.layers.kernels import paged_attention as pa
     for fp8 in (False, True):
         gen = torch.Generator().manual_seed(0)
         args, kw = decode_case(256, (100, 1000), fp8, gen)
-        us = bench(lambda: da.fused_decode_attention(*args, **kw))
+        us = time_us(lambda: da.fused_decode_attention(*args, **kw), a.graph)
         print(f"| {a.label} | decode, 256 sequences, ctx 100-1000 | {'fp8' if fp8 else 'bf16'} KV | {us:.1f} us |",
               flush=True)
         gen = torch.Generator().manual_seed(0)
         args, kw = mixed_case(255, 225, (100, 700), fp8, gen)
-        us = bench(lambda: pa.paged_prefill_attention(*args, **kw))
+        us = time_us(lambda: pa.paged_prefill_attention(*args, **kw), a.graph)
         print(f"| {a.label} | mixed, 255 decodes ctx 100-700 + prefill 225 | {'fp8' if fp8 else 'bf16'} KV | "
               f"{us:.1f} us |", flush=True)
         gen = torch.Generator().manual_seed(0)
         args, kw = mixed_case(16, 2048, (1000, 4000), fp8, gen)
-        us = bench(lambda: pa.paged_prefill_attention(*args, **kw))
+        us = time_us(lambda: pa.paged_prefill_attention(*args, **kw), a.graph)
         print(f"| {a.label} | mixed, 16 decodes ctx 1000-4000 + prefill 2048 | {'fp8' if fp8 else 'bf16'} KV | "
               f"{us:.1f} us |", flush=True)
 
