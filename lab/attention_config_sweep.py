@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--configs", default="64x4x2")
     p.add_argument("--prefill-maxnreg", default="", help="comma-separated register caps for the prefill kernel's "
                    "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
+    p.add_argument("--prefill-stages", default="", help="comma-separated software-pipelining stage counts for "
+                   "the prefill kernel, timed like --prefill-maxnreg")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
@@ -56,7 +58,8 @@ def main() -> None:
                   flush=True)
 
     prefill_variants = [("maxnreg shipped", PrefillAttentionConfig())] + [
-        (f"maxnreg {r}", PrefillAttentionConfig(fp8_maxnreg=int(r) or None)) for r in a.prefill_maxnreg.split(",") if r]
+        (f"maxnreg {r}", PrefillAttentionConfig(fp8_maxnreg=int(r) or None)) for r in a.prefill_maxnreg.split(",") if r] + [
+        (f"stages {n}", PrefillAttentionConfig(num_stages=int(n))) for n in a.prefill_stages.split(",") if n]
     for fp8 in (False, True):
         cache = "fp8" if fp8 else "bf16"
         for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):

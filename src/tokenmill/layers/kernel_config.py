@@ -76,14 +76,15 @@ class DecodeAttentionConfig:
     min_split_len of them (a multiple of block_n), so contexts up to that length take one program per
     (sequence, kv head) and need no merge. A launch with many_splits splits or more (a batch of one
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
-    it takes many_splits_stages; launches with fewer, longer splits take num_stages. fp8_maxnreg caps the
-    registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): at 96 five
-    programs of 4 warps share an SM, as many as their shared memory allows, where the one-kernel decode's
-    134 registers uncapped (sm90) allow three; the cap spills a few values outside its loop (faster on an
-    H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
+    it takes many_splits_stages; launches with fewer, longer splits take num_stages (3: two tiles of K and V
+    in flight a program, 1-6% faster than one on an H200 at 256 sequences). fp8_maxnreg caps the
+    registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): uncapped
+    the one-kernel decode takes 134 registers (sm90), which allow three programs of 4 warps an SM, where
+    its shared memory allows four; the cap spills a few values outside its loop (faster than uncapped, 112
+    or 128 at two stages on an H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     min_split_len: int = 64
     many_splits: int = 32
     many_splits_stages: int = 1
@@ -100,11 +101,12 @@ class PrefillAttentionConfig:
     """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile.
     fp8_maxnreg caps the FP8-cache variant's registers: at 168 three programs share an SM where its 185
     allowed two (4% faster on a 2,048-token prefill); the bf16 variant needs its 192 (its shared memory
-    allows two programs anyway)."""
+    allows two programs anyway). num_stages 3 keeps two tiles of K and V in flight a program (bf16: 10%
+    faster than one on a 2,048-token prefill on an H200; FP8 the same within 1%)."""
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     fp8_maxnreg: int | None = 168
 
 

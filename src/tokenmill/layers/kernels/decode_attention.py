@@ -39,7 +39,7 @@ from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _num_sms)
+                                                      _num_sms, _pages)
 
 MAX_SPLITS = 32
 SHIPPED = DecodeAttentionConfig()
@@ -69,13 +69,14 @@ def _ask_l2(ptrs):
 
 
 @triton.jit
-def _load_tile(k_cache_ptr, v_cache_ptr, table, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+def _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the K and V halves of cached positions n0 .. n0 + BLOCK_N (those from `end` on masked to zero)
+    # the K and V halves of cached positions n0 .. n0 + BLOCK_N, on their `pages` (those from `end` on
+    # masked to zero)
     n = n0 + tl.arange(0, BLOCK_N)
     valid = n < end
-    page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    off = (page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM)[:, None] + dr[None, :]
+    off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM
+    off = off[:, None] + dr[None, :]
     mask = valid[:, None] & d_mask[None, :]
     k_lo = tl.load(k_cache_ptr + off, mask=mask, other=0.0)
     k_hi = tl.load(k_cache_ptr + off + HALF, mask=mask, other=0.0)
@@ -139,7 +140,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
         sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
         table = block_tables_ptr + b64 * bt_stride_b
-        k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, table, start, cached_end,
+        pages = _pages(table, start, cached_end, PAGE_SIZE, BLOCK_N)
+        k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, start, cached_end,
                                                          kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
         # the norm weights are weights, and the split counter's line is only asked into L2: both before
@@ -183,10 +185,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         if start < cached_end:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
+        # each tile's pages are loaded a tile ahead of its K and V (see `_pages`)
+        pages = _pages(table, start + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-            k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, table, n0, cached_end, kvh,
+            k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, cached_end, kvh,
                                                        c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
                                                        PAGE_SIZE, BLOCK_N)
+            pages = _pages(table, n0 + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
         if (new >= start) & (new < end):

@@ -156,6 +156,16 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
 
 # the split count changes with the batch (eager steps): it is not specialised, so one compiled variant
 # serves every step
+@triton.jit
+def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the cache pages of positions n0 .. n0 + BLOCK_N (0 from `end` on). The attention loops load each
+    # tile's pages a tile ahead of its K and V: no load of a tile then waits for another of the same tile,
+    # and the software pipeliner keeps num_stages - 1 tiles of K and V in flight (with the pages loaded
+    # in the same iteration it kept one, whatever the stage count)
+    n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(table + n // PAGE_SIZE, mask=n < end, other=0)
+
+
 @triton.jit(do_not_specialize=["bt_stride_b", "num_splits"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
@@ -197,11 +207,13 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            # each tile's pages are loaded a tile ahead of its K and V (see `_pages`)
+            pages = _pages(table, start, end, PAGE_SIZE, BLOCK_N)
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 valid = n < end
-                page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-                off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+                off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+                pages = _pages(table, n0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
                 m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                              valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
                                              scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
@@ -275,18 +287,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         # tokens [0, full_end) are visible to every query of the tile: no causal mask needed there
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(ctx, first_pos + BLOCK_M)
+        pages = _pages(table, 0, full_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(0, full_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
-            off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+            off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+            pages = _pages(table, n0 + BLOCK_N, full_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
                                          d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False,
                                          FP8, WIDEN_ASM)
+        pages = _pages(table, full_end, hi, PAGE_SIZE, BLOCK_N)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
-            page = tl.load(table + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = page * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+            off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+            pages = _pages(table, n0 + BLOCK_N, hi, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                          valid[:, None] & d_mask[None, :],
                                          valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
