@@ -81,7 +81,8 @@ class DecodeAttentionConfig:
     registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): uncapped
     the one-kernel decode takes 134 registers (sm90), which allow three programs of 4 warps an SM, where
     its shared memory allows four; the cap spills a few values outside its loop (faster than uncapped, 112
-    or 128 at two stages on an H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
+    or 128 at two stages on an H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them
+    measured 1-3% slower)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
