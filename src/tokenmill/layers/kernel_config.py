@@ -102,8 +102,10 @@ class PrefillAttentionConfig:
     """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile.
     fp8_maxnreg caps the FP8-cache variant's registers: at 168 three programs share an SM where its 185
     allowed two (4% faster on a 2,048-token prefill); the bf16 variant needs its 192 (its shared memory
-    allows two programs anyway). num_stages 3 keeps two tiles of K and V in flight a program (bf16: 10%
-    faster than one on a 2,048-token prefill on an H200; FP8 the same within 1%)."""
+    allows two programs anyway). num_stages 3 keeps two tiles of K and V in flight a program (bf16 on
+    sm90, whose products read them from shared memory, three; 114,688 bytes). On a 2,048-token prefill on
+    an H200, bf16: 168 us against 174 at two stages (and 187 before the pages went a tile ahead); FP8 the
+    same within 1% (docs/BENCHMARKS.md)."""
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
