@@ -2,9 +2,10 @@
 interpreter cannot show). Triton reads TRITON_INTERPRET, which the CPU tests set, when it is imported,
 so each compile runs in a fresh interpreter without it: `run` executes a script there and returns the
 JSON that the script prints last. A script may start with COMPILE, which defines
-`compile_sm90(fn, const, types, num_warps, aligned=())`: the kernel compiled for sm90, its pointers (and
-the integer arguments named in `aligned`) specialised as a launch specialises them, 16-byte aligned
-pointers and multiples of 16; arguments not in `types` are int32."""
+`compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options)`: the kernel compiled for sm90
+(or `arch`), its pointers (and the integer arguments named in `aligned`) specialised as a launch
+specialises them, 16-byte aligned pointers and multiples of 16; arguments not in `types` are int32. A
+script may start with ATTENTION instead, which adds `compile_attention` (see there)."""
 from __future__ import annotations
 
 import json
@@ -17,12 +18,42 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def compile_sm90(fn, const, types, num_warps, aligned=()):
+def compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options):
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, **options})
+'''
+
+# The attention kernels as qwen3-4b's heads launch them (32 q over 8 kv heads of 128, 16-slot pages, 64-position
+# tiles): `attention_kernels[name]` is (kernel, its constexprs but FP8 and WIDEN_ASM), `attention_types(cache)`
+# the argument types with the cache's element type, `attention_aligned` the strides a launch specialises.
+ATTENTION = COMPILE + r'''
+from tokenmill.layers.kernels import decode_attention, paged_attention
+_heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
+              PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32")
+attention_kernels = {
+    "decode": (decode_attention._fused_decode_kernel,
+               dict(_heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,
+                    ASK_L2=True)),
+    "decode_rows": (paged_attention._decode_rows_kernel, dict(_heads, SPLIT_CHUNK=8)),
+    "prefill": (paged_attention._prefill_kernel, dict(_heads, BLOCK_M=64, USE_TILES=True))}
+attention_aligned = ("qkv_stride_t", "cs_stride", "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h",
+                     "c_stride_blk", "c_stride_tok", "c_stride_h")
+
+def attention_types(cache):
+    return {"qkv_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "out_ptr": "*bf16",
+            "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "part_out_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32",
+            "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
+
+def compile_attention(name, fp8, widen_asm=True, **options):
+    fn, const = attention_kernels[name]
+    const = {k: v for k, v in dict(const, FP8=fp8, WIDEN_ASM=widen_asm).items() if k in fn.arg_names}
+    return compile_sm90(fn, const, attention_types("*fp8e4nv" if fp8 else "*bf16"), 4, attention_aligned,
+                        **options)
 '''
 
 

@@ -13,33 +13,11 @@ import sm90
 
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 
-_COMPILE = sm90.COMPILE + r'''
+_COMPILE = sm90.ATTENTION + r'''
 import json, re, sys
-from tokenmill.layers.kernels import decode_attention, paged_attention
-heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
-             PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", WIDEN_ASM=True)
-types = {"qkv_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "out_ptr": "*bf16",
-         "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
-         "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "part_out_ptr": "*fp32",
-         "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32", "kv_scale_ptr": "*fp32"}
-aligned = ("qkv_stride_t", "cs_stride", "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "c_stride_blk",
-           "c_stride_tok", "c_stride_h")
-kernels = {"decode": (decode_attention._fused_decode_kernel,
-                      dict(NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False, ASK_L2=True)),
-           "decode_rows": (paged_attention._decode_rows_kernel, dict(SPLIT_CHUNK=8)),
-           "prefill": (paged_attention._prefill_kernel, dict(BLOCK_M=64, USE_TILES=True))}
 got = []
 for name, fp8, stages, arch, maxnreg in json.loads(sys.argv[1]):
-    fn, const = kernels[name]
-    cache = "*fp8e4nv" if fp8 else "*bf16"
-    const = {k: v for k, v in dict(heads, **const, FP8=fp8).items() if k in fn.arg_names}
-    sig = {n: "constexpr" if n in const else dict(types, k_cache_ptr=cache, v_cache_ptr=cache).get(n, "i32")
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in aligned}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": 4, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = compile_attention(name, fp8, arch=arch, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     # the depth of each multi-buffered K/V tile (a [depth, 64 positions, width] buffer), and the bytes
     depths = {int(d) for d in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x\d+x", compiled.asm["ttgir"])}
     got.append([sorted(depths), compiled.metadata.shared])

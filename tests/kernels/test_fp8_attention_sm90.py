@@ -9,24 +9,11 @@ from __future__ import annotations
 import pytest
 import sm90
 
-_COMPILE = sm90.COMPILE + r'''
+_COMPILE = sm90.ATTENTION + r'''
 import json, re, sys
-from tokenmill.layers.kernels import decode_attention, paged_attention
-heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
-             PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", FP8=True)
-types = {"qkv_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "out_ptr": "*bf16",
-         "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
-         "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-         "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32", "k_cache_ptr": "*fp8e4nv",
-         "v_cache_ptr": "*fp8e4nv", "kv_scale_ptr": "*fp32"}
-kernels = {"decode": (decode_attention._fused_decode_kernel,
-                      dict(heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,
-                           ASK_L2=True)),
-           "decode_rows": (paged_attention._decode_rows_kernel, dict(heads, SPLIT_CHUNK=8))}
 got = []
 for name, asm in json.loads(sys.argv[1]):
-    fn, const = kernels[name]
-    ttgir = compile_sm90(fn, dict(const, WIDEN_ASM=asm), types, 4).asm["ttgir"]
+    ttgir = compile_attention(name, True, widen_asm=asm).asm["ttgir"]
     got.append(sorted(set(re.findall(r"opIdx = (\d), parent = #mma\w*, kWidth = (\d)", ttgir))))
 print(json.dumps(got))
 '''
