@@ -36,6 +36,7 @@ def main() -> None:
                    "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
     p.add_argument("--prefill-stages", default="", help="comma-separated software-pipelining stage counts for "
                    "the prefill kernel, timed like --prefill-maxnreg")
+    p.add_argument("--caches", default="bf16,fp8", help="which KV caches to time (bf16, fp8)")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
@@ -62,6 +63,8 @@ def main() -> None:
         (f"stages {n}", PrefillAttentionConfig(num_stages=int(n))) for n in a.prefill_stages.split(",") if n]
     for fp8 in (False, True):
         cache = "fp8" if fp8 else "bf16"
+        if cache not in a.caches.split(","):
+            continue
         for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):
             args, kw = decode_case(256, ctx, fp8, torch.Generator().manual_seed(0))
             sweep(f"{name} | {cache}", configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
