@@ -154,8 +154,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
     tl.store(dst, (o / w_sum[:, None]).to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-# the split count changes with the batch (eager steps): it is not specialised, so one compiled variant
-# serves every step
 @triton.jit
 def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # the cache pages of positions n0 .. n0 + BLOCK_N (0 from `end` on). The attention loops load each
@@ -166,6 +164,8 @@ def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.load(table + n // PAGE_SIZE, mask=n < end, other=0)
 
 
+# the split count changes with the batch (eager steps): it is not specialised, so one compiled variant
+# serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "num_splits"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
