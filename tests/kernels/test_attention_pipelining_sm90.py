@@ -4,8 +4,9 @@ pipeliner keeps two tiles of K and V in flight, each in its own shared-memory bu
 loaded in the same iteration as the K and V that need them, it kept one buffer in these kernels whatever
 the stage count (docs/BENCHMARKS.md, "Attention with each tile's pages loaded a tile ahead"); the bf16
 prefill, which kept two before, is left out. The deeper buffers cost shared memory: every attention kernel
-at its shipped configuration, compiled for sm89, still fits the 99 KB that sm86 and sm89 GPUs give a
-program (both take the same mma.sync path; sm86 compiled to the same bytes when this was written)."""
+at its shipped configuration with a bf16 cache (an FP8 cache's take less), compiled for sm89, still fits
+the 99 KB that sm86 and sm89 GPUs give a program (both take the same mma.sync path; sm86 compiled to the
+same bytes when this was written)."""
 from __future__ import annotations
 
 import pytest
@@ -26,12 +27,12 @@ print(json.dumps(got))
 _DECODE, _PREFILL = DecodeAttentionConfig(), PrefillAttentionConfig()
 # (kernel, FP8 cache, stages, sm, register cap) as the shipped configuration launches it
 _SM90 = [("decode", False, _DECODE.num_stages, 90, 0), ("decode", True, _DECODE.num_stages, 90, _DECODE.fp8_maxnreg),
-         ("decode_rows", False, _DECODE.num_stages, 90, 0),
          ("decode_rows", True, _DECODE.num_stages, 90, _DECODE.fp8_maxnreg),
          ("prefill", True, _PREFILL.num_stages, 90, _PREFILL.fp8_maxnreg)]
-_SMALL = [(name, fp8, cfg.num_stages, sm, cfg.fp8_maxnreg if fp8 else 0)
-          for name, cfg in (("decode", _DECODE), ("decode_rows", _DECODE), ("prefill", _PREFILL))
-          for sm, fp8 in ((89, False), (89, True))]
+# bf16 only: an FP8 cache's tiles are half the bytes (on sm89 its kernels take 55,296 and 73,728 bytes
+# against bf16's 71,680 and 90,112)
+_SMALL = [(name, False, cfg.num_stages, 89, 0)
+          for name, cfg in (("decode", _DECODE), ("decode_rows", _DECODE), ("prefill", _PREFILL))]
 _SMALL_GPU_SHARED = 99 * 1024
 
 
@@ -47,7 +48,7 @@ def test_k_and_v_tiles_in_flight_at_the_shipped_stages(compiled, case):
     assert depths == [case[2] - 1] == [2]
 
 
-@pytest.mark.parametrize("case", _SMALL, ids=lambda c: f"{c[0]}-sm{c[3]}-{'fp8' if c[1] else 'bf16'}")
+@pytest.mark.parametrize("case", _SMALL, ids=lambda c: f"{c[0]}-sm{c[3]}")
 def test_attention_fits_the_shared_memory_of_sm89(compiled, case):
     _, shared = compiled[case]
     assert 0 < shared <= _SMALL_GPU_SHARED
