@@ -28,7 +28,8 @@ def compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options):
 
 # The attention kernels as qwen3-4b's heads launch them (32 q over 8 kv heads of 128, 16-slot pages, 64-position
 # tiles): `attention_kernels[name]` is (kernel, its constexprs but FP8 and WIDEN_ASM), `attention_types(cache)`
-# the argument types with the cache's element type, `attention_aligned` the strides a launch specialises.
+# the argument types with the cache's element type, `attention_aligned` the strides a launch specialises;
+# `compile_attention`'s `const` overrides constexprs.
 ATTENTION = COMPILE + r'''
 from tokenmill.layers.kernels import decode_attention, paged_attention
 _heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
@@ -49,9 +50,10 @@ def attention_types(cache):
             "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32",
             "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
 
-def compile_attention(name, fp8, widen_asm=True, **options):
-    fn, const = attention_kernels[name]
-    const = {k: v for k, v in dict(const, FP8=fp8, WIDEN_ASM=widen_asm).items() if k in fn.arg_names}
+def compile_attention(name, fp8, widen_asm=True, const=None, **options):
+    fn, shipped = attention_kernels[name]
+    const = dict(shipped, FP8=fp8, WIDEN_ASM=widen_asm, **(const or {}))
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
     return compile_sm90(fn, const, attention_types("*fp8e4nv" if fp8 else "*bf16"), 4, attention_aligned,
                         **options)
 '''
