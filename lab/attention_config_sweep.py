@@ -45,8 +45,10 @@ def main() -> None:
     configs = []
     for c in a.configs.split(","):
         bn, nw, st, *reg = (int(x) for x in c.split("x"))
-        configs.append((c, DecodeAttentionConfig(block_n=bn, num_warps=nw, num_stages=st, min_split_len=bn,
-                                                 fp8_maxnreg=(reg[0] or None) if reg else DecodeAttentionConfig.fp8_maxnreg)))
+        # a fourth number caps the registers of both FP8 decode kernels (0: uncapped); without it each
+        # takes its shipped cap
+        caps = dict(fp8_maxnreg=reg[0] or None, fp8_rows_maxnreg=reg[0] or None) if reg else {}
+        configs.append((c, DecodeAttentionConfig(block_n=bn, num_warps=nw, num_stages=st, min_split_len=bn, **caps)))
     def sweep(row: str, variants, call, kv=None):
         # one table row per variant: us per call, K/V GB/s (kv: its bytes), largest difference from the first
         ref = None

@@ -27,7 +27,7 @@ print(json.dumps(got))
 _DECODE, _PREFILL = DecodeAttentionConfig(), PrefillAttentionConfig()
 # (kernel, FP8 cache, stages, sm, register cap) as the shipped configuration launches it
 _SM90 = [("decode", False, _DECODE.num_stages, 90, 0), ("decode", True, _DECODE.num_stages, 90, _DECODE.fp8_maxnreg),
-         ("decode_rows", True, _DECODE.num_stages, 90, _DECODE.fp8_maxnreg),
+         ("decode_rows", True, _DECODE.num_stages, 90, _DECODE.fp8_rows_maxnreg),
          ("prefill", True, _PREFILL.num_stages, 90, _PREFILL.fp8_maxnreg)]
 # bf16 only: an FP8 cache's tiles are half the bytes (on sm89 its kernels take 55,296 and 73,728 bytes
 # against bf16's 71,680 and 90,112)

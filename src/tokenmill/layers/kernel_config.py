@@ -78,18 +78,19 @@ class DecodeAttentionConfig:
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
     it takes many_splits_stages; launches with fewer, longer splits take num_stages (3: two tiles of K and V
     in flight a program, 1-6% faster than one on an H200 at 256 sequences). fp8_maxnreg caps the
-    registers of the FP8-cache variants (the one-kernel decode and a mixed step's decode rows): uncapped
-    the one-kernel decode takes 134 registers (sm90), which allow three programs of 4 warps an SM, where
-    its shared memory allows four; the cap spills a few values outside its loop (faster than uncapped, 112
-    or 128 at two stages on an H200, docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them
-    measured 1-3% slower)."""
+    registers of the FP8-cache one-kernel decode, fp8_rows_maxnreg those of a mixed step's FP8 decode rows:
+    uncapped the one-kernel decode takes 134 registers (sm90), which allow three programs of 4 warps an SM
+    where its shared memory allows four; a cap spills a few values outside the loop. On an H200 at three
+    stages the decode is fastest at 128 and the rows at 96 (5% and 6% ahead of the other's cap,
+    docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     min_split_len: int = 64
     many_splits: int = 32
     many_splits_stages: int = 1
-    fp8_maxnreg: int | None = 96
+    fp8_maxnreg: int | None = 128
+    fp8_rows_maxnreg: int | None = 96
 
     def __post_init__(self):
         if self.min_split_len % self.block_n:

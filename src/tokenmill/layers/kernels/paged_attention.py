@@ -377,7 +377,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
-        maxnreg=dcfg.fp8_maxnreg if fp8 else None)
+        maxnreg=dcfg.fp8_rows_maxnreg if fp8 else None)
     if grid is None:
         return out
     _prefill_kernel[grid](
