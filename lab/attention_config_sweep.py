@@ -2,9 +2,10 @@
 (32 q over 8 kv, head_dim 128, block size 16): the one-kernel decode step (`fused_decode_attention`) at 256
 sequences of two context ranges, and a mixed step's decode rows beside a prefill chunk
 (`paged_prefill_attention`, whose decode rows take the same `DecodeAttentionConfig`). Each configuration is
-(block_n, num_warps, num_stages[, the FP8 variants' register cap, 0: none]). Run once per source tree (PYTHONPATH) to compare kernels:
+`shipped` (each cache's shipped launch) or (block_n, num_warps, num_stages[, the FP8 variants' register cap, 0:
+none[, min_split_len]]). Run once per source tree (PYTHONPATH) to compare kernels:
 
-    PYTHONPATH=src python lab/attention_config_sweep.py --label new --configs 64x4x2,64x8x2,128x4x2
+    PYTHONPATH=src python lab/attention_config_sweep.py --label new --configs shipped,64x4x2,32x2x3x128
 
 Prints one row per (case, cache, configuration): microseconds per call (triton.testing.do_bench; with
 --graph do_bench_cudagraph, the calls replayed in a CUDA graph, which the mixed steps need: their plain
@@ -31,7 +32,7 @@ def kv_bytes(seq_lens, fp8: bool) -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
-    p.add_argument("--configs", default="64x4x2")
+    p.add_argument("--configs", default="shipped")
     p.add_argument("--prefill-maxnreg", default="", help="comma-separated register caps for the prefill kernel's "
                    "FP8 variant (0: none), timed on two mixed steps after the shipped configuration")
     p.add_argument("--prefill-stages", default="", help="comma-separated software-pipelining stage counts for "
@@ -39,16 +40,23 @@ def main() -> None:
     p.add_argument("--caches", default="bf16,fp8", help="which KV caches to time (bf16, fp8)")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
-    from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+    import dataclasses
+
+    from tokenmill.layers.kernel_config import SHIPPED_DECODE, SHIPPED_FP8_DECODE, PrefillAttentionConfig
     from tokenmill.layers.kernels import decode_attention as da
     from tokenmill.layers.kernels import paged_attention as pa
-    configs = []
+    configs = []   # (label, {cache: DecodeAttentionConfig})
     for c in a.configs.split(","):
-        bn, nw, st, *reg = (int(x) for x in c.split("x"))
-        # a fourth number caps the registers of both FP8 decode kernels (0: uncapped); without it each
-        # takes its shipped cap
-        caps = dict(fp8_maxnreg=reg[0] or None, fp8_rows_maxnreg=reg[0] or None) if reg else {}
-        configs.append((c, DecodeAttentionConfig(block_n=bn, num_warps=nw, num_stages=st, min_split_len=bn, **caps)))
+        if c == "shipped":
+            configs.append((c, {"bf16": SHIPPED_DECODE, "fp8": SHIPPED_FP8_DECODE}))
+            continue
+        bn, nw, st, *more = (int(x) for x in c.split("x"))
+        # a fourth number caps the registers of both FP8 decode kernels (0: uncapped; without it each
+        # takes its shipped cap), a fifth is min_split_len (without it block_n); bf16 runs uncapped
+        caps = dict(maxnreg=more[0] or None, rows_maxnreg=more[0] or None) if more else {}
+        launch = dict(block_n=bn, num_warps=nw, num_stages=st, min_split_len=more[1] if len(more) > 1 else bn)
+        configs.append((c, {"bf16": dataclasses.replace(SHIPPED_DECODE, **launch),
+                            "fp8": dataclasses.replace(SHIPPED_FP8_DECODE, **launch, **caps)}))
     def sweep(row: str, variants, call, kv=None):
         # one table row per variant: us per call, K/V GB/s (kv: its bytes), largest difference from the first
         ref = None
@@ -71,12 +79,13 @@ def main() -> None:
         cache = "fp8" if fp8 else "bf16"
         if cache not in a.caches.split(","):
             continue
+        cache_configs = [(label, by_cache[cache]) for label, by_cache in configs]
         for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):
             args, kw = decode_case(256, ctx, fp8, torch.Generator().manual_seed(0))
-            sweep(f"{name} | {cache}", configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
+            sweep(f"{name} | {cache}", cache_configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
                   kv_bytes(args[10].tolist(), fp8))
         args, kw = mixed_case(255, 225, (100, 700), fp8, torch.Generator().manual_seed(0))
-        sweep(f"mixed, 255 decodes ctx 100-700 + prefill 225 | {cache}", configs,
+        sweep(f"mixed, 255 decodes ctx 100-700 + prefill 225 | {cache}", cache_configs,
               lambda cfg: pa.paged_prefill_attention(*args, **kw, decode_config=cfg))
         for name, decodes, prefill, ctx in (("16 decodes ctx 1000-4000 + prefill 2048", 16, 2048, (1000, 4000)),
                                             ("255 decodes ctx 100-700 + prefill 225", 255, 225, (100, 700))):

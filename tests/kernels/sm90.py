@@ -50,11 +50,11 @@ def attention_types(cache):
             "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32",
             "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
 
-def compile_attention(name, fp8, widen_asm=True, const=None, **options):
+def compile_attention(name, fp8, widen_asm=True, const=None, num_warps=4, **options):
     fn, shipped = attention_kernels[name]
     const = dict(shipped, FP8=fp8, WIDEN_ASM=widen_asm, **(const or {}))
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    return compile_sm90(fn, const, attention_types("*fp8e4nv" if fp8 else "*bf16"), 4, attention_aligned,
+    return compile_sm90(fn, const, attention_types("*fp8e4nv" if fp8 else "*bf16"), num_warps, attention_aligned,
                         **options)
 '''
 

@@ -12,27 +12,37 @@ from __future__ import annotations
 import pytest
 import sm90
 
-from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernel_config import SHIPPED_DECODE, SHIPPED_FP8_DECODE, PrefillAttentionConfig
 
 _COMPILE = sm90.ATTENTION + r'''
 import json, re, sys
 got = []
-for name, fp8, stages, arch, maxnreg in json.loads(sys.argv[1]):
-    compiled = compile_attention(name, fp8, arch=arch, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    # the depth of each multi-buffered K/V tile (a [depth, 64 positions, width] buffer), and the bytes
-    depths = {int(d) for d in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x\d+x", compiled.asm["ttgir"])}
+for name, fp8, stages, arch, maxnreg, block_n, num_warps in json.loads(sys.argv[1]):
+    compiled = compile_attention(name, fp8, arch=arch, num_stages=stages, num_warps=num_warps,
+                                 const=dict(BLOCK_N=block_n),
+                                 **({"maxnreg": maxnreg} if maxnreg else {}))
+    # the depth of each multi-buffered K/V tile (a [depth, block_n positions, width] buffer), and the bytes
+    depths = {int(d) for d in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{block_n}x\d+x",
+                                         compiled.asm["ttgir"])}
     got.append([sorted(depths), compiled.metadata.shared])
 print(json.dumps(got))
 '''
-_DECODE, _PREFILL = DecodeAttentionConfig(), PrefillAttentionConfig()
-# (kernel, FP8 cache, stages, sm, register cap) as the shipped configuration launches it
-_SM90 = [("decode", False, _DECODE.num_stages, 90, 0), ("decode", True, _DECODE.num_stages, 90, _DECODE.fp8_maxnreg),
-         ("decode_rows", True, _DECODE.num_stages, 90, _DECODE.fp8_rows_maxnreg),
-         ("prefill", True, _PREFILL.num_stages, 90, _PREFILL.fp8_maxnreg)]
-# bf16 only: an FP8 cache's tiles are half the bytes (on sm89 its kernels take 55,296 and 73,728 bytes
-# against bf16's 71,680 and 90,112)
-_SMALL = [(name, False, cfg.num_stages, 89, 0)
-          for name, cfg in (("decode", _DECODE), ("decode_rows", _DECODE), ("prefill", _PREFILL))]
+_PREFILL = PrefillAttentionConfig()
+
+
+def _case(name, fp8, arch, cfg, maxnreg):
+    # (kernel, FP8 cache, stages, sm, register cap, block_n, num_warps) as the shipped configuration
+    # launches it (the prefill's positions a tile: block_n)
+    return (name, fp8, cfg.num_stages, arch, maxnreg or 0, cfg.block_n, cfg.num_warps)
+
+
+_SM90 = [_case("decode", False, 90, SHIPPED_DECODE, SHIPPED_DECODE.maxnreg),
+         _case("decode", True, 90, SHIPPED_FP8_DECODE, SHIPPED_FP8_DECODE.maxnreg),
+         _case("decode_rows", True, 90, SHIPPED_FP8_DECODE, SHIPPED_FP8_DECODE.rows_maxnreg),
+         _case("prefill", True, 90, _PREFILL, _PREFILL.fp8_maxnreg)]
+# bf16 only: an FP8 cache's tiles are half the bytes
+_SMALL = [_case("decode", False, 89, SHIPPED_DECODE, None), _case("decode_rows", False, 89, SHIPPED_DECODE, None),
+          _case("prefill", False, 89, _PREFILL, None)]
 _SMALL_GPU_SHARED = 99 * 1024
 
 

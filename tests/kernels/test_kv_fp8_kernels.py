@@ -181,8 +181,8 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
     gen = _gen(53)
     bf16 = torch.bfloat16
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
-                            128, 16, bf16, num_q_heads == 32, None, da.SHIPPED, 2e-2)
-    _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, da.SHIPPED, 2e-2)
+                            128, 16, bf16, num_q_heads == 32, None, da.SHIPPED_FP8, 2e-2)
+    _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, da.SHIPPED_FP8, 2e-2)
     q_lens, seq_lens = [300, 1, 64, 700], [1300, 900, 64, 700]
     k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.float32, gen)
     kv_scale = _scales(0.05, 0.25)

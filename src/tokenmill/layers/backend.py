@@ -133,7 +133,8 @@ class TritonBackend(TorchBackend):
     def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
         from tokenmill.layers.kernels import paged_attention
         return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention,
-                                               kv_scale=kv_scale, decode_config=self.kernels.decode_attention)
+                                               kv_scale=kv_scale,
+                                               decode_config=self.kernels.decode_attention_for(kv_scale is not None))
 
     def single_token_linear(self, input_ids):
         from tokenmill.layers.kernels import gemv
@@ -145,7 +146,12 @@ class TritonBackend(TorchBackend):
         if not meta.is_pure_decode(input_ids.shape[0]):
             return None
         from tokenmill.layers.kernels import decode_attention
-        return partial(decode_attention.fused_decode_attention, config=self.kernels.decode_attention)
+        kernels = self.kernels
+
+        def attend(*args, kv_scale=None, **kwargs):
+            return decode_attention.fused_decode_attention(
+                *args, kv_scale=kv_scale, config=kernels.decode_attention_for(kv_scale is not None), **kwargs)
+        return attend
 
     def w4_linear(self, x, layer):
         from tokenmill.layers.kernels import w4_gemm

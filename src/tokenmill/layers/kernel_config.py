@@ -72,30 +72,38 @@ SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
 
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """`decode_attention.fused_decode_attention`. A tile is block_n positions; a split holds at least
+    """`decode_attention.fused_decode_attention`, and a mixed step's decode rows
+    (`paged_attention.paged_prefill_attention`). A tile is block_n positions; a split holds at least
     min_split_len of them (a multiple of block_n), so contexts up to that length take one program per
     (sequence, kv head) and need no merge. A launch with many_splits splits or more (a batch of one
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
     it takes many_splits_stages; launches with fewer, longer splits take num_stages (3: two tiles of K and V
-    in flight a program, 1-6% faster than one on an H200 at 256 sequences). fp8_maxnreg caps the
-    registers of the FP8-cache one-kernel decode, fp8_rows_maxnreg those of a mixed step's FP8 decode rows:
-    uncapped the one-kernel decode takes 134 registers (sm90), which allow three programs of 4 warps an SM
-    where its shared memory allows four; a cap spills a few values outside the loop. On an H200 at three
-    stages the decode is fastest at 128 and the rows at 96 (5% and 6% ahead of the other's cap,
-    docs/BENCHMARKS.md). The bf16 kernels run uncapped (capping them measured 1-3% slower)."""
+    in flight a program, 1-6% faster than one on an H200 at 256 sequences). maxnreg caps the registers of
+    the one-kernel decode, rows_maxnreg those of the decode rows (None: uncapped). The KV cache's dtype
+    picks the configuration (`KernelConfig.decode_attention_for`)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     min_split_len: int = 64
     many_splits: int = 32
     many_splits_stages: int = 1
-    fp8_maxnreg: int | None = 128
-    fp8_rows_maxnreg: int | None = 96
+    maxnreg: int | None = None
+    rows_maxnreg: int | None = None
 
     def __post_init__(self):
         if self.min_split_len % self.block_n:
             raise ValueError(f"decode attention: min_split_len {self.min_split_len} is not a multiple of "
                              f"block_n {self.block_n}")
+
+
+# A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower).
+SHIPPED_DECODE = DecodeAttentionConfig()
+# An FP8 cache, whose loop is bound by its latency (the widening and the softmax's exchanges between
+# warps), not by its bytes: 32-position tiles of two warps, eight programs an SM, 9% faster at 256
+# sequences of 100-1,000 positions on an H200 than four warps of 64. The one-kernel decode capped at 128
+# registers, the decode rows at 96: uncapped the decode takes 134 (sm90), and a cap spills a few values
+# outside the loop (docs/BENCHMARKS.md).
+SHIPPED_FP8_DECODE = DecodeAttentionConfig(block_n=32, num_warps=2, maxnreg=128, rows_maxnreg=96)
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,13 @@ class PrefillAttentionConfig:
 class KernelConfig:
     """`tiles`: ((N, K, silu), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
     immutable and pickles with `EngineConfig` into the engine core's process. `fp8_tiles`: the same for
-    products with FP8 weights; a shape not there takes `gemv.fp8_tile` of its 16-bit tile."""
+    products with FP8 weights; a shape not there takes `gemv.fp8_tile` of its 16-bit tile.
+    `decode_attention` and `fp8_decode_attention`: the decode attention's launch for each KV cache."""
     tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_TILES
     fp8_tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_FP8_TILES
     default_tile: RegisterTile = RegisterTile(block_n=4, block_k=1024, num_warps=4, programs_per_sm=8)
-    decode_attention: DecodeAttentionConfig = field(default_factory=DecodeAttentionConfig)
+    decode_attention: DecodeAttentionConfig = SHIPPED_DECODE
+    fp8_decode_attention: DecodeAttentionConfig = SHIPPED_FP8_DECODE
     prefill_attention: PrefillAttentionConfig = field(default_factory=PrefillAttentionConfig)
 
     def __post_init__(self):
@@ -131,6 +141,10 @@ class KernelConfig:
                 object.__setattr__(self, name, tuple(getattr(self, name).items()))
         object.__setattr__(self, "_by_shape", dict(self.tiles))
         object.__setattr__(self, "_fp8_by_shape", dict(self.fp8_tiles))
+
+    def decode_attention_for(self, fp8_cache: bool) -> DecodeAttentionConfig:
+        """The decode attention's launch for a bf16 or an FP8 KV cache."""
+        return self.fp8_decode_attention if fp8_cache else self.decode_attention
 
     def tile(self, n: int, k: int, silu: bool) -> Tile:
         """The tile for a product with weight [n, k] (SiLU-and-mul after it when `silu`)."""

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernel_config import DecodeAttentionConfig
+from tokenmill.layers.kernel_config import SHIPPED_DECODE, SHIPPED_FP8_DECODE, DecodeAttentionConfig
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
@@ -42,7 +42,8 @@ from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _do
                                                       _num_sms, _pages)
 
 MAX_SPLITS = 32
-SHIPPED = DecodeAttentionConfig()
+SHIPPED = SHIPPED_DECODE
+SHIPPED_FP8 = SHIPPED_FP8_DECODE
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
@@ -241,14 +242,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_heads: int, num_kv_heads: int, head_dim: int,
                            num_splits: int | None = None,
-                           config: DecodeAttentionConfig = SHIPPED,
+                           config: DecodeAttentionConfig | None = None,
                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by attention over the cache
     (`attention.paged_attention_torch`, one query a sequence); returns the attention output [B, Hq, D].
     A sequence with seq_len 0 (a padded CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its
-    `kv_scale` (attention.py)."""
+    `kv_scale` (attention.py). `config`: the launch, by default the shipped one for the cache's dtype."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
@@ -264,7 +265,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         raise ValueError(f"fused_decode_attention needs one token per sequence: qkv has {batch} rows, "
                          f"block_tables {block_tables.shape[0]}")
     block_size = k_cache.shape[1]
-    cfg = config
+    cfg = config or (SHIPPED_FP8 if kv_scale is not None else SHIPPED)
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                        qkv.device, cfg.block_n, fp8=kv_scale is not None)
@@ -299,5 +300,5 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, num_warps=cfg.num_warps,
         launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
-        maxnreg=cfg.fp8_maxnreg if kv_scale is not None else None)
+        maxnreg=cfg.maxnreg)
     return out

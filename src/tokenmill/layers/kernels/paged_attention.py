@@ -22,7 +22,8 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
-from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernel_config import (SHIPPED_DECODE, SHIPPED_FP8_DECODE, DecodeAttentionConfig,
+                                             PrefillAttentionConfig)
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_tile, load_kv_scales
 
@@ -317,14 +318,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             config: PrefillAttentionConfig = SHIPPED,
                             tiles: torch.Tensor | None = None,
                             kv_scale: torch.Tensor | None = None,
-                            decode_config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                            decode_config: DecodeAttentionConfig | None = None,
                             num_splits: int | None = None) -> torch.Tensor:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
     of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
     one query, a program per (sequence, kv head) for the kv head's whole group of q heads, so a decode
     row's K/V is read once per kv head and its tiles have the group's rows, not BLOCK_M
-    (`decode_config`: block_n, num_warps, num_stages). For the prefill kernel `max_query_len` (a host
+    (`decode_config`: block_n, num_warps, num_stages; by default the shipped launch for the cache). For the prefill kernel `max_query_len` (a host
     int) sizes the grid, or, when `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M =
     PREFILL_BLOCK_M) is given, the grid has one program per tile and head, which keeps a CUDA graph
     padded to many sequences cheap. An FP8 cache comes with its `kv_scale` (attention.py)."""
@@ -357,7 +358,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kv_scale = kv_scale if fp8 else seq_lens
     dot_precision = _dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    dcfg = decode_config
+    dcfg = decode_config or (SHIPPED_FP8_DECODE if fp8 else SHIPPED_DECODE)
     if num_splits is None:
         num_splits = decode_rows_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, q.device,
                                             dcfg.block_n)
@@ -377,7 +378,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
-        maxnreg=dcfg.fp8_rows_maxnreg if fp8 else None)
+        maxnreg=dcfg.rows_maxnreg)
     if grid is None:
         return out
     _prefill_kernel[grid](
@@ -396,7 +397,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
                     kv_scale: torch.Tensor | None = None,
-                    decode_config: DecodeAttentionConfig = DecodeAttentionConfig()) -> torch.Tensor:
+                    decode_config: DecodeAttentionConfig | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
     `paged_prefill_attention`, for steps with prefill chunks and the decode rows beside them
     (pure-decode steps run `decode_attention.fused_decode_attention` from the packed qkv instead)."""
