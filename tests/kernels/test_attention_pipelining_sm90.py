@@ -38,6 +38,7 @@ def _case(name, fp8, arch, cfg, maxnreg):
 
 _SM90 = [_case("decode", False, 90, SHIPPED_DECODE, SHIPPED_DECODE.maxnreg),
          _case("decode", True, 90, SHIPPED_FP8_DECODE, SHIPPED_FP8_DECODE.maxnreg),
+         _case("decode", True, 90, SHIPPED_FP8_DECODE.one_split, SHIPPED_FP8_DECODE.one_split.maxnreg),
          _case("decode_rows", True, 90, SHIPPED_FP8_DECODE, SHIPPED_FP8_DECODE.rows_maxnreg),
          _case("prefill", True, 90, _PREFILL, _PREFILL.fp8_maxnreg)]
 # bf16 only: an FP8 cache's tiles are half the bytes
@@ -52,7 +53,7 @@ def compiled():
     return dict(zip(map(tuple, cases), sm90.run(_COMPILE, *cases, timeout=600)))
 
 
-@pytest.mark.parametrize("case", _SM90, ids=lambda c: f"{c[0]}-{'fp8' if c[1] else 'bf16'}")
+@pytest.mark.parametrize("case", _SM90, ids=lambda c: f"{c[0]}-{'fp8' if c[1] else 'bf16'}-{c[5]}x{c[6]}")
 def test_k_and_v_tiles_in_flight_at_the_shipped_stages(compiled, case):
     depths, _ = compiled[case]
     assert depths == [case[2] - 1] == [2]

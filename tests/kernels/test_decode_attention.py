@@ -96,6 +96,27 @@ def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
     assert da.SHIPPED.many_splits_stages != da.SHIPPED.num_stages
 
 
+def test_fused_decode_attention_one_split_takes_its_own_launch(monkeypatch):
+    """A configuration with `one_split` launches that one where every program takes a whole context (one
+    split) and its own tiles otherwise; both stay correct."""
+    kernel, launches = da._fused_decode_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["BLOCK_N"], kwargs["num_warps"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(da, "_fused_decode_kernel", Recorder())
+    config = DecodeAttentionConfig(32, min_split_len=32, one_split=DecodeAttentionConfig(16, num_warps=1,
+                                                                                         min_split_len=16))
+    for num_splits, want in ((1, (16, 1)), (3, (32, 4))):
+        launches.clear()
+        _check_fused_decode(_gen(34), [1, 70, 150], 4, 1, 16, 16, torch.float32, True, num_splits, config,
+                            _tol(torch.float32))
+        assert launches == [want, want]
+
+
 def test_fused_decode_attention_rejects_bad_inputs():
     rope = RotaryEmbedding(16, 8, 10000.0).to(DEVICE)
     qkv = torch.zeros(2, (4 + 2 * 2) * 16, device=DEVICE)

@@ -183,6 +183,9 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
                             128, 16, bf16, num_q_heads == 32, None, da.SHIPPED_FP8, 2e-2)
     _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, da.SHIPPED_FP8, 2e-2)
+    # one split: the shipped launch for an FP8 cache takes its narrower tiles (`one_split`)
+    _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
+                            128, 16, bf16, True, 1, da.SHIPPED_FP8, 2e-2)
     q_lens, seq_lens = [300, 1, 64, 700], [1300, 900, 64, 700]
     k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.float32, gen)
     kv_scale = _scales(0.05, 0.25)

@@ -79,8 +79,10 @@ class DecodeAttentionConfig:
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:
     it takes many_splits_stages; launches with fewer, longer splits take num_stages (3: two tiles of K and V
     in flight a program, 1-6% faster than one on an H200 at 256 sequences). maxnreg caps the registers of
-    the one-kernel decode, rows_maxnreg those of the decode rows (None: uncapped). The KV cache's dtype
-    picks the configuration (`KernelConfig.decode_attention_for`)."""
+    the one-kernel decode, rows_maxnreg those of the decode rows (None: uncapped). one_split, where given,
+    is the one-kernel decode's launch when each program takes a whole context (one split: enough
+    sequences to fill the GPU). The KV cache's dtype picks the configuration
+    (`KernelConfig.decode_attention_for`)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
@@ -89,6 +91,7 @@ class DecodeAttentionConfig:
     many_splits_stages: int = 1
     maxnreg: int | None = None
     rows_maxnreg: int | None = None
+    one_split: DecodeAttentionConfig | None = None
 
     def __post_init__(self):
         if self.min_split_len % self.block_n:
@@ -98,12 +101,14 @@ class DecodeAttentionConfig:
 
 # A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower).
 SHIPPED_DECODE = DecodeAttentionConfig()
-# An FP8 cache, whose loop is bound by its latency (the widening and the softmax's exchanges between
-# warps), not by its bytes: 32-position tiles of two warps, eight programs an SM, 9% faster at 256
-# sequences of 100-1,000 positions on an H200 than four warps of 64. The one-kernel decode capped at 128
-# registers, the decode rows at 96: uncapped the decode takes 134 (sm90), and a cap spills a few values
-# outside the loop (docs/BENCHMARKS.md).
-SHIPPED_FP8_DECODE = DecodeAttentionConfig(block_n=32, num_warps=2, maxnreg=128, rows_maxnreg=96)
+# An FP8 cache, whose loop is bound by its latency (the widening, and the softmax's exchanges between
+# warps), not by its bytes. Split launches (fewer sequences than fill the GPU) and the decode rows: as
+# bf16, the one-kernel decode capped at 128 registers and the rows at 96 (uncapped the decode takes 134
+# on sm90, three programs an SM where its shared memory allows four). A launch of one split: 32-position
+# tiles of one warp, no exchanges between warps, 18% faster at 256 sequences of 100-1,000 positions on an
+# H200, 11% at 1,000-2,000; two warps of 32 positions lost at batch 1 and 16 (docs/BENCHMARKS.md).
+SHIPPED_FP8_DECODE = DecodeAttentionConfig(maxnreg=128, rows_maxnreg=96,
+                                           one_split=DecodeAttentionConfig(block_n=32, num_warps=1))
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                        qkv.device, cfg.block_n, fp8=kv_scale is not None)
+    if num_splits == 1 and cfg.one_split is not None:
+        cfg = cfg.one_split
     out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out
