@@ -1,6 +1,6 @@
 """Decode attention's launch configurations with a bf16 and an FP8 KV cache, one layer of qwen3-4b's heads
-(32 q over 8 kv, head_dim 128, block size 16): the one-kernel decode step (`fused_decode_attention`) at 256
-sequences of two context ranges, and a mixed step's decode rows beside a prefill chunk
+(32 q over 8 kv, head_dim 128, block size 16): the one-kernel decode step (`fused_decode_attention`), by
+default at 256 sequences of two context ranges (`--decode-cases`), and a mixed step's decode rows beside a prefill chunk
 (`paged_prefill_attention`, whose decode rows take the same `DecodeAttentionConfig`). Each configuration is
 `shipped` (each cache's shipped launch) or (block_n, num_warps, num_stages[, the FP8 variants' register cap, 0:
 none[, min_split_len]]). Run once per source tree (PYTHONPATH) to compare kernels:
@@ -38,6 +38,9 @@ def main() -> None:
     p.add_argument("--prefill-stages", default="", help="comma-separated software-pipelining stage counts for "
                    "the prefill kernel, timed like --prefill-maxnreg")
     p.add_argument("--caches", default="bf16,fp8", help="which KV caches to time (bf16, fp8)")
+    p.add_argument("--decode-cases", default="256:100-1000,256:1000-2000",
+                   help="one-kernel decode cases, comma-separated sequences:shortest-longest context (64:6000-8000: "
+                        "the long workload's decodes, two splits a sequence with an FP8 cache)")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     import dataclasses
@@ -80,8 +83,11 @@ def main() -> None:
         if cache not in a.caches.split(","):
             continue
         cache_configs = [(label, by_cache[cache]) for label, by_cache in configs]
-        for name, ctx in (("decode 256, ctx 100-1000", (100, 1000)), ("decode 256, ctx 1000-2000", (1000, 2000))):
-            args, kw = decode_case(256, ctx, fp8, torch.Generator().manual_seed(0))
+        for case in a.decode_cases.split(","):
+            seqs, lens = case.split(":")
+            ctx = tuple(int(x) for x in lens.split("-"))
+            name = f"decode {seqs}, ctx {lens}"
+            args, kw = decode_case(int(seqs), ctx, fp8, torch.Generator().manual_seed(0))
             sweep(f"{name} | {cache}", cache_configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
                   kv_bytes(args[10].tolist(), fp8))
         args, kw = mixed_case(255, 225, (100, 700), fp8, torch.Generator().manual_seed(0))
