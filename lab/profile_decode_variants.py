@@ -21,108 +21,17 @@ import os
 import pstats
 import time
 
+import sys
+
 import l2_cache  # beside this script
 import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.runner import model_runner
 
-
-def graph_replay_ms(runner, bs: int, iters: int = 200) -> float:
-    return replay_ms(runner.graphs[("decode", bs)], iters)
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 200) -> float:
-    """Device time of one replay of `graph`: CUDA events around `iters` replays, after 10 warm-up ones."""
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def gpu_state_under_load(graph: torch.cuda.CUDAGraph, limit_s: float = 10.0) -> dict:
-    """SM and memory clocks (MHz), temperature (C) and power (W) as nvidia-smi reads them while `graph`
-    replays back to back: what a machine ran at, for comparing figures across machines. {"error"} when
-    there is no reading."""
-    import subprocess
-    import threading
-    out = {}
-
-    def query():
-        try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
-                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=limit_s)
-            vals = r.stdout.strip().splitlines()[0].split(",")
-            out.update(zip(("sm_mhz", "mem_mhz", "temp_c", "power_w"), (float(v) for v in vals)))
-        except Exception as e:      # no nvidia-smi, or a field it cannot read: the figures stand without it
-            out["error"] = repr(e)[-200:]
-    t = threading.Thread(target=query)
-    t.start()
-    t0 = time.perf_counter()
-    while t.is_alive() and time.perf_counter() - t0 < limit_s:
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-    t.join()
-    return out
-
-
-def kernel_table(runner, bs: int, path: str) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-    graph = runner.graphs[("decode", bs)]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev_us > 0:
-            rows.append({"name": ev.key[:90], "calls_per_step": ev.count / 5, "us_per_step": dev_us / 5})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    return rows
-
-
-def gpu_events(prof) -> list[list]:
-    """[name, start us, duration us] of every device-side event (kernels, copies) a profile holds, in
-    start order."""
-    rows = []
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).endswith("CUDA") and ev.time_range.elapsed_us() >= 0:
-            rows.append([ev.name[:80], ev.time_range.start, ev.time_range.elapsed_us()])
-    rows.sort(key=lambda r: r[1])
-    t0 = rows[0][1] if rows else 0
-    return [[n, s - t0, d] for n, s, d in rows]
-
-
-def timeline(runner, run, path: str) -> None:
-    """Device events of three batch-1 decode graph replays (the last one kept), then of a batch-1
-    `generate` (its middle steps kept), to `path`: where the step's time goes between kernels, and
-    between graph replays."""
-    from torch.profiler import ProfilerActivity, profile
-    graph = runner.graphs[("decode", 1)]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = gpu_events(prof)
-    per = len(events) // 3
-    replay = events[-per:]
-    t0 = replay[0][1]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(1)
-        torch.cuda.synchronize()
-    steps = gpu_events(prof)
-    mid = len(steps) // 2
-    with open(path, "w") as f:
-        json.dump({"graph": [[n, s - t0, d] for n, s, d in replay], "steps": steps[mid - 2000:mid + 2000]}, f)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "device"))
+from profile_decode import (gpu_state_under_load, graph_replay_ms, kernel_table,  # noqa: E402
+                            replay_ms, timeline)
 
 
 def _padded_bytes(t: torch.Tensor) -> int:
