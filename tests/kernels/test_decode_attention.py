@@ -184,3 +184,27 @@ def test_gpu_fused_decode_cuda_graph_replay_with_new_lengths():
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(k_cache, ref_k, rtol=2e-2, atol=2e-2)
         assert torch.equal(v_cache, ref_v)
+
+
+def test_the_backend_launches_each_caches_decode_configuration(monkeypatch):
+    """The Triton backend hands the decode kernels `KernelConfig.decode_attention` with a bf16 cache and
+    `fp8_decode_attention` with an FP8 one (a cache with a kv_scale), in pure-decode and mixed steps."""
+    from tokenmill.layers.backend import TritonBackend
+    from tokenmill.layers.kernel_config import KernelConfig
+    from tokenmill.layers.kernels import paged_attention
+    seen = []
+    monkeypatch.setattr(da, "fused_decode_attention", lambda *a, config=None, **k: seen.append(config))
+    monkeypatch.setattr(paged_attention, "paged_attention", lambda *a, decode_config=None, **k: seen.append(decode_config))
+    kernels = KernelConfig(decode_attention=DecodeAttentionConfig(16, min_split_len=16),
+                           fp8_decode_attention=DecodeAttentionConfig(32, min_split_len=32))
+    backend = TritonBackend(kernels)
+
+    class PureDecode:
+        def is_pure_decode(self, num_tokens):
+            return True
+    attend = backend.decode_attention(torch.zeros(2, dtype=torch.long), PureDecode())
+    attend(None, kv_scale=None)
+    attend(None, kv_scale=torch.ones(2))
+    backend.attend(None, None, None, None, 1.0, kv_scale=None)
+    backend.attend(None, None, None, None, 1.0, kv_scale=torch.ones(2))
+    assert seen == [kernels.decode_attention, kernels.fp8_decode_attention] * 2
