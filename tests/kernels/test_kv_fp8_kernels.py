@@ -12,7 +12,7 @@ import torch
 
 from kernel_testing import DEVICE, HALF, HAS_CUDA, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
 from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
-from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernel_config import SHIPPED_FP8_DECODE, DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da
 from tokenmill.layers.kernels import fused_ops as ops
 from tokenmill.layers.kernels import paged_attention as pa
@@ -181,11 +181,11 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
     gen = _gen(53)
     bf16 = torch.bfloat16
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
-                            128, 16, bf16, num_q_heads == 32, None, da.SHIPPED_FP8, 2e-2)
-    _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, da.SHIPPED_FP8, 2e-2)
+                            128, 16, bf16, num_q_heads == 32, None, SHIPPED_FP8_DECODE, 2e-2)
+    _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, SHIPPED_FP8_DECODE, 2e-2)
     # one split: the shipped launch for an FP8 cache takes its narrower tiles (`one_split`)
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
-                            128, 16, bf16, True, 1, da.SHIPPED_FP8, 2e-2)
+                            128, 16, bf16, True, 1, SHIPPED_FP8_DECODE, 2e-2)
     q_lens, seq_lens = [300, 1, 64, 700], [1300, 900, 64, 700]
     k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.float32, gen)
     kv_scale = _scales(0.05, 0.25)

@@ -111,6 +111,12 @@ SHIPPED_FP8_DECODE = DecodeAttentionConfig(maxnreg=128, rows_maxnreg=96,
                                            one_split=DecodeAttentionConfig(block_n=32, num_warps=1))
 
 
+def shipped_decode_attention(fp8_cache: bool) -> DecodeAttentionConfig:
+    """The shipped decode attention launch for a bf16 or an FP8 KV cache (the kernels' default when their
+    caller names none; `KernelConfig.decode_attention_for` picks among a config's own)."""
+    return SHIPPED_FP8_DECODE if fp8_cache else SHIPPED_DECODE
+
+
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
     """`paged_attention.paged_prefill_attention`: block_m query rows by block_n cached positions a tile.

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.kernel_config import SHIPPED_DECODE, SHIPPED_FP8_DECODE, DecodeAttentionConfig
+from tokenmill.layers.kernel_config import SHIPPED_DECODE, DecodeAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
@@ -43,7 +43,6 @@ from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _do
 
 MAX_SPLITS = 32
 SHIPPED = SHIPPED_DECODE
-SHIPPED_FP8 = SHIPPED_FP8_DECODE
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
@@ -265,7 +264,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         raise ValueError(f"fused_decode_attention needs one token per sequence: qkv has {batch} rows, "
                          f"block_tables {block_tables.shape[0]}")
     block_size = k_cache.shape[1]
-    cfg = config or (SHIPPED_FP8 if kv_scale is not None else SHIPPED)
+    cfg = config or shipped_decode_attention(kv_scale is not None)
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                        qkv.device, cfg.block_n, fp8=kv_scale is not None)

@@ -22,8 +22,7 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
-from tokenmill.layers.kernel_config import (SHIPPED_DECODE, SHIPPED_FP8_DECODE, DecodeAttentionConfig,
-                                             PrefillAttentionConfig)
+from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_tile, load_kv_scales
 
@@ -358,7 +357,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kv_scale = kv_scale if fp8 else seq_lens
     dot_precision = _dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    dcfg = decode_config or (SHIPPED_FP8_DECODE if fp8 else SHIPPED_DECODE)
+    dcfg = decode_config or shipped_decode_attention(fp8)
     if num_splits is None:
         num_splits = decode_rows_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, q.device,
                                             dcfg.block_n)
