@@ -19,9 +19,8 @@ import io
 import json
 import os
 import pstats
-import time
-
 import sys
+import time
 
 import l2_cache  # beside this script
 import torch
