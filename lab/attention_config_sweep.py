@@ -59,7 +59,8 @@ def main() -> None:
         caps = dict(maxnreg=more[0] or None, rows_maxnreg=more[0] or None) if more else {}
         launch = dict(block_n=bn, num_warps=nw, num_stages=st, min_split_len=more[1] if len(more) > 1 else bn)
         configs.append((c, {"bf16": dataclasses.replace(SHIPPED_DECODE, **launch),
-                            "fp8": dataclasses.replace(SHIPPED_FP8_DECODE, **launch, **caps, one_split=None)}))
+                            "fp8": dataclasses.replace(SHIPPED_FP8_DECODE, **launch, **caps, one_split=None,
+                                                         filled=None)}))
     def sweep(row: str, variants, call, kv=None):
         # one table row per variant: us per call, K/V GB/s (kv: its bytes), largest difference from the first
         ref = None

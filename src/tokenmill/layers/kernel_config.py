@@ -81,7 +81,9 @@ class DecodeAttentionConfig:
     in flight a program, 1-6% faster than one on an H200 at 256 sequences). maxnreg caps the registers of
     the one-kernel decode, rows_maxnreg those of the decode rows (None: uncapped). one_split, where given,
     is the one-kernel decode's launch when each program takes a whole context (one split: enough
-    sequences to fill the GPU). The KV cache's dtype picks the configuration
+    sequences to fill the GPU); filled, where given, its launch of several splits when the (sequence, kv
+    head) programs alone are at least one an SM (`decode_num_splits` then cuts each context into a few
+    long splits rather than many short ones). The KV cache's dtype picks the configuration
     (`KernelConfig.decode_attention_for`)."""
     block_n: int = 64
     num_warps: int = 4
@@ -92,6 +94,7 @@ class DecodeAttentionConfig:
     maxnreg: int | None = None
     rows_maxnreg: int | None = None
     one_split: DecodeAttentionConfig | None = None
+    filled: DecodeAttentionConfig | None = None
 
     def __post_init__(self):
         if self.min_split_len % self.block_n:
@@ -102,13 +105,16 @@ class DecodeAttentionConfig:
 # A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower).
 SHIPPED_DECODE = DecodeAttentionConfig()
 # An FP8 cache, whose loop is bound by its latency (the widening, and the softmax's exchanges between
-# warps), not by its bytes. Split launches (fewer sequences than fill the GPU) and the decode rows: as
-# bf16, the one-kernel decode capped at 128 registers and the rows at 96 (uncapped the decode takes 134
-# on sm90, three programs an SM where its shared memory allows four). A launch of one split: 32-position
-# tiles of one warp, no exchanges between warps, 18% faster at 256 sequences of 100-1,000 positions on an
-# H200, 11% at 1,000-2,000; two warps of 32 positions lost at batch 1 and 16 (docs/BENCHMARKS.md).
+# warps), not by its bytes. Fewer (sequence, kv head) programs than SMs (many short splits) and the
+# decode rows: as bf16, the one-kernel decode capped at 128 registers and the rows at 96 (uncapped the
+# decode takes 134 on sm90, three programs an SM where its shared memory allows four). Programs that fill
+# the SMs take 32-position tiles of one warp, uncapped: no exchanges between warps, 8 programs an SM. At
+# one split three stages (18% faster than 64 x 4 x 3 at 256 sequences of 100-1,000 positions on an H200,
+# 11% at 1,000-2,000); split in a few, two (13-30% faster from 20 to 64 sequences, where three stages
+# lost up to 12% at long contexts); one-warp launches lost at batch 1 and 16 (docs/BENCHMARKS.md).
 SHIPPED_FP8_DECODE = DecodeAttentionConfig(maxnreg=128, rows_maxnreg=96,
-                                           one_split=DecodeAttentionConfig(block_n=32, num_warps=1))
+                                           one_split=DecodeAttentionConfig(block_n=32, num_warps=1),
+                                           filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))
 
 
 def shipped_decode_attention(fp8_cache: bool) -> DecodeAttentionConfig:

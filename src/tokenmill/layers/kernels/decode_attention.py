@@ -45,6 +45,11 @@ MAX_SPLITS = 32
 SHIPPED = SHIPPED_DECODE
 
 
+def _sms(device: torch.device) -> int:
+    # the CPU interpreter plays a GPU of 8 SMs
+    return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n, fp8: bool = False) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
@@ -53,7 +58,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
     sequences of 8 kv heads on 132 SMs (28% faster than one there), one from 66 on (splitting 64
     sequences was 3-40% slower); with an FP8 cache (`fp8`), whose programs spend longer per byte, at most
     eight: two at 64 sequences (6% faster than one), one at 256 (docs/BENCHMARKS.md)."""
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
     per_sm = 8 if fp8 else 4
@@ -270,6 +275,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                                        qkv.device, cfg.block_n, fp8=kv_scale is not None)
     if num_splits == 1 and cfg.one_split is not None:
         cfg = cfg.one_split
+    elif num_splits > 1 and cfg.filled is not None and batch * num_kv_heads >= _sms(qkv.device):
+        cfg = cfg.filled
     out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out
