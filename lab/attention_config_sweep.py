@@ -40,7 +40,8 @@ def main() -> None:
     p.add_argument("--caches", default="bf16,fp8", help="which KV caches to time (bf16, fp8)")
     p.add_argument("--decode-cases", default="256:100-1000,256:1000-2000",
                    help="one-kernel decode cases, comma-separated sequences:shortest-longest context (64:6000-8000: "
-                        "the long workload's decodes, two splits a sequence with an FP8 cache)")
+                        "the long workload's decodes, two splits a sequence with an FP8 cache); a third field "
+                        "fixes the split count (64:100-1000:2) where decode_num_splits would choose")
     p.add_argument("--graph", action="store_true", help="time the calls replayed in a CUDA graph")
     a = p.parse_args()
     import dataclasses
@@ -85,10 +86,12 @@ def main() -> None:
             continue
         cache_configs = [(label, by_cache[cache]) for label, by_cache in configs]
         for case in a.decode_cases.split(","):
-            seqs, lens = case.split(":")
+            seqs, lens, *splits = case.split(":")
             ctx = tuple(int(x) for x in lens.split("-"))
-            name = f"decode {seqs}, ctx {lens}"
+            name = f"decode {seqs}, ctx {lens}" + (f", {splits[0]} splits" if splits else "")
             args, kw = decode_case(int(seqs), ctx, fp8, torch.Generator().manual_seed(0))
+            if splits:
+                kw["num_splits"] = int(splits[0])
             sweep(f"{name} | {cache}", cache_configs, lambda cfg: da.fused_decode_attention(*args, **kw, config=cfg),
                   kv_bytes(args[10].tolist(), fp8))
         args, kw = mixed_case(255, 225, (100, 700), fp8, torch.Generator().manual_seed(0))
