@@ -119,6 +119,38 @@ def test_gptq_error_compensation_beats_rounding_on_its_own_grid():
     assert torch.equal(packed, dequantize_grid((q, zeros, scales), group))
 
 
+def test_gptq_output_target_steps_towards_the_float_models_outputs():
+    """Where a layer's inputs X differ from the float model's Xf (the layers before it quantized),
+    `output_target` moves W towards the weight that maps X to Xf W^T, and the ridge holds the step: on
+    inputs not seen in calibration, its weight and its GPTQ rounding are both nearer the float outputs than
+    W and W's rounding are; the larger the ridge the nearer W it stays, and without a difference it is W."""
+    from tokenmill.quant.gptq import gptq_quantize, output_target
+    from tokenmill.quant.w4 import dequantize_grid
+    torch.manual_seed(0)
+    out_f, in_f, group = 64, 128, 64
+    mix = torch.randn(in_f, in_f) / in_f ** 0.5
+    drift = torch.eye(in_f) + 0.15 * torch.randn(in_f, in_f) / in_f ** 0.5    # what quantization upstream did
+
+    def inputs(n):
+        xf = torch.randn(n, in_f) @ mix + 0.3 * torch.randn(n, in_f)
+        return xf @ drift, xf
+    x, xf = inputs(4096)
+    x_new, xf_new = inputs(4096)
+    w = torch.randn(out_f, in_f) * 0.05
+    h = x.t() @ x
+
+    def error(v):
+        return (x_new @ v.t() - xf_new @ w.t()).square().mean().item()
+    targets = {r: output_target(w, h, x, xf, ridge=r) for r in (0.1, 1.0, 30.0)}
+    errors = {r: error(t) for r, t in targets.items()}
+    print(f"held-out output error: W {error(w):.3e}, targets by ridge {errors}")
+    assert errors[0.1] < errors[1.0] < errors[30.0] < error(w)
+    assert errors[0.1] < 0.2 * error(w)
+    rounded_w, rounded_target = (dequantize_grid(gptq_quantize(v, h, group), group) for v in (w, targets[1.0]))
+    assert error(rounded_target) < 0.5 * error(rounded_w)
+    torch.testing.assert_close(output_target(w, xf.t() @ xf, xf, xf), w)
+
+
 def test_gptq_fp8_compensation_beats_rounding_to_nearest():
     """The same on the FP8 E4M3 grid: per-channel scales of `fp8.quantize` (the row's absmax / 448),
     compensated values with a smaller output error than `fp8.quantize`'s round to nearest."""
