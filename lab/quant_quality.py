@@ -31,9 +31,10 @@ sequences of 256.
   for q @ K^T, the probabilities as P x 448 rounded to E4M3 for P @ V, each alone and both, emulated in
   float32 in the torch reference's prefill and decode attention, beside the FP8 cache alone.
 - `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
-  (`Knobs`), and FP8 GPTQ without act-order.
+  (`Knobs`; `asym`: the product's output targets, `gptq.output_target`, at any ridge and step), and FP8
+  GPTQ without act-order.
 
-- `generated-calibration`: 4-bit GPTQ (the product's algorithm; with --awq, AWQ scales first) calibrated on
+- `generated-calibration`: 4-bit GPTQ (on each linear's own weight; with --awq, AWQ scales first) calibrated on
   text the unquantized model writes itself (sequences of 256 tokens sampled at temperature 1.0, each from
   a vocabulary token drawn at random, as data-free quantization-aware training does), alone and after the
   test's 2,048 tokens of calibration.txt, against those 2,048 and 4,096 tokens alone.
@@ -224,6 +225,9 @@ class Knobs:
     seq_len: int = 256
     offset: int = 0                 # calibration from this token on (the calibration's own noise)
     fp8: bool = False               # the FP8 grid (per-channel absmax scales) instead of 4-bit g128
+    asym: float = 0.0               # > 0: each linear's target moved this far towards its output target
+                                    # (`gptq.output_target`: the float model's outputs, GPTAQ)
+    asym_ridge: float = 30.0        # that target's ridge, towards W, over H's mean diagonal
 
 
 def _grid(w: torch.Tensor, h: torch.Tensor, k: Knobs, group: int = 128):
@@ -337,8 +341,28 @@ def _awq_scale(w: torch.Tensor, x: torch.Tensor, grid: int = 20) -> torch.Tensor
 
 
 @torch.no_grad()
+def gptq_asymmetric(model, calibration, k: Knobs):
+    """`gptq._sequential` with the float model's inputs, each linear rounding W + k.asym (T - W), T its
+    `gptq.output_target` at ridge k.asym_ridge (k.asym 1: the product's). Returns ({linear: dequantized}, {})."""
+    from tokenmill.quant.gptq import _sequential, output_target
+    weights = {}
+
+    def quantize_linear(name, layer, x, x_float, prefix):
+        h = x.t() @ x
+        w = layer.weight.float()
+        deq = quantize_with_knobs(w + k.asym * (output_target(w, h, x, x_float, k.asym_ridge) - w), h, k)
+        layer.weight.copy_(deq)
+        weights[f"{prefix}.{name}"] = deq
+    _sequential(model, calibration, quantize_linear, float_inputs=True)
+    return weights, {}
+
+
+@torch.no_grad()
 def gptq_with_knobs(model, calibration, k: Knobs):
     """`gptq._sequential` with the knobs; returns ({linear: dequantized weight}, {norm: weight})."""
+    if k.asym:
+        assert not k.awq and k.sequential, "asymmetric targets: without AWQ, sequential"
+        return gptq_asymmetric(model, calibration, k)
     from tokenmill.quant.gptq import _prefill_metadata
     cfg = model.config
     num_seqs, seq_len = calibration.shape
@@ -388,7 +412,7 @@ def gptq_with_knobs(model, calibration, k: Knobs):
 
 
 ABLATIONS = {
-    "baseline (the product's algorithm)": Knobs(),
+    "baseline (GPTQ on each linear's own weight)": Knobs(),
     "damping 0.1": Knobs(damp=0.1),
     "damping 0.001": Knobs(damp=0.001),
     "no act-order (input order)": Knobs(act_order=False),
@@ -400,8 +424,20 @@ ABLATIONS = {
     "AWQ scales, H-weighted clip search, 3 scale refits": Knobs(awq=True, hessian_clip=True, refit=3),
     "512-token calibration sequences": Knobs(seq_len=512),
     "calibration from token 768 on": Knobs(offset=768),
+    "asymmetric targets (GPTAQ), ridge 0.01": Knobs(asym=1.0, asym_ridge=0.01),
+    "asymmetric targets (GPTAQ), ridge 0.01, alpha 0.5": Knobs(asym=0.5, asym_ridge=0.01),
+    "asymmetric targets (GPTAQ), ridge 0.01, alpha 0.25": Knobs(asym=0.25, asym_ridge=0.01),
+    "asymmetric targets (GPTAQ), ridge 0.1": Knobs(asym=1.0, asym_ridge=0.1),
+    "asymmetric targets (GPTAQ), ridge 1": Knobs(asym=1.0, asym_ridge=1.0),
+    "asymmetric targets (GPTAQ), ridge 10": Knobs(asym=1.0, asym_ridge=10.0),
+    "asymmetric targets (GPTAQ), ridge 30 (the product's)": Knobs(asym=1.0, asym_ridge=30.0),
+    "asymmetric targets (GPTAQ), ridge 100": Knobs(asym=1.0, asym_ridge=100.0),
+    "asymmetric targets (GPTAQ), ridge 10, alpha 2": Knobs(asym=2.0, asym_ridge=10.0),
+    "asymmetric targets (GPTAQ), ridge 20": Knobs(asym=1.0, asym_ridge=20.0),
+    "asymmetric targets (GPTAQ), ridge 50": Knobs(asym=1.0, asym_ridge=50.0),
     "FP8 GPTQ": Knobs(fp8=True),
     "FP8 GPTQ, no act-order": Knobs(fp8=True, act_order=False),
+    "FP8 GPTQ, asymmetric targets, ridge 30": Knobs(fp8=True, asym=1.0, asym_ridge=30.0),
 }
 
 
