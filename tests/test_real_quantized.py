@@ -135,15 +135,16 @@ def fp8_at_load(smollm2) -> dict:
 @needs_smollm2
 def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
     """GPTQ 4-bit, group 128, of SmolLM2-135M, calibrated on 2,048 tokens of `data/calibration.txt`, each
-    linear rounding its output target (`gptq.output_target`), written as a GPTQ checkpoint (act-order only
-    in the order of rounding: `desc_act: false`, g_idx = row // 128) and read by the loader, against its
-    unquantized weights. The issue's target, within 10%, is not reached: measured +13.9% on the long
-    held-out text (confident agreement 0.880) and +10.5% on the short one (docs/BENCHMARKS.md, "4-bit GPTQ
-    aimed at the float model's outputs"); each linear rounding its own weight, +18.3% (0.848) and +17.8%,
-    which fail the perplexity bounds, round to nearest +30.4% (0.732) and +27.1%; 4,096 calibration
-    tokens give +10.6% and +6.5% (docs/benchmarks/20261201/quant-quality.md). The short text's ratio moves
-    by +-5% under changes as small as float rounding in the updates; the long text's bounds carry the test.
-    A misread layout gives perplexities above 10^8."""
+    linear rounding its output target (`gptq.output_target`) on a grid whose clip search weighs each
+    weight by its input's energy, written as a GPTQ checkpoint (act-order only in the order of rounding:
+    `desc_act: false`, g_idx = row // 128) and read by the loader, against its unquantized weights. The
+    issue's target, within 10%, is not reached at these 2,048 tokens: measured +11.4% on the long held-out
+    text (confident agreement 0.883) and +11.6% on the short one (docs/BENCHMARKS.md, "4-bit GPTQ aimed
+    at the float model's outputs"); the output target with the plain clip search +13.9%. Each linear
+    rounding its own weight, +18.3% (0.848), and round to nearest, +30.4% (0.732), fail the long text's
+    bounds. The short text's ratio moves by +-5% under changes as small as float rounding in the updates,
+    the long text's by up to 2%; the long text's bounds carry the test. A misread layout gives
+    perplexities above 10^8."""
     from safetensors import safe_open
     from tokenmill.quant.gptq import gptq_model
     from tokenmill.quant.quantize import min_zero
@@ -155,8 +156,8 @@ def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
         g_idx = f.get_tensor("model.layers.0.mlp.down_proj.g_idx")
     assert torch.equal(g_idx, torch.arange(1536, dtype=torch.int32) // 128)
     got = against_unquantized("gptq g128", smollm2.ref, held_out_logprobs(LLM(qdir, tokenizer=GGUF, **REAL)))
-    assert got["long"][0] < 1.165 and got["long"][1] > 0.85
-    assert got["short"][0] < 1.16
+    assert got["long"][0] < 1.15 and got["long"][1] > 0.86
+    assert got["short"][0] < 1.18
 
 
 def test_real_weights_fp8_perplexity_and_agreement(smollm2, fp8_at_load):
