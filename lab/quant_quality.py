@@ -345,23 +345,32 @@ def gptq_asymmetric(model, calibration, k: Knobs):
     """`gptq._sequential` with the float model's inputs, each linear rounding W + k.asym (T - W), T its
     `gptq.output_target` at ridge k.asym_ridge (k.asym 1: the product's). Returns ({linear: dequantized}, {})."""
     from tokenmill.quant.gptq import _sequential, output_target
-    weights = {}
+    weights, norms = {}, {}
+    # with k.awq: AWQ input-channel scales s on the linears after a norm (qkv, gate_up), folded into the
+    # norm's weight: the linear takes W s on x / s, the float model's inputs divided the same way
+    folds = {"self_attn.qkv_proj": "input_layernorm", "mlp.gate_up_proj": "post_attention_layernorm"}
 
     def quantize_linear(name, layer, x, x_float, prefix):
+        w, scale = layer.weight.float(), None
+        if k.awq and name in folds:
+            scale = _awq_scale(w, x)
+            w, x, x_float = w * scale, x / scale, x_float / scale
+            norm = model.get_submodule(f"{prefix}.{folds[name]}")
+            norms[f"{prefix}.{folds[name]}"] = norm.weight / scale
         h = x.t() @ x
-        w = layer.weight.float()
         deq = quantize_with_knobs(w + k.asym * (output_target(w, h, x, x_float, k.asym_ridge) - w), h, k)
-        layer.weight.copy_(deq)
+        # the stream goes on unfolded (its norm keeps its weight): the folded weight over s
+        layer.weight.copy_(deq if scale is None else deq / scale)
         weights[f"{prefix}.{name}"] = deq
     _sequential(model, calibration, quantize_linear, float_inputs=True)
-    return weights, {}
+    return weights, norms
 
 
 @torch.no_grad()
 def gptq_with_knobs(model, calibration, k: Knobs):
     """`gptq._sequential` with the knobs; returns ({linear: dequantized weight}, {norm: weight})."""
     if k.asym:
-        assert not k.awq and k.sequential, "asymmetric targets: without AWQ, sequential"
+        assert k.sequential, "asymmetric targets: sequential"
         return gptq_asymmetric(model, calibration, k)
     from tokenmill.quant.gptq import _prefill_metadata
     cfg = model.config
@@ -439,6 +448,8 @@ ABLATIONS = {
     "asymmetric targets (GPTAQ), ridge 30, H-weighted clip search": Knobs(asym=1.0, hessian_clip=True),
     "asymmetric targets (GPTAQ), ridge 10, H-weighted clip search": Knobs(asym=1.0, asym_ridge=10.0,
                                                                          hessian_clip=True),
+    "AWQ scales on qkv and gate_up, then asymmetric targets, H-weighted clip search":
+        Knobs(awq=True, asym=1.0, hessian_clip=True),
     "FP8 GPTQ": Knobs(fp8=True),
     "FP8 GPTQ, no act-order": Knobs(fp8=True, act_order=False),
     "FP8 GPTQ, asymmetric targets, ridge 30": Knobs(fp8=True, asym=1.0, asym_ridge=30.0),
