@@ -39,15 +39,10 @@ from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _num_sms, _pages)
+                                                      _pages, _sms)
 
 MAX_SPLITS = 32
 SHIPPED = SHIPPED_DECODE
-
-
-def _sms(device: torch.device) -> int:
-    # the CPU interpreter plays a GPU of 8 SMs
-    return _num_sms(device.index or 0) if device.type == "cuda" else 8
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,

@@ -52,6 +52,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _sms(device: torch.device) -> int:
+    """The SMs the attention kernels' split counts plan for; the CPU interpreter plays a GPU of 8."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
 def decode_rows_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                            device: torch.device, block_n: int) -> int:
     """Splits of a mixed step's decode rows, from shapes only (CUDA-graph safe): up to ROWS_WAVES (sequence,
@@ -60,9 +65,8 @@ def decode_rows_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: in
     has, and the rows' batch counts the prefill sequences, whose programs exit. On an H200 (8 kv heads),
     against one split: 8 at 32 rows 14-31% faster, 4 at 64 rows 0-10%, 2 at 128 rows 0-9%; 2 at 256
     rows were 0-7% slower, so 256 rows take one (docs/BENCHMARKS.md)."""
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    return max(1, min((ROWS_WAVES * num_sms) // (batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
+    return max(1, min((ROWS_WAVES * _sms(device)) // (batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
