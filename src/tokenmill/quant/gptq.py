@@ -210,8 +210,9 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
     num_seqs, seq_len = calibration.shape
     meta = _prefill_metadata(num_seqs, seq_len)
     positions = torch.arange(seq_len).repeat(num_seqs)
+    # a K/V cache for each stream that runs: the quantized one last
     caches = [[torch.zeros(num_seqs, seq_len, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
-              for _ in range(2)]
+              for _ in range(2 if float_inputs else 1)]
     hidden = hidden_float = model.model.embed_tokens(calibration.flatten())
     residual = residual_float = None
     for i, layer in enumerate(model.model.layers):
@@ -230,7 +231,7 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
             attn.attn.k_cache, attn.attn.v_cache = caches[0]
             hidden_float, residual_float = _layer_pass(layer, hidden_float, residual_float, positions, meta,
                                                        record)
-        attn.attn.k_cache, attn.attn.v_cache = caches[1]
+        attn.attn.k_cache, attn.attn.v_cache = caches[-1]
         hidden, residual = _layer_pass(layer, hidden, residual, positions, meta, quantize)
         attn.attn.k_cache = attn.attn.v_cache = torch.empty(0)
 
