@@ -64,12 +64,13 @@ def test_decode_rows_splits_from_shapes():
     many = pa.decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
     assert few >= many >= 1
     assert pa.decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
-    # the one-kernel decode (8 SMs on the CPU): past one program an SM it keeps four programs an SM, and
-    # eight with an FP8 cache
+    # the one-kernel decode (8 SMs on the CPU): below one program an SM it fills them twice, past that it
+    # keeps eight programs an SM
     from tokenmill.layers.kernels import decode_attention as da
-    assert da.decode_num_splits(2, 8, 256, 16, cpu, 64) == 2
-    assert da.decode_num_splits(2, 8, 256, 16, cpu, 64, fp8=True) == 4
-    assert da.decode_num_splits(64, 8, 256, 16, cpu, 64, fp8=True) == 1
+    assert da.decode_num_splits(1, 4, 256, 16, cpu, 64) == 4
+    assert da.decode_num_splits(2, 8, 256, 16, cpu, 64) == 4
+    assert da.decode_num_splits(4, 8, 256, 16, cpu, 64) == 2
+    assert da.decode_num_splits(64, 8, 256, 16, cpu, 64) == 1
 
 
 def test_prefill_tile_grid_equals_sequence_grid():

@@ -102,8 +102,11 @@ class DecodeAttentionConfig:
                              f"block_n {self.block_n}")
 
 
-# A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower).
-SHIPPED_DECODE = DecodeAttentionConfig()
+# A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower). Programs that fill
+# the SMs and split their contexts take 32-position tiles of one warp at two stages, as an FP8 cache's do
+# (15-21% faster at 32-64 sequences on an H200; at one split, 96-256 sequences, neither one-warp launch won
+# everywhere: docs/BENCHMARKS.md).
+SHIPPED_DECODE = DecodeAttentionConfig(filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))
 # An FP8 cache, whose loop is bound by its latency (the widening, and the softmax's exchanges between
 # warps), not by its bytes. Fewer (sequence, kv head) programs than SMs (many short splits) and the
 # decode rows: as bf16, the one-kernel decode capped at 128 registers and the rows at 96 (uncapped the

@@ -46,18 +46,19 @@ SHIPPED = SHIPPED_DECODE
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device, block_n: int = SHIPPED.block_n, fp8: bool = False) -> int:
+                      device: torch.device, block_n: int = SHIPPED.block_n) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
     context. Fewer (batch, kv head) programs than SMs: enough splits to fill the GPU twice. From one a
-    SM on: splits while they keep at most four programs an SM (as many as share one), e.g. two at 32
-    sequences of 8 kv heads on 132 SMs (28% faster than one there), one from 66 on (splitting 64
-    sequences was 3-40% slower); with an FP8 cache (`fp8`), whose programs spend longer per byte, at most
-    eight: two at 64 sequences (6% faster than one), one at 256 (docs/BENCHMARKS.md)."""
+    SM on: splits while they keep at most eight programs an SM (as many one-warp programs as share one,
+    the `filled` launch of both caches): four at 32 sequences of 8 kv heads on 132 SMs, two at 48-66, one
+    from 67 on. On an H200, bf16 against four programs an SM in 64 x 4 x 3 tiles (two splits at 32
+    sequences, one at 48-64): 21% faster at 32, 15-17% at 64 (short to 8,000-position contexts), 8% slower
+    at 48; an FP8 cache in the same launch 13-30% faster than 64 x 4 x 3 from 20 to 64 sequences
+    (docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    per_sm = 8 if fp8 else 4
-    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (per_sm * num_sms) // programs
+    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (8 * num_sms) // programs
     return max(1, min(wanted, max_tiles, MAX_SPLITS))
 
 
@@ -267,7 +268,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     cfg = config or shipped_decode_attention(kv_scale is not None)
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                       qkv.device, cfg.block_n, fp8=kv_scale is not None)
+                                       qkv.device, cfg.block_n)
     if num_splits == 1 and cfg.one_split is not None:
         cfg = cfg.one_split
     elif num_splits > 1 and cfg.filled is not None and batch * num_kv_heads >= _sms(qkv.device):
