@@ -48,18 +48,26 @@ SHIPPED = SHIPPED_DECODE
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
-    context. Fewer (batch, kv head) programs than SMs: enough splits to fill the GPU twice. From one a
-    SM on: splits while they keep at most eight programs an SM (as many one-warp programs as share one,
-    the `filled` launch of both caches): four at 32 sequences of 8 kv heads on 132 SMs, two at 48-66, one
-    from 67 on. On an H200, bf16 against four programs an SM in 64 x 4 x 3 tiles (two splits at 32
-    sequences, one at 48-64): 21% faster at 32, 15-17% at 64 (short to 8,000-position contexts), 8% slower
-    at 48; an FP8 cache in the same launch 13-30% faster than 64 x 4 x 3 from 20 to 64 sequences
-    (docs/BENCHMARKS.md)."""
+    context nor MAX_SPLITS. As many splits as keep at most eight programs an SM (as many one-warp programs as
+    share one: the `filled` launch, taken from four an SM on): 32 at 4 sequences of 8 kv heads on 132 SMs,
+    16 at 8, 8 at 16, 4 at 32, 2 at 48-66, one from 67 on. Where MAX_SPLITS leaves fewer than four programs
+    an SM (batch 1 and 2 there), enough splits in 64 x 4 x 3 tiles to fill the GPU twice. On an H200 against
+    the earlier rule (64 x 4 x 3 tiles filling the GPU twice below one program an SM, then at most four an
+    SM): at 4-16 sequences 1-9% faster with a bf16 cache and 8-40% with an FP8 one, at 32-64 sequences
+    15-21% (bf16) and 13-30% (FP8), 8% slower at 48 (bf16; docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    wanted = triton.cdiv(2 * num_sms, programs) if programs < num_sms else (8 * num_sms) // programs
-    return max(1, min(wanted, max_tiles, MAX_SPLITS))
+    filled = max(1, min((8 * num_sms) // programs, max_tiles, MAX_SPLITS))
+    if programs * filled >= 4 * num_sms:
+        return filled
+    return max(1, min(triton.cdiv(2 * num_sms, programs), max_tiles, MAX_SPLITS))
+
+
+def takes_filled_launch(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
+    """Whether a decode split in num_splits has enough programs (four an SM) for the one-warp `filled`
+    launch."""
+    return num_splits > 1 and batch * num_kv_heads * num_splits >= 4 * _sms(device)
 
 
 @triton.jit
@@ -271,7 +279,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                                        qkv.device, cfg.block_n)
     if num_splits == 1 and cfg.one_split is not None:
         cfg = cfg.one_split
-    elif num_splits > 1 and cfg.filled is not None and batch * num_kv_heads >= _sms(qkv.device):
+    elif cfg.filled is not None and takes_filled_launch(batch, num_kv_heads, num_splits, qkv.device):
         cfg = cfg.filled
     out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
