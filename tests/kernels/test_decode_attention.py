@@ -98,8 +98,8 @@ def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
 
 def test_fused_decode_attention_takes_the_launch_of_its_split(monkeypatch):
     """A configuration with `one_split` and `filled` launches the first where every program takes a whole
-    context (one split), the second where the split programs are at least four an SM (the interpreter
-    plays 8 SMs), and its own tiles where fewer programs are split; all correct."""
+    context (one split), the second where more than a quarter of the SMs' worth of (sequence, kv head)
+    programs are split (the interpreter plays 8 SMs), and its own tiles where fewer are; all correct."""
     kernel, launches = da._fused_decode_kernel, []
 
     class Recorder:
@@ -112,10 +112,10 @@ def test_fused_decode_attention_takes_the_launch_of_its_split(monkeypatch):
     config = DecodeAttentionConfig(32, min_split_len=32,
                                    one_split=DecodeAttentionConfig(16, num_warps=1, min_split_len=16),
                                    filled=DecodeAttentionConfig(16, num_warps=2, min_split_len=16))
-    few, more = [1, 70, 150], [1, 70, 150, 90]          # 3 and 8 programs over 1 and 2 kv heads
+    few, more = [70, 150], [1, 70, 150]                 # 2 and 3 programs over one kv head
     for seq_lens, num_kv_heads, num_splits, want in ((few, 1, 1, (16, 1)), (few, 1, 3, (32, 4)),
-                                                     (few, 1, 11, (16, 2)), (more, 2, 3, (32, 4)),
-                                                     (more, 2, 4, (16, 2)), (more, 2, 1, (16, 1))):
+                                                     (few, 1, 11, (32, 4)), (more, 1, 3, (16, 2)),
+                                                     (more, 1, 1, (16, 1))):
         launches.clear()
         _check_fused_decode(_gen(34), seq_lens, 4, num_kv_heads, 16, 16, torch.float32, True, num_splits, config,
                             _tol(torch.float32))

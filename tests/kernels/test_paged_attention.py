@@ -64,13 +64,13 @@ def test_decode_rows_splits_from_shapes(monkeypatch):
     many = pa.decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
     assert few >= many >= 1
     assert pa.decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
-    # the one-kernel decode on an H200's 132 SMs, 8 kv heads and 8,192-position tables: eight programs an SM,
-    # where MAX_SPLITS (32) leaves four an SM or more; batch 2 fills the GPU twice in 64 x 4 x 3 tiles
+    # the one-kernel decode on an H200's 132 SMs, 8 kv heads and 8,192-position tables: eight programs an SM
+    # from 5 sequences on; batch 1-4 fill the GPU twice in 64 x 4 x 3 tiles
     from tokenmill.layers.kernels import decode_attention as da
     monkeypatch.setattr(da, "_sms", lambda device: 132)
-    splits = {b: da.decode_num_splits(b, 8, 512, 16, cpu, 64) for b in (1, 2, 4, 8, 16, 32, 48, 66, 67, 256)}
-    assert splits == {1: 32, 2: 17, 4: 32, 8: 16, 16: 8, 32: 4, 48: 2, 66: 2, 67: 1, 256: 1}
-    assert [b for b in splits if da.takes_filled_launch(b, 8, splits[b], cpu)] == [4, 8, 16, 32, 48, 66]
+    splits = {b: da.decode_num_splits(b, 8, 512, 16, cpu, 64) for b in (1, 2, 4, 5, 8, 16, 32, 48, 66, 67, 256)}
+    assert splits == {1: 32, 2: 17, 4: 9, 5: 26, 8: 16, 16: 8, 32: 4, 48: 2, 66: 2, 67: 1, 256: 1}
+    assert [b for b in splits if da.takes_filled_launch(b, 8, splits[b], cpu)] == [5, 8, 16, 32, 48, 66]
     assert da.decode_num_splits(4, 8, 2, 16, cpu, 64) == 1        # one tile in the longest context
 
 

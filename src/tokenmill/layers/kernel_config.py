@@ -81,9 +81,9 @@ class DecodeAttentionConfig:
     in flight a program, 1-6% faster than one on an H200 at 256 sequences). maxnreg caps the registers of
     the one-kernel decode, rows_maxnreg those of the decode rows (None: uncapped). one_split, where given,
     is the one-kernel decode's launch when each program takes a whole context (one split: enough
-    sequences to fill the GPU); filled, where given, its launch of several splits when the split programs
-    are at least four an SM (`decode_attention.takes_filled_launch`; `decode_num_splits` splits to eight an
-    SM where MAX_SPLITS allows four). The KV cache's dtype picks the configuration
+    sequences to fill the GPU); filled, where given, its launch of several splits from a quarter of an
+    SM's worth of (sequence, kv head) programs on (`decode_attention.takes_filled_launch`;
+    `decode_num_splits` then splits to eight programs an SM). The KV cache's dtype picks the configuration
     (`KernelConfig.decode_attention_for`)."""
     block_n: int = 64
     num_warps: int = 4
@@ -102,10 +102,10 @@ class DecodeAttentionConfig:
                              f"block_n {self.block_n}")
 
 
-# A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower). Contexts split
-# into four programs an SM or more take 32-position tiles of one warp at two stages, as an FP8 cache's do
-# (1-21% faster at 4-64 sequences on an H200 but 8% slower at 48; at one split, 96-256 sequences, neither
-# one-warp launch won everywhere: docs/BENCHMARKS.md).
+# A bf16 cache: 64-position tiles, four warps, uncapped (capping measured 1-3% slower). Split contexts of
+# 5 sequences or more (8 kv heads, 132 SMs) take 32-position tiles of one warp at two stages, as an FP8
+# cache's do (up to 21% faster from 5 to 64 sequences on an H200, but 8% slower at 48 short ones; at one
+# split, 96-256 sequences, neither one-warp launch won everywhere: docs/BENCHMARKS.md).
 SHIPPED_DECODE = DecodeAttentionConfig(filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))
 # An FP8 cache, whose loop is bound by its latency (the widening, and the softmax's exchanges between
 # warps), not by its bytes. Fewer (sequence, kv head) programs than SMs (many short splits) and the
@@ -113,9 +113,8 @@ SHIPPED_DECODE = DecodeAttentionConfig(filled=DecodeAttentionConfig(block_n=32, 
 # decode takes 134 on sm90, three programs an SM where its shared memory allows four). Programs that fill
 # the SMs take 32-position tiles of one warp, uncapped: no exchanges between warps, 8 programs an SM. At
 # one split three stages (18% faster than 64 x 4 x 3 at 256 sequences of 100-1,000 positions on an H200,
-# 11% at 1,000-2,000); split into four programs an SM or more, two (8-40% faster from 4 to 64 sequences,
-# where three stages lost up to 12% at long contexts); one-warp launches lost at batch 1, whose 32 splits
-# make two programs an SM (docs/BENCHMARKS.md).
+# 11% at 1,000-2,000); split, from 5 sequences, two (13-43% faster from 5 to 64 sequences, where three
+# stages lost up to 12% at long contexts); one-warp launches lost at batch 1 and 3 (docs/BENCHMARKS.md).
 SHIPPED_FP8_DECODE = DecodeAttentionConfig(maxnreg=128, rows_maxnreg=96,
                                            one_split=DecodeAttentionConfig(block_n=32, num_warps=1),
                                            filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))

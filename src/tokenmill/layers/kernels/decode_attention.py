@@ -48,26 +48,29 @@ SHIPPED = SHIPPED_DECODE
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
-    context nor MAX_SPLITS. As many splits as keep at most eight programs an SM (as many one-warp programs as
-    share one: the `filled` launch, taken from four an SM on): 32 at 4 sequences of 8 kv heads on 132 SMs,
-    16 at 8, 8 at 16, 4 at 32, 2 at 48-66, one from 67 on. Where MAX_SPLITS leaves fewer than four programs
-    an SM (batch 1 and 2 there), enough splits in 64 x 4 x 3 tiles to fill the GPU twice. On an H200 against
-    the earlier rule (64 x 4 x 3 tiles filling the GPU twice below one program an SM, then at most four an
-    SM): at 4-16 sequences 1-9% faster with a bf16 cache and 8-40% with an FP8 one, at 32-64 sequences
-    15-21% (bf16) and 13-30% (FP8), 8% slower at 48 (bf16; docs/BENCHMARKS.md)."""
+    context nor MAX_SPLITS. From a quarter of an SM's worth of (sequence, kv head) programs on
+    (`takes_filled_launch`): as many splits as keep at most eight programs an SM, as many one-warp
+    programs as share one: 26 at 5 sequences of 8 kv heads on 132 SMs, 16 at 8, 8 at 16, 4 at 32, 2 at
+    48-66, one from 67 on. Fewer (batch 1-4 there): enough splits in 64 x 4 x 3 tiles to fill the GPU
+    twice. On an H200 against 64 x 4 x 3 tiles that filled the GPU twice below one program an SM and
+    then kept four an SM: at 5-16 sequences up to 18% faster with a bf16 cache (16 x 6,000-8,000 level)
+    and 27-43% with an FP8 one; at 32-64 sequences 12-21% (bf16; 8% slower at 48 x 100-1,000) and 13-30%
+    (FP8). The one-warp launch at 32 splits lost at 3 sequences (37% with FP8) and won 7% at 4
+    (docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    filled = max(1, min((8 * num_sms) // programs, max_tiles, MAX_SPLITS))
-    if programs * filled >= 4 * num_sms:
-        return filled
-    return max(1, min(triton.cdiv(2 * num_sms, programs), max_tiles, MAX_SPLITS))
+    if 4 * programs > num_sms:
+        wanted = (8 * num_sms) // programs
+    else:
+        wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, max_tiles, MAX_SPLITS))
 
 
 def takes_filled_launch(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
-    """Whether a decode split in num_splits has enough programs (four an SM) for the one-warp `filled`
-    launch."""
-    return num_splits > 1 and batch * num_kv_heads * num_splits >= 4 * _sms(device)
+    """Whether a decode split in num_splits takes the one-warp `filled` launch: its (sequence, kv head)
+    programs are more than a quarter of the SMs."""
+    return num_splits > 1 and 4 * batch * num_kv_heads > _sms(device)
 
 
 @triton.jit
