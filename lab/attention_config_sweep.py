@@ -59,7 +59,7 @@ def main() -> None:
         # takes its shipped cap), a fifth is min_split_len (without it block_n); bf16 runs uncapped
         caps = dict(maxnreg=more[0] or None, rows_maxnreg=more[0] or None) if more else {}
         launch = dict(block_n=bn, num_warps=nw, num_stages=st, min_split_len=more[1] if len(more) > 1 else bn)
-        configs.append((c, {"bf16": dataclasses.replace(SHIPPED_DECODE, **launch),
+        configs.append((c, {"bf16": dataclasses.replace(SHIPPED_DECODE, **launch, one_split=None, filled=None),
                             "fp8": dataclasses.replace(SHIPPED_FP8_DECODE, **launch, **caps, one_split=None,
                                                          filled=None)}))
     def sweep(row: str, variants, call, kv=None):
