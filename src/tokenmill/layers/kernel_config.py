@@ -109,12 +109,13 @@ class DecodeAttentionConfig:
 SHIPPED_DECODE = DecodeAttentionConfig(filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))
 # An FP8 cache, whose loop is bound by its latency (the widening, and the softmax's exchanges between
 # warps), not by its bytes. Batch 1-4 (fewer (sequence, kv head) programs than a quarter of the SMs, many
-# short splits) and the decode rows: as bf16, the one-kernel decode capped at 128 registers and the rows at 96 (uncapped the
-# decode takes 134 on sm90, three programs an SM where its shared memory allows four). Programs that fill
-# the SMs take 32-position tiles of one warp, uncapped: no exchanges between warps, 8 programs an SM. At
-# one split three stages (18% faster than 64 x 4 x 3 at 256 sequences of 100-1,000 positions on an H200,
-# 11% at 1,000-2,000); split, from 5 sequences, two (13-43% faster from 5 to 64 sequences, where three
-# stages lost up to 12% at long contexts); one-warp launches lost at batch 1 and 3 (docs/BENCHMARKS.md).
+# short splits) and the decode rows: as bf16, the one-kernel decode capped at 128 registers and the rows at
+# 96 (uncapped the decode takes 134 on sm90, three programs an SM where its shared memory allows four).
+# Programs that fill the SMs take 32-position tiles of one warp, uncapped: no exchanges between warps, 8
+# programs an SM. At one split three stages (18% faster than 64 x 4 x 3 at 256 sequences of 100-1,000
+# positions on an H200, 11% at 1,000-2,000); split, from 5 sequences, two (13-43% faster from 5 to 64
+# sequences, where three stages lost up to 12% at long contexts); one-warp launches lost at batch 1 and 3
+# (docs/BENCHMARKS.md).
 SHIPPED_FP8_DECODE = DecodeAttentionConfig(maxnreg=128, rows_maxnreg=96,
                                            one_split=DecodeAttentionConfig(block_n=32, num_warps=1),
                                            filled=DecodeAttentionConfig(block_n=32, num_warps=1, num_stages=2))
