@@ -219,6 +219,8 @@ class Knobs:
     act_order: bool = True
     clip_steps: int = 8             # 1: plain min/max grids
     hessian_clip: bool = False      # the clip search's error weighted by H's diagonal
+    clip_floor: float = 0.7         # the clip search's smallest shrink of a group's range
+    clip_2d: bool = False           # shrink the group's min and max each by its own factor (steps^2 grids)
     refit: int = 0                  # rounds of least-squares group scales (full-H loss), GPTQ re-run between
     sequential: bool = True         # False: every layer's inputs from the unquantized model
     awq: bool = False               # AWQ input-channel scales (folded into the norms and up_proj) first
@@ -235,9 +237,11 @@ def _grid(w: torch.Tensor, h: torch.Tensor, k: Knobs, group: int = 128):
     wg = _groups(w, group)
     ranges = torch.stack([wg.amin(-1), wg.amax(-1)], -1)
     weight = _groups(h.diagonal()[None], group) if k.hessian_clip else 1
+    factors = torch.linspace(1, k.clip_floor, k.clip_steps).tolist() if k.clip_steps > 1 else [1.0]
+    pairs = [(a, b) for a in factors for b in factors] if k.clip_2d else [(f, f) for f in factors]
     best = best_err = None
-    for f in torch.linspace(1, 0.7, k.clip_steps).tolist() if k.clip_steps > 1 else [1.0]:
-        s, z = group_grid(ranges * f, False, 1)
+    for f_lo, f_hi in pairs:
+        s, z = group_grid(ranges * torch.tensor([f_lo, f_hi]), False, 1)
         err = (((torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15) - z[..., None]) * s[..., None]
                - wg).square().mul(weight).sum(-1)
         if best is None:
@@ -450,6 +454,10 @@ ABLATIONS = {
                                                                          hessian_clip=True),
     "AWQ scales on qkv and gate_up, then asymmetric targets, H-weighted clip search":
         Knobs(awq=True, asym=1.0, hessian_clip=True),
+    "asymmetric targets, H-weighted clip search to 0.5 in 16 steps":
+        Knobs(asym=1.0, hessian_clip=True, clip_steps=16, clip_floor=0.5),
+    "asymmetric targets, H-weighted clip search, min and max shrunk apart":
+        Knobs(asym=1.0, hessian_clip=True, clip_2d=True),
     "FP8 GPTQ": Knobs(fp8=True),
     "FP8 GPTQ, no act-order": Knobs(fp8=True, act_order=False),
     "FP8 GPTQ, asymmetric targets, ridge 30": Knobs(fp8=True, asym=1.0, asym_ridge=30.0),
