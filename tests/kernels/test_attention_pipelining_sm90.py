@@ -41,6 +41,9 @@ _SM90 = [_case("decode", False, 90, SHIPPED_DECODE, SHIPPED_DECODE.maxnreg),
          _case("decode", True, 90, SHIPPED_FP8_DECODE.one_split, SHIPPED_FP8_DECODE.one_split.maxnreg),
          _case("decode_rows", True, 90, SHIPPED_FP8_DECODE, SHIPPED_FP8_DECODE.rows_maxnreg),
          _case("prefill", True, 90, _PREFILL, _PREFILL.fp8_maxnreg)]
+# the one-warp launches of contexts split across SMs that they fill, at two stages (`filled`)
+_FILLED = [_case("decode", False, 90, SHIPPED_DECODE.filled, None),
+           _case("decode", True, 90, SHIPPED_FP8_DECODE.filled, None)]
 # bf16 only: an FP8 cache's tiles are half the bytes
 _SMALL = [_case("decode", False, 89, SHIPPED_DECODE, None), _case("decode_rows", False, 89, SHIPPED_DECODE, None),
           _case("prefill", False, 89, _PREFILL, None)]
@@ -49,7 +52,7 @@ _SMALL_GPU_SHARED = 99 * 1024
 
 @pytest.fixture(scope="module")
 def compiled():
-    cases = _SM90 + _SMALL
+    cases = _SM90 + _FILLED + _SMALL
     return dict(zip(map(tuple, cases), sm90.run(_COMPILE, *cases, timeout=600)))
 
 
@@ -57,6 +60,12 @@ def compiled():
 def test_k_and_v_tiles_in_flight_at_the_shipped_stages(compiled, case):
     depths, _ = compiled[case]
     assert depths == [case[2] - 1] == [2]
+
+
+@pytest.mark.parametrize("case", _FILLED, ids=lambda c: f"{'fp8' if c[1] else 'bf16'}-{c[5]}x{c[6]}")
+def test_filled_launches_keep_a_tile_in_flight_at_two_stages(compiled, case):
+    depths, _ = compiled[case]
+    assert depths == [case[2] - 1] == [1]
 
 
 @pytest.mark.parametrize("case", _SMALL, ids=lambda c: f"{c[0]}-sm{c[3]}")
