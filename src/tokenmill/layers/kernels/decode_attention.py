@@ -48,15 +48,12 @@ SHIPPED = SHIPPED_DECODE
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
-    context nor MAX_SPLITS. From a quarter of an SM's worth of (sequence, kv head) programs on
+    context nor MAX_SPLITS. From more than a quarter of an SM's worth of (sequence, kv head) programs on
     (`takes_filled_launch`): as many splits as keep at most eight programs an SM, as many one-warp
-    programs as share one: 26 at 5 sequences of 8 kv heads on 132 SMs, 16 at 8, 8 at 16, 4 at 32, 2 at
-    48-66, one from 67 on. Fewer (batch 1-4 there): enough splits in 64 x 4 x 3 tiles to fill the GPU
-    twice. On an H200 against 64 x 4 x 3 tiles that filled the GPU twice below one program an SM and
-    then kept four an SM: at 5-16 sequences up to 18% faster with a bf16 cache (16 x 6,000-8,000 level)
-    and 27-43% with an FP8 one; at 32-64 sequences 12-21% (bf16; 8% slower at 48 x 100-1,000) and 13-30%
-    (FP8). The one-warp launch at 32 splits lost at 3 sequences (37% with FP8) and won 7% at 4
-    (docs/BENCHMARKS.md)."""
+    programs as share one (26 at 5 sequences of 8 kv heads on 132 SMs, 8 at 16, 2 at 48-66, one from 67
+    on). Fewer programs, which MAX_SPLITS would hold below six one-warp programs an SM (at 3 sequences that
+    launch was 37% slower with an FP8 cache on an H200): enough splits in the four-warp tiles to fill the
+    GPU twice (docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
