@@ -51,9 +51,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
     context nor MAX_SPLITS. From more than a quarter of an SM's worth of (sequence, kv head) programs on
     (`takes_filled_launch`): as many splits as keep at most eight programs an SM, as many one-warp
     programs as share one (26 at 5 sequences of 8 kv heads on 132 SMs, 8 at 16, 2 at 48-66, one from 67
-    on). Fewer programs, which MAX_SPLITS would hold below six one-warp programs an SM (at 3 sequences that
-    launch was 37% slower with an FP8 cache on an H200): enough splits in the four-warp tiles to fill the
-    GPU twice (docs/BENCHMARKS.md)."""
+    on). Fewer programs (batch 1-4 there, where MAX_SPLITS caps the split count; at 3 sequences the
+    one-warp launch at 32 splits was 37% slower with an FP8 cache on an H200, at 4 7% faster): enough
+    splits in the four-warp tiles to fill the GPU twice (docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
