@@ -57,17 +57,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
     num_sms = _sms(device)
     programs = batch * num_kv_heads
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    if 4 * programs > num_sms:
+    if _one_warp_batch(batch, num_kv_heads, device):
         wanted = (8 * num_sms) // programs
     else:
         wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, max_tiles, MAX_SPLITS))
 
 
+def _one_warp_batch(batch: int, num_kv_heads: int, device: torch.device) -> bool:
+    # more than a quarter of an SM's worth of (sequence, kv head) programs: where both the split count
+    # (eight programs an SM) and the launch (`filled`) change
+    return 4 * batch * num_kv_heads > _sms(device)
+
+
 def takes_filled_launch(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
     """Whether a decode split in num_splits takes the one-warp `filled` launch: its (sequence, kv head)
     programs are more than a quarter of the SMs."""
-    return num_splits > 1 and 4 * batch * num_kv_heads > _sms(device)
+    return num_splits > 1 and _one_warp_batch(batch, num_kv_heads, device)
 
 
 @triton.jit
