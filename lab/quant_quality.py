@@ -54,6 +54,8 @@ import time
 
 import torch
 
+from tokenmill.quant.gptq import OUTPUT_TARGET_RIDGE
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -229,7 +231,7 @@ class Knobs:
     fp8: bool = False               # the FP8 grid (per-channel absmax scales) instead of 4-bit g128
     asym: float = 0.0               # > 0: each linear's target moved this far towards its output target
                                     # (`gptq.output_target`: the float model's outputs, GPTAQ)
-    asym_ridge: float = 30.0        # that target's ridge, towards W, over H's mean diagonal
+    asym_ridge: float = OUTPUT_TARGET_RIDGE   # that target's ridge, towards W, over H's mean diagonal
 
 
 def _grid(w: torch.Tensor, h: torch.Tensor, k: Knobs, group: int = 128):
@@ -437,17 +439,11 @@ ABLATIONS = {
     "AWQ scales, H-weighted clip search, 3 scale refits": Knobs(awq=True, hessian_clip=True, refit=3),
     "512-token calibration sequences": Knobs(seq_len=512),
     "calibration from token 768 on": Knobs(offset=768),
-    "asymmetric targets (GPTAQ), ridge 0.01": Knobs(asym=1.0, asym_ridge=0.01),
+    **{f"asymmetric targets (GPTAQ), ridge {r:g}" + (" (the product's)" if r == OUTPUT_TARGET_RIDGE else ""):
+       Knobs(asym=1.0, asym_ridge=r) for r in (0.01, 0.1, 1, 10, 20, 30, 50, 100)},
     "asymmetric targets (GPTAQ), ridge 0.01, alpha 0.5": Knobs(asym=0.5, asym_ridge=0.01),
     "asymmetric targets (GPTAQ), ridge 0.01, alpha 0.25": Knobs(asym=0.25, asym_ridge=0.01),
-    "asymmetric targets (GPTAQ), ridge 0.1": Knobs(asym=1.0, asym_ridge=0.1),
-    "asymmetric targets (GPTAQ), ridge 1": Knobs(asym=1.0, asym_ridge=1.0),
-    "asymmetric targets (GPTAQ), ridge 10": Knobs(asym=1.0, asym_ridge=10.0),
-    "asymmetric targets (GPTAQ), ridge 30 (the product's)": Knobs(asym=1.0, asym_ridge=30.0),
-    "asymmetric targets (GPTAQ), ridge 100": Knobs(asym=1.0, asym_ridge=100.0),
     "asymmetric targets (GPTAQ), ridge 10, alpha 2": Knobs(asym=2.0, asym_ridge=10.0),
-    "asymmetric targets (GPTAQ), ridge 20": Knobs(asym=1.0, asym_ridge=20.0),
-    "asymmetric targets (GPTAQ), ridge 50": Knobs(asym=1.0, asym_ridge=50.0),
     "asymmetric targets (GPTAQ), ridge 30, 3 scale refits": Knobs(asym=1.0, refit=3),
     "asymmetric targets (GPTAQ), ridge 30, H-weighted clip search": Knobs(asym=1.0, hessian_clip=True),
     "asymmetric targets (GPTAQ), ridge 10, H-weighted clip search": Knobs(asym=1.0, asym_ridge=10.0,
