@@ -4,8 +4,10 @@ layouts and loaded through the real loader.
 - The packing is read exactly: a quantized tiny model's logits equal those of the same model saved as a
   plain checkpoint with the weights dequantized by this file's own bit-by-bit reader (written from the
   layout description, not from `quant/w4.py`).
-- Errors: a --quantization that does not match the checkpoint, unsupported bits / group sizes /
-  act-order / AWQ versions, an act-order g_idx.
+- Act-order GPTQ (`desc_act: true`, groups named by g_idx) is read exactly too, by the same comparison;
+  a g_idx that is not a grouping, and the shards of one packed layer in different orders, are refused.
+- Errors: a --quantization that does not match the checkpoint, unsupported bits / group sizes / AWQ
+  versions.
 - GPTQ (`quant/gptq.py`): its error compensation beats rounding on the same grid on a random layer.
 The real SmolLM2-135M weights quantized by GPTQ: test_real_quantized.py.
 """
@@ -39,12 +41,13 @@ def nibble(word: int, field: int) -> int:
 
 def plain_dequant(tensors: dict[str, np.ndarray], method: str, group: int, in_features: int,
                   zero_offset: int) -> np.ndarray:
-    """W [out, in] from one layer's packed tensors, one element at a time."""
+    """W [out, in] from one layer's packed tensors, one element at a time; a GPTQ layer's input row i is
+    in group g_idx[i] where it has one (act-order), else i // group."""
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"].astype(np.float32)
     out_features = scales.shape[1]
     w = np.zeros((out_features, in_features), np.float32)
     for i in range(in_features):
-        g = i // group
+        g = int(tensors["g_idx"][i]) if "g_idx" in tensors else i // group
         for o in range(out_features):
             if method == "awq":
                 q = nibble(qweight[i, o // 8], AWQ_FIELD_COLUMN.index(o % 8))
@@ -201,7 +204,8 @@ def write_dequantized_twin(qdir: str, plain_dir: str, cfg: dict) -> None:
         prefix, _, leaf = key.rpartition(".")
         if prefix.rpartition(".")[2] in QUANTIZED_LAYERS and leaf in ("qweight", "qzeros", "scales", "g_idx"):
             if leaf == "qweight":
-                parts = {n: state[f"{prefix}.{n}"].numpy() for n in ("qweight", "qzeros", "scales")}
+                parts = {n: state[f"{prefix}.{n}"].numpy() for n in ("qweight", "qzeros", "scales", "g_idx")
+                         if f"{prefix}.{n}" in state}
                 in_f = parts["qweight"].shape[0] * (1 if qcfg["quant_method"] == "awq" else 8)
                 plain[f"{prefix}.weight"] = torch.from_numpy(
                     plain_dequant(parts, qcfg["quant_method"], qcfg["group_size"], in_f, offset))
@@ -216,6 +220,7 @@ def write_dequantized_twin(qdir: str, plain_dir: str, cfg: dict) -> None:
 TINY = [   # arch, method, group, model overrides, quantizer options
     ("llama", "awq", 32, dict(hidden_size=64, num_attention_heads=8, head_dim=8), {}),
     ("llama", "gptq", 32, {}, dict(sym=True)),                 # hidden 80: a partial last group
+    ("llama", "gptq", 32, {}, dict(sym=False, desc_act=True)), # act-order groups, a partial last one
     ("qwen2", "gptq", 64, {}, dict(sym=False)),                # q/k/v biases beside packed 4-bit shards
     ("qwen3", "awq", 128, dict(hidden_size=128, intermediate_size=256, head_dim=32), {}),
     ("qwen3", "gptq", 128, dict(hidden_size=128, intermediate_size=256, head_dim=32),
@@ -241,6 +246,7 @@ def test_tiny_model_reads_the_format_exactly(tmp_path, save_tiny_model, arch, me
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert type(qkv).__name__ == "W4Linear" and qkv.qweight.dtype == torch.int32
     assert qkv.scales.dtype == torch.float16             # as stored, whatever the model dtype
+    assert (qkv.input_perm is not None) == options.get("desc_act", False)
     float_params = {n for n, p in model.named_parameters() if p.is_floating_point() and p.dim() == 2}
     assert all(n.endswith(".scales") or "embed_tokens" in n or "lm_head" in n for n in float_params)
     ours = engine_logprobs(quantized, ids)           # chunked prefill over 16-token steps
@@ -297,8 +303,6 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
      r"gptq checkpoint with group_size=256 is not supported; supported: 32, 64, 128"),
     (dict(quant_method="gptq", bits=4, group_size=-1, desc_act=False),
      r"group_size=-1 is not supported"),
-    (dict(quant_method="gptq", bits=4, group_size=128, desc_act=True),
-     r"desc_act=true \(act-order\) is not supported; supported: desc_act=false"),
     (dict(quant_method="awq", bits=4, group_size=128, version="gemv"),
      r"awq checkpoint with version='gemv' is not supported; supported: gemm"),
     (dict(quant_method="awq", bits=4, group_size=128, version="gemm", zero_point=False),
@@ -324,19 +328,28 @@ def test_config_reads_each_format():
     assert ModelConfig.from_hf(BASE).quantization is None
 
 
-def test_act_order_g_idx_is_refused(tmp_path, save_tiny_model):
+def test_a_g_idx_that_is_not_a_grouping_or_differs_between_shards_is_refused(tmp_path, save_tiny_model):
+    """Act-order permutes which input rows a group holds, never how many: a g_idx that gives a group
+    more rows than group_size is refused, and so are q/k/v shards in different orders (they read one
+    input, which a layer permutes once)."""
     src, qdir = str(tmp_path / "src"), str(tmp_path / "q")
     save_tiny_model(src, "qwen3", hidden_size=64)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, "gptq", 32)
+    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, "gptq", 32, desc_act=True)
     path = os.path.join(qdir, "model.safetensors")
-    state = load_file(path)
+    original = load_file(path)
     key = "model.layers.0.mlp.down_proj.g_idx"
-    state[key] = state[key].flip(0).contiguous()           # what act-order's row permutation looks like
-    save_file(state, path)
-    with pytest.raises(ValueError, match=rf"'{key}' is not row // group_size=32 \(an act-order g_idx\)"):
-        LLM(qdir, device="cpu", num_kv_blocks=8)
+    in_f = original[key].numel()
+    for change, message in (
+            ({key: torch.zeros(in_f, dtype=torch.int32)},
+             rf"'{key}' does not put group_size=32 of the {in_f} input rows in each of groups 0-{in_f // 32 - 1}"),
+            ({"model.layers.0.self_attn.q_proj.g_idx": original["model.layers.0.self_attn.q_proj.g_idx"].flip(0)},
+             r"'model.layers.0.self_attn.k_proj.g_idx' and 'model.layers.0.self_attn.q_proj.g_idx' order the "
+             r"input rows of 'model.layers.0.self_attn.qkv_proj' differently")):
+        save_file({**original, **{k: v.contiguous() for k, v in change.items()}}, path)
+        with pytest.raises(ValueError, match=message):
+            LLM(qdir, device="cpu", num_kv_blocks=8)
 
 
 def test_awq_needs_whole_groups(tmp_path, save_tiny_model):
@@ -378,8 +391,8 @@ def test_quantized_layers_on_the_graph_path_and_not_the_single_token_kernels(awq
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_gpu_4bit_model_under_cuda_graphs(tmp_path, save_tiny_model, method):
+@pytest.mark.parametrize("method,desc_act", [("awq", False), ("gptq", False), ("gptq", True)])
+def test_gpu_4bit_model_under_cuda_graphs(tmp_path, save_tiny_model, method, desc_act):
     """A 4-bit checkpoint on the GPU through the Triton backend: prompts of 3-41 tokens beside decode rows
     (multi-row steps, where the norms and SiLU-and-mul feed the 4-bit products) and one-token steps, the
     greedy tokens through the graphs those of the eager steps, and the teacher-forced log-probs close to
@@ -389,7 +402,7 @@ def test_gpu_4bit_model_under_cuda_graphs(tmp_path, save_tiny_model, method):
                     num_key_value_heads=2, head_dim=64)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, method, 128)
+    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, method, 128, desc_act=desc_act)
     prompts = [[(5 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate([3, 20, 41, 9])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     config = dict(max_num_seqs=4, num_kv_blocks=64, dtype="bfloat16")

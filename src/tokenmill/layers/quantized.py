@@ -21,9 +21,11 @@ def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | Fp
 
 
 def repack_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, quant: W4Config,
-              in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              in_features: int, input_perm: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's checkpoint tensors (AWQ or GPTQ, `quant/w4.py`) -> the one layout the products read,
-    output-major like `nn.Linear.weight` so that a row of W is contiguous:
+    output-major like `nn.Linear.weight` so that a row of W is contiguous (with `input_perm`, an act-order
+    checkpoint's `w4.act_order_perm`: W's input k is the checkpoint's input_perm[k]):
 
     - `qweight` int32 [out, in/8]: word j of row n packs W's 4-bit values at inputs 8j .. 8j+7, input
       8j + i in field i (bits 4i..4i+3);
@@ -32,6 +34,8 @@ def repack_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
 
     The values are those of `w4.dequantize` on the checkpoint tensors, bit for bit (`dequantize_w4`)."""
     q, z = unpack(qweight, qzeros, quant, in_features)                             # [in, out], [groups, out]
+    if input_perm is not None:
+        q = q[input_perm]
     return pack_cols(q.t()).contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous()
 
 
@@ -53,7 +57,11 @@ class W4Linear(nn.Module):
 
     `output_dims[name] = (dim, per)`: checkpoint tensor `name` lays the layer's output features along
     `dim`, `per` of them to an element; the loader packs q/k/v and gate/up shards along it
-    (`fill.fill_parameters`)."""
+    (`fill.fill_parameters`).
+
+    An act-order GPTQ checkpoint's groups are not runs of consecutive input rows: the loader passes
+    the order that makes them so (`set_act_order`), the repacked weight keeps its rows in that order, and
+    `forward` gathers the input features into it (`input_perm`) before the product."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: W4Config):
         super().__init__()
@@ -78,6 +86,7 @@ class W4Linear(nn.Module):
         self.qzeros = param(groups, out_features // PACK, dtype=torch.int32)
         self.scales = param(groups, out_features, dtype=torch.float16)
         self.register_parameter("zeros", None)
+        self.register_buffer("input_perm", None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.backend = TorchBackend()
 
@@ -85,24 +94,33 @@ class W4Linear(nn.Module):
         """Scales stay fp16 as stored whatever the model dtype (`build_model` casts the model first)."""
         self.scales.data = self.scales.data.to(torch.float16)
 
+    def set_act_order(self, input_perm: torch.Tensor) -> None:
+        """The checkpoint's act-order (`w4.act_order_perm`), given by the loader before the repacking."""
+        if self.zeros is not None:
+            raise RuntimeError("W4Linear: the act-order comes before the repacking")
+        self.input_perm = input_perm.to(torch.int64)
+
     def process_weights_after_loading(self) -> None:
         """Replaces the checkpoint's tensors by `repack_w4`'s (once, after the loader filled them)."""
         if self.zeros is not None:
             raise RuntimeError("W4Linear: the weights are already repacked")
         qweight, scales, zeros = repack_w4(self.qweight.data, self.qzeros.data, self.scales.data, self.quant,
-                                           self.in_features)
+                                           self.in_features, self.input_perm)
         del self.qzeros
         self.qweight = nn.Parameter(qweight, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.zeros = nn.Parameter(zeros, requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
-        """W [out, in] in float32 from the repacked tensors."""
+        """W [out, in] in float32 from the repacked tensors (its inputs in `input_perm`'s order)."""
         return dequantize_w4(self.qweight, self.scales, self.zeros, self.quant.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         return self.backend.w4_linear(x, self)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.quant.method}, "
-                f"group_size={self.quant.group_size}, bias={self.bias is not None}")
+                f"group_size={self.quant.group_size}, act_order={self.input_perm is not None}, "
+                f"bias={self.bias is not None}")

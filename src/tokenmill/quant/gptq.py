@@ -12,7 +12,9 @@ batch updates). Only the rounding of one column differs between the grids (`gptq
 Columns go in descending order of H's diagonal (their inputs' energy: the paper's act-order), with
 static grids: every scale (and 4-bit zero) is set before any update, from the weights themselves. 4-bit
 groups therefore stay contiguous input rows and the checkpoint is a plain one (`desc_act: false`,
-`g_idx = row // group_size`, as the loader wants); only the order of rounding differs. The 4-bit grids'
+`g_idx = row // group_size`), which the products read without gathering their inputs; only the order of
+rounding differs. Groups in act-order (`desc_act: true`, each group's grid set from the updated weights
+when it comes up) measured no better on SmolLM2-135M (docs/BENCHMARKS.md). The 4-bit grids'
 ranges are the weights' min/max shrunk by a clip search (`clipped_grid`, each weight's rounding error
 weighed by its input's energy); FP8's scale is the row's absmax / 448, as at load.
 

@@ -89,32 +89,51 @@ def min_zero(method: str, checkpoint_format: str = "gptq") -> int:
     return 1 if method == "gptq" and checkpoint_format == "gptq" else 0
 
 
-def quantize_gptq(w: torch.Tensor, group_size: int = 128, sym: bool = True,
-                  checkpoint_format: str = "gptq", grid: Grid | None = None) -> dict[str, torch.Tensor]:
-    """A Linear weight [out, in] -> GPTQ's qweight, qzeros, scales and g_idx (no act-order); `grid`:
-    already quantized (by a calibrated quantizer), only packed."""
+def quantize_gptq(w: torch.Tensor, group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
+                  grid: Grid | None = None, act_order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A Linear weight [out, in] -> GPTQ's qweight, qzeros, scales and g_idx; `grid`: already quantized
+    (by a calibrated quantizer), only packed. `act_order`: a permutation of the input rows (`desc_act`),
+    grouped in that order: the grid of w[:, act_order], its rows stored back in input order and g_idx
+    naming each row's group."""
     offset = min_zero("gptq", checkpoint_format)
-    q, z, s = grid if grid is not None else _round(w, group_size, sym, min_zero=offset)
-    g_idx = (torch.arange(w.shape[1]) // group_size).to(torch.int32)
+    n = w.shape[1]
+    groups_of_rows = (torch.arange(n) // group_size).to(torch.int32)
+    if act_order is None:
+        q, z, s = grid if grid is not None else _round(w, group_size, sym, min_zero=offset)
+        g_idx = groups_of_rows
+    else:
+        if grid is not None:
+            raise ValueError("quantize_gptq: a calibrated grid is in input order; act_order rounds its own")
+        q, z, s = _round(w[:, act_order], group_size, sym, min_zero=offset)
+        q = torch.empty_like(q).index_copy_(0, act_order, q)        # row act_order[r] is the grid's row r
+        g_idx = torch.empty_like(groups_of_rows).index_copy_(0, act_order, groups_of_rows)
     return {"qweight": pack_rows(q), "qzeros": pack_cols(z - offset), "scales": s, "g_idx": g_idx}
 
 
+def seeded_act_order(in_features: int) -> torch.Tensor:
+    """The input-row order `write_checkpoint(desc_act=True)` groups a layer in: a permutation seeded by
+    the input width, so that the shards that read one input (q/k/v, gate/up) share it, as GPTQ's order
+    (by their common inputs' energy) is shared."""
+    return torch.randperm(in_features, generator=torch.Generator().manual_seed(in_features))
+
+
 def quantization_config(method: str, group_size: int = 128, sym: bool = True,
-                        checkpoint_format: str = "gptq") -> dict:
+                        checkpoint_format: str = "gptq", desc_act: bool = False) -> dict:
     """The `quantization_config` entry of config.json as AutoAWQ / AutoGPTQ write it."""
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                 "version": "gemm"}
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": sym,
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
             "checkpoint_format": checkpoint_format}
 
 
 def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size: int = 128, sym: bool = True,
-                        checkpoint_format: str = "gptq", grids: dict[str, Grid] | None = None
-                        ) -> dict[str, torch.Tensor]:
+                        checkpoint_format: str = "gptq", grids: dict[str, Grid] | None = None,
+                        desc_act: bool = False) -> dict[str, torch.Tensor]:
     """Hugging Face names in, the quantized checkpoint's tensors out: `*.{q,k,v,o,gate,up,down}_proj.weight`
     become `.qweight/.qzeros/.scales` (GPTQ: and `.g_idx`), everything else is kept. `grids[key]`: that
-    weight's grid from a calibrated quantizer (`gptq.py`); a weight without one is rounded to nearest."""
+    weight's grid from a calibrated quantizer (`gptq.py`); a weight without one is rounded to nearest
+    (with `desc_act`, GPTQ only, in act-order groups: `seeded_act_order`)."""
     out = {}
     grids = grids or {}
     for key, t in state.items():
@@ -122,7 +141,8 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
             grid = grids.get(key)
             parts = (quantize_awq(t, group_size, grid) if method == "awq"
-                     else quantize_gptq(t, group_size, sym, checkpoint_format, grid))
+                     else quantize_gptq(t, group_size, sym, checkpoint_format, grid,
+                                        seeded_act_order(t.shape[1]) if desc_act else None))
             out.update({f"{prefix}.{name}": v.contiguous() for name, v in parts.items()})
         else:
             out[key] = t.contiguous()
@@ -131,13 +151,14 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
 
 def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, method: str,
                      group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
-                     grids: dict[str, Grid] | None = None) -> None:
-    """Quantizes `state` (with `grids` where given, see `quantize_state_dict`) and writes
-    `model.safetensors` and `config.json` (with its quantization_config)."""
+                     grids: dict[str, Grid] | None = None, desc_act: bool = False) -> None:
+    """Quantizes `state` (with `grids` where given, act-order groups with `desc_act`: see
+    `quantize_state_dict`) and writes `model.safetensors` and `config.json` (with its quantization_config)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids),
+    save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act),
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config = dict(hf_config, quantization_config=quantization_config(method, group_size, sym, checkpoint_format))
+    config = dict(hf_config, quantization_config=quantization_config(method, group_size, sym, checkpoint_format,
+                                                                     desc_act))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -19,8 +19,11 @@ along the input dim, qzeros along the output dim, zero offset 1 by the AutoGPTQ/
   checkpoints write) stores zero - 1 and readers add the 1 back (so a true zero of 0 cannot be stored: it
   wraps to 15 and reads as 16, which AutoGPTQ's own kernels also do); "gptq_v2" (GPTQModel) stores the
   zero itself. Symmetric checkpoints store zero 8 (v1: 7) everywhere; the dequantization is the same.
-- act-order (`desc_act: true`) permutes the input rows' groups through g_idx; it is refused here, and a
-  g_idx other than row // group is refused as act-order in disguise (`check_g_idx`).
+- act-order (`desc_act: true`): the rows stay in input order, but a group is no longer a run of
+  consecutive rows: g_idx names each row's group (GPTQ groups the rows in its order of quantization, by
+  descending input energy). Each group still holds `group_size` rows (the last one the rest), so sorting
+  the rows by g_idx makes the groups contiguous again (`act_order_perm`); a layer read that way takes its
+  input features in the same order.
 """
 from __future__ import annotations
 
@@ -73,9 +76,6 @@ def parse_quantization_config(qc: dict) -> W4Config:
         if not qc.get("zero_point", True):
             raise ValueError("awq checkpoint with zero_point=false is not supported; supported: true")
         return W4Config("awq", group, bits)
-    if qc.get("desc_act", False):
-        raise ValueError("gptq checkpoint with desc_act=true (act-order) is not supported; supported: "
-                         "desc_act=false")
     if qc.get("lm_head", False):
         raise ValueError("gptq checkpoint with lm_head=true (a quantized head) is not supported; "
                          "supported: lm_head=false")
@@ -88,12 +88,23 @@ def parse_quantization_config(qc: dict) -> W4Config:
     return W4Config("gptq", group, bits, sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
 
 
-def check_g_idx(g_idx: torch.Tensor, group_size: int, key: str) -> None:
-    """Without act-order every input row i is in group i // group_size; anything else is refused."""
-    want = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
-    if g_idx.dim() != 1 or not torch.equal(g_idx.to(want.dtype), want):
-        raise ValueError(f"checkpoint tensor {key!r} is not row // group_size={group_size} (an act-order "
-                         "g_idx); act-order (desc_act=true) is not supported")
+def act_order_perm(g_idx: torch.Tensor, in_features: int, group_size: int, key: str) -> torch.Tensor | None:
+    """A GPTQ layer's g_idx [in] -> None where every input row i is in group i // group_size, else the
+    permutation of the input rows (int64 [in]) that makes each group a run of consecutive rows: row r of
+    the permuted layer is input perm[r], and group g holds rows g * group_size onwards. A g_idx that does
+    not give each group `group_size` rows (the last one the rest) is refused, naming `key`."""
+    want = torch.arange(in_features, device=g_idx.device) // group_size
+    if g_idx.dim() != 1 or g_idx.numel() != in_features:
+        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(g_idx.shape)}, the model expects "
+                         f"({in_features},)")
+    g_idx = g_idx.to(want.dtype)
+    if torch.equal(g_idx, want):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], want):
+        raise ValueError(f"checkpoint tensor {key!r} does not put group_size={group_size} of the "
+                         f"{in_features} input rows in each of groups 0-{int(want[-1])} (the last the rest)")
+    return perm
 
 
 # The unpacking builds no tensor from host data (no torch.tensor(list), no list index), so it runs inside a

@@ -28,7 +28,7 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
     for key, read in tensors:
         if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        name, shard = _target(model, key)
+        name, shard = packed_target(model, key)
         if name not in params:
             leftover.append(key)
             continue
@@ -72,7 +72,8 @@ def _rank_slice(dim: int, rank: int, length: int) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(rank * length, (rank + 1) * length),)
 
 
-def _target(model: nn.Module, key: str) -> tuple[str, int | None]:
+def packed_target(model: nn.Module, key: str) -> tuple[str, int | None]:
+    """A checkpoint key -> the model's name for it and the shard it is of a packed layer (None: not packed)."""
     for shard_name, (packed, index) in model.packed_modules.items():
         part = f".{shard_name}."
         if part in key:

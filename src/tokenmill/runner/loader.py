@@ -14,8 +14,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
-from tokenmill.quant.w4 import check_g_idx
-from tokenmill.runner.fill import fill_parameters
+from tokenmill.quant.w4 import act_order_perm
+from tokenmill.runner.fill import fill_parameters, packed_target
 from tokenmill.runner.gguf_loader import load_gguf_weights
 
 def weight_files(model_dir: str) -> list[str]:
@@ -52,23 +52,44 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
     """Streams every safetensors tensor of `model_dir` into its (possibly packed) parameter. A GPTQ
-    checkpoint's `g_idx` tensors are checked to be row // group_size (no act-order) and not kept."""
+    checkpoint's `g_idx` tensors are not kept: an act-order one gives its layer the order of its input
+    rows (`w4.act_order_perm`, `W4Linear.set_act_order`), which the shards of a packed layer must share."""
     device = next(model.parameters()).device
     quant = model.config.quantization
+    orders: dict[str, list[tuple[str, torch.Tensor | None]]] = {}      # layer -> (key, perm) of its shards
 
     def tensors():
         for path in weight_files(model_dir):
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
-                        check_g_idx(f.get_tensor(key), quant.group_size, key)
-                        continue
+                        layer = packed_target(model, key)[0].removesuffix(".g_idx")
+                        module = _submodule(model, layer)
+                        if module is not None:          # else a key the model lacks, which fill reports
+                            orders.setdefault(layer, []).append(
+                                (key, act_order_perm(f.get_tensor(key), module.in_features, quant.group_size, key)))
+                            continue
                     yield key, lambda index=None, f=f, key=key: (f.get_tensor(key) if index is None
                                                                  else f.get_slice(key)[index])
     stream = tensors()
     if isinstance(quant, fp8.Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)
     fill_parameters(model, stream, repr(model_dir))
+    for layer, shards in orders.items():
+        (first, perm), *rest = shards
+        for key, other in rest:
+            if (perm is None) != (other is None) or (perm is not None and not torch.equal(perm, other)):
+                raise ValueError(f"checkpoint tensors {first!r} and {key!r} order the input rows of {layer!r} "
+                                 "differently; its shards read one input and need one act-order")
+        if perm is not None:
+            model.get_submodule(layer).set_act_order(perm)
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
