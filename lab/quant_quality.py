@@ -10,6 +10,9 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py fp8-block-to-channel
     python lab/quant_quality.py fp8-attention
     python lab/quant_quality.py generated-calibration [--generated 8192 16384] [--awq]
+    python lab/quant_quality.py rotation [--tokens 2048] [--variants none residual heads both] [--seeds 0 1]
+                                         [--knobs ABLATION]
+    python lab/quant_quality.py input-energy [--tokens 2048]
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -34,6 +37,10 @@ sequences of 256.
   (`Knobs`; `asym`: the product's output targets, `gptq.output_target`, at any ridge and step), and FP8
   GPTQ without act-order.
 
+- `rotation`: 4-bit GPTQ (the knobs of one ablation) of the model turned into a rotated basis that folds
+  into the weights (`rotated_checkpoint`: the residual stream by a random orthogonal matrix, each head's V
+  by a Hadamard), scored against the unquantized model in its own basis.
+- `input-energy`: how much of each linear's calibration Hessian the first token of each sequence holds.
 - `generated-calibration`: 4-bit GPTQ (on each linear's own weight; with --awq, AWQ scales first) calibrated on
   text the unquantized model writes itself (sequences of 256 tokens sampled at temperature 1.0, each from
   a vocabulary token drawn at random, as data-free quantization-aware training does), alone and after the
@@ -117,11 +124,13 @@ def checkpoints(tokens: list[int]) -> None:
 class FloatModel:
     """The unquantized model in an engine, whose linear weights `evaluate` replaces for one measurement."""
 
-    def __init__(self):
+    def __init__(self, real=None, path: str | None = None):
+        """`real`: a `test_real_quantized.RealModel` (made here when None), whose reference the figures are
+        against; `path`: the checkpoint whose linears `evaluate` replaces (by default `real`'s)."""
         from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
         from tokenmill import LLM
-        self.real = real_model(os.path.join(tempfile.mkdtemp(), "plain"))
-        self.llm = LLM(self.real.path, tokenizer=GGUF, **dict(REAL, enable_prefix_caching=False))
+        self.real = real or real_model(os.path.join(tempfile.mkdtemp(), "plain"))
+        self.llm = LLM(path or self.real.path, tokenizer=GGUF, **dict(REAL, enable_prefix_caching=False))
         self.held_out_logprobs = held_out_logprobs
         model = self.llm.engine.runner.model
         self.modules = dict(model.named_modules())
@@ -232,6 +241,13 @@ class Knobs:
     asym: float = 0.0               # > 0: each linear's target moved this far towards its output target
                                     # (`gptq.output_target`: the float model's outputs, GPTAQ)
     asym_ridge: float = OUTPUT_TARGET_RIDGE   # that target's ridge, towards W, over H's mean diagonal
+    desc_act: bool = False          # groups of 128 in act-order (GPTQ's desc_act, g_idx), each group's grid
+                                    # set from the updated weights when its first column comes up
+    token_cap: float = 0.0          # > 0: each calibration token's weight in H (and in the output target's
+                                    # regression) capped at token_cap x the median token's input energy
+    cd_passes: int = 0              # passes of coordinate descent on the codes after GPTQ (the same loss)
+    only_kinds: tuple[str, ...] = KINDS       # the linear kinds quantized (the others stay float)
+    only_layers: tuple[int, int] = (0, 10**6)  # the decoder layers [first, last) quantized
 
 
 def _grid(w: torch.Tensor, h: torch.Tensor, k: Knobs, group: int = 128):
@@ -280,8 +296,13 @@ def _compensate(w, h, k: Knobs, scales=None, zeros=None, group: int = 128):
     u = torch.linalg.solve_triangular(r, torch.eye(n), upper=True)
     w, s_all, z_all = (t[:, perm].t().contiguous() for t in (w, s_all, z_all))
     deq = torch.empty_like(w)
+    energy = h.diagonal().clone()
     for b0 in range(0, n, 32):
         b1 = min(b0 + 32, n)
+        if k.desc_act and not k.fp8 and b0 % group == 0:
+            g1 = min(b0 + group, n)
+            sg, zg = _grid(w[b0:g1].t(), torch.diag(energy[b0:g1]), k, g1 - b0)
+            s_all[b0:g1], z_all[b0:g1] = sg[:, 0], zg[:, 0]
         wb, ub = w[b0:b1], u[b0:b1, b0:b1]
         err = torch.empty_like(wb)
         for i in range(b1 - b0):
@@ -315,8 +336,41 @@ def _refit_scales(w, h, deq, scales, group: int = 128):
     return c * new[:, cols], new
 
 
+def _coordinate_descent(w, h, deq, scales, zeros, passes: int, group: int = 128):
+    """Each code moved by one step of its grid, up or down, where that lowers the loss GPTQ approximates,
+    (w - deq) H (w - deq)^T of each row (H damped as GPTQ's), one input column at a time, `passes` times."""
+    n = w.shape[1]
+    cols = torch.arange(n) // group
+    s, z = scales[:, cols], zeros[:, cols]                       # [out, in]
+    code = torch.round(deq / s) + z
+    e = w - deq
+    g = e @ h                                                    # [out, in]: half the loss's gradient in deq
+    hd = h.diagonal()
+    for _ in range(passes):
+        moved = 0
+        for j in range(n):
+            sj, gj, cj = s[:, j], g[:, j], code[:, j]
+            # loss change of deq_j + d: -2 d g_j + d^2 H_jj
+            up = torch.where(cj < 15, -2 * sj * gj + sj * sj * hd[j], torch.inf)
+            down = torch.where(cj > 0, 2 * sj * gj + sj * sj * hd[j], torch.inf)
+            d = torch.where((up < down) & (up < 0), sj, torch.where((down <= up) & (down < 0), -sj, 0.0))
+            if not d.any():
+                continue
+            moved += int((d != 0).sum())
+            code[:, j] += torch.sign(d)
+            deq[:, j] += d
+            g.addr_(d, h[j], alpha=-1)
+        if not moved:
+            break
+    return deq
+
+
 def quantize_with_knobs(w, h, k: Knobs):
     deq, scales, zeros = _compensate(w, h, k)
+    if k.cd_passes:
+        hd = h.float().clone()
+        hd.diagonal().add_(k.damp * hd.diagonal().mean())
+        deq = _coordinate_descent(w.float() * (h.diagonal() != 0), hd, deq, scales, zeros, k.cd_passes)
     if k.refit:
         hd = h.float().clone()
         hd.diagonal().add_(k.damp * hd.diagonal().mean())
@@ -357,12 +411,19 @@ def gptq_asymmetric(model, calibration, k: Knobs):
     folds = {"self_attn.qkv_proj": "input_layernorm", "mlp.gate_up_proj": "post_attention_layernorm"}
 
     def quantize_linear(name, layer, x, x_float, prefix):
+        if (name.rpartition(".")[2] not in k.only_kinds
+                or not k.only_layers[0] <= int(prefix.rpartition(".")[2]) < k.only_layers[1]):
+            return
         w, scale = layer.weight.float(), None
         if k.awq and name in folds:
             scale = _awq_scale(w, x)
             w, x, x_float = w * scale, x / scale, x_float / scale
             norm = model.get_submodule(f"{prefix}.{folds[name]}")
             norms[f"{prefix}.{folds[name]}"] = norm.weight / scale
+        if k.token_cap:
+            energy = x.square().sum(1)
+            weight = (k.token_cap * energy.median() / energy).clamp(max=1).sqrt()[:, None]
+            x, x_float = x * weight, x_float * weight
         h = x.t() @ x
         deq = quantize_with_knobs(w + k.asym * (output_target(w, h, x, x_float, k.asym_ridge) - w), h, k)
         # the stream goes on unfolded (its norm keeps its weight): the folded weight over s
@@ -454,6 +515,23 @@ ABLATIONS = {
         Knobs(asym=1.0, hessian_clip=True, clip_steps=16, clip_floor=0.5),
     "asymmetric targets, H-weighted clip search, min and max shrunk apart":
         Knobs(asym=1.0, hessian_clip=True, clip_2d=True),
+    "output targets, H-weighted clip search, act-order groups (desc_act)": Knobs(asym=1.0, hessian_clip=True,
+                                                                                desc_act=True),
+    "act-order groups (desc_act), own weights": Knobs(hessian_clip=True, desc_act=True),
+    "output targets, H-weighted clip search, 2 passes of coordinate descent": Knobs(asym=1.0, hessian_clip=True,
+                                                                                    cd_passes=2),
+    "output targets, H-weighted clip search, 8 passes of coordinate descent": Knobs(asym=1.0, hessian_clip=True,
+                                                                                    cd_passes=8),
+    **{f"output targets, H-weighted clip search, tokens capped at {c:g}x the median energy":
+       Knobs(asym=1.0, hessian_clip=True, token_cap=c) for c in (3, 10, 100, 1000)},
+    **{f"output targets, H-weighted clip search{name}, calibration from token {o}":
+       Knobs(asym=1.0, hessian_clip=True, offset=o, **kw) for o in (0, 768) for name, kw in (
+           ("", {}), (", tokens capped at 10x", dict(token_cap=10)),
+           (", tokens capped at 10x, 2 passes of coordinate descent", dict(token_cap=10, cd_passes=2)))},
+    **{f"output targets, H-weighted clip search, only {kind}": Knobs(asym=1.0, hessian_clip=True,
+                                                                    only_kinds=(kind,)) for kind in KINDS},
+    **{f"output targets, H-weighted clip search, only layers {a}-{a + 9}":
+       Knobs(asym=1.0, hessian_clip=True, only_layers=(a, a + 10)) for a in (0, 10, 20)},
     "FP8 GPTQ": Knobs(fp8=True),
     "FP8 GPTQ, no act-order": Knobs(fp8=True, act_order=False),
     "FP8 GPTQ, asymmetric targets, ridge 30": Knobs(fp8=True, asym=1.0, asym_ridge=30.0),
@@ -472,6 +550,113 @@ def ablations(tokens: int, only: list[str] | None) -> None:
         weights, norms = gptq_with_knobs(fm.real.model(), ids, k)
         seconds = time.time() - t
         row(f"{name}, {tokens} tokens", fm.evaluate(weights, norms), seconds)
+
+
+def input_energy(tokens: int) -> None:
+    """Where each linear's calibration Hessian H = X^T X comes from: the share of its trace in the first
+    token of each calibration sequence, and the largest token's energy over the median's (the float
+    model's inputs, the first `tokens` tokens of calibration.txt in sequences of 256)."""
+    from test_real_quantized import calibration_ids, real_model
+    from tokenmill.quant.gptq import _sequential
+    real = real_model(os.path.join(tempfile.mkdtemp(), "plain"))
+    print("| layer | linear | first tokens' share of tr H | largest token / median |")
+    print("|---|---|---|---|")
+
+    def report(name, layer, x, x_float, prefix):
+        energy = x.square().sum(1)
+        first = energy.view(-1, 256)[:, 0].sum() / energy.sum()
+        print(f"| {prefix.rpartition('.')[2]} | {name.rpartition('.')[2]} | {first:.4f} | "
+              f"{energy.max() / energy.median():,.1f} |", flush=True)
+    _sequential(real.model(), calibration_ids(real.tokenizer, tokens), report, float_inputs=False)
+
+
+def random_orthogonal(n: int, seed: int) -> torch.Tensor:
+    """A Haar-random orthogonal [n, n] (QR of a Gaussian, the signs of R's diagonal folded into Q)."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def hadamard(n: int, seed: int) -> torch.Tensor:
+    """Sylvester's Hadamard [n, n] / sqrt(n) (n a power of two) with its columns' signs drawn at random."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    assert h.shape[0] == n, n
+    g = torch.Generator().manual_seed(seed)
+    return h / n ** 0.5 * (torch.randint(0, 2, (n,), generator=g) * 2 - 1).float()
+
+
+def rotated_checkpoint(state: dict, hf: dict, residual: bool, heads: bool, seed: int = 0) -> tuple[dict, dict]:
+    """The same function as (state, hf) in a rotated basis (QuaRot's and SpinQuant's rotations that fold
+    into the weights): with `residual`, the residual stream turned by an orthogonal Q (each RMSNorm's
+    weight folded into the linears after it and set to one, the embedding E Q, the head untied, E diag(g) Q,
+    the linears that read the stream W diag(g) Q, those that write it Q^T W); with `heads`, each head's V
+    turned by a Hadamard H (v_proj's rows of that KV head H^T W, o_proj's columns of each query head W H)."""
+    n, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    hd, kvh, qh = hf["head_dim"], hf["num_key_value_heads"], hf["num_attention_heads"]
+    st = {k: v.clone() for k, v in state.items()}
+    hf = dict(hf)
+    if residual:
+        q = random_orthogonal(n, seed)
+        embed = st["model.embed_tokens.weight"]
+        head = st.get("lm_head.weight", embed)
+        st["lm_head.weight"] = (head * st["model.norm.weight"]) @ q
+        st["model.embed_tokens.weight"] = embed @ q
+        st["model.norm.weight"] = torch.ones(n)
+        hf["tie_word_embeddings"] = False
+        for i in range(layers):
+            pre = f"model.layers.{i}"
+            for norm, names in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+                g = st[f"{pre}.{norm}.weight"]
+                for name in names:
+                    st[f"{pre}.{name}.weight"] = (st[f"{pre}.{name}.weight"] * g) @ q
+                st[f"{pre}.{norm}.weight"] = torch.ones(n)
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                st[f"{pre}.{name}.weight"] = q.t() @ st[f"{pre}.{name}.weight"]
+    if heads:
+        h = hadamard(hd, seed + 1)
+        for i in range(layers):
+            pre = f"model.layers.{i}"
+            v = st[f"{pre}.self_attn.v_proj.weight"].view(kvh, hd, -1)
+            st[f"{pre}.self_attn.v_proj.weight"] = (h.t() @ v).reshape(kvh * hd, -1)
+            o = st[f"{pre}.self_attn.o_proj.weight"].view(-1, qh, hd)
+            st[f"{pre}.self_attn.o_proj.weight"] = (o @ h).reshape(-1, qh * hd)
+    return st, hf
+
+
+def rotation(tokens: list[int], variants: list[str], seeds: list[int], knobs: str) -> None:
+    """4-bit GPTQ as the product runs it (output targets, the weighted clip search) of SmolLM2 in a rotated
+    basis (`rotated_checkpoint`), scored against the unquantized model in its own basis; each rotated float
+    model is scored first (its ratios: 1 to float rounding)."""
+    import json
+    from safetensors.torch import save_file
+    from test_real_quantized import calibration_ids
+    from tokenmill.config import ModelConfig
+    from tokenmill.runner.loader import load_model
+    fm = FloatModel()
+    real = fm.real
+    forms = {"none": (False, False), "residual": (True, False), "heads": (False, True), "both": (True, True)}
+    k = ABLATIONS[knobs]
+    header(True)
+    for variant in variants:
+        for seed in seeds if variant != "none" else (0,):
+            st, hf = rotated_checkpoint(real.state, real.hf_config, *forms[variant], seed=seed)
+            path = os.path.join(tempfile.mkdtemp(), "rotated")
+            os.makedirs(path)
+            save_file({k_: v.contiguous() for k_, v in st.items()}, os.path.join(path, "model.safetensors"),
+                      metadata={"format": "pt"})
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(hf, f)
+            rot = FloatModel(real, path)
+            row(f"{variant} (seed {seed}), unquantized", rot.evaluate({}), None)
+            for n in tokens:
+                t = time.time()
+                model = load_model(path, ModelConfig.from_hf(hf), torch.device("cpu"), torch.float32)
+                weights, _ = gptq_with_knobs(model, calibration_ids(real.tokenizer, n), k)
+                seconds = time.time() - t
+                row(f"{variant} (seed {seed}), GPTQ 4-bit g128, {n} tokens", rot.evaluate(weights), seconds)
 
 
 def generated_ids(fm: "FloatModel", num_tokens: int, seq_len: int = 256, seed: int = 0) -> torch.Tensor:
@@ -645,6 +830,14 @@ def main() -> None:
     g = sub.add_parser("generated-calibration")
     g.add_argument("--generated", type=int, nargs="+", default=[8192, 16384])
     g.add_argument("--awq", action="store_true", help="AWQ input-channel scales before GPTQ")
+    e = sub.add_parser("input-energy")
+    e.add_argument("--tokens", type=int, default=2048)
+    r = sub.add_parser("rotation")
+    r.add_argument("--tokens", type=int, nargs="+", default=[2048])
+    r.add_argument("--variants", nargs="+", default=["none", "residual", "heads", "both"])
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    r.add_argument("--knobs", default="asymmetric targets (GPTAQ), ridge 30, H-weighted clip search",
+                   help="the ablation whose knobs quantize the rotated model")
     a = sub.add_parser("ablations")
     a.add_argument("--tokens", type=int, default=4096)
     a.add_argument("--only", nargs="*")
@@ -662,6 +855,10 @@ def main() -> None:
         fp8_block_to_channel()
     elif args.cmd == "fp8-attention":
         fp8_attention()
+    elif args.cmd == "input-energy":
+        input_energy(args.tokens)
+    elif args.cmd == "rotation":
+        rotation(args.tokens, args.variants, args.seeds, args.knobs)
     elif args.cmd == "generated-calibration":
         generated_calibration(args.generated, args.awq)
     else:
