@@ -13,6 +13,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py rotation [--tokens 2048] [--variants none residual heads both] [--seeds 0 1]
                                          [--knobs ABLATION]
     python lab/quant_quality.py input-energy [--tokens 2048]
+    python lab/quant_quality.py scale-tuning [--tokens 2048] [--steps 80] [--lr 2e-3] [--batch 2] [--seeds 0]
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -40,6 +41,8 @@ sequences of 256.
 - `rotation`: 4-bit GPTQ (the knobs of one ablation) of the model turned into a rotated basis that folds
   into the weights (`rotated_checkpoint`: the residual stream by a random orthogonal matrix, each head's V
   by a Hadamard), scored against the unquantized model in its own basis.
+- `scale-tuning`: the product's 4-bit GPTQ, then its group scales trained end to end (codes kept) on the
+  KL divergence from the unquantized model's next-token distributions (`scale_tuning.tune_scales`).
 - `input-energy`: how much of each linear's calibration Hessian the first token of each sequence holds.
 - `generated-calibration`: 4-bit GPTQ (on each linear's own weight; with --awq, AWQ scales first) calibrated on
   text the unquantized model writes itself (sequences of 256 tokens sampled at temperature 1.0, each from
@@ -570,6 +573,37 @@ def input_energy(tokens: int) -> None:
     _sequential(real.model(), calibration_ids(real.tokenizer, tokens), report, float_inputs=False)
 
 
+def scale_tuning(tokens: int, steps: list[int], lr: float, batch: int, seeds: list[int], threads: int) -> None:
+    """The product's 4-bit GPTQ, then its scales trained end to end (`scale_tuning.tune_scales`) for each
+    number of steps and seed; each checkpoint written and scored through the loader."""
+    from test_real_quantized import GGUF, REAL, calibration_ids, held_out_logprobs, real_model
+    from tokenmill import LLM
+    from tokenmill.quant.gptq import gptq_model
+    from tokenmill.quant.quantize import min_zero, write_checkpoint
+    from tokenmill.quant.scale_tuning import tune_scales
+    tmp = tempfile.mkdtemp()
+    real = real_model(os.path.join(tmp, "plain"))
+    ids = calibration_ids(real.tokenizer, tokens)
+    t = time.time()
+    grids = gptq_model(real.model(), ids, 128, sym=False, min_zero=min_zero("gptq"))
+    seconds = time.time() - t
+
+    def measure(g, label, seconds):
+        path = os.path.join(tmp, f"w4-{len(os.listdir(tmp))}")
+        write_checkpoint(path, real.state, real.hf_config, "gptq", 128, sym=False, grids=g)
+        row(label, quiet_against(real.ref, held_out_logprobs(LLM(path, tokenizer=GGUF, **REAL))), seconds)
+    header(True)
+    measure(grids, f"GPTQ as shipped, {tokens} tokens", seconds)
+    for n in steps:
+        for seed in seeds:
+            torch.set_num_threads(threads)
+            t = time.time()
+            tuned = tune_scales(real.state, real.hf_config, grids, ids, 128, steps=n, lr=lr, batch=batch, seed=seed)
+            seconds = time.time() - t
+            torch.set_num_threads(1)
+            measure(tuned, f"then scales tuned: {n} steps of {batch} sequences, lr {lr:g}, seed {seed}", seconds)
+
+
 def random_orthogonal(n: int, seed: int) -> torch.Tensor:
     """A Haar-random orthogonal [n, n] (QR of a Gaussian, the signs of R's diagonal folded into Q)."""
     g = torch.Generator().manual_seed(seed)
@@ -830,6 +864,13 @@ def main() -> None:
     g = sub.add_parser("generated-calibration")
     g.add_argument("--generated", type=int, nargs="+", default=[8192, 16384])
     g.add_argument("--awq", action="store_true", help="AWQ input-channel scales before GPTQ")
+    t = sub.add_parser("scale-tuning")
+    t.add_argument("--tokens", type=int, default=2048)
+    t.add_argument("--steps", type=int, nargs="+", default=[80])
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--seeds", type=int, nargs="+", default=[0])
+    t.add_argument("--batch", type=int, default=2)
+    t.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("input-energy")
     e.add_argument("--tokens", type=int, default=2048)
     r = sub.add_parser("rotation")
@@ -855,6 +896,8 @@ def main() -> None:
         fp8_block_to_channel()
     elif args.cmd == "fp8-attention":
         fp8_attention()
+    elif args.cmd == "scale-tuning":
+        scale_tuning(args.tokens, args.steps, args.lr, args.batch, args.seeds, args.threads)
     elif args.cmd == "input-energy":
         input_energy(args.tokens)
     elif args.cmd == "rotation":
