@@ -1,7 +1,8 @@
-"""The group scales of a 4-bit grid trained end to end after the rounding (the scale-only training of
-PEQA and of EfficientQAT's last phase): each linear's codes and zeros stay as GPTQ set them, and every
-(group, output row) scale s0 becomes s0 exp(m), with m trained by Adam on the KL divergence from the
-unquantized model's next-token distributions to the quantized model's over the calibration sequences.
+"""The scales of a quantized checkpoint trained end to end after the rounding (the scale-only training
+of PEQA and of EfficientQAT's last phase): each linear's codes (and 4-bit zeros) stay as GPTQ set them,
+and every scale s0 (4-bit: of a group and output row; FP8: of an output channel) becomes s0 exp(m), with
+m trained by Adam on the KL divergence from the unquantized model's next-token distributions to the
+quantized model's over the calibration sequences.
 
 GPTQ makes each linear's output close on its own; the KL divergence scores the whole model at once, so
 the scales of early layers also answer for what their errors do downstream. The forward pass that
@@ -18,21 +19,19 @@ from tokenmill.quant.quantize import Grid
 
 
 class _TunedLinear(nn.Module):
-    """A 4-bit grid's linear with trainable scales: W = codes * (s0 exp(m)) of each input's group."""
+    """A quantized linear with trainable scales: W[o, i] = codes[o, i] * s0[o, g] exp(m[o, g]), g = rows[i]
+    (the input's group; FP8 per channel: one group)."""
 
-    def __init__(self, grid: Grid, group_size: int):
+    def __init__(self, codes: torch.Tensor, s0: torch.Tensor, rows: torch.Tensor):
         super().__init__()
-        q, zeros, scales = grid
-        self.rows = torch.arange(q.shape[0]) // group_size                           # input -> group
-        self.codes = (q - zeros[self.rows]).float().t().contiguous()                 # [out, in]
-        self.s0 = scales.float()                                                     # [groups, out]
+        self.codes, self.s0, self.rows = codes.float(), s0.float(), rows                 # [out, in], [out, G]
         self.m = nn.Parameter(torch.zeros_like(self.s0))
 
     def scales(self) -> torch.Tensor:
         return self.s0 * torch.exp(self.m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.codes * self.scales()[self.rows].t())
+        return nn.functional.linear(x, self.codes * self.scales()[:, self.rows])
 
 
 def _reference_model(state: dict[str, torch.Tensor], hf_config: dict) -> nn.Module:
@@ -50,23 +49,16 @@ def _reference_model(state: dict[str, torch.Tensor], hf_config: dict) -> nn.Modu
     return model.requires_grad_(False)
 
 
-def tune_scales(state: dict[str, torch.Tensor], hf_config: dict, grids: dict[str, Grid],
-                calibration: torch.Tensor, group_size: int, steps: int = 80, lr: float = 2e-3,
-                batch: int = 2, seed: int = 0) -> dict[str, Grid]:
-    """`grids` (Hugging Face weight name -> 4-bit grid, as `gptq.gptq_model` returns them) with their scales
-    trained for `steps` Adam steps of `batch` calibration sequences each (`calibration`: token ids
-    [num_seqs, seq_len]); `state` and `hf_config`: the unquantized checkpoint. The codes and zeros are
-    returned as given, the scales as fp16. The unquantized model's log-probabilities of every calibration
-    token are held throughout (num_seqs x seq_len x vocab floats: 400 MB for SmolLM2's 2,048 tokens)."""
+def _train(state: dict[str, torch.Tensor], hf_config: dict, layers: dict[str, _TunedLinear],
+           calibration: torch.Tensor, steps: int, lr: float, batch: int, seed: int) -> None:
+    """Trains `layers` (Hugging Face weight name -> its tuned linear) in place of those weights."""
     model = _reference_model(state, hf_config)
     with torch.no_grad():
         target = torch.log_softmax(model(calibration).logits.float(), -1)
-    tuned = {}
-    for key, grid in grids.items():
+    for key, layer in layers.items():
         parent, _, leaf = key.removesuffix(".weight").rpartition(".")
-        tuned[key] = _TunedLinear(grid, group_size)
-        setattr(model.get_submodule(parent), leaf, tuned[key])
-    opt = torch.optim.Adam([t.m for t in tuned.values()], lr=lr)
+        setattr(model.get_submodule(parent), leaf, layer)
+    opt = torch.optim.Adam([layer.m for layer in layers.values()], lr=lr)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         pick = torch.randperm(calibration.shape[0], generator=g)[:batch]
@@ -75,4 +67,31 @@ def tune_scales(state: dict[str, torch.Tensor], hf_config: dict, grids: dict[str
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {key: (q, zeros, tuned[key].scales().detach().half()) for key, (q, zeros, _) in grids.items()}
+
+
+def tune_scales(state: dict[str, torch.Tensor], hf_config: dict, grids: dict[str, Grid],
+                calibration: torch.Tensor, group_size: int, steps: int = 80, lr: float = 2e-3,
+                batch: int = 2, seed: int = 0) -> dict[str, Grid]:
+    """`grids` (Hugging Face weight name -> 4-bit grid, as `gptq.gptq_model` returns them) with their scales
+    trained for `steps` Adam steps of `batch` calibration sequences each (`calibration`: token ids
+    [num_seqs, seq_len]); `state` and `hf_config`: the unquantized checkpoint. The codes and zeros are
+    returned as given, the scales as fp16. The unquantized model's log-probabilities of every calibration
+    token are held throughout (num_seqs x seq_len x vocab floats: 400 MB for SmolLM2's 2,048 tokens)."""
+    layers = {}
+    for key, (q, zeros, scales) in grids.items():
+        rows = torch.arange(q.shape[0]) // group_size                                # input -> group
+        layers[key] = _TunedLinear((q - zeros[rows]).t(), scales.t(), rows)
+    _train(state, hf_config, layers, calibration, steps, lr, batch, seed)
+    return {key: (q, zeros, layers[key].scales().detach().t().half()) for key, (q, zeros, _) in grids.items()}
+
+
+def tune_fp8_scales(state: dict[str, torch.Tensor], hf_config: dict,
+                    weights: dict[str, tuple[torch.Tensor, torch.Tensor]], calibration: torch.Tensor,
+                    steps: int = 80, lr: float = 2e-3, batch: int = 2, seed: int = 0
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """As `tune_scales`, for FP8 per-channel weights (`gptq.gptq_fp8_model`'s (FP8 weight, float32 scale
+    [out, 1])): the weights returned as given, the scales trained."""
+    layers = {key: _TunedLinear(q.float(), scale, torch.zeros(q.shape[1], dtype=torch.long))
+              for key, (q, scale) in weights.items()}
+    _train(state, hf_config, layers, calibration, steps, lr, batch, seed)
+    return {key: (q, layers[key].scales().detach().contiguous()) for key, (q, _) in weights.items()}
