@@ -13,7 +13,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py rotation [--tokens 2048] [--variants none residual heads both] [--seeds 0 1]
                                          [--knobs ABLATION]
     python lab/quant_quality.py input-energy [--tokens 2048]
-    python lab/quant_quality.py scale-tuning [--tokens 2048] [--steps 80] [--lr 2e-3] [--batch 2] [--seeds 0] [--fp8]
+    python lab/quant_quality.py scale-tuning [--tokens 2048] [--steps 80] [--lr 2e-3] [--batch 2] [--seeds 0]
 
 Both held-out texts of the tests (`test_real_quantized.held_out_logprobs`): "short", `HELD_OUT` (272 predicted
 tokens), and "long", the nine passages of tests/data/held_out.txt (2,128). For each: the perplexity ratio
@@ -573,41 +573,32 @@ def input_energy(tokens: int) -> None:
     _sequential(real.model(), calibration_ids(real.tokenizer, tokens), report, float_inputs=False)
 
 
-def scale_tuning(tokens: int, steps: list[int], lr: float, batch: int, seeds: list[int], threads: int,
-                 fp8: bool) -> None:
-    """The product's 4-bit (or with `fp8`, FP8 per-channel) GPTQ, then its scales trained end to end (`scale_tuning.tune_scales`) for each
+def scale_tuning(tokens: int, steps: list[int], lr: float, batch: int, seeds: list[int], threads: int) -> None:
+    """The product's 4-bit GPTQ, then its scales trained end to end (`scale_tuning.tune_scales`) for each
     number of steps and seed; each checkpoint written and scored through the loader."""
     from test_real_quantized import GGUF, REAL, calibration_ids, held_out_logprobs, real_model
     from tokenmill import LLM
     from tokenmill.quant.gptq import gptq_model
     from tokenmill.quant.quantize import min_zero, write_checkpoint
-    from tokenmill.quant import fp8 as fp8_format
-    from tokenmill.quant.gptq import gptq_fp8_model
-    from tokenmill.quant.scale_tuning import tune_fp8_scales, tune_scales
+    from tokenmill.quant.scale_tuning import tune_scales
     tmp = tempfile.mkdtemp()
     real = real_model(os.path.join(tmp, "plain"))
     ids = calibration_ids(real.tokenizer, tokens)
     t = time.time()
-    grids = (gptq_fp8_model(real.model(), ids) if fp8 else
-             gptq_model(real.model(), ids, 128, sym=False, min_zero=min_zero("gptq")))
+    grids = gptq_model(real.model(), ids, 128, sym=False, min_zero=min_zero("gptq"))
     seconds = time.time() - t
 
     def measure(g, label, seconds):
         path = os.path.join(tmp, f"q-{len(os.listdir(tmp))}")
-        if fp8:
-            fp8_format.write_checkpoint(path, real.state, real.hf_config, "compressed-tensors", g)
-        else:
-            write_checkpoint(path, real.state, real.hf_config, "gptq", 128, sym=False, grids=g)
+        write_checkpoint(path, real.state, real.hf_config, "gptq", 128, sym=False, grids=g)
         row(label, quiet_against(real.ref, held_out_logprobs(LLM(path, tokenizer=GGUF, **REAL))), seconds)
     header(True)
-    measure(grids, f"{'FP8 ' if fp8 else ''}GPTQ as shipped, {tokens} tokens", seconds)
+    measure(grids, f"GPTQ as shipped, {tokens} tokens", seconds)
     for n in steps:
         for seed in seeds:
             torch.set_num_threads(threads)
             t = time.time()
-            tuned = (tune_fp8_scales(real.state, real.hf_config, grids, ids, steps=n, lr=lr, batch=batch, seed=seed)
-                     if fp8 else
-                     tune_scales(real.state, real.hf_config, grids, ids, 128, steps=n, lr=lr, batch=batch, seed=seed))
+            tuned = tune_scales(real.state, real.hf_config, grids, ids, 128, steps=n, lr=lr, batch=batch, seed=seed)
             seconds = time.time() - t
             torch.set_num_threads(1)
             measure(tuned, f"then scales tuned: {n} steps of {batch} sequences, lr {lr:g}, seed {seed}", seconds)
@@ -880,7 +871,6 @@ def main() -> None:
     t.add_argument("--seeds", type=int, nargs="+", default=[0])
     t.add_argument("--batch", type=int, default=2)
     t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--fp8", action="store_true", help="FP8 GPTQ (compressed-tensors) instead of 4-bit")
     e = sub.add_parser("input-energy")
     e.add_argument("--tokens", type=int, default=2048)
     r = sub.add_parser("rotation")
@@ -907,7 +897,7 @@ def main() -> None:
     elif args.cmd == "fp8-attention":
         fp8_attention()
     elif args.cmd == "scale-tuning":
-        scale_tuning(args.tokens, args.steps, args.lr, args.batch, args.seeds, args.threads, args.fp8)
+        scale_tuning(args.tokens, args.steps, args.lr, args.batch, args.seeds, args.threads)
     elif args.cmd == "input-energy":
         input_energy(args.tokens)
     elif args.cmd == "rotation":

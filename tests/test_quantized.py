@@ -193,19 +193,16 @@ def test_gptq_fp8_compensation_beats_rounding_to_nearest():
     assert gptq < 0.75 * rtn
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "fp8"])
-def test_scales_tuned_end_to_end_lower_the_divergence_they_are_trained_on(tmp_path, save_tiny_model, fmt):
-    """`scale_tuning.tune_scales` after 4-bit GPTQ (`tune_fp8_scales` after FP8 GPTQ) keeps every code and
-    zero (every FP8 weight), moves the scales, and lowers the KL divergence of the quantized model's
-    next-token distributions from the float model's on its calibration sequences, as the engine computes
-    them from each checkpoint read back through the loader (so transformers' forward that trains them and
-    the engine's agree on what a scale does). Whether that carries to held-out text needs real weights and
-    text: on random weights and random tokens it does not (SmolLM2-135M: docs/BENCHMARKS.md, "4-bit GPTQ
-    with its group scales trained end to end")."""
-    from tokenmill.quant import fp8
-    from tokenmill.quant.gptq import gptq_fp8_model, gptq_model
+def test_scales_tuned_end_to_end_lower_the_divergence_they_are_trained_on(tmp_path, save_tiny_model):
+    """`scale_tuning.tune_scales` after GPTQ keeps every code and zero, moves the scales, and lowers the KL
+    divergence of the quantized model's next-token distributions from the float model's on its
+    calibration sequences, as the engine computes them from each checkpoint read back through the loader
+    (so transformers' forward that trains them and the engine's agree on what a scale does). Whether that
+    carries to held-out text needs real weights and text: on random weights and random tokens it does
+    not (SmolLM2-135M: docs/BENCHMARKS.md, "4-bit GPTQ with its group scales trained end to end")."""
+    from tokenmill.quant.gptq import gptq_model
     from tokenmill.quant.quantize import min_zero
-    from tokenmill.quant.scale_tuning import tune_fp8_scales, tune_scales
+    from tokenmill.quant.scale_tuning import tune_scales
     from tokenmill.runner.loader import load_model
     src = str(tmp_path / "src")
     save_tiny_model(src, "llama")                        # hidden 80: group 32 leaves a partial last group
@@ -214,33 +211,24 @@ def test_scales_tuned_end_to_end_lower_the_divergence_they_are_trained_on(tmp_pa
     state = load_file(os.path.join(src, "model.safetensors"))
     calibration = torch.randint(3, 512, (16, 48), generator=torch.Generator().manual_seed(0))
     model = load_model(src, ModelConfig.from_hf(cfg), torch.device("cpu"), torch.float32)
-    if fmt == "gptq":
-        quantized = gptq_model(model, calibration, 32, sym=False, min_zero=min_zero("gptq"))
-        tuned = tune_scales(state, cfg, quantized, calibration, 32, steps=40, lr=5e-3, batch=4)
-    else:
-        quantized = gptq_fp8_model(model, calibration)
-        tuned = tune_fp8_scales(state, cfg, quantized, calibration, steps=40, lr=5e-3, batch=4)
-    assert tuned.keys() == quantized.keys()
-    for key, (*kept, scale) in quantized.items():
-        assert all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a, b.view(torch.uint8)
-                               if b.dtype == fp8.FP8 else b) for a, b in zip(tuned[key][:-1], kept))
-        assert tuned[key][-1].dtype == scale.dtype and tuned[key][-1].shape == scale.shape
-    assert sum((tuned[k][-1] != quantized[k][-1]).float().mean().item() for k in quantized) / len(quantized) > 0.5
+    grids = gptq_model(model, calibration, 32, sym=False, min_zero=min_zero("gptq"))
+    tuned = tune_scales(state, cfg, grids, calibration, 32, steps=40, lr=5e-3, batch=4)
+    assert tuned.keys() == grids.keys()
+    for key, (q, z, s) in grids.items():
+        assert torch.equal(tuned[key][0], q) and torch.equal(tuned[key][1], z)
+        assert tuned[key][2].dtype == s.dtype and tuned[key][2].shape == s.shape
+    assert sum((tuned[k][2] != grids[k][2]).float().mean().item() for k in grids) / len(grids) > 0.5
 
     texts = calibration[:6].tolist()
     float_lp = engine_logprobs_many(LLM(src, device="cpu", num_kv_blocks=64), texts)
     divergence = {}
-    for name, weights in (("gptq", quantized), ("tuned", tuned)):
+    for name, g in (("gptq", grids), ("tuned", tuned)):
         qdir = str(tmp_path / name)
-        if fmt == "gptq":
-            write_checkpoint(qdir, state, cfg, "gptq", 32, sym=False, grids=weights)
-        else:
-            fp8.write_checkpoint(qdir, state, cfg, "compressed-tensors", weights)
+        write_checkpoint(qdir, state, cfg, "gptq", 32, sym=False, grids=g)
         lps = engine_logprobs_many(LLM(qdir, device="cpu", num_kv_blocks=64), texts)
         divergence[name] = sum((f.exp() * (f - q)).sum(-1).mean().item() for f, q in zip(float_lp, lps)) / len(lps)
-    print(f"{fmt}: KL divergence from the float model on calibration sequences: {divergence}")
-    # FP8 has one scale per output channel to the 4-bit grids' one per 32 inputs of it
-    assert divergence["tuned"] < (0.85 if fmt == "gptq" else 0.95) * divergence["gptq"]
+    print(f"KL divergence from the float model on calibration sequences: {divergence}")
+    assert divergence["tuned"] < 0.85 * divergence["gptq"]
 
 
 def write_dequantized_twin(qdir: str, plain_dir: str, cfg: dict) -> None:

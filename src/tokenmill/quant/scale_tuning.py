@@ -1,14 +1,14 @@
-"""The scales of a quantized checkpoint trained end to end after the rounding (the scale-only training
-of PEQA and of EfficientQAT's last phase): each linear's codes (and 4-bit zeros) stay as GPTQ set them,
-and every scale s0 (4-bit: of a group and output row; FP8: of an output channel) becomes s0 exp(m), with
-m trained by Adam on the KL divergence from the unquantized model's next-token distributions to the
-quantized model's over the calibration sequences.
+"""The group scales of a 4-bit grid trained end to end after the rounding (the scale-only training of
+PEQA and of EfficientQAT's last phase): each linear's codes and zeros stay as GPTQ set them, and every
+(group, output row) scale s0 becomes s0 exp(m), with m trained by Adam on the KL divergence from the
+unquantized model's next-token distributions to the quantized model's over the calibration sequences.
 
 GPTQ makes each linear's output close on its own; the KL divergence scores the whole model at once, so
 the scales of early layers also answer for what their errors do downstream. The forward pass that
 autograd runs is transformers' model of the checkpoint's architecture on the same weights (the engine's
 own forward writes a paged KV cache in place and is not differentiable). Measured on SmolLM2-135M-Instruct:
-docs/BENCHMARKS.md, "4-bit GPTQ with its group scales trained end to end".
+docs/BENCHMARKS.md, "4-bit GPTQ with its group scales trained end to end" (FP8's per-channel scales,
+trained the same way after FP8 GPTQ, gained nothing there).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tokenmill.quant.quantize import Grid
 
 
 class _TunedLinear(nn.Module):
-    """A quantized linear with trainable scales: W[o, i] = codes[o, i] * s0[o, g] exp(m[o, g]), g = rows[i]
-    (the input's group; FP8 per channel: one group)."""
+    """A 4-bit linear with trainable scales: W[o, i] = codes[o, i] * s0[o, g] exp(m[o, g]), g = rows[i] the
+    input's group."""
 
     def __init__(self, codes: torch.Tensor, s0: torch.Tensor, rows: torch.Tensor):
         super().__init__()
@@ -84,14 +84,3 @@ def tune_scales(state: dict[str, torch.Tensor], hf_config: dict, grids: dict[str
     _train(state, hf_config, layers, calibration, steps, lr, batch, seed)
     return {key: (q, zeros, layers[key].scales().detach().t().half()) for key, (q, zeros, _) in grids.items()}
 
-
-def tune_fp8_scales(state: dict[str, torch.Tensor], hf_config: dict,
-                    weights: dict[str, tuple[torch.Tensor, torch.Tensor]], calibration: torch.Tensor,
-                    steps: int = 80, lr: float = 2e-3, batch: int = 2, seed: int = 0
-                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """As `tune_scales`, for FP8 per-channel weights (`gptq.gptq_fp8_model`'s (FP8 weight, float32 scale
-    [out, 1])): the weights returned as given, the scales trained."""
-    layers = {key: _TunedLinear(q.float(), scale, torch.zeros(q.shape[1], dtype=torch.long))
-              for key, (q, scale) in weights.items()}
-    _train(state, hf_config, layers, calibration, steps, lr, batch, seed)
-    return {key: (q, layers[key].scales().detach().contiguous()) for key, (q, _) in weights.items()}
