@@ -7,13 +7,15 @@ pipes and waits for its announcement (`CoreReady`) on each; `AsyncLLM` starts on
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from tokenmill.engine.core_proc import CoreFatal, CoreReady, run_engine_core
+from tokenmill.engine.core_proc import CoreFatal, CoreReady, borrows_cores, run_engine_core
 
 
 class EngineStartError(RuntimeError):
@@ -46,7 +48,9 @@ class EngineCore:
             ctx = mp.get_context("spawn")
             self._proc = ctx.Process(target=run_engine_core, args=(config, theirs, engine_factory),
                                      daemon=True, name="tokenmill-engine-core")
-        self._proc.start()
+        with _passive_openmp(not in_process and not getattr(config, "extra", {}).get("cpu_threads")
+                             and borrows_cores(os.cpu_count() or 2, num_clients)):
+            self._proc.start()
         if not in_process:
             for conn in theirs:
                 conn.close()
@@ -87,3 +91,17 @@ class EngineCore:
         if isinstance(self._proc, mp.process.BaseProcess) and self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+
+
+@contextlib.contextmanager
+def _passive_openmp(on: bool):
+    """OMP_WAIT_POLICY=PASSIVE in the environment a process started inside inherits (OpenMP reads it once,
+    when the process loads it), where `on`; this process's own threads have read theirs already."""
+    if not on:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]

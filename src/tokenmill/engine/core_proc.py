@@ -8,6 +8,7 @@ cumulative outputs. There is one client per API server process (`--api-server-co
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import signal
@@ -22,6 +23,30 @@ from tokenmill.engine.heap import freeze_startup_objects
 from tokenmill.engine.step_outputs import StepOutputs
 
 DEFAULT_ENGINE_FACTORY = "tokenmill.engine.engine:LLMEngine"
+
+
+def cpu_threads(cores: int, api_servers: int) -> tuple[int, int]:
+    """The engine core's torch threads on the CPU: (for a step, for a step of
+    `model_runner.BIG_STEP_TOKENS` or more).
+
+    A core leaves a core to each API server process: oversubscribed OpenMP threads spin, and made CPU
+    steps ~25x slower in our measurements (docs/SERVER.md); data-parallel cores are given their share
+    instead (`cpu_threads` in the config's extra). A core left one thread borrows the API servers' cores
+    for its big steps (prefill chunks, wide batches), where a second thread pays: its OpenMP threads must
+    then sleep rather than spin while they wait (`borrows_cores`: OMP_WAIT_POLICY=PASSIVE, set by the
+    process that starts it), so that a busy API server keeps its core. Steps under the threshold stay on
+    one thread and wake no one."""
+    threads = max(1, cores - api_servers)
+    borrow = threads == 1 and cores > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    return threads, cores if borrow else threads
+
+
+def borrows_cores(cores: int, api_servers: int) -> bool:
+    """Whether a core started with these numbers would run its big steps on the API servers' cores, so
+    that its process needs OpenMP's passive wait (see `cpu_threads`); never where OMP_NUM_THREADS or
+    OMP_WAIT_POLICY is set."""
+    return (cores - api_servers <= 1 < cores and "OMP_NUM_THREADS" not in os.environ
+            and "OMP_WAIT_POLICY" not in os.environ)
 
 
 # Commands, client -> core (each message is a list of them).
@@ -197,11 +222,12 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if ignore_sigint and "OMP_NUM_THREADS" not in os.environ:
-        # Leave a core to each API server process: oversubscribed OpenMP threads spin and made CPU steps
-        # ~25x slower in our measurements (docs/SERVER.md). Data-parallel cores are given their share.
         import torch
-        torch.set_num_threads(getattr(config, "extra", {}).get("cpu_threads")
-                              or max(1, (os.cpu_count() or 2) - len(conns)))
+        given = getattr(config, "extra", {}).get("cpu_threads")
+        threads, big_step_threads = (given, given) if given else cpu_threads(os.cpu_count() or 2, len(conns))
+        torch.set_num_threads(threads)
+        if big_step_threads > threads and dataclasses.is_dataclass(config):
+            config = dataclasses.replace(config, extra={**config.extra, "big_step_threads": big_step_threads})
     try:
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
         ready = CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,

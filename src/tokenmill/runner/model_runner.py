@@ -50,6 +50,12 @@ def kv_cache_tensors(c: ModelConfig, num_blocks: int, block_size: int, dtype: to
     return kv_cache, kv_scales
 
 
+# On the CPU, a step of this many tokens or more (a prefill chunk, a wide batch) runs on the engine core's
+# borrowed cores where it has some (`core_proc.cpu_threads`): splitting it pays for waking the other
+# thread, while a smaller step would mostly wait for a thread whose core a busy API server holds.
+BIG_STEP_TOKENS = 128
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, model_dir: str,
                  max_model_len: int):
@@ -95,6 +101,10 @@ class ModelRunner:
         # called as hook(requests, num_new_tokens, query_start_loc, hidden) after each forward pass;
         # used by correctness checks that compare every position's logits with a reference
         self.hidden_hook = None
+        # on the CPU, (threads of a step, threads of a big step), where the two differ (see BIG_STEP_TOKENS)
+        big = engine_config.extra.get("big_step_threads")
+        self.step_threads = ((torch.get_num_threads(), big) if big and self.device.type == "cpu" and self.tp_size == 1
+                             else None)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self.capture_graphs()
         # swap space for preempted requests' blocks (none when preemption recomputes); built after the
@@ -225,6 +235,10 @@ class ModelRunner:
         samples (`Scheduler.update_after_step`), and a placeholder among this step's inputs is read on
         the device from `prev`, the step still in flight. `StepResult.positions[j]` is where sample row
         j's token goes: the request's length before that placeholder."""
+        if self.step_threads is not None:
+            threads = self.step_threads[sum(num_new_tokens) >= BIG_STEP_TOKENS]
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         inp = prepare_inputs(requests, num_new_tokens, self.block_size, self.host_copies)
         sampled = [requests[i] for i in inp.sample_rows.tolist()]
         tensors = SamplingTensors.from_requests(sampled, self.vocab_size, self.device,
