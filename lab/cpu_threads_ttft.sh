@@ -3,6 +3,7 @@
 # CPU: the median of six 1-token completions of a 1,202-token prompt, and of six 33-token completions per
 # token. Run from the repository root with the old tree in .ab_old/src:
 #   mkdir -p .ab_old && git archive 202d5d0 src | tar x -C .ab_old && bash lab/cpu_threads_ttft.sh
+mkdir -p /tmp/thr
 for spec in old=.ab_old/src new=src old=.ab_old/src new=src; do
   name=${spec%%=*}; tree=${spec#*=}
   PYTHONPATH=$tree python $tree/tokenmill/cli.py serve --port 8150 --device cpu --disable-log-stats --log-level warning > /tmp/thr/smol-$name.log 2>&1 &
