@@ -54,7 +54,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           query_start_loc: torch.Tensor, scale: float,
                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32; an FP8
-    cache is dequantized (times `kv_scale`) to float32. Decodes go through torch's
+    cache is dequantized (times `kv_scale`) to float32. Decodes and prefill chunks go through torch's
     scaled_dot_product_attention and an index_select of their blocks, the CPU path's fastest (docs:
     "CPU attention over a batch").
 
@@ -106,11 +106,15 @@ def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float,
     blocks = block_table[: (ctx + block_size - 1) // block_size]
     k = _gather(k_cache, blocks, ctx, scales[0])                    # [ctx, Hkv, D]
     v = _gather(v_cache, blocks, ctx, scales[1])
-    qg = q.float().unflatten(1, (num_kv_heads, -1))                 # [Lq, Hkv, G, D]
-    scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale
-    q_pos = torch.arange(ctx - q.shape[0], ctx, device=q.device)
-    scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
-    return torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), v).flatten(1, 2).to(q.dtype)
+    qg = q.float().unflatten(1, (num_kv_heads, -1)).permute(1, 2, 0, 3)     # [Hkv, G, Lq, D]
+    k, v = (t.permute(1, 0, 2)[:, None].expand(-1, qg.shape[1], -1, -1) for t in (k, v))   # [Hkv, G, ctx, D]
+    lq = q.shape[0]
+    # causal from the bottom right: query i, at position ctx - Lq + i, sees the keys up to its own
+    # (torch's is_causal aligns them from the top left, which is the same only without a cached prefix)
+    mask = None if lq == ctx else (torch.arange(ctx, device=q.device)[None, :]
+                                   <= torch.arange(ctx - lq, ctx, device=q.device)[:, None])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.permute(2, 0, 1, 3).flatten(1, 2).to(q.dtype)
 
 
 class PagedAttention(nn.Module):
