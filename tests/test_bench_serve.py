@@ -160,10 +160,10 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
     assert again.success and len(again.itl) == 1 and connections_after_four == 2   # /err's connection was dropped
     assert [b["n"] for b in seen["bodies"]][:4] == [1, 2, 3, 4] and seen["auth"][:2] == ["Bearer k", None]
     assert not stalled.success and stalled.error.startswith("TimeoutError")     # the request timeout
-    with socket.socket() as s:              # a port nothing listens on
+    with socket.socket() as s:              # bound, never listening: refused, and no other test can take it
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    refused = asyncio.run(send_request(HTTPClient(closed, timeout_s=5), closed + "/ok", {}))
+        refused = asyncio.run(send_request(HTTPClient(closed, timeout_s=5), closed + "/ok", {}))
     assert not refused.success and refused.error.startswith(("ConnectionRefusedError", "OSError"))
     with pytest.raises(ValueError, match="http://"):
         HTTPClient("https://example.com")

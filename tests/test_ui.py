@@ -132,9 +132,10 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
     Before that, where a browser is at hand, the page of a UI whose server cannot be reached says so, on
     opening and on a message, and the UI keeps running."""
     _needs_chainlit()
-    dead = _free_port()
-    uis = {sig: _start_ui(tmp_path, f"http://127.0.0.1:{dead}/v1", _free_port())
-           for sig in (signal.SIGTERM, signal.SIGKILL)}
+    dead = socket.socket()          # bound and never listening for the whole test: refused, and a server that
+    dead.bind(("127.0.0.1", 0))     # another test starts meanwhile cannot be handed its port
+    base_url = f"http://127.0.0.1:{dead.getsockname()[1]}/v1"
+    uis = {sig: _start_ui(tmp_path, base_url, _free_port()) for sig in (signal.SIGTERM, signal.SIGKILL)}
     try:
         for ui in uis.values():
             _wait_http(_ui_url(ui), ui)
@@ -161,6 +162,7 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
             if ui.poll() is None:
                 ui.kill()
                 ui.wait()
+        dead.close()
 
 
 def _ui_url(ui: subprocess.Popen) -> str:
