@@ -3,7 +3,9 @@
 A choice's text goes through the reasoning parser first (`--reasoning-parser`: the thinking becomes
 `reasoning_content`), then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and
 `--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
-to the tools' JSON schema, and that JSON becomes the tool calls.
+to the tools' JSON schema, and that JSON becomes the tool calls. A named function's output is its one
+call's arguments as generated, streamed as they come and kept when max_tokens cuts them short (as OpenAI
+and vLLM return them); "required" output is a JSON array, parsed once whole.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from fastapi import Request
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
+from tokenmill.server.tool_parsers import ToolCall, tool_calls_from_required_output
 
 
 def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
@@ -43,6 +46,9 @@ class ChoiceText:
         auto = shows_tools and req.tool_choice in (None, "auto")
         self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
         self.tool_choice = req.tool_choice
+        self.named = req.tool_choice.function.name if self.constrained and isinstance(
+            req.tool_choice, NamedToolChoice) else None
+        self._named_call: dict | None = None   # the streamed call's head, once sent
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
         self._tool_stream = self.tools.new_stream() if self.tools is not None else None
         self._buffer: list[str] = []     # constrained output: parsed once complete
@@ -54,8 +60,11 @@ class ChoiceText:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
             msg["reasoning_content"] = reasoning
             msg["content"] = text
-        if self.constrained:
-            calls = _constrained_calls(text or "", self.tool_choice)
+        if self.named is not None:
+            msg["content"] = None
+            msg["tool_calls"] = [ToolCall(self.named, text or "").to_openai()]
+        elif self.constrained:
+            calls = _required_calls(text or "")
             msg["content"] = None if calls else text
             msg["tool_calls"] = calls
         elif self.tools is not None and text:
@@ -84,8 +93,11 @@ class ChoiceText:
             deltas += self._content(text or "")
         if self._tool_stream is not None:
             deltas += [self._tool_delta(d) for d in self._tool_stream.finish()]
-        if self.constrained:
-            calls = _constrained_calls("".join(self._buffer), self.tool_choice)
+        if self.named is not None:
+            if self._named_call is None:      # nothing generated: the call, with empty arguments
+                deltas.append(self._named_delta(""))
+        elif self.constrained:
+            calls = _required_calls("".join(self._buffer))
             if calls:
                 self.called_tools = True
                 deltas += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
@@ -96,12 +108,22 @@ class ChoiceText:
     def _content(self, text: str) -> list[dict]:
         if not text:
             return []
+        if self.named is not None:
+            return [self._named_delta(text)]
         if self.constrained:
             self._buffer.append(text)
             return []
         if self._tool_stream is not None:
             return [self._tool_delta(d) for d in self._tool_stream.feed(text)]
         return [{"content": text}]
+
+    def _named_delta(self, arguments: str) -> dict:
+        """A piece of the named function's arguments; the first carries the call's id, type and name."""
+        self.called_tools = True
+        if self._named_call is None:
+            self._named_call = ToolCall(self.named, arguments).to_openai()
+            return {"tool_calls": [{"index": 0, **self._named_call}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}
 
     def _tool_delta(self, d) -> dict:
         if d.tool_call is not None:
@@ -119,19 +141,14 @@ def reasoning_tokens(serving: Serving, prompt_text: str, outputs) -> int | None:
     return sum(parser.reasoning_tokens(c.token_ids, c.text, prompt_text, serving.think_tags) for c in outputs)
 
 
-def _constrained_calls(text: str, tool_choice) -> list[dict]:
-    """Tool calls from output decoded under the tools' schema; none if it does not parse (cut off by
-    max_tokens), and the text stays the content."""
-    from tokenmill.server.tool_parsers import tool_calls_from_constrained_output
+def _required_calls(text: str) -> list[dict]:
+    """Tool calls from output decoded under tool_choice "required"'s schema; none if it does not parse
+    (cut off by max_tokens), and the text stays the content."""
     try:
-        calls = tool_calls_from_constrained_output(text, _choice_value(tool_choice))
+        calls = tool_calls_from_required_output(text)
     except ValueError:
         return []
     return [c.to_openai() for c in calls]
-
-
-def _choice_value(tool_choice):
-    return tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
 
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):

@@ -303,16 +303,12 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
     return schema
 
 
-def tool_calls_from_constrained_output(text: str, tool_choice) -> list[ToolCall]:
-    """The calls in an output generated under `required_tools_schema(tools, tool_choice)`. ValueError if
-    it does not parse (a grammar-complete output always does; one cut by max_tokens may not)."""
-    name = _named(tool_choice)
-    value = _loads(text)
-    if name is not None:
-        items = [{"name": name, "arguments": value}]
-    elif isinstance(value, list):
-        items = value
-    else:
+def tool_calls_from_required_output(text: str) -> list[ToolCall]:
+    """The calls in an output generated under `required_tools_schema(tools, "required")`. ValueError if
+    it does not parse (a grammar-complete output always does; one cut by max_tokens may not). A named
+    function's output needs no parsing: it is that call's arguments."""
+    items = _loads(text)
+    if not isinstance(items, list):
         raise ValueError("expected a JSON array of tool calls")
     calls = []
     for item in items:
