@@ -90,30 +90,38 @@ def test_tool_choice_required_and_named(agent_server):
     assert json.loads(args) == json.loads(c.message.tool_calls[0].function.arguments)
 
 
-def test_a_named_call_streams_its_arguments_and_keeps_them_when_cut_short(agent_server):
-    """A named function's arguments come as they are generated, the first delta carrying the call's id and
-    name; cut by max_tokens, the call keeps its partial arguments (finish_reason "length"), as OpenAI and
-    vLLM return it, streamed and not alike."""
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_constrained_calls_stream_their_arguments_and_keep_them_when_cut_short(agent_server, choice):
+    """Under a named function or "required", each call's arguments come as they are generated, its first
+    delta carrying the call's id and name; cut by max_tokens, the last call keeps its partial arguments
+    (finish_reason "length"), as OpenAI and vLLM return it, streamed and not alike."""
     client = agent_server.client()
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    for max_tokens, finish in ((120, "stop"), (5, "length")):
-        kw = dict(model="tiny", messages=USER, tools=[WEATHER], tool_choice=named, max_tokens=max_tokens,
-                  temperature=0)
-        c = client.chat.completions.create(**kw).choices[0]
-        assert c.finish_reason == finish and c.message.content is None and len(c.message.tool_calls) == 1
-        whole = c.message.tool_calls[0]
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    cut = None
+    for max_tokens, finish in ((120, "tool_calls" if choice == "required" else "stop"), (None, "length")):
+        kw = dict(model="tiny", messages=USER, tools=[WEATHER], tool_choice=tool_choice, temperature=0,
+                  max_tokens=max_tokens or cut, parallel_tool_calls=False)
+        r = client.chat.completions.create(**kw)
+        cut = r.usage.completion_tokens - 5           # then the same answer, cut inside its arguments
+        c = r.choices[0]
+        assert c.finish_reason == finish and c.message.content is None and c.message.tool_calls, c
+        whole = c.message.tool_calls[-1]
         assert whole.function.name == "get_weather" and whole.id.startswith("call_")
         chunks = list(client.chat.completions.create(**kw, stream=True))
-        deltas = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or [])]
-        assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
-        assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
-        assert len([d for d in deltas if d.function.arguments]) > 1          # not held back to the end
-        assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+        deltas = [tc for ch in chunks for choice_ in ch.choices for tc in (choice_.delta.tool_calls or [])]
+        heads = [d for d in deltas if d.id is not None]
+        assert [(d.index, d.function.name) for d in heads] == [(i, t.function.name)
+                                                             for i, t in enumerate(c.message.tool_calls)]
+        assert all(d.id.startswith("call_") for d in heads)
+        assert all(d.function.name is None for d in deltas if d.id is None)
+        last = [d for d in deltas if d.index == len(heads) - 1]
+        assert len([d for d in last if d.function.arguments]) > 1          # not held back to the end
+        assert "".join(d.function.arguments or "" for d in last) == whole.function.arguments
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [finish]
-        if finish == "stop":
+        if finish != "length":
             _check_weather(whole)
         else:
-            assert whole.function.arguments.lstrip().startswith("{")
+            assert whole.function.arguments.startswith("{")
             with pytest.raises(json.JSONDecodeError):
                 json.loads(whole.function.arguments)
 

@@ -8,8 +8,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser, ToolCall,
-                                           required_tools_schema, tool_calls_from_required_output)
+from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser,
+                                           NamedCall, RequiredCalls, required_tools_schema)
 
 HERMES = HermesToolParser()
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -186,9 +186,10 @@ def test_required_schema_accepts_calls_of_the_tools_only():
     for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "book", "arguments": {"item": {"n": "x"}}}],
                 [{"name": "get_weather", "arguments": {}}], [{"name": "ping"}]):
         assert not v.is_valid(bad), bad
-    calls = tool_calls_from_required_output(json.dumps(good, ensure_ascii=False))
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(g["name"], g["arguments"]) for g in good]
-    assert all(isinstance(c, ToolCall) for c in calls)
+    reader = RequiredCalls()
+    reader.feed(json.dumps(good, ensure_ascii=False))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls] == \
+        [(g["name"], g["arguments"]) for g in good]
 
 
 def test_no_parallel_calls_means_one_item():
@@ -226,8 +227,49 @@ def test_schema_errors(tools, choice, message):
         required_tools_schema(tools, choice)
 
 
-def test_required_output_cut_short_is_an_error():
-    with pytest.raises(ValueError):
-        tool_calls_from_required_output('[{"name": "ping", "argu')
-    with pytest.raises(ValueError):
-        tool_calls_from_required_output('{"name": "ping"}')
+def _read(reader, pieces):
+    """The (index, name, arguments) pieces `reader` returns for `pieces` fed one after another, then finished."""
+    out = [p for piece in pieces for p in reader.feed(piece)]
+    return out + reader.finish()
+
+
+REQUIRED_OUTPUT = json.dumps([
+    {"name": "book", "arguments": {"item": {"n": 2}, "note": "a \"}\" brace, [x] and \\"}},
+    {"name": "get_weather", "arguments": {"city": "巴黎", "days": [1, [2, {}]]}},
+    {"name": "ping", "arguments": {}}], ensure_ascii=False)
+
+
+@given(st.lists(st.integers(1, len(REQUIRED_OUTPUT) - 1), max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_required_calls_read_alike_at_any_chunking(cuts):
+    cuts = sorted(set(cuts))
+    pieces = [REQUIRED_OUTPUT[a:b] for a, b in zip([0] + cuts, cuts + [len(REQUIRED_OUTPUT)])]
+    reader = RequiredCalls()
+    read = _read(reader, pieces)
+    expected = json.loads(REQUIRED_OUTPUT)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls] == \
+        [(e["name"], e["arguments"]) for e in expected]
+    assert [name for _, name, _ in read if name is not None] == ["book", "get_weather", "ping"]
+    for i, call in enumerate(reader.calls):        # the pieces add up to each call's arguments, as generated
+        assert "".join(args for j, _, args in read if j == i) == call["function"]["arguments"]
+        assert call["function"]["arguments"] in REQUIRED_OUTPUT and call["id"].startswith("call_")
+
+
+def test_required_calls_cut_short_keep_what_was_generated():
+    cut = REQUIRED_OUTPUT[:REQUIRED_OUTPUT.index('"city"') + 4]
+    reader = RequiredCalls()
+    _read(reader, [cut])
+    assert [c["function"]["name"] for c in reader.calls] == ["book", "get_weather"]
+    assert reader.calls[1]["function"]["arguments"] == '{"cit'
+    for cut in ('[{"name": "ping", "argu', '[{"na', ""):     # no call begun: no calls (the text is content)
+        reader = RequiredCalls()
+        assert _read(reader, [cut]) == [] and reader.calls == []
+
+
+def test_a_named_call_is_the_whole_output():
+    reader = NamedCall("book")
+    read = _read(reader, ['{"item"', "", ': {"n": 1}}'])
+    assert read == [(0, "book", ""), (0, None, '{"item"'), (0, None, ': {"n": 1}}')]
+    assert reader.calls[0]["function"] == {"name": "book", "arguments": '{"item": {"n": 1}}'}
+    empty = NamedCall("ping")
+    assert _read(empty, []) == [(0, "ping", "")] and empty.calls[0]["function"]["arguments"] == ""

@@ -3,9 +3,9 @@
 A choice's text goes through the reasoning parser first (`--reasoning-parser`: the thinking becomes
 `reasoning_content`), then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and
 `--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
-to the tools' JSON schema, and that JSON becomes the tool calls. A named function's output is its one
-call's arguments as generated, streamed as they come and kept when max_tokens cuts them short (as OpenAI
-and vLLM return them); "required" output is a JSON array, parsed once whole.
+to the tools' JSON schema, and that JSON becomes the tool calls (`tool_parsers.ConstrainedCalls`): each
+call's name once known, then its arguments as generated, streamed as they come and kept partial when
+max_tokens cuts them short, as OpenAI and vLLM return them.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastapi import Request
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
-from tokenmill.server.tool_parsers import ToolCall, tool_calls_from_required_output
+from tokenmill.server.tool_parsers import ConstrainedCalls, NamedCall, RequiredCalls
 
 
 def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
@@ -46,13 +46,16 @@ class ChoiceText:
         auto = shows_tools and req.tool_choice in (None, "auto")
         self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
         self.tool_choice = req.tool_choice
-        self.named = req.tool_choice.function.name if self.constrained and isinstance(
-            req.tool_choice, NamedToolChoice) else None
-        self._named_call: dict | None = None   # the streamed call's head, once sent
+        self._calls = self._constrained_calls() if self.constrained else None
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
         self._tool_stream = self.tools.new_stream() if self.tools is not None else None
-        self._buffer: list[str] = []     # constrained output: parsed once complete
+        self._buffer: list[str] = []     # constrained output before its first call: content if none comes
         self.called_tools = False
+
+    def _constrained_calls(self) -> ConstrainedCalls:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return NamedCall(self.tool_choice.function.name)
+        return RequiredCalls()
 
     def message(self, text: str) -> dict:
         msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
@@ -60,13 +63,12 @@ class ChoiceText:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
             msg["reasoning_content"] = reasoning
             msg["content"] = text
-        if self.named is not None:
-            msg["content"] = None
-            msg["tool_calls"] = [ToolCall(self.named, text or "").to_openai()]
-        elif self.constrained:
-            calls = _required_calls(text or "")
-            msg["content"] = None if calls else text
-            msg["tool_calls"] = calls
+        if self.constrained:
+            calls = self._constrained_calls()
+            calls.feed(text or "")
+            calls.finish()
+            msg["content"] = None if calls.calls else text
+            msg["tool_calls"] = calls.calls
         elif self.tools is not None and text:
             extracted = self.tools.extract(text)
             msg["content"] = extracted.content
@@ -93,37 +95,38 @@ class ChoiceText:
             deltas += self._content(text or "")
         if self._tool_stream is not None:
             deltas += [self._tool_delta(d) for d in self._tool_stream.finish()]
-        if self.named is not None:
-            if self._named_call is None:      # nothing generated: the call, with empty arguments
-                deltas.append(self._named_delta(""))
-        elif self.constrained:
-            calls = _required_calls("".join(self._buffer))
-            if calls:
-                self.called_tools = True
-                deltas += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
-            elif self._buffer:
+        if self._calls is not None:
+            deltas += self._call_deltas(self._calls.finish())
+            if not self._calls.calls and self._buffer:
                 deltas.append({"content": "".join(self._buffer)})
         return [d for d in deltas if d]
 
     def _content(self, text: str) -> list[dict]:
         if not text:
             return []
-        if self.named is not None:
-            return [self._named_delta(text)]
-        if self.constrained:
-            self._buffer.append(text)
-            return []
+        if self._calls is not None:
+            if not self._calls.calls:
+                self._buffer.append(text)
+            return self._call_deltas(self._calls.feed(text))
         if self._tool_stream is not None:
             return [self._tool_delta(d) for d in self._tool_stream.feed(text)]
         return [{"content": text}]
 
-    def _named_delta(self, arguments: str) -> dict:
-        """A piece of the named function's arguments; the first carries the call's id, type and name."""
-        self.called_tools = True
-        if self._named_call is None:
-            self._named_call = ToolCall(self.named, arguments).to_openai()
-            return {"tool_calls": [{"index": 0, **self._named_call}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}
+    def _call_deltas(self, pieces) -> list[dict]:
+        """OpenAI's deltas for constrained calls' pieces: a call's first carries its id, type and name; the
+        pieces of one call in a row share a delta."""
+        deltas: list[dict] = []
+        for index, name, arguments in pieces:
+            self.called_tools = True
+            if name is not None:
+                call = self._calls.calls[index]
+                deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                               "function": {"name": name, "arguments": arguments}}]})
+            elif deltas and deltas[-1]["tool_calls"][0]["index"] == index:
+                deltas[-1]["tool_calls"][0]["function"]["arguments"] += arguments
+            elif arguments:
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+        return deltas
 
     def _tool_delta(self, d) -> dict:
         if d.tool_call is not None:
@@ -139,16 +142,6 @@ def reasoning_tokens(serving: Serving, prompt_text: str, outputs) -> int | None:
         return None
     parser = serving.reasoning_parser()
     return sum(parser.reasoning_tokens(c.token_ids, c.text, prompt_text, serving.think_tags) for c in outputs)
-
-
-def _required_calls(text: str) -> list[dict]:
-    """Tool calls from output decoded under tool_choice "required"'s schema; none if it does not parse
-    (cut off by max_tokens), and the text stays the content."""
-    try:
-        calls = tool_calls_from_required_output(text)
-    except ValueError:
-        return []
-    return [c.to_openai() for c in calls]
 
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -303,19 +304,100 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
     return schema
 
 
-def tool_calls_from_required_output(text: str) -> list[ToolCall]:
-    """The calls in an output generated under `required_tools_schema(tools, "required")`. ValueError if
-    it does not parse (a grammar-complete output always does; one cut by max_tokens may not). A named
-    function's output needs no parsing: it is that call's arguments."""
-    items = _loads(text)
-    if not isinstance(items, list):
-        raise ValueError("expected a JSON array of tool calls")
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError("each tool call must be an object with a string name")
-        arguments = _arguments_json(item.get("arguments"))
-        if arguments is None:
-            raise ValueError(f"arguments of {item['name']!r} must be a JSON object")
-        calls.append(ToolCall(item["name"], arguments))
-    return calls
+class ConstrainedCalls:
+    """The tool calls of output decoded under `required_tools_schema`, read as it is generated. `feed`
+    returns (call index, name or None, arguments text) pieces: a call's name once it is known, then its
+    arguments' text as it comes, as generated (so that the pieces of a stream add up to the whole
+    answer's `arguments`); `calls` holds each call in `message.tool_calls`'s shape. Output cut short by
+    max_tokens leaves its last call's arguments partial, as OpenAI and vLLM return them."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def _start(self, name: str) -> tuple[int, str, str]:
+        self.calls.append(ToolCall(name, "").to_openai())
+        return len(self.calls) - 1, name, ""
+
+    def _extend(self, piece: str) -> tuple[int, None, str]:
+        self.calls[-1]["function"]["arguments"] += piece
+        return len(self.calls) - 1, None, piece
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        raise NotImplementedError
+
+    def finish(self) -> list[tuple[int, str | None, str]]:
+        return []
+
+
+class NamedCall(ConstrainedCalls):
+    """A named function: the whole output is its one call's arguments (a call even if the output is empty)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        if not text:
+            return []
+        pieces = [] if self.calls else [self._start(self.name)]
+        return pieces + [self._extend(text)]
+
+    def finish(self) -> list[tuple[int, str | None, str]]:
+        return [] if self.calls else [self._start(self.name)]
+
+
+# tool_choice "required": the grammar writes each item's keys in the schema's order with json.dumps's
+# separators, so a call's name and the start of its arguments are this text
+_REQUIRED_CALL_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+class RequiredCalls(ConstrainedCalls):
+    """tool_choice "required": a JSON array of {"name": ..., "arguments": {...}} objects. Each piece of text
+    is scanned once: between calls the (short) text since the last call's arguments is searched for the
+    next call's head; inside arguments, brackets are counted outside strings until the object closes."""
+
+    def __init__(self):
+        super().__init__()
+        self._head = ""              # text since the last call's arguments closed
+        self._in_arguments = False
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        pieces = []
+        while text:
+            if not self._in_arguments:
+                self._head += text
+                m = _REQUIRED_CALL_HEAD.search(self._head)
+                if m is None:
+                    return pieces
+                pieces.append(self._start(json.loads(m.group(1))))
+                text, self._head = self._head[m.end():], ""
+                self._in_arguments, self._depth = True, 0
+                continue
+            end = self._arguments_end(text)
+            if end:
+                pieces.append(self._extend(text[:end]))
+            text = text[end:]
+        return pieces
+
+    def _arguments_end(self, text: str) -> int:
+        """How much of `text` belongs to the open arguments (all of it unless they close in it)."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_arguments = False
+                    return i + 1
+        return len(text)
