@@ -373,17 +373,42 @@ def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
         assert a.output_text(True) == b.output_text(True)
 
 
-def test_building_the_engine_imports_neither_dynamo_nor_sympy(qwen3_dir):
-    """Start-up cost: the model is built on the meta device, where nn.Embedding's random init and
-    to_empty's empty_like ran torch's Python references, whose first calls import torch._dynamo and sympy
-    (1.5 s of every engine process's start on the CPU machine); the loader allocates without them."""
+# One fresh process builds an engine core, then an `LLM` (a process importing torch costs ~4 s of the suite),
+# and reports what it imported at each point: the two tests below each read their part.
+FRESH_ENGINE_PROCESS = """
+import json, sys
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+e = LLMEngine(EngineConfig(model=sys.argv[1], device='cpu', num_kv_blocks=8))
+at_start = 'transformers' in sys.modules
+eos = sorted(e.eos_token_ids)
+loaded = list(e.tokenizer.eos_token_ids)
+after = 'transformers' in sys.modules
+from tokenmill import LLM
+LLM(sys.argv[1], device='cpu', num_kv_blocks=8)
+print(json.dumps([at_start, eos, loaded, after, sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules)]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_engine_process(qwen3_dir) -> list:
+    """`FRESH_ENGINE_PROCESS`'s report: [transformers imported once the engine core is built, the core's
+    EOS ids, its tokenizer's once loaded, transformers imported then, torch._dynamo and sympy imported by
+    the end]."""
     import subprocess
     import sys
-    code = ("import sys; from tokenmill import LLM; LLM(sys.argv[1], device='cpu', num_kv_blocks=8); "
-            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", FRESH_ENGINE_PROCESS, qwen3_dir], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_building_the_engine_imports_neither_dynamo_nor_sympy(fresh_engine_process):
+    """Start-up cost: the model is built on the meta device, where nn.Embedding's random init and
+    to_empty's empty_like ran torch's Python references, whose first calls import torch._dynamo and sympy
+    (1.5 s of every engine process's start on the CPU machine); the loader allocates without them (an engine
+    core and an `LLM` built in a fresh process, `fresh_engine_process`)."""
+    assert fresh_engine_process[-1] == []
 
 
 def test_an_api_server_process_imports_neither_triton_nor_the_engine():
@@ -399,23 +424,13 @@ def test_an_api_server_process_imports_neither_triton_nor_the_engine():
     assert out.stdout.split() == ["[]", "LLM"]
 
 
-def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(qwen3_dir, tmp_path):
+def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(fresh_engine_process, qwen3_dir, tmp_path):
     """The engine reads the tokenizer's EOS id from tokenizer_config.json and tokenizer.json (no
     transformers) and loads the tokenizer when first asked for: a served engine core, whose frontend
     tokenizes, starts without it. The id is the one transformers resolves; where the files leave it
     unclear the tokenizer is loaded at start, as before."""
-    import json
-    import shutil
-    import subprocess
-    import sys
     from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids
-    code = ("import json, sys; from tokenmill.config import EngineConfig; from tokenmill.engine.engine import "
-            "LLMEngine; e = LLMEngine(EngineConfig(model=sys.argv[1], device='cpu', num_kv_blocks=8)); "
-            "at_start = 'transformers' in sys.modules; eos = sorted(e.eos_token_ids); "
-            "print(json.dumps([at_start, eos, list(e.tokenizer.eos_token_ids), 'transformers' in sys.modules]))")
-    out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    at_start, engine_eos, loaded_eos, after = json.loads(out.stdout.strip().splitlines()[-1])
+    at_start, engine_eos, loaded_eos, after, _ = fresh_engine_process
     eos = Tokenizer(qwen3_dir).eos_token_ids
     assert eos and plain_eos_ids(qwen3_dir) == eos and tuple(loaded_eos) == eos
     assert set(eos) <= set(engine_eos)
