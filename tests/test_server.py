@@ -431,8 +431,10 @@ def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
     small_server.wait_engine_idle()
 
 
-def test_engine_death_gives_503_and_nonzero_exit(qwen3_dir, tmp_path):
-    s = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "24", "--num-kv-blocks", "16")
+def test_engine_death_gives_503_and_nonzero_exit(small_server):
+    """On the module's small server (a launch of its own took ~7 s of the suite): the last test to use it,
+    since it ends that server, as test_sigterm_drains_then_exits_zero ends `server`."""
+    s = small_server
     try:
         assert httpx.get(s.url + "/health").status_code == 200
         os.kill(s.engine_pid, signal.SIGKILL)
