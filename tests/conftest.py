@@ -32,6 +32,25 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order
 
 
+# Files that share a session fixture too costly to build once per worker, and the fixture: `--dist loadfile`
+# hands each group to one worker as one unit of work (its files in the queue's order), where the fixture is
+# built once. The default model's server (`default_server`, ~13 s of a worker's time) was started by both.
+SHARED_SESSION_FIXTURE = {"test_ui.py": "default_server", "test_tiny_model.py": "default_server"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSharingFixtures(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_SESSION_FIXTURE.get(os.path.basename(path), path)
+    return LoadFileSharingFixtures(config, log)
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
