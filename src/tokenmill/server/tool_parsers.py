@@ -349,16 +349,19 @@ class NamedCall(ConstrainedCalls):
 # tool_choice "required": the grammar writes each item's keys in the schema's order with json.dumps's
 # separators, so a call's name and the start of its arguments are this text
 _REQUIRED_CALL_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+_NAME_KEY = '{"name": '
 
 
 class RequiredCalls(ConstrainedCalls):
     """tool_choice "required": a JSON array of {"name": ..., "arguments": {...}} objects. Each piece of text
-    is scanned once: between calls the (short) text since the last call's arguments is searched for the
-    next call's head; inside arguments, brackets are counted outside strings until the object closes."""
+    is scanned once: between calls the text since the last call's arguments is searched for the next
+    call's head, from its last possible start; inside arguments, brackets are counted outside strings
+    until the object closes."""
 
     def __init__(self):
         super().__init__()
         self._head = ""              # text since the last call's arguments closed
+        self._head_from = 0          # where in it the next call's head can begin
         self._in_arguments = False
         self._depth = 0
         self._in_string = self._escaped = False
@@ -368,11 +371,14 @@ class RequiredCalls(ConstrainedCalls):
         while text:
             if not self._in_arguments:
                 self._head += text
-                m = _REQUIRED_CALL_HEAD.search(self._head)
+                m = _REQUIRED_CALL_HEAD.search(self._head, self._head_from)
                 if m is None:
+                    start = self._head.rfind(_NAME_KEY, self._head_from)
+                    self._head_from = start if start >= 0 else max(self._head_from,
+                                                                   len(self._head) - len(_NAME_KEY) + 1)
                     return pieces
                 pieces.append(self._start(json.loads(m.group(1))))
-                text, self._head = self._head[m.end():], ""
+                text, self._head, self._head_from = self._head[m.end():], "", 0
                 self._in_arguments, self._depth = True, 0
                 continue
             end = self._arguments_end(text)
