@@ -1,8 +1,9 @@
-"""The decoder's linear layers: `nn.Linear`, `W4Linear` for a 4-bit AWQ/GPTQ checkpoint, or
+"""The decoder's linear layers: `Linear` (`nn.Linear`, with the CPU's few-row product), `W4Linear` for a 4-bit AWQ/GPTQ checkpoint, or
 `fp8_linear.Fp8Linear` for FP8 weights."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
@@ -11,9 +12,23 @@ from tokenmill.quant.quantize import pack_cols
 from tokenmill.quant.w4 import PACK, W4Config, unpack, unpack_cols
 
 
+class Linear(nn.Linear):
+    """`nn.Linear`, but on the CPU a float32 product of 2-8 rows with a weight larger than the caches is
+    taken as W x^T: torch's x W^T there (MKL's sgemm for a few rows of a transposed operand) runs up to
+    twice as long (docs/BENCHMARKS.md, "A few rows of a large weight on the CPU")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, size = x.shape[0], self.weight.numel()
+        wide = 2 <= rows <= 4 and size >= 4 << 20 or 2 <= rows <= 8 and size >= 16 << 20
+        if x.is_cuda or x.dim() != 2 or not wide or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        out = (self.weight @ x.t()).t()
+        return (out if self.bias is None else out + self.bias).contiguous()
+
+
 def linear(in_features: int, out_features: int, bias: bool, quant: W4Config | Fp8Config | None) -> nn.Module:
     if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     if isinstance(quant, Fp8Config):
         from tokenmill.layers.fp8_linear import Fp8Linear
         return Fp8Linear(in_features, out_features, bias, quant)

@@ -18,7 +18,7 @@ from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.layers.quantized import linear
+from tokenmill.layers.quantized import Linear, linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.quant.w4 import W4Config
 
@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // _ranks(tp), bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // _ranks(tp), bias=False)
         self.tie_weights()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None, kv_scales: torch.Tensor | None = None) -> None:
