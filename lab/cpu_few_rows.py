@@ -3,6 +3,9 @@ step at 1, 2, 4 and 8 sequences (16-token prompts, 64 tokens out, eos ignored), 
 
     mkdir -p .ab_old && git archive <commit> src | tar x -C .ab_old
     python lab/cpu_few_rows.py old=.ab_old/src new=src --turns 2
+
+`--products`: the two forms of one product, F.linear (x W^T) against W x^T, for 1-16 rows of weights of
+SmolLM2's and qwen3-4b's shapes, one thread, float32, ms.
 """
 from __future__ import annotations
 
@@ -30,11 +33,40 @@ print(json.dumps(out))
 """
 
 
+def products():
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+
+    def best_ms(f, n=4, reps=5):
+        f()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(n):
+                f()
+            best = min(best, (time.perf_counter() - t) / n * 1e3)
+        return best
+
+    for out_f, in_f in ((1536, 576), (8192, 576), (32768, 576), (49152, 576), (19456, 2560), (151936, 2560)):
+        w = torch.randn(out_f, in_f)
+        line = f"{out_f}x{in_f}:"
+        for rows in (1, 2, 4, 8, 16):
+            x = torch.randn(rows, in_f)
+            line += f"  {rows} rows {best_ms(lambda: F.linear(x, w)):.2f} / {best_ms(lambda: (w @ x.t()).t()):.2f}"
+        print(line, "ms (x W^T / W x^T)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("trees", nargs="+", help="name=path of a source tree")
+    ap.add_argument("trees", nargs="*", help="name=path of a source tree")
     ap.add_argument("--turns", type=int, default=1)
+    ap.add_argument("--products", action="store_true")
     args = ap.parse_args()
+    if args.products:
+        return products()
     for turn in range(args.turns):
         for spec in args.trees:
             name, tree = spec.split("=", 1)
