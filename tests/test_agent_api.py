@@ -296,7 +296,9 @@ def test_responses_with_tools(agent_server):
                                           tool_choice="required", parallel_tool_calls=False,
                                           max_output_tokens=200, temperature=0, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert done and json.loads(done[0].arguments) == json.loads(calls[0].arguments)
+    assert done and done[0].arguments == calls[0].arguments
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments      # streamed as generated
 
 
 def test_responses_carry_reasoning_between_turns(agent_server):
