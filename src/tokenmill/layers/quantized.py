@@ -1,5 +1,5 @@
-"""The decoder's linear layers: `Linear` (`nn.Linear`, with the CPU's few-row product), `W4Linear` for a 4-bit AWQ/GPTQ checkpoint, or
-`fp8_linear.Fp8Linear` for FP8 weights."""
+"""The decoder's linear layers: `Linear` (`nn.Linear`, with the CPU's few-row product), `W4Linear` for a
+4-bit AWQ/GPTQ checkpoint, or `fp8_linear.Fp8Linear` for FP8 weights."""
 from __future__ import annotations
 
 import torch

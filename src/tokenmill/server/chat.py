@@ -41,12 +41,11 @@ class ChoiceText:
         self.reasoning = serving.reasoning_parser() if serving.reasoning_parser is not None else None
         self.prompt_text = prompt_text        # whether the output starts inside a thinking block
         shows_tools = bool(req.tools) and req.tool_choice != "none"
-        self.constrained = shows_tools and (req.tool_choice == "required"
-                                            or isinstance(req.tool_choice, NamedToolChoice))
+        constrained = shows_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
         auto = shows_tools and req.tool_choice in (None, "auto")
         self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
         self.tool_choice = req.tool_choice
-        self._calls = self._constrained_calls() if self.constrained else None
+        self._calls = self._constrained_calls() if constrained else None   # the stream's reader
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
         self._tool_stream = self.tools.new_stream() if self.tools is not None else None
         self._buffer: list[str] = []     # constrained output before its first call: content if none comes
@@ -63,7 +62,7 @@ class ChoiceText:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
             msg["reasoning_content"] = reasoning
             msg["content"] = text
-        if self.constrained:
+        if self._calls is not None:
             calls = self._constrained_calls()
             calls.feed(text or "")
             calls.finish()
