@@ -445,3 +445,25 @@ def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(fresh_eng
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     (other / "special_tokens_map.json").unlink()
     assert plain_eos_ids(str(other)) is None
+
+
+def test_a_cpu_kv_cache_is_resident_only_where_requests_wrote(qwen3_dir):
+    """The CPU engine's KV cache (by default as many blocks as fit 1 GiB, here 1 GiB of blocks asked for)
+    is mapped, not zeroed, at start: a fresh engine holds only the pages its steps wrote, a block never
+    written reads as zeros, and the engine's output is the same as with a small cache."""
+    import torch
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    small = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=16, max_model_len=64, num_kv_blocks=40)
+    blocks = 2**30 // small.engine.runner.block_bytes
+    before = resident_mib()
+    big = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=16, max_model_len=64, num_kv_blocks=blocks)
+    cache = big.engine.runner.kv_cache
+    assert cache.nbytes > 512 * 2**20
+    prompt = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = big.generate([[5, 6, 7, 8, 9]], prompt)[0].outputs[0].token_ids
+    assert resident_mib() - before < cache.nbytes / 2**20 / 4
+    assert not cache[:, :, -1].any()
+    assert small.generate([[5, 6, 7, 8, 9]], prompt)[0].outputs[0].token_ids == out

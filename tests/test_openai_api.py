@@ -328,7 +328,8 @@ def test_a_stored_responses_input_items_are_listed(api_server):
 def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_model, tokenizer, qwen3_dir,
                                                                  tmp_path, monkeypatch):
     """lm-eval's `local-completions` model runs a loglikelihood task from a local file against the
-    server; its per-choice scores equal transformers' on the same token ids."""
+    server; its per-choice scores equal transformers' on the same token ids. (lm-eval's own tasks are
+    left unindexed: indexing them takes 10 s and this task needs none of them.)"""
     lm_eval = pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -345,7 +346,7 @@ def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_
         "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
         "target_delimiter: ''\nmetric_list:\n  - metric: acc\n")
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["tokenmill_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=["tokenmill_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         model_args=f"model=tiny,base_url={api_server.url}/v1/completions,tokenizer_backend=huggingface,"
                    f"tokenizer={qwen3_dir},num_concurrent=1,max_retries=1",
         log_samples=True, limit=None)
