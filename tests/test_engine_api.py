@@ -451,7 +451,6 @@ def test_a_cpu_kv_cache_is_resident_only_where_requests_wrote(qwen3_dir):
     """The CPU engine's KV cache (by default as many blocks as fit 1 GiB, here 1 GiB of blocks asked for)
     is mapped, not zeroed, at start: a fresh engine holds only the pages its steps wrote, a block never
     written reads as zeros, and the engine's output is the same as with a small cache."""
-    import torch
 
     def resident_mib() -> float:
         with open("/proc/self/statm") as f:

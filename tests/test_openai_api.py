@@ -346,7 +346,8 @@ def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_
         "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
         "target_delimiter: ''\nmetric_list:\n  - metric: acc\n")
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["tokenmill_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        model="local-completions", tasks=["tokenmill_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         model_args=f"model=tiny,base_url={api_server.url}/v1/completions,tokenizer_backend=huggingface,"
                    f"tokenizer={qwen3_dir},num_concurrent=1,max_retries=1",
         log_samples=True, limit=None)
