@@ -173,6 +173,30 @@ def test_gptq_output_target_steps_towards_the_float_models_outputs():
     torch.testing.assert_close(output_target(w, xf.t() @ xf, xf, xf), w)
 
 
+@pytest.mark.parametrize("n,k,m", [(128, 64, 256), (512, 256, 32)])
+def test_gptq_output_target_in_either_order_is_the_ridge_regression(n, k, m):
+    """`output_target` through [in, in] (a wide output: 128 x 64 inputs, 256 outputs) and through [n, out]
+    (a wide input) equals W + ((X^T X + r I)^-1 X^T (Xf - X) W^T)^T computed directly in float64."""
+    from tokenmill.quant.gptq import OUTPUT_TARGET_RIDGE, output_target
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g) * 0.05
+    xf = x + 0.1 * torch.randn(n, k, generator=g)
+    x64, xf64, w64 = x.double(), xf.double(), w.double()
+    h64 = x64.t() @ x64
+    a = h64 + (OUTPUT_TARGET_RIDGE * h64.diagonal().mean() + 1e-8) * torch.eye(k, dtype=torch.float64)
+    expected = w64 + torch.linalg.solve(a, x64.t() @ (xf64 - x64) @ w64.t()).t()
+    torch.testing.assert_close(output_target(w, x.t() @ x, x, xf).double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gptq_triangular_inverse_by_uneven_halves():
+    """The inverse of an upper triangular R that GPTQ's columns read, by halves down to 32-wide leaves:
+    300 = 150 + 150, 150 = 75 + 75, 75 = 37 + 38."""
+    from tokenmill.quant.gptq import upper_triangular_inverse
+    b = torch.randn(300, 300, generator=torch.Generator().manual_seed(3))
+    r = torch.linalg.cholesky(b @ b.t() + 300 * torch.eye(300)).t().contiguous()
+    torch.testing.assert_close(upper_triangular_inverse(r, leaf=32) @ r, torch.eye(300), rtol=0, atol=1e-5)
+
+
 def test_gptq_fp8_compensation_beats_rounding_to_nearest():
     """The same on the FP8 E4M3 grid: per-channel scales of `fp8.quantize` (the row's absmax / 448),
     compensated values with a smaller output error than `fp8.quantize`'s round to nearest."""

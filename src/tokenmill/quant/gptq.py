@@ -43,9 +43,11 @@ SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "mlp.down_proj": ("mlp.down_proj",)}
 
-# round_column(i, w) -> (codes, values): input column i's weights w [out] on the grid, as the checkpoint
-# stores them (4-bit values, FP8 values in float32) and as the weight they stand for
-RoundColumn = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# round_column(i, w, codes) -> values: input column i's weights w [out] on the grid, written to `codes` [out]
+# as the checkpoint stores them (4-bit values, FP8 values in float32), and returned as the weight they stand
+# for. The column loop's cost is its count of small tensor operations (a few per input of every linear):
+# the codes are written in place, not returned to be copied.
+RoundColumn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def clipped_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0, steps: int = 8,
@@ -72,6 +74,21 @@ def clipped_grid(wg: torch.Tensor, sym: bool, min_zero: int = 0, steps: int = 8,
     return best
 
 
+def upper_triangular_inverse(r: torch.Tensor, leaf: int = 128) -> torch.Tensor:
+    """R^-1 of an upper triangular R [n, n], by halves: [[A, B], [0, D]]^-1 = [[A^-1, -A^-1 B D^-1], [0, D^-1]],
+    so that most of its work is matrix products (a triangular solve against the identity, which torch
+    offers in place of LAPACK's triangular inverse, does three times the work at a lower rate)."""
+    n = r.shape[0]
+    if n <= leaf:
+        return torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype), upper=True)
+    k = n // 2
+    a, d = upper_triangular_inverse(r[:k, :k], leaf), upper_triangular_inverse(r[k:, k:], leaf)
+    out = torch.zeros_like(r)
+    out[:k, :k], out[k:, k:] = a, d
+    torch.mm(a @ r[:k, k:], d, out=out[:k, k:]).neg_()
+    return out
+
+
 def gptq_columns(w: torch.Tensor, hessian: torch.Tensor, round_column: RoundColumn, damp: float = 0.01,
                  block_size: int = 32) -> torch.Tensor:
     """The error-compensated rounding of a weight [out, in] with its inputs' Hessian [in, in] (any positive
@@ -89,24 +106,27 @@ def gptq_columns(w: torch.Tensor, hessian: torch.Tensor, round_column: RoundColu
     # act-order: the inputs with the most energy first (the loss they would leave is the largest)
     perm = torch.argsort(diag, descending=True)
     order = perm.tolist()
-    h = h[perm][:, perm]
+    h = h.index_select(0, perm).index_select(1, perm)
     # U, upper with H^-1 = U^T U, without forming H^-1: the Cholesky factor of H in reversed order is
     # an upper R with H = R R^T, and U = R^-1
     r = torch.linalg.cholesky(h.flip(-1, -2)).flip(-1, -2)
-    u = torch.linalg.solve_triangular(r, torch.eye(n), upper=True)
+    u = upper_triangular_inverse(r)
 
     # input-major ([in, out]) so that a column is a contiguous row; small blocks keep the rank-one updates
     # inside a block cheap, the rest of the update is one matrix product per block
-    w = w[:, perm].t().contiguous()
+    w = w.t().index_select(0, perm)
     codes = torch.empty_like(w)
     for b0 in range(0, n, block_size):
         b1 = min(b0 + block_size, n)
         wb, ub = w[b0:b1], u[b0:b1, b0:b1]
         err = torch.empty_like(wb)
+        # the block's rows as views, taken at once rather than indexed column by column
+        w_rows, u_rows, err_rows, code_rows = wb.unbind(0), ub.unbind(0), err.unbind(0), codes[b0:b1].unbind(0)
+        u_diag = ub.diagonal().unbind(0)
         for i in range(b1 - b0):
-            codes[b0 + i], value = round_column(order[b0 + i], wb[i])
-            e = torch.sub(wb[i], value, out=err[i]).div_(ub[i, i])
-            wb[i + 1:].addr_(ub[i, i + 1:], e, alpha=-1)
+            value = round_column(order[b0 + i], w_rows[i], code_rows[i])
+            e = torch.sub(w_rows[i], value, out=err_rows[i]).div_(u_diag[i])
+            wb[i + 1:].addr_(u_rows[i][i + 1:], e, alpha=-1)
         w[b1:].addmm_(u[b0:b1, b1:].t(), err, alpha=-1)
     return torch.empty_like(codes).index_copy_(0, perm, codes)                      # back to input order
 
@@ -122,10 +142,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: 
     scales, zeros = (t.t().contiguous() for t in clipped_grid(_groups(w, group_size), sym, min_zero,
                                                               weight=energy))
 
-    def round_column(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s, z = scales[i // group_size], zeros[i // group_size]
-        q = torch.round(x / s).add_(z).clamp_(0, 15)
-        return q, (q - z).mul_(s)
+    scale_rows, zero_rows = scales.unbind(0), zeros.unbind(0)
+
+    def round_column(i: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        s, z = scale_rows[i // group_size], zero_rows[i // group_size]
+        torch.div(x, s, out=q).round_().add_(z).clamp_(0, 15)
+        return torch.sub(q, z).mul_(s)
     q = gptq_columns(w, hessian, round_column, damp)
     return q.to(torch.int32), zeros.to(torch.int32), scales.half()
 
@@ -139,9 +161,9 @@ def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01
     amax = w.abs().amax(1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
-    def round_column(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float()
-        return q, q * scale
+    def round_column(i: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        q.copy_(torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
+        return q * scale
     q = gptq_columns(w, hessian, round_column, damp)
     return q.t().to(FP8).contiguous(), scale[:, None].contiguous()
 
@@ -163,8 +185,14 @@ def output_target(w: torch.Tensor, hessian: torch.Tensor, x: torch.Tensor, x_flo
     w = w.detach().float()
     a = hessian.float().clone()
     a.diagonal().add_(ridge * a.diagonal().mean() + 1e-8)
-    rhs = (x.t() @ x_float - hessian) @ w.t()
-    return w + torch.cholesky_solve(rhs, torch.linalg.cholesky(a)).t()
+    chol = torch.linalg.cholesky(a)
+    # X^T (X_float - X) W^T in the cheaper order: through [in, in] (the solve then takes `in` right-hand
+    # sides, and W^T comes last as a product) where out is wide, through [n, out] where in is
+    (n, k), m = x.shape, w.shape[0]
+    if n * k + k * k <= 2 * n * m:
+        step = torch.cholesky_solve(x.t() @ x_float - hessian, chol)
+        return torch.addmm(w, w, step.t())
+    return w + torch.cholesky_solve(x.t() @ ((x_float - x) @ w.t()), chol).t()
 
 
 def _prefill_metadata(num_seqs: int, seq_len: int) -> AttentionMetadata:
