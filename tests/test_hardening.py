@@ -280,6 +280,50 @@ def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():
     assert calls[0] == 1 and sum(calls) == 31 and max(calls[1:]) <= 10 and len(calls) <= 7
 
 
+def test_a_burst_of_chats_is_rendered_and_encoded_in_few_trips_to_the_thread():
+    """A chat is rendered and encoded in one trip to the tokenizer thread, and chats that arrive while it is
+    busy share their trips: 20 at once, after a first one, take 1 + 20 / batch_max (8) trips, where a trip
+    to render each and another to encode would take at least 24. Each gets its own ids; a template error
+    fails its chat alone; a second full batch goes to the thread while one is there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.prompts import PromptTokenizer
+
+    class ChatTokenizer:
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            if messages[0]["content"] == "bad":
+                raise ValueError("no such role")
+            return "<" + messages[0]["content"] + ">"
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            time.sleep(0.05)
+            return [[len(t)] for t in texts]
+
+    class CountingPool(ThreadPoolExecutor):
+        trips = 0
+
+        def submit(self, fn, *args, **kwargs):
+            CountingPool.trips += 1
+            return super().submit(fn, *args, **kwargs)
+
+    prompts = PromptTokenizer(ChatTokenizer(), 1000)
+    prompts._pool = CountingPool(1)
+    prompts.batch_max = 8
+
+    async def main():
+        first = asyncio.ensure_future(prompts.render_chat([{"role": "user", "content": "first"}], True))
+        await asyncio.sleep(0.01)            # the thread is busy with it
+        rest = [prompts.render_chat([{"role": "user", "content": "x" * i}], True) for i in range(19)]
+        bad = prompts.render_chat([{"role": "user", "content": "bad"}], True)
+        return await asyncio.gather(first, *rest, bad, return_exceptions=True)
+    got = asyncio.run(main())
+    assert got[0] == ("<first>", [7])
+    assert got[1:-1] == [("<" + "x" * i + ">", [i + 2]) for i in range(19)]
+    assert isinstance(got[-1], APIError) and got[-1].status == 400 and "no such role" in got[-1].message
+    assert CountingPool.trips == 4
+
+
 def test_a_long_text_is_encoded_apart_from_the_others():
     """A prompt near the character limit takes seconds to encode (4M characters: ~5 s); the other clients'
     prompts arriving meanwhile are encoded on the tokenizer's own thread, not queued behind it, and the

@@ -20,7 +20,13 @@ class PromptTokenizer:
     stalls other clients (or /health); one thread, as a Hugging Face fast tokenizer must not be used from
     two threads at once. Texts over `LONG_TEXT_CHARS` go to a second thread with a copy of the tokenizer,
     so that they delay only each other. `max_model_len` bounds a prompt's characters before it is encoded
-    (`_check_chars`); `chat_template` (`--chat-template`) replaces the model's."""
+    (`_check_chars`); `chat_template` (`--chat-template`) replaces the model's.
+
+    Work that arrives while the thread is busy goes to it together, as one batch: each chat rendered, then
+    every text encoded. A trip to the thread costs far more than a short prompt's work when the event loop
+    is busy streaming (the thread waits for the interpreter lock up to its switch interval, 5 ms, and its
+    result waits behind the loop's other callbacks), so a chat is rendered and encoded in one trip, and a
+    burst of requests shares its trips."""
 
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None):
         self.tokenizer = tokenizer
@@ -30,8 +36,10 @@ class PromptTokenizer:
         self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long")
         self._long_tokenizer = None       # the copy the long texts' thread uses, made there when first needed
         self._template_reads: dict[str, bool] = {}
-        self._to_encode: list[tuple[str, bool, asyncio.Future]] = []
-        self._encoder: asyncio.Task | None = None      # encoding what waits; held, as the loop keeps weak ones
+        # what waits for the thread: ("text", text, add_special_tokens) or ("chat", messages,
+        # add_generation_prompt, template kwargs), each with the future its caller awaits
+        self._waiting: list[tuple[tuple, asyncio.Future]] = []
+        self._at_thread = 0                             # batches sent to the thread whose results have not come back
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
         # holding the first of a burst back until the whole burst is encoded
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -58,38 +66,71 @@ class PromptTokenizer:
         are then encoded in `encode_batch` calls of a few texts a core, which spread them over the cores:
         a burst of requests is tokenized in batches, not one by one."""
         self._check_chars(text, param)
-        loop = asyncio.get_running_loop()
         if len(text) > LONG_TEXT_CHARS:
-            ids = await loop.run_in_executor(self._long_pool, self._encode_long, text, add_special_tokens)
-            if isinstance(ids, BaseException):
-                raise ids
-            return ids
-        done = loop.create_future()
-        self._to_encode.append((text, add_special_tokens, done))
-        if self._encoder is None or self._encoder.done():
-            self._encoder = loop.create_task(self._encode_waiting())
+            return await self._encode_apart(text, add_special_tokens)
+        return await self._submit(("text", text, add_special_tokens))
+
+    async def _encode_apart(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = await asyncio.get_running_loop().run_in_executor(self._long_pool, self._encode_long, text,
+                                                               add_special_tokens)
+        if isinstance(ids, BaseException):
+            raise ids
+        return ids
+
+    async def _submit(self, job: tuple):
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((job, done))
+        self._send_waiting()
         return await done
 
-    async def _encode_waiting(self) -> None:
-        """Encodes what waits, batch after batch, until nothing does (`_to_encode` changes on the loop only;
-        after a cancellation what still waits goes with the next call's task)."""
-        while self._to_encode:
-            cut = self.batch_max
-            batch, self._to_encode = self._to_encode[:cut], self._to_encode[cut:]
+    def _send_waiting(self) -> None:
+        """Sends what waits to the thread: a batch of up to `batch_max` when none is there, and a second one
+        behind it only when that one is full, so that the thread starts it while the loop takes the first's
+        results (which wait behind the loop's other callbacks when it is busy streaming)."""
+        while self._waiting and (self._at_thread == 0 or (self._at_thread == 1 and
+                                                          len(self._waiting) >= self.batch_max)):
+            batch, self._waiting = self._waiting[:self.batch_max], self._waiting[self.batch_max:]
+            self._at_thread += 1
+            sent = asyncio.get_running_loop().run_in_executor(self._pool, self._run_batch, [job for job, _ in batch])
+            sent.add_done_callback(lambda sent, batch=batch: self._deliver(batch, sent))
+
+    def _deliver(self, batch: list[tuple[tuple, asyncio.Future]], sent: asyncio.Future) -> None:
+        self._at_thread -= 1
+        if sent.cancelled():                      # the loop is closing
+            return
+        results = [sent.exception()] * len(batch) if sent.exception() is not None else sent.result()
+        for (_, done), result in zip(batch, results):
+            if done.done():                       # its request was cancelled meanwhile
+                continue
+            if isinstance(result, BaseException):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+        self._send_waiting()
+
+    def _run_batch(self, jobs: list[tuple]) -> list:
+        """On the tokenizer thread: each chat rendered and checked, then every text encoded (`_encode_batch`).
+        A text's result is its ids, a chat's (its text, its ids), or (its text, None) when it is longer than
+        `LONG_TEXT_CHARS` and must be encoded apart; a job that fails gets its error."""
+        out: list = [None] * len(jobs)
+        texts: list[tuple[int, str, bool]] = []        # (job, text, add_special_tokens)
+        for i, job in enumerate(jobs):
+            if job[0] == "text":
+                texts.append((i, job[1], job[2]))
+                continue
             try:
-                results = await self._off_loop(self._encode_batch, [(t, a) for t, a, _ in batch])
-            except asyncio.CancelledError:
-                self._to_encode = batch + self._to_encode
-                raise
-            except Exception as e:                # the pool itself failed: every waiter hears of it
-                results = [e] * len(batch)
-            for (_, _, done), ids in zip(batch, results):
-                if done.done():                   # its request was cancelled meanwhile
-                    continue
-                if isinstance(ids, BaseException):
-                    done.set_exception(ids)
-                else:
-                    done.set_result(ids)
+                text = self._render(*job[1:])
+                self._check_chars(text, "messages")
+            except APIError as e:
+                out[i] = e
+                continue
+            if len(text) > LONG_TEXT_CHARS:
+                out[i] = (text, None)
+            else:
+                texts.append((i, text, False))
+        for (i, text, _), ids in zip(texts, self._encode_batch([(t, a) for _, t, a in texts])):
+            out[i] = ids if isinstance(ids, BaseException) or jobs[i][0] == "text" else (text, ids)
+        return out
 
     def _encode_batch(self, items: list[tuple[str, bool]]) -> list:
         """Each text's ids (or the error encoding it raised), one `encode_batch` per add_special_tokens."""
@@ -144,18 +185,20 @@ class PromptTokenizer:
         template; `--chat-template` replaces the model's."""
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
+        text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs))
+        if ids is None:
+            ids = await self._encode_apart(text, False)
+        return text, ids
 
-        def render() -> str:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          **template_kwargs)
-            except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
-                raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
-            if not isinstance(text, str):
-                raise APIError(400, "The chat template did not render to text.", "messages")
-            return text
-        text = await self._off_loop(render)
-        return text, await self.encode(text, False, "messages")
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **template_kwargs)
+        except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
+            raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise APIError(400, "The chat template did not render to text.", "messages")
+        return text
 
 
 def _template_reads(template, name: str) -> bool:
