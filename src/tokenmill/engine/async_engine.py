@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
@@ -39,13 +39,28 @@ class RequestAbortedError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Latest cumulative output of one request; readers only ever need the newest state."""
+    """Latest cumulative output of one request; readers only ever need the newest state. `wake` tells
+    its reader that it changed: a flag and the one future the reader waits on, which costs the loop
+    less a token than an `asyncio.Event` (that looks up its loop and keeps a queue of waiters)."""
     output: RequestOutput | None = None
     error: BaseException | None = None
     done: bool = False
-    event: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: bool = False
+    waiter: asyncio.Future | None = None
     prev_tokens: int = 0              # tokens of output 0 seen so far (for inter-token latency)
     last_token_seen: float | None = None
+
+    def wake(self) -> None:
+        self.changed = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.changed:
+            self.waiter = loop.create_future()
+            await self.waiter
+        self.changed = False
 
 
 class AsyncLLM:
@@ -147,10 +162,10 @@ class AsyncLLM:
         self.processor.add(handle, request_id, prompt, params, text, arrival_time)
         self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))
         finished = False
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                await stream.event.wait()
-                stream.event.clear()
+                await stream.wait(loop)
                 if stream.error is not None:
                     finished = True
                     raise stream.error
@@ -173,7 +188,7 @@ class AsyncLLM:
             stream = self._streams.pop(rid, None)
             if stream is not None and not stream.done:
                 stream.error = RequestAbortedError(f"request {rid} was aborted")
-                stream.event.set()
+                stream.wake()
         if not self.dead:
             self._send(AbortRequests(ids))
 
@@ -183,7 +198,7 @@ class AsyncLLM:
         ids = [rid for rid, s in self._streams.items() if not s.done and s.error is None]
         for rid in ids:
             self._streams[rid].error = error
-            self._streams[rid].event.set()
+            self._streams[rid].wake()
         if ids and not self.dead:
             self._send(AbortRequests(ids))
         return len(ids)
@@ -239,7 +254,7 @@ class AsyncLLM:
                 if stream is not None:
                     stream.error = ValueError(f"the request cannot be passed to the engine core: "
                                               f"{type(e).__name__}: {e}")
-                    stream.event.set()
+                    stream.wake()
                 continue
             sendable.append(cmd)
         return ForkingPickler.dumps(sendable) if sendable else None
@@ -263,7 +278,7 @@ class AsyncLLM:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.error = SamplingParamError(param, message) if param else ValueError(message)
-                stream.event.set()
+                stream.wake()
         if update.outputs is not None:
             outputs, stops = self.processor.process(update.outputs, now)
             if stops and not self.dead:
@@ -277,7 +292,7 @@ class AsyncLLM:
                 stream.done = out.finished
                 if on_output is not None:
                     on_output(stream, out, now)
-                stream.event.set()
+                stream.wake()
         if update.stats is not None:
             self._stats = update.stats
             self._stats_time = time.monotonic()
@@ -297,7 +312,7 @@ class AsyncLLM:
                 pass
         for stream in self._streams.values():
             stream.error = EngineDeadError(why)
-            stream.event.set()
+            stream.wake()
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(None)
