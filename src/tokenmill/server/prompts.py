@@ -24,9 +24,8 @@ class PromptTokenizer:
 
     Work that arrives while the thread is busy goes to it together, as one batch: each chat rendered, then
     every text encoded. A trip to the thread costs far more than a short prompt's work when the event loop
-    is busy streaming (the thread waits for the interpreter lock up to its switch interval, 5 ms, and its
-    result waits behind the loop's other callbacks), so a chat is rendered and encoded in one trip, and a
-    burst of requests shares its trips."""
+    is busy streaming (its result waits behind the loop's other callbacks), so a chat is rendered and
+    encoded in one trip, and a burst of requests shares its trips."""
 
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None):
         self.tokenizer = tokenizer
@@ -39,7 +38,7 @@ class PromptTokenizer:
         # what waits for the thread: ("text", text, add_special_tokens) or ("chat", messages,
         # add_generation_prompt, template kwargs), each with the future its caller awaits
         self._waiting: list[tuple[tuple, asyncio.Future]] = []
-        self._at_thread = 0                             # batches sent to the thread whose results have not come back
+        self._at_thread = 0           # batches sent to the thread whose results have not come back
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
         # holding the first of a burst back until the whole burst is encoded
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
