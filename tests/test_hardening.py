@@ -324,6 +324,26 @@ def test_a_burst_of_chats_is_rendered_and_encoded_in_few_trips_to_the_thread():
     assert CountingPool.trips == 4
 
 
+def test_a_shut_down_tokenizer_thread_fails_requests_instead_of_holding_them():
+    """While the process exits, its tokenizer pool refuses work: each request that arrives then fails at
+    once, the second as the first, rather than waiting for a batch that can never be sent."""
+    from tokenmill.server.prompts import PromptTokenizer
+
+    class Plain:
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)]
+
+    prompts = PromptTokenizer(Plain(), 1000)
+
+    async def main():
+        assert await prompts.encode("abc", True) == [3]
+        prompts._pool.shutdown()
+        for _ in range(2):
+            with pytest.raises(RuntimeError):
+                await asyncio.wait_for(prompts.encode("abc", True), 5)
+    asyncio.run(main())
+
+
 def test_a_long_text_is_encoded_apart_from_the_others():
     """A prompt near the character limit takes seconds to encode (4M characters: ~5 s); the other clients'
     prompts arriving meanwhile are encoded on the tokenizer's own thread, not queued behind it, and the

@@ -89,15 +89,24 @@ class PromptTokenizer:
         while self._waiting and (self._at_thread == 0 or (self._at_thread == 1 and
                                                           len(self._waiting) >= self.batch_max)):
             batch, self._waiting = self._waiting[:self.batch_max], self._waiting[self.batch_max:]
+            try:
+                sent = asyncio.get_running_loop().run_in_executor(self._pool, self._run_batch,
+                                                                  [job for job, _ in batch])
+            except RuntimeError as e:             # the pool is shut down (the process is exiting)
+                self._settle(batch, [e] * len(batch))
+                continue
             self._at_thread += 1
-            sent = asyncio.get_running_loop().run_in_executor(self._pool, self._run_batch, [job for job, _ in batch])
             sent.add_done_callback(lambda sent, batch=batch: self._deliver(batch, sent))
 
     def _deliver(self, batch: list[tuple[tuple, asyncio.Future]], sent: asyncio.Future) -> None:
         self._at_thread -= 1
         if sent.cancelled():                      # the loop is closing
             return
-        results = [sent.exception()] * len(batch) if sent.exception() is not None else sent.result()
+        self._settle(batch, [sent.exception()] * len(batch) if sent.exception() is not None else sent.result())
+        self._send_waiting()
+
+    @staticmethod
+    def _settle(batch: list[tuple[tuple, asyncio.Future]], results: list) -> None:
         for (_, done), result in zip(batch, results):
             if done.done():                       # its request was cancelled meanwhile
                 continue
@@ -105,7 +114,6 @@ class PromptTokenizer:
                 done.set_exception(result)
             else:
                 done.set_result(result)
-        self._send_waiting()
 
     def _run_batch(self, jobs: list[tuple]) -> list:
         """On the tokenizer thread: each chat rendered and checked, then every text encoded (`_encode_batch`).
