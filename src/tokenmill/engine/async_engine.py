@@ -40,8 +40,8 @@ class RequestAbortedError(RuntimeError):
 @dataclass
 class _Stream:
     """Latest cumulative output of one request; readers only ever need the newest state. `wake` tells
-    its reader that it changed: a flag and the one future the reader waits on, which costs the loop
-    less a token than an `asyncio.Event` (that looks up its loop and keeps a queue of waiters)."""
+    its reader that it changed: a flag and the one future the reader waits on, which costs the loop less
+    per token than an `asyncio.Event` (that looks up its loop and keeps a queue of waiters)."""
     output: RequestOutput | None = None
     error: BaseException | None = None
     done: bool = False
