@@ -290,6 +290,8 @@ def test_a_burst_of_chats_is_rendered_and_encoded_in_few_trips_to_the_thread():
     from tokenmill.server.errors import APIError
     from tokenmill.server.prompts import PromptTokenizer
 
+    release = threading.Event()          # the thread holds the first batch until the burst has arrived
+
     class ChatTokenizer:
         def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
             if messages[0]["content"] == "bad":
@@ -297,7 +299,7 @@ def test_a_burst_of_chats_is_rendered_and_encoded_in_few_trips_to_the_thread():
             return "<" + messages[0]["content"] + ">"
 
         def encode_batch(self, texts, add_special_tokens=True):
-            time.sleep(0.05)
+            release.wait(10)
             return [[len(t)] for t in texts]
 
     class CountingPool(ThreadPoolExecutor):
@@ -313,9 +315,12 @@ def test_a_burst_of_chats_is_rendered_and_encoded_in_few_trips_to_the_thread():
 
     async def main():
         first = asyncio.ensure_future(prompts.render_chat([{"role": "user", "content": "first"}], True))
-        await asyncio.sleep(0.01)            # the thread is busy with it
-        rest = [prompts.render_chat([{"role": "user", "content": "x" * i}], True) for i in range(19)]
-        bad = prompts.render_chat([{"role": "user", "content": "bad"}], True)
+        await asyncio.sleep(0)               # at the thread, which holds it
+        rest = [asyncio.ensure_future(prompts.render_chat([{"role": "user", "content": "x" * i}], True))
+                for i in range(19)]
+        bad = asyncio.ensure_future(prompts.render_chat([{"role": "user", "content": "bad"}], True))
+        await asyncio.sleep(0)               # every one of the burst waiting
+        release.set()
         return await asyncio.gather(first, *rest, bad, return_exceptions=True)
     got = asyncio.run(main())
     assert got[0] == ("<first>", [7])
