@@ -18,13 +18,9 @@ import subprocess
 import sys
 import time
 
+from proc_cpu import cpu_seconds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(levels: list[int], output_tokens: int, per_slot: int, endpoint: str) -> None:

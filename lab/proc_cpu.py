@@ -1,12 +1,17 @@
-"""CPU seconds (user + system, all threads) that processes have used, from /proc: one line per PID, the
-process's own and with its live descendants' (API server processes that a parent started, say).
+"""CPU seconds (user + system, all threads) that the serving processes used, from /proc, for a level of
+`scripts/device/profile_serve.sh`: a snapshot before and one after, then the level's line.
 
-    python lab/proc_cpu.py PID [PID ...]   ->   "PID own_seconds with_descendants_seconds" lines
+    before=$(python lab/proc_cpu.py snapshot SERVED_PID CORE_PID)     # the same after the level
+    python lab/proc_cpu.py level "$before" "$after"
+
+The API server(s) are the served process and its live descendants but the engine core (with its own).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -37,8 +42,24 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def with_descendants(pid: int) -> float:
+    return cpu_seconds(pid) + sum(cpu_seconds(p) for p in descendants(pid))
+
+
+def snapshot(served: int, core: int) -> dict:
+    core_seconds = with_descendants(core)
+    return {"time": time.time(), "api": with_descendants(served) - core_seconds, "core": core_seconds}
+
+
+def level(before: dict, after: dict) -> str:
+    wall = after["time"] - before["time"]
+    api, core = after["api"] - before["api"], after["core"] - before["core"]
+    return (f"CPU over the level ({wall:.1f} s): API server(s) {api:.1f} s ({api / wall:.0%} of a core), "
+            f"engine core {core:.1f} s ({core / wall:.0%})")
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        pid = int(arg)
-        own = cpu_seconds(pid)
-        print(pid, f"{own:.2f}", f"{own + sum(cpu_seconds(p) for p in descendants(pid)):.2f}")
+    if sys.argv[1] == "snapshot":
+        print(json.dumps(snapshot(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        print(level(json.loads(sys.argv[2]), json.loads(sys.argv[3])))

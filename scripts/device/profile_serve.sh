@@ -12,8 +12,8 @@
 #    from the timers' snapshots around it, and the server's own mean latencies from /metrics
 #    (lab/server_latency.py), beside the client's. At level SPY_LEVEL, py-spy samples the API server and
 #    the engine core for SPY_SECONDS; each level's CPU seconds of the API server(s) and the engine core
-#    (lab/proc_cpu.py) show whether either was busy all the level. With TTFT_PROBE=N, N 1,000-token prompts at concurrency 1 (64
-#    tokens out) follow.
+#    (lab/proc_cpu.py) show whether either was busy all the level. With TTFT_PROBE=N, N 1,000-token
+#    prompts at concurrency 1 (64 tokens out) follow.
 # 2. Offline, each stage of OFFLINE ("" for none): short (OFFLINE_PROMPTS requests, 50-300 in / 50-300
 #    out, --max-num-seqs 512, under py-spy), default (256 requests, 100-1024 in / out, greedy) and
 #    sampled (the default workload at temperature 0.8, top_p 0.95, seeded).
@@ -82,23 +82,19 @@ for c in $LEVELS; do
     spies+=($!)
   fi
   curl -s "$url/metrics" > "$OUT/metrics-before-$c.txt" 2>/dev/null
-  cpu_before="$(date +%s.%N) $(python lab/proc_cpu.py "$pid" "$core" | tr '\n' ' ')"
+  cpu_before=$(python lab/proc_cpu.py snapshot "$pid" "$core")
   n=$(( c > NUM_PROMPTS ? c : NUM_PROMPTS ))
   python -m tokenmill.bench serve --base-url "$url" --endpoint /v1/chat/completions --model "$SLUG" \
     --label tokenmill --dataset mixed-chat --seed "$level" --num-prompts "$n" --max-concurrency "$c" \
     --hardware "$HARDWARE" --output-dir "$OUT" --name "serve-c$c" --no-progress \
     --client-processes "$CLIENT_PROCESSES" > "$OUT/bench-c$c.log" 2>&1
-  cpu_after="$(date +%s.%N) $(python lab/proc_cpu.py "$pid" "$core" | tr '\n' ' ')"
+  cpu_after=$(python lab/proc_cpu.py snapshot "$pid" "$core")
   [ ${#spies[@]} -gt 0 ] && wait "${spies[@]}"     # not a bare wait: the server is a background job too
   sleep 2.5
   cp "$STEP_PROFILE_OUT" "$OUT/core-after-$c.json"
   curl -s "$url/metrics" > "$OUT/metrics-after-$c.txt" 2>/dev/null
   { echo; echo "## concurrency $c"; echo; grep -E "c=" "$OUT/bench-c$c.log";
-    # the server's processes busy over the level: /proc CPU seconds ("t pid own all core own all" before
-    # and after); the API server(s) are the served process and its descendants but the engine core's
-    python -c "import sys; b, a = (list(map(float, x.split())) for x in sys.argv[1:3]); w = a[0] - b[0]
-api = (a[3] - a[6]) - (b[3] - b[6]); core = a[5] - b[5]
-print(f'CPU over the level ({w:.1f} s): API server(s) {api:.1f} s ({api / w:.0%} of a core), engine core {core:.1f} s ({core / w:.0%})')" "$cpu_before" "$cpu_after";
+    python lab/proc_cpu.py level "$cpu_before" "$cpu_after";
     python lab/server_latency.py "$OUT/metrics-before-$c.txt" "$OUT/metrics-after-$c.txt"; echo;
     python lab/step_profile.py "$OUT/core-before-$c.json" "$OUT/core-after-$c.json"; } >> "$SUMMARY"
   for who in api core; do
