@@ -684,6 +684,15 @@ def test_chat_types_are_not_coerced(guarded):
     assert _assert_openai_error(r, 400)["param"] == "logprobs"
 
 
+def test_responses_types_are_not_coerced(guarded):
+    """`background` is a strict bool (0 is not false), refused by name when true."""
+    for value, says in ((0, "valid boolean"), (True, "not supported")):
+        r = _post(guarded, "/v1/responses", {"input": "x", "max_output_tokens": 1, "background": value})
+        err = _assert_openai_error(r, 400)
+        assert err["param"] == "background" and says in err["message"], err
+    assert _post(guarded, "/v1/responses", {"input": "x", "max_output_tokens": 1, "background": False}).status_code == 200
+
+
 def test_malformed_json_says_where(guarded):
     err = _assert_openai_error(_post_raw(guarded, "/v1/completions", b'{"prompt": "x",\n "max_tokens": }'), 400)
     assert "not valid JSON" in err["message"] and "line 2" in err["message"], err

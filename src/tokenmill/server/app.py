@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
 from tokenmill.engine.async_engine import AsyncLLM
@@ -16,7 +16,7 @@ from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.server import errors
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
-from tokenmill.server.errors import APIError, BodyError
+from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store
@@ -28,6 +28,18 @@ from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+
+# The OpenAPI schema's responses. Every route behind the guard (all but /health, /ping, /version and
+# /metrics) can answer 400 (a malformed body or Content-Length), 401, 413, 500 and 503 (draining); the
+# generating routes stream Server-Sent Events where asked to.
+GUARDED_ERRORS = (400, 401, 413, 500, 503)
+GENERATE = {200: {"content": {"application/json": {}, "text/event-stream": {}},
+                  "description": "The result, or its Server-Sent Events with `stream: true`."},
+            **documented_errors(*GUARDED_ERRORS, 404)}
+LOOKUP = documented_errors(*GUARDED_ERRORS, 404)
+GUARDED = documented_errors(*GUARDED_ERRORS)
+HEALTH = {200: {"description": "The engine is running."},
+          503: {"description": "The engine is not running (or the server is draining)."}}
 
 
 # the deepest nesting of arrays and objects a body may have (the body itself is level 1): a JSON schema of
@@ -160,17 +172,19 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app)
+    default_openapi = app.openapi
+    app.openapi = lambda: app.openapi_schema or document_errors_only(default_openapi())
     # the guard inside CORS, so that refusals carry CORS headers and preflights need no key
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
                        allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
                        allow_credentials=allow_credentials)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATE)
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(serving, req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(serving, req, raw)
 
@@ -178,34 +192,34 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
                 "root": model_path or name, "parent": None, "max_model_len": engine.max_model_len}
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=GENERATE)
     async def responses(req: ResponsesRequest, raw: Request):
         return await create_response(serving, req, raw)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=LOOKUP)
     async def get_response(response_id: str):
         return json_response(response_store(serving, "response_id").get(response_id))
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/v1/responses/{response_id}/input_items", responses=LOOKUP)
     async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
         items = response_store(serving, "response_id").input_items(response_id)
         return json_response(list_page(items, limit, order, after))
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(response_id: str):
         response_store(serving, "response_id").delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=GUARDED)
     async def models():
         return json_response({"object": "list", "data": [model_card(name) for name in names]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=LOOKUP)
     async def model(model_id: str):
         serving.check_model(model_id)
         return json_response(model_card(model_id))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=LOOKUP)
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if req.messages is not None:
@@ -216,7 +230,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
             ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=LOOKUP)
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
         if vocab_size is not None and any(t >= vocab_size for t in req.tokens):
@@ -227,13 +241,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH)
     async def health():
         if engine.dead:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, responses=HEALTH)
     async def ping():
         return await health()
 
@@ -241,7 +255,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     async def server_version():
         return json_response({"version": package_version()})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         stats.clear()
         stats.update(await engine.get_stats())

@@ -4,13 +4,52 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tokenmill.server.protocol import UnsupportedValue
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
           503: "service_unavailable_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as the OpenAPI schema documents it."""
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {400: "The request is invalid; `param` names the field where there is one.",
+                 401: "The server has an API key and the request did not send it.",
+                 404: "No such model (or stored response).",
+                 413: "The body is larger than --max-request-body-bytes.",
+                 500: "An internal error.",
+                 503: "The server is overloaded (a full queue), draining, or its engine is not running; "
+                      "Retry-After says when to try again where it can."}
+
+
+def documented_errors(*statuses: int) -> dict:
+    """`responses` for a route's decorator: these statuses, each with the error body."""
+    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in statuses}
+
+
+def document_errors_only(schema: dict) -> dict:
+    """The OpenAPI schema without FastAPI's 422 responses and their validation-error schemas: this server
+    answers a body that fails validation with a 400 in the error shape (`validation_error_handler`)."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
 
 
 class APIError(Exception):
@@ -105,7 +144,20 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException):
-    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        # Starlette's 405 names the methods of the first route on the path; a path may have several
+        headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+    return error_response(exc.status_code, str(exc.detail), headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods of every route of the application on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 async def unhandled_error_handler(request: Request, exc: Exception):

@@ -186,10 +186,13 @@ class ResponsesRequest(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
-    background: Literal[False] | None = None
+    background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
 
     @model_validator(mode="after")
     def _check(self):
+        if self.background:
+            raise UnsupportedValue("background", "'background' is not supported by tokenmill: a response is "
+                                                 "answered in its request (set it false or leave it out)")
         unknown = [v for v in self.include or () if v not in INCLUDES]
         if unknown:
             raise UnsupportedValue("include", f"'include' value {unknown[0]!r} is not supported by tokenmill "
