@@ -182,6 +182,10 @@ def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
     ("serve", ["--block-size", "0"], "block_size must be >= 1, got 0"),
     ("serve", ["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
     ("serve", ["--chat-template", "/nonexistent.jinja"], "--chat-template '/nonexistent.jinja': no such file"),
+    ("serve", ["--root-path", "llm"], "root_path must start with '/' and not end with one, got 'llm'"),
+    ("serve", ["--root-path", "/llm/"], "root_path must start with '/'"),
+    ("serve", ["--backend", "hf", "--root-path", "/llm"], "--root-path needs --backend tokenmill"),
+    ("serve", ["--backend", "hf", "--enable-request-id-headers"], "--enable-request-id-headers needs --backend tokenmill"),
     ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):

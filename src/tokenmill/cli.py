@@ -182,6 +182,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
     if args.ssl_certfile is not None and args.backend != "tokenmill":
         parser.error("--ssl-certfile (HTTPS) needs --backend tokenmill")
+    given = [flag for flag, on in (("--disable-fastapi-docs", args.disable_fastapi_docs), ("--root-path", args.root_path),
+                                   ("--enable-request-id-headers", args.enable_request_id_headers)) if on]
+    if given and args.backend != "tokenmill":
+        parser.error(f"{given[0]} needs --backend tokenmill")
     try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
         engine_config(args)
@@ -247,6 +251,13 @@ def add_http_args(p: argparse.ArgumentParser):
                    "against")
     p.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs,
                    help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json")
+    p.add_argument("--root-path", default=d.root_path,
+                   help="the path prefix under which a proxy in front serves this server (e.g. /llm): routes "
+                        "answer with and without it, and the OpenAPI schema names it")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="add X-Request-Id to every response: the client's own, or a new one")
 
 
 def http_options(args):
@@ -258,7 +269,8 @@ def http_options(args):
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                       ssl_cert_reqs=args.ssl_cert_reqs)
+                       ssl_cert_reqs=args.ssl_cert_reqs, docs=not args.disable_fastapi_docs, root_path=args.root_path,
+                       request_id_headers=args.enable_request_id_headers)
 
 
 def _generate(args) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -132,6 +133,26 @@ class _OrjsonRoute(APIRoute):
         return route
 
 
+class RequestIdHeaders:
+    """ASGI middleware: X-Request-Id on every response, the request's own where it sent one (as vLLM's
+    --enable-request-id-headers), else a new one. It names the HTTP exchange for logs and proxies; the
+    engine's request ids stay the server's own, since clients' ids need not be unique."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 def package_version() -> str:
     try:
         return version("tokenmill")
@@ -145,13 +166,16 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
               chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
-              store_responses: bool = True, sampling_defaults: dict | None = None) -> FastAPI:
+              store_responses: bool = True, sampling_defaults: dict | None = None, docs: bool = True,
+              root_path: str = "", request_id_headers: bool = False) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
     the prometheus_client multiprocess directory that several API server processes share.
     `store_responses`: this process keeps the Responses it makes (off where several API server processes
     share the socket, as a later request may reach another). `sampling_defaults`: what requests that leave
-    those fields unset sample with (`generation_config.sampling_defaults`)."""
+    those fields unset sample with (`generation_config.sampling_defaults`). `docs`: serve /docs, /redoc and
+    /openapi.json. `root_path`: the prefix under which a proxy serves this app (paths answer with it and
+    without it). `request_id_headers`: every response carries X-Request-Id (`RequestIdHeaders`)."""
     names = list(served_model_names or [engine.model_name])
     serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults)
     if store_responses:
@@ -166,7 +190,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         engine.attach()
         yield
 
-    app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan, root_path=root_path,
+                  **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
     app.router.route_class = _OrjsonRoute
     app.state.serving = serving
     app.state.engine = engine
@@ -179,6 +204,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
                        allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
                        allow_credentials=allow_credentials)
+    if request_id_headers:         # outermost: the guard's and CORS' answers carry it too
+        app.add_middleware(RequestIdHeaders)
 
     @app.post("/v1/completions", responses=GENERATE)
     async def completions(req: CompletionRequest, raw: Request):

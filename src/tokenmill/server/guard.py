@@ -14,6 +14,15 @@ from tokenmill.server.serving import dumps
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
+def route_path(scope) -> str:
+    """The request's path below the app's root_path (`--root-path`), which a proxy in front may have left
+    on the path or taken off, as the router matches it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):] or "/"
+    return path
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -51,7 +60,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if (self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS"
+        if (self.api_key is not None and route_path(scope) not in OPEN_PATHS and scope["method"] != "OPTIONS"
                 and not self._authorized(headers)):
             return await _refuse(send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key",

@@ -45,6 +45,9 @@ class HTTPOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None      # the CAs that client certificates are checked against
     ssl_cert_reqs: int = ssl.CERT_NONE   # CERT_OPTIONAL / CERT_REQUIRED: ask clients for a certificate
+    docs: bool = True                    # /docs, /redoc and /openapi.json
+    root_path: str = ""                  # the path prefix of a proxy in front (FastAPI's root_path)
+    request_id_headers: bool = False     # X-Request-Id on every response
 
     def __post_init__(self):
         for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "body_timeout",
@@ -58,6 +61,8 @@ class HTTPOptions:
                              f"(optional) or {int(ssl.CERT_REQUIRED)} (required), got {self.ssl_cert_reqs}")
         if not self.tls and (self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE):
             raise ValueError("ssl_ca_certs and ssl_cert_reqs need HTTPS (ssl_keyfile and ssl_certfile)")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with '/' and not end with one, got {self.root_path!r}")
         if self.ssl_cert_reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
             raise ValueError("checking client certificates (ssl_cert_reqs) needs the CAs to check them against "
                              "(ssl_ca_certs)")
@@ -196,6 +201,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                         model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
                         allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
                         allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
+                        docs=http.docs, root_path=http.root_path, request_id_headers=http.request_id_headers,
                         metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
                         sampling_defaults=dict(options.sampling_defaults),
                         **({"chat": options.chat} if options.chat is not None else {}))
