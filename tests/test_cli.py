@@ -296,6 +296,19 @@ def test_request_lines_only_when_enabled(caplog):
     ]
 
 
+def test_a_request_line_shows_long_values_in_brief():
+    """A request's stop strings and logit_bias may run to megabytes; its log line shows a few items and
+    characters of each and counts the rest (the line is written on the event loop)."""
+    params = SamplingParams(max_tokens=5, stop=["x" * 1_000_000, "y"], logit_bias={i: 1.0 for i in range(50_000)},
+                            stop_token_ids=list(range(20)))
+    line = stats_log.params_summary(params)
+    assert len(line) < 700, len(line)
+    assert "stop=['xxx" in line and "stop_token_ids=[0, 1, 2, 3, 4, 5, 6, 7, ... 12 more]" in line
+    assert "logit_bias={0: 1.0," in line and "... 49992 more}" in line
+    assert stats_log.params_summary(SamplingParams(max_tokens=3, stop=["a"])) == \
+        "temperature=1.0, max_tokens=3, stop=['a']"
+
+
 # ---- a real server ------------------------------------------------------------------------------------
 def test_serve_logs_its_startup_stats_and_requests(tmp_path):
     """`tokenmill serve --log-level info` on the bundled model: the start-up summary from the engine core's

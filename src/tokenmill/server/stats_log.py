@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -96,8 +97,32 @@ def enable_request_logging(enabled: bool) -> None:
     request_logger.setLevel(logging.INFO if enabled else logging.WARNING)
 
 
+# a logged value's shown items and characters: a request's stop strings or logit_bias may run to megabytes,
+# and each request line is written on the event loop
+LOGGED_ITEMS, LOGGED_CHARS = 8, 200
+
+
+def _clip(value):
+    return value[:LOGGED_CHARS + 1] if isinstance(value, str) else value
+
+
+def brief(value) -> str:
+    """repr(value) with at most LOGGED_ITEMS items of a list, tuple or dict (the rest counted) and
+    LOGGED_CHARS characters, its strings cut before they are formatted."""
+    more = len(value) - LOGGED_ITEMS if isinstance(value, (list, tuple, dict)) else 0
+    if isinstance(value, dict):
+        value = {k: _clip(v) for k, v in itertools.islice(value.items(), LOGGED_ITEMS)}
+    elif isinstance(value, (list, tuple)):
+        value = type(value)(_clip(v) for v in value[:LOGGED_ITEMS])
+    text = repr(_clip(value))
+    if more > 0:
+        text = f"{text[:-1]}, ... {more} more{text[-1]}"
+    return text if len(text) <= LOGGED_CHARS else text[:LOGGED_CHARS] + "..."
+
+
 def params_summary(params) -> str:
-    """The sampling parameters that differ from their defaults, plus max_tokens and temperature."""
+    """The sampling parameters that differ from their defaults, plus max_tokens and temperature, each
+    `brief`."""
     out = []
     for f in dataclasses.fields(params):
         if f.name == "extra":
@@ -105,7 +130,7 @@ def params_summary(params) -> str:
         value = getattr(params, f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.name in ("max_tokens", "temperature") or value != default and value not in ([], None):
-            out.append(f"{f.name}={value!r}")
+            out.append(f"{f.name}={brief(value)}")
     return ", ".join(out)
 
 
