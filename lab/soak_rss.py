@@ -6,7 +6,9 @@ bound (server/response_store.py, 256 MB). Run from the repository root on a CPU 
 
     python lab/soak_rss.py [ROUNDS=10] [REQUESTS=2000] [CONCURRENCY=64]
 
-The fake engine gives one sequence a request (no `n`), so no request here asks for more.
+MODEL=path serves that model with the real engine on the CPU instead, with SERVER_ARGS (e.g. a small KV
+cache, to preempt), and each round also prints the KV blocks free after it and the preemptions so far; the
+batches of prompts then ask for n=3 (the fake engine gives one sequence a request).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import asyncio
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -29,7 +32,7 @@ def rss_mb(pid: int) -> int:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) // 1024
 
 
-def request(rng: random.Random, store: bool) -> tuple[str, dict]:
+def request(rng: random.Random, store: bool, n_best: int = 1) -> tuple[str, dict]:
     words = ["alpha", "beta", "gamma", "delta", "x" * rng.randrange(1, 50)]
     text = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 80)))
     n, stream, kind = rng.randrange(4, 40), rng.random() < 0.5, rng.randrange(6)
@@ -41,14 +44,14 @@ def request(rng: random.Random, store: bool) -> tuple[str, dict]:
     if kind == 2:
         return "/v1/responses", {"input": text, "max_output_tokens": n, "stream": stream, "store": store}
     if kind == 3:
-        return "/v1/completions", {"prompt": [text, text[:20]], "max_tokens": n, "stop": ["zz"]}
+        return "/v1/completions", {"prompt": [text, text[:20]], "max_tokens": n, "n": n_best, "stop": ["zz"]}
     if kind == 4:
         return "/tokenize", {"prompt": text}
     return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": n, "stream": True}
 
 
-async def one(client: httpx.AsyncClient, url: str, rng: random.Random, store: bool):
-    path, body = request(rng, store)
+async def one(client: httpx.AsyncClient, url: str, rng: random.Random, store: bool, n_best: int):
+    path, body = request(rng, store, n_best)
     body["model"] = "tiny"
     try:
         if body.get("stream") and rng.random() < 0.3:          # a client that leaves mid-stream
@@ -61,22 +64,25 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, store: bo
         return type(e).__name__
 
 
-async def round_of(url: str, rng: random.Random, requests: int, concurrency: int, store: bool) -> Counter:
+async def round_of(url: str, rng: random.Random, requests: int, concurrency: int, store: bool,
+                   n_best: int) -> Counter:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def go():
             async with gate:
-                return await one(client, url, rng, store)
+                return await one(client, url, rng, store, n_best)
         return Counter(await asyncio.gather(*(go() for _ in range(requests))))
 
 
 def main(rounds: int, requests: int, concurrency: int) -> None:
     store = os.environ.get("STORE", "1") != "0"
+    model = os.environ.get("MODEL")
     env = dict(os.environ, FAKE_STEP_MS=os.environ.get("FAKE_STEP_MS", "1"), PYTHONPATH=f"{ROOT}/lab:{ROOT}/src")
-    server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", f"{ROOT}/src/tokenmill/assets/tiny",
-                               "--port", "0", "--log-level", "warning", "--engine-factory", "fake_engine:make",
-                               "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
+    engine = ["--device", "cpu", *shlex.split(os.environ.get("SERVER_ARGS", ""))] if model else \
+        ["--engine-factory", "fake_engine:make"]
+    server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", model or f"{ROOT}/src/tokenmill/assets/tiny",
+                               "--port", "0", "--log-level", "warning", "--served-model-name", "tiny", *engine],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         for line in server.stdout:
             m = re.search(r"on (http://[\d.]+:\d+) \(engine pid (\d+)\)", line)
@@ -87,10 +93,16 @@ def main(rounds: int, requests: int, concurrency: int) -> None:
             raise RuntimeError("the server did not start")
         rng, start = random.Random(0), time.monotonic()
         for i in range(rounds):
-            answers = asyncio.run(round_of(url, rng, requests, concurrency, store))
-            running = re.search(r"tokenmill:num_requests_running\{[^}]*\} (\S+)", httpx.get(url + "/metrics").text)
+            answers = asyncio.run(round_of(url, rng, requests, concurrency, store, 3 if model else 1))
+            metrics = httpx.get(url + "/metrics").text
+
+            def metric(name):
+                found = re.search(rf"tokenmill:{name}\{{[^}}]*\}} (\S+)", metrics)
+                return found.group(1) if found else "?"
+            blocks = (f", KV blocks free {metric('num_free_blocks')} of {metric('num_total_blocks')}, preemptions "
+                      f"{metric('num_preemptions_total')}") if model else ""
             print(f"round {i}: {time.monotonic() - start:.0f} s, API server RSS {rss_mb(server.pid)} MB, engine core "
-                  f"RSS {rss_mb(core)} MB, running {running.group(1) if running else '?'}, answers {dict(answers)}",
+                  f"RSS {rss_mb(core)} MB, running {metric('num_requests_running')}{blocks}, answers {dict(answers)}",
                   flush=True)
     finally:
         server.terminate()
