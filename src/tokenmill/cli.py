@@ -182,7 +182,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
     if args.ssl_certfile is not None and args.backend != "tokenmill":
         parser.error("--ssl-certfile (HTTPS) needs --backend tokenmill")
-    given = [flag for flag, on in (("--disable-fastapi-docs", args.disable_fastapi_docs), ("--root-path", args.root_path),
+    given = [flag for flag, on in (("--disable-fastapi-docs", args.disable_fastapi_docs),
+                                   ("--root-path", args.root_path),
                                    ("--enable-request-id-headers", args.enable_request_id_headers)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
