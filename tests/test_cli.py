@@ -21,7 +21,7 @@ import tokenmill
 from tokenmill import cli
 from tokenmill.bench.cli import _build_parsers, parse_args, vllm_range
 from tokenmill.bench.datasets import parse_range, random_requests
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server import stats_log
 from tokenmill.tiny import bundled_model_path
 
@@ -307,6 +307,10 @@ def test_a_request_line_shows_long_values_in_brief():
     assert "logit_bias={0: 1.0," in line and "... 49992 more}" in line
     assert stats_log.params_summary(SamplingParams(max_tokens=3, stop=["a"])) == \
         "temperature=1.0, max_tokens=3, stop=['a']"
+    schema = {"type": "object", "properties": {f"p{i}": {"enum": list(range(100))} for i in range(20_000)}}
+    line = stats_log.params_summary(SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(json=schema)))
+    # the schema's deeper levels are elided, not formatted and then cut
+    assert len(line) < 400 and "structured_outputs=StructuredOutputsParams(json={'properties': {'p0': {...}" in line
 
 
 # ---- a real server ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import reprlib
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -97,26 +98,34 @@ def enable_request_logging(enabled: bool) -> None:
     request_logger.setLevel(logging.INFO if enabled else logging.WARNING)
 
 
-# a logged value's shown items and characters: a request's stop strings or logit_bias may run to megabytes,
-# and each request line is written on the event loop
+# a logged value's shown items and characters: a request's stop strings, logit_bias or JSON schema may run to
+# megabytes, and each request line is written on the event loop
 LOGGED_ITEMS, LOGGED_CHARS = 8, 200
+# what is shown of a value within them (reprlib formats only what it shows)
+_INNER = reprlib.Repr()
+_INNER.maxlevel, _INNER.maxdict, _INNER.maxlist, _INNER.maxtuple = 2, 4, 4, 4
+_INNER.maxstring = _INNER.maxother = 60
 
 
-def _clip(value):
-    return value[:LOGGED_CHARS + 1] if isinstance(value, str) else value
+def _items(parts: list[str], total: int) -> str:
+    return ", ".join(parts + ([f"... {total - LOGGED_ITEMS} more"] if total > LOGGED_ITEMS else []))
 
 
 def brief(value) -> str:
-    """repr(value) with at most LOGGED_ITEMS items of a list, tuple or dict (the rest counted) and
-    LOGGED_CHARS characters, its strings cut before they are formatted."""
-    more = len(value) - LOGGED_ITEMS if isinstance(value, (list, tuple, dict)) else 0
-    if isinstance(value, dict):
-        value = {k: _clip(v) for k, v in itertools.islice(value.items(), LOGGED_ITEMS)}
+    """A value for a log line: at most LOGGED_ITEMS items of a list, tuple or dict (the rest counted), a
+    dataclass's set fields, each item or field as reprlib shows it, and LOGGED_CHARS characters in all."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        shown = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        fields = ", ".join(f"{k}={_INNER.repr(v)}" for k, v in shown if v is not None and v is not False)
+        text = f"{type(value).__name__}({fields})"
+    elif isinstance(value, dict):
+        head = itertools.islice(value.items(), LOGGED_ITEMS)
+        text = "{" + _items([f"{_INNER.repr(k)}: {_INNER.repr(v)}" for k, v in head], len(value)) + "}"
     elif isinstance(value, (list, tuple)):
-        value = type(value)(_clip(v) for v in value[:LOGGED_ITEMS])
-    text = repr(_clip(value))
-    if more > 0:
-        text = f"{text[:-1]}, ... {more} more{text[-1]}"
+        inner = _items([_INNER.repr(v) for v in value[:LOGGED_ITEMS]], len(value))
+        text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    else:
+        text = repr(value[:LOGGED_CHARS + 1] if isinstance(value, str) else value)
     return text if len(text) <= LOGGED_CHARS else text[:LOGGED_CHARS] + "..."
 
 
