@@ -186,6 +186,8 @@ def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
     ("serve", ["--root-path", "/llm/"], "root_path must start with '/'"),
     ("serve", ["--backend", "hf", "--root-path", "/llm"], "--root-path needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--enable-request-id-headers"], "--enable-request-id-headers needs --backend tokenmill"),
+    ("serve", ["--backend", "hf", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
+     "--ssl-certfile (HTTPS) needs --backend tokenmill"),
     ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):

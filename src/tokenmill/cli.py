@@ -180,9 +180,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--api-server-count {args.api_server_count}")
     if args.api_server_count > 1 and args.backend != "tokenmill":
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
-    if args.ssl_certfile is not None and args.backend != "tokenmill":
-        parser.error("--ssl-certfile (HTTPS) needs --backend tokenmill")
-    given = [flag for flag, on in (("--disable-fastapi-docs", args.disable_fastapi_docs),
+    given = [flag for flag, on in (("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
+                                   ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--root-path", args.root_path),
                                    ("--enable-request-id-headers", args.enable_request_id_headers)) if on]
     if given and args.backend != "tokenmill":
