@@ -28,6 +28,7 @@ LEVELS=${LEVELS-"64 256"}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
 SPY_LEVEL=${SPY_LEVEL:-256}
 SPY_SECONDS=${SPY_SECONDS:-8}
+SPY_DELAY=${SPY_DELAY:-4}         # seconds into the level before py-spy starts (a level of 512 lasts 3-5 s)
 OFFLINE=${OFFLINE-short}
 TTFT_PROBE=${TTFT_PROBE:-0}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-2048}
@@ -76,9 +77,9 @@ for c in $LEVELS; do
   cp "$STEP_PROFILE_OUT" "$OUT/core-before-$c.json" 2>/dev/null || echo '{"seconds":{},"calls":{},"extra":{}}' > "$OUT/core-before-$c.json"
   spies=()
   if [ "$c" = "$SPY_LEVEL" ] && [ -x "$SPY" ]; then
-    ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$pid" -o "$OUT/spy-api-c$c.txt" > "$OUT/spy-api.log" 2>&1 ) &
+    ( sleep "$SPY_DELAY"; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$pid" -o "$OUT/spy-api-c$c.txt" > "$OUT/spy-api.log" 2>&1 ) &
     spies+=($!)
-    ( sleep 4; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$core" -o "$OUT/spy-core-c$c.txt" > "$OUT/spy-core.log" 2>&1 ) &
+    ( sleep "$SPY_DELAY"; timeout $((SPY_SECONDS + 20)) "$SPY" record --nonblocking -d "$SPY_SECONDS" -r 200 -f raw -p "$core" -o "$OUT/spy-core-c$c.txt" > "$OUT/spy-core.log" 2>&1 ) &
     spies+=($!)
   fi
   curl -s "$url/metrics" > "$OUT/metrics-before-$c.txt" 2>/dev/null
