@@ -5,7 +5,7 @@ streamed. Run from the repository root on a CPU machine:
 
     python lab/fake_serving_cpu.py [LEVELS=64,256] [OUTPUT_TOKENS=200] [REQUESTS_PER_SLOT=4]
 
-SRC=path serves another tree's src (e.g. `git archive REV src | tar x -C .ab_old`, then SRC=.ab_old/src).
+SERVER_ARGS adds arguments to `tokenmill serve` (e.g. "--stream-interval 4"). SRC=path serves another tree's src (e.g. `git archive REV src | tar x -C .ab_old`, then SRC=.ab_old/src).
 With SPY=prefix, py-spy samples the API server during each level into prefix-cN.txt (collapsed stacks, for
 lab/collapsed_top.py); ENDPOINT picks the endpoint (default /v1/chat/completions).
 """
@@ -27,7 +27,8 @@ def main(levels: list[int], output_tokens: int, per_slot: int, endpoint: str) ->
     env = dict(os.environ, FAKE_STEP_MS=os.environ.get("FAKE_STEP_MS", "8"),
                PYTHONPATH=f"{ROOT}/lab:{os.path.abspath(os.environ.get('SRC', f'{ROOT}/src'))}")
     server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", f"{ROOT}/src/tokenmill/assets/tiny",
-                               "--port", "0", "--log-level", "warning", "--engine-factory", "fake_engine:make"],
+                               "--port", "0", "--log-level", "warning", "--engine-factory", "fake_engine:make",
+                               *os.environ.get("SERVER_ARGS", "").split()],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         for line in server.stdout:

@@ -178,6 +178,8 @@ def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
 @pytest.mark.parametrize("command, argv, message", [
     ("serve", ["--max-model-len", "0"], "--max-model-len: must be at least 1 (a token of context), got 0"),
     ("serve", ["--max-queue-len", "0"], "--max-queue-len: must be at least 1"),
+    ("serve", ["--stream-interval", "0"], "--stream-interval: must be at least 1 (a token a chunk), got 0"),
+    ("serve", ["--backend", "hf", "--stream-interval", "4"], "--stream-interval 4 needs --backend tokenmill"),
     ("serve", ["--port", "70000"], "--port: must be in [0, 65535]"),
     ("serve", ["--block-size", "0"], "block_size must be >= 1, got 0"),
     ("serve", ["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),

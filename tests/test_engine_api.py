@@ -286,6 +286,41 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     assert engine.get_stats()["num_free_blocks"] == total
 
 
+def test_a_reader_is_woken_every_stream_interval_tokens(qwen3_dir):
+    """`AsyncLLM.generate(stream_interval=k)` yields the first output, then one each time the longest
+    sequence has k more tokens, and the last; 0 yields the first and the last alone (what the server's
+    requests answered whole wait for). The outputs stay cumulative: the last is the whole answer."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, n=2)
+
+    async def seen(rid: str, interval: int):
+        counts = []
+        async for out in engine.generate(rid, [5, 6, 7], params, stream_interval=interval):
+            counts.append(len(out.outputs[0].token_ids))
+        return counts, [c.text for c in out.outputs]
+
+    async def main():
+        engine.attach()
+        return await asyncio.gather(seen("each", 1), seen("fours", 4), seen("ends", 0))
+    try:
+        (each, text1), (fours, text4), (ends, text0) = asyncio.run(main())
+        with pytest.raises(ValueError, match="stream_interval must be 0 or more, got -1"):
+            asyncio.run(anext(engine.generate("bad", [5], params, stream_interval=-1)))
+    finally:
+        engine.shutdown()
+    # a reader reads the newest output when it runs, so it may see a later token count than the one that
+    # woke it, never more outputs than wakes: 2 for 0 (the first, the last), 4 for 4 (at 1, 5, 9 and 11)
+    assert text1 == text4 == text0
+    assert len(ends) == 2 and ends[-1] == 11
+    assert 2 <= len(fours) <= 4 and fours[-1] == 11
+    assert each[-1] == 11
+
+
 def _tokenizer_with_clean_up(model_dir, tmp_path) -> Tokenizer:
     """The model's tokenizer, copied to tmp_path with `clean_up_tokenization_spaces` set."""
     for name in os.listdir(model_dir):

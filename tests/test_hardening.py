@@ -410,10 +410,10 @@ def _slow_engine_server(model_dir, tmp_path, *args: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def slow_server(qwen3_dir, tmp_path_factory):
     """One sequence at a time, a queue of 4, and steps of at least 20 ms (tests/slow_engine.py); no OpenAPI
-    docs."""
+    docs; streamed tokens three a chunk."""
     s = _slow_engine_server(qwen3_dir, tmp_path_factory.mktemp("slow"), "--max-model-len", "512", "--num-kv-blocks",
                             "256", "--block-size", "4", "--max-num-seqs", "1", "--max-queue-len", "4",
-                            "--disable-fastapi-docs")
+                            "--disable-fastapi-docs", "--stream-interval", "3")
     yield s
     s.stop(signal.SIGKILL)
 
@@ -449,6 +449,19 @@ def test_max_queue_len_lets_that_many_requests_wait(slow_server):
 
 
 # ----- 4: lone surrogates ---------------------------------------------------------------------------------
+
+def test_stream_interval_sends_tokens_that_many_a_chunk(slow_server):
+    """--stream-interval 3: a stream of 10 tokens (a step every 20 ms or more, so its reader never lags)
+    comes as the first token, then chunks of three, the last with what is left: 4 chunks where 10 went
+    one a token; its text is the answer's whole."""
+    body = {"prompt": "count", "max_tokens": 10, "ignore_eos": True, "temperature": 0}
+    whole = httpx.post(slow_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    with httpx.stream("POST", slow_server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert len(chunks) == 4 and "".join(texts) == whole, texts
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
 
 def test_docs_can_be_turned_off(slow_server):
     for path in ("/docs", "/redoc", "/openapi.json"):

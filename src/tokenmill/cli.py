@@ -118,7 +118,7 @@ def _serve(args) -> int:
                       log_stats=not args.disable_log_stats, log_stats_interval=args.log_stats_interval,
                       log_requests=args.enable_log_requests, http=http_options(args), chat=chat_options(args),
                       api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size,
-                      sampling_defaults=generation_defaults(args))
+                      sampling_defaults=generation_defaults(args), stream_interval=args.stream_interval)
 
 
 def generation_defaults(args) -> dict:
@@ -152,6 +152,7 @@ api_server_count = at_least_one("one API server process")
 data_parallel_size = at_least_one("one engine core")
 queue_len = at_least_one("a request that may wait")
 context_len = at_least_one("a token of context")
+stream_interval = at_least_one("a token a chunk")
 
 
 def port(text: str) -> int:
@@ -183,7 +184,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     given = [flag for flag, on in (("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--root-path", args.root_path),
-                                   ("--enable-request-id-headers", args.enable_request_id_headers)) if on]
+                                   ("--enable-request-id-headers", args.enable_request_id_headers),
+                                   (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
     try:                 # the options' own checks and the files they name, before the model loads
@@ -318,6 +320,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
     serve.add_argument("--max-queue-len", type=queue_len, default=1024,
                        help="answer 503 with Retry-After beyond this many waiting requests")
+    serve.add_argument("--stream-interval", type=stream_interval, default=1,
+                       help="send a streamed request's tokens this many at a time (its first and last at once): "
+                            "fewer, larger chunks cost the API server less a token")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="of the server's and the engine's logs")
     serve.add_argument("--disable-log-stats", action="store_true",

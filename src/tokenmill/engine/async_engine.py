@@ -49,6 +49,19 @@ class _Stream:
     waiter: asyncio.Future | None = None
     prev_tokens: int = 0              # tokens of output 0 seen so far (for inter-token latency)
     last_token_seen: float | None = None
+    interval: int = 1                 # tokens between wakes (0: only the first output and the last)
+    delivered: int = -1               # the longest output's tokens at the last wake; -1 before the first
+
+    def due(self, out: RequestOutput) -> bool:
+        """Whether `out` is worth waking the reader for: the first output, the last, or `interval` more
+        tokens in the longest sequence than at the last wake (the reader always gets the newest
+        cumulative output, so an output it is not woken for is not lost, only delivered with a later one)."""
+        outputs = out.outputs
+        longest = len(outputs[0].token_ids) if len(outputs) == 1 else max(len(c.token_ids) for c in outputs)
+        if out.finished or self.delivered < 0 or (self.interval and longest - self.delivered >= self.interval):
+            self.delivered = longest
+            return True
+        return False
 
     def wake(self) -> None:
         self.changed = True
@@ -141,11 +154,12 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: str | list[int], params, priority: int = 0,
-                       arrival_time: float | None = None, carries_tools: bool = False
+                       arrival_time: float | None = None, carries_tools: bool = False, stream_interval: int = 1
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output as it grows; aborts the request if abandoned. A text
         prompt is tokenized here, on the caller's thread (the server tokenizes off its event loop and
-        passes token ids)."""
+        passes token ids). `stream_interval`: yield once the longest sequence has that many new tokens
+        (the first output and the last always); 0 yields only the first output and the last."""
         if self.dead:
             raise EngineDeadError(self.dead)
         if request_id in self._streams:
@@ -155,7 +169,9 @@ class AsyncLLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
             prompt = self.tokenizer.encode(text)
-        stream = _Stream()
+        if stream_interval < 0:
+            raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
+        stream = _Stream(interval=stream_interval)
         self._streams[request_id] = stream
         handle = next(self._handles)
         arrival_time = arrival_time or time.time()
@@ -292,7 +308,8 @@ class AsyncLLM:
                 stream.done = out.finished
                 if on_output is not None:
                     on_output(stream, out, now)
-                stream.wake()
+                if stream.due(out):
+                    stream.wake()
         if update.stats is not None:
             self._stats = update.stats
             self._stats_time = time.monotonic()

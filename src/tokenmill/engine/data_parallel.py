@@ -174,7 +174,8 @@ class DataParallelLLM:
         return sum(core.num_unfinished for core in self.cores)
 
     async def generate(self, request_id: str, prompt: str | list[int], params, priority: int = 0,
-                       arrival_time: float | None = None, carries_tools: bool = False) -> AsyncIterator:
+                       arrival_time: float | None = None, carries_tools: bool = False,
+                       stream_interval: int = 1) -> AsyncIterator:
         if self.dead:
             raise EngineDeadError(self.dead)
         if request_id in self._owner:
@@ -187,7 +188,8 @@ class DataParallelLLM:
         index = self.router.choose(ids, self.loads)
         self._owner[request_id] = index
         self.loads[index] += 1
-        gen = self.cores[index].generate(request_id, prompt, params, priority, arrival_time, carries_tools)
+        gen = self.cores[index].generate(request_id, prompt, params, priority, arrival_time, carries_tools,
+                                         stream_interval)
         try:
             async for out in gen:
                 yield out

@@ -167,7 +167,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
               chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
               store_responses: bool = True, sampling_defaults: dict | None = None, docs: bool = True,
-              root_path: str = "", request_id_headers: bool = False) -> FastAPI:
+              root_path: str = "", request_id_headers: bool = False, stream_interval: int = 1) -> FastAPI:
     """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
     the prometheus_client multiprocess directory that several API server processes share.
@@ -175,9 +175,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     share the socket, as a later request may reach another). `sampling_defaults`: what requests that leave
     those fields unset sample with (`generation_config.sampling_defaults`). `docs`: serve /docs, /redoc and
     /openapi.json. `root_path`: the prefix under which a proxy serves this app (paths answer with it and
-    without it). `request_id_headers`: every response carries X-Request-Id (`RequestIdHeaders`)."""
+    without it). `request_id_headers`: every response carries X-Request-Id (`RequestIdHeaders`).
+    `stream_interval`: a streamed request's tokens go out that many at a time (its first and last at once)."""
     names = list(served_model_names or [engine.model_name])
-    serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults)
+    serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults, stream_interval)
     if store_responses:
         serving.responses = ResponseStore()
     stats: dict = {}

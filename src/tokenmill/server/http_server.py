@@ -173,6 +173,7 @@ class ServeOptions:
     metrics_dir: str | None = None           # prometheus_client's multiprocess directory, when several serve
     api_servers: int = 1                     # API server processes on the socket
     sampling_defaults: tuple = ()            # (field, value) pairs: generation_config.sampling_defaults
+    stream_interval: int = 1                 # a streamed request's tokens a chunk (--stream-interval)
 
 
 def configure_logging(options: ServeOptions) -> None:
@@ -203,7 +204,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                         allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
                         docs=http.docs, root_path=http.root_path, request_id_headers=http.request_id_headers,
                         metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
-                        sampling_defaults=dict(options.sampling_defaults),
+                        sampling_defaults=dict(options.sampling_defaults), stream_interval=options.stream_interval,
                         **({"chat": options.chat} if options.chat is not None else {}))
     except ValueError as e:        # what the model's tokenizer cannot do that the options ask
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)

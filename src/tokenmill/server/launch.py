@@ -41,11 +41,12 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
                http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1,
-               data_parallel_size: int = 1, sampling_defaults: dict | None = None) -> int:
+               data_parallel_size: int = 1, sampling_defaults: dict | None = None, stream_interval: int = 1) -> int:
     """`api_server_count` > 1: that many API server processes share the socket and one engine core
     (server/api_servers.py); 1 serves from this process. `data_parallel_size` > 1: this process serves
     in front of that many engine cores (engine/data_parallel.py). `sampling_defaults`: what requests that
-    leave those fields unset sample with (generation_config.sampling_defaults)."""
+    leave those fields unset sample with (generation_config.sampling_defaults). `stream_interval`: a streamed
+    request's tokens a chunk (its first and last go at once)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
     if api_server_count > 1 and in_process:
@@ -57,7 +58,8 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
                          "behind one API server process (not with several API servers, nor in process)")
     options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
                            log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat,
-                           sampling_defaults=tuple((sampling_defaults or {}).items()))
+                           sampling_defaults=tuple((sampling_defaults or {}).items()),
+                           stream_interval=stream_interval)
     try:
         http.check_tls()
     except ValueError as e:

@@ -80,8 +80,9 @@ class Serving:
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int,
                  vocab_size: int | None = None, chat: ChatOptions = ChatOptions(),
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, stream_interval: int = 1):
         self.engine = engine
+        self.stream_interval = stream_interval     # tokens a streamed chunk waits for (--stream-interval)
         self.sampling_defaults = dict(sampling_defaults or {})    # generation_config.sampling_defaults
         self.model_names = served_model_names
         self.max_queue_len = max_queue_len
@@ -226,7 +227,11 @@ class Serving:
                                 f"{MAX_LOGPROB_ENTRIES_IN_FLIGHT:,} at once. Retry later.", "logprobs",
                            code="logprobs_in_flight", headers={"Retry-After": "1"})
         base = uuid.uuid4().hex
-        gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority, carries_tools=carries_tools),
+        # a streamed request wakes its reader every `stream_interval` tokens; one answered whole only for
+        # its first output (an engine-side refusal is still a plain HTTP error) and its last
+        interval = self.stream_interval if stream else 0
+        gens = [log_request(self.engine.generate(f"{base}-{i}", ids, params, priority, carries_tools=carries_tools,
+                                                 stream_interval=interval),
                             f"{base}-{i}", ids, params)
                 for i, ids in enumerate(prompts)]
         self._begin(entries)
