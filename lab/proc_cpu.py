@@ -2,7 +2,11 @@
 `scripts/device/profile_serve.sh`: a snapshot before and one after, then the level's line.
 
     before=$(python lab/proc_cpu.py snapshot SERVED_PID CORE_PID)     # the same after the level
-    python lab/proc_cpu.py level "$before" "$after"
+    python lab/proc_cpu.py level "$before" "$after" [BUSY_SECONDS]
+
+BUSY_SECONDS: the time the level's requests ran (requests over req/s), within the snapshots' window, which
+also holds the benchmark client's start (~13 s on the H200 host for four client processes): the shares of a
+core are given over it as well.
 
 The API server(s) are the served process and its live descendants but the engine core (with its own).
 """
@@ -51,15 +55,20 @@ def snapshot(served: int, core: int) -> dict:
     return {"time": time.time(), "api": with_descendants(served) - core_seconds, "core": core_seconds}
 
 
-def level(before: dict, after: dict) -> str:
+def level(before: dict, after: dict, busy: float | None = None) -> str:
     wall = after["time"] - before["time"]
     api, core = after["api"] - before["api"], after["core"] - before["core"]
-    return (f"CPU over the level ({wall:.1f} s): API server(s) {api:.1f} s ({api / wall:.0%} of a core), "
+    line = (f"CPU over the level ({wall:.1f} s): API server(s) {api:.1f} s ({api / wall:.0%} of a core), "
             f"engine core {core:.1f} s ({core / wall:.0%})")
+    if busy:
+        line += (f"; over the {busy:.1f} s its requests ran: API server(s) {api / busy:.0%} of a core, "
+                 f"engine core {core / busy:.0%}")
+    return line
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "snapshot":
         print(json.dumps(snapshot(int(sys.argv[2]), int(sys.argv[3]))))
     else:
-        print(level(json.loads(sys.argv[2]), json.loads(sys.argv[3])))
+        print(level(json.loads(sys.argv[2]), json.loads(sys.argv[3]),
+                    float(sys.argv[4]) if len(sys.argv) > 4 else None))

@@ -28,7 +28,7 @@ LEVELS=${LEVELS-"64 256"}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
 SPY_LEVEL=${SPY_LEVEL:-256}
 SPY_SECONDS=${SPY_SECONDS:-8}
-SPY_DELAY=${SPY_DELAY:-4}         # seconds into the level before py-spy starts (a level of 512 lasts 3-5 s)
+SPY_DELAY=${SPY_DELAY:-12}        # seconds before py-spy starts: the client starts first (~13 s on the H200 host, 4 processes)
 OFFLINE=${OFFLINE-short}
 TTFT_PROBE=${TTFT_PROBE:-0}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-2048}
@@ -95,7 +95,8 @@ for c in $LEVELS; do
   cp "$STEP_PROFILE_OUT" "$OUT/core-after-$c.json"
   curl -s "$url/metrics" > "$OUT/metrics-after-$c.txt" 2>/dev/null
   { echo; echo "## concurrency $c"; echo; grep -E "c=" "$OUT/bench-c$c.log";
-    python lab/proc_cpu.py level "$cpu_before" "$cpu_after";
+    python lab/proc_cpu.py level "$cpu_before" "$cpu_after" \
+      "$(grep -o '[0-9]*/[0-9]* ok, [0-9.]* req/s' "$OUT/bench-c$c.log" | awk '{split($1, n, "/"); print n[1] / $3}')";
     python lab/server_latency.py "$OUT/metrics-before-$c.txt" "$OUT/metrics-after-$c.txt"; echo;
     python lab/step_profile.py "$OUT/core-before-$c.json" "$OUT/core-after-$c.json"; } >> "$SUMMARY"
   for who in api core; do
