@@ -57,7 +57,8 @@ class _Stream:
         tokens in the longest sequence than at the last wake (the reader always gets the newest
         cumulative output, so an output it is not woken for is not lost, only delivered with a later one)."""
         outputs = out.outputs
-        longest = len(outputs[0].token_ids) if len(outputs) == 1 else max(len(c.token_ids) for c in outputs)
+        longest = len(outputs[0].token_ids) if len(outputs) == 1 else max((len(c.token_ids) for c in outputs),
+                                                                         default=0)
         if out.finished or self.delivered < 0 or (self.interval and longest - self.delivered >= self.interval):
             self.delivered = longest
             return True
