@@ -321,6 +321,22 @@ def test_a_reader_is_woken_every_stream_interval_tokens(qwen3_dir):
     assert each[-1] == 11
 
 
+def test_a_sequence_that_stopped_early_holds_back_no_other_ones_tokens():
+    """Two sequences of one request: the first stops at 10 tokens, the second goes on from 5; at interval 1
+    each of the second's tokens wakes the reader, at interval 3 every third (each sequence counts its own,
+    not the longest's)."""
+    from types import SimpleNamespace
+
+    from tokenmill.engine.async_engine import _Stream
+
+    def out(*lengths):
+        return SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[0] * n) for n in lengths])
+    for interval, expected in ((1, [True] * 6), (3, [False, False, True, False, False, True])):
+        stream = _Stream(interval=interval)
+        assert stream.due(out(10, 5))
+        assert [stream.due(out(10, n)) for n in range(6, 12)] == expected
+
+
 def _tokenizer_with_clean_up(model_dir, tmp_path) -> Tokenizer:
     """The model's tokenizer, copied to tmp_path with `clean_up_tokenization_spaces` set."""
     for name in os.listdir(model_dir):

@@ -50,17 +50,17 @@ class _Stream:
     prev_tokens: int = 0              # tokens of output 0 seen so far (for inter-token latency)
     last_token_seen: float | None = None
     interval: int = 1                 # tokens between wakes (0: only the first output and the last)
-    delivered: int = -1               # the longest output's tokens at the last wake; -1 before the first
+    delivered: list[int] | None = None    # each sequence's tokens at the last wake; None before the first
 
     def due(self, out: RequestOutput) -> bool:
-        """Whether `out` is worth waking the reader for: the first output, the last, or `interval` more
-        tokens in the longest sequence than at the last wake (the reader always gets the newest
-        cumulative output, so an output it is not woken for is not lost, only delivered with a later one)."""
-        outputs = out.outputs
-        longest = len(outputs[0].token_ids) if len(outputs) == 1 else max((len(c.token_ids) for c in outputs),
-                                                                         default=0)
-        if out.finished or self.delivered < 0 or (self.interval and longest - self.delivered >= self.interval):
-            self.delivered = longest
+        """Whether `out` is worth waking the reader for: the first output, the last, or one in which some
+        sequence has `interval` more tokens than at the last wake (each sequence counts its own: one that
+        stopped early must not hold back the others' tokens). The reader always gets the newest
+        cumulative output, so an output it is not woken for is not lost, only delivered with a later one."""
+        counts = [len(c.token_ids) for c in out.outputs]
+        if (out.finished or self.delivered is None
+                or (self.interval and any(n - d >= self.interval for n, d in zip(counts, self.delivered)))):
+            self.delivered = counts
             return True
         return False
 
