@@ -175,6 +175,13 @@ def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
     assert e.value.code == 2 and all(m in err for m in messages)
 
 
+def test_run_server_refuses_a_stream_interval_below_one():
+    """The Python entry point checks what the CLI's type checks, before it binds or starts anything."""
+    from tokenmill.server.launch import run_server
+    with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
+        run_server(None, stream_interval=0)
+
+
 @pytest.mark.parametrize("command, argv, message", [
     ("serve", ["--max-model-len", "0"], "--max-model-len: must be at least 1 (a token of context), got 0"),
     ("serve", ["--max-queue-len", "0"], "--max-queue-len: must be at least 1"),

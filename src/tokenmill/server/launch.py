@@ -49,6 +49,8 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     request's tokens a chunk (its first and last go at once)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
     if api_server_count > 1 and in_process:
         raise ValueError("the engine loop cannot run in a thread of the server process with several API servers")
     if data_parallel_size < 1:
