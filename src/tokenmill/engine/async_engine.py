@@ -159,7 +159,7 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output as it grows; aborts the request if abandoned. A text
         prompt is tokenized here, on the caller's thread (the server tokenizes off its event loop and
-        passes token ids). `stream_interval`: yield once the longest sequence has that many new tokens
+        passes token ids). `stream_interval`: yield once a sequence has that many new tokens
         (the first output and the last always); 0 yields only the first output and the last."""
         if self.dead:
             raise EngineDeadError(self.dead)
