@@ -5,10 +5,12 @@ device time of one replay of the decode CUDA graph alone (CUDA events over many 
 each step the host spent waiting for the device (0 means the host is the bottleneck), and a per-kernel
 table of one graph replay from the PyTorch profiler. A cProfile of the host side at batch 1 goes to
 $OUT/host_profile_bs1.txt. Then single-request prefill: wall time of `generate` with max_tokens 1 for
-fresh prompts of each length, against the GPU kernel time of one such request.
+fresh prompts of each length, against the GPU kernel time of one such request. With --timeline, the
+device events of a decode graph replay and of engine steps at --timeline-batch sequences
+(timeline_<model>[_bs<N>].json, which scripts/device/timeline_report.py reads).
 
 Usage: python scripts/device/profile_decode.py --model preset:qwen3-4b --batch-sizes 1,8,64 --out DIR
-       [--quantization fp8] [--kv-cache-dtype fp8]
+       [--quantization fp8] [--kv-cache-dtype fp8] [--timeline [--timeline-batch 64]]
 """
 from __future__ import annotations
 
@@ -100,12 +102,13 @@ def gpu_events(prof) -> list[list]:
     return [[n, s - t0, d] for n, s, d in rows]
 
 
-def timeline(runner, run, path: str) -> None:
-    """Device events of three batch-1 decode graph replays (the last one kept), then of a batch-1
-    `generate` (its middle steps kept), to `path`: where the step's time goes between kernels, and
-    between graph replays."""
+def timeline(runner, run, path: str, batch: int = 1) -> None:
+    """Device events of three decode graph replays at `batch` sequences (the graph of the smallest
+    captured size that holds them; the last replay kept), then of a `generate` of `batch` requests (its
+    middle steps kept), to `path`: where the step's time goes between kernels, and between graph replays."""
     from torch.profiler import ProfilerActivity, profile
-    graph = runner.graphs[("decode", 1)]
+    gbs = min(k[1] for k in runner.graphs if k[0] == "decode" and k[1] >= batch)
+    graph = runner.graphs[("decode", gbs)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             graph.replay()
@@ -115,12 +118,13 @@ def timeline(runner, run, path: str) -> None:
     replay = events[-per:]
     t0 = replay[0][1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(1)
+        run(batch)
         torch.cuda.synchronize()
     steps = gpu_events(prof)
     mid = len(steps) // 2
     with open(path, "w") as f:
-        json.dump({"graph": [[n, s - t0, d] for n, s, d in replay], "steps": steps[mid - 2000:mid + 2000]}, f)
+        json.dump({"batch": batch, "graph_batch": gbs, "graph": [[n, s - t0, d] for n, s, d in replay],
+                   "steps": steps[mid - 2000:mid + 2000]}, f)
 
 
 def main() -> None:
@@ -133,7 +137,8 @@ def main() -> None:
                     help="single-request prefill (max_tokens 1) wall time and GPU kernel time")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--timeline", action="store_true",
-                    help="device events of a batch-1 graph replay and of batch-1 steps to timeline_<model>.json")
+                    help="device events of a decode graph replay and of decode steps to timeline_<model>.json")
+    ap.add_argument("--timeline-batch", type=int, default=1, help="the sequences of --timeline's steps")
     ap.add_argument("--quantization", default=None, help="as `LLM(quantization=...)`: fp8, awq, gptq")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -190,7 +195,8 @@ def main() -> None:
             print(f"    {r['us_per_step']:9.1f} {r['calls_per_step']:6.0f}  {r['name']}", flush=True)
 
     if args.timeline and torch.cuda.is_available():
-        timeline(runner, run, os.path.join(args.out, f"timeline_{name}.json"))
+        suffix = "" if args.timeline_batch == 1 else f"_bs{args.timeline_batch}"
+        timeline(runner, run, os.path.join(args.out, f"timeline_{name}{suffix}.json"), args.timeline_batch)
 
     prefill = []
     if torch.cuda.is_available():

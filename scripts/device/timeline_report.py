@@ -1,7 +1,8 @@
-"""Reads a timeline written by `profile_decode.py --timeline` and prints where a batch-1 step's time goes.
+"""Reads a timeline written by `profile_decode.py --timeline` and prints where a decode step's time goes.
 
-Graph replay: each kernel's role (per decoder layer: the product before attention, attention, the
-products after it, by position around the attention kernel), its mean duration, and its mean
+Graph replay: each kernel's role (per decoder layer, by position around the attention kernel: at batch 1
+the product before attention, attention, the products after it; at larger batches, whose layers run more
+kernels, each kernel's place after the attention kernel and its name), its mean duration, and its mean
 increment: how far it moves the end of the work done so far (end minus the latest end before it), so
 the increments add up to the replay's span and overlapped work counts once. Steps: the events between
 two graph replays (copies, the sampler's kernels) and the gaps between them.
@@ -21,17 +22,21 @@ AFTER = ["o_proj", "gate_up", "down_proj"]
 def roles(names: list[str]) -> list[str]:
     out = [n for n in names]
     attn = [i for i, n in enumerate(names) if ATTENTION in n]
+    # a single-token step's layer is five kernels (qkv, attention and the three products after it), named;
+    # other layers' kernels are named by their place after the layer's attention kernel, and their name
+    named = len(attn) < 2 or attn[1] - attn[0] == len(AFTER) + 2
+    after = len(AFTER) if named else attn[1] - attn[0] - 1
     for i in attn:
-        if i > 0:
+        if i > 0 and named:
             out[i - 1] = "qkv"
         out[i] = "attention"
-        for j, role in enumerate(AFTER, 1):
+        for j in range(1, after + 1):
             if i + j < len(names) and ATTENTION not in names[i + j]:
-                out[i + j] = role
+                out[i + j] = AFTER[j - 1] if named else f"attention +{j}: {names[i + j][:50]}"
     if attn:
-        for i in range(attn[-1] + len(AFTER) + 1, len(names)):
+        for i in range(attn[-1] + after + 1, len(names)):
             out[i] = "after layers: " + names[i][:50]
-        for i in range(0, attn[0] - 1):
+        for i in range(0, attn[0] - (1 if named else 0)):
             out[i] = "before layers: " + names[i][:50]
     return out
 
