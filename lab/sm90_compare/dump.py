@@ -101,8 +101,8 @@ K["fused_qwen_b8"] = lambda: fused(32, 8, True, 5, 2)
 K["fused_qwen_b64"] = lambda: fused(32, 8, True, 1, 2)
 K["fused_nb_b1"] = lambda: fused(20, 4, False, 32, 1)
 K["rms_norm"] = lambda: comp(fused_ops._rms_norm_kernel, dict(N=2560, BLOCK_R=1, BLOCK_N=4096, HAS_RESIDUAL=True,
-                             FP8_GROUP=0, PDL=2), {"x_ptr": BF, "res_ptr": BF, "w_ptr": BF, "out_ptr": BF, "res_out_ptr": BF,
-                             "s_ptr": "*fp32", "eps": "fp32"}, 8)
+                             FP8_GROUP=0, UNSCALED=False, PDL=2), {"x_ptr": BF, "res_ptr": BF, "w_ptr": BF, "out_ptr": BF,
+                             "res_out_ptr": BF, "s_ptr": "*fp32", "rs_ptr": "*fp32", "cs_ptr": "*fp32", "eps": "fp32"}, 8)
 K["silu"] = lambda: comp(fused_ops._silu_and_mul_kernel, dict(I=9728, BLOCK=1024, FP8_GROUP=0, PDL=2),
                          {"x_ptr": BF, "out_ptr": BF, "s_ptr": "*fp32"}, 4, aligned=("x_stride_t",))
 K["qk_prologue"] = lambda: comp(fused_ops._qk_norm_rope_store_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32,

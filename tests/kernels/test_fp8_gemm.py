@@ -179,8 +179,8 @@ def test_narrow_products_of_64_to_384_rows_scale_after_a_scalar_scaled_product(r
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE) * \
         torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
     taken = []
-    monkeypatch.setattr(fp8_gemm, "fp8_linear_tensorwise", lambda *a, f=fp8_gemm.fp8_linear_tensorwise:
-                        taken.append(1) or f(*a))
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_tensorwise", lambda *a, f=fp8_gemm.fp8_linear_tensorwise, **kw:
+                        taken.append(1) or f(*a, **kw))
     got = fp8_gemm.fp8_linear(x, q, s, blk, b)
     assert taken and got.dtype == x.dtype
     want = w8a8_reference(x, q, s, blk, b)
@@ -191,6 +191,37 @@ def test_narrow_products_of_64_to_384_rows_scale_after_a_scalar_scaled_product(r
     assert not fp8_gemm.tensorwise_fits((512, 256), blk, rows)        # wider than deep
     assert not fp8_gemm.tensorwise_fits((96, 256), blk, 63) and not fp8_gemm.tensorwise_fits((96, 256), blk, 385)
     assert not fp8_gemm.tensorwise_fits((96, 256), (128, 128), rows)  # block scales
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [None, 256, 64])
+def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group):
+    """o_proj and down_proj at 64-384 rows hand their float32 sums on unscaled (`UnscaledRows`, no bias),
+    and the RMSNorm with the residual applies the rows' and channels' scales as it loads them: its output
+    (plain, or FP8 rows per row or per 64 columns) and the summed residual are the very bits of the norm of
+    the scaled product. With a bias, or at rows outside the range, the product comes scaled as before."""
+    from tokenmill.layers.kernels import fp8_gemm, fused_ops
+    from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows
+    q, s, blk, b = layer(96, 256, None, True)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(100, 256, generator=g) * torch.linspace(0.1, 3.0, 100)[:, None]).to(dtype).to(DEVICE)
+    residual = torch.randn(100, 96, generator=g).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    raw = fp8_gemm.fp8_linear(x, q, s, blk, unscaled=True)
+    assert isinstance(raw, UnscaledRows) and raw.raw.dtype == torch.float32 and raw.dtype == dtype
+    scaled = fp8_gemm.fp8_linear(x, q, s, blk)
+    out, summed = fused_ops.rms_norm(raw, norm_w, 1e-6, residual, fp8_group=group)
+    want, want_summed = fused_ops.rms_norm(scaled, norm_w, 1e-6, residual, fp8_group=group)
+    assert torch.equal(summed, want_summed)
+    if group is None:
+        assert out.dtype == dtype and torch.equal(out, want)
+    else:
+        assert isinstance(out, Fp8Rows) and out.dtype == dtype
+        assert torch.equal(out.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(out.scale, want.scale)
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), fp8_gemm.fp8_linear(x, q, s, blk, b))
+    assert not isinstance(fp8_gemm.fp8_linear(x[:40], q, s, blk, unscaled=True), UnscaledRows)
+    with pytest.raises(ValueError, match="an unscaled product"):
+        fused_ops.rms_norm(raw, norm_w, 1e-6)
 
 
 def test_input_group_is_none_where_a_path_takes_unquantized_rows():
@@ -249,6 +280,52 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     assert run(Kernels()) == unquantized
     # each step's layers: qkv, gate_up and down quantized by their producer, o_proj not
     assert len(inputs) % 4 == 0 and inputs == [True, False, True, True] * (len(inputs) // 4)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a CPU engine on the interpreter's kernels; a CUDA host compiles them for the GPU")
+def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_tiny_model):
+    """An FP8 model (per channel, quantized at load) on a backend running the Triton RMSNorm, SiLU-and-mul
+    and FP8 products: in a step of 64-384 rows, o_proj and down_proj come unscaled to the norm after each
+    (the next layer's, and the final one), and the greedy tokens and log-probs equal those of the same
+    kernels scaling every product first."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TorchBackend, TritonBackend
+    from tokenmill.layers.kernels import fused_ops
+    from tokenmill.quant.fp8 import UnscaledRows
+    path = str(tmp_path / "plain")
+    save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    unscaled = []
+    norm = fused_ops.rms_norm
+
+    class Kernels(TorchBackend):
+        rms_norm, silu_and_mul, fp8_linear, _fp8_group = (
+            TritonBackend.rms_norm, TritonBackend.silu_and_mul, TritonBackend.fp8_linear,
+            staticmethod(TritonBackend._fp8_group))
+
+    class Unscaled(Kernels):
+        linear_into_norm = TritonBackend.linear_into_norm
+
+    def counting(x, *args, **kwargs):
+        unscaled.append(isinstance(x, UnscaledRows))
+        return norm(x, *args, **kwargs)
+
+    def run(backend):
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8")
+        llm.engine.runner.model.use_backend(backend)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
+        out = llm.generate([[(7 * i) % 500 for i in range(70)], [12, 40, 6]], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    scaled = run(Kernels())
+    fused_ops.rms_norm = counting
+    try:
+        got = run(Unscaled())
+    finally:
+        fused_ops.rms_norm = norm
+    assert got == scaled
+    # the 73-row prefill: the embedding's norm, then o_proj's, down's, o_proj's and down's into the final norm
+    assert unscaled[:5] == [False, True, True, True, True]
+    assert not any(unscaled[5:])          # the 2-row decode steps scale inside the few-row product
 
 
 @pytest.mark.parametrize("group", [None, 128])

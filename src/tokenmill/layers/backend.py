@@ -88,6 +88,12 @@ class TorchBackend:
         from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch
         return fp8_linear_torch(x, layer.weight, layer.scale, layer.block, layer.bias)
 
+    def linear_into_norm(self, layer, x: torch.Tensor):
+        """`layer(x)` for a product whose result goes next into `rms_norm` beside a residual (o_proj and
+        down_proj); a backend may give it in a form that only that norm reads (the Triton backend: an FP8
+        layer's product before its scales, `quant/fp8.UnscaledRows`, which the norm's kernel applies)."""
+        return layer(x)
+
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row's argmax (first of equals); `publish` (host, turn): also into row `turn` of the host
         table, as `argmax.greedy` takes it."""
@@ -160,6 +166,12 @@ class TritonBackend(TorchBackend):
     def fp8_linear(self, x, layer):
         from tokenmill.layers.kernels import fp8_gemm
         return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+
+    def linear_into_norm(self, layer, x):
+        if getattr(layer, "weight", None) is None or layer.weight.dtype != FP8:
+            return layer(x)
+        from tokenmill.layers.kernels import fp8_gemm
+        return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, unscaled=True)
 
     def greedy(self, logits, publish=None):
         from tokenmill.layers.kernels import argmax

@@ -55,9 +55,13 @@ class Attention(nn.Module):
         self.tp = tp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                decode_attention=None) -> torch.Tensor:
-        out = self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention))
-        return out if self.tp is None else self.tp.all_reduce(out)
+                decode_attention=None):
+        """The attention block's output, for the post-attention RMSNorm (in the backend's
+        `linear_into_norm` form without tensor parallelism; a tensor after the all-reduce)."""
+        attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention)
+        if self.tp is None:
+            return self.backend.linear_into_norm(self.o_proj, attended)
+        return self.tp.all_reduce(self.o_proj(attended))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                    decode_attention=None) -> torch.Tensor:
@@ -91,9 +95,12 @@ class MLP(nn.Module):
         self.backend = TorchBackend()
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x), into=self.down_proj))
-        return out if self.tp is None else self.tp.all_reduce(out)
+    def forward(self, x: torch.Tensor):
+        """The MLP's output, for the next RMSNorm (as `Attention.forward`'s)."""
+        act = self.backend.silu_and_mul(self.gate_up_proj(x), into=self.down_proj)
+        if self.tp is None:
+            return self.backend.linear_into_norm(self.down_proj, act)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):

@@ -80,6 +80,27 @@ class Fp8Rows:
         return self.q.device
 
 
+@dataclass(frozen=True)
+class UnscaledRows:
+    """A per-channel FP8 product's output before its scales, for the RMSNorm after it to apply as it adds
+    the residual (`fused_ops.rms_norm`), a kernel fewer than scaling first: `raw` float32 [M, N], the sums
+    of the FP8 rows and weights; `row_scale` float32 [M, 1], the input rows' scales; `col_scale` float32
+    [N], the weight's per output channel; `dtype` the product's output dtype. Scaled, each value is
+    `(raw * row_scale * col_scale).to(dtype)`, as `fp8_gemm._scale_rows_kernel` writes it."""
+    raw: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
 def parse_fp8_config(qc: dict) -> Fp8Config:
     """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
     method = str(qc.get("quant_method", "")).lower()

@@ -18,7 +18,9 @@ gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of
   docs/BENCHMARKS.md).
 - Per-channel weights no wider than deep (o_proj, down_proj) at `TENSORWISE_ROWS`, before either path
   around it: `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into
-  float32, then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast). With the
+  float32, then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast); where an
+  RMSNorm takes the product next (`unscaled`: o_proj and down_proj without a bias), that norm's kernel
+  applies the scales as it adds the residual (`quant/fp8.UnscaledRows`), a kernel fewer. With the
   row and channel scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows
   on an H200, and 13-21 us this way at 64-384 rows (1.2-1.5x faster than `fp8_rows` at 64-128); wider
   products (qkv, gate_up) lose it to the float32 round trip, and `fp8_rows` wins below 48 rows
@@ -46,7 +48,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import pdl, split_k
 from tokenmill.layers.kernels.gemv import _num_sms
-from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, dequantize
+from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
 
 ROWS_MAX = 192
 TENSORWISE_ROWS = (64, 384)     # input rows of the narrow per-channel products that take `fp8_linear_tensorwise`
@@ -353,15 +355,17 @@ def tensorwise_fits(shape: tuple[int, int], block: tuple[int, int], rows: int) -
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledRows:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
-    (`Fp8Rows`, with the group of `input_group`)."""
+    (`Fp8Rows`, with the group of `input_group`). `unscaled` (for a product an RMSNorm takes next): where
+    the path is `fp8_linear_tensorwise` and there is no bias, the result comes before its scales
+    (`UnscaledRows`), which the norm applies."""
     if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:
             return fp8_block_gemm(x, weight, scale, block, bias, tile)
     elif tensorwise_fits(tuple(weight.shape), block, x.shape[0]):
-        return fp8_linear_tensorwise(x, weight, scale, bias)
+        return fp8_linear_tensorwise(x, weight, scale, bias, unscaled=unscaled and bias is None)
     elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight.shape, block):
         tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
         if tile is not None:
@@ -379,12 +383,17 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledRows:
     """`fp8_linear` of a per-channel weight: the unscaled product in float32 by `_scaled_mm` with scalar
-    scales of 1, then each row's and channel's scale and the bias in `_scale_rows_kernel`."""
+    scales of 1, then each row's and channel's scale and the bias in `_scale_rows_kernel`; with `unscaled`
+    (no bias), the product before its scales, for the RMSNorm after it to apply them."""
     xq, x_scale = _quantized(x, x.shape[1])
     one = _one(xq.device)
     raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    if unscaled:
+        if bias is not None:
+            raise ValueError("an unscaled FP8 product takes no bias")
+        return UnscaledRows(raw, x_scale, scale.view(-1), x.dtype)
     m, n = raw.shape
     out = torch.empty(m, n, dtype=x.dtype, device=raw.device)
     _scale_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scale
 from tokenmill.layers.kernels import pdl
-from tokenmill.quant.fp8 import FP8, Fp8Rows
+from tokenmill.quant.fp8 import FP8, Fp8Rows, UnscaledRows
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_MAX = tl.constexpr(FP8_KV_MAX)   # E4M3's largest value, 448, for the cache and the products' inputs
@@ -54,13 +54,15 @@ def _fp8_groups(y, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, eps, num_rows, inner,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, rs_ptr, cs_ptr, eps, num_rows, inner,
                      x_stride_a, x_stride_b, r_stride_a, r_stride_b, s_stride,
                      N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, FP8_GROUP: tl.constexpr, UNSCALED: tl.constexpr,
+                     PDL: tl.constexpr):
     # rows are (a, b) pairs of the [A, B, N] view; outputs are contiguous [A * B, N]. FP8_GROUP > 0: out is
     # FP8, the rows as the plain kernel writes them quantized with a scale per FP8_GROUP columns (BLOCK_N:
-    # per row) into s_ptr
+    # per row) into s_ptr. UNSCALED: x is a product's float32 sums, scaled by its rows' (rs_ptr) and
+    # columns' (cs_ptr) scales and rounded to the residual's dtype first, as `UnscaledRows` says
     pdl.enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_N)
@@ -69,6 +71,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, eps, nu
     a = (r // inner).to(tl.int64)
     b = (r % inner).to(tl.int64)
     x = tl.load(x_ptr + (a * x_stride_a + b * x_stride_b)[:, None] + c[None, :], mask=mask, other=0.0)
+    if UNSCALED:
+        rs = tl.load(rs_ptr + r, mask=r_mask, other=0.0)
+        cs = tl.load(cs_ptr + c, mask=c < N, other=0.0)
+        x = (x * rs[:, None] * cs[None, :]).to(res_ptr.dtype.element_ty)
     out_rows = r.to(tl.int64)[:, None] * N + c[None, :]
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + (a * r_stride_a + b * r_stride_b)[:, None] + c[None, :], mask=mask,
@@ -102,47 +108,56 @@ def _fp8_out(name: str, rows: int, n: int, group: int, x: torch.Tensor):
     return q, scale, group
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm(x: torch.Tensor | UnscaledRows, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              fp8_group: int | None = None):
     """RMSNorm over the last dim of x [..., N]. Returns `out` when residual is None, else
     `(out, x + residual)`; both are new contiguous tensors (the inputs are not modified).
     out has dtype promote(weight.dtype, x.dtype), as in the reference. `fp8_group` (x 2-D, weight of x's
-    dtype): out comes as `quant/fp8.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
+    dtype): out comes as `quant/fp8.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one.
+    x may be an FP8 product before its scales (`quant/fp8.UnscaledRows`, with a residual of its dtype):
+    the kernel scales it as it loads it, with the results of the scaled tensor."""
+    unscaled = x if isinstance(x, UnscaledRows) else None
+    if unscaled is not None:
+        if residual is None or unscaled.raw.dim() != 2:
+            raise ValueError("rms_norm: an unscaled product [T, N] takes a residual")
+        x = unscaled.raw
     _check_dtype("rms_norm x", x)
     _check_dtype("rms_norm weight", weight)
+    dtype = x.dtype if unscaled is None else unscaled.dtype
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({n},)")
     if x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError(f"rms_norm: x and weight need a unit last stride, got {x.stride()}")
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        if residual.shape != x.shape or residual.dtype != dtype or residual.stride(-1) != 1:
             raise ValueError(f"rms_norm: residual {residual.dtype} {tuple(residual.shape)} must match x "
-                             f"{x.dtype} {tuple(x.shape)} and have a unit last stride")
+                             f"{dtype} {tuple(x.shape)} and have a unit last stride")
     x3 = _as_3d(x)
     r3 = _as_3d(residual) if residual is not None else x3
     num_rows = x3.shape[0] * x3.shape[1]
     block_n = triton.next_power_of_2(n)
     if fp8_group is not None:
-        if x.dim() != 2 or weight.dtype != x.dtype:
-            raise ValueError(f"rms_norm: FP8 output takes x [T, N] and a weight of x's dtype, got x {x.dtype} "
+        if x.dim() != 2 or weight.dtype != dtype:
+            raise ValueError(f"rms_norm: FP8 output takes x [T, N] and a weight of x's dtype, got x {dtype} "
                              f"{tuple(x.shape)}, weight {weight.dtype}")
         out, scale, group = _fp8_out("rms_norm", num_rows, n, fp8_group, x)
         kernel_group = block_n if group == n else group
     else:
-        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, dtype), device=x.device)
         scale, kernel_group = out, 0
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    res_out = torch.empty(x.shape, dtype=dtype, device=x.device) if residual is not None else out
+    rs, cs = (unscaled.row_scale, unscaled.col_scale) if unscaled is not None else (x, x)
     if num_rows > 0:
         block_r = max(1, min(16, 2048 // block_n))
         pdl_on = pdl.enabled(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-            x3, r3, weight, out, res_out, scale, eps, num_rows, x3.shape[1],
+            x3, r3, weight, out, res_out, scale, rs, cs, eps, num_rows, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), scale.stride(0),
             N=n, BLOCK_R=block_r, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, FP8_GROUP=kernel_group,
-            PDL=pdl_on, num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
+            UNSCALED=unscaled is not None, PDL=pdl_on, num_warps=8 if block_n >= 4096 else 4, launch_pdl=pdl_on)
     if fp8_group is not None:
-        out = Fp8Rows(out, scale, fp8_group, x.dtype)
+        out = Fp8Rows(out, scale, fp8_group, dtype)
     return out if residual is None else (out, res_out)
 
 
