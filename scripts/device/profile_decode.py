@@ -102,12 +102,17 @@ def gpu_events(prof) -> list[list]:
     return [[n, s - t0, d] for n, s, d in rows]
 
 
+def graph_batch(runner, batch: int) -> int | None:
+    """The smallest captured decode graph that holds `batch` sequences (None: none does)."""
+    return min((k[1] for k in runner.graphs if k[0] == "decode" and k[1] >= batch), default=None)
+
+
 def timeline(runner, run, path: str, batch: int = 1) -> None:
     """Device events of three decode graph replays at `batch` sequences (the graph of the smallest
     captured size that holds them; the last replay kept), then of a `generate` of `batch` requests (its
     middle steps kept), to `path`: where the step's time goes between kernels, and between graph replays."""
     from torch.profiler import ProfilerActivity, profile
-    gbs = min(k[1] for k in runner.graphs if k[0] == "decode" and k[1] >= batch)
+    gbs = graph_batch(runner, batch)
     graph = runner.graphs[("decode", gbs)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -177,7 +182,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         steps = args.output_len
         assert all(len(o.outputs[0].token_ids) == steps for o in outs)
-        gbs = next((k[1] for k in sorted(runner.graphs) if k[0] == "decode" and k[1] >= bs), None)
+        gbs = graph_batch(runner, bs)
         replay, kernels = float("nan"), []
         if gbs is not None:
             replay = graph_replay_ms(runner, gbs)

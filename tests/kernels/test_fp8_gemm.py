@@ -294,7 +294,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU engine on the interpreter's kernels; a CUDA host compiles them for the GPU")
-def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_tiny_model):
+def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_tiny_model, monkeypatch):
     """An FP8 model (per channel, quantized at load) on a backend running the Triton RMSNorm, SiLU-and-mul
     and FP8 products: in a step of 64-384 rows, o_proj and down_proj come unscaled to the norm after each
     (the post-attention one, and the final one), and the greedy tokens and log-probs equal those of the
@@ -328,12 +328,8 @@ def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_ti
         out = llm.generate([[(7 * i) % 500 for i in range(70)], [12, 40, 6]], params)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
     scaled = run(Kernels())
-    fused_ops.rms_norm = counting
-    try:
-        got = run(Unscaled())
-    finally:
-        fused_ops.rms_norm = norm
-    assert got == scaled
+    monkeypatch.setattr(fused_ops, "rms_norm", counting)
+    assert run(Unscaled()) == scaled
     # the 73-row prefill: the embedding's norm, then o_proj's, and down's into the final norm
     assert unscaled[:3] == [False, True, True]
     assert not any(unscaled[3:])          # the 2-row decode steps scale inside the few-row product

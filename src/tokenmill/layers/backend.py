@@ -123,14 +123,18 @@ class TritonBackend(TorchBackend):
         return fused_ops.silu_and_mul(x, fp8_group=self._fp8_group(into))
 
     @staticmethod
+    def _fp8_layer(layer) -> bool:
+        weight = getattr(layer, "weight", None)      # 4-bit layers have none
+        return weight is not None and weight.dtype == FP8
+
+    @staticmethod
     def _fp8_group(layer) -> int | None:
         """The columns per scale with which an FP8 layer's product takes its input rows quantized
         (`fp8_gemm.input_group`), so that the kernel writing them quantizes them; else None."""
-        weight = getattr(layer, "weight", None)      # 4-bit layers have none
-        if weight is None or weight.dtype != FP8:
+        if not TritonBackend._fp8_layer(layer):
             return None
         from tokenmill.layers.kernels import fp8_gemm
-        return fp8_gemm.input_group(weight.shape, layer.block, weight.device)
+        return fp8_gemm.input_group(layer.weight.shape, layer.block, layer.weight.device)
 
     def qk_norm_rope_store(self, *args, **kwargs):
         from tokenmill.layers.kernels import fused_ops
@@ -168,7 +172,7 @@ class TritonBackend(TorchBackend):
         return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
 
     def linear_into_norm(self, layer, x):
-        if getattr(layer, "weight", None) is None or layer.weight.dtype != FP8:
+        if not TritonBackend._fp8_layer(layer):
             return layer(x)
         from tokenmill.layers.kernels import fp8_gemm
         return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, unscaled=True)

@@ -92,14 +92,6 @@ class UnscaledRows:
     col_scale: torch.Tensor
     dtype: torch.dtype
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.raw.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
-
 
 def parse_fp8_config(qc: dict) -> Fp8Config:
     """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
