@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", default="256,512")
     ap.add_argument("--models", default="qwen3-4b")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     from fp8_products import graph_us
     import torch._inductor.config as ic
     ic.max_autotune_gemm_backends = "TRITON,ATEN"
@@ -65,11 +66,9 @@ def main() -> None:
                         f"{eager / ind:.2f}x | {flops:.2f} | {byts:.2f} |")
                 print(line, flush=True)
                 lines.append(line)
-    os.makedirs(args.out, exist_ok=True)
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "fp8_inductor_probe.md"), "w") as f:
-        f.write(text)
-    print(text)
+                with open(os.path.join(args.out, "fp8_inductor_probe.md"), "w") as f:   # kept as it grows
+                    f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
