@@ -193,6 +193,30 @@ def test_narrow_products_of_64_to_384_rows_scale_after_a_scalar_scaled_product(r
     assert not fp8_gemm.tensorwise_fits((96, 256), (128, 128), rows)  # block scales
 
 
+@pytest.mark.parametrize("n,rows,path", [(96, 64, "tensorwise"), (96, 200, "tensorwise"),
+                                         (512, 200, "many"), (96, 400, "many")])
+def test_scaled_mm_products_accumulate_fast(n, rows, path, monkeypatch):
+    """Both `_scaled_mm` paths (scalar scales into float32 for narrow weights at 64-384 rows, the rowwise
+    scales elsewhere above ROWS_MAX) ask cuBLASLt for fast FP8 accumulation, and still equal the
+    row-quantized input's product."""
+    from tokenmill.layers.kernels import fp8_gemm
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    taken = []
+    for name in ("fp8_linear_tensorwise", "fp8_linear_many"):
+        monkeypatch.setattr(fp8_gemm, name, lambda *a, f=getattr(fp8_gemm, name), n=name, **kw:
+                            taken.append(n) or f(*a, **kw))
+    q, s, blk, _ = layer(n, 256, None, False)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got = fp8_gemm.fp8_linear(x, q, s, blk)
+    assert taken == [f"fp8_linear_{path}"]
+    assert len(calls) == 1 and calls[0].get("use_fast_accum") is True
+    want = w8a8_reference(x, q, s, blk)
+    tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 256])
 def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group):

@@ -27,6 +27,11 @@ gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of
   (docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
+- Both `_scaled_mm` paths accumulate fast (`use_fast_accum`: the tensor cores' partial sums are not
+  promoted to float32 every few K steps), as the Triton kernels here do on sm90 (Triton's default for FP8
+  dots there) and vLLM's sm90 CUTLASS FP8 kernels do. It adds 1-3e-3 of an output's root mean square,
+  against the 3.5e-2 that the FP8 operands already cost, and took 0.83-0.94x the time on most shapes
+  from 128 to 2,048 rows on an H200 (docs/BENCHMARKS.md).
 - More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
   product scaled in float32. The rowwise `_scaled_mm` cannot apply a scale that changes along K. Over a
   layer of qwen3-4b it took 0.56-0.79x `fp8_rows`' time at 64-8,192 rows; dequantizing the layer for
@@ -389,7 +394,7 @@ def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale
     (no bias), the product before its scales, for the RMSNorm after it to apply them."""
     xq, x_scale = _quantized(x, x.shape[1])
     one = _one(xq.device)
-    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
     if unscaled:
         if bias is not None:
             raise ValueError("an unscaled FP8 product takes no bias")
@@ -425,7 +430,8 @@ def fp8_linear_many(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torc
     if scaled_mm_fits(weight.shape, block):
         xq, x_scale = _quantized(x, x.shape[1])
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                               use_fast_accum=True)
         return out if bias is None else out.add_(bias)
     if isinstance(x, Fp8Rows):
         raise ValueError(f"the dequantized product of a {tuple(weight.shape)} weight with block {block} takes "
