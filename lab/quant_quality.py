@@ -9,6 +9,7 @@ docs/benchmarks/20261201/quant-quality.md.
     python lab/quant_quality.py fp8-head
     python lab/quant_quality.py fp8-block-to-channel
     python lab/quant_quality.py fp8-attention
+    python lab/quant_quality.py fp8-attention-out
     python lab/quant_quality.py generated-calibration [--generated 8192 16384] [--awq]
     python lab/quant_quality.py rotation [--tokens 2048] [--variants none residual heads both] [--seeds 0 1]
                                          [--knobs ABLATION]
@@ -34,6 +35,13 @@ sequences of 256.
   cores would take them (no widening of K and V): the queries quantized per token and head (absmax / 448)
   for q @ K^T, the probabilities as P x 448 rounded to E4M3 for P @ V, each alone and both, emulated in
   float32 in the torch reference's prefill and decode attention, beside the FP8 cache alone.
+- `fp8-attention-out`: FP8 weights per channel and an FP8 KV cache, every product W8A8 as the GPU's
+  products of 2 or more rows take them (each input row quantized per row), with o_proj's input, the
+  attention output, quantized instead by one fixed scale, the layer's V scale: an attention output is a
+  convex combination of V's rows, so it never leaves +-448 x that scale, and an attention kernel could
+  write it in E4M3 with no reduction over the row (which the row's heads, in separate programs, cannot
+  share), removing o_proj's quantization kernel. Beside it the same with per-row scales, and the CPU
+  reference (W8A16).
 - `ablations`: 4-bit GPTQ variants, by a copy of the quantizer with the knobs the product does not have
   (`Knobs`; `asym`: the product's output targets, `gptq.output_target`, at any ridge and step), and FP8
   GPTQ without act-order.
@@ -753,6 +761,62 @@ def fp8_activations() -> None:
             row(f"FP8 {label}, {acts}", got, timed=False)
 
 
+def fp8_attention_out() -> None:
+    from test_real_model import HELD_OUT
+    from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TorchBackend
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, quantize_rows_torch
+    from tokenmill.quant import fp8
+    tmp = tempfile.mkdtemp()
+    real = real_model(os.path.join(tmp, "plain"))
+    reference = TorchBackend.fp8_linear
+    llm = LLM(real.path, tokenizer=GGUF, quantization="fp8", kv_cache_dtype="fp8",
+              **dict(REAL, enable_prefix_caching=False))
+    runner = llm.engine.runner
+    # o_proj module -> its layer's V scale
+    v_scale = {id(m): runner.kv_scales[int(n.split(".")[2]), 1] for n, m in runner.model.named_modules()
+               if n.endswith("self_attn.o_proj")}
+
+    def w8a8(fixed_o_proj: bool):
+        def product(self, x, layer):
+            x2 = x.reshape(-1, x.shape[-1])
+            if fixed_o_proj and id(layer) in v_scale:
+                x8 = ((x2.float() / v_scale[id(layer)]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).float()
+                      * v_scale[id(layer)])
+            else:
+                xq, xs = quantize_rows_torch(x2)
+                x8 = fp8.dequantize(xq, xs, (1, x2.shape[-1]))
+            return fp8_linear_torch(x8.to(x.dtype).view(x.shape), layer.weight, layer.scale, layer.block, layer.bias)
+        return product
+    header(False)
+    for label, fn in (("FP8 W + KV, W8A16 (the CPU reference)", reference),
+                      ("FP8 W + KV, W8A8, a scale per row (the GPU's products)", w8a8(False)),
+                      ("FP8 W + KV, W8A8, o_proj's input at the V scale", w8a8(True))):
+        TorchBackend.fp8_linear = fn
+        try:
+            got = quiet_against(real.ref, held_out_logprobs(llm))
+        finally:
+            TorchBackend.fp8_linear = reference
+        row(label, got, timed=False)
+    # how far below E4M3's normal range (2^-6 x the scale) the attention outputs fall at the V scale
+    seen = []
+
+    def record(self, x, layer):
+        if id(layer) in v_scale:
+            seen.append((x.reshape(-1, x.shape[-1]).float().abs() / v_scale[id(layer)]).flatten())
+        return reference(self, x, layer)
+    TorchBackend.fp8_linear = record
+    try:
+        llm.generate([HELD_OUT], SamplingParams(max_tokens=1))
+    finally:
+        TorchBackend.fp8_linear = reference
+    a = torch.cat(seen)
+    print(f"\nattention outputs at the V scale (o_proj's inputs over the short text's prompt, every layer): "
+          f"{(a < 2 ** -6).float().mean():.3f} below E4M3's normal range (2^-6), {(a == 0).float().mean():.3f} "
+          f"zero; median {a.median():.4f}, max {a.max():.2f}")
+
+
 def fp8_block_to_channel() -> None:
     """What serving a 128 x 128 block-scaled FP8 checkpoint (Qwen's format) through the per-channel
     products would cost in quality: each shard quantized in 128 x 128 blocks (as the checkpoint stores it),
@@ -861,6 +925,7 @@ def main() -> None:
     sub.add_parser("fp8-head")
     sub.add_parser("fp8-block-to-channel")
     sub.add_parser("fp8-attention")
+    sub.add_parser("fp8-attention-out")
     g = sub.add_parser("generated-calibration")
     g.add_argument("--generated", type=int, nargs="+", default=[8192, 16384])
     g.add_argument("--awq", action="store_true", help="AWQ input-channel scales before GPTQ")
@@ -896,6 +961,8 @@ def main() -> None:
         fp8_block_to_channel()
     elif args.cmd == "fp8-attention":
         fp8_attention()
+    elif args.cmd == "fp8-attention-out":
+        fp8_attention_out()
     elif args.cmd == "scale-tuning":
         scale_tuning(args.tokens, args.steps, args.lr, args.batch, args.seeds, args.threads)
     elif args.cmd == "input-energy":
