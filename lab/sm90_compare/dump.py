@@ -74,14 +74,15 @@ def smem(K, bn, bk, nw):
 dt = {**{p: BF for p in ("qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "pf_ptr")},
       "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
       "context_lens_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-      "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32"}
+      "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32", "out_scale_ptr": "*fp32"}
 def fused(hq, hkv, norm, splits, stages):
     g = hq // hkv
     return comp(decode_attention._fused_decode_kernel, dict(
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, NUM_SPLITS=splits, GROUP=g, BLOCK_G=max(16, triton.next_power_of_2(g)),
         BLOCK_GR=triton.next_power_of_2(g), SPLIT_CHUNK=min(8, triton.next_power_of_2(splits)), HEAD_DIM=128,
         HALF=64, BLOCK_HALF=64, BLOCK_D=128, HAS_NORM=norm, PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64,
-        DOT_PRECISION="tf32", PDL=2, PREFETCH=0, PF_LINE=1, THREADS=128, NORM_FIRST=2, ASK_L2=True, FP8=False),
+        DOT_PRECISION="tf32", PDL=2, PREFETCH=0, PF_LINE=1, THREADS=128, NORM_FIRST=2, ASK_L2=True, FP8=False,
+        OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
         dt, 4, stages, aligned=("qkv_stride_t", "cs_stride", "c_stride_blk", "c_stride_tok"))
 K = {}
 K["whole_qwen_qkv_gather"] = lambda: whole(2560, 2, 4, True, False, False, True)
@@ -117,10 +118,12 @@ def pa_types(fp8):
     return {**dt, "q_ptr": BF, "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "kv_scale_ptr": "*i32", **cache}
 def prefill(fp8):
     return comp(paged_attention._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_M=64,
-                BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True, FP8=fp8), pa_types(fp8), 4, 2, aligned=pa_aligned)
+                BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True, FP8=fp8, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
+                pa_types(fp8), 4, 2, aligned=pa_aligned)
 def decode_rows(fp8):
     return comp(paged_attention._decode_rows_kernel, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128,
-                PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION="tf32", FP8=fp8), pa_types(fp8), 4, 2, aligned=pa_aligned)
+                PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION="tf32", FP8=fp8, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
+                pa_types(fp8), 4, 2, aligned=pa_aligned)
 K["prefill"] = lambda: prefill(False)
 K["prefill_fp8"] = lambda: prefill(True)
 if hasattr(paged_attention, "_decode_rows_kernel"):

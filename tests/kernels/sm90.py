@@ -33,7 +33,8 @@ def compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options):
 ATTENTION = COMPILE + r'''
 from tokenmill.layers.kernels import decode_attention, paged_attention
 _heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
-              PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32")
+              PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", OUT_FP8=False, OUT_SCALES=1,
+              BLOCK_S=1)
 attention_kernels = {
     "decode": (decode_attention._fused_decode_kernel,
                dict(_heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,
@@ -43,19 +44,20 @@ attention_kernels = {
 attention_aligned = ("qkv_stride_t", "cs_stride", "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h",
                      "c_stride_blk", "c_stride_tok", "c_stride_h")
 
-def attention_types(cache):
-    return {"qkv_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "out_ptr": "*bf16",
-            "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "part_out_ptr": "*fp32",
-            "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "scale_log2": "fp32",
-            "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
+def attention_types(cache, out="*bf16"):
+    return {"qkv_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "out_ptr": out,
+            "out_scale_ptr": "*fp32", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32",
+            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
+            "scale_log2": "fp32", "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
 
-def compile_attention(name, fp8, widen_asm=True, const=None, num_warps=4, **options):
+def compile_attention(name, fp8, widen_asm=True, const=None, num_warps=4, out_fp8=False, **options):
+    # out_fp8: the output in E4M3 at V's scale for an FP8 o_proj (`paged_attention.out_rows`)
     fn, shipped = attention_kernels[name]
-    const = dict(shipped, FP8=fp8, WIDEN_ASM=widen_asm, **(const or {}))
+    const = dict(shipped, FP8=fp8, WIDEN_ASM=widen_asm, **(dict(OUT_FP8=True) if out_fp8 else {}), **(const or {}))
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    return compile_sm90(fn, const, attention_types("*fp8e4nv" if fp8 else "*bf16"), num_warps, attention_aligned,
-                        **options)
+    types = attention_types("*fp8e4nv" if fp8 else "*bf16", "*fp8e4nv" if out_fp8 else "*bf16")
+    return compile_sm90(fn, const, types, num_warps, attention_aligned, **options)
 '''
 
 

@@ -35,3 +35,24 @@ def test_v_widened_by_assembly_gives_16_bit_operands(operands, kernel):
 
 def test_plain_conversion_packs_every_operand_4_wide(operands):
     assert operands[("decode", False)] == {(0, 4), (1, 4)}
+
+
+_COMPILE_OUT = sm90.ATTENTION + r'''
+import json, re, sys
+got = []
+for name, out_fp8 in json.loads(sys.argv[1]):
+    ptx = compile_attention(name, True, out_fp8=out_fp8).asm["ptx"]
+    got.append(len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)))
+print(json.dumps(got))
+'''
+
+
+def test_attention_output_for_an_fp8_o_proj_compiles_to_e4m3_stores():
+    """The three attention kernels compile for sm90 with their output in E4M3 at V's scale (what an FP8
+    o_proj takes beside an FP8 cache): float32 to E4M3 conversions appear, which the plain (bf16) output
+    has none of (the cache's new K and V are quantized by the prologue kernel or, in the one-kernel decode,
+    in both variants)."""
+    cases = [(name, out) for name in ("decode", "decode_rows", "prefill") for out in (False, True)]
+    got = dict(zip(cases, sm90.run(_COMPILE_OUT, *cases, timeout=600)))
+    for name in ("decode", "decode_rows", "prefill"):
+        assert got[(name, True)] > got[(name, False)], (name, got)

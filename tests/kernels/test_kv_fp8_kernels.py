@@ -99,6 +99,63 @@ def test_prefill_attention_over_fp8_cache(group, block_size, dtype):
     assert (plain - ref).abs().max() > 0.1
 
 
+def _check_fp8_rows(rows, plain: torch.Tensor, v_scale: float, group: int) -> None:
+    """An attention output written for an FP8 product (`paged_attention.out_rows`): E4M3 at V's scale,
+    each row's scales V's, against the plain output of the same kernel (float32, V's scale a power of
+    two: the same values, so the same codes)."""
+    from tokenmill.quant.fp8 import Fp8Rows
+    assert isinstance(rows, Fp8Rows) and rows.group == group and rows.dtype == plain.dtype
+    t, width = plain.shape[0], plain.shape[1] * plain.shape[2]
+    assert rows.q.shape == (t, width) and rows.q.dtype == FP8_KV_DTYPE
+    assert rows.scale.shape == (t, -(-width // group)) and torch.all(rows.scale == v_scale)
+    want = quantize_kv_torch(plain.reshape(t, width), torch.tensor(v_scale, device=DEVICE))
+    assert torch.equal(rows.q.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("group,num_splits", [(None, None), (16, 3)])
+def test_attention_output_for_an_fp8_product(group, num_splits):
+    """With `out_group`, the prefill and decode-rows kernels (one split a decode row, and three merged)
+    and the one-kernel decode (one program a sequence, and four splits merged) write the output in E4M3
+    at V's scale for an FP8 o_proj (one scale a row, and one per 16 columns), the codes of the plain
+    output divided by V's scale."""
+    gen = _gen(53)
+    num_kv_heads, head_dim, heads = 2, 16, 4
+    width = heads * head_dim
+    q_lens, seq_lens = [5, 1, 23, 1], [5, 40, 30, 17]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 4, num_kv_heads, head_dim, torch.float32, gen)
+    kv_scale = _scales(0.01, 0.25)
+    k8, v8 = _fp8_cache(k_cache, v_cache, kv_scale)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), heads, head_dim, gen=gen)
+    args = (q, k8, v8, table, ctx, qsl, max(q_lens), 0.3)
+    kw = dict(config=PrefillAttentionConfig(16, 16, 4, 1), kv_scale=kv_scale, num_splits=num_splits or 1,
+              decode_config=DecodeAttentionConfig(16, min_split_len=16))
+    plain = pa.paged_prefill_attention(*args, **kw)
+    _check_fp8_rows(pa.paged_prefill_attention(*args, **kw, out_group=group or width), plain, 0.25, group or width)
+    with pytest.raises(ValueError, match="needs an FP8 KV cache"):
+        pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3, out_group=width)
+
+    decode_lens = [1, 37, 0, 70, 16]
+    batch = len(decode_lens)
+    k_cache, v_cache, table = _paged_cache(decode_lens, 4, num_kv_heads, head_dim, torch.float32, gen)
+    k8, v8 = _fp8_cache(k_cache, v_cache, kv_scale)
+    ctx = torch.tensor(decode_lens, dtype=torch.int32, device=DEVICE)
+    positions = (ctx - 1).clamp(min=0).long()
+    pages = table.long().gather(1, (positions // 4)[:, None])[:, 0]
+    slots = torch.where(ctx > 0, pages * 4 + positions % 4, -1)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).to(DEVICE)
+    qkv = _randn(batch, (heads + 2 * num_kv_heads) * head_dim, gen=gen)
+    dargs = (qkv, positions, rope.cos_sin, None, None, 1e-6, k8, v8, slots, table, ctx, head_dim ** -0.5, heads,
+             num_kv_heads, head_dim)
+    dkw = dict(num_splits=4 if num_splits else 1, config=DecodeAttentionConfig(16, min_split_len=16),
+               kv_scale=kv_scale)
+    plain = da.fused_decode_attention(*dargs, **dkw)
+    rows = da.fused_decode_attention(*dargs, **dkw, out_group=group or width)   # stores the same new k, v again
+    _check_fp8_rows(rows, plain, 0.25, group or width)
+    assert torch.all(rows.q[2].float() == 0)        # the padded slot (context 0)
+
+
 def _check_fused_decode_fp8(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
                             num_splits, config, tol):
     batch = len(seq_lens)
@@ -156,11 +213,13 @@ def test_engine_fp8_cache_through_the_kernels(qwen3_dir):
         def qk_norm_rope_store(self, *args, **kwargs):
             return ops.qk_norm_rope_store(*args, **kwargs)
 
-        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None):
             return pa.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale=kv_scale)
 
         def decode_attention(self, input_ids, meta):
-            return da.fused_decode_attention if meta.is_pure_decode(input_ids.shape[0]) else None
+            if not meta.is_pure_decode(input_ids.shape[0]):
+                return None
+            return lambda *args, into=None, **kwargs: da.fused_decode_attention(*args, **kwargs)
 
     prompts = [[5, 9, 31, 7, 200, 3, 3, 41, 9, 4], [12], [7, 7, 8]]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -172,6 +231,54 @@ def test_engine_fp8_cache_through_the_kernels(qwen3_dir):
             llm.engine.runner.model.use_backend(backend)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert run(Kernels()) == run()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CPU engine on the interpreter's kernels; a CUDA host compiles them for the GPU")
+def test_fp8_model_takes_o_proj_input_from_the_attention_kernels(tmp_path, save_tiny_model):
+    """FP8 weights and an FP8 cache on the Triton backend: o_proj takes its input rows in E4M3 at V's
+    scale (the engine's 1.0) from the attention kernels, the prefill step's and the one-kernel decode's,
+    and the greedy tokens and log-probs equal those of the plain kernels' output quantized at that scale
+    by torch before o_proj."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.backend import TritonBackend
+    from tokenmill.quant.fp8 import Fp8Rows
+    path = str(tmp_path / "plain")
+    save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
+    taken = []
+
+    def o_proj(layer) -> bool:
+        return layer.in_features == 256 and layer.out_features == 256       # down_proj takes 384
+
+    class Kernels(TritonBackend):
+        def linear_into_norm(self, layer, x):
+            if o_proj(layer):
+                taken.append(isinstance(x, Fp8Rows) and bool(torch.all(x.scale == 1.0)))
+            return super().linear_into_norm(layer, x)
+
+    class QuantizedByTorch(TritonBackend):
+        _out_group = staticmethod(lambda kv_scale, into: None)
+
+        def linear_into_norm(self, layer, x):
+            if o_proj(layer):
+                taken.append(isinstance(x, Fp8Rows))
+                one = torch.ones(x.shape[0], 1)
+                x = Fp8Rows(quantize_kv_torch(x, one[0, 0]), one, x.shape[1], x.dtype)
+            return super().linear_into_norm(layer, x)
+
+    def run(backend):
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8", kv_cache_dtype="fp8",
+                  enforce_eager=True)
+        assert torch.all(llm.engine.runner.kv_scales == 1.0)
+        llm.engine.runner.model.use_backend(backend)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6], [(7 * i) % 500 for i in range(30)]], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    by_torch = run(QuantizedByTorch())
+    assert taken and not any(taken)
+    taken.clear()
+    assert run(Kernels()) == by_torch
+    assert len(taken) == 3 and all(taken)          # the prefill step and two decode steps
 
 
 @pytest.mark.gpu

@@ -54,7 +54,7 @@ def test_engine_decode_through_the_one_kernel_attention(model_dir):
     expected = _generate(model_dir, config, prompts, params)
     batches = []
 
-    def fused(qkv, *args, **kwargs):
+    def fused(qkv, *args, into=None, **kwargs):
         batches.append(qkv.shape[0])
         return da.fused_decode_attention(qkv, *args, num_splits=3, config=DecodeAttentionConfig(16, min_split_len=16),
                                          **kwargs)
@@ -80,7 +80,7 @@ def test_engine_eager_prefill_attention_through_a_tile_map(qwen3_dir):
     steps = []
 
     class TiledPrefill(TorchBackend):
-        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None):
             if meta.is_pure_decode(q.shape[0]):
                 return super().attend(q, k_cache, v_cache, meta, scale, kv_scale)
             steps.append((meta.prefill_tiles, meta.query_start_loc.diff().tolist()))

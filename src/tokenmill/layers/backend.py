@@ -60,8 +60,10 @@ class TorchBackend:
         return q
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, Hq, D] over the paged cache, which already holds this step's K/V."""
+               scale: float, kv_scale: torch.Tensor | None = None, into=None) -> torch.Tensor:
+        """q [T, Hq, D] over the paged cache, which already holds this step's K/V. `into`: the layer that
+        takes the output next (o_proj), for a backend that writes it in the form that layer reads (the
+        Triton backend: an FP8 layer's input rows in E4M3 at V's scale, beside an FP8 cache)."""
         return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                      scale, kv_scale)
 
@@ -74,7 +76,7 @@ class TorchBackend:
 
     def decode_attention(self, input_ids: torch.Tensor, meta: AttentionMetadata):
         """A `decode_attention.fused_decode_attention`-like function when a step's attention runs as one
-        kernel from the packed qkv, else None."""
+        kernel from the packed qkv, else None; it takes `into` as `attend` does."""
         return None
 
     def w4_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
@@ -140,11 +142,18 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import fused_ops
         return fused_ops.qk_norm_rope_store(*args, **kwargs)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None):
+    def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None):
         from tokenmill.layers.kernels import paged_attention
         return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention,
                                                kv_scale=kv_scale,
-                                               decode_config=self.kernels.decode_attention_for(kv_scale is not None))
+                                               decode_config=self.kernels.decode_attention_for(kv_scale is not None),
+                                               out_group=self._out_group(kv_scale, into))
+
+    @staticmethod
+    def _out_group(kv_scale, into) -> int | None:
+        """With an FP8 cache, the columns a scale with which an FP8 o_proj takes its input rows: the
+        attention kernels write them in E4M3 at V's scale (`paged_attention.out_rows`); else None."""
+        return None if kv_scale is None or into is None else TritonBackend._fp8_group(into)
 
     def single_token_linear(self, input_ids):
         from tokenmill.layers.kernels import gemv
@@ -156,11 +165,12 @@ class TritonBackend(TorchBackend):
         if not meta.is_pure_decode(input_ids.shape[0]):
             return None
         from tokenmill.layers.kernels import decode_attention
-        kernels = self.kernels
+        kernels, out_group = self.kernels, self._out_group
 
-        def attend(*args, kv_scale=None, **kwargs):
+        def attend(*args, kv_scale=None, into=None, **kwargs):
             return decode_attention.fused_decode_attention(
-                *args, kv_scale=kv_scale, config=kernels.decode_attention_for(kv_scale is not None), **kwargs)
+                *args, kv_scale=kv_scale, config=kernels.decode_attention_for(kv_scale is not None),
+                out_group=out_group(kv_scale, into), **kwargs)
         return attend
 
     def w4_linear(self, x, layer):

@@ -20,6 +20,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.layers.quantized import Linear, linear
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.quant.fp8 import Fp8Rows
 from tokenmill.quant.w4 import W4Config
 
 
@@ -58,15 +59,17 @@ class Attention(nn.Module):
                 decode_attention=None):
         """The attention block's output, for the post-attention RMSNorm (in the backend's
         `linear_into_norm` form without tensor parallelism; a tensor after the all-reduce)."""
-        attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention)
+        attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention, into=self.o_proj)
         if self.tp is None:
             return self.backend.linear_into_norm(self.o_proj, attended)
         return self.tp.all_reduce(self.o_proj(attended))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-                   decode_attention=None) -> torch.Tensor:
+                   decode_attention=None, into=None) -> torch.Tensor | Fp8Rows:
         """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
-        `decode_attention` (from the backend's `decode_attention`): the whole of it in that one kernel."""
+        `decode_attention` (from the backend's `decode_attention`): the whole of it in that one kernel.
+        `into` (o_proj, where its product takes the output as it is): the output in the form the backend
+        writes for it (`TorchBackend.attend`); the single-token products read it as a tensor."""
         T = qkv.shape[0]
         qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm
                    else (None, None, 0.0))
@@ -74,14 +77,15 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, kv_scale=self.attn.kv_scale)
-            return out.reshape(T, self.q_size)
+                                   self.head_dim, kv_scale=self.attn.kv_scale, into=into)
+            return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
         # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the cache
         q = self.backend.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                             self.attn.v_cache, meta.slot_mapping, self.num_heads,
                                             self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
-        return self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
-                                   kv_scale=self.attn.kv_scale).reshape(T, self.q_size)
+        out = self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
+                                  kv_scale=self.attn.kv_scale, into=into)
+        return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
 
 
 class MLP(nn.Module):

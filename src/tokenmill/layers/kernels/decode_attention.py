@@ -21,7 +21,8 @@ Numerics equal the three kernels up to summation order: q and k are rounded to t
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain). With an FP8
 cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
 the cached tokens do; K's scale is folded into the score scale and V's multiplies the output, V widened
-by `fused_ops.fp8_v_tile`.
+by `fused_ops.fp8_v_tile`. For an FP8 o_proj the output is written in E4M3 in units of V's scale instead
+(`paged_attention.out_rows`), which o_proj takes as its quantized input rows.
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
 counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
@@ -39,7 +40,9 @@ from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _pages, _sms)
+                                                      _out_unit, _pages, _sms, out_rows, store_out,
+                                                      store_out_scales)
+from tokenmill.quant.fp8 import Fp8Rows
 
 MAX_SPLITS = 32
 SHIPPED = SHIPPED_DECODE
@@ -122,7 +125,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
 @triton.jit(do_not_specialize=["bt_stride_b"])   # block-table width: one variant for every step
 def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
                          k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
+                         out_ptr, out_scale_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
                          qkv_stride_t, cs_stride, c_stride_blk, c_stride_tok, bt_stride_b,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GR: tl.constexpr,
@@ -131,7 +134,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-                         ASK_L2: tl.constexpr, WIDEN_ASM: tl.constexpr):
+                         ASK_L2: tl.constexpr, WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr,
+                         OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     b = tl.program_id(0)
@@ -229,11 +233,16 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         heads = kvh * GROUP + g
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
-        inv = v_scale / tl.where(has, l_i, 1.0)     # V's scale (1.0 without FP8) with the softmax's sum
+        # V's scale (1.0 without FP8; 1.0 for an output in its units, OUT_FP8) with the softmax's sum
+        inv = _out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0)
+        if OUT_FP8:
+            if (kvh == 0) & (split == 0):     # the row's scales: V's
+                one = b64 + tl.arange(0, 1)
+                store_out_scales(out_scale_ptr, one, one >= 0, v_scale, OUT_SCALES, BLOCK_S)
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
-            tl.store(dst, (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(dst + HALF, (acc2 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+            store_out(dst, acc1 * inv[:, None], o_mask, OUT_FP8)
+            store_out(dst + HALF, acc2 * inv[:, None], o_mask, OUT_FP8)
         else:
             prow = (b64 * NUM_Q_HEADS + heads) * NUM_SPLITS + split
             part = part_out_ptr + prow[:, None] * HEAD_DIM + dr[None, :]
@@ -246,7 +255,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             if done == num_active - 1:
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM), b64, kvh,
                               num_active, NUM_Q_HEADS,
-                              NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
+                              NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D, OUT_FP8)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
@@ -257,13 +266,16 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            num_heads: int, num_kv_heads: int, head_dim: int,
                            num_splits: int | None = None,
                            config: DecodeAttentionConfig | None = None,
-                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scale: torch.Tensor | None = None,
+                           out_group: int | None = None) -> torch.Tensor | Fp8Rows:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by attention over the cache
     (`attention.paged_attention_torch`, one query a sequence); returns the attention output [B, Hq, D].
     A sequence with seq_len 0 (a padded CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its
-    `kv_scale` (attention.py). `config`: the launch, by default the shipped one for the cache's dtype."""
+    `kv_scale` (attention.py); with it, `out_group` has the output come as `Fp8Rows` [B, Hq * D] at V's
+    scale (`paged_attention.out_rows`). `config`: the launch, by default the shipped one for the cache's
+    dtype."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
@@ -287,9 +299,9 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         cfg = cfg.one_split
     elif cfg.filled is not None and takes_filled_launch(batch, num_kv_heads, num_splits, qkv.device):
         cfg = cfg.filled
-    out = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    out, out_scale, rows = out_rows((batch, num_heads, head_dim), qkv.dtype, qkv.device, kv_scale, out_group)
     if batch == 0:
-        return out
+        return rows(out)
     if num_splits > 1:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                                device=qkv.device)
@@ -299,12 +311,13 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         part_out = part_lse = out
         counters = seq_lens
     has_norm = q_weight is not None
+    out_scales = out_scale.shape[1] if out_group is not None else 1
     half = head_dim // 2
     group = num_heads // num_kv_heads
     pdl_on = pdl.enabled(qkv.device)
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
-        k_cache, v_cache, slot_mapping, block_tables, seq_lens, out, part_out, part_lse, counters,
+        k_cache, v_cache, slot_mapping, block_tables, seq_lens, out, out_scale, part_out, part_lse, counters,
         kv_scale if kv_scale is not None else seq_lens, scale * _LOG2E,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
@@ -315,8 +328,10 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
-        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, num_warps=cfg.num_warps,
+        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda,
+        OUT_FP8=out_group is not None, OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales),
+        num_warps=cfg.num_warps,
         launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
         maxnreg=cfg.maxnreg)
-    return out
+    return rows(out)

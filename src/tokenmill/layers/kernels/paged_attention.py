@@ -10,7 +10,8 @@ so any block size works, including 1, and a tile of BLOCK_N tokens may span seve
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
 An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
 for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
-by `fused_ops.fp8_v_tile`, its scale applied to the output.
+by `fused_ops.fp8_v_tile`, its scale applied to the output, or, for an FP8 o_proj, the output written in
+E4M3 in units of it (`out_rows`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, fp8_v_tile, load_kv_scales
+from tokenmill.layers.kernels.fused_ops import FP8_MAX, fp8_kv_operand, fp8_v_tile, load_kv_scales
+from tokenmill.quant.fp8 import FP8, Fp8Rows
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -126,11 +128,13 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active, NUM_Q_HEADS: tl.constexpr,
                   num_splits, GROUP: tl.constexpr, BLOCK_GR: tl.constexpr,
-                  SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                  SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  OUT_FP8: tl.constexpr):
     # the partial results of (b64, kvh)'s num_active splits, merged into the output row at out_row_ptr
     # (its q heads contiguous, head_dim apart): the group's heads x SPLIT_CHUNK splits x head_dim per
     # load, splits in order, so the result does not depend on which program merges; every active split
-    # holds at least one position, so every lse read is finite
+    # holds at least one position, so every lse read is finite. OUT_FP8: the partials are in units of V's
+    # scale and the row is E4M3 (`store_out`)
     g = tl.arange(0, BLOCK_GR)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
@@ -155,7 +159,34 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, b64, kvh, num_active,
         o = o * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
         m = m_new
     dst = out_row_ptr + heads[:, None] * HEAD_DIM + d[None, :]
-    tl.store(dst, (o / w_sum[:, None]).to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    store_out(dst, o / w_sum[:, None], g_mask[:, None] & d_mask[None, :], OUT_FP8)
+
+
+@triton.jit
+def _out_unit(v_scale, OUT_FP8: tl.constexpr):
+    # what the softmax-normalised sum of V's stored values is multiplied by: V's scale, or 1 for an
+    # output in units of it (OUT_FP8)
+    if OUT_FP8:
+        return 1.0
+    else:
+        return v_scale
+
+
+@triton.jit
+def store_out(dst, out, mask, OUT_FP8: tl.constexpr):
+    # an attention output tile (float32) into the output's dtype; OUT_FP8: out is in units of V's scale,
+    # within +-448 (a convex combination of V's E4M3 values) but for rounding, which the clamp takes
+    if OUT_FP8:
+        out = tl.clamp(out, -FP8_MAX, FP8_MAX)
+    tl.store(dst, out.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_out_scales(scale_ptr, rows, row_mask, v_scale, SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the FP8 output rows' scales [T, SCALES] (rows: int64 [R]): V's scale for every group of every row
+    j = tl.arange(0, BLOCK_S)
+    vals = tl.zeros_like(rows).to(tl.float32)[:, None] + tl.zeros([BLOCK_S], tl.float32)[None, :] + v_scale
+    tl.store(scale_ptr + rows[:, None] * SCALES + j[None, :], vals, mask=row_mask[:, None] & (j < SCALES)[None, :])
 
 
 @triton.jit
@@ -172,13 +203,14 @@ def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 # serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "num_splits"])
 def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                        out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
+                        out_ptr, out_scale_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_scale_ptr, scale_log2,
                         q_stride_t, q_stride_h, c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, num_splits,
                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         SPLIT_CHUNK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_GR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
+                        OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
     # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
     # every cached position is visible); other sequences' programs exit. The group's GROUP q heads are
     # padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode (decode_attention.py):
@@ -222,12 +254,16 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                                              valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
                                              scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
             has = l_i > 0
-            acc = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
+            # OUT_FP8: the output in units of V's scale (the row's scale, written by kv head 0's first split)
+            acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0))[:, None]
             o_mask = g_mask[:, None] & d_mask[None, :]
             out_row = out_ptr + row64 * (NUM_Q_HEADS * HEAD_DIM)
+            if OUT_FP8:
+                if (kvh == 0) & (split == 0):
+                    one = row64 + tl.arange(0, 1)
+                    store_out_scales(out_scale_ptr, one, one >= 0, v_scale, OUT_SCALES, BLOCK_S)
             if num_active == 1:
-                tl.store(out_row + heads[:, None] * HEAD_DIM + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=o_mask)
+                store_out(out_row + heads[:, None] * HEAD_DIM + d[None, :], acc, o_mask, OUT_FP8)
             else:
                 prow = (b64 * NUM_Q_HEADS + heads) * num_splits + split
                 tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=o_mask)
@@ -237,7 +273,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if done == num_active - 1:
                     _merge_splits(part_out_ptr, part_lse_ptr, out_row, b64, kvh, num_active, NUM_Q_HEADS,
-                                  num_splits, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D)
+                                  num_splits, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D, OUT_FP8)
                     tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
@@ -248,13 +284,14 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
 # longest sequence): neither is specialised, so one compiled variant serves every step
 @triton.jit(do_not_specialize=["bt_stride_b", "tiles_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, tiles_ptr, out_ptr, kv_scale_ptr, scale_log2,
+                    query_start_loc_ptr, tiles_ptr, out_ptr, out_scale_ptr, kv_scale_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     c_stride_blk, c_stride_tok, c_stride_h, bt_stride_b, tiles_stride,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr,
-                    WIDEN_ASM: tl.constexpr):
+                    WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
     # own. With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of
@@ -310,9 +347,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                                          valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
                                          scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
 
-        acc = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-        tl.store(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
+        # OUT_FP8: the output in units of V's scale (the rows' scales, written by q head 0's programs)
+        acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(l_i > 0, l_i, 1.0))[:, None]
+        store_out(out_ptr + rows[:, None] * o_stride_t + h * o_stride_h + d[None, :], acc,
+                  q_mask[:, None] & d_mask[None, :], OUT_FP8)
+        if OUT_FP8:
+            if h == 0:
+                store_out_scales(out_scale_ptr, rows, q_mask, v_scale, OUT_SCALES, BLOCK_S)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -322,7 +363,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             tiles: torch.Tensor | None = None,
                             kv_scale: torch.Tensor | None = None,
                             decode_config: DecodeAttentionConfig | None = None,
-                            num_splits: int | None = None) -> torch.Tensor:
+                            num_splits: int | None = None, out_group: int | None = None) -> torch.Tensor | Fp8Rows:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
     of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
@@ -331,7 +372,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (`decode_config`: block_n, num_warps, num_stages; by default the shipped launch for the cache). For the prefill kernel `max_query_len` (a host
     int) sizes the grid, or, when `tiles` (int32 [2, n], from `prefill_tiles` for BLOCK_M =
     PREFILL_BLOCK_M) is given, the grid has one program per tile and head, which keeps a CUDA graph
-    padded to many sequences cheap. An FP8 cache comes with its `kv_scale` (attention.py)."""
+    padded to many sequences cheap. An FP8 cache comes with its `kv_scale` (attention.py); with it,
+    `out_group` (the columns a scale of the FP8 product that takes the output, `fp8_gemm.input_group`)
+    has the output come as `quant/fp8.Fp8Rows` [T, Hq * D] at V's scale (`out_rows`)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
@@ -342,9 +385,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     cfg = config
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out, out_scale, rows = out_rows(q.shape, q.dtype, q.device, kv_scale, out_group)
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
-        return out
+        return rows(out)
     if tiles is not None:
         if tiles.dim() != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32 or tiles.stride(1) != 1:
             raise ValueError(f"tiles must be int32 [2, n] with unit inner stride, got {tiles.dtype} "
@@ -372,38 +415,63 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:  # float32 as above, so that one compiled variant serves every split count
         part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
         counters = seq_lens
+    out_scales = out_scale.shape[1] if out_group is not None else 1
     _decode_rows_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, counters, kv_scale,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, out_scale, part_out, part_lse, counters,
+        kv_scale,
         scale * _LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, SPLIT_CHUNK=8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
+        OUT_FP8=out_group is not None, OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales),
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         maxnreg=dcfg.rows_maxnreg)
     if grid is None:
-        return out
+        return rows(out)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        tiles if tiles is not None else query_start_loc, out, kv_scale, scale * _LOG2E,
+        tiles if tiles is not None else query_start_loc, out, out_scale, kv_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tiles.stride(0) if tiles is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
-        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, num_warps=cfg.num_warps,
+        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, OUT_FP8=out_group is not None,
+        OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
-    return out
+    return rows(out)
+
+
+def out_rows(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, kv_scale: torch.Tensor | None,
+             group: int | None):
+    """The attention output [T, Hq, D] and what the kernels write it as: in `dtype`, or, with an FP8 cache
+    and `group` (the columns a scale of the FP8 product that takes it), in E4M3 at V's scale with that
+    scale for every group of every row (an attention output is a convex combination of V's rows, so it
+    stays within +-448 x V's scale). Returns (out, its scales [T, ceil(Hq * D / group)] or a stand-in,
+    and the function that gives the caller the finished output: the tensor, or `Fp8Rows` [T, Hq * D] of
+    the rows' dtype `dtype`)."""
+    if group is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        return out, out, lambda o: o
+    if kv_scale is None:
+        raise ValueError("an FP8 attention output is at V's scale: it needs an FP8 KV cache")
+    t, width = shape[0], shape[1] * shape[2]
+    out = torch.empty(shape, dtype=FP8, device=device)
+    scale = torch.empty(t, triton.cdiv(width, group), dtype=torch.float32, device=device)
+    return out, scale, lambda o: Fp8Rows(o.view(t, width), scale, group, dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
                     kv_scale: torch.Tensor | None = None,
-                    decode_config: DecodeAttentionConfig | None = None) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D]:
-    `paged_prefill_attention`, for steps with prefill chunks and the decode rows beside them
-    (pure-decode steps run `decode_attention.fused_decode_attention` from the packed qkv instead)."""
+                    decode_config: DecodeAttentionConfig | None = None,
+                    out_group: int | None = None) -> torch.Tensor | Fp8Rows:
+    """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D] (or
+    `Fp8Rows` with `out_group`): `paged_prefill_attention`, for steps with prefill chunks and the decode
+    rows beside them (pure-decode steps run `decode_attention.fused_decode_attention` from the packed qkv
+    instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles,
-                                   kv_scale=kv_scale, decode_config=decode_config)
+                                   kv_scale=kv_scale, decode_config=decode_config, out_group=out_group)
