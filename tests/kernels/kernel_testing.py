@@ -64,3 +64,14 @@ def _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, eps, k_cach
     q, k = apply_rotary_torch(q, cos, sin), apply_rotary_torch(k, cos, sin)
     store_kvcache_torch(k, v, k_cache, v_cache, slots, kv_scale)
     return q
+
+
+def fp8_model_tokens(path: str, backend, long_prompt: int = 30, **llm_kwargs) -> list:
+    """An FP8 model (quantized at load) on `backend`, CPU, float32: three prompts at once (the third of
+    `long_prompt` tokens), two greedy tokens each with their top-2 log-probs, as [(token ids, logprobs)]."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8", **llm_kwargs)
+    llm.engine.runner.model.use_backend(backend)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6], [(7 * i) % 500 for i in range(long_prompt)]]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]

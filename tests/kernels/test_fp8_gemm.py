@@ -276,7 +276,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     down take their rows quantized by the kernel before them (o_proj quantizes its own), on the few-row
     kernel and (41 rows, block scales) the block GEMM, and the greedy tokens and log-probs equal those of
     the same kernels passing unquantized rows."""
-    from tokenmill import LLM, SamplingParams
+    from kernel_testing import fp8_model_tokens
     from tokenmill.layers.backend import TorchBackend, TritonBackend
     from tokenmill.layers.kernels import fp8_gemm
     path = str(tmp_path / "plain")
@@ -303,16 +303,10 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     class Unquantized(Kernels):
         _fp8_group = staticmethod(lambda layer: None)
 
-    def run(backend):
-        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8")
-        llm.engine.runner.model.use_backend(backend)
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
-        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6], [(7 * i) % 500 for i in range(30)]], params)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
-    unquantized = run(Unquantized())
+    unquantized = fp8_model_tokens(path, Unquantized())
     assert inputs and not any(inputs)
     inputs.clear()
-    assert run(Kernels()) == unquantized
+    assert fp8_model_tokens(path, Kernels()) == unquantized
     # each step's layers: qkv, gate_up and down quantized by their producer, o_proj not
     assert len(inputs) % 4 == 0 and inputs == [True, False, True, True] * (len(inputs) // 4)
 

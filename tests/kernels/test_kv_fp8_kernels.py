@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, HALF, HAS_CUDA, _gen, _paged_cache, _prologue_reference, _randn, _tol, gpu
+from kernel_testing import (DEVICE, HALF, HAS_CUDA, _gen, _paged_cache, _prologue_reference, _randn, _tol,
+                            fp8_model_tokens, gpu)
 from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
 from tokenmill.layers.kernel_config import SHIPPED_FP8_DECODE, DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da
@@ -239,7 +240,6 @@ def test_fp8_model_takes_o_proj_input_from_the_attention_kernels(tmp_path, save_
     scale (the engine's 1.0) from the attention kernels, the prefill step's and the one-kernel decode's,
     and the greedy tokens and log-probs equal those of the plain kernels' output quantized at that scale
     by torch before o_proj."""
-    from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TritonBackend
     from tokenmill.quant.fp8 import Fp8Rows
     path = str(tmp_path / "plain")
@@ -266,14 +266,8 @@ def test_fp8_model_takes_o_proj_input_from_the_attention_kernels(tmp_path, save_
                 x = Fp8Rows(quantize_kv_torch(x, one[0, 0]), one, x.shape[1], x.dtype)
             return super().linear_into_norm(layer, x)
 
-    def run(backend):
-        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8", kv_cache_dtype="fp8",
-                  enforce_eager=True)
-        assert torch.all(llm.engine.runner.kv_scales == 1.0)
-        llm.engine.runner.model.use_backend(backend)
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
-        out = llm.generate([[5, 9, 31, 7, 200, 3, 3, 41], [12, 40, 6], [(7 * i) % 500 for i in range(20)]], params)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    def run(backend):      # the engine's FP8 cache has scales of 1.0, which QuantizedByTorch assumes
+        return fp8_model_tokens(path, backend, 20, kv_cache_dtype="fp8", enforce_eager=True)
     by_torch = run(QuantizedByTorch())
     assert taken and not any(taken)
     taken.clear()
