@@ -118,11 +118,13 @@ def pa_types(fp8):
     return {**dt, "q_ptr": BF, "query_start_loc_ptr": "*i32", "tiles_ptr": "*i32", "kv_scale_ptr": "*i32", **cache}
 def prefill(fp8):
     return comp(paged_attention._prefill_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_M=64,
-                BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True, FP8=fp8, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
+                BLOCK_N=64, DOT_PRECISION="tf32", USE_TILES=True, FP8=fp8, WIDEN_ASM=True, OUT_FP8=False, OUT_SCALES=1,
+                BLOCK_S=1),
                 pa_types(fp8), 4, 2, aligned=pa_aligned)
 def decode_rows(fp8):
-    return comp(paged_attention._decode_rows_kernel, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128,
-                PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION="tf32", FP8=fp8, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
+    return comp(paged_attention._decode_rows_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, SPLIT_CHUNK=8, GROUP=4,
+                BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64,
+                DOT_PRECISION="tf32", FP8=fp8, WIDEN_ASM=True, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
                 pa_types(fp8), 4, 2, aligned=pa_aligned)
 K["prefill"] = lambda: prefill(False)
 K["prefill_fp8"] = lambda: prefill(True)
