@@ -158,7 +158,7 @@ def test_attention_output_for_an_fp8_product(group, num_splits):
 
 
 def _check_fused_decode_fp8(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
-                            num_splits, config, tol):
+                            num_splits, config, tol, out_group=None):
     batch = len(seq_lens)
     k_cache, v_cache, table = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
     kv_scale = _scales(0.02, 0.25)
@@ -181,6 +181,12 @@ def _check_fused_decode_fp8(gen, seq_lens, num_heads, num_kv_heads, head_dim, bl
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     _assert_fp8_close(k8, ref_k)
     _assert_fp8_close(v8, ref_v)
+    if out_group is not None:       # the output for an FP8 o_proj: E4M3 at V's scale (the new k, v stored again)
+        rows = da.fused_decode_attention(qkv, positions, rope.cos_sin, *weights, 1e-6, k8, v8, slots, table, ctx,
+                                         head_dim ** -0.5, num_heads, num_kv_heads, head_dim, num_splits=num_splits,
+                                         config=config, kv_scale=kv_scale, out_group=out_group)
+        assert torch.all(rows.scale == kv_scale[1])
+        torch.testing.assert_close(rows.q.float().view_as(ref) * kv_scale[1], ref.float(), rtol=1 / 16, atol=tol)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -284,11 +290,11 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
     # 33 sequences fill an H200's 132 SMs with (sequence, kv head) programs: split in a few, the shipped
     # launch takes its one-warp tiles (`filled`)
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
-                            128, 16, bf16, num_q_heads == 32, None, SHIPPED_FP8_DECODE, 2e-2)
+                            128, 16, bf16, num_q_heads == 32, None, SHIPPED_FP8_DECODE, 2e-2, out_group=128)
     _check_fused_decode_fp8(gen, [1500], num_q_heads, num_kv_heads, 128, 16, bf16, True, None, SHIPPED_FP8_DECODE, 2e-2)
     # one split: the shipped launch for an FP8 cache takes its narrower tiles (`one_split`)
     _check_fused_decode_fp8(gen, torch.randint(1, 2100, (33,), generator=gen).tolist(), num_q_heads, num_kv_heads,
-                            128, 16, bf16, True, 1, SHIPPED_FP8_DECODE, 2e-2)
+                            128, 16, bf16, True, 1, SHIPPED_FP8_DECODE, 2e-2, out_group=num_q_heads * 128)
     q_lens, seq_lens = [300, 1, 64, 700], [1300, 900, 64, 700]
     k_cache, v_cache, table = _paged_cache(seq_lens, 16, num_kv_heads, 128, torch.float32, gen)
     kv_scale = _scales(0.05, 0.25)
@@ -299,6 +305,12 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
     ref = paged_attention_torch(q, k8, v8, table, ctx, qsl, 128 ** -0.5, kv_scale)
     out = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 128 ** -0.5, kv_scale=kv_scale)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    # the output for an FP8 o_proj (one scale a row, and Qwen's 128-column blocks): E4M3 at V's scale
+    for group in (num_q_heads * 128, 128):
+        rows = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 128 ** -0.5, kv_scale=kv_scale,
+                                          out_group=group)
+        assert torch.all(rows.scale == 0.25)
+        torch.testing.assert_close(rows.q.float().view_as(ref) * 0.25, ref, rtol=1 / 16, atol=2e-2)
     rope = RotaryEmbedding(128, 4096, 1e6).to(DEVICE)
     qkv = 4 * _randn(64, (num_q_heads + 2 * num_kv_heads) * 128, dtype=bf16, gen=gen)
     slots = torch.randperm(k8.shape[0] * 16, generator=gen)[:64].to(DEVICE)
