@@ -299,7 +299,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         cfg = cfg.one_split
     elif cfg.filled is not None and takes_filled_launch(batch, num_kv_heads, num_splits, qkv.device):
         cfg = cfg.filled
-    out, out_scale, rows = out_rows((batch, num_heads, head_dim), qkv.dtype, qkv.device, kv_scale, out_group)
+    out, out_scale, out_launch, rows = out_rows((batch, num_heads, head_dim), qkv.dtype, qkv.device, kv_scale,
+                                                out_group)
     if batch == 0:
         return rows(out)
     if num_splits > 1:
@@ -311,7 +312,6 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         part_out = part_lse = out
         counters = seq_lens
     has_norm = q_weight is not None
-    out_scales = out_scale.shape[1] if out_group is not None else 1
     half = head_dim // 2
     group = num_heads // num_kv_heads
     pdl_on = pdl.enabled(qkv.device)
@@ -328,8 +328,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
-        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda,
-        OUT_FP8=out_group is not None, OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales),
+        FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, **out_launch,
         num_warps=cfg.num_warps,
         launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,

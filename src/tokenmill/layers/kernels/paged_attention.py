@@ -385,7 +385,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     cfg = config
-    out, out_scale, rows = out_rows(q.shape, q.dtype, q.device, kv_scale, out_group)
+    out, out_scale, out_launch, rows = out_rows(q.shape, q.dtype, q.device, kv_scale, out_group)
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return rows(out)
     if tiles is not None:
@@ -415,18 +415,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:  # float32 as above, so that one compiled variant serves every split count
         part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
         counters = seq_lens
-    out_scales = out_scale.shape[1] if out_group is not None else 1
     _decode_rows_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, out_scale, part_out, part_lse, counters,
-        kv_scale,
-        scale * _LOG2E, q.stride(0), q.stride(1),
+        kv_scale, scale * _LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, SPLIT_CHUNK=8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
-        OUT_FP8=out_group is not None, OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales),
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        **out_launch, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         maxnreg=dcfg.rows_maxnreg)
     if grid is None:
         return rows(out)
@@ -438,8 +435,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         tiles.stride(0) if tiles is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
-        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, OUT_FP8=out_group is not None,
-        OUT_SCALES=out_scales, BLOCK_S=triton.next_power_of_2(out_scales), num_warps=cfg.num_warps,
+        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, **out_launch, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return rows(out)
 
@@ -450,17 +446,19 @@ def out_rows(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.devi
     and `group` (the columns a scale of the FP8 product that takes it), in E4M3 at V's scale with that
     scale for every group of every row (an attention output is a convex combination of V's rows, so it
     stays within +-448 x V's scale). Returns (out, its scales [T, ceil(Hq * D / group)] or a stand-in,
-    and the function that gives the caller the finished output: the tensor, or `Fp8Rows` [T, Hq * D] of
-    the rows' dtype `dtype`)."""
+    the kernels' constexprs for it (OUT_FP8, OUT_SCALES, BLOCK_S), and the function that gives the caller
+    the finished output: the tensor, or `Fp8Rows` [T, Hq * D] of the rows' dtype `dtype`)."""
     if group is None:
         out = torch.empty(shape, dtype=dtype, device=device)
-        return out, out, lambda o: o
+        return out, out, dict(OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1), lambda o: o
     if kv_scale is None:
         raise ValueError("an FP8 attention output is at V's scale: it needs an FP8 KV cache")
     t, width = shape[0], shape[1] * shape[2]
     out = torch.empty(shape, dtype=FP8, device=device)
-    scale = torch.empty(t, triton.cdiv(width, group), dtype=torch.float32, device=device)
-    return out, scale, lambda o: Fp8Rows(o.view(t, width), scale, group, dtype)
+    scales = triton.cdiv(width, group)
+    scale = torch.empty(t, scales, dtype=torch.float32, device=device)
+    launch = dict(OUT_FP8=True, OUT_SCALES=scales, BLOCK_S=triton.next_power_of_2(scales))
+    return out, scale, launch, lambda o: Fp8Rows(o.view(t, width), scale, group, dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
