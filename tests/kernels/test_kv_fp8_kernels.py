@@ -310,7 +310,7 @@ def test_gpu_fp8_cache_realistic(num_q_heads, num_kv_heads):
         rows = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 128 ** -0.5, kv_scale=kv_scale,
                                           out_group=group)
         assert torch.all(rows.scale == 0.25)
-        torch.testing.assert_close(rows.q.float().view_as(ref) * 0.25, ref, rtol=1 / 16, atol=2e-2)
+        torch.testing.assert_close(rows.q.float().view_as(ref) * 0.25, ref.float(), rtol=1 / 16, atol=2e-2)
     rope = RotaryEmbedding(128, 4096, 1e6).to(DEVICE)
     qkv = 4 * _randn(64, (num_q_heads + 2 * num_kv_heads) * 128, dtype=bf16, gen=gen)
     slots = torch.randperm(k8.shape[0] * 16, generator=gen)[:64].to(DEVICE)
