@@ -463,12 +463,13 @@ def test_building_the_engine_imports_neither_dynamo_nor_sympy(fresh_engine_proce
 
 
 def test_an_api_server_process_imports_neither_triton_nor_the_engine():
-    """`import tokenmill` leaves `LLM` (the engine, the model runner, Triton) until it is asked for: an API
-    server process, which only talks to the engine core, starts without them."""
+    """`import tokenmill` leaves `LLM` (the engine, the model runner, Triton) until it is asked for, and
+    the configs leave torch until a dtype or device is made: an API server process, which only talks to
+    the engine core, starts without them."""
     import subprocess
     import sys
     code = ("import sys, tokenmill.server.app; "
-            "print(sorted(m for m in ('triton', 'tokenmill.engine.engine', 'tokenmill.runner.model_runner') "
+            "print(sorted(m for m in ('torch', 'triton', 'tokenmill.engine.engine', 'tokenmill.runner.model_runner') "
             "if m in sys.modules)); from tokenmill import LLM; print(LLM.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.quant import w4
-from tokenmill.quant.quantize import (QUANTIZED_LAYERS, quantize_awq, quantize_gptq, quantization_config,
+from tokenmill.quant.formats import QUANTIZED_LAYERS, W4Config
+from tokenmill.quant.quantize import (quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
 
 from test_real_model import engine_logprobs, engine_logprobs_many
@@ -86,7 +87,7 @@ def test_quantizer_layout_and_error(method, kwargs):
     assert parts["qweight"].dtype == parts["qzeros"].dtype == torch.int32 and parts["scales"].dtype == torch.float16
     offset = 1 if method == "gptq" and kwargs.get("checkpoint_format", "gptq") == "gptq" else 0
     mine = plain_dequant({k: v.numpy() for k, v in parts.items()}, method, group, in_f, offset)
-    cfg = w4.W4Config(method, group, zero_offset=offset)
+    cfg = W4Config(method, group, zero_offset=offset)
     ref = w4.dequantize(parts["qweight"], parts["qzeros"], parts["scales"], cfg, in_f)
     assert torch.equal(ref, torch.from_numpy(mine))
     # round to nearest: within half a step of the group's grid
@@ -118,7 +119,7 @@ def test_gptq_error_compensation_beats_rounding_on_its_own_grid():
     assert gptq < 0.75 * rtn
     assert (q != nearest).any() and q.min() >= 0 and q.max() <= 15 and zeros.min() >= 1
     parts = quantize_gptq(w, group, sym=False, grid=(q, zeros, scales))
-    packed = w4.dequantize(parts["qweight"], parts["qzeros"], parts["scales"], w4.W4Config("gptq", group, zero_offset=1), in_f)
+    packed = w4.dequantize(parts["qweight"], parts["qzeros"], parts["scales"], W4Config("gptq", group, zero_offset=1), in_f)
     assert torch.equal(packed, dequantize_grid((q, zeros, scales), group))
 
 

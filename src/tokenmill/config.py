@@ -6,46 +6,39 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.layers.kernel_config import KernelConfig
-from tokenmill.quant.fp8 import METHODS as FP8_METHODS, Fp8Config, parse_fp8_config
-from tokenmill.quant.w4 import SUPPORTED_METHODS as W4_METHODS, W4Config, parse_quantization_config
+from tokenmill.quant.formats import QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
 
-# --quantization values: the checkpoint's format (fp8 also quantizes a plain checkpoint at load)
-QUANTIZATION_METHODS = (*W4_METHODS, "fp8")
+# torch is imported where a dtype or a device is made, not here: an API server process builds these
+# configs (the command line's) without the tensor library, which costs it ~2 s of CPU and ~200 MB at start
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch's attribute
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
-def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
+    """A dtype or its name -> the dtype; None -> float32."""
+    import torch
     if value is None:
-        return default
+        return torch.float32
     if isinstance(value, torch.dtype):
         return value
     key = str(value).replace("torch.", "").lower()
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(set(_DTYPES))}")
-    return _DTYPES[key]
-
-
-def _parse_quantization(qc: dict) -> W4Config | Fp8Config:
-    method = str(qc.get("quant_method", "")).lower()
-    if method in FP8_METHODS:
-        return parse_fp8_config(qc)
-    if method not in W4_METHODS:
-        raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
-                         f"supported: {', '.join((*W4_METHODS, *FP8_METHODS))}")
-    return parse_quantization_config(qc)
+    return getattr(torch, _DTYPES[key])
 
 
 @dataclass(frozen=True)
@@ -100,7 +93,7 @@ class ModelConfig:
                 scaling = None
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"), torch.float32)
+        dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -121,7 +114,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
             hidden_act=hf.get("hidden_act", "silu"),
-            quantization=(_parse_quantization(hf["quantization_config"])
+            quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
         )
 
@@ -168,7 +161,7 @@ class ModelConfig:
             vocab = int(file.tensors["token_embd.weight"].shape[1])
         eos = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
         file_type = md.get("general.file_type")
-        dtype = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}.get(file_type, torch.bfloat16)
+        dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
@@ -302,11 +295,13 @@ class EngineConfig:
                                  f"{getattr(model, name)} (each rank holds an equal share)")
 
     def resolve_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+        import torch
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         if device.type == "cpu":
@@ -314,4 +309,5 @@ class EngineConfig:
         return model_config.dtype if model_config.dtype != torch.float32 else torch.bfloat16
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        import torch
         return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn

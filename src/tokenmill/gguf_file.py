@@ -9,10 +9,12 @@ import math
 import mmap
 import os
 import struct
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # general.architecture -> our registry key
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -78,6 +80,7 @@ class GGUFFile:
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name`, dequantized to float32, in PyTorch's (out_features, in_features) order."""
         import gguf
+        import torch       # here, not at the top: an API server reads a GGUF's tokenizer without torch
 
         t = self.tensors[name]
         shape = tuple(reversed(t.shape))

@@ -43,8 +43,8 @@ def test_triton_norm_and_silu_quantize_only_for_fp8_products_that_take_quantized
     they feed is FP8 and every path of its product quantizes its input; for a plain layer, a 4-bit one
     (which has no `weight`) and an FP8 one whose dims are not multiples of 16 they write plain rows."""
     from tokenmill.layers.quantized import linear
-    from tokenmill.quant.fp8 import Fp8Config, Fp8Rows
-    from tokenmill.quant.w4 import W4Config
+    from tokenmill.quant.fp8 import Fp8Rows
+    from tokenmill.quant.formats import Fp8Config, W4Config
     backend = TritonBackend()
     x = torch.randn(3, 128)
     w = torch.ones(128)

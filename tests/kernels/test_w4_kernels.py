@@ -20,6 +20,7 @@ import torch
 from kernel_testing import DEVICE, HALF, gpu
 from tokenmill.layers.quantized import dequantize_w4, repack_w4
 from tokenmill.quant import w4
+from tokenmill.quant.formats import W4Config
 from tokenmill.quant.quantize import quantize_awq, quantize_gptq
 
 
@@ -30,10 +31,10 @@ def _layer(method: str, n: int, k: int, group: int, seed: int, sym: bool = False
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
     if method == "awq":
-        parts, cfg = quantize_awq(w, group), w4.W4Config("awq", group)
+        parts, cfg = quantize_awq(w, group), W4Config("awq", group)
     else:
         parts = quantize_gptq(w, group, sym=sym, checkpoint_format=fmt)
-        cfg = w4.W4Config("gptq", group, sym=sym, zero_offset=1 if fmt == "gptq" else 0)
+        cfg = W4Config("gptq", group, sym=sym, zero_offset=1 if fmt == "gptq" else 0)
     ref = w4.dequantize(parts["qweight"], parts["qzeros"], parts["scales"], cfg, k).t()
     packed = repack_w4(parts["qweight"], parts["qzeros"], parts["scales"], cfg, k)
     return tuple(t.to(DEVICE) for t in packed), ref

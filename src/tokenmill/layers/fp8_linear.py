@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
-from tokenmill.quant.fp8 import FP8, Fp8Config
+from tokenmill.quant.fp8 import FP8
+from tokenmill.quant.formats import Fp8Config
 
 
 class Fp8Linear(nn.Module):

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.backend import TorchBackend
-from tokenmill.quant.fp8 import Fp8Config
+from tokenmill.quant.formats import Fp8Config, W4Config
 from tokenmill.quant.quantize import pack_cols
-from tokenmill.quant.w4 import PACK, W4Config, unpack, unpack_cols
+from tokenmill.quant.w4 import PACK, unpack, unpack_cols
 
 
 class Linear(nn.Linear):

@@ -21,7 +21,7 @@ from tokenmill.layers.parallel import TensorParallel
 from tokenmill.layers.quantized import Linear, linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.quant.fp8 import Fp8Rows
-from tokenmill.quant.w4 import W4Config
+from tokenmill.quant.formats import W4Config
 
 
 def _weights(layer: nn.Module) -> dict:

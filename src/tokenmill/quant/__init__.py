@@ -1,2 +1,3 @@
-"""Weight quantization formats: 4-bit AWQ (GEMM packing) and GPTQ checkpoints (`w4.py`: config, packing and
-the dequantizing reference) and a round-to-nearest quantizer that writes them (`quantize.py`)."""
+"""Weight quantization: the checkpoint formats' configs, checked without torch (`formats.py`); 4-bit AWQ
+(GEMM packing) and GPTQ (`w4.py`: packing and the dequantizing reference) and FP8 (`fp8.py`); quantizers
+that write them (`quantize.py`, `gptq.py`)."""

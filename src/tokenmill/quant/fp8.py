@@ -32,33 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-# the decoder's linear layers, by their checkpoint names; everything else stays in the model dtype
-from tokenmill.quant.quantize import QUANTIZED_LAYERS
+from tokenmill.quant.formats import QUANTIZED_LAYERS
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)         # 448
-METHODS = ("fp8", "compressed-tensors")        # the quant_method values of FP8 checkpoints
-SUPPORTED_BLOCKS = ((128, 128),)
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """FP8 weights. `weight_block_size` None: one scale per output channel; else (block_n, block_k).
-    `checkpoint_format`: the quant_method they were stored as, or None when quantized at load."""
-    weight_block_size: tuple[int, int] | None = None
-    checkpoint_format: str | None = None
-    method: str = "fp8"
-
-    @property
-    def scale_name(self) -> str:
-        return "weight_scale" if self.weight_block_size is None else "weight_scale_inv"
-
-    def block(self, in_features: int) -> tuple[int, int]:
-        return (1, in_features) if self.weight_block_size is None else self.weight_block_size
-
-    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
-        bn, bk = self.block(in_features)
-        return -(-out_features // bn), -(-in_features // bk)
 
 
 @dataclass(frozen=True)
@@ -91,62 +68,6 @@ class UnscaledRows:
     row_scale: torch.Tensor
     col_scale: torch.Tensor
     dtype: torch.dtype
-
-
-def parse_fp8_config(qc: dict) -> Fp8Config:
-    """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "fp8":
-        fmt = str(qc.get("fmt", "e4m3")).lower()
-        if fmt != "e4m3":
-            raise ValueError(f"fp8 checkpoint with fmt={qc.get('fmt')!r} is not supported; supported: e4m3")
-        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
-        if scheme != "dynamic":
-            raise ValueError(f"fp8 checkpoint with activation_scheme={qc.get('activation_scheme')!r} is not "
-                             "supported; supported: dynamic")
-        block = qc.get("weight_block_size")
-        if block is None or tuple(block) not in SUPPORTED_BLOCKS:
-            raise ValueError(f"fp8 checkpoint with weight_block_size={block!r} is not supported; supported: "
-                             f"{', '.join(str(list(b)) for b in SUPPORTED_BLOCKS)}")
-        _check_ignored(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), "fp8")
-        return Fp8Config(tuple(block), "fp8")
-    if method != "compressed-tensors":
-        raise ValueError(f"quant_method {qc.get('quant_method')!r} is not an FP8 format; supported: "
-                         f"{', '.join(METHODS)}")
-    fmt = qc.get("format", "float-quantized")
-    if fmt not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"compressed-tensors checkpoint with format={fmt!r} is not supported; supported: "
-                         "float-quantized")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config_groups is not supported; "
-                         "supported: one group for every Linear")
-    (name, group), = groups.items()
-    targets = group.get("targets") or []
-    if list(targets) != ["Linear"]:
-        raise ValueError(f"compressed-tensors group {name!r} with targets={targets!r} is not supported; "
-                         "supported: ['Linear']")
-    w = group.get("weights") or {}
-    got = (w.get("num_bits"), str(w.get("type")).lower(), str(w.get("strategy")).lower())
-    if got != (8, "float", "channel"):
-        raise ValueError(f"compressed-tensors weights num_bits={w.get('num_bits')!r} type={w.get('type')!r} "
-                         f"strategy={w.get('strategy')!r} are not supported; supported: num_bits=8 "
-                         "type='float' strategy='channel'")
-    if not w.get("symmetric", True) or w.get("dynamic", False):
-        raise ValueError("compressed-tensors weights with symmetric=false or dynamic=true are not supported; "
-                         "supported: static symmetric scales")
-    act = group.get("input_activations")
-    if act is not None and not act.get("dynamic", False):
-        raise ValueError(f"compressed-tensors input_activations with dynamic=false (static scales, strategy="
-                         f"{act.get('strategy')!r}) are not supported; supported: dynamic per-token or none")
-    _check_ignored([m for m in qc.get("ignore") or [] if m != "lm_head"], "compressed-tensors")
-    return Fp8Config(None, "compressed-tensors")
-
-
-def _check_ignored(modules, method: str) -> None:
-    if modules:
-        raise ValueError(f"{method} checkpoint leaving {list(modules)[:4]!r} unquantized is not supported; "
-                         "supported: every decoder linear layer in FP8 (the head may be left out)")
 
 
 def check_device(device: torch.device, what: str = "FP8 weights") -> None:

@@ -8,10 +8,10 @@ import os
 
 import torch
 
+from tokenmill.quant.formats import QUANTIZED_LAYERS
 from tokenmill.quant.w4 import AWQ_ORDER, PACK
 
 # the decoder's linear layers that AWQ and GPTQ checkpoints quantize; embeddings, norms and the head stay
-QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -27,65 +27,12 @@ along the input dim, qzeros along the output dim, zero offset 1 by the AutoGPTQ/
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from tokenmill.quant.formats import W4Config
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # field i of a word holds output column AWQ_ORDER[i]
 PACK = 8                                       # 4-bit fields per int32 word
-SUPPORTED_METHODS = ("awq", "gptq")
-SUPPORTED_BITS = (4,)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-
-
-@dataclass(frozen=True)
-class W4Config:
-    """A checkpoint's `quantization_config`, checked: `zero_offset` is what readers add to a stored zero
-    (1 for GPTQ v1, else 0)."""
-    method: str
-    group_size: int
-    bits: int = 4
-    sym: bool = False
-    zero_offset: int = 0
-
-    def num_groups(self, in_features: int) -> int:
-        return -(-in_features // self.group_size)
-
-
-def parse_quantization_config(qc: dict) -> W4Config:
-    """A config.json's `quantization_config` -> W4Config, or a ValueError naming the unsupported value."""
-    method = str(qc.get("quant_method", "")).lower()
-    if method not in SUPPORTED_METHODS:
-        raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_METHODS)}")
-    bits = qc.get("bits", qc.get("w_bit"))
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"{method} checkpoint with bits={bits!r} is not supported; supported: 4")
-    group = qc.get("group_size", qc.get("q_group_size"))
-    if group not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"{method} checkpoint with group_size={group!r} is not supported; supported: "
-                         f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}")
-    if qc.get("modules_to_not_convert"):
-        raise ValueError(f"{method} checkpoint with modules_to_not_convert={qc['modules_to_not_convert']!r} "
-                         "is not supported; supported: every decoder linear layer quantized")
-    if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"awq checkpoint with version={qc.get('version')!r} is not supported; "
-                             "supported: gemm")
-        if not qc.get("zero_point", True):
-            raise ValueError("awq checkpoint with zero_point=false is not supported; supported: true")
-        return W4Config("awq", group, bits)
-    if qc.get("lm_head", False):
-        raise ValueError("gptq checkpoint with lm_head=true (a quantized head) is not supported; "
-                         "supported: lm_head=false")
-    if str(qc.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
-        raise ValueError(f"gptq checkpoint with pack_dtype={qc['pack_dtype']!r} is not supported; supported: int32")
-    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"gptq checkpoint with checkpoint_format={qc.get('checkpoint_format')!r} is not "
-                         "supported; supported: gptq, gptq_v2")
-    return W4Config("gptq", group, bits, sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
 
 
 def act_order_perm(g_idx: torch.Tensor, in_features: int, group_size: int, key: str) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
+from tokenmill.quant.formats import Fp8Config
 from tokenmill.quant.w4 import act_order_perm
 from tokenmill.runner.fill import fill_parameters, packed_target
 from tokenmill.runner.gguf_loader import load_gguf_weights
@@ -72,7 +73,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     yield key, lambda index=None, f=f, key=key: (f.get_tensor(key) if index is None
                                                                  else f.get_slice(key)[index])
     stream = tensors()
-    if isinstance(quant, fp8.Fp8Config) and quant.checkpoint_format is None:
+    if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)
     fill_parameters(model, stream, repr(model_dir))
     for layer, shards in orders.items():
@@ -103,8 +104,8 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
         raise ValueError(f"tensor_parallel_size={tp.size} loads plain safetensors checkpoints only; "
                          f"{model_path!r} is {'a GGUF file' if is_gguf(model_path) else 'quantized'}")
     if quantization == "fp8" and cfg.quantization is None:
-        cfg = dataclasses.replace(cfg, quantization=fp8.Fp8Config())
-    if isinstance(cfg.quantization, fp8.Fp8Config):
+        cfg = dataclasses.replace(cfg, quantization=Fp8Config())
+    if isinstance(cfg.quantization, Fp8Config):
         fp8.check_device(device)
     model = build_model(cfg, device, dtype, tp)
     if is_gguf(model_path):
