@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from tokenmill.bench import report
+from tokenmill.bench import BACKENDS, report
 from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
@@ -25,7 +25,6 @@ from tokenmill.bench.datasets import (load_requests, parse_range, random_request
 from tokenmill.bench.serve import DEFAULT_ENDPOINT
 from tokenmill.bench.serve import INPUT_LEN_RANGE as SERVE_INPUT_LEN_RANGE
 from tokenmill.bench.serve import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
-from tokenmill.bench.throughput import BACKENDS
 from tokenmill.cli_help import HelpFormatter
 
 SUBCOMMANDS = ("throughput", "prepare", "serve", "report", "memory")

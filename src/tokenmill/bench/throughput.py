@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tokenmill.bench import BACKENDS
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.config import ModelConfig, parse_dtype
-
-BACKENDS = ("tokenmill", "hf-static", "hf-cb")
 
 
 def resolve_device(device: str) -> torch.device:
