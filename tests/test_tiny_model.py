@@ -168,9 +168,9 @@ def test_serve_default_model_answers_chat(default_server):
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's memory map (Linux)")
 def test_the_api_server_of_a_gguf_model_runs_without_torch(default_server):
     """The API server process (HTTP, the GGUF's tokenizer, detokenization; the engine core is another
-    process) never loads torch while it serves a GGUF model: measured on two cores, 3.7 -> 2.1 s of CPU to
-    start and 338 -> 154 MB resident. (A Hugging Face tokenizer directory brings torch in through
-    transformers' AutoTokenizer.)"""
+    process) never loads torch while it serves a GGUF model, which would cost it ~1.5 s of CPU to start
+    and ~180 MB (docs/BENCHMARKS.md, "An API server without torch"). A Hugging Face tokenizer directory
+    brings torch in through transformers' AutoTokenizer."""
     import openai
 
     from tokenmill.models.default import default_model

@@ -12,7 +12,7 @@ from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.quant.formats import QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
 
 # torch is imported where a dtype or a device is made, not here: an API server process builds these
-# configs (the command line's) without the tensor library, which costs it ~2 s of CPU and ~200 MB at start
+# configs (the command line's) without the tensor library, which would cost it ~1.5 s of CPU and ~180 MB
 
 if TYPE_CHECKING:
     import torch
