@@ -41,7 +41,7 @@ from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, 
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
                                                       _out_unit, _pages, _sms, out_rows, store_out,
-                                                      store_out_scales)
+                                                      store_row_scales)
 from tokenmill.quant.fp8 import Fp8Rows
 
 MAX_SPLITS = 32
@@ -235,10 +235,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         has = l_i > 0
         # V's scale (1.0 without FP8; 1.0 for an output in its units, OUT_FP8) with the softmax's sum
         inv = _out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0)
-        if OUT_FP8:
-            if (kvh == 0) & (split == 0):     # the row's scales: V's
-                one = b64 + tl.arange(0, 1)
-                store_out_scales(out_scale_ptr, one, one >= 0, v_scale, OUT_SCALES, BLOCK_S)
+        store_row_scales(out_scale_ptr, b64, (kvh == 0) & (split == 0), v_scale, OUT_FP8, OUT_SCALES, BLOCK_S)
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
             store_out(dst, acc1 * inv[:, None], o_mask, OUT_FP8)

@@ -190,6 +190,17 @@ def store_out_scales(scale_ptr, rows, row_mask, v_scale, SCALES: tl.constexpr, B
 
 
 @triton.jit
+def store_row_scales(scale_ptr, row64, writer, v_scale, OUT_FP8: tl.constexpr, SCALES: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
+    # a decode program's share of its row's FP8 output scales: V's, written by the one program (`writer`)
+    # of the row's kv heads and splits that is sure to run
+    if OUT_FP8:
+        if writer:
+            one = row64 + tl.arange(0, 1)
+            store_out_scales(scale_ptr, one, one >= 0, v_scale, SCALES, BLOCK_S)
+
+
+@triton.jit
 def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # the cache pages of positions n0 .. n0 + BLOCK_N (0 from `end` on). The attention loops load each
     # tile's pages a tile ahead of its K and V: no load of a tile then waits for another of the same tile,
@@ -258,10 +269,8 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
             acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0))[:, None]
             o_mask = g_mask[:, None] & d_mask[None, :]
             out_row = out_ptr + row64 * (NUM_Q_HEADS * HEAD_DIM)
-            if OUT_FP8:
-                if (kvh == 0) & (split == 0):
-                    one = row64 + tl.arange(0, 1)
-                    store_out_scales(out_scale_ptr, one, one >= 0, v_scale, OUT_SCALES, BLOCK_S)
+            store_row_scales(out_scale_ptr, row64, (kvh == 0) & (split == 0), v_scale, OUT_FP8, OUT_SCALES,
+                             BLOCK_S)
             if num_active == 1:
                 store_out(out_row + heads[:, None] * HEAD_DIM + d[None, :], acc, o_mask, OUT_FP8)
             else:
