@@ -78,13 +78,14 @@ class Attention(nn.Module):
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
                                    self.head_dim, kv_scale=self.attn.kv_scale, into=into)
-            return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
-        # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the cache
-        q = self.backend.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
-                                            self.attn.v_cache, meta.slot_mapping, self.num_heads,
-                                            self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
-        out = self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
-                                  kv_scale=self.attn.kv_scale, into=into)
+        else:
+            # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the
+            # cache
+            q = self.backend.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
+                                                self.attn.v_cache, meta.slot_mapping, self.num_heads,
+                                                self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
+            out = self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
+                                      kv_scale=self.attn.kv_scale, into=into)
         return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
 
 
