@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# lab/compile_ahead.py on the GPU machine, from the repository root (.whl carried): its check on a toy kernel,
+# then an engine's start in a fresh Triton cache with every capture specialization compiled ahead on a
+# thread pool, and one as the capture compiles them today, each in its own process; the ready seconds,
+# the capture summaries and the greedy tokens (equal in both) print last.
+#   [MODEL=preset:nanbeige4.1-3b] [ARGS="--quantization fp8 --kv-cache-dtype fp8"] bash scripts/device/compile_ahead.sh
+set -uo pipefail
+MODEL=${MODEL:-preset:nanbeige4.1-3b}
+ARGS=${ARGS---quantization fp8 --kv-cache-dtype fp8}
+source "$(dirname "$0")/env.sh"
+python lab/compile_ahead.py check || exit 1
+python -m tokenmill.bench prepare --model "$MODEL" > "$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log"; exit 1; }
+for mode in ahead serial; do
+  cache=$(mktemp -d)
+  # shellcheck disable=SC2086
+  TRITON_CACHE_DIR=$cache python lab/compile_ahead.py ready $mode "$MODEL" $ARGS > "$OUT/compile-ahead-$mode.log" 2>&1 \
+    || tail -20 "$OUT/compile-ahead-$mode.log"
+  rm -rf "$cache"
+done
+echo "==================== $MODEL $ARGS, commit $TOKENMILL_GIT_COMMIT ===================="
+grep -h "ready in" "$OUT"/compile-ahead-*.log
