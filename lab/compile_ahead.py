@@ -5,13 +5,15 @@ a forward pass launches it, one after the other.
 On a fresh machine (an empty Triton cache) an engine's start takes ~110 s on the H200 (nanbeige4.1-3b,
 FP8 weights and KV cache, 1ad64dc), 28 s with the cache warm: the rest is compiling (decode split
 counts, row tiles, each graph size's divisibility). Triton's compiler releases the GIL in its passes and
-in ptxas: six sm90 specializations of the fused decode attention compile in 9.1-9.4 s one after the other
-and 5.2 s on two threads of the 2-core CPU machine. Within `compile_ahead()`, a kernel launch only submits
+in ptxas: six sm90 specializations of the fused decode attention compile in 9.0-9.4 s one after the other
+and 5.1-5.2 s on two threads of the 2-core CPU machine (`sm90` below). Within `compile_ahead()`, a kernel launch only submits
 its specialization's compile to a thread pool (Triton's async compile mode with `warmup=True`) and runs
 nothing; a pass over every graph key's forward before the capture hands the pool every specialization,
 and the capture after it finds them compiled. The forward passes of that pass compute garbage (their
 Triton kernels do not run; the capture's static inputs write no KV slot) and are discarded.
 
+On the CPU machine (no GPU: sm90 compiled through lab/sm90_compare/dump.py's specializations):
+  python lab/compile_ahead.py sm90 serial; python lab/compile_ahead.py sm90 threads
 On the GPU machine, each start in a fresh Triton cache (scripts/device/compile_ahead.sh):
   python lab/compile_ahead.py check                  # the mechanism on a toy kernel
   TRITON_CACHE_DIR=$(mktemp -d) python lab/compile_ahead.py ready ahead  MODEL [--quantization fp8 ...]
@@ -145,8 +147,31 @@ def ready(argv: list[str]) -> None:
           f"tokens {list(out[0].outputs[0].token_ids)}", flush=True)
 
 
+def sm90(how: str) -> None:
+    """Six specializations of the fused decode attention (qwen3-4b's split counts) compiled for sm90 in a
+    fresh Triton cache, one after the other or on a pool of the machine's CPUs; no GPU needed."""
+    import tempfile
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+    dump = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compare", "dump.py")
+    names = {"__name__": "dump"}
+    argv, sys.argv = sys.argv, ["dump.py", os.path.dirname(os.path.dirname(dump)), os.devnull, "none"]
+    exec(compile(open(dump).read(), dump, "exec"), names)     # defines its compile helpers; compiles none
+    sys.argv = argv
+    specs = [(32, 8, True, splits, stages) for splits, stages in ((32, 1), (17, 2), (9, 2), (16, 2), (8, 2), (4, 2))]
+    t0 = time.perf_counter()
+    if how == "serial":
+        for spec in specs:
+            names["fused"](*spec)
+    else:
+        with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+            list(pool.map(lambda spec: names["fused"](*spec), specs))
+    print(f"{how}: {len(specs)} specializations in {time.perf_counter() - t0:.2f} s")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["check"]:
         check()
+    elif sys.argv[1:2] == ["sm90"]:
+        sm90(sys.argv[2])
     else:
         ready(sys.argv[2:] if sys.argv[1:2] == ["ready"] else sys.argv[1:])
