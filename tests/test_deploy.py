@@ -70,6 +70,18 @@ def test_container_asks_for_a_gpu_and_its_probes_and_ports_agree():
     assert pod["spec"]["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
 
 
+def test_compiled_kernels_outlive_a_container_restart():
+    """Triton's cache is on a writable pod volume, not in the container's own layer, which a restart
+    discards: a restarted server finds its kernels compiled (docs/DEPLOY.md)."""
+    pod = _deployment()["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    cache = next(e["value"] for e in c["env"] if e["name"] == "TRITON_CACHE_DIR")
+    mount = next(m for m in c["volumeMounts"] if cache.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert not mount.get("readOnly", False)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+
+
 def test_the_deployments_arguments_serve_drain_and_export_vllms_names(qwen3_dir, tmp_path):
     pod = _deployment()["spec"]["template"]
     (c,) = pod["spec"]["containers"]
