@@ -76,9 +76,9 @@ def capture_compiled_ahead():
         if not emulate:
             t0 = time.perf_counter()
             keys = self._keys()
-            self._init_buffers(keys)
+            self._init_buffers(keys)     # capture allocates them again (small; in src the pass would share them)
             with compile_ahead() as compiled:
-                for key in sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1])):
+                for key in keys:            # any order: nothing is captured, each pass's memory is freed
                     self.static_forward(key)()
             note = (f"; before it, {compiled.specializations} specializations compiled ahead on "
                     f"{compiled.threads} threads in {time.perf_counter() - t0:.1f} s")
