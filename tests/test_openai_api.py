@@ -228,6 +228,13 @@ def test_responses_create_and_stream(api_server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == r.output_text == events[-1].response.output_text
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.content == []        # OpenAI's message opens empty; the SDK's helper appends the parts
+    # the SDK's stream helper assembles the response from the events, as agents' frameworks use it
+    with client.responses.stream(model="tiny", input=[{"role": "user", "content": "hello"}], instructions="Be brief.",
+                                 max_output_tokens=8, temperature=0) as stream:
+        helped = [e for e in stream]
+    assert "".join(e.delta for e in helped if e.type == "response.output_text.delta") == r.output_text
 
 
 def test_responses_are_stored_retrieved_continued_and_deleted(api_server):

@@ -451,8 +451,12 @@ class _EventStream:
         events = self._close()
         self.open = item
         self.items.append(item)
-        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                 item={**item, "status": "in_progress"}))
+        # a message or reasoning item opens with its content list empty, as OpenAI's do (the SDK's stream
+        # helpers append the parts that follow to it)
+        opened = {**item, "status": "in_progress"}
+        if item["type"] in ("message", "reasoning"):
+            opened["content"] = []
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=opened))
         if item["type"] in ("message", "reasoning"):
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message" else \
                 {"type": "reasoning_text", "text": ""}
