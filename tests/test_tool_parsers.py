@@ -214,6 +214,23 @@ def test_schemas_compile_with_xgrammar():
     assert accepts(grammar, '{"item": {"n": 3}}')
 
 
+@pytest.mark.parametrize("parameters", [None, {}, {"properties": {"q": {"type": "string"}}}])
+def test_arguments_are_an_object_whatever_the_parameters_leave_out(parameters):
+    """Absent or empty parameters, or a schema without a type, still constrain the arguments to a JSON
+    object, named and "required" alike: `{}` alone is the schema of any JSON value."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    fn = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+    tools = [{"type": "function", "function": fn}]
+    named = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, {"type": "function",
+                                                                                 "function": {"name": "f"}})))
+    required = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, "required")))
+    good = '{"q": "x"}' if parameters else "{}"
+    assert accepts(named, good) and accepts(required, '[{"name": "f", "arguments": %s}]' % good)
+    for value in ('"SmolLM"', "3", "[1]", "null"):
+        assert not accepts(named, value) and not accepts(required, '[{"name": "f", "arguments": %s}]' % value)
+
+
 @pytest.mark.parametrize("tools,choice,message", [
     (TOOLS, {"type": "function", "function": {"name": "missing"}}, "not in tools"),
     ([], "required", "at least one tool"),

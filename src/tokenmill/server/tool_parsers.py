@@ -229,10 +229,14 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name must be a non-empty string")
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
+        if params is not None and not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        # a function's arguments are a JSON object: absent or empty parameters ({} alone would admit any
+        # JSON value), or a schema that names no type, take the object type
+        if not params:
+            params = {"type": "object", "properties": {}}
+        elif "type" not in params:
+            params = {"type": "object", **params}
         out.append((name, params))
     return out
 
