@@ -149,6 +149,23 @@ def test_auto_tool_choice_parses_hermes_calls_whole_and_streamed(agent_server):
     assert again.usage.prompt_tokens > r.usage.prompt_tokens
 
 
+def test_auto_tool_choice_keeps_one_call_without_parallel_calls(agent_server):
+    """Two hermes calls in the output: both by default, the first alone with `parallel_tool_calls: false`
+    (OpenAI's and vLLM's behaviour), streamed and not."""
+    client = agent_server.client()
+    two = SCRIPTED + "\n" + SCRIPTED.replace("get_weather", "get_time").replace(
+        '{"city": "Paris", "unit": "c"}', '{"zone": "UTC"}')
+    kw = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], max_tokens=200,
+              extra_body={"structured_outputs": {"regex": re.escape(two)}})
+    for parallel, names in ((None, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = client.chat.completions.create(**kw, **extra)
+        assert [t.function.name for t in r.choices[0].message.tool_calls] == names
+        chunks = list(client.chat.completions.create(**kw, **extra, stream=True))
+        heads = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or []) if tc.id]
+        assert [(tc.index, tc.function.name) for tc in heads] == list(enumerate(names))
+
+
 def test_bad_tool_choices_are_400(agent_server):
     r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
         "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})

@@ -44,6 +44,9 @@ class ChoiceText:
         constrained = shows_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
         auto = shows_tools and req.tool_choice in (None, "auto")
         self.tools = serving.tool_parser() if auto and serving.tool_parser is not None else None
+        # `parallel_tool_calls: false` with "auto": the parser's first call only, as OpenAI and vLLM return
+        # it (a "required" grammar already admits one)
+        self.one_call = req.parallel_tool_calls is False
         self.tool_choice = req.tool_choice
         self._calls = self._constrained_calls() if constrained else None   # the stream's reader
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
@@ -71,7 +74,7 @@ class ChoiceText:
         elif self.tools is not None and text:
             extracted = self.tools.extract(text)
             msg["content"] = extracted.content
-            msg["tool_calls"] = [c.to_openai() for c in extracted.tool_calls]
+            msg["tool_calls"] = [c.to_openai() for c in extracted.tool_calls][:1 if self.one_call else None]
         self.called_tools = bool(msg["tool_calls"])
         return msg
 
@@ -129,6 +132,8 @@ class ChoiceText:
 
     def _tool_delta(self, d) -> dict:
         if d.tool_call is not None:
+            if self.one_call and d.tool_call["index"] > 0:
+                return {}
             self.called_tools = True
             return {"tool_calls": [d.tool_call]}
         return {"content": d.content} if d.content else {}
