@@ -208,6 +208,19 @@ def test_what_would_change_the_result_is_still_refused(api_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(api_server):
+    """Legacy completions: each position's top_logprobs holds the k most likely tokens and the sampled one
+    too where it is not among them (OpenAI: "up to logprobs+1 elements"), with the logprob it was given."""
+    client = api_server.client()
+    r = client.completions.create(model="tiny", prompt="hello there", max_tokens=24, logprobs=1, temperature=2.0,
+                                  seed=3)
+    lp = r.choices[0].logprobs
+    assert all(tok in top and top[tok] == value for tok, value, top in zip(lp.tokens, lp.token_logprobs,
+                                                                       lp.top_logprobs))
+    sizes = {len(top) for top in lp.top_logprobs}
+    assert 2 in sizes and sizes <= {1, 2}      # temperature 2 samples off the top
+
+
 def test_responses_create_and_stream(api_server):
     client = api_server.client()
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,

@@ -28,7 +28,10 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tupl
         if entry is None:
             tops.append(None)
             continue
-        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k] if k > 0 else [(tid, chosen)]
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k] if k > 0 else []
+        # the sampled token always has its entry, so there may be k + 1 (OpenAI's legacy logprobs)
+        if chosen is not None and all(t != tid for t, _ in ranked):
+            ranked.append((tid, chosen))
         ranked = [(t, lp) for t, lp in ranked if lp is not None]
         tops.append({serving.token_text(t, lp): _lp(lp.logprob) for t, lp in ranked})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
