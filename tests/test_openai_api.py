@@ -221,6 +221,28 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(api_server):
     assert 2 in sizes and sizes <= {1, 2}      # temperature 2 samples off the top
 
 
+def test_split_characters_keep_their_bytes_and_offsets(api_server):
+    """Characters that span several tokens (the test tokenizer's 400 tokens hold few whole non-ASCII ones):
+    chat logprobs' `bytes` join to the content's UTF-8, where each token's text alone is U+FFFD; the
+    completions' text_offset puts each token at the character it starts or completes, never past the text."""
+    client = api_server.client()
+    text = "hé 👏 你好"
+    c = client.completions.create(model="tiny", prompt=text, echo=True, logprobs=0, max_tokens=0).choices[0]
+    tokens, offsets = c.logprobs.tokens, c.logprobs.text_offset
+    assert c.text == text and any("\ufffd" in t for t in tokens)
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert all(text[at:at + len(t)] == t for t, at in zip(tokens, offsets) if "\ufffd" not in t)
+    want = "👏你好é"
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_body={"structured_outputs": {"regex": want}})
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want and any(e.token == "\ufffd" for e in entries)
+    # the entries end with the stop token's (<|im_end|>, shown as logprobs show special tokens)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == want + entries[-1].token
+    assert all(top.bytes for e in entries for top in e.top_logprobs)
+
+
 def test_responses_create_and_stream(api_server):
     client = api_server.client()
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,

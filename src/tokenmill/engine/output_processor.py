@@ -41,6 +41,7 @@ class OutputProcessor:
         self._requests: dict[int, _Request] = {}
         self._handles: dict[str, int] = {}
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -162,3 +163,15 @@ class OutputProcessor:
             if len(self._token_text) < 200_000:
                 self._token_text[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token adds to the text (`Tokenizer.token_bytes`: whole where its text alone is
+        part of a character)."""
+        if self.tokenizer is None:
+            return None
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self.tokenizer.token_bytes(token_id)
+            if len(self._token_bytes) < 200_000:
+                self._token_bytes[token_id] = data
+        return data

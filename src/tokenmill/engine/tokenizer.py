@@ -1,6 +1,7 @@
 """Tokenizer and chat template from the model directory or GGUF file (never from the network)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -82,6 +83,38 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` adds to the decoded text, whole where a token holds part of a character
+        (where decoding it alone gives U+FFFD): a byte-level BPE token's bytes, a byte-fallback token's
+        byte (`<0xE2>`), a SentencePiece piece with its word-boundary mark as a space; an added token's
+        text as it stands."""
+        added = getattr(self.hf, "added_tokens_decoder", None) or {}
+        if token_id in added:
+            return added[token_id].content.encode("utf-8")
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        kinds = self._decoder_kinds()
+        if "ByteLevel" in kinds:
+            table = _byte_level_inverse()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if "Metaspace" in kinds or "Replace" in kinds:
+            piece = piece.replace("\u2581", " ")
+        return piece.encode("utf-8")
+
+    def _decoder_kinds(self) -> frozenset[str]:
+        # the types of the Rust tokenizer's decoder and of those in its Sequence
+        kinds = getattr(self, "_kinds", None)
+        if kinds is None:
+            rust = getattr(self.hf, "_tokenizer", None)
+            decoder = json.loads(rust.to_str()).get("decoder") if rust is not None else None
+            parts = (decoder or {}).get("decoders") or ([decoder] if decoder else [])
+            kinds = self._kinds = frozenset(d.get("type") for d in parts if isinstance(d, dict))
+        return kinds
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders the conversation to text. The text already holds its special tokens, so encode it
         with `add_special_tokens=False`."""
@@ -93,6 +126,22 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_inverse() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as the character that stands for it in a token, here
+    inverted. Printable Latin-1 bytes stand for themselves; the others, in order, for U+0100 onwards."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _is_gguf(path: str) -> bool:

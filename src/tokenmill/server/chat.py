@@ -27,9 +27,9 @@ def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
         tops = []
         for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]:
             s = serving.token_text(t, lp)
-            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8"))})
+            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": serving.token_bytes(t, s)})
         content.append({"token": text, "logprob": _lp(chosen.logprob) if chosen is not None else _lp(float("-inf")),
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+                        "bytes": serving.token_bytes(tid, text), "top_logprobs": tops})
     return content
 
 

@@ -6,6 +6,7 @@ evaluation harnesses score a continuation. `max_tokens: 0` with `echo` returns t
 """
 from __future__ import annotations
 
+import codecs
 import uuid
 
 from fastapi import Request
@@ -14,17 +15,31 @@ from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
 
 
-def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tuple[dict, int]:
-    """OpenAI completion logprobs for these tokens; returns the block and the next text offset.
-    An entry of None (a prompt's first token) gives a null logprob and null top_logprobs."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Where each token starts in a completion's text, in characters, from the bytes each token adds: a
+    token that holds part of a character is at that character (its text alone shows U+FFFD, one
+    character, which would move the offsets past the text's end)."""
+
+    def __init__(self):
+        self.chars = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, data: bytes) -> int:
+        at = self.chars
+        self.chars += len(self.decoder.decode(data))
+        return at
+
+
+def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets) -> dict:
+    """OpenAI completion logprobs for these tokens, their text offsets continuing `offsets`. An entry of
+    None (a prompt's first token) gives a null logprob and null top_logprobs."""
+    tokens, token_lps, tops, starts = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid) if entry is not None else None
         text = serving.token_text(tid, chosen)
         tokens.append(text)
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-        offsets.append(offset)
-        offset += len(text)
+        starts.append(offsets.take(bytes(serving.token_bytes(tid, text))))
         if entry is None:
             tops.append(None)
             continue
@@ -34,7 +49,7 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offset: int) -> tupl
             ranked.append((tid, chosen))
         ranked = [(t, lp) for t, lp in ranked if lp is not None]
         tops.append({serving.token_text(t, lp): _lp(lp.logprob) for t, lp in ranked})
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
 
 def _join(a: dict, b: dict) -> dict:
@@ -63,9 +78,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
     echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
 
-    def prompt_block(i: int, out) -> tuple[dict, int]:
+    def prompt_block(i: int, out, offsets: TextOffsets) -> dict:
         return _logprobs(serving, out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids),
-                         k, 0)
+                         k, offsets)
 
     def final(outs):
         choices = []
@@ -74,11 +89,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 _drop_generated(out)
             for c in out.outputs:
                 lp = None
-                offset = 0
+                offsets = TextOffsets()
                 if echo and k is not None:
-                    lp, offset = prompt_block(i, out)
+                    lp = prompt_block(i, out, offsets)
                 if k is not None and c.logprobs is not None:
-                    gen, _ = _logprobs(serving, c.token_ids, c.logprobs, k, offset)
+                    gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets)
                     lp = _join(lp, gen) if lp is not None else gen
                 choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -101,16 +116,17 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 head, lp = "", None
                 if st is None:
                     st = states[index] = ChoiceState()
+                    st.text_offsets = TextOffsets()
                     if echo:            # the prompt comes first, with the choice's first chunk
                         head = echoes[i]
                         if k is not None:
-                            lp, st.text_offset = prompt_block(i, out)
+                            lp = prompt_block(i, out, st.text_offsets)
                 delta = st.advance(c, k is not None)
                 if delta is None and not head:
                     continue
                 text, new_ids, new_lps = delta if delta is not None else ("", [], None)
                 if k is not None and new_lps:
-                    gen, st.text_offset = _logprobs(serving, new_ids, new_lps, k, st.text_offset)
+                    gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets)
                     lp = _join(lp, gen) if lp is not None else gen
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": serving.fingerprint,

@@ -213,6 +213,12 @@ class Serving:
             return logprob_entry.decoded_token
         return self.engine.processor.token_text(token_id)
 
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The bytes of a token for logprobs' `bytes`: those it adds to the text (a part of a character's
+        included), else its `text`'s."""
+        data = self.engine.processor.token_bytes(token_id)
+        return list(data if data is not None else text.encode("utf-8"))
+
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
                   make_stream, make_final, event_names: bool = False, carries_tools: bool = False) -> Response:
@@ -394,13 +400,13 @@ async def _merge_streams(gens, first: list[RequestOutput]) -> AsyncIterator[tupl
 
 class ChoiceState:
     """What has been streamed of one choice so far."""
-    __slots__ = ("text_len", "num_tokens", "finished", "text_offset", "started")
+    __slots__ = ("text_len", "num_tokens", "finished", "text_offsets", "started")
 
     def __init__(self):
         self.text_len = 0
         self.num_tokens = 0
         self.finished = False
-        self.text_offset = 0
+        self.text_offsets = None         # completions' logprobs: `completions.TextOffsets` of the text so far
         self.started = False
 
     def advance(self, c, with_logprobs: bool):
