@@ -318,6 +318,30 @@ def test_responses_with_tools(agent_server):
     assert len(deltas) > 1 and "".join(deltas) == done[0].arguments      # streamed as generated
 
 
+def test_responses_order_text_around_a_tool_call_alike_whole_and_streamed():
+    """Text before and after a hermes call: the response's output items are the streamed ones (a message,
+    the call, a message), not one message of both texts ahead of the call."""
+    from types import SimpleNamespace
+    from tokenmill.server.chat import ChoiceText
+    from tokenmill.server.responses import ResponsesRequest, _EventStream, output_items
+    from tokenmill.server.tool_parsers import HermesToolParser
+    serving = SimpleNamespace(reasoning_parser=None, tool_parser=HermesToolParser, think_tags=None)
+    req = ResponsesRequest.model_validate({"input": "weather?", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]})
+    chat = req.as_chat(False)
+    shape = SimpleNamespace(req=req)
+    text = "Checking. " + SCRIPTED + " Done."
+    whole = output_items(shape, ChoiceText(serving, chat, ""), text, [])
+    events, streamed = _EventStream(shape), ChoiceText(serving, chat, "")
+    for part in [p for i in range(0, len(text), 5) for p in streamed.feed(text[i:i + 5])] + streamed.finish():
+        events.delta(part)
+    events.close_all()
+    summary = lambda items: [(i["type"], i["content"][0]["text"] if i["type"] == "message" else i["arguments"])
+                             for i in items]
+    assert summary(whole) == summary(events.items) == [
+        ("message", "Checking. "), ("function_call", '{"city": "Paris", "unit": "c"}'), ("message", " Done.")]
+
+
 def test_responses_carry_reasoning_between_turns(agent_server):
     """A reasoning item sent back reaches the template as the next assistant message's reasoning_content;
     with include ["reasoning.encrypted_content"] (what Codex sends with store: false) reasoning items carry

@@ -283,21 +283,16 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _items(message: dict, include: list[str] | None, logprobs: list[dict]) -> list[dict]:
-    """Output items from a parsed chat message; `logprobs` (the output's tokens') go with its text."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(_encrypted({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
-                                 "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]},
-                                include))
-    if message.get("content"):
-        items.append({"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
-                                   "logprobs": logprobs}]})
-    for call in message.get("tool_calls") or ():
-        items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
-    return items
+def output_items(shape: _Shape, text: ChoiceText, whole: str, logprobs: list[dict]) -> list[dict]:
+    """A response's output items from its whole text, as the streamed response's completed event holds
+    them (the text one delta), so that text around a tool call makes the same messages either way;
+    `logprobs` (the output's tokens') go with the first message's text."""
+    events = _EventStream(shape)
+    events.pending_logprobs = logprobs
+    for part in (text.feed(whole) if whole else []) + text.finish():
+        events.delta(part)
+    events.close_all()
+    return events.items
 
 
 def _encrypted(item: dict, include: list[str] | None) -> dict:
@@ -392,10 +387,10 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     def final(outs):
         out = outs[0]
         c = out.outputs[0]
-        message = ChoiceText(serving, chat, prompt_text).message(c.text)
+        items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
+                             token_logprobs(c.token_ids, c.logprobs))
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        lps = token_logprobs(c.token_ids, c.logprobs)
-        return done(shape.body(status, _items(message, req.include, lps), out, c.finish_reason))
+        return done(shape.body(status, items, out, c.finish_reason))
 
     async def stream(merged):
         events = _EventStream(shape)
