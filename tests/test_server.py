@@ -280,6 +280,17 @@ def test_tokenize_detokenize(server, offline):
     chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == offline.engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     assert _post(server, "/detokenize", {"tokens": [10 ** 9]}).status_code == 400
+    # vLLM's fields: each token's vocabulary string, an assistant turn continued, template kwargs
+    strs = _post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == offline.engine.tokenizer.convert_ids_to_tokens(strs["tokens"])
+    assert r.json()["token_strs"] is None
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    cont = _post(server, "/tokenize", {"messages": turn, "continue_final_message": True,
+                                       "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}).json()
+    assert cont["tokens"] == offline.engine.tokenizer.encode_chat(turn, add_generation_prompt=False,
+                                                                  continue_final_message=True)
+    bad = _post(server, "/tokenize", {"messages": turn, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
 def test_disconnect_frees_blocks(server):

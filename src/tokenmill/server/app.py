@@ -1,6 +1,7 @@
 """The FastAPI application: OpenAI routes, tokenizer routes, health and Prometheus metrics."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -252,11 +253,18 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         serving.check_model(req.model)
         if req.messages is not None:
             msgs = [m.for_template() for m in req.messages]
-            tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-            _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False, **tools)
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            if req.continue_final_message:
+                kwargs["continue_final_message"] = True
+            _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False, **kwargs)
         else:
             ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)
-        return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+        strs = (await asyncio.to_thread(serving.prompts.tokenizer.convert_ids_to_tokens, ids)
+                if req.return_token_strs else None)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len,
+                              "token_strs": strs})
 
     @app.post("/detokenize", responses=LOOKUP)
     async def detokenize(req: DetokenizeRequest):

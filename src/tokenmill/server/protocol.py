@@ -448,6 +448,21 @@ _TEMPLATE_CALL_PARAMETERS = {
 }
 
 
+def _check_template_fields(req) -> None:
+    """A chat request's template fields (chat completions and /tokenize alike): no template-call parameter in
+    chat_template_kwargs; continue_final_message only without a generation prompt, after the assistant's."""
+    for key in req.chat_template_kwargs or ():
+        if key in _TEMPLATE_CALL_PARAMETERS:
+            raise UnsupportedValue("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}: "
+                                   + _TEMPLATE_CALL_PARAMETERS[key])
+    if req.continue_final_message and req.add_generation_prompt:
+        raise UnsupportedValue("continue_final_message", "'continue_final_message' and "
+                               "'add_generation_prompt' cannot both be true (set add_generation_prompt false)")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise UnsupportedValue("continue_final_message", "'continue_final_message' needs the last message "
+                                                         "to be the assistant's")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
@@ -464,19 +479,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_logprobs(self):
-        for key in self.chat_template_kwargs or ():
-            if key in _TEMPLATE_CALL_PARAMETERS:
-                raise UnsupportedValue("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}: "
-                                       + _TEMPLATE_CALL_PARAMETERS[key])
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         _check_chat_length(self.messages)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise UnsupportedValue("continue_final_message", "'continue_final_message' and "
-                                   "'add_generation_prompt' cannot both be true (set add_generation_prompt false)")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise UnsupportedValue("continue_final_message", "'continue_final_message' needs the last message "
-                                                             "to be the assistant's")
+        _check_template_fields(self)
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or ()]
             if self.tool_choice.function.name not in names:
@@ -507,18 +513,28 @@ def _tool_choice_value(choice):
 
 
 class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or messages through the chat template (with its fields as chat
+    completions take them); `return_token_strs` adds each token's vocabulary string."""
     model: str | None = None
     prompt: Annotated[str, Field(max_length=4_000_000)] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+    return_token_strs: bool | None = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise UnsupportedValue("prompt", "give exactly one of 'prompt' or 'messages'")
-        _check_chat_length(self.messages)
+        if self.messages is not None:
+            _check_chat_length(self.messages)
+            _check_template_fields(self)
+        elif self.continue_final_message or self.chat_template_kwargs or self.tools:
+            raise UnsupportedValue("prompt", "'tools', 'continue_final_message' and 'chat_template_kwargs' go "
+                                             "with 'messages'")
         return self
 
 
