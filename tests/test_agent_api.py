@@ -173,6 +173,14 @@ def test_bad_tool_choices_are_400(agent_server):
     r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
         "messages": USER, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    # the Responses API the same, its message the check's own
+    for choice in ("required", {"type": "function", "name": "nope"}):
+        r = httpx.post(agent_server.url + "/v1/responses", timeout=30, json={
+            "input": "hi", "tools": [] if choice == "required" else [
+                {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+            "tool_choice": choice})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "tool_choice" and "pydantic" not in error["message"], error
 
 
 def test_reasoning_goes_to_reasoning_content(agent_server):

@@ -15,7 +15,7 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
 
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError
@@ -270,8 +270,15 @@ class ResponsesRequest(_Strict):
                 "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
         try:
             return ChatCompletionRequest.model_validate(body)
-        except UnsupportedValue:
-            raise
+        except UnsupportedValue as e:
+            raise APIError(400, str(e), e.field) from None
+        except ValidationError as e:
+            # a check of the chat request's (a tool_choice naming no tool, ...): its own message and field
+            for error in e.errors():
+                cause = (error.get("ctx") or {}).get("error")
+                if isinstance(cause, UnsupportedValue):
+                    raise APIError(400, str(cause), cause.field) from None
+            raise APIError(400, f"input: {e}", "input") from None
         except ValueError as e:
             raise APIError(400, f"input: {e}", "input") from None
 
