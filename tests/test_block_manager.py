@@ -102,6 +102,50 @@ def test_prefix_cache_shares_and_verifies_blocks():
     bm.check_invariants([])
 
 
+def test_a_block_ending_in_a_token_in_flight_is_hashed_once_it_is_known():
+    """A placeholder (a token still being sampled) is never hashed: the block it ends waits, and is hashed
+    by a later call once the token is resolved, so generated tokens reach the prefix cache."""
+    from tokenmill.engine.request import PLACEHOLDER
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = _request("a", [1, 2, 3], 4)
+    assert bm.allocate_slots(a, 4)
+    a.append_placeholder(0)                      # the first output token, in flight
+    a.num_computed_tokens = 4                    # the next step is launched on it
+    bm.cache_full_blocks(a)
+    assert a.block_hashes == [] and all(b.token_ids is None or PLACEHOLDER not in b.token_ids for b in bm.blocks)
+    a.resolve(3, 77)
+    bm.cache_full_blocks(a)
+    assert len(a.block_hashes) == 1 and bm.get_computed_blocks(_request("b", [1, 2, 3, 77, 5], 1)) == a.block_ids[:1]
+
+
+def test_sequences_of_equal_ids_keep_their_own_hash_chains():
+    """The hash chain lives on the sequence: another live sequence of the same id (a request "x#0" beside
+    the first sequence of "x" with n=2) neither extends nor drops it."""
+    bm = BlockManager(num_blocks=10, block_size=2)
+    a, b = _request("x#0", [1, 2, 3, 4], 1), _request("x#0", [5, 6, 7, 8], 1)
+    for req in (a, b):
+        assert bm.allocate_slots(req, 4)
+        req.num_computed_tokens = 4
+        bm.cache_full_blocks(req)
+    # [1, 2] then b's second block: chained from a's first block, it must not hit
+    assert bm.get_computed_blocks(_request("c", [1, 2, 7, 8, 9], 1)) == a.block_ids[:1]
+    bm.free(b)
+    assert len(a.block_hashes) == 2
+
+
+def test_prefix_hashes_start_from_a_secret():
+    """Two block managers hash the same prompt differently, and neither under the chain a client could
+    compute from the tokens alone (Python's hash of ints is the same in every process)."""
+    managers = [BlockManager(num_blocks=4, block_size=2) for _ in range(2)]
+    for bm in managers:
+        req = _request("a", [1, 2, 3], 1)
+        assert bm.allocate_slots(req, 3)
+        req.num_computed_tokens = 3
+        bm.cache_full_blocks(req)
+    first, second = (set(bm.cached) for bm in managers)
+    assert first and first != second and hash((None, (1, 2))) not in first | second
+
+
 def test_lru_evicts_least_recently_freed_and_tail_first():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = _request("a", [1, 2, 3, 4, 5], 1)

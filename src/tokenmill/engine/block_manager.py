@@ -4,8 +4,11 @@ Invariants (checked by `check_invariants`, exercised by property tests):
 - Every block is either in use (ref_count > 0, in at least one request's `block_ids`) or free
   (ref_count == 0, in `free_queue`), never both; ref counts equal the number of requests holding the
   block and are never negative.
-- A block is hashed only once it is full of computed tokens; its hash chains the parent's hash, so
-  equal hashes mean equal prefixes. A hit is still verified against the stored tokens and parent hash.
+- A block is hashed only once it is full of computed tokens whose values are known; its hash chains
+  the parent's hash, so equal hashes mean equal prefixes. A hit is still verified against the stored
+  tokens and parent hash. The chain starts from a random value of each block manager: Python's hash of a
+  tuple of ints is the same in every process, so without it a client could compute a prefix's hashes and
+  craft one whose chain collides with another client's prefix (vLLM's CVE-2025-25183).
 - `cached` maps a hash to the one block registered under it; a free block that is hashed stays
   reusable until it is evicted. Free blocks are evicted least-recently-freed first (LRU), and a
   request's blocks are freed tail first, so the ends of prefixes go before their beginnings.
@@ -18,6 +21,7 @@ Invariants (checked by `check_invariants`, exercised by property tests):
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 from tokenmill.engine.request import Request
@@ -48,7 +52,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}
-        self._hashes: dict[str, list[int]] = {}       # request id -> hashes of its full blocks
+        self.root_hash = int.from_bytes(os.urandom(8), "little")     # the first block's parent
         self.prefix_queries = 0                        # tokens looked up
         self.prefix_hits = 0                           # tokens found
         self.peak_blocks_used = 0
@@ -89,7 +93,7 @@ class BlockManager:
         """The cached blocks holding `tokens`' first full blocks, at most `max_blocks` of them."""
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = self.root_hash
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash((parent, chunk))
@@ -107,7 +111,7 @@ class BlockManager:
     def _take_cached(self, request: Request, block_ids: list[int]) -> None:
         """Adds a reference of `request` to each cached block (out of the free queue if none held it) and
         records its hash among the request's."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         for bid in block_ids:
             block = self.blocks[bid]
             if block.ref_count == 0:
@@ -197,16 +201,18 @@ class BlockManager:
         request.cpu_block_ids = []
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Hashes the request's blocks that became full of computed tokens."""
+        """Hashes the request's blocks that became full of computed tokens whose values are known: a
+        block that ends in a token still in flight (a placeholder) waits for a later call."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        hashes = self._hashes.setdefault(request.request_id, [])
-        if len(hashes) == request.num_computed_tokens // bs:
+        hashes = request.block_hashes
+        full = min(request.num_computed_tokens, request.num_tokens - request.num_pending) // bs
+        if len(hashes) >= full:
             return
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), request.num_computed_tokens // bs):
+        parent = hashes[-1] if hashes else self.root_hash
+        for i in range(len(hashes), full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash((parent, chunk))
             hashes.append(h)
@@ -226,7 +232,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[bid] = None
         request.block_ids = []
-        self._hashes.pop(request.request_id, None)
+        request.block_hashes = []
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

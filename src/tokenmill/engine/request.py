@@ -35,7 +35,8 @@ class Request:
     While a step is in flight, a token it will sample is already appended as `PLACEHOLDER` (so the next
     step can be scheduled before the value is known, and reads it on the device from row
     `pending_row` of the in-flight step's output). `num_pending` counts such trailing placeholders
-    (0 or 1); a placeholder is never hashed, detokenized or reported."""
+    (up to 2: a step may be launched on a placeholder while the one before is in flight); a placeholder
+    is never hashed, detokenized or reported."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, seed: int, priority: int = 0, arrival_time: float | None = None,
@@ -57,6 +58,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # the hashes of its leading full blocks, each chaining the one before (the block manager's)
+        self.block_hashes: list[int] = []
         # while SWAPPED: the swap-space blocks holding the K/V of its first `num_computed_tokens` tokens
         self.cpu_block_ids: list[int] = []
         self.stop_reason: int | str | None = None
