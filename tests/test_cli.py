@@ -198,6 +198,11 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--backend", "hf", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
      "--ssl-certfile (HTTPS) needs --backend tokenmill"),
     ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),
+    ("serve", ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    ("serve", ["--tool-call-parser", "llama3_json"], "unknown --tool-call-parser 'llama3_json'; known: hermes"),
+    ("serve", ["--reasoning-parser", "bogus"], "unknown --reasoning-parser 'bogus'"),
+    ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
     """Options the engine's config refuses, and files that do not exist, end the command with a usage error
@@ -208,6 +213,22 @@ def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
         cli.main([command, os.path.join(os.path.dirname(cli.__file__), "assets", "tiny"), *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
+    """vLLM's forms: CORS lists as JSON ('["https://a.example"]', mixed with words here), and the key from
+    $VLLM_API_KEY, which a deployment moved from vLLM may set instead of --api-key (it ran open before)."""
+    from tokenmill import cli
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    parser, _ = cli.build_parser()
+    args = parser.parse_args(["serve", "--allowed-origins", '["https://a.example", "https://b.example"]',
+                              "https://c.example", "--allowed-methods", '["GET","POST"]'])
+    http = cli.http_options(args)
+    assert http.allowed_origins == ("https://a.example", "https://b.example", "https://c.example")
+    assert http.allowed_methods == ("GET", "POST") and args.api_key == "from-env"
+    assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert cli.build_parser()[0].parse_args(["serve"]).api_key is None
 
 
 # ---- the stats line -----------------------------------------------------------------------------------

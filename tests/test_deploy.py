@@ -70,6 +70,20 @@ def test_container_asks_for_a_gpu_and_its_probes_and_ports_agree():
     assert pod["spec"]["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
 
 
+def test_the_image_listens_on_every_interface():
+    """The image's entrypoint serves on 0.0.0.0 (`docker run -p 8000:8000 IMAGE /models/M` reaches it; the
+    CLI's default is loopback), on the port it exposes; arguments after it still override."""
+    import json
+    from tokenmill import cli
+    text = open(os.path.join(ROOT, "deploy", "Dockerfile")).read()
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    exposed = re.search(r"^EXPOSE (\d+)$", text, re.M).group(1)
+    assert entry[:2] == ["tokenmill", "serve"]
+    args = cli.build_parser()[0].parse_args([*entry[1:], "/models/M"])
+    assert (args.host, str(args.port)) == ("0.0.0.0", exposed)
+    assert cli.build_parser()[0].parse_args([*entry[1:], "/models/M", "--host", "::"]).host == "::"
+
+
 def test_compiled_kernels_outlive_a_container_restart():
     """Triton's cache is on a writable pod volume, not in the container's own layer, which a restart
     discards: a restarted server finds its kernels compiled (docs/DEPLOY.md)."""

@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.cli_help import HelpFormatter
-from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
+from tokenmill.config import DTYPE_CHOICES, KV_CACHE_DTYPES, EngineConfig
 
 
 def package_version() -> str:
@@ -38,7 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="inference backend: tokenmill, or a transformers baseline for benchmarks (hf: one "
                         "generate() at a time; hf-cb: transformers' continuous batching)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    p.add_argument("--dtype", default=d.dtype, help="auto, float32, float16 or bfloat16")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES, metavar="DTYPE",
+                   help="auto (the checkpoint's, float32 on the CPU), float32, float16 or bfloat16 (and vLLM's "
+                        "spellings: float, half, fp16, bf16)")
     p.add_argument("--quantization", choices=["awq", "gptq", "fp8"], default=d.quantization,
                    help="the checkpoint's weight format (default: read from its config.json's "
                         "quantization_config; given, it must match); fp8 on a plain checkpoint quantizes "
@@ -166,6 +168,19 @@ def port(text: str) -> int:
     return value
 
 
+def cors_entry(text: str) -> str | list[str]:
+    """One CORS origin, method or header, or vLLM's JSON list of them (flattened by `http_options`)."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return text
+
+
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     dp = args.data_parallel_size
     if dp > 1 and args.api_server_count > 1:
@@ -188,14 +203,15 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                                    (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template {args.chat_template!r}: no such file")
     try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
         engine_config(args)
         generation_defaults(args)
+        chat_options(args)
     except ValueError as e:
         parser.error(str(e))
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        parser.error(f"--chat-template {args.chat_template!r}: no such file")
 
 
 def add_chat_args(p: argparse.ArgumentParser):
@@ -243,9 +259,12 @@ def add_http_args(p: argparse.ArgumentParser):
                         "is dropped and its request aborted")
     p.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
                    help="open connections beyond this many get 503")
-    p.add_argument("--allowed-origins", nargs="+", default=list(d.allowed_origins), help="CORS origins")
-    p.add_argument("--allowed-methods", nargs="+", default=list(d.allowed_methods), help="CORS methods")
-    p.add_argument("--allowed-headers", nargs="+", default=list(d.allowed_headers), help="CORS headers")
+    p.add_argument("--allowed-origins", nargs="+", type=cors_entry, default=list(d.allowed_origins),
+                   help="CORS origins, as words or as vLLM's JSON list ('[\"https://a.example\"]')")
+    p.add_argument("--allowed-methods", nargs="+", type=cors_entry, default=list(d.allowed_methods),
+                   help="CORS methods (words or a JSON list)")
+    p.add_argument("--allowed-headers", nargs="+", type=cors_entry, default=list(d.allowed_headers),
+                   help="CORS headers (words or a JSON list)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (with --ssl-keyfile)")
@@ -262,14 +281,19 @@ def add_http_args(p: argparse.ArgumentParser):
                    help="add X-Request-Id to every response: the client's own, or a new one")
 
 
+def _flat(entries) -> tuple[str, ...]:
+    # CORS entries as words, JSON lists (`cors_entry`) or both
+    return tuple(v for e in entries for v in (e if isinstance(e, list) else [e]))
+
+
 def http_options(args):
     from tokenmill.server.launch import HTTPOptions
     return HTTPOptions(max_request_body_bytes=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                        send_timeout=args.send_timeout, max_header_bytes=args.max_header_bytes,
                        limit_concurrency=args.limit_concurrency,
-                       allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                       allowed_origins=_flat(args.allowed_origins), allowed_methods=_flat(args.allowed_methods),
+                       allowed_headers=_flat(args.allowed_headers), allow_credentials=args.allow_credentials,
                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                        ssl_cert_reqs=args.ssl_cert_reqs, docs=not args.disable_fastapi_docs, root_path=args.root_path,
                        request_id_headers=args.enable_request_id_headers)
@@ -316,7 +340,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add_model_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="0 picks a free port")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM reads it)")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
     serve.add_argument("--max-queue-len", type=queue_len, default=1024,
                        help="answer 503 with Retry-After beyond this many waiting requests")

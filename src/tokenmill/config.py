@@ -25,6 +25,8 @@ _DTYPES = {
 }
 
 
+DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 

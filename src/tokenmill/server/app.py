@@ -40,8 +40,10 @@ GENERATE = {200: {"content": {"application/json": {}, "text/event-stream": {}},
             **documented_errors(*GUARDED_ERRORS, 404)}
 LOOKUP = documented_errors(*GUARDED_ERRORS, 404)
 GUARDED = documented_errors(*GUARDED_ERRORS)
-HEALTH = {200: {"description": "The engine is running."},
-          503: {"description": "The engine is not running (or the server is draining)."}}
+# liveness, as vLLM's: a draining server (SIGTERM: new requests get 503) still answers 200, so that a
+# liveness probe does not kill it before its requests in flight finish
+HEALTH = {200: {"description": "The engine is running (also while the server drains)."},
+          503: {"description": "The engine is not running."}}
 
 
 # the deepest nesting of arrays and objects a body may have (the body itself is level 1): a JSON schema of
