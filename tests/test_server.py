@@ -21,12 +21,14 @@ MAX_MODEL_LEN = 96
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """Each tokenmill metric (histogram buckets left out) summed over its label values: a counter's total
+    over its finish reasons, say."""
     out = {}
     for line in text.splitlines():
         if line.startswith("tokenmill:") and "{" in line:
             name = line.split("{", 1)[0]
             if "bucket" not in name:
-                out[name] = float(line.rsplit(" ", 1)[1])
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -412,7 +414,21 @@ def small_server(qwen3_dir, tmp_path_factory):
     s.stop(signal.SIGKILL)
 
 
+def labelled(text: str, name: str, **labels) -> float | None:
+    """The value of one labelled series in a Prometheus text page (None when it is absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line.split("}")[0] for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def test_backpressure_503_with_retry_after(small_server):
+    """Beyond --max-queue-len a request gets 503 queue_full with Retry-After, and each one counts in
+    request_rejected_total{reason="queue_full"}, a series there at 0 from the start (as vLLM's counters)."""
+    page = httpx.get(small_server.url + "/metrics").text
+    before = labelled(page, "tokenmill:request_rejected_total", reason="queue_full")
+    assert before is not None and labelled(page, "tokenmill:request_success_total", finished_reason="abort") is not None
+
     async def main():
         async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as client:
             body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "ignore_eos": True}
@@ -422,6 +438,27 @@ def test_backpressure_503_with_retry_after(small_server):
     assert codes.count(503) >= 1 and codes.count(200) >= 2, codes
     busy = next(r for r in responses if r.status_code == 503)
     assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "queue_full"
+    after = labelled(httpx.get(small_server.url + "/metrics").text, "tokenmill:request_rejected_total",
+                     reason="queue_full")
+    assert after - before == codes.count(503)
+    small_server.wait_engine_idle()
+
+
+def test_each_choice_counts_once_in_every_request_metric(small_server):
+    """n=2: two sequences, as vLLM counts the n children of one request: two times to first token, two
+    latencies, two finishes, and a gap between tokens for every token after each one's first."""
+    def counts():
+        page = httpx.get(small_server.url + "/metrics").text
+        return [labelled(page, f"tokenmill:{name}") for name in (
+            "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+            "inter_token_latency_seconds_count")] + [
+            labelled(page, "tokenmill:request_success_total", finished_reason="length")]
+    small_server.wait_engine_idle()
+    before = counts()
+    r = httpx.post(small_server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 5, "n": 2, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert [a - b for a, b in zip(counts(), before)] == [2, 2, 8, 2]
     small_server.wait_engine_idle()
 
 

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
@@ -47,8 +47,10 @@ class _Stream:
     done: bool = False
     changed: bool = False
     waiter: asyncio.Future | None = None
-    prev_tokens: int = 0              # tokens of output 0 seen so far (for inter-token latency)
-    last_token_seen: float | None = None
+    # each sequence's tokens seen so far and when the last arrived (the metrics' time to first token and
+    # inter-token latency)
+    prev_tokens: list[int] = field(default_factory=list)
+    last_token_seen: list[float | None] = field(default_factory=list)
     interval: int = 1                 # tokens between wakes (0: only the first output and the last)
     delivered: list[int] | None = None    # each sequence's tokens at the last wake; None before the first
 

@@ -24,6 +24,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
+FINISH_REASONS = ("stop", "length", "abort")
+# the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
+REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight")
+
 # stats key -> (metric name, help, kind)
 _STATS = {
     "num_running": ("tokenmill:num_requests_running", "Requests in the running batch.", "gauge"),
@@ -105,32 +109,49 @@ class ServerMetrics:
                                "Time from arrival to first scheduling.", buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
         self.finished = Counter("tokenmill:request_success", "Finished sequences (choices) by finish reason.",
                                 labelnames=["model_name", "finished_reason"], registry=own)
-        self.rejected = Counter("tokenmill:request_rejected", "Requests refused before reaching the engine.",
+        self.rejected = Counter("tokenmill:request_rejected", "Requests refused before reaching the engine "
+                                "(503: queue full, shutting down, engine dead, logprobs in flight).",
                                 labelnames=["model_name", "reason"], registry=own)
+        # every series from the start at 0, as vLLM's, so that rate() and increase() see each first event
+        for reason in FINISH_REASONS:
+            self.finished.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model_name, reason)
         self.registry.register(_StatsCollector(get_stats, model_name, extra or dict))
 
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
     def observe_output(self, stream, out, now: float):
-        """Called for every update of a request (its cumulative output `out`)."""
+        """Called for every update of a request (its cumulative output `out`). Each sequence (choice) of a
+        request counts as one, as vLLM counts the n child requests of one: its time to first token, its
+        gaps between tokens, its latency and its finish reason (the queue time and the last of them are
+        the request's)."""
         m = out.metrics
-        first = out.outputs[0] if out.outputs else None
-        n_tokens = len(first.token_ids) if first is not None else 0
-        if n_tokens and not stream.prev_tokens and m is not None:
-            self.ttft.observe(max(0.0, (m.first_token_time or now) - m.arrival_time))
-            if m.first_scheduled_time is not None:
-                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        elif n_tokens > stream.prev_tokens:
-            last = stream.last_token_seen
-            if last is not None:
-                gap = (now - last) / (n_tokens - stream.prev_tokens)
-                for _ in range(n_tokens - stream.prev_tokens):
-                    self.itl.observe(gap)
-        if n_tokens > stream.prev_tokens:
-            stream.prev_tokens = n_tokens
-            stream.last_token_seen = now
+        seen = stream.prev_tokens
+        if len(seen) < len(out.outputs):
+            seen += [0] * (len(out.outputs) - len(seen))
+            stream.last_token_seen += [None] * (len(out.outputs) - len(stream.last_token_seen))
+        for i, o in enumerate(out.outputs):
+            n_tokens = len(o.token_ids)
+            if n_tokens and not seen[i] and m is not None:
+                first = m.first_token_time if i == 0 and m.first_token_time else now
+                self.ttft.observe(max(0.0, first - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            elif n_tokens > seen[i]:
+                last = stream.last_token_seen[i]
+                if last is not None:
+                    gap = (now - last) / (n_tokens - seen[i])
+                    for _ in range(n_tokens - seen[i]):
+                        self.itl.observe(gap)
+            if n_tokens > seen[i]:
+                seen[i] = n_tokens
+                stream.last_token_seen[i] = now
         if out.finished:
-            if m is not None:
-                self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
             for o in out.outputs:
+                if m is not None:
+                    self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
                 self.finished.labels(self.model_name, o.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:

@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from tokenmill.engine.metrics import REJECT_REASONS
 from tokenmill.server.protocol import UnsupportedValue
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -135,6 +136,10 @@ def _describe_bad_json(error: dict, doc) -> str:
 
 
 async def api_error_handler(request: Request, exc: APIError):
+    if exc.status == 503 and exc.code in REJECT_REASONS:      # load shed or shut out before the engine
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.reject(exc.code)
     return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
