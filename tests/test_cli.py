@@ -203,6 +203,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--reasoning-parser", "bogus"], "unknown --reasoning-parser 'bogus'"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),
+    ("serve", ["--revision", "main"], "--revision is vLLM's and has no effect here: tokenmill loads local"),
+    ("serve", ["--max_logprobs", "40"], "--max-logprobs is vLLM's and has no effect here: the logprobs limit"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
     """Options the engine's config refuses, and files that do not exist, end the command with a usage error
@@ -229,6 +231,13 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
     assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("VLLM_API_KEY")
     assert cli.build_parser()[0].parse_args(["serve"]).api_key is None
+    # vLLM's launch line: options with underscores, flags whose effect is always on, its log-level name
+    args = parser.parse_args(cli.vllm_spellings([
+        "serve", "--max_model_len=64", "--trust-remote-code", "/models/m", "--enable-chunked-prefill",
+        "--disable-log-requests", "--uvicorn-log-level", "warning", "--max_num_seqs", "8"]))
+    assert (args.model, args.max_model_len, args.max_num_seqs, args.log_level) == ("/models/m", 64, 8, "warning")
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert cli.chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
 
 
 # ---- the stats line -----------------------------------------------------------------------------------

@@ -56,13 +56,23 @@ def test_bad_prompts_are_rejected_and_others_keep_running(llm):
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
 
 
-def test_max_model_len_bounded_by_kv_cache(qwen3_dir):
+def test_max_model_len_bounded_by_kv_cache(qwen3_dir, monkeypatch):
     small = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=5)
     assert small.engine.max_model_len == 20
     with pytest.raises(ValueError, match="maximum context length is 20"):
         small.generate([[3] * 25])
     out = small.generate([[3] * 10], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+    # a cache sized by hand below a context length asked for serves what it holds, with a warning; a cache
+    # sized by the memory is refused, as vLLM refuses it (the CPU's default: 1 GiB of blocks)
+    assert LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=5,
+               max_model_len=64).engine.max_model_len == 20
+    from tokenmill.runner import model_runner
+    block = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=1).engine.runner.block_bytes
+    monkeypatch.setattr(model_runner, "_CPU_KV_BUDGET_BYTES", 10 * block)
+    with pytest.raises(ValueError, match="max_model_len 64 needs 64 tokens of KV cache for one request, but the "
+                                         "cache holds 40 .* lower --max-model-len to at most 40"):
+        LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_model_len=64)
 
 
 def test_abort_frees_blocks(llm):

@@ -181,7 +181,44 @@ def cors_entry(text: str) -> str | list[str]:
     return text
 
 
+# vLLM's serve flags that a launch line moved from vLLM may carry: those whose effect tokenmill always has
+# (accepted, with a note at start), and those it does not have (a usage error saying why)
+VLLM_HONOURED = {
+    "--enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is a step's budget)",
+    "--disable-log-requests": "requests are logged only with --enable-log-requests",
+    "--trust-remote-code": "tokenmill runs its own code for the architectures it supports, never a checkpoint's",
+}
+VLLM_REFUSED = {
+    "--download-dir": "tokenmill loads local directories and .gguf files only; it never downloads",
+    "--revision": "tokenmill loads local directories and .gguf files only; it never downloads",
+    "--max-logprobs": "the logprobs limit is OpenAI's, 20",
+    "--limit-mm-per-prompt": "tokenmill serves text-only models",
+}
+
+
+def _vllm_dest(flag: str) -> str:
+    return "vllm_" + flag.removeprefix("--").replace("-", "_")
+
+
+def vllm_spellings(argv: list[str]) -> list[str]:
+    """vLLM's parser also takes options spelled with underscores (--max_model_len): here as dashes."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
+    for flag, why in VLLM_REFUSED.items():
+        if getattr(args, _vllm_dest(flag)) is not None:
+            parser.error(f"{flag} is vLLM's and has no effect here: {why}")
+    if args.log_level in ("debug", "info"):
+        for flag, why in VLLM_HONOURED.items():
+            if getattr(args, _vllm_dest(flag)):
+                print(f"INFO tokenmill: {flag} (vLLM's) needs nothing here: {why}", file=sys.stderr)
     dp = args.data_parallel_size
     if dp > 1 and args.api_server_count > 1:
         parser.error(f"--data-parallel-size {dp} and --api-server-count {args.api_server_count} are not "
@@ -203,8 +240,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                                    (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        parser.error(f"--chat-template {args.chat_template!r}: no such file")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template) \
+            and not _inline_template(args.chat_template):
+        parser.error(f"--chat-template {args.chat_template!r}: no such file (nor a template: it has no '{{' and "
+                     "no line break)")
     try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
         engine_config(args)
@@ -216,7 +255,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
 
 def add_chat_args(p: argparse.ArgumentParser):
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file replacing the model's")
+                   help="a Jinja chat template replacing the model's: a file, or (as vLLM takes it) the "
+                        "template itself")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
@@ -230,10 +270,19 @@ def add_chat_args(p: argparse.ArgumentParser):
                    help='a JSON object of generation_config.json keys over those defaults, e.g. {"temperature": 0.5}')
 
 
+def _inline_template(value: str) -> bool:
+    # as vLLM reads --chat-template: a value that is no file but holds Jinja's braces or a line break is
+    # the template itself
+    return any(c in value for c in "{}\n")
+
+
 def chat_options(args):
     from tokenmill.server.serving import ChatOptions
     template = None
-    if args.chat_template is not None:
+    if args.chat_template is not None and not os.path.isfile(args.chat_template) \
+            and _inline_template(args.chat_template):
+        template = args.chat_template
+    elif args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     return ChatOptions(chat_template=template, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -356,6 +405,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="seconds between stats lines")
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives and as it finishes")
+    serve.add_argument("--uvicorn-log-level", dest="log_level", choices=["debug", "info", "warning", "error"],
+                       help=argparse.SUPPRESS)         # vLLM's name of --log-level
+    for flag in VLLM_HONOURED:
+        serve.add_argument(flag, action="store_true", dest=_vllm_dest(flag), help=argparse.SUPPRESS)
+    for flag in VLLM_REFUSED:
+        serve.add_argument(flag, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine loop in a thread of the server process (for debugging)")
@@ -403,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
 
     parser, subs = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(vllm_spellings(argv))
     if args.command in ("serve", "generate"):
         resolve_model(subs[args.command], args)
     if args.command in ("serve", "generate") and args.model is None:

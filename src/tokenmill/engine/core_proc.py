@@ -233,8 +233,9 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         ready = CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
                           tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
                           vocab_size=_vocab_size(engine))
-    except BaseException:
-        fatal = CoreFatal(traceback.format_exc())
+    except BaseException as e:
+        # a ValueError is the engine refusing its configuration: its message names the value and the limit
+        fatal = CoreFatal(str(e) if isinstance(e, ValueError) else traceback.format_exc())
         for conn in conns:
             _send(conn, fatal)
         raise SystemExit(1)

@@ -60,6 +60,17 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, mc, model_dir, max_len)
         capacity = self.runner.num_blocks * config.block_size
+        if config.max_model_len is not None and capacity < config.max_model_len:
+            why = (f"max_model_len {config.max_model_len} needs {config.max_model_len} tokens of KV cache for one "
+                   f"request, but the cache holds {capacity} ({self.runner.num_blocks} blocks of {config.block_size})")
+            if config.num_kv_blocks is None:
+                # as vLLM: a context length asked for must fit the cache the memory gives; the model's own
+                # default is lowered to what fits
+                raise ValueError(f"{why}; raise --gpu-memory-utilization (or set --num-kv-blocks) or lower "
+                                 f"--max-model-len to at most {capacity}")
+            # a cache sized by hand (num_kv_blocks), smaller on purpose: the length it holds
+            logger.warning("%s (num_kv_blocks %d): serving at most %d tokens a request", why, config.num_kv_blocks,
+                           capacity)
         self.max_model_len = min(max_len, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.runner.num_cpu_blocks)
