@@ -324,22 +324,12 @@ MODELS = {"qwen3-4b": (2560, 9728), "nanbeige4.1-3b": (2560, 10496)}      # hidd
 ROWS = (8, 16, 32, 64, 128, 192)       # one row takes the single-token products (gemv.py)
 
 
-def graph_timer(fn, layers: int, replays: int = 20) -> float:
-    """us a layer: `fn` (every layer's MLP) captured in a CUDA graph and replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / layers
+def graph_timer(fn, layers: int) -> float:
+    """us a layer: `fn` (every layer's MLP) captured in a CUDA graph and replayed
+    (scripts/device/fp8_products.py's `graph_us`)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "device"))
+    from fp8_products import graph_us
+    return graph_us([fn]) / layers
 
 
 def bench(out_dir: str, models=MODELS, rows_list=ROWS, layers: int = 8, variants=VARIANTS, timer=graph_timer,
