@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_delays, build_payload,
+from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_times, build_payload,
                                    class_metrics, compute_metrics, format_level, parse_goodput,
                                    run_level_processes, send_request, structured_indices, tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
@@ -76,9 +76,13 @@ def test_tool_requests_and_their_class_metrics():
 
 
 def test_poisson_arrivals_seeded():
-    assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
-    d = arrival_delays(2000, 10.0, 1)
-    assert d == arrival_delays(2000, 10.0, 1) and np.mean(d) == pytest.approx(0.1, rel=0.1)
+    """Send times from the level's start: seeded, increasing, the last at n / rate (as vLLM scales them),
+    with exponential gaps (their coefficient of variation about 1)."""
+    assert arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    t = arrival_times(2000, 10.0, 1)
+    gaps = np.diff(t)
+    assert t == arrival_times(2000, 10.0, 1) and t[-1] == pytest.approx(200.0) and (gaps >= 0).all()
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.1)
 
 
 def _chunk(data: bytes) -> bytes:
@@ -116,6 +120,25 @@ async def _fake_openai(reader, writer, seen):
         if path == "/stall":
             await reader.read()             # until the client gives up and closes
             return
+        if path in ("/tools", "/nousage"):
+            # a tool call's deltas only (as an agent's answer); or text without usage, then a pause before [DONE]
+            delta = (lambda a: {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}) if path == "/tools" \
+                else (lambda a: {"content": a})
+            await asyncio.sleep(0.03)
+            writer.write(_sse({"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}))
+            await writer.drain()
+            await asyncio.sleep(0.03)
+            writer.write(_sse({"choices": [{"index": 0, "delta": delta('{"a":')}]}))
+            await writer.drain()
+            await asyncio.sleep(0.03)
+            writer.write(_sse({"choices": [{"index": 0, "delta": delta(' 1}')}]}))
+            await writer.drain()
+            if path == "/tools":
+                writer.write(_sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}))
+            await asyncio.sleep(0.2)
+            writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            continue
         writer.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
                      + _sse({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}))
         await writer.drain()
@@ -144,13 +167,22 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
             again = await send_request(client, base + "/ok", {"n": 4})
             connections_after_four = len(seen["handlers"])
             stalled = await send_request(HTTPClient(base, timeout_s=0.2), base + "/stall", {"n": 5})
+            tools = await send_request(client, base + "/tools", {"n": 6})
+            no_usage = await send_request(client, base + "/nousage", {"n": 7}, prompt_len=11)
         finally:
             await client.aclose()
             server.close()
             await asyncio.wait(seen["handlers"], timeout=2)    # each ends when its client closes
-        return ok, bad, connections_after_two, err, again, connections_after_four, stalled
+        return ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage
 
-    ok, bad, connections_after_two, err, again, connections_after_four, stalled = asyncio.run(main())
+    ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage = asyncio.run(main())
+    # reasoning and tool-call deltas are output: the first token at the reasoning chunk (~30 ms), three
+    # chunks, and the latency ends at the last of them, not at [DONE] 200 ms later
+    for r in (tools, no_usage):
+        assert r.success and 0.025 < r.ttft < 0.2 and len(r.itl) == 2 and r.latency < r.ttft + 0.18, r
+    assert (tools.prompt_tokens, tools.output_tokens) == (3, 9)
+    # no usage: the chunks stand for the output tokens, the dataset's prompt length for the prompt's
+    assert (no_usage.usage_reported, no_usage.prompt_tokens, no_usage.output_tokens) == (False, 11, 3)
     assert ok.success and ok.error == "" and ok.usage_reported
     assert (ok.prompt_tokens, ok.output_tokens) == (3, 7)          # the server's usage, not the chunk count
     assert 0 < ok.ttft < 0.05 and len(ok.itl) == 1 and ok.itl[0] >= 0.05 and ok.latency >= ok.ttft + ok.itl[0]

@@ -4,12 +4,17 @@
         --model qwen3-4b --dataset mixed-chat --num-prompts 200 --max-concurrency 1,4,8,16,32
 
 Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
-- TTFT: from sending the request to the first streamed chunk that carries content.
-- ITL: the gaps between consecutive content chunks, pooled over all requests.
+- TTFT: from sending the request to the first streamed chunk that carries output: text, reasoning or a
+  tool call's delta.
+- ITL: the gaps between consecutive output chunks, pooled over all requests.
 - TPOT: per request, (latency - TTFT) / (output tokens - 1), for requests with more than one output token.
-- E2E latency: from sending to the last byte of the stream.
+- E2E latency: from sending to the last output chunk (the usage chunk and `[DONE]` after it not counted).
 - Throughputs divide by the wall time of the level; token counts are the server's `usage`
-  (`stream_options.include_usage`), never re-tokenised here.
+  (`stream_options.include_usage`), never re-tokenised here. A server that sends none leaves the output
+  counts unknown (a chunk may carry several tokens): such requests count their output chunks, a prompt
+  of token ids its known length, and every figure that rests on them is flagged (`requests_without_usage`).
+- Arrivals at `--request-rate`: Poisson, each request sent at its own time from the level's start (a late
+  send delays no later one), the gaps scaled so that the last is sent at `num_prompts / rate`, as vLLM's.
 - Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
 Each concurrency level sends the same `--num-prompts` requests, one level after the other.
 `--structured-fraction F` puts that fraction of them (evenly spread, the same ones at every level) under
@@ -181,9 +186,15 @@ def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool
 
 
 def _has_content(obj: dict) -> bool:
+    """Whether a chunk carries output: text, reasoning (`reasoning_content`, or vLLM's newer `reasoning`)
+    or a tool call's delta, or a completion's text."""
     for choice in obj.get("choices") or ():
         delta = choice.get("delta")
-        if (delta.get("content") if isinstance(delta, dict) else choice.get("text")):
+        if isinstance(delta, dict):
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
+                    or delta.get("tool_calls"):
+                return True
+        elif choice.get("text"):
             return True
     return False
 
@@ -300,11 +311,13 @@ class HTTPClient:
         self.idle.clear()
 
 
-async def send_request(client: HTTPClient, url: str, payload: dict, headers: dict | None = None) -> RequestResult:
-    """One streamed request to `url`, on `client`'s server."""
+async def send_request(client: HTTPClient, url: str, payload: dict, headers: dict | None = None,
+                       prompt_len: int | None = None) -> RequestResult:
+    """One streamed request to `url`, on `client`'s server; `prompt_len`, where the dataset knows it, is
+    its prompt tokens if the server reports no usage."""
     r = RequestResult()
     try:
-        await asyncio.wait_for(_stream(client, urllib.parse.urlsplit(url).path, payload, headers, r),
+        await asyncio.wait_for(_stream(client, urllib.parse.urlsplit(url).path, payload, headers, r, prompt_len),
                                client.timeout_s)
     except Exception as e:     # connection errors, timeouts, bad JSON: a failed request, not a crash
         r.success = False
@@ -312,7 +325,8 @@ async def send_request(client: HTTPClient, url: str, payload: dict, headers: dic
     return r
 
 
-async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | None, r: RequestResult) -> None:
+async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | None, r: RequestResult,
+                  prompt_len: int | None = None) -> None:
     content_chunks = 0
     t0 = last = time.perf_counter()
     async with client.post(path, payload, headers) as (status, body):
@@ -352,19 +366,23 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                     r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     r.output_tokens = int(usage.get("completion_tokens") or 0)
                     r.usage_reported = True
-    r.latency = time.perf_counter() - t0
+    r.latency = (last if content_chunks else time.perf_counter()) - t0
     if not r.usage_reported:
         r.output_tokens = content_chunks
+        r.prompt_tokens = prompt_len or 0
     r.success = content_chunks > 0 or r.output_tokens > 0
     if not r.success:
         r.error = "the stream carried no content"
 
 
-def arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds to wait before each request: Poisson arrivals at `request_rate` per second, or none at inf."""
+def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds from the level's start at which each request is sent: Poisson arrivals at `request_rate` per
+    second, the gaps scaled so that the last arrives at n / rate (as vLLM's benchmark scales them: a
+    draw's mean gap is off the rate's by chance); all at 0 at an infinite rate."""
     if math.isinf(request_rate):
         return [0.0] * n
-    return np.random.default_rng(seed).exponential(1.0 / request_rate, size=n).tolist()
+    times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / request_rate, size=n))
+    return (times * (n / request_rate / times[-1])).tolist() if n else []
 
 
 async def run_level(base_url: str, endpoint: str, model: str, requests: list[ServeRequest], max_concurrency: int,
@@ -392,15 +410,16 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
             async with sem:
                 start = time.perf_counter() - level_t0
                 res = await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature,
-                                                                    schema, offered), headers)
+                                                                    schema, offered), headers, req.prompt_len)
                 res.start = start
                 bar.update(1)
                 return res
 
         tasks = []
-        for i, (req, delay) in enumerate(zip(requests, arrival_delays(len(requests), request_rate, seed))):
-            if delay > 0:
-                await asyncio.sleep(delay)
+        for i, (req, at) in enumerate(zip(requests, arrival_times(len(requests), request_rate, seed))):
+            wait = level_t0 + at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.ensure_future(one(req, BENCH_SCHEMA if i in structured else None,
                                                    BENCH_TOOLS if i in tools else None)))
         results = await asyncio.gather(*tasks)
@@ -596,7 +615,13 @@ def format_level(backend: str, m: dict) -> str:
             f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
             f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
             f"E2E p95 {m['p95_e2el_ms']:.0f} ms, ITL p99 {m['p99_itl_ms']:.2f} ms, TTFT max {m['max_ttft_ms']:.0f} ms, "
-            f"E2E max {m['max_e2el_ms']:.0f} ms" + _structured_tpots(m) + _tool_ttfts(m) + _errors(m))
+            f"E2E max {m['max_e2el_ms']:.0f} ms" + _structured_tpots(m) + _tool_ttfts(m) + _errors(m) + _no_usage(m))
+
+
+def _no_usage(m: dict) -> str:
+    n = m.get("requests_without_usage") or 0
+    return (f"; WARNING: {n} request(s) without usage: their output tokens are counted as chunks, so TPOT and "
+            "output throughput are off wherever a chunk carries several tokens") if n else ""
 
 
 def _errors(m: dict) -> str:
