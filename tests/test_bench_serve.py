@@ -24,9 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_metrics_on_hand_made_timings():
-    a = RequestResult(True, prompt_tokens=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1])
-    b = RequestResult(True, prompt_tokens=20, output_tokens=3, ttft=0.3, latency=0.7, itl=[0.2, 0.2])
-    c = RequestResult(True, prompt_tokens=4, output_tokens=1, ttft=0.05, latency=0.05)
+    a = RequestResult(True, prompt_tokens=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1],
+                      usage_reported=True)
+    b = RequestResult(True, prompt_tokens=20, output_tokens=3, ttft=0.3, latency=0.7, itl=[0.2, 0.2],
+                      usage_reported=True)
+    c = RequestResult(True, prompt_tokens=4, output_tokens=1, ttft=0.05, latency=0.05, usage_reported=True)
     bad = RequestResult(False, error="HTTP 500")
     assert tpot_of(a) == pytest.approx(0.1) and tpot_of(b) == pytest.approx(0.2) and tpot_of(c) is None
     m = compute_metrics([a, b, c, bad], duration_s=2.0, slos=parse_goodput(["ttft:200", "tpot:150"]))
@@ -49,6 +51,10 @@ def test_metrics_on_hand_made_timings():
     m["max_concurrency"], m["errors"] = 4, ["HTTP 500"]        # as the level loop fills them
     assert format_level("tm", m).startswith("tm c=4: 3/4 ok, ")
     assert format_level("tm", m).endswith("; 1 distinct error(s), first: HTTP 500")
+    # a request without the server's usage: its token counts are chunks, which the line says
+    assert m["requests_without_usage"] == 0
+    c.usage_reported = False
+    assert "WARNING: 1 request(s) without usage" in format_level("tm", {**m, **compute_metrics([a, b, c], 2.0)})
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
 
