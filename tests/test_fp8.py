@@ -183,6 +183,23 @@ def test_unsupported_fp8_configs_are_named(hf_base, qc, message):
         ModelConfig.from_hf(dict(hf_base, quantization_config=qc))
 
 
+@pytest.mark.parametrize("qc", [
+    dict(fp8.quantization_config("fp8"), modules_to_not_convert=["lm_head"]),
+    dict(fp8.quantization_config("fp8"), ignored_layers=["lm_head"]),
+    dict(fp8.quantization_config("compressed-tensors"), ignore=["re:.*lm_head"]),
+    dict(quant_method="awq", bits=4, group_size=128, version="gemm", zero_point=True,
+         modules_to_not_convert=["lm_head"]),
+])
+def test_a_checkpoint_that_leaves_only_the_head_unquantized_is_read(hf_base, qc):
+    """The head stays in the model dtype whatever the checkpoint says, so a list of unquantized modules
+    naming it alone (AutoAWQ's `modules_to_not_convert: ["lm_head"]`, an FP8 `ignored_layers`, a
+    compressed-tensors `re:` pattern) is read; one naming a decoder layer is still refused."""
+    assert ModelConfig.from_hf(dict(hf_base, quantization_config=qc)).quantization is not None
+    with pytest.raises(ValueError, match="down_proj"):
+        ModelConfig.from_hf(dict(hf_base, quantization_config=dict(qc, modules_to_not_convert=[
+            "lm_head", "model.layers.0.mlp.down_proj"], ignore=["re:.*down_proj"])))
+
+
 def test_config_reads_each_fp8_format(hf_base):
     block = ModelConfig.from_hf(dict(hf_base, quantization_config=fp8.quantization_config("fp8"))).quantization
     assert (block.method, block.weight_block_size, block.scale_name) == ("fp8", (128, 128), "weight_scale_inv")

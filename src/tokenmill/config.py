@@ -30,6 +30,19 @@ DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
+def _sliding_layers(hf: dict[str, Any]) -> list[int]:
+    """The layers of a Hugging Face config that attend over a sliding window: those `layer_types` marks
+    "sliding_attention", or without it (older Qwen2 configs), with `use_sliding_window` and a
+    `sliding_window`, the layers from `max_window_layers` on, as transformers reads them."""
+    types = hf.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        first = hf.get("max_window_layers") or 0
+        return list(range(first, hf["num_hidden_layers"]))
+    return []
+
+
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
     """A dtype or its name -> the dtype; None -> float32."""
     import torch
@@ -96,6 +109,12 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
+        sliding = _sliding_layers(hf)
+        if sliding:
+            raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
+                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {hf.get('sliding_window')}) is "
+                             "not supported: tokenmill attends over the whole context in every layer, which "
+                             "changes the output past the window")
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -110,12 +129,13 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
-            hidden_act=hf.get("hidden_act", "silu"),
+            hidden_act={"swish": "silu"}.get(hf.get("hidden_act", "silu"), hf.get("hidden_act", "silu")),
             quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
         )

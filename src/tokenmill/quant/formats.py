@@ -3,6 +3,7 @@ into the config of its layers (`W4Config`, `Fp8Config`), a ValueError naming any
 Without torch: an API server process reads model configs without the tensor library."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # the decoder's linear layers, by their checkpoint names; everything else stays in the model dtype
@@ -54,9 +55,10 @@ def parse_w4_config(qc: dict) -> W4Config:
     if group not in W4_GROUP_SIZES:
         raise ValueError(f"{method} checkpoint with group_size={group!r} is not supported; supported: "
                          f"{', '.join(map(str, W4_GROUP_SIZES))}")
-    if qc.get("modules_to_not_convert"):
+    if _not_the_head(qc.get("modules_to_not_convert")):
         raise ValueError(f"{method} checkpoint with modules_to_not_convert={qc['modules_to_not_convert']!r} "
-                         "is not supported; supported: every decoder linear layer quantized")
+                         "is not supported; supported: every decoder linear layer quantized (the head may be "
+                         "left out)")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
@@ -143,11 +145,24 @@ def parse_fp8_config(qc: dict) -> Fp8Config:
     if act is not None and not act.get("dynamic", False):
         raise ValueError(f"compressed-tensors input_activations with dynamic=false (static scales, strategy="
                          f"{act.get('strategy')!r}) are not supported; supported: dynamic per-token or none")
-    _check_ignored([m for m in qc.get("ignore") or [] if m != "lm_head"], "compressed-tensors")
+    _check_ignored(qc.get("ignore"), "compressed-tensors")
     return Fp8Config(None, "compressed-tensors")
 
 
+def _not_the_head(modules) -> list[str]:
+    """The entries of a checkpoint's list of unquantized modules other than the vocabulary head, which
+    tokenmill always keeps in the model dtype: `lm_head`, or a compressed-tensors `re:` pattern that
+    matches it and no decoder layer."""
+    def head_only(m: str) -> bool:
+        if not m.startswith("re:"):
+            return m == "lm_head"
+        pattern = re.compile(m[3:])
+        return bool(pattern.fullmatch("lm_head")) and not pattern.fullmatch("model.layers.0.mlp.down_proj")
+    return [m for m in modules or () if not head_only(str(m))]
+
+
 def _check_ignored(modules, method: str) -> None:
-    if modules:
-        raise ValueError(f"{method} checkpoint leaving {list(modules)[:4]!r} unquantized is not supported; "
+    rest = _not_the_head(modules)
+    if rest:
+        raise ValueError(f"{method} checkpoint leaving {rest[:4]!r} unquantized is not supported; "
                          "supported: every decoder linear layer in FP8 (the head may be left out)")
