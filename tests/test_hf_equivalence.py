@@ -14,14 +14,12 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
-        # each step's argmax with transformers' own KV cache: the end-of-sequence token may win, as it may
+        # each step's argmax over the whole sequence so far: the end-of-sequence token may win, as it may
         # under ignore_eos (generate's min_new_tokens would forbid it instead)
-        ids, past, out = torch.tensor([p]), None, []
+        ids, out = torch.tensor([p]), []
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                step = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
-                past = step.past_key_values
-                out.append(int(step.logits[0, -1].argmax()))
+                out.append(int(model(ids).logits[0, -1].argmax()))
                 ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
         outs.append(out)
     return outs
