@@ -26,6 +26,7 @@ def llm(qwen3_dir):
     (dict(n=0), "n must be >= 1, got 0"),
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
     (dict(logprobs=50), "logprobs must be in [0, 20], got 50"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids (integers >= 0), got [-1]"),
 ])
 def test_bad_sampling_values_name_value_and_limit(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -44,6 +45,11 @@ def test_bad_prompts_are_rejected_and_others_keep_running(llm):
         engine.add_request("oov", [5, 999999], SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [5], SamplingParams())
+    # ids the sampler indexes the logits with (min_tokens holds stop_token_ids back): an id past the
+    # vocabulary killed the step, and every later one
+    for params in (SamplingParams(stop_token_ids=[100000], min_tokens=1), SamplingParams(logit_bias={600: 1.0})):
+        with pytest.raises(ValueError, match=r"token id (100000|600) is out of range: token ids must be in \[0, 512\)"):
+            engine.add_request("bad-ids", [5], params)
     tokens, finished = [], []
     while engine.has_unfinished_requests():
         report = engine.step()
@@ -54,6 +60,16 @@ def test_bad_prompts_are_rejected_and_others_keep_running(llm):
         llm.generate([[1, 2], []], SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests()          # the valid prompt was withdrawn too
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_any_integer_seed_samples_reproducibly(llm):
+    """A seed past int64 (vLLM's offline API takes 64-bit seeds), with n choices after it, samples as its
+    value modulo 2**62 does, where it overflowed packing the sampling row and broke later steps."""
+    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=6, seed=seed, n=2, ignore_eos=True)  # noqa: E731
+    big = llm.generate([[5, 6, 7]], sp(2 ** 64 + 5))[0]
+    small = llm.generate([[5, 6, 7]], sp((2 ** 64 + 5) % 2 ** 62))[0]
+    assert [o.token_ids for o in big.outputs] == [o.token_ids for o in small.outputs]
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def test_max_model_len_bounded_by_kv_cache(qwen3_dir, monkeypatch):

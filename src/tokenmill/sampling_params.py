@@ -174,6 +174,8 @@ class SamplingParams:
             bad("prompt_logprobs", self.prompt_logprobs, "in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         if any(not s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
 

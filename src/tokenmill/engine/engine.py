@@ -121,9 +121,10 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self._check_logit_bias(params)
+        self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
-        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row
+        base_seed = params.seed % (2 ** 62) if params.seed is not None else self._seed_rng.getrandbits(62)
         # the ids min_tokens holds back (read only, shared by the n sequences)
         held_back = [] if not params.min_tokens else sorted(
             set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
@@ -163,12 +164,15 @@ class LLMEngine:
             if all(s.status.finished for s in seqs):
                 del self.groups[rid]
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids a request names (logit_bias, stop_token_ids) are in the vocabulary: the sampler indexes
+        the logits with them."""
         vocab = self.model_config.vocab_size
-        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise SamplingParamError("logit_bias", f"logit_bias token id {bad} is out of range: token ids must "
-                                     f"be in [0, {vocab}) (the model's vocabulary size is {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "
+                                         f"[0, {vocab}) (the model's vocabulary size is {vocab})")
 
     def compile_grammar(self, params: SamplingParams) -> tuple:
         """`params`' compiled grammar, for `add_request`; an invalid spec raises SamplingParamError. One thread

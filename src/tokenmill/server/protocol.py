@@ -283,7 +283,7 @@ class _SamplingRequest(_Strict):
         if top_k is not None:
             kw["top_k"] = int(top_k)
         if self.seed is not None:
-            kw["seed"] = self.seed % (2 ** 62)   # room for the engine's per-choice seed offsets
+            kw["seed"] = self.seed
         bias = self.token_bias()
         if bias:
             kw["logit_bias"] = bias
