@@ -46,11 +46,11 @@ def _allowed(logits, t):
         e = torch.exp((xi - xi.max()) / temperature[i])
         survive = e >= min_p[i]
         unsure[i] |= (e - min_p[i]).abs() <= 1e-4
-        total = e[survive].sum()
         greater = xi[None, :] > xi[:, None]                 # [j, i]: token i strictly above token j
         keep[i] = survive & (xi > float("-inf"))
         if top_k[i] < x.shape[1]:
             keep[i] &= greater.sum(1) < top_k[i]
+        total = e[keep[i]].sum()                             # top-p over what min-p and top-k keep
         if top_p[i] < 1:
             above = (greater * e[None, :]).sum(1)
             keep[i] &= above < top_p[i] * total
@@ -189,6 +189,20 @@ def test_sampled_frequencies_follow_the_truncated_distribution():
         expect = p[:kept].double() / p[:kept].sum() * n
         chi2 = float(((counts[:kept] - expect) ** 2 / expect).sum())
         assert chi2 < 16.0, (g, counts.tolist(), chi2)           # df 1-2: p < 1e-3
+
+
+def test_top_p_takes_the_nucleus_of_what_top_k_keeps():
+    """vLLM's and Hugging Face's order: top-k 3 of p = [.3, .25, .2, .12, .08, .05] keeps [.4, .333, .267]
+    renormalised, whose nucleus at top-p 0.7 is the first two (0.733 above the third); top-p over the whole
+    row would keep the third too (0.55 above it). Kernel and torch path draw from the first two only, and
+    both often enough (the first winner is settled by its lower bound or by the top-k mass, both taken)."""
+    p = torch.tensor([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])
+    n = 60
+    t = _tensors(6, [1.0] * n, top_k=[3] * n, top_p=[0.7] * n, seeds=np.arange(n) + 77)
+    batch = p.log().repeat(n, 1).to(DEVICE)
+    for got in (_kernel(batch, t, block=8).cpu(), _random_tokens_torch(batch, t).cpu()):
+        counts = torch.bincount(got, minlength=6)
+        assert counts[2:].sum() == 0 and counts[0] > 15 and counts[1] > 15, counts.tolist()
 
 
 def test_seeded_rows_are_reproducible_and_independent_of_their_batch():

@@ -223,10 +223,12 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """`logits` with the tokens top-k, top-p and min-p drop at -inf. The kept set is every token at or above
-    a cut-off value, so ties at the cut-off stay together (the rule of `kernels/sampling.py`): the k-th
-    largest value; the last value of the smallest sorted prefix whose mass reaches top_p (the mass of the
-    tokens strictly above a kept token is below top_p); p >= min_p * p_max."""
+    """`logits` with the tokens min-p, top-k and top-p drop at -inf, in that order, top-p over what top-k
+    keeps (vLLM's and Hugging Face's order: top-k, then the nucleus of the renormalised survivors). The
+    kept set is every token at or above a cut-off value, so ties at the cut-off stay together (the rule of
+    `kernels/sampling.py`): p >= min_p * p_max; the k-th largest value; the last value of the smallest
+    sorted prefix whose mass reaches top_p of the top-k survivors' (the mass of the survivors strictly
+    above a kept token is below top_p of theirs)."""
     if t.min_p is not None:
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * t.min_p[:, None]
@@ -234,16 +236,16 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     if t.top_k is None and t.top_p is None:
         return logits
     sorted_logits = logits.sort(dim=-1, descending=True).values
-    cutoffs = []
     if t.top_k is not None:
         k = t.top_k.long().clamp(1, logits.shape[-1])
-        cutoffs.append(sorted_logits.gather(-1, k[:, None] - 1))
+        cutoff = sorted_logits.gather(-1, k[:, None] - 1)
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
     if t.top_p is not None:
         probs = sorted_logits.softmax(-1)
         kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True)   # >= 1
-        cutoffs.append(sorted_logits.gather(-1, kept - 1))
-    cutoff = cutoffs[0] if len(cutoffs) == 1 else torch.maximum(*cutoffs)
-    return logits.masked_fill(logits < cutoff, float("-inf"))
+        logits = logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
+    return logits
 
 
 def _exponential(like: torch.Tensor) -> torch.Tensor:

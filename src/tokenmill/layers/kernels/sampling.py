@@ -9,9 +9,12 @@ each request one); greedy rows (temperature < 1e-5) take the argmax, first of eq
 The kept set is {x_i >= cut-off}; the boundary rule, shared with the torch reference
 (`sampler._top_k_top_p_min_p`), keeps ties at the cut-off together. Token i is kept iff
   top-k:  fewer than k tokens have a strictly larger logit (ties with the k-th largest all stay);
-  top-p:  the mass of the tokens with strictly larger logits is below top_p of the min-p survivors' mass;
+  top-p:  the mass of the tokens with strictly larger logits is below top_p of the mass of the tokens
+          min-p and top-k keep (vLLM's and Hugging Face's order: the nucleus of the top-k survivors);
   min-p:  e_i >= min_p (p_i >= min_p * p_max).
-The largest logit always stays.
+The largest logit always stays. With top-k and top-p both on, the top-k survivors' mass is needed only
+where the race's first winner is not settled by a lower bound of it (the winner's mass and all above it):
+then a bisection finds the top-k cut-off and one pass sums the mass above it.
 
 Passes over the row (each a masked reduction, no sort):
   1. the maximum, and the race over all tokens but those below min-p of the maximum so far, a superset of
@@ -121,6 +124,39 @@ def _probe(row_ptr, V, tau, m, c, min_p, want_mass, TOTAL: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _top_k_mass(row_ptr, V, k, x0, cnt0, above0, row_min, m, c, min_p, BLOCK: tl.constexpr,
+                MAX_PROBES: tl.constexpr):
+    """The mass (sum of e) of the tokens top-k and min-p keep, given the probe at x0 (cnt0 tokens above it,
+    the smallest of them above0): the top-k cut-off by bisection, as the kept set's (the bracket from the
+    probe: above x0 where x0 is dropped, else at most x0), then one pass."""
+    lo = float("-inf")
+    min_in = row_min
+    max_in = x0
+    if cnt0 >= k:
+        lo = x0
+        min_in = above0
+        max_in = m
+    probes = 0
+    while (min_in < max_in) & (probes < MAX_PROBES):
+        mid = min_in * 0.5 + max_in * 0.5
+        mid = tl.where((mid >= max_in) | (mid < min_in), min_in, mid)
+        cnt, _, above, below, _ = _probe(row_ptr, V, mid, m, c, min_p, False, False, BLOCK)
+        if cnt >= k:
+            lo = mid
+            min_in = above
+        else:
+            max_in = below
+        probes += 1
+    mass = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        e = tl.exp2((x - m) * c)
+        mass += tl.where((x > lo) & (e >= min_p), e, 0.0)
+    return tl.sum(mass, 0)
+
+
+@triton.jit
 def _race_above(row_ptr, V, lo, m, c, min_p, key, BLOCK: tl.constexpr):
     """The race's winner over the tokens with x > lo and e >= min_p (at least one), the maximum m known."""
     best_r = 0.0
@@ -155,12 +191,14 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
 
     # pass 1: the maximum (and its first index, the greedy token) and the race over every token
     m = float("-inf")
+    row_min = float("inf")
     first = 0
     best_r = 0.0
     best_id = 0
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        row_min = tl.minimum(row_min, tl.min(tl.where(offs < V, x, float("inf")), 0))
         bmax = tl.max(x, 0)
         if bmax > m:
             first = tl.min(tl.where(x == bmax, offs, V), 0)
@@ -182,6 +220,13 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
         if use_k | use_p:
             # pass 2: is the race's winner kept by top-k and top-p?
             cnt, mass, above, below, total = _probe(row_ptr, V, x0, m, c, min_p, use_p, True, BLOCK)
+            if use_k & use_p:
+                # top-p of the top-k survivors' mass, which is at least the winner's and all above it when
+                # top-k keeps the winner: enough to keep it where its mass above is below top_p of that
+                e0 = tl.exp2((x0 - m) * c)
+                total = mass + e0
+                if (cnt >= k) | (mass >= top_p * total):
+                    total = _top_k_mass(row_ptr, V, k, x0, cnt, above, row_min, m, c, min_p, BLOCK, MAX_PROBES)
             limit = top_p * total
             dropped = (use_k & (cnt >= k)) | (use_p & (mass >= limit))
             done = done & ~dropped
