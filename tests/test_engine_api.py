@@ -27,6 +27,8 @@ def llm(qwen3_dir):
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
     (dict(logprobs=50), "logprobs must be in [0, 20], got 50"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids (integers >= 0), got [-1]"),
+    (dict(stop=[1]), "stop must be a list of non-empty strings, got [1]"),
+    (dict(top_k=1.5), "top_k must be an integer: 0 or -1 (disabled) or >= 1, got 1.5"),
 ])
 def test_bad_sampling_values_name_value_and_limit(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -157,6 +159,35 @@ def test_text_prompts_and_chat(llm):
     ids = chat.prompt_token_ids
     assert ids == tok.encode(rendered, add_special_tokens=False)
     assert ids.count(tok.hf.convert_tokens_to_ids("<|im_start|>")) == 2    # not added twice
+    # vLLM's LLM.chat: OpenAI's text parts read as the server reads them (joined, never a Python repr),
+    # an assistant turn continued, a template of the caller's; and vLLM's engine name
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "你"}, {"type": "text", "text": "好"}]}]
+    assert llm.chat(parts, sp)[0].prompt == rendered
+    turn = msgs + [{"role": "assistant", "content": "Hel"}]
+    cont = llm.chat(turn, sp, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt == tok.apply_chat_template(turn, False, continue_final_message=True)
+    assert cont.prompt.endswith("Hel")
+    mine = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert llm.chat(msgs, sp, chat_template=mine)[0].prompt == "[你好]"
+    assert llm.llm_engine is llm.engine
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp)
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], sp, priority=[1])
+
+
+def test_include_stop_str_in_output_shows_a_stop_token(llm):
+    """As vLLM: the text of the stop token that ended the output shows only with include_stop_str_in_output."""
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate([[5, 6, 7]], SamplingParams(**base))[0].outputs[0].token_ids
+    stop = tokens[2]
+    cut = tokens.index(stop) + 1
+    tok = llm.get_tokenizer()
+    for include, upto in ((False, cut - 1), (True, cut)):
+        out = llm.generate([[5, 6, 7]], SamplingParams(**base, stop_token_ids=[stop],
+                                                       include_stop_str_in_output=include))[0].outputs[0]
+        assert out.stop_reason == stop and out.text == tok.decode(tokens[:upto])
 
 
 def test_incremental_detokenizer_never_emits_broken_utf8(tokenizer_dir):

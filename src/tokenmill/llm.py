@@ -74,6 +74,8 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         parts = [_prompt_parts(p) for p in prompts]
         if self.engine.tokenizer is None and any(text is not None for text, _ in parts):
             from tokenmill.models.presets import check_text_prompts
@@ -97,20 +99,44 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of `engine`."""
+        return self.engine
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Renders each conversation with the chat template (the model's, or `chat_template`), then
+        generates. Messages are read as the server reads them (`server/protocol.ChatMessage`: OpenAI's text
+        parts joined, media parts refused, tool calls' arguments as objects); `tools`,
+        `continue_final_message` and `chat_template_kwargs` reach the template as vLLM's `LLM.chat` passes
+        them."""
+        from tokenmill.server.protocol import ChatMessage
         tok = self.engine.tokenizer
         if tok is None:
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt=False)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.encode_chat(c, add_generation_prompt) for c in conversations]
+        conversations = [[ChatMessage.model_validate(m).for_template() for m in c] for c in conversations]
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        texts = [tok.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
+        prompts = [tok.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, conv in zip(outputs, conversations):
-            out.prompt = tok.apply_chat_template(conv, add_generation_prompt)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
         return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -149,8 +149,8 @@ class SamplingParams:
             bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
-        if self.top_k < 0:
-            bad("top_k", self.top_k, "0 or -1 (disabled) or >= 1")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", self.top_k, "an integer: 0 or -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -176,7 +176,7 @@ class SamplingParams:
             bad("seed", self.seed, "an integer")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
-        if any(not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
 
     @property

@@ -276,10 +276,12 @@ class LLMEngine:
         p = req.params
         status, text = None, False
         grammar_ended = req.grammar is not None and self._grammar_ended(req, token)
+        # a stop or end-of-sequence token's text shows only with include_stop_str_in_output (vLLM's rule; a
+        # special token's then as skip_special_tokens has it)
         if not p.ignore_eos and token in self.eos_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            status, req.stop_reason, text = RequestStatus.FINISHED_STOPPED, None, p.include_stop_str_in_output
         elif token in p.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            status, req.stop_reason, text = RequestStatus.FINISHED_STOPPED, token, p.include_stop_str_in_output
         elif grammar_ended:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif position + 1 - req.num_prompt_tokens >= req.max_tokens or position + 1 >= self.max_model_len:
