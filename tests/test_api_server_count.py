@@ -129,6 +129,30 @@ def test_the_core_serves_each_client_its_own_requests_and_frees_a_gone_clients(q
             conn.close()
 
 
+def test_a_client_that_reads_nothing_and_holds_no_request_stalls_no_other(qwen3_dir):
+    """An API server whose loop stalls (here: never reads) while it has no request gets no update from the
+    core: the core's sends block once that pipe is full, which had frozen every other client's streams."""
+    from tokenmill.config import EngineConfig
+    config = EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=256,
+                          block_size=4)
+    core = EngineCore(config, num_clients=2, in_process=True)
+    a, b = (c.conn for c in core.clients)
+    try:
+        # ~2,000 steps: thousands of updates, far past what b's pipe holds unread
+        for i in range(4):
+            a.send([AddRequest(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), handle=2 * i)])
+            seen = _updates(a, lambda u: u.outputs is not None and u.outputs.finished, timeout=60)
+            assert sum(len(u.outputs.tokens) for u in seen if u.outputs is not None) == 500
+        b.send([AbortRequests([])])        # b asks for stats: it is answered
+        assert _updates(b, lambda u: u.stats is not None)[-1].stats["num_running"] == 0
+        a.send([Shutdown()])
+        b.send([Shutdown()])
+        core.join(10)
+    finally:
+        for conn in (a, b):
+            conn.close()
+
+
 # ----- the processes -------------------------------------------------------------------------------------
 PROMPTS = ["The quick brown fox", "PagedAttention keeps", "def main():", "Continuous batching lets"]
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -304,7 +304,10 @@ def _loop(engine, clients: list[_Client]) -> None:
             if part:
                 client.reported(part)
             update = updates.get(client)
-            if update is not None or part or busy:
+            # a client with requests hears from every busy step (its stats at least); one without only when
+            # it asked or has outputs: a send blocks once a client's pipe is full, so an idle API server
+            # whose loop stalls must not stop the steps of every other
+            if update is not None or part or (busy and (client.live or client.compiling)):
                 update = update or CoreUpdate()
                 update.outputs, update.stats, update.time = part or None, stats, now
                 if not _send(conn, update):
