@@ -124,6 +124,26 @@ def _probe(row_ptr, V, tau, m, c, min_p, want_mass, TOTAL: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _bisect(row_ptr, V, lo, min_in, max_in, k, limit, use_k, use_p, m, c, min_p, BLOCK: tl.constexpr,
+            MAX_PROBES: tl.constexpr):
+    """The cut-off by bisection over the value: the bracket (lo, hi] holds it and its tokens span [min_in,
+    max_in]; a probe's value is dropped where top-k (use_k: k tokens above it) or top-p (use_p: their mass
+    at least `limit`) drops it. Returns lo, the kept set being {x > lo}."""
+    probes = 0
+    while (min_in < max_in) & (probes < MAX_PROBES):
+        mid = min_in * 0.5 + max_in * 0.5
+        mid = tl.where((mid >= max_in) | (mid < min_in), min_in, mid)
+        cnt, mass, above, below, _ = _probe(row_ptr, V, mid, m, c, min_p, use_p, False, BLOCK)
+        if (use_k & (cnt >= k)) | (use_p & (mass >= limit)):
+            lo = mid
+            min_in = above
+        else:
+            max_in = below
+        probes += 1
+    return lo
+
+
+@triton.jit
 def _top_k_mass(row_ptr, V, k, x0, cnt0, above0, row_min, m, c, min_p, BLOCK: tl.constexpr,
                 MAX_PROBES: tl.constexpr):
     """The mass (sum of e) of the tokens top-k and min-p keep, given the probe at x0 (cnt0 tokens above it,
@@ -136,17 +156,7 @@ def _top_k_mass(row_ptr, V, k, x0, cnt0, above0, row_min, m, c, min_p, BLOCK: tl
         lo = x0
         min_in = above0
         max_in = m
-    probes = 0
-    while (min_in < max_in) & (probes < MAX_PROBES):
-        mid = min_in * 0.5 + max_in * 0.5
-        mid = tl.where((mid >= max_in) | (mid < min_in), min_in, mid)
-        cnt, _, above, below, _ = _probe(row_ptr, V, mid, m, c, min_p, False, False, BLOCK)
-        if cnt >= k:
-            lo = mid
-            min_in = above
-        else:
-            max_in = below
-        probes += 1
+    lo = _bisect(row_ptr, V, lo, min_in, max_in, k, 0.0, True, False, m, c, min_p, BLOCK, MAX_PROBES)
     mass = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -247,19 +257,7 @@ def _sample_kernel(logits_ptr, stride, out_ptr, V,
                     retries += 1
                 done = ~dropped
             if dropped:
-                # bisection: the bracket (lo, hi] holds the cut-off, its tokens span [min_in, max_in]
-                max_in = m
-                probes = 0
-                while (min_in < max_in) & (probes < MAX_PROBES):
-                    mid = min_in * 0.5 + max_in * 0.5
-                    mid = tl.where((mid >= max_in) | (mid < min_in), min_in, mid)
-                    cnt, mass, above, below, _ = _probe(row_ptr, V, mid, m, c, min_p, use_p, False, BLOCK)
-                    if (use_k & (cnt >= k)) | (use_p & (mass >= limit)):
-                        lo = mid
-                        min_in = above
-                    else:
-                        max_in = below
-                    probes += 1
+                lo = _bisect(row_ptr, V, lo, min_in, m, k, limit, use_k, use_p, m, c, min_p, BLOCK, MAX_PROBES)
         if done:
             token = best_id
         else:
