@@ -240,10 +240,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                                    (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
-    if args.chat_template is not None and not os.path.isfile(args.chat_template) \
-            and not _inline_template(args.chat_template):
-        parser.error(f"--chat-template {args.chat_template!r}: no such file (nor a template: it has no '{{' and "
-                     "no line break)")
     try:                 # the options' own checks and the files they name, before the model loads
         http_options(args).check_tls()
         engine_config(args)
@@ -270,21 +266,17 @@ def add_chat_args(p: argparse.ArgumentParser):
                    help='a JSON object of generation_config.json keys over those defaults, e.g. {"temperature": 0.5}')
 
 
-def _inline_template(value: str) -> bool:
-    # as vLLM reads --chat-template: a value that is no file but holds Jinja's braces or a line break is
-    # the template itself
-    return any(c in value for c in "{}\n")
-
-
 def chat_options(args):
     from tokenmill.server.serving import ChatOptions
-    template = None
-    if args.chat_template is not None and not os.path.isfile(args.chat_template) \
-            and _inline_template(args.chat_template):
-        template = args.chat_template
-    elif args.chat_template is not None:
-        with open(args.chat_template, encoding="utf-8") as f:
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
             template = f.read()
+    elif template is not None and not any(c in template for c in "{}\n"):
+        # as vLLM reads --chat-template: a value that is no file but holds Jinja's braces or a line break
+        # is the template itself
+        raise ValueError(f"--chat-template {template!r}: no such file (nor a template: it has no '{{' and no "
+                         "line break)")
     return ChatOptions(chat_template=template, enable_auto_tool_choice=args.enable_auto_tool_choice,
                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 

@@ -109,6 +109,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
+        act = hf.get("hidden_act", "silu")
         sliding = _sliding_layers(hf)
         if sliding:
             raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
@@ -135,7 +136,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
-            hidden_act={"swish": "silu"}.get(hf.get("hidden_act", "silu"), hf.get("hidden_act", "silu")),
+            hidden_act="silu" if act == "swish" else act,       # the same function
             quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
         )

@@ -9,6 +9,7 @@ from typing import Sequence
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -125,11 +126,7 @@ class LLM:
                              "(set add_generation_prompt=False)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         conversations = [[ChatMessage.model_validate(m).for_template() for m in c] for c in conversations]
-        kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
+        kwargs = template_kwargs(chat_template_kwargs, tools, continue_final_message)
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         texts = [tok.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]

@@ -155,23 +155,21 @@ class OutputProcessor:
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text, special tokens included (as logprobs show it)."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text) < 200_000:
-                self._token_text[token_id] = text
-        return text
+        return self._memo(self._token_text, token_id,
+                          lambda: self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The bytes one token adds to the text (`Tokenizer.token_bytes`: whole where its text alone is
         part of a character)."""
+        return self._memo(self._token_bytes, token_id, lambda: self.tokenizer.token_bytes(token_id))
+
+    def _memo(self, cache: dict, token_id: int, make):
+        # a token's text or bytes, kept for the first 200,000 tokens asked for (None without a tokenizer)
         if self.tokenizer is None:
             return None
-        data = self._token_bytes.get(token_id)
-        if data is None:
-            data = self.tokenizer.token_bytes(token_id)
-            if len(self._token_bytes) < 200_000:
-                self._token_bytes[token_id] = data
-        return data
+        value = cache.get(token_id)
+        if value is None:
+            value = make()
+            if len(cache) < 200_000:
+                cache[token_id] = value
+        return value

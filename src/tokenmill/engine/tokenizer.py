@@ -94,7 +94,7 @@ class Tokenizer:
         piece = self.hf.convert_ids_to_tokens(token_id)
         if piece is None:
             return b""
-        kinds = self._decoder_kinds()
+        kinds = self._decoder_kinds
         if "ByteLevel" in kinds:
             table = _byte_level_inverse()
             if all(c in table for c in piece):
@@ -105,15 +105,13 @@ class Tokenizer:
             piece = piece.replace("\u2581", " ")
         return piece.encode("utf-8")
 
+    @functools.cached_property
     def _decoder_kinds(self) -> frozenset[str]:
         # the types of the Rust tokenizer's decoder and of those in its Sequence
-        kinds = getattr(self, "_kinds", None)
-        if kinds is None:
-            rust = getattr(self.hf, "_tokenizer", None)
-            decoder = json.loads(rust.to_str()).get("decoder") if rust is not None else None
-            parts = (decoder or {}).get("decoders") or ([decoder] if decoder else [])
-            kinds = self._kinds = frozenset(d.get("type") for d in parts if isinstance(d, dict))
-        return kinds
+        rust = getattr(self.hf, "_tokenizer", None)
+        decoder = json.loads(rust.to_str()).get("decoder") if rust is not None else None
+        parts = (decoder or {}).get("decoders") or ([decoder] if decoder else [])
+        return frozenset(d.get("type") for d in parts if isinstance(d, dict))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders the conversation to text. The text already holds its special tokens, so encode it
@@ -142,6 +140,18 @@ def _byte_level_inverse() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+def template_kwargs(chat_template_kwargs: dict | None, tools: list[dict] | None,
+                    continue_final_message: bool | None) -> dict:
+    """The chat template's keyword arguments of a chat request (served, tokenized or offline): the
+    caller's `chat_template_kwargs`, with its tools and `continue_final_message` where given."""
+    kwargs = dict(chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def _is_gguf(path: str) -> bool:

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
+from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.server import errors
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
@@ -255,11 +256,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         serving.check_model(req.model)
         if req.messages is not None:
             msgs = [m.for_template() for m in req.messages]
-            kwargs = dict(req.chat_template_kwargs or {})
-            if req.tools:
-                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-            if req.continue_final_message:
-                kwargs["continue_final_message"] = True
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            kwargs = template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message)
             _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False, **kwargs)
         else:
             ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)

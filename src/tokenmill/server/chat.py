@@ -13,6 +13,7 @@ import uuid
 
 from fastapi import Request
 
+from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
@@ -27,9 +28,9 @@ def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
         tops = []
         for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]:
             s = serving.token_text(t, lp)
-            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": serving.token_bytes(t, s)})
+            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(serving.token_bytes(t, s))})
         content.append({"token": text, "logprob": _lp(chosen.logprob) if chosen is not None else _lp(float("-inf")),
-                        "bytes": serving.token_bytes(tid, text), "top_logprobs": tops})
+                        "bytes": list(serving.token_bytes(tid, text)), "top_logprobs": tops})
     return content
 
 
@@ -157,11 +158,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                             'set on the server', "tool_choice")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-    template_kwargs = dict(req.chat_template_kwargs or {})
-    if tools is not None:
-        template_kwargs["tools"] = tools
-    if req.continue_final_message:
-        template_kwargs["continue_final_message"] = True
+    template_kwargs = chat_template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message)
     if req.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = req.reasoning_effort
         if not serving.prompts.template_reads("reasoning_effort"):

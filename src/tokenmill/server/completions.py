@@ -39,7 +39,7 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets
         text = serving.token_text(tid, chosen)
         tokens.append(text)
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-        starts.append(offsets.take(bytes(serving.token_bytes(tid, text))))
+        starts.append(offsets.take(serving.token_bytes(tid, text)))
         if entry is None:
             tops.append(None)
             continue

@@ -82,6 +82,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def unsupported_cause(errors: list[dict]) -> UnsupportedValue | None:
+    """The `UnsupportedValue` a model's own check raised, among a validation error's `errors()`."""
+    return next((e["ctx"]["error"] for e in errors
+                 if isinstance((e.get("ctx") or {}).get("error"), UnsupportedValue)), None)
+
+
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message naming the offending fields, and the first field as `param`."""
     errors = exc.errors()
@@ -91,11 +97,11 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         return f"Unknown or unsupported field(s): {', '.join(unknown)}", unknown[0]
+    cause = unsupported_cause(errors)
+    if cause is not None:
+        return str(cause), cause.field
     parts, param, seen = [], None, set()
     for e in errors:
-        ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, UnsupportedValue):
-            return str(ctx_err), ctx_err.field
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         # Drop pydantic's union-branch names (e.g. "str", "list[int]", "constrained-str") from locations.
         loc = [x for x in loc if (x.isidentifier() or x.isdigit()) and x not in ("str", "int", "float", "bool")]

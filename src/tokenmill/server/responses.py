@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
 
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
     MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
 )
@@ -274,10 +274,9 @@ class ResponsesRequest(_Strict):
             raise APIError(400, str(e), e.field) from None
         except ValidationError as e:
             # a check of the chat request's (a tool_choice naming no tool, ...): its own message and field
-            for error in e.errors():
-                cause = (error.get("ctx") or {}).get("error")
-                if isinstance(cause, UnsupportedValue):
-                    raise APIError(400, str(cause), cause.field) from None
+            cause = unsupported_cause(e.errors())
+            if cause is not None:
+                raise APIError(400, str(cause), cause.field) from None
             raise APIError(400, f"input: {e}", "input") from None
         except ValueError as e:
             raise APIError(400, f"input: {e}", "input") from None

@@ -213,11 +213,10 @@ class Serving:
             return logprob_entry.decoded_token
         return self.engine.processor.token_text(token_id)
 
-    def token_bytes(self, token_id: int, text: str) -> list[int]:
-        """The bytes of a token for logprobs' `bytes`: those it adds to the text (a part of a character's
-        included), else its `text`'s."""
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The bytes a token adds to the text (a part of a character's included), else its `text`'s."""
         data = self.engine.processor.token_bytes(token_id)
-        return list(data if data is not None else text.encode("utf-8"))
+        return data if data is not None else text.encode("utf-8")
 
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
