@@ -83,3 +83,22 @@ def test_a_conversation_longer_than_a_prompt_is_refused_before_it_is_read(monkey
         store.conversation("r7")
     assert e.value.param == "previous_response_id"
     assert len(store.conversation("r1")) == 4
+
+
+def test_a_conversations_bound_counts_what_its_prompt_carries(monkeypatch):
+    """Token logprobs (~1 KB a token with top_logprobs 20) are kept for GET but are no part of the
+    conversation a continuation sends: a chain whose text fits is not refused for them."""
+    monkeypatch.setattr(response_store, "CONVERSATION_MAX_BYTES", 20_000)
+    store = ResponseStore()
+    logprobs = [{"token": "x", "logprob": -0.1, "bytes": [120], "top_logprobs": [{"token": "y", "logprob": -3.0}] * 20}
+                for _ in range(20)]
+    previous = None
+    for i in range(4):
+        output = [{"type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "x" * 100, "logprobs": logprobs}]}]
+        store.put({"id": f"r{i}", "output": output, "previous_response_id": previous},
+                  [{"type": "message", "role": "user", "content": "y" * 100}])
+        previous = f"r{i}"
+    assert store.nbytes > 4 * 20_000 // 4          # each entry holds its logprobs
+    assert len(store.conversation("r3")) == 8
+    assert store.get("r3")["output"][0]["content"][0]["logprobs"] == logprobs

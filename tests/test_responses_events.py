@@ -1,9 +1,14 @@
 """Responses' streaming events (server/responses.py `_EventStream`): every output token's logprob reaches
 the message's text, as in the response that is not streamed, those of tokens after the last text delta
-included."""
+included; an output cut short ends in an incomplete item. And the request's items as the chat messages
+they become (`ResponsesRequest.as_chat`)."""
 from __future__ import annotations
 
-from tokenmill.server.responses import _EventStream
+import pytest
+from pydantic import ValidationError
+
+from tokenmill.server.errors import APIError
+from tokenmill.server.responses import ResponsesRequest, _EventStream
 
 
 def _lp(token: str) -> dict:
@@ -48,3 +53,50 @@ def test_no_message_no_logprobs_kept():
     events.delta({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]})
     events.close_all()
     assert [item["type"] for item in events.items] == ["function_call"]
+
+
+def test_an_output_cut_by_max_output_tokens_leaves_its_last_item_incomplete():
+    """A call cut short is marked incomplete (an agent must not run it); the items before it completed."""
+    events = _EventStream(shape=None)
+    events.delta({"content": "Let me check."})
+    events.delta({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"ci'}}]})
+    done = events.close_all(cut=True)
+    assert [item["status"] for item in events.items] == ["completed", "incomplete"]
+    assert next(e for e in done if e["type"] == "response.output_item.done")["item"]["status"] == "incomplete"
+
+
+def _chat(items: list[dict]) -> list[dict]:
+    return ResponsesRequest.model_validate({"input": items}).as_chat(False).chat_messages()
+
+
+def test_text_then_a_call_is_one_assistant_turn():
+    """The model's turn [message, function_call] goes back to the template as it wrote it: one
+    assistant message with its text and its call (as chat completions keep it), not two turns."""
+    messages = _chat([
+        {"role": "user", "content": "weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Let me check."
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1"]
+
+
+def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
+    with pytest.raises(APIError, match="No tool call found for function call output with call_id 'nobody'") as e:
+        _chat([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nobody", "output": "x"}])
+    assert e.value.status == 400 and e.value.param == "input"
+    with pytest.raises(APIError, match="input holds no message") as e:
+        _chat([{"type": "reasoning", "summary": []}])
+    assert e.value.param == "input"
+
+
+def test_errors_name_the_responses_fields():
+    fmt = {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}
+    req = ResponsesRequest.model_validate({"input": "hi", **fmt})
+    assert [req.field_of(p) for p in ("max_tokens", "prompt", "response_format", "structured_outputs.json",
+                                      "temperature")] == [
+        "max_output_tokens", "input", "text.format", "text.format", "temperature"]
+    assert ResponsesRequest.model_validate({"input": "hi"}).field_of("structured_outputs.json") == "tools"
+    with pytest.raises(ValidationError, match="text.format of type 'json_schema' needs 'schema'"):
+        ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}})

@@ -5,7 +5,8 @@ A response is kept as the items it added to its conversation: its request's inpu
 items, with the id of the response it continued. A request that names `previous_response_id` is
 prefixed with the conversation so far, each stored response's input then output, oldest first (not
 their `instructions`, as OpenAI's API has it). Each entry is held as its JSON bytes, so that the bound
-counts what the process holds; past `max_bytes` the least recently used entries go first (reading a
+counts what the process holds (with each entry, the bytes its items add to a conversation: their JSON
+without token logprobs and encoded reasoning, which no prompt carries); past `max_bytes` the least recently used entries go first (reading a
 conversation counts as a use of every response in it), and a conversation one of whose responses is
 gone cannot be continued (a 400 naming it).
 
@@ -31,7 +32,7 @@ class ResponseStore:
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[bytes, int]] = OrderedDict()   # id -> (JSON, conversation bytes)
 
     def put(self, body: dict, input_items: list[dict]) -> None:
         """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
@@ -41,10 +42,10 @@ class ResponseStore:
         blob = bytes(memoryview(orjson.dumps({"body": body, "input": input_items})))
         if len(blob) > self.max_bytes:
             return
-        self._entries[body["id"]] = blob
+        self._entries[body["id"]] = (blob, _conversation_bytes(input_items + body["output"]))
         self.nbytes += len(blob)
         while self.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
+            _, (old, _) = self._entries.popitem(last=False)
             self.nbytes -= len(old)
 
     def get(self, response_id: str) -> dict:
@@ -55,30 +56,31 @@ class ResponseStore:
         return self._entry(response_id)["input"]
 
     def _entry(self, response_id: str) -> dict:
-        blob = self._entries.get(response_id)
-        if blob is None:
+        entry = self._entries.get(response_id)
+        if entry is None:
             raise not_found(response_id)
         self._entries.move_to_end(response_id)
-        return orjson.loads(blob)
+        return orjson.loads(entry[0])
 
     def delete(self, response_id: str) -> None:
-        blob = self._entries.pop(response_id, None)
-        if blob is None:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
             raise not_found(response_id)
-        self.nbytes -= len(blob)
+        self.nbytes -= len(entry[0])
 
     def conversation(self, previous_id: str) -> list[dict]:
         """The items of `previous_id`'s conversation, oldest first: each response's input, then its output."""
         chain, rid, size = [], previous_id, 0
         while rid is not None:
-            blob = self._entries.get(rid)
-            if blob is None:
+            stored = self._entries.get(rid)
+            if stored is None:
                 message = (f"Previous response with id '{rid}' not found." if rid == previous_id else
                            f"Response '{rid}', earlier in the conversation of '{previous_id}', is no longer "
                            "stored (deleted, or dropped as the oldest past the store's bound); send the "
                            "conversation as 'input' instead.")
                 raise APIError(400, message, "previous_response_id", "previous_response_not_found")
-            size += len(blob)
+            blob, items_bytes = stored
+            size += items_bytes
             if size > CONVERSATION_MAX_BYTES:
                 raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
                                "bytes, more than one prompt may", "previous_response_id")
@@ -87,6 +89,19 @@ class ResponseStore:
             chain.append(entry)
             rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]
+
+
+def _conversation_bytes(items: list[dict]) -> int:
+    """The JSON bytes of `items` as a conversation carries them: without output text's token logprobs
+    (~1 KB a token with top_logprobs 20) and reasoning's `encrypted_content` (its text again)."""
+    total = 0
+    for item in items:
+        slim = {k: v for k, v in item.items() if k != "encrypted_content"}
+        if isinstance(slim.get("content"), list):
+            slim["content"] = [{k: v for k, v in p.items() if k != "logprobs"} if isinstance(p, dict) else p
+                               for p in slim["content"]]
+        total += len(orjson.dumps(slim))
+    return total
 
 
 def not_found(response_id: str) -> APIError:

@@ -129,6 +129,9 @@ InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[ReasoningItem, Tag("reasoning")],
                             Annotated[MessageItem, Tag("message")]], Discriminator(_item_kind)]
 _ITEMS = TypeAdapter(list[InputItem])
+# the chat request's fields (`ResponsesRequest.as_chat`) that this API calls otherwise
+_RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "prompt": "input",
+                     "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 class FunctionTool(_Strict):
@@ -150,6 +153,12 @@ class TextFormat(_Strict):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise UnsupportedValue("text.format.schema", "text.format of type 'json_schema' needs 'schema'")
+        return self
 
 
 class TextOptions(_Strict):
@@ -199,6 +208,13 @@ class ResponsesRequest(_Strict):
                                               f"(only {', '.join(map(repr, INCLUDES))})")
         return self
 
+    def field_of(self, param: str | None) -> str | None:
+        """This request's field for a chat request's (`as_chat`), as an error names it."""
+        if param == "structured_outputs.json":        # a schema that does not compile: the format's or a tool's
+            fmt = self.text.format if self.text is not None else None
+            return "text.format" if fmt is not None and fmt.type == "json_schema" else "tools"
+        return _RESPONSES_FIELDS.get(param, param)
+
     def wants_logprobs(self) -> bool:
         """The output text's token logprobs: asked by include (OpenAI's way) or by top_logprobs alone."""
         return "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None
@@ -228,7 +244,9 @@ class ResponsesRequest(_Strict):
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         thinking = ""           # reasoning items' text, for the next assistant message
-        for item in (_ITEMS.validate_python(list(history)) if history else []) + list(items):
+        items = (_ITEMS.validate_python(list(history)) if history else []) + list(items)
+        calls = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+        for item in items:
             if isinstance(item, ReasoningItem):
                 thinking += item.text()
                 continue
@@ -237,15 +255,24 @@ class ResponsesRequest(_Strict):
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"] and not thinking:
+                # a call joins the assistant message before it (its text, or the calls before it): one turn
+                # of the model's, as it wrote it and as chat completions keep it
+                if messages and messages[-1]["role"] == "assistant" and not thinking:
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
+                if item.call_id not in calls:
+                    raise APIError(400, f"No tool call found for function call output with call_id "
+                                        f"{item.call_id!r}: no function_call item in the input or the "
+                                        "conversation has it", "input")
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             if thinking and messages[-1]["role"] == "assistant":
                 messages[-1]["reasoning_content"] = thinking
             thinking = ""
+        if not messages:
+            raise APIError(400, "input holds no message, function_call or function_call_output item (reasoning "
+                                "items alone make no conversation)", "input")
         body: dict[str, Any] = {"messages": messages, "stream": stream, "max_tokens": self.max_output_tokens}
         for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "metadata",
                      "prompt_cache_key", "safety_identifier"):
@@ -289,15 +316,16 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(shape: _Shape, text: ChoiceText, whole: str, logprobs: list[dict]) -> list[dict]:
+def output_items(shape: _Shape, text: ChoiceText, whole: str, logprobs: list[dict], cut: bool = False) -> list[dict]:
     """A response's output items from its whole text, as the streamed response's completed event holds
     them (the text one delta), so that text around a tool call makes the same messages either way;
-    `logprobs` (the output's tokens') go with the first message's text."""
+    `logprobs` (the output's tokens') go with the first message's text; `cut`: max_output_tokens ended
+    the output, so its last item is incomplete."""
     events = _EventStream(shape)
     events.pending_logprobs = logprobs
     for part in (text.feed(whole) if whole else []) + text.finish():
         events.delta(part)
-    events.close_all()
+    events.close_all(cut)
     return events.items
 
 
@@ -375,8 +403,12 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     history = []
     if req.previous_response_id is not None:
         history = response_store(serving, "previous_response_id").conversation(req.previous_response_id)
-    chat = req.as_chat(bool(req.stream), history)
-    prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
+    try:
+        chat = req.as_chat(bool(req.stream), history)
+        prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
+    except APIError as e:
+        e.param = req.field_of(e.param)
+        raise
     keep = serving.responses is not None and req.store is not False
     shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text)
 
@@ -394,7 +426,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         out = outs[0]
         c = out.outputs[0]
         items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
-                             token_logprobs(c.token_ids, c.logprobs))
+                             token_logprobs(c.token_ids, c.logprobs), c.finish_reason == "length")
         status = "incomplete" if c.finish_reason == "length" else "completed"
         return done(shape.body(status, items, out, c.finish_reason))
 
@@ -419,9 +451,9 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
             for part in parts:
                 for e in events.delta(part):
                     yield e
-        for e in events.close_all():
-            yield e
         c = last.outputs[0]
+        for e in events.close_all(c.finish_reason == "length"):
+            yield e
         status = "incomplete" if c.finish_reason == "length" else "completed"
         yield events.event("response.completed" if status == "completed" else "response.incomplete",
                            response=done(shape.body(status, events.items, last, c.finish_reason)))
@@ -467,7 +499,7 @@ class _EventStream:
                                          output_index=len(self.items) - 1, content_index=0, part=part))
         return events
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         item, self.open = self.open, None
         if item is None:
             return []
@@ -486,7 +518,7 @@ class _EventStream:
         elif item["type"] == "function_call":
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=index, name=item["name"], arguments=item["arguments"]))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
@@ -523,12 +555,13 @@ class _EventStream:
                                          output_index=self.items.index(item), delta=args))
         return events
 
-    def close_all(self) -> list[dict]:
-        """The last item's done events. Tokens after the last text delta (the end-of-sequence token, a
+    def close_all(self, cut: bool = False) -> list[dict]:
+        """The last item's done events (its status "incomplete" where `cut`: max_output_tokens ended the
+        output within it, as OpenAI marks it, so that an agent does not run a call cut short). Tokens after the last text delta (the end-of-sequence token, a
         trailing tool call's) go with the message's text, as in the response that is not streamed: in its
         output_text.done while it is open, and in the completed response's items either way."""
         message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
         if message is not None and self.pending_logprobs:
             message["content"][0]["logprobs"] += self.pending_logprobs
             self.pending_logprobs = []
-        return self._close()
+        return self._close("incomplete" if cut else "completed")
