@@ -432,3 +432,47 @@ def test_header_reads_as_the_gguf_packages_reader_does(tmp_path):
             (tuple(t.shape.tolist()), t.tensor_type, int(t.data_offset), int(t.n_bytes))
         want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         assert torch.equal(ours.read(t.name), torch.from_numpy(np.array(want, dtype=np.float32)))
+
+
+def test_alignment_not_a_power_of_two_is_named(tmp_path):
+    path = tmp_path / "align.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_tensor("aaaa.weight", np.zeros((4, 32), np.float32))
+    _finish(w)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"general.alignment") + len(b"general.alignment") + 4     # past the value's type
+    data[at:at + 4] = (0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"general.alignment 0 is not a power of two"):
+        ModelConfig.from_gguf(str(path))
+
+
+def _bpe_metadata(pre: str | None, extra_tokens: list[str], merges: list[str]) -> dict:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = list(bytes_to_unicode().values()) + extra_tokens
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+          "tokenizer.ggml.bos_token_id": len(tokens) - 1}
+    if pre is not None:
+        md["tokenizer.ggml.pre"] = pre
+    return md
+
+
+def test_each_pre_tokenizer_brings_what_its_tokenizer_json_did():
+    """Llama 3 looks a piece up whole before merging (`ignore_merges`: "abc" is one token though the
+    merges reach only a + bc) and adds BOS where the file does not say; Qwen2 composes text (NFC) first;
+    a file naming no split is refused, not read with GPT-2's."""
+    import unicodedata
+
+    from tokenmill.engine.gguf_tokenizer import build_gguf_tokenizer
+    extra, merges = ["bc", "ab", "abc", "<s>"], ["b c", "a b"]
+    llama3 = build_gguf_tokenizer(_bpe_metadata("llama-bpe", extra, merges))
+    gpt2 = build_gguf_tokenizer(_bpe_metadata("gpt-2", extra, merges))
+    assert llama3.convert_ids_to_tokens(llama3.encode("abc")) == ["<s>", "abc"]
+    assert gpt2.convert_ids_to_tokens(gpt2.encode("abc")) == ["a", "bc"]
+    md = _bpe_metadata("qwen2", ["Ã©"], ["Ã ©"])
+    qwen2 = build_gguf_tokenizer(md)
+    assert qwen2.encode(unicodedata.normalize("NFD", "é")) == qwen2.encode("é") == [md["tokenizer.ggml.tokens"].index("Ã©")]
+    for pre in (None, "default"):
+        with pytest.raises(ValueError, match="how its text is split before BPE is unknown"):
+            build_gguf_tokenizer(_bpe_metadata(pre, extra, merges))

@@ -161,6 +161,9 @@ class ModelConfig:
             return value
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        if hidden <= 0 or heads <= 0:
+            raise ValueError(f"GGUF file {file.path!r} has {arch}.embedding_length={hidden} and "
+                             f"{arch}.attention.head_count={heads}; both must be positive")
         head_dim = int(get("attention.key_length", hidden // heads))
         if int(get("attention.value_length", head_dim)) != head_dim:
             raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}")

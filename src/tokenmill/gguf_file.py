@@ -194,7 +194,9 @@ def _parse(buf) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         except ValueError:
             raise _UnknownType(raw_type) from None
         infos.append((name, qtype, dims, offset))
-    align = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    align = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise _Truncated(f"general.alignment {align!r} is not a power of two")
     data_start = -(-h.off // align) * align
     tensors = {}
     for name, qtype, dims, offset in infos:

@@ -4,8 +4,11 @@ GGUF stores a byte-level BPE vocabulary (`tokenizer.ggml.model` = "gpt2") as the
 byte-to-unicode alphabet, the merges as "left right" strings, each token's type (3: control, made a
 special token; 4: user-defined, matched whole but not special), BOS/EOS/UNK/PAD ids, whether to add BOS,
 and the chat template. How text is split before BPE is only named (`tokenizer.ggml.pre`); each name
-tokenmill knows maps to the split its vocabulary was trained with. Unknown names are refused, since a
-wrong split silently changes every token id.
+tokenmill knows maps to the split its vocabulary was trained with, and with it what its tokenizer.json
+did besides: Qwen2's NFC normalization, Llama 3's `ignore_merges` (a piece that is a token whole is that
+token, whatever the merges reach) and BOS added where the file does not say. Unknown names are refused,
+since a wrong split silently changes every token id, and so is a file naming none (llama.cpp's
+converters write "default" for a split they could not identify).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
 # GPT-2's own split (ByteLevel's built-in regex); "smollm" isolates every digit first
-_GPT2_NAMES = ("gpt-2", "default", "smollm")
+_GPT2_NAMES = ("gpt-2", "smollm")
+_LLAMA3_NAMES = ("llama-bpe", "llama3")
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted((*_SPLITS, *_GPT2_NAMES)))
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -42,7 +46,7 @@ def _pre_tokenizer(name: str, add_prefix_space: bool, path: str):
 
 def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
     """A `PreTrainedTokenizerFast` equal to the one the GGUF file was converted from."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = metadata.get("tokenizer.ggml.model")
@@ -57,10 +61,18 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre is None or pre == "default":
+        named = "no tokenizer.ggml.pre" if pre is None else "tokenizer.ggml.pre 'default'"
+        raise ValueError(f"GGUF file {path!r} has {named}: how its text is split before BPE is unknown "
+                         "(pass --tokenizer DIR with the model's tokenizer)")
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
+                     ignore_merges=pre in _LLAMA3_NAMES)
     tok = Tokenizer(bpe)
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
     add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
-    tok.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"), add_prefix_space, path)
+    tok.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space, path)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == _CONTROL])
@@ -72,7 +84,7 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     bos = token("bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if metadata.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_NAMES) and bos is not None:
         bos_id = metadata["tokenizer.ggml.bos_token_id"]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
