@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tokenmill.ui.chat import UISettings, describe_error, trim_history
+from tokenmill.ui.chat import UISettings, describe_error, drop_oldest_turn, exceeds_context, same_origin, trim_history
 
 from test_server import alive
 
@@ -45,6 +45,48 @@ def test_describe_error_names_status_or_reachability():
     assert describe_error(err, "http://x/v1") == "**Server error 400** from `http://x/v1`: prompt too long"
     conn = openai.APIConnectionError(request=req)
     assert describe_error(conn, "http://x/v1").startswith("**Cannot reach the server** at `http://x/v1`")
+
+
+def test_a_full_context_drops_the_oldest_exchange_first():
+    import httpx
+    import openai
+    msgs = [{"role": r, "content": str(i)} for i, r in enumerate(["user", "assistant"] * 2 + ["user"])]
+    assert drop_oldest_turn(msgs) == msgs[2:]
+    assert drop_oldest_turn(msgs[-1:]) is None
+    req = httpx.Request("POST", "http://x/v1/chat/completions")
+    full = openai.BadRequestError("long", response=httpx.Response(400, request=req),
+                                  body={"error": {"message": "too long", "code": "context_length_exceeded"}})
+    other = openai.BadRequestError("bad", response=httpx.Response(400, request=req), body={"error": {"code": None}})
+    assert exceeds_context(full) and not exceeds_context(other)
+
+
+def test_only_the_uis_own_page_may_chat():
+    """A page of another site (its Origin another host) is refused; a non-browser client sends no Origin."""
+    assert same_origin({"HTTP_ORIGIN": "http://127.0.0.1:8001", "HTTP_HOST": "127.0.0.1:8001"})
+    assert not same_origin({"HTTP_ORIGIN": "http://evil.example", "HTTP_HOST": "127.0.0.1:8001"})
+    assert same_origin({"HTTP_HOST": "127.0.0.1:8001"})
+
+
+def test_an_error_within_the_stream_is_the_servers_not_unreachable():
+    import httpx
+    import openai
+    req = httpx.Request("POST", "http://x/v1/chat/completions")
+    err = openai.APIError("The engine is not running.", request=req, body={"message": "The engine is not running."})
+    assert describe_error(err, "http://x/v1") == "**Server error** from `http://x/v1`: The engine is not running."
+
+
+def test_bad_settings_and_a_relative_app_root(tmp_path, monkeypatch):
+    from tokenmill.ui.launch import write_config
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(history_messages=-2)):
+        with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "-")):
+            UISettings(**bad).check()
+    monkeypatch.chdir(tmp_path)
+    write_config("root")
+    text = (tmp_path / "root" / ".chainlit" / "config.toml").read_text()
+    assert "edit_message = false" in text and "enabled = false" in text
+    (tmp_path / "root" / ".chainlit" / "config.toml").write_text("# the user's own\n")
+    write_config(str(tmp_path / "root"))
+    assert (tmp_path / "root" / ".chainlit" / "config.toml").read_text() == "# the user's own\n"
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 ENV_BASE_URL = "TOKENMILL_UI_BASE_URL"
 ENV_API_KEY = "TOKENMILL_UI_API_KEY"
@@ -28,6 +29,15 @@ class UISettings:
                    temperature=float(env.get(ENV_TEMPERATURE) or d.temperature),
                    history_messages=int(env.get(ENV_HISTORY) or d.history_messages))
 
+    def check(self) -> None:
+        """Refuses settings every message would fail with (a 400 from the server on each), naming them."""
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"--temperature must be between 0 and 2, got {self.temperature}")
+        if self.history_messages < 0:
+            raise ValueError(f"--history-messages must be 0 (all) or more, got {self.history_messages}")
+
     def to_env(self) -> dict[str, str]:
         env = {ENV_BASE_URL: self.base_url, ENV_MAX_TOKENS: str(self.max_tokens),
                ENV_TEMPERATURE: str(self.temperature), ENV_HISTORY: str(self.history_messages)}
@@ -44,8 +54,34 @@ def trim_history(messages: list[dict], keep: int) -> list[dict]:
     return out
 
 
+def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """`messages` without their oldest exchange (the first user turn and what answered it), for a prompt
+    past the model's context; None where only the last user turn is left."""
+    starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[starts[1]:] if len(starts) > 1 else None
+
+
+def exceeds_context(exc: BaseException) -> bool:
+    """The server refused the prompt as longer than its context (OpenAI's code for it)."""
+    body = getattr(exc, "body", None)
+    err = body.get("error", body) if isinstance(body, dict) else None
+    return getattr(exc, "status_code", None) == 400 and isinstance(err, dict) and \
+        err.get("code") == "context_length_exceeded"
+
+
+def same_origin(environ: dict) -> bool:
+    """Whether a page's websocket comes from this UI's own page: its Origin (which a browser always sends
+    and a page cannot forge) names the host it connected to. Another site's page open in the user's browser
+    would otherwise chat through the UI, its API key and all, and read the answers."""
+    origin = environ.get("HTTP_ORIGIN")
+    if origin is None:               # not a browser: no page of another site is behind it
+        return True
+    return urlsplit(origin).netloc.lower() == (environ.get("HTTP_HOST") or "").lower()
+
+
 def describe_error(exc: BaseException, base_url: str) -> str:
     """A markdown line for the chat that says what went wrong with the server, never a traceback."""
+    import openai
     status = getattr(exc, "status_code", None)
     body = getattr(exc, "body", None)
     detail = ""
@@ -55,4 +91,7 @@ def describe_error(exc: BaseException, base_url: str) -> str:
     detail = detail or str(exc) or type(exc).__name__
     if status is not None:
         return f"**Server error {status}** from `{base_url}`: {detail}"
-    return f"**Cannot reach the server** at `{base_url}`: {detail}"
+    if isinstance(exc, (openai.APIConnectionError, OSError)):
+        return f"**Cannot reach the server** at `{base_url}`: {detail}"
+    # an error the server sent within the stream (its engine stopped, ...)
+    return f"**Server error** from `{base_url}`: {detail}"

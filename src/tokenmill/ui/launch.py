@@ -37,15 +37,54 @@ def run_ui(args) -> int:
         return 1
     settings = UISettings(base_url=args.base_url, api_key=args.api_key, max_tokens=args.max_tokens,
                           temperature=args.temperature, history_messages=args.history_messages)
+    try:
+        settings.check()
+    except ValueError as e:
+        print(f"tokenmill ui: {e}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="tokenmill-ui-") as tmp:
-        # Chainlit writes its config and uploads under the app root; keep them out of the user's cwd
-        root = args.app_root or tmp
+        # Chainlit writes its config and uploads under the app root; keep them out of the user's cwd. The
+        # child runs in it, so a relative path is made absolute first.
+        root = os.path.abspath(args.app_root or tmp)
+        try:
+            write_config(root)
+        except OSError as e:
+            print(f"tokenmill ui: cannot use --app-root {args.app_root!r}: {e}", file=sys.stderr)
+            return 2
         env = dict(os.environ, CHAINLIT_APP_ROOT=root, **settings.to_env())
         cmd = [sys.executable, "-m", "chainlit", "run", APP, "--headless", "--host", args.host,
                "--port", str(args.port)]
         print(f"tokenmill ui on http://{args.host}:{args.port} -> {args.base_url}", flush=True)
         proc = subprocess.Popen(cmd, env=env, cwd=root, preexec_fn=_child_setup(os.getpid()))
         return _wait_forwarding(proc)
+
+
+# Chainlit's settings where the app root has none of its own: messages cannot be edited (the chat's history
+# is the app's, which an edit in the page would not cut) and files cannot be attached (the app sends text
+# only, so an attachment would be dropped unseen).
+CONFIG = """[meta]
+generated_by = "2.12.0"
+
+[project]
+
+[features]
+edit_message = false
+
+[features.spontaneous_file_upload]
+enabled = false
+
+[UI]
+name = "tokenmill"
+"""
+
+
+def write_config(root: str) -> None:
+    """`CONFIG` as `root`'s .chainlit/config.toml, unless the folder has one."""
+    path = os.path.join(root, ".chainlit", "config.toml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(CONFIG)
 
 
 def _child_setup(parent_pid: int):
