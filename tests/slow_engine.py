@@ -17,3 +17,8 @@ class SlowEngine(LLMEngine):
 
 def make(config):
     return SlowEngine(config)
+
+
+def never_ready(config):
+    """A core whose engine never finishes loading (an interrupted start-up)."""
+    time.sleep(3600)

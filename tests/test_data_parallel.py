@@ -225,3 +225,39 @@ def test_sigterm_drains_both_cores_and_exits_0(server, want):
     assert server.proc.wait(30) == 0, server.log_path.read_text()[-3000:]
     for pid in server.core_pids:
         assert not alive(pid), pid
+
+
+def test_ctrl_c_while_the_cores_start_leaves_no_core_running(qwen3_dir):
+    """An interrupted start-up kills the cores: they ignore SIGTERM (their server drains first), so
+    multiprocessing's exit handler, which terminates and then joins them, waited forever."""
+    import subprocess
+    import sys
+    import time
+    script = f"""
+import sys
+sys.path.insert(0, {TESTS!r})
+from tokenmill.config import EngineConfig
+from tokenmill.engine.data_parallel import DataParallelLLM
+DataParallelLLM.start(EngineConfig(model={qwen3_dir!r}, device="cpu"), 2, engine_factory="slow_engine:never_ready")
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    cores = []
+    deadline = time.monotonic() + 60
+    while len(cores) < 2 and time.monotonic() < deadline:     # both cores started (their loads "running")
+        time.sleep(0.2)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                cores = [int(c) for c in f.read().split()]
+        except OSError:
+            break
+    assert len(cores) >= 2, cores
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the process did not exit after SIGINT")
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in cores)

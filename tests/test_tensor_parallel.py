@@ -5,6 +5,7 @@ norms and a tied head); refusals name the value and the limit; no worker outlive
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -131,3 +132,26 @@ def test_no_worker_outlives_its_engine(qwen3_dir):
     pids = [int(p) for p in out.stdout.split()]
     assert pids, out.stderr
     assert all(_gone(pid) for pid in pids)
+
+
+def test_a_worker_that_cannot_allocate_its_kv_cache_fails_the_start(qwen3_dir, tmp_path, monkeypatch):
+    """The worker's error reaches the engine's start (it was ready, and the first request died on a
+    closed connection), and the worker exits 1 (a thread blocked in buffered stdin made it abort)."""
+    from tokenmill.runner import tensor_parallel
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        if "tokenmill.runner.tp_worker" in sys.orig_argv:
+            import tokenmill.runner.model_runner as model_runner
+            def kv_cache_tensors(*args, **kwargs):
+                raise RuntimeError("cannot allocate memory (test)")
+            model_runner.kv_cache_tensors = kv_cache_tensors
+    """))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    procs = []
+    start = tensor_parallel.TensorParallelWorkers.start
+    monkeypatch.setattr(tensor_parallel.TensorParallelWorkers, "start",
+                        lambda self, n: (procs.extend(self.procs), start(self, n)))
+    with pytest.raises(RuntimeError, match=r"rank 1 failed to allocate its KV cache:(.|\n)*cannot allocate memory"):
+        LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE)
+    gc.collect()
+    assert procs and [p.wait(timeout=30) for p in procs] == [1]

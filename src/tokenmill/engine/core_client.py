@@ -35,10 +35,15 @@ class CoreClient:
 
 class EngineCore:
     """The engine-core process (or a thread, `in_process`), started and ready, serving `num_clients`
-    pipes (`clients`). It stops once every client has sent `Shutdown` or closed its pipe."""
+    pipes (`clients`). It stops once every client has sent `Shutdown` or closed its pipe.
+
+    With `wait=False` the process is started and `await_ready` waits for it, so that several cores load at
+    once; whatever interrupts the wait (a failed start, a timeout, Ctrl-C) kills the process: it ignores
+    SIGTERM (its server drains first), so multiprocessing's exit handler, which terminates and joins it,
+    would otherwise wait forever."""
 
     def __init__(self, config, *, num_clients: int = 1, engine_factory: str | None = None,
-                 in_process: bool = False, startup_timeout: float = 600.0):
+                 in_process: bool = False, startup_timeout: float = 600.0, wait: bool = True):
         pairs = [mp.Pipe(duplex=True) for _ in range(num_clients)]
         ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
         if in_process:
@@ -54,15 +59,26 @@ class EngineCore:
         if not in_process:
             for conn in theirs:
                 conn.close()
-        deadline = time.monotonic() + startup_timeout
+        self._ours, self._startup_timeout = ours, startup_timeout
+        self._deadline = time.monotonic() + startup_timeout
+        self.clients: list[CoreClient] = []
+        if wait:
+            self.await_ready()
+
+    def await_ready(self) -> None:
+        """Waits for the core's announcement on each pipe (`clients`); kills it if anything interrupts."""
         try:
-            self.clients = [CoreClient(conn, self._ready(conn, deadline, startup_timeout), i, num_clients)
-                            for i, conn in enumerate(ours)]
-        except EngineStartError:
-            self.kill()
-            for conn in ours:
-                conn.close()
+            self.clients = [CoreClient(conn, self._ready(conn, self._deadline, self._startup_timeout), i,
+                                       len(self._ours)) for i, conn in enumerate(self._ours)]
+        except BaseException:
+            self.abandon()
             raise
+
+    def abandon(self) -> None:
+        """Kills the core and closes this side's pipes (a core started but not to be used)."""
+        self.kill()
+        for conn in self._ours:
+            conn.close()
 
     @staticmethod
     def _ready(conn: Connection, deadline: float, startup_timeout: float) -> CoreReady:

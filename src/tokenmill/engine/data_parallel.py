@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
@@ -100,26 +99,18 @@ class DataParallelLLM:
             configs = core_configs(config, size)
         except ValueError as e:
             raise EngineStartError(str(e)) from None
-        # the cores load their models at the same time; their clients (which load tokenizers, not safely
-        # done from several threads at once) are made here in turn
-        with ThreadPoolExecutor(size) as pool:
-            futures = [pool.submit(EngineCore, c, engine_factory=engine_factory, startup_timeout=startup_timeout)
-                       for c in configs]
-        procs, errors = [], []
-        for f in futures:
-            try:
-                procs.append(f.result())
-            except Exception as e:
-                errors.append(e)
+        # the cores load their models at the same time; their clients (which load tokenizers) are made in turn
+        procs: list[EngineCore] = []
         try:
-            if errors:
-                raise errors[0]
-            cores = [AsyncLLM(c, client=proc.clients[0]) for c, proc in zip(configs, procs)]
-        except BaseException:
+            for c in configs:
+                procs.append(EngineCore(c, engine_factory=engine_factory, startup_timeout=startup_timeout,
+                                        wait=False))
             for proc in procs:
-                for client in proc.clients:
-                    client.conn.close()
-                proc.kill()
+                proc.await_ready()
+            cores = [AsyncLLM(c, client=proc.clients[0]) for c, proc in zip(configs, procs)]
+        except BaseException:          # a core that failed to start, or Ctrl-C: none of them is left running
+            for proc in procs:
+                proc.abandon()
             raise
         engine = cls(cores, config.block_size, procs)
         engine.config = config

@@ -49,7 +49,13 @@ def make_group(store: dist.Store, rank: int, size: int):
 
 
 def ready_key(rank: int) -> str:
+    """Where a worker reports its slice of the model loaded (or its error)."""
     return f"tokenmill_tp_ready_{rank}"
+
+
+def started_key(rank: int) -> str:
+    """Where a worker reports its slice of the KV cache allocated (or its error)."""
+    return f"tokenmill_tp_started_{rank}"
 
 
 def header(*values: int) -> torch.Tensor:
@@ -152,25 +158,30 @@ class TensorParallelWorkers:
     def connect(self) -> None:
         """Waits until every worker has loaded its slice (raising what a failed one reported), then joins
         the process group."""
+        self._await(ready_key, "load the model")
+        self.tp.group = make_group(self.store, 0, self.tp.size)
+
+    def start(self, num_blocks: int) -> None:
+        """Tells the workers the KV cache's size in blocks and waits until each has allocated its slice
+        (raising what a failed one reported); they then serve calls."""
+        self.tp.broadcast(header(START, num_blocks))
+        self._await(started_key, "allocate its KV cache")
+
+    def _await(self, key_of, what: str) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for rank, proc in enumerate(self.procs, start=1):
-            key = ready_key(rank)
+            key = key_of(rank)
             while not self.store.check([key]):
                 if proc.poll() is not None:
                     raise RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode} "
-                                       "while loading the model (its error is in the log above)")
+                                       f"before it could {what} (its error is in the log above)")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not load the model in "
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not {what} in "
                                        f"{_READY_TIMEOUT_S:.0f} s")
                 time.sleep(0.02)
             status = self.store.get(key).decode()
             if status != "ok":
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to load the model:\n{status}")
-        self.tp.group = make_group(self.store, 0, self.tp.size)
-
-    def start(self, num_blocks: int) -> None:
-        """Tells the workers the KV cache's size in blocks; they allocate it and then serve calls."""
-        self.tp.broadcast(header(START, num_blocks))
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to {what}:\n{status}")
 
     def close(self) -> None:
         """Stops the workers (closes their stdin) and waits for them; idempotent."""

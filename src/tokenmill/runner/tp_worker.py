@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import traceback
@@ -21,8 +22,11 @@ from tokenmill.runner.model_runner import kv_cache_tensors
 
 
 def _exit_when_stdin_closes() -> None:
-    """Rank 0 holds the other end of stdin: EOF means it stopped us or died."""
-    sys.stdin.buffer.read()
+    """Rank 0 holds the other end of stdin: EOF means it stopped us or died. Read unbuffered: a thread
+    blocked inside the buffered reader holds its lock, which the interpreter's exit then waits on (an
+    abort, status -6, where a failed worker should exit 1)."""
+    while os.read(0, 4096):
+        pass
     os._exit(0)
 
 
@@ -37,8 +41,8 @@ class Worker:
         self.model.use_backend(make_backend(self.device, engine_config.kernels))
 
     @torch.inference_mode()
-    def serve(self) -> None:
-        """Allocates the KV cache rank 0 sized, then runs each call rank 0 broadcasts."""
+    def allocate(self) -> None:
+        """Allocates the KV cache rank 0 sized (its START call)."""
         h = self.tp.broadcast(wire.header()).tolist()
         if h[0] != wire.START:
             raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: expected START, got {h}")
@@ -46,6 +50,10 @@ class Worker:
             self.model_config, h[1], self.config.block_size,
             self.config.resolve_kv_cache_dtype(self.dtype), self.device, self.tp.size)
         self.model.bind_kv_cache(kv_cache, kv_scales)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Runs each call rank 0 broadcasts."""
         while True:
             h = self.tp.broadcast(wire.header()).tolist()
             if h[0] == wire.FORWARD:
@@ -59,19 +67,31 @@ class Worker:
                 raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: unknown call {h}")
 
 
+def _report(store, key: str, step) -> None:
+    """Runs `step`, then tells rank 0 through `key` that it succeeded, or its traceback."""
+    try:
+        step()
+    except BaseException:
+        store.set(key, traceback.format_exc())
+        raise
+    store.set(key, "ok")
+
+
 def main() -> None:
+    # rank 0's engine decides when we stop (it closes our stdin): a terminal's Ctrl-C or a SIGTERM to the
+    # process group must not cut its drain short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine_config, model_config, model_dir, rank, port, threads = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_when_stdin_closes, name="tokenmill-tp-parent", daemon=True).start()
     size = engine_config.tensor_parallel_size
     torch.set_num_threads(threads)          # rank 0's share of its threads
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
-    try:
-        worker = Worker(engine_config, model_config, model_dir, rank)
-    except BaseException:
-        store.set(wire.ready_key(rank), traceback.format_exc())
-        raise
-    store.set(wire.ready_key(rank), "ok")
+    workers = []
+    _report(store, wire.ready_key(rank), lambda: workers.append(Worker(engine_config, model_config, model_dir, rank)))
+    worker = workers[0]
     worker.tp.group = wire.make_group(store, rank, size)
+    _report(store, wire.started_key(rank), worker.allocate)
     try:
         worker.serve()
     except RuntimeError as e:       # a collective failed: rank 0 (or another rank) is gone
