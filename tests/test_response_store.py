@@ -102,3 +102,25 @@ def test_a_conversations_bound_counts_what_its_prompt_carries(monkeypatch):
     assert store.nbytes > 4 * 20_000 // 4          # each entry holds its logprobs
     assert len(store.conversation("r3")) == 8
     assert store.get("r3")["output"][0]["content"][0]["logprobs"] == logprobs
+
+
+def test_a_streamed_response_is_kept_from_its_start():
+    """In progress: reachable, not continuable; finished: replaced in place (its bytes counted once);
+    deleted while it streamed: stays deleted."""
+    store = ResponseStore()
+    body = {"id": "r", "status": "in_progress", "output": [], "previous_response_id": None}
+    store.put(body, [{"type": "message", "role": "user", "content": "hi"}])
+    assert store.get("r")["status"] == "in_progress" and store.in_progress("r")
+    with pytest.raises(APIError, match="'r' is still in progress") as e:
+        store.conversation("r")
+    assert e.value.code == "previous_response_in_progress"
+    done = {**body, "status": "completed", "output": [{"type": "message", "role": "assistant", "content": "yo"}]}
+    store.finish(done, [{"type": "message", "role": "user", "content": "hi"}])
+    assert store.get("r")["status"] == "completed" and len(store.conversation("r")) == 2
+    assert store.nbytes == len(store._entries["r"][0])
+    store.put({**body, "id": "s"}, [])
+    store.delete("s")
+    store.finish({**done, "id": "s"}, [])
+    with pytest.raises(APIError):
+        store.get("s")
+    assert not store.in_progress("s") and store.nbytes == len(store._entries["r"][0])

@@ -8,7 +8,9 @@ their `instructions`, as OpenAI's API has it). Each entry is held as its JSON by
 counts what the process holds (with each entry, the bytes its items add to a conversation: their JSON
 without token logprobs and encoded reasoning, which no prompt carries); past `max_bytes` the least recently used entries go first (reading a
 conversation counts as a use of every response in it), and a conversation one of whose responses is
-gone cannot be continued (a 400 naming it).
+gone cannot be continued (a 400 naming it). A streamed response is kept from its start, `in_progress`,
+so that GET and DELETE reach it while it streams (as OpenAI's); it cannot be continued until done, its
+finished body replaces it unless it was deleted meanwhile, and a stream that fails or is cut leaves nothing.
 
 One API server process keeps what it made: with several (`--api-server-count`), a request may reach
 another, so none stores (server/app.py).
@@ -33,6 +35,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, tuple[bytes, int]] = OrderedDict()   # id -> (JSON, conversation bytes)
+        self._in_progress: set[str] = set()
 
     def put(self, body: dict, input_items: list[dict]) -> None:
         """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
@@ -42,11 +45,29 @@ class ResponseStore:
         blob = bytes(memoryview(orjson.dumps({"body": body, "input": input_items})))
         if len(blob) > self.max_bytes:
             return
+        self.discard(body["id"])
         self._entries[body["id"]] = (blob, _conversation_bytes(input_items + body["output"]))
+        if body.get("status") == "in_progress":
+            self._in_progress.add(body["id"])
         self.nbytes += len(blob)
         while self.nbytes > self.max_bytes:
-            _, (old, _) = self._entries.popitem(last=False)
+            old_id, (old, _) = self._entries.popitem(last=False)
             self.nbytes -= len(old)
+            self._in_progress.discard(old_id)
+
+    def finish(self, body: dict, input_items: list[dict]) -> None:
+        """Replaces the in-progress entry of `body`'s response with `body`, unless it was deleted."""
+        if body["id"] in self._entries:
+            self.put(body, input_items)
+
+    def discard(self, response_id: str) -> None:
+        self._in_progress.discard(response_id)
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.nbytes -= len(entry[0])
+
+    def in_progress(self, response_id: str) -> bool:
+        return response_id in self._in_progress
 
     def get(self, response_id: str) -> dict:
         return self._entry(response_id)["body"]
@@ -63,10 +84,9 @@ class ResponseStore:
         return orjson.loads(entry[0])
 
     def delete(self, response_id: str) -> None:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+        if response_id not in self._entries:
             raise not_found(response_id)
-        self.nbytes -= len(entry[0])
+        self.discard(response_id)
 
     def conversation(self, previous_id: str) -> list[dict]:
         """The items of `previous_id`'s conversation, oldest first: each response's input, then its output."""
@@ -86,6 +106,9 @@ class ResponseStore:
                                "bytes, more than one prompt may", "previous_response_id")
             self._entries.move_to_end(rid)
             entry = orjson.loads(blob)
+            if rid in self._in_progress:
+                raise APIError(400, f"Previous response '{rid}' is still in progress; continue it once it "
+                                    "has completed.", "previous_response_id", "previous_response_in_progress")
             chain.append(entry)
             rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]

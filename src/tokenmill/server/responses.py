@@ -414,7 +414,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
 
     def done(body: dict) -> dict:
         if keep:
-            serving.responses.put(body, req.input_items())
+            serving.responses.put(body, req.input_items()) if not req.stream else \
+                serving.responses.finish(body, req.input_items())
         return body
 
     k = params.logprobs
@@ -431,6 +432,16 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         return done(shape.body(status, items, out, c.finish_reason))
 
     async def stream(merged):
+        if keep:
+            serving.responses.put(shape.body("in_progress", []), req.input_items())
+        try:
+            async for e in stream_events(merged):
+                yield e
+        finally:
+            if keep and serving.responses.in_progress(shape.id):    # failed, or cut by the client
+                serving.responses.discard(shape.id)
+
+    async def stream_events(merged):
         events = _EventStream(shape)
         yield events.event("response.created", response=shape.body("in_progress", []))
         yield events.event("response.in_progress", response=shape.body("in_progress", []))
