@@ -130,10 +130,13 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings(llm):
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     held = llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[first], min_tokens=4))[0].outputs[0]
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
-    # a stop string in the first tokens' text counts only from the min_tokens-th token on
+    # a stop string in the first tokens' text counts only once a token after the first min_tokens ends it
+    # (vLLM's rule: where a stop token could end the output)
     word = llm.get_tokenizer().decode(free.token_ids[:1])
     text_stop = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True, stop=[word]))[0].outputs[0]
     assert text_stop.finish_reason == "stop" and len(text_stop.token_ids) == 1
+    one = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True, stop=[word], min_tokens=1))[0]
+    assert len(one.outputs[0].token_ids) > 1
     late = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True, stop=[word], min_tokens=8))[0]
     assert late.outputs[0].token_ids == free.token_ids and late.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(8\), got 9"):
@@ -218,6 +221,23 @@ def test_stop_string_is_held_back_and_not_leaked(tokenizer_dir):
         if hit:
             break
     assert hit == "fox jumps" and detok.output_text(True) == "The quick brown "
+
+
+def test_the_stop_string_that_begins_first_ends_the_text(tokenizer_dir):
+    """Of stop strings found in one token's text, the earliest ends it (the one listed first left the other
+    in the text), the longest where two begin together."""
+    tok = Tokenizer(tokenizer_dir)
+    for stop, reason, kept in ((["e", "t"], "t", ""), (["he", "the"], "the", "")):
+        detok = IncrementalDetokenizer(tok, [], stop=stop)
+        hit = None
+        for t in tok.encode("the end", add_special_tokens=False):
+            hit = hit or detok.add(t)
+        assert (hit, detok.output_text(True)) == (reason, kept)
+    detok = IncrementalDetokenizer(tok, [], stop=["he", "the"], include_stop_str_in_output=True)
+    for t in tok.encode("the end", add_special_tokens=False):
+        if detok.add(t):
+            break
+    assert detok.output_text(True) == "the"
 
 
 def test_text_with_stop_strings_is_released_up_to_the_hold_at_every_token(tokenizer_dir):

@@ -11,8 +11,10 @@ class IncrementalDetokenizer:
     """Decodes a growing token list. Text is released only once it stops changing: a trailing
     U+FFFD means a multi-byte character is still split across tokens. With stop strings, the last
     `max(len(stop)) - 1` characters are held back until they can no longer begin a stop string. Stop
-    strings are looked for from the `min_tokens`-th token on (vLLM's rule), each time in the text a token
-    adds and the held-back characters before it."""
+    strings are looked for from the token after the first `min_tokens` on (vLLM's rule: a stop string
+    ends the output where a stop token could), each time in the text a token adds and the held-back
+    characters before it; of several found, the one that begins first ends the text (the longest where
+    two begin together), so that no stop string is left in it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
@@ -32,7 +34,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped_at: int | None = None  # length of the final text once a stop string matched
-        self.unchecked = min_tokens           # tokens still to add before stop strings count
+        self.unchecked = min_tokens + 1       # tokens still to add before stop strings count
 
     def add(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string if the text now contains one."""
@@ -67,12 +69,16 @@ class IncrementalDetokenizer:
                 self.released = released
         if self.unchecked > 0:
             return None
+        found = None
         for s in self.stop:
             pos = self.text.find(s, start)
-            if pos != -1:
-                self.stopped_at = pos + len(s) if self.include_stop else pos
-                return s
-        return None
+            if pos != -1 and (found is None or (pos, -len(s)) < (found[0], -len(found[1]))):
+                found = (pos, s)
+        if found is None:
+            return None
+        pos, s = found
+        self.stopped_at = pos + len(s) if self.include_stop else pos
+        return s
 
     def _pending_text(self) -> str:
         """The text of tokens added since the last release: bytes that do not (yet) form a character
