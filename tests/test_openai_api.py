@@ -208,6 +208,34 @@ def test_what_would_change_the_result_is_still_refused(api_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
+def test_errors_name_what_the_client_sent(api_server):
+    """Each refusal names the field as the client wrote it (nested fields with their path), and what a
+    server of this policy does not honour is refused, not dropped."""
+    def error(path: str, body: dict) -> dict:
+        r = httpx.post(api_server.url + path, timeout=60, json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert error("/v1/chat/completions", {**chat, "max_completion_tokens": 10 ** 6})["param"] == "max_completion_tokens"
+    assert error("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"foo": 1}})["param"] == \
+        "stream_options.foo"
+    err = error("/v1/completions", {"prompt": "x", "priority": -5})
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    for key in ("5_0", " 7 ", "\u0665"):         # int() takes each; a token id is ASCII digits only
+        assert error("/v1/completions", {"prompt": "x", "logit_bias": {key: 5}})["param"] == "logit_bias"
+    err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})
+    assert err["param"] == "min_tokens" and "got 3" in err["message"]
+    r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        **chat, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    # prompt_logprobs 0 beside echoed logprobs 5: each prompt token's entry holds that token alone
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": "one two three", "max_tokens": 1, "echo": True, "logprobs": 5, "prompt_logprobs": 0})
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:]), entries
+    assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][1]) >= 5
+
+
 def test_completion_top_logprobs_always_hold_the_sampled_token(api_server):
     """Legacy completions: each position's top_logprobs holds the k most likely tokens and the sampled one
     too where it is not among them (OpenAI: "up to logprobs+1 elements"), with the logprob it was given."""

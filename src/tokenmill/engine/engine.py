@@ -104,6 +104,10 @@ class LLMEngine:
         step reports name it (`handle`, or a new one). `carries_tools`: the request offers tools (the
         priority policy's boost). `grammar`: `compile_grammar(params)`'s result, compiled beforehand."""
         params = params or SamplingParams()
+        if priority and self.config.scheduling_policy != "priority":
+            raise SamplingParamError("priority", f"priority {priority} is only honoured under the priority "
+                                                 "scheduling policy (--scheduling-policy priority); this engine's "
+                                                 f"is {self.config.scheduling_policy!r}")
         handle = next(self._ids) if handle is None else handle
         request_id = request_id if request_id is not None else str(handle)
         if request_id in self.groups:

@@ -172,7 +172,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         prompt_text = last_turn(prompt_text, serving.turn_markers)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
-    serving.check_room([prompt], params)
+    serving.check_room([prompt], params,
+                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     return prompt_text, prompt, params
 
 
@@ -205,7 +206,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 "system_fingerprint": serving.fingerprint, "choices": choices,
                 "usage": usage(outs, reasoning_tokens(serving, prompt_text, out.outputs))}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(serving, out)
+            body["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
         return body
 
     def chunk(choices, out=None):

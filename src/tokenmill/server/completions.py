@@ -11,6 +11,7 @@ import uuid
 
 from fastapi import Request
 
+from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
 
@@ -64,6 +65,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                for p in texts]
     echo = bool(req.echo)
     prompt_only = req.max_tokens == 0      # echo alone: the engine computes one token, which is dropped
+    if prompt_only and req.min_tokens:
+        raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (the prompt echoed alone), got {req.min_tokens}",
+                       "min_tokens")
     params = serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
                             prompt_logprobs=_prompt_k(req))
     serving.check_room(prompts, params)
@@ -98,7 +102,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(serving, out)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}

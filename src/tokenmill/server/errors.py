@@ -94,7 +94,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if bad_json is not None:
         return _describe_bad_json(bad_json, getattr(exc, "body", None)), None
-    unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"]
+    unknown = [".".join(str(x) for x in e["loc"] if x != "body") for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         return f"Unknown or unsupported field(s): {', '.join(unknown)}", unknown[0]
     cause = unsupported_cause(errors)

@@ -114,6 +114,8 @@ class StructuredOutputs(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    # OpenAI's padding of streamed chunks against length side channels: this server adds none
+    include_obfuscation: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -247,10 +249,11 @@ class _SamplingRequest(_Strict):
             return None
         out = {}
         for key, value in self.logit_bias.items():
-            try:
-                out[int(key)] = float(value)
-            except ValueError:
-                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}") from None
+            # decimal digits only: int() also takes "5_0", " 7 " and non-ASCII digits, each a mistyped key
+            # that would bias some other token
+            if not (key.isascii() and key.isdigit()):
+                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}")
+            out[int(key)] = float(value)
         return out
 
     def requested_max_tokens(self) -> int | None:

@@ -143,19 +143,20 @@ class Serving:
                                "prompt")
         return ids
 
-    def check_room(self, prompts: list[list[int]], params) -> None:
+    def check_room(self, prompts: list[list[int]], params, max_tokens_param: str = "max_tokens") -> None:
         """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
         (the offline API instead stops such a request at the context length, finish_reason "length").
         And a request whose logprobs could come to more than `MAX_LOGPROB_ENTRIES` is refused: the frontend
         holds every entry of a request until it finishes (~670 bytes each, its JSON ~75), so one request of
-        128 choices x 40,960 tokens x 21 entries would take the server's memory and every client with it."""
+        128 choices x 40,960 tokens x 21 entries would take the server's memory and every client with it.
+        `max_tokens_param`: the field the client gave max_tokens in."""
         limit = self.engine.max_model_len
         longest = max(len(ids) for ids in prompts)
         if params.max_tokens is not None and longest + params.max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
-                                f"prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+                                f"prompt or {max_tokens_param}.", max_tokens_param, "context_length_exceeded")
         entries, parts = self._logprob_entries(prompts, params)
         if entries > MAX_LOGPROB_ENTRIES:
             raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
@@ -437,15 +438,16 @@ def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None) -> dic
     return body
 
 
-def prompt_logprobs_json(serving: Serving, out: RequestOutput) -> list | None:
+def prompt_logprobs_json(serving: Serving, out: RequestOutput, top: int) -> list | None:
     """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank,
-    decoded_token}}."""
+    decoded_token}}: the prompt's token and the `top` most likely (the engine may hold more, where echoed
+    logprobs asked for more)."""
     if out.prompt_logprobs is None:
         return None
     return [None if entry is None else
             {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
-             for t, lp in entry.items()}
-            for entry in out.prompt_logprobs]
+             for t, lp in entry.items() if t == token or lp.rank <= top}
+            for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
 def now() -> int:
