@@ -155,7 +155,7 @@ def test_bodies_nested_past_the_limit_are_a_400(guarded):
     """orjson parses 1,024 levels of nesting. A JSON schema 300 objects deep passed it, and its request,
     pickled for the engine core, raised RecursionError in the event-loop tick that sent it: that request
     and every other one sent in the tick waited forever. Bodies now nest at most MAX_JSON_DEPTH levels."""
-    from tokenmill.server.app import MAX_JSON_DEPTH, json_depth
+    from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth
     deep = _nested_schema_chat(300)
     err = _assert_openai_error(_post(guarded, "/v1/chat/completions", deep), 400)
     assert f"{json_depth(deep)} levels deep; at most {MAX_JSON_DEPTH}" in err["message"], err
@@ -222,7 +222,9 @@ def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
     deep = {"type": "integer"}
     for _ in range(1000):
         deep = {"type": "object", "properties": {"a": deep}}
-    bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=deep))
+    nested = StructuredOutputsParams(json={"type": "integer"})
+    nested.json = deep          # set after the constructor, which refuses a schema this deep
+    bad = SamplingParams(max_tokens=2, structured_outputs=nested)
     good = SamplingParams(max_tokens=2, ignore_eos=True)
 
     async def run(rid, params):

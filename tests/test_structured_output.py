@@ -293,3 +293,51 @@ def test_a_compile_queued_for_an_aborted_request_never_runs():
     release.set()
     pool.shutdown(wait=True)
     assert compiled == ["a", "c"] and set(client.compiling) == {"a", "c"} and not other.compiling
+
+
+def test_the_grammar_holds_the_answer_after_the_thinking_block(llm):
+    """With think tags (a server's reasoning parser sets them), the output is free inside the thinking block
+    and the grammar holds from after its close: where the prompt leaves the block open, and where the
+    output's first token opens one. "(" and ")" stand in for <think> and </think> (single tokens here)."""
+    tok = llm.get_tokenizer()
+    open_tag, close_tag = tok.encode("(")[0], tok.encode(")")[0]
+    regex = r"[a-z]{5}"
+
+    def run(in_think: bool, bias: dict, tags=(open_tag, close_tag)):
+        so = StructuredOutputsParams(regex=regex, think_tags=tags, in_think=in_think)
+        return llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, logit_bias=bias,
+                                                       structured_outputs=so))[0].outputs[0]
+    # the block is open: ")" (which the regex forbids) closes it, then the answer is the regex's
+    out = run(True, {close_tag: 100})
+    assert out.token_ids[0] == close_tag and ended_by_grammar(out) and re.fullmatch(regex, out.text[1:]), out.text
+    # without tags the grammar holds from the first token: ")" is never sampled
+    out = run(False, {close_tag: 100}, tags=None)
+    assert close_tag not in out.token_ids and re.fullmatch(regex, out.text)
+    # the block is not open: the first token may open one ("(" beside the regex's letters), after which the
+    # output is free ("(" again and again, which the regex forbids)
+    out = run(False, {open_tag: 100})
+    assert out.token_ids[:3] == [open_tag] * 3 and out.finish_reason == "length"
+    # or it answers at once
+    out = run(False, {})
+    assert ended_by_grammar(out) and re.fullmatch(regex, out.text)
+
+
+def test_schemas_that_cannot_be_compiled_or_enforced_are_refused():
+    """A schema text nested past the body's limit (a RecursionError past ~1,000 levels, and seconds of compile
+    on the one grammar thread before that), a dict that is not JSON (the core crashed computing its cache
+    key), keywords the grammar would ignore (a property named like one is fine)."""
+    deep = '{"type": "array", "items": ' * 70 + '{"type": "integer"}' + "}" * 70
+    for spec, message in ((deep, "nests 71 levels deep; at most 64"), ("[" * 5000 + "]" * 5000, "not valid JSON"),
+                          ({"type": "array", "items": {"enum": {1, 2}}}, "not JSON"),
+                          ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+                          ({"type": "object", "properties": {"a": {"not": {"const": 1}}}}, "'not'")):
+        with pytest.raises(SamplingParamError, match=message) as e:
+            StructuredOutputsParams(json=spec)
+        assert e.value.param == "structured_outputs.json"
+    StructuredOutputsParams(json={"type": "object", "properties": {"not": {"type": "string"}}, "uniqueItems": False})
+
+
+def test_a_choice_with_a_control_character_before_a_hex_digit(llm):
+    choices = ["a\x00b", "\x1b1m"]
+    outs = llm.generate(PROMPTS[:2], constrained(choice=choices))
+    assert all(o.outputs[0].text in choices for o in outs), [o.outputs[0].text for o in outs]

@@ -9,6 +9,58 @@ from dataclasses import dataclass, field
 
 LOGIT_BIAS_LIMIT = 100.0
 
+# the deepest nesting of arrays and objects a request body or a JSON schema may have (the body itself is level 1): a JSON schema of
+# about 30 nested objects. orjson parses up to 1,024 levels, but a request's parameters travel to the
+# engine core pickled, and the pickler's recursion gives out at a few hundred.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value) -> int:
+    """How deeply arrays and objects nest in a value as orjson parses it (a scalar 0, [] and {} 1), level by
+    level rather than by recursion; a container of scalars (a prompt's token ids) is scanned by type alone."""
+    depth, level = 0, [value] if type(value) in (dict, list) else []
+    while level:
+        depth += 1
+        deeper = []
+        for v in level:
+            items = v.values() if type(v) is dict else v
+            kinds = set(map(type, items))
+            if dict in kinds or list in kinds:
+                deeper.extend(c for c in items if type(c) in (dict, list))
+        level = deeper
+    return depth
+
+# JSON schema keywords xgrammar compiles as if absent (the output would not honour them): refused
+_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not")
+# where a schema holds further schemas: as a map of names to schemas, or one or a list of them
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "if", "then", "else",
+               "additionalItems", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def _check_schema(schema) -> None:
+    """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
+    compile time grows with the cube of the depth) or using a keyword in `_UNENFORCED`."""
+    depth = json_depth(schema)
+    if depth > MAX_JSON_DEPTH:
+        raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
+                                                            f"{MAX_JSON_DEPTH} are accepted")
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        used = [k for k in _UNENFORCED if k in node and (k != "uniqueItems" or node[k])]
+        if used:
+            raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {used[0]!r}, which "
+                                                                "structured output cannot enforce")
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo.extend(node[key].values())
+        for key in _SUBSCHEMAS:
+            value = node.get(key)
+            todo.extend(value if isinstance(value, list) else [value])
+
 
 class SamplingParamError(ValueError):
     """A sampling parameter out of its range; `param` names it (the OpenAI error's `param`)."""
@@ -27,7 +79,13 @@ class StructuredOutputsParams:
     JSON schema, as a dict or its text), `regex`, `choice` (the output is one of the strings), `grammar`
     (EBNF / GBNF) and `json_object` (any JSON object) is set. JSON output allows any whitespace between
     tokens unless `disable_any_whitespace` (then none). `whitespace_pattern` is refused: xgrammar has no
-    such option."""
+    such option.
+
+    `think_tags` ((<think>, </think>) ids), set by a server with a reasoning parser: the grammar holds
+    the answer after the thinking block, as vLLM's does, not the reasoning. Where the prompt leaves a
+    block open (`in_think`) the output is free until its first `</think>`; otherwise its first token may
+    be `<think>` besides what the grammar allows, and opens a block the same way. A prompt whose last
+    turn has closed its block (thinking turned off) sets none."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -35,6 +93,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    think_tags: tuple[int, int] | None = None
+    in_think: bool = False
 
     def __post_init__(self):
         kinds = self._kinds()
@@ -48,14 +108,21 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 parsed = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise SamplingParamError("structured_outputs.json", f"the JSON schema is not valid JSON: {e}") \
                     from None
             if not isinstance(parsed, (dict, bool)):
                 raise SamplingParamError("structured_outputs.json", "the JSON schema must be a JSON object")
+            _check_schema(parsed)
         elif self.json is not None and not isinstance(self.json, dict):
             raise SamplingParamError("structured_outputs.json",
                                      f"the JSON schema must be a dict or its JSON text, got {type(self.json).__name__}")
+        elif self.json is not None:
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError, RecursionError) as e:    # a set, an object, a cycle: not JSON
+                raise SamplingParamError("structured_outputs.json", f"the JSON schema is not JSON: {e}") from None
+            _check_schema(self.json)
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamError("structured_outputs.choice", "choice must be a non-empty list of non-empty "

@@ -140,7 +140,7 @@ class LLMEngine:
             seqs[-1].handle = handle
             seqs[-1].min_tokens_ids = held_back
             if compiled is not None:
-                seqs[-1].grammar = self._structured.sequence_grammar(compiled)
+                seqs[-1].grammar = self._structured.sequence_grammar(compiled, params.structured_outputs)
         self.groups[request_id] = seqs
         self.num_prompt_tokens += len(prompt_ids)
         for seq in seqs:

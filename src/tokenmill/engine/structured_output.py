@@ -119,36 +119,59 @@ class StructuredOutputManager:
             return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(s) for s in spec))
         return c.compile_grammar(spec)
 
-    def sequence_grammar(self, compiled: tuple) -> "SequenceGrammar":
+    def sequence_grammar(self, compiled: tuple, params: StructuredOutputsParams | None = None) -> "SequenceGrammar":
         grammar, (kind, _, no_whitespace) = compiled
         keep = self._json_keep[not no_whitespace] if kind in ("json", "json_object") else None
-        return SequenceGrammar(self._xgr.GrammarMatcher(grammar), keep)
+        tags = params.think_tags if params is not None else None
+        return SequenceGrammar(self._xgr.GrammarMatcher(grammar), keep, tags, params is not None and params.in_think)
 
 
 class SequenceGrammar:
     """One sequence's position in its grammar. The matcher terminates once it accepts a stop token (EOS),
-    which it allows only where the grammar is complete."""
+    which it allows only where the grammar is complete. With `think_tags` the grammar starts after the
+    output's thinking block (`StructuredOutputsParams`): every token is free until `</think>` where the
+    block is open (`in_think`), and the first token may open one with `<think>`, unless the grammar itself
+    begins with `<think>` (a client's regex or grammar that spells out the reasoning governs it too)."""
 
-    __slots__ = ("matcher", "keep")
+    __slots__ = ("matcher", "keep", "open_tag", "close_tag", "thinking", "first")
 
-    def __init__(self, matcher, keep: torch.Tensor | None = None):
+    def __init__(self, matcher, keep: torch.Tensor | None = None, think_tags: tuple[int, int] | None = None,
+                 in_think: bool = False):
         self.matcher = matcher
         self.keep = keep            # [W] int32: bits of the tokens this kind of output may ever hold
+        self.open_tag, self.close_tag = think_tags or (None, None)
+        self.thinking = think_tags is not None and in_think       # inside the block: the grammar waits
+        self.first = think_tags is not None and not in_think      # the next token may open a block
 
     def accept(self, token_id: int) -> bool:
+        if self.thinking:
+            self.thinking = token_id != self.close_tag
+            return True
+        if self.first:
+            self.first = False
+            if token_id == self.open_tag:
+                self.thinking = True
+                return True
         return self.matcher.accept_token(token_id)
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return not self.thinking and self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():    # finished while its next step was in flight: that token is dropped
+        if self.thinking or self.matcher.is_terminated():
+            # thinking: any token; terminated while its next step was in flight: that token is dropped
             bitmask[row] = -1
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.keep is not None:
             bitmask[row] &= self.keep
+        if self.first:
+            word, bit = divmod(self.open_tag, 32)
+            if (int(bitmask[row, word]) >> bit) & 1:
+                self.first = False          # the grammar begins with <think>: it holds the reasoning too
+            else:
+                bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)     # int32: bit 31 is the sign
 
 
 class BatchBitmask:
@@ -226,8 +249,8 @@ def _ebnf_literal(text: str) -> str:
             out.append("\\t")
         elif ch == "\r":
             out.append("\\r")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x20:           # \u takes exactly four digits (\x would run on into a hex digit after it)
+            out.append(f"\\u{ord(ch):04x}")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'

@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
+from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth
 from tokenmill.server import errors
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
@@ -47,26 +48,6 @@ HEALTH = {200: {"description": "The engine is running (also while the server dra
           503: {"description": "The engine is not running."}}
 
 
-# the deepest nesting of arrays and objects a body may have (the body itself is level 1): a JSON schema of
-# about 30 nested objects. orjson parses up to 1,024 levels, but a request's parameters travel to the
-# engine core pickled, and the pickler's recursion gives out at a few hundred.
-MAX_JSON_DEPTH = 64
-
-
-def json_depth(value) -> int:
-    """How deeply arrays and objects nest in a value as orjson parses it (a scalar 0, [] and {} 1), level by
-    level rather than by recursion; a container of scalars (a prompt's token ids) is scanned by type alone."""
-    depth, level = 0, [value] if type(value) in (dict, list) else []
-    while level:
-        depth += 1
-        deeper = []
-        for v in level:
-            items = v.values() if type(v) is dict else v
-            kinds = set(map(type, items))
-            if dict in kinds or list in kinds:
-                deeper.extend(c for c in items if type(c) in (dict, list))
-        level = deeper
-    return depth
 
 
 def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:

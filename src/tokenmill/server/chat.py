@@ -9,6 +9,8 @@ max_tokens cuts them short, as OpenAI and vLLM return them.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import uuid
 
 from fastapi import Request
@@ -16,6 +18,7 @@ from fastapi import Request
 from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
+from tokenmill.server.reasoning import THINK_END
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
 from tokenmill.server.tool_parsers import ConstrainedCalls, NamedCall, RequiredCalls
 
@@ -172,6 +175,12 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         prompt_text = last_turn(prompt_text, serving.turn_markers)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    if params.structured_outputs is not None and serving.think_tags is not None and THINK_END not in prompt_text:
+        # the constraint holds the answer, after the thinking block (the reasoning parser's reading); where the
+        # last turn closed a block (thinking turned off) there is none to come
+        params.structured_outputs = dataclasses.replace(
+            params.structured_outputs, think_tags=serving.think_tags,
+            in_think=serving.reasoning_parser().starts_in_reasoning(prompt_text))
     serving.check_room([prompt], params,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     return prompt_text, prompt, params
