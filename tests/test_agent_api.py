@@ -277,6 +277,16 @@ def test_parse_with_a_pydantic_model_and_json_modes(agent_server):
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}})
     assert bad.status_code == 400, bad.text
     assert "frobnicate" in bad.json()["error"]["message"] or "type" in bad.json()["error"]["message"]
+    # a schema the engine refuses is named by the field the client sent it in
+    assert bad.json()["error"]["param"] == "response_format"
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "frobnicate"}}}}}
+    bad = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "tools": [bad_tool], "tool_choice": "required"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+    bad = httpx.post(agent_server.url + "/v1/responses", timeout=30, json={"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text
 
 
 def test_logit_bias_on_both_endpoints(agent_server):

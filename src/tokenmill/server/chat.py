@@ -260,4 +260,4 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
 
     serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
-                             carries_tools=bool(req.tools))
+                             carries_tools=bool(req.tools), field_of=req.field_of)

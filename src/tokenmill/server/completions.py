@@ -145,7 +145,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                    "system_fingerprint": serving.fingerprint, "choices": [], "usage": usage(list(last.values()))}
 
     serving.admit(len(prompts))
-    return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final)
+    return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final,
+                             field_of=req.field_of)
 
 
 def _drop_generated(out) -> None:

@@ -222,6 +222,15 @@ class _SamplingRequest(_Strict):
     def _extra_constraints(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
+    def field_of(self, param: str | None) -> str | None:
+        """The request's own field for an error about its output constraint, which the engine names by its
+        `structured_outputs` (the schema of a response_format, or of the tools a tool_choice forces)."""
+        if param is None or not param.startswith("structured_outputs"):
+            return param
+        spec = self.structured_spec()
+        origin = spec[0] if spec is not None else None
+        return {None: param, "structured_outputs": param, "tool_choice": "tools"}.get(origin, origin)
+
     def structured_params(self):
         """The engine's StructuredOutputsParams for the request's constraint, or None."""
         spec = self.structured_spec()

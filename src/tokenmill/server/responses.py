@@ -471,6 +471,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
 
     serving.admit()
     return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True,
+                             field_of=lambda param: req.field_of(chat.field_of(param)),
                              carries_tools=bool(req.tools))
 
 

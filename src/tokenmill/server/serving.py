@@ -183,7 +183,7 @@ class Serving:
         try:
             params = req.sampling_params(logprobs, self.sampling_defaults, **overrides)
         except ValueError as e:
-            raise APIError(400, str(e), getattr(e, "param", getattr(e, "field", None))) from None
+            raise APIError(400, str(e), req.field_of(getattr(e, "param", getattr(e, "field", None)))) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params.top_k = 0
         return params
@@ -221,10 +221,12 @@ class Serving:
 
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
-                  make_stream, make_final, event_names: bool = False, carries_tools: bool = False) -> Response:
+                  make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
+                  field_of=None) -> Response:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
         `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
-        `carries_tools`: the request offers tools (a boost under the priority policy)."""
+        `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
+        request's field for a parameter the engine refuses (its grammar's, by the field that asked for it)."""
         entries = self._logprob_entries(prompts, params)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
@@ -247,7 +249,10 @@ class Serving:
         except BaseException as e:
             await _close_all(gens)
             self._end(entries)
-            raise _as_api_error(e)
+            error = _as_api_error(e)
+            if field_of is not None and isinstance(error, APIError):
+                error.param = field_of(error.param)
+            raise error
         finally:
             self.waiting -= len(prompts)
         if not stream:
