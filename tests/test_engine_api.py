@@ -609,3 +609,21 @@ def test_a_cpu_kv_cache_is_resident_only_where_requests_wrote(qwen3_dir):
     assert resident_mib() - before < cache.nbytes / 2**20 / 4
     assert not cache[:, :, -1].any()
     assert small.generate([[5, 6, 7, 8, 9]], prompt)[0].outputs[0].token_ids == out
+
+
+def test_the_sequences_of_n_share_the_prompts_blocks(llm):
+    """n = 4: the later sequences wait for the first to compute the prompt and then take its blocks from
+    the prefix cache (each computed and held its own copy); the cache's lookups are counted once a sequence
+    is admitted."""
+    engine = llm.engine
+    prompt = list(range(40, 72))                     # 32 tokens: 7 full blocks before the last token
+    before = engine.get_stats()
+    engine.add_request("n4", prompt, SamplingParams(n=4, max_tokens=3, ignore_eos=True, seed=3))
+    seqs = list(engine.groups["n4"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [s.num_cached_tokens for s in seqs] == [0, 28, 28, 28]
+    after = engine.get_stats()
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 4 * 32
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 3 * 28
+    assert after["num_free_blocks"] == after["num_total_blocks"]

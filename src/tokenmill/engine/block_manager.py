@@ -84,10 +84,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        hits = self._cached_prefix(tokens, (len(tokens) - 1) // self.block_size)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
-        return hits
+        return self._cached_prefix(tokens, (len(tokens) - 1) // self.block_size)
+
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Counts one admitted request's lookup (its tokens, those the cache held): a request that waits
+        for blocks is looked up again each step, and counted once, when it is admitted."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached
 
     def _cached_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
         """The cached blocks holding `tokens`' first full blocks, at most `max_blocks` of them."""

@@ -109,6 +109,7 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self.num_swap_in_cached_blocks = 0     # blocks a swap-in found in the prefix cache: no copy
         self._released: list[int] = []      # GPU blocks freed by this step's swap-outs
+        self._first_sequences: dict[str, Request] = {}   # n > 1: parent id -> its first sequence, computing the prompt
 
     @classmethod
     def from_config(cls, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Scheduler:
@@ -137,6 +138,8 @@ class Scheduler:
         request.status = status
         request.finished_time = self.clock()
         self.block_manager.free(request)
+        if self._first_sequences.get(request.parent_id) is request:
+            del self._first_sequences[request.parent_id]
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """The engine's report of a finished step: its tokens (all of `SchedulerOutput.total_tokens`), its
@@ -241,17 +244,25 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Moves waiting requests, best ranked first, into the step while the budget, the seats and the free
-        blocks allow; stops at the first that does not fit, so that none overtakes a better-ranked one."""
+        blocks allow; stops at the first that does not fit, so that none overtakes a better-ranked one.
+        The sequences of an n > 1 request after its first wait (passed over, not stopping the others) until
+        the first has computed the prompt: its blocks are hashed then, and they share them instead of
+        computing and holding a copy each."""
         if self.policy == "priority":
             self.waiting.sort(key=lambda r: self._rank(r, now))
         max_seqs = self.max_num_seqs
         if self.latency is not None:     # at least one seat, so that an idle engine admits a request
             max_seqs = min(max_seqs, max(self.latency.seq_cap(len(self.running)), 1))
         step_tokens = self.max_num_batched_tokens - budget
-        while self.waiting and budget > 0 and len(self.running) < max_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting[i]
+            if self._awaits_first_sequence(req):
+                i += 1
+                continue
             computed = []
-            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+            looked_up = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            if looked_up:
                 # a request scoring its prompt computes all of it (cached blocks have no logits)
                 computed = self.block_manager.get_computed_blocks(req)
             num_cached = len(computed) * self.block_manager.block_size
@@ -265,7 +276,11 @@ class Scheduler:
                 num_new = min(num_new, room)
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if looked_up and self.block_manager.enable_prefix_caching:
+                self.block_manager.record_lookup(req.num_tokens, num_cached)
+            if req.index == 0 and req.params.n > 1 and req.status == RequestStatus.WAITING:
+                self._first_sequences[req.parent_id] = req
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
@@ -277,6 +292,21 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
             step_tokens += num_new
+
+    def _awaits_first_sequence(self, req: Request) -> bool:
+        """Whether `req`, a later sequence of an n > 1 request not yet started, waits for the first one to
+        compute the prompt (never while prefix caching is off, where the prompt is scored in full, or where it
+        holds no full block before its last token)."""
+        bm = self.block_manager
+        if req.index == 0 or req.status != RequestStatus.WAITING or not bm.enable_prefix_caching \
+                or req.params.prompt_logprobs is not None or req.num_prompt_tokens <= bm.block_size:
+            return False            # nothing to share: a prompt's last token is always computed
+        first = self._first_sequences.get(req.parent_id)
+        if first is not None and first.status == RequestStatus.RUNNING and \
+                first.num_computed_tokens < first.num_prompt_tokens:
+            return True
+        self._first_sequences.pop(req.parent_id, None)
+        return False
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
