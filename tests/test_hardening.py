@@ -1069,3 +1069,29 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
         asyncio.run(main())
     finally:
         s.stop(signal.SIGKILL)
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_releases_its_requests():
+    """The client is gone when the response starts: the body's generator is never started, so its
+    `finally` (which closes the requests and counts them out of flight) never runs; the response does it."""
+    from tokenmill.server.serving import _ClosingStream
+
+    started, closed = [], []
+
+    async def body():
+        started.append(True)
+        yield b"data: x\n\n"
+
+    async def close():
+        closed.append(True)
+
+    async def gone(message):
+        raise OSError("client disconnected")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(Exception):
+        asyncio.run(_ClosingStream(body(), close, media_type="text/event-stream")(scope, receive, gone))
+    assert closed == [True] and started == []

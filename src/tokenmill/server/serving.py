@@ -265,6 +265,15 @@ class Serving:
                 self._end(entries)
             return json_response(make_final(finals))
 
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                await _close_all(gens)
+                self._end(entries)
+
         async def sse() -> AsyncIterator[bytes]:
             try:
                 try:
@@ -283,11 +292,26 @@ class Serving:
                 if not event_names:
                     yield b"data: [DONE]\n\n"
             finally:
-                await _close_all(gens)
-                self._end(entries)
+                await close()
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _ClosingStream(sse(), close, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream that releases its requests however the response ends: a client gone before the first chunk
+    was asked for leaves the body's generator unstarted, and an unstarted generator's `finally` never runs
+    (its requests would generate for nobody and stay counted in flight)."""
+
+    def __init__(self, content, close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 class _Disconnected(Exception):
