@@ -177,6 +177,11 @@ def hf_base():
      r"leaving \['model.layers.0.mlp.down_proj'\] unquantized is not supported"),
     (dict(quant_method="bitsandbytes"),
      r"quant_method 'bitsandbytes' is not supported; supported: awq, gptq, fp8, compressed-tensors"),
+    # compressed-tensors' own default format: the weights stored unquantized
+    ({k: v for k, v in fp8.quantization_config("compressed-tensors").items() if k != "format"},
+     r"format='dense' is not supported; supported: float-quantized"),
+    (dict(fp8.quantization_config("compressed-tensors"), kv_cache_scheme={"num_bits": 8, "type": "float"}),
+     r"kv_cache_scheme=.* \(stored KV cache scales\) is not supported"),
 ])
 def test_unsupported_fp8_configs_are_named(hf_base, qc, message):
     with pytest.raises(ValueError, match=message):
@@ -207,6 +212,21 @@ def test_config_reads_each_fp8_format(hf_base):
     assert (ct.quantization.method, ct.quantization.weight_block_size, ct.quantization.scale_name) == \
         ("fp8", None, "weight_scale")
     assert EngineConfig(model="x", quantization="fp8").quantization == "fp8"
+
+
+def test_a_quantized_tensor_of_another_dtype_is_refused(plain_dir, tmp_path):
+    """An FP8 weight stored in bf16 was cast into the FP8 parameter and then scaled again (every layer's
+    output ~1/1000 of its size): a quantized tensor is read as stored or not at all."""
+    import shutil
+    src = quantized_dir(plain_dir, "compressed-tensors")
+    out = tmp_path / "bf16-weight"
+    shutil.copytree(src, out)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight"
+    tensors[key] = tensors[key].to(torch.bfloat16)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{key}' is torch.bfloat16, the model expects torch.float8_e4m3fn"):
+        LLM(str(out), **SMALL)
 
 
 def test_mismatched_quantization_is_refused(plain_dir):

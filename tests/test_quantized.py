@@ -25,7 +25,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.quant import w4
 from tokenmill.quant.formats import QUANTIZED_LAYERS, W4Config
-from tokenmill.quant.quantize import (quantize_awq, quantize_gptq, quantization_config,
+from tokenmill.quant.quantize import (pack_cols, quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
 
 from test_real_model import engine_logprobs, engine_logprobs_many
@@ -376,6 +376,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
      r"pack_dtype='int8' is not supported; supported: int32"),
     (dict(quant_method="bitsandbytes", bits=4),
      r"quant_method 'bitsandbytes' is not supported; supported: awq, gptq, fp8"),
+    (dict(quant_method="gptq", bits=4, group_size=128, dynamic={"-:.*layers\\.1\\..*": {}}),
+     r"gptq checkpoint with dynamic=.* \(per-module overrides\) is not supported"),
 ])
 def test_unsupported_quantization_configs_are_named(qc, message):
     with pytest.raises(ValueError, match=message):
@@ -413,6 +415,17 @@ def test_a_g_idx_that_is_not_a_grouping_or_differs_between_shards_is_refused(tmp
         save_file({**original, **{k: v.contiguous() for k, v in change.items()}}, path)
         with pytest.raises(ValueError, match=message):
             LLM(qdir, device="cpu", num_kv_blocks=8)
+    # desc_act=true without a layer's g_idx: its rows would be read in the plain order, every output wrong
+    save_file({k: v for k, v in original.items() if k != "model.layers.0.self_attn.v_proj.g_idx"}, path)
+    with pytest.raises(ValueError, match=r"desc_act=true but not every g_idx of 'model.layers.0.self_attn.qkv_proj'"):
+        LLM(qdir, device="cpu", num_kv_blocks=8)
+
+
+def test_a_zero_the_format_cannot_store_is_refused_not_packed():
+    """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
+    column read back as zero 16, its neighbour's zero off by one)."""
+    with pytest.raises(ValueError, match=r"values must be in \[0, 15\], got \[-1, 7\]"):
+        pack_cols(torch.tensor([[0, 6, 7, 8, 7, 6, 5, 7]]) - 1)
 
 
 def test_awq_needs_whole_groups(tmp_path, save_tiny_model):
@@ -481,3 +494,30 @@ def test_gpu_4bit_model_under_cuda_graphs(tmp_path, save_tiny_model, method, des
     # log-probs by whole nats
     assert (ours - ref).abs().mean() < 0.1
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_older_gptq_checkpoints_load(tmp_path, save_tiny_model):
+    """GPTQ-for-LLaMa and older AutoGPTQ: a zero bias beside every quantized linear (skipped; a nonzero one
+    is still a key the model lacks), and the quantization in quantize_config.json rather than config.json."""
+    src, qdir = str(tmp_path / "src"), str(tmp_path / "q")
+    save_tiny_model(src, "qwen3", hidden_size=64)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, "gptq", 32)
+    ids = [(7 * i + 3) % 500 for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = LLM(qdir, device="cpu", num_kv_blocks=8).generate([ids], greedy)[0].outputs[0].token_ids
+    path = os.path.join(qdir, "model.safetensors")
+    tensors = load_file(path)
+    bias = "model.layers.0.mlp.down_proj.bias"
+    save_file({**tensors, bias: torch.zeros(64)}, path)
+    with open(os.path.join(qdir, "config.json")) as f:
+        full = json.load(f)
+    with open(os.path.join(qdir, "quantize_config.json"), "w") as f:
+        json.dump(full.pop("quantization_config"), f)
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        json.dump(full, f)
+    assert LLM(qdir, device="cpu", num_kv_blocks=8).generate([ids], greedy)[0].outputs[0].token_ids == want
+    save_file({**tensors, bias: torch.ones(64)}, path)
+    with pytest.raises(ValueError, match=rf"checkpoint keys not used by .*'{bias}'"):
+        LLM(qdir, device="cpu", num_kv_blocks=8)

@@ -91,6 +91,12 @@ class ModelConfig:
                 raise FileNotFoundError(f"no config.json at {path}")
             with open(path) as f:
                 hf = json.load(f)
+            # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
+            # reads it too); quant_method is GPTQ's where it does not say
+            legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
+            if not hf.get("quantization_config") and os.path.isfile(legacy):
+                with open(legacy) as f:
+                    hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")

@@ -31,12 +31,13 @@ def parse_quantization(qc: dict) -> W4Config | Fp8Config:
 @dataclass(frozen=True)
 class W4Config:
     """A checkpoint's `quantization_config`, checked: `zero_offset` is what readers add to a stored zero
-    (1 for GPTQ v1, else 0)."""
+    (1 for GPTQ v1, else 0); `desc_act`: GPTQ's act-order, whose `g_idx` every layer must then carry."""
     method: str
     group_size: int
     bits: int = 4
     sym: bool = False
     zero_offset: int = 0
+    desc_act: bool = False
 
     def num_groups(self, in_features: int) -> int:
         return -(-in_features // self.group_size)
@@ -76,7 +77,11 @@ def parse_w4_config(qc: dict) -> W4Config:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"gptq checkpoint with checkpoint_format={qc.get('checkpoint_format')!r} is not "
                          "supported; supported: gptq, gptq_v2")
-    return W4Config("gptq", group, bits, sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
+    if qc.get("dynamic"):
+        raise ValueError(f"gptq checkpoint with dynamic={qc['dynamic']!r} (per-module overrides) is not supported; "
+                         "supported: one configuration for every layer")
+    return W4Config("gptq", group, bits, sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0,
+                    desc_act=bool(qc.get("desc_act", False)))
 
 
 @dataclass(frozen=True)
@@ -119,10 +124,13 @@ def parse_fp8_config(qc: dict) -> Fp8Config:
     if method != "compressed-tensors":
         raise ValueError(f"quant_method {qc.get('quant_method')!r} is not an FP8 format; supported: "
                          f"{', '.join(FP8_METHODS)}")
-    fmt = qc.get("format", "float-quantized")
+    fmt = qc.get("format", "dense")          # compressed-tensors' own default: weights stored unquantized
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"compressed-tensors checkpoint with format={fmt!r} is not supported; supported: "
                          "float-quantized")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError(f"compressed-tensors checkpoint with kv_cache_scheme={qc['kv_cache_scheme']!r} (stored KV "
+                         "cache scales) is not supported; supported: none (--kv-cache-dtype fp8 sets its own)")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config_groups is not supported; "

@@ -19,8 +19,15 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
+def _check_nibbles(values: torch.Tensor) -> None:
+    """Every value fits its 4 bits: a -1 would borrow from the fields above it in the word."""
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) > 15):
+        raise ValueError(f"4-bit packing: values must be in [0, 15], got [{int(values.min())}, {int(values.max())}]")
+
+
 def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int [R, C] of 4-bit values -> int32 [R, C/8]; field i of word j holds column 8j + order[i]."""
+    _check_nibbles(values)
     r, c = values.shape
     v = values.to(torch.int64).reshape(r, c // PACK, PACK)
     if order is not None:
@@ -31,6 +38,7 @@ def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> tor
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
     """int [R, C] -> int32 [R/8, C]; field i of word j holds row 8j + i."""
+    _check_nibbles(values)
     r, c = values.shape
     v = values.to(torch.int64).reshape(r // PACK, PACK, c)
     shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int64)[None, :, None]
@@ -85,7 +93,7 @@ def quantize_awq(w: torch.Tensor, group_size: int = 128, grid: Grid | None = Non
 
 def min_zero(method: str, checkpoint_format: str = "gptq") -> int:
     """The least zero a format stores: GPTQ's v1 format ("gptq") stores zeros minus one, so an asymmetric
-    grid keeps zeros >= 1 there (a stored -1 would wrap to 15)."""
+    grid keeps zeros >= 1 there (a zero of 0 cannot be stored: `pack_cols` refuses the -1)."""
     return 1 if method == "gptq" and checkpoint_format == "gptq" else 0
 
 

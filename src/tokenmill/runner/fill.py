@@ -30,7 +30,11 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
             continue
         name, shard = packed_target(model, key)
         if name not in params:
-            leftover.append(key)
+            # GPTQ-for-LLaMa and older AutoGPTQ write a zero bias for every quantized linear (as vLLM,
+            # skipped); a nonzero one is a bias the model lacks
+            quant = getattr(cfg, "quantization", None)
+            if not (key.endswith(".bias") and quant is not None and quant.method == "gptq" and not read().any()):
+                leftover.append(key)
             continue
         param = params[name]
         split = split_dim(name) if tp is not None else None
@@ -85,4 +89,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(src.shape)}, "
                          f"the model expects {tuple(dst.shape)}")
+    # a quantized tensor (packed integers, FP8) is read as stored: a cast would change its meaning (a bf16
+    # weight of a "dense" checkpoint copied into FP8 is scaled twice); float weights may cast
+    if (not dst.dtype.is_floating_point or dst.dtype.itemsize == 1) and src.dtype != dst.dtype:
+        raise ValueError(f"checkpoint tensor {key!r} is {src.dtype}, the model expects {dst.dtype}")
     dst.copy_(src)

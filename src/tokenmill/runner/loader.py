@@ -76,6 +76,15 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)
     fill_parameters(model, stream, repr(model_dir))
+    if quant is not None and quant.method == "gptq" and quant.desc_act:
+        # act-order rows in the plain order would give wrong outputs without an error
+        for name, module in model.named_modules():
+            if hasattr(module, "set_act_order"):
+                packed = name.rpartition(".")[2]
+                want = len(model.shard_sizes(packed)) if packed in ("qkv_proj", "gate_up_proj") else 1
+                if len(orders.get(name, ())) < want:
+                    raise ValueError(f"gptq checkpoint {model_dir!r} has desc_act=true but not every g_idx of "
+                                     f"{name!r} (act-order needs each layer's order of its input rows)")
     for layer, shards in orders.items():
         (first, perm), *rest = shards
         for key, other in rest:
