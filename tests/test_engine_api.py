@@ -162,11 +162,11 @@ def test_text_prompts_and_chat(llm):
     ids = chat.prompt_token_ids
     assert ids == tok.encode(rendered, add_special_tokens=False)
     assert ids.count(tok.hf.convert_tokens_to_ids("<|im_start|>")) == 2    # not added twice
-    # vLLM's LLM.chat: OpenAI's text parts read as the server reads them (joined, never a Python repr),
-    # an assistant turn continued, a template of the caller's; and vLLM's engine name
+    # vLLM's LLM.chat: OpenAI's text parts read as the server reads them (joined by newlines as vLLM joins
+    # them, never a Python repr), an assistant turn continued, a template of the caller's; vLLM's engine name
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     parts = [{"role": "user", "content": [{"type": "text", "text": "你"}, {"type": "text", "text": "好"}]}]
-    assert llm.chat(parts, sp)[0].prompt == rendered
+    assert llm.chat(parts, sp)[0].prompt == tok.apply_chat_template([{"role": "user", "content": "你\n好"}])
     turn = msgs + [{"role": "assistant", "content": "Hel"}]
     cont = llm.chat(turn, sp, add_generation_prompt=False, continue_final_message=True)[0]
     assert cont.prompt == tok.apply_chat_template(turn, False, continue_final_message=True)
@@ -627,3 +627,23 @@ def test_the_sequences_of_n_share_the_prompts_blocks(llm):
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 4 * 32
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 3 * 28
     assert after["num_free_blocks"] == after["num_total_blocks"]
+
+
+def test_a_template_given_for_a_model_without_one(qwen3_dir, monkeypatch):
+    """--chat-template (and LLM.chat's chat_template) is what a model without a template of its own needs:
+    it was refused for having none. `tokenmill generate --chat` passes the rendered prompt as token ids (the
+    text holds the template's BOS, which encoding it as a prompt added again)."""
+    from tokenmill import cli
+    from tokenmill.llm import LLM as OfflineLLM
+
+    tok = Tokenizer(qwen3_dir)
+    tok.hf.chat_template = None
+    mine = "{{ bos_token or '' }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=mine).endswith("[hi]")
+    with pytest.raises(ValueError, match="no chat template; pass one"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    seen = []
+    monkeypatch.setattr(OfflineLLM, "generate", lambda self, prompts, params: seen.extend(prompts) or [])
+    assert cli.main(["generate", qwen3_dir, "--chat", "--prompt", "hi", "--device", "cpu", "--num-kv-blocks", "8"]) == 0
+    rendered = Tokenizer(qwen3_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert seen == [Tokenizer(qwen3_dir).encode(rendered, add_special_tokens=False)]

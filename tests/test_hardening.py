@@ -1095,3 +1095,20 @@ def test_a_stream_whose_client_left_before_its_first_chunk_releases_its_requests
     with pytest.raises(Exception):
         asyncio.run(_ClosingStream(body(), close, media_type="text/event-stream")(scope, receive, gone))
     assert closed == [True] and started == []
+
+
+def test_a_template_error_does_not_echo_the_rendered_prompt():
+    """transformers appends the whole rendered chat to some template errors, an operator's system prompt
+    included: the 400 carries the reason's first line."""
+    from types import SimpleNamespace
+
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.prompts import PromptTokenizer
+
+    def fails(messages, add_generation_prompt, **kwargs):
+        raise ValueError("continue_final_message is set but the final message changed\nRendered chat:\nSECRET")
+    prompts = PromptTokenizer(SimpleNamespace(apply_chat_template=fails), 64)
+    with pytest.raises(APIError) as e:
+        prompts._render([{"role": "user", "content": "x"}], True, {})
+    assert e.value.message == "Cannot apply the chat template: continue_final_message is set but the final " \
+                              "message changed" and e.value.param == "messages"

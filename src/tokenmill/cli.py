@@ -352,9 +352,10 @@ def _generate(args) -> int:
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     prompts = args.prompt or [sys.stdin.read()]
     if args.chat:
+        # token ids: the rendered text holds its BOS already, which encoding it as a prompt would add again
         tok = llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                   for p in prompts]
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                              add_special_tokens=False) for p in prompts]
     texts = [c.text for out in llm.generate(prompts, params) for c in out.outputs]
     for i, text in enumerate(texts):
         if i:

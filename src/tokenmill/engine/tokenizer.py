@@ -114,10 +114,11 @@ class Tokenizer:
         return frozenset(d.get("type") for d in parts if isinstance(d, dict))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Renders the conversation to text. The text already holds its special tokens, so encode it
-        with `add_special_tokens=False`."""
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
+        """Renders the conversation to text (`chat_template` in kwargs replaces the model's). The text
+        already holds its special tokens, so encode it with `add_special_tokens=False`."""
+        if not kwargs.get("chat_template") and not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass one (--chat-template) or use a "
+                             "completion prompt")
         return self.hf.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
 

@@ -202,7 +202,10 @@ class PromptTokenizer:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       **template_kwargs)
         except Exception as e:      # template errors (e.g. a role the template refuses) are the caller's
-            raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
+            # the first line only: transformers appends the whole rendered prompt to some ("Rendered chat:"),
+            # the operator's system prompt included
+            reason = str(e).split("\n", 1)[0][:300]
+            raise APIError(400, f"Cannot apply the chat template: {reason}", "messages") from None
         if not isinstance(text, str):
             raise APIError(400, "The chat template did not render to text.", "messages")
         return text

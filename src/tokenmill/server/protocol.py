@@ -390,7 +390,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)      # vLLM's join: parts stay apart
 
     def for_template(self) -> dict:
         """The message as chat templates read it (Hugging Face's convention: tool-call arguments as
