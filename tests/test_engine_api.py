@@ -647,3 +647,47 @@ def test_a_template_given_for_a_model_without_one(qwen3_dir, monkeypatch):
     assert cli.main(["generate", qwen3_dir, "--chat", "--prompt", "hi", "--device", "cpu", "--num-kv-blocks", "8"]) == 0
     rendered = Tokenizer(qwen3_dir).apply_chat_template([{"role": "user", "content": "hi"}])
     assert seen == [Tokenizer(qwen3_dir).encode(rendered, add_special_tokens=False)]
+
+
+def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
+    """Each choice's latency when it finishes (not the whole request's); a request that ends unfinished
+    (client gone, engine dead) counts as an abort with its latency; the buckets reach two hours."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.async_engine import _Stream
+    from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    metrics = ServerMetrics("m", lambda: {})
+    stream = _Stream(n=2, arrival_time=100.0)
+
+    def out(reasons, finished, finished_time=None):
+        return RequestOutput("r", None, [1], [CompletionOutput(i, "x", [5], None, None, r) for i, r in enumerate(reasons)],
+                             finished, metrics=RequestMetrics(100.0, 100.0, 100.5, finished_time=finished_time))
+    metrics.observe_output(stream, out(["stop", None], False), 101.0)
+    metrics.observe_output(stream, out(["stop", "length"], True, 105.0), 105.5)
+    metrics.observe_output(_Stream(n=1, arrival_time=100.0), None, 102.0)
+
+    def sample(name, labels=None):
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return s.value
+    assert sample("tokenmill:e2e_request_latency_seconds_count") == 3
+    assert sample("tokenmill:e2e_request_latency_seconds_sum") == 1.0 + 5.0 + 2.0
+    assert [sample("tokenmill:request_success_total", {"finished_reason": r}) for r in ("stop", "length", "abort")] \
+        == [1, 1, 1]
+    assert sample("tokenmill:e2e_request_latency_seconds_bucket", {"le": "7680.0"}) == 3
+
+
+def test_a_prompt_counts_once_it_is_prefilled(qwen3_dir):
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_num_seqs=1, num_kv_blocks=40)
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.get_stats()["prompt_tokens"] == 0
+    engine.step()
+    engine.abort_request("b")                  # never scheduled: its 20 tokens were never prefilled
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["prompt_tokens"] == 3

@@ -1112,3 +1112,20 @@ def test_a_template_error_does_not_echo_the_rendered_prompt():
         prompts._render([{"role": "user", "content": "x"}], True, {})
     assert e.value.message == "Cannot apply the chat template: continue_final_message is set but the final " \
                               "message changed" and e.value.param == "messages"
+
+
+def test_a_request_the_engine_had_taken_is_no_rejection():
+    """request_rejected_total counts 503s before the engine; one whose engine died (or whose server stopped)
+    while it ran is an abort in request_success_total instead."""
+    from types import SimpleNamespace
+
+    from tokenmill.engine.async_engine import EngineDeadError
+    from tokenmill.server.errors import APIError, api_error_handler
+    from tokenmill.server.serving import _as_api_error
+
+    rejected = []
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(metrics=SimpleNamespace(reject=rejected.append))))
+    asyncio.run(api_error_handler(request, _as_api_error(EngineDeadError("gone"))))
+    assert rejected == []
+    asyncio.run(api_error_handler(request, APIError(503, "The engine is not running.", code="engine_dead")))
+    assert rejected == ["engine_dead"]

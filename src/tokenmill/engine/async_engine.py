@@ -52,6 +52,10 @@ class _Stream:
     prev_tokens: list[int] = field(default_factory=list)
     last_token_seen: list[float | None] = field(default_factory=list)
     interval: int = 1                 # tokens between wakes (0: only the first output and the last)
+    # for the metrics of a request that ends unfinished: its sequences, its arrival, those seen finished
+    n: int = 1
+    arrival_time: float = 0.0
+    finished_seen: set[int] = field(default_factory=set)
     delivered: list[int] | None = None    # each sequence's tokens at the last wake; None before the first
 
     def due(self, out: RequestOutput) -> bool:
@@ -174,10 +178,10 @@ class AsyncLLM:
             prompt = self.tokenizer.encode(text)
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
-        stream = _Stream(interval=stream_interval)
+        arrival_time = arrival_time or time.time()
+        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, arrival_time=arrival_time)
         self._streams[request_id] = stream
         handle = next(self._handles)
-        arrival_time = arrival_time or time.time()
         self.processor.add(handle, request_id, prompt, params, text, arrival_time)
         self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))
         finished = False
@@ -199,6 +203,8 @@ class AsyncLLM:
             self.processor.forget(request_id)
             if not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
+            if not stream.done and self.on_output is not None:
+                self.on_output(stream, None, time.time())       # ended unfinished: an abort in the metrics
 
     def abort(self, request_id: str | list[str]):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

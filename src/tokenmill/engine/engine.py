@@ -142,7 +142,6 @@ class LLMEngine:
             if compiled is not None:
                 seqs[-1].grammar = self._structured.sequence_grammar(compiled, params.structured_outputs)
         self.groups[request_id] = seqs
-        self.num_prompt_tokens += len(prompt_ids)
         for seq in seqs:
             self.scheduler.add(seq)
         return handle
@@ -268,6 +267,8 @@ class LLMEngine:
             req.resolve(step.positions[j], token)
             if req.first_token_time is None:
                 req.first_token_time = now
+                if req.index == 0:          # its prompt is computed: counted once a request, when prefilled
+                    self.num_prompt_tokens += req.num_prompt_tokens
                 if req.prompt_logprobs is not None and req.index == 0:
                     report.prompt_logprobs.append((req.handle, req.prompt_logprobs))
             # a batch samples logprobs when any of its requests asks; only those requests report them

@@ -19,8 +19,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# up to two hours, as vLLM's request latency buckets reach: a long reasoning answer or a deep queue
+# past the last bucket would read as that bucket's bound in every quantile
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -123,10 +125,18 @@ class ServerMetrics:
         self.rejected.labels(self.model_name, reason).inc()
 
     def observe_output(self, stream, out, now: float):
-        """Called for every update of a request (its cumulative output `out`). Each sequence (choice) of a
-        request counts as one, as vLLM counts the n child requests of one: its time to first token, its
-        gaps between tokens, its latency and its finish reason (the queue time and the last of them are
-        the request's)."""
+        """Called for every update of a request (its cumulative output `out`), and with `out` None when it
+        ends unfinished (its client gone, its engine dead, the server stopping). Each sequence (choice) of
+        a request counts as one, as vLLM counts the n child requests of one: its time to first token, its
+        gaps between tokens, and once it finishes its latency and finish reason ("abort" for one that
+        ended unfinished); the queue time is the request's."""
+        if out is None:
+            for i in range(stream.n):
+                if i not in stream.finished_seen:
+                    stream.finished_seen.add(i)
+                    self.e2e.observe(max(0.0, now - stream.arrival_time))
+                    self.finished.labels(self.model_name, "abort").inc()
+            return
         m = out.metrics
         seen = stream.prev_tokens
         if len(seen) < len(out.outputs):
@@ -148,10 +158,12 @@ class ServerMetrics:
             if n_tokens > seen[i]:
                 seen[i] = n_tokens
                 stream.last_token_seen[i] = now
-        if out.finished:
-            for o in out.outputs:
+        for i, o in enumerate(out.outputs):
+            if (o.finish_reason is not None or out.finished) and i not in stream.finished_seen:
+                stream.finished_seen.add(i)
                 if m is not None:
-                    self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+                    end = (m.finished_time or now) if out.finished else now
+                    self.e2e.observe(max(0.0, end - m.arrival_time))
                 self.finished.labels(self.model_name, o.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:

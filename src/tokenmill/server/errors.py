@@ -142,7 +142,8 @@ def _describe_bad_json(error: dict, doc) -> str:
 
 
 async def api_error_handler(request: Request, exc: APIError):
-    if exc.status == 503 and exc.code in REJECT_REASONS:      # load shed or shut out before the engine
+    # load shed or shut out before the engine (a request the engine had taken counts as an abort)
+    if exc.status == 503 and exc.code in REJECT_REASONS and not getattr(exc, "in_flight", False):
         metrics = getattr(request.app.state, "metrics", None)
         if metrics is not None:
             metrics.reject(exc.code)

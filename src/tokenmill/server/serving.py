@@ -318,13 +318,19 @@ class _Disconnected(Exception):
     pass
 
 
+def _in_flight(error: APIError) -> APIError:
+    """Marks a 503 of a request the engine had taken: an abort in the metrics, not a rejection."""
+    error.in_flight = True
+    return error
+
+
 def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
-        return APIError(503, "The engine is not running.", code="engine_dead")
+        return _in_flight(APIError(503, "The engine is not running.", code="engine_dead"))
     if isinstance(e, ServerStopping):
-        return APIError(503, "The server stopped before this request finished.", code="shutting_down")
+        return _in_flight(APIError(503, "The server stopped before this request finished.", code="shutting_down"))
     if isinstance(e, ValueError):
         return APIError(400, str(e), getattr(e, "param", None))
     if isinstance(e, _Disconnected):
