@@ -1129,3 +1129,59 @@ def test_a_request_the_engine_had_taken_is_no_rejection():
     assert rejected == []
     asyncio.run(api_error_handler(request, APIError(503, "The engine is not running.", code="engine_dead")))
     assert rejected == ["engine_dead"]
+
+
+def test_a_closing_connection_whose_client_reads_nothing_is_dropped():
+    """Flow control pauses a response only past the transport's high-water mark: a connection closed with
+    less than that unsent, to a client that reads nothing, waited to flush for good (its slot and file
+    descriptor held, every SIGTERM waiting uvicorn's 30 s). The watchdog drops it once its unsent bytes
+    have not moved for send_timeout; while draining, also a connection whose request body still arrives."""
+    from tokenmill.server.connections import protocol_with_limits
+
+    class Transport:
+        def __init__(self, unsent, closing=True):
+            self.unsent, self.closing, self.aborted = unsent, closing, False
+
+        def is_closing(self):
+            return self.closing
+
+        def get_write_buffer_size(self):
+            return self.unsent
+
+        def abort(self):
+            self.aborted = True
+
+    def connection(transport, body_arriving=False):
+        conn = protocol_with_limits(10.0, 60.0, 3.0, 65536).__new__(protocol_with_limits(10.0, 60.0, 3.0, 65536))
+        conn.transport, conn.cycle = transport, None
+        conn._body_timer = object() if body_arriving else None
+        return conn
+    stuck, moving, open_ = Transport(40_000), Transport(40_000), Transport(0, closing=False)
+    conns = [connection(stuck), connection(moving), connection(open_)]
+    for t in (0.0, 1.0, 2.0, 3.5):
+        moving.unsent -= 1000                  # its client reads: never dropped
+        for conn in conns:
+            conn.reap_if_stuck(t)
+    assert (stuck.aborted, moving.aborted, open_.aborted) == (True, False, False)
+    uploading = Transport(0, closing=False)
+    connection(uploading, body_arriving=True).reap_if_stuck(0.0, patience=5.0, draining=True)
+    assert uploading.aborted
+
+
+def test_probes_answer_head_and_the_open_files_limit_is_raised(guarded, monkeypatch, caplog):
+    """Health checkers that probe with HEAD marked the server down (405 on every GET route). And the soft
+    limit on open files rises to the hard one at start, with a warning where it is under the connections
+    --limit-concurrency allows (past it, connections were dropped without an answer or a log line)."""
+    import resource
+
+    from tokenmill.server.launch import raise_open_files_limit
+    for path in ("/health", "/ping", "/metrics", "/version", "/v1/models"):
+        r = httpx.head(guarded.url + path, timeout=30, headers=guarded.headers)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 2048))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    with caplog.at_level("WARNING", logger="tokenmill.server"):
+        raise_open_files_limit(4096)
+    assert calls == [(2048, 2048)]
+    assert "open files are limited to 2048" in caplog.text

@@ -223,7 +223,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
         response_store(serving, "response_id").delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
-    @app.get("/v1/models", responses=GUARDED)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], responses=GUARDED)
     async def models():
         return json_response({"object": "list", "data": [model_card(name) for name in names]})
 
@@ -258,21 +258,21 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})
 
-    @app.get("/health", response_class=Response, responses=HEALTH)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response, responses=HEALTH)
     async def health():
         if engine.dead:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, responses=HEALTH)
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"], response_class=Response, responses=HEALTH)
     async def ping():
         return await health()
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def server_version():
         return json_response({"version": package_version()})
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def prometheus():
         stats.clear()
         stats.update(await engine.get_stats())

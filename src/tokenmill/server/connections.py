@@ -10,7 +10,10 @@ seconds of its headers; a connection past either deadline is closed (the request
 already runs, sees the client gone). A response's writes wait while the client's buffers are full
 (uvicorn's flow control); a client that reads nothing for `send_timeout` seconds while they are full
 would hold its request's handler, the response it has not read and its connection for good, so its
-connection is dropped then (nothing more can be sent to it), and its request with it.
+connection is dropped then (nothing more can be sent to it), and its request with it. Flow control
+pauses only past the transport's high-water mark: a connection closed with less than that still unsent,
+to a client that reads nothing, would wait to flush for good, so the server's watchdog (`reap_if_stuck`,
+every second) drops a closing connection whose unsent bytes have not moved for `send_timeout` seconds.
 
 httptools keeps a request's line and headers in memory until they are complete, however long (and
 uvicorn joins a long URL piece by piece): within the header deadline one connection could push ~100 MB
@@ -51,6 +54,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
+    _stuck: tuple[float, int] | None = None     # (since when, unsent bytes) of a closing connection not flushing
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -81,7 +85,14 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def _on_send_timeout(self) -> None:
         self._send_timer = None
-        self.transport.abort()       # close() would wait to flush what the client does not read
+        self._abort()
+
+    def _abort(self) -> None:
+        """Drops the connection at once (close() would wait to flush what the client does not read); its
+        request's later writes are then skipped, as for a client gone, instead of raising in the handler."""
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.abort()
 
     def _close(self) -> None:
         if not self.transport.is_closing():
@@ -155,6 +166,22 @@ class _GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
         super().on_message_complete()
+
+    def reap_if_stuck(self, now: float, patience: float | None = None, draining: bool = False) -> None:
+        """Drops the connection if it is closing with unsent bytes that have not moved for `send_timeout`
+        (or `patience`, if shorter) seconds; while the server drains, also one whose request's body is
+        still arriving (its handler cannot have reached the engine)."""
+        transport = self.transport
+        if draining and self._body_timer is not None:
+            self._abort()
+            return
+        unsent = transport.get_write_buffer_size() if transport.is_closing() else 0
+        if not unsent:
+            self._stuck = None
+        elif self._stuck is None or self._stuck[1] != unsent:
+            self._stuck = (now, unsent)
+        elif now - self._stuck[0] >= min(self.send_timeout, patience or self.send_timeout):
+            self._abort()
 
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()

@@ -16,6 +16,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -114,6 +115,31 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self.engine.on_dead(self._engine_dead)
         await super().serve(sockets=sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0:                   # once a second (uvicorn ticks every 0.1 s)
+            self._reap(time.monotonic())
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown, waiting for every connection to close: meanwhile one still receiving its
+        request's body, or closing with bytes its client does not read, is dropped (each held the exit
+        for uvicorn's graceful timeout, 30 s)."""
+        async def reap():
+            while True:
+                self._reap(time.monotonic(), patience=5.0, draining=True)
+                await asyncio.sleep(0.5)
+        task = asyncio.get_running_loop().create_task(reap())
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            task.cancel()
+
+    def _reap(self, now: float, patience: float | None = None, draining: bool = False) -> None:
+        for connection in list(self.server_state.connections):
+            reap = getattr(connection, "reap_if_stuck", None)
+            if reap is not None:
+                reap(now, patience, draining)
 
     def handle_exit(self, sig, frame):
         if self._loop is None:

@@ -36,6 +36,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_open_files_limit(connections: int | None) -> None:
+    """Raises this process's soft limit on open files to its hard limit (as vLLM does): at the common soft
+    limit of 1,024, connections past it were accepted and closed with nothing sent or logged, below
+    --limit-concurrency's 503. Warns where even the hard limit is below that many connections."""
+    try:
+        import resource
+    except ImportError:          # not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if connections and soft != resource.RLIM_INFINITY and soft < connections + 64:
+        logging.getLogger("tokenmill.server").warning(
+            "open files are limited to %d (ulimit -n), under --limit-concurrency %d connections: connections "
+            "past it are dropped without an answer; raise the limit or lower --limit-concurrency", soft, connections)
+
+
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
@@ -68,6 +89,7 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
         return 1
     configure_logging(options)
+    raise_open_files_limit(http.limit_concurrency)
     if sampling_defaults:
         from tokenmill.generation_config import describe
         logging.getLogger("tokenmill.server").info(
