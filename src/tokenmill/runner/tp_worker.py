@@ -68,13 +68,21 @@ class Worker:
 
 
 def _report(store, key: str, step) -> None:
-    """Runs `step`, then tells rank 0 through `key` that it succeeded, or its traceback."""
+    """Runs `step`, then tells rank 0 through `key` that it succeeded, or its traceback (and exits 1)."""
     try:
         step()
     except BaseException:
         store.set(key, traceback.format_exc())
-        raise
+        traceback.print_exc()
+        _exit(1)
     store.set(key, "ok")
+
+
+def _exit(status: int) -> None:
+    """Exits at once: the interpreter's own exit would run the destructors of the store's and the process
+    group's threads, which abort the process (status -6) where it should report `status`."""
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def main() -> None:
@@ -96,7 +104,7 @@ def main() -> None:
         worker.serve()
     except RuntimeError as e:       # a collective failed: rank 0 (or another rank) is gone
         print(f"tokenmill tensor-parallel worker rank {rank} stops: {e}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1)
 
 
 if __name__ == "__main__":
