@@ -527,6 +527,20 @@ def test_cors_preflight_needs_no_key_and_refusals_carry_cors(guarded):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.test")
     r = httpx.get(guarded.url + "/v1/models", headers={"Origin": "http://example.test"})
     assert r.status_code == 401 and "access-control-allow-origin" in r.headers
+    # an OPTIONS that is no preflight needs the key like any request (it listed each route's methods)
+    assert httpx.options(guarded.url + "/v1/chat/completions", timeout=30).status_code == 401
+
+
+def test_a_compressed_body_and_an_empty_key_are_named(guarded):
+    import gzip
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.server.launch import run_server
+    r = httpx.post(guarded.url + "/v1/completions", timeout=30, content=gzip.compress(b'{"prompt": "x"}'),
+                   headers={**guarded.headers, "Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert r.status_code == 415 and "Content-Encoding 'gzip' is not supported" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="the API key is empty"):
+        run_server(EngineConfig(model="unused"), api_key=" ")
 
 
 # ----- 6: slow and idle connections -------------------------------------------------------------------------

@@ -44,8 +44,10 @@ async def _refuse(send, status: int, message: str, param: str | None = None, cod
 
 
 class RequestGuard:
-    """ASGI middleware: API-key check (all paths but `OPEN_PATHS` and CORS preflights) and a body-size
-    limit (`max_body_bytes`, 413 past it, from Content-Length or counted while a chunked body arrives)."""
+    """ASGI middleware: API-key check (all paths but `OPEN_PATHS` and CORS preflights: an OPTIONS request
+    that names the method it asks for, which the CORS layer answers), a body-size limit (`max_body_bytes`,
+    413 past it, from Content-Length or counted while a chunked body arrives), and a 415 for a compressed
+    body (read as JSON it was an unreadable error about UTF-8)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -60,11 +62,17 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if (self.api_key is not None and route_path(scope) not in OPEN_PATHS and scope["method"] != "OPTIONS"
+        preflight = scope["method"] == "OPTIONS" and b"access-control-request-method" in headers
+        if (self.api_key is not None and route_path(scope) not in OPEN_PATHS and not preflight
                 and not self._authorized(headers)):
             return await _refuse(send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key",
                                  extra_headers=[(b"www-authenticate", b'Bearer realm="tokenmill"')])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"identity", b""):
+            return await _refuse(send, 415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not "
+                                            "supported: send the body uncompressed (identity).",
+                                 code="unsupported_content_encoding")
         limit = self.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None:

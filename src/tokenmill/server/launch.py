@@ -70,6 +70,9 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     request's tokens a chunk (its first and last go at once)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
+                         "pass; give a key, or none for an open server")
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
     if api_server_count > 1 and in_process:
