@@ -541,6 +541,11 @@ def test_a_compressed_body_and_an_empty_key_are_named(guarded):
     assert r.status_code == 415 and "Content-Encoding 'gzip' is not supported" in r.json()["error"]["message"]
     with pytest.raises(ValueError, match="the API key is empty"):
         run_server(EngineConfig(model="unused"), api_key=" ")
+    # a JSON body sent as a form (curl -d) or with no Content-Type: said so, not "a valid dictionary (got bytes)"
+    for content_type in (None, "application/x-www-form-urlencoded"):
+        r = httpx.post(guarded.url + "/v1/completions", timeout=30, content=b'{"prompt": "x"}',
+                       headers={**guarded.headers, **({"Content-Type": content_type} if content_type else {})})
+        assert r.status_code == 400 and "send it with 'Content-Type: application/json'" in r.json()["error"]["message"]
 
 
 # ----- 6: slow and idle connections -------------------------------------------------------------------------

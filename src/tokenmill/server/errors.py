@@ -100,6 +100,9 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     cause = unsupported_cause(errors)
     if cause is not None:
         return str(cause), cause.field
+    if any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
+        # FastAPI reads a body as JSON only when its Content-Type says so (curl -d sends a form's)
+        return ("The request body was not read as JSON: send it with 'Content-Type: application/json'.", None)
     parts, param, seen = [], None, set()
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
