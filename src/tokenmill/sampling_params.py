@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 LOGIT_BIAS_LIMIT = 100.0
 
-# the deepest nesting of arrays and objects a request body or a JSON schema may have (the body itself is level 1): a JSON schema of
-# about 30 nested objects. orjson parses up to 1,024 levels, but a request's parameters travel to the
-# engine core pickled, and the pickler's recursion gives out at a few hundred.
+# the deepest nesting of arrays and objects a request body or a JSON schema may have (the body itself is
+# level 1): a JSON schema of about 30 nested objects. orjson parses up to 1,024 levels, but a request's
+# parameters travel to the engine core pickled, and the pickler's recursion gives out at a few hundred.
 MAX_JSON_DEPTH = 64
 
 

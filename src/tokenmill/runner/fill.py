@@ -62,9 +62,7 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
                          f"{' ...' if len(leftover) > 8 else ''} ({len(leftover)} in all)")
     missing = []
     for name, shards in filled.items():
-        packed = name.split(".")[-2]
-        want = len(model.shard_sizes(packed)) if packed in ("qkv_proj", "gate_up_proj") else 1
-        if len(shards) < want:
+        if len(shards) < num_shards(model, name.rpartition(".")[0]):
             missing.append(name)
     if missing:
         raise ValueError(f"parameters missing from the checkpoint {source}: {missing[:8]}"
@@ -74,6 +72,12 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
 def _rank_slice(dim: int, rank: int, length: int) -> tuple[slice, ...]:
     """Rank `rank`'s `length` entries along `dim`."""
     return (slice(None),) * dim + (slice(rank * length, (rank + 1) * length),)
+
+
+def num_shards(model: nn.Module, layer: str) -> int:
+    """How many checkpoint layers the model's `layer` is packed from (q/k/v, gate/up; else 1)."""
+    packed = layer.rpartition(".")[2]
+    return len(model.shard_sizes(packed)) if packed in ("qkv_proj", "gate_up_proj") else 1
 
 
 def packed_target(model: nn.Module, key: str) -> tuple[str, int | None]:

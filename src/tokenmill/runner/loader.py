@@ -16,7 +16,7 @@ from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.formats import Fp8Config
 from tokenmill.quant.w4 import act_order_perm
-from tokenmill.runner.fill import fill_parameters, packed_target
+from tokenmill.runner.fill import fill_parameters, num_shards, packed_target
 from tokenmill.runner.gguf_loader import load_gguf_weights
 
 def weight_files(model_dir: str) -> list[str]:
@@ -79,12 +79,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     if quant is not None and quant.method == "gptq" and quant.desc_act:
         # act-order rows in the plain order would give wrong outputs without an error
         for name, module in model.named_modules():
-            if hasattr(module, "set_act_order"):
-                packed = name.rpartition(".")[2]
-                want = len(model.shard_sizes(packed)) if packed in ("qkv_proj", "gate_up_proj") else 1
-                if len(orders.get(name, ())) < want:
-                    raise ValueError(f"gptq checkpoint {model_dir!r} has desc_act=true but not every g_idx of "
-                                     f"{name!r} (act-order needs each layer's order of its input rows)")
+            if hasattr(module, "set_act_order") and len(orders.get(name, ())) < num_shards(model, name):
+                raise ValueError(f"gptq checkpoint {model_dir!r} has desc_act=true but not every g_idx of "
+                                 f"{name!r} (act-order needs each layer's order of its input rows)")
     for layer, shards in orders.items():
         (first, perm), *rest = shards
         for key, other in rest:

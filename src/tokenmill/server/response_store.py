@@ -5,12 +5,13 @@ A response is kept as the items it added to its conversation: its request's inpu
 items, with the id of the response it continued. A request that names `previous_response_id` is
 prefixed with the conversation so far, each stored response's input then output, oldest first (not
 their `instructions`, as OpenAI's API has it). Each entry is held as its JSON bytes, so that the bound
-counts what the process holds (with each entry, the bytes its items add to a conversation: their JSON
-without token logprobs and encoded reasoning, which no prompt carries); past `max_bytes` the least recently used entries go first (reading a
-conversation counts as a use of every response in it), and a conversation one of whose responses is
-gone cannot be continued (a 400 naming it). A streamed response is kept from its start, `in_progress`,
-so that GET and DELETE reach it while it streams (as OpenAI's); it cannot be continued until done, its
-finished body replaces it unless it was deleted meanwhile, and a stream that fails or is cut leaves nothing.
+counts what the process holds (with each entry, the bytes its items add to a conversation: their JSON without
+token logprobs and encoded reasoning, which no prompt carries); past `max_bytes` the least recently used
+entries go first (reading a conversation counts as a use of every response in it), and a conversation one of
+whose responses is gone cannot be continued (a 400 naming it). A streamed response is kept from its start,
+`in_progress`, so that GET and DELETE reach it while it streams (as OpenAI's); it cannot be continued until
+done, its finished body replaces it unless it was deleted meanwhile, and a stream that fails or is cut leaves
+nothing.
 
 One API server process keeps what it made: with several (`--api-server-count`), a request may reach
 another, so none stores (server/app.py).

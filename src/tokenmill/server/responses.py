@@ -568,10 +568,11 @@ class _EventStream:
         return events
 
     def close_all(self, cut: bool = False) -> list[dict]:
-        """The last item's done events (its status "incomplete" where `cut`: max_output_tokens ended the
-        output within it, as OpenAI marks it, so that an agent does not run a call cut short). Tokens after the last text delta (the end-of-sequence token, a
-        trailing tool call's) go with the message's text, as in the response that is not streamed: in its
-        output_text.done while it is open, and in the completed response's items either way."""
+        """The last item's done events (its status "incomplete" where `cut`: max_output_tokens ended the output within
+        it, as OpenAI marks it, so that an agent does not run a call cut short). Tokens after the last text
+        delta (the end-of-sequence token, a trailing tool call's) go with the message's text, as in the
+        response that is not streamed: in its output_text.done while it is open, and in the completed
+        response's items either way."""
         message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
         if message is not None and self.pending_logprobs:
             message["content"][0]["logprobs"] += self.pending_logprobs
