@@ -111,15 +111,21 @@ def old_sample(logits, t):
 
 
 # ---- measurement --------------------------------------------------------------------------------------
+class _Req(SimpleNamespace):
+    """The fields of a Request the sampler reads; hashed by identity, as a Request is (the runner keys its
+    per-request rows by request)."""
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+
 def requests_for(batch: int, config: dict, step: int = 0):
     kw = {k: v for k, v in config.items() if k != "seeded"}
     out = []
     for i in range(batch):
         p = SamplingParams(seed=1000 + i if config.get("seeded") else None, max_tokens=1024, **kw)
-        out.append(SimpleNamespace(params=p, seed=(1000 + i) if p.seed is not None else (77 << 40) + i,
-                                   num_output_tokens=step + i % 97, grammar=None, output_token_ids=[],
-                                   min_tokens_ids=[],
-                                   all_token_ids=[]))
+        out.append(_Req(params=p, seed=(1000 + i) if p.seed is not None else (77 << 40) + i,
+                        num_output_tokens=step + i % 97, grammar=None, output_token_ids=[],
+                        min_tokens_ids=[], all_token_ids=[]))
     return out
 
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles
 from tokenmill.layers.kernels import staging
+from tokenmill.runner.compile_ahead import compile_ahead
 from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 
 logger = logging.getLogger("tokenmill")
@@ -124,10 +125,18 @@ class CudaGraphRunner:
     def capture(self, emulate: bool = False) -> None:
         """Captures every graph key, largest first so that the smaller ones reuse the pool. With
         `emulate` (no CUDA), each "graph" re-runs the forward on the static buffers instead, which
-        lets the padded-batch path be tested on the CPU."""
+        lets the padded-batch path be tested on the CPU. On CUDA, one pass over every key first compiles
+        the Triton specializations the capture will launch, side by side (`compile_ahead`)."""
         t0 = time.perf_counter()
         keys = self._keys()
         self._init_buffers(keys)
+        compiled = ""
+        if not emulate:
+            with compile_ahead() as ahead:
+                for key in keys:
+                    self.static_forward(key)()
+            compiled = (f"; {ahead.specializations} kernel specializations compiled first on {ahead.threads} "
+                        f"threads in {time.perf_counter() - t0:.1f} s")
         self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         pool = None
         order = sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1]))
@@ -149,7 +158,7 @@ class CudaGraphRunner:
         seconds = time.perf_counter() - t0
         self.summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
                         f"{len(keys) - len(self._decode_buckets)} with prefill up to "
-                        f"{max(self._token_buckets, default=0)} tokens) in {seconds:.1f} s")
+                        f"{max(self._token_buckets, default=0)} tokens) in {seconds:.1f} s{compiled}")
 
     def key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""
