@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from transformers import AutoTokenizer
 
 from test_server import ServerProcess
 
@@ -47,7 +49,15 @@ def agent_server(qwen3_long_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     template = tmp / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
-    s = ServerProcess(qwen3_long_dir, tmp, "--max-model-len", "2048", "--num-kv-blocks", "2048", "--block-size", "8",
+    # its tokenizer marks the call tags special, as some Hermes checkpoints' do: skipping special tokens in
+    # the output would hide every call from the parser (tools in use keep them)
+    model = tmp / "model"
+    shutil.copytree(qwen3_long_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    assert len(tok) <= 512          # new ids within the model's embedding rows
+    tok.save_pretrained(model)
+    s = ServerProcess(str(model), tmp, "--max-model-len", "2048", "--num-kv-blocks", "2048", "--block-size", "8",
                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                       "--chat-template", str(template))
     yield s

@@ -290,3 +290,60 @@ def test_a_named_call_is_the_whole_output():
     assert reader.calls[0]["function"] == {"name": "book", "arguments": '{"item": {"n": 1}}'}
     empty = NamedCall("ping")
     assert _read(empty, []) == [(0, "ping", "")] and empty.calls[0]["function"]["arguments"] == ""
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"city": "Paris \\ud83d"}}',
+                                  '{"name": "f\\udc00", "arguments": {}}'])
+def test_a_block_with_an_unpaired_surrogate_escape_stays_content(body):
+    """"\\ud83d" alone is JSON text but no Unicode: such arguments (or name) reached the response, which
+    could not be encoded as UTF-8: a 500, or a stream cut after its first chunk. The block is now
+    malformed, kept as content verbatim (ASCII), whole and streamed alike."""
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    out = HERMES.extract(text)
+    assert out.tool_calls == [] and out.content == text
+    _, deltas = run_stream([text[:20], text[20:]])
+    assert [d.tool_call for d in deltas if d.tool_call] == []
+    assert "".join(d.content for d in deltas if d.content) == text
+    good = HERMES.extract('<tool_call>\n{"name": "f", "arguments": {"e": "\\ud83d\\ude00"}}\n</tool_call>')
+    assert good.tool_calls[0].arguments == '{"e": "\U0001F600"}'      # a pair is one character
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"type": "string"}, 'must be a JSON Schema of type "object", got type "string"'),
+    ({"type": ["string", "null"]}, 'got type \\["string", "null"\\]'),
+    ({"type": "object", "$defs": "x"}, r"parameters.\$defs must be an object of schemas, got str"),
+    ({"type": "object", "definitions": [1]}, "parameters.definitions must be an object of schemas, got list"),
+])
+def test_function_parameters_that_are_not_an_object_schema_are_refused(parameters, message):
+    """A function's arguments are one JSON object (OpenAI refuses other schemas). A string schema under
+    "required" decoded garbled calls (the later calls inside the first's arguments); $defs that were not
+    an object raised AttributeError (a 500). Both endpoints' tools now refuse them, naming the type."""
+    from pydantic import ValidationError
+
+    from tokenmill.server.protocol import ChatCompletionRequest, UnsupportedValue
+    from tokenmill.server.responses import ResponsesRequest
+    for cls, tool in ((ChatCompletionRequest, {"type": "function", "function": {"name": "f", "parameters": parameters}}),
+                      (ResponsesRequest, {"type": "function", "name": "f", "parameters": parameters})):
+        with pytest.raises(ValidationError, match=message) as e:
+            cls.model_validate({"messages" if cls is ChatCompletionRequest else "input": [
+                {"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"})
+        cause = e.value.errors()[0]["ctx"]["error"]
+        assert isinstance(cause, UnsupportedValue) and cause.field == "tools"
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": ["object", "null"]}}}]})
+
+
+def test_a_field_of_another_union_branch_is_named_with_what_is_missing():
+    """A Responses-style named tool_choice sent to chat ({"type": "function", "name": ...}) was refused as
+    'Unknown or unsupported field(s): tool_choice.NamedToolChoice.name': a class name for a field, and
+    nothing about the `function` it lacks."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from tokenmill.server.errors import describe_validation_error
+    from tokenmill.server.protocol import ChatCompletionRequest
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "name": "f"}})
+    message, param = describe_validation_error(RequestValidationError(e.value.errors()))
+    assert message == "Unknown or unsupported field(s): tool_choice.name; tool_choice.function: Field required"
+    assert param == "tool_choice.name"

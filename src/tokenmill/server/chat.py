@@ -175,6 +175,10 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         prompt_text = last_turn(prompt_text, serving.turn_markers)
     serving.check_prompt(prompt)
     params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    if tools is not None and req.tool_choice in (None, "auto") and serving.tool_parser is not None:
+        # where the tokenizer marks the call tags as special tokens, skipping them would hide every call
+        # from the parser (vLLM's rule: tools in use keep special tokens)
+        params.skip_special_tokens = False
     if params.structured_outputs is not None and serving.think_tags is not None and THINK_END not in prompt_text:
         # the constraint holds the answer, after the thinking block (the reasoning parser's reading); where the
         # last turn closed a block (thinking turned off) there is none to come

@@ -94,9 +94,11 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if bad_json is not None:
         return _describe_bad_json(bad_json, getattr(exc, "body", None)), None
-    unknown = [".".join(str(x) for x in e["loc"] if x != "body") for e in errors if e.get("type") == "extra_forbidden"]
+    unknown = [".".join(_field_path(e)) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
-        return f"Unknown or unsupported field(s): {', '.join(unknown)}", unknown[0]
+        # a union's branch that takes the unknown field may lack a field it needs: both are the mistake
+        missing = [f"{'.'.join(_field_path(e))}: Field required" for e in errors if e.get("type") == "missing"]
+        return "; ".join([f"Unknown or unsupported field(s): {', '.join(unknown)}", *missing]), unknown[0]
     cause = unsupported_cause(errors)
     if cause is not None:
         return str(cause), cause.field
@@ -105,9 +107,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         return ("The request body was not read as JSON: send it with 'Content-Type: application/json'.", None)
     parts, param, seen = [], None, set()
     for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # Drop pydantic's union-branch names (e.g. "str", "list[int]", "constrained-str") from locations.
-        loc = [x for x in loc if (x.isidentifier() or x.isdigit()) and x not in ("str", "int", "float", "bool")]
+        loc = _field_path(e)
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         message = f"{where}: {e.get('msg', 'invalid value')}"
@@ -117,6 +117,18 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
             seen.add(message)
             parts.append(message)
     return "; ".join(parts) or "invalid request", param
+
+
+def _field_path(error: dict) -> list[str]:
+    """A validation error's location as the client's field path: without "body" and pydantic's union-branch
+    names ("str", "list[int]", "constrained-str", or a model's class name such as "NamedToolChoice": the
+    API's field names are lower case). An unknown field's own name, the location's last, is the client's
+    whatever it is."""
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    last = loc.pop() if loc and error.get("type") == "extra_forbidden" else None
+    path = [x for x in loc if (x.isdigit() or x.isidentifier() and not x[0].isupper())
+            and x not in ("str", "int", "float", "bool")]
+    return path + ([last] if last is not None else [])
 
 
 def _kind(value) -> str:

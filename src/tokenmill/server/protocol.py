@@ -417,11 +417,27 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
+def check_function_parameters(params: dict | None) -> dict | None:
+    """A function tool's `parameters`, checked: a schema of an object (OpenAI's rule: a function's arguments
+    are one JSON object; a schema naming no type takes it), its `$defs` / `definitions` objects."""
+    kind = (params or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise UnsupportedValue("tools", f'a function\'s parameters must be a JSON Schema of type "object", '
+                                        f"got type {json.dumps(kind)}")
+    for key in ("$defs", "definitions"):
+        if key in (params or {}) and not isinstance(params[key], dict):
+            raise UnsupportedValue("tools", f"a function's parameters.{key} must be an object of schemas, "
+                                            f"got {type(params[key]).__name__}")
+    return params
+
+
 class FunctionDefinition(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _check_parameters = field_validator("parameters")(check_function_parameters)
 
 
 class Tool(_Strict):

@@ -20,7 +20,8 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, fi
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
-    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict, refuse_media_parts,
+    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict,
+    check_function_parameters, refuse_media_parts,
 )
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
@@ -140,6 +141,8 @@ class FunctionTool(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _check_parameters = field_validator("parameters")(check_function_parameters)
 
 
 class NamedFunctionChoice(_Strict):

@@ -13,7 +13,8 @@ possibly after some text:
 Rules, the same for `extract` and for a stream fed any chunking:
 - A block runs from `<tool_call>` to the next `</tool_call>`, or to the end of the output if never closed.
 - A block is a call when its body is a JSON object with a non-empty string `name` and `arguments` that
-  is an object (or a string holding one, or absent: `{}`). `arguments` is re-serialised with
+  is an object (or a string holding one, or absent: `{}`), every string in it Unicode (no unpaired
+  surrogate escape). `arguments` is re-serialised with
   `json.dumps(..., ensure_ascii=False)`, as OpenAI sends it. Any other block stays in the content
   verbatim, tags included; parsing never raises.
 - Content is all text outside call blocks, verbatim; None when it is only whitespace.
@@ -69,7 +70,11 @@ def _reject_constant(name: str):
 
 
 def _loads(text: str):
-    return json.loads(text, parse_constant=_reject_constant)
+    """JSON text the model wrote, parsed; ValueError where it is not JSON or a string in it is not Unicode
+    (an unpaired surrogate escape such as "\\ud83d": no UTF-8 response can carry it)."""
+    value = json.loads(text, parse_constant=_reject_constant)
+    json.dumps(value, ensure_ascii=False).encode("utf-8")      # UnicodeEncodeError is a ValueError
+    return value
 
 
 def _arguments_json(arguments) -> str | None:
