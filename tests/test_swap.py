@@ -290,8 +290,8 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache():
     assert hits == a.block_ids[:3] and bm.allocate_slots(b, 1, hits)
     b.num_computed_tokens = 13
     bm.cache_full_blocks(b)
-    pairs, released = bm.swap_out(b)
-    assert len(pairs) == 4 and released == [pairs[-1][0]] and not b.block_ids
+    pairs = bm.swap_out(b)
+    assert len(pairs) == 4 and not b.block_ids and bm.blocks[pairs[-1][0]].ref_count == 0
     assert [bm.blocks[g].ref_count for g in a.block_ids[:3]] == [1, 1, 1]
     back = bm.swap_in(b)
     assert b.block_ids[:3] == a.block_ids[:3] and [bm.blocks[g].ref_count for g in a.block_ids[:3]] == [2, 2, 2]
@@ -317,3 +317,38 @@ def test_preemption_storm_with_swap_cuda(qwen3_dir):
     assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] > 0
     assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
     assert out == reference
+
+
+def test_a_swapped_out_block_freed_by_a_recomputed_victim_is_waited_for():
+    """Two victims share a prompt prefix: the first is swapped out, the second recomputed (the swap space
+    is full), which frees the shared blocks, and the preempting request takes them in the same step. Its
+    forward writes them, so it must wait for their swap-out copies (`swap_out_reused`); only the blocks
+    freed at the swap-out itself were listed, and on CUDA the copy raced the overwrite."""
+    from tokenmill.engine.scheduler import Scheduler
+    bm = BlockManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=3)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, policy="priority",
+                      preemption_mode="swap", clock=lambda: 100.0)
+
+    def req(rid, prompt, priority, max_tokens=20):
+        return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, seed=0, priority=priority,
+                       arrival_time=0.0)
+
+    def step():
+        out = sched.schedule()
+        sched.update_after_step(out)
+        for r in out.requests:
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token(3)
+        return out
+
+    v1, v2 = req("v1", [7] * 8 + [1], 5), req("v2", [7] * 8 + [2], 4)     # two full blocks shared
+    sched.add(v1), step()
+    sched.add(v2), step()
+    r = req("r", list(range(10, 41)), 0, max_tokens=1)                   # every block of the cache
+    sched.add(r), step()
+    held = set(r.block_ids)
+    out = step()
+    assert [(p.request_id, p.status) for p in out.preempted] == [("v1", RequestStatus.SWAPPED),
+                                                                  ("v2", RequestStatus.PREEMPTED)]
+    taken = (set(r.block_ids) - held) & {g for g, _ in out.swap_out}
+    assert taken and taken <= set(out.swap_out_reused)

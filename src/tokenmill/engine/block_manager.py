@@ -159,11 +159,10 @@ class BlockManager:
     def can_swap_out(self, request: Request) -> bool:
         return 0 < len(request.block_ids) <= self.num_free_cpu_blocks
 
-    def swap_out(self, request: Request) -> tuple[list[tuple[int, int]], list[int]]:
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Gives the request CPU blocks for all its GPU blocks and frees the GPU ones. Returns the copies
-        to make, (GPU block, CPU block) pairs, and the GPU blocks this released (ref count now 0: free
-        for reuse, while a block shared with other holders stays theirs; it is full, so never written
-        again, and its copy is exact)."""
+        to make, (GPU block, CPU block) pairs. A block shared with other holders stays theirs (it is full,
+        so its copy is exact), until they free it too."""
         n = len(request.block_ids)
         cpu = [self._cpu_free.pop() for _ in range(min(n, len(self._cpu_free)))]
         fresh = n - len(cpu)
@@ -172,7 +171,7 @@ class BlockManager:
         pairs = list(zip(request.block_ids, cpu))
         self.free(request)
         request.cpu_block_ids = cpu
-        return pairs, [g for g, _ in pairs if self.blocks[g].ref_count == 0]
+        return pairs
 
     def can_swap_in(self, request: Request) -> bool:
         """Its blocks fit, and so does the slot of its next token: a request that came back only to be

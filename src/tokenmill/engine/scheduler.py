@@ -108,7 +108,6 @@ class Scheduler:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_swap_in_cached_blocks = 0     # blocks a swap-in found in the prefix cache: no copy
-        self._released: list[int] = []      # GPU blocks freed by this step's swap-outs
         self._first_sequences: dict[str, Request] = {}   # n > 1: parent id -> its first sequence, computing the prompt
 
     @classmethod
@@ -162,7 +161,6 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._released = []
         budget = self.max_num_batched_tokens
         now = self.clock()
         if self.policy == "priority":
@@ -201,8 +199,11 @@ class Scheduler:
         if not out.preempted and not self.swapped and self.waiting and not self._hold_prompts(out, budget, now):
             self._admit(out, budget, now)
         if out.swap_out:
+            # every swapped-out block held again after this schedule: one freed at its swap-out, or one it
+            # shared with a victim recomputed since, may have been taken by a request of this step, whose
+            # forward writes it (one still shared with a running request only costs a wait)
             blocks = self.block_manager.blocks
-            out.swap_out_reused = [g for g in self._released if blocks[g].ref_count > 0]
+            out.swap_out_reused = [g for g, _ in out.swap_out if blocks[g].ref_count > 0]
         return out
 
     def _swap_in(self, out: SchedulerOutput, now: float) -> None:
@@ -316,9 +317,8 @@ class Scheduler:
         # a request whose last token is in flight finishes when it lands: its blocks are never read again
         if self.preemption_mode == "swap" and not request.done_generating and \
                 self.block_manager.can_swap_out(request):
-            pairs, released = self.block_manager.swap_out(request)
+            pairs = self.block_manager.swap_out(request)
             out.swap_out.extend(pairs)
-            self._released.extend(released)
             self.num_swap_outs += 1
             self.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED
