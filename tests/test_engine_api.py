@@ -412,6 +412,39 @@ def test_a_reader_is_woken_every_stream_interval_tokens(qwen3_dir):
     assert each[-1] == 11
 
 
+def test_an_aborted_id_used_again_at_once_serves_the_new_request(qwen3_dir):
+    """abort(id), then generate(id) again before the aborted reader has ended: the aborted reader's cleanup
+    removed the new request's stream and output state by id, and the new generate never yielded (its
+    request ran to the end in the core unseen)."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM, RequestAbortedError
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+
+    async def main():
+        engine.attach()
+        started = asyncio.Event()
+
+        async def first():
+            with pytest.raises(RequestAbortedError):
+                async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
+                    started.set()
+        task = asyncio.create_task(first())
+        await started.wait()
+        engine.abort("x")
+        async with asyncio.timeout(30):
+            outs = [o async for o in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
+        await task
+        return outs[-1], len(engine.processor)
+    try:
+        last, left = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
+
+
 def test_a_sequence_that_stopped_early_holds_back_no_other_ones_tokens():
     """Two sequences of one request: the first stops at 10 tokens, the second goes on from 5; at interval 1
     each of the second's tokens wakes the reader, at interval 3 every third (each sequence counts its own,

@@ -199,8 +199,10 @@ class AsyncLLM:
                     if finished:
                         return
         finally:
-            self._streams.pop(request_id, None)
-            self.processor.forget(request_id)
+            # an aborted request's id may already serve a new request: only this one's state goes
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            self.processor.forget(request_id, handle)
             if not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
             if not stream.done and self.on_output is not None:

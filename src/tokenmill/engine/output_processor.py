@@ -67,8 +67,11 @@ class OutputProcessor:
         self._requests[handle] = _Request(output, seqs, want_logprobs)
         self._handles[request_id] = handle
 
-    def forget(self, request_id: str) -> None:
-        """Drops a request (aborted, failed, or its reader gone); later reports of it are ignored."""
+    def forget(self, request_id: str, handle: int | None = None) -> None:
+        """Drops a request (aborted, failed, or its reader gone); later reports of it are ignored. With
+        `handle`, only if the id still names that request (a new one may have taken the id since)."""
+        if handle is not None and self._handles.get(request_id) != handle:
+            return
         handle = self._handles.pop(request_id, None)
         if handle is not None:
             self._requests.pop(handle, None)
