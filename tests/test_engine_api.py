@@ -100,8 +100,9 @@ def test_abort_frees_blocks(llm):
     engine.step()
     assert engine.get_stats()["num_free_blocks"] < engine.get_stats()["num_total_blocks"]
     engine.abort_request(["a0", "a1", "a2", "unknown"])
-    assert not engine.has_unfinished_requests()
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+    engine.step()                     # reads the step in flight: nothing is left
+    assert not engine.has_unfinished_requests()
 
 
 def test_vllm_dict_prompts_equal_their_plain_forms(llm):
@@ -443,6 +444,30 @@ def test_an_aborted_id_used_again_at_once_serves_the_new_request(qwen3_dir):
     finally:
         engine.shutdown()
     assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
+
+
+def test_a_step_in_flight_when_the_last_request_ends_is_read_at_once(qwen3_dir):
+    """Aborting the last requests while a step is in flight left that step unread until a request next
+    arrived, and its time then counted the idle gap: the latency target's step model took seconds for a
+    step, admitted nothing more while anything ran, and new requests waited hundreds of steps."""
+    import time
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, target_itl_ms=250.0)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"a{i}", [5 + i] * 8, params)
+    for _ in range(5):
+        engine.step()
+    engine.abort_request([f"a{i}" for i in range(4)])
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps == 1 and engine._in_flight is None
+    time.sleep(0.5)
+    engine.add_request("b", [9] * 8, params)
+    engine.step(), engine.step()
+    assert engine.scheduler.last_step_seconds < 0.4
 
 
 def test_a_sequence_that_stopped_early_holds_back_no_other_ones_tokens():

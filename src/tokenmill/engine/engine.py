@@ -199,7 +199,10 @@ class LLMEngine:
         return None if self._structured is None else self._structured.cached(params.structured_outputs)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        """Requests to run, or a step still to read: one left in flight when its last requests ended
+        (aborted, stopped by a string) is read by the next step at once, not when a request next arrives,
+        which would count the idle time between as that step's time."""
+        return bool(self.groups) or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> StepOutputs:
