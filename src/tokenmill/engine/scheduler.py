@@ -278,7 +278,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             self.waiting.pop(i)
-            if looked_up and self.block_manager.enable_prefix_caching:
+            if looked_up and self.block_manager.enable_prefix_caching and req.status == RequestStatus.WAITING:
+                # a preempted request's lookups again are not the cache's queries (vLLM counts them apart)
                 self.block_manager.record_lookup(req.num_tokens, num_cached)
             if req.index == 0 and req.params.n > 1 and req.status == RequestStatus.WAITING:
                 self._first_sequences[req.parent_id] = req
