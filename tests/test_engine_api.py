@@ -27,7 +27,7 @@ def llm(qwen3_dir):
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
     (dict(logprobs=50), "logprobs must be in [0, 20], got 50"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids (integers >= 0), got [-1]"),
-    (dict(stop=[1]), "stop must be a list of non-empty strings, got [1]"),
+    (dict(stop=[1]), "stop must be non-empty strings (a string or a list of them), got [1]"),
     (dict(top_k=1.5), "top_k must be an integer: 0 or -1 (disabled) or >= 1, got 1.5"),
 ])
 def test_bad_sampling_values_name_value_and_limit(kwargs, message):

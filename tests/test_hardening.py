@@ -822,6 +822,67 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def test_tokenize_counts_a_text_longer_than_the_context(guarded):
+    """/tokenize counts any text (clients count one to cut it to fit: vLLM checks no length there); one
+    longer than a bound of the context's characters was refused without being counted."""
+    r = _post(guarded, "/tokenize", {"prompt": "ab cd " * 1500})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] > r.json()["max_model_len"]
+
+
+def test_continuous_usage_of_a_completion_chunk_is_its_choices(guarded):
+    """stream_options.continuous_usage_stats: each chunk's usage is its own choice's (vLLM's): its prompt's
+    tokens and its tokens so far. It was the total over every prompt and choice seen so far."""
+    body = {"prompt": [[5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13]], "n": 2, "max_tokens": 3, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", guarded.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        i = choice["index"]
+        prompt = 3 if i < 2 else 9
+        assert chunk["usage"]["prompt_tokens"] == prompt, chunk
+        assert chunk["usage"]["completion_tokens"] >= seen.get(i, 0)
+        seen[i] = chunk["usage"]["completion_tokens"]
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert chunks[-1]["usage"]["prompt_tokens"] == 12 and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_model_without_a_tokenizer_refuses_what_needs_one(tmp_path, save_tiny_model):
+    """Served without a tokenizer (as the random-weight presets are), a text prompt, echo, logprobs, stop
+    strings, chat, /tokenize and /detokenize were 500s (AttributeError on None), a streamed one cut after
+    its first chunk; each is a 400 naming its field. Token-id prompts are served. A batch of more prompts
+    than --max-queue-len was a 503 to retry, which no retry could pass: a 400. HEAD answers on a model's
+    card as on the list."""
+    model = tmp_path / "model"
+    save_tiny_model(str(model), "qwen3")
+    s = ServerProcess(str(model), tmp_path, "--max-model-len", "128", "--num-kv-blocks", "64", "--block-size", "4",
+                      "--max-queue-len", "2")
+    try:
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+        for path, body, field in [
+                ("/v1/completions", {"prompt": "hello"}, "prompt"),
+                ("/v1/completions", {"prompt": [5, 6], "echo": True}, "echo"),
+                ("/v1/completions", {"prompt": [5, 6], "logprobs": 1}, "logprobs"),
+                ("/v1/completions", {"prompt": [5, 6], "logprobs": 1, "stream": True}, "logprobs"),
+                ("/v1/completions", {"prompt": [5, 6], "stop": ["x"]}, "stop"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                ("/tokenize", {"prompt": "hello"}, "prompt"),
+                ("/detokenize", {"tokens": [5, 6]}, "tokens")]:
+            r = httpx.post(s.url + path, json={"max_tokens": 3, **body} if path.startswith("/v1") else body,
+                           timeout=30)
+            err = _assert_openai_error(r, 400)
+            assert err["param"] == field and f"without a tokenizer, which '{field}' needs" in err["message"], err
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [[5], [6], [7]], "max_tokens": 1}, timeout=30)
+        err = _assert_openai_error(r, 400)
+        assert err["message"] == "'prompt' holds 3 prompts; this server queues at most 2 (--max-queue-len)."
+        assert httpx.head(s.url + "/v1/models/tiny", timeout=30).status_code == 200
+    finally:
+        assert s.stop() == 0, s.log_path.read_text()[-3000:]
+
+
 # ----- 11: no tokenizer warning for prompts the engine refuses ----------------------------------------------
 def test_long_prompts_log_no_tokenizer_length_warning(tokenizer_dir, tmp_path, caplog):
     import shutil

@@ -244,7 +244,7 @@ class SamplingParams:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", self.stop, "a list of non-empty strings")
+            bad("stop", self.stop, "non-empty strings (a string or a list of them)")
 
     @property
     def greedy(self) -> bool:

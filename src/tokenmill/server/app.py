@@ -227,7 +227,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     async def models():
         return json_response({"object": "list", "data": [model_card(name) for name in names]})
 
-    @app.get("/v1/models/{model_id:path}", responses=LOOKUP)
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"], responses=LOOKUP)
     async def model(model_id: str):
         serving.check_model(model_id)
         return json_response(model_card(model_id))
@@ -241,7 +241,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
             kwargs = template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message)
             _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False, **kwargs)
         else:
-            ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)
+            ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False, fits=False)
         strs = (await asyncio.to_thread(serving.prompts.tokenizer.convert_ids_to_tokens, ids)
                 if req.return_token_strs else None)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len,

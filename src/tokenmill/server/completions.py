@@ -78,7 +78,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     async def echoed(i: int) -> str:
-        return texts[i] if isinstance(texts[i], str) else await serving.prompts.decode(prompts[i])
+        return texts[i] if isinstance(texts[i], str) else await serving.prompts.decode(prompts[i], "echo")
 
     echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
 
@@ -138,7 +138,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                                       "finish_reason": c.finish_reason if delta is not None else None,
                                       "stop_reason": c.stop_reason if delta is not None else None}]}
                 if include_usage:
-                    chunk["usage"] = usage(list(last.values())) if continuous else None
+                    # vLLM's continuous usage: the chunk's own choice, its prompt and its tokens so far
+                    chunk["usage"] = usage([out], choices=[c]) if continuous else None
                 yield chunk
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,

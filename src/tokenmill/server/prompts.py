@@ -15,6 +15,12 @@ from tokenmill.server.errors import APIError
 LONG_TEXT_CHARS = 100_000
 
 
+def no_tokenizer(field: str) -> str:
+    """The refusal of what needs a tokenizer, on a model served without one."""
+    return (f"This model is served without a tokenizer, which '{field}' needs (start the server with --tokenizer "
+            "DIR; without one, prompts are lists of token ids and outputs are token ids).")
+
+
 class PromptTokenizer:
     """Tokenization and chat templates run on one thread of their own, so that one long prompt never
     stalls other clients (or /health); one thread, as a Hugging Face fast tokenizer must not be used from
@@ -60,11 +66,16 @@ class PromptTokenizer:
                                 f"at least {at_least} tokens ({len(text)} characters, no token longer than "
                                 f"{per_token}).", param, "context_length_exceeded")
 
-    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt",
+                     fits: bool = True) -> list[int]:
         """The text's ids. Texts that arrive while the tokenizer thread is busy wait for it together and
         are then encoded in `encode_batch` calls of a few texts a core, which spread them over the cores:
-        a burst of requests is tokenized in batches, not one by one."""
-        self._check_chars(text, param)
+        a burst of requests is tokenized in batches, not one by one. `fits`: a text sure not to fit the
+        context is refused without tokenizing it (not for /tokenize, which counts any text)."""
+        if self.tokenizer is None:
+            raise APIError(400, no_tokenizer(param), param)
+        if fits:
+            self._check_chars(text, param)
         if len(text) > LONG_TEXT_CHARS:
             return await self._encode_apart(text, add_special_tokens)
         return await self._submit(("text", text, add_special_tokens))
@@ -173,7 +184,9 @@ class PromptTokenizer:
         except Exception as e:
             return e
 
-    async def decode(self, ids: list[int]) -> str:
+    async def decode(self, ids: list[int], param: str = "tokens") -> str:
+        if self.tokenizer is None:
+            raise APIError(400, no_tokenizer(param), param)
         return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def template_reads(self, name: str) -> bool:
@@ -190,6 +203,8 @@ class PromptTokenizer:
         """The chat template rendered, and encoded (the rendered text holds its special tokens).
         `template_kwargs` (tools, continue_final_message, the request's chat_template_kwargs) go to the
         template; `--chat-template` replaces the model's."""
+        if self.tokenizer is None:
+            raise APIError(400, no_tokenizer("messages"), "messages")
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
         text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -15,9 +16,11 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, error_body
-from tokenmill.server.prompts import PromptTokenizer
+from tokenmill.server.prompts import PromptTokenizer, no_tokenizer
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.stats_log import log_request
+
+logger = logging.getLogger("tokenmill")
 
 _MIN_LOGPROB = -9999.0
 
@@ -124,6 +127,10 @@ class Serving:
         if self.draining:
             raise APIError(503, "The server is shutting down.", code="shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
+        if num_prompts > self.max_queue_len:
+            # it could never enter: not a 503 to retry
+            raise APIError(400, f"'prompt' holds {num_prompts} prompts; this server queues at most "
+                                f"{self.max_queue_len} (--max-queue-len).", "prompt")
         if self.waiting + num_prompts > self.max_queue_len:
             raise APIError(503, f"Too many waiting requests: {self.waiting} are waiting and the limit is "
                                 f"{self.max_queue_len} (--max-queue-len); retry later.",
@@ -186,6 +193,13 @@ class Serving:
             raise APIError(400, str(e), req.field_of(getattr(e, "param", getattr(e, "field", None)))) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params.top_k = 0
+        if self.prompts.tokenizer is None:
+            # output text, stop strings and logprobs' token texts are the tokenizer's
+            for needs, field in ((params.stop, "stop"), (params.logprobs is not None, "logprobs"),
+                                 (params.prompt_logprobs is not None, "prompt_logprobs"),
+                                 (params.structured_outputs is not None, "structured_outputs")):
+                if needs:
+                    raise APIError(400, no_tokenizer(field), req.field_of(field))
         return params
 
     def _begin(self, logprob_entries: int):
@@ -282,8 +296,13 @@ class Serving:
                             yield b"event: " + chunk["type"].encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
                         else:
                             yield b"data: " + dumps(chunk) + b"\n\n"
-                except (EngineDeadError, ServerStopping, ValueError) as e:
+                except Exception as e:
+                    # the response has begun (status 200): an error ends the stream with an error event
+                    # and, for chat and completions, [DONE], never a connection cut mid-body
                     err = _as_api_error(e)
+                    if not isinstance(err, APIError):
+                        logger.exception("a stream failed")
+                        err = APIError(500, f"internal error: {type(e).__name__}")
                     if event_names:
                         body = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
                         yield b"event: error\ndata: " + dumps(body) + b"\n\n"
@@ -460,11 +479,13 @@ class ChoiceState:
         return text, new_ids, new_logprobs
 
 
-def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None) -> dict:
+def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None, choices=None) -> dict:
     """OpenAI's usage; `cached_tokens` counts the prompt tokens whose KV came from the prefix cache.
-    `reasoning_tokens` (where a reasoning parser counted them) goes in `completion_tokens_details`."""
+    `reasoning_tokens` (where a reasoning parser counted them) goes in `completion_tokens_details`.
+    `choices`: count these outputs' tokens only (default: every output of `outs`)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    completion = sum(len(c.token_ids) for c in (choices if choices is not None else
+                                                 [c for o in outs for c in o.outputs]))
     cached = sum(o.num_cached_tokens or 0 for o in outs)
     body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
