@@ -30,17 +30,19 @@ DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
-def _sliding_layers(hf: dict[str, Any]) -> list[int]:
-    """The layers of a Hugging Face config that attend over a sliding window: those `layer_types` marks
-    "sliding_attention", or without it (older Qwen2 configs), with `use_sliding_window` and a
-    `sliding_window`, the layers from `max_window_layers` on, as transformers reads them."""
+def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
+    """The layers of a Hugging Face config that attend over a sliding window, and the window: the layers
+    `layer_types` marks "sliding_attention", or without it (older Qwen2 configs) with `use_sliding_window`,
+    the layers from `max_window_layers` on, as transformers reads them (its defaults where a key is absent:
+    a window of 4,096, layers from 28 on; a window of null slides nowhere)."""
+    window = hf["sliding_window"] if "sliding_window" in hf else 4096
     types = hf.get("layer_types")
     if types:
-        return [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        first = hf.get("max_window_layers") or 0
-        return list(range(first, hf["num_hidden_layers"]))
-    return []
+        return [i for i, t in enumerate(types) if t == "sliding_attention"], window
+    if hf.get("use_sliding_window") and window:
+        first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
+        return list(range(first, hf["num_hidden_layers"])), window
+    return [], window
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
@@ -103,23 +105,32 @@ class ModelConfig:
         arch = archs[0]
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or hidden // heads
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type", "default"))
-            if scaling["rope_type"] == "default":
-                scaling = None
+        # Qwen3's head_dim is its own (transformers' default 128), not the hidden size over the heads
+        head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        # transformers' reading: the RoPE dict (rope_scaling, or rope_parameters) before the top level, its
+        # kind under "rope_type" or the older "type"; the scaled kinds' original context from the top level
+        # first, else the dict's, else max_position_embeddings
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        scaling = None if kind == "default" else {**rope, "rope_type": kind}
+        if scaling is not None and kind in ("llama3", "yarn", "longrope"):
+            if hf.get("original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         act = hf.get("hidden_act", "silu")
-        sliding = _sliding_layers(hf)
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
+        if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+            raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
+                             "which carries none here (Qwen2's bias on q/k/v alone is)")
+        sliding, window = _sliding_layers(hf)
         if sliding:
             raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
-                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {hf.get('sliding_window')}) is "
+                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {window}) is "
                              "not supported: tokenmill attends over the whole context in every layer, which "
                              "changes the output past the window")
         return cls(

@@ -59,10 +59,22 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     quant = model.config.quantization
     orders: dict[str, list[tuple[str, torch.Tensor | None]]] = {}      # layer -> (key, perm) of its shards
 
+    files = weight_files(model_dir)
+    names = {}
+    if model.config.tie_word_embeddings:
+        keys = set()
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                keys.update(f.keys())
+        if "lm_head.weight" in keys and "model.embed_tokens.weight" not in keys:
+            # tied, the shared matrix stored under the head's name alone (transformers ties it either way)
+            names["lm_head.weight"] = "model.embed_tokens.weight"
+
     def tensors():
-        for path in weight_files(model_dir):
+        for path in files:
             with safe_open(path, framework="pt", device=str(device)) as f:
-                for key in f.keys():
+                for stored in f.keys():
+                    key = names.get(stored, stored)
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
                         layer = packed_target(model, key)[0].removesuffix(".g_idx")
                         module = _submodule(model, layer)
@@ -70,8 +82,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                             orders.setdefault(layer, []).append(
                                 (key, act_order_perm(f.get_tensor(key), module.in_features, quant.group_size, key)))
                             continue
-                    yield key, lambda index=None, f=f, key=key: (f.get_tensor(key) if index is None
-                                                                 else f.get_slice(key)[index])
+                    yield key, lambda index=None, f=f, key=stored: (f.get_tensor(key) if index is None
+                                                                    else f.get_slice(key)[index])
     stream = tensors()
     if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)

@@ -1,0 +1,103 @@
+"""Config features read as transformers reads them: RoPE (its dict under either name, its kind under
+either key, its theta and original context by transformers' precedence), Qwen2's sliding-window defaults,
+Qwen3's head_dim default, a tied checkpoint that stores the shared matrix as the head; and those not
+served (biases on o_proj or the MLP) refused at load. The reference is transformers on the same config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.rotary import RotaryEmbedding
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=256)
+
+
+def _saved(tmp_path, edit, config=LlamaConfig) -> str:
+    """A config.json of a small model, as transformers writes it, then edited as older files are written."""
+    config(**SMALL).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    hf["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[hf["model_type"]]]
+    edit(hf)
+    path.write_text(json.dumps(hf))
+    return str(tmp_path)
+
+
+def _drop_rope(hf):
+    hf.pop("rope_parameters", None), hf.pop("rope_scaling", None), hf.pop("rope_theta", None)
+
+
+@pytest.mark.parametrize("edit", [
+    # the dict's theta before the top level's
+    lambda hf: hf.update(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    lambda hf: (_drop_rope(hf), hf.update(rope_theta=500.0, rope_scaling={"type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 1e4})),
+    # the older "type" key in rope_parameters
+    lambda hf: hf.update(rope_parameters={"type": "linear", "factor": 4.0, "rope_theta": 1e4}),
+    # llama3's original context: the top level's first, else the dict's, else max_position_embeddings
+    lambda hf: hf.update(original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 1e4,
+        "original_max_position_embeddings": 64}),
+    lambda hf: hf.update(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "rope_theta": 1e4}),
+], ids=["dict-theta", "legacy-dict-theta", "type-key", "top-level-original", "no-original"])
+def test_rope_as_transformers_reads_it(tmp_path, edit):
+    path = _saved(tmp_path, edit)
+    cfg = ModelConfig.from_hf(path)
+    ours = RotaryEmbedding(cfg.head_dim, 200, cfg.rope_theta, cfg.rope_scaling).cos_sin
+    cos, sin = LlamaRotaryEmbedding(AutoConfig.from_pretrained(path))(torch.zeros(1), torch.arange(200)[None])
+    half = cfg.head_dim // 2
+    torch.testing.assert_close(ours, torch.cat((cos[0, :, :half], sin[0, :, :half]), -1), atol=2e-5, rtol=0)
+
+
+def test_qwen2_sliding_defaults_and_qwen3_head_dim(tmp_path):
+    def legacy(**keys):
+        def edit(hf):
+            hf.pop("layer_types", None), hf.pop("max_window_layers", None), hf.pop("sliding_window", None)
+            hf.update(use_sliding_window=True, **keys)
+        return edit
+    # no window given: transformers' 4,096 from max_window_layers on, from layer 1 here: refused, not served
+    # over the whole context
+    with pytest.raises(ValueError, match=r"layers \[1\] \(sliding_window 4096\) is not supported"):
+        ModelConfig.from_hf(_saved(tmp_path / "a", legacy(max_window_layers=1), Qwen2Config))
+    # no max_window_layers: from layer 28 on, none of two layers slides
+    assert ModelConfig.from_hf(_saved(tmp_path / "b", legacy(sliding_window=8), Qwen2Config)).num_hidden_layers == 2
+
+    def qwen3(hf):
+        hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+        hf.pop("head_dim", None)
+    assert ModelConfig.from_hf(_saved(tmp_path / "c", qwen3)).head_dim == 128
+
+
+@pytest.mark.parametrize("key,message", [("mlp_bias", "mlp_bias is not supported"),
+                                         ("attention_bias", "attention_bias is not supported: it puts a bias on o_proj")])
+def test_biases_not_served_are_refused(tmp_path, key, message):
+    """The load failed listing the unused bias tensors, without naming the setting."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(_saved(tmp_path, lambda hf: hf.update({key: True})))
+
+
+def test_a_tied_checkpoint_storing_the_matrix_as_the_head(tmp_path):
+    """Tied embeddings written as lm_head.weight alone: transformers ties them either way; the load said the
+    embedding was missing."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill import LLM, SamplingParams
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prompt = [3, 9, 27, 17, 51]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 5:].tolist()
+    out = LLM(str(tmp_path), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids) == hf
