@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_times, build_payload,
-                                   class_metrics, compute_metrics, format_level, parse_goodput,
+                                   class_metrics, compute_metrics, deal, format_level, parse_goodput,
                                    run_level_processes, send_request, structured_indices, tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
@@ -126,6 +126,17 @@ async def _fake_openai(reader, writer, seen):
         if path == "/stall":
             await reader.read()             # until the client gives up and closes
             return
+        if path == "/empty":
+            # tokens whose text is empty (an end-of-sequence token first): chunks with choices, no content
+            await asyncio.sleep(0.03)
+            writer.write(_sse({"choices": [{"index": 0, "delta": {"content": ""}}]}))
+            await writer.drain()
+            await asyncio.sleep(0.03)
+            writer.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                         + _sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+                         + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            continue
         if path in ("/tools", "/nousage"):
             # a tool call's deltas only (as an agent's answer); or text without usage, then a pause before [DONE]
             delta = (lambda a: {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}) if path == "/tools" \
@@ -175,13 +186,17 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
             stalled = await send_request(HTTPClient(base, timeout_s=0.2), base + "/stall", {"n": 5})
             tools = await send_request(client, base + "/tools", {"n": 6})
             no_usage = await send_request(client, base + "/nousage", {"n": 7}, prompt_len=11)
+            empty = await send_request(client, base + "/empty", {"n": 8})
         finally:
             await client.aclose()
             server.close()
             await asyncio.wait(seen["handlers"], timeout=2)    # each ends when its client closes
-        return ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage
+        return ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage, empty
 
-    ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage = asyncio.run(main())
+    ok, bad, connections_after_two, err, again, connections_after_four, stalled, tools, no_usage, empty = \
+        asyncio.run(main())
+    # no text at all: timed by the chunks with choices (its TTFT was 0, and TPOT took the whole wait)
+    assert empty.success and empty.output_tokens == 2 and 0.025 < empty.ttft < empty.latency, empty
     # reasoning and tool-call deltas are output: the first token at the reasoning chunk (~30 ms), three
     # chunks, and the latency ends at the last of them, not at [DONE] 200 ms later
     for r in (tools, no_usage):
@@ -257,6 +272,57 @@ def test_client_processes_share_a_level():
     assert sorted(len(p) - 1 for p in state["schema"]) == sorted(structured)
     assert 1 < state["most"] <= 4
     assert duration >= 5 * 0.05 and all(0 <= r.start < duration for r in results)
+
+
+def test_requests_are_dealt_to_client_processes_by_their_slots():
+    """Concurrency 4 over 3 processes: 2, 1 and 1 slots. Dealt evenly, the 1-slot processes ran 7
+    requests in series while the 2-slot one ran 7 two at a time; dealt by slots, each runs as many rounds."""
+    dealt = deal(20, 4, 3)
+    assert [slots for _, slots in dealt] == [2, 1, 1]
+    assert sorted(j for indices, _ in dealt for j in indices) == list(range(20))
+    assert [-(-len(indices) // slots) for indices, slots in dealt] == [5, 5, 5]
+
+
+def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
+    """A sweep sent the same requests at every level (and warmed up with the first of them), so every level
+    after the first ran on a prefix cache that held its prompts: 13x the requests per second in one run."""
+    import threading
+
+    from tokenmill.bench.cli import main as bench_main
+    prompts = []
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
+            body = json.loads(await reader.readexactly(int(fields["Content-Length"])))
+            prompts.append(tuple(body["prompt"]))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + _sse({"choices": [{"index": 0, "text": "a"}]})
+                         + _sse({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}})
+                         + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        assert bench_main(["serve", "--base-url", base, "--model", "m", "--endpoint", "/v1/completions",
+                           "--dataset", "random", "--input-len-range", "8,8", "--output-len-range", "1,1",
+                           "--max-concurrency", "1,1,2", "--num-prompts", "4", "--num-warmups", "1",
+                           "--hardware", "test", "--no-progress", "--output-dir", str(tmp_path)]) == 0
+        with pytest.raises(SystemExit, match="levels of 1 or more, got 2,0"):
+            bench_main(["serve", "--base-url", base, "--model", "m", "--max-concurrency", "2,0",
+                        "--hardware", "test", "--no-progress", "--output-dir", str(tmp_path)])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    assert len(prompts) == 1 + 3 * 4 and len(set(prompts)) == len(prompts)
 
 
 def test_mixed_chat_deterministic_and_in_range():

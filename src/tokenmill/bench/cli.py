@@ -371,7 +371,9 @@ def run_throughput(args, argv: list[str]) -> dict:
         "model_path": model_path,
         "workload": {
             "dataset": args.dataset, "num_requests": len(requests), "seed": args.seed,
-            "input_len_range": args.input_len_range, "output_len_range": args.output_len_range,
+            # the ranges drawn from; a dataset file's requests keep their own lengths
+            **({"input_len_range": args.input_len_range, "output_len_range": args.output_len_range}
+               if args.dataset == "random" else {}),
             "subset": args.subset, "prompt_tokens": floor.total_tokens - floor.output_tokens,
             "output_tokens": floor.output_tokens,
         },

@@ -50,8 +50,9 @@ def markdown_report(summary: dict, table: str | None = None) -> str:
         "",
         f"- command: `{summary['command']}`",
         f"- commit {summary['git_commit']}, {summary['date']}, {summary['hardware']}",
-        f"- workload: {w['dataset']}, {w['num_requests']} requests, input {w['input_len_range']}, "
-        f"output {w['output_len_range']}, seed {w['seed']}: {w['prompt_tokens']:,} prompt and "
+        f"- workload: {w['dataset']}, {w['num_requests']} requests, "
+        + (f"input {w['input_len_range']}, output {w['output_len_range']}, " if "input_len_range" in w else "")
+        + f"seed {w['seed']}: {w['prompt_tokens']:,} prompt and "
         f"{w['output_tokens']:,} output tokens",
         f"- roofline floor {roof['floor_s']:.2f} s ({roof['floor_output_tok_s']:,.0f} output tok/s) at "
         f"{roof['memory_bandwidth'] / 1e12:.1f} TB/s and {roof['matmul_flops'] / 1e12:.0f} TFLOP/s"

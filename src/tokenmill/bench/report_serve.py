@@ -117,8 +117,14 @@ def markdown_report(runs: list[dict], plots: list[str]) -> str:
                   f"`{d.get('name')}` ({d.get('num_requests')} requests per level, seed {d.get('seed')}, "
                   f"ignore_eos {d.get('ignore_eos')}), request rate {r.get('request_rate')}",
                   f"  - command: `{r.get('command')}`"]
-    parts += ["", "Latencies in ms; throughputs per second of wall time of each level; token counts from the "
-              "server's usage.", "", summary_table(runs), ""]
+    counted = [f"{r['backend']} c={lv['max_concurrency']} ({lv['requests_without_usage']})" for r in runs
+               for lv in r.get("levels", []) if lv.get("requests_without_usage")]
+    tokens = ("token counts from the server's usage." if not counted else
+              "token counts from the server's usage, except where a server sent none: there each output chunk "
+              "counts as one token, so output throughput and TPOT are off wherever a chunk carries several "
+              f"(levels, requests without usage: {', '.join(counted)}).")
+    parts += ["", f"Latencies in ms; throughputs per second of wall time of each level; {tokens}", "",
+              summary_table(runs), ""]
     ratios = ratio_table(runs)
     if ratios:
         parts += ["## tokenmill against the baselines, at equal concurrency", "", ratios, ""]

@@ -16,8 +16,11 @@ Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
 - Arrivals at `--request-rate`: Poisson, each request sent at its own time from the level's start (a late
   send delays no later one), the gaps scaled so that the last is sent at `num_prompts / rate`, as vLLM's.
 - Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
-Each concurrency level sends the same `--num-prompts` requests, one level after the other.
-`--structured-fraction F` puts that fraction of them (evenly spread, the same ones at every level) under
+Each concurrency level sends `--num-prompts` requests of its own, drawn with the seed plus the level's
+position (the warm-up's with the seed plus the number of levels), one level after the other: no level finds
+another's prompts in the server's prefix cache. (Prompts drawn from a dataset file repeat where it holds
+fewer conversations than the levels take together.)
+`--structured-fraction F` puts that fraction of them (evenly spread, the same positions at every level) under
 `BENCH_SCHEMA` (chat: `response_format` json_schema; completions: `structured_outputs`), and reports
 the TPOT of those and of the plain ones apart. `--tools-fraction F` (chat only) likewise has that fraction
 offer the model `BENCH_TOOLS` with tool_choice "auto" (the prompt stays the dataset's, so only the tools
@@ -30,6 +33,7 @@ level's requests and concurrency among N such processes that begin together.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -329,6 +333,7 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                   prompt_len: int | None = None) -> None:
     content_chunks = 0
     t0 = last = time.perf_counter()
+    first_choice = last_choice = None       # the times of the first and last chunks with choices
     async with client.post(path, payload, headers) as (status, body):
         if status != 200:
             text = b""
@@ -354,6 +359,9 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                 if "error" in obj:
                     r.error = str(obj["error"])[:300]
                     return
+                if obj.get("choices"):
+                    first_choice = now if first_choice is None else first_choice
+                    last_choice = now
                 if _has_content(obj):
                     if content_chunks == 0:
                         r.ttft = now - t0
@@ -370,6 +378,10 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
     if not r.usage_reported:
         r.output_tokens = content_chunks
         r.prompt_tokens = prompt_len or 0
+    if not content_chunks and r.output_tokens > 0 and first_choice is not None:
+        # tokens whose text is empty (an end-of-sequence token first, say): timed by the chunks that carried
+        # them, as vLLM times the first chunk with choices (TTFT stayed 0 and TPOT took its wait)
+        r.ttft, r.latency = first_choice - t0, last_choice - t0
     r.success = content_chunks > 0 or r.output_tokens > 0
     if not r.success:
         r.error = "the stream carried no content"
@@ -440,26 +452,33 @@ def _client_process(job: tuple, ready, go, start_at, out) -> None:
     out.put((indices, results, duration))
 
 
+def deal(num_requests: int, max_concurrency: int, processes: int) -> list[tuple[list[int], int]]:
+    """Each client process's requests (indices) and concurrency slots: slot k is process k % processes's,
+    and request j goes with slot j % max_concurrency, so a process takes requests in proportion to its
+    slots (dealt evenly, one with fewer slots ran its share in series while the others idled)."""
+    return [([j for j in range(num_requests) if j % max_concurrency % processes == i],
+             max_concurrency // processes + (1 if i < max_concurrency % processes else 0))
+            for i in range(processes)]
+
+
 def run_level_processes(processes: int, base_url: str, endpoint: str, model: str, requests: list[ServeRequest],
                         max_concurrency: int, request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True,
                         temperature: float = 0.0, headers: dict | None = None, timeout_s: float = 3600.0,
                         structured: set[int] = frozenset(), tools: set[int] = frozenset()
                         ) -> tuple[list[RequestResult], float]:
     """`run_level` from `processes` client processes, so that reading the streams is not bounded by one
-    process's cost per SSE chunk: the requests are dealt to them in turn, and so are the concurrency slots
-    (a process with k slots keeps k requests open); with a finite rate each sends a Poisson stream at its
-    share of it (their sum is a Poisson stream at the whole rate). They begin together once all have
-    started, and the level lasts until the last one's last response. Results come back in the order of
-    `requests`."""
+    process's cost per SSE chunk: the concurrency slots are dealt to them in turn (a process with k slots
+    keeps k requests open), and the requests in proportion to the slots (`deal`); with a finite rate each
+    sends a Poisson stream at its share of it (their sum is a Poisson stream at the whole rate). They begin
+    together once all have started, and the level lasts until the last one's last response. Results come
+    back in the order of `requests`."""
     import multiprocessing
     import queue
     processes = max(1, min(processes, max_concurrency, len(requests)))
     ctx = multiprocessing.get_context("spawn")
     ready, out, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     workers = []
-    for i in range(processes):
-        indices = list(range(i, len(requests), processes))
-        slots = max_concurrency // processes + (1 if i < max_concurrency % processes else 0)
+    for i, (indices, slots) in enumerate(deal(len(requests), max_concurrency, processes)):
         local = {j: k for k, j in enumerate(indices)}
         rate = request_rate * len(indices) / len(requests)
         job = (indices, (base_url, endpoint, model, [requests[j] for j in indices], slots, rate, seed + i,
@@ -544,6 +563,8 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     slos = parse_goodput(args.goodput)
     rate = float(args.request_rate)
     levels = [int(c) for c in str(args.max_concurrency).split(",") if c.strip()]
+    if any(c < 1 for c in levels):
+        raise SystemExit(f"--max-concurrency takes levels of 1 or more, got {args.max_concurrency}")
     if not 0.0 <= args.structured_fraction <= 1.0:
         raise SystemExit(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
     structured = structured_indices(len(requests), args.structured_fraction)
@@ -555,8 +576,15 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         raise SystemExit("give --tools-fraction or --structured-fraction, not both (each splits the requests "
                          "into two classes)")
     tools = structured_indices(len(requests), args.tools_fraction)
+    def drawn(seed: int) -> list[ServeRequest]:
+        return build_serve_requests(argparse.Namespace(**{**vars(args), "seed": seed}), chat)
+
+    # each level draws its own requests (the seed plus its position) and the warm-up another, so that no
+    # level finds the prompts of one before it in the server's prefix cache
+    if args.num_warmups:
+        first = drawn(args.seed + len(levels))[0]
     for _ in range(args.num_warmups):
-        warm = ServeRequest(requests[0].prompt, min(requests[0].max_tokens, 16), requests[0].prompt_len)
+        warm = ServeRequest(first.prompt, min(first.max_tokens, 16), first.prompt_len)
         asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
                               ignore_eos=not args.no_ignore_eos, temperature=args.temperature))
     summary = {
@@ -579,7 +607,11 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     }
     if args.client_processes < 1:
         raise SystemExit(f"--client-processes must be >= 1, got {args.client_processes}")
-    for conc in levels:
+    for position, conc in enumerate(levels):
+        if position:
+            requests = drawn(args.seed + position)
+            structured = structured_indices(len(requests), args.structured_fraction)
+            tools = structured_indices(len(requests), args.tools_fraction)
         if args.client_processes > 1:
             results, duration = run_level_processes(
                 args.client_processes, args.base_url, args.endpoint, model, requests, conc, rate, args.seed,
@@ -597,7 +629,8 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         if tools:
             m.update(class_metrics(results, tools, "tools"))
             m.update(class_metrics(results, set(range(len(results))) - tools, "plain"))
-        m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate})
+        m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate,
+                  "seed": args.seed + position})
         ok = [r for r in results if r.success]
         m["ttfts_ms"] = _round_ms(r.ttft for r in ok)
         m["e2els_ms"] = _round_ms(r.latency for r in ok)

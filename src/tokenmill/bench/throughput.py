@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -78,11 +79,10 @@ def _run_tokenmill(args, model_path: str, requests: list[BenchRequest], mark_rea
     if tpots:
         extra["mean_tpot_ms"] = 1e3 * sum(tpots) / len(tpots)
     # every request is submitted at t0: its latency is the time to its last token
-    e2e = sorted(m.last_token_time - m.arrival_time for m in (o.metrics for o in outputs)
-                 if m is not None and m.last_token_time is not None)
-    if e2e:
-        extra["p50_latency_s"] = e2e[len(e2e) // 2]
-        extra["p99_latency_s"] = e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))]
+    e2e = [m.last_token_time - m.arrival_time for m in (o.metrics for o in outputs)
+           if m is not None and m.last_token_time is not None]
+    if e2e:      # numpy's linear percentiles, as `bench serve` and vLLM's take them
+        extra["p50_latency_s"], extra["p99_latency_s"] = (float(v) for v in np.percentile(e2e, [50, 99]))
     return [list(o.outputs[0].token_ids) for o in outputs], extra
 
 
