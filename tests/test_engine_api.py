@@ -262,7 +262,8 @@ def test_config_normalisation():
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     c = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
                              "eos_token_id": [1, 2], "dtype": "bfloat16"})
-    assert c.rope_theta == 5e6 and c.eos_token_ids == (1, 2) and c.head_dim == 4 and c.qk_norm
+    # Qwen3 without head_dim: transformers' default 128, not hidden_size / heads
+    assert c.rope_theta == 5e6 and c.eos_token_ids == (1, 2) and c.head_dim == 128 and c.qk_norm
     assert c.rope_scaling is None and str(c.dtype) == "torch.bfloat16"
     c = ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 7e7,
                              "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": 3,
