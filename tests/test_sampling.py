@@ -228,3 +228,21 @@ def test_penalised_steps_overlap_and_give_the_tokens_of_steps_processed_one_by_o
     engine.abort_request("penalised")
     while engine.has_unfinished_requests() or engine._in_flight is not None:
         engine.step()
+
+
+def test_vllm_sampling_rules_at_the_edges(llm):
+    """vLLM's rules where they are easy to miss: a request's logprobs hold its own k alternatives in a batch
+    that asks more (it got the batch's largest k); seed -1 is no seed (it was one fixed seed: every such
+    request drew the same tokens); min_tokens holds end-of-sequence back with ignore_eos too (it did not);
+    a positive temperature below 0.01 samples at 0.01 (not greedily)."""
+    few, many = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=3, logprobs=1, ignore_eos=True),
+                                                        SamplingParams(max_tokens=3, logprobs=6, ignore_eos=True)])
+    assert all(len(e) <= 2 for e in few.outputs[0].logprobs) and all(len(e) >= 6 for e in many.outputs[0].logprobs)
+    draws = llm.generate([PROMPTS[3]] * 4, SamplingParams(seed=-1, max_tokens=8, ignore_eos=True))
+    assert len({tuple(o.outputs[0].token_ids) for o in draws}) > 1
+    eos = next(iter(llm.engine.eos_token_ids))
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, min_tokens=4,
+                                                    logit_bias={eos: 100}))[0].outputs[0]
+    assert eos not in out.token_ids[:4] and out.token_ids[4:] == [eos] * 4
+    assert SamplingParams(temperature=1e-6).temperature == 0.01 and not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=0).greedy

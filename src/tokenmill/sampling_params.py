@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 
 LOGIT_BIAS_LIMIT = 100.0
+# a positive temperature below this samples at this (vLLM's rule); 0 is greedy
+MIN_TEMPERATURE = 1e-2
 
 # the deepest nesting of arrays and objects a request body or a JSON schema may have (the body itself is
 # level 1): a JSON schema of about 30 nested objects. orjson parses up to 1,024 levels, but a request's
@@ -178,6 +180,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:          # vLLM's "no seed"
+            self.seed = None
         if self.logit_bias:
             self.logit_bias = self._parse_logit_bias(self.logit_bias)
         else:
@@ -186,6 +190,9 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise SamplingParamError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         self._check()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # vLLM's floor: logits scaled by a smaller one can overflow to inf
+            self.temperature = MIN_TEMPERATURE
 
     @staticmethod
     def _parse_logit_bias(bias) -> dict[int, float]:

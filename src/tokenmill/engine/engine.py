@@ -129,9 +129,9 @@ class LLMEngine:
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row
         base_seed = params.seed % (2 ** 62) if params.seed is not None else self._seed_rng.getrandbits(62)
-        # the ids min_tokens holds back (read only, shared by the n sequences)
-        held_back = [] if not params.min_tokens else sorted(
-            set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        # the ids min_tokens holds back (read only, shared by the n sequences): end of sequence too where
+        # ignore_eos is set (vLLM's rule: min_tokens counts tokens that are not it)
+        held_back = [] if not params.min_tokens else sorted(set(params.stop_token_ids) | self.eos_token_ids)
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"

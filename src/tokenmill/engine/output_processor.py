@@ -28,7 +28,7 @@ class _Sequence:
 class _Request:
     __slots__ = ("output", "seqs", "num_finished", "logprobs")
 
-    def __init__(self, output: RequestOutput, seqs: list[_Sequence], logprobs: bool):
+    def __init__(self, output: RequestOutput, seqs: list[_Sequence], logprobs: int | None):
         self.output = output
         self.seqs = seqs
         self.num_finished = 0
@@ -64,7 +64,7 @@ class OutputProcessor:
         output = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                outputs=[s.out for s in seqs], finished=False,
                                metrics=RequestMetrics(arrival_time=arrival_time))
-        self._requests[handle] = _Request(output, seqs, want_logprobs)
+        self._requests[handle] = _Request(output, seqs, params.logprobs)
         self._handles[request_id] = handle
 
     def forget(self, request_id: str, handle: int | None = None) -> None:
@@ -106,9 +106,11 @@ class OutputProcessor:
                 continue          # a stop string ended it; the core had this token in flight
             out = seq.out
             out.token_ids.append(token)
-            if req.logprobs and j in logprobs:
+            if req.logprobs is not None and j in logprobs:
+                # the step's rows hold as many alternatives as the batch's largest ask: this request's own
                 values, ids, rank = logprobs[j]
-                out.logprobs.append(self._entry(ids[0], values[0], rank, ids[1:], values[1:]))
+                k = req.logprobs + 1
+                out.logprobs.append(self._entry(ids[0], values[0], rank, ids[1:k], values[1:k]))
                 out.cumulative_logprob += values[0]
             detok = seq.detok
             if detok is not None and not (silent and j in silent):
