@@ -130,6 +130,8 @@ def test_bench_serve_accepts_a_vllm_command():
     assert (args.base_url, args.endpoint) == ("http://127.0.0.1:8123", "/v1/completions")
     args = parse_args(["serve", "--random-input-len", "64"])      # vLLM's default output length and ratio
     assert (args.input_len_range, args.output_len_range) == ("64,64", "128,128")
+    # and vLLM's default backend: completions (chat sent the random words through the chat template)
+    assert parse_args(["serve", "--dataset-name", "random"]).endpoint == "/v1/completions"
     args = parse_args(["serve", "--backend", "openai-chat", "--base-url", "http://h:1"])
     assert (args.base_url, args.endpoint) == ("http://h:1", "/v1/chat/completions")
     args = parse_args(["serve"])                                   # our own defaults, untouched

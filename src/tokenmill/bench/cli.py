@@ -56,7 +56,8 @@ def add_vllm_args(p: argparse.ArgumentParser, serve: bool) -> None:
     if serve:
         g.add_argument("--backend", choices=["vllm", "openai", "openai-chat"], default=None,
                        help="the request format when --endpoint is not given: openai-chat is "
-                            "/v1/chat/completions, the others /v1/completions")
+                            "/v1/chat/completions, the others /v1/completions (also the default where "
+                            "vLLM's dataset flags are given, as vLLM's default backend)")
         g.add_argument("--host", default="127.0.0.1", help="the server, when --base-url is not given")
         g.add_argument("--port", type=int, default=8000, help="the server's port, when --base-url is not given")
 
@@ -100,7 +101,11 @@ def resolve_vllm_args(parser: argparse.ArgumentParser, args, input_len_range: st
         if args.base_url is None:
             args.base_url = f"http://{args.host}:{args.port}"
         if args.endpoint is None:
-            args.endpoint = ("/v1/completions" if args.backend in ("vllm", "openai") else DEFAULT_ENDPOINT)
+            # vLLM's default backend (openai, /v1/completions) where a command speaks vLLM's dataset flags
+            vllm_command = any(getattr(args, k) is not None for k in (
+                "dataset_name", "random_input_len", "random_output_len", "random_range_ratio"))
+            args.endpoint = ("/v1/completions" if args.backend in ("vllm", "openai")
+                             or (args.backend is None and vllm_command) else DEFAULT_ENDPOINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
