@@ -207,6 +207,15 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),
     ("serve", ["--revision", "main"], "--revision is vLLM's and has no effect here: tokenmill loads local"),
     ("serve", ["--max_logprobs", "40"], "--max-logprobs is vLLM's and has no effect here: the logprobs limit"),
+    # nan passed `<= 0`: the server came up and every connection hung (header timeout) or got 400 (body)
+    ("serve", ["--header-timeout", "nan"], "header_timeout must be positive, got nan"),
+    ("serve", ["--log-stats-interval", "0"], "--log-stats-interval: must be a positive, finite number"),
+    ("serve", ["--tokenizer", "/nonexistent"], "tokenizer '/nonexistent' holds no tokenizer"),
+    ("serve", ["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template cannot be compiled"),
+    ("serve", ["--api-key", " "], "the API key is empty"),
+    ("serve", ["--served-model-name", "a", "a"], "--served-model-name takes distinct, non-empty names"),
+    ("serve", ["--seed", str(2 ** 70)], "seed must be a 64-bit integer"),
+    ("serve", ["--swap-space", "1e6"], "swap_space 1e+06 GiB is more than 70% of this machine's"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
     """Options the engine's config refuses, and files that do not exist, end the command with a usage error
@@ -417,3 +426,16 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
                     rf"INFO tokenmill\.requests: Received request \w+-0: {usage['prompt_tokens']} prompt tokens, "
                     r"temperature=0(\.0)?, max_tokens=8"):
         assert re.search(pattern, text), (pattern, text)
+
+
+def test_generate_refuses_bad_sampling_before_loading_and_without_a_traceback(capsys, monkeypatch):
+    """`generate --max-tokens 0` loaded the model first, then ended in a SamplingParamError traceback."""
+    from tokenmill import LLM, cli
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    tiny = os.path.join(os.path.dirname(cli.__file__), "assets", "tiny")
+    assert cli.main(["generate", tiny, "--max-tokens", "0", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "tokenmill: max_tokens must be" in err and "Traceback" not in err
+    # vLLM's --uvicorn-log-level critical and trace, onto ours
+    parser, _ = cli.build_parser()
+    assert parser.parse_args(["serve", "--uvicorn-log-level", "critical"]).log_level == "error"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -168,6 +169,22 @@ def port(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
+
+
+def uvicorn_log_level(text: str) -> str:
+    """vLLM's --uvicorn-log-level values onto --log-level's: trace is debug, critical is error."""
+    return {"trace": "debug", "critical": "error"}.get(text, text)
+
+
 def cors_entry(text: str) -> str | list[str]:
     """One CORS origin, method or header, or vLLM's JSON list of them (flattened by `http_options`)."""
     if text.lstrip().startswith("["):
@@ -233,6 +250,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--api-server-count {args.api_server_count}")
     if args.api_server_count > 1 and args.backend != "tokenmill":
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
+                     "pass; give a key, or none for an open server")
+    names = args.served_model_name or []
+    if any(not name.strip() for name in names) or len(set(names)) < len(names):
+        parser.error(f"--served-model-name takes distinct, non-empty names, got {names}")
     given = [flag for flag, on in (("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--root-path", args.root_path),
@@ -266,6 +289,19 @@ def add_chat_args(p: argparse.ArgumentParser):
                    help='a JSON object of generation_config.json keys over those defaults, e.g. {"temperature": 0.5}')
 
 
+def check_template(template: str) -> None:
+    """ValueError where Jinja cannot compile the template as transformers compiles chat templates (a
+    syntax error, an unknown filter): the operator's mistake, refused at start, not each chat request's 400."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:         # another transformers: its render still reports the error per request
+        return
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:
+        raise ValueError(f"--chat-template cannot be compiled: {str(e).splitlines()[0][:300]}") from None
+
+
 def chat_options(args):
     from tokenmill.server.serving import ChatOptions
     template = args.chat_template
@@ -277,6 +313,8 @@ def chat_options(args):
         # is the template itself
         raise ValueError(f"--chat-template {template!r}: no such file (nor a template: it has no '{{' and no "
                          "line break)")
+    if template is not None:
+        check_template(template)
     return ChatOptions(chat_template=template, enable_auto_tool_choice=args.enable_auto_tool_choice,
                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
@@ -347,9 +385,9 @@ def _generate(args) -> int:
 
     check_text_prompts(args.model, args.tokenizer)       # before a preset's long build
     cfg = engine_config(args)
-    llm = LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    llm = LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
     prompts = args.prompt or [sys.stdin.read()]
     if args.chat:
         # token ids: the rendered text holds its BOS already, which encoding it as a prompt would add again
@@ -394,12 +432,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="of the server's and the engine's logs")
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no stats line (throughput, requests, KV-cache usage) while busy")
-    serve.add_argument("--log-stats-interval", type=float, default=10.0,
+    serve.add_argument("--log-stats-interval", type=positive_seconds, default=10.0,
                        help="seconds between stats lines")
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives and as it finishes")
-    serve.add_argument("--uvicorn-log-level", dest="log_level", choices=["debug", "info", "warning", "error"],
-                       help=argparse.SUPPRESS)         # vLLM's name of --log-level
+    serve.add_argument("--uvicorn-log-level", dest="log_level", type=uvicorn_log_level,
+                       choices=["debug", "info", "warning", "error"],
+                       help=argparse.SUPPRESS)         # vLLM's name of --log-level (its trace and critical too)
     for flag in VLLM_HONOURED:
         serve.add_argument(flag, action="store_true", dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     for flag in VLLM_REFUSED:
@@ -472,7 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         engine_config(args)
     except ValueError as e:
         subs["generate"].error(str(e))
-    return _generate(args)
+    try:
+        return _generate(args)
+    except (ValueError, OSError) as e:      # a parameter or the model refused: its message says which
+        print(f"tokenmill: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

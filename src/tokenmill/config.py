@@ -286,6 +286,13 @@ class EngineConfig:
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not -2 ** 63 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed}")
+        if self.tokenizer is not None:
+            from tokenmill.engine.tokenizer import Tokenizer
+            if not os.path.exists(self.tokenizer) or not Tokenizer.available(self.tokenizer):
+                raise ValueError(f"tokenizer {self.tokenizer!r} holds no tokenizer (tokenizer.json, "
+                                 "tokenizer_config.json, vocab.json, tokenizer.model, or a .gguf with one)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (or None: the model's), got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -306,6 +313,11 @@ class EngineConfig:
             raise ValueError(f"target_itl_ms must be > 0 and finite (or None: off), got {self.target_itl_ms}")
         if not 0.0 <= self.swap_space < math.inf:
             raise ValueError(f"swap_space must be >= 0 GiB and finite, got {self.swap_space}")
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+        if self.swap_space > 0.7 * host:
+            # vLLM's bound: the swap space is pinned host memory, the rest of the machine needs the rest
+            raise ValueError(f"swap_space {self.swap_space:g} GiB is more than 70% of this machine's "
+                             f"{host:.1f} GiB of memory ({0.7 * host:.1f} GiB)")
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
@@ -341,7 +353,13 @@ class EngineConfig:
         import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a device: auto, cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this machine's torch sees no CUDA device")
+        return device
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
         import torch

@@ -234,8 +234,9 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
                           tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
                           vocab_size=_vocab_size(engine))
     except BaseException as e:
-        # a ValueError is the engine refusing its configuration: its message names the value and the limit
-        fatal = CoreFatal(str(e) if isinstance(e, ValueError) else traceback.format_exc())
+        # a ValueError is the engine refusing its configuration: its message names the value and the limit;
+        # an OSError names the file or the resource (a missing model, memory the KV cache could not map)
+        fatal = CoreFatal(str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc())
         for conn in conns:
             _send(conn, fatal)
         raise SystemExit(1)

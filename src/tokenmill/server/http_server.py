@@ -53,7 +53,7 @@ class HTTPOptions:
     def __post_init__(self):
         for name in ("max_request_body_bytes", "timeout_keep_alive", "header_timeout", "body_timeout",
                      "send_timeout", "max_header_bytes", "limit_concurrency"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:       # nan too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: HTTPS needs both the key and its certificate")
@@ -209,7 +209,8 @@ def configure_logging(options: ServeOptions) -> None:
 
 
 def announce(model_name: str, host: str, port: int, engine_pid: int | None, scheme: str = "http") -> None:
-    print(f"tokenmill: serving {model_name} on {scheme}://{host}:{port} (engine pid {engine_pid})", flush=True)
+    where = f"[{host}]" if ":" in host else host        # an IPv6 address is bracketed in a URL
+    print(f"tokenmill: serving {model_name} on {scheme}://{where}:{port} (engine pid {engine_pid})", flush=True)
 
 
 def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_class=None,
