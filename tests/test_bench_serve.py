@@ -3,6 +3,7 @@ workload, the offline preset tokenizer, and short sweeps against real `tokenmill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -222,6 +223,22 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
         HTTPClient("https://example.com")
 
 
+@contextlib.contextmanager
+def _threaded_server(handle):
+    """An asyncio server of `handle` on a loop in a thread of its own (client processes reach it too);
+    yields its base URL."""
+    import threading
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+
+
 def test_client_processes_share_a_level():
     """A level read by three client processes: every request answered once, each result back at its own
     request's index (the fake server reports the prompt's length as its usage), the structured requests
@@ -254,19 +271,11 @@ def test_client_processes_share_a_level():
                          + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
 
-    loop = asyncio.new_event_loop()
-    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    with _threaded_server(handle) as base:
         requests = [ServeRequest("x" * (i + 1), 2) for i in range(20)]
         structured = {1, 7, 13}
         results, duration = run_level_processes(3, base, "/v1/completions", "m", requests, 4,
                                                 structured=structured)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=5)
     assert all(r.success for r in results)
     assert [r.prompt_tokens for r in results] == [i + 1 for i in range(20)]
     assert sorted(len(p) - 1 for p in state["schema"]) == sorted(structured)
@@ -286,8 +295,6 @@ def test_requests_are_dealt_to_client_processes_by_their_slots():
 def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
     """A sweep sent the same requests at every level (and warmed up with the first of them), so every level
     after the first ran on a prefix cache that held its prompts: 13x the requests per second in one run."""
-    import threading
-
     from tokenmill.bench.cli import main as bench_main
     prompts = []
 
@@ -306,12 +313,7 @@ def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
                          + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
 
-    loop = asyncio.new_event_loop()
-    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    with _threaded_server(handle) as base:
         assert bench_main(["serve", "--base-url", base, "--model", "m", "--endpoint", "/v1/completions",
                            "--dataset", "random", "--input-len-range", "8,8", "--output-len-range", "1,1",
                            "--max-concurrency", "1,1,2", "--num-prompts", "4", "--num-warmups", "1",
@@ -319,9 +321,6 @@ def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
         with pytest.raises(SystemExit, match="levels of 1 or more, got 2,0"):
             bench_main(["serve", "--base-url", base, "--model", "m", "--max-concurrency", "2,0",
                         "--hardware", "test", "--no-progress", "--output-dir", str(tmp_path)])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=5)
     assert len(prompts) == 1 + 3 * 4 and len(set(prompts)) == len(prompts)
 
 
