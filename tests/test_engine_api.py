@@ -764,3 +764,46 @@ def test_a_prompt_counts_once_it_is_prefilled(qwen3_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats()["prompt_tokens"] == 3
+
+
+def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
+    """vLLM's LLM as its users call it: the tokenizer's apply_chat_template(..., tokenize=False) and HF's
+    attributes (a TypeError and AttributeErrors), seed=None and the arguments that change nothing here
+    (TypeErrors about EngineConfig), lora_request=None, the model's max_new_tokens as the default budget;
+    and a generate interrupted (Ctrl-C) left its requests in the engine, which the next call ran first."""
+    import json
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(qwen3_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.5}))
+    llm = LLM(str(model), device="cpu", dtype="float32", seed=None, trust_remote_code=True,
+              disable_log_stats=True, revision=None, max_model_len=64, num_kv_blocks=64, block_size=4)
+    tok = llm.get_tokenizer()
+    chat = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and tok.apply_chat_template(chat, tokenize=True) == tok.encode(
+        text, add_special_tokens=False)
+    assert tok.eos_token_id is not None and len(tok) == tok.vocab_size and tok("hi")["input_ids"]
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.temperature) == (3, 0.5)
+    assert len(llm.generate([[5, 6, 7]], lora_request=None)[0].outputs[0].token_ids) <= 3
+    with pytest.raises(TypeError, match=r"LLM\(\) got unknown engine arguments \['bogus'\]"):
+        LLM(str(model), device="cpu", bogus=1)
+    with pytest.raises(ValueError, match=r"LLM\(enable_lora=True\) is not supported"):
+        LLM(str(model), device="cpu", enable_lora=True)
+
+    calls = {"n": 0}
+    process = llm.processor.process
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return process(*args)
+    llm.processor.process = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7]] * 6, SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.processor.process = process
+    assert not llm.engine.groups and len(llm.processor) == 0
+    out = llm.generate([[8, 9]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2 and not llm.engine.groups

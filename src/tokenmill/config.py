@@ -286,7 +286,7 @@ class EngineConfig:
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if not -2 ** 63 <= self.seed < 2 ** 63:
+        if not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed}")
         if self.tokenizer is not None:
             from tokenmill.engine.tokenizer import Tokenizer

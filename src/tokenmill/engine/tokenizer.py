@@ -113,14 +113,30 @@ class Tokenizer:
         parts = (decoder or {}).get("decoders") or ([decoder] if decoder else [])
         return frozenset(d.get("type") for d in parts if isinstance(d, dict))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Renders the conversation to text (`chat_template` in kwargs replaces the model's). The text
-        already holds its special tokens, so encode it with `add_special_tokens=False`."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs) -> str | list[int]:
+        """Renders the conversation to text (`chat_template` in kwargs replaces the model's), or with
+        `tokenize` to its ids. The text already holds its special tokens, so encode it with
+        `add_special_tokens=False`."""
         if not kwargs.get("chat_template") and not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass one (--chat-template) or use a "
                              "completion prompt")
-        return self.hf.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def __getattr__(self, name: str):
+        # anything else is the Hugging Face tokenizer's (what vLLM's LLM.get_tokenizer hands out):
+        # eos_token_id, pad_token_id, batch_decode, get_vocab, ...
+        if name == "hf":
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.hf(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.hf)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
