@@ -134,7 +134,9 @@ class LLM:
 
     @property
     def llm_engine(self) -> LLMEngine:
-        """vLLM's name of `engine`."""
+        """vLLM's name of `engine`, tokenmill's engine core: its `add_request` takes token ids (no text or
+        prompt dicts) and its `step` reports token ids by handle; `generate` and `chat` are the API that
+        matches vLLM's."""
         return self.engine
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -97,11 +97,12 @@ class LLMEngine:
             self._tokenizer = Tokenizer(self.tokenizer_path)
         return self._tokenizer
 
-    def add_request(self, request_id: str | None, prompt: list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt: list[int], params: SamplingParams | None = None, *,
                     priority: int = 0, arrival_time: float | None = None, handle: int | None = None,
                     carries_tools: bool = False, grammar: tuple | None = None) -> int:
         """Queues a prompt (token ids: frontends tokenize); returns its handle, the number by which the
-        step reports name it (`handle`, or a new one). `carries_tools`: the request offers tools (the
+        step reports name it (`handle`, or a new one). The rest are keywords: vLLM's engine takes an
+        arrival time fourth, which here would have been a priority. `carries_tools`: the request offers tools (the
         priority policy's boost). `grammar`: `compile_grammar(params)`'s result, compiled beforehand."""
         params = params or SamplingParams()
         if priority and self.config.scheduling_policy != "priority":
