@@ -210,6 +210,27 @@ def test_incremental_detokenizer_never_emits_broken_utf8(tokenizer_dir):
     assert len(set(seen)) > 3      # text grew step by step
 
 
+def test_a_stop_string_in_text_held_back_at_the_end_ends_the_output():
+    """A token that completes one character and begins the next holds both back (the text would end in
+    U+FFFD); where the output then ended by length, that text was released unchecked, stop string and all,
+    with finish_reason "length"."""
+    pieces = {1: b"x", 2: "世".encode()[:2], 3: "世".encode()[2:] + "界".encode()[:1]}
+
+    class Bytes:                 # a byte-level tokenizer without an incremental decoder
+        def decode_stream(self, context, skip_special_tokens):
+            return None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    detok = IncrementalDetokenizer(Bytes(), [], stop=["世"])
+    assert [detok.add(t) for t in (1, 2, 3)] == [None, None, None]      # "世" still held back
+    assert detok.finish() == "世" and detok.output_text(True) == "x"
+    clean = IncrementalDetokenizer(Bytes(), [], stop=["z"])
+    [clean.add(t) for t in (1, 2, 3)]
+    assert clean.finish() is None and clean.output_text(True) == "x世\ufffd"
+
+
 def test_stop_string_is_held_back_and_not_leaked(tokenizer_dir):
     tok = Tokenizer(tokenizer_dir)
     text = "The quick brown fox jumps over the lazy dog."

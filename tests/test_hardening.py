@@ -1265,3 +1265,36 @@ def test_probes_answer_head_and_the_open_files_limit_is_raised(guarded, monkeypa
         raise_open_files_limit(4096)
     assert calls == [(2048, 2048)]
     assert "open files are limited to 2048" in caplog.text
+
+
+def test_every_refusal_of_a_batch_is_retrieved():
+    """A batch whose prompts the engine all refused (a completions list with a parameter it refuses) re-raised
+    the first refusal and left the others unretrieved: asyncio logged 'Task exception was never retrieved'
+    with a traceback for each, on every such request; so did a refusal landing in the tick of a disconnect."""
+    import gc
+
+    from tokenmill.server.serving import _gather, _with_disconnect
+
+    async def refused(msg, delay=0.0):
+        await asyncio.sleep(delay)
+        raise ValueError(msg)
+        yield
+
+    class Gone:
+        async def receive(self):
+            await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+    unretrieved = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        with pytest.raises(ValueError, match="refused 0"):
+            await _gather(g.__anext__() for g in [refused("refused 0"), refused("refused 1")])
+        with pytest.raises(BaseException):
+            await _with_disconnect(Gone(), _gather(g.__anext__() for g in [refused("alone", 0.01)]))
+        await asyncio.sleep(0.05)
+        gc.collect()
+    asyncio.run(main())
+    gc.collect()
+    assert unretrieved == []

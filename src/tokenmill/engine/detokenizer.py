@@ -67,6 +67,25 @@ class IncrementalDetokenizer:
                 released, self.released = self.released, ""
                 released += text[len(released):end]
                 self.released = released
+        return self._find_stop(start)
+
+    def finish(self) -> str | None:
+        """Ends the text where the output ended by length or end of sequence: what was held back inside a
+        split character joins it (as `output_text(True)` shows it) and is looked through for stop strings as
+        `add` looks; returns the stop string found, which then ends the text."""
+        if self.stopped_at is not None:
+            return None
+        pending = self._pending_text()
+        if not pending:
+            return None
+        start = max(0, len(self.text) - self.hold)
+        self.text += pending
+        self.read_offset = len(self.ids)          # nothing pending any more
+        return self._find_stop(start)
+
+    def _find_stop(self, start: int) -> str | None:
+        """The stop string that begins first in the text from `start` (the longest of those that begin
+        together), which then ends the text; None if none, or while the first `min_tokens` count."""
         if self.unchecked > 0:
             return None
         found = None

@@ -147,6 +147,12 @@ class OutputProcessor:
         seq.finished = True
         req.num_finished += 1
         out = seq.out
+        if seq.detok is not None:
+            # the text held back inside a split character, released now, may hold a stop string: it ends
+            # the output there (the core has already finished the sequence)
+            hit = seq.detok.finish()
+            if hit is not None:
+                reason, stop_reason = "stop", hit
         out.finish_reason, out.stop_reason = reason, stop_reason
         if seq.detok is not None:
             out.text = seq.detok.output_text(True)

@@ -389,21 +389,19 @@ async def _gather(coros) -> list:
     """Like asyncio.gather, but a failure or a cancellation cancels and awaits all the others."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:
-        pending = [t for t in tasks if not t.done()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        raise
-    if pending:
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()
-    return [t.result() for t in tasks]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        # awaits the cancelled ones and retrieves every failure (asyncio logs one never retrieved)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    for t, result in zip(tasks, results):
+        if not t.cancelled() and isinstance(result, BaseException):
+            raise result
+    if any(t.cancelled() for t in tasks):
+        raise asyncio.CancelledError()
+    return results
 
 
 async def _first_outputs(gens) -> list[RequestOutput]:
