@@ -347,3 +347,14 @@ def test_a_field_of_another_union_branch_is_named_with_what_is_missing():
     message, param = describe_validation_error(RequestValidationError(e.value.errors()))
     assert message == "Unknown or unsupported field(s): tool_choice.name; tool_choice.function: Field required"
     assert param == "tool_choice.name"
+
+
+def test_required_schemas_leave_data_that_looks_like_a_ref_alone():
+    """A const (or enum, default, examples) holding a "$ref" key is data: moving the tools' $defs rewrote
+    it, so the output no longer matched the tool's own schema."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"const": {"$ref": "#/definitions/Pet"}}}, "required": ["p"],
+        "examples": [{"$ref": "#"}]}}}]
+    arguments = required_tools_schema(tools, "required")["items"]["anyOf"][0]["properties"]["arguments"]
+    assert arguments["properties"]["p"]["const"] == {"$ref": "#/definitions/Pet"}
+    assert arguments["examples"] == [{"$ref": "#"}]

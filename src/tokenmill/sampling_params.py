@@ -33,16 +33,62 @@ def json_depth(value) -> int:
     return depth
 
 # JSON schema keywords xgrammar compiles as if absent (the output would not honour them): refused
-_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not")
-# where a schema holds further schemas: as a map of names to schemas, or one or a list of them
+_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef")
+# where a schema holds a map of names to schemas (any other object in a schema is walked as a schema)
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "if", "then", "else",
-               "additionalItems", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+# values that are data or annotations, never schemas
+_DATA = ("const", "enum", "default", "examples", "discriminator", "required", "type")
+# keywords that constrain a value, which xgrammar drops beside anyOf / oneOf / allOf / $ref
+_CONSTRAINTS = ("type", "properties", "required", "additionalProperties", "items", "prefixItems", "minimum",
+                "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
+                "pattern", "format", "minItems", "maxItems", "minProperties", "maxProperties", "enum", "const",
+                "patternProperties", "propertyNames")
+_STRING_ONLY = ("minLength", "maxLength", "pattern", "format")
+_NUMBER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _unenforced(node: dict) -> str | None:
+    """What in one schema node xgrammar would compile as if absent (its own check, not its subschemas'):
+    the message's subject, or None."""
+    used = [k for k in _UNENFORCED if k in node and (k != "uniqueItems" or node[k])]
+    if used:
+        return repr(used[0])
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return f"'allOf' with {len(node['allOf'])} schemas"
+    combined = [k for k in ("anyOf", "oneOf", "allOf", "$ref") if k in node]
+    beside = [k for k in _CONSTRAINTS if k in node]
+    if combined and beside:
+        return f"{beside[0]!r} beside {combined[0]!r}"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"the $ref {ref!r} (only '#' and '#/...' references resolve)"
+    required = node.get("required")
+    if isinstance(required, list):
+        missing = [name for name in required if name not in (node.get("properties") or {})]
+        if missing:
+            return f"'required' naming {missing[0]!r}, which 'properties' does not define"
+    kind = node.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if "multipleOf" in node and (kinds != {"integer"} or any(k in node for k in _NUMBER_ONLY[:4])):
+        return "'multipleOf' (only on an integer without bounds)"
+    if any(k in node for k in ("minLength", "maxLength")) and any(k in node for k in ("pattern", "format")):
+        return "'minLength'/'maxLength' beside 'pattern' or 'format'"
+    if kind is None and "enum" not in node and "const" not in node:
+        untyped = [k for k in (*_STRING_ONLY, *_NUMBER_ONLY) if k in node]
+        if untyped:
+            return f"{untyped[0]!r} without a 'type'"
+    patterns = [node.get("pattern"), *(node.get("patternProperties") or {}),
+                (node.get("propertyNames") or {}).get("pattern") if isinstance(node.get("propertyNames"), dict) else None]
+    if any(isinstance(p, str) and ("(?=" in p or "(?!" in p) for p in patterns):
+        return "a lookahead in a pattern"
+    return None
 
 
 def _check_schema(schema) -> None:
     """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
-    compile time grows with the cube of the depth) or using a keyword in `_UNENFORCED`."""
+    compile time grows with the cube of the depth) or using what xgrammar would compile as if absent
+    (`_unenforced`), anywhere a `$ref` could point: every object in it but data and annotations."""
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
         raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
@@ -52,16 +98,19 @@ def _check_schema(schema) -> None:
         node = todo.pop()
         if not isinstance(node, dict):
             continue
-        used = [k for k in _UNENFORCED if k in node and (k != "uniqueItems" or node[k])]
-        if used:
-            raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {used[0]!r}, which "
-                                                                "structured output cannot enforce")
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                todo.extend(node[key].values())
-        for key in _SUBSCHEMAS:
-            value = node.get(key)
-            todo.extend(value if isinstance(value, list) else [value])
+        what = _unenforced(node)
+        if what is not None:
+            raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
+                                                                "output cannot enforce")
+        for key, value in node.items():
+            if key in _DATA:
+                continue
+            if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                todo.extend(value.values())
+            elif isinstance(value, list):
+                todo.extend(value)
+            else:
+                todo.append(value)
 
 
 class SamplingParamError(ValueError):

@@ -263,6 +263,9 @@ def _rehome_refs(node, prefix: str):
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
+            if key in ("const", "enum", "default", "examples"):       # data, not schemas
+                out[key] = copy.deepcopy(value)
+                continue
             if key == "$ref" and isinstance(value, str):
                 for root in ("#/$defs/", "#/definitions/"):
                     if value.startswith(root):
