@@ -92,6 +92,11 @@ def test_refusals_name_the_value_and_the_limit(qwen3_dir):
         EngineConfig(model=path, tensor_parallel_size=2, preemption_mode="swap")
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):     # before any process starts
         LLM(path, device="cpu", tensor_parallel_size=3)
+    # a plain checkpoint quantized at load: said 'is quantized' of a checkpoint that is not
+    from tokenmill.runner.loader import load_model
+    from tokenmill.runner.tensor_parallel import TensorParallel
+    with pytest.raises(ValueError, match=r"would be quantized at load \(--quantization fp8\)"):
+        load_model(path, cfg, torch.device("cpu"), torch.float32, "fp8", TensorParallel(0, 2))
 
 
 def test_cli_flag_and_alias():
@@ -155,3 +160,32 @@ def test_a_worker_that_cannot_allocate_its_kv_cache_fails_the_start(qwen3_dir, t
         LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE)
     gc.collect()
     assert procs and [p.wait(timeout=30) for p in procs] == [1]
+
+
+def test_a_ctrl_c_inside_a_sharded_call_leaves_the_ranks_in_step(pair):
+    """A Ctrl-C landing after rank 0 broadcast a call but before its collectives ended left the worker
+    inside one: the next generate's broadcast never paired with it and hung for good. The interrupt now
+    waits for the call's end; generate aborts its requests, and the next call runs."""
+    import signal
+    import threading
+    path, single, split = pair
+    if "llama" not in path:
+        pytest.skip("one architecture is enough")
+    layer = split.engine.runner.model.module.model.layers[0]
+    sent = []
+
+    def interrupt(module, args):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+    hook = layer.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            split.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    finally:
+        hook.remove()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(_greedy(split)), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert result and result[0] == _greedy(single), "the next generate hung"

@@ -119,8 +119,10 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
     safetensors weights."""
     check_quantization(quantization, cfg, model_path)
     if tp is not None and (is_gguf(model_path) or quantization is not None or cfg.quantization is not None):
-        raise ValueError(f"tensor_parallel_size={tp.size} loads plain safetensors checkpoints only; "
-                         f"{model_path!r} is {'a GGUF file' if is_gguf(model_path) else 'quantized'}")
+        what = ("is a GGUF file" if is_gguf(model_path) else "is quantized" if cfg.quantization is not None
+                else f"would be quantized at load (--quantization {quantization})")
+        raise ValueError(f"tensor_parallel_size={tp.size} loads plain safetensors checkpoints only, unquantized; "
+                         f"{model_path!r} {what}")
     if quantization == "fp8" and cfg.quantization is None:
         cfg = dataclasses.replace(cfg, quantization=Fp8Config())
     if isinstance(cfg.quantization, Fp8Config):

@@ -17,11 +17,14 @@ once the runner is collected) or when rank 0's process dies, so no worker outliv
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -99,6 +102,28 @@ def unpack_forward(h: list[int], payload: torch.Tensor):
     return ids, positions, meta
 
 
+@contextlib.contextmanager
+def _whole_call():
+    """Holds a Ctrl-C back until a sharded call ends. Once rank 0 has broadcast a call, every rank must
+    run its collectives to the end: cut between (an offline generate interrupted), the workers would wait
+    inside a collective that the next call's broadcast never pairs, and it would hang for good. Only the
+    main thread receives signals; where SIGINT is ignored there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if previous is signal.default_int_handler or not callable(previous):
+                raise KeyboardInterrupt
+            previous(signal.SIGINT, caught[0])
+
+
 class ShardedModel:
     """Rank 0's tensor-parallel model: called as the model is (`model(input_ids, positions, meta)`,
     `compute_logits`), it has every worker make the same call first; anything else is the model's own
@@ -108,16 +133,18 @@ class ShardedModel:
         self.module, self.tp = module, tp
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        h, payload = forward_payload(input_ids, positions, meta)
-        self.tp.broadcast(h)
-        self.tp.broadcast(payload)
-        return self.module(input_ids, positions, meta)
+        with _whole_call():
+            h, payload = forward_payload(input_ids, positions, meta)
+            self.tp.broadcast(h)
+            self.tp.broadcast(payload)
+            return self.module(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.contiguous()
-        self.tp.broadcast(header(LOGITS, *hidden.shape))
-        self.tp.broadcast(hidden)
-        return self.module.compute_logits(hidden)
+        with _whole_call():
+            hidden = hidden.contiguous()
+            self.tp.broadcast(header(LOGITS, *hidden.shape))
+            self.tp.broadcast(hidden)
+            return self.module.compute_logits(hidden)
 
     def __getattr__(self, name):
         if name == "module":        # not set yet (copy, unpickling): no recursion through self.module
