@@ -189,3 +189,38 @@ def test_a_ctrl_c_inside_a_sharded_call_leaves_the_ranks_in_step(pair):
     thread.start()
     thread.join(timeout=60)
     assert result and result[0] == _greedy(single), "the next generate hung"
+
+
+def test_a_worker_that_dies_while_the_server_idles_ends_it(qwen3_dir, tmp_path):
+    """The idle engine core waited on its clients alone: /health answered 200 for as long as no request came
+    to find the worker gone. The core now watches the workers and ends at once, naming the rank."""
+    import signal
+
+    from test_server import ServerProcess
+    s = ServerProcess(qwen3_dir, tmp_path, "-tp", "2", "--max-model-len", "128", "--num-kv-blocks", "64")
+    try:
+        workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+                   and _parent(int(pid)) == s.engine_pid and b"tp_worker" in _cmdline(int(pid))]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert s.proc.wait(timeout=60) != 0
+        assert "tensor-parallel worker rank 1 exited with status -9" in s.log_path.read_text()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

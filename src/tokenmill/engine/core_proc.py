@@ -269,13 +269,19 @@ def _send(conn: Connection, msg) -> bool:
 def _loop(engine, clients: list[_Client]) -> None:
     num_clients = len(clients)
     live = {client.conn: client for client in clients}
+    # tensor-parallel workers: a worker that dies while the core idles ends it at once (the server then
+    # reports engine_dead), not at the next request's collective
+    workers = getattr(getattr(engine, "runner", None), "workers", None)
+    exits = workers.exit_watch() if workers is not None else {}
     while live:
         busy = engine.has_unfinished_requests()
         compiling = any(client.compiling for client in live.values())
         # Block while idle (looking in on grammars that compile every 5 ms); while busy, only drain what
         # has already arrived.
         updates: dict[_Client, CoreUpdate] = {}
-        for conn in wait(list(live), 0 if busy else 0.005 if compiling else None):
+        for conn in wait([*live, *exits], 0 if busy else 0.005 if compiling else None):
+            if conn in exits:
+                raise workers.exited(exits[conn])
             client = live[conn]
             update = updates[client] = CoreUpdate()
             try:
