@@ -224,3 +224,17 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_a_worker_that_dies_before_joining_the_group_fails_the_start(qwen3_dir, tmp_path, monkeypatch):
+    """A worker that reported its slice loaded and then died before joining the gloo group left rank 0
+    waiting in the group's constructor for good (its timeout is years)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, sys
+        if "tokenmill.runner.tp_worker" in sys.orig_argv:
+            import tokenmill.runner.tensor_parallel as wire
+            wire.make_group = lambda store, rank, size: os._exit(3)
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="worker rank 1 exited with status 3 before it joined the process group"):
+        LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE)

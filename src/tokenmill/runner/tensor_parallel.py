@@ -186,7 +186,26 @@ class TensorParallelWorkers:
         """Waits until every worker has loaded its slice (raising what a failed one reported), then joins
         the process group."""
         self._await(ready_key, "load the model")
-        self.tp.group = make_group(self.store, 0, self.tp.size)
+        # joined on a thread while this one watches the workers: one that dies before it joins would leave
+        # the join waiting for good
+        joined: dict = {}
+
+        def join():
+            try:
+                joined["group"] = make_group(self.store, 0, self.tp.size)
+            except BaseException as e:
+                joined["error"] = e
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            for rank, proc in enumerate(self.procs, start=1):
+                if thread.is_alive() and proc.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode} "
+                                       "before it joined the process group")
+        if "error" in joined:
+            raise joined["error"]
+        self.tp.group = joined["group"]
 
     def start(self, num_blocks: int) -> None:
         """Tells the workers the KV cache's size in blocks and waits until each has allocated its slice
