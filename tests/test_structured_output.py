@@ -354,6 +354,8 @@ def test_schemas_that_cannot_be_compiled_or_enforced_are_refused():
     ({"$ref": "#anchor"}, "the \\$ref '#anchor'"),
     ({"$ref": "#/x", "x": {"not": {"type": "integer"}}}, "'not'"),          # reached through a $ref
     ({"minLength": 2}, "'minLength' without a 'type'"),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "draft-04's boolean 'exclusiveMinimum'"),
+    ({"type": "array", "items": [{"type": "integer"}]}, "'items' as a list"),
 ])
 def test_schema_constraints_the_grammar_would_drop_are_refused(schema, message):
     """Each was accepted and compiled as if the constraint were absent (xgrammar drops it, at most with a

@@ -54,6 +54,11 @@ def _unenforced(node: dict) -> str | None:
     used = [k for k in _UNENFORCED if k in node and (k != "uniqueItems" or node[k])]
     if used:
         return repr(used[0])
+    for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+        if isinstance(node.get(bound), bool):
+            return f"draft-04's boolean {bound!r} (give the bound itself as {bound})"
+    if isinstance(node.get("items"), list):
+        return "'items' as a list (draft-07's tuples; give them as 'prefixItems')"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return f"'allOf' with {len(node['allOf'])} schemas"
     combined = [k for k in ("anyOf", "oneOf", "allOf", "$ref") if k in node]
