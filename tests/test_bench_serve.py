@@ -100,21 +100,26 @@ def _sse(obj) -> bytes:
     return _chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
+async def _read_request(reader) -> tuple[str, dict, dict] | None:
+    """The next request on a keep-alive connection: (path, headers, JSON body); None once it closes."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    lines = head.decode().split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:] if line)
+    return lines[0].split()[1], fields, json.loads(await reader.readexactly(int(fields["Content-Length"])))
+
+
 async def _fake_openai(reader, writer, seen):
     """Answers requests on one keep-alive connection by path: /ok streams a role chunk, two content chunks
     (the second split across writes), usage and [DONE]; /bad is an HTTP 400; /err streams an error object; /stall
     sends the head only."""
     seen["handlers"].append(asyncio.current_task())
-    while True:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
-            return
-        lines = head.decode().split("\r\n")
-        fields = dict(line.split(": ", 1) for line in lines[1:] if line)
-        seen["bodies"].append(json.loads(await reader.readexactly(int(fields["Content-Length"]))))
+    while (request := await _read_request(reader)) is not None:
+        path, fields, body = request
+        seen["bodies"].append(body)
         seen["auth"].append(fields.get("Authorization"))
-        path = lines[0].split()[1]
         if path == "/bad":
             body = b'{"error": {"message": "max_tokens too large"}}'
             writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: "
@@ -248,13 +253,8 @@ def test_client_processes_share_a_level():
     lock = threading.Lock()
 
     async def handle(reader, writer):
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                return
-            fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
-            body = json.loads(await reader.readexactly(int(fields["Content-Length"])))
+        while (request := await _read_request(reader)) is not None:
+            body = request[2]
             with lock:
                 state["open"] += 1
                 state["most"] = max(state["most"], state["open"])
@@ -299,13 +299,8 @@ def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
     prompts = []
 
     async def handle(reader, writer):
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                return
-            fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
-            body = json.loads(await reader.readexactly(int(fields["Content-Length"])))
+        while (request := await _read_request(reader)) is not None:
+            body = request[2]
             prompts.append(tuple(body["prompt"]))
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                          + _sse({"choices": [{"index": 0, "text": "a"}]})

@@ -250,9 +250,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--api-server-count {args.api_server_count}")
     if args.api_server_count > 1 and args.backend != "tokenmill":
         parser.error(f"--api-server-count {args.api_server_count} needs --backend tokenmill")
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
-                     "pass; give a key, or none for an open server")
     names = args.served_model_name or []
     if any(not name.strip() for name in names) or len(set(names)) < len(names):
         parser.error(f"--served-model-name takes distinct, non-empty names, got {names}")
@@ -264,6 +261,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
     try:                 # the options' own checks and the files they name, before the model loads
+        from tokenmill.server.launch import check_api_key
+        check_api_key(args.api_key)
         http_options(args).check_tls()
         engine_config(args)
         generation_defaults(args)
@@ -392,8 +391,7 @@ def _generate(args) -> int:
     if args.chat:
         # token ids: the rendered text holds its BOS already, which encoding it as a prompt would add again
         tok = llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-                              add_special_tokens=False) for p in prompts]
+        prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     texts = [c.text for out in llm.generate(prompts, params) for c in out.outputs]
     for i, text in enumerate(texts):
         if i:

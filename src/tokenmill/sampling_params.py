@@ -37,15 +37,16 @@ _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "
                "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef")
 # where a schema holds a map of names to schemas (any other object in a schema is walked as a schema)
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-# values that are data or annotations, never schemas
-_DATA = ("const", "enum", "default", "examples", "discriminator", "required", "type")
+# a schema's keys whose values are data or annotations, never schemas (no $ref in them resolves)
+SCHEMA_DATA_KEYS = ("const", "enum", "default", "examples", "discriminator", "required", "type")
 # keywords that constrain a value, which xgrammar drops beside anyOf / oneOf / allOf / $ref
 _CONSTRAINTS = ("type", "properties", "required", "additionalProperties", "items", "prefixItems", "minimum",
                 "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
                 "pattern", "format", "minItems", "maxItems", "minProperties", "maxProperties", "enum", "const",
                 "patternProperties", "propertyNames")
 _STRING_ONLY = ("minLength", "maxLength", "pattern", "format")
-_NUMBER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_NUMBER_ONLY = (*_BOUNDS, "multipleOf")
 
 
 def _unenforced(node: dict) -> str | None:
@@ -75,7 +76,7 @@ def _unenforced(node: dict) -> str | None:
             return f"'required' naming {missing[0]!r}, which 'properties' does not define"
     kind = node.get("type")
     kinds = set(kind) if isinstance(kind, list) else {kind}
-    if "multipleOf" in node and (kinds != {"integer"} or any(k in node for k in _NUMBER_ONLY[:4])):
+    if "multipleOf" in node and (kinds != {"integer"} or any(k in node for k in _BOUNDS)):
         return "'multipleOf' (only on an integer without bounds)"
     if any(k in node for k in ("minLength", "maxLength")) and any(k in node for k in ("pattern", "format")):
         return "'minLength'/'maxLength' beside 'pattern' or 'format'"
@@ -108,7 +109,7 @@ def _check_schema(schema) -> None:
             raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
                                                                 "output cannot enforce")
         for key, value in node.items():
-            if key in _DATA:
+            if key in SCHEMA_DATA_KEYS:
                 continue
             if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
                 todo.extend(value.values())

@@ -576,6 +576,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         raise SystemExit("give --tools-fraction or --structured-fraction, not both (each splits the requests "
                          "into two classes)")
     tools = structured_indices(len(requests), args.tools_fraction)
+
     def drawn(seed: int) -> list[ServeRequest]:
         return build_serve_requests(argparse.Namespace(**{**vars(args), "seed": seed}), chat)
 

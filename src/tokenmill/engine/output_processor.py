@@ -153,9 +153,8 @@ class OutputProcessor:
             hit = seq.detok.finish()
             if hit is not None:
                 reason, stop_reason = "stop", hit
-        out.finish_reason, out.stop_reason = reason, stop_reason
-        if seq.detok is not None:
             out.text = seq.detok.output_text(True)
+        out.finish_reason, out.stop_reason = reason, stop_reason
 
     def _entry(self, token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
         """{token id: Logprob}: the token at its rank, then the most likely ones (ranks 1, 2, ...)."""

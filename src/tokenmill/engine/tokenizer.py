@@ -139,8 +139,7 @@ class Tokenizer:
         return len(self.hf)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        return self.apply_chat_template(messages, add_generation_prompt, tokenize=True, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)

@@ -201,8 +201,7 @@ class TensorParallelWorkers:
             thread.join(0.05)
             for rank, proc in enumerate(self.procs, start=1):
                 if thread.is_alive() and proc.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode} "
-                                       "before it joined the process group")
+                    raise self.exited(rank, " before it joined the process group")
         if "error" in joined:
             raise joined["error"]
         self.tp.group = joined["group"]
@@ -219,8 +218,7 @@ class TensorParallelWorkers:
             key = key_of(rank)
             while not self.store.check([key]):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode} "
-                                       f"before it could {what} (its error is in the log above)")
+                    raise self.exited(rank, f" before it could {what} (its error is in the log above)")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel worker rank {rank} did not {what} in "
                                        f"{_READY_TIMEOUT_S:.0f} s")
@@ -242,13 +240,14 @@ class TensorParallelWorkers:
                     self._pidfds[os.pidfd_open(proc.pid)] = rank
                 except OSError:
                     pass
-            self._finalizer_fds = weakref.finalize(self, _close_fds, list(self._pidfds))
+            weakref.finalize(self, _close_fds, list(self._pidfds))
         return self._pidfds
 
-    def exited(self, rank: int) -> RuntimeError:
+    def exited(self, rank: int, when: str = "") -> RuntimeError:
+        """The error of worker `rank`, which has exited (or is exiting: its status is waited for)."""
         proc = self.procs[rank - 1]
         proc.wait(timeout=5)
-        return RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode}")
+        return RuntimeError(f"tensor-parallel worker rank {rank} exited with status {proc.returncode}{when}")
 
     def close(self) -> None:
         """Stops the workers (closes their stdin) and waits for them; idempotent."""

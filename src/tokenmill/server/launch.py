@@ -57,6 +57,13 @@ def raise_open_files_limit(connections: int | None) -> None:
             "past it are dropped without an answer; raise the limit or lower --limit-concurrency", soft, connections)
 
 
+def check_api_key(api_key: str | None) -> None:
+    """ValueError for an empty key: a bare 'Authorization: Bearer' would pass it."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
+                         "pass; give a key, or none for an open server")
+
+
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
@@ -70,9 +77,7 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     request's tokens a chunk (its first and last go at once)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
-    if api_key is not None and not api_key.strip():
-        raise ValueError("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
-                         "pass; give a key, or none for an open server")
+    check_api_key(api_key)
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
     if api_server_count > 1 and in_process:

@@ -55,6 +55,10 @@ class PromptTokenizer:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def _need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, no_tokenizer(param), param)
+
     def _check_chars(self, text: str, param: str) -> None:
         """Refuses, without tokenizing it, a text too long to fit: no token holds more than
         `_max_token_chars` characters, so the text has at least len(text) / that many tokens."""
@@ -72,8 +76,7 @@ class PromptTokenizer:
         are then encoded in `encode_batch` calls of a few texts a core, which spread them over the cores:
         a burst of requests is tokenized in batches, not one by one. `fits`: a text sure not to fit the
         context is refused without tokenizing it (not for /tokenize, which counts any text)."""
-        if self.tokenizer is None:
-            raise APIError(400, no_tokenizer(param), param)
+        self._need_tokenizer(param)
         if fits:
             self._check_chars(text, param)
         if len(text) > LONG_TEXT_CHARS:
@@ -185,8 +188,7 @@ class PromptTokenizer:
             return e
 
     async def decode(self, ids: list[int], param: str = "tokens") -> str:
-        if self.tokenizer is None:
-            raise APIError(400, no_tokenizer(param), param)
+        self._need_tokenizer(param)
         return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def template_reads(self, name: str) -> bool:
@@ -203,8 +205,7 @@ class PromptTokenizer:
         """The chat template rendered, and encoded (the rendered text holds its special tokens).
         `template_kwargs` (tools, continue_final_message, the request's chat_template_kwargs) go to the
         template; `--chat-template` replaces the model's."""
-        if self.tokenizer is None:
-            raise APIError(400, no_tokenizer("messages"), "messages")
+        self._need_tokenizer("messages")
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
         text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs))

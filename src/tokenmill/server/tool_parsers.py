@@ -32,6 +32,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from tokenmill.sampling_params import SCHEMA_DATA_KEYS
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -263,7 +265,7 @@ def _rehome_refs(node, prefix: str):
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
-            if key in ("const", "enum", "default", "examples"):       # data, not schemas
+            if key in SCHEMA_DATA_KEYS:
                 out[key] = copy.deepcopy(value)
                 continue
             if key == "$ref" and isinstance(value, str):
