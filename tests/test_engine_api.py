@@ -357,6 +357,26 @@ def test_sharded_checkpoint_loads(qwen3_dir, tmp_path):
     assert a == b
 
 
+def test_an_unreadable_shard_or_index_is_named(qwen3_dir, tmp_path):
+    """A shard cut short (an interrupted download), an index without its weight_map or listing a shard
+    that is not there: each error names the file, not a bare SafetensorError or KeyError."""
+    from transformers import AutoModelForCausalLM
+    d = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(qwen3_dir).save_pretrained(str(d), max_shard_size="100KB")
+    index = d / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    data = (d / shards[-1]).read_bytes()
+    (d / shards[-1]).write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=rf"cannot read checkpoint file .*{shards[-1]}'"):
+        LLM(str(d), device="cpu")
+    (d / shards[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"lists the shard '{shards[-1]}', which is not in"):
+        LLM(str(d), device="cpu")
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json' has no weight_map"):
+        LLM(str(d), device="cpu")
+
+
 def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     """The core reports token ids only; the frontend's OutputProcessor finds the stop string, and the
     sequence it names is stopped in the core (its blocks free) before another step runs, while the

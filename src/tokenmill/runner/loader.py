@@ -7,7 +7,7 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
@@ -23,13 +23,29 @@ def weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, n) for n in names]
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index!r} has no weight_map (checkpoint key -> shard file)")
+        files = [os.path.join(model_dir, n) for n in sorted(set(weight_map.values()))]
+        for path in files:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{index!r} lists the shard {os.path.basename(path)!r}, which is not in "
+                                        f"{model_dir!r}")
+        return files
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r} (tokenmill loads local "
                                 "safetensors checkpoints only; .bin/.pt files are not supported)")
     return files
+
+
+def _open(path: str, device: str):
+    """`safe_open` with the file named in its errors: one bad shard of many (truncated by an interrupted
+    download, not a safetensors file) is otherwise reported without saying which."""
+    try:
+        return safe_open(path, framework="pt", device=device)
+    except SafetensorError as e:
+        raise ValueError(f"cannot read checkpoint file {path!r}: {e}") from None
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -64,7 +80,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     if model.config.tie_word_embeddings:
         keys = set()
         for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _open(path, "cpu") as f:
                 keys.update(f.keys())
         if "lm_head.weight" in keys and "model.embed_tokens.weight" not in keys:
             # tied, the shared matrix stored under the head's name alone (transformers ties it either way)
@@ -72,7 +88,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
     def tensors():
         for path in files:
-            with safe_open(path, framework="pt", device=str(device)) as f:
+            with _open(path, str(device)) as f:
                 for stored in f.keys():
                     key = names.get(stored, stored)
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
