@@ -82,6 +82,19 @@ def test_text_then_a_call_is_one_assistant_turn():
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1"]
 
 
+def test_a_function_call_output_may_be_content_parts():
+    """OpenAI's API takes a tool's output as input_text parts as well as a string (the Agents SDK sends
+    them): the tool message holds their text; a media part is refused by name."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    parts = [{"type": "input_text", "text": "18 "}, {"type": "input_text", "text": "C"}]
+    messages = _chat([{"role": "user", "content": "weather?"}, call,
+                      {"type": "function_call_output", "call_id": "c1", "output": parts}])
+    assert messages[-1]["role"] == "tool" and messages[-1]["content"] == "18 C"
+    with pytest.raises(ValidationError, match="'input_image' content is not supported"):
+        _chat([call, {"type": "function_call_output", "call_id": "c1",
+                      "output": [{"type": "input_image", "image_url": "https://x/y.png"}]}])
+
+
 def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     with pytest.raises(APIError, match="No tool call found for function call output with call_id 'nobody'") as e:
         _chat([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nobody", "output": "x"}])

@@ -76,8 +76,8 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
         if type(items) is list:
             count = len(items)
             if field in ("messages", "input"):       # and the content parts within them
-                count = max(count, sum(len(m["content"]) for m in items
-                                       if type(m) is dict and type(m.get("content")) is list))
+                count = max(count, sum(len(parts) for m in items if type(m) is dict
+                                       for parts in (m.get("content"), m.get("output")) if type(parts) is list))
                 what = f"{what} or content parts" if count > len(items) else what
             if count > max_model_len:
                 raise BodyError(400, f"'{field}' holds {count} {what}, more than this model's maximum context "

@@ -62,11 +62,21 @@ class FunctionCallItem(_Strict):
 
 
 class FunctionCallOutputItem(_Strict):
+    """A tool's result: a string, or content parts as OpenAI's API also takes them (what the Agents SDK sends
+    for a tool that returns text objects); the parts' text joined is what the model sees."""
     type: Literal["function_call_output"]
     call_id: str
-    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
     id: str | None = None
     status: str | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_only(cls, output):
+        return refuse_media_parts(output, "input.output")
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class ReasoningItem(_Strict):
@@ -269,7 +279,7 @@ class ResponsesRequest(_Strict):
                     raise APIError(400, f"No tool call found for function call output with call_id "
                                         f"{item.call_id!r}: no function_call item in the input or the "
                                         "conversation has it", "input")
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             if thinking and messages[-1]["role"] == "assistant":
                 messages[-1]["reasoning_content"] = thinking
             thinking = ""
