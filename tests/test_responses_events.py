@@ -104,6 +104,23 @@ def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     assert e.value.param == "input"
 
 
+def test_errors_about_input_items_name_the_type_and_the_clients_field():
+    """An item type this server does not read is named (not a message's missing fields); an item's field
+    path is the client's, without the union branch it was validated as."""
+    from fastapi.exceptions import RequestValidationError
+    from tokenmill.server.errors import describe_validation_error
+
+    def error(items):
+        with pytest.raises(ValidationError) as e:
+            ResponsesRequest.model_validate({"input": items})
+        return describe_validation_error(RequestValidationError(e.value.errors()))
+    message, param = error([{"type": "item_reference", "id": "msg_1"}])
+    assert "'item_reference' is not supported" in message and param == "input"
+    assert error([{"role": "user", "content": "hi", "name": "bob"}]) == (
+        "Unknown or unsupported field(s): input.0.name", "input.0.name")
+    assert "input.0.arguments: Field required" in error([{"type": "function_call", "call_id": "c", "name": "f"}])[0]
+
+
 def test_errors_name_the_responses_fields():
     fmt = {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}
     req = ResponsesRequest.model_validate({"input": "hi", **fmt})

@@ -128,17 +128,24 @@ def _unwrap(blob) -> str | None:
 _ITEM_ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+# the input item types this server reads; a message may also leave its type out
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_CLASSES = {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem",
+                 "reasoning": "ReasoningItem"}
+
+
 def _item_kind(item) -> str:
     kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
-    return kind if kind in ("function_call", "function_call_output", "reasoning") else "message"
+    return _ITEM_CLASSES.get(kind, "MessageItem")
 
 
 # an item is validated as the kind its type names (a message where it names none), so that a bad item's 400
-# speaks of that kind's fields only
-InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")],
-                            Annotated[MessageItem, Tag("message")]], Discriminator(_item_kind)]
+# speaks of that kind's fields only; the tags are class names, which an error's field path leaves out
+# (errors._field_path), so that it names the client's fields ("input.0.name", not "input.0.message.name")
+InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("FunctionCallItem")],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+                            Annotated[ReasoningItem, Tag("ReasoningItem")],
+                            Annotated[MessageItem, Tag("MessageItem")]], Discriminator(_item_kind)]
 _ITEMS = TypeAdapter(list[InputItem])
 # the chat request's fields (`ResponsesRequest.as_chat`) that this API calls otherwise
 _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "prompt": "input",
@@ -209,6 +216,18 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_item_types(cls, items):
+        """A 400 naming an item type this server does not read (OpenAI's built-in tools' calls, item
+        references), rather than one listing the fields a message would need."""
+        for item in items if isinstance(items, list) else ():
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in ITEM_TYPES:
+                raise UnsupportedValue("input", f"input item type {kind!r} is not supported by tokenmill (only "
+                                                f"{', '.join(map(repr, ITEM_TYPES))})")
+        return items
 
     @model_validator(mode="after")
     def _check(self):
