@@ -130,3 +130,40 @@ def test_errors_name_the_responses_fields():
     assert ResponsesRequest.model_validate({"input": "hi"}).field_of("structured_outputs.json") == "tools"
     with pytest.raises(ValidationError, match="text.format of type 'json_schema' needs 'schema'"):
         ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}})
+
+
+def test_a_stream_cut_short_ends_with_a_numbered_error_event():
+    """A stream the server cuts (a second SIGTERM) ends with OpenAI's error event, whose sequence_number
+    follows the events before it, as every Responses event's does."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import orjson
+
+    from tokenmill.server.serving import ServerStopping, Serving
+
+    class Engine:
+        tokenizer, max_model_len, dead = None, 64, False
+
+        async def generate(self, request_id, ids, params, priority, **kw):
+            yield SimpleNamespace(finished=False)
+            raise ServerStopping("the server is stopping")
+
+    async def make_stream(merged):
+        events = _EventStream(shape=None)
+        async for _ in merged:
+            yield events.event("response.output_text.delta", delta="x")
+            yield events.event("response.output_text.delta", delta="y")
+
+    async def main():
+        serving = Serving(Engine(), ["tiny"], max_queue_len=8)
+        serving.admit()
+        params = SimpleNamespace(logprobs=None, prompt_logprobs=None, n=1, max_tokens=4)
+        raw = SimpleNamespace(receive=lambda: asyncio.sleep(60))
+        response = await serving.run(raw, [[1, 2]], params, 0, True, make_stream, None, event_names=True)
+        return [chunk async for chunk in response.body_iterator]
+    chunks = asyncio.run(main())
+    events = [orjson.loads(c.split(b"data: ", 1)[1]) for c in chunks]
+    assert [e["type"] for e in events] == ["response.output_text.delta"] * 2 + ["error"]
+    assert events[-1]["code"] == "shutting_down"
+    assert [e["sequence_number"] for e in events] == [0, 1, 2]

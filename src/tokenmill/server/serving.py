@@ -289,10 +289,12 @@ class Serving:
                 self._end(entries)
 
         async def sse() -> AsyncIterator[bytes]:
+            sequence_number = 0         # the next Responses event's
             try:
                 try:
                     async for chunk in make_stream(_merge_streams(gens, first)):
                         if event_names:
+                            sequence_number = chunk["sequence_number"] + 1
                             yield b"event: " + chunk["type"].encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
                         else:
                             yield b"data: " + dumps(chunk) + b"\n\n"
@@ -304,7 +306,9 @@ class Serving:
                         logger.exception("a stream failed")
                         err = APIError(500, f"internal error: {type(e).__name__}")
                     if event_names:
-                        body = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+                        # OpenAI's error event, numbered on from the stream's events as every event is
+                        body = {"type": "error", "code": err.code, "message": err.message, "param": err.param,
+                                "sequence_number": sequence_number}
                         yield b"event: error\ndata: " + dumps(body) + b"\n\n"
                     else:
                         yield b"data: " + dumps(error_body(err.status, err.message, err.param, err.code)) + b"\n\n"
