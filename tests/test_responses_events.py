@@ -95,6 +95,25 @@ def test_a_function_call_output_may_be_content_parts():
                       "output": [{"type": "input_image", "image_url": "https://x/y.png"}]}])
 
 
+def test_output_items_sent_back_as_the_openai_client_dumps_them():
+    """`item.model_dump()` of the client's output items carries its fields this server leaves out, as
+    null (a message's phase; a call's async, caller and namespace): accepted, and not stored back."""
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
+    message = ResponseOutputMessage.model_validate({
+        "type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": "Let me check.", "annotations": [], "logprobs": []}]})
+    call = ResponseFunctionToolCall.model_validate({"type": "function_call", "id": "fc_1", "call_id": "c1",
+                                                    "name": "f", "arguments": "{}", "status": "completed"})
+    items = [{"role": "user", "content": "hi"}, message.model_dump(mode="json", by_alias=True),
+             call.model_dump(mode="json", by_alias=True), {"type": "function_call_output", "call_id": "c1", "output": "x"}]
+    assert {"phase", "async", "namespace"} <= set(items[1]) | set(items[2])
+    assert [m["role"] for m in _chat(items)] == ["user", "assistant", "tool"]
+    stored = ResponsesRequest.model_validate({"input": items}).input_items()
+    assert not {"phase", "async", "async_", "caller", "namespace"} & (set(stored[1]) | set(stored[2]))
+    with pytest.raises(ValidationError, match="namespace"):
+        _chat([{**items[2], "namespace": "ns"}])
+
+
 def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     with pytest.raises(APIError, match="No tool call found for function call output with call_id 'nobody'") as e:
         _chat([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nobody", "output": "x"}])

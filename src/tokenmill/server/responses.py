@@ -42,6 +42,9 @@ class MessageItem(_Strict):
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
     id: str | None = None
     status: str | None = None
+    # the openai client's fields that this server's output items leave out: null where a client sends back
+    # an item as the client dumps it (`model_dump()`)
+    phase: None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -59,6 +62,10 @@ class FunctionCallItem(_Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
+    # as in MessageItem: the client's fields, null in the items it dumps from this server's output
+    async_: None = Field(default=None, alias="async")
+    caller: None = None
+    namespace: None = None
 
 
 class FunctionCallOutputItem(_Strict):
