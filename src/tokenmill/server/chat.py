@@ -222,11 +222,13 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             body["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
         return body
 
-    def chunk(choices, out=None):
+    def chunk(choices, out, counted):
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": serving.fingerprint, "choices": choices}
         if include_usage:
-            c["usage"] = usage([out]) if continuous and out is not None else None
+            # vLLM's continuous usage: the prompt and the tokens of `counted`, the chunk's own choice so far
+            # (none for the role chunk, which carries no token)
+            c["usage"] = usage([out], choices=counted) if continuous else None
         return c
 
     async def stream(merged):
@@ -236,7 +238,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         async for _, out in merged:
             if last is None:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(params.n)], out)
+                              "finish_reason": None} for i in range(params.n)], out, [])
             last = out
             for c in out.outputs:
                 delta = states.setdefault(c.index, ChoiceState()).advance(c, k is not None)
@@ -256,7 +258,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                     done = c.finish_reason is not None and j == len(parts) - 1
                     yield chunk([{"index": c.index, "delta": part, "logprobs": lp if j == 0 else None,
                                   "finish_reason": finish_reason(c, text) if done else None,
-                                  "stop_reason": c.stop_reason if done else None}], out)
+                                  "stop_reason": c.stop_reason if done else None}], out, [c])
         if include_usage and last is not None:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": serving.fingerprint, "choices": [],
