@@ -794,6 +794,36 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     assert sample("tokenmill:e2e_request_latency_seconds_bucket", {"le": "7680.0"}) == 3
 
 
+def test_a_request_the_core_refuses_is_no_request_in_the_metrics(qwen3_dir):
+    """A request the engine core refuses (priority under fcfs: the client's 400) counted as
+    request_success{finished_reason="abort"} with an e2e latency, as if it had run and been cut; one
+    aborted after it started still counts as an abort."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM, RequestAbortedError
+    from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.sampling_params import SamplingParamError
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    metrics = ServerMetrics("m", lambda: {})
+    engine.on_output = metrics.observe_output
+
+    async def main():
+        engine.attach()
+        with pytest.raises(SamplingParamError, match="priority"):
+            await anext(engine.generate("refused", [5, 6, 7], SamplingParams(max_tokens=5), priority=3))
+        with pytest.raises(RequestAbortedError):
+            async for _ in engine.generate("cut", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
+                engine.abort("cut")
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [metrics.finished.labels("m", r)._value.get() for r in ("stop", "length", "abort")] == [0, 0, 1]
+    assert metrics.e2e._sum.get() > 0 and sum(b.get() for b in metrics.e2e._buckets) == 1
+
+
 def test_a_prompt_counts_once_it_is_prefilled(qwen3_dir):
     llm = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_num_seqs=1, num_kv_blocks=40)
     engine = llm.engine

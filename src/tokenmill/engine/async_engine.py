@@ -205,8 +205,10 @@ class AsyncLLM:
             self.processor.forget(request_id, handle)
             if not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
-            if not stream.done and self.on_output is not None:
-                self.on_output(stream, None, time.time())       # ended unfinished: an abort in the metrics
+            # ended unfinished: an abort in the metrics; a request the core refused (a ValueError, the
+            # client's 400) never ran, and is no request there
+            if not stream.done and not isinstance(stream.error, ValueError) and self.on_output is not None:
+                self.on_output(stream, None, time.time())
 
     def abort(self, request_id: str | list[str]):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
