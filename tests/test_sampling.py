@@ -246,3 +246,24 @@ def test_vllm_sampling_rules_at_the_edges(llm):
     assert eos not in out.token_ids[:4] and out.token_ids[4:] == [eos] * 4
     assert SamplingParams(temperature=1e-6).temperature == 0.01 and not SamplingParams(temperature=1e-6).greedy
     assert SamplingParams(temperature=0).greedy
+
+
+def test_allowed_token_ids_limit_what_a_request_samples(llm):
+    """vLLM's allowed_token_ids: greedy and sampled rows take only those ids, beside a row without them in
+    the same batch; the logprobs stay the model's whole distribution; bad lists are refused by name."""
+    allowed = [40, 41, 300]
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    greedy, sampled, unlimited = llm.generate(
+        [PROMPTS[0], PROMPTS[0], PROMPTS[0]],
+        [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, allowed_token_ids=allowed),
+         SamplingParams(temperature=1.5, max_tokens=30, ignore_eos=True, seed=3, allowed_token_ids=allowed), free])
+    assert set(greedy.outputs[0].token_ids) <= set(allowed) and set(sampled.outputs[0].token_ids) <= set(allowed)
+    assert len(set(sampled.outputs[0].token_ids)) > 1
+    assert not set(unlimited.outputs[0].token_ids) <= set(allowed)
+    # the first token's top alternatives are the unlimited row's (raw logprobs)
+    assert set(greedy.outputs[0].logprobs[0]) - set(allowed) == set(unlimited.outputs[0].logprobs[0]) - set(allowed)
+    for bad in ([], [-1], [1.5]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids token id 100000 is out of range"):
+        llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5, 100000]))

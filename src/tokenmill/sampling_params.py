@@ -225,6 +225,9 @@ class SamplingParams:
     # token id -> added to its logit before any sampling step, in [-100, 100]; ids are checked against the
     # model's vocabulary when the request is added
     logit_bias: dict[int, float] | None = None
+    # vLLM's: the only token ids the request may sample (checked against the vocabulary as logit_bias' are);
+    # its logprobs stay those of the model's whole distribution, as logit_bias leaves them
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
@@ -305,6 +308,10 @@ class SamplingParams:
             bad("seed", self.seed, "an integer")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids (integers >= 0)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "non-empty strings (a string or a list of them)")
 

@@ -169,10 +169,11 @@ class LLMEngine:
                 del self.groups[rid]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids a request names (logit_bias, stop_token_ids) are in the vocabulary: the sampler indexes
-        the logits with them."""
+        """Token ids a request names (logit_bias, allowed_token_ids, stop_token_ids) are in the vocabulary: the
+        sampler indexes the logits with them."""
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "

@@ -70,6 +70,8 @@ class SamplingTensors:
     max_logprobs: int | None                  # top alternatives to return, None: no logprobs
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, token ids, values)
     token_bitmask: BatchBitmask | None = None  # the grammar-constrained rows
+    # the rows limited to allowed_token_ids: ([S] bool, the limited rows; the row and token id of each entry)
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # what the CUDA kernel reads, every row filled (top_k = vocab size, top_p = 1, min_p = 0 where off, each
     # row's seed and position): (temperature, top_k, top_p, min_p, seeds, positions)
     kernel_params: tuple[torch.Tensor, ...] | None = None
@@ -128,6 +130,7 @@ class SamplingTensors:
         most = int(flags["logprobs"].max()) if rows else -1
         max_logprobs = most if most >= 0 else None
         bias = _logit_bias(requests, device)
+        allowed = _allowed(requests, device)
         bitmask = None
         if any(r.grammar is not None for r in requests):
             from tokenmill.engine.structured_output import BatchBitmask
@@ -136,13 +139,13 @@ class SamplingTensors:
         penalties = bool(flags["penalties"].any())
         if all_greedy and not penalties:
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
-                                   None, None, max_logprobs, bias, bitmask)
+                                   None, None, max_logprobs, bias, bitmask, allowed)
         packed["position"] = np.fromiter((r.num_output_tokens for r in requests), np.int64, rows)
         counts = seen = None
         if penalties:
             counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens, copies)
         t = SamplingTensors.from_rows(packed, vocab_size, device, all_greedy, max_logprobs, counts, seen)
-        t.logit_bias, t.token_bitmask = bias, bitmask
+        t.logit_bias, t.token_bitmask, t.allowed = bias, bitmask, allowed
         return t
 
 
@@ -279,6 +282,19 @@ def _random_tokens_kernel(logits: torch.Tensor, t: SamplingTensors) -> torch.Ten
     return sampling.sample(logits, *t.kernel_params, filtered=t.top_k is not None or t.top_p is not None)
 
 
+def _allowed(requests: list[Request], device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`SamplingTensors.allowed` of the rows with allowed_token_ids; None when no row has them."""
+    limited = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
+    if not limited:
+        return None
+    rows = np.repeat(limited, [len(requests[i].params.allowed_token_ids) for i in limited])
+    ids = np.concatenate([np.asarray(requests[i].params.allowed_token_ids, np.int64) for i in limited])
+    is_limited = np.zeros(len(requests), dtype=bool)
+    is_limited[limited] = True
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (is_limited, rows.astype(np.int64), ids))
+
+
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles the random path's variants on `device` (logits in the model's `dtype`, and float32 after a
     bias or penalties; the kernel's two launch shapes, with top-k/top-p and without) before a request needs
@@ -293,7 +309,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
     """`greedy`: each row's argmax of `logits` where the caller has it already (the CUDA graphs end
     with it); used as the tokens when every row is greedy and nothing else is asked of the logits."""
     if (t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None
-            and t.logit_bias is None and t.token_bitmask is None):
+            and t.logit_bias is None and t.token_bitmask is None and t.allowed is None):
         if greedy is not None:
             return SamplerOutput(token_ids=greedy)
         # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
@@ -304,6 +320,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
     # logprobs are those of the model's distribution under the grammar, before logit_bias, penalties,
     # temperature and top-k/top-p (vLLM v1's default, "raw_logprobs")
     raw = logits
+    if t.allowed is not None:
+        is_limited, rows, ids = t.allowed
+        keep = ~is_limited[:, None].expand_as(logits).clone()
+        keep[rows, ids] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
     if t.logit_bias is not None or t.output_counts is not None or t.seen_mask is not None:
         logits = logits.float()
         if t.logit_bias is not None:

@@ -57,9 +57,9 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
     prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
     Responses input items with their content parts, and tools (each at least a token) beyond the context; a
-    batch of more than MAX_PROMPTS prompts; more logit_bias entries than the vocabulary has tokens; and
-    metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the loop ~1 s) are
-    refused with what they hold and the limit."""
+    batch of more than MAX_PROMPTS prompts; more logit_bias or allowed_token_ids entries than the vocabulary
+    has tokens; and metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the
+    loop ~1 s) are refused with what they hold and the limit."""
     if type(body) is not dict:
         return
     prompt = body.get("prompt")
@@ -82,10 +82,11 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
             if count > max_model_len:
                 raise BodyError(400, f"'{field}' holds {count} {what}, more than this model's maximum context "
                                      f"length of {max_model_len} tokens.", field, "context_length_exceeded")
-    bias = body.get("logit_bias")
-    if vocab_size is not None and type(bias) is dict and len(bias) > vocab_size:
-        raise BodyError(400, f"logit_bias has {len(bias)} entries; the model's vocabulary has {vocab_size} "
-                             "tokens.", "logit_bias")
+    for field in ("logit_bias", "allowed_token_ids"):
+        ids = body.get(field)
+        if vocab_size is not None and type(ids) in (dict, list) and len(ids) > vocab_size:
+            raise BodyError(400, f"{field} has {len(ids)} entries; the model's vocabulary has {vocab_size} "
+                                 "tokens.", field)
     for field, limit in (("metadata", MAX_METADATA), ("chat_template_kwargs", MAX_TEMPLATE_KWARGS)):
         entries = body.get(field)
         if type(entries) is dict and len(entries) > limit:

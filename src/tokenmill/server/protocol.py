@@ -145,6 +145,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -299,6 +300,8 @@ class _SamplingRequest(_Strict):
         bias = self.token_bias()
         if bias:
             kw["logit_bias"] = bias
+        if self.allowed_token_ids is not None:
+            kw["allowed_token_ids"] = self.allowed_token_ids
         constraint = self.structured_params()
         if constraint is not None:
             kw["structured_outputs"] = constraint
