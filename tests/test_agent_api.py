@@ -471,3 +471,24 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(agent_server):
     r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": USER, "max_tokens": 1, "reasoning_effort": "extreme"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_truncate_prompt_tokens_on_both_endpoints(agent_server):
+    """vLLM's truncate_prompt_tokens: prompts longer than the context (2,048 tokens here), as ids, text or a
+    chat, are cut to their last k tokens instead of refused; echo shows the prompt the model read."""
+    client = agent_server.client()
+    ids = list(range(5, 105)) * 30
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 7, "ignore_eos": True})
+    shown = httpx.post(agent_server.url + "/detokenize", timeout=30, json={"tokens": ids[-7:]}).json()["prompt"]
+    assert r.usage.prompt_tokens == 7 and r.choices[0].text.startswith(shown)
+    t = client.completions.create(model="tiny", prompt="hello " * 3000, max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 9})
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello " * 3000}],
+                                       max_tokens=1, extra_body={"truncate_prompt_tokens": 11})
+    assert (t.usage.prompt_tokens, c.usage.prompt_tokens) == (9, 11)
+    for value, word in ((4096, "greater than the maximum context length (2048"), (0, "an integer >= 1, or -1")):
+        bad = httpx.post(agent_server.url + "/v1/completions", timeout=30, json={
+            "prompt": "x", "max_tokens": 1, "truncate_prompt_tokens": value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
+        assert word in bad.json()["error"]["message"], bad.text

@@ -1321,3 +1321,33 @@ def test_every_refusal_of_a_batch_is_retrieved():
     asyncio.run(main())
     gc.collect()
     assert unretrieved == []
+
+
+def test_a_chat_takes_the_tokenizers_special_tokens_only_when_asked():
+    """vLLM's chat `add_special_tokens`: the rendered prompt encoded with the tokenizer's own special tokens
+    (a BOS) only when the request asks, on the batched and on the long texts' path; with `fits` off
+    (truncate_prompt_tokens) a rendered prompt longer than the context is encoded, not refused."""
+    import asyncio
+
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
+
+    class BosTokenizer:
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            return messages[0]["content"]
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            return [[1] * add_special_tokens + [7] * min(len(t), 3) for t in texts]
+
+    prompts = PromptTokenizer(BosTokenizer(), 100)
+    prompts._max_token_chars = 4
+
+    async def main():
+        chat = [{"role": "user", "content": "abcd"}]
+        long = [{"role": "user", "content": "x" * (LONG_TEXT_CHARS + 1)}]
+        got = [(await prompts.render_chat(chat, True, special))[1] for special in (False, True)]
+        got.append((await prompts.render_chat(long, True, True, fits=False))[1])
+        with pytest.raises(APIError, match="maximum context length"):
+            await prompts.render_chat(long, True)
+        return got
+    assert asyncio.run(main()) == [[7, 7, 7], [1, 7, 7, 7], [1, 7, 7, 7]]

@@ -267,3 +267,21 @@ def test_allowed_token_ids_limit_what_a_request_samples(llm):
             SamplingParams(allowed_token_ids=bad)
     with pytest.raises(ValueError, match="allowed_token_ids token id 100000 is out of range"):
         llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5, 100000]))
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens only (-1: the context length), the output
+    as that prompt's alone; bad values refused by name."""
+    prompt = list(range(20, 45))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut, alone = llm.generate([prompt, prompt[-6:]], [SamplingParams(**{**vars(params), "truncate_prompt_tokens": 6}),
+                                                       params])
+    assert cut.prompt_token_ids == prompt[-6:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate([prompt], SamplingParams(**{**vars(params), "truncate_prompt_tokens": -1}))[0]
+    assert whole.prompt_token_ids == prompt
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens {limit + 1} is greater than the maximum context"):
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=limit + 1))

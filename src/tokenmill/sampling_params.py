@@ -228,6 +228,8 @@ class SamplingParams:
     # vLLM's: the only token ids the request may sample (checked against the vocabulary as logit_bias' are);
     # its logprobs stay those of the model's whole distribution, as logit_bias leaves them
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the prompt's last k tokens only (left truncation), -1 for the model's context length
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
@@ -312,8 +314,22 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids (integers >= 0)")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
+            bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1, or -1 (the context length)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "non-empty strings (a string or a list of them)")
+
+    def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k > max_model_len:
+            raise SamplingParamError("truncate_prompt_tokens", f"truncate_prompt_tokens {k} is greater than the "
+                                     f"maximum context length ({max_model_len} tokens)")
+        return prompt[-(max_model_len if k == -1 else k):]
 
     @property
     def greedy(self) -> bool:

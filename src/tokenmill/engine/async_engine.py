@@ -176,6 +176,8 @@ class AsyncLLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
             prompt = self.tokenizer.encode(text)
+        if getattr(params, "truncate_prompt_tokens", None) is not None:
+            prompt = params.truncate(list(prompt), self.max_model_len)
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
         arrival_time = arrival_time or time.time()

@@ -59,13 +59,20 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     Responses input items with their content parts, and tools (each at least a token) beyond the context; a
     batch of more than MAX_PROMPTS prompts; more logit_bias or allowed_token_ids entries than the vocabulary
     has tokens; and metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the
-    loop ~1 s) are refused with what they hold and the limit."""
+    loop ~1 s) are refused with what they hold and the limit. A prompt of ids longer than the request's
+    truncate_prompt_tokens is cut to its last tokens here, before it is validated."""
     if type(body) is not dict:
         return
     prompt = body.get("prompt")
+    keep = body.get("truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep if type(keep) is int and 0 < keep <= max_model_len else None
     if type(prompt) is list and prompt:
         for ids in (prompt if type(prompt[0]) is list else [prompt]):
-            if type(ids) is list and ids and type(ids[0]) is int and len(ids) >= max_model_len:
+            if type(ids) is not list or not ids or type(ids[0]) is not int:
+                continue
+            if keep is not None and len(ids) > keep:
+                del ids[:-keep]         # truncate_prompt_tokens: what the engine would drop is not validated
+            if len(ids) >= max_model_len:
                 raise BodyError(400, prompt_too_long(max_model_len, len(ids)), "prompt", "context_length_exceeded")
         if type(prompt[0]) is not int and len(prompt) > MAX_PROMPTS:
             raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.",

@@ -169,12 +169,14 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
                     'off' if serving.prompts.template_reads("enable_thinking") else "")
             raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
                                 f"template does not read reasoning_effort{hint}", effort_param)
-    prompt_text, prompt = await serving.prompts.render_chat(req.chat_messages(), add_gen, **template_kwargs)
+    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    prompt_text, prompt = await serving.prompts.render_chat(
+        req.chat_messages(), add_gen, bool(req.add_special_tokens), fits=params.truncate_prompt_tokens is None,
+        **template_kwargs)
     if serving.reasoning_parser is not None:
         from tokenmill.server.reasoning import last_turn
         prompt_text = last_turn(prompt_text, serving.turn_markers)
-    serving.check_prompt(prompt)
-    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    prompt = serving.check_prompt(serving.truncate(prompt, params))
     if tools is not None and req.tool_choice in (None, "auto") and serving.tool_parser is not None:
         # where the tokenizer marks the call tags as special tokens, skipping them would hide every call
         # from the parser (vLLM's rule: tools in use keep special tokens)

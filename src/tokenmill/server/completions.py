@@ -61,8 +61,6 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     serving.check_model(req.model)
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     texts = req.prompts()
-    prompts = [serving.check_prompt(await serving.prompts.encode(p, add_special) if isinstance(p, str) else p)
-               for p in texts]
     echo = bool(req.echo)
     prompt_only = req.max_tokens == 0      # echo alone: the engine computes one token, which is dropped
     if prompt_only and req.min_tokens:
@@ -70,6 +68,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                        "min_tokens")
     params = serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
                             prompt_logprobs=_prompt_k(req))
+    truncates = params.truncate_prompt_tokens is not None
+    prompts = [serving.check_prompt(serving.truncate(
+        await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))
+        for p in texts]
     serving.check_room(prompts, params)
     n, k = params.n, req.logprobs
     model = req.model or serving.model_names[0]
@@ -78,7 +80,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     async def echoed(i: int) -> str:
-        return texts[i] if isinstance(texts[i], str) else await serving.prompts.decode(prompts[i], "echo")
+        # the prompt the model read: a truncated one decoded
+        return texts[i] if isinstance(texts[i], str) and not truncates else \
+            await serving.prompts.decode(prompts[i], "echo")
 
     echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
 

@@ -42,7 +42,8 @@ class PromptTokenizer:
         self._long_tokenizer = None       # the copy the long texts' thread uses, made there when first needed
         self._template_reads: dict[str, bool] = {}
         # what waits for the thread: ("text", text, add_special_tokens) or ("chat", messages,
-        # add_generation_prompt, template kwargs), each with the future its caller awaits
+        # add_generation_prompt, template kwargs, add_special_tokens, fits), each with the future its caller
+        # awaits
         self._waiting: list[tuple[tuple, asyncio.Future]] = []
         self._at_thread = 0           # batches sent to the thread whose results have not come back
         # a batch's requests all wait for its last text: a few texts a core keep the cores busy without
@@ -139,16 +140,18 @@ class PromptTokenizer:
             if job[0] == "text":
                 texts.append((i, job[1], job[2]))
                 continue
+            _, messages, add_generation_prompt, template_kwargs, add_special_tokens, fits = job
             try:
-                text = self._render(*job[1:])
-                self._check_chars(text, "messages")
+                text = self._render(messages, add_generation_prompt, template_kwargs)
+                if fits:
+                    self._check_chars(text, "messages")
             except APIError as e:
                 out[i] = e
                 continue
             if len(text) > LONG_TEXT_CHARS:
                 out[i] = (text, None)
             else:
-                texts.append((i, text, False))
+                texts.append((i, text, add_special_tokens))
         for (i, text, _), ids in zip(texts, self._encode_batch([(t, a) for _, t, a in texts])):
             out[i] = ids if isinstance(ids, BaseException) or jobs[i][0] == "text" else (text, ids)
         return out
@@ -200,17 +203,19 @@ class PromptTokenizer:
                 self.chat_template or getattr(getattr(self.tokenizer, "hf", None), "chat_template", None), name)
         return self._template_reads[name]
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          **template_kwargs) -> tuple[str, list[int]]:
-        """The chat template rendered, and encoded (the rendered text holds its special tokens).
-        `template_kwargs` (tools, continue_final_message, the request's chat_template_kwargs) go to the
-        template; `--chat-template` replaces the model's."""
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False,
+                          fits: bool = True, **template_kwargs) -> tuple[str, list[int]]:
+        """The chat template rendered, and encoded (the rendered text holds its special tokens; the
+        tokenizer's are added only with `add_special_tokens`). `template_kwargs` (tools,
+        continue_final_message, the request's chat_template_kwargs) go to the template; `--chat-template`
+        replaces the model's. `fits` as `encode`'s."""
         self._need_tokenizer("messages")
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
-        text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs))
+        text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs, add_special_tokens,
+                                        fits))
         if ids is None:
-            ids = await self._encode_apart(text, False)
+            ids = await self._encode_apart(text, add_special_tokens)
         return text, ids
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:

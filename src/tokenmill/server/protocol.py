@@ -146,6 +146,7 @@ class _SamplingRequest(_Strict):
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -302,6 +303,8 @@ class _SamplingRequest(_Strict):
             kw["logit_bias"] = bias
         if self.allowed_token_ids is not None:
             kw["allowed_token_ids"] = self.allowed_token_ids
+        if self.truncate_prompt_tokens is not None:
+            kw["truncate_prompt_tokens"] = self.truncate_prompt_tokens
         constraint = self.structured_params()
         if constraint is not None:
             kw["structured_outputs"] = constraint
@@ -506,6 +509,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt, beside those the template writes
+    add_special_tokens: bool | None = False
     honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
 
     @model_validator(mode="after")

@@ -150,6 +150,14 @@ class Serving:
                                "prompt")
         return ids
 
+    def truncate(self, ids: list[int], params) -> list[int]:
+        """The prompt as the request's truncate_prompt_tokens leaves it (the engine's rule, applied here
+        before the prompt's checks)."""
+        try:
+            return params.truncate(ids, self.engine.max_model_len)
+        except ValueError as e:
+            raise APIError(400, str(e), "truncate_prompt_tokens") from None
+
     def check_room(self, prompts: list[list[int]], params, max_tokens_param: str = "max_tokens") -> None:
         """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
         (the offline API instead stops such a request at the context length, finish_reason "length").
