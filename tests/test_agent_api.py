@@ -492,3 +492,27 @@ def test_truncate_prompt_tokens_on_both_endpoints(agent_server):
             "prompt": "x", "max_tokens": 1, "truncate_prompt_tokens": value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
         assert word in bad.json()["error"]["message"], bad.text
+
+
+def test_return_tokens_as_token_ids_on_both_endpoints(agent_server):
+    """vLLM's return_tokens_as_token_ids: the logprobs' tokens as "token_id:{id}", the ids those of the
+    output (their decoding is its text), logprobs and text offsets as without it."""
+    client = agent_server.client()
+    kw = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(messages=USER, logprobs=True, top_logprobs=2, **kw)
+    as_ids = client.chat.completions.create(messages=USER, logprobs=True, top_logprobs=2, **{
+        **kw, "extra_body": {**kw["extra_body"], "return_tokens_as_token_ids": True}})
+    entries = as_ids.choices[0].logprobs.content
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    text = httpx.post(agent_server.url + "/detokenize", timeout=30, json={"tokens": ids}).json()["prompt"]
+    assert text == plain.choices[0].message.content == as_ids.choices[0].message.content
+    assert [e.logprob for e in entries] == [e.logprob for e in plain.choices[0].logprobs.content]
+    assert all(t.token.startswith("token_id:") and bytes(t.bytes) == t.token.encode() for e in entries
+               for t in e.top_logprobs)
+    plain = client.completions.create(prompt="hello", logprobs=2, **kw)
+    as_ids = client.completions.create(prompt="hello", logprobs=2, **{
+        **kw, "extra_body": {**kw["extra_body"], "return_tokens_as_token_ids": True}})
+    lp, lp_plain = as_ids.choices[0].logprobs, plain.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and lp.text_offset == lp_plain.text_offset
+    assert all(key.startswith("token_id:") for top in lp.top_logprobs for key in top)
+    assert lp.token_logprobs == lp_plain.token_logprobs

@@ -23,17 +23,18 @@ from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logp
 from tokenmill.server.tool_parsers import ConstrainedCalls, NamedCall, RequiredCalls
 
 
-def logprob_entries(serving: Serving, token_ids, entries, k: int) -> list[dict]:
+def logprob_entries(serving: Serving, token_ids, entries, k: int, as_ids: bool = False) -> list[dict]:
+    """`as_ids`: each token as "token_id:{id}" (`Serving.token_text`)."""
     content = []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid)
-        text = serving.token_text(tid, chosen)
+        text = serving.token_text(tid, chosen, as_ids)
         tops = []
         for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]:
-            s = serving.token_text(t, lp)
-            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(serving.token_bytes(t, s))})
+            s = serving.token_text(t, lp, as_ids)
+            tops.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(serving.token_bytes(t, s, as_ids))})
         content.append({"token": text, "logprob": _lp(chosen.logprob) if chosen is not None else _lp(float("-inf")),
-                        "bytes": list(serving.token_bytes(tid, text)), "top_logprobs": tops})
+                        "bytes": list(serving.token_bytes(tid, text, as_ids)), "top_logprobs": tops})
     return content
 
 
@@ -195,7 +196,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
     serving.check_model(req.model)
     prompt_text, prompt, params = await prepare_chat(serving, req)
-    k = params.logprobs
+    k, as_ids = params.logprobs, bool(req.return_tokens_as_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -212,7 +213,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         for c in out.outputs:
             lp = None
             if k is not None and c.logprobs is not None:
-                lp = {"content": logprob_entries(serving, c.token_ids, c.logprobs, k)}
+                lp = {"content": logprob_entries(serving, c.token_ids, c.logprobs, k, as_ids)}
             text = ChoiceText(serving, req, prompt_text)
             message = text.message(c.text)
             choices.append({"index": c.index, "message": message, "logprobs": lp,
@@ -250,7 +251,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 text = texts.setdefault(c.index, ChoiceText(serving, req, prompt_text))
                 lp = None
                 if k is not None and new_lps is not None:
-                    lp = {"content": logprob_entries(serving, new_ids, new_lps, k)}
+                    lp = {"content": logprob_entries(serving, new_ids, new_lps, k, as_ids)}
                 parts = text.feed(piece) if piece else []
                 if c.finish_reason is not None:
                     parts += text.finish()

@@ -31,14 +31,15 @@ class TextOffsets:
         return at
 
 
-def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets) -> dict:
+def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets, as_ids: bool = False) -> dict:
     """OpenAI completion logprobs for these tokens, their text offsets continuing `offsets`. An entry of
-    None (a prompt's first token) gives a null logprob and null top_logprobs."""
+    None (a prompt's first token) gives a null logprob and null top_logprobs. `as_ids`: each token as
+    "token_id:{id}" (`Serving.token_text`); the offsets stay those of the text."""
     tokens, token_lps, tops, starts = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid) if entry is not None else None
         text = serving.token_text(tid, chosen)
-        tokens.append(text)
+        tokens.append(serving.token_text(tid, chosen, as_ids))
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
         starts.append(offsets.take(serving.token_bytes(tid, text)))
         if entry is None:
@@ -49,7 +50,7 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets
         if chosen is not None and all(t != tid for t, _ in ranked):
             ranked.append((tid, chosen))
         ranked = [(t, lp) for t, lp in ranked if lp is not None]
-        tops.append({serving.token_text(t, lp): _lp(lp.logprob) for t, lp in ranked})
+        tops.append({serving.token_text(t, lp, as_ids): _lp(lp.logprob) for t, lp in ranked})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
 
@@ -73,7 +74,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))
         for p in texts]
     serving.check_room(prompts, params)
-    n, k = params.n, req.logprobs
+    n, k, as_ids = params.n, req.logprobs, bool(req.return_tokens_as_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = f"cmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -88,7 +89,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
     def prompt_block(i: int, out, offsets: TextOffsets) -> dict:
         return _logprobs(serving, out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids),
-                         k, offsets)
+                         k, offsets, as_ids)
 
     def final(outs):
         choices = []
@@ -101,7 +102,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 if echo and k is not None:
                     lp = prompt_block(i, out, offsets)
                 if k is not None and c.logprobs is not None:
-                    gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets)
+                    gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets, as_ids)
                     lp = _join(lp, gen) if lp is not None else gen
                 choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -134,7 +135,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                     continue
                 text, new_ids, new_lps = delta if delta is not None else ("", [], None)
                 if k is not None and new_lps:
-                    gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets)
+                    gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets, as_ids)
                     lp = _join(lp, gen) if lp is not None else gen
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": serving.fingerprint,

@@ -147,6 +147,8 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    # vLLM's: the logprobs' tokens as "token_id:{id}" (the text of two tokens may be equal)
+    return_tokens_as_token_ids: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -231,14 +231,19 @@ class Serving:
         await self._idle.wait()
 
     # ----- token text ------------------------------------------------------------------------
-    def token_text(self, token_id: int, logprob_entry=None) -> str:
+    def token_text(self, token_id: int, logprob_entry=None, as_id: bool = False) -> str:
+        """A logprob entry's token: its text, or with `as_id` (vLLM's return_tokens_as_token_ids, which tells
+        apart tokens of equal text) "token_id:{id}"."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob_entry is not None and logprob_entry.decoded_token is not None:
             return logprob_entry.decoded_token
         return self.engine.processor.token_text(token_id)
 
-    def token_bytes(self, token_id: int, text: str) -> bytes:
-        """The bytes a token adds to the text (a part of a character's included), else its `text`'s."""
-        data = self.engine.processor.token_bytes(token_id)
+    def token_bytes(self, token_id: int, text: str, as_id: bool = False) -> bytes:
+        """The bytes a token adds to the text (a part of a character's included), else its `text`'s; with
+        `as_id`, those of its "token_id:{id}" (vLLM's)."""
+        data = None if as_id else self.engine.processor.token_bytes(token_id)
         return data if data is not None else text.encode("utf-8")
 
     # ----- running requests ------------------------------------------------------------------
