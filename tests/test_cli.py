@@ -186,6 +186,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
 
 @pytest.mark.parametrize("command, argv, message", [
     ("serve", ["--max-model-len", "0"], "--max-model-len: must be at least 1 (a token of context), got 0"),
+    ("serve", ["--max-model-len", "1.5K"], "'1.5K' (a binary suffix, K, takes a whole number)"),
+    ("serve", ["--max-model-len", "4x"], "'4x' (an integer, or one with a suffix: 32k, 32K)"),
     ("serve", ["--max-queue-len", "0"], "--max-queue-len: must be at least 1"),
     ("serve", ["--stream-interval", "0"], "--stream-interval: must be at least 1 (a token a chunk), got 0"),
     ("serve", ["--backend", "hf", "--stream-interval", "4"], "--stream-interval 4 needs --backend tokenmill"),
@@ -247,6 +249,9 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
         "serve", "--max_model_len=64", "--trust-remote-code", "/models/m", "--enable-chunked-prefill",
         "--disable-log-requests", "--uvicorn-log-level", "warning", "--max_num_seqs", "8"]))
     assert (args.model, args.max_model_len, args.max_num_seqs, args.log_level) == ("/models/m", 64, 8, "warning")
+    # vLLM's human-readable context lengths
+    assert [parser.parse_args(["serve", "--max-model-len", v]).max_model_len for v in ("32k", "32K", "25.6k", "1M")] \
+        == [32_000, 32_768, 25_600, 1_048_576]
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert cli.chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
 

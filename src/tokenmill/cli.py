@@ -5,7 +5,9 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.cli_help import HelpFormatter
@@ -58,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="processes that split every layer (heads, MLP features, vocabulary) between them; "
                         "must divide the model's KV heads. CPU (gloo) only for now")
     p.add_argument("--max-model-len", type=context_len, default=d.max_model_len,
-                   help="context length, prompt plus output (default: the model's)")
+                   help="context length, prompt plus output (default: the model's); 32k = 32,000, 32K = 32,768")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of equal prompt prefixes")
@@ -138,13 +140,38 @@ def generation_defaults(args) -> dict:
     return sampling_defaults(args.generation_config, args.model, overrides)
 
 
-def at_least_one(what: str):
-    """An argparse type: an int of at least 1, the refusal naming `what` one of them is."""
+_SUFFIXES = "kmgt"
+
+
+def human_int(text: str) -> int:
+    """An int, or one with vLLM's suffixes: k, m, g, t powers of 1,000 (25.6k = 25,600), K, M, G, T powers
+    of 1,024 (32K = 32,768, a whole number before them)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"invalid int value: {text!r} (an integer, or one with a suffix: 32k, 32K)") from None
+    number, suffix = match.groups()
+    power = _SUFFIXES.index(suffix.lower()) + 1
+    if suffix.isupper():
+        if "." in number:
+            raise ValueError(f"invalid int value: {text!r} (a binary suffix, {suffix}, takes a whole number)")
+        return int(number) * 1024 ** power
+    value = Decimal(number) * 1000 ** power
+    if value != int(value):
+        raise ValueError(f"invalid int value: {text!r} is not a whole number")
+    return int(value)
+
+
+def at_least_one(what: str, parse_int=int):
+    """An argparse type: an int of at least 1 (read by `parse_int`), the refusal naming `what` one of
+    them is."""
     def parse(text: str) -> int:
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+            value = parse_int(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}" if parse_int is int else str(e)) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be at least 1 ({what}), got {value}")
         return value
@@ -154,7 +181,7 @@ def at_least_one(what: str):
 api_server_count = at_least_one("one API server process")
 data_parallel_size = at_least_one("one engine core")
 queue_len = at_least_one("a request that may wait")
-context_len = at_least_one("a token of context")
+context_len = at_least_one("a token of context", human_int)
 stream_interval = at_least_one("a token a chunk")
 
 
