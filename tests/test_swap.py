@@ -352,3 +352,24 @@ def test_a_swapped_out_block_freed_by_a_recomputed_victim_is_waited_for():
                                                                   ("v2", RequestStatus.PREEMPTED)]
     taken = (set(r.block_ids) - held) & {g for g, _ in out.swap_out}
     assert taken and taken <= set(out.swap_out_reused)
+
+
+def test_requests_swapped_in_together_keep_each_others_next_token_slot():
+    """Two swapped requests whose next tokens each need a new block, and room for both requests' blocks but
+    only one of those slots: only the first comes back. Resumed together, the second took the first's slot
+    and the next step swapped it out again, its blocks moved twice for nothing."""
+    bm = BlockManager(5, 4, enable_prefix_caching=False, num_cpu_blocks=16)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=20, preemption_mode="swap")
+    a, b = (Request(rid, [t] * 8, SamplingParams(max_tokens=10), 10, seed=0, arrival_time=t)
+            for rid, t in (("a", 1), ("b", 2)))
+    sched.add(a), sched.add(b)
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for r in (a, b):
+        r.append_token(3)               # 8 tokens computed in 2 full blocks: the 9th needs a third
+    sched._preempt(b, out), sched._preempt(a, out)      # as the running loop does when blocks run out
+    assert sched.swapped == [a, b] and bm.num_free_blocks == 5
+    sched.schedule()
+    assert sched.running == [a] and sched.swapped == [b]
+    out = sched.schedule()
+    assert out.requests == [a] and not out.preempted and sched.num_swap_outs == 2

@@ -173,12 +173,13 @@ class BlockManager:
         request.cpu_block_ids = cpu
         return pairs
 
-    def can_swap_in(self, request: Request) -> bool:
-        """Its blocks fit, and so does the slot of its next token: a request that came back only to be
-        preempted again by its own first step would move its blocks twice for nothing. (Conservative:
-        blocks found in the prefix cache at swap-in need no free block, or one that this counts.)"""
+    def can_swap_in(self, request: Request, reserved: int = 0) -> bool:
+        """Its blocks fit, and so does the slot of its next token, beside `reserved` free blocks kept for the
+        next-token slots of requests swapped in before it: a request that came back only to be preempted
+        again by its own first step would move its blocks twice for nothing. (Conservative: blocks found
+        in the prefix cache at swap-in need no free block, or one that this counts.)"""
         need = max(len(request.cpu_block_ids), self.blocks_needed(request.num_computed_tokens + 1))
-        return need <= len(self.free_queue)
+        return need + reserved <= len(self.free_queue)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Gives a SWAPPED request GPU blocks for its CPU blocks and frees those (their copies are queued

@@ -211,13 +211,17 @@ class Scheduler:
         join `running` after this step's requests were chosen, so they run from the next step on."""
         if self.policy == "priority":
             self.swapped.sort(key=lambda r: self._rank(r, now))
-        resumed = []
+        bm = self.block_manager
+        resumed, reserved = [], 0
         while self.swapped and len(self.running) + len(resumed) < self.max_num_seqs:
             req = self.swapped[0]
-            if not self.block_manager.can_swap_in(req):
+            if not bm.can_swap_in(req, reserved):
                 break
             self.swapped.pop(0)
-            pairs = self.block_manager.swap_in(req)
+            pairs = bm.swap_in(req)
+            # the slot of its next token stays free for it: a request resumed after it in this step that
+            # took it would be preempted (swapped out again) by the next step
+            reserved += max(bm.blocks_needed(req.num_computed_tokens + 1) - len(req.block_ids), 0)
             out.swap_in.extend(pairs)
             self.num_swapped_in_blocks += len(pairs)
             self.num_swap_in_cached_blocks += len(req.block_ids) - len(pairs)
