@@ -219,8 +219,9 @@ def test_errors_name_what_the_client_sent(api_server):
     assert error("/v1/chat/completions", {**chat, "max_completion_tokens": 10 ** 6})["param"] == "max_completion_tokens"
     assert error("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"foo": 1}})["param"] == \
         "stream_options.foo"
-    err = error("/v1/completions", {"prompt": "x", "priority": -5})
-    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/responses", {"input": "x"})):
+        err = error(path, {**body, "priority": -5})       # taken, as vLLM's, and refused by this engine's policy
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], (path, err)
     for key in ("5_0", " 7 ", "\u0665"):         # int() takes each; a token id is ASCII digits only
         assert error("/v1/completions", {"prompt": "x", "logit_bias": {key: 5}})["param"] == "logit_bias"
     err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})

@@ -20,8 +20,8 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, fi
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
-    MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue, _Strict,
-    check_function_parameters, refuse_media_parts,
+    INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue,
+    _Strict, check_function_parameters, refuse_media_parts,
 )
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
@@ -223,6 +223,8 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
+    # vLLM's extra field, as chat's: lower is served first under --scheduling-policy priority (a 400 otherwise)
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
 
     @field_validator("input", mode="before")
     @classmethod
@@ -509,8 +511,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
                            response=done(shape.body(status, events.items, last, c.finish_reason)))
 
     serving.admit()
-    return await serving.run(raw, [prompt], params, 0, bool(req.stream), stream, final, event_names=True,
-                             field_of=lambda param: req.field_of(chat.field_of(param)),
+    return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
+                             event_names=True, field_of=lambda param: req.field_of(chat.field_of(param)),
                              carries_tools=bool(req.tools))
 
 
