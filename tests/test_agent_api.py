@@ -516,3 +516,33 @@ def test_return_tokens_as_token_ids_on_both_endpoints(agent_server):
     assert all(t.startswith("token_id:") for t in lp.tokens) and lp.text_offset == lp_plain.text_offset
     assert all(key.startswith("token_id:") for top in lp.top_logprobs for key in top)
     assert lp.token_logprobs == lp_plain.token_logprobs
+
+
+def test_bad_words_on_both_endpoints(agent_server):
+    """vLLM's bad_words, tokenized by the API server (whose engine core may hold no tokenizer): a one-token
+    word of the free output never comes, on either endpoint; the output leaves the free one where it would
+    have; a bad list is refused by name."""
+    client = agent_server.client()
+    ids_of = {"logprobs": 0, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    kw = dict(model="tiny", max_tokens=12, temperature=0)
+
+    def completion_ids(**extra):
+        body = {**ids_of, "extra_body": {**ids_of["extra_body"], **extra}}
+        r = client.completions.create(prompt="hello", **kw, **body)
+        return [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    free = completion_ids()
+
+    def one_token_word(j):
+        text = httpx.post(agent_server.url + "/detokenize", timeout=30, json={"tokens": [free[j]]}).json()["prompt"]
+        ids = httpx.post(agent_server.url + "/tokenize", timeout=30,
+                         json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        return text if text and text == text.strip() and ids == [free[j]] else None
+    j, word = next((j, w) for j in range(len(free)) if (w := one_token_word(j)) and free[j] not in free[:j])
+    banned = completion_ids(bad_words=[word])
+    assert banned[:j] == free[:j] and free[j] not in banned
+    chat = client.chat.completions.create(messages=USER, logprobs=True, **kw, extra_body={
+        **ids_of["extra_body"], "bad_words": [word]})
+    assert all(e.token != f"token_id:{free[j]}" for e in chat.choices[0].logprobs.content)
+    bad = httpx.post(agent_server.url + "/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 1, "bad_words": ["   "]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words", bad.text

@@ -285,3 +285,29 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     limit = llm.engine.max_model_len
     with pytest.raises(ValueError, match=f"truncate_prompt_tokens {limit + 1} is greater than the maximum context"):
         llm.generate([prompt], SamplingParams(truncate_prompt_tokens=limit + 1))
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest(llm, monkeypatch):
+    """vLLM's bad_words, as token ids: a one-token word never comes; a longer word's last token is banned
+    where the output ends with the rest of it (the match read on the device while that token is in flight,
+    steps overlapping), so the output leaves the free one exactly where the word would complete."""
+    import tokenmill.runner.sampler as sampler
+    decided_on_device = []
+
+    def counted(row, r, pending):
+        banned = bad_words(row, r, pending)
+        decided_on_device.extend(pending)
+        return banned
+    bad_words = sampler._bad_words
+    monkeypatch.setattr(sampler, "_bad_words", counted)
+    free = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    o = free.outputs[0].token_ids
+    for word in ([o[0]], [o[2], o[3]], [o[5], o[6], o[7]]):
+        at = next(j for j in range(len(word) - 1, len(o)) if o[j + 1 - len(word):j + 1] == word)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["w"],
+                                bad_words_token_ids=[word])
+        got = llm.generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+        assert got[:at] == o[:at] and got[at] != o[at], (word, at)
+    assert decided_on_device
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])

@@ -230,6 +230,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: the prompt's last k tokens only (left truncation), -1 for the model's context length
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words the output may not contain, each as its tokens at the text's start and after a space
+    # (`bad_words_token_ids`, which the frontend fills from the tokenizer: `resolve_bad_words`)
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
@@ -314,12 +318,32 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", self.bad_words, "a list of words (non-empty strings)")
         if self.truncate_prompt_tokens is not None and (
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
             bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1, or -1 (the context length)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "non-empty strings (a string or a list of them)")
+
+    def resolve_bad_words(self, tokenizer) -> None:
+        """Fills `bad_words_token_ids` from `bad_words` (vLLM's rule): each word's tokens at the text's
+        start, and after a space where that gives the word a token of its own (the same number of tokens, a
+        different first one)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        if tokenizer is None:
+            raise SamplingParamError("bad_words", "bad_words needs the model's tokenizer, and this model has none")
+        words = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                words.append(spaced)
+        self.bad_words_token_ids = [w for w in words if w]
 
     def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens."""

@@ -126,6 +126,8 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.resolve_bad_words(self.tokenizer)
         self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row
@@ -173,7 +175,8 @@ class LLMEngine:
         sampler indexes the logits with them."""
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "

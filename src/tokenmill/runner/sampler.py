@@ -129,7 +129,7 @@ class SamplingTensors:
         packed, flags = (copies or HostCopies()).sampling_rows(requests, vocab_size)
         most = int(flags["logprobs"].max()) if rows else -1
         max_logprobs = most if most >= 0 else None
-        bias = _logit_bias(requests, device)
+        bias = _logit_bias(requests, device, prev_tokens)
         allowed = _allowed(requests, device)
         bitmask = None
         if any(r.grammar is not None for r in requests):
@@ -183,12 +183,14 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.dev
     return counts, seen
 
 
-def _logit_bias(requests: list[Request], device: torch.device
+def _logit_bias(requests: list[Request], device: torch.device, prev_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The sparse bias of the rows that have one: row, token id and value of each entry; None when no row
     has any. A row short of its min_tokens also gets -inf on the end-of-sequence and stop token ids it may
-    not sample yet (the token it samples is output number `num_output_tokens`)."""
+    not sample yet (the token it samples is output number `num_output_tokens`), and a row with bad words
+    -inf on each word's last token where its output ends with the rest of the word (`_bad_words`)."""
     rows, ids, values = [], [], []
+    pending: list[tuple[int, int, int, int]] = []
     for i, r in enumerate(requests):
         p = r.params
         if p.logit_bias:
@@ -199,11 +201,46 @@ def _logit_bias(requests: list[Request], device: torch.device
             rows += [i] * len(r.min_tokens_ids)
             ids += r.min_tokens_ids
             values += [float("-inf")] * len(r.min_tokens_ids)
-    if not rows:
+        if p.bad_words_token_ids:
+            banned = _bad_words(i, r, pending)
+            rows += [i] * len(banned)
+            ids += banned
+            values += [float("-inf")] * len(banned)
+    if not rows and not pending:
         return None
-    return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+    host = (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
+    if not pending:
+        return host
+    if prev_tokens is None:
+        raise RuntimeError("bad words: a request's last token is in flight but no step in flight samples it")
+    # the bans that wait on the token in flight: -inf where it is the word's token before the last, else 0
+    p_rows, p_ids, expected, in_flight = (torch.tensor(c, dtype=torch.int64).to(device, non_blocking=True)
+                                          for c in zip(*pending))
+    ban = torch.where(prev_tokens[in_flight].long() == expected, float("-inf"), 0.0)
+    return (torch.cat((host[0], p_rows)), torch.cat((host[1], p_ids)), torch.cat((host[2], ban)))
+
+
+def _bad_words(row: int, r: Request, pending: list[tuple[int, int, int, int]]) -> list[int]:
+    """The tokens sample row `row` may not take for its bad words (vLLM's rule: a word's last token where
+    the output ends with the tokens before it; a one-token word always). A word whose match waits only on
+    the output's last token, still in flight, goes to `pending` as (row, banned id, the token that would
+    complete the match, its row in the step in flight), for the device to decide."""
+    banned = []
+    output = r.all_token_ids[r.num_prompt_tokens:]
+    last_pending = bool(r.num_pending)
+    for word in r.params.bad_words_token_ids:
+        before = len(word) - 1
+        if before > len(output):
+            continue
+        tail = output[len(output) - before:]
+        if last_pending and before:
+            if tail[:-1] == word[:before - 1]:
+                pending.append((row, word[-1], word[-2], r.pending_row))
+        elif tail == word[:before]:
+            banned.append(word[-1])
+    return banned
 
 
 @dataclass

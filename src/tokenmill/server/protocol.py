@@ -26,6 +26,8 @@ Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, F
                      Field(max_length=MAX_METADATA)]
 # a template reads a handful of variables; more than this many is no template's
 MAX_TEMPLATE_KWARGS = 256
+# bad_words are tokenized on the event loop (`AsyncLLM.generate`): a few short words, bounded
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high"]
 
 
@@ -149,6 +151,8 @@ class _SamplingRequest(_Strict):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     # vLLM's: the logprobs' tokens as "token_id:{id}" (the text of two tokens may be equal)
     return_tokens_as_token_ids: bool | None = None
+    bad_words: Annotated[list[Annotated[str, Field(max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -307,6 +311,8 @@ class _SamplingRequest(_Strict):
             kw["allowed_token_ids"] = self.allowed_token_ids
         if self.truncate_prompt_tokens is not None:
             kw["truncate_prompt_tokens"] = self.truncate_prompt_tokens
+        if self.bad_words:
+            kw["bad_words"] = self.bad_words
         constraint = self.structured_params()
         if constraint is not None:
             kw["structured_outputs"] = constraint
