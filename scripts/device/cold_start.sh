@@ -4,8 +4,10 @@
 # in a fresh Triton cache and one with that cache warm, each in its own process: the ready seconds, the
 # capture's summary (with what was compiled ahead of it) and the greedy tokens of a fixed prompt (equal in
 # both) print last; each start's log under $OUT.
+# STATES (default "fresh warm"): a state "plain" is a fresh start with the capture's compile-ahead replaced by
+# nothing (the baseline, timed in the same run).
 #   [RUNS="preset:qwen3-4b|  preset:nanbeige4.1-3b|--quantization fp8 --kv-cache-dtype fp8"] [TESTS=1] \
-#     bash scripts/device/cold_start.sh
+#     [STATES="fresh plain"] bash scripts/device/cold_start.sh
 set -uo pipefail
 RUNS=${RUNS:-"preset:qwen3-4b|;preset:nanbeige4.1-3b|--quantization fp8 --kv-cache-dtype fp8"}
 source "$(dirname "$0")/env.sh"
@@ -20,16 +22,23 @@ for run in "${runs[@]}"; do
   model=${run%%|*}; args=${run#*|}
   python -m tokenmill.bench prepare --model "$model" > "$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log"; exit 1; }
   cache=$(mktemp -d)
-  for cacheState in fresh warm; do
+  for cacheState in ${STATES:-fresh warm}; do
     log="$OUT/start-${model#preset:}-$cacheState.log"
+    plain=""
+    if [ "$cacheState" = plain ]; then plain="--plain"; rm -rf "$cache"; cache=$(mktemp -d); fi
     # shellcheck disable=SC2086
-    TRITON_CACHE_DIR=$cache python - "$model" $args > "$log" 2>&1 <<'PY' || { status=1; tail -20 "$log"; }
-import argparse, sys, time
+    TRITON_CACHE_DIR=$cache python - "$model" $args $plain > "$log" 2>&1 <<'PY' || { status=1; tail -20 "$log"; }
+import argparse, contextlib, sys, time
 p = argparse.ArgumentParser()
 p.add_argument("model")
 p.add_argument("--quantization")
 p.add_argument("--kv-cache-dtype", default="auto")
+p.add_argument("--plain", action="store_true")
 a = p.parse_args()
+if a.plain:
+    import tokenmill.runner.cuda_graphs as cuda_graphs
+    from tokenmill.runner.compile_ahead import CompiledAhead
+    cuda_graphs.compile_ahead = lambda: contextlib.nullcontext(CompiledAhead())
 t0 = time.perf_counter()
 from tokenmill import LLM, SamplingParams
 llm = LLM(a.model, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)

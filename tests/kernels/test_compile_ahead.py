@@ -50,3 +50,6 @@ def test_a_failed_compile_raises_and_restores_the_launch():
         with compile_ahead(threads=2):
             _add_kernel[(1,)](x, 100, VALUE=0, BLOCK=128)
     assert "__getitem__" not in JITFunction.__dict__
+    _add_kernel[(1,)](x, 100, VALUE=5, BLOCK=128)     # compiled and run as ever, not sent to the closed pool
+    torch.cuda.synchronize()
+    assert torch.all(x == 5)

@@ -36,7 +36,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompiledAhead]:
     (default: the CPUs this process may run on) instead of running it; yields a `CompiledAhead`, filled
     once every compile has finished. A compile that fails raises on exit; the launch method is restored
     either way."""
-    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
     from triton.runtime.jit import JITFunction
 
     def submit_only(self, grid):
@@ -46,10 +46,15 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompiledAhead]:
     done = CompiledAhead(threads=threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
         mode = AsyncCompileMode(pool)
-        with mode:
-            JITFunction.__getitem__ = submit_only
-            try:
-                yield done
-            finally:
-                del JITFunction.__getitem__
+        try:
+            with mode:
+                JITFunction.__getitem__ = submit_only
+                try:
+                    yield done
+                finally:
+                    del JITFunction.__getitem__
+        finally:
+            # Triton's exit leaves its mode active where a compile raised: every later launch in the process
+            # would then submit its compile to this pool, shut down
+            active_mode.set(None)
         done.specializations = len(mode.future_kernels)
