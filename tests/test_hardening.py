@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -644,6 +645,33 @@ def test_headers_over_the_limit_get_431(guarded):
     ok = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 40000, "max_tokens": 1},
                     headers={**AUTH, "X-Padding": "p" * 12000}, timeout=60)
     assert ok.status_code == 400 and "context length" in ok.text    # read and judged, not refused for its size
+
+
+def _exchange(server, data: bytes, seconds: float = 5.0) -> bytes:
+    """What the server answers `data` on one connection, until it closes it."""
+    s = _connect(server)
+    s.sendall(data)
+    s.settimeout(seconds)
+    reply = b""
+    try:
+        while chunk := s.recv(65536):
+            reply += chunk
+    except OSError:
+        pass
+    s.close()
+    return reply
+
+
+def test_a_malformed_request_is_answered_after_the_requests_before_it(guarded):
+    """A complete request followed on its connection by one that cannot be parsed, or whose headers are too
+    large: uvicorn wrote its 400 (or the 431) at once and closed, so the first request's response was lost and
+    its client read the refusal as that request's answer. Responses now come in order, the refusal last."""
+    models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    for second, status in ((b"GARBAGE\r\n\r\n", b"400"),
+                           (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", b"431")):
+        reply = _exchange(guarded, models + models + second)
+        assert re.findall(rb"HTTP/1.1 (\d+) ", reply) == [b"200", b"200", status], reply[:300]
+        assert reply.count(b'"object":"list"') == 2 and reply.endswith(b"}"), reply[-300:]
 
 
 def test_arrays_that_cannot_fit_are_refused_before_validation(guarded):

@@ -19,13 +19,21 @@ httptools keeps a request's line and headers in memory until they are complete, 
 uvicorn joins a long URL piece by piece): within the header deadline one connection could push ~100 MB
 of one header line into the server, before any API key is checked. A request whose line and headers
 pass `max_header_bytes` gets 431 and its connection is closed.
+
+A request that cannot be parsed (400) or whose headers are too large (431) ends its connection, but the
+complete requests before it on the connection (pipelined) are answered first: HTTP/1.1 answers in order,
+and uvicorn wrote its 400 at once and closed, so the response to the request before was lost and its
+client read the 400 as that request's answer.
 """
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tokenmill.server.errors import error_body
 
 
 class _HeadersTooLarge(Exception):
@@ -50,7 +58,8 @@ class _GuardedProtocol(HttpToolsProtocol):
     max_header_bytes: int = 65536
     _header_bytes = 0                 # received since the request's first byte, while its headers are incomplete
     _header_fields = 0                # the request's URL and header fields, as the parser hands them over
-    _refused = False                  # a 431 was sent: the connection is closing and reads nothing more
+    _refused = False                  # a 400 or 431 is sent or owed: the connection reads nothing more
+    _refusal: bytes | None = None     # that answer, while responses to the requests before it are still owed
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
@@ -138,18 +147,43 @@ class _GuardedProtocol(HttpToolsProtocol):
             raise _HeadersTooLarge     # stops the parser; uvicorn's 400 for it is not sent (send_400_response)
 
     def _refuse_headers(self) -> None:
-        self._refused = True
-        self._disarm_header_timer()
-        body = orjson.dumps({"error": {
-            "message": f"The request's line and headers are over {self.max_header_bytes} bytes.",
-            "type": "invalid_request_error", "param": None, "code": None}})
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
-        self.transport.close()
+        self._refuse(431, b"Request Header Fields Too Large",
+                     f"The request's line and headers are over {self.max_header_bytes} bytes.")
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
-            super().send_400_response(msg)
+            self._refuse(400, b"Bad Request", msg)
+
+    def _refuse(self, status: int, reason: bytes, message: str) -> None:
+        """Answers the request being parsed with an error and closes the connection, reading nothing more.
+        The requests complete before it are answered first: the error is written once the last of their
+        responses is (`on_response_complete`)."""
+        self._refused = True
+        self._disarm_header_timer()
+        self._disarm_body_timer()
+        body = orjson.dumps(error_body(status, message))
+        self._refusal = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n\r\n" % (status, reason, len(body)) + body)
+        # the refused request's own cycle, where its headers were complete: queued, it is dropped unstarted
+        refused = self.cycle if self.cycle is not None and self.cycle.more_body else None
+        queued = len(self.pipeline)
+        self.pipeline = deque(entry for entry in self.pipeline if entry[0] is not refused)
+        owed = (len(self.pipeline) < queued or self.pipeline
+                or self.cycle is not None and self.cycle is not refused and not self.cycle.response_complete)
+        if not owed:
+            self._write_refusal()
+
+    def _write_refusal(self) -> None:
+        self.transport.write(self._refusal)
+        self._refusal = None
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        last = not self.pipeline          # else the next request queued starts now
+        super().on_response_complete()
+        if last and self._refusal is not None and not self.transport.is_closing():
+            self._unset_keepalive_if_required()
+            self._write_refusal()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
