@@ -674,6 +674,20 @@ def test_a_malformed_request_is_answered_after_the_requests_before_it(guarded):
         assert reply.count(b'"object":"list"') == 2 and reply.endswith(b"}"), reply[-300:]
 
 
+def test_a_request_that_is_not_http_is_told_what_is_wrong(guarded):
+    """uvicorn answered every request the parser refused with a plain-text 'Invalid HTTP request received.':
+    the 400 now says what the parser found, in the error shape."""
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    for request, says in ((b"GARBAGE / HTTP/1.1\r\n\r\n", "Invalid method"),
+                          (post + b"Content-Length: -5\r\n\r\n", "Invalid character in Content-Length"),
+                          (post + b"Content-Length: 2\r\nContent-Length: 2\r\n\r\n{}", "Duplicate Content-Length"),
+                          (post + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", "Invalid character in chunk size")):
+        reply = _exchange(guarded, request)
+        assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+        err = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+        assert err["type"] == "invalid_request_error" and says in err["message"], err
+
+
 def test_arrays_that_cannot_fit_are_refused_before_validation(guarded):
     """Validation runs on the event loop at ~60 ns to ~10 us an element: a 32 MB body of 16M prompt ids held
     every other client ~2 s, 300,000 messages 4.3 s, 1.5M logit_bias entries 3.2 s, /detokenize of 8M ids

@@ -28,6 +28,7 @@ client read the 400 as that request's answer.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 
 import orjson
@@ -151,8 +152,12 @@ class _GuardedProtocol(HttpToolsProtocol):
                      f"The request's line and headers are over {self.max_header_bytes} bytes.")
 
     def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this handling the parser's error, which says what is wrong ("Invalid character in
+        # Content-Length", "Duplicate Content-Length", "Invalid method encountered"); its `msg` says only that
+        # something is
+        error = sys.exc_info()[1]
         if not self._refused:
-            self._refuse(400, b"Bad Request", msg)
+            self._refuse(400, b"Bad Request", f"The request is not valid HTTP/1.1: {error}." if error else msg)
 
     def _refuse(self, status: int, reason: bytes, message: str) -> None:
         """Answers the request being parsed with an error and closes the connection, reading nothing more.
