@@ -769,7 +769,11 @@ def test_connections_beyond_the_limit_get_503(guarded):
     held = [_connect(guarded) for _ in range(40)]
     try:
         time.sleep(0.2)
-        assert httpx.get(guarded.url + "/health", timeout=10).status_code == 503
+        r = httpx.get(guarded.url + "/health", timeout=10)
+        # in the error shape, naming the limit (uvicorn's was plain text, 'Service Unavailable')
+        err = _assert_openai_error(r, 503)
+        assert err["code"] == "too_many_connections" and "limit of 40" in err["message"], err
+        assert r.headers["retry-after"] == "1"
     finally:
         for s in held:
             s.close()

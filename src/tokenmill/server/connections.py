@@ -24,10 +24,14 @@ A request that cannot be parsed (400) or whose headers are too large (431) ends 
 complete requests before it on the connection (pipelined) are answered first: HTTP/1.1 answers in order,
 and uvicorn wrote its 400 at once and closed, so the response to the request before was lost and its
 client read the 400 as that request's answer.
+
+A request past `limit_concurrency` (connections or requests) gets a 503 in the error shape that names the
+limit, with Retry-After, as the server's other 503s (uvicorn's was plain text, 'Service Unavailable').
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections import deque
 
@@ -52,6 +56,16 @@ def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeou
     return Protocol
 
 
+async def _over_the_limit(limit: int, scope, receive, send) -> None:
+    body = orjson.dumps(error_body(
+        503, f"The server is serving its limit of {limit} connections or requests (--limit-concurrency); "
+             "try again later.", code="too_many_connections"))
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class _GuardedProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     body_timeout: float = 60.0
@@ -65,6 +79,11 @@ class _GuardedProtocol(HttpToolsProtocol):
     _body_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
     _stuck: tuple[float, int] | None = None     # (since when, unsent bytes) of a closing connection not flushing
+    concurrency_limit: int | None = None         # limit_concurrency, checked here (uvicorn's check is turned off)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.concurrency_limit, self.limit_concurrency = self.limit_concurrency, None
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -200,7 +219,17 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_body_timer()
         # armed for every request; one without a body completes at once (on_message_complete)
         self._body_timer = self.loop.call_later(self.body_timeout, self._on_body_timeout)
-        super().on_headers_complete()
+        # uvicorn's check of limit_concurrency, answered in the error shape (`_over_the_limit`)
+        limit = self.concurrency_limit
+        if limit is None or len(self.connections) < limit and len(self.tasks) < limit:
+            super().on_headers_complete()
+            return
+        self.logger.warning("Exceeded concurrency limit.")
+        app, self.app = self.app, functools.partial(_over_the_limit, limit)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
