@@ -483,6 +483,14 @@ def test_lone_surrogates_are_a_400(guarded, path, body):
     assert "surrogate" in err["message"] and "not valid JSON" in err["message"]
 
 
+def test_a_body_that_is_not_utf8_names_its_first_bad_byte(guarded):
+    """orjson reports any invalid UTF-8 as 'surrogates not allowed' at byte 0: the 400 named neither the byte
+    nor where it is."""
+    r = _post_raw(guarded, "/v1/completions", b'{"max_tokens": 1,\n "prompt": "h\xff\xfei"}')
+    err = _assert_openai_error(r, 400)
+    assert "not valid UTF-8: byte 0xff" in err["message"] and "line 2, column 14 (byte 31)" in err["message"], err
+
+
 def test_a_surrogate_pair_is_one_character(guarded):
     r = _post_raw(guarded, "/tokenize", b'{"prompt": "\\ud83d\\ude00"}')
     assert r.status_code == 200, r.text

@@ -100,6 +100,18 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
             raise BodyError(400, f"'{field}' has {len(entries)} entries; at most {limit} are accepted.", field)
 
 
+def _refuse_invalid_utf8(raw: bytes) -> None:
+    """A body that is not UTF-8 is refused naming its first invalid byte and where it is: orjson says 'str is
+    not valid UTF-8: surrogates not allowed' at byte 0 for any of them."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as e:
+        head = raw[:e.start]
+        line, column = head.count(b"\n") + 1, e.start - head.rfind(b"\n")
+        raise BodyError(400, f"The request body is not valid UTF-8: byte 0x{raw[e.start]:02x} ({e.reason}) at line "
+                             f"{line}, column {column} (byte {e.start}).") from None
+
+
 class _OrjsonRequest(Request):
     """Bodies are parsed by orjson, which (unlike the standard library) refuses lone UTF-16 surrogates
     such as "\\udfff": no string that cannot be encoded as UTF-8 reaches the handlers; and nest at most
@@ -107,7 +119,12 @@ class _OrjsonRequest(Request):
 
     async def json(self):
         if not hasattr(self, "_json"):
-            body = orjson.loads(await self.body())
+            raw = await self.body()
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                _refuse_invalid_utf8(raw)
+                raise
             refuse_oversized(body, self.app.state.engine.max_model_len, self.app.state.serving.vocab_size)
             depth = json_depth(body)
             if depth > MAX_JSON_DEPTH:
