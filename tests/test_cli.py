@@ -290,6 +290,11 @@ def test_stats_line_has_the_interval_numbers(caplog):
                                "Running: 0 reqs")          # once more: the burst is over
     assert lines[3] is None                   # idle again: silent
     assert [r.getMessage() for r in caplog.records] == lines[1:3]
+    # requests swapped out, and nothing else: the engine is busy, and the line says how many wait in host memory
+    swapped = FakeStats([_stats(600, 210), {**_stats(600, 210), "num_swapped": 2}])
+    logger = stats_log.StatsLogger(swapped.get_stats, interval=10.0)
+    line = asyncio.run(logger.log_once(now=0.0)) or asyncio.run(logger.log_once(now=10.0))
+    assert line is not None and line.endswith("Prefix cache hit rate: 0.0%, Swapped: 2 reqs")
 
 
 def test_stats_logger_is_silent_when_idle_and_off_when_disabled(caplog):

@@ -53,7 +53,8 @@ class StatsLogger:
         prompt, generation = delta("prompt_tokens"), delta("generation_tokens")
         queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
         running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
-        busy = bool(prompt or generation or running or waiting)
+        swapped = stats.get("num_swapped", 0)
+        busy = bool(prompt or generation or running or waiting or swapped)
         if not busy and not self._was_busy:
             return None
         self._was_busy = busy
@@ -62,6 +63,8 @@ class StatsLogger:
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * stats.get('kv_cache_usage', 0.0):.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        if swapped:             # requests whose KV waits in host memory (--swap-space)
+            line += f", Swapped: {swapped} reqs"
         preempted = delta("num_preemptions")
         if preempted:
             line += f", Preemptions: {preempted:.0f}"
