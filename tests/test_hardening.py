@@ -638,14 +638,7 @@ def test_headers_over_the_limit_get_431(guarded):
             sent += 65536
     except OSError:
         pass
-    s.settimeout(5)
-    reply = b""
-    try:
-        while chunk := s.recv(65536):
-            reply += chunk
-    except OSError:
-        pass
-    s.close()
+    reply = _read_until_closed(s, 5.0)
     assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
     assert b"16384 bytes" in reply and sent < 4 << 20     # cut off long before the 4 MB were sent
     big_url = _post(guarded, "/v1/completions?" + "q" * 20000, {"prompt": "x", "max_tokens": 1})
@@ -659,6 +652,11 @@ def _exchange(server, data: bytes, seconds: float = 5.0) -> bytes:
     """What the server answers `data` on one connection, until it closes it."""
     s = _connect(server)
     s.sendall(data)
+    return _read_until_closed(s, seconds)
+
+
+def _read_until_closed(s, seconds: float) -> bytes:
+    """What the socket receives until the server closes it (or `seconds` pass without a byte); closes it."""
     s.settimeout(seconds)
     reply = b""
     try:

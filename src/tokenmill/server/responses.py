@@ -36,6 +36,11 @@ class InputText(_Strict):
     logprobs: Any = None
 
 
+def _joined(text: str | list[InputText]) -> str:
+    """A text given as a string or as input_text parts: the parts' text joined."""
+    return text if isinstance(text, str) else "".join(p.text for p in text)
+
+
 class MessageItem(_Strict):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
@@ -52,7 +57,7 @@ class MessageItem(_Strict):
         return refuse_media_parts(content, "input.content")
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(_Strict):
@@ -83,7 +88,7 @@ class FunctionCallOutputItem(_Strict):
         return refuse_media_parts(output, "input.output")
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return _joined(self.output)
 
 
 class ReasoningItem(_Strict):
