@@ -488,6 +488,39 @@ def test_an_aborted_id_used_again_at_once_serves_the_new_request(qwen3_dir):
     assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
 
 
+def test_an_aborted_request_whose_reader_is_cancelled_leaves_the_new_request_of_its_id_alone(qwen3_dir):
+    """The reader cancelled (its client gone), the request aborted and its id used again in the same tick:
+    the cancelled reader's cleanup, which runs after the new request was sent, aborted the id in the core,
+    where it named the new request, whose stream then never ended."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+
+    async def main():
+        engine.attach()
+        started = asyncio.Event()
+
+        async def first():
+            async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
+                started.set()
+        task = asyncio.create_task(first())
+        await started.wait()
+        task.cancel()
+        engine.abort("x")
+        async with asyncio.timeout(5):
+            outs = [o async for o in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
+        await asyncio.gather(task, return_exceptions=True)
+        return outs[-1], len(engine.processor)
+    try:
+        last, left = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
+
+
 def test_a_step_in_flight_when_the_last_request_ends_is_read_at_once(qwen3_dir):
     """Aborting the last requests while a step is in flight left that step unread until a request next
     arrived, and its time then counted the idle gap: the latency target's step model took seconds for a

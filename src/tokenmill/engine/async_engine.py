@@ -203,11 +203,13 @@ class AsyncLLM:
                     if finished:
                         return
         finally:
-            # an aborted request's id may already serve a new request: only this one's state goes
-            if self._streams.get(request_id) is stream:
+            # an aborted request's id may already serve a new request: only this one's state goes, and the
+            # core is told to abort the id only while it still names this request (`abort` has told it)
+            owned = self._streams.get(request_id) is stream
+            if owned:
                 del self._streams[request_id]
             self.processor.forget(request_id, handle)
-            if not finished and not self.dead:
+            if owned and not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
             # ended unfinished: an abort in the metrics; a request the core refused (a ValueError, the
             # client's 400) never ran, and is no request there
