@@ -521,6 +521,31 @@ def test_an_aborted_request_whose_reader_is_cancelled_leaves_the_new_request_of_
     assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
 
 
+def test_a_prompt_the_detokenizer_refuses_leaves_its_id_free(qwen3_dir):
+    """A negative token id fails in the frontend's detokenizer, before the request reaches the core: its
+    stream was left registered, so the id stayed "already in use" for good and `num_unfinished` counted it."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+
+    async def main():
+        engine.attach()
+        with pytest.raises(TypeError):
+            await anext(engine.generate("x", [5, -1], SamplingParams(max_tokens=3)))
+        left = engine.num_unfinished
+        async with asyncio.timeout(5):
+            outs = [o async for o in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))]
+        return left, outs[-1]
+    try:
+        left, last = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert left == 0 and last.finished and len(last.outputs[0].token_ids) == 3
+
+
 def test_a_step_in_flight_when_the_last_request_ends_is_read_at_once(qwen3_dir):
     """Aborting the last requests while a step is in flight left that step unread until a request next
     arrived, and its time then counted the idle gap: the latency target's step model took seconds for a

@@ -184,9 +184,11 @@ class AsyncLLM:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
         arrival_time = arrival_time or time.time()
         stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, arrival_time=arrival_time)
-        self._streams[request_id] = stream
         handle = next(self._handles)
+        # the output state before the stream: a prompt the detokenizer refuses (a negative token id) fails
+        # here, before the cleanup below is in force, and must leave no stream holding the id
         self.processor.add(handle, request_id, prompt, params, text, arrival_time)
+        self._streams[request_id] = stream
         self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))
         finished = False
         loop = asyncio.get_running_loop()
