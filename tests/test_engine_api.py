@@ -546,6 +546,41 @@ def test_a_prompt_the_detokenizer_refuses_leaves_its_id_free(qwen3_dir):
     assert left == 0 and last.finished and len(last.outputs[0].token_ids) == 3
 
 
+def test_a_reader_in_flight_at_shutdown_ends_with_engine_dead(qwen3_dir):
+    """`shutdown()` inside the event loop while a stream was read: the reader waited for ever (nothing woke
+    it once the pipe closed). It now raises EngineDeadError, as a request after the shutdown does, and the
+    on_dead callbacks, which report a crash, are not called."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    deaths = []
+    engine.on_dead(deaths.append)
+
+    async def main():
+        engine.attach()
+        started = asyncio.Event()
+
+        async def read():
+            async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True)):
+                started.set()
+        task = asyncio.create_task(read())
+        await started.wait()
+        engine.shutdown()
+        async with asyncio.timeout(5):
+            with pytest.raises(EngineDeadError, match="shut down"):
+                await task
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate("y", [5], SamplingParams()))
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert deaths == [] and engine.num_unfinished == 0
+
+
 def test_a_step_in_flight_when_the_last_request_ends_is_read_at_once(qwen3_dir):
     """Aborting the last requests while a step is in flight left that step unread until a request next
     arrived, and its time then counted the idle gap: the latency target's step model took seconds for a

@@ -235,14 +235,15 @@ def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
 
     async def main():
         engine.attach()
-        return await asyncio.wait_for(asyncio.gather(run("bad", bad), run("good", good), return_exceptions=True),
-                                      60)
+        results = await asyncio.wait_for(asyncio.gather(run("bad", bad), run("good", good), return_exceptions=True),
+                                         60)
+        return results, engine.dead         # before the shutdown, which marks the engine gone
     try:
-        failed, served = asyncio.run(main())
+        (failed, served), dead = asyncio.run(main())
     finally:
         engine.shutdown()
     assert isinstance(failed, ValueError) and "RecursionError" in str(failed), failed
-    assert served == 2 and engine.dead is None
+    assert served == 2 and dead is None
 
 
 def test_a_burst_of_prompts_is_encoded_in_batches_and_a_bad_one_fails_alone():

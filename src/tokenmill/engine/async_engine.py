@@ -149,6 +149,8 @@ class AsyncLLM:
         if self._core is not None:
             self._core.join(timeout)
         self._conn.close()
+        # readers still waiting would hear nothing more: they end with EngineDeadError, as later requests do
+        self._mark_dead("the engine was shut down")
 
     @property
     def pid(self) -> int | None:
@@ -354,5 +356,6 @@ class AsyncLLM:
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(None)
-        for cb in self._dead_callbacks:
-            cb(why)
+        if not self._shutdown:          # a shutdown asked for is no death to report
+            for cb in self._dead_callbacks:
+                cb(why)
