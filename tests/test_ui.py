@@ -34,6 +34,9 @@ def test_trim_history_starts_at_a_user_turn():
     msgs = [{"role": r, "content": str(i)} for i, r in enumerate(["user", "assistant"] * 3 + ["user"])]
     assert trim_history(msgs, 4) == msgs[-3:]
     assert trim_history(msgs, 0) == msgs
+    # docs/UI.md: the default 8 counts the new message too, so it sends the last 3 exchanges and that message
+    chat = [{"role": r, "content": str(i)} for i, r in enumerate(["user", "assistant"] * 5 + ["user"])]
+    assert trim_history(chat, UISettings().history_messages) == chat[-7:]
 
 
 def test_describe_error_names_status_or_reachability():
