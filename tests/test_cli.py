@@ -449,3 +449,13 @@ def test_generate_refuses_bad_sampling_before_loading_and_without_a_traceback(ca
     # vLLM's --uvicorn-log-level critical and trace, onto ours
     parser, _ = cli.build_parser()
     assert parser.parse_args(["serve", "--uvicorn-log-level", "critical"]).log_level == "error"
+
+
+def test_the_serving_line_names_the_engines_pid_when_it_runs_in_process(capsys):
+    """docs/SERVER.md's `(engine pid PID)`: with --engine-in-process the engine is a thread of the server's
+    process, whose pid the line names (it printed `engine pid None`)."""
+    from tokenmill.server.http_server import announce
+    announce("m", "::1", 8000, None)
+    announce("m", "127.0.0.1", 8000, 4242, "https")
+    assert capsys.readouterr().out == (f"tokenmill: serving m on http://[::1]:8000 (engine pid {os.getpid()})\n"
+                                       "tokenmill: serving m on https://127.0.0.1:8000 (engine pid 4242)\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -209,8 +210,10 @@ def configure_logging(options: ServeOptions) -> None:
 
 
 def announce(model_name: str, host: str, port: int, engine_pid: int | None, scheme: str = "http") -> None:
+    """`engine_pid` None: the engine runs in a thread of this process (`--engine-in-process`), whose pid it is."""
     where = f"[{host}]" if ":" in host else host        # an IPv6 address is bracketed in a URL
-    print(f"tokenmill: serving {model_name} on {scheme}://{where}:{port} (engine pid {engine_pid})", flush=True)
+    pid = os.getpid() if engine_pid is None else engine_pid
+    print(f"tokenmill: serving {model_name} on {scheme}://{where}:{port} (engine pid {pid})", flush=True)
 
 
 def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_class=None,
