@@ -129,6 +129,15 @@ def test_logprobs_and_n(llm):
     assert llm.engine.get_stats()["num_free_blocks"] == llm.engine.get_stats()["num_total_blocks"]
 
 
+def test_prompt_logprobs_of_a_one_token_prompt_are_one_none(llm):
+    """vLLM's: the first prompt token has no logprob, so a one-token prompt's list is [None] (it was None,
+    as if prompt_logprobs had not been asked for)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    one, two = llm.generate([[5], [5, 6]], params)
+    assert one.prompt_logprobs == [None]
+    assert two.prompt_logprobs[0] is None and 6 in two.prompt_logprobs[1]
+
+
 def test_stop_conditions(llm):
     base = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     toks = base.outputs[0].token_ids

@@ -277,8 +277,9 @@ class LLMEngine:
                 req.first_token_time = now
                 if req.index == 0:          # its prompt is computed: counted once a request, when prefilled
                     self.num_prompt_tokens += req.num_prompt_tokens
-                if req.prompt_logprobs is not None and req.index == 0:
-                    report.prompt_logprobs.append((req.handle, req.prompt_logprobs))
+                if req.params.prompt_logprobs is not None and req.index == 0:
+                    # a one-token prompt has nothing scored: its entries are still vLLM's [None]
+                    report.prompt_logprobs.append((req.handle, req.prompt_logprobs or [None] * req.num_prompt_tokens))
             # a batch samples logprobs when any of its requests asks; only those requests report them
             report.token(req.handle, req.index, token, None if lp is None or req.params.logprobs is None else
                          (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
