@@ -36,6 +36,19 @@ def test_bad_sampling_values_name_value_and_limit(kwargs, message):
     assert message in str(e.value)
 
 
+def test_sampling_params_from_optional_and_clone_as_vllm():
+    """vLLM's SamplingParams.from_optional (None takes the default, but max_tokens=None is unlimited) and
+    clone (a deep copy): both were AttributeErrors."""
+    params = SamplingParams.from_optional(n=None, temperature=None, top_p=0.5, stop=["x"], seed=None)
+    assert (params.n, params.temperature, params.top_p, params.stop, params.max_tokens) == (1, 1.0, 0.5, ["x"], 16)
+    assert SamplingParams.from_optional(max_tokens=None).max_tokens is None
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams.from_optional(top_p=0)
+    copy = params.clone()
+    copy.stop.append("y")
+    assert copy == SamplingParams(top_p=0.5, stop=["x", "y"]) and params.stop == ["x"]
+
+
 def test_bad_prompts_are_rejected_and_others_keep_running(llm):
     engine = llm.engine
     engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

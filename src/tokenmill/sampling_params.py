@@ -4,6 +4,7 @@ What needs the engine (token ids against the vocabulary, grammars compiled for t
 in `LLMEngine.add_request`, with the same error type."""
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 
@@ -327,6 +328,16 @@ class SamplingParams:
             bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1, or -1 (the context length)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "non-empty strings (a string or a list of them)")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> SamplingParams:
+        """vLLM's: parameters where None stands for the default (as a request's unset fields), except
+        `max_tokens`, where None is the model's context length."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), to change without changing this one."""
+        return copy.deepcopy(self)
 
     def resolve_bad_words(self, tokenizer) -> None:
         """Fills `bad_words_token_ids` from `bad_words` (vLLM's rule): each word's tokens at the text's
