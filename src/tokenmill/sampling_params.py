@@ -237,6 +237,15 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
+    # vLLM's fields taken where they change nothing here (other values are refused, naming the field):
+    # best_of None or n, detokenize True, spaces_between_special_tokens True (or with skip_special_tokens,
+    # where vLLM's has no effect), no logits_processors. extra_args is data for plugins, as vLLM's, which
+    # no in-tree sampler reads.
+    best_of: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -328,6 +337,18 @@ class SamplingParams:
             bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1, or -1 (the context length)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "non-empty strings (a string or a list of them)")
+        if self.best_of is not None and self.best_of != self.n:
+            bad("best_of", self.best_of, f"None or n ({self.n}): tokenmill returns every sequence it samples")
+        if not self.detokenize:
+            bad("detokenize", self.detokenize, "True: tokenmill always detokenizes the output")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            bad("spaces_between_special_tokens", self.spaces_between_special_tokens,
+                "True with skip_special_tokens=False: special tokens are detokenized as the tokenizer joins them")
+        if self.logits_processors:
+            bad("logits_processors", self.logits_processors, "None or empty: per-request logits processors are not "
+                "run (logit_bias, allowed_token_ids, bad_words and structured_outputs are)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad("extra_args", self.extra_args, "a dict")
 
     @classmethod
     def from_optional(cls, **kwargs) -> SamplingParams:
