@@ -211,6 +211,19 @@ def test_text_prompts_and_chat(llm):
         llm.generate(["a", "b"], sp, priority=[1])
 
 
+def test_use_tqdm_takes_a_callable_that_makes_the_bar(llm):
+    """vLLM's use_tqdm=functools.partial(tqdm, ...): the callable makes the progress bar (it was ignored,
+    and tqdm's default bar shown)."""
+    from tqdm import tqdm
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs["total"])
+        return tqdm(disable=True, **kwargs)
+    llm.generate([[5, 6], [7]], SamplingParams(max_tokens=1), use_tqdm=bar)
+    assert made == [2]
+
+
 def test_include_stop_str_in_output_shows_a_stop_token(llm):
     """As vLLM: the text of the stop token that ended the output shows only with include_stop_str_in_output."""
     base = dict(temperature=0, max_tokens=8, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
@@ -95,7 +95,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None,
                  lora_request=None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. Interrupted (Ctrl-C, an
         error), its requests are aborted, so the next call does not run them first."""
@@ -142,7 +142,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             use_tqdm: bool | Callable = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the model's, or `chat_template`), then
@@ -171,13 +172,14 @@ class LLM:
             out.prompt = text
         return outputs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable) -> list[RequestOutput]:
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            # vLLM's: a callable (say functools.partial(tqdm, leave=False)) makes the bar
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(ids), desc="generate", unit="req")
         while pending:
             if not self.engine.scheduler.has_unfinished():
                 raise RuntimeError(f"requests {sorted(pending)[:4]} were lost by the scheduler")
