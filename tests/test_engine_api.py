@@ -207,6 +207,10 @@ def test_text_prompts_and_chat(llm):
     assert llm.llm_engine is llm.engine
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp)
+    # vLLM's chat_template_content_format: "string" is what the template gets here (a TypeError before)
+    assert llm.chat(parts, sp, chat_template_content_format="string")[0].prompt == llm.chat(parts, sp)[0].prompt
+    with pytest.raises(ValueError, match=r"chat_template_content_format='openai' is not supported"):
+        llm.chat(parts, sp, chat_template_content_format="openai")
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         llm.generate(["a", "b"], sp, priority=[1])
 

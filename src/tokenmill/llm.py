@@ -145,10 +145,12 @@ class LLM:
              use_tqdm: bool | Callable = False, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Renders each conversation with the chat template (the model's, or `chat_template`), then
         generates. Messages are read as the server reads them (`server/protocol.ChatMessage`: OpenAI's text
-        parts joined, media parts refused, tool calls' arguments as objects); `tools`,
+        parts joined, media parts refused, tool calls' arguments as objects: vLLM's "string"
+        `chat_template_content_format`, which "auto" is here; "openai" is refused); `tools`,
         `continue_final_message` and `chat_template_kwargs` reach the template as vLLM's `LLM.chat` passes
         them."""
         from tokenmill.server.protocol import ChatMessage
@@ -157,6 +159,10 @@ class LLM:
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported: "
+                             "messages reach the template with their text parts joined into a string ('string', "
+                             "which 'auto' is here)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                              "(set add_generation_prompt=False)")
