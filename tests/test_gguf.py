@@ -476,3 +476,30 @@ def test_each_pre_tokenizer_brings_what_its_tokenizer_json_did():
     for pre in (None, "default"):
         with pytest.raises(ValueError, match="how its text is split before BPE is unknown"):
             build_gguf_tokenizer(_bpe_metadata(pre, extra, merges))
+
+
+def test_bos_and_eos_are_added_as_the_file_says(tmp_path):
+    """`tokenizer.ggml.add_bos_token` and `add_eos_token` put BOS before and EOS after each text, as
+    transformers' GGUF reader (and llama.cpp) add them."""
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = [*bytes_to_unicode().values(), "Ġh", "Ġhe", "<s>", "</s>"]
+    bos, eos = len(tokens) - 2, len(tokens) - 1
+    for add_bos, add_eos in ((False, True), (True, True), (True, False)):
+        path = tmp_path / f"bos{add_bos:d}-eos{add_eos:d}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+        w.add_token_merges(["Ġ h", "Ġh e"])
+        w.add_bos_token_id(bos)
+        w.add_eos_token_id(eos)
+        w.add_add_bos_token(add_bos)
+        w.add_add_eos_token(add_eos)
+        _finish(w)
+        ours = Tokenizer(str(path))
+        ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        assert ours.encode(" he") == [bos] * add_bos + [tokens.index("Ġhe")] + [eos] * add_eos
+        for text in [" he he", ""]:
+            assert ours.encode(text) == ref.encode(text), (add_bos, add_eos, text)

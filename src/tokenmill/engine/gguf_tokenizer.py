@@ -2,8 +2,8 @@
 
 GGUF stores a byte-level BPE vocabulary (`tokenizer.ggml.model` = "gpt2") as the token strings in the
 byte-to-unicode alphabet, the merges as "left right" strings, each token's type (3: control, made a
-special token; 4: user-defined, matched whole but not special), BOS/EOS/UNK/PAD ids, whether to add BOS,
-and the chat template. How text is split before BPE is only named (`tokenizer.ggml.pre`); each name
+special token; 4: user-defined, matched whole but not special), BOS/EOS/UNK/PAD ids, whether to add BOS
+and EOS, and the chat template. How text is split before BPE is only named (`tokenizer.ggml.pre`); each name
 tokenmill knows maps to the split its vocabulary was trained with, and with it what its tokenizer.json
 did besides: Qwen2's NFC normalization, Llama 3's `ignore_merges` (a piece that is a token whole is that
 token, whatever the merges reach) and BOS added where the file does not say. Unknown names are refused,
@@ -83,11 +83,15 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
         i = metadata.get(f"tokenizer.ggml.{key}")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    bos = token("bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_NAMES) and bos is not None:
-        bos_id = metadata["tokenizer.ggml.bos_token_id"]
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    # the BOS before and the EOS after each text, as the file says (llama.cpp and transformers' GGUF
+    # reader add both where it does)
+    first = [bos] if metadata.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_NAMES) and bos is not None else []
+    last = [eos] if metadata.get("tokenizer.ggml.add_eos_token", False) and eos is not None else []
+    if first or last:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+            single=[*first, "$A", *last], pair=[*first, "$A", *last, *first, "$B", *last],
+            special_tokens=[(t, vocab[t]) for t in {*first, *last}])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     if len(tok.get_vocab()) != len(tokens):
