@@ -503,3 +503,17 @@ def test_bos_and_eos_are_added_as_the_file_says(tmp_path):
         assert ours.encode(" he") == [bos] * add_bos + [tokens.index("Ġhe")] + [eos] * add_eos
         for text in [" he he", ""]:
             assert ours.encode(text) == ref.encode(text), (add_bos, add_eos, text)
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+def test_add_space_prefix_leaves_byte_level_text_alone(pre):
+    """`tokenizer.ggml.add_space_prefix` is SentencePiece's: llama.cpp and transformers' GGUF reader
+    ignore it for byte-level BPE, so a file that sets it encodes as one that does not (it once put a space
+    before every split piece: "a,b 12" read as " a ,b  1 2")."""
+    from tokenmill.engine.gguf_tokenizer import build_gguf_tokenizer
+    md = {**_bpe_metadata(pre, ["ab"], ["a b"]), "tokenizer.ggml.add_bos_token": False}
+    plain = build_gguf_tokenizer(md)
+    flagged = build_gguf_tokenizer({**md, "tokenizer.ggml.add_space_prefix": True})
+    for text in ["a,b 12\n", " ab", ""]:
+        assert flagged.encode(text) == plain.encode(text), text
+        assert flagged.decode(flagged.encode(text)) == text

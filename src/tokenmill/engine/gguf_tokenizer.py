@@ -28,18 +28,20 @@ SUPPORTED_PRE_TOKENIZERS = tuple(sorted((*_SPLITS, *_GPT2_NAMES)))
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def _pre_tokenizer(name: str, add_prefix_space: bool, path: str):
+def _pre_tokenizer(name: str, path: str):
     from tokenizers import Regex, pre_tokenizers
 
+    # no prefix space: `tokenizer.ggml.add_space_prefix` is SentencePiece's (llama.cpp and transformers'
+    # GGUF reader ignore it for byte-level BPE), and ByteLevel would put it before every split piece
     if name in _GPT2_NAMES:
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if name == "smollm":
             return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         return byte_level
     if name in _SPLITS:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_SPLITS[name]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"GGUF file {path!r} names pre-tokenizer {name!r}; tokenmill knows "
                      f"{', '.join(SUPPORTED_PRE_TOKENIZERS)} (pass --tokenizer DIR with the model's tokenizer)")
 
@@ -71,8 +73,7 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
     tok = Tokenizer(bpe)
     if pre == "qwen2":
         tok.normalizer = normalizers.NFC()
-    add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
-    tok.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space, path)
+    tok.pre_tokenizer = _pre_tokenizer(pre, path)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == _CONTROL])
