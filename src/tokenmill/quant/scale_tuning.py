@@ -20,18 +20,19 @@ from tokenmill.quant.quantize import Grid
 
 class _TunedLinear(nn.Module):
     """A 4-bit linear with trainable scales: W[o, i] = codes[o, i] * s0[o, g] exp(m[o, g]), g = rows[i] the
-    input's group."""
+    input's group; `bias`: that of the linear it stands in for (Qwen2's q/k/v), set by `_train`."""
 
     def __init__(self, codes: torch.Tensor, s0: torch.Tensor, rows: torch.Tensor):
         super().__init__()
         self.codes, self.s0, self.rows = codes.float(), s0.float(), rows                 # [out, in], [out, G]
         self.m = nn.Parameter(torch.zeros_like(self.s0))
+        self.bias: torch.Tensor | None = None
 
     def scales(self) -> torch.Tensor:
         return self.s0 * torch.exp(self.m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.codes * self.scales()[:, self.rows])
+        return nn.functional.linear(x, self.codes * self.scales()[:, self.rows], self.bias)
 
 
 def _reference_model(state: dict[str, torch.Tensor], hf_config: dict) -> nn.Module:
@@ -57,7 +58,11 @@ def _train(state: dict[str, torch.Tensor], hf_config: dict, layers: dict[str, _T
         target = torch.log_softmax(model(calibration).logits.float(), -1)
     for key, layer in layers.items():
         parent, _, leaf = key.removesuffix(".weight").rpartition(".")
-        setattr(model.get_submodule(parent), leaf, layer)
+        module = model.get_submodule(parent)
+        # the bias is not quantized and stays in the product: without it the scales were trained to make up
+        # for it, and a Qwen2 checkpoint's divergence rose
+        layer.bias = getattr(module, leaf).bias
+        setattr(module, leaf, layer)
     opt = torch.optim.Adam([layer.m for layer in layers.values()], lr=lr)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
