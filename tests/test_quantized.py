@@ -423,6 +423,34 @@ def test_a_g_idx_that_is_not_a_grouping_or_differs_between_shards_is_refused(tmp
         LLM(qdir, device="cpu", num_kv_blocks=8)
 
 
+def test_an_already_quantized_checkpoint_is_not_quantized_again(tmp_path, save_tiny_model):
+    """The writers take an unquantized checkpoint: an FP8 one written again as FP8 had its values rounded
+    as if they were weights (a checkpoint that loaded, with other logits), a 4-bit one had its packed
+    tensors copied under the new quantization_config. Refused by its config, or without one (AutoGPTQ's
+    quantize_config.json beside it) by its tensors."""
+    from tokenmill.quant import fp8
+    src = str(tmp_path / "src")
+    save_tiny_model(src, "qwen3", hidden_size=64)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    for method, write in (("compressed-tensors", lambda d, s, c: fp8.write_checkpoint(d, s, c, "compressed-tensors")),
+                          ("gptq", lambda d, s, c: write_checkpoint(d, s, c, "gptq", 32))):
+        qdir = str(tmp_path / method)
+        write(qdir, state, cfg)
+        with open(os.path.join(qdir, "config.json")) as f:
+            qcfg = json.load(f)
+        qstate = load_file(os.path.join(qdir, "model.safetensors"))
+        plain_cfg = {k: v for k, v in qcfg.items() if k != "quantization_config"}
+        for again in (lambda d, s, c: fp8.write_checkpoint(d, s, c, "compressed-tensors"),
+                      lambda d, s, c: write_checkpoint(d, s, c, "awq", 32)):
+            with pytest.raises(ValueError, match=rf"already quantized \(quantization_config quant_method='{method}'\)"):
+                again(str(tmp_path / "again"), qstate, qcfg)
+            with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.* is already quantized"):
+                again(str(tmp_path / "again"), qstate, plain_cfg)
+            assert not os.path.exists(tmp_path / "again")
+
+
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():
     """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
     column read back as zero 16, its neighbour's zero off by one)."""

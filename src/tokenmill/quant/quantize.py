@@ -157,12 +157,33 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
     return out
 
 
+# the dtypes of an unquantized checkpoint's weights
+PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_unquantized(state: dict[str, torch.Tensor], hf_config: dict) -> None:
+    """The writers' input must be a plain checkpoint: one already quantized had its FP8 values rounded again
+    as if they were weights (their old scales copied beside the new ones) or its packed tensors copied
+    under a new quantization_config, a checkpoint that loaded with wrong weights or not at all."""
+    qc = hf_config.get("quantization_config")
+    if qc:
+        raise ValueError(f"the checkpoint is already quantized (quantization_config quant_method="
+                         f"{qc.get('quant_method')!r}); quantize its unquantized weights instead")
+    for key, t in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        if prefix.rpartition(".")[2] in QUANTIZED_LAYERS and (leaf not in ("weight", "bias")
+                                                              or t.dtype not in PLAIN_DTYPES):
+            raise ValueError(f"checkpoint tensor {key!r} ({t.dtype}) is already quantized; quantize the "
+                             "unquantized weights instead")
+
+
 def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, method: str,
                      group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
                      grids: dict[str, Grid] | None = None, desc_act: bool = False) -> None:
     """Quantizes `state` (with `grids` where given, act-order groups with `desc_act`: see
     `quantize_state_dict`) and writes `model.safetensors` and `config.json` (with its quantization_config)."""
     from safetensors.torch import save_file
+    check_unquantized(state, hf_config)
     os.makedirs(out_dir, exist_ok=True)
     save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act),
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
