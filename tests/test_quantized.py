@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.quant import w4
+from tokenmill.quant import fp8, w4
 from tokenmill.quant.formats import QUANTIZED_LAYERS, W4Config
 from tokenmill.quant.quantize import (pack_cols, quantize_awq, quantize_gptq, quantization_config,
                                       write_checkpoint)
@@ -428,7 +428,6 @@ def test_an_already_quantized_checkpoint_is_not_quantized_again(tmp_path, save_t
     as if they were weights (a checkpoint that loaded, with other logits), a 4-bit one had its packed
     tensors copied under the new quantization_config. Refused by its config, or without one (AutoGPTQ's
     quantize_config.json beside it) by its tensors."""
-    from tokenmill.quant import fp8
     src = str(tmp_path / "src")
     save_tiny_model(src, "qwen3", hidden_size=64)
     with open(os.path.join(src, "config.json")) as f:
@@ -449,6 +448,27 @@ def test_an_already_quantized_checkpoint_is_not_quantized_again(tmp_path, save_t
             with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.* is already quantized"):
                 again(str(tmp_path / "again"), qstate, plain_cfg)
             assert not os.path.exists(tmp_path / "again")
+
+
+@pytest.mark.parametrize("write,message", [
+    (lambda d, s, c: write_checkpoint(d, s, c, "gptq", 16), r"gptq checkpoint with group_size=16 is not supported"),
+    (lambda d, s, c: write_checkpoint(d, s, c, "gptq", -1), r"gptq checkpoint with group_size=-1 is not supported"),
+    (lambda d, s, c: write_checkpoint(d, s, c, "awq", 0), r"awq checkpoint with group_size=0 is not supported"),
+    (lambda d, s, c: write_checkpoint(d, s, c, "gptq", 32, checkpoint_format="marlin"),
+     r"checkpoint_format='marlin' is not supported; supported: gptq, gptq_v2"),
+    (lambda d, s, c: write_checkpoint(d, s, c, "int4", 32), r"4-bit method 'int4' is not supported; supported: awq, gptq"),
+    (lambda d, s, c: fp8.write_checkpoint(d, s, c, "e4m3"),
+     r"FP8 checkpoint format 'e4m3' is not supported; supported: fp8, compressed-tensors"),
+], ids=["group16", "group-1", "group0", "marlin", "int4", "fp8-e4m3"])
+def test_writer_options_the_loader_refuses_are_refused_before_writing(tmp_path, write, message):
+    """An option outside what the loader reads was written (group 16, a 'marlin' format: a checkpoint the
+    loader then refused), crashed mid-way (group -1 or 0: a reshape error, a division by zero) or was
+    written as another format (an unknown 4-bit method as GPTQ, an unknown FP8 format as
+    compressed-tensors)."""
+    state = {"model.layers.0.mlp.down_proj.weight": torch.randn(64, 128)}
+    with pytest.raises(ValueError, match=message):
+        write(str(tmp_path / "q"), state, dict(BASE))
+    assert not os.path.exists(tmp_path / "q")
 
 
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():

@@ -106,6 +106,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
 def quantization_config(fmt: str) -> dict:
     """The config.json `quantization_config` of a checkpoint written as `fmt` ("fp8": Qwen's block-wise
     format, "compressed-tensors": per channel)."""
+    if fmt not in ("fp8", "compressed-tensors"):
+        raise ValueError(f"FP8 checkpoint format {fmt!r} is not supported; supported: fp8, compressed-tensors")
     if fmt == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}
@@ -128,6 +130,7 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     from safetensors.torch import save_file
     from tokenmill.quant.quantize import check_unquantized
     check_unquantized(state, hf_config)
+    qc = quantization_config(fmt)
     block = (128, 128) if fmt == "fp8" else None
     scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
     weights = weights or {}
@@ -144,7 +147,7 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     os.makedirs(out_dir, exist_ok=True)
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(dict(hf_config, quantization_config=quantization_config(fmt)), f, indent=1)
+        json.dump(dict(hf_config, quantization_config=qc), f, indent=1)
 
 
 def quantize_at_load(tensors):

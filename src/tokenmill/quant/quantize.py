@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from tokenmill.quant.formats import QUANTIZED_LAYERS
+from tokenmill.quant.formats import QUANTIZED_LAYERS, W4_METHODS, parse_w4_config
 from tokenmill.quant.w4 import AWQ_ORDER, PACK
 
 # the decoder's linear layers that AWQ and GPTQ checkpoints quantize; embeddings, norms and the head stay
@@ -128,6 +128,8 @@ def seeded_act_order(in_features: int) -> torch.Tensor:
 def quantization_config(method: str, group_size: int = 128, sym: bool = True,
                         checkpoint_format: str = "gptq", desc_act: bool = False) -> dict:
     """The `quantization_config` entry of config.json as AutoAWQ / AutoGPTQ write it."""
+    if method not in W4_METHODS:
+        raise ValueError(f"4-bit method {method!r} is not supported; supported: {', '.join(W4_METHODS)}")
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                 "version": "gemm"}
@@ -184,10 +186,11 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     `quantize_state_dict`) and writes `model.safetensors` and `config.json` (with its quantization_config)."""
     from safetensors.torch import save_file
     check_unquantized(state, hf_config)
+    qc = quantization_config(method, group_size, sym, checkpoint_format, desc_act)
+    parse_w4_config(qc)             # what the loader would refuse (a group size, a format) is not written
     os.makedirs(out_dir, exist_ok=True)
     save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act),
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config = dict(hf_config, quantization_config=quantization_config(method, group_size, sym, checkpoint_format,
-                                                                     desc_act))
+    config = dict(hf_config, quantization_config=qc)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
