@@ -471,6 +471,26 @@ def test_writer_options_the_loader_refuses_are_refused_before_writing(tmp_path, 
     assert not os.path.exists(tmp_path / "q")
 
 
+@pytest.mark.parametrize("method,overrides,key,shape", [
+    ("gptq", dict(intermediate_size=100), "mlp.down_proj", (64, 100)),      # a partial word of input rows
+    ("awq", dict(intermediate_size=100), "mlp.down_proj", (64, 100)),
+    ("gptq", dict(head_dim=10), "self_attn.k_proj", (20, 64)),               # 2 KV heads of 10
+])
+def test_a_shape_the_4bit_layout_cannot_hold_is_refused_naming_it(tmp_path, save_tiny_model, method, overrides,
+                                                                  key, shape):
+    """A weight whose rows or columns are not whole words of 8 was a reshape error that named no layer,
+    and left an empty output directory behind."""
+    src, qdir = str(tmp_path / "src"), str(tmp_path / "q")
+    save_tiny_model(src, "qwen3", num_hidden_layers=1, **overrides)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match=rf"checkpoint tensor 'model.layers.0.{key}.weight' of shape "
+                                         rf"\({shape[0]}, {shape[1]}\) cannot be written as {method}: out_features "
+                                         rf"and in_features must be multiples of 8"):
+        write_checkpoint(qdir, load_file(os.path.join(src, "model.safetensors")), cfg, method, 32)
+    assert not os.path.exists(qdir)
+
+
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():
     """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
     column read back as zero 16, its neighbour's zero off by one)."""

@@ -137,6 +137,17 @@ def quantization_config(method: str, group_size: int = 128, sym: bool = True,
             "checkpoint_format": checkpoint_format}
 
 
+def check_shape(key: str, w: torch.Tensor, method: str, group_size: int) -> None:
+    """A weight [out, in] the 4-bit layout holds (as `W4Linear` reads it): eight values to a word along
+    both dims; AWQ's groups whole."""
+    out, n = w.shape
+    awq = method == "awq"
+    if out % PACK or n % PACK or awq and n % group_size:
+        raise ValueError(f"checkpoint tensor {key!r} of shape {tuple(w.shape)} cannot be written as {method}: "
+                         f"out_features and in_features must be multiples of {PACK}"
+                         + (f", in_features of group_size ({group_size})" if awq else ""))
+
+
 def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size: int = 128, sym: bool = True,
                         checkpoint_format: str = "gptq", grids: dict[str, Grid] | None = None,
                         desc_act: bool = False) -> dict[str, torch.Tensor]:
@@ -149,6 +160,7 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
     for key, t in state.items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
+            check_shape(key, t, method, group_size)
             grid = grids.get(key)
             parts = (quantize_awq(t, group_size, grid) if method == "awq"
                      else quantize_gptq(t, group_size, sym, checkpoint_format, grid,
@@ -188,9 +200,9 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     check_unquantized(state, hf_config)
     qc = quantization_config(method, group_size, sym, checkpoint_format, desc_act)
     parse_w4_config(qc)             # what the loader would refuse (a group size, a format) is not written
+    tensors = quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act),
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config = dict(hf_config, quantization_config=qc)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
