@@ -491,6 +491,36 @@ def test_a_shape_the_4bit_layout_cannot_hold_is_refused_naming_it(tmp_path, save
     assert not os.path.exists(qdir)
 
 
+def test_a_directory_holding_a_checkpoint_is_not_written_into(tmp_path):
+    """Written into its sharded source's directory, the new model.safetensors went beside the index and
+    shards, which the loader then read with the new quantization_config (a checkpoint that loaded neither
+    way, the source's config replaced). A directory with only tokenizer files in it is written into."""
+    import transformers
+    src = str(tmp_path / "src")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(src, max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    state = {}
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(src, name)))
+    for write in (lambda d: write_checkpoint(d, state, cfg, "gptq", 32),
+                  lambda d: fp8.write_checkpoint(d, state, cfg, "compressed-tensors")):
+        with pytest.raises(ValueError, match=r"'.*src' already holds a checkpoint \(config.json, model-00001-of-"):
+            write(src)
+    with open(os.path.join(src, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    assert not os.path.exists(os.path.join(src, "model.safetensors"))
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "tokenizer_config.json").write_text("{}")
+    write_checkpoint(str(out), state, cfg, "gptq", 32)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+
+
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():
     """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
     column read back as zero 16, its neighbour's zero off by one)."""

@@ -128,8 +128,9 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     `weights[key]`: that weight already quantized by a calibrated quantizer (`gptq.gptq_fp8_model`: FP8
     weight, scale [out, 1]; compressed-tensors only); a weight without one is rounded to nearest."""
     from safetensors.torch import save_file
-    from tokenmill.quant.quantize import check_unquantized
+    from tokenmill.quant.quantize import check_out_dir, check_unquantized
     check_unquantized(state, hf_config)
+    check_out_dir(out_dir)
     qc = quantization_config(fmt)
     block = (128, 128) if fmt == "fp8" else None
     scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"

@@ -191,6 +191,19 @@ def check_unquantized(state: dict[str, torch.Tensor], hf_config: dict) -> None:
                              "unquantized weights instead")
 
 
+def check_out_dir(out_dir: str) -> None:
+    """The writers write a new checkpoint: into a directory that holds one, the new model.safetensors and
+    config.json went beside its other weight files (a sharded source's index and shards, which the
+    loaders then read with the new config), or over the source itself."""
+    if not os.path.isdir(out_dir):
+        return
+    held = sorted(n for n in os.listdir(out_dir) if n == "config.json" or n.endswith((".safetensors",
+                                                                                      ".safetensors.index.json")))
+    if held:
+        raise ValueError(f"{out_dir!r} already holds a checkpoint ({', '.join(held[:4])}); write the "
+                         "quantized checkpoint to a new directory")
+
+
 def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: dict, method: str,
                      group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
                      grids: dict[str, Grid] | None = None, desc_act: bool = False) -> None:
@@ -198,6 +211,7 @@ def write_checkpoint(out_dir: str, state: dict[str, torch.Tensor], hf_config: di
     `quantize_state_dict`) and writes `model.safetensors` and `config.json` (with its quantization_config)."""
     from safetensors.torch import save_file
     check_unquantized(state, hf_config)
+    check_out_dir(out_dir)
     qc = quantization_config(method, group_size, sym, checkpoint_format, desc_act)
     parse_w4_config(qc)             # what the loader would refuse (a group size, a format) is not written
     tensors = quantize_state_dict(state, method, group_size, sym, checkpoint_format, grids, desc_act)
