@@ -521,6 +521,26 @@ def test_a_directory_holding_a_checkpoint_is_not_written_into(tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer_config.json"]
 
 
+def test_a_calibrated_grid_must_fit_the_checkpoint_it_is_written_into(tmp_path):
+    """A grid of groups of 32 written with group_size=64 was packed and read as the wrong groups (the
+    loader then refused its qzeros' shape); an asymmetric grid written with the default sym=True got a
+    config that told readers every zero is 8."""
+    from tokenmill.quant.gptq import gptq_quantize
+    key = "model.layers.0.mlp.down_proj.weight"
+    w, x = torch.randn(64, 128) * 0.05, torch.randn(256, 128)
+    asym = gptq_quantize(w, x.t() @ x, 32, sym=False, min_zero=1)
+    state = {key: w}
+    with pytest.raises(ValueError, match=rf"the grid of '{key}' \(q \(128, 64\), scales \(4, 64\)\) does not fit "
+                                         r"its weight \(64, 128\) in groups of 64"):
+        write_checkpoint(str(tmp_path / "a"), state, dict(BASE), "gptq", 64, sym=False, grids={key: asym})
+    with pytest.raises(ValueError, match=rf"the grid of '{key}' has zeros other than 8"):
+        write_checkpoint(str(tmp_path / "b"), state, dict(BASE), "gptq", 32, grids={key: asym})
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+    write_checkpoint(str(tmp_path / "c"), state, dict(BASE), "gptq", 32, sym=False, grids={key: asym})
+    sym = gptq_quantize(w, x.t() @ x, 32, sym=True)
+    write_checkpoint(str(tmp_path / "d"), state, dict(BASE), "gptq", 32, grids={key: sym})
+
+
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():
     """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
     column read back as zero 16, its neighbour's zero off by one)."""

@@ -148,6 +148,22 @@ def check_shape(key: str, w: torch.Tensor, method: str, group_size: int) -> None
                          + (f", in_features of group_size ({group_size})" if awq else ""))
 
 
+def check_grid(key: str, w: torch.Tensor, grid: Grid, group_size: int, sym: bool) -> None:
+    """A calibrated grid fits the checkpoint it is written into: its shapes those of `w`'s groups of
+    `group_size` (a grid of other groups was packed under a group_size that misread it), and with `sym`
+    (GPTQ) every zero 8, what a symmetric checkpoint's readers may assume in place of its qzeros."""
+    q, zeros, scales = grid
+    out, n = w.shape
+    groups = -(-n // group_size)
+    if tuple(q.shape) != (n, out) or not tuple(zeros.shape) == tuple(scales.shape) == (groups, out):
+        raise ValueError(f"the grid of {key!r} (q {tuple(q.shape)}, scales {tuple(scales.shape)}) does not fit "
+                         f"its weight {tuple(w.shape)} in groups of {group_size}: q ({n}, {out}), zeros and "
+                         f"scales ({groups}, {out})")
+    if sym and not bool((zeros == 8).all()):
+        raise ValueError(f"the grid of {key!r} has zeros other than 8, which a symmetric (sym=True) GPTQ "
+                         "checkpoint stores: write an asymmetric grid with sym=False")
+
+
 def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size: int = 128, sym: bool = True,
                         checkpoint_format: str = "gptq", grids: dict[str, Grid] | None = None,
                         desc_act: bool = False) -> dict[str, torch.Tensor]:
@@ -162,6 +178,8 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, group_size:
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
             check_shape(key, t, method, group_size)
             grid = grids.get(key)
+            if grid is not None:
+                check_grid(key, t, grid, group_size, sym and method == "gptq")
             parts = (quantize_awq(t, group_size, grid) if method == "awq"
                      else quantize_gptq(t, group_size, sym, checkpoint_format, grid,
                                         seeded_act_order(t.shape[1]) if desc_act else None))
