@@ -541,6 +541,33 @@ def test_a_calibrated_grid_must_fit_the_checkpoint_it_is_written_into(tmp_path):
     write_checkpoint(str(tmp_path / "d"), state, dict(BASE), "gptq", 32, grids={key: sym})
 
 
+@pytest.mark.parametrize("calibration,group,message", [
+    (torch.zeros(0, 16, dtype=torch.long), 32, r"calibration of shape \(0, 16\) holds no tokens"),
+    (torch.ones(16, dtype=torch.long), 32, r"an integer tensor of token ids \[num_seqs, seq_len\], got torch.int64 "
+                                           r"of shape \(16,\)"),
+    (torch.ones(2, 16), 32, r"an integer tensor .* got torch.float32 of shape \(2, 16\)"),
+    (torch.full((2, 16), 600), 32, r"calibration token ids must be in \[0, 512\), got \[600, 600\]"),
+    (torch.ones(1, 600, dtype=torch.long), 32, r"sequences of 600 tokens are longer than the model's "
+                                               r"max_position_embeddings \(512\)"),
+    (torch.ones(2, 16, dtype=torch.long), 48, r"group_size=48 is not supported; supported: 32, 64, 128"),
+], ids=["empty", "1-d", "float", "out-of-vocab", "too-long", "group48"])
+def test_calibration_the_quantizer_cannot_use_is_refused(tmp_path, save_tiny_model, calibration, group, message):
+    """No tokens gave every linear an all-zero Hessian, whose inputs count as dead: every weight was
+    quantized to zero, silently. The others were errors of torch's that named no option (an unpacking, an
+    index out of range), or (group 48) a grid the writer refuses after the calibration's time was spent."""
+    from tokenmill.quant.gptq import gptq_fp8_model, gptq_model
+    from tokenmill.runner.loader import load_model
+    src = str(tmp_path / "src")
+    save_tiny_model(src, "qwen3", num_hidden_layers=1)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    with pytest.raises(ValueError, match=message):
+        gptq_model(load_model(src, cfg, torch.device("cpu"), torch.float32), calibration, group, sym=False)
+    if group == 32:
+        with pytest.raises(ValueError, match=message):
+            gptq_fp8_model(load_model(src, cfg, torch.device("cpu"), torch.float32), calibration)
+
+
 def test_a_zero_the_format_cannot_store_is_refused_not_packed():
     """GPTQ v1 stores zeros minus one: a grid's zero of 0 became -1, which borrowed through its word (the
     column read back as zero 16, its neighbour's zero off by one)."""

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention_metadata import AttentionMetadata
+from tokenmill.quant.formats import W4_GROUP_SIZES
 from tokenmill.quant.fp8 import FP8, FP8_MAX
 from tokenmill.quant.quantize import Grid, _groups, group_grid
 from tokenmill.quant.w4 import dequantize_grid
@@ -230,6 +231,23 @@ def _layer_pass(layer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor |
     return linear("mlp.down_proj", mlp.down_proj, backend.silu_and_mul(gate_up)), residual
 
 
+def check_calibration(calibration, cfg) -> None:
+    """Calibration token ids [num_seqs, seq_len] the model reads: none at all gave every linear an all-zero
+    Hessian, whose inputs count as dead, and every weight was quantized to zero."""
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.is_floating_point():
+        got = (f"{calibration.dtype} of shape {tuple(calibration.shape)}" if isinstance(calibration, torch.Tensor)
+               else type(calibration).__name__)
+        raise ValueError(f"calibration must be an integer tensor of token ids [num_seqs, seq_len], got {got}")
+    if not calibration.numel():
+        raise ValueError(f"calibration of shape {tuple(calibration.shape)} holds no tokens")
+    if calibration.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    lo, hi = int(calibration.min()), int(calibration.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"calibration token ids must be in [0, {cfg.vocab_size}), got [{lo}, {hi}]")
+
+
 @torch.no_grad()
 def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: QuantizeLinear,
                 float_inputs: bool) -> None:
@@ -237,6 +255,7 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
     by layer, quantizing each linear on the way on inputs from the quantized ones before it. With
     `float_inputs`, each layer runs first as the float model, whose inputs each linear's quantizer gets."""
     cfg = model.config
+    check_calibration(calibration, cfg)
     num_seqs, seq_len = calibration.shape
     meta = _prefill_metadata(num_seqs, seq_len)
     positions = torch.arange(seq_len).repeat(num_seqs)
@@ -276,6 +295,9 @@ def gptq_model(model: nn.Module, calibration: torch.Tensor, group_size: int, sym
     by the Hugging Face weight names that `quantize.write_checkpoint` takes. `calibration`: token ids
     [num_seqs, seq_len]. Each linear rounds its `output_target`. The model's linear weights are replaced by
     their quantized values on the way."""
+    if group_size not in W4_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r} is not supported; supported: "
+                         f"{', '.join(map(str, W4_GROUP_SIZES))}")
     grids: dict[str, Grid] = {}
 
     def quantize_linear(name: str, layer: nn.Linear, x: torch.Tensor, x_float: torch.Tensor, prefix: str) -> None:
