@@ -316,7 +316,8 @@ def test_logit_bias_on_both_endpoints(agent_server):
                                        extra_body={"ignore_eos": True, "allowed_token_ids": [forced]})
     assert a.choices[0].message.content == r.choices[0].text[:len(a.choices[0].message.content)]
     for field, value, word in (("logit_bias", {"100000": 5}, "vocabulary"), ("logit_bias", {"5": 101}, "100"),
-                               ("allowed_token_ids", [5, 100000], "vocabulary"), ("allowed_token_ids", [], "at least 1")):
+                               ("allowed_token_ids", [5, 100000], "vocabulary"),
+                               ("allowed_token_ids", [], "at least 1")):
         bad = httpx.post(agent_server.url + "/v1/completions", timeout=30, json={
             "prompt": "x", "max_tokens": 1, field: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
