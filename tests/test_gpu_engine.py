@@ -164,3 +164,25 @@ def test_a_huge_temperature_keeps_to_the_grammar_on_the_kernel(qwen3_dir, prompt
     out = llm.generate(prompts[0], SamplingParams(temperature=1e308, max_tokens=40, seed=2,
                                                   structured_outputs=StructuredOutputsParams(regex="[ab]{1,30}")))
     assert set(out[0].outputs[0].text) <= {"a", "b"} and out[0].outputs[0].text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allowed_token_ids_and_bad_words_on_the_kernel(qwen3_dir, prompts):
+    """allowed_token_ids (a mask on the device) and bad_words (a two-token word decided on the device while
+    its first token is in flight, CUDA graphs and overlap on) on the sampling kernel, in bf16 logits."""
+    llm = LLM(qwen3_dir, device="cuda", max_num_seqs=16, gpu_memory_utilization=0.3)
+    allowed = [40, 41, 300]
+    got = llm.generate(prompts[:4], SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True,
+                                                   allowed_token_ids=allowed))
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in got)
+    free = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for o, prompt in zip(free, prompts[:4]):
+        ids = o.outputs[0].token_ids
+        word = ids[2:4]
+        at = next(j for j in range(1, len(ids)) if ids[j - 1:j + 1] == word)
+        banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                       bad_words=["w"], bad_words_token_ids=[word]))
+        out = banned[0].outputs[0].token_ids
+        assert out[:at] == ids[:at] and out[at] != ids[at]
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
