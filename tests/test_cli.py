@@ -254,6 +254,13 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
         == [32_000, 32_768, 25_600, 1_048_576]
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert cli.chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
+    # vLLM's --return-tokens-as-token-ids: the server's default, which a request's own field overrides
+    from tokenmill.server.serving import Serving
+    server = SimpleNamespace(return_tokens_as_token_ids=cli.chat_options(
+        parser.parse_args(["serve", "--return-tokens-as-token-ids"])).return_tokens_as_token_ids)
+    assert [Serving.tokens_as_ids(server, SimpleNamespace(return_tokens_as_token_ids=v)) for v in (None, False, True)] \
+        == [True, False, True]
+    assert not cli.chat_options(parser.parse_args(["serve"])).return_tokens_as_token_ids
 
 
 # ---- the stats line -----------------------------------------------------------------------------------

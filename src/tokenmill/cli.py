@@ -284,6 +284,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--root-path", args.root_path),
                                    ("--enable-request-id-headers", args.enable_request_id_headers),
+                                   ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
                                    (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
@@ -307,6 +308,9 @@ def add_chat_args(p: argparse.ArgumentParser):
     p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
     p.add_argument("--reasoning-parser", default=None,
                    help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs' tokens as 'token_id:{id}' for requests that do not say "
+                        "(their return_tokens_as_token_ids)")
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that leave them unset: 'auto' (the model's "
                         "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty), 'vllm' "
@@ -342,7 +346,8 @@ def chat_options(args):
     if template is not None:
         check_template(template)
     return ChatOptions(chat_template=template, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                       tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                       tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                       return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def add_http_args(p: argparse.ArgumentParser):

@@ -196,7 +196,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
     serving.check_model(req.model)
     prompt_text, prompt, params = await prepare_chat(serving, req)
-    k, as_ids = params.logprobs, bool(req.return_tokens_as_token_ids)
+    k, as_ids = params.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -74,7 +74,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))
         for p in texts]
     serving.check_room(prompts, params)
-    n, k, as_ids = params.n, req.logprobs, bool(req.return_tokens_as_token_ids)
+    n, k, as_ids = params.n, req.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
     rid, created = f"cmpl-{uuid.uuid4().hex}", now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -45,6 +45,8 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None         # a name in tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None         # a name in reasoning.REASONING_PARSERS
+    # logprobs' tokens as "token_id:{id}" where a request leaves its return_tokens_as_token_ids unset
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -98,6 +100,7 @@ class Serving:
         self._idle.set()
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, chat.chat_template)
         self.enable_auto_tool_choice = chat.enable_auto_tool_choice
+        self.return_tokens_as_token_ids = chat.return_tokens_as_token_ids
         self.tool_parser = self.reasoning_parser = None
         self.think_tags: tuple[int, int] | None = None       # (<think>, </think>) ids, with a reasoning parser
         self.turn_markers: tuple[str, ...] = ()                # special tokens: where a chat turn starts or ends
@@ -231,6 +234,12 @@ class Serving:
         await self._idle.wait()
 
     # ----- token text ------------------------------------------------------------------------
+    def tokens_as_ids(self, req) -> bool:
+        """Whether the request's logprobs name tokens by id: its return_tokens_as_token_ids, else the
+        server's (--return-tokens-as-token-ids)."""
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
+
     def token_text(self, token_id: int, logprob_entry=None, as_id: bool = False) -> str:
         """A logprob entry's token: its text, or with `as_id` (vLLM's return_tokens_as_token_ids, which tells
         apart tokens of equal text) "token_id:{id}"."""
