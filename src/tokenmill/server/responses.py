@@ -464,10 +464,12 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
                 serving.responses.finish(body, req.input_items())
         return body
 
-    k = params.logprobs
+    # the request has no return_tokens_as_token_ids of its own: the server's (--return-tokens-as-token-ids)
+    k, as_ids = params.logprobs, serving.tokens_as_ids(chat)
 
     def token_logprobs(token_ids, entries) -> list[dict]:
-        return logprob_entries(serving, token_ids, entries, k) if k is not None and entries is not None else []
+        return logprob_entries(serving, token_ids, entries, k, as_ids) if k is not None and entries is not None \
+            else []
 
     def final(outs):
         out = outs[0]
