@@ -173,7 +173,7 @@ class BlockManager:
         request.cpu_block_ids = cpu
         return pairs
 
-    def can_swap_in(self, request: Request, reserved: int = 0) -> bool:
+    def can_swap_in(self, request: Request, reserved: int) -> bool:
         """Its blocks fit, and so does the slot of its next token, beside `reserved` free blocks kept for the
         next-token slots of requests swapped in before it: a request that came back only to be preempted
         again by its own first step would move its blocks twice for nothing. (Conservative: blocks found

@@ -183,7 +183,7 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device: torch.dev
     return counts, seen
 
 
-def _logit_bias(requests: list[Request], device: torch.device, prev_tokens: torch.Tensor | None = None
+def _logit_bias(requests: list[Request], device: torch.device, prev_tokens: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The sparse bias of the rows that have one: row, token id and value of each entry; None when no row
     has any. A row short of its min_tokens also gets -inf on the end-of-sequence and stop token ids it may

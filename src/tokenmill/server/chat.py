@@ -23,7 +23,7 @@ from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logp
 from tokenmill.server.tool_parsers import ConstrainedCalls, NamedCall, RequiredCalls
 
 
-def logprob_entries(serving: Serving, token_ids, entries, k: int, as_ids: bool = False) -> list[dict]:
+def logprob_entries(serving: Serving, token_ids, entries, k: int, as_ids: bool) -> list[dict]:
     """`as_ids`: each token as "token_id:{id}" (`Serving.token_text`)."""
     content = []
     for tid, entry in zip(token_ids, entries):

@@ -31,7 +31,7 @@ class TextOffsets:
         return at
 
 
-def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets, as_ids: bool = False) -> dict:
+def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets, as_ids: bool) -> dict:
     """OpenAI completion logprobs for these tokens, their text offsets continuing `offsets`. An entry of
     None (a prompt's first token) gives a null logprob and null top_logprobs. `as_ids`: each token as
     "token_id:{id}" (`Serving.token_text`); the offsets stay those of the text."""
