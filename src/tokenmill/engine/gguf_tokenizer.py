@@ -99,6 +99,6 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
         raise ValueError(f"GGUF tokenizer in {path!r}: {len(tokens)} tokens give a vocabulary of "
                          f"{len(tok.get_vocab())} (duplicate token strings?)")
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=token("unknown_token_id"),
         pad_token=token("padding_token_id"), chat_template=metadata.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False)
