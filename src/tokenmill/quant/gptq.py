@@ -232,8 +232,8 @@ def _layer_pass(layer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor |
 
 
 def check_calibration(calibration, cfg) -> None:
-    """Calibration token ids [num_seqs, seq_len] the model reads: none at all gave every linear an all-zero
-    Hessian, whose inputs count as dead, and every weight was quantized to zero."""
+    """Calibration token ids [num_seqs, seq_len] the model reads: none at all would give every linear an
+    all-zero Hessian, whose inputs count as dead, and quantize every weight to zero."""
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.is_floating_point():
         got = (f"{calibration.dtype} of shape {tuple(calibration.shape)}" if isinstance(calibration, torch.Tensor)
                else type(calibration).__name__)

@@ -150,7 +150,7 @@ def check_shape(key: str, w: torch.Tensor, method: str, group_size: int) -> None
 
 def check_grid(key: str, w: torch.Tensor, grid: Grid, group_size: int, sym: bool) -> None:
     """A calibrated grid fits the checkpoint it is written into: its shapes those of `w`'s groups of
-    `group_size` (a grid of other groups was packed under a group_size that misread it), and with `sym`
+    `group_size` (a grid of other groups would be packed under a group_size that misreads it), and with `sym`
     (GPTQ) every zero 8, what a symmetric checkpoint's readers may assume in place of its qzeros."""
     q, zeros, scales = grid
     out, n = w.shape
@@ -194,9 +194,9 @@ PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_unquantized(state: dict[str, torch.Tensor], hf_config: dict) -> None:
-    """The writers' input must be a plain checkpoint: one already quantized had its FP8 values rounded again
-    as if they were weights (their old scales copied beside the new ones) or its packed tensors copied
-    under a new quantization_config, a checkpoint that loaded with wrong weights or not at all."""
+    """The writers' input must be a plain checkpoint: one already quantized would have its FP8 values rounded
+    again as if they were weights (their old scales copied beside the new ones) or its packed tensors copied
+    under a new quantization_config, a checkpoint that loads with wrong weights or not at all."""
     qc = hf_config.get("quantization_config")
     if qc:
         raise ValueError(f"the checkpoint is already quantized (quantization_config quant_method="
@@ -211,7 +211,7 @@ def check_unquantized(state: dict[str, torch.Tensor], hf_config: dict) -> None:
 
 def check_out_dir(out_dir: str) -> None:
     """The writers write a new checkpoint: into a directory that holds one, the new model.safetensors and
-    config.json went beside its other weight files (a sharded source's index and shards, which the
+    config.json would go beside its other weight files (a sharded source's index and shards, which the
     loaders then read with the new config), or over the source itself."""
     if not os.path.isdir(out_dir):
         return

@@ -59,8 +59,8 @@ def _train(state: dict[str, torch.Tensor], hf_config: dict, layers: dict[str, _T
     for key, layer in layers.items():
         parent, _, leaf = key.removesuffix(".weight").rpartition(".")
         module = model.get_submodule(parent)
-        # the bias is not quantized and stays in the product: without it the scales were trained to make up
-        # for it, and a Qwen2 checkpoint's divergence rose
+        # the bias is not quantized and stays in the product: the scales are fitted to the float model's
+        # output, bias included, and without it would learn to make up for the missing bias
         layer.bias = getattr(module, leaf).bias
         setattr(module, leaf, layer)
     opt = torch.optim.Adam([layer.m for layer in layers.values()], lr=lr)
