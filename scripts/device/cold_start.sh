@@ -24,8 +24,13 @@ for run in "${runs[@]}"; do
   cache=$(mktemp -d)
   for cacheState in ${STATES:-fresh warm}; do
     log="$OUT/start-${model#preset:}-$cacheState.log"
-    plain=""
-    if [ "$cacheState" = plain ]; then plain="--plain"; rm -rf "$cache"; cache=$(mktemp -d); fi
+    # fresh and plain start from an empty Triton cache whatever state ran before them; warm reuses the last one's
+    case $cacheState in
+      fresh|plain) rm -rf "$cache"; cache=$(mktemp -d) ;;
+      warm) ;;
+      *) echo "STATES: unknown state '$cacheState' (fresh, warm, plain)"; exit 1 ;;
+    esac
+    plain=""; [ "$cacheState" = plain ] && plain="--plain"
     # shellcheck disable=SC2086
     TRITON_CACHE_DIR=$cache python - "$model" $args $plain > "$log" 2>&1 <<'PY' || { status=1; tail -20 "$log"; }
 import argparse, contextlib, sys, time
