@@ -359,9 +359,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
     raw = logits
     if t.allowed is not None:
         is_limited, rows, ids = t.allowed
-        keep = ~is_limited[:, None].expand_as(logits).clone()
-        keep[rows, ids] = True
-        logits = logits.masked_fill(~keep, float("-inf"))
+        # a limited row bans every token but its allowed ids; other rows ban none
+        banned = is_limited[:, None].expand_as(logits).clone()
+        banned[rows, ids] = False
+        logits = logits.masked_fill(banned, float("-inf"))
     if t.logit_bias is not None or t.output_counts is not None or t.seen_mask is not None:
         logits = logits.float()
         if t.logit_bias is not None:
