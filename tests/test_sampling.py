@@ -320,3 +320,12 @@ def test_bad_words_ban_a_words_last_token_after_the_rest(llm, monkeypatch):
     assert decided_on_device
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+
+
+def test_bad_words_token_ids_of_no_tokens_are_refused():
+    """A word of no token ids has no last token to ban: refused by name when the params are made (the
+    sampler's IndexError crashed the engine core, every request in it failing)."""
+    for bad in ([[]], [[5], []], [5], [[-1]], [[1.5]]):
+        with pytest.raises(ValueError, match="bad_words_token_ids must be a list of words"):
+            SamplingParams(bad_words_token_ids=bad)
+    assert SamplingParams(bad_words_token_ids=[[5], [6, 7]]).bad_words_token_ids == [[5], [6, 7]]

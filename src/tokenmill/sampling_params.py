@@ -331,6 +331,14 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
                                            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             bad("bad_words", self.bad_words, "a list of words (non-empty strings)")
+        # the sampler bans each word's last token after the rest: a word of no tokens has no last token
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, (list, tuple))
+                or any(not isinstance(w, (list, tuple)) or not w
+                       or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in w)
+                       for w in self.bad_words_token_ids)):
+            bad("bad_words_token_ids", self.bad_words_token_ids,
+                "a list of words, each a non-empty list of token ids (integers >= 0)")
         if self.truncate_prompt_tokens is not None and (
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
