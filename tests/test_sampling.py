@@ -322,6 +322,22 @@ def test_bad_words_ban_a_words_last_token_after_the_rest(llm, monkeypatch):
         SamplingParams(bad_words=[" "])
 
 
+def test_bad_words_leave_the_callers_params_unchanged(llm):
+    """The words' token ids are filled in the request's copy of the params: a params object used again
+    with other words bans those (the first words' ids were kept in it, and banned instead), and one given to
+    a model with another tokenizer gets that tokenizer's ids."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=["zebra"])
+    free = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert params.bad_words_token_ids is None
+    tok = llm.get_tokenizer()
+    # a word of the output that is one token again where the words' rule tokenizes it
+    params.bad_words = [next(w for w in map(tok.decode, ([t] for t in free)) if w.strip() and any(
+        len(tok.encode(s + w.lstrip(), add_special_tokens=False)) == 1 for s in ("", " ")))]
+    again = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    fresh = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=params.bad_words)
+    assert again == llm.generate([PROMPTS[0]], fresh)[0].outputs[0].token_ids != free
+
+
 def test_bad_words_token_ids_of_no_tokens_are_refused():
     """A word of no token ids has no last token to ban: refused by name when the params are made (the
     sampler's IndexError crashed the engine core, every request in it failing)."""

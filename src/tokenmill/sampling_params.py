@@ -368,12 +368,13 @@ class SamplingParams:
         """A deep copy (vLLM's), to change without changing this one."""
         return copy.deepcopy(self)
 
-    def resolve_bad_words(self, tokenizer) -> None:
-        """Fills `bad_words_token_ids` from `bad_words` (vLLM's rule): each word's tokens at the text's
-        start, and after a space where that gives the word a token of its own (the same number of tokens, a
-        different first one)."""
+    def resolve_bad_words(self, tokenizer) -> SamplingParams:
+        """These params with `bad_words_token_ids` filled from `bad_words` (vLLM's rule): each word's tokens
+        at the text's start, and after a space where that gives the word a token of its own (the same number
+        of tokens, a different first one). A copy where ids are filled: ids kept in the caller's params
+        would outlive a change of its words, or go to a model with another tokenizer."""
         if not self.bad_words or self.bad_words_token_ids is not None:
-            return
+            return self
         if tokenizer is None:
             raise SamplingParamError("bad_words", "bad_words needs the model's tokenizer, and this model has none")
         words = []
@@ -383,7 +384,9 @@ class SamplingParams:
             words.append(plain)
             if len(spaced) == len(plain) and spaced[0] != plain[0]:
                 words.append(spaced)
-        self.bad_words_token_ids = [w for w in words if w]
+        resolved = copy.copy(self)
+        resolved.bad_words_token_ids = [w for w in words if w]
+        return resolved
 
     def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens."""

@@ -181,7 +181,7 @@ class AsyncLLM:
         if getattr(params, "truncate_prompt_tokens", None) is not None:
             prompt = params.truncate(list(prompt), self.max_model_len)
         if getattr(params, "bad_words", None):
-            params.resolve_bad_words(self.tokenizer)   # the core may have no tokenizer loaded
+            params = params.resolve_bad_words(self.tokenizer)   # the core may have no tokenizer loaded
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
         arrival_time = arrival_time or time.time()

@@ -126,7 +126,7 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        params.resolve_bad_words(self.tokenizer)        # a no-op where the frontend resolved them, or none are given
+        params = params.resolve_bad_words(self.tokenizer)     # itself where the frontend resolved them
         self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row

@@ -200,6 +200,8 @@ class Serving:
         """The request's SamplingParams; `overrides` replace fields the endpoint decides itself."""
         try:
             params = req.sampling_params(logprobs, self.sampling_defaults, **overrides)
+            # tokenized once for all the request's prompts (the params are the request's own)
+            params = params.resolve_bad_words(self.prompts.tokenizer)
         except ValueError as e:
             raise APIError(400, str(e), req.field_of(getattr(e, "param", getattr(e, "field", None)))) from None
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
