@@ -519,28 +519,6 @@ def test_return_tokens_as_token_ids_on_both_endpoints(agent_server):
     assert lp.token_logprobs == lp_plain.token_logprobs
 
 
-def test_the_servers_return_tokens_as_token_ids_on_every_endpoint(qwen3_dir, tmp_path):
-    """--return-tokens-as-token-ids: the logprobs' tokens as "token_id:{id}" where a request leaves its own
-    field unset, on chat, completions and Responses (which has no such field); a request's false wins."""
-    server = ServerProcess(qwen3_dir, tmp_path, "--max-model-len", "128", "--return-tokens-as-token-ids")
-    try:
-        client = server.client()
-        kw = dict(model="tiny", temperature=0)
-        chat = client.chat.completions.create(messages=USER, max_tokens=4, logprobs=True, top_logprobs=1, **kw)
-        assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
-        text = client.completions.create(prompt="hello", max_tokens=4, logprobs=1, **kw)
-        assert all(t.startswith("token_id:") for t in text.choices[0].logprobs.tokens)
-        resp = client.responses.create(input=USER, max_output_tokens=4, top_logprobs=1, **kw)
-        lps = resp.output[-1].content[0].logprobs
-        assert lps and all(e.token.startswith("token_id:") and e.top_logprobs[0].token.startswith("token_id:")
-                           for e in lps)
-        plain = client.completions.create(prompt="hello", max_tokens=4, logprobs=1,
-                                          extra_body={"return_tokens_as_token_ids": False}, **kw)
-        assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
-    finally:
-        assert server.stop() == 0, server.log_path.read_text()[-3000:]
-
-
 def test_bad_words_on_both_endpoints(agent_server):
     """vLLM's bad_words, tokenized by the API server (whose engine core may hold no tokenizer): a one-token
     word of the free output never comes, on either endpoint; the output leaves the free one where it would

@@ -64,10 +64,13 @@ def test_the_offline_api_samples_with_the_models_defaults(tmp_path, qwen3_dir):
 def test_served_requests_take_the_defaults_they_leave_unset(tmp_path, qwen3_dir):
     """top_k 1 (greedy) from the model's file and a repetition penalty from --override-generation-config:
     a request that sets no sampling field decodes greedily under that penalty, one that sets its own
-    fields samples with them."""
+    fields samples with them. And --return-tokens-as-token-ids: the logprobs' tokens as "token_id:{id}"
+    where a request leaves its own field unset, on chat, completions and Responses (which has no such
+    field); a request's false wins."""
     model = with_generation_config(qwen3_dir, str(tmp_path / "m"), {"temperature": 0.7, "top_k": 1,
                                                                      "repetition_penalty": 1.0})
-    server = ServerProcess(model, tmp_path, "--override-generation-config", '{"repetition_penalty": 1.5}')
+    server = ServerProcess(model, tmp_path, "--override-generation-config", '{"repetition_penalty": 1.5}',
+                           "--return-tokens-as-token-ids")
     try:
         client = server.client()
 
@@ -83,6 +86,18 @@ def test_served_requests_take_the_defaults_they_leave_unset(tmp_path, qwen3_dir)
         again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=24, temperature=0, extra_body={"repetition_penalty": 1.5})
         assert chat.choices[0].message.content == again.choices[0].message.content
+        user = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(model="tiny", messages=user, max_tokens=4, logprobs=True, top_logprobs=1)
+        assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+        lps = client.completions.create(model="tiny", prompt="hello", max_tokens=4, logprobs=1).choices[0].logprobs
+        assert all(t.startswith("token_id:") for t in lps.tokens)
+        resp = client.responses.create(model="tiny", input=user, max_output_tokens=4, top_logprobs=1)
+        entries = resp.output[-1].content[0].logprobs
+        assert entries and all(e.token.startswith("token_id:") and e.top_logprobs[0].token.startswith("token_id:")
+                               for e in entries)
+        plain = client.completions.create(model="tiny", prompt="hello", max_tokens=4, logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
     finally:
         assert server.stop() == 0, server.log_path.read_text()[-3000:]
 
