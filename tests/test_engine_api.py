@@ -1,6 +1,7 @@
 """Offline API behaviour: bad input, chat, detokenization, loader and config errors."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -467,16 +468,30 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     assert engine.get_stats()["num_free_blocks"] == total
 
 
+def _async_engine(model_dir: str):
+    """A fresh in-process AsyncLLM of the tiny model; the test shuts it down."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    return AsyncLLM(EngineConfig(model=model_dir, device="cpu", dtype="float32"), in_process=True)
+
+
+async def _reading(engine, request_id: str, max_tokens: int) -> asyncio.Task:
+    """A task reading request `request_id`'s stream to its end, returned once its first output has come."""
+    started = asyncio.Event()
+
+    async def read():
+        async for _ in engine.generate(request_id, [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            started.set()
+    task = asyncio.create_task(read())
+    await started.wait()
+    return task
+
+
 def test_a_reader_is_woken_every_stream_interval_tokens(qwen3_dir):
     """`AsyncLLM.generate(stream_interval=k)` yields the first output, then one each time the longest
     sequence has k more tokens, and the last; 0 yields the first and the last alone (what the server's
     requests answered whole wait for). The outputs stay cumulative: the last is the whole answer."""
-    import asyncio
-
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
     params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, n=2)
 
     async def seen(rid: str, interval: int):
@@ -506,27 +521,18 @@ def test_an_aborted_id_used_again_at_once_serves_the_new_request(qwen3_dir):
     """abort(id), then generate(id) again before the aborted reader has ended: the aborted reader's cleanup
     removed the new request's stream and output state by id, and the new generate never yielded (its
     request ran to the end in the core unseen)."""
-    import asyncio
+    from tokenmill.engine.async_engine import RequestAbortedError
 
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM, RequestAbortedError
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
 
     async def main():
         engine.attach()
-        started = asyncio.Event()
-
-        async def first():
-            with pytest.raises(RequestAbortedError):
-                async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
-                    started.set()
-        task = asyncio.create_task(first())
-        await started.wait()
+        task = await _reading(engine, "x", 200)
         engine.abort("x")
         async with asyncio.timeout(30):
             outs = [o async for o in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
-        await task
+        with pytest.raises(RequestAbortedError):
+            await task
         return outs[-1], len(engine.processor)
     try:
         last, left = asyncio.run(main())
@@ -539,22 +545,11 @@ def test_an_aborted_request_whose_reader_is_cancelled_leaves_the_new_request_of_
     """The reader cancelled (its client gone), the request aborted and its id used again in the same tick:
     the cancelled reader's cleanup, which runs after the new request was sent, aborted the id in the core,
     where it named the new request, whose stream then never ended."""
-    import asyncio
-
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
 
     async def main():
         engine.attach()
-        started = asyncio.Event()
-
-        async def first():
-            async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
-                started.set()
-        task = asyncio.create_task(first())
-        await started.wait()
+        task = await _reading(engine, "x", 200)
         task.cancel()
         engine.abort("x")
         async with asyncio.timeout(5):
@@ -571,12 +566,7 @@ def test_an_aborted_request_whose_reader_is_cancelled_leaves_the_new_request_of_
 def test_a_prompt_the_detokenizer_refuses_leaves_its_id_free(qwen3_dir):
     """A negative token id fails in the frontend's detokenizer, before the request reaches the core: its
     stream was left registered, so the id stayed "already in use" for good and `num_unfinished` counted it."""
-    import asyncio
-
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
 
     async def main():
         engine.attach()
@@ -597,24 +587,15 @@ def test_a_reader_in_flight_at_shutdown_ends_with_engine_dead(qwen3_dir):
     """`shutdown()` inside the event loop while a stream was read: the reader waited for ever (nothing woke
     it once the pipe closed). It now raises EngineDeadError, as a request after the shutdown does, and the
     on_dead callbacks, which report a crash, are not called."""
-    import asyncio
+    from tokenmill.engine.async_engine import EngineDeadError
 
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
     deaths = []
     engine.on_dead(deaths.append)
 
     async def main():
         engine.attach()
-        started = asyncio.Event()
-
-        async def read():
-            async for _ in engine.generate("x", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True)):
-                started.set()
-        task = asyncio.create_task(read())
-        await started.wait()
+        task = await _reading(engine, "x", 300)
         engine.shutdown()
         async with asyncio.timeout(5):
             with pytest.raises(EngineDeadError, match="shut down"):
@@ -938,14 +919,11 @@ def test_a_request_the_core_refuses_is_no_request_in_the_metrics(qwen3_dir):
     """A request the engine core refuses (priority under fcfs: the client's 400) counted as
     request_success{finished_reason="abort"} with an e2e latency, as if it had run and been cut; one
     aborted after it started still counts as an abort."""
-    import asyncio
-
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM, RequestAbortedError
+    from tokenmill.engine.async_engine import RequestAbortedError
     from tokenmill.engine.metrics import ServerMetrics
     from tokenmill.sampling_params import SamplingParamError
 
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
+    engine = _async_engine(qwen3_dir)
     metrics = ServerMetrics("m", lambda: {})
     engine.on_output = metrics.observe_output
 
