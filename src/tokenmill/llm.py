@@ -118,7 +118,7 @@ class LLM:
             for i, ((text, token_ids), params) in enumerate(zip(parts, sampling_params)):
                 params = params or self.get_default_sampling_params()
                 prompt_ids = self.engine.tokenizer.encode(text) if text is not None else token_ids
-                prompt_ids = params.truncate(list(prompt_ids), self.engine.max_model_len)
+                prompt_ids = params.truncate(prompt_ids, self.engine.max_model_len)
                 handle = next(self._ids)
                 rid = str(handle)
                 arrival = time.time()

@@ -228,13 +228,12 @@ def _bad_words(row: int, r: Request, pending: list[tuple[int, int, int, int]]) -
     the output's last token, still in flight, goes to `pending` as (row, banned id, the token that would
     complete the match, its row in the step in flight), for the device to decide."""
     banned = []
-    output = r.all_token_ids[r.num_prompt_tokens:]
-    last_pending = bool(r.num_pending)
+    tokens, last_pending = r.all_token_ids, bool(r.num_pending)
     for word in r.params.bad_words_token_ids:
         before = len(word) - 1
-        if before > len(output):
+        if before > r.num_output_tokens:
             continue
-        tail = output[len(output) - before:]
+        tail = tokens[len(tokens) - before:]        # the output's last `before` tokens
         if last_pending and before:
             if tail[:-1] == word[:before - 1]:
                 pending.append((row, word[-1], word[-2], r.pending_row))
