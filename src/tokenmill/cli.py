@@ -164,14 +164,21 @@ def human_int(text: str) -> int:
     return int(value)
 
 
-def at_least_one(what: str, parse_int=int):
-    """An argparse type: an int of at least 1 (read by `parse_int`), the refusal naming `what` one of
-    them is."""
+def plain_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"invalid int value: {text!r}") from None
+
+
+def at_least_one(what: str, parse_int=plain_int):
+    """An argparse type: an int of at least 1 (read by `parse_int`, whose ValueError says what is wrong),
+    the refusal naming `what` one of them is."""
     def parse(text: str) -> int:
         try:
             value = parse_int(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}" if parse_int is int else str(e)) from None
+            raise argparse.ArgumentTypeError(str(e)) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be at least 1 ({what}), got {value}")
         return value
