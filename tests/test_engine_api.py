@@ -850,6 +850,25 @@ def test_the_sequences_of_n_share_the_prompts_blocks(llm):
     assert after["num_free_blocks"] == after["num_total_blocks"]
 
 
+def test_reset_prefix_cache(llm):
+    """vLLM's LLM.reset_prefix_cache: a prompt run before is computed from its first token again; refused
+    (False, the cache kept) while a request is unfinished."""
+    engine = llm.engine
+    prompt = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    hits = engine.get_stats()["prefix_cache_hits"]
+    engine.add_request("held", prompt, params)
+    assert llm.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    served = engine.get_stats()["prefix_cache_hits"] - hits
+    assert served >= 32                                                  # the kept cache served it
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert engine.get_stats()["prefix_cache_hits"] - hits == served
+
+
 def test_a_preempted_request_is_looked_up_in_the_prefix_cache_once(qwen3_dir):
     """Each re-admission of a request preempted by recompute counted its whole length as a cache query
     again, and its own just-freed blocks as hits: distinct prompts showed a hit rate (22% here)."""

@@ -168,6 +168,7 @@ def engine_logprobs_many(llm: LLM, texts: list[list[int]]) -> list[torch.Tensor]
     """`engine_logprobs` of each id list, all submitted at once: the engine batches them as its token
     budget allows, so a quantized layer's CPU reference dequantizes once per step, not per text."""
     runner = llm.engine.runner
+    assert llm.reset_prefix_cache()       # every position computed, none taken from an earlier request's blocks
     chunks: dict[str, dict[int, torch.Tensor]] = {}     # request -> first position -> its chunk's rows
 
     def hook(requests, num_new, qsl, hidden):

@@ -133,6 +133,11 @@ class LLM:
                 self.processor.forget(rid)
             raise
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: drops the prefix cache, so that the next prompts are computed from their first token;
+        False where a request still holds blocks."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def llm_engine(self) -> LLMEngine:
         """vLLM's name of `engine`, tokenmill's engine core: its `add_request` takes token ids (no text or

@@ -331,6 +331,14 @@ class LLMEngine:
         logger.warning("request %s: sampled token %d is outside its grammar; finishing it", req.request_id, token)
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, as vLLM's: False (nothing forgotten) while requests are unfinished."""
+        if self.has_unfinished_requests():
+            logger.warning("prefix cache not reset: %d requests are unfinished", len(self.groups))
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # ---- introspection -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the model runner's worker processes (tensor parallelism), if any; the engine takes no
