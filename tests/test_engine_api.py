@@ -867,6 +867,11 @@ def test_reset_prefix_cache(llm):
     assert llm.reset_prefix_cache() is True
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
     assert engine.get_stats()["prefix_cache_hits"] - hits == served
+    # a request ended by a stop token (as by end of sequence) leaves the step launched after its last token
+    # in flight: that step, whose requests have all ended, was taken for an unfinished request (False)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, stop_token_ids=[first[0]]))[0]
+    assert stopped.outputs[0].finish_reason == "stop" and engine.has_unfinished_requests()
+    assert llm.reset_prefix_cache() is True and not engine.has_unfinished_requests()
 
 
 def test_a_preempted_request_is_looked_up_in_the_prefix_cache_once(qwen3_dir):

@@ -333,9 +333,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, as vLLM's: False (nothing forgotten) while requests are unfinished."""
-        if self.has_unfinished_requests():
+        if self.groups:
             logger.warning("prefix cache not reset: %d requests are unfinished", len(self.groups))
             return False
+        if self._in_flight is not None:
+            # a step launched before its last requests ended (an end-of-sequence or stop token, a stop
+            # string), as most requests end: its requests are all finished, so reading it reports nothing,
+            # and once read no step is left to write into the blocks forgotten below
+            self.step()
         self.block_manager.reset_prefix_cache()
         return True
 
