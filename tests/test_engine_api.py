@@ -26,7 +26,12 @@ def llm(qwen3_dir):
     (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
     (dict(n=0), "n must be >= 1, got 0"),
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
-    (dict(logprobs=50), "logprobs must be in [0, 20], got 50"),
+    (dict(logprobs=50), "logprobs must be an integer in [0, 20], got 50"),
+    # a float count of alternatives failed inside the step (topk, a slice), which killed an engine core; a
+    # NaN temperature sampled token 0 every time
+    (dict(logprobs=1.5), "logprobs must be an integer in [0, 20], got 1.5"),
+    (dict(prompt_logprobs=2.0), "prompt_logprobs must be an integer in [0, 20], got 2.0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0, got nan"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids (integers >= 0), got [-1]"),
     (dict(stop=[1]), "stop must be non-empty strings (a string or a list of them), got [1]"),
     (dict(top_k=1.5), "top_k must be an integer: 0 or -1 (disabled) or >= 1, got 1.5"),

@@ -293,7 +293,7 @@ class SamplingParams:
             raise SamplingParamError(name, f"{name} must be {limit}, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, ">= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:        # NaN too: the sampler would take its NaN scores' argmax, token 0
             bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
@@ -316,10 +316,11 @@ class SamplingParams:
         if self.min_tokens and self.structured_outputs is not None:
             # the grammar decides where the output ends: held-back end tokens would leave it no token
             bad("min_tokens", self.min_tokens, "0 with structured outputs (the grammar decides the length)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", self.logprobs, "in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad("prompt_logprobs", self.prompt_logprobs, "in [0, 20]")
+        # counts of alternatives: a float one fails only inside a step (topk, slicing), which kills the engine core
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                bad(name, value, "an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
