@@ -288,10 +288,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     assert cut.prompt_token_ids == prompt[-6:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
     whole = llm.generate([prompt], SamplingParams(**{**vars(params), "truncate_prompt_tokens": -1}))[0]
     assert whole.prompt_token_ids == prompt
+    # -1 on a prompt longer than the context: as much of it as the engine admits, which leaves room for one
+    # generated token (cut to the whole context, every such prompt was refused as too long)
+    limit = llm.engine.max_model_len
+    longer = [20 + i % 300 for i in range(limit + 50)]
+    cut = llm.generate([longer], SamplingParams(**{**vars(params), "truncate_prompt_tokens": -1}))[0]
+    assert cut.prompt_token_ids == longer[-(limit - 1):]
+    assert len(cut.outputs[0].token_ids) == 1 and cut.outputs[0].finish_reason == "length"
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
             SamplingParams(truncate_prompt_tokens=bad)
-    limit = llm.engine.max_model_len
     with pytest.raises(ValueError, match=f"truncate_prompt_tokens {limit + 1} is greater than the maximum context"):
         llm.generate([prompt], SamplingParams(truncate_prompt_tokens=limit + 1))
 

@@ -229,7 +229,7 @@ class SamplingParams:
     # vLLM's: the only token ids the request may sample (checked against the vocabulary as logit_bias' are);
     # its logprobs stay those of the model's whole distribution, as logit_bias leaves them
     allowed_token_ids: list[int] | None = None
-    # vLLM's: the prompt's last k tokens only (left truncation), -1 for the model's context length
+    # vLLM's: the prompt's last k tokens only (left truncation), -1 for as many as the context admits
     truncate_prompt_tokens: int | None = None
     # vLLM's: words the output may not contain, each as its tokens at the text's start and after a space
     # (`bad_words_token_ids`, which the frontend fills from the tokenizer: `resolve_bad_words`)
@@ -390,14 +390,17 @@ class SamplingParams:
         return resolved
 
     def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
-        """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens."""
+        """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens; with -1 its last
+        `max_model_len - 1`, the longest prompt the engine admits (it leaves room for the one token every
+        request generates), so that a prompt longer than the context runs instead of being refused."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt
         if k > max_model_len:
             raise SamplingParamError("truncate_prompt_tokens", f"truncate_prompt_tokens {k} is greater than the "
                                      f"maximum context length ({max_model_len} tokens)")
-        return prompt[-(max_model_len if k == -1 else k):]
+        keep = max_model_len - 1 if k == -1 else k
+        return prompt[max(0, len(prompt) - keep):]
 
     @property
     def greedy(self) -> bool:

@@ -65,7 +65,7 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
         return
     prompt = body.get("prompt")
     keep = body.get("truncate_prompt_tokens")
-    keep = max_model_len if keep == -1 else keep if type(keep) is int and 0 < keep <= max_model_len else None
+    keep = max_model_len - 1 if keep == -1 else keep if type(keep) is int and 0 < keep <= max_model_len else None
     if type(prompt) is list and prompt:
         for ids in (prompt if type(prompt[0]) is list else [prompt]):
             if type(ids) is not list or not ids or type(ids[0]) is not int:
