@@ -988,7 +988,9 @@ def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
     """vLLM's LLM as its users call it: the tokenizer's apply_chat_template(..., tokenize=False) and HF's
     attributes (a TypeError and AttributeErrors), seed=None and the arguments that change nothing here
     (TypeErrors about EngineConfig), lora_request=None, the model's max_new_tokens as the default budget;
-    and a generate interrupted (Ctrl-C) left its requests in the engine, which the next call ran first."""
+    and a generate interrupted (Ctrl-C) left its requests in the engine, which the next call ran first; a
+    request added through llm_engine beside generate was numbered as generate numbered its own (both from 0),
+    and the step reports name requests by that number: generate's output took the other's tokens too."""
     import json
     import shutil
     model = tmp_path / "m"
@@ -996,6 +998,12 @@ def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
     (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.5}))
     llm = LLM(str(model), device="cpu", dtype="float32", seed=None, trust_remote_code=True,
               disable_log_stats=True, revision=None, max_model_len=64, num_kv_blocks=64, block_size=4)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.llm_engine.add_request("side", [9, 9, 9, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    beside = llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert beside == llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids
     tok = llm.get_tokenizer()
     chat = [{"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

@@ -3,7 +3,6 @@ runs the default model (see `models/default.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Callable, Sequence
 
@@ -81,7 +80,6 @@ class LLM:
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             cuda_graph_max_tokens=cuda_graph_max_tokens, tokenizer=tokenizer, **engine_args))
         self.processor = OutputProcessor(self.engine.tokenizer)
-        self._ids = itertools.count()
         from tokenmill.generation_config import sampling_defaults
         self._sampling_defaults = sampling_defaults(generation_config, model, budget=True)
 
@@ -119,11 +117,12 @@ class LLM:
                 params = params or self.get_default_sampling_params()
                 prompt_ids = self.engine.tokenizer.encode(text) if text is not None else token_ids
                 prompt_ids = params.truncate(prompt_ids, self.engine.max_model_len)
-                handle = next(self._ids)
-                rid = str(handle)
                 arrival = time.time()
-                self.engine.add_request(rid, prompt_ids, params, priority=priority[i] if priority else 0,
-                                        arrival_time=arrival, handle=handle)
+                # the engine numbers the request: its step reports name requests by that number alone, so a
+                # number of this frontend's own would name requests added through `llm_engine` too
+                handle = self.engine.add_request(None, prompt_ids, params, priority=priority[i] if priority else 0,
+                                                 arrival_time=arrival)
+                rid = str(handle)
                 ids.append(rid)
                 self.processor.add(handle, rid, prompt_ids, params, text, arrival)
             return self._run(ids, use_tqdm)
