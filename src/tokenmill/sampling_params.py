@@ -238,9 +238,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
     # vLLM's fields taken where they change nothing here (other values are refused, naming the field):
-    # best_of None or n, detokenize True, spaces_between_special_tokens True (or with skip_special_tokens,
-    # where vLLM's has no effect), no logits_processors. extra_args is data for plugins, as vLLM's, which
-    # no in-tree sampler reads.
+    # best_of None or n, detokenize True, no logits_processors. spaces_between_special_tokens either way: the
+    # output is decoded as the fast tokenizer joins special tokens, which takes no such option (neither does
+    # vLLM's detokenizer of a fast tokenizer). extra_args is data for plugins, as vLLM's, which no in-tree
+    # sampler reads.
     best_of: int | None = None
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
@@ -350,9 +351,6 @@ class SamplingParams:
             bad("best_of", self.best_of, f"None or n ({self.n}): tokenmill returns every sequence it samples")
         if not self.detokenize:
             bad("detokenize", self.detokenize, "True: tokenmill always detokenizes the output")
-        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
-            bad("spaces_between_special_tokens", self.spaces_between_special_tokens,
-                "True with skip_special_tokens=False: special tokens are detokenized as the tokenizer joins them")
         if self.logits_processors:
             bad("logits_processors", self.logits_processors, "None or empty: per-request logits processors are not "
                 "run (logit_bias, allowed_token_ids, bad_words and structured_outputs are)")
