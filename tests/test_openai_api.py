@@ -272,6 +272,68 @@ def test_split_characters_keep_their_bytes_and_offsets(api_server):
     assert all(top.bytes for e in entries for top in e.top_logprobs)
 
 
+def test_text_offsets_pass_over_special_tokens_the_text_leaves_out(api_server):
+    """A special token that skip_special_tokens leaves out of the text takes none of its characters: the
+    tokens after it are where the text holds them (their offsets had gone past its end), streamed or not."""
+    client = api_server.client()
+    for skip in (False, True):
+        body = dict(model="tiny", prompt="hi", max_tokens=6, logprobs=0, seed=1,
+                    extra_body={"allowed_token_ids": [1, 67, 74], "ignore_eos": True, "skip_special_tokens": skip})
+        c = client.completions.create(**body).choices[0]
+        tokens, offsets = c.logprobs.tokens, c.logprobs.text_offset
+        assert "<|im_start|>" in tokens[:-1] and ("<|im_start|>" in c.text) != skip, (tokens, c.text)
+        for t, at in zip(tokens, offsets):
+            assert c.text[at:at + len(t)] == t or (skip and t == "<|im_start|>" and at <= len(c.text)), (t, at, c.text)
+    streamed = [o for ch in client.completions.create(**body, stream=True) if ch.choices and ch.choices[0].logprobs
+                for o in ch.choices[0].logprobs.text_offset]
+    assert streamed == offsets
+
+
+def test_echoed_text_offsets_pass_over_the_bos_the_tokenizer_added(tokenizer_dir, tmp_path):
+    """A text prompt is echoed as given, without the BOS its tokenizer (Llama's, Mistral's) put before it:
+    the BOS takes none of the text's characters, so each token after it is where the text holds it (all
+    were a BOS's length past it). In process: a stand-in engine returns the prompt's entries."""
+    import asyncio
+    import shutil
+    from types import SimpleNamespace
+
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+    from tokenmill.server.completions import create_completion
+    from tokenmill.server.protocol import CompletionRequest
+    from tokenmill.server.serving import Serving
+
+    path = tmp_path / "bos"
+    shutil.copytree(tokenizer_dir, path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer(str(path))
+
+    class Engine:
+        tokenizer, max_model_len, dead, processor = tok, 64, False, OutputProcessor(tok)
+
+        async def generate(self, request_id, ids, params, priority, **kw):
+            entries = [None] + [{t: Logprob(-1.0, 1)} for t in ids[1:]]
+            yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "", [5], None, [{5: Logprob(-1.0, 1)}],
+                                                                         "length")], True, prompt_logprobs=entries)
+
+    async def main(prompt: str) -> dict:
+        req = CompletionRequest(prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+        raw = SimpleNamespace(receive=lambda: asyncio.sleep(60))
+        return json.loads((await create_completion(Serving(Engine(), ["tiny"], 8), req, raw)).body)["choices"][0]
+
+    for prompt in ("hello world", "hi<|im_end|>x"):
+        c = asyncio.run(main(prompt))
+        tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
+        assert c["text"] == prompt and tokens[0] == "<|endoftext|>" and len(tokens) > 3, c
+        assert offsets[:2] == [0, 0] and all(prompt[at:at + len(t)] == t for t, at in zip(tokens[1:], offsets[1:])), c
+
+
 def test_responses_create_and_stream(api_server):
     client = api_server.client()
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,

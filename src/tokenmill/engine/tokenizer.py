@@ -83,6 +83,16 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
 
+    @functools.cached_property
+    def skipped_special_ids(self) -> frozenset[int]:
+        """The ids that decoding with skip_special_tokens leaves out of the text: of the named special tokens
+        and the added ones marked special, those that such a decode drops (each tried, as the Rust decoder
+        and transformers' do not skip the same set)."""
+        added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        candidates = self.all_special_ids | {i for i, t in added.items() if getattr(t, "special", False)}
+        return frozenset(i for i in candidates if self.decode([i], skip_special_tokens=True) == ""
+                         and self.decode([i], skip_special_tokens=False) != "")
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes `token_id` adds to the decoded text, whole where a token holds part of a character
         (where decoding it alone gives U+FFFD): a byte-level BPE token's bytes, a byte-fallback token's

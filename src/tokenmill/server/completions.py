@@ -31,17 +31,21 @@ class TextOffsets:
         return at
 
 
-def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets, as_ids: bool) -> dict:
+def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets, as_ids: bool,
+              in_text=None) -> dict:
     """OpenAI completion logprobs for these tokens, their text offsets continuing `offsets`. An entry of
     None (a prompt's first token) gives a null logprob and null top_logprobs. `as_ids`: each token as
-    "token_id:{id}" (`Serving.token_text`); the offsets stay those of the text."""
+    "token_id:{id}" (`Serving.token_text`); the offsets stay those of the text. `in_text(token id, its
+    text)`: False for a token the choice's text leaves out (a special token skipped in decoding, or added by
+    the tokenizer to a prompt echoed as given), which takes no characters; by default every token is in it."""
     tokens, token_lps, tops, starts = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid) if entry is not None else None
         text = serving.token_text(tid, chosen)
         tokens.append(serving.token_text(tid, chosen, as_ids))
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-        starts.append(offsets.take(serving.token_bytes(tid, text)))
+        shown = in_text is None or in_text(tid, text)
+        starts.append(offsets.take(serving.token_bytes(tid, text) if shown else b""))
         if entry is None:
             tops.append(None)
             continue
@@ -87,9 +91,22 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
     echoes = [await echoed(i) for i in range(len(prompts))] if echo else None
 
+    # a generated special token is in the text unless decoding skipped it
+    skipped = serving.skipped_special_ids() if k is not None and params.skip_special_tokens else frozenset()
+
+    def generated_in_text(tid: int, text: str) -> bool:
+        return tid not in skipped
+
     def prompt_block(i: int, out, offsets: TextOffsets) -> dict:
+        # a prompt echoed as given holds a special token only where its text spells it (not a BOS the
+        # tokenizer added); a decoded one (token ids, or truncated) holds every token
+        as_given = isinstance(texts[i], str) and not truncates
+        specials = serving.skipped_special_ids() if as_given else frozenset()
+
+        def in_text(tid: int, text: str) -> bool:
+            return tid not in specials or echoes[i].startswith(text, offsets.chars)
         return _logprobs(serving, out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids),
-                         k, offsets, as_ids)
+                         k, offsets, as_ids, in_text)
 
     def final(outs):
         choices = []
@@ -102,7 +119,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 if echo and k is not None:
                     lp = prompt_block(i, out, offsets)
                 if k is not None and c.logprobs is not None:
-                    gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets, as_ids)
+                    gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets, as_ids, generated_in_text)
                     lp = _join(lp, gen) if lp is not None else gen
                 choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -135,7 +152,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                     continue
                 text, new_ids, new_lps = delta if delta is not None else ("", [], None)
                 if k is not None and new_lps:
-                    gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets, as_ids)
+                    gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets, as_ids, generated_in_text)
                     lp = _join(lp, gen) if lp is not None else gen
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": serving.fingerprint,

@@ -257,6 +257,11 @@ class Serving:
         data = None if as_id else self.engine.processor.token_bytes(token_id)
         return data if data is not None else text.encode("utf-8")
 
+    def skipped_special_ids(self) -> frozenset[int]:
+        """The special tokens that an output decoded with skip_special_tokens leaves out of its text."""
+        tokenizer = self.prompts.tokenizer
+        return frozenset() if tokenizer is None else tokenizer.skipped_special_ids
+
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
                   make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
