@@ -289,49 +289,77 @@ def test_text_offsets_pass_over_special_tokens_the_text_leaves_out(api_server):
     assert streamed == offsets
 
 
-def test_echoed_text_offsets_pass_over_the_bos_the_tokenizer_added(tokenizer_dir, tmp_path):
-    """A text prompt is echoed as given, without the BOS its tokenizer (Llama's, Mistral's) put before it:
-    the BOS takes none of the text's characters, so each token after it is where the text holds it (all
-    were a BOS's length past it). In process: a stand-in engine returns the prompt's entries."""
+@pytest.fixture(scope="module")
+def bos_app(tokenizer_dir, tmp_path_factory):
+    """POST to the API in process, on the test tokenizer made to put a BOS (<|endoftext|>) before each text
+    as Llama's and Mistral's do, and a stand-in engine that answers a prompt with every prompt token's
+    entry and one token."""
     import asyncio
     import shutil
-    from types import SimpleNamespace
 
     from tokenmill.engine.output_processor import OutputProcessor
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-    from tokenmill.server.completions import create_completion
-    from tokenmill.server.protocol import CompletionRequest
-    from tokenmill.server.serving import Serving
+    from tokenmill.server.app import build_app
 
-    path = tmp_path / "bos"
+    path = tmp_path_factory.mktemp("bos") / "tokenizer"
     shutil.copytree(tokenizer_dir, path)
     spec = json.loads((path / "tokenizer.json").read_text())
-    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+    bos, a = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
+                              "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
     (path / "tokenizer.json").write_text(json.dumps(spec))
     tok = Tokenizer(str(path))
 
     class Engine:
-        tokenizer, max_model_len, dead, processor = tok, 64, False, OutputProcessor(tok)
+        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 64, False, None
+        processor = OutputProcessor(tok)
+
+        def attach(self):
+            pass
 
         async def generate(self, request_id, ids, params, priority, **kw):
             entries = [None] + [{t: Logprob(-1.0, 1)} for t in ids[1:]]
             yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "", [5], None, [{5: Logprob(-1.0, 1)}],
                                                                          "length")], True, prompt_logprobs=entries)
 
-    async def main(prompt: str) -> dict:
-        req = CompletionRequest(prompt=prompt, echo=True, logprobs=0, max_tokens=0)
-        raw = SimpleNamespace(receive=lambda: asyncio.sleep(60))
-        return json.loads((await create_completion(Serving(Engine(), ["tiny"], 8), req, raw)).body)["choices"][0]
+    app = build_app(Engine())
 
+    def post(path: str, body: dict) -> httpx.Response:
+        async def send():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill") as c:
+                return await c.post(path, json=body)
+        return asyncio.run(send())
+    return post
+
+
+def test_echoed_text_offsets_pass_over_the_bos_the_tokenizer_added(bos_app):
+    """A text prompt is echoed as given, without the BOS its tokenizer put before it: the BOS takes none of
+    the text's characters, so each token after it is where the text holds it (all were a BOS's length past
+    it). A special token the text spells takes its characters."""
     for prompt in ("hello world", "hi<|im_end|>x"):
-        c = asyncio.run(main(prompt))
+        r = bos_app("/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 0})
+        c = r.json()["choices"][0]
         tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
         assert c["text"] == prompt and tokens[0] == "<|endoftext|>" and len(tokens) > 3, c
         assert offsets[:2] == [0, 0] and all(prompt[at:at + len(t)] == t for t, at in zip(tokens[1:], offsets[1:])), c
+
+
+def test_tokenize_adds_a_bos_to_messages_only_when_asked(bos_app):
+    """/tokenize counts what a request would send: a prompt with its BOS unless add_special_tokens is false,
+    messages without one unless it is true (chat completions' default and vLLM's; it was not read)."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def tokens(**body) -> list[int]:
+        r = bos_app("/tokenize", body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    rendered = tokens(messages=messages)
+    assert rendered[0] != 0 and tokens(messages=messages, add_special_tokens=False) == rendered
+    assert tokens(messages=messages, add_special_tokens=True) == [0] + rendered
+    assert tokens(prompt="hi")[0] == 0 and tokens(prompt="hi", add_special_tokens=False)[0] != 0
 
 
 def test_responses_create_and_stream(api_server):

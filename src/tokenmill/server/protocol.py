@@ -563,7 +563,9 @@ class TokenizeRequest(_Strict):
     prompt: Annotated[str, Field(max_length=4_000_000)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
-    add_special_tokens: bool | None = True
+    # the tokenizer's special tokens (BOS) added: by default to a prompt, not to rendered messages (whose
+    # template writes them), as completions and chat completions each take it
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
