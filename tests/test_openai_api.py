@@ -289,29 +289,17 @@ def test_text_offsets_pass_over_special_tokens_the_text_leaves_out(api_server):
     assert streamed == offsets
 
 
-@pytest.fixture(scope="module")
-def bos_app(tokenizer_dir, tmp_path_factory):
-    """POST to the API in process, on the test tokenizer made to put a BOS (<|endoftext|>) before each text
-    as Llama's and Mistral's do, and a stand-in engine that answers a prompt with every prompt token's
-    entry and one token."""
+def _in_process_api(tokenizer_path: str):
+    """POST to the API in process, on this tokenizer and a stand-in engine that answers a prompt with every
+    prompt token's entry and one token."""
     import asyncio
-    import shutil
 
     from tokenmill.engine.output_processor import OutputProcessor
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.server.app import build_app
 
-    path = tmp_path_factory.mktemp("bos") / "tokenizer"
-    shutil.copytree(tokenizer_dir, path)
-    spec = json.loads((path / "tokenizer.json").read_text())
-    bos, a = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
-                              "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
-                                                                   "tokens": ["<|endoftext|>"]}}}
-    (path / "tokenizer.json").write_text(json.dumps(spec))
-    tok = Tokenizer(str(path))
+    tok = Tokenizer(tokenizer_path)
 
     class Engine:
         model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 64, False, None
@@ -335,6 +323,23 @@ def bos_app(tokenizer_dir, tmp_path_factory):
     return post
 
 
+@pytest.fixture(scope="module")
+def bos_app(tokenizer_dir, tmp_path_factory):
+    """`_in_process_api` on the test tokenizer made to put a BOS (<|endoftext|>) before each text, as
+    Llama's and Mistral's do."""
+    import shutil
+    path = tmp_path_factory.mktemp("bos") / "tokenizer"
+    shutil.copytree(tokenizer_dir, path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    bos, a = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, a],
+                              "pair": [bos, a, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return _in_process_api(str(path))
+
+
 def test_echoed_text_offsets_pass_over_the_bos_the_tokenizer_added(bos_app):
     """A text prompt is echoed as given, without the BOS its tokenizer put before it: the BOS takes none of
     the text's characters, so each token after it is where the text holds it (all were a BOS's length past
@@ -345,6 +350,34 @@ def test_echoed_text_offsets_pass_over_the_bos_the_tokenizer_added(bos_app):
         tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
         assert c["text"] == prompt and tokens[0] == "<|endoftext|>" and len(tokens) > 3, c
         assert offsets[:2] == [0, 0] and all(prompt[at:at + len(t)] == t for t, at in zip(tokens[1:], offsets[1:])), c
+
+
+def test_echoed_text_offsets_leave_out_a_sentencepiece_prefix_space(tmp_path):
+    """A SentencePiece tokenizer (Llama 2's, Mistral's) marks a word boundary before the text's first word,
+    which decoding strips at the text's start: the first word's token takes the characters of the text
+    without it, so that each token after it is where the text holds it (all were one past it), whether the
+    text is echoed as given (its BOS left out) or decoded from ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sp = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sp.train_from_iterator(["hello world, the quick brown fox"] * 4, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=["\u2581", *"abcdefghijklmnopqrstuvwxyz,"]))
+    sp.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    post = _in_process_api(str(tmp_path))
+    text = "hello world, the fox"
+    ids = post("/tokenize", {"prompt": text}).json()["tokens"]
+    for prompt, echoed, first in ((text, text, 1), (ids[1:], text, 0), (ids, "<s> " + text, 1)):
+        c = post("/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 0}).json()["choices"][0]
+        tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
+        assert c["text"] == echoed and tokens[first].startswith("hello") and tokens[-1] == "fox", c
+        assert all(echoed[at:at + len(t)] == t for t, at in zip(tokens[first + 1:], offsets[first + 1:])), c
+        assert offsets[-1] == len(echoed) - len("fox"), c
 
 
 def test_tokenize_adds_a_bos_to_messages_only_when_asked(bos_app):

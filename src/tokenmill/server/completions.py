@@ -36,16 +36,16 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets
     """OpenAI completion logprobs for these tokens, their text offsets continuing `offsets`. An entry of
     None (a prompt's first token) gives a null logprob and null top_logprobs. `as_ids`: each token as
     "token_id:{id}" (`Serving.token_text`); the offsets stay those of the text. `in_text(token id, its
-    text)`: False for a token the choice's text leaves out (a special token skipped in decoding, or added by
-    the tokenizer to a prompt echoed as given), which takes no characters; by default every token is in it."""
+    text, its bytes)`: the part of those bytes the choice's text holds (none of a special token skipped in
+    decoding or added by the tokenizer to a prompt echoed as given); by default all of them."""
     tokens, token_lps, tops, starts = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid) if entry is not None else None
         text = serving.token_text(tid, chosen)
         tokens.append(serving.token_text(tid, chosen, as_ids))
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-        shown = in_text is None or in_text(tid, text)
-        starts.append(offsets.take(serving.token_bytes(tid, text) if shown else b""))
+        data = serving.token_bytes(tid, text)
+        starts.append(offsets.take(data if in_text is None else in_text(tid, text, data)))
         if entry is None:
             tops.append(None)
             continue
@@ -94,8 +94,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     # a generated special token is in the text unless decoding skipped it
     skipped = serving.skipped_special_ids() if k is not None and params.skip_special_tokens else frozenset()
 
-    def generated_in_text(tid: int, text: str) -> bool:
-        return tid not in skipped
+    def generated_in_text(tid: int, text: str, data: bytes) -> bytes:
+        return b"" if tid in skipped else data
 
     def prompt_block(i: int, out, offsets: TextOffsets) -> dict:
         # a prompt echoed as given holds a special token only where its text spells it (not a BOS the
@@ -103,8 +103,14 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         as_given = isinstance(texts[i], str) and not truncates
         specials = serving.skipped_special_ids() if as_given else frozenset()
 
-        def in_text(tid: int, text: str) -> bool:
-            return tid not in specials or echoes[i].startswith(text, offsets.chars)
+        def in_text(tid: int, text: str, data: bytes) -> bytes:
+            if tid in specials and not echoes[i].startswith(text, offsets.chars):
+                return b""
+            if offsets.chars == 0 and data[:1] == b" " and data[1:] == text.encode("utf-8"):
+                # the word-boundary space a SentencePiece tokenizer puts before a text, which decoding
+                # strips at the text's start (as decoding the token alone does)
+                return data[1:]
+            return data
         return _logprobs(serving, out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids),
                          k, offsets, as_ids, in_text)
 
