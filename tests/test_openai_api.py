@@ -180,6 +180,24 @@ def test_messages_clients_send_back(api_server):
     assert bad.status_code == 400 and "tool_call_id" in bad.json()["error"]["message"]
 
 
+def test_messages_the_openai_clients_helpers_return_are_taken_back():
+    """`client.chat.completions.parse()` keeps what it parsed beside the text (the message's `parsed`, each
+    call's `function.parsed_arguments`) and the `stream()` helper each call's `index`: a message appended to
+    the history as returned is accepted, and the template sees the text alone."""
+    from openai.types.chat import ParsedChatCompletionMessage
+
+    from tokenmill.server.protocol import ChatCompletionRequest
+    call = {"id": "call_1", "type": "function", "index": 0,
+            "function": {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}}}
+    returned = ParsedChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": None, "parsed": None, "tool_calls": [call]}).model_dump(mode="json")
+    assert {"parsed", "tool_calls"} <= set(returned) and {"index", "function"} <= set(returned["tool_calls"][0])
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"}, returned, {"role": "tool", "tool_call_id": "call_1", "content": "2"}]})
+    assert req.chat_messages()[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+
+
 def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello the"}]
     r = httpx.post(api_server.url + "/tokenize", timeout=60, json={"messages": msgs, "add_generation_prompt": False})

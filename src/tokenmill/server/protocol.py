@@ -360,6 +360,9 @@ class TextPart(_Strict):
 class FunctionCall(_Strict):
     name: str
     arguments: str
+    # the openai client's parse() helpers keep the arguments they parsed beside them: the same data as
+    # `arguments`, which alone is read
+    parsed_arguments: Any = None
 
 
 class ToolCallParam(_Strict):
@@ -367,6 +370,8 @@ class ToolCallParam(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # the openai client's stream helper keeps each call's position in the stream's deltas
+    index: Any = None
 
 
 class ChatMessage(_Strict):
@@ -381,6 +386,9 @@ class ChatMessage(_Strict):
     annotations: Any = None
     audio: Any = None
     function_call: Any = None
+    # the openai client's parse() helpers keep the content they parsed beside it: the same data as `content`,
+    # which alone is read (any value)
+    parsed: Any = None
 
     @field_validator("content", mode="before")
     @classmethod
