@@ -114,6 +114,25 @@ def test_output_items_sent_back_as_the_openai_client_dumps_them():
         _chat([{**items[2], "namespace": "ns"}])
 
 
+def test_output_items_of_the_clients_parse_helper_dumped_without_aliases():
+    """`responses.parse()` keeps what it parsed beside the text (an output_text's `parsed`, a call's
+    `parsed_arguments`), and `model_dump()` without by_alias writes a call's `async` as `async_`: such items
+    are accepted, and their parsed values are not stored back."""
+    from openai.types.responses import ParsedResponseFunctionToolCall, ParsedResponseOutputMessage
+    message = ParsedResponseOutputMessage.model_validate({
+        "type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": '{"a": 1}', "annotations": [], "parsed": {"a": 1}}]})
+    call = ParsedResponseFunctionToolCall.model_validate({
+        "type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": '{"a": 1}',
+        "status": "completed", "parsed_arguments": {"a": 1}})
+    items = [{"role": "user", "content": "hi"}, message.model_dump(mode="json"), call.model_dump(mode="json"),
+             {"type": "function_call_output", "call_id": "c1", "output": "x"}]
+    assert "async_" in items[2] and "parsed_arguments" in items[2] and "parsed" in items[1]["content"][0]
+    assert [m["role"] for m in _chat(items)] == ["user", "assistant", "tool"]
+    stored = ResponsesRequest.model_validate({"input": items}).input_items()
+    assert "parsed" not in stored[1]["content"][0] and not {"async_", "parsed_arguments"} & set(stored[2])
+
+
 def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     with pytest.raises(APIError, match="No tool call found for function call output with call_id 'nobody'") as e:
         _chat([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nobody", "output": "x"}])

@@ -15,7 +15,9 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import Request
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
@@ -34,6 +36,8 @@ class InputText(_Strict):
     text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
     annotations: Any = None
     logprobs: Any = None
+    # the openai client's responses.parse() keeps the text it parsed beside it: the same data, not kept
+    parsed: Any = Field(default=None, exclude=True)
 
 
 def _joined(text: str | list[InputText]) -> str:
@@ -67,10 +71,15 @@ class FunctionCallItem(_Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
-    # as in MessageItem: the client's fields, null in the items it dumps from this server's output
+    # as in MessageItem: the client's fields, null in the items it dumps from this server's output (`async`
+    # under its name in the client's model, as `model_dump()` without by_alias writes it)
     async_: None = Field(default=None, alias="async")
     caller: None = None
     namespace: None = None
+    # the openai client's responses.parse() keeps the arguments it parsed beside them: the same data, not kept
+    parsed_arguments: Any = Field(default=None, exclude=True)
+
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class FunctionCallOutputItem(_Strict):
