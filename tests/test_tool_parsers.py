@@ -214,10 +214,12 @@ def test_schemas_compile_with_xgrammar():
     assert accepts(grammar, '{"item": {"n": 3}}')
 
 
-@pytest.mark.parametrize("parameters", [None, {}, {"properties": {"q": {"type": "string"}}}])
+@pytest.mark.parametrize("parameters", [None, {}, {"properties": {"q": {"type": "string"}}},
+                                        {"type": ["object", "null"], "properties": {"q": {"type": "string"}}}])
 def test_arguments_are_an_object_whatever_the_parameters_leave_out(parameters):
-    """Absent or empty parameters, or a schema without a type, still constrain the arguments to a JSON
-    object, named and "required" alike: `{}` alone is the schema of any JSON value."""
+    """Absent or empty parameters, a schema without a type, or one whose type list admits others beside
+    "object", still constrain the arguments to a JSON object, named and "required" alike: `{}` alone is the
+    schema of any JSON value (null under "required" was read as the arguments `null}]`)."""
     xgr = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string as accepts
     fn = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}

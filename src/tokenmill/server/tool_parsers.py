@@ -239,11 +239,12 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         # a function's arguments are a JSON object: absent or empty parameters ({} alone would admit any
-        # JSON value), or a schema that names no type, take the object type
+        # JSON value), a schema that names no type, or a list of types (one with "object", as the request's
+        # check has it), take the object type
         if not params:
             params = {"type": "object", "properties": {}}
-        elif "type" not in params:
-            params = {"type": "object", **params}
+        elif not isinstance(params.get("type"), str):
+            params = {**params, "type": "object"}
         out.append((name, params))
     return out
 
