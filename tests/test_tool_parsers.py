@@ -87,6 +87,7 @@ def test_no_call_is_plain_content():
     '<tool_call>{"arguments": {}}</tool_call>',                                      # no name
     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',                        # arguments not an object
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',                 # not JSON
+    '<tool_call>{"name": "f", "arguments": {"x": -1e400}}</tool_call>',              # past a float: no JSON
     '<tool_call>' + "[" * 100000 + '</tool_call>',                                  # too deep
 ])
 def test_malformed_block_stays_content(block):

@@ -73,9 +73,10 @@ def _reject_constant(name: str):
 
 def _loads(text: str):
     """JSON text the model wrote, parsed; ValueError where it is not JSON or a string in it is not Unicode
-    (an unpaired surrogate escape such as "\\ud83d": no UTF-8 response can carry it)."""
+    (an unpaired surrogate escape such as "\\ud83d": no UTF-8 response can carry it), or a number in it
+    is past a float's range (1e400 parses as inf, which json.dumps would write as Infinity, no JSON)."""
     value = json.loads(text, parse_constant=_reject_constant)
-    json.dumps(value, ensure_ascii=False).encode("utf-8")      # UnicodeEncodeError is a ValueError
+    json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")    # UnicodeEncodeError is a ValueError
     return value
 
 
