@@ -213,6 +213,15 @@ def test_reasoning_goes_to_reasoning_content(agent_server):
                         for ch in chunks for choice in ch.choices)
     content = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
     assert reasoning == "The user asks about Paris." and content == "It is sunny."
+    # vLLM's include_reasoning false: the thinking is left out of the answer, still not in its content
+    hidden = {**steer, "include_reasoning": False}
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=hidden)
+    msg = r.choices[0].message
+    assert msg.content == "It is sunny." and msg.model_extra["reasoning_content"] is None
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=hidden,
+                                                 stream=True))
+    assert not any((choice.delta.model_extra or {}).get("reasoning_content") for ch in chunks for choice in ch.choices)
+    assert "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices) == "It is sunny."
 
 
 def test_a_user_quoting_the_think_tag_opens_no_block(agent_server):

@@ -45,6 +45,7 @@ class ChoiceText:
     def __init__(self, serving: Serving, req: ChatCompletionRequest, prompt_text: str):
         self.reasoning = serving.reasoning_parser() if serving.reasoning_parser is not None else None
         self.prompt_text = prompt_text        # whether the output starts inside a thinking block
+        self.include_reasoning = req.include_reasoning is not False
         shows_tools = bool(req.tools) and req.tool_choice != "none"
         constrained = shows_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
         auto = shows_tools and req.tool_choice in (None, "auto")
@@ -68,7 +69,7 @@ class ChoiceText:
         msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
-            msg["reasoning_content"] = reasoning
+            msg["reasoning_content"] = reasoning if self.include_reasoning else None
             msg["content"] = text
         if self._calls is not None:
             calls = self._constrained_calls()
@@ -88,7 +89,7 @@ class ChoiceText:
         deltas = []
         if self._reasoning_stream is not None:
             reasoning, text = self._reasoning_stream.feed(text)
-            if reasoning:
+            if reasoning and self.include_reasoning:
                 deltas.append({"reasoning_content": reasoning})
         deltas += self._content(text or "")
         return deltas
@@ -97,7 +98,7 @@ class ChoiceText:
         deltas = []
         if self._reasoning_stream is not None:
             reasoning, text = self._reasoning_stream.finish()
-            if reasoning:
+            if reasoning and self.include_reasoning:
                 deltas.append({"reasoning_content": reasoning})
             deltas += self._content(text or "")
         if self._tool_stream is not None:

@@ -525,6 +525,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
+    # vLLM's: false leaves reasoning_content out (null) of the answer; the thinking is still parsed out of the
+    # content and counted in usage
+    include_reasoning: bool | None = True
     # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt, beside those the template writes
     add_special_tokens: bool | None = False
     honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
