@@ -361,3 +361,16 @@ def test_required_schemas_leave_data_that_looks_like_a_ref_alone():
     arguments = required_tools_schema(tools, "required")["items"]["anyOf"][0]["properties"]["arguments"]
     assert arguments["properties"]["p"]["const"] == {"$ref": "#/definitions/Pet"}
     assert arguments["examples"] == [{"$ref": "#"}]
+
+
+def test_required_schemas_keep_defs_and_definitions_of_one_name_apart():
+    """A schema may hold both `$defs` and `definitions`, each with a schema of the same name: moved to the
+    root side by side, the second replaced the first, and every $ref to either read the one left."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"n": {"type": "integer"}}, "definitions": {"n": {"type": "string"}},
+        "properties": {"i": {"$ref": "#/$defs/n"}, "s": {"$ref": "#/definitions/n"}}, "required": ["i", "s"]}}}]
+    grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, "required")))
+    assert accepts(grammar, '[{"name": "f", "arguments": {"i": 1, "s": "x"}}]')
+    assert not accepts(grammar, '[{"name": "f", "arguments": {"i": "x", "s": 1}}]')

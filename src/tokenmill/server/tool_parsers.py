@@ -262,8 +262,17 @@ def _named(tool_choice) -> str | None:
                      f"to be enforced by a schema, got {tool_choice!r}")
 
 
+_DEFS_SECTIONS = ("$defs", "definitions")
+
+
+def _moved_name(prefix: str, section: str, name: str) -> str:
+    """The root `$defs` name of a tool's schema `name` of `section`: each section has a prefix of its own,
+    neither a prefix of the other, so that a name in both stays two schemas."""
+    return f"{prefix}{section.lstrip('$')}_{name}"
+
+
 def _rehome_refs(node, prefix: str):
-    """A copy of `node` with local `$ref`s into `$defs`/`definitions` renamed `#/$defs/<prefix><name>`."""
+    """A copy of `node` with local `$ref`s into `$defs`/`definitions` renamed to their `_moved_name`."""
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
@@ -271,9 +280,10 @@ def _rehome_refs(node, prefix: str):
                 out[key] = copy.deepcopy(value)
                 continue
             if key == "$ref" and isinstance(value, str):
-                for root in ("#/$defs/", "#/definitions/"):
+                for section in _DEFS_SECTIONS:
+                    root = f"#/{section}/"
                     if value.startswith(root):
-                        value = "#/$defs/" + prefix + value[len(root):]
+                        value = "#/$defs/" + _moved_name(prefix, section, value[len(root):])
                         break
                 else:
                     if value.startswith("#"):
@@ -306,9 +316,9 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
     defs, variants = {}, []
     for i, (fn_name, params) in enumerate(functions):
         params = _rehome_refs(params, f"tool{i}_")
-        for key in ("$defs", "definitions"):
-            for def_name, sub in (params.pop(key, None) or {}).items():
-                defs[f"tool{i}_{def_name}"] = sub
+        for section in _DEFS_SECTIONS:
+            for def_name, sub in (params.pop(section, None) or {}).items():
+                defs[_moved_name(f"tool{i}_", section, def_name)] = sub
         variants.append({"type": "object",
                          "properties": {"name": {"const": fn_name}, "arguments": params},
                          "required": ["name", "arguments"]})
