@@ -189,6 +189,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--max-model-len", "1.5K"], "'1.5K' (a binary suffix, K, takes a whole number)"),
     ("serve", ["--max-model-len", "4x"], "'4x' (an integer, or one with a suffix: 32k, 32K)"),
     ("serve", ["--max-queue-len", "0"], "--max-queue-len: must be at least 1"),
+    ("serve", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must be at least 1 (a token a step), got 0"),
+    ("serve", ["--max-num-batched-tokens", "8q"], "'8q' (an integer, or one with a suffix: 32k, 32K)"),
     ("serve", ["--stream-interval", "0"], "--stream-interval: must be at least 1 (a token a chunk), got 0"),
     ("serve", ["--backend", "hf", "--stream-interval", "4"], "--stream-interval 4 needs --backend tokenmill"),
     ("serve", ["--port", "70000"], "--port: must be in [0, 65535]"),
@@ -252,6 +254,8 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
     # vLLM's human-readable context lengths
     assert [parser.parse_args(["serve", "--max-model-len", v]).max_model_len for v in ("32k", "32K", "25.6k", "1M")] \
         == [32_000, 32_768, 25_600, 1_048_576]
+    assert [parser.parse_args(["serve", "--max-num-batched-tokens", v]).max_num_batched_tokens
+            for v in ("16k", "16K", "2048")] == [16_000, 16_384, 2048]
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert cli.chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
     # vLLM's --return-tokens-as-token-ids: the server's default, which a request's own field overrides

@@ -54,8 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory for weights, activations and the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="most tokens in one step")
+    p.add_argument("--max-num-batched-tokens", type=step_tokens, default=d.max_num_batched_tokens,
+                   help="most tokens in one step; 8k = 8,000, 8K = 8,192")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="processes that split every layer (heads, MLP features, vocabulary) between them; "
                         "must divide the model's KV heads. CPU (gloo) only for now")
@@ -189,6 +189,7 @@ api_server_count = at_least_one("one API server process")
 data_parallel_size = at_least_one("one engine core")
 queue_len = at_least_one("a request that may wait")
 context_len = at_least_one("a token of context", human_int)
+step_tokens = at_least_one("a token a step", human_int)        # vLLM reads this one with suffixes too
 stream_interval = at_least_one("a token a chunk")
 
 
