@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -44,6 +45,17 @@ def test_defaults_are_read_from_the_model_a_directory_or_overrides(tmp_path, qwe
         sampling_defaults("auto", model, {"temprature": 0.5})
     with pytest.raises(ValueError, match="top_p"):
         sampling_defaults("auto", model, {"top_p": 1.5})
+    # a value of another type was SamplingParams' TypeError ("'>=' not supported between instances of
+    # 'str' and 'int'"), naming no key; true was taken as temperature 1
+    for bad, shown in (("hot", '"hot"'), (True, "true"), ([0.5], "[0.5]")):
+        with pytest.raises(ValueError, match=re.escape(f"the generation config's temperature must be a number, "
+                                                       f"got {shown}")):
+            sampling_defaults("auto", model, {"temperature": bad})
+    # null, as vLLM reads it: no default for that key, not even the model's
+    assert sampling_defaults("auto", model, {"top_k": None}) == {"temperature": 0.6, "top_p": 0.95}
+    # vLLM's server caps max_tokens by it; this one does not, and says so rather than "unknown key"
+    with pytest.raises(ValueError, match="max_new_tokens is not taken by the server"):
+        sampling_defaults("auto", model, {"max_new_tokens": 256})
     with open(os.path.join(model, "generation_config.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="generation_config.json: Expecting property name"):

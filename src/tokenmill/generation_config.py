@@ -41,9 +41,19 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None, bu
             raise ValueError(f"--generation-config {source!r}: no generation_config.json there (give 'auto' for "
                              "the model's own, 'vllm' for none, or a directory that holds one)")
     for key, value in (overrides or {}).items():
+        if key == "max_new_tokens":
+            raise ValueError("--override-generation-config: max_new_tokens is not taken by the server: each "
+                             "request's max_tokens stays its own (the endpoint's default where it sets none)")
         if key not in KEYS:
             raise ValueError(f"--override-generation-config: unknown key {key!r}; known: {', '.join(KEYS)}")
-        found[key] = value
+        if value is None:           # as vLLM reads a null: no default for this key, not even the file's
+            found.pop(key, None)
+        else:
+            found[key] = value
+    for key, value in found.items():
+        # SamplingParams compares what it is given with numbers: a string's TypeError named no key
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"the generation config's {key} must be a number, got {json.dumps(value)}")
     from tokenmill.sampling_params import SamplingParams
     try:
         SamplingParams(**found)
