@@ -94,6 +94,17 @@ def test_serve_log_flags_reach_the_server(served, tmp_path):
     assert kw["log_stats"] is False and kw["log_requests"] is True and kw["log_stats_interval"] == 2.0
 
 
+def test_serve_accepts_vllm_flags_whose_effect_it_always_has(served, capsys, tmp_path):
+    """Flags of a vLLM launch line that ask for what tokenmill always does, or give the value of the one way
+    it has: accepted with a note (they were "unrecognized arguments")."""
+    served(str(tmp_path), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
+           "assistant", "--chat-template-content-format", "string", "--pipeline_parallel_size", "1")
+    err = capsys.readouterr().err
+    for flag in ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
+                 "--chat-template-content-format", "--pipeline-parallel-size"):
+        assert f"INFO tokenmill: {flag} (vLLM's) needs nothing here" in err, err
+
+
 def test_generate_separates_the_outputs_of_several_prompts(monkeypatch, capsys):
     class FakeLLM:
         def __init__(self, **kwargs):
@@ -211,6 +222,18 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),
     ("serve", ["--revision", "main"], "--revision is vLLM's and has no effect here: tokenmill loads local"),
     ("serve", ["--max_logprobs", "40"], "--max-logprobs is vLLM's and has no effect here: the logprobs limit"),
+    # vLLM flags that were "unrecognized arguments", with no reason given
+    ("serve", ["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's and has no effect here: "
+                                               "chunked prefill is always on"),
+    ("serve", ["--lora-modules", "a=/x", "b=/y"], "--lora-modules is vLLM's and has no effect here: tokenmill "
+                                                  "serves no LoRA adapters"),
+    ("serve", ["--enable-lora"], "--enable-lora is vLLM's and has no effect here"),
+    ("serve", ["--middleware", "m.auth"], "--middleware is vLLM's and has no effect here"),
+    ("serve", ["--chat-template-content-format", "openai"], "--chat-template-content-format 'openai' is not "
+                                                            "supported: a message's content reaches the chat template"),
+    ("serve", ["--response-role", "bot"], "--response-role 'bot' is not supported: a chat reply's role is always "
+                                          "assistant (accepted: assistant)"),
+    ("serve", ["-pp", "2"], "--pipeline-parallel-size '2' is not supported: tokenmill has no pipeline parallelism"),
     # nan passed `<= 0`: the server came up and every connection hung (header timeout) or got 400 (body)
     ("serve", ["--header-timeout", "nan"], "header_timeout must be positive, got nan"),
     ("serve", ["--log-stats-interval", "0"], "--log-stats-interval: must be a positive, finite number"),

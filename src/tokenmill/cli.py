@@ -239,12 +239,29 @@ VLLM_HONOURED = {
     "--enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is a step's budget)",
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--trust-remote-code": "tokenmill runs its own code for the architectures it supports, never a checkpoint's",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details (cached_tokens)",
+    "--disable-uvicorn-access-log": "the server writes no access log",
 }
 VLLM_REFUSED = {
     "--download-dir": "tokenmill loads local directories and .gguf files only; it never downloads",
     "--revision": "tokenmill loads local directories and .gguf files only; it never downloads",
     "--max-logprobs": "the logprobs limit is OpenAI's, 20",
     "--limit-mm-per-prompt": "tokenmill serves text-only models",
+    "--no-enable-chunked-prefill": "chunked prefill is always on; --max-num-batched-tokens bounds a step's tokens",
+    "--enable-lora": "tokenmill serves no LoRA adapters",
+    "--lora-modules": "tokenmill serves no LoRA adapters",
+    "--middleware": "the server loads no code named on its command line",
+}
+# the refused flags that take no value, or several (the others take one, as vLLM's do)
+VLLM_REFUSED_NARGS = {"--no-enable-chunked-prefill": 0, "--enable-lora": 0, "--lora-modules": "+"}
+# vLLM's flags whose value tokenmill has only one way (or two equal ways) of: those values are accepted with a
+# note at start, another is a usage error saying why
+VLLM_FIXED = {
+    "--response-role": (("assistant",), "a chat reply's role is always assistant"),
+    "--chat-template-content-format": (("auto", "string"), "a message's content reaches the chat template as a "
+                                       "string (its text parts joined), never as OpenAI's list of parts"),
+    "--pipeline-parallel-size": (("1",), "tokenmill has no pipeline parallelism (--tensor-parallel-size splits "
+                                 "each layer)"),
 }
 
 
@@ -267,9 +284,16 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     for flag, why in VLLM_REFUSED.items():
         if getattr(args, _vllm_dest(flag)) is not None:
             parser.error(f"{flag} is vLLM's and has no effect here: {why}")
+    for flag, (values, why) in VLLM_FIXED.items():
+        value = getattr(args, _vllm_dest(flag))
+        if value is not None and value not in values:
+            parser.error(f"{flag} {value!r} is not supported: {why} (accepted: {', '.join(values)})")
     if args.log_level in ("debug", "info"):
         for flag, why in VLLM_HONOURED.items():
             if getattr(args, _vllm_dest(flag)):
+                print(f"INFO tokenmill: {flag} (vLLM's) needs nothing here: {why}", file=sys.stderr)
+        for flag, (_, why) in VLLM_FIXED.items():
+            if getattr(args, _vllm_dest(flag)) is not None:
                 print(f"INFO tokenmill: {flag} (vLLM's) needs nothing here: {why}", file=sys.stderr)
     dp = args.data_parallel_size
     if dp > 1 and args.api_server_count > 1:
@@ -480,7 +504,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     for flag in VLLM_HONOURED:
         serve.add_argument(flag, action="store_true", dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     for flag in VLLM_REFUSED:
-        serve.add_argument(flag, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
+        nargs = VLLM_REFUSED_NARGS.get(flag)
+        if nargs == 0:
+            serve.add_argument(flag, action="store_const", const=True, default=None, dest=_vllm_dest(flag),
+                               help=argparse.SUPPRESS)
+        else:
+            serve.add_argument(flag, nargs=nargs, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
+    for flag in VLLM_FIXED:
+        short = ["-pp"] if flag == "--pipeline-parallel-size" else []        # vLLM's short name of it
+        serve.add_argument(flag, *short, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine loop in a thread of the server process (for debugging)")
