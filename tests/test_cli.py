@@ -105,6 +105,35 @@ def test_serve_accepts_vllm_flags_whose_effect_it_always_has(served, capsys, tmp
         assert f"INFO tokenmill: {flag} (vLLM's) needs nothing here" in err, err
 
 
+def test_serve_reads_vllms_config_file_under_the_command_line(served, capsys, tmp_path):
+    """vLLM's --config FILE (YAML: option names as keys, either spelling) was "unrecognized arguments"."""
+    model = str(tmp_path)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {model}\nport: 8123\nmax_num_seqs: 7\nenable-prefix-caching: false\n"
+                      "served-model-name: [a, b]\noverride-generation-config: {temperature: 0.5}\n"
+                      "max-model-len: 1K\nenforce_eager: true\nswap-space: null\n")
+    engine, kw = served("--config", str(config), "--max-num-seqs", "9")
+    assert (engine.model, engine.max_num_seqs, engine.enable_prefix_caching, engine.max_model_len,
+            engine.enforce_eager, engine.swap_space) == (model, 9, False, 1024, True, 4.0)
+    assert kw["port"] == 8123 and kw["served_model_names"] == ["a", "b"]
+    assert kw["sampling_defaults"] == {"temperature": 0.5}
+    other = tmp_path / "other"
+    assert served(str(other), f"--config={config}")[0].model == str(other)     # the command line's model wins
+    for text, message in (("bogus-flag: 1\n", "unrecognized options: --bogus-flag"),
+                          ("[1, 2]\n", "must hold a mapping of option names to values, got a list"),
+                          ("enable-chunked-prefill: false\n", "--no-enable-chunked-prefill is vLLM's"),
+                          ("trust-remote-code: 'yes'\n", "'yes' follows no option that takes a value"),
+                          ("port: [\n", "is not YAML")):
+        config.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            served(model, "--config", str(config))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
+    with pytest.raises(SystemExit):
+        served(model, "--config", str(tmp_path / "missing.yaml"))
+    assert "missing.yaml': No such file or directory" in capsys.readouterr().err
+
+
 def test_generate_separates_the_outputs_of_several_prompts(monkeypatch, capsys):
     class FakeLLM:
         def __init__(self, **kwargs):

@@ -37,6 +37,10 @@ def resolve_model(parser: argparse.ArgumentParser, args) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser):
     d = EngineConfig(model="")
+    # read by `parse_with_config` before argparse sees the command line; here for --help
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of options, as vLLM's: option names as keys (port: 8001, "
+                        "max_num_seqs: 64, enable_prefix_caching: false, model: DIR), under the command line's")
     p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "hf", "hf-cb"],
                    help="inference backend: tokenmill, or a transformers baseline for benchmarks (hf: one "
                         "generate() at a time; hf-cb: transformers' continuous batching)")
@@ -278,6 +282,74 @@ def vllm_spellings(argv: list[str]) -> list[str]:
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
     return out
+
+
+def config_file_args(parser: argparse.ArgumentParser, path: str) -> tuple[list[str], str | None]:
+    """vLLM's --config FILE: a YAML mapping of option names (dashes or underscores) to values, as the command
+    line's words, and its `model` apart (the command line's model, given, wins). true is the flag, false its
+    --no- form where it has one (else nothing), a list the option's several values, a mapping its JSON, null
+    the default."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        parser.error(f"--config {path!r}: {e.strerror}")
+    except yaml.YAMLError as e:
+        parser.error(f"--config {path!r} is not YAML: {str(e).splitlines()[0]}")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        parser.error(f"--config {path!r} must hold a mapping of option names to values, got a "
+                     f"{type(config).__name__}")
+    words, model = [], None
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--model":
+            model = None if value is None else str(value)
+        elif flag == "--config":
+            parser.error(f"--config {path!r} names another config file; give one")
+        elif value is None:
+            continue
+        elif isinstance(value, bool):
+            if value:
+                words.append(flag)
+            elif "--no-" + flag[2:] in parser._option_string_actions:
+                words.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            words += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return words, model
+
+
+def parse_with_config(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> argparse.Namespace:
+    """`tokenmill serve|generate ... --config FILE ...`: the file's options under the command line's, as vLLM
+    ranks them. The file is parsed first and its namespace seeds the command line's parse, whose options
+    (parsed after) replace the file's; argparse sets a default only where the namespace has no value."""
+    at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if len(at) > 1:
+        parser.error("--config is given more than once")
+    i = at[0]
+    if argv[i] == "--config":
+        if i + 1 == len(argv):
+            parser.error("argument --config: expected one argument")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+    words, model = config_file_args(parser, path)
+    seed, unknown = parser.parse_known_args(vllm_spellings(words))
+    if unknown:
+        parser.error(f"--config {path!r}: unrecognized options: {' '.join(unknown)}")
+    if seed.model is not None:      # the file's model is `model`, apart: this is a word that follows no option
+        parser.error(f"--config {path!r}: {seed.model!r} follows no option that takes a value")
+    args = parser.parse_args(rest, namespace=seed)
+    if model is not None and args.model is None and args.model_option is None:
+        args.model_option = model
+    args.command = command
+    return args
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
@@ -560,7 +632,12 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
 
     parser, subs = build_parser()
-    args = parser.parse_args(vllm_spellings(argv))
+    argv = vllm_spellings(argv)
+    if argv and argv[0] in ("serve", "generate") and any(a == "--config" or a.startswith("--config=")
+                                                         for a in argv[1:]):
+        args = parse_with_config(subs[argv[0]], argv[0], argv[1:])
+    else:
+        args = parser.parse_args(argv)
     if args.command in ("serve", "generate"):
         resolve_model(subs[args.command], args)
     if args.command in ("serve", "generate") and args.model is None:
