@@ -373,3 +373,13 @@ def test_a_choice_with_a_control_character_before_a_hex_digit(llm):
     choices = ["a\x00b", "\x1b1m"]
     outs = llm.generate(PROMPTS[:2], constrained(choice=choices))
     assert all(o.outputs[0].text in choices for o in outs), [o.outputs[0].text for o in outs]
+
+
+def test_a_length_bounded_string_holds_no_raw_tab_where_json_allows_whitespace(llm):
+    # xgrammar's bounded-string class admits a raw tab, which the token mask lets through where whitespace
+    # may appear; +30 on the tab token fills the string with it unless the grammar refuses it there
+    tab = llm.get_tokenizer().encode("\t")[0]
+    for schema in ({"type": "string", "maxLength": 8}, {"type": "string", "minLength": 1, "maxLength": 4}):
+        out = llm.generate(PROMPTS[0], constrained(json=schema, logit_bias={tab: 30}))[0].outputs[0]
+        assert ended_by_grammar(out) and "\t" not in out.text, out.text
+        jsonschema.validate(json.loads(out.text), schema)

@@ -42,6 +42,11 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false
 # characters 0.7 s and 21 MB compiled, of 1,628,901 characters 34 s and 216 MB), and one compile thread
 # serves every constrained request. A tool list that fits a 40,960-token context is ~160,000 characters.
 MAX_SPEC_CHARS = 1_000_000
+# xgrammar 0.2.9 writes a string with minLength or maxLength as a repetition of this class, which lets the
+# control characters JSON forbids raw in a string into it; a tab there no token mask can tell from the
+# whitespace between JSON's tokens. The class of xgrammar's own unbounded strings replaces it.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 # The compiled grammars kept for reuse hold at most this many bytes together (besides `cache_size`
 # entries): the most recently used stay; one larger than this is used by its request and not kept.
 CACHE_BYTES = 1 << 30
@@ -58,7 +63,7 @@ class StructuredOutputManager:
         # our LRU is the only cache: xgrammar's own has no entry limit by default
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         # JSON never holds a raw control character (in strings they are escaped; between tokens only space,
-        # \t, \n, \r), but xgrammar 0.2.9 lets them into length-bounded strings: JSON rows clear these ids
+        # \t, \n, \r), but xgrammar 0.2.9 writes one a string's pattern names raw: JSON rows clear these ids
         self._json_keep = {any_ws: _keep_words(info.decoded_vocab, vocab_size, any_ws) for any_ws in (True, False)}
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_size = cache_size
@@ -110,7 +115,10 @@ class StructuredOutputManager:
     def _compile(self, kind: str, spec, any_whitespace: bool):
         c = self._compiler
         if kind == "json":
-            return c.compile_json_schema(spec, any_whitespace=any_whitespace)
+            grammar = self._xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+            text = str(grammar)
+            fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+            return c.compile_grammar(grammar if fixed == text else fixed)
         if kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
