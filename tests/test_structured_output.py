@@ -356,6 +356,8 @@ def test_schemas_that_cannot_be_compiled_or_enforced_are_refused():
     ({"minLength": 2}, "'minLength' without a 'type'"),
     ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "draft-04's boolean 'exclusiveMinimum'"),
     ({"type": "array", "items": [{"type": "integer"}]}, "'items' as a list"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}, "an empty 'anyOf'"),  # {"a": }
+    ({"oneOf": []}, "an empty 'oneOf' \\(no value can match it\\)"),                            # an empty output
 ])
 def test_schema_constraints_the_grammar_would_drop_are_refused(schema, message):
     """Each was accepted and compiled as if the constraint were absent (xgrammar drops it, at most with a

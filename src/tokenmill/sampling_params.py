@@ -61,6 +61,9 @@ def _unenforced(node: dict) -> str | None:
             return f"draft-04's boolean {bound!r} (give the bound itself as {bound})"
     if isinstance(node.get("items"), list):
         return "'items' as a list (draft-07's tuples; give them as 'prefixItems')"
+    for key in ("anyOf", "oneOf"):
+        if node.get(key) == []:        # xgrammar writes an empty output for it, a value missing from the JSON
+            return f"an empty {key!r} (no value can match it)"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return f"'allOf' with {len(node['allOf'])} schemas"
     combined = [k for k in ("anyOf", "oneOf", "allOf", "$ref") if k in node]
