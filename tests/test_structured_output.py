@@ -33,6 +33,9 @@ ARRAYS = {"type": "object", "properties": {
 TOP_ARRAY = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4}
 # xgrammar 0.2.9 writes a length-bounded string as [^"\\\r\n]{0,n}; the engine keeps control characters out
 BOUNDED = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]}
+# propertyNames' constraints need no type (a name is a string), as pydantic writes a dict's constrained keys
+KEYED = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+         "propertyNames": {"pattern": "^[a-z]{1,3}$"}, "minProperties": 1, "maxProperties": 2}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,8 @@ def ended_by_grammar(c) -> bool:
     return c.finish_reason == "stop" and c.token_ids[-1] == EOS
 
 
-@pytest.mark.parametrize("schema", [NESTED, ENUMS, ARRAYS, TOP_ARRAY, BOUNDED],
-                         ids=["nested", "enums", "arrays", "array", "max-length"])
+@pytest.mark.parametrize("schema", [NESTED, ENUMS, ARRAYS, TOP_ARRAY, BOUNDED, KEYED],
+                         ids=["nested", "enums", "arrays", "array", "max-length", "property-names"])
 def test_json_schema_outputs_validate(llm, schema):
     outs = llm.generate(PROMPTS[:2], constrained(json=schema, disable_any_whitespace=True))
     for out in outs:

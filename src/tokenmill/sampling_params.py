@@ -117,6 +117,8 @@ def _check_schema(schema) -> None:
                 continue
             if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
                 todo.extend(value.values())
+            elif key == "propertyNames" and isinstance(value, dict) and any(k in value for k in _STRING_ONLY):
+                todo.append({"type": "string", **value})     # a name is a string: xgrammar reads it as typed
             elif isinstance(value, list):
                 todo.extend(value)
             else:
