@@ -316,6 +316,17 @@ def test_the_stop_string_that_begins_first_ends_the_text(tokenizer_dir):
     assert detok.output_text(True) == "the"
 
 
+def test_a_stop_string_in_the_first_min_tokens_text_never_counts(tokenizer_dir):
+    """A stop string counts only where it ends in the text of a token after the first min_tokens: "a",
+    shorter than "zz", lay wholly in the character held back after the first token and was found with the
+    second, ending the output inside the text min_tokens protects."""
+    tok = Tokenizer(tokenizer_dir)
+    (a,), (b,) = tok.encode("a", add_special_tokens=False), tok.encode("b", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["a", "zz"], min_tokens=1)
+    assert [detok.add(t) for t in (a, b)] == [None, None] and detok.output_text(False) == "a"
+    assert detok.add(a) == "a" and detok.output_text(True) == "ab"
+
+
 def test_text_with_stop_strings_is_released_up_to_the_hold_at_every_token(tokenizer_dir):
     # the released text grows incrementally: it must be, after every token, exactly the decoded text but
     # its last max(len(stop)) - 1 characters, until a stop string ends it

@@ -12,9 +12,10 @@ class IncrementalDetokenizer:
     U+FFFD means a multi-byte character is still split across tokens. With stop strings, the last
     `max(len(stop)) - 1` characters are held back until they can no longer begin a stop string. Stop
     strings are looked for from the token after the first `min_tokens` on (vLLM's rule: a stop string
-    ends the output where a stop token could), each time in the text a token adds and the held-back
-    characters before it; of several found, the one that begins first ends the text (the longest where
-    two begin together), so that no stop string is left in it."""
+    ends the output where a stop token could), each time only where it ends in the text a token adds
+    (so one that lay wholly in the first `min_tokens` tokens' text never counts); of several found, the
+    one that begins first ends the text (the longest where two begin together), so that no stop string
+    is left in it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
@@ -54,7 +55,7 @@ class IncrementalDetokenizer:
                 return None
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(0, len(self.text) - self.hold)
+        old_len = len(self.text)
         # grown in place: CPython resizes a string that nothing else refers to (the local alone, the
         # frontend drops the output's reference before each token), where `self.text += new` copies all
         # of it, O(length) a token
@@ -67,7 +68,7 @@ class IncrementalDetokenizer:
                 released, self.released = self.released, ""
                 released += text[len(released):end]
                 self.released = released
-        return self._find_stop(start)
+        return self._find_stop(old_len)
 
     def finish(self) -> str | None:
         """Ends the text where the output ended by length or end of sequence: what was held back inside a
@@ -78,19 +79,21 @@ class IncrementalDetokenizer:
         pending = self._pending_text()
         if not pending:
             return None
-        start = max(0, len(self.text) - self.hold)
+        old_len = len(self.text)
         self.text += pending
         self.read_offset = len(self.ids)          # nothing pending any more
-        return self._find_stop(start)
+        return self._find_stop(old_len)
 
-    def _find_stop(self, start: int) -> str | None:
-        """The stop string that begins first in the text from `start` (the longest of those that begin
-        together), which then ends the text; None if none, or while the first `min_tokens` count."""
+    def _find_stop(self, old_len: int) -> str | None:
+        """Of the stop strings that end past `old_len`, the text's length before its newest part (one that
+        ended before was found then, or lay in the first `min_tokens` tokens' text and does not count), the
+        one that begins first (the longest of those that begin together), which then ends the text; None
+        if none, or while the first `min_tokens` count."""
         if self.unchecked > 0:
             return None
         found = None
         for s in self.stop:
-            pos = self.text.find(s, start)
+            pos = self.text.find(s, max(0, old_len - len(s) + 1))
             if pos != -1 and (found is None or (pos, -len(s)) < (found[0], -len(found[1]))):
                 found = (pos, s)
         if found is None:
