@@ -753,6 +753,38 @@ def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
         assert a.output_text(True) == b.output_text(True)
 
 
+
+def test_bytes_that_break_a_byte_fallback_run_leave_the_released_text(tmp_path):
+    """SentencePiece's byte-fallback decoder decodes a run of byte tokens whole, or as one U+FFFD per byte
+    where it is not UTF-8: ">" (a byte token), then a lone lead byte and a word turn the released ">" into
+    U+FFFD. The Rust DecodeStream raised on that (the frontend's whole report was lost), in the prompt's
+    context too; the window decode and the final flush gave text that repeated or dropped characters.
+    The released text stands and the tokens after it decode on their own, as they end the text."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581": 257, "a": 258, "\u2581a": 259}
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a")], unk_token="<unk>", byte_fallback=True))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>").save_pretrained(tmp_path / "sp")
+    stream = Tokenizer(str(tmp_path / "sp"))
+    window = _tokenizer_with_clean_up(tmp_path / "sp", tmp_path)
+    window.hf.clean_up_tokenization_spaces = False       # the same text, through the window decode
+    gt, lead, word = 1 + ord(">"), 1 + 0xE4, 259
+    assert stream.decode([gt, lead, word]) == "\ufffd\ufffd a"
+    for tok in (stream, window):
+        for prompt in ([], [gt, lead, word]):
+            detok = IncrementalDetokenizer(tok, prompt, [])
+            seen = []
+            for t in (gt, lead, word):
+                detok.add(t)
+                seen.append(detok.output_text(False))
+            assert seen == [">", ">", ">\ufffd a"] and detok.output_text(True) == ">\ufffd a"
+        detok = IncrementalDetokenizer(tok, [], [])
+        detok.add(gt), detok.add(lead)
+        assert detok.output_text(True) == ">\ufffd"
+
 # One fresh process builds an engine core, then an `LLM` (a process importing torch costs ~4 s of the suite),
 # and reports what it imported at each point: the two tests below each read their part.
 FRESH_ENGINE_PROCESS = """

@@ -1,7 +1,7 @@
 """Incremental detokenization that never emits a broken UTF-8 character, with stop strings."""
 from __future__ import annotations
 
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.tokenizer import InvalidPrefix, Tokenizer
 
 # prompt tokens kept as left context, so a token's leading space decodes as it would in the text
 _CONTEXT_TOKENS = 4
@@ -42,7 +42,13 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         self.unchecked -= 1
         if self.stream is not None:
-            new = self.tokenizer.stream_step(self.stream, token_id)
+            try:
+                new = self.tokenizer.stream_step(self.stream, token_id)
+            except InvalidPrefix:
+                # the released text stands; a fresh stream decodes the tokens after it on their own
+                self.stream = self.tokenizer.decode_stream([], self.skip_special)
+                for t in self.ids[self.read_offset:]:
+                    new = self.tokenizer.stream_step(self.stream, t)
             if not new:
                 return None
             del self.ids[:self.read_offset]
@@ -53,7 +59,9 @@ class IncrementalDetokenizer:
             full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
             if full.endswith("\ufffd") or len(full) <= len(prefix):
                 return None
-            new = full[len(prefix):]
+            # where the new bytes broke a byte-fallback run (see InvalidPrefix), the released text stands
+            new = full[len(prefix):] if full.startswith(prefix) else \
+                decode(self.ids[self.read_offset:], skip_special_tokens=self.skip_special)
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         old_len = len(self.text)
         # grown in place: CPython resizes a string that nothing else refers to (the local alone, the
@@ -110,7 +118,9 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
         full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
-        return full[len(prefix):] if full.startswith(prefix) else full
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return decode(self.ids[self.read_offset:], skip_special_tokens=self.skip_special)
 
     def output_text(self, finished: bool) -> str:
         if self.stopped_at is not None:

@@ -6,6 +6,13 @@ import json
 import os
 
 
+class InvalidPrefix(Exception):
+    """A DecodeStream step whose decode no longer begins with the text the stream already gave, which
+    `tokenizers` refuses: a byte-fallback decoder (SentencePiece's) decodes a run of byte tokens whole, or
+    as one U+FFFD per byte where the run is not UTF-8, so bytes that break a run turn the characters it
+    already gave into U+FFFD."""
+
+
 class Tokenizer:
     def __init__(self, path: str):
         """`path`: a Hugging Face tokenizer directory, or a `.gguf` file whose metadata holds one."""
@@ -63,22 +70,32 @@ class Tokenizer:
         """An incremental decoder (`tokenizers`' DecodeStream: one call per token, where a window decode
         takes two) primed with `context`, the ids before the first token it decodes, so that the first
         token's leading space decodes as in the text. None where decoding needs transformers (no Rust
-        tokenizer, or its clean-up of tokenization spaces). A context that ends inside a character is
-        dropped: the stream would hold its bytes and emit them with the first output token."""
+        tokenizer, or its clean-up of tokenization spaces). A context that ends inside a character, or
+        that the stream refuses (`InvalidPrefix`), is dropped: the stream would hold its bytes and emit
+        them with the first output token."""
         if not self._rust_decode:
             return None
         from tokenizers.decoders import DecodeStream
         stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         text = ""
-        for token_id in context:
-            text = stream.step(self.hf._tokenizer, token_id)
+        try:
+            for token_id in context:
+                text = self.stream_step(stream, token_id)
+        except InvalidPrefix:
+            text = None
         if text is None:
             stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return stream
 
     def stream_step(self, stream, token_id: int) -> str | None:
-        """The text `token_id` completes in `stream` (None while a character is still split)."""
-        return stream.step(self.hf._tokenizer, token_id)
+        """The text `token_id` completes in `stream` (None while a character is still split). Raises
+        `InvalidPrefix` where the token changes text the stream already gave (see there)."""
+        try:
+            return stream.step(self.hf._tokenizer, token_id)
+        except Exception as e:
+            if str(e).startswith("Invalid prefix encountered"):
+                raise InvalidPrefix(str(e)) from None
+            raise
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
