@@ -724,7 +724,8 @@ def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
     """The detokenizer steps the Rust tokenizer's DecodeStream, one call a token: its released text, token
     by token, and its final text (pending bytes flushed as U+FFFD) must equal the two-window decode that a
     tokenizer needing transformers' clean-up still takes, on random ids with special tokens, prompt context
-    and stop strings."""
+    (dropped by both where it ends inside a character: the window decode joined its bytes to the first
+    output token's, emitting no text for that token) and stop strings."""
     import random
 
     tok = Tokenizer(qwen3_dir)
@@ -735,8 +736,6 @@ def test_streamed_detokenization_equals_the_window_decode(qwen3_dir, tmp_path):
     specials = sorted(tok.all_special_ids)
     for _ in range(300):
         prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 6))]
-        if tok.decode(prompt[-4:]).endswith("\ufffd"):
-            continue        # a prompt ending inside a character: the stream drops it as context
         out = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
         if rng.random() < 0.3:
             out.insert(rng.randint(0, len(out)), rng.choice(specials))

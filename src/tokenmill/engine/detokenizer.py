@@ -26,6 +26,10 @@ class IncrementalDetokenizer:
         # the Rust tokenizer's incremental decoder where it applies: it keeps the window below itself, and
         # `ids` holds only the tokens of the last released text and those after it (for the final flush)
         self.stream = tokenizer.decode_stream(context, skip_special_tokens)
+        if self.stream is None and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            # a context that ends inside a character is dropped, as the stream drops it: its bytes would
+            # join the first output tokens' (their own character lost, or a byte-fallback run's all U+FFFD)
+            context = []
         self.ids = [] if self.stream is not None else context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
