@@ -85,6 +85,32 @@ def test_no_swap_space_recomputes(qwen3_dir, reference):
     assert out == reference[False]
 
 
+def test_shared_prefixes_and_n_under_preemption_match_no_preemption(qwen3_dir):
+    """Prompts sharing a prefix (one of them twice, one the prefix alone), two greedy choices each, prefilled in
+    chunks, over a cache that holds about one request: prefix hits at admission and at swap-in, blocks shared
+    between choices and between requests, swapped and recomputed victims. The outputs are those of a run with
+    room for everything and no prefix cache."""
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 500) for _ in range(9)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(0, 6))] for _ in range(5)]
+    prompts += [prompts[0], list(shared)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+
+    def run(**kw):
+        llm = _llm(qwen3_dir, max_num_batched_tokens=16, **kw)
+        out = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        return out, llm.engine
+    reference, _ = run(num_kv_blocks=200, enable_prefix_caching=False)
+    # swap space for a few blocks: some victims are swapped, the others recomputed
+    out, engine = run(num_kv_blocks=14, swap_blocks=6)
+    stats = engine.get_stats()
+    assert 0 < engine.scheduler.num_swap_outs < stats["num_preemptions"]
+    assert stats["swap_in_cached_blocks"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    assert out == reference
+
+
 def test_abort_and_finish_while_swapped_free_cpu_blocks(qwen3_dir):
     llm = _llm(qwen3_dir, num_kv_blocks=16, swap_blocks=400)
     engine = llm.engine
