@@ -119,6 +119,9 @@ def test_serve_reads_vllms_config_file_under_the_command_line(served, capsys, tm
     assert kw["sampling_defaults"] == {"temperature": 0.5}
     other = tmp_path / "other"
     assert served(str(other), f"--config={config}")[0].model == str(other)     # the command line's model wins
+    # the words either side of --config FILE stay apart: MODEL is no served name
+    engine, kw = served("--served-model-name", "a", "--config", str(config), str(other))
+    assert engine.model == str(other) and kw["served_model_names"] == ["a"]
     for text, message in (("bogus-flag: 1\n", "unrecognized options: --bogus-flag"),
                           ("[1, 2]\n", "must hold a mapping of option names to values, got a list"),
                           ("enable-chunked-prefill: false\n", "--no-enable-chunked-prefill is vLLM's"),

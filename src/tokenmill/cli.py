@@ -328,7 +328,9 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> tuple[list[s
 def parse_with_config(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> argparse.Namespace:
     """`tokenmill serve|generate ... --config FILE ...`: the file's options under the command line's, as vLLM
     ranks them. The file is parsed first and its namespace seeds the command line's parse, whose options
-    (parsed after) replace the file's; argparse sets a default only where the namespace has no value."""
+    (parsed after) replace the file's; argparse sets a default only where the namespace has no value. The
+    command line is parsed whole, --config FILE in it: taken out, it let the words either side of it join
+    (`--served-model-name a --config F MODEL` gave MODEL to the names and served the default model)."""
     at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
     if len(at) > 1:
         parser.error("--config is given more than once")
@@ -336,16 +338,16 @@ def parse_with_config(parser: argparse.ArgumentParser, command: str, argv: list[
     if argv[i] == "--config":
         if i + 1 == len(argv):
             parser.error("argument --config: expected one argument")
-        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        path = argv[i + 1]
     else:
-        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+        path = argv[i].split("=", 1)[1]
     words, model = config_file_args(parser, path)
     seed, unknown = parser.parse_known_args(vllm_spellings(words))
     if unknown:
         parser.error(f"--config {path!r}: unrecognized options: {' '.join(unknown)}")
     if seed.model is not None:      # the file's model is `model`, apart: this is a word that follows no option
         parser.error(f"--config {path!r}: {seed.model!r} follows no option that takes a value")
-    args = parser.parse_args(rest, namespace=seed)
+    args = parser.parse_args(argv, namespace=seed)
     if model is not None and args.model is None and args.model_option is None:
         args.model_option = model
     args.command = command
