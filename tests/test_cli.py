@@ -105,6 +105,29 @@ def test_serve_accepts_vllm_flags_whose_effect_it_always_has(served, capsys, tmp
         assert f"INFO tokenmill: {flag} (vLLM's) needs nothing here" in err, err
 
 
+def test_serve_takes_several_api_keys_and_never_a_model_for_one(served, capsys, tmp_path):
+    """vLLM's --api-key K1 K2 (nargs="+"): K2 was "unrecognized arguments", or the model. A model written after
+    the keys (which nargs="+" takes as one of them) is the model where it names a file or directory, as
+    `--api-key K MODEL` was before; a word there that is no model here, or a key naming a path, is refused."""
+    model = str(tmp_path)
+    for argv in ((model, "--api-key", "k1", "k2"), ("--api-key", "k1", "k2", model),
+                 ("--api-key", "k1", "k2", model, "--port", "1"), ("--api-key", "k0", model, "--api-key", "k1", "k2"),
+                 ("--model", model, "--api-key", "k1", "k2")):
+        config, kw = served(*argv)
+        assert config.model == model and kw["api_key"] == ["k1", "k2"], argv
+    config, kw = served("--api-key", "k1", model)
+    assert config.model == model and kw["api_key"] == ["k1"]
+    for argv, message in ((("--api-key", "k1", "k2"), "--api-key took 'k1', 'k2' and no model was given: if 'k2' "
+                                                        "is the model, it is no file or directory here"),
+                          (("--api-key", "k1", "org/model", "--port", "1"), "if 'org/model' is the model"),
+                          ((model, "--api-key", "k1", model), f"--api-key {model!r} names a file or directory"),
+                          (("--api-key", model), f"--api-key {model!r} names a file or directory")):
+        with pytest.raises(SystemExit) as e:
+            served(*argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, (argv, err)
+
+
 def test_serve_reads_vllms_config_file_under_the_command_line(served, capsys, tmp_path):
     """vLLM's --config FILE (YAML: option names as keys, either spelling) was "unrecognized arguments"."""
     model = str(tmp_path)
@@ -272,6 +295,7 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--tokenizer", "/nonexistent"], "tokenizer '/nonexistent' holds no tokenizer"),
     ("serve", ["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template cannot be compiled"),
     ("serve", ["--api-key", " "], "the API key is empty"),
+    ("serve", ["--api-key", "k1", ""], "the API key is empty"),
     ("serve", ["--served-model-name", "a", "a"], "--served-model-name takes distinct, non-empty names"),
     ("serve", ["--seed", str(2 ** 70)], "seed must be a 64-bit integer"),
     ("serve", ["--swap-space", "1e6"], "swap_space 1e+06 GiB is more than 70% of this machine's"),
@@ -297,8 +321,8 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
                               "https://c.example", "--allowed-methods", '["GET","POST"]'])
     http = cli.http_options(args)
     assert http.allowed_origins == ("https://a.example", "https://b.example", "https://c.example")
-    assert http.allowed_methods == ("GET", "POST") and args.api_key == "from-env"
-    assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    assert http.allowed_methods == ("GET", "POST") and args.api_key == ["from-env"]
+    assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == ["flag"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert cli.build_parser()[0].parse_args(["serve"]).api_key is None
     # vLLM's launch line: options with underscores, flags whose effect is always on, its log-level name

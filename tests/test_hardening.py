@@ -530,6 +530,30 @@ def test_the_key_is_checked_before_the_body(guarded):
     assert httpx.get(guarded.url + "/version").json()["version"]
 
 
+def test_any_of_several_keys_passes_the_guard():
+    """vLLM's --api-key K1 K2: either key passes, another (or a prefix of one) is 401, the open paths need none."""
+    from tokenmill.server.guard import RequestGuard, api_keys
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = RequestGuard(app, api_keys(["k-one", "k-two"]), BODY_LIMIT)
+
+    async def get(path, key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(guard), base_url="http://t") as c:
+            return (await c.get(path, headers=headers)).status_code
+
+    async def statuses():
+        return [await get("/v1/models", key) for key in ("k-one", "k-two", "k-", "k-three", None)] + \
+            [await get("/health")]
+    assert asyncio.run(statuses()) == [200, 200, 401, 401, 401, 200]
+    assert api_keys("k") == ("k",) and api_keys(None) == ()
+    with pytest.raises(ValueError, match="the API key is empty"):
+        api_keys(["k", " "])
+
+
 def test_cors_preflight_needs_no_key_and_refusals_carry_cors(guarded):
     r = httpx.options(guarded.url + "/v1/chat/completions", headers={
         "Origin": "http://example.test", "Access-Control-Request-Method": "POST",

@@ -345,6 +345,7 @@ def parse_with_config(parser: argparse.ArgumentParser, command: str, argv: list[
     seed, unknown = parser.parse_known_args(vllm_spellings(words))
     if unknown:
         parser.error(f"--config {path!r}: unrecognized options: {' '.join(unknown)}")
+    vars(seed).pop("api_key_runs", None)       # a file's list of keys holds no model (its model is apart)
     if seed.model is not None:      # the file's model is `model`, apart: this is a word that follows no option
         parser.error(f"--config {path!r}: {seed.model!r} follows no option that takes a value")
     args = parser.parse_args(argv, namespace=seed)
@@ -352,6 +353,41 @@ def parse_with_config(parser: argparse.ArgumentParser, command: str, argv: list[
         args.model_option = model
     args.command = command
     return args
+
+
+class ApiKeys(argparse.Action):
+    """--api-key K [K ...] (nargs="+", as vLLM's): the keys, a later --api-key replacing them as in vLLM, and in
+    `api_key_runs` the words each --api-key took, where `model_after_api_keys` looks for a model written
+    after the keys (nargs="+" takes the words up to the next option, the positional MODEL among them)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        keys = list(values)
+        setattr(namespace, self.dest, keys)
+        namespace.api_key_runs = [*getattr(namespace, "api_key_runs", []), keys]
+
+
+def model_after_api_keys(parser: argparse.ArgumentParser, args) -> None:
+    """`serve --api-key K1 K2 MODEL`: argparse gives MODEL to --api-key. Where no model was given otherwise, the
+    last word of an --api-key that took several may be the model: it is, if it names a file or directory (as
+    `--api-key K MODEL` read when --api-key took one key; no key may name a path), else it is a usage error,
+    as a model that is not here (a typo, a hub id) would have been a key in front of the default model. A key
+    on the command line that names an existing path is refused wherever it stands."""
+    given = getattr(args, "api_key_runs", [])
+    runs = [run for run in given if len(run) > 1]
+    if args.model is None and runs:
+        found = [run for run in runs if os.path.exists(run[-1])]
+        if not found:
+            last = runs[-1][-1]
+            parser.error(f"--api-key took {', '.join(map(repr, runs[-1]))} and no model was given: if {last!r} is "
+                         "the model, it is no file or directory here; give the model first (serve MODEL "
+                         "--api-key K1 K2) or with --model")
+        args.model = found[-1][-1]
+        if args.api_key is found[-1]:        # else a later --api-key replaced these keys
+            args.api_key = args.api_key[:-1]
+    for key in args.api_key if given else []:
+        if os.path.exists(key):
+            parser.error(f"--api-key {key!r} names a file or directory, not a key: give the model first "
+                         "(serve MODEL --api-key K1 K2) or with --model")
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
@@ -395,8 +431,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     if given and args.backend != "tokenmill":
         parser.error(f"{given[0]} needs --backend tokenmill")
     try:                 # the options' own checks and the files they name, before the model loads
-        from tokenmill.server.launch import check_api_key
-        check_api_key(args.api_key)
+        from tokenmill.server.guard import api_keys
+        api_keys(args.api_key)
         http_options(args).check_tls()
         engine_config(args)
         generation_defaults(args)
@@ -556,8 +592,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add_model_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="0 picks a free port")
-    serve.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
-                       help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM reads it)")
+    env_key = os.environ.get("VLLM_API_KEY")
+    serve.add_argument("--api-key", nargs="+", action=ApiKeys, default=[env_key] if env_key else None,
+                       metavar="KEY",
+                       help="require 'Authorization: Bearer KEY', any of the keys given (default: $VLLM_API_KEY, "
+                            "as vLLM reads it); give the model before them (serve MODEL --api-key K1 K2)")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use for the model")
     serve.add_argument("--max-queue-len", type=queue_len, default=1024,
                        help="answer 503 with Retry-After beyond this many waiting requests")
@@ -642,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command in ("serve", "generate"):
         resolve_model(subs[args.command], args)
+    if args.command == "serve":
+        model_after_api_keys(subs["serve"], args)
     if args.command in ("serve", "generate") and args.model is None:
         from tokenmill.models.default import default_model
         choice = default_model(log=False)

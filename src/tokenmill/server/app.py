@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -21,7 +22,7 @@ from tokenmill.server import errors
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
-from tokenmill.server.guard import RequestGuard
+from tokenmill.server.guard import RequestGuard, api_keys
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store
 from tokenmill.server.protocol import (
@@ -170,7 +171,8 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
+              api_key: str | Sequence[str] | None = None,
               max_queue_len: int = 1024, vocab_size: int | None = None, model_path: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
@@ -178,7 +180,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
               chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
               store_responses: bool = True, sampling_defaults: dict | None = None, docs: bool = True,
               root_path: str = "", request_id_headers: bool = False, stream_interval: int = 1) -> FastAPI:
-    """The API key (when given) guards every path but /health, /ping, /metrics and /version, the
+    """The API key (when given; any of several) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
     the prometheus_client multiprocess directory that several API server processes share.
     `store_responses`: this process keeps the Responses it makes (off where several API server processes
@@ -211,7 +213,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     default_openapi = app.openapi
     app.openapi = lambda: app.openapi_schema or document_errors_only(default_openapi())
     # the guard inside CORS, so that refusals carry CORS headers and preflights need no key
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(RequestGuard, api_keys=api_keys(api_key), max_body_bytes=max_request_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
                        allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
                        allow_credentials=allow_credentials)

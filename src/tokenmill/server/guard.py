@@ -10,6 +10,16 @@ import secrets
 from tokenmill.server.errors import error_body
 from tokenmill.server.serving import dumps
 
+
+def api_keys(api_key) -> tuple[str, ...]:
+    """The keys that authorize a request: None (an open server), one key, or several (any of them passes).
+    ValueError for an empty one: a bare 'Authorization: Bearer' would pass it."""
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    if any(not key.strip() for key in keys):
+        raise ValueError("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
+                         "pass; give a key, or none for an open server")
+    return keys
+
 # Paths that answer without the API key: probes and scraping (as vLLM leaves them open).
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
@@ -45,25 +55,30 @@ async def _refuse(send, status: int, message: str, param: str | None = None, cod
 
 class RequestGuard:
     """ASGI middleware: API-key check (all paths but `OPEN_PATHS` and CORS preflights: an OPTIONS request
-    that names the method it asks for, which the CORS layer answers), a body-size limit (`max_body_bytes`,
+    that names the method it asks for, which the CORS layer answers; any of `api_keys` passes, as vLLM's
+    several --api-key values do), a body-size limit (`max_body_bytes`,
     413 past it, from Content-Length or counted while a chunked body arrives), and a 415 for a compressed
     body (read as JSON it was an unreadable error about UTF-8)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
         self.app = app
-        self.api_key = api_key.encode() if api_key is not None else None
+        self.api_keys = tuple(key.encode() for key in api_keys)     # empty: an open server
         self.max_body_bytes = max_body_bytes
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+        token = token.strip()
+        # every key is compared, each in constant time: the time taken tells nothing of which key, if any,
+        # the token's prefix shares
+        matches = [secrets.compare_digest(token, key) for key in self.api_keys]
+        return scheme.lower() == b"bearer" and any(matches)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         preflight = scope["method"] == "OPTIONS" and b"access-control-request-method" in headers
-        if (self.api_key is not None and route_path(scope) not in OPEN_PATHS and not preflight
+        if (self.api_keys and route_path(scope) not in OPEN_PATHS and not preflight
                 and not self._authorized(headers)):
             return await _refuse(send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key",

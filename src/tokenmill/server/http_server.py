@@ -188,7 +188,7 @@ class DrainingServer(uvicorn.Server):
 class ServeOptions:
     """What each API server process serves with, beside its engine client and the listening socket."""
     served_model_names: tuple[str, ...] | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()           # any of them authorizes a request; none: an open server
     max_queue_len: int = 1024
     log_level: str = "info"
     dead_grace_s: float = 2.0
@@ -228,7 +228,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
     http = options.http
     try:
         app = build_app(engine, served_model_names=list(options.served_model_names or []) or None,
-                        api_key=options.api_key, max_queue_len=options.max_queue_len, vocab_size=engine.vocab_size,
+                        api_key=options.api_keys, max_queue_len=options.max_queue_len, vocab_size=engine.vocab_size,
                         model_path=engine.config.model, max_request_body_bytes=http.max_request_body_bytes,
                         allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
                         allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,

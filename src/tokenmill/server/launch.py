@@ -10,8 +10,10 @@ import errno
 import logging
 import socket
 import sys
+from collections.abc import Sequence
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
+from tokenmill.server.guard import api_keys
 from tokenmill.server.http_server import HTTPOptions, ServeOptions, announce, configure_logging, serve
 
 
@@ -57,27 +59,21 @@ def raise_open_files_limit(connections: int | None) -> None:
             "past it are dropped without an answer; raise the limit or lower --limit-concurrency", soft, connections)
 
 
-def check_api_key(api_key: str | None) -> None:
-    """ValueError for an empty key: a bare 'Authorization: Bearer' would pass it."""
-    if api_key is not None and not api_key.strip():
-        raise ValueError("the API key is empty (--api-key or $VLLM_API_KEY): a bare 'Authorization: Bearer' would "
-                         "pass; give a key, or none for an open server")
-
-
 def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
-               api_key: str | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
+               api_key: str | Sequence[str] | None = None, max_queue_len: int = 1024, engine_factory: str | None = None,
                log_level: str = "info", dead_grace_s: float = 2.0, in_process: bool = False,
                log_stats: bool = True, log_stats_interval: float = 10.0, log_requests: bool = False,
                http: HTTPOptions = HTTPOptions(), chat=None, api_server_count: int = 1,
                data_parallel_size: int = 1, sampling_defaults: dict | None = None, stream_interval: int = 1) -> int:
-    """`api_server_count` > 1: that many API server processes share the socket and one engine core
+    """`api_key`: one key or several, any of which authorizes a request (None: an open server).
+    `api_server_count` > 1: that many API server processes share the socket and one engine core
     (server/api_servers.py); 1 serves from this process. `data_parallel_size` > 1: this process serves
     in front of that many engine cores (engine/data_parallel.py). `sampling_defaults`: what requests that
     leave those fields unset sample with (generation_config.sampling_defaults). `stream_interval`: a streamed
     request's tokens a chunk (its first and last go at once)."""
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
-    check_api_key(api_key)
+    keys = api_keys(api_key)
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
     if api_server_count > 1 and in_process:
@@ -87,7 +83,7 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     if data_parallel_size > 1 and (api_server_count > 1 or in_process):
         raise ValueError(f"data_parallel_size={data_parallel_size} runs its engine cores in processes of their own "
                          "behind one API server process (not with several API servers, nor in process)")
-    options = ServeOptions(tuple(served_model_names) if served_model_names else None, api_key, max_queue_len,
+    options = ServeOptions(tuple(served_model_names) if served_model_names else None, keys, max_queue_len,
                            log_level, dead_grace_s, log_stats, log_stats_interval, log_requests, http, chat,
                            sampling_defaults=tuple((sampling_defaults or {}).items()),
                            stream_interval=stream_interval)
