@@ -266,6 +266,7 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--root-path", "llm"], "root_path must start with '/' and not end with one, got 'llm'"),
     ("serve", ["--root-path", "/llm/"], "root_path must start with '/'"),
     ("serve", ["--backend", "hf", "--root-path", "/llm"], "--root-path needs --backend tokenmill"),
+    ("serve", ["--backend", "hf-cb", "--api-key", "k"], "--api-key (or $VLLM_API_KEY) needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--enable-request-id-headers"], "--enable-request-id-headers needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
      "--ssl-certfile (HTTPS) needs --backend tokenmill"),

@@ -422,7 +422,9 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     names = args.served_model_name or []
     if any(not name.strip() for name in names) or len(set(names)) < len(names):
         parser.error(f"--served-model-name takes distinct, non-empty names, got {names}")
-    given = [flag for flag, on in (("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
+    # the transformers baselines check no key: one given there would leave the server open
+    given = [flag for flag, on in (("--api-key (or $VLLM_API_KEY)", args.api_key is not None),
+                                   ("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--root-path", args.root_path),
                                    ("--enable-request-id-headers", args.enable_request_id_headers),
