@@ -98,8 +98,10 @@ def test_serve_accepts_vllm_flags_whose_effect_it_always_has(served, capsys, tmp
     """Flags of a vLLM launch line that ask for what tokenmill always does, or give the value of the one way
     it has: accepted with a note (they were "unrecognized arguments")."""
     served(str(tmp_path), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
-           "assistant", "--chat-template-content-format", "string", "--pipeline_parallel_size", "1")
+           "assistant", "--chat-template-content-format", "string", "--pipeline_parallel_size", "1",
+           "--quantization", "gptq_marlin")
     err = capsys.readouterr().err
+    assert "INFO tokenmill: --quantization gptq_marlin (vLLM's Marlin kernel for gptq checkpoints) is gptq here" in err
     for flag in ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
                  "--chat-template-content-format", "--pipeline-parallel-size"):
         assert f"INFO tokenmill: {flag} (vLLM's) needs nothing here" in err, err
@@ -297,6 +299,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template cannot be compiled"),
     ("serve", ["--api-key", " "], "the API key is empty"),
     ("serve", ["--api-key", "k1", ""], "the API key is empty"),
+    ("serve", ["--quantization", "marlin"], "argument --quantization: invalid choice: 'marlin' (choose from 'awq', "
+                                            "'gptq', 'fp8', 'awq_marlin', 'gptq_marlin')"),
     ("serve", ["--served-model-name", "a", "a"], "--served-model-name takes distinct, non-empty names"),
     ("serve", ["--seed", str(2 ** 70)], "seed must be a 64-bit integer"),
     ("serve", ["--swap-space", "1e6"], "swap_space 1e+06 GiB is more than 70% of this machine's"),

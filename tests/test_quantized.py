@@ -340,6 +340,14 @@ def test_requested_quantization_must_match_the_checkpoint(awq_dir):
         LLM(os.path.join(awq_dir, "src"), device="cpu", num_kv_blocks=8, quantization="awq")
     with pytest.raises(ValueError, match=r"quantization 'int8' is not supported; supported: awq, gptq, fp8"):
         EngineConfig(model="x", quantization="int8")
+    # vLLM's Marlin names of the 4-bit formats are those formats: awq_marlin reads an AWQ checkpoint, and
+    # gptq_marlin on it is refused naming both
+    from tokenmill.config import ModelConfig
+    from tokenmill.runner.loader import check_quantization
+    q = os.path.join(awq_dir, "q")
+    check_quantization("awq_marlin", ModelConfig.from_hf(q), q)
+    with pytest.raises(ValueError, match=r"--quantization gptq_marlin does not match the checkpoint .*, which is awq"):
+        check_quantization("gptq_marlin", ModelConfig.from_hf(q), q)
 
 
 def test_quantization_on_a_gguf_file_is_refused(tmp_path):
@@ -354,6 +362,8 @@ def test_cli_flag_reaches_the_engine_config():
     from tokenmill import cli
     parser, _ = cli.build_parser()
     assert cli.engine_config(parser.parse_args(["serve", "m", "--quantization", "gptq"])).quantization == "gptq"
+    assert cli.engine_config(parser.parse_args(["serve", "m", "--quantization", "awq_marlin"])).quantization \
+        == "awq_marlin"
     assert cli.engine_config(parser.parse_args(["serve", "m"])).quantization is None
 
 

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.cli_help import HelpFormatter
 from tokenmill.config import DTYPE_CHOICES, KV_CACHE_DTYPES, EngineConfig
+from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS
 
 
 def package_version() -> str:
@@ -48,10 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES, metavar="DTYPE",
                    help="auto (the checkpoint's, float32 on the CPU), float32, float16 or bfloat16 (and vLLM's "
                         "spellings: float, half, fp16, bf16)")
-    p.add_argument("--quantization", choices=["awq", "gptq", "fp8"], default=d.quantization,
+    p.add_argument("--quantization", choices=[*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES], default=d.quantization,
                    help="the checkpoint's weight format (default: read from its config.json's "
                         "quantization_config; given, it must match); fp8 on a plain checkpoint quantizes "
-                        "its linear layers to FP8 E4M3 at load")
+                        "its linear layers to FP8 E4M3 at load; vLLM's awq_marlin and gptq_marlin are awq and gptq")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, half the bytes per token)")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
@@ -405,6 +406,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
         for flag, (_, why) in VLLM_FIXED.items():
             if getattr(args, _vllm_dest(flag)) is not None:
                 print(f"INFO tokenmill: {flag} (vLLM's) needs nothing here: {why}", file=sys.stderr)
+        if args.quantization in QUANTIZATION_ALIASES:
+            fmt = QUANTIZATION_ALIASES[args.quantization]
+            print(f"INFO tokenmill: --quantization {args.quantization} (vLLM's Marlin kernel for {fmt} checkpoints) "
+                  f"is {fmt} here: tokenmill's own 4-bit kernels run it", file=sys.stderr)
     dp = args.data_parallel_size
     if dp > 1 and args.api_server_count > 1:
         parser.error(f"--data-parallel-size {dp} and --api-server-count {args.api_server_count} are not "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.layers.kernel_config import KernelConfig
-from tokenmill.quant.formats import QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
+from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
 
 # torch is imported where a dtype or a device is made, not here: an API server process builds these
 # configs (the command line's) without the tensor library, which would cost it ~1.5 s of CPU and ~180 MB
@@ -236,7 +236,8 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     # the checkpoint's weight format, as vLLM's --quantization: None takes the checkpoint's
-    # (quantization_config in config.json); "awq" / "gptq" / "fp8" must match it, and "fp8" on a plain
+    # (quantization_config in config.json); "awq" / "gptq" / "fp8" must match it (vLLM's "awq_marlin" /
+    # "gptq_marlin" are "awq" / "gptq"), and "fp8" on a plain
     # checkpoint quantizes its linear layers at load (quant/fp8.py)
     quantization: str | None = None
     # the KV cache's element type, as vLLM's --kv-cache-dtype: "auto" (the model dtype) or "fp8" (alias
@@ -278,9 +279,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if self.quantization is not None and self.quantization not in (*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES):
             raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
-                             f"{', '.join(QUANTIZATION_METHODS)} (or None: the checkpoint's own)")
+                             f"{', '.join(QUANTIZATION_METHODS)} (or None: the checkpoint's own; vLLM's "
+                             f"{' and '.join(QUANTIZATION_ALIASES)} are awq and gptq)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
                              f"{', '.join(KV_CACHE_DTYPES)}")

@@ -15,6 +15,9 @@ FP8_METHODS = ("fp8", "compressed-tensors")    # the quant_method values of FP8 
 FP8_BLOCKS = ((128, 128),)
 # --quantization values: the checkpoint's format (fp8 also quantizes a plain checkpoint at load)
 QUANTIZATION_METHODS = (*W4_METHODS, "fp8")
+# vLLM's names of its Marlin kernels for the same AWQ and GPTQ checkpoints (vLLM picks them itself where it
+# can, and users name them): each is its checkpoint format, run by tokenmill's own 4-bit kernels
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
 def parse_quantization(qc: dict) -> W4Config | Fp8Config:

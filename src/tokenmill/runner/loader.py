@@ -14,7 +14,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
-from tokenmill.quant.formats import Fp8Config
+from tokenmill.quant.formats import QUANTIZATION_ALIASES, Fp8Config
 from tokenmill.quant.w4 import act_order_perm
 from tokenmill.runner.fill import fill_parameters, num_shards, packed_target
 from tokenmill.runner.gguf_loader import load_gguf_weights
@@ -172,7 +172,7 @@ def check_quantization(requested: str | None, cfg: ModelConfig, model_path: str)
     if have is None:
         raise ValueError(f"--quantization {requested} was asked for, but the checkpoint {model_path!r} has no "
                          "quantization_config (plain weights); tokenmill quantizes at load only to fp8")
-    if have != requested:
+    if have != QUANTIZATION_ALIASES.get(requested, requested):
         fmt = getattr(cfg.quantization, "checkpoint_format", None)
         raise ValueError(f"--quantization {requested} does not match the checkpoint {model_path!r}, which is "
                          f"{have}{f' ({fmt})' if fmt and fmt != have else ''} (its quantization_config); leave "
