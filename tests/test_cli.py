@@ -99,11 +99,14 @@ def test_serve_accepts_vllm_flags_whose_effect_it_always_has(served, capsys, tmp
     it has: accepted with a note (they were "unrecognized arguments")."""
     served(str(tmp_path), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
            "assistant", "--chat-template-content-format", "string", "--pipeline_parallel_size", "1",
-           "--quantization", "gptq_marlin")
+           "--quantization", "gptq_marlin", "--tokenizer-mode", "auto", "--load-format", "safetensors",
+           "--cpu-offload-gb", "0.0", "--max-log-len", "100", "--max_seq_len_to_capture=8192",
+           "--disable-custom-all-reduce")
     err = capsys.readouterr().err
     assert "INFO tokenmill: --quantization gptq_marlin (vLLM's Marlin kernel for gptq checkpoints) is gptq here" in err
     for flag in ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--response-role",
-                 "--chat-template-content-format", "--pipeline-parallel-size"):
+                 "--chat-template-content-format", "--pipeline-parallel-size", "--tokenizer-mode", "--load-format",
+                 "--cpu-offload-gb", "--max-log-len", "--max-seq-len-to-capture", "--disable-custom-all-reduce"):
         assert f"INFO tokenmill: {flag} (vLLM's) needs nothing here" in err, err
 
 
@@ -292,6 +295,17 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--response-role", "bot"], "--response-role 'bot' is not supported: a chat reply's role is always "
                                           "assistant (accepted: assistant)"),
     ("serve", ["-pp", "2"], "--pipeline-parallel-size '2' is not supported: tokenmill has no pipeline parallelism"),
+    ("serve", ["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral' is not supported: the tokenizer loads as "
+                                               "transformers' AutoTokenizer"),
+    ("serve", ["--load-format", "pt"], "--load-format 'pt' is not supported: tokenmill reads a model directory's "
+                                       "safetensors or a .gguf file"),
+    ("serve", ["--load-format", "gguf"], "--load-format gguf does not match the model"),
+    ("serve", ["--cpu-offload-gb", "4"], "--cpu-offload-gb '4' is not supported: every weight stays in the device's"),
+    ("serve", ["--max-log-len", "1e3"], "argument --max-log-len: invalid int value: '1e3'"),
+    ("serve", ["--enable-log-outputs"], "--enable-log-outputs is vLLM's and has no effect here: the request log"),
+    ("serve", ["--speculative-config", '{"method": "ngram"}'], "--speculative-config is vLLM's and has no effect "
+                                                               "here: tokenmill has no speculative decoding"),
+    ("serve", ["-O3"], "--compilation-config (-O) is vLLM's and has no effect here: tokenmill compiles nothing"),
     # nan passed `<= 0`: the server came up and every connection hung (header timeout) or got 400 (body)
     ("serve", ["--header-timeout", "nan"], "header_timeout must be positive, got nan"),
     ("serve", ["--log-stats-interval", "0"], "--log-stats-interval: must be a positive, finite number"),

@@ -176,6 +176,14 @@ def plain_int(text: str) -> int:
         raise ValueError(f"invalid int value: {text!r}") from None
 
 
+def int_value(text: str) -> int:
+    """An argparse type: an int, the refusal naming the value."""
+    try:
+        return plain_int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def at_least_one(what: str, parse_int=plain_int):
     """An argparse type: an int of at least 1 (read by `parse_int`, whose ValueError says what is wrong),
     the refusal naming `what` one of them is."""
@@ -246,7 +254,14 @@ VLLM_HONOURED = {
     "--trust-remote-code": "tokenmill runs its own code for the architectures it supports, never a checkpoint's",
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details (cached_tokens)",
     "--disable-uvicorn-access-log": "the server writes no access log",
+    "--disable-custom-all-reduce": "tokenmill has no custom all-reduce kernel: tensor parallelism all-reduces "
+                                   "through torch.distributed",
+    "--max-log-len": "the request log (--enable-log-requests) shows no prompt text or token ids, only their count",
+    "--max-seq-len-to-capture": "decode CUDA graphs hold every context length up to --max-model-len",
 }
+# the honoured flags that take a value (the others take none), each read by its type: a bad one is still a
+# usage error naming it
+VLLM_HONOURED_TYPES = {"--max-log-len": int_value, "--max-seq-len-to-capture": int_value}
 VLLM_REFUSED = {
     "--download-dir": "tokenmill loads local directories and .gguf files only; it never downloads",
     "--revision": "tokenmill loads local directories and .gguf files only; it never downloads",
@@ -256,9 +271,16 @@ VLLM_REFUSED = {
     "--enable-lora": "tokenmill serves no LoRA adapters",
     "--lora-modules": "tokenmill serves no LoRA adapters",
     "--middleware": "the server loads no code named on its command line",
+    "--enable-log-outputs": "the request log (--enable-log-requests) holds no output text: token counts, finish "
+                            "reasons and times",
+    "--speculative-config": "tokenmill has no speculative decoding",
+    "--compilation-config": "tokenmill compiles nothing with torch.compile: its Triton kernels and CUDA graphs are "
+                            "fixed (--enforce-eager turns the graphs off, --cuda-graph-max-tokens bounds the "
+                            "prefill steps they hold)",
 }
 # the refused flags that take no value, or several (the others take one, as vLLM's do)
-VLLM_REFUSED_NARGS = {"--no-enable-chunked-prefill": 0, "--enable-lora": 0, "--lora-modules": "+"}
+VLLM_REFUSED_NARGS = {"--no-enable-chunked-prefill": 0, "--enable-lora": 0, "--lora-modules": "+",
+                      "--enable-log-outputs": 0}
 # vLLM's flags whose value tokenmill has only one way (or two equal ways) of: those values are accepted with a
 # note at start, another is a usage error saying why
 VLLM_FIXED = {
@@ -267,7 +289,24 @@ VLLM_FIXED = {
                                        "string (its text parts joined), never as OpenAI's list of parts"),
     "--pipeline-parallel-size": (("1",), "tokenmill has no pipeline parallelism (--tensor-parallel-size splits "
                                  "each layer)"),
+    "--tokenizer-mode": (("auto", "hf"), "the tokenizer loads as transformers' AutoTokenizer (the fast one where "
+                         "the checkpoint has one), as vLLM's auto and hf; no slow, mistral_common or custom one"),
+    "--load-format": (("auto", "safetensors", "gguf"), "tokenmill reads a model directory's safetensors or a .gguf "
+                      "file, as the model names"),
+    "--cpu-offload-gb": (("0",), "every weight stays in the device's memory; tokenmill offloads none to the CPU"),
 }
+# vLLM's short names of these flags
+VLLM_SHORT = {"--pipeline-parallel-size": "-pp", "--compilation-config": "-O"}
+
+
+def _fixed_value(value: str, values: tuple[str, ...]) -> bool:
+    """`value` is one of `values`, numbers compared as numbers (--cpu-offload-gb 0.0 is 0)."""
+    if value in values:
+        return True
+    try:
+        return any(float(value) == float(v) for v in values)
+    except ValueError:
+        return False
 
 
 def _vllm_dest(flag: str) -> str:
@@ -394,14 +433,20 @@ def model_after_api_keys(parser: argparse.ArgumentParser, args) -> None:
 def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     for flag, why in VLLM_REFUSED.items():
         if getattr(args, _vllm_dest(flag)) is not None:
-            parser.error(f"{flag} is vLLM's and has no effect here: {why}")
+            short = f" ({VLLM_SHORT[flag]})" if flag in VLLM_SHORT else ""
+            parser.error(f"{flag}{short} is vLLM's and has no effect here: {why}")
     for flag, (values, why) in VLLM_FIXED.items():
         value = getattr(args, _vllm_dest(flag))
-        if value is not None and value not in values:
+        if value is not None and not _fixed_value(value, values):
             parser.error(f"{flag} {value!r} is not supported: {why} (accepted: {', '.join(values)})")
+    load_format, gguf = args.vllm_load_format, str(args.model).lower().endswith(".gguf")
+    if load_format in ("safetensors", "gguf") and (load_format == "gguf") != gguf:
+        parser.error(f"--load-format {load_format} does not match the model {args.model!r}, "
+                     f"{'a .gguf file' if gguf else 'no .gguf file'}: tokenmill reads the format the model names "
+                     "(--load-format auto)")
     if args.log_level in ("debug", "info"):
         for flag, why in VLLM_HONOURED.items():
-            if getattr(args, _vllm_dest(flag)):
+            if getattr(args, _vllm_dest(flag)) not in (None, False):
                 print(f"INFO tokenmill: {flag} (vLLM's) needs nothing here: {why}", file=sys.stderr)
         for flag, (_, why) in VLLM_FIXED.items():
             if getattr(args, _vllm_dest(flag)) is not None:
@@ -622,16 +667,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        choices=["debug", "info", "warning", "error"],
                        help=argparse.SUPPRESS)         # vLLM's name of --log-level (its trace and critical too)
     for flag in VLLM_HONOURED:
-        serve.add_argument(flag, action="store_true", dest=_vllm_dest(flag), help=argparse.SUPPRESS)
-    for flag in VLLM_REFUSED:
-        nargs = VLLM_REFUSED_NARGS.get(flag)
-        if nargs == 0:
-            serve.add_argument(flag, action="store_const", const=True, default=None, dest=_vllm_dest(flag),
+        if flag in VLLM_HONOURED_TYPES:
+            serve.add_argument(flag, type=VLLM_HONOURED_TYPES[flag], default=None, dest=_vllm_dest(flag),
                                help=argparse.SUPPRESS)
         else:
-            serve.add_argument(flag, nargs=nargs, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
+            serve.add_argument(flag, action="store_true", dest=_vllm_dest(flag), help=argparse.SUPPRESS)
+    for flag in VLLM_REFUSED:
+        nargs = VLLM_REFUSED_NARGS.get(flag)
+        short = [VLLM_SHORT[flag]] if flag in VLLM_SHORT else []
+        if nargs == 0:
+            serve.add_argument(flag, *short, action="store_const", const=True, default=None, dest=_vllm_dest(flag),
+                               help=argparse.SUPPRESS)
+        else:
+            serve.add_argument(flag, *short, nargs=nargs, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     for flag in VLLM_FIXED:
-        short = ["-pp"] if flag == "--pipeline-parallel-size" else []        # vLLM's short name of it
+        short = [VLLM_SHORT[flag]] if flag in VLLM_SHORT else []
         serve.add_argument(flag, *short, default=None, dest=_vllm_dest(flag), help=argparse.SUPPRESS)
     serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--engine-in-process", action="store_true",
