@@ -469,7 +469,7 @@ def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
     'tool' message needs its tool_call_id, an empty prompt has no token to continue from)."""
     pytest.importorskip("schemathesis")
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", small_server.url + "/openapi.json",
-           "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-time", "10",
+           "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-time", "6",
            "--max-examples", "60", "--seed", "1", "--workers", "1", "--request-timeout", "20",
            "--phases", "examples,coverage,fuzzing", "--suppress-health-check", "all"]
     env = dict(os.environ, SCHEMATHESIS_HOOKS="")
