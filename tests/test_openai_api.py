@@ -198,6 +198,22 @@ def test_messages_the_openai_clients_helpers_return_are_taken_back():
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
 
 
+def test_reasoning_sent_back_under_vllms_name_reaches_the_template():
+    """vLLM names an answer's thinking `reasoning` (it was `reasoning_content`, which this server still
+    writes), and clients send it back with the history under either name: both are taken, and the template
+    reads the text under both names, as vLLM hands it over."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+    for field in ("reasoning", "reasoning_content"):
+        req = ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello", field: "think"},
+            {"role": "user", "content": "and?"}]})
+        assert req.chat_messages()[1] == {"role": "assistant", "content": "Hello", "reasoning_content": "think",
+                                          "reasoning": "think"}, field
+    with pytest.raises(ValueError, match="name one text"):
+        ChatCompletionRequest.model_validate({"messages": [
+            {"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"}]})
+
+
 def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello the"}]
     r = httpx.post(api_server.url + "/tokenize", timeout=60, json={"messages": msgs, "add_generation_prompt": False})

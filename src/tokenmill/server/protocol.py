@@ -381,6 +381,8 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # vLLM's current name of the same text (and OpenRouter's), which their clients send back
+    reasoning: str | None = None
     # what clients echo back from a returned message: accepted when null or empty
     refusal: Any = None
     annotations: Any = None
@@ -405,6 +407,9 @@ class ChatMessage(_Strict):
             raise UnsupportedValue("messages.tool_calls", "only assistant messages carry 'tool_calls'")
         if self.role == "tool" and self.tool_call_id is None:
             raise UnsupportedValue("messages.tool_call_id", "a 'tool' message needs 'tool_call_id'")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise UnsupportedValue("messages.reasoning", "a message's 'reasoning' and 'reasoning_content' name one "
+                                                         "text: give one of them, or the same text in both")
         return self
 
     def text(self) -> str:
@@ -426,8 +431,11 @@ class ChatMessage(_Strict):
                                for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            d["reasoning_content"] = self.reasoning_content
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            # under both names, as vLLM hands it over: templates read one or the other (Qwen3's
+            # reasoning_content)
+            d["reasoning_content"] = d["reasoning"] = reasoning
         return d
 
 
