@@ -198,6 +198,17 @@ def test_messages_the_openai_clients_helpers_return_are_taken_back():
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
 
 
+def test_a_call_without_arguments_reaches_the_template_as_an_empty_object():
+    """A call sent back with empty `arguments` (a function without parameters, as some clients and servers
+    write it) is a call with no arguments: the template gets {} (as vLLM gives it), not "", which a template
+    that writes string arguments as they stand (Qwen3's) wrote as `"arguments": }`."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+    for arguments, seen in (("", {}), (" \n", {}), ('{"a": 1}', {"a": 1}), ('{"a": 1', '{"a": 1')):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]})
+        assert req.chat_messages()[0]["tool_calls"][0]["function"]["arguments"] == seen, arguments
+
+
 def test_reasoning_sent_back_under_vllms_name_reaches_the_template():
     """vLLM names an answer's thinking `reasoning` (it was `reasoning_content`, which this server still
     writes), and clients send it back with the history under either name: both are taken, and the template

@@ -440,6 +440,11 @@ class ChatMessage(_Strict):
 
 
 def _arguments(text: str):
+    # empty arguments are a call of no arguments ({}, as vLLM reads them), not a text: a template that writes
+    # string arguments as they stand wrote them as `"arguments": }`; other text that is no JSON object stays
+    # as the model wrote it (say, cut short by max_tokens)
+    if not text.strip():
+        return {}
     try:
         value = json.loads(text)
     except ValueError:
