@@ -238,6 +238,28 @@ def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
+def test_documents_reach_the_template_as_vllm_passes_them(tokenizer_dir):
+    """vLLM's chat `documents` (retrieval-augmented generation) go to the template's `documents`, on chat
+    completions and /tokenize alike (they were a 400, an unknown field); chat_template_kwargs' documents,
+    where given too, win, as in vLLM's."""
+    post = _in_process_api(tokenizer_dir, "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                                          "{% for m in messages %}{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+
+    def rendered(**body) -> str:
+        r = post("/tokenize", {"messages": messages, **body})
+        assert r.status_code == 200, r.text
+        return post("/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+    docs = [{"title": "T", "text": "the fox"}]
+    assert rendered() == "hi" and rendered(documents=docs) == "[T: the fox]hi"
+    assert rendered(documents=docs, chat_template_kwargs={"documents": [{"title": "U", "text": "x"}]}) == "[U: x]hi"
+    r = post("/v1/chat/completions", {"messages": messages, "documents": docs, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        post("/tokenize", {"messages": messages, "documents": docs}).json()["tokens"]), r.text
+    bad = post("/v1/chat/completions", {"messages": messages, "documents": "T: the fox", "max_tokens": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents", bad.text
+
+
 def test_what_would_change_the_result_is_still_refused(api_server):
     for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
@@ -334,9 +356,9 @@ def test_text_offsets_pass_over_special_tokens_the_text_leaves_out(api_server):
     assert streamed == offsets
 
 
-def _in_process_api(tokenizer_path: str):
-    """POST to the API in process, on this tokenizer and a stand-in engine that answers a prompt with every
-    prompt token's entry and one token."""
+def _in_process_api(tokenizer_path: str, chat_template: str | None = None):
+    """POST to the API in process, on this tokenizer (and chat template, `--chat-template`'s) and a stand-in
+    engine that answers a prompt with every prompt token's entry and one token."""
     import asyncio
 
     from tokenmill.engine.output_processor import OutputProcessor
@@ -358,7 +380,8 @@ def _in_process_api(tokenizer_path: str):
             yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "", [5], None, [{5: Logprob(-1.0, 1)}],
                                                                          "length")], True, prompt_logprobs=entries)
 
-    app = build_app(Engine())
+    from tokenmill.server.serving import ChatOptions
+    app = build_app(Engine(), chat=ChatOptions(chat_template=chat_template))
 
     def post(path: str, body: dict) -> httpx.Response:
         async def send():

@@ -186,10 +186,13 @@ def _byte_level_inverse() -> dict[str, int]:
 
 
 def template_kwargs(chat_template_kwargs: dict | None, tools: list[dict] | None,
-                    continue_final_message: bool | None) -> dict:
+                    continue_final_message: bool | None, documents: list[dict] | None = None) -> dict:
     """The chat template's keyword arguments of a chat request (served, tokenized or offline): the
-    caller's `chat_template_kwargs`, with its tools and `continue_final_message` where given."""
+    caller's `chat_template_kwargs`, with its tools and `continue_final_message` where given, and its
+    `documents` where chat_template_kwargs has none (vLLM's order: those of chat_template_kwargs win)."""
     kwargs = dict(chat_template_kwargs or {})
+    if documents is not None:
+        kwargs.setdefault("documents", documents)
     if tools is not None:
         kwargs["tools"] = tools
     if continue_final_message:

@@ -57,9 +57,9 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     prompt ids held every other client ~2 s (and took ~450 MB), 300,000 one-word messages 4.3 s, 1.5M
     logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
     prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
-    Responses input items with their content parts, and tools (each at least a token) beyond the context; a
-    batch of more than MAX_PROMPTS prompts; more logit_bias or allowed_token_ids entries than the vocabulary
-    has tokens; and metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the
+    Responses input items with their content parts, tools and documents (each at least a token) beyond the
+    context; a batch of more than MAX_PROMPTS prompts; more logit_bias or allowed_token_ids entries than the
+    vocabulary has tokens; and metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the
     loop ~1 s) are refused with what they hold and the limit. A prompt of ids longer than the request's
     truncate_prompt_tokens is cut to its last tokens here, before it is validated."""
     if type(body) is not dict:
@@ -79,7 +79,7 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
             raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.",
                             "prompt")
     for field, what in (("tokens", "token ids"), ("messages", "messages"), ("input", "input items"),
-                        ("tools", "tools")):
+                        ("tools", "tools"), ("documents", "documents")):
         items = body.get(field)
         if type(items) is list:
             count = len(items)
@@ -265,7 +265,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         if req.messages is not None:
             msgs = [m.for_template() for m in req.messages]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            kwargs = template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message)
+            kwargs = template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message, req.documents)
             _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False,
                                                        add_special_tokens=bool(req.add_special_tokens), **kwargs)
         else:

@@ -163,7 +163,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                             'set on the server', "tool_choice")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-    template_kwargs = chat_template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message)
+    template_kwargs = chat_template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message,
+                                           req.documents)
     if req.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = req.reasoning_effort
         if not serving.prompts.template_reads("reasoning_effort"):

@@ -536,6 +536,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+    # vLLM's: the template's `documents` (retrieval-augmented generation); a template that reads none ignores them
+    documents: list[dict[str, str]] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
     # vLLM's: false leaves reasoning_content out (null) of the answer; the thinking is still parsed out of the
@@ -593,6 +595,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+    documents: list[dict[str, str]] | None = None
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")
@@ -602,9 +605,9 @@ class TokenizeRequest(_Strict):
         if self.messages is not None:
             _check_chat_length(self.messages)
             _check_template_fields(self)
-        elif self.continue_final_message or self.chat_template_kwargs or self.tools:
-            raise UnsupportedValue("prompt", "'tools', 'continue_final_message' and 'chat_template_kwargs' go "
-                                             "with 'messages'")
+        elif self.continue_final_message or self.chat_template_kwargs or self.tools or self.documents:
+            raise UnsupportedValue("prompt", "'tools', 'documents', 'continue_final_message' and "
+                                             "'chat_template_kwargs' go with 'messages'")
         return self
 
 
