@@ -80,6 +80,13 @@ class Request:
         self.grammar = None
 
     @property
+    def scores_prompt(self) -> bool:
+        """It computes its prompt's logprobs: the first sequence of a request that asks for them. The n
+        sequences share one prompt, whose logprobs are reported once, so the others score nothing (each
+        of n = 128 sequences held its own copy in the engine core) and read the prompt from the prefix cache."""
+        return self.index == 0 and self.params.prompt_logprobs is not None
+
+    @property
     def num_output_tokens(self) -> int:
         """Generated tokens, counting one still in flight."""
         return len(self.all_token_ids) - self.num_prompt_tokens

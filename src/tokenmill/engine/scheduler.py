@@ -266,7 +266,7 @@ class Scheduler:
                 i += 1
                 continue
             computed = []
-            looked_up = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            looked_up = req.num_computed_tokens == 0 and not req.scores_prompt
             if looked_up:
                 # a request scoring its prompt computes all of it (cached blocks have no logits)
                 computed = self.block_manager.get_computed_blocks(req)
@@ -305,7 +305,7 @@ class Scheduler:
         holds no full block before its last token)."""
         bm = self.block_manager
         if req.index == 0 or req.status != RequestStatus.WAITING or not bm.enable_prefix_caching \
-                or req.params.prompt_logprobs is not None or req.num_prompt_tokens <= bm.block_size:
+                or req.num_prompt_tokens <= bm.block_size:
             return False            # nothing to share: a prompt's last token is always computed
         first = self._first_sequences.get(req.parent_id)
         if first is not None and first.status == RequestStatus.RUNNING and \

@@ -25,7 +25,7 @@ class PromptLogprobs:
 
 def wanted(requests, num_new_tokens) -> bool:
     """Whether this step computes prompt positions that score a prompt token someone asked about."""
-    return any(r.params.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens - 1
+    return any(r.scores_prompt and r.num_computed_tokens < r.num_prompt_tokens - 1
                for r, n in zip(requests, num_new_tokens))
 
 
@@ -43,7 +43,7 @@ def compute(model, requests, num_new_tokens, query_start_loc: np.ndarray, hidden
         k = req.params.prompt_logprobs
         start = req.num_computed_tokens
         end = min(start + n, req.num_prompt_tokens - 1)     # the last prompt position samples instead
-        if k is None or end <= start:
+        if not req.scores_prompt or end <= start:
             continue
         row = int(query_start_loc[i])
         scored = PromptLogprobs(req, start + 1, [], [], [], [])
