@@ -211,6 +211,25 @@ def test_a_request_asking_for_more_logprobs_than_memory_holds_is_a_400():
         serving.check_room([[1] * 40000] * 8, SamplingParams(max_tokens=1, prompt_logprobs=20))
 
 
+def test_a_completions_prompt_logprobs_count_once_a_choice(tokenizer_dir, monkeypatch):
+    """A completion repeats its prompt's logprobs (echo with logprobs, or prompt_logprobs) in each of its
+    n choices, but they were counted once: n = 32 on a 2,000-token prompt with echo and 20 alternatives
+    answered 36 MB of JSON counted as 43,000 entries, so n = 128 could build 128 times the limit. Each
+    choice's copy now counts (a chat answer holds them once)."""
+    import tokenmill.server.serving as serving_module
+    from test_openai_api import _in_process_api
+
+    monkeypatch.setattr(serving_module, "MAX_LOGPROB_ENTRIES", 1000)
+    post = _in_process_api(tokenizer_dir)
+    ids = list(range(10, 30))                    # 20 prompt tokens x 5 entries: 100 a choice
+    for extra in ({"prompt_logprobs": 4}, {"echo": True, "logprobs": 4}):
+        ok = post("/v1/completions", {"prompt": ids, "max_tokens": 1, "n": 8, **extra})
+        assert ok.status_code == 200, ok.text
+        refused = post("/v1/completions", {"prompt": ids, "max_tokens": 1, "n": 16, **extra})
+        err = _assert_openai_error(refused, 400)
+        assert err["param"] == "logprobs" and "16 choices each repeating them" in err["message"], err
+
+
 def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
     """Through the Python API a request's parameters may still nest past the pickler's recursion limit. Its
     RecursionError lost every command of the tick (the other request here waited forever); now that request

@@ -77,7 +77,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     prompts = [serving.check_prompt(serving.truncate(
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))
         for p in texts]
-    serving.check_room(prompts, params)
+    # each choice starts with its prompt's logprobs (echo, prompt_logprobs)
+    serving.check_room(prompts, params, prompt_in_each_choice=True)
     n, k, as_ids = params.n, req.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
     rid, created = f"cmpl-{uuid.uuid4().hex}", now()
@@ -175,7 +176,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
     serving.admit(len(prompts))
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final,
-                             field_of=req.field_of)
+                             field_of=req.field_of, prompt_in_each_choice=True)
 
 
 def _drop_generated(out) -> None:

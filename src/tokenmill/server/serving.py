@@ -161,13 +161,15 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e), "truncate_prompt_tokens") from None
 
-    def check_room(self, prompts: list[list[int]], params, max_tokens_param: str = "max_tokens") -> None:
+    def check_room(self, prompts: list[list[int]], params, max_tokens_param: str = "max_tokens",
+                   prompt_in_each_choice: bool = False) -> None:
         """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
         (the offline API instead stops such a request at the context length, finish_reason "length").
         And a request whose logprobs could come to more than `MAX_LOGPROB_ENTRIES` is refused: the frontend
         holds every entry of a request until it finishes (~670 bytes each, its JSON ~75), so one request of
         128 choices x 40,960 tokens x 21 entries would take the server's memory and every client with it.
-        `max_tokens_param`: the field the client gave max_tokens in."""
+        `max_tokens_param`: the field the client gave max_tokens in; `prompt_in_each_choice`: the answer
+        repeats a prompt's logprobs in each of its n choices (completions), so they count n times."""
         limit = self.engine.max_model_len
         longest = max(len(ids) for ids in prompts)
         if params.max_tokens is not None and longest + params.max_tokens > limit:
@@ -175,14 +177,16 @@ class Serving:
                                 f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
                                 f"prompt or {max_tokens_param}.", max_tokens_param, "context_length_exceeded")
-        entries, parts = self._logprob_entries(prompts, params)
+        entries, parts = self._logprob_entries(prompts, params, prompt_in_each_choice)
         if entries > MAX_LOGPROB_ENTRIES:
             raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
                                 f"most {MAX_LOGPROB_ENTRIES:,} are returned for one request. Lower max_tokens, n or "
                                 f"the number of top logprobs.", "logprobs")
 
-    def _logprob_entries(self, prompts: list[list[int]], params) -> tuple[int, list[str]]:
-        """The most logprob entries a request could return, and how they add up (for its refusal)."""
+    def _logprob_entries(self, prompts: list[list[int]], params, prompt_in_each_choice: bool = False
+                         ) -> tuple[int, list[str]]:
+        """The most logprob entries a request could return, and how they add up (for its refusal).
+        `prompt_in_each_choice`: as `check_room`'s."""
         limit = self.engine.max_model_len
         entries, parts = 0, []
         if params.logprobs is not None:
@@ -192,8 +196,10 @@ class Serving:
             parts.append(f"{params.n} choices x {tokens:,} tokens ({why}) x {params.logprobs + 1} entries a token")
         if params.prompt_logprobs is not None:
             tokens = sum(len(ids) for ids in prompts)
-            entries += tokens * (params.prompt_logprobs + 1)
-            parts.append(f"{tokens:,} prompt tokens x {params.prompt_logprobs + 1} entries a token")
+            copies = params.n if prompt_in_each_choice else 1
+            entries += copies * tokens * (params.prompt_logprobs + 1)
+            parts.append(f"{tokens:,} prompt tokens x {params.prompt_logprobs + 1} entries a token"
+                         + (f" x {copies} choices each repeating them" if copies > 1 else ""))
         return entries, parts
 
     def params(self, req, logprobs: int | None, **overrides):
@@ -265,12 +271,13 @@ class Serving:
     # ----- running requests ------------------------------------------------------------------
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
                   make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
-                  field_of=None) -> Response:
+                  field_of=None, prompt_in_each_choice: bool = False) -> Response:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
         `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
         `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
-        request's field for a parameter the engine refuses (its grammar's, by the field that asked for it)."""
-        entries = self._logprob_entries(prompts, params)[0]
+        request's field for a parameter the engine refuses (its grammar's, by the field that asked for it);
+        `prompt_in_each_choice` as `check_room`'s."""
+        entries = self._logprob_entries(prompts, params, prompt_in_each_choice)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
             raise APIError(503, f"The requests in flight could already return {self.logprob_entries_in_flight:,} "
