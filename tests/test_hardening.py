@@ -113,6 +113,31 @@ def test_chat_content_has_the_prompt_cap():
                                                            {"role": "user", "content": half}]})
 
 
+def test_tool_call_arguments_count_in_the_chat_cap_and_any_nesting_is_text():
+    """A tool call's arguments were outside the chat's character cap: 21 MB of them (7M empty lists) were
+    parsed on the event loop (1.3 s, +1.5 GB) and walked on the tokenizer thread, holding other clients'
+    prompts 11.6 s; nested past the parser's recursion limit they were a 500. They count now, beside the
+    messages' text and reasoning, and arguments too deep to parse reach the template as their text."""
+    from pydantic import ValidationError
+
+    from tokenmill.server.protocol import MAX_PROMPT_CHARS, ChatCompletionRequest
+
+    def chat(arguments: str, content: str = "hi", reasoning: str | None = None) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "reasoning_content": reasoning, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "x"}]})
+    half = MAX_PROMPT_CHARS // 2 + 1
+    with pytest.raises(ValidationError, match="tool call arguments included"):
+        chat("[]," * (half // 3 + 1), content="x" * half)
+    with pytest.raises(ValidationError, match=str(MAX_PROMPT_CHARS)):
+        chat("{}", content="x" * half, reasoning="y" * half)
+    deep = "[" * 100_000
+    assert chat(deep).chat_messages()[1]["tool_calls"][0]["function"]["arguments"] == deep
+    assert chat('{"a": [1]}').chat_messages()[1]["tool_calls"][0]["function"]["arguments"] == {"a": [1]}
+
+
 def test_tokenization_runs_off_the_event_loop():
     from tokenmill.server.prompts import PromptTokenizer
 
