@@ -291,6 +291,9 @@ def test_errors_name_what_the_client_sent(api_server):
         assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], (path, err)
     for key in ("5_0", " 7 ", "\u0665"):         # int() takes each; a token id is ASCII digits only
         assert error("/v1/completions", {"prompt": "x", "logit_bias": {key: 5}})["param"] == "logit_bias"
+    # past 4,300 digits int() refused with a message about Python's settings and no field
+    err = error("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 5}})
+    assert err["param"] == "logit_bias" and "5000 characters" in err["message"], err
     err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})
     assert err["param"] == "min_tokens" and "got 3" in err["message"]
     r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={

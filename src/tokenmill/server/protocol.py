@@ -268,8 +268,10 @@ class _SamplingRequest(_Strict):
         for key, value in self.logit_bias.items():
             # decimal digits only: int() also takes "5_0", " 7 " and non-ASCII digits, each a mistyped key
             # that would bias some other token
-            if not (key.isascii() and key.isdigit()):
-                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}")
+            # and at most 19 digits (int64): int() refuses past 4,300 with a message about Python
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}"
+                                                     + (f" ({len(key)} characters)" if len(key) > 40 else ""))
             out[int(key)] = float(value)
         return out
 
