@@ -987,6 +987,50 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     assert sample("tokenmill:e2e_request_latency_seconds_bucket", {"le": "7680.0"}) == 3
 
 
+def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
+    """vLLM's Grafana dashboard reads the prompt and generation lengths, prefill and decode times, the
+    longest sequence and the n and max_tokens parameters: per finished sequence (an aborted one too),
+    and n and the longest sequence once per request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.async_engine import _Stream
+    from tokenmill.engine.metrics import ServerMetrics, build_1_2_5_buckets
+    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    metrics = ServerMetrics("m", lambda: {}, max_model_len=64)
+    stream = _Stream(n=2, arrival_time=100.0, num_prompt_tokens=3, max_tokens=8)
+
+    def out(tokens, reasons, finished):
+        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(i, "x", t, None, None, r)
+                                                    for i, (t, r) in enumerate(zip(tokens, reasons))],
+                             finished, metrics=RequestMetrics(100.0, 100.5, 101.0, finished_time=104.0 if finished else None))
+    metrics.observe_output(stream, out([[5], [5]], [None, None], False), 101.0)
+    metrics.observe_output(stream, out([[5, 6], [5]], ["stop", None], False), 102.0)
+    metrics.observe_output(stream, out([[5, 6], [5, 6, 7, 8]], ["stop", "length"], True), 104.0)
+    cut = _Stream(n=1, arrival_time=100.0, num_prompt_tokens=7)      # aborted before its first token
+    metrics.observe_output(cut, None, 103.0)
+
+    def sample(name, labels=None):
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return s.value
+    assert sample("tokenmill:request_prompt_tokens_count") == 3
+    assert sample("tokenmill:request_prompt_tokens_sum") == 3 + 3 + 7
+    assert [sample("tokenmill:request_prompt_tokens_bucket", {"le": le}) for le in ("5.0", "50.0")] == [2, 3]
+    assert sample("tokenmill:request_generation_tokens_sum") == 2 + 4 + 0
+    assert sample("tokenmill:request_params_max_tokens_count") == 2      # the abort set none
+    assert sample("tokenmill:request_params_max_tokens_sum") == 16
+    # prefill: scheduled 100.5 to each choice's first token at 101; decode: to each one's last, 102 and 104
+    assert sample("tokenmill:request_prefill_time_seconds_sum") == 0.5 + 0.5
+    assert sample("tokenmill:request_prefill_time_seconds_count") == 2
+    assert sample("tokenmill:request_decode_time_seconds_sum") == 1.0 + 3.0
+    assert sample("tokenmill:request_inference_time_seconds_sum") == 1.5 + 3.5
+    assert sample("tokenmill:request_params_n_count") == 2 and sample("tokenmill:request_params_n_sum") == 2 + 1
+    assert sample("tokenmill:request_max_num_generation_tokens_sum") == 4 + 0
+
+
 def test_a_request_the_core_refuses_is_no_request_in_the_metrics(qwen3_dir):
     """A request the engine core refuses (priority under fcfs: the client's 400) counted as
     request_success{finished_reason="abort"} with an e2e latency, as if it had run and been cut; one

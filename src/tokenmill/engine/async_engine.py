@@ -51,10 +51,14 @@ class _Stream:
     # inter-token latency)
     prev_tokens: list[int] = field(default_factory=list)
     last_token_seen: list[float | None] = field(default_factory=list)
+    first_token_seen: list[float | None] = field(default_factory=list)
     interval: int = 1                 # tokens between wakes (0: only the first output and the last)
-    # for the metrics of a request that ends unfinished: its sequences, its arrival, those seen finished
+    # for the metrics of a request that ends unfinished: its sequences, its arrival, those seen finished;
+    # of every request: its prompt's length and max_tokens
     n: int = 1
     arrival_time: float = 0.0
+    num_prompt_tokens: int = 0
+    max_tokens: int | None = None
     finished_seen: set[int] = field(default_factory=set)
     delivered: list[int] | None = None    # each sequence's tokens at the last wake; None before the first
 
@@ -185,7 +189,8 @@ class AsyncLLM:
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
         arrival_time = arrival_time or time.time()
-        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, arrival_time=arrival_time)
+        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, arrival_time=arrival_time,
+                         num_prompt_tokens=len(prompt), max_tokens=getattr(params, "max_tokens", None))
         handle = next(self._handles)
         # the output state before the stream: a prompt the detokenizer refuses (a negative token id) fails
         # here, before the cleanup below is in force, and must leave no stream holding the id

@@ -194,7 +194,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     if store_responses:
         serving.responses = ResponseStore()
     stats: dict = {}
-    metrics = ServerMetrics(names[0], lambda: stats, multiprocess_dir=metrics_dir)
+    metrics = ServerMetrics(names[0], lambda: stats, multiprocess_dir=metrics_dir,
+                            max_model_len=engine.max_model_len)
     engine.on_output = metrics.observe_output
     created = int(time.time())
 
