@@ -228,6 +228,43 @@ def test_client_reads_sse_errors_and_keeps_connections_alive():
         HTTPClient("https://example.com")
 
 
+def test_a_last_token_without_text_ends_the_request():
+    """An end-of-sequence token comes in a chunk of its own with no text (usage counts it): E2E ends there and
+    its gap is an ITL, as vLLM's client has them. Ending at the last content chunk, E2E was one step short and
+    TPOT (latency - TTFT) / (5 - 1) spread three gaps over four."""
+    gap = 0.03
+
+    async def handle(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                     + _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+        for i in range(4):
+            await asyncio.sleep(gap)
+            writer.write(_sse({"choices": [{"index": 0, "delta": {"content": "ab"}}]}))
+            await writer.drain()
+        await asyncio.sleep(gap)
+        writer.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                     + _sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+                     + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = HTTPClient(base, timeout_s=5)
+        try:
+            return await send_request(client, base + "/v1/chat/completions", {})
+        finally:
+            await client.aclose()
+            server.close()
+
+    r = asyncio.run(main())
+    assert r.success and r.output_tokens == 5 and len(r.itl) == 4, r
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+    assert r.latency - r.ttft > 3.5 * gap and tpot_of(r) > 0.9 * gap, r
+
+
 @contextlib.contextmanager
 def _threaded_server(handle):
     """An asyncio server of `handle` on a loop in a thread of its own (client processes reach it too);

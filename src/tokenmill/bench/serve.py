@@ -6,9 +6,11 @@
 Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
 - TTFT: from sending the request to the first streamed chunk that carries output: text, reasoning or a
   tool call's delta.
-- ITL: the gaps between consecutive output chunks, pooled over all requests.
+- ITL: from the first output chunk on, the gaps between consecutive chunks with choices (an end-of-sequence
+  token's chunk, which has no text, among them), pooled over all requests.
 - TPOT: per request, (latency - TTFT) / (output tokens - 1), for requests with more than one output token.
-- E2E latency: from sending to the last output chunk (the usage chunk and `[DONE]` after it not counted).
+- E2E latency: from sending to the last chunk with choices (the usage chunk and `[DONE]` after it not
+  counted), so that it ends at the chunk of the last token that usage counts.
 - Throughputs divide by the wall time of the level; token counts are the server's `usage`
   (`stream_options.include_usage`), never re-tokenised here. A server that sends none leaves the output
   counts unknown (a chunk may carry several tokens): such requests count their output chunks, a prompt
@@ -362,13 +364,16 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                 if obj.get("choices"):
                     first_choice = now if first_choice is None else first_choice
                     last_choice = now
-                if _has_content(obj):
-                    if content_chunks == 0:
-                        r.ttft = now - t0
-                    else:
+                    # TTFT waits for the first chunk with output (a role chunk may come before any token);
+                    # from there on every chunk with choices carries tokens (an end-of-sequence token's
+                    # own chunk has no text, yet usage counts it) and is timed, as vLLM's client times them
+                    if content_chunks:
                         r.itl.append(now - last)
-                    last = now
-                    content_chunks += 1
+                        last = now
+                    elif _has_content(obj):
+                        r.ttft = now - t0
+                        last = now
+                    content_chunks += _has_content(obj)
                 usage = obj.get("usage")
                 if usage:
                     r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
