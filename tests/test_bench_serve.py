@@ -90,6 +90,13 @@ def test_poisson_arrivals_seeded():
     gaps = np.diff(t)
     assert t == arrival_times(2000, 10.0, 1) and t[-1] == pytest.approx(200.0) and (gaps >= 0).all()
     assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.1)
+    # vLLM's --burstiness: gamma gaps of shape B, coefficient of variation 1 / sqrt(B); B = 1 is the above
+    assert arrival_times(2000, 10.0, 1, burstiness=1.0) == t
+    for b in (0.25, 4.0):
+        tb = arrival_times(2000, 10.0, 1, burstiness=b)
+        assert tb[-1] == pytest.approx(200.0) and np.std(np.diff(tb)) / np.mean(np.diff(tb)) == \
+            pytest.approx(b ** -0.5, rel=0.1)
+    assert np.diff(arrival_times(5, 10.0, 1, burstiness=float("inf"))) == pytest.approx([0.1] * 4)
 
 
 def _chunk(data: bytes) -> bytes:

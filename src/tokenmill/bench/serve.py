@@ -16,7 +16,9 @@ Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
   counts unknown (a chunk may carry several tokens): such requests count their output chunks, a prompt
   of token ids its known length, and every figure that rests on them is flagged (`requests_without_usage`).
 - Arrivals at `--request-rate`: Poisson, each request sent at its own time from the level's start (a late
-  send delays no later one), the gaps scaled so that the last is sent at `num_prompts / rate`, as vLLM's.
+  send delays no later one), the gaps scaled so that the last is sent at `num_prompts / rate`, as vLLM's;
+  `--burstiness B` draws the gaps from vLLM's gamma distribution of shape B instead (1: Poisson; below 1
+  burstier, above 1 more even, inf evenly spaced).
 - Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
 Each concurrency level sends `--num-prompts` requests of its own, drawn with the seed plus the level's
 position (the warm-up's with the seed plus the number of levels), one level after the other: no level finds
@@ -392,13 +394,18 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
         r.error = "the stream carried no content"
 
 
-def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds from the level's start at which each request is sent: Poisson arrivals at `request_rate` per
-    second, the gaps scaled so that the last arrives at n / rate (as vLLM's benchmark scales them: a
-    draw's mean gap is off the rate's by chance); all at 0 at an infinite rate."""
+def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Seconds from the level's start at which each request is sent: gaps drawn from a gamma distribution of
+    shape `burstiness` and mean 1 / `request_rate` (vLLM's; shape 1 is exponential, so Poisson arrivals, and
+    an infinite shape spaces them evenly), scaled so that the last arrives at n / rate (as vLLM's benchmark
+    scales them: a draw's mean gap is off the rate's by chance); all at 0 at an infinite rate."""
     if math.isinf(request_rate):
         return [0.0] * n
-    times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / request_rate, size=n))
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / request_rate)
+    else:
+        gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
+    times = np.cumsum(gaps)
     return (times * (n / request_rate / times[-1])).tolist() if n else []
 
 
@@ -406,7 +413,7 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                     request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True, temperature: float = 0.0,
                     headers: dict | None = None, timeout_s: float = 3600.0, progress: bool = True,
                     structured: set[int] = frozenset(),
-                    tools: set[int] = frozenset(), start_at: float | None = None
+                    tools: set[int] = frozenset(), start_at: float | None = None, burstiness: float = 1.0
                     ) -> tuple[list[RequestResult], float]:
     """`structured`: the indices of `requests` sent under BENCH_SCHEMA; `tools`: those that offer BENCH_TOOLS.
     `start_at`: a `time.time()` at which to begin (the client processes of one level begin together), from
@@ -433,7 +440,8 @@ async def run_level(base_url: str, endpoint: str, model: str, requests: list[Ser
                 return res
 
         tasks = []
-        for i, (req, at) in enumerate(zip(requests, arrival_times(len(requests), request_rate, seed))):
+        for i, (req, at) in enumerate(zip(requests, arrival_times(len(requests), request_rate, seed,
+                                                                                burstiness))):
             wait = level_t0 + at - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -469,12 +477,13 @@ def deal(num_requests: int, max_concurrency: int, processes: int) -> list[tuple[
 def run_level_processes(processes: int, base_url: str, endpoint: str, model: str, requests: list[ServeRequest],
                         max_concurrency: int, request_rate: float = math.inf, seed: int = 0, ignore_eos: bool = True,
                         temperature: float = 0.0, headers: dict | None = None, timeout_s: float = 3600.0,
-                        structured: set[int] = frozenset(), tools: set[int] = frozenset()
+                        structured: set[int] = frozenset(), tools: set[int] = frozenset(), burstiness: float = 1.0
                         ) -> tuple[list[RequestResult], float]:
     """`run_level` from `processes` client processes, so that reading the streams is not bounded by one
     process's cost per SSE chunk: the concurrency slots are dealt to them in turn (a process with k slots
     keeps k requests open), and the requests in proportion to the slots (`deal`); with a finite rate each
-    sends a Poisson stream at its share of it (their sum is a Poisson stream at the whole rate). They begin
+    sends a Poisson stream at its share of it (their sum is a Poisson stream at the whole rate; with
+    `burstiness` other than 1 each process's gaps, not their sum's, follow the gamma law). They begin
     together once all have started, and the level lasts until the last one's last response. Results come
     back in the order of `requests`."""
     import multiprocessing
@@ -488,7 +497,8 @@ def run_level_processes(processes: int, base_url: str, endpoint: str, model: str
         rate = request_rate * len(indices) / len(requests)
         job = (indices, (base_url, endpoint, model, [requests[j] for j in indices], slots, rate, seed + i,
                          ignore_eos, temperature, headers, timeout_s, False,
-                         {local[j] for j in structured if j in local}, {local[j] for j in tools if j in local}), {})
+                         {local[j] for j in structured if j in local}, {local[j] for j in tools if j in local}),
+               {"burstiness": burstiness})
         workers.append(ctx.Process(target=_client_process, args=(job, ready, go, start_at, out), daemon=True))
     results: list[RequestResult | None] = [None] * len(requests)
     duration = 0.0
@@ -567,6 +577,9 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         raise SystemExit("the request set is empty")
     slos = parse_goodput(args.goodput)
     rate = float(args.request_rate)
+    if not rate > 0 or not args.burstiness > 0:
+        raise SystemExit(f"--request-rate and --burstiness must be above 0, got {args.request_rate} and "
+                         f"{args.burstiness}")
     levels = [int(c) for c in str(args.max_concurrency).split(",") if c.strip()]
     if any(c < 1 for c in levels):
         raise SystemExit(f"--max-concurrency takes levels of 1 or more, got {args.max_concurrency}")
@@ -608,6 +621,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         "tools": {"fraction": args.tools_fraction, "requests": len(tools), "tools": BENCH_TOOLS,
                   "tool_choice": "auto"} if tools else None,
         "request_rate": "inf" if math.isinf(rate) else rate,
+        "burstiness": args.burstiness,
         "client_processes": args.client_processes,
         "levels": [],
     }
@@ -621,11 +635,13 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         if args.client_processes > 1:
             results, duration = run_level_processes(
                 args.client_processes, args.base_url, args.endpoint, model, requests, conc, rate, args.seed,
-                not args.no_ignore_eos, args.temperature, headers, args.request_timeout, structured, tools)
+                not args.no_ignore_eos, args.temperature, headers, args.request_timeout, structured, tools,
+                args.burstiness)
         else:
             results, duration = asyncio.run(run_level(
                 args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
-                args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools))
+                args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools,
+                burstiness=args.burstiness))
         m = compute_metrics(results, duration, slos)
         if structured:
             for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
@@ -700,6 +716,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
     p.add_argument("--max-concurrency", default="1,4,8,16,32", help="comma-separated levels, run in turn")
     p.add_argument("--request-rate", default="inf", help="Poisson arrival rate (req/s), or inf")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with a finite --request-rate, the shape of vLLM's gamma-distributed gaps: 1 Poisson, "
+                        "below 1 burstier, above 1 more even, inf evenly spaced")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len-range", default=None,
                    help=f"random: inclusive prompt lengths 'LO,HI' or 'N' (default: {INPUT_LEN_RANGE})")
