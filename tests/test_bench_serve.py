@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_times, build_payload,
-                                   class_metrics, compute_metrics, deal, format_level, parse_goodput,
+                                   class_metrics, compute_metrics, deal, format_level, parse_goodput, parse_percentiles,
                                    run_level_processes, send_request, structured_indices, tpot_of)
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
@@ -58,6 +58,19 @@ def test_metrics_on_hand_made_timings():
     assert "WARNING: 1 request(s) without usage" in format_level("tm", {**m, **compute_metrics([a, b, c], 2.0)})
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
+
+
+def test_metric_percentiles_as_vllm_names_them():
+    """vLLM's --metric-percentiles adds percentiles to every metric, keyed p25, p99.9 as vLLM's keys."""
+    assert parse_percentiles("25, 99.9") == (25.0, 50, 95, 99, 99.9) and parse_percentiles(None) == (50, 95, 99)
+    with pytest.raises(ValueError):
+        parse_percentiles("101")
+    rs = [RequestResult(True, output_tokens=3, ttft=0.01 * (i + 1), latency=0.1 * (i + 1), itl=[0.01, 0.02],
+                        usage_reported=True) for i in range(10)]
+    m = compute_metrics(rs, 1.0, percentiles=parse_percentiles("25,99.9"))
+    assert m["p25_ttft_ms"] == pytest.approx(np.percentile(np.arange(1, 11) * 10.0, 25))
+    assert m["p99.9_e2el_ms"] == pytest.approx(np.percentile(np.arange(1, 11) * 100.0, 99.9))
+    assert {"p25_tpot_ms", "p99.9_itl_ms", "p50_itl_ms", "p95_ttft_ms"} <= m.keys()
 
 
 def test_tool_requests_and_their_class_metrics():

@@ -90,18 +90,27 @@ def tpot_of(r: RequestResult) -> float | None:
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
 
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+def parse_percentiles(text: str | None) -> tuple[float, ...]:
+    """vLLM's --metric-percentiles, e.g. '25,50,99.9', added to the PERCENTILES every result has."""
+    extra = [float(p) for p in (text or "").split(",") if p.strip()]
+    if any(not 0 <= p <= 100 for p in extra):
+        raise ValueError(f"--metric-percentiles are in [0, 100], got {text!r}")
+    return tuple(sorted(set(PERCENTILES) | set(extra)))
+
+
+def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float]:
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     if ms.size == 0:
         ms = np.zeros(1)
     out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
            f"std_{name}_ms": float(ms.std())}
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    for p in percentiles:         # vLLM's key: p99, p99.9
+        out[f"p{int(p) if p == int(p) else p}_{name}_ms"] = float(np.percentile(ms, p))
     return out
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict:
+def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None,
+                    percentiles: tuple[float, ...] = PERCENTILES) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -115,10 +124,10 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
         "total_token_throughput": (total_in + total_out) / duration_s,
         "requests_without_usage": sum(1 for r in ok if not r.usage_reported),
     }
-    m.update(_stats("ttft", [r.ttft for r in ok]))
-    m.update(_stats("tpot", tpots))
-    m.update(_stats("itl", [g for r in ok for g in r.itl]))
-    m.update(_stats("e2el", [r.latency for r in ok]))
+    m.update(_stats("ttft", [r.ttft for r in ok], percentiles))
+    m.update(_stats("tpot", tpots, percentiles))
+    m.update(_stats("itl", [g for r in ok for g in r.itl], percentiles))
+    m.update(_stats("e2el", [r.latency for r in ok], percentiles))
     m["max_ttft_ms"] = max((r.ttft for r in ok), default=0.0) * 1e3
     m["max_e2el_ms"] = max((r.latency for r in ok), default=0.0) * 1e3
     if slos:
@@ -576,6 +585,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     if not requests:
         raise SystemExit("the request set is empty")
     slos = parse_goodput(args.goodput)
+    percentiles = parse_percentiles(args.metric_percentiles)
     rate = float(args.request_rate)
     if not rate > 0 or not args.burstiness > 0:
         raise SystemExit(f"--request-rate and --burstiness must be above 0, got {args.request_rate} and "
@@ -642,7 +652,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
                 args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
                 args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools,
                 burstiness=args.burstiness))
-        m = compute_metrics(results, duration, slos)
+        m = compute_metrics(results, duration, slos, percentiles)
         if structured:
             for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
                 tpots = [t for i in rows if results[i].success and (t := tpot_of(results[i])) is not None]
@@ -735,6 +745,8 @@ def add_serve_args(p) -> None:
                    help='chat: this fraction of the requests offers two tools (tool_choice "auto"; the server '
                         "needs --enable-auto-tool-choice); TTFT reported per class")
     p.add_argument("--goodput", nargs="+", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--metric-percentiles", default=None,
+                   help="vLLM's flag: more percentiles of every metric, e.g. '25,99.9' (p50, p95 and p99 always)")
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds a request may take, from connecting to the last byte of its response")
