@@ -501,7 +501,8 @@ def add_chat_args(p: argparse.ArgumentParser):
                    help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
     p.add_argument("--reasoning-parser", default=None,
-                   help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1)")
+                   help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1), or "
+                        "deepseek_r1 (the reply always starts inside the thinking block)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:{id}' for requests that do not say "
                         "(their return_tokens_as_token_ids)")
