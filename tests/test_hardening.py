@@ -1304,7 +1304,14 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             held = [asyncio.create_task(c.post(s.url + "/v1/completions", json=big)) for _ in range(fit)]
-            await asyncio.sleep(2)
+            deadline = time.monotonic() + 30
+            while True:             # until every held sequence has reached the engine: all are in flight
+                m = s.metrics()
+                if m["tokenmill:num_requests_running"] + m["tokenmill:num_requests_waiting"] == fit * 126:
+                    break
+                assert time.monotonic() < deadline and not any(t.done() for t in held), \
+                    [t.result().text for t in held if t.done()]
+                await asyncio.sleep(0.05)
             assert not any(t.done() for t in held)
             r = await c.post(s.url + "/v1/completions", json=big)
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
