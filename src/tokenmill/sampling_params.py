@@ -206,6 +206,12 @@ class StructuredOutputsParams:
         return self._kinds()[0]
 
 
+def truncated_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """The prompt tokens `truncate_prompt_tokens` keeps (k >= 1, or -1): k, or with -1 the longest prompt the
+    engine admits, `max_model_len - 1` (it leaves room for the one token every request generates)."""
+    return max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -402,7 +408,7 @@ class SamplingParams:
         if k > max_model_len:
             raise SamplingParamError("truncate_prompt_tokens", f"truncate_prompt_tokens {k} is greater than the "
                                      f"maximum context length ({max_model_len} tokens)")
-        keep = max_model_len - 1 if k == -1 else k
+        keep = truncated_length(k, max_model_len)
         return prompt[max(0, len(prompt) - keep):]
 
     @property

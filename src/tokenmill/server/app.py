@@ -17,7 +17,7 @@ from fastapi.routing import APIRoute
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
-from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth
+from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth, truncated_length
 from tokenmill.server import errors
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
@@ -66,7 +66,8 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
         return
     prompt = body.get("prompt")
     keep = body.get("truncate_prompt_tokens")
-    keep = max_model_len - 1 if keep == -1 else keep if type(keep) is int and 0 < keep <= max_model_len else None
+    keep = truncated_length(keep, max_model_len) if keep == -1 or type(keep) is int and 0 < keep <= max_model_len \
+        else None
     if type(prompt) is list and prompt:
         for ids in (prompt if type(prompt[0]) is list else [prompt]):
             if type(ids) is not list or not ids or type(ids[0]) is not int:
