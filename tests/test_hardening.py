@@ -133,6 +133,9 @@ def test_tool_call_arguments_count_in_the_chat_cap_and_any_nesting_is_text():
         chat("[]," * (half // 3 + 1), content="x" * half)
     with pytest.raises(ValidationError, match=str(MAX_PROMPT_CHARS)):
         chat("{}", content="x" * half, reasoning="y" * half)
+    with pytest.raises(ValidationError, match=str(MAX_PROMPT_CHARS)):      # vLLM's name of the same text
+        ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "x" * half}, {"role": "assistant", "content": "", "reasoning": "y" * half}]})
     deep = "[" * 100_000
     assert chat(deep).chat_messages()[1]["tool_calls"][0]["function"]["arguments"] == deep
     assert chat('{"a": [1]}').chat_messages()[1]["tool_calls"][0]["function"]["arguments"] == {"a": [1]}

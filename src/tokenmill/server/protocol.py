@@ -492,13 +492,12 @@ class NamedToolChoice(_Strict):
 
 
 def _check_chat_length(messages: list[ChatMessage] | None) -> None:
-    """The messages' text together, their reasoning and tool calls' arguments included, within
-    `MAX_PROMPT_CHARS`: the
-    template renders the arguments too, parsed (`_arguments`) on the event loop and walked node by node on
-    the tokenizer thread every request shares (21 MB of them, 7M empty lists, held the loop 1.3 s, took 1.5
-    GB and held other clients' prompts 11.6 s)."""
-    total = sum(len(m.text()) + len(m.reasoning_content or "") + sum(len(c.function.arguments)
-                                                                      for c in m.tool_calls or ())
+    """The messages' text together, their reasoning (under either name) and tool calls' arguments included,
+    within `MAX_PROMPT_CHARS`: the template renders the arguments too, parsed (`_arguments`) on the event
+    loop and walked node by node on the tokenizer thread every request shares (21 MB of them, 7M empty
+    lists, held the loop 1.3 s, took 1.5 GB and held other clients' prompts 11.6 s)."""
+    total = sum(len(m.text()) + len(m.reasoning_content or m.reasoning or "")
+                + sum(len(c.function.arguments) for c in m.tool_calls or ())
                 for m in messages or ())
     if total > MAX_PROMPT_CHARS:
         raise UnsupportedValue("messages", f"The messages hold {total} characters together (reasoning and tool "
