@@ -27,6 +27,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
+# the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
+REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight")
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -39,8 +41,7 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(m * scale)
         scale *= 10
-# the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
-REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight")
+
 
 # stats key -> (metric name, help, kind)
 _STATS = {
