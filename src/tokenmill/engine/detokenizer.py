@@ -58,14 +58,10 @@ class IncrementalDetokenizer:
             del self.ids[:self.read_offset]
             self.read_offset = len(self.ids)
         else:
-            decode = self.tokenizer.decode
-            prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
-            full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+            prefix, full = self._window()
             if full.endswith("\ufffd") or len(full) <= len(prefix):
                 return None
-            # where the new bytes broke a byte-fallback run (see InvalidPrefix), the released text stands
-            new = full[len(prefix):] if full.startswith(prefix) else \
-                decode(self.ids[self.read_offset:], skip_special_tokens=self.skip_special)
+            new = self._after_released(prefix, full)
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         old_len = len(self.text)
         # grown in place: CPython resizes a string that nothing else refers to (the local alone, the
@@ -119,12 +115,21 @@ class IncrementalDetokenizer:
         decode to U+FFFD, as a Hugging Face decode of the whole output gives them."""
         if self.read_offset >= len(self.ids):
             return ""
+        return self._after_released(*self._window())
+
+    def _window(self) -> tuple[str, str]:
+        """The window decode: the text of the tokens from `prefix_offset` to the last release, and of those
+        from `prefix_offset` to the newest."""
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        return (decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special),
+                decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special))
+
+    def _after_released(self, prefix: str, full: str) -> str:
+        """The text the tokens since the last release add (`_window`'s pair): where their bytes broke a
+        byte-fallback run (see `InvalidPrefix`), the released text stands and they decode on their own."""
         if full.startswith(prefix):
             return full[len(prefix):]
-        return decode(self.ids[self.read_offset:], skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(self.ids[self.read_offset:], skip_special_tokens=self.skip_special)
 
     def output_text(self, finished: bool) -> str:
         if self.stopped_at is not None:
