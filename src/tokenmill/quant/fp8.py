@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.quant.formats import QUANTIZED_LAYERS
+from tokenmill.quant.formats import FP8_METHODS, QUANTIZED_LAYERS
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)         # 448
@@ -106,8 +106,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
 def quantization_config(fmt: str) -> dict:
     """The config.json `quantization_config` of a checkpoint written as `fmt` ("fp8": Qwen's block-wise
     format, "compressed-tensors": per channel)."""
-    if fmt not in ("fp8", "compressed-tensors"):
-        raise ValueError(f"FP8 checkpoint format {fmt!r} is not supported; supported: fp8, compressed-tensors")
+    if fmt not in FP8_METHODS:
+        raise ValueError(f"FP8 checkpoint format {fmt!r} is not supported; supported: {', '.join(FP8_METHODS)}")
     if fmt == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}
