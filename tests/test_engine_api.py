@@ -222,6 +222,18 @@ def test_text_prompts_and_chat(llm):
         llm.generate(["a", "b"], sp, priority=[1])
 
 
+def test_text_prompts_to_a_model_without_a_tokenizer_are_refused_by_name(tmp_path, save_tiny_model):
+    """A checkpoint without tokenizer files (or a GGUF without tokenizer metadata) takes token ids; a text
+    prompt was an AttributeError on None."""
+    save_tiny_model(str(tmp_path), "qwen3")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=8)
+    assert llm.get_tokenizer() is None
+    with pytest.raises(ValueError, match=r"has no tokenizer; pass prompts as lists of token ids, or tokenizer=DIR"):
+        llm.generate(["hello", [5, 6]], SamplingParams(max_tokens=1))
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_use_tqdm_takes_a_callable_that_makes_the_bar(llm):
     """vLLM's use_tqdm=functools.partial(tqdm, ...): the callable makes the progress bar (it was ignored,
     and tqdm's default bar shown)."""

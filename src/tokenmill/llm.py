@@ -111,6 +111,8 @@ class LLM:
         if self.engine.tokenizer is None and any(text is not None for text, _ in parts):
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
+            raise ValueError(f"the model {self.engine.config.model!r} has no tokenizer; pass prompts as lists of "
+                             "token ids, or tokenizer=DIR for text prompts")
         ids = []
         try:
             for i, ((text, token_ids), params) in enumerate(zip(parts, sampling_params)):
