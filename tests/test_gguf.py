@@ -373,6 +373,23 @@ def test_unsupported_type_is_named(tmp_path):
         LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
 
 
+def test_a_row_of_partial_blocks_is_named(tmp_path):
+    """A Q8_0 row of 48 values (one and a half 32-value blocks) was opened as if whole blocks and failed on
+    its first read inside `gguf`, naming neither the tensor nor the file."""
+    path = tmp_path / "rows.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(np.zeros((4, 64), np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    _finish(w)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"blk.0.attn_q.weight") + len("blk.0.attn_q.weight") + 4    # name, n_dims: the row size
+    assert data[at:at + 8] == (64).to_bytes(8, "little")
+    data[at:at + 8] = (48).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' in .*rows\.gguf' has rows of 48 values, not a "
+                                         r"multiple of the 32-value blocks of its type Q8_0"):
+        ModelConfig.from_gguf(str(path))
+
+
 def test_unknown_architecture_is_named(tmp_path):
     path = str(tmp_path / "gemma.gguf")
     w = gguf.GGUFWriter(path, "gemma")

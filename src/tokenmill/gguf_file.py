@@ -42,6 +42,8 @@ class GGUFFile:
     reader takes seconds over them), and `gguf` dequantizes the tensors."""
 
     def __init__(self, path: str | os.PathLike):
+        import gguf
+
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file {self.path!r} does not exist")
@@ -64,6 +66,11 @@ class GGUFFile:
             if t.tensor_type.name not in SUPPORTED_TYPES:
                 raise ValueError(f"GGUF tensor {t.name!r} in {self.path!r} has quantization type "
                                  f"{t.tensor_type.name}; tokenmill dequantizes {', '.join(SUPPORTED_TYPES)}")
+            # a quantized row is whole blocks (`_parse` counts its bytes so)
+            block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+            if t.shape[:1] and t.shape[0] % block:
+                raise ValueError(f"GGUF tensor {t.name!r} in {self.path!r} has rows of {t.shape[0]} values, not "
+                                 f"a multiple of the {block}-value blocks of its type {t.tensor_type.name}")
 
     @property
     def tensor_names(self) -> list[str]:
