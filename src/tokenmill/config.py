@@ -82,6 +82,19 @@ class ModelConfig:
     # the checkpoint's weight format (its quantization_config); None: plain weights
     quantization: W4Config | Fp8Config | None = None
 
+    def __post_init__(self):
+        # sizes a checkpoint's config states: a zero or negative one failed deep in the build (an empty RoPE
+        # table, a division by zero), or loaded a model whose KV heads no query head maps onto
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"the model config's {name} is {value!r}; it must be an integer >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"the model config's num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads} (each KV head serves a whole "
+                             "group of query heads)")
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
         """Normalise a Hugging Face config (a dict, a config.json path or a model directory)."""
