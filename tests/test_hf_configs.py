@@ -114,3 +114,18 @@ def test_sizes_that_cannot_build_a_model_are_refused(tmp_path, keys, message):
     of negative length); KV heads that do not divide the query heads failed on the weights' shapes."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(_saved(tmp_path, lambda hf: hf.update(keys)))
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"rope_type": "linear"}, r"type 'linear' needs factor as positive numbers; got factor=None"),
+    ({"rope_type": "linear", "factor": 0}, r"got factor=0"),
+    ({"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
+     r"type 'llama3' needs factor, low_freq_factor, .*; got low_freq_factor=None, high_freq_factor=None"),
+    ({"rope_type": "yarn", "factor": 4.0}, r"unsupported rope_scaling type 'yarn'; supported: default, linear, llama3"),
+])
+def test_rope_scaling_without_its_values_is_refused_naming_them(tmp_path, rope, message):
+    """A scaled kind without the numbers it reads was a KeyError inside the RoPE table (a zero factor a
+    table of infinities); a kind not implemented is named with those that are."""
+    cfg = ModelConfig.from_hf(_saved(tmp_path, lambda hf: (_drop_rope(hf), hf.update(rope_scaling=rope))))
+    with pytest.raises(ValueError, match=message):
+        RotaryEmbedding(cfg.head_dim, 16, cfg.rope_theta, cfg.rope_scaling)

@@ -7,11 +7,22 @@ import torch
 from torch import nn
 
 
+# the scaled kinds read here, and the keys each reads
+_SCALING_KEYS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
+    if kind not in _SCALING_KEYS:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(_SCALING_KEYS)}")
+    missing = [k for k in _SCALING_KEYS[kind] if not isinstance(scaling.get(k), (int, float)) or scaling[k] <= 0]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} needs {', '.join(_SCALING_KEYS[kind])} as positive "
+                         f"numbers; got {', '.join(f'{k}={scaling.get(k)!r}' for k in missing)}")
     if kind == "linear":
         return inv / float(scaling["factor"])
     if kind == "llama3":
@@ -23,7 +34,6 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
 def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
