@@ -132,3 +132,19 @@ def test_bad_generation_configs_are_refused_before_the_model_loads(args, message
         cli.main(["serve", qwen3_dir, "--device", "cpu", *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", r"generation_config\.json: Expecting property name"),
+    ("[1, 2]", r"generation_config\.json: not a JSON object"),
+    (json.dumps({"eos_token_id": ["<|im_end|>"]}), r"generation_config\.json's eos_token_id must be a token id or "
+                                                    r"a list of them \(integers >= 0\), got \[\"<\|im_end\|>\"\]"),
+    (json.dumps({"eos_token_id": -1}), r"eos_token_id must be .*, got -1"),
+])
+def test_a_generation_config_the_engine_cannot_read_is_named(tmp_path, qwen3_dir, text, message):
+    """Its EOS ids are read when the engine starts: a file that is not JSON was a bare JSONDecodeError, a list
+    an AttributeError, and an EOS given as a token's text joined the stop ids where no sampled id matches it."""
+    d = shutil.copytree(qwen3_dir, tmp_path / "model")
+    (d / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(d), device="cpu", dtype="float32", num_kv_blocks=8)

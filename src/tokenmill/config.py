@@ -45,6 +45,17 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
     return [], window
 
 
+def parse_eos_ids(value: Any, source: str) -> tuple[int, ...]:
+    """An `eos_token_id` of config.json or generation_config.json (an id, a list of ids, or null) -> the ids;
+    `source` names the file in the error. A string or a negative number would never match a sampled token,
+    so generation would silently not stop there."""
+    ids = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{source}'s eos_token_id must be a token id or a list of them (integers >= 0), "
+                         f"got {json.dumps(value)}")
+    return tuple(ids)
+
+
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
     """A dtype or its name -> the dtype; None -> float32."""
     import torch
@@ -131,8 +142,7 @@ class ModelConfig:
             if hf.get("original_max_position_embeddings"):
                 scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         act = hf.get("hidden_act", "silu")
         if hf.get("mlp_bias"):

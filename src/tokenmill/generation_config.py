@@ -27,13 +27,7 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None, bu
         folder = model if source == "auto" else source
         path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"{path}: {e}") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{path}: not a JSON object")
+            config = read_file(path)
             found = {key: config[key] for key in KEYS if config.get(key) is not None}
             if budget and config.get("max_new_tokens") is not None:
                 found["max_tokens"] = config["max_new_tokens"]
@@ -60,6 +54,18 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None, bu
     except (TypeError, ValueError) as e:
         raise ValueError(f"the generation config's sampling defaults {found}: {e}") from None
     return found
+
+
+def read_file(path: str) -> dict:
+    """A generation_config.json as a dict; a ValueError names the file where it is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
 
 
 def describe(defaults: dict) -> str:

@@ -230,6 +230,6 @@ def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return ()
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    from tokenmill.config import parse_eos_ids
+    from tokenmill.generation_config import read_file
+    return parse_eos_ids(read_file(path).get("eos_token_id"), path)
