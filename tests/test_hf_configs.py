@@ -129,3 +129,16 @@ def test_rope_scaling_without_its_values_is_refused_naming_them(tmp_path, rope, 
     cfg = ModelConfig.from_hf(_saved(tmp_path, lambda hf: (_drop_rope(hf), hf.update(rope_scaling=rope))))
     with pytest.raises(ValueError, match=message):
         RotaryEmbedding(cfg.head_dim, 16, cfg.rope_theta, cfg.rope_scaling)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{oops", r"config\.json is not valid JSON: Expecting property name"),
+    ("[]", r"config\.json holds a JSON list, not an object"),
+    (json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "num_attention_heads": 2}),
+     r"config\.json lacks hidden_size, intermediate_size, num_hidden_layers; a decoder's config needs vocab_size, "),
+])
+def test_a_config_json_that_cannot_be_read_is_named(tmp_path, text, message):
+    """It was a bare JSONDecodeError, an AttributeError or a KeyError of the first key looked up."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(str(tmp_path))

@@ -45,6 +45,21 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
     return [], window
 
 
+# the config.json keys read without a default
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def parse_eos_ids(value: Any, source: str) -> tuple[int, ...]:
     """An `eos_token_id` of config.json or generation_config.json (an id, a list of ids, or null) -> the ids;
     `source` names the file in the error. A string or a negative number would never match a sampled token,
@@ -115,17 +130,19 @@ class ModelConfig:
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path}")
-            with open(path) as f:
-                hf = json.load(f)
+            hf = _json_object(path)
             # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
             # reads it too); quant_method is GPTQ's where it does not say
             legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
             if not hf.get("quantization_config") and os.path.isfile(legacy):
-                with open(legacy) as f:
-                    hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+                hf["quantization_config"] = {"quant_method": "gptq", **_json_object(legacy)}
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}; a decoder's config needs "
+                             f"{', '.join(_REQUIRED_HF_KEYS)}")
         arch = archs[0]
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
