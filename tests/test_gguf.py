@@ -227,10 +227,12 @@ def test_weights_equal_transformers_dequantized(loaded):
 def test_quantized_from_known_weights_round_trip(tok_md, tmp_path):
     """Where the weights are known (types `gguf` quantizes), the loaded ones are them within each
     type's rounding, and llama's q/k rows come back in Hugging Face order."""
-    per_type = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
+    per_type = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q5_0: 0.1, Q.Q5_1: 0.1, Q.Q4_0: 0.2,
+                Q.Q4_1: 0.2}
     path = str(tmp_path / "known.gguf")
+    # Q5_0 and Q5_1: llama.cpp's K-quant files hold them where a row is not whole K blocks
     layer = dict(attn_q=Q.Q8_0, attn_k=Q.F16, attn_v=Q.BF16, attn_output=Q.Q4_0, ffn_gate=Q.Q4_1,
-                 ffn_up=Q.F32, ffn_down=Q.Q8_0)
+                 ffn_up=Q.Q5_0, ffn_down=Q.Q5_1)
     raw = write_gguf(path, "llama", tok_md, seed=3, layer_types=[layer] * LAYERS, embed_type=Q.F32)
     truth = {k.removesuffix(".weight"): v for k, v in raw.items()}
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)

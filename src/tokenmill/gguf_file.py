@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 # general.architecture -> our registry key
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-# GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType)
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType); Q5_0 and Q5_1 are what
+# llama.cpp writes in a K-quant file for rows that are not whole 256-value K blocks (SmolLM2's 576, Qwen2's 896)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 class GGUFTensor(NamedTuple):
