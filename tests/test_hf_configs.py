@@ -142,3 +142,11 @@ def test_a_config_json_that_cannot_be_read_is_named(tmp_path, text, message):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(str(tmp_path))
+
+
+def test_a_directory_holding_a_gguf_file_says_to_give_the_file(tmp_path):
+    """A directory of a .gguf file and no config.json said only that config.json was missing."""
+    (tmp_path / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"no config\.json at .*; it holds model-Q4_K_M\.gguf: a GGUF model is "
+                                                r"given as the file itself"):
+        ModelConfig.from_hf(str(tmp_path))

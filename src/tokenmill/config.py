@@ -2,6 +2,7 @@
 `ModelConfig.from_gguf` the one that reads a GGUF file's model metadata."""
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -129,7 +130,9 @@ class ModelConfig:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"no config.json at {path}")
+                ggufs = sorted(os.path.basename(g) for g in glob.glob(os.path.join(os.path.dirname(path), "*.gguf")))
+                hint = f"; it holds {', '.join(ggufs[:4])}: a GGUF model is given as the file itself" if ggufs else ""
+                raise FileNotFoundError(f"no config.json at {path}{hint}")
             hf = _json_object(path)
             # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
             # reads it too); quant_method is GPTQ's where it does not say
