@@ -234,6 +234,17 @@ def test_text_prompts_to_a_model_without_a_tokenizer_are_refused_by_name(tmp_pat
     assert len(out.outputs[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_file_is_named(tmp_path, qwen3_dir, name):
+    """A tokenizer file that is not JSON failed the engine's start with a bare JSONDecodeError, or the
+    `tokenizers` library's bare Exception, naming neither the file's folder nor a way out."""
+    d = shutil.copytree(qwen3_dir, tmp_path / "model")
+    (d / name).write_text("{x")
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer in .*model' \(JSONDecodeError: .*\); pass "
+                                         r"--tokenizer DIR"):
+        LLM(str(d), device="cpu", dtype="float32", num_kv_blocks=8)
+
+
 def test_use_tqdm_takes_a_callable_that_makes_the_bar(llm):
     """vLLM's use_tqdm=functools.partial(tqdm, ...): the callable makes the progress bar (it was ignored,
     and tqdm's default bar shown)."""

@@ -22,7 +22,11 @@ class Tokenizer:
             self.hf = build_gguf_tokenizer(open_gguf(path).metadata, path)
         else:
             from transformers import AutoTokenizer
-            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            try:
+                self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            except Exception as e:     # transformers and tokenizers raise many kinds over a damaged file
+                raise ValueError(f"cannot load the tokenizer in {path!r} ({type(e).__name__}: {e}); pass "
+                                 "--tokenizer DIR with the model's tokenizer") from None
         # lengths are checked against the engine's max_model_len, with an error naming both numbers;
         # the tokenizer's own limit would only log a warning for prompts that are refused anyway
         self.hf.model_max_length = 1 << 62
@@ -218,11 +222,14 @@ def plain_eos_ids(path: str) -> tuple[int, ...] | None:
         return eos.get("content") if isinstance(eos, dict) else eos
     if _is_gguf(path) or not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
-    eos = eos_named("tokenizer_config.json")
-    if not isinstance(eos, str) or eos_named("special_tokens_map.json") not in (None, eos):
-        return None
     from tokenizers import Tokenizer as RustTokenizer
-    token_id = RustTokenizer.from_file(os.path.join(path, "tokenizer.json")).token_to_id(eos)
+    try:
+        eos = eos_named("tokenizer_config.json")
+        if not isinstance(eos, str) or eos_named("special_tokens_map.json") not in (None, eos):
+            return None
+        token_id = RustTokenizer.from_file(os.path.join(path, "tokenizer.json")).token_to_id(eos)
+    except Exception:       # a damaged file: `Tokenizer(path)` reads it again and names it in its error
+        return None
     return None if token_id is None else (token_id,)
 
 
