@@ -133,6 +133,32 @@ def test_output_items_of_the_clients_parse_helper_dumped_without_aliases():
     assert "parsed" not in stored[1]["content"][0] and not {"async_", "parsed_arguments"} & set(stored[2])
 
 
+def test_input_items_sent_back_as_the_openai_client_lists_and_dumps_them():
+    """`input_items.list` gives the client's item types, whose `model_dump()` carries their fields this
+    server leaves out, as null (a text part's prompt_cache_breakpoint; created_by; an output's caller, name
+    and namespace): a conversation rebuilt from them is accepted, and those fields are not stored back."""
+    from openai.types.responses import (
+        ResponseFunctionToolCallItem, ResponseFunctionToolCallOutputItem, ResponseInputMessageItem)
+    message = ResponseInputMessageItem.model_validate({
+        "type": "message", "id": "msg_1", "role": "user", "status": "completed",
+        "content": [{"type": "input_text", "text": "weather?"}]})
+    call = ResponseFunctionToolCallItem.model_validate({"type": "function_call", "id": "fc_1", "call_id": "c1",
+                                                        "name": "f", "arguments": "{}", "status": "completed"})
+    output = ResponseFunctionToolCallOutputItem.model_validate({
+        "type": "function_call_output", "id": "fco_1", "call_id": "c1", "status": "completed",
+        "output": [{"type": "input_text", "text": "sunny"}]})
+    items = [item.model_dump(mode="json") for item in (message, call, output)]
+    assert "prompt_cache_breakpoint" in items[0]["content"][0] and "created_by" in items[1]
+    assert {"caller", "created_by", "name", "namespace"} <= set(items[2])
+    messages = _chat(items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"] and messages[2]["content"] == "sunny"
+    stored = ResponsesRequest.model_validate({"input": items}).input_items()
+    assert "prompt_cache_breakpoint" not in stored[0]["content"][0] and "created_by" not in stored[1]
+    assert not {"caller", "created_by", "name", "namespace"} & set(stored[2])
+    with pytest.raises(ValidationError, match="created_by"):
+        _chat([{**items[1], "created_by": "someone"}])
+
+
 def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     with pytest.raises(APIError, match="No tool call found for function call output with call_id 'nobody'") as e:
         _chat([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nobody", "output": "x"}])

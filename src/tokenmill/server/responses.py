@@ -38,6 +38,9 @@ class InputText(_Strict):
     logprobs: Any = None
     # the openai client's responses.parse() keeps the text it parsed beside it: the same data, not kept
     parsed: Any = Field(default=None, exclude=True)
+    # the client's field that this server's items leave out: null where a client sends back an item of
+    # `input_items.list` as the client dumps it
+    prompt_cache_breakpoint: None = None
 
 
 def _joined(text: str | list[InputText]) -> str:
@@ -76,6 +79,7 @@ class FunctionCallItem(_Strict):
     async_: None = Field(default=None, alias="async")
     caller: None = None
     namespace: None = None
+    created_by: None = None
     # the openai client's responses.parse() keeps the arguments it parsed beside them: the same data, not kept
     parsed_arguments: Any = Field(default=None, exclude=True)
 
@@ -90,6 +94,11 @@ class FunctionCallOutputItem(_Strict):
     output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
     id: str | None = None
     status: str | None = None
+    # as in MessageItem: the client's fields, null in the items of `input_items.list` as it dumps them
+    caller: None = None
+    created_by: None = None
+    name: None = None
+    namespace: None = None
 
     @field_validator("output", mode="before")
     @classmethod
