@@ -185,6 +185,26 @@ def test_errors_about_input_items_name_the_type_and_the_clients_field():
     assert "input.0.arguments: Field required" in error([{"type": "function_call", "call_id": "c", "name": "f"}])[0]
 
 
+def test_errors_about_tools_name_the_tool_type():
+    """A tool or tool_choice type other than a function (OpenAI's built-in tools, a custom or MCP tool, an
+    allowed_tools choice) is named, not reported as a function's missing name or the tool's own fields."""
+    from fastapi.exceptions import RequestValidationError
+    from tokenmill.server.errors import describe_validation_error
+
+    def error(**fields):
+        with pytest.raises(ValidationError) as e:
+            ResponsesRequest.model_validate({"input": "hi", **fields})
+        return describe_validation_error(RequestValidationError(e.value.errors()))
+    function = {"type": "function", "name": "f"}
+    message, param = error(tools=[function, {"type": "custom", "name": "apply_patch", "format": {"type": "text"}}])
+    assert message == "tool type 'custom' is not supported by tokenmill (only 'function')" and param == "tools"
+    assert "'web_search_preview' is not supported" in error(tools=[{"type": "web_search_preview"}])[0]
+    message, param = error(tools=[function], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": [function]})
+    assert "tool_choice type 'allowed_tools' is not supported" in message and param == "tool_choice"
+    assert ResponsesRequest.model_validate({"input": "hi", "tools": [function],
+                                            "tool_choice": {"type": "function", "name": "f"}}).tools
+
+
 def test_errors_name_the_responses_fields():
     fmt = {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}
     req = ResponsesRequest.model_validate({"input": "hi", **fmt})
