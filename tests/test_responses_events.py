@@ -168,6 +168,20 @@ def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
     assert e.value.param == "input"
 
 
+def test_an_item_of_the_previous_conversation_sent_again_is_400():
+    """With previous_response_id, an input item whose id the conversation holds already (a client that sends
+    back the previous output too) would reach the prompt twice: a 400 naming it, as OpenAI's."""
+    answer = {"type": "message", "id": "msg_out", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Hello.", "annotations": [], "logprobs": []}]}
+    history = ResponsesRequest.model_validate({"input": "hi"}).input_items() + [answer]
+    again = ResponsesRequest.model_validate({"input": [answer, {"role": "user", "content": "more"}]})
+    with pytest.raises(APIError, match="Duplicate item found with id 'msg_out'") as e:
+        again.as_chat(False, history)
+    assert e.value.status == 400 and e.value.param == "input"
+    follow = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "more", "id": "msg_new"}]})
+    assert [m["role"] for m in follow.as_chat(False, history).chat_messages()] == ["user", "assistant", "user"]
+
+
 def test_errors_about_input_items_name_the_type_and_the_clients_field():
     """An item type this server does not read is named (not a message's missing fields); an item's field
     path is the client's, without the union branch it was validated as."""

@@ -328,7 +328,14 @@ class ResponsesRequest(_Strict):
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         thinking = ""           # reasoning items' text, for the next assistant message
-        items = (_ITEMS.validate_python(list(history)) if history else []) + list(items)
+        earlier = _ITEMS.validate_python(list(history)) if history else []
+        # an item of the conversation sent again would reach the prompt twice (OpenAI's API refuses it too)
+        stored = {item.id for item in earlier if item.id is not None}
+        again = next((item.id for item in items if item.id is not None and item.id in stored), None)
+        if again is not None:
+            raise APIError(400, f"Duplicate item found with id {again!r}: the conversation of previous_response_id "
+                                "holds it already (send only the items that follow it)", "input")
+        items = earlier + list(items)
         calls = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
         for item in items:
             if isinstance(item, ReasoningItem):
