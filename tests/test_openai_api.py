@@ -586,6 +586,9 @@ def test_a_stored_responses_input_items_are_listed(api_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_items.list(r.id, limit=101)
     assert e.value.param == "limit" and "101" in e.value.message
+    bad = httpx.get(f"{api_server.url}/v1/responses/{r.id}/input_items", params={"limit": "ten"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    assert bad.json()["error"]["message"].startswith("limit: Input should be a valid integer")
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_missing")
 

@@ -120,11 +120,13 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 
 
 def _field_path(error: dict) -> list[str]:
-    """A validation error's location as the client's field path: without "body" and pydantic's union-branch
-    names ("str", "list[int]", "constrained-str", or a model's class name such as "NamedToolChoice": the
-    API's field names are lower case). An unknown field's own name, the location's last, is the client's
-    whatever it is."""
+    """A validation error's location as the client's field path: without "body" (or "query": a query
+    parameter's name is the client's field) and pydantic's union-branch names ("str", "list[int]",
+    "constrained-str", or a model's class name such as "NamedToolChoice": the API's field names are lower
+    case). An unknown field's own name, the location's last, is the client's whatever it is."""
     loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    if loc[:1] == ["query"] and len(loc) > 1:
+        loc = loc[1:]
     last = loc.pop() if loc and error.get("type") == "extra_forbidden" else None
     path = [x for x in loc if (x.isdigit() or x.isidentifier() and not x[0].isupper())
             and x not in ("str", "int", "float", "bool")]
