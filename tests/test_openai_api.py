@@ -520,9 +520,16 @@ def test_responses_are_stored_retrieved_continued_and_deleted(api_server):
     with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_1' not found") as e:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+    # OpenAI cancels only background responses, which this server refuses: a 400 for a stored one
+    with pytest.raises(openai.BadRequestError, match="only responses created with background: true") as e:
+        client.responses.cancel(first.id)
+    assert e.value.param == "response_id"
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.cancel(first.id)
+    assert e.value.code == "response_not_found"
     with pytest.raises(openai.BadRequestError, match=f"{first.id}.*no longer stored"):
         client.responses.create(model="tiny", input="x", previous_response_id=events[-1].response.id)
 

@@ -247,6 +247,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         items = response_store(serving, "response_id").input_items(response_id)
         return json_response(list_page(items, limit, order, after))
 
+    @app.post("/v1/responses/{response_id}/cancel", responses=LOOKUP)
+    async def cancel_response(response_id: str):
+        # OpenAI's API cancels only responses created with background: true, which this server refuses
+        response_store(serving, "response_id").get(response_id)
+        raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
+                       "background: true can be, and tokenmill answers every response in its request (close a "
+                       "stream to stop it)", "response_id")
+
     @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(response_id: str):
         response_store(serving, "response_id").delete(response_id)
