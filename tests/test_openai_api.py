@@ -598,6 +598,13 @@ def test_a_stored_responses_input_items_are_listed(api_server):
     assert bad.json()["error"]["message"].startswith("limit: Input should be a valid integer")
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_missing")
+    # a streamed response's items keep the ids they were given while it streamed
+    with client.responses.create(model="tiny", input="stream", max_output_tokens=200, temperature=1,
+                                 stream=True) as events:
+        rid = next(iter(events)).response.id
+        during = [item.id for item in client.responses.input_items.list(rid)]
+        assert [e.type for e in events][-1] in ("response.completed", "response.incomplete")
+    assert [item.id for item in client.responses.input_items.list(rid)] == during
 
 
 def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_server, hf_model, tokenizer, qwen3_dir,

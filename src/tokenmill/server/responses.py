@@ -502,11 +502,13 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         raise
     keep = serving.responses is not None and req.store is not False
     shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text)
+    # made once: the ids given to items that came without one are the same while a stream runs and after
+    input_items = req.input_items() if keep else []
 
     def done(body: dict) -> dict:
         if keep:
-            serving.responses.put(body, req.input_items()) if not req.stream else \
-                serving.responses.finish(body, req.input_items())
+            serving.responses.put(body, input_items) if not req.stream else \
+                serving.responses.finish(body, input_items)
         return body
 
     # the request has no return_tokens_as_token_ids of its own: the server's (--return-tokens-as-token-ids)
@@ -526,7 +528,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
 
     async def stream(merged):
         if keep:
-            serving.responses.put(shape.body("in_progress", []), req.input_items())
+            serving.responses.put(shape.body("in_progress", []), input_items)
         try:
             async for e in stream_events(merged):
                 yield e
