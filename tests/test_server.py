@@ -446,19 +446,22 @@ def test_backpressure_503_with_retry_after(small_server):
 
 def test_each_choice_counts_once_in_every_request_metric(small_server):
     """n=2: two sequences, as vLLM counts the n children of one request: two times to first token, two
-    latencies, two finishes, and a gap between tokens for every token after each one's first."""
+    latencies, two finishes, a gap between tokens for every token after each one's first, and the prompt
+    twice in prompt_tokens_total as in the request_prompt_tokens histogram."""
     def counts():
         page = httpx.get(small_server.url + "/metrics").text
         return [labelled(page, f"tokenmill:{name}") for name in (
             "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
             "inter_token_latency_seconds_count")] + [
-            labelled(page, "tokenmill:request_success_total", finished_reason="length")]
+            labelled(page, "tokenmill:request_success_total", finished_reason="length")] + [
+            labelled(page, f"tokenmill:{name}") for name in ("prompt_tokens_total", "request_prompt_tokens_sum")]
     small_server.wait_engine_idle()
     before = counts()
     r = httpx.post(small_server.url + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": "x", "max_tokens": 5, "n": 2, "ignore_eos": True})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
-    assert [a - b for a, b in zip(counts(), before)] == [2, 2, 8, 2]
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert [a - b for a, b in zip(counts(), before)] == [2, 2, 8, 2, 2 * prompt, 2 * prompt]
     small_server.wait_engine_idle()
 
 

@@ -274,8 +274,9 @@ class LLMEngine:
             req.resolve(step.positions[j], token)
             if req.first_token_time is None:
                 req.first_token_time = now
-                if req.index == 0:          # its prompt is computed: counted once a request, when prefilled
-                    self.num_prompt_tokens += req.num_prompt_tokens
+                # its prompt is computed: counted when prefilled, by each of n sequences as vLLM counts
+                # each child request's (so it matches the request_prompt_tokens histogram's sum)
+                self.num_prompt_tokens += req.num_prompt_tokens
                 if req.params.prompt_logprobs is not None and req.index == 0:
                     # a one-token prompt has nothing scored: its entries are still vLLM's [None]
                     report.prompt_logprobs.append((req.handle, req.prompt_logprobs or [None] * req.num_prompt_tokens))
