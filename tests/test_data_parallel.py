@@ -101,9 +101,9 @@ class FakeCore:
 def test_the_frontend_routes_follows_and_sums_its_cores():
     from tokenmill.engine.data_parallel import DataParallelLLM
     cores = [FakeCore({"num_running": 2, "num_total_blocks": 100, "num_free_blocks": 50, "kv_cache_usage": 0.5,
-                       "prompt_tokens": 10}),
+                       "prompt_tokens": 10, "iteration_tokens": [3, 0, 1]}),
              FakeCore({"num_running": 1, "num_total_blocks": 300, "num_free_blocks": 300, "kv_cache_usage": 0.0,
-                       "prompt_tokens": 5})]
+                       "prompt_tokens": 5, "iteration_tokens": [1, 2, 0]})]
     dp = DataParallelLLM(cores, BS)
     shared = list(range(100, 112))
     deaths = []
@@ -131,7 +131,7 @@ def test_the_frontend_routes_follows_and_sums_its_cores():
     assert held == [4, 4] and dp.loads == [0, 0] and not dp._owner
     assert cores[shared_core].aborted == ["s1"] and cores[1 - shared_core].aborted == ["d2"]
     assert stats["num_running"] == 3 and stats["prompt_tokens"] == 15 and stats["num_total_blocks"] == 400
-    assert stats["kv_cache_usage"] == 50 / 400
+    assert stats["kv_cache_usage"] == 50 / 400 and stats["iteration_tokens"] == [4, 2, 1]
     cores[1].dead = "engine core exited (EOFError)"
     cores[1].dead_callbacks[0](cores[1].dead)
     cores[0].dead_callbacks[0]("later")

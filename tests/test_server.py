@@ -465,6 +465,22 @@ def test_each_choice_counts_once_in_every_request_metric(small_server):
     small_server.wait_engine_idle()
 
 
+def test_iteration_tokens_counts_each_step_by_its_tokens(small_server):
+    """iteration_tokens_total, vLLM's histogram of tokens per engine step: one request alone (max_num_seqs
+    1) of 5 tokens is 5 steps, the first with its prompt and first token, then one token each."""
+    def histogram():
+        page = httpx.get(small_server.url + "/metrics").text
+        return [labelled(page, "tokenmill:iteration_tokens_total_" + part, **labels) for part, labels in (
+            ("count", {}), ("sum", {}), ("bucket", {"le": "1.0"}), ("bucket", {"le": "+Inf"}))]
+    small_server.wait_engine_idle()
+    before = [v or 0.0 for v in histogram()]
+    r = httpx.post(small_server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert [a - b for a, b in zip(histogram(), before)] == [5, prompt + 5, 4, 5]
+
+
 def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
     """schemathesis against the live OpenAPI schema, bounded in time: no 5xx, and every answer as the
     schema documents it (its status code, content type and headers), schema-violating bodies refused.

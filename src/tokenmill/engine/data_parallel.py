@@ -51,8 +51,9 @@ def core_configs(config, size: int) -> list:
 
 
 def aggregate_stats(parts: list[dict]) -> dict:
-    """All cores' stats as one core's: counts and tokens summed, usage as used over total blocks (so a
-    core with more blocks weighs more); `peak_blocks_used` is the sum of the cores' peaks."""
+    """All cores' stats as one core's: counts, tokens and histograms' bucket counts summed, usage as used
+    over total blocks (so a core with more blocks weighs more); `peak_blocks_used` is the sum of the cores'
+    peaks."""
     parts = [p for p in parts if p]
     if not parts:
         return {}
@@ -61,6 +62,8 @@ def aggregate_stats(parts: list[dict]) -> dict:
         for key, value in part.items():
             if key not in _RATIOS and isinstance(value, (int, float)):
                 out[key] = out.get(key, 0) + value
+            elif isinstance(value, list):          # a histogram's counts per bucket
+                out[key] = [a + b for a, b in zip(out.get(key) or [0] * len(value), value)]
     total = out.get("num_total_blocks", 0)
     out["kv_cache_usage"] = (total - out.get("num_free_blocks", 0)) / total if total else 0.0
     cpu = out.get("num_cpu_blocks", 0)

@@ -5,6 +5,7 @@ text, stop strings and cumulative outputs are built by the frontend (`OutputProc
 core which sequences a stop string ended (`stop_sequences`)."""
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.metrics import ITERATION_TOKENS_BUCKETS
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_outputs import StepOutputs, StepOutputsBuilder
@@ -82,6 +84,10 @@ class LLMEngine:
         self._report = StepOutputsBuilder()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # steps by their tokens (prompts counted as above, plus generated), one count per bucket of
+        # ITERATION_TOKENS_BUCKETS and a last one past them: vLLM's iteration_tokens_total
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         # overlap host work with the device: process each step after launching the next one
         self.overlap = True
         self._in_flight = None
@@ -262,6 +268,7 @@ class LLMEngine:
         # those came later (steps overlap); a step that samples nothing counts into the next one
         self.scheduler.observe_step(tokens, seqs, done - max(t_launch, self._last_fetch))
         self._last_fetch = done
+        counted = self.num_prompt_tokens + self.num_generation_tokens
         token_ids = host["token_ids"]
         lp = host.get("logprobs")
         now = time.time()
@@ -284,6 +291,10 @@ class LLMEngine:
             report.token(req.handle, req.index, token, None if lp is None or req.params.logprobs is None else
                          (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
             self._append(req, step.positions[j], token)
+        tokens = self.num_prompt_tokens + self.num_generation_tokens - counted
+        if tokens:                 # a step whose every row had finished while it ran samples nothing
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
+            self.iteration_tokens_sum += tokens
 
     def _append(self, req: Request, position: int, token: int) -> None:
         self.num_generation_tokens += 1
@@ -374,4 +385,6 @@ class LLMEngine:
             "swap_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.block_bytes,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            "iteration_tokens": list(self.iteration_tokens),
+            "iteration_tokens_sum": self.iteration_tokens_sum,
         }

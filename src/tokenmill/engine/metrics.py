@@ -11,11 +11,13 @@ come from the core's stats, the same in every process, so they are rendered by t
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,6 +27,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+# vLLM's bounds for the tokens of one engine step (the engine keeps the counts: engine.get_stats)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
 # the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
@@ -91,6 +96,16 @@ class _StatsCollector:
                 g = GaugeMetricFamily(alias, f"{doc} (tokenmill's {name}, under vLLM's name)", labels=["model_name"])
                 g.add_metric([self._model], float(stats[key]))
                 yield g
+        counts = stats.get("iteration_tokens")
+        if counts:
+            # per bucket in the engine's stats (the last past every bound), cumulative on the page
+            h = HistogramMetricFamily("tokenmill:iteration_tokens_total", "Tokens per engine step: the prompts "
+                                      "of the sequences it sampled a first token for, and the tokens it generated.",
+                                      labels=["model_name"])
+            bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+            h.add_metric([self._model], list(zip(bounds, itertools.accumulate(counts))),
+                         stats.get("iteration_tokens_sum", 0))
+            yield h
         for name, (doc, value) in self._extra().items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(value))
