@@ -1010,6 +1010,26 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     assert sample("tokenmill:e2e_request_latency_seconds_bucket", {"le": "7680.0"}) == 3
 
 
+def test_a_long_gap_between_tokens_reads_as_itself_in_the_inter_token_latency():
+    """A sequence preempted for 30 s between two tokens: its gap lands in the 40 s bucket (the buckets
+    reach 80 s, as vLLM's), not past the last bound, where every quantile would read that bound."""
+    from tokenmill.engine.async_engine import _Stream
+    from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    metrics = ServerMetrics("m", lambda: {})
+    stream = _Stream(n=1, arrival_time=100.0)
+
+    def out(tokens):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "x", tokens, None, None, None)], False,
+                             metrics=RequestMetrics(100.0, 100.0, 100.5))
+    metrics.observe_output(stream, out([5]), 100.5)
+    metrics.observe_output(stream, out([5, 6]), 130.5)
+    page = metrics.render().decode()
+    assert 'tokenmill:inter_token_latency_seconds_bucket{le="20.0",model_name="m"} 0.0' in page
+    assert 'tokenmill:inter_token_latency_seconds_bucket{le="40.0",model_name="m"} 1.0' in page
+
+
 def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     """vLLM's Grafana dashboard reads the prompt and generation lengths, prefill and decode times, the
     longest sequence and the n and max_tokens parameters: per finished sequence (an aborted one too),
