@@ -815,18 +815,20 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 e = LLMEngine(EngineConfig(model=sys.argv[1], device='cpu', num_kv_blocks=8))
 at_start = 'transformers' in sys.modules
+server_side = sorted(m for m in ('prometheus_client', 'fastapi') if m in sys.modules)
 eos = sorted(e.eos_token_ids)
 loaded = list(e.tokenizer.eos_token_ids)
 after = 'transformers' in sys.modules
 from tokenmill import LLM
 LLM(sys.argv[1], device='cpu', num_kv_blocks=8)
-print(json.dumps([at_start, eos, loaded, after, sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules)]))
+print(json.dumps([server_side, at_start, eos, loaded, after, sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules)]))
 """
 
 
 @pytest.fixture(scope="module")
 def fresh_engine_process(qwen3_dir) -> list:
-    """`FRESH_ENGINE_PROCESS`'s report: [transformers imported once the engine core is built, the core's
+    """`FRESH_ENGINE_PROCESS`'s report: [the server's packages imported by the engine core, transformers
+    imported once the engine core is built, the core's
     EOS ids, its tokenizer's once loaded, transformers imported then, torch._dynamo and sympy imported by
     the end]."""
     import subprocess
@@ -843,6 +845,12 @@ def test_building_the_engine_imports_neither_dynamo_nor_sympy(fresh_engine_proce
     (1.5 s of every engine process's start on the CPU machine); the loader allocates without them (an engine
     core and an `LLM` built in a fresh process, `fresh_engine_process`)."""
     assert fresh_engine_process[-1] == []
+
+
+def test_an_engine_core_imports_no_server_package(fresh_engine_process):
+    """A bare GPU machine has torch and Triton but not prometheus_client or FastAPI: the engine core and
+    its stats (the step-size histogram's counts included) stand without them."""
+    assert fresh_engine_process[0] == []
 
 
 def test_an_api_server_process_imports_neither_triton_nor_the_engine():
@@ -865,7 +873,7 @@ def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(fresh_eng
     tokenizes, starts without it. The id is the one transformers resolves; where the files leave it
     unclear the tokenizer is loaded at start, as before."""
     from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids
-    at_start, engine_eos, loaded_eos, after, _ = fresh_engine_process
+    _, at_start, engine_eos, loaded_eos, after, _ = fresh_engine_process
     eos = Tokenizer(qwen3_dir).eos_token_ids
     assert eos and plain_eos_ids(qwen3_dir) == eos and tuple(loaded_eos) == eos
     assert set(eos) <= set(engine_eos)

@@ -17,10 +17,9 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.metrics import ITERATION_TOKENS_BUCKETS
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.step_outputs import StepOutputs, StepOutputsBuilder
+from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS, StepOutputs, StepOutputsBuilder
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids, plain_eos_ids
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParamError, SamplingParams

@@ -19,6 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # up to two hours, as vLLM's request latency buckets reach: a long reasoning answer or a deep queue
@@ -29,8 +31,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
-# vLLM's bounds for the tokens of one engine step (the engine keeps the counts: engine.get_stats)
-ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
 # the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
+# vLLM's bounds for the tokens of one engine step: the core counts its steps into them (its stats) and
+# the frontend renders them (engine/metrics.py); here because neither side may import the other (the
+# core has no prometheus_client on a bare GPU machine, the API server no torch)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 _EMPTY_I64 = np.zeros(0, np.int64)
 _EMPTY_I32 = np.zeros(0, np.int32)
 
