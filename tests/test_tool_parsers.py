@@ -374,3 +374,18 @@ def test_required_schemas_keep_defs_and_definitions_of_one_name_apart():
     grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, "required")))
     assert accepts(grammar, '[{"name": "f", "arguments": {"i": 1, "s": "x"}}]')
     assert not accepts(grammar, '[{"name": "f", "arguments": {"i": "x", "s": 1}}]')
+
+
+def test_required_schemas_rename_refs_under_properties_named_like_data_keywords():
+    """A property (or a $defs entry) called "type", "enum" or "default" is a schema: its $refs were left
+    unrenamed as if they were data, and did not resolve once the tool's $defs moved (a pydantic tool with a
+    field `type: SomeEnum` was a 400 under "required")."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"Kind": {"enum": ["a", "b"]}, "enum": {"$ref": "#/$defs/Kind"}},
+        "properties": {"type": {"$ref": "#/$defs/Kind"}, "default": {"$ref": "#/$defs/enum"}},
+        "required": ["type", "default"]}}}]
+    grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, "required")))
+    assert accepts(grammar, '[{"name": "f", "arguments": {"type": "a", "default": "b"}}]')
+    assert not accepts(grammar, '[{"name": "f", "arguments": {"type": "c", "default": "b"}}]')

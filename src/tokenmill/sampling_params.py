@@ -37,7 +37,7 @@ def json_depth(value) -> int:
 _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef")
 # where a schema holds a map of names to schemas (any other object in a schema is walked as a schema)
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 # a schema's keys whose values are data or annotations, never schemas (no $ref in them resolves)
 SCHEMA_DATA_KEYS = ("const", "enum", "default", "examples", "discriminator", "required", "type")
 # keywords that constrain a value, which xgrammar drops beside anyOf / oneOf / allOf / $ref
@@ -115,7 +115,7 @@ def _check_schema(schema) -> None:
         for key, value in node.items():
             if key in SCHEMA_DATA_KEYS:
                 continue
-            if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            if key in SUBSCHEMA_MAPS and isinstance(value, dict):
                 todo.extend(value.values())
             elif key == "propertyNames" and isinstance(value, dict) and any(k in value for k in _STRING_ONLY):
                 todo.append({"type": "string", **value})     # a name is a string: xgrammar reads it as typed

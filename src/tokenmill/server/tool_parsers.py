@@ -32,7 +32,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from tokenmill.sampling_params import SCHEMA_DATA_KEYS
+from tokenmill.sampling_params import SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -276,6 +276,10 @@ def _rehome_refs(node, prefix: str):
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
+            if key in SUBSCHEMA_MAPS and isinstance(value, dict):
+                # names of schemas (a property called "type" or "enum"), never data
+                out[key] = {name: _rehome_refs(sub, prefix) for name, sub in value.items()}
+                continue
             if key in SCHEMA_DATA_KEYS:
                 out[key] = copy.deepcopy(value)
                 continue
