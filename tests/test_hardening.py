@@ -499,6 +499,25 @@ def test_max_queue_len_lets_that_many_requests_wait(slow_server):
     assert err["code"] == "queue_full" and "4" in err["message"]
 
 
+def test_a_pipelined_request_whose_client_left_is_aborted(slow_server):
+    """A request running with another pipelined behind it on its connection: uvicorn told only the last
+    request parsed that the client had gone, so the running one generated all its tokens (8 s here) for no
+    one, then wrote to the closed transport (an 'Exception in ASGI application'). It is aborted at once."""
+    s = slow_server
+    first = json.dumps({"prompt": "left", "max_tokens": 400, "ignore_eos": True}).encode()
+    second = json.dumps({"prompt": "behind", "max_tokens": 2}).encode()
+    conn = _connect(s)
+    conn.sendall(b"".join(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body) for body in (first, second)))
+    deadline = time.monotonic() + 30
+    while s.metrics()["tokenmill:num_requests_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    conn.close()
+    s.wait_engine_idle(timeout=3)
+    assert "Exception in ASGI application" not in s.log_path.read_text()
+
+
 # ----- 4: lone surrogates ---------------------------------------------------------------------------------
 
 def test_stream_interval_sends_tokens_that_many_a_chunk(slow_server):

@@ -79,6 +79,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     _body_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
     _stuck: tuple[float, int] | None = None     # (since when, unsent bytes) of a closing connection not flushing
+    _cycles: tuple = ()               # the requests parsed on the connection whose responses may be unfinished
     concurrency_limit: int | None = None         # limit_concurrency, checked here (uvicorn's check is turned off)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -219,17 +220,20 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_body_timer()
         # armed for every request; one without a body completes at once (on_message_complete)
         self._body_timer = self.loop.call_later(self.body_timeout, self._on_body_timeout)
+        previous = self.cycle
         # uvicorn's check of limit_concurrency, answered in the error shape (`_over_the_limit`)
         limit = self.concurrency_limit
         if limit is None or len(self.connections) < limit and len(self.tasks) < limit:
             super().on_headers_complete()
-            return
-        self.logger.warning("Exceeded concurrency limit.")
-        app, self.app = self.app, functools.partial(_over_the_limit, limit)
-        try:
-            super().on_headers_complete()
-        finally:
-            self.app = app
+        else:
+            self.logger.warning("Exceeded concurrency limit.")
+            app, self.app = self.app, functools.partial(_over_the_limit, limit)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        if self.cycle is not previous:
+            self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete] + [self.cycle]
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
@@ -255,4 +259,10 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._disarm_send_timer()
+        # uvicorn tells only the last request parsed that its client is gone: a pipelined request before it,
+        # still running, generated to its end for no one and then wrote to the closed transport
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
