@@ -878,6 +878,22 @@ def test_connections_beyond_the_limit_get_503(guarded):
     assert httpx.get(guarded.url + "/health", timeout=10).status_code == 200
 
 
+def test_a_burst_past_the_connection_limit_is_served_up_to_the_limit(guarded):
+    """60 connections open at once on a server with a limit of 40: every open connection counted, so the
+    requests got 503 until refusals had closed enough connections, the earliest connections' first (a burst
+    whose requests arrive together got 503 on every one). The 40 opened first are served, the others get 503."""
+    burst = [_connect(guarded) for _ in range(60)]
+    try:
+        time.sleep(0.2)                     # all accepted, well within the 1 s header timeout
+        for s in burst:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        statuses = [_read_until_closed(s, 5.0)[9:12] for s in burst]
+    finally:
+        for s in burst:
+            s.close()
+    assert statuses == [b"200"] * 40 + [b"503"] * 20, statuses
+
+
 # ----- 8, 9: strict types and one error shape ------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [("max_tokens", "10"), ("n", 1.0), ("stream", "yes"), ("logprobs", True),
                                          ("prompt", [True]), ("temperature", "0.5"), ("ignore_eos", 1)])

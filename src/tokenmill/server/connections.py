@@ -27,12 +27,15 @@ client read the 400 as that request's answer.
 
 A request past `limit_concurrency` (connections or requests) gets a 503 in the error shape that names the
 limit, with Retry-After, as the server's other 503s (uvicorn's was plain text, 'Service Unavailable').
+Connections rank by when they opened: a request is past the limit when `limit_concurrency` connections opened
+before its own are still open. uvicorn counted every open connection, so a burst that opened more than the
+limit got 503 on its earliest connections (on all of them when their requests came together).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
+import time
 from collections import deque
 
 import orjson
@@ -41,8 +44,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from tokenmill.server.errors import error_body
 
 
-class _HeadersTooLarge(Exception):
-    pass
+class _StopParsing(Exception):
+    """Raised in a parser callback once the request is refused; uvicorn's 400 for it is not sent
+    (send_400_response)."""
 
 
 def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeout: float,
@@ -54,16 +58,6 @@ def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeou
     Protocol.send_timeout = send_timeout
     Protocol.max_header_bytes = max_header_bytes
     return Protocol
-
-
-async def _over_the_limit(limit: int, scope, receive, send) -> None:
-    body = orjson.dumps(error_body(
-        503, f"The server is serving its limit of {limit} connections or requests (--limit-concurrency); "
-             "try again later.", code="too_many_connections"))
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class _GuardedProtocol(HttpToolsProtocol):
@@ -80,6 +74,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     _send_timer: asyncio.TimerHandle | None = None
     _stuck: tuple[float, int] | None = None     # (since when, unsent bytes) of a closing connection not flushing
     _cycles: tuple = ()               # the requests parsed on the connection whose responses may be unfinished
+    _opened = 0                       # when the connection was made (time.monotonic_ns)
     concurrency_limit: int | None = None         # limit_concurrency, checked here (uvicorn's check is turned off)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -138,6 +133,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def connection_made(self, transport) -> None:
+        self._opened = time.monotonic_ns()
         super().connection_made(transport)
         self._arm_header_timer()
 
@@ -165,7 +161,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._header_fields += n
         if self._header_fields > self.max_header_bytes:
             self._refuse_headers()
-            raise _HeadersTooLarge     # stops the parser; uvicorn's 400 for it is not sent (send_400_response)
+            raise _StopParsing
 
     def _refuse_headers(self) -> None:
         self._refuse(431, b"Request Header Fields Too Large",
@@ -179,16 +175,17 @@ class _GuardedProtocol(HttpToolsProtocol):
         if not self._refused:
             self._refuse(400, b"Bad Request", f"The request is not valid HTTP/1.1: {error}." if error else msg)
 
-    def _refuse(self, status: int, reason: bytes, message: str) -> None:
+    def _refuse(self, status: int, reason: bytes, message: str, code: str | None = None,
+                headers: bytes = b"") -> None:
         """Answers the request being parsed with an error and closes the connection, reading nothing more.
         The requests complete before it are answered first: the error is written once the last of their
-        responses is (`on_response_complete`)."""
+        responses is (`on_response_complete`). `headers`: more header lines, each ending in CRLF."""
         self._refused = True
         self._disarm_header_timer()
         self._disarm_body_timer()
-        body = orjson.dumps(error_body(status, message))
-        self._refusal = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                         b"connection: close\r\n\r\n" % (status, reason, len(body)) + body)
+        body = orjson.dumps(error_body(status, message, code=code))
+        self._refusal = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s"
+                         b"connection: close\r\n\r\n" % (status, reason, len(body), headers) + body)
         # the refused request's own cycle, where its headers were complete: queued, it is dropped unstarted
         refused = self.cycle if self.cycle is not None and self.cycle.more_body else None
         queued = len(self.pipeline)
@@ -220,20 +217,25 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_body_timer()
         # armed for every request; one without a body completes at once (on_message_complete)
         self._body_timer = self.loop.call_later(self.body_timeout, self._on_body_timeout)
-        previous = self.cycle
-        # uvicorn's check of limit_concurrency, answered in the error shape (`_over_the_limit`)
         limit = self.concurrency_limit
-        if limit is None or len(self.connections) < limit and len(self.tasks) < limit:
-            super().on_headers_complete()
-        else:
+        if limit is not None and self._past_the_limit(limit):
+            # answered here, not by a task running the app: the refusals' tasks of a burst counted as requests
+            # in flight and pushed the requests within the limit past it
             self.logger.warning("Exceeded concurrency limit.")
-            app, self.app = self.app, functools.partial(_over_the_limit, limit)
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
+            self._refuse(503, b"Service Unavailable", f"The server is serving its limit of {limit} connections "
+                         "or requests (--limit-concurrency); try again later.", "too_many_connections",
+                         b"retry-after: 1\r\n")
+            raise _StopParsing
+        previous = self.cycle
+        super().on_headers_complete()
         if self.cycle is not previous:
             self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete] + [self.cycle]
+
+    def _past_the_limit(self, limit: int) -> bool:
+        """Whether `limit` requests are in flight, or `limit` connections opened before this one are open."""
+        if len(self.tasks) >= limit:
+            return True
+        return len(self.connections) > limit and sum(c._opened < self._opened for c in self.connections) >= limit
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
