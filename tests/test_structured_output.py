@@ -388,3 +388,84 @@ def test_a_length_bounded_string_holds_no_raw_tab_where_json_allows_whitespace(l
         out = llm.generate(PROMPTS[0], constrained(json=schema, logit_bias={tab: 30}))[0].outputs[0]
         assert ended_by_grammar(out) and "\t" not in out.text, out.text
         jsonschema.validate(json.loads(out.text), schema)
+
+
+SLOW_REGEX, SLOW_GRAMMAR = "[a-z]{30}", "root ::= [a-z]{30}"
+
+
+@pytest.fixture
+def slow_fills(monkeypatch):
+    """Grammars of SLOW_REGEX and SLOW_GRAMMAR whose fill sleeps 150 ms (over MAX_FILL_SECONDS) from the sequence's 5th token
+    on, as an ambiguous grammar's fill grows with each token."""
+    import time
+
+    from tokenmill.engine.structured_output import StructuredOutputManager
+
+    class SlowMatcher:
+        def __init__(self, matcher):
+            self.matcher, self.accepted = matcher, 0
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+        def accept_token(self, token):
+            self.accepted += 1
+            return self.matcher.accept_token(token)
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            if self.accepted >= 5:
+                time.sleep(0.15)
+            return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    sequence_grammar = StructuredOutputManager.sequence_grammar
+
+    def slow(self, compiled, params=None):
+        grammar = sequence_grammar(self, compiled, params)
+        if compiled[1][1] in (SLOW_REGEX, SLOW_GRAMMAR):
+            grammar.matcher = SlowMatcher(grammar.matcher)
+        return grammar
+    monkeypatch.setattr(StructuredOutputManager, "sequence_grammar", slow)
+
+
+SLOW_MESSAGE = re.compile(r"^the (?:regex|grammar) took (\d[\d,]*) ms to compute the allowed tokens after 5 tokens; the limit is "
+                          r"100 ms a token: an ambiguous grammar grows its parse with every token; make it unambiguous$")
+
+
+def test_a_grammar_slower_than_the_limit_fails_its_request_alone(llm, slow_fills):
+    """An ambiguous grammar (root ::= (x | x x | x x x)*, x ::= ("a" | "aa" | [a-z]*)*) made xgrammar's fill
+    slower with every token (a second by token 180), on the host inside the engine step: every other
+    request stalled behind it, and a long max_tokens hung the server. A sequence whose fill takes over
+    MAX_FILL_SECONDS now fails its request at once, naming the time and the limit, with its blocks freed;
+    a plain request and a constrained one beside it finish as they would have."""
+    engine = llm.engine
+    slow = constrained(max_tokens=30, regex=SLOW_REGEX)
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    fine = constrained(max_tokens=30, regex="[a-z]{12}")
+    expected = [llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids for p in (plain, fine)]
+    handles = {engine.add_request(rid, [5, 6, 7], p): rid for rid, p in (("slow", slow), ("plain", plain),
+                                                                       ("fine", fine))}
+    tokens = {rid: [] for rid in handles.values()}
+    errors, finished = [], set()
+    while engine.has_unfinished_requests():
+        report = engine.step()
+        errors += engine.take_errors()
+        for handle, token in zip(report.handles.tolist(), report.tokens.tolist()):
+            tokens[handles[handle]].append(token)
+        finished |= {handles[f[0]] for f in report.finished}
+    assert [(rid, param) for rid, _, param in errors] == [("slow", "structured_outputs.regex")], errors
+    assert int(SLOW_MESSAGE.match(errors[0][1]).group(1).replace(",", "")) >= 150, errors[0][1]
+    assert len(tokens["slow"]) <= 6 and "slow" not in finished
+    assert [tokens["plain"], tokens["fine"]] == expected and finished == {"plain", "fine"}
+    assert not engine.groups and not engine.scheduler.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_grammar_slower_than_the_limit_is_an_error_of_generate(llm, slow_fills):
+    """Offline, `LLM.generate` raises the slow grammar's error and leaves no request in the engine."""
+    with pytest.raises(SamplingParamError, match=SLOW_MESSAGE) as e:
+        llm.generate(PROMPTS[:2], [constrained(max_tokens=30, regex=SLOW_REGEX), constrained(regex="[a-z]{12}")])
+    assert e.value.param == "structured_outputs.regex"
+    assert not llm.engine.groups and not llm.engine.scheduler.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.generate(PROMPTS[:1], constrained(regex="[a-z]{12}"))[0].outputs[0].finish_reason == "stop"
+

@@ -11,7 +11,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParamError, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -196,6 +196,9 @@ class LLM:
             if not self.engine.scheduler.has_unfinished():
                 raise RuntimeError(f"requests {sorted(pending)[:4]} were lost by the scheduler")
             outputs, stops = self.processor.process(self.engine.step(), time.time())
+            for rid, message, param in self.engine.take_errors():
+                if rid in pending:         # gone from the engine; `generate` aborts the others
+                    raise SamplingParamError(param, message) if param else ValueError(message)
             if stops:
                 self.engine.stop_sequences(stops)
             for out in outputs:

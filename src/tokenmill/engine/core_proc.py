@@ -187,6 +187,18 @@ class _Client:
                 raise error
         return bool(ready)
 
+    def failed(self, request_id: str) -> str | None:
+        """Forgets a request the engine failed (`LLMEngine.take_errors`, which names it with this client's
+        prefix) and returns the client's id for it; None if it is not this client's."""
+        if not request_id.startswith(self.prefix):
+            return None
+        rid = request_id[len(self.prefix):]
+        handle = self.handles.pop(rid, None)
+        if handle is None:
+            return None
+        del self.live[handle]
+        return rid
+
     def reported(self, outputs: StepOutputs) -> None:
         for handle, index, *_ in outputs.finished:
             self._finished(handle, index)
@@ -273,6 +285,7 @@ def _loop(engine, clients: list[_Client]) -> None:
     # reports engine_dead), not at the next request's collective
     workers = getattr(getattr(engine, "runner", None), "workers", None)
     exits = workers.exit_watch() if workers is not None else {}
+    take_errors = getattr(engine, "take_errors", None)      # engines without it (a test factory's) fail none
     while live:
         busy = engine.has_unfinished_requests()
         compiling = any(client.compiling for client in live.values())
@@ -300,6 +313,11 @@ def _loop(engine, clients: list[_Client]) -> None:
                 if client.add_compiled(engine, update):
                     updates[client] = update
         outputs = engine.step() if engine.has_unfinished_requests() else None
+        for rid, message, param in take_errors() if take_errors is not None else ():
+            for client in live.values():
+                if (local := client.failed(rid)) is not None:
+                    updates.setdefault(client, CoreUpdate()).errors.append((local, message, param))
+                    break
         parts = ([outputs] if num_clients == 1 else outputs.split(num_clients)) if outputs else None
         stats = engine.get_stats() if (updates or outputs or busy) else None
         if stats is not None and "num_waiting" in stats:

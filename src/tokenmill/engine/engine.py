@@ -91,6 +91,7 @@ class LLMEngine:
         self.overlap = True
         self._in_flight = None
         self._structured = None      # the StructuredOutputManager, built for the first constrained request
+        self._errors: list[tuple[str, str, str | None]] = []     # `take_errors`'
         self.ready_seconds = time.perf_counter() - t0
         startup_log.log_startup(self)
 
@@ -160,6 +161,13 @@ class LLMEngine:
             for seq in seqs or ():
                 if not seq.status.finished:
                     self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def take_errors(self) -> list[tuple[str, str, str | None]]:
+        """The requests the engine failed since the last call, as (request id, message, param): a grammar
+        slower than `MAX_FILL_SECONDS` a token. Each is gone from the engine, its blocks freed, as an abort
+        leaves it; its frontend fails it with the message (param: the field, as a SamplingParamError's)."""
+        errors, self._errors = self._errors, []
+        return errors
 
     def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
         """Finishes the given (request id, index) sequences, which a stop string ended in the frontend,
@@ -238,6 +246,8 @@ class LLMEngine:
             t_launch = time.perf_counter()
             launched = self.runner.execute(sched.requests, sched.num_new_tokens, previous, before_sample)
             launched.shape = (sched.total_tokens, len(sched.requests), t_launch)
+            if constrained:
+                self._fail_slow_grammars(sched.requests)
             self._keep_prompt_logprobs(launched.prompt_logprobs)
         self._in_flight = launched
         if previous is not None and not settled:
@@ -247,6 +257,19 @@ class LLMEngine:
             self._process(launched)
         report, self._report = self._report.build(), StepOutputsBuilder()
         return report
+
+    def _fail_slow_grammars(self, requests: list[Request]) -> None:
+        """Aborts the requests of which a sequence's grammar took over MAX_FILL_SECONDS to fill its mask in
+        the step just launched, before the next step is scheduled: each such fill stalls every request's
+        steps and an ambiguous grammar's grows with each token. That step's token is dropped (its request
+        is finished when the step is read)."""
+        from tokenmill.engine.structured_output import slow_fill_error
+        for req in requests:
+            if req.grammar is not None and req.grammar.slow_fill is not None and not req.status.finished:
+                error = slow_fill_error(req.grammar, req.params.structured_outputs.kind)
+                logger.warning("request %s failed: %s", req.parent_id, error)
+                self._errors.append((req.parent_id, str(error), error.param))
+                self.abort_request(req.parent_id)
 
     def _report_started(self, requests: list[Request]) -> None:
         """Reports each request's first scheduling (once, by its first sequence)."""

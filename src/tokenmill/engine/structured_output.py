@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,13 @@ MAX_SPEC_CHARS = 1_000_000
 # whitespace between JSON's tokens. The class of xgrammar's own unbounded strings replaces it.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+# One sequence's grammar may take at most this long on the host to compute one token's allowed tokens
+# (`SequenceGrammar.fill`). Fills run inside the engine step, so every other request waits on them. A JSON
+# schema's or a regex's fill takes well under a millisecond even on a 150k vocabulary; an ambiguous grammar
+# (root ::= (x | x x)* with x matching one text in several ways) grows its parse with every token, and its
+# fill with it (an 8k vocabulary, "a" after "a": 50 ms at token 20, 2.5 s at token 100) until the server
+# stalls. A sequence whose fill takes longer fails (`slow_fill`); sane grammars stay far below it.
+MAX_FILL_SECONDS = 0.1
 # The compiled grammars kept for reuse hold at most this many bytes together (besides `cache_size`
 # entries): the most recently used stay; one larger than this is used by its request and not kept.
 CACHE_BYTES = 1 << 30
@@ -141,7 +149,7 @@ class SequenceGrammar:
     block is open (`in_think`), and the first token may open one with `<think>`, unless the grammar itself
     begins with `<think>` (a client's regex or grammar that spells out the reasoning governs it too)."""
 
-    __slots__ = ("matcher", "keep", "open_tag", "close_tag", "thinking", "first")
+    __slots__ = ("matcher", "keep", "open_tag", "close_tag", "thinking", "first", "accepted", "slow_fill")
 
     def __init__(self, matcher, keep: torch.Tensor | None = None, think_tags: tuple[int, int] | None = None,
                  in_think: bool = False):
@@ -150,8 +158,11 @@ class SequenceGrammar:
         self.open_tag, self.close_tag = think_tags or (None, None)
         self.thinking = think_tags is not None and in_think       # inside the block: the grammar waits
         self.first = think_tags is not None and not in_think      # the next token may open a block
+        self.accepted = 0           # the sequence's tokens so far
+        self.slow_fill = None       # (seconds, tokens accepted before it) of a fill over MAX_FILL_SECONDS
 
     def accept(self, token_id: int) -> bool:
+        self.accepted += 1
         if self.thinking:
             self.thinking = token_id != self.close_tag
             return True
@@ -171,7 +182,11 @@ class SequenceGrammar:
             # thinking: any token; terminated while its next step was in flight: that token is dropped
             bitmask[row] = -1
             return
+        t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        seconds = time.perf_counter() - t0
+        if seconds > MAX_FILL_SECONDS and self.slow_fill is None:
+            self.slow_fill = (seconds, self.accepted)
         if self.keep is not None:
             bitmask[row] &= self.keep
         if self.first:
@@ -180,6 +195,15 @@ class SequenceGrammar:
                 self.first = False          # the grammar begins with <think>: it holds the reasoning too
             else:
                 bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)     # int32: bit 31 is the sign
+
+
+def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
+    """The error of a sequence whose grammar took over MAX_FILL_SECONDS for one token (`slow_fill`)."""
+    seconds, tokens = grammar.slow_fill
+    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} took {seconds * 1000:,.0f} ms to "
+                              f"compute the allowed tokens after {tokens} tokens; the limit is "
+                              f"{MAX_FILL_SECONDS * 1000:.0f} ms a token: an ambiguous grammar grows its parse "
+                              "with every token; make it unambiguous")
 
 
 class BatchBitmask:
