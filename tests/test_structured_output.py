@@ -469,3 +469,44 @@ def test_a_grammar_slower_than_the_limit_is_an_error_of_generate(llm, slow_fills
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert llm.generate(PROMPTS[:1], constrained(regex="[a-z]{12}"))[0].outputs[0].finish_reason == "stop"
 
+
+def test_a_grammar_slower_than_the_limit_is_the_requests_http_error(qwen3_dir, slow_fills):
+    """Served, the slow grammar's error is a 400 naming the request's field (guided_grammar) where nothing
+    was sent yet, the stream's error event where it had begun; a plain request beside them completes."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.server.app import build_app
+
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                                   max_model_len=256), in_process=True)
+    app = build_app(engine, served_model_names=["tiny"])
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 30, "temperature": 0}
+
+    async def main():
+        engine.attach()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t", timeout=60) as c:
+            async def streamed():
+                async with c.stream("POST", "/v1/completions", json={**body, "guided_regex": SLOW_REGEX,
+                                                                      "stream": True}) as r:
+                    return r.status_code, [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            answers = await asyncio.gather(
+                c.post("/v1/completions", json={**body, "guided_grammar": SLOW_GRAMMAR}), streamed(),
+                c.post("/v1/completions", json={**body, "max_tokens": 20, "ignore_eos": True}))
+        return answers, await engine.get_stats()
+    try:
+        (whole, (status, events), plain), stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert whole.status_code == 400, whole.text
+    error = whole.json()["error"]
+    assert SLOW_MESSAGE.match(error["message"]) and error["param"] == "guided_grammar", error
+    assert status == 200 and events[-1] == "data: [DONE]" and len(events) >= 3, events
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert SLOW_MESSAGE.match(error["message"]) and error["param"] == "guided_regex", error
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 20, plain.text
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats

@@ -299,17 +299,14 @@ class Serving:
         except BaseException as e:
             await _close_all(gens)
             self._end(entries)
-            error = _as_api_error(e)
-            if field_of is not None and isinstance(error, APIError):
-                error.param = field_of(error.param)
-            raise error
+            raise _as_api_error(e, field_of)
         finally:
             self.waiting -= len(prompts)
         if not stream:
             try:
                 finals = await _with_disconnect(raw, _last_outputs(gens, first))
             except BaseException as e:
-                raise _as_api_error(e)
+                raise _as_api_error(e, field_of)
             finally:
                 await _close_all(gens)
                 self._end(entries)
@@ -337,7 +334,7 @@ class Serving:
                 except Exception as e:
                     # the response has begun (status 200): an error ends the stream with an error event
                     # and, for chat and completions, [DONE], never a connection cut mid-body
-                    err = _as_api_error(e)
+                    err = _as_api_error(e, field_of)
                     if not isinstance(err, APIError):
                         logger.exception("a stream failed")
                         err = APIError(500, f"internal error: {type(e).__name__}")
@@ -383,7 +380,16 @@ def _in_flight(error: APIError) -> APIError:
     return error
 
 
-def _as_api_error(e: BaseException) -> BaseException:
+def _as_api_error(e: BaseException, field_of=None) -> BaseException:
+    """`e` as the HTTP error it answers; `field_of` (`run`'s) names the request's own field in its param: an
+    engine-side error (a grammar's) may come before the first output or after it."""
+    error = _api_error(e)
+    if field_of is not None and isinstance(error, APIError):
+        error.param = field_of(error.param)
+    return error
+
+
+def _api_error(e: BaseException) -> BaseException:
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
