@@ -200,7 +200,7 @@ class SequenceGrammar:
 def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
     """The error of a sequence whose grammar took over MAX_FILL_SECONDS for one token (`slow_fill`)."""
     seconds, tokens = grammar.slow_fill
-    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} took {seconds * 1000:,.0f} ms to "
+    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} took {seconds * 1000:,.1f} ms to "
                               f"compute the allowed tokens after {tokens} tokens; the limit is "
                               f"{MAX_FILL_SECONDS * 1000:.0f} ms a token: an ambiguous grammar grows its parse "
                               "with every token; make it unambiguous")
