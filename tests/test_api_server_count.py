@@ -79,6 +79,25 @@ def test_the_core_forgets_a_clients_request_once_each_sequence_has_ended():
     assert not client.handles and not client.live and not update.errors
 
 
+def test_a_request_the_engine_failed_goes_to_its_own_client_and_is_forgotten():
+    """A request the engine failed (`LLMEngine.take_errors`: a grammar over its time limit) is named with its
+    client's prefix: of two clients with the same request id, only the owner takes the error, by its own id,
+    and forgets the request."""
+    from tokenmill.engine.core_proc import _Client
+
+    class Engine:
+        def add_request(self, request_id, *args, **kw):
+            pass
+
+    engine, update = Engine(), CoreUpdate()
+    clients = [_Client(i, 2, conn=None) for i in range(2)]
+    for i, client in enumerate(clients):
+        client.apply(engine, AddRequest("r", [1], SamplingParams(), handle=i), update)
+    assert clients[0].failed("1:r") is None and clients[1].failed("1:r") == "r"
+    assert not clients[1].handles and not clients[1].live and clients[0].handles == {"r": 0}
+    assert clients[1].failed("1:r") is None and _Client(0, 1, conn=None).failed("r") is None
+
+
 def _updates(conn, until, timeout: float = 30.0) -> list[CoreUpdate]:
     """Reads the core's updates on `conn` until `until(update)` holds."""
     got = []
