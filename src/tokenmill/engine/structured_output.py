@@ -48,7 +48,7 @@ MAX_SPEC_CHARS = 1_000_000
 # whitespace between JSON's tokens. The class of xgrammar's own unbounded strings replaces it.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
-# One sequence's grammar may take at most this long on the host to compute one token's allowed tokens
+# One sequence's grammar may take at most this much host CPU time to compute one token's allowed tokens
 # (`SequenceGrammar.fill`). Fills run inside the engine step, so every other request waits on them. A JSON
 # schema's or a regex's fill takes well under a millisecond even on a 150k vocabulary; an ambiguous grammar
 # (root ::= (x | x x)* with x matching one text in several ways) grows its parse with every token, and its
@@ -182,9 +182,10 @@ class SequenceGrammar:
             # thinking: any token; terminated while its next step was in flight: that token is dropped
             bitmask[row] = -1
             return
-        t0 = time.perf_counter()
+        # the thread's CPU time: a fill descheduled on a busy host is not charged for the wait
+        t0 = time.thread_time()
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        seconds = time.perf_counter() - t0
+        seconds = time.thread_time() - t0
         if seconds > MAX_FILL_SECONDS and self.slow_fill is None:
             self.slow_fill = (seconds, self.accepted)
         if self.keep is not None:
