@@ -30,6 +30,16 @@ limit, with Retry-After, as the server's other 503s (uvicorn's was plain text, '
 Connections rank by when they opened: a request is past the limit when `limit_concurrency` connections opened
 before its own are still open. uvicorn counted every open connection, so a burst that opened more than the
 limit got 503 on its earliest connections (on all of them when their requests came together).
+
+A refusal written before the request's body is read (the 413 of a body over the limit, the 400, 431 and 503
+above) ends its connection with a lingering close, as nginx's. A socket closed with received bytes unread
+sends its client a reset, and an async client (httpx's, under the openai client) reads nothing until its
+upload is sent: the reset failed the upload and the client's transport dropped the answer unread (a
+ReadError every time, and the openai client sent the upload again). The write side is shut instead (the
+client reads the answer, then EOF), and what the client still sends is dropped unparsed until it closes,
+for at most `linger_timeout` seconds and `linger_bytes` bytes; then the connection is cut. Such a client sees
+the refusal only if the rest of its upload fits the byte bound: 4 MiB failed a 40 MB upload against the
+default limit of 32 MiB.
 """
 from __future__ import annotations
 
@@ -76,6 +86,12 @@ class _GuardedProtocol(HttpToolsProtocol):
     _cycles: tuple = ()               # the requests parsed on the connection whose responses may be unfinished
     _opened = 0                       # when the connection was made (time.monotonic_ns)
     concurrency_limit: int | None = None         # limit_concurrency, checked here (uvicorn's check is turned off)
+    linger_timeout: float = 2.0       # a lingering close's bounds: what a client still sends after a refusal
+    linger_bytes: int = 64 << 20
+    _in_message = False               # a request's first byte is parsed and its end is not: its bytes are unread
+    _lingering = False                # the write side is shut; what arrives is dropped until the connection ends
+    _discarded = 0                    # bytes dropped since the refusal
+    _linger_timer: asyncio.TimerHandle | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -135,10 +151,15 @@ class _GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         self._opened = time.monotonic_ns()
         super().connection_made(transport)
+        self._cycle_transport = _CycleTransport(self)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._lingering:
+            # never parsed: the request is answered, and the parser may be past an error
+            self._discarded += len(data)
+            if self._discarded > self.linger_bytes:
+                self.transport.abort()
             return
         # the header timer is armed exactly while a request's headers are incomplete (from the connection's
         # start, or the request's first byte, to on_headers_complete): a header line that does not end is
@@ -198,9 +219,43 @@ class _GuardedProtocol(HttpToolsProtocol):
     def _write_refusal(self) -> None:
         self.transport.write(self._refusal)
         self._refusal = None
-        self.transport.close()
+        self._linger()
+
+    def _close_after_response(self) -> None:
+        """A request cycle's close, after a response that ends the connection: lingers while the client may
+        still be sending (a request's bytes unread, or requests queued behind it)."""
+        if self._in_message or self.pipeline:
+            self._linger()
+        else:
+            self._close()
+
+    def _linger(self) -> None:
+        """Shuts the write side once what is written has gone, and drops what arrives until the client closes
+        (eof_received then closes the transport), `linger_timeout` passes or `linger_bytes` arrive. No response
+        follows: requests still unanswered on the connection see their client gone."""
+        if self._lingering or self.transport.is_closing():
+            return
+        self._lingering = True
+        self._disarm_header_timer()
+        self._disarm_body_timer()
+        self._unset_keepalive_if_required()
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        if self.transport.can_write_eof():      # not under TLS: there the client ends on the Content-Length
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(self.linger_timeout, self._on_linger_timeout)
+        self.flow.resume_reading()
+
+    def _on_linger_timeout(self) -> None:
+        self._linger_timer = None
+        self.transport.abort()
 
     def on_response_complete(self) -> None:
+        if self._lingering:               # the connection carries no more responses
+            self.server_state.total_requests += 1
+            return
         last = not self.pipeline          # else the next request queued starts now
         super().on_response_complete()
         if last and self._refusal is not None and not self.transport.is_closing():
@@ -208,6 +263,7 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._write_refusal()
 
     def on_message_begin(self) -> None:
+        self._in_message = True
         super().on_message_begin()
         self._header_bytes = self._header_fields = 0
         self._arm_header_timer()
@@ -229,6 +285,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         previous = self.cycle
         super().on_headers_complete()
         if self.cycle is not previous:
+            self.cycle.transport = self._cycle_transport
             self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete] + [self.cycle]
 
     def _past_the_limit(self, limit: int) -> bool:
@@ -238,6 +295,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         return len(self.connections) > limit and sum(c._opened < self._opened for c in self.connections) >= limit
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         self._disarm_body_timer()
         super().on_message_complete()
 
@@ -258,6 +316,9 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._abort()
 
     def connection_lost(self, exc) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._disarm_send_timer()
@@ -268,3 +329,25 @@ class _GuardedProtocol(HttpToolsProtocol):
                 cycle.disconnected = True
                 cycle.message_event.set()
         super().connection_lost(exc)
+
+
+class _CycleTransport:
+    """The connection's transport as its request cycles see it. uvicorn's cycle closes the connection after a
+    response that ends it (`Connection: close`: the 413, a 500); that close goes to the protocol, which lingers
+    where the request's body is unread."""
+    __slots__ = ("_protocol",)
+
+    def __init__(self, protocol: _GuardedProtocol):
+        self._protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self._protocol.transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._protocol.transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol._close_after_response()
+
+    def __getattr__(self, name: str):
+        return getattr(self._protocol.transport, name)
