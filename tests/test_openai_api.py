@@ -198,6 +198,20 @@ def test_messages_the_openai_clients_helpers_return_are_taken_back():
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
 
 
+def test_a_refusal_part_sent_back_reaches_the_template_as_text():
+    """OpenAI's assistant content may be a list of text and refusal parts (the openai client's
+    ChatCompletionContentPartRefusalParam): a refusal part is text to the template, as vLLM reads it, and a
+    part of another type is refused by its type."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}, {"type": "text", "text": "x"}]},
+        {"role": "user", "content": "ok"}]})
+    assert req.chat_messages()[1] == {"role": "assistant", "content": "I can't\nx"}
+    with pytest.raises(ValueError, match="a content part's type is 'text' or 'refusal'"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "video"}]}]})
+
+
 def test_a_call_without_arguments_reaches_the_template_as_an_empty_object():
     """A call sent back with empty `arguments` (a function without parameters, as some clients and servers
     write it) is a call with no arguments: the template gets {} (as vLLM gives it), not "", which a template

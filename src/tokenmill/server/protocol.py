@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -359,6 +359,27 @@ class TextPart(_Strict):
     text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
+class RefusalPart(_Strict):
+    """An assistant's refusal as OpenAI returns it and clients send it back: text to the template (vLLM's)."""
+    type: Literal["refusal"]
+    refusal: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+def _part_class(part) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "refusal": "RefusalPart"}.get(kind)
+
+
+# a part is read by its type alone; each branch is tagged by its class name, which error paths leave out
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("TextPart")], Annotated[RefusalPart, Tag("RefusalPart")]],
+                        Discriminator(_part_class, custom_error_type="invalid_content_part",
+                                      custom_error_message="a content part's type is 'text' or 'refusal'")]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str
@@ -378,7 +399,7 @@ class ToolCallParam(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
