@@ -179,7 +179,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
     if serving.reasoning_parser is not None:
         from tokenmill.server.reasoning import last_turn
         prompt_text = last_turn(prompt_text, serving.turn_markers)
-    prompt = serving.check_prompt(serving.truncate(prompt, params))
+    prompt = serving.check_prompt(serving.truncate(prompt, params), "messages")
     if tools is not None and req.tool_choice in (None, "auto") and serving.tool_parser is not None:
         # where the tokenizer marks the call tags as special tokens, skipping them would hide every call
         # from the parser (vLLM's rule: tools in use keep special tokens)

@@ -140,17 +140,18 @@ class Serving:
                            code="queue_full", headers={"Retry-After": "1"})
         self.waiting += num_prompts
 
-    def check_prompt(self, ids: list[int]) -> list[int]:
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """`param`: the request's field the prompt came from (a chat's is its messages)."""
         if not ids:
-            raise APIError(400, "The prompt is empty (0 tokens).", "prompt")
+            raise APIError(400, "The prompt is empty (0 tokens).", param)
         if len(ids) >= self.engine.max_model_len:
-            raise APIError(400, prompt_too_long(self.engine.max_model_len, len(ids)), "prompt",
+            raise APIError(400, prompt_too_long(self.engine.max_model_len, len(ids)), param,
                            "context_length_exceeded")
         if self.vocab_size is not None:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise APIError(400, f"Token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}.",
-                               "prompt")
+                               param)
         return ids
 
     def truncate(self, ids: list[int], params) -> list[int]:
