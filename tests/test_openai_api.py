@@ -298,6 +298,7 @@ def test_errors_name_what_the_client_sent(api_server):
         return r.json()["error"]
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert error("/v1/chat/completions", {**chat, "max_completion_tokens": 10 ** 6})["param"] == "max_completion_tokens"
+    assert error("/v1/completions", {"prompt": "x", "max_completion_tokens": 10 ** 6})["param"] == "max_completion_tokens"
     # a rendered chat longer than the context: the client sent messages, not a prompt
     err = error("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]})
     assert err["param"] == "messages" and err["code"] == "context_length_exceeded", err

@@ -190,8 +190,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         params.structured_outputs = dataclasses.replace(
             params.structured_outputs, think_tags=serving.think_tags,
             in_think=serving.reasoning_parser().starts_in_reasoning(prompt_text))
-    serving.check_room([prompt], params,
-                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    serving.check_room([prompt], params, req.max_tokens_field())
     return prompt_text, prompt, params
 
 

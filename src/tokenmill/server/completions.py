@@ -78,7 +78,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))
         for p in texts]
     # each choice starts with its prompt's logprobs (echo, prompt_logprobs)
-    serving.check_room(prompts, params, prompt_in_each_choice=True)
+    serving.check_room(prompts, params, req.max_tokens_field(), prompt_in_each_choice=True)
     n, k, as_ids = params.n, req.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
     rid, created = f"cmpl-{uuid.uuid4().hex}", now()

@@ -278,6 +278,10 @@ class _SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` reads, as refusals name it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def sampling_params(self, logprobs: int | None, defaults: dict | None = None, **overrides) -> SamplingParams:
         """Build the engine's parameters; raises ValueError naming a bad value and its limit. `defaults`:
         the fields a request that leaves them unset takes (`generation_config.sampling_defaults`)."""
