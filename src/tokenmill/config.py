@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.generation_config import parse_eos_ids
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
 
@@ -59,17 +60,6 @@ def _json_object(path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
-
-
-def parse_eos_ids(value: Any, source: str) -> tuple[int, ...]:
-    """An `eos_token_id` of config.json or generation_config.json (an id, a list of ids, or null) -> the ids;
-    `source` names the file in the error. A string or a negative number would never match a sampled token,
-    so generation would silently not stop there."""
-    ids = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"{source}'s eos_token_id must be a token id or a list of them (integers >= 0), "
-                         f"got {json.dumps(value)}")
-    return tuple(ids)
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:

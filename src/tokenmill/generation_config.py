@@ -5,12 +5,14 @@ of SamplingParams' own (temperature 1.0, no truncation). `vllm` keeps SamplingPa
 directory reads that directory's `generation_config.json`. `do_sample` is not read, as vLLM does not: a
 file that sets a temperature is taken to recommend it. `max_new_tokens` is not taken by the server: a
 request's token budget stays its own (the endpoint's default), so that no request is refused for a budget it
-never asked; the offline `LLM` takes it as max_tokens, as vLLM's does.
+never asked; the offline `LLM` takes it as max_tokens, as vLLM's does. The file's `eos_token_id` (and
+config.json's) is read by `parse_eos_ids`, for the engine's stop ids.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 # generation_config.json's keys that set the SamplingParams fields of the same names
 KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -54,6 +56,17 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None, bu
     except (TypeError, ValueError) as e:
         raise ValueError(f"the generation config's sampling defaults {found}: {e}") from None
     return found
+
+
+def parse_eos_ids(value: Any, source: str) -> tuple[int, ...]:
+    """An `eos_token_id` of config.json or generation_config.json (an id, a list of ids, or null) -> the ids;
+    `source` names the file in the error. A string or a negative number would never match a sampled token,
+    so generation would silently not stop there."""
+    ids = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{source}'s eos_token_id must be a token id or a list of them (integers >= 0), "
+                         f"got {json.dumps(value)}")
+    return tuple(ids)
 
 
 def read_file(path: str) -> dict:
