@@ -322,6 +322,118 @@ def test_tokenizer_equals_the_original(loaded, tok_md):
     assert text.prompt_token_ids == original.encode("Hello")
 
 
+# ---- Llama 3.1/3.2: llama3 RoPE scaling as a rope_freqs tensor ------------------------------------------
+
+# wavelengths 2*pi*theta^(2i/d) of 6 to 20,000 positions against 256 original ones: the frequencies
+# above high_freq_factor stay, those below low_freq_factor are divided by factor, the rest are blended
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0, "original_max_position_embeddings": 256}
+
+
+def llama3_checkpoint(directory, vocab: int):
+    """A tiny LlamaForCausalLM with llama3 RoPE scaling, saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False,
+                      initializer_range=0.2)      # peaked attention, so that a wrong rotation shows
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
+    """The checkpoint as llama.cpp's converter writes it: q/k permuted, and the llama3 scaling as
+    rope_freqs.weight, unscaled over scaled inverse frequency (transformers' own inv_freq as the scaled)."""
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if rope_freqs is None:
+        unscaled = 1.0 / (LLAMA3_ROPE["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rope_freqs = (unscaled / model.model.rotary_emb.inv_freq.double()).float().numpy()
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(LLAMA3_ROPE["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_eos_token_id(tok["eos"])
+    w.add_add_bos_token(False)
+    w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for key, value in model.state_dict().items():
+        value = value.float().numpy()
+        if key.startswith("model.layers."):
+            i, rest = key[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            name = f"blk.{i}.{names[module]}.{kind}"
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                value = _permute(value, cfg.num_attention_heads if module == "self_attn.q_proj"
+                                 else cfg.num_key_value_heads)
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[key]
+        w.add_tensor(name, np.ascontiguousarray(value))
+    _finish(w)
+
+
+@pytest.fixture(scope="module")
+def llama3(tok_md, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama3")
+    model = llama3_checkpoint(root / "hf", len(tok_md["tokens"]))
+    path = str(root / "llama3.gguf")
+    llama3_to_gguf(path, model, tok_md)
+    return model, path
+
+
+def test_llama3_rope_freqs_equal_transformers(llama3):
+    """A Llama 3.1-style GGUF (rope_freqs.weight) computes what transformers' LlamaForCausalLM computes
+    with rope_scaling llama3 on the checkpoint it was converted from: the same rotary frequencies, the
+    same prompt logprobs over chunked prefill, the same greedy tokens; without the divisors it would not."""
+    from transformers import LlamaForCausalLM
+    model, path = llama3
+    factors = np.asarray(ModelConfig.from_gguf(path).rope_scaling["freq_factors"])
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    assert ((factors > 1.01) & (factors < 7.99)).any()          # the blended band is exercised too
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=12)
+    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
+    ids = prompt + out.outputs[0].token_ids
+    unscaled = LlamaForCausalLM.from_pretrained(os.path.dirname(path) + "/hf", rope_parameters={
+        "rope_type": "default", "rope_theta": LLAMA3_ROPE["rope_theta"]}).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        plain = unscaled(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
+    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    wrong = plain[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    assert (wrong - want).abs().max() > 0.1
+
+
+def test_llama3_rope_freqs_of_another_length_are_refused(llama3, tmp_path):
+    model, _ = llama3
+    path = str(tmp_path / "short-freqs.gguf")
+    llama3_to_gguf(path, model, tiny_tokenizer_metadata(), rope_freqs=np.ones(7, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight of shape \(7,\); it must hold one divisor per "
+                                         r"rotary frequency, 8 for head_dim 16"):
+        ModelConfig.from_gguf(path)
+
+
 # ---- broken files ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,20 @@ def _json_object(path: str) -> dict[str, Any]:
     return value
 
 
+def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
+    """A GGUF file's `rope_freqs.weight`: the divisor of each rotary frequency (llama.cpp's converter writes
+    it for Llama 3.1/3.2's llama3 scaling, inv_freq / scaled inv_freq), head_dim / 2 positive numbers."""
+    t = file.tensors["rope_freqs.weight"]
+    if tuple(t.shape) != (head_dim // 2,):
+        raise ValueError(f"GGUF file {file.path!r} has rope_freqs.weight of shape {tuple(reversed(t.shape))}; "
+                         f"it must hold one divisor per rotary frequency, {head_dim // 2} for head_dim {head_dim}")
+    factors = file.read("rope_freqs.weight").double()
+    if not bool(factors.isfinite().all() and (factors > 0).all()):
+        raise ValueError(f"GGUF file {file.path!r} has rope_freqs.weight values that are not positive and "
+                         f"finite ({factors.tolist()[:8]}...)")
+    return tuple(factors.tolist())
+
+
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
     """A dtype or its name -> the dtype; None -> float32."""
     import torch
@@ -230,8 +244,10 @@ class ModelConfig:
             raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
                              "supported: none, linear")
         if "rope_freqs.weight" in file.tensors:
-            raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight (llama3-style RoPE "
-                             "scaling), which tokenmill does not read from GGUF")
+            if scaling is not None:
+                raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight and "
+                                 f"{arch}.rope.scaling.type={scaling_type!r}; tokenmill reads one RoPE scaling")
+            scaling = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(file, head_dim)}
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
         if not vocab:
             vocab = int(file.tensors["token_embd.weight"].shape[1])

@@ -28,6 +28,8 @@ _LAYER = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# tensors that ModelConfig.from_gguf reads into the config (not parameters): Llama 3's RoPE divisors
+CONFIG_TENSORS = ("rope_freqs.weight",)
 _LAYER_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -56,6 +58,8 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
     """`(hf_key, read)` pairs for `fill.fill_parameters`; `read()` dequantizes one tensor."""
     permute = file.architecture == "llama"
     for name in file.tensor_names:
+        if name in CONFIG_TENSORS:
+            continue
         key = hf_name(name)
         heads = None
         if permute and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
