@@ -7,11 +7,9 @@ import torch
 from torch import nn
 
 
-# the scaled kinds read here, and the keys each reads; "freq_factors" is a GGUF file's rope_freqs tensor
-# (ModelConfig.from_gguf): one divisor per rotary frequency, the llama3 scaling already evaluated
+# the scaled kinds of config.json read here, and the keys each reads
 _SCALING_KEYS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                 "freq_factors": ("freq_factors",)}
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -19,14 +17,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
-    if kind not in _SCALING_KEYS:
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(_SCALING_KEYS)}")
     if kind == "freq_factors":
+        # a GGUF file's rope_freqs tensor (ModelConfig.from_gguf): one divisor per rotary frequency, the
+        # llama3 scaling already evaluated by the converter
         factors = torch.tensor(scaling["freq_factors"], dtype=torch.float64)
         if factors.shape != inv.shape or not bool(torch.isfinite(factors).all() and (factors > 0).all()):
             raise ValueError(f"RoPE freq_factors must be {inv.numel()} positive finite numbers (one per rotary "
                              f"frequency of head_dim {head_dim}); got {tuple(factors.shape)} values")
         return inv / factors
+    if kind not in _SCALING_KEYS:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(_SCALING_KEYS)}")
     missing = [k for k in _SCALING_KEYS[kind] if not isinstance(scaling.get(k), (int, float)) or scaling[k] <= 0]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} needs {', '.join(_SCALING_KEYS[kind])} as positive "
