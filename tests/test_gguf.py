@@ -330,6 +330,25 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 8.0, "original_max_position_embeddings": 256}
 
 
+# a Llama 3 chat template, in the shape of Meta's (header tokens, eot after each message)
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def llama3_tokenizer_metadata() -> dict:
+    """The bundled tiny vocabulary and merges with Llama 3's special tokens after them, read with Llama 3's
+    split (llama-bpe); EOS is <|eot_id|>, as in an Instruct model's file. "(len" is a token no merge
+    reaches: only Llama 3's split (punctuation joins the letters after it) and its whole-piece lookup give it."""
+    tok = tiny_tokenizer_metadata()
+    n = len(tok["tokens"])
+    tok.update(tokens=tok["tokens"] + LLAMA3_SPECIALS + ["(len"],
+               types=tok["types"] + [3] * len(LLAMA3_SPECIALS) + [1],
+               pre="llama-bpe", bos=n, eos=n + 4, template=LLAMA3_TEMPLATE)
+    return tok
+
+
 def llama3_checkpoint(directory, vocab: int):
     """A tiny LlamaForCausalLM with llama3 RoPE scaling, saved by transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -364,12 +383,14 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
     w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(tok["bos"])
     w.add_eos_token_id(tok["eos"])
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(True)
+    w.add_chat_template(tok["template"])
     w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -391,24 +412,25 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama3(tok_md, tmp_path_factory):
+def llama3(tmp_path_factory):
+    tok = llama3_tokenizer_metadata()
     root = tmp_path_factory.mktemp("llama3")
-    model = llama3_checkpoint(root / "hf", len(tok_md["tokens"]))
+    model = llama3_checkpoint(root / "hf", len(tok["tokens"]))
     path = str(root / "llama3.gguf")
-    llama3_to_gguf(path, model, tok_md)
-    return model, path
+    llama3_to_gguf(path, model, tok)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=12)
+    return model, path, tok, llm
 
 
 def test_llama3_rope_freqs_equal_transformers(llama3):
     """A Llama 3.1-style GGUF (rope_freqs.weight) computes what transformers' LlamaForCausalLM computes
-    with rope_scaling llama3 on the checkpoint it was converted from: the same rotary frequencies, the
-    same prompt logprobs over chunked prefill, the same greedy tokens; without the divisors it would not."""
+    with rope_scaling llama3 on the checkpoint it was converted from: the same prompt logprobs over
+    chunked prefill, the same greedy tokens; without the divisors it would not."""
     from transformers import LlamaForCausalLM
-    model, path = llama3
+    model, path, _, llm = llama3
     factors = np.asarray(ModelConfig.from_gguf(path).rope_scaling["freq_factors"])
     assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
     assert ((factors > 1.01) & (factors < 7.99)).any()          # the blended band is exercised too
-    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=12)
     prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
     ids = prompt + out.outputs[0].token_ids
@@ -426,12 +448,65 @@ def test_llama3_rope_freqs_equal_transformers(llama3):
 
 
 def test_llama3_rope_freqs_of_another_length_are_refused(llama3, tmp_path):
-    model, _ = llama3
+    model, _, tok, _ = llama3
     path = str(tmp_path / "short-freqs.gguf")
-    llama3_to_gguf(path, model, tiny_tokenizer_metadata(), rope_freqs=np.ones(7, dtype=np.float32))
+    llama3_to_gguf(path, model, tok, rope_freqs=np.ones(7, dtype=np.float32))
     with pytest.raises(ValueError, match=r"rope_freqs\.weight of shape \(7,\); it must hold one divisor per "
                                          r"rotary frequency, 8 for head_dim 16"):
         ModelConfig.from_gguf(path)
+
+
+def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
+    """llama-bpe reads as transformers' tokenizer of the same vocabulary and merges with Llama 3's split
+    (the pattern of transformers' TikTokenConverter, which converts Meta's Llama 3 tokenizer) and Llama 3's
+    tokenizer.json around it: whole-token lookup before merges, BOS <|begin_of_text|>; a chat renders the
+    file's template with one BOS and stops on <|eot_id|>."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    _, path, tok, llm = llama3
+    pattern = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
+    bos = LLAMA3_SPECIALS[0]
+    tj = {"version": "1.0", "truncation": None, "padding": None,
+          "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True}
+                           for i, t in enumerate(tok["tokens"]) if tok["types"][i] == 3],
+          "normalizer": None,
+          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+              {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+              {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+          "post_processor": {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {bos: {"id": bos, "ids": [tok["bos"]], "tokens": [bos]}}},
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                    "vocab": {t: i for i, t in enumerate(tok["tokens"])},
+                    "merges": [m.split(" ", 1) for m in tok["merges"]]}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token=bos)
+    ours = llm.get_tokenizer()
+    texts = ["Hello world! What's the capital of France?", "I'M sure they'RE here, we'll see; it'd do",
+             "1 12 123 1234 12345678 3.14159 -42,000", "  two  spaces\n\n\ttab   \n  \r\n end  ",
+             "从前有一座山，山上有一座庙。日本語のテキスト", "emoji 🎉🎉 and ÅÉÎ accents", "x" * 40 + "!!!???...",
+             "def f(x):\n    return x**2  # sq", "print(len(items)); self.value=$HOME/.config", "<|eot_id|> in text <|begin_of_text|>", ""]
+    for text in texts:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == bos + text
+    assert ours.encode("1234567")[1:] == [ref.convert_tokens_to_ids(t) for t in ref.tokenize("1234567")]
+    assert all(len(p) <= 3 for p in ref.tokenize("1234567"))          # digits split in threes
+    chat = [{"role": "user", "content": "Hi there"}]
+    ids = ours.encode_chat(chat)
+    assert ids == ref.encode(ref.apply_chat_template(chat, chat_template=LLAMA3_TEMPLATE, tokenize=False,
+                                                     add_generation_prompt=True, bos_token=bos),
+                             add_special_tokens=False)
+    assert ids.count(tok["bos"]) == 1
+    assert tok["tokens"].index("(len") in ours.encode("print(len(items))")
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, logit_bias={tok["eos"]: 100.0}))[0]
+    assert out.outputs[0].token_ids == [tok["eos"]] and out.outputs[0].finish_reason == "stop"
 
 
 # ---- broken files ------------------------------------------------------------------------------------
