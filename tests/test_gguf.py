@@ -468,6 +468,12 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
     _, path, tok, llm = llama3
     pattern = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
     bos = LLAMA3_SPECIALS[0]
+
+    def first(type_id):
+        return {"SpecialToken": {"id": bos, "type_id": type_id}}
+
+    def text(name, type_id):
+        return {"Sequence": {"id": name, "type_id": type_id}}
     tj = {"version": "1.0", "truncation": None, "padding": None,
           "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                             "normalized": False, "special": True}
@@ -476,10 +482,8 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
           "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
               {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
               {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-          "post_processor": {"type": "TemplateProcessing",
-                             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+          "post_processor": {"type": "TemplateProcessing", "single": [first(0), text("A", 0)],
+                             "pair": [first(0), text("A", 0), first(1), text("B", 1)],
                              "special_tokens": {bos: {"id": bos, "ids": [tok["bos"]], "tokens": [bos]}}},
           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
@@ -491,8 +495,9 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
     ours = llm.get_tokenizer()
     texts = ["Hello world! What's the capital of France?", "I'M sure they'RE here, we'll see; it'd do",
              "1 12 123 1234 12345678 3.14159 -42,000", "  two  spaces\n\n\ttab   \n  \r\n end  ",
-             "从前有一座山，山上有一座庙。日本語のテキスト", "emoji 🎉🎉 and ÅÉÎ accents", "x" * 40 + "!!!???...",
-             "def f(x):\n    return x**2  # sq", "print(len(items)); self.value=$HOME/.config", "<|eot_id|> in text <|begin_of_text|>", ""]
+             "从前有一座山，山上有一座庙。日本語のテキスト", "emoji 🎉🎉 and ÅÉÎ accents",
+             "x" * 40 + "!!!???...", "def f(x):\n    return x**2  # sq",
+             "print(len(items)); self.value=$HOME/.config", "<|eot_id|> in text <|begin_of_text|>", ""]
     for text in texts:
         assert ours.encode(text) == ref.encode(text), text
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == bos + text
