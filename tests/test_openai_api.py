@@ -533,6 +533,15 @@ def test_responses_are_stored_retrieved_continued_and_deleted(api_server):
     assert (resent.output_text, resent.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(resent.id)
+    # item_reference: the stored items by id, as if sent again
+    asked = client.responses.input_items.list(first.id).data[0]
+    refs = [{"type": "item_reference", "id": item.id} for item in [asked, *first.output]]
+    referenced = client.responses.create(model="tiny", max_output_tokens=6, temperature=0, store=False,
+                                         input=[*refs, {"role": "user", "content": "and then?"}])
+    assert (referenced.output_text, referenced.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
+    with pytest.raises(openai.BadRequestError, match="Item with id 'msg_gone' not found") as e:
+        client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_gone"}])
+    assert e.value.param == "input"
     events = list(client.responses.create(model="tiny", input="stream", previous_response_id=second.id,
                                           max_output_tokens=4, temperature=0, stream=True))
     assert client.responses.retrieve(events[-1].response.id).model_dump() == events[-1].response.model_dump()

@@ -36,9 +36,9 @@ def test_the_store_drops_the_least_recently_used_past_its_bytes():
 
 
 def test_the_stores_bytes_are_what_the_process_holds():
-    """20,000 entries of ~1 KB: the process's resident memory grows by about the bytes the store counts
-    (1.25x measured: the dict and the allocator's headers), not by the ~5x that orjson's own bytes held.
-    In a fresh interpreter, so that no free memory of other tests absorbs the entries."""
+    """20,000 entries of ~1 KB, two items with ids each: the process's resident memory grows by about the bytes
+    the store counts (1.2x measured: the dict and the allocator's headers; the item index counted, 1.8x had it
+    not been), not by the ~5x that orjson's own bytes held. In a fresh interpreter, so that no free memory of other tests absorbs the entries."""
     import subprocess
     import sys
     script = """
@@ -50,8 +50,10 @@ def rss():
 store, text = ResponseStore(), "alpha beta gamma " * 20
 before = rss()
 for i in range(20_000):
-    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
-    store.put({"id": f"resp_{i:032x}", "output": output, "previous_response_id": None}, [{"content": text}])
+    output = [{"type": "message", "id": f"msg_{i:032x}", "role": "assistant",
+               "content": [{"type": "output_text", "text": text}]}]
+    store.put({"id": f"resp_{i:032x}", "output": output, "previous_response_id": None},
+              [{"id": f"msg_{i:032x}_in", "content": text}])
 print((rss() - before) / store.nbytes)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -124,3 +126,38 @@ def test_a_streamed_response_is_kept_from_its_start():
     with pytest.raises(APIError):
         store.get("s")
     assert not store.in_progress("s") and store.nbytes == len(store._entries["r"][0])
+
+
+def test_items_are_read_back_by_id_from_the_latest_response_holding_them(monkeypatch):
+    """What item_reference reads: an input or output item of a stored response, by id. An item held by two
+    responses (sent again) stays readable while either is kept; one no kept response holds is a 400 naming it,
+    whether deleted or dropped past the bound; referenced items holding more than a prompt may are a 400."""
+    store = ResponseStore(max_bytes=10_000)
+
+    def put(rid: str, question: dict, answer_id: str) -> None:
+        answer = {"type": "message", "id": answer_id, "role": "assistant",
+                  "content": [{"type": "output_text", "text": f"answer {rid}"}]}
+        store.put({"id": rid, "output": [answer], "previous_response_id": None}, [question])
+    question = {"type": "message", "id": "msg_q", "role": "user", "content": [{"type": "input_text", "text": "q"}]}
+    put("r0", question, "msg_a0")
+    put("r1", question, "msg_a1")
+    found = store.items(["msg_a0", "msg_q", "msg_a0"])
+    assert found == {"msg_a0": store.get("r0")["output"][0], "msg_q": question}
+    store.delete("r1")
+    assert store.items(["msg_q"])["msg_q"] == question
+    store.delete("r0")
+    with pytest.raises(APIError, match="Item with id 'msg_q' not found") as e:
+        store.items(["msg_q"])
+    assert (e.value.status, e.value.param) == (400, "input")
+    for i in range(40):                       # past the bound: the oldest go, and their items with them
+        long = [{"type": "input_text", "text": "x" * 500}]
+        put(f"s{i}", {**question, "id": f"msg_q{i}", "content": long}, f"msg_s{i}")
+    kept = list(store._entries)
+    assert "s0" not in kept and store.items([f"msg_s{kept[0][1:]}"])
+    with pytest.raises(APIError, match="'msg_s0' not found"):
+        store.items(["msg_s0"])
+    assert sorted(store._holders) == sorted(f"msg_{kind}{rid[1:]}" for rid in kept for kind in ("q", "s"))
+    monkeypatch.setattr(response_store, "CONVERSATION_MAX_BYTES", 2_000)
+    with pytest.raises(APIError, match="more than 2,000 bytes") as e:
+        store.items([f"msg_q{kept[-1][1:]}"] * 4)
+    assert e.value.param == "input"

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.server.errors import APIError
-from tokenmill.server.responses import ResponsesRequest, _EventStream
+from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.responses import ResponsesRequest, _EventStream, resolve_references
 
 
 def _lp(token: str) -> dict:
@@ -182,6 +183,42 @@ def test_an_item_of_the_previous_conversation_sent_again_is_400():
     assert [m["role"] for m in follow.as_chat(False, history).chat_messages()] == ["user", "assistant", "user"]
 
 
+def test_item_references_read_the_stored_items():
+    """An item_reference (type optional, as OpenAI's) becomes the stored item it names, an input or output item
+    of a stored response: in the prompt and in the stored input, with its id, as if sent again; so an item the
+    conversation of previous_response_id holds is a duplicate. An unknown id, or any with several API server
+    processes (nothing stored), is a 400 naming it."""
+    from types import SimpleNamespace
+    store = ResponseStore()
+    first = ResponsesRequest.model_validate({"input": "weather?"})
+    answer = {"type": "message", "id": "msg_out", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Sunny.", "annotations": [], "logprobs": []}]}
+    asked = first.input_items()
+    store.put({"id": "resp_1", "output": [answer], "previous_response_id": None}, asked)
+    serving = SimpleNamespace(responses=store)
+    req = ResponsesRequest.model_validate({"input": [{"type": "item_reference", "id": asked[0]["id"]},
+                                                     {"id": "msg_out"}, {"role": "user", "content": "and then?"}]})
+    resolved = resolve_references(serving, req)
+    messages = resolved.as_chat(False).chat_messages()
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "weather?"), ("assistant", "Sunny."), ("user", "and then?")]
+    assert [item["id"] for item in resolved.input_items()[:2]] == [asked[0]["id"], "msg_out"]
+    assert resolved.input_items()[1] == answer
+    follow = resolve_references(serving, ResponsesRequest.model_validate({"input": [{"id": "msg_out"}],
+                                                                          "previous_response_id": "resp_1"}))
+    with pytest.raises(APIError, match="Duplicate item found with id 'msg_out'"):
+        follow.as_chat(False, store.conversation("resp_1"))
+    unknown = ResponsesRequest.model_validate({"input": [{"type": "item_reference", "id": "msg_gone"}]})
+    with pytest.raises(APIError, match="Item with id 'msg_gone' not found") as e:
+        resolve_references(serving, unknown)
+    assert (e.value.status, e.value.param) == (400, "input")
+    with pytest.raises(APIError, match="Item with id 'msg_out' not found: responses are not stored with "
+                                       "--api-server-count above 1") as e:
+        resolve_references(SimpleNamespace(responses=None),
+                           ResponsesRequest.model_validate({"input": [{"id": "msg_out"}]}))
+    assert (e.value.status, e.value.param) == (400, "input")
+
+
 def test_errors_about_input_items_name_the_type_and_the_clients_field():
     """An item type this server does not read is named (not a message's missing fields); an item's field
     path is the client's, without the union branch it was validated as."""
@@ -192,8 +229,8 @@ def test_errors_about_input_items_name_the_type_and_the_clients_field():
         with pytest.raises(ValidationError) as e:
             ResponsesRequest.model_validate({"input": items})
         return describe_validation_error(RequestValidationError(e.value.errors()))
-    message, param = error([{"type": "item_reference", "id": "msg_1"}])
-    assert "'item_reference' is not supported" in message and param == "input"
+    message, param = error([{"type": "web_search_call", "id": "ws_1"}])
+    assert "'web_search_call' is not supported" in message and param == "input"
     assert error([{"role": "user", "content": "hi", "name": "bob"}]) == (
         "Unknown or unsupported field(s): input.0.name", "input.0.name")
     assert "input.0.arguments: Field required" in error([{"type": "function_call", "call_id": "c", "name": "f"}])[0]

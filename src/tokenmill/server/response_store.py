@@ -13,12 +13,17 @@ whose responses is gone cannot be continued (a 400 naming it). A streamed respon
 done, its finished body replaces it unless it was deleted meanwhile, and a stream that fails or is cut leaves
 nothing.
 
+An input item may name an item of a stored response instead of carrying it (`item_reference`): `items` reads
+it back through an index from each item id to the responses holding it (an item sent again, or read back by a
+reference, is held by each response whose input it joined).
+
 One API server process keeps what it made: with several (`--api-server-count`), a request may reach
 another, so none stores (server/app.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import orjson
 
@@ -29,14 +34,29 @@ MAX_BYTES = 256 * 2 ** 20
 # a conversation longer than this (its JSON) could not pass the prompt's own bound, and reading it back
 # runs on the event loop
 CONVERSATION_MAX_BYTES = 4 * MAX_PROMPT_CHARS
+# what the index holds for each item id of an entry (its string, its holders list, its slot in the dict): ~235
+# bytes measured on CPython 3.11, counted with the entry so that the bound still counts what the process holds
+ITEM_INDEX_BYTES = 240
+
+
+class _Entry(NamedTuple):
+    blob: bytes                 # {"body": ..., "input": [...]} as JSON
+    conversation_bytes: int     # what its items add to a conversation (`_conversation_bytes`)
+    item_ids: tuple[str, ...]   # the ids of its input and output items, as `_holders` lists it
+
+    def nbytes(self) -> int:
+        return len(self.blob) + ITEM_INDEX_BYTES * len(self.item_ids)
 
 
 class ResponseStore:
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[str, tuple[bytes, int]] = OrderedDict()   # id -> (JSON, conversation bytes)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._in_progress: set[str] = set()
+        # item id -> the stored responses holding an item with that id, latest stored last; an entry is listed
+        # under each of its `item_ids` for as long as it is kept
+        self._holders: dict[str, list[str]] = {}
 
     def put(self, body: dict, input_items: list[dict]) -> None:
         """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
@@ -44,17 +64,20 @@ class ResponseStore:
         # a copy of orjson's bytes, which keep the capacity its writer grew to (an entry of ~1 KB held ~4 KB
         # more of the heap), so that the bound counts what the process holds
         blob = bytes(memoryview(orjson.dumps({"body": body, "input": input_items})))
-        if len(blob) > self.max_bytes:
+        items = input_items + body["output"]
+        item_ids = tuple(dict.fromkeys(item["id"] for item in items if isinstance(item.get("id"), str)))
+        entry = _Entry(blob, _conversation_bytes(items), item_ids)
+        if entry.nbytes() > self.max_bytes:
             return
         self.discard(body["id"])
-        self._entries[body["id"]] = (blob, _conversation_bytes(input_items + body["output"]))
+        self._entries[body["id"]] = entry
+        for item_id in item_ids:
+            self._holders.setdefault(item_id, []).append(body["id"])
         if body.get("status") == "in_progress":
             self._in_progress.add(body["id"])
-        self.nbytes += len(blob)
+        self.nbytes += entry.nbytes()
         while self.nbytes > self.max_bytes:
-            old_id, (old, _) = self._entries.popitem(last=False)
-            self.nbytes -= len(old)
-            self._in_progress.discard(old_id)
+            self.discard(next(iter(self._entries)))
 
     def finish(self, body: dict, input_items: list[dict]) -> None:
         """Replaces the in-progress entry of `body`'s response with `body`, unless it was deleted."""
@@ -64,8 +87,14 @@ class ResponseStore:
     def discard(self, response_id: str) -> None:
         self._in_progress.discard(response_id)
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.nbytes -= len(entry[0])
+        if entry is None:
+            return
+        self.nbytes -= entry.nbytes()
+        for item_id in entry.item_ids:
+            holders = self._holders[item_id]
+            holders.remove(response_id)
+            if not holders:
+                del self._holders[item_id]
 
     def in_progress(self, response_id: str) -> bool:
         return response_id in self._in_progress
@@ -82,7 +111,7 @@ class ResponseStore:
         if entry is None:
             raise not_found(response_id)
         self._entries.move_to_end(response_id)
-        return orjson.loads(entry[0])
+        return orjson.loads(entry.blob)
 
     def delete(self, response_id: str) -> None:
         if response_id not in self._entries:
@@ -100,7 +129,7 @@ class ResponseStore:
                            "stored (deleted, or dropped as the oldest past the store's bound); send the "
                            "conversation as 'input' instead.")
                 raise APIError(400, message, "previous_response_id", "previous_response_not_found")
-            blob, items_bytes = stored
+            blob, items_bytes, _ = stored
             size += items_bytes
             if size > CONVERSATION_MAX_BYTES:
                 raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
@@ -113,6 +142,32 @@ class ResponseStore:
             chain.append(entry)
             rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]
+
+    def items(self, item_ids: list[str]) -> dict[str, dict]:
+        """The stored items with these ids (an input or output item of a stored response, of the latest stored
+        that holds one), by id: what `item_reference` input items name. An id that no stored response holds is a
+        400 naming it (OpenAI's wording), as are items that together hold more than a conversation may."""
+        found: dict[str, dict] = {}
+        read: dict[str, dict[str, dict]] = {}       # response id -> its items by id, each entry decoded once
+        size = 0
+        for item_id in item_ids:
+            if item_id not in found:
+                holders = self._holders.get(item_id)
+                if not holders:
+                    raise APIError(400, f"Item with id {item_id!r} not found: no stored response holds it (items "
+                                        "of responses created with store false are not kept, nor those of a "
+                                        "response deleted or dropped past the store's bound).", "input")
+                rid = holders[-1]
+                if rid not in read:
+                    self._entries.move_to_end(rid)
+                    entry = orjson.loads(self._entries[rid].blob)
+                    read[rid] = {item.get("id"): item for item in entry["input"] + entry["body"]["output"]}
+                found[item_id] = read[rid][item_id]
+            size += _conversation_bytes([found[item_id]])
+            if size > CONVERSATION_MAX_BYTES:
+                raise APIError(400, f"the items that 'input' references hold more than {CONVERSATION_MAX_BYTES:,} "
+                               "bytes, more than one prompt may", "input")
+        return found
 
 
 def _conversation_bytes(items: list[dict]) -> int:

@@ -1,12 +1,12 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path.
 
 The request becomes a chat conversation (`instructions` first, as the system message; message,
-function_call and function_call_output items as messages), rendered by the same template, decoded
-under the same constraints and parsed by the same reasoning and tool-call parsers. The output is a
-list of items: a `reasoning` item (with --reasoning-parser), a `message` with its `output_text`, and a
-`function_call` per tool call. A response is stored unless the request says `store: false`
-(server/response_store.py): `previous_response_id` continues its conversation, and `GET` / `DELETE
-/v1/responses/{id}` reach it.
+function_call and function_call_output items as messages; an item_reference as the stored item it names),
+rendered by the same template, decoded under the same constraints and parsed by the same reasoning and
+tool-call parsers. The output is a list of items: a `reasoning` item (with --reasoning-parser), a `message`
+with its `output_text`, and a `function_call` per tool call. A response is stored unless the request says
+`store: false` (server/response_store.py): `previous_response_id` continues its conversation, an
+item_reference reads one of its items, and `GET` / `DELETE /v1/responses/{id}` reach it.
 """
 from __future__ import annotations
 
@@ -155,17 +155,27 @@ def _unwrap(blob) -> str | None:
         return None
 
 
+class ItemReference(_Strict):
+    """An item of a stored response (its request's input or its output) named by id instead of sent again;
+    OpenAI's type is optional, so an item of nothing but an id is one too. `resolve_references` replaces it
+    with the stored item before the request is read."""
+    type: Literal["item_reference"] | None = None
+    id: str
+
+
 _ITEM_ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 # the input item types this server reads; a message may also leave its type out
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
 _ITEM_CLASSES = {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem",
-                 "reasoning": "ReasoningItem"}
+                 "reasoning": "ReasoningItem", "item_reference": "ItemReference"}
 
 
 def _item_kind(item) -> str:
     kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    if kind is None and isinstance(item, dict) and "id" in item and item.keys() <= {"id", "type"}:
+        return "ItemReference"
     return _ITEM_CLASSES.get(kind, "MessageItem")
 
 
@@ -175,6 +185,7 @@ def _item_kind(item) -> str:
 InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("FunctionCallItem")],
                             Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
                             Annotated[ReasoningItem, Tag("ReasoningItem")],
+                            Annotated[ItemReference, Tag("ItemReference")],
                             Annotated[MessageItem, Tag("MessageItem")]], Discriminator(_item_kind)]
 _ITEMS = TypeAdapter(list[InputItem])
 # the chat request's fields (`ResponsesRequest.as_chat`) that this API calls otherwise
@@ -252,8 +263,8 @@ class ResponsesRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _known_item_types(cls, items):
-        """A 400 naming an item type this server does not read (OpenAI's built-in tools' calls, item
-        references), rather than one listing the fields a message would need."""
+        """A 400 naming an item type this server does not read (OpenAI's built-in tools' calls), rather than
+        one listing the fields a message would need."""
         for item in items if isinstance(items, list) else ():
             kind = item.get("type") if isinstance(item, dict) else None
             if isinstance(kind, str) and kind not in ITEM_TYPES:
@@ -336,6 +347,8 @@ class ResponsesRequest(_Strict):
             raise APIError(400, f"Duplicate item found with id {again!r}: the conversation of previous_response_id "
                                 "holds it already (send only the items that follow it)", "input")
         items = earlier + list(items)
+        if any(isinstance(item, ItemReference) for item in items):
+            raise TypeError("item references are resolved (resolve_references) before the request is read")
         calls = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
         for item in items:
             if isinstance(item, ReasoningItem):
@@ -469,6 +482,27 @@ def response_store(serving: Serving, param: str) -> ResponseStore:
     return serving.responses
 
 
+def resolve_references(serving: Serving, req: ResponsesRequest) -> ResponsesRequest:
+    """`req` with each item_reference in its input replaced by the stored item it names, which then reaches the
+    prompt, the duplicate check against previous_response_id's conversation and the stored input as if sent."""
+    if not isinstance(req.input, list):
+        return req
+    refs = [item.id for item in req.input if isinstance(item, ItemReference)]
+    if not refs:
+        return req
+    if serving.responses is None:
+        raise APIError(400, f"Item with id {refs[0]!r} not found: responses are not stored with --api-server-count "
+                            "above 1 (a later request may reach another API server process); send the item "
+                            "itself instead of an item_reference", "input")
+    found = serving.responses.items(refs)
+    try:
+        resolved = iter(_ITEMS.validate_python([found[ref] for ref in refs]))
+    except ValidationError as e:
+        raise APIError(400, f"input: a referenced item cannot be read back: {e}", "input") from None
+    items = [next(resolved) if isinstance(item, ItemReference) else item for item in req.input]
+    return req.model_copy(update={"input": items})
+
+
 def list_page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
     """OpenAI's cursor page over `items` (oldest first): `limit` (1-100) of them in `order` ("asc" oldest
     first, "desc" newest first), starting after the item whose id is `after`."""
@@ -491,6 +525,7 @@ def list_page(items: list[dict], limit: int, order: str, after: str | None) -> d
 
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
     serving.check_model(req.model)
+    req = resolve_references(serving, req)
     history = []
     if req.previous_response_id is not None:
         history = response_store(serving, "previous_response_id").conversation(req.previous_response_id)
