@@ -352,6 +352,33 @@ def test_a_field_of_another_union_branch_is_named_with_what_is_missing():
     assert param == "tool_choice.name"
 
 
+def test_a_tool_of_another_type_than_function_is_named():
+    """Chat tools and tool_choice of a type other than a function (a custom tool, a built-in one, an
+    allowed_tools choice) are refused by their type, as the Responses endpoint refuses them (one shared check),
+    not with a function's missing fields and the tool's own fields called unknown."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from tokenmill.server.errors import describe_validation_error
+    from tokenmill.server.protocol import ChatCompletionRequest, TokenizeRequest
+    function = {"type": "function", "function": {"name": "f"}}
+
+    def error(cls=ChatCompletionRequest, **fields):
+        with pytest.raises(ValidationError) as e:
+            cls.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+        return describe_validation_error(RequestValidationError(e.value.errors()))
+    custom = {"type": "custom", "custom": {"name": "apply_patch", "format": {"type": "text"}}}
+    assert error(tools=[function, custom]) == ("tool type 'custom' is not supported by tokenmill (only 'function')",
+                                               "tools")
+    assert error(tools=[{"type": "web_search"}])[0].startswith("tool type 'web_search' is not supported")
+    assert error(TokenizeRequest, tools=[custom])[0].startswith("tool type 'custom' is not supported")
+    message, param = error(tools=[function], tool_choice={"type": "allowed_tools",
+                                                          "allowed_tools": {"mode": "auto", "tools": [function]}})
+    assert "tool_choice type 'allowed_tools' is not supported" in message and param == "tool_choice"
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [function],
+                                                 "tool_choice": {"type": "function", "function": {"name": "f"}}})
+
+
 def test_required_schemas_leave_data_that_looks_like_a_ref_alone():
     """A const (or enum, default, examples) holding a "$ref" key is data: moving the tools' $defs rewrote
     it, so the output no longer matched the tool's own schema."""

@@ -493,6 +493,27 @@ def check_function_parameters(params: dict | None) -> dict | None:
     return params
 
 
+def function_tools_only(tools):
+    """A request's tools as given, unless one is of a type this server does not run (OpenAI's built-in tools,
+    custom and MCP tools): then a 400 naming that type, rather than one listing the fields a function would need
+    or calling the tool's own fields unknown. Chat completions and Responses alike."""
+    for tool in tools if isinstance(tools, list) else ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise UnsupportedValue("tools", f"tool type {kind!r} is not supported by tokenmill (only 'function')")
+    return tools
+
+
+def function_choice_only(choice):
+    """A tool_choice as given, unless it is an object of a type other than a function (allowed_tools, a custom or
+    built-in tool): then a 400 naming that type, as `function_tools_only` does for a tool."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if isinstance(kind, str) and kind != "function":
+        raise UnsupportedValue("tool_choice", f"tool_choice type {kind!r} is not supported by tokenmill (only "
+                                              "'none', 'auto', 'required' or a function by name)")
+    return choice
+
+
 class FunctionDefinition(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
@@ -580,6 +601,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = False
     honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
 
+    _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
+    _function_choice_only = field_validator("tool_choice", mode="before")(function_choice_only)
+
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
@@ -630,6 +654,8 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     documents: list[dict[str, str]] | None = None
     return_token_strs: bool | None = False
+
+    _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
 
     @model_validator(mode="after")
     def _one_input(self):

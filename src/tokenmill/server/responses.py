@@ -23,7 +23,7 @@ from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, rea
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
     INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue,
-    _Strict, check_function_parameters, refuse_media_parts,
+    _Strict, check_function_parameters, function_choice_only, function_tools_only, refuse_media_parts,
 )
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
@@ -272,25 +272,8 @@ class ResponsesRequest(_Strict):
                                                 f"{', '.join(map(repr, ITEM_TYPES))})")
         return items
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _function_tools_only(cls, tools):
-        """A 400 naming a tool type this server does not run (OpenAI's built-in tools, custom and MCP tools),
-        rather than one listing the fields a function would need or the tool's own fields as unknown."""
-        for tool in tools if isinstance(tools, list) else ():
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind != "function":
-                raise UnsupportedValue("tools", f"tool type {kind!r} is not supported by tokenmill (only 'function')")
-        return tools
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _function_choice_only(cls, choice):
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            raise UnsupportedValue("tool_choice", f"tool_choice type {kind!r} is not supported by tokenmill (only "
-                                                  "'none', 'auto', 'required' or a function by name)")
-        return choice
+    _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
+    _function_choice_only = field_validator("tool_choice", mode="before")(function_choice_only)
 
     @model_validator(mode="after")
     def _check(self):
