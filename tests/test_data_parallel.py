@@ -27,6 +27,9 @@ def test_block_hashes_chain_the_full_blocks_only():
     assert len(a) == 2 and a == b                         # the partial third block is not hashed
     assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], BS)[1] != a[1]    # a block's hash covers its parent's
     assert block_hashes([1, 2, 3], BS) == []
+    # a salted prompt's chain starts from its salt, as the cores' prefix caches do
+    salted = block_hashes(list(range(10)), BS, "s")
+    assert salted == block_hashes(list(range(10)), BS, "s") and not set(salted) & set(a)
 
 
 def test_a_shared_prefix_stays_on_its_core_until_it_is_too_loaded():

@@ -929,6 +929,24 @@ def test_the_sequences_of_n_share_the_prompts_blocks(llm):
     assert after["num_free_blocks"] == after["num_total_blocks"]
 
 
+def test_requests_of_different_cache_salts_share_no_prefix_cache_block(llm):
+    """vLLM's cache_salt: the salt is mixed into the first block's hash, which every later block's hash
+    chains, so a prompt run under one salt is a miss under another (or none) and a hit under the same."""
+    engine = llm.engine
+    prompt = list(range(300, 332))                   # 32 tokens: 7 full blocks before the last token
+    params = dict(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def hits(salt) -> int:
+        before = engine.get_stats()["prefix_cache_hits"]
+        llm.generate([prompt], SamplingParams(**params, cache_salt=salt))
+        return engine.get_stats()["prefix_cache_hits"] - before
+    assert hits("tenant-a") == 0
+    assert hits("tenant-b") == 0 and hits(None) == 0
+    assert hits("tenant-a") == 28 and hits("tenant-b") == 28 and hits(None) == 28
+    with pytest.raises(ValueError, match="^cache_salt must be a non-empty string, got ''"):
+        SamplingParams(cache_salt="")
+
+
 def test_reset_prefix_cache(llm):
     """vLLM's LLM.reset_prefix_cache: a prompt run before is computed from its first token again; refused
     (False, the cache kept) while a request is unfinished."""

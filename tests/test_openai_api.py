@@ -274,6 +274,23 @@ def test_documents_reach_the_template_as_vllm_passes_them(tokenizer_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents", bad.text
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(api_server):
+    """vLLM's cache_salt, on chat and completions: a prompt cached under one salt is not served from the
+    cache under another; an empty salt is refused by name."""
+    def cached(path: str, body: dict, salt: str | None) -> int:
+        body = {**body, "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})}
+        r = httpx.post(api_server.url + path, timeout=60, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    for path, body in (("/v1/completions", {"prompt": "salted prefix caching, completions " * 3}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "salted chat " * 8}]})):
+        assert cached(path, body, "s1") == 0
+        assert cached(path, body, "s2") == 0 and cached(path, body, None) == 0
+        assert cached(path, body, "s1") > 0
+        r = httpx.post(api_server.url + path, timeout=60, json={**body, "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_what_would_change_the_result_is_still_refused(api_server):
     for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={

@@ -247,6 +247,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: a secret mixed into the hash of the prompt's first block (so into every block's, through the
+    # chain): requests of different salts share no prefix-cache block, so one tenant cannot learn from its
+    # time to first token whether another's prompt began as its own did (a cache-timing side channel)
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict)
     # vLLM's fields taken where they change nothing here (other values are refused, naming the field):
     # best_of None or n, detokenize True, no logits_processors. spaces_between_special_tokens either way: the
@@ -365,6 +369,8 @@ class SamplingParams:
         if self.logits_processors:
             bad("logits_processors", self.logits_processors, "None or empty: per-request logits processors are not "
                 "run (logit_bias, allowed_token_ids, bad_words and structured_outputs are)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt", self.cache_salt, "a non-empty string")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", self.extra_args, "a dict")
 

@@ -8,7 +8,9 @@ Invariants (checked by `check_invariants`, exercised by property tests):
   the parent's hash, so equal hashes mean equal prefixes. A hit is still verified against the stored
   tokens and parent hash. The chain starts from a random value of each block manager: Python's hash of a
   tuple of ints is the same in every process, so without it a client could compute a prefix's hashes and
-  craft one whose chain collides with another client's prefix (vLLM's CVE-2025-25183).
+  craft one whose chain collides with another client's prefix (vLLM's CVE-2025-25183). A request with a
+  `cache_salt` starts its chain from the root hashed with its salt instead, so requests of different salts
+  (or one salted and one not) never share a block, while those of one salt share as any others do.
 - `cached` maps a hash to the one block registered under it; a free block that is hashed stays
   reusable until it is evicted. Free blocks are evicted least-recently-freed first (LRU), and a
   request's blocks are freed tail first, so the ends of prefixes go before their beginnings.
@@ -84,7 +86,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        return self._cached_prefix(tokens, (len(tokens) - 1) // self.block_size)
+        return self._cached_prefix(tokens, (len(tokens) - 1) // self.block_size, self._root(request))
+
+    def _root(self, request: Request) -> int:
+        """The parent hash of the request's first block: the manager's root, mixed with its salt if it has one."""
+        salt = request.params.cache_salt
+        return self.root_hash if salt is None else hash((self.root_hash, salt))
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Counts one admitted request's lookup (its tokens, those the cache held): a request that waits
@@ -92,11 +99,12 @@ class BlockManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_cached
 
-    def _cached_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
-        """The cached blocks holding `tokens`' first full blocks, at most `max_blocks` of them."""
+    def _cached_prefix(self, tokens: list[int], max_blocks: int, root: int) -> list[int]:
+        """The cached blocks holding `tokens`' first full blocks, at most `max_blocks` of them, in the chain
+        that starts from `root` (`_root`)."""
         bs = self.block_size
         hits: list[int] = []
-        parent = self.root_hash
+        parent = root
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash((parent, chunk))
@@ -191,7 +199,7 @@ class BlockManager:
         hits = []
         if self.enable_prefix_caching:
             full = min(len(cpu), request.num_computed_tokens // self.block_size)
-            hits = self._cached_prefix(request.all_token_ids, full)
+            hits = self._cached_prefix(request.all_token_ids, full, self._root(request))
         self._take_cached(request, hits)
         pairs = [(c, self._take_free_block()) for c in cpu[len(hits):]]
         request.block_ids = hits + [g for _, g in pairs]
@@ -214,7 +222,7 @@ class BlockManager:
         if len(hashes) >= full:
             return
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else self.root_hash
+        parent = hashes[-1] if hashes else self._root(request)
         for i in range(len(hashes), full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash((parent, chunk))

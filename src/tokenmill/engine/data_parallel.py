@@ -179,7 +179,7 @@ class DataParallelLLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
-        index = self.router.choose(ids, self.loads)
+        index = self.router.choose(ids, self.loads, getattr(params, "cache_salt", None))
         self._owner[request_id] = index
         self.loads[index] += 1
         gen = self.cores[index].generate(request_id, prompt, params, priority, arrival_time, carries_tools,

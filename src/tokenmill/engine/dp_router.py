@@ -15,9 +15,10 @@ from collections import OrderedDict
 DEFAULT_MAX_ENTRIES = 100_000
 
 
-def block_hashes(prompt: list[int], block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks (a partial last block is not hashed)."""
-    hashes, parent = [], None
+def block_hashes(prompt: list[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of the prompt's full blocks (a partial last block is not hashed); a salted
+    prompt's chain starts from its salt, as the cores' does, so it has no affinity to another salt's."""
+    hashes, parent = [], cache_salt
     for start in range(0, len(prompt) - block_size + 1, block_size):
         parent = hash((parent, tuple(prompt[start:start + block_size])))
         hashes.append(parent)
@@ -56,9 +57,9 @@ class PrefixRouter:
             core, matched = c, i + 1
         return core, matched
 
-    def choose(self, prompt: list[int], loads: list[int]) -> int:
+    def choose(self, prompt: list[int], loads: list[int], cache_salt: str | None = None) -> int:
         """The core for `prompt` given each core's load; records the prompt's blocks as that core's."""
-        hashes = block_hashes(prompt, self.block_size)
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
         least = min(loads)
         core, _ = self.affinity(hashes)
         if core is None or loads[core] - least > max(self.min_imbalance, self.imbalance_ratio * least):

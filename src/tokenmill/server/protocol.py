@@ -159,6 +159,8 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt (`SamplingParams.cache_salt`)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     # Fields that change nothing here: accepted as OpenAI defines them.
     metadata: Metadata | None = None
@@ -319,6 +321,8 @@ class _SamplingRequest(_Strict):
             kw["truncate_prompt_tokens"] = self.truncate_prompt_tokens
         if self.bad_words:
             kw["bad_words"] = self.bad_words
+        if self.cache_salt is not None:
+            kw["cache_salt"] = self.cache_salt
         constraint = self.structured_params()
         if constraint is not None:
             kw["structured_outputs"] = constraint

@@ -259,6 +259,8 @@ class ResponsesRequest(_Strict):
     background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
     # vLLM's extra field, as chat's: lower is served first under --scheduling-policy priority (a 400 otherwise)
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
+    # vLLM's, as chat's: prefix-cache blocks are shared only among requests of one salt
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -362,7 +364,7 @@ class ResponsesRequest(_Strict):
                                 "items alone make no conversation)", "input")
         body: dict[str, Any] = {"messages": messages, "stream": stream, "max_tokens": self.max_output_tokens}
         for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "metadata",
-                     "prompt_cache_key", "safety_identifier"):
+                     "prompt_cache_key", "safety_identifier", "cache_salt"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.tools:
