@@ -291,6 +291,29 @@ def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(api_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def test_vllms_fields_are_taken_at_their_defaults_and_refused_by_name_otherwise(api_server):
+    """What vLLM clients send at vLLM's defaults (beam search off, length_penalty 1, chat's echo false, ...)
+    was a 400 for an unknown field; each is taken where it changes nothing, and another value is a 400
+    naming it. vllm_xargs reaches SamplingParams.extra_args, as vLLM's does."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+                "chat_template": None, "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": None,
+                "structural_tag": None, "logits_processors": [], "kv_transfer_params": None,
+                "mm_processor_kwargs": {}, "media_io_kwargs": None, "prompt_embeds": None,
+                "vllm_xargs": {"plugin": [1, "a"]}, "max_tokens": 1}
+    for path, body in (("/v1/chat/completions", {**chat, "echo": False}), ("/v1/completions", {"prompt": "x"})):
+        r = httpx.post(api_server.url + path, timeout=60, json={**body, **defaults})
+        assert r.status_code == 200, (path, r.text)
+    for field, value in (("use_beam_search", True), ("length_penalty", 0.8), ("echo", True),
+                         ("chat_template", "{{ messages }}"), ("guided_decoding_backend", "outlines"),
+                         ("logits_processors", ["my.Processor"]), ("kv_transfer_params", {"do_remote_decode": True})):
+        r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={**chat, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+        assert f"'{field}' is not supported" in r.json()["error"]["message"]
+    from tokenmill.server.protocol import CompletionRequest
+    assert CompletionRequest(prompt="x", vllm_xargs={"k": 1}).sampling_params(None).extra_args == {"k": 1}
+
+
 def test_what_would_change_the_result_is_still_refused(api_server):
     for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={

@@ -61,6 +61,22 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "audio": ("null", lambda v: v is None),
     "prediction": ("null", lambda v: v is None),
     "web_search_options": ("null", lambda v: v is None),
+    # vLLM's extra fields for what tokenmill does not do, which vLLM clients send at their defaults
+    "use_beam_search": ("false (beam search is not implemented)", _noop_bool),
+    "length_penalty": ("1.0 (it weighs beams, and beam search is not implemented)",
+                       lambda v: v is None or (type(v) in (int, float) and v == 1)),
+    "echo": ("false (a chat reply is not prefixed with the last message)", _noop_bool),
+    "chat_template": ("null (the chat template is the server's: --chat-template)", lambda v: v is None),
+    "guided_decoding_backend": ('null, "auto" or "xgrammar" (the backend structured output uses)',
+                                lambda v: v in (None, "auto", "xgrammar")),
+    "guided_whitespace_pattern": ("null (set structured_outputs.disable_any_whitespace for compact JSON)",
+                                  lambda v: v is None),
+    "structural_tag": ("null", lambda v: v is None),
+    "logits_processors": ("null or empty (per-request logits processors are not run)", _empty),
+    "kv_transfer_params": ("null (no disaggregated prefill)", lambda v: v is None),
+    "mm_processor_kwargs": ("null or empty (the models served read text only)", _empty),
+    "media_io_kwargs": ("null or empty (the models served read text only)", _empty),
+    "prompt_embeds": ("null (prompts are text or token ids)", lambda v: v is None),
 }
 
 
@@ -161,6 +177,10 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = None
     # vLLM's: requests share prefix-cache blocks only with requests of the same salt (`SamplingParams.cache_salt`)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: either value changes nothing (`SamplingParams.spaces_between_special_tokens`)
+    spaces_between_special_tokens: bool | None = True
+    # vLLM's data for sampling plugins (`SamplingParams.extra_args`), which no sampler here reads
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     # Fields that change nothing here: accepted as OpenAI defines them.
     metadata: Metadata | None = None
@@ -182,6 +202,17 @@ class _SamplingRequest(_Strict):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    chat_template: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    prompt_embeds: Any = None
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -323,6 +354,8 @@ class _SamplingRequest(_Strict):
             kw["bad_words"] = self.bad_words
         if self.cache_salt is not None:
             kw["cache_salt"] = self.cache_salt
+        if self.vllm_xargs is not None:
+            kw["extra_args"] = self.vllm_xargs
         constraint = self.structured_params()
         if constraint is not None:
             kw["structured_outputs"] = constraint
@@ -346,6 +379,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
+    honored: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     @model_validator(mode="after")
     def _check_echo(self):
@@ -603,6 +637,8 @@ class ChatCompletionRequest(_SamplingRequest):
     include_reasoning: bool | None = True
     # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt, beside those the template writes
     add_special_tokens: bool | None = False
+    # vLLM's echo of the last message (when the reply continues its role): accepted at false (`_UNSUPPORTED`)
+    echo: Any = None
     honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
 
     _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
