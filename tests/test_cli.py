@@ -528,7 +528,7 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
         wait_for(r"INFO tokenmill\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation "
                          r"throughput: [\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: "
                          r"[\d.]+%, Prefix cache hit rate: [\d.]+%")
-        wait_for(rf"INFO tokenmill\.requests: Finished request \w+-0: {usage['completion_tokens']} tokens, "
+        wait_for(rf"INFO tokenmill\.requests: Finished request cmpl-[\w-]+-0: {usage['completion_tokens']} tokens, "
                  r"finish_reason=\w+")
     finally:
         proc.terminate()
@@ -542,7 +542,7 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
                     r"maximum concurrency for 512 tokens per request: 2\.00x",
                     r"INFO tokenmill\.engine: CUDA graphs: off \(device cpu\)",
                     r"INFO tokenmill\.engine: engine ready in [\d.]+ s",
-                    rf"INFO tokenmill\.requests: Received request \w+-0: {usage['prompt_tokens']} prompt tokens, "
+                    rf"INFO tokenmill\.requests: Received request cmpl-[\w-]+-0: {usage['prompt_tokens']} prompt tokens, "
                     r"temperature=0(\.0)?, max_tokens=8"):
         assert re.search(pattern, text), (pattern, text)
 

@@ -314,6 +314,26 @@ def test_vllms_fields_are_taken_at_their_defaults_and_refused_by_name_otherwise(
     assert CompletionRequest(prompt="x", vllm_xargs={"k": 1}).sampling_params(None).extra_args == {"k": 1}
 
 
+def test_request_id_names_the_response_as_vllms_does(api_server):
+    """vLLM's request_id: the response's id is "chatcmpl-" / "cmpl-" and it (every streamed chunk's too),
+    unless an X-Request-Id header names the request; a client's id need not be unique."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "request_id": "job-7"}
+    for _ in range(2):
+        r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json=chat)
+        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-job-7", r.text
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, json={"prompt": ["a", "b"], "max_tokens": 2,
+                                                                        "request_id": "job-7", "n": 2})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-job-7" and len(r.json()["choices"]) == 4, r.text
+    r = httpx.post(api_server.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "trace-9"},
+                   json={"prompt": "a", "max_tokens": 2, "request_id": "job-7", "stream": True})
+    ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+    assert ids == {"cmpl-trace-9"}, r.text
+    unnamed = httpx.post(api_server.url + "/v1/completions", timeout=60, json={"prompt": "a", "max_tokens": 1})
+    assert unnamed.json()["id"].startswith("cmpl-") and len(unnamed.json()["id"]) == 5 + 32
+    r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={**chat, "request_id": "x" * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+
+
 def test_what_would_change_the_result_is_still_refused(api_server):
     for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import uuid
-
 from fastapi import Request
 
 from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
@@ -199,7 +197,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     prompt_text, prompt, params = await prepare_chat(serving, req)
     k, as_ids = params.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
+    rid, created = serving.response_id(raw, req, "chatcmpl"), now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
@@ -270,4 +268,4 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
 
     serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
-                             carries_tools=bool(req.tools), field_of=req.field_of)
+                             carries_tools=bool(req.tools), field_of=req.field_of, request_id=rid)

@@ -7,7 +7,6 @@ evaluation harnesses score a continuation. `max_tokens: 0` with `echo` returns t
 from __future__ import annotations
 
 import codecs
-import uuid
 
 from fastapi import Request
 
@@ -81,7 +80,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     serving.check_room(prompts, params, req.max_tokens_field(), prompt_in_each_choice=True)
     n, k, as_ids = params.n, req.logprobs, serving.tokens_as_ids(req)
     model = req.model or serving.model_names[0]
-    rid, created = f"cmpl-{uuid.uuid4().hex}", now()
+    rid, created = serving.response_id(raw, req, "cmpl"), now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
@@ -176,7 +175,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
     serving.admit(len(prompts))
     return await serving.run(raw, prompts, params, req.priority or 0, bool(req.stream), stream, final,
-                             field_of=req.field_of, prompt_in_each_choice=True)
+                             field_of=req.field_of, prompt_in_each_choice=True,
+                             request_id=rid)
 
 
 def _drop_generated(out) -> None:

@@ -28,6 +28,8 @@ Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, F
 MAX_TEMPLATE_KWARGS = 256
 # bad_words are tokenized on the event loop (`AsyncLLM.generate`): a few short words, bounded
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
+# a client's request id is logged with every line of its request: an id, not a payload
+MAX_REQUEST_ID = 256
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high"]
 
 
@@ -177,6 +179,9 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = None
     # vLLM's: requests share prefix-cache blocks only with requests of the same salt (`SamplingParams.cache_salt`)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: the id the response is named by ("cmpl-{id}", "chatcmpl-{id}") and the request logged under,
+    # unless an X-Request-Id header gives one (`Serving.response_id`)
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID)] | None = None
     # vLLM's: either value changes nothing (`SamplingParams.spaces_between_special_tokens`)
     spaces_between_special_tokens: bool | None = True
     # vLLM's data for sampling plugins (`SamplingParams.extra_args`), which no sampler here reads

@@ -270,14 +270,22 @@ class Serving:
         return frozenset() if tokenizer is None else tokenizer.skipped_special_ids
 
     # ----- running requests ------------------------------------------------------------------
+    @staticmethod
+    def response_id(raw: Request, req, prefix: str) -> str:
+        """vLLM's response id: `prefix`, then the X-Request-Id header's id, else the body's `request_id`,
+        else a new one."""
+        given = raw.headers.get("x-request-id") or req.request_id
+        return f"{prefix}-{given or uuid.uuid4().hex}"
+
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
                   make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
-                  field_of=None, prompt_in_each_choice: bool = False) -> Response:
+                  field_of=None, prompt_in_each_choice: bool = False, request_id: str | None = None) -> Response:
         """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
         `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
         `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
         request's field for a parameter the engine refuses (its grammar's, by the field that asked for it);
-        `prompt_in_each_choice` as `check_room`'s."""
+        `prompt_in_each_choice` as `check_room`'s; `request_id`: the response's id, which begins the engine's
+        id (and log name) of each prompt."""
         entries = self._logprob_entries(prompts, params, prompt_in_each_choice)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
@@ -285,7 +293,8 @@ class Serving:
                                 f"logprob entries and this one {entries:,}; the server holds at most "
                                 f"{MAX_LOGPROB_ENTRIES_IN_FLIGHT:,} at once. Retry later.", "logprobs",
                            code="logprobs_in_flight", headers={"Retry-After": "1"})
-        base = uuid.uuid4().hex
+        # a client's id need not be unique: a random part keeps each prompt's engine id its own (vLLM's rule)
+        base = uuid.uuid4().hex if request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         # a streamed request wakes its reader every `stream_interval` tokens; one answered whole only for
         # its first output (an engine-side refusal is still a plain HTTP error) and its last
         interval = self.stream_interval if stream else 0
