@@ -334,6 +334,38 @@ def test_request_id_names_the_response_as_vllms_does(api_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
 
 
+def test_return_token_ids_gives_the_prompts_and_the_choices_tokens(api_server, tokenizer):
+    """vLLM's return_token_ids: the prompt's ids (chat: beside the choices; completions: in each choice) and
+    each choice's generated ids; streamed, the prompt's with the first chunk (of each choice) and each
+    chunk's new tokens, which join up to the whole answer's."""
+    def post(path: str, body: dict) -> httpx.Response:
+        r = httpx.post(api_server.url + path, timeout=60, json={**body, "max_tokens": 5, "temperature": 0,
+                                                                "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r
+    def chunks(r: httpx.Response) -> list[dict]:
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    ids = tokenizer.encode("count with me: one two")
+    done = post("/v1/completions", {"prompt": ids, "n": 2}).json()
+    assert [c["prompt_token_ids"] for c in done["choices"]] == [ids, ids]
+    assert [len(c["token_ids"]) for c in done["choices"]] == [5, 5]
+    assert tokenizer.decode(done["choices"][0]["token_ids"]) == done["choices"][0]["text"]
+    streamed = chunks(post("/v1/completions", {"prompt": ids, "stream": True}))
+    assert streamed[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in streamed[1:])
+    assert sum((c["choices"][0]["token_ids"] for c in streamed), []) == done["choices"][0]["token_ids"]
+
+    chat = {"messages": [{"role": "user", "content": "count with me"}]}
+    whole = post("/v1/chat/completions", chat).json()
+    rendered = httpx.post(api_server.url + "/tokenize", json=chat).json()["tokens"]
+    assert whole["prompt_token_ids"] == rendered and len(whole["choices"][0]["token_ids"]) == 5
+    streamed = chunks(post("/v1/chat/completions", {**chat, "stream": True}))
+    assert streamed[0]["prompt_token_ids"] == rendered and "prompt_token_ids" not in streamed[1]
+    assert sum((c["choices"][0].get("token_ids", []) for c in streamed), []) == whole["choices"][0]["token_ids"]
+    plain = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={**chat, "max_tokens": 1}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_what_would_change_the_result_is_still_refused(api_server):
     for field, value in (("suffix", "x"), ("reasoning_effort", "high"), ("store", True), ("functions", [{}])):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={

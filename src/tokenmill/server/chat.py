@@ -196,6 +196,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     serving.check_model(req.model)
     prompt_text, prompt, params = await prepare_chat(serving, req)
     k, as_ids = params.logprobs, serving.tokens_as_ids(req)
+    return_ids = bool(req.return_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = serving.response_id(raw, req, "chatcmpl"), now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -217,11 +218,15 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             message = text.message(c.text)
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": finish_reason(c, text), "stop_reason": c.stop_reason})
+            if return_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices,
                 "usage": usage(outs, reasoning_tokens(serving, prompt_text, out.outputs))}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
+        if return_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
     def chunk(choices, out, counted):
@@ -239,8 +244,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         last = None
         async for _, out in merged:
             if last is None:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(params.n)], out, [])
+                first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(params.n)], out, [])
+                if return_ids:
+                    first["prompt_token_ids"] = list(out.prompt_token_ids)      # with the first chunk (vLLM's)
+                yield first
             last = out
             for c in out.outputs:
                 delta = states.setdefault(c.index, ChoiceState()).advance(c, k is not None)
@@ -254,13 +262,17 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 parts = text.feed(piece) if piece else []
                 if c.finish_reason is not None:
                     parts += text.finish()
-                if not parts and (lp is not None or c.finish_reason is not None):
+                if not parts and (lp is not None or c.finish_reason is not None or (return_ids and new_ids)):
                     parts = [{}]
                 for j, part in enumerate(parts):
                     done = c.finish_reason is not None and j == len(parts) - 1
-                    yield chunk([{"index": c.index, "delta": part, "logprobs": lp if j == 0 else None,
-                                  "finish_reason": finish_reason(c, text) if done else None,
-                                  "stop_reason": c.stop_reason if done else None}], out, [c])
+                    choice = {"index": c.index, "delta": part, "logprobs": lp if j == 0 else None,
+                              "finish_reason": finish_reason(c, text) if done else None,
+                              "stop_reason": c.stop_reason if done else None}
+                    if return_ids:
+                        # the tokens new since the last output, with its first chunk (as its logprobs)
+                        choice["token_ids"] = list(new_ids) if j == 0 else []
+                    yield chunk([choice], out, [c])
         if include_usage and last is not None:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": serving.fingerprint, "choices": [],

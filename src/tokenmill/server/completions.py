@@ -79,6 +79,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     # each choice starts with its prompt's logprobs (echo, prompt_logprobs)
     serving.check_room(prompts, params, req.max_tokens_field(), prompt_in_each_choice=True)
     n, k, as_ids = params.n, req.logprobs, serving.tokens_as_ids(req)
+    return_ids = bool(req.return_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = serving.response_id(raw, req, "cmpl"), now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -131,6 +132,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
+                if return_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(c.token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": serving.fingerprint, "choices": choices, "usage": usage(outs)}
@@ -160,11 +163,16 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 if k is not None and new_lps:
                     gen = _logprobs(serving, new_ids, new_lps, k, st.text_offsets, as_ids, generated_in_text)
                     lp = _join(lp, gen) if lp is not None else gen
+                choice = {"index": index, "text": head + text, "logprobs": lp,
+                          "finish_reason": c.finish_reason if delta is not None else None,
+                          "stop_reason": c.stop_reason if delta is not None else None}
+                if return_ids:
+                    # the prompt's ids with the choice's first chunk, as vLLM sends them
+                    choice["prompt_token_ids"] = None if st.started else list(out.prompt_token_ids)
+                    choice["token_ids"] = list(new_ids)
+                    st.started = True
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "system_fingerprint": serving.fingerprint,
-                         "choices": [{"index": index, "text": head + text, "logprobs": lp,
-                                      "finish_reason": c.finish_reason if delta is not None else None,
-                                      "stop_reason": c.stop_reason if delta is not None else None}]}
+                         "system_fingerprint": serving.fingerprint, "choices": [choice]}
                 if include_usage:
                     # vLLM's continuous usage: the chunk's own choice, its prompt and its tokens so far
                     chunk["usage"] = usage([out], choices=[c]) if continuous else None

@@ -182,6 +182,9 @@ class _SamplingRequest(_Strict):
     # vLLM's: the id the response is named by ("cmpl-{id}", "chatcmpl-{id}") and the request logged under,
     # unless an X-Request-Id header gives one (`Serving.response_id`)
     request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID)] | None = None
+    # vLLM's: the prompt's token ids and each choice's generated ones in the answer (streamed: the prompt's
+    # with a choice's first chunk, and each chunk's new tokens)
+    return_token_ids: bool | None = None
     # vLLM's: either value changes nothing (`SamplingParams.spaces_between_special_tokens`)
     spaces_between_special_tokens: bool | None = True
     # vLLM's data for sampling plugins (`SamplingParams.extra_args`), which no sampler here reads
