@@ -478,6 +478,9 @@ def test_a_request_line_shows_long_values_in_brief():
     assert "logit_bias={0: 1.0," in line and "... 49992 more}" in line
     assert stats_log.params_summary(SamplingParams(max_tokens=3, stop=["a"])) == \
         "temperature=1.0, max_tokens=3, stop=['a']"
+    # a cache salt is a tenant's secret: neither the log line nor the params' repr shows it
+    salted = SamplingParams(max_tokens=3, cache_salt="s3cret")
+    assert "s3cret" not in repr(salted) and stats_log.params_summary(salted).endswith("cache_salt=(hidden)")
     schema = {"type": "object", "properties": {f"p{i}": {"enum": list(range(100))} for i in range(20_000)}}
     line = stats_log.params_summary(SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(json=schema)))
     # the schema's deeper levels are elided, not formatted and then cut

@@ -249,8 +249,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: a secret mixed into the hash of the prompt's first block (so into every block's, through the
     # chain): requests of different salts share no prefix-cache block, so one tenant cannot learn from its
-    # time to first token whether another's prompt began as its own did (a cache-timing side channel)
-    cache_salt: str | None = None
+    # time to first token whether another's prompt began as its own did (a cache-timing side channel). A
+    # secret: no repr or log line shows it.
+    cache_salt: str | None = field(default=None, repr=False)
     extra: dict = field(default_factory=dict)
     # vLLM's fields taken where they change nothing here (other values are refused, naming the field):
     # best_of None or n, detokenize True, no logits_processors. spaces_between_special_tokens either way: the

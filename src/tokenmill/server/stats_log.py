@@ -142,7 +142,7 @@ def params_summary(params) -> str:
         value = getattr(params, f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.name in ("max_tokens", "temperature") or value != default and value not in ([], None):
-            out.append(f"{f.name}={brief(value)}")
+            out.append(f"{f.name}={brief(value) if f.repr else '(hidden)'}")
     return ", ".join(out)
 
 
