@@ -545,7 +545,8 @@ def test_serve_logs_its_startup_stats_and_requests(tmp_path):
                     r"maximum concurrency for 512 tokens per request: 2\.00x",
                     r"INFO tokenmill\.engine: CUDA graphs: off \(device cpu\)",
                     r"INFO tokenmill\.engine: engine ready in [\d.]+ s",
-                    rf"INFO tokenmill\.requests: Received request cmpl-[\w-]+-0: {usage['prompt_tokens']} prompt tokens, "
+                    rf"INFO tokenmill\.requests: Received request cmpl-[\w-]+-0: {usage['prompt_tokens']} prompt "
+                    r"tokens, "
                     r"temperature=0(\.0)?, max_tokens=8"):
         assert re.search(pattern, text), (pattern, text)
 

@@ -289,6 +289,8 @@ def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(api_server):
         assert cached(path, body, "s1") > 0
         r = httpx.post(api_server.url + path, timeout=60, json={**body, "cache_salt": ""})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    r = httpx.post(api_server.url + "/v1/responses", timeout=60, json={"input": "x", "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_vllms_fields_are_taken_at_their_defaults_and_refused_by_name_otherwise(api_server):
