@@ -4,8 +4,9 @@ not the `gguf` package's numpy used by tokenmill), and broken files fail with er
 
 One file per architecture mixes every supported tensor type across its tensors, so three loads cover
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K on llama (permuted q/k), qwen2 (biases) and qwen3
-(q/k norms). Types `gguf` can quantize are quantized from known weights; for the K-quants, which it
-cannot quantize, the blocks are random bytes with small finite scales.
+(q/k norms); the low-bit types (Q2_K, Q3_K, the i-quants, TQ1_0 and TQ2_0) are read tensor by tensor. Types
+`gguf` can quantize are quantized from known weights; for the K-quants and i-quants, which it cannot
+quantize, the blocks are random bytes with small finite scales.
 """
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ TYPES = {
                    ffn_up=Q.Q4_1, ffn_down=Q.Q4_0)] * LAYERS,
 }
 EMBED_TYPE = {"llama": Q.Q8_0, "qwen2": Q.Q6_K, "qwen3": Q.F16}
-K_QUANT_SCALES = {Q.Q4_K: ((0, 2), (2, 4)), Q.Q5_K: ((0, 2), (2, 4)), Q.Q6_K: ((208, 210),)}
+# the types `gguf` cannot quantize: where each block keeps its fp16 scales (IQ1_M's is split into the top
+# nibbles of its last four uint16, set apart in `_random_blocks`)
+RANDOM_BLOCK_SCALES = {Q.Q4_K: ((0, 2), (2, 4)), Q.Q5_K: ((0, 2), (2, 4)), Q.Q6_K: ((208, 210),),
+                       Q.Q2_K: ((80, 82), (82, 84)), Q.Q3_K: ((108, 110),), Q.IQ1_S: ((0, 2),), Q.IQ1_M: (),
+                       Q.IQ2_XXS: ((0, 2),), Q.IQ2_XS: ((0, 2),), Q.IQ2_S: ((0, 2),), Q.IQ3_XXS: ((0, 2),),
+                       Q.IQ3_S: ((0, 2),), Q.IQ4_NL: ((0, 2),), Q.IQ4_XS: ((0, 2),)}
 
 
 def tiny_tokenizer_metadata() -> dict:
@@ -62,13 +68,20 @@ def tiny_tokenizer_metadata() -> dict:
     return dict(tokens=tokens, types=types, merges=merges, template=template, eos=2, pad=0)
 
 
-def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+def _random_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    n = cols // block_elems
+    data = rng.integers(0, 256, size=(rows, n, block_bytes), dtype=np.uint8)
     lo, hi = (1e-5, 1e-4) if qtype == Q.Q6_K else (1e-4, 5e-4)
-    for a, b in K_QUANT_SCALES[qtype]:
-        scale = rng.uniform(lo, hi, size=(rows, cols // block_elems)).astype(np.float16)
-        data[:, :, a:b] = scale.view(np.uint8).reshape(rows, cols // block_elems, 2)
+    for a, b in RANDOM_BLOCK_SCALES[qtype]:
+        scale = rng.uniform(lo, hi, size=(rows, n)).astype(np.float16)
+        data[:, :, a:b] = scale.view(np.uint8).reshape(rows, n, 2)
+    if qtype == Q.IQ1_M:
+        scale = rng.uniform(lo, hi, size=(rows, n)).astype(np.float16).view(np.uint16)
+        words = data[:, :, -8:].copy().view(np.uint16)
+        for k in range(4):
+            words[:, :, k] = (words[:, :, k] & 0x0FFF) | (((scale >> (4 * k)) & 0xF) << 12)
+        data[:, :, -8:] = words.view(np.uint8)
     return data.reshape(rows, -1)
 
 
@@ -77,8 +90,8 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, object]:
         return w.astype(np.float32), None
     if qtype == Q.F16:
         return w.astype(np.float16), None
-    if qtype in K_QUANT_SCALES:
-        return _random_k_blocks(w.shape[0], w.shape[1], qtype, rng), qtype
+    if qtype in RANDOM_BLOCK_SCALES:
+        return _random_blocks(w.shape[0], w.shape[1], qtype, rng), qtype
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
@@ -257,6 +270,39 @@ def test_quantized_from_known_weights_round_trip(tok_md, tmp_path):
         check(gate_up[INTER:], truth[f"blk.{i}.ffn_up"], layer["ffn_up"])
         check(params[f"model.layers.{i}.mlp.down_proj.weight"].detach(), truth[f"blk.{i}.ffn_down"],
               layer["ffn_down"])
+
+
+def test_low_bit_types_read_as_gguf_dequantizes(tmp_path):
+    """Q2_K, Q3_K, the i-quants and the ternary types read as `gguf` dequantizes their bytes, which is what
+    transformers' own torch dequantizers give where it has one; ternary weights quantized by `gguf` come
+    back exactly."""
+    from tokenmill.gguf_file import GGUFFile
+    try:
+        from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize as hf_dequantize
+    except ImportError:     # transformers 4 dequantizes with `gguf` itself
+        GGML_BLOCK = {}
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "low-bit.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    ternary = {}
+    for qtype in (Q.Q2_K, Q.Q3_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL,
+                  Q.IQ4_XS):
+        w.add_tensor(f"{qtype.name}.weight", _random_blocks(3, 512, qtype, rng), raw_dtype=qtype)
+    for qtype in (Q.TQ1_0, Q.TQ2_0):
+        ternary[qtype] = 0.25 * rng.integers(-1, 2, size=(3, 512)).astype(np.float32)
+        w.add_tensor(f"{qtype.name}.weight", gguf.quants.quantize(ternary[qtype], qtype), raw_dtype=qtype)
+    _finish(w)
+    ours = GGUFFile(path)
+    for t in gguf.GGUFReader(path).tensors:
+        got = ours.read(t.name)
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(3, 512)
+        assert got.shape == (3, 512) and torch.isfinite(got).all() and got.abs().max() > 0, t.name
+        assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32))), t.name
+        if int(t.tensor_type) in GGML_BLOCK:
+            ref = hf_dequantize(torch.from_numpy(np.array(t.data)).reshape(-1), int(t.tensor_type))
+            assert torch.equal(got, ref.reshape(3, 512)), t.name
+        if t.tensor_type in ternary:
+            assert torch.equal(got, torch.from_numpy(ternary[t.tensor_type])), t.name
 
 
 def test_load_streams_one_tensor_at_a_time(small_file, monkeypatch):
@@ -559,11 +605,11 @@ def test_duplicated_tensor_is_refused(tmp_path):
 
 
 def test_unsupported_type_is_named(tmp_path):
-    path = str(tmp_path / "q2k.gguf")
+    path = str(tmp_path / "mxfp4.gguf")
     w = gguf.GGUFWriter(path, "llama")
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=Q.Q2_K)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 17), np.uint8), raw_dtype=Q.MXFP4)
     _finish(w)
-    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' .* type Q2_K; tokenmill dequantizes F32"):
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' .* type MXFP4; tokenmill dequantizes F32"):
         LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
 
 

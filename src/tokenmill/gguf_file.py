@@ -19,9 +19,14 @@ if TYPE_CHECKING:
 # general.architecture -> our registry key
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-# GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType); Q5_0 and Q5_1 are what
-# llama.cpp writes in a K-quant file for rows that are not whole 256-value K blocks (SmolLM2's 576, Qwen2's 896)
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType), each one that gguf's numpy
+# dequantizer (>= 0.11) reads as ggml does. Q5_0 and Q5_1 are what llama.cpp writes in a K-quant file for
+# rows that are not whole 256-value K blocks (SmolLM2's 576, Qwen2's 896), IQ4_NL likewise in an i-quant
+# file; Q2_K and Q3_K make up the Q2_K and Q3_K_S/M mixes, the IQ types the i-quant ones; TQ1_0 and TQ2_0
+# are ternary (BitNet b1.58, TriLM)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                   "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                   "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
 
 
 class GGUFTensor(NamedTuple):
