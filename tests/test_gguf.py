@@ -380,18 +380,20 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
                    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                   "<|eom_id|>"]
 
 
 def llama3_tokenizer_metadata() -> dict:
     """The bundled tiny vocabulary and merges with Llama 3's special tokens after them, read with Llama 3's
-    split (llama-bpe); EOS is <|eot_id|>, as in an Instruct model's file. "(len" is a token no merge
-    reaches: only Llama 3's split (punctuation joins the letters after it) and its whole-piece lookup give it."""
+    split (llama-bpe); EOS and EOT are <|eot_id|> and EOM is <|eom_id|>, as in a 3.1 Instruct file. "(len"
+    is a token no merge reaches: only Llama 3's split (punctuation joins the letters after it) and its
+    whole-piece lookup give it."""
     tok = tiny_tokenizer_metadata()
     n = len(tok["tokens"])
     tok.update(tokens=tok["tokens"] + LLAMA3_SPECIALS + ["(len"],
                types=tok["types"] + [3] * len(LLAMA3_SPECIALS) + [1],
-               pre="llama-bpe", bos=n, eos=n + 4, template=LLAMA3_TEMPLATE)
+               pre="llama-bpe", bos=n, eos=n + 4, eom=n + 5, template=LLAMA3_TEMPLATE)
     return tok
 
 
@@ -435,6 +437,8 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
     w.add_token_merges(tok["merges"])
     w.add_bos_token_id(tok["bos"])
     w.add_eos_token_id(tok["eos"])
+    w.add_eot_token_id(tok["eos"])
+    w.add_eom_token_id(tok["eom"])
     w.add_add_bos_token(True)
     w.add_chat_template(tok["template"])
     w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
@@ -506,7 +510,7 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
     """llama-bpe reads as transformers' tokenizer of the same vocabulary and merges with Llama 3's split
     (the pattern of transformers' TikTokenConverter, which converts Meta's Llama 3 tokenizer) and Llama 3's
     tokenizer.json around it: whole-token lookup before merges, BOS <|begin_of_text|>; a chat renders the
-    file's template with one BOS and stops on <|eot_id|>."""
+    file's template with one BOS and stops on <|eot_id|> and <|eom_id|>."""
     import inspect
 
     from transformers import PreTrainedTokenizerFast
@@ -556,8 +560,37 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
                              add_special_tokens=False)
     assert ids.count(tok["bos"]) == 1
     assert tok["tokens"].index("(len") in ours.encode("print(len(items))")
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, logit_bias={tok["eos"]: 100.0}))[0]
-    assert out.outputs[0].token_ids == [tok["eos"]] and out.outputs[0].finish_reason == "stop"
+    for stop in (tok["eos"], tok["eom"]):
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, logit_bias={stop: 100.0}))[0]
+        assert out.outputs[0].token_ids == [stop] and out.outputs[0].finish_reason == "stop"
+
+
+# the metadata `ModelConfig.from_gguf` reads, of a llama with no tensors
+CONFIG_METADATA = {"llama.context_length": 2048, "llama.embedding_length": HIDDEN, "llama.feed_forward_length": INTER,
+                   "llama.block_count": LAYERS, "llama.attention.head_count": HEADS,
+                   "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 300}
+
+
+def _metadata_file(path: str, values: dict) -> str:
+    """A tensorless llama GGUF file holding `CONFIG_METADATA` with `values` over it (each written as a
+    uint32, float32, string or array by its Python type)."""
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in {**CONFIG_METADATA, **values}.items():
+        add = {str: w.add_string, list: w.add_array, float: w.add_float32}.get(type(value), w.add_uint32)
+        add(key, value)
+    _finish(w)
+    return path
+
+
+def test_eos_eot_and_eom_are_stop_ids(tmp_path):
+    """Llama 3.1 files name <|eom_id|> (the end of a turn that called a tool) beside EOS and EOT; each of
+    the three a file names stops generation, as in llama.cpp."""
+    path = _metadata_file(str(tmp_path / "stops.gguf"), {"tokenizer.ggml.eos_token_id": 128001,
+                                                        "tokenizer.ggml.eot_token_id": 128009,
+                                                        "tokenizer.ggml.eom_token_id": 128008})
+    assert ModelConfig.from_gguf(path).eos_token_ids == (128001, 128009, 128008)
+    path = _metadata_file(str(tmp_path / "eos.gguf"), {"tokenizer.ggml.eos_token_id": 2})
+    assert ModelConfig.from_gguf(path).eos_token_ids == (2,)
 
 
 # ---- broken files ------------------------------------------------------------------------------------

@@ -208,8 +208,8 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
         """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
-        `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS/EOS ids, and a
-        head tied to the embedding when the file has no `output.weight`."""
+        `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
+        EOS/EOT/EOM ids as stop ids, and a head tied to the embedding when the file has no `output.weight`."""
         from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
 
         file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
@@ -251,7 +251,9 @@ class ModelConfig:
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
         if not vocab:
             vocab = int(file.tensors["token_embd.weight"].shape[1])
-        eos = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
+        # every end of generation the file names stops it, as in llama.cpp: EOS, a turn's end (EOT, Llama 3's
+        # <|eot_id|>) and the end of a turn that called a tool (EOM, Llama 3.1's <|eom_id|>)
+        eos = [md.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
         file_type = md.get("general.file_type")
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
         return cls(
