@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -573,10 +574,11 @@ CONFIG_METADATA = {"llama.context_length": 2048, "llama.embedding_length": HIDDE
 
 def _metadata_file(path: str, values: dict) -> str:
     """A tensorless llama GGUF file holding `CONFIG_METADATA` with `values` over it (each written as a
-    uint32, float32, string or array by its Python type)."""
+    uint32, float32, bool, string or array by its Python type)."""
     w = gguf.GGUFWriter(path, "llama")
     for key, value in {**CONFIG_METADATA, **values}.items():
-        add = {str: w.add_string, list: w.add_array, float: w.add_float32}.get(type(value), w.add_uint32)
+        add = {str: w.add_string, list: w.add_array, float: w.add_float32, bool: w.add_bool}.get(type(value),
+                                                                                                 w.add_uint32)
         add(key, value)
     _finish(w)
     return path
@@ -594,6 +596,32 @@ def test_eos_eot_and_eom_are_stop_ids(tmp_path):
 
 
 # ---- broken files ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, held, expected", [
+    ("llama.context_length", "2048", "'2048', a string", "an integer"),
+    ("llama.context_length", "8k", "'8k', a string", "an integer"),
+    ("llama.context_length", 2048.0, "2048.0, a float", "an integer"),
+    ("llama.block_count", True, "True, a bool", "an integer"),
+    ("llama.attention.head_count_kv", [2, 2, 4, 4, 2], r"\[2, 2, 4, 4\]\.\.\., an array", "an integer"),
+    ("llama.attention.layer_norm_rms_epsilon", "1e-5", "'1e-5', a string", "a float"),
+    ("llama.rope.scaling.type", 1, "1, an integer", "a string"),
+    ("tokenizer.ggml.eos_token_id", "2", "'2', a string", "an integer"),
+])
+def test_wrongly_typed_metadata_is_named(tmp_path, key, value, held, expected):
+    """A metadata value of the wrong type was converted where it could be ("2048" read as 2048) and failed
+    with Python's own "invalid literal for int()" where not, naming no key; it is refused naming the key,
+    what it holds and what was expected."""
+    path = _metadata_file(str(tmp_path / "typed.gguf"), {key: value})
+    with pytest.raises(ValueError, match=rf"typed\.gguf' has metadata {re.escape(key)} = {held}; tokenmill "
+                                         rf"expects one value there, {expected}"):
+        ModelConfig.from_gguf(path)
+
+
+def test_an_integer_reads_as_a_float(tmp_path):
+    path = _metadata_file(str(tmp_path / "theta.gguf"), {"llama.rope.freq_base": 500000})
+    cfg = ModelConfig.from_gguf(path)
+    assert cfg.rope_theta == 500000.0 and cfg.max_position_embeddings == 2048 and cfg.head_dim == HIDDEN // HEADS
+
 
 @pytest.fixture(scope="module")
 def small_file(tok_md, tmp_path_factory):

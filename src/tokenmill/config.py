@@ -76,6 +76,27 @@ def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
     return tuple(factors.tolist())
 
 
+_REQUIRED = object()
+_VALUE_KINDS = {bool: "a bool", int: "an integer", float: "a float", str: "a string", list: "an array"}
+
+
+def _gguf_value(file: Any, key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """The GGUF metadata value `key` read as `kind` (int, float or str), `default` where the file lacks it.
+    GGUF types its values, so one of another type (a number stored as a string, an array such as a
+    per-layer value where one value belongs, a bool for a count) is refused, naming the key, the value and
+    its type and what was expected, never coerced; only an integer reads as a float."""
+    if key not in file.metadata:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF file {file.path!r} lacks metadata key {key}")
+        return default
+    value = file.metadata[key]
+    if type(value) is not kind and not (kind is float and type(value) is int):
+        shown = f"{value[:4]}{'...' if len(value) > 4 else ''}" if isinstance(value, list) else repr(value)
+        raise ValueError(f"GGUF file {file.path!r} has metadata {key} = {shown}, {_VALUE_KINDS[type(value)]}; "
+                         f"tokenmill expects one value there, {_VALUE_KINDS[kind]}")
+    return kind(value)
+
+
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
     """A dtype or its name -> the dtype; None -> float32."""
     import torch
@@ -215,29 +236,23 @@ class ModelConfig:
         file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
         md, arch = file.metadata, file.architecture
 
-        def get(key: str, default: Any = None, required: bool = True) -> Any:
-            value = md.get(f"{arch}.{key}", default)
-            if value is None and required:
-                raise ValueError(f"GGUF file {file.path!r} lacks metadata key {arch}.{key}")
-            if isinstance(value, list):
-                raise ValueError(f"GGUF metadata {arch}.{key} varies per layer ({value[:4]}...); "
-                                 "tokenmill needs one value for all layers")
-            return value
+        def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+            return _gguf_value(file, f"{arch}.{key}", kind, default)
 
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        hidden, heads = get("embedding_length", int), get("attention.head_count", int)
         if hidden <= 0 or heads <= 0:
             raise ValueError(f"GGUF file {file.path!r} has {arch}.embedding_length={hidden} and "
                              f"{arch}.attention.head_count={heads}; both must be positive")
-        head_dim = int(get("attention.key_length", hidden // heads))
-        if int(get("attention.value_length", head_dim)) != head_dim:
+        head_dim = get("attention.key_length", int, hidden // heads)
+        if get("attention.value_length", int, head_dim) != head_dim:
             raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}")
-        rotary = int(get("rope.dimension_count", head_dim))
+        rotary = get("rope.dimension_count", int, head_dim)
         if rotary != head_dim:
             raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of head_dim={head_dim}; "
                              "tokenmill rotates whole heads only")
-        scaling_type = get("rope.scaling.type", "none")
+        scaling_type = get("rope.scaling.type", str, "none")
         if scaling_type == "linear":
-            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
         elif scaling_type == "none":
             scaling = None
         else:
@@ -248,32 +263,32 @@ class ModelConfig:
                 raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight and "
                                  f"{arch}.rope.scaling.type={scaling_type!r}; tokenmill reads one RoPE scaling")
             scaling = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(file, head_dim)}
-        vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
+        vocab = get("vocab_size", int, 0) or len(md.get("tokenizer.ggml.tokens") or ())
         if not vocab:
             vocab = int(file.tensors["token_embd.weight"].shape[1])
         # every end of generation the file names stops it, as in llama.cpp: EOS, a turn's end (EOT, Llama 3's
         # <|eot_id|>) and the end of a turn that called a tool (EOM, Llama 3.1's <|eom_id|>)
-        eos = [md.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
-        file_type = md.get("general.file_type")
+        eos = [_gguf_value(file, f"tokenizer.ggml.{kind}_token_id", int, None) for kind in ("eos", "eot", "eom")]
+        file_type = _gguf_value(file, "general.file_type", int, None)
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=get("feed_forward_length", int),
+            num_hidden_layers=get("block_count", int),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            num_key_value_heads=get("attention.head_count_kv", int, heads),
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", float),
+            rope_theta=get("rope.freq_base", float, 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length")),
+            max_position_embeddings=get("context_length", int),
             tie_word_embeddings="output.weight" not in file.tensors,
             attention_bias="blk.0.attn_q.bias" in file.tensors,
             qk_norm=arch == "qwen3",
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+            bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
             dtype=dtype,
         )
 
