@@ -92,7 +92,8 @@ def _gguf_value(file: Any, key: str, kind: type, default: Any = _REQUIRED) -> An
     value = file.metadata[key]
     if type(value) is not kind and not (kind is float and type(value) is int):
         shown = f"{value[:4]}{'...' if len(value) > 4 else ''}" if isinstance(value, list) else repr(value)
-        raise ValueError(f"GGUF file {file.path!r} has metadata {key} = {shown}, {_VALUE_KINDS[type(value)]}; "
+        raise ValueError(f"GGUF file {file.path!r} has metadata {key} = {shown}, "
+                         f"{_VALUE_KINDS.get(type(value), type(value).__name__)}; "
                          f"tokenmill expects one value there, {_VALUE_KINDS[kind]}")
     return kind(value)
 
