@@ -239,14 +239,20 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._unset_keepalive_if_required()
-        for cycle in self._cycles:
-            if not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
+        self._disconnect_cycles()
         if self.transport.can_write_eof():      # not under TLS: there the client ends on the Content-Length
             self.transport.write_eof()
         self._linger_timer = self.loop.call_later(self.linger_timeout, self._on_linger_timeout)
         self.flow.resume_reading()
+
+    def _disconnect_cycles(self) -> None:
+        """Tells every unfinished request of the connection that its client is gone. uvicorn tells only the
+        last request parsed: a pipelined request before it, still running, generated to its end for no one
+        and then wrote to the closed transport."""
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
 
     def _on_linger_timeout(self) -> None:
         self._linger_timer = None
@@ -322,12 +328,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._disarm_send_timer()
-        # uvicorn tells only the last request parsed that its client is gone: a pipelined request before it,
-        # still running, generated to its end for no one and then wrote to the closed transport
-        for cycle in self._cycles:
-            if not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
+        self._disconnect_cycles()
         super().connection_lost(exc)
 
 
