@@ -174,8 +174,8 @@ def _needs_chainlit():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux's /proc")
 def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_server(tmp_path, request):
     """SIGTERM is forwarded to the Chainlit child and waited for; a SIGKILLed parent takes it down too.
-    Before that, where a browser is at hand, the page of a UI whose server cannot be reached says so, on
-    opening and on a message, and the UI keeps running."""
+    Before that, no other site's script may read from the UI (no CORS grant); where a browser is at hand, the
+    page of a UI whose server cannot be reached says so, on opening and on a message, and the UI keeps running."""
     _needs_chainlit()
     dead = socket.socket()          # bound and never listening for the whole test: refused, and a server that
     dead.bind(("127.0.0.1", 0))     # another test starts meanwhile cannot be handed its port
@@ -185,6 +185,7 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
         for ui in uis.values():
             _wait_http(_ui_url(ui), ui)
             assert _descendants(ui.pid)
+        _assert_other_sites_refused(_ui_url(uis[signal.SIGTERM]))
         try:
             browser = request.getfixturevalue("browser")
         except pytest.skip.Exception:
@@ -208,6 +209,14 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
                 ui.kill()
                 ui.wait()
         dead.close()
+
+
+def _assert_other_sites_refused(url: str):
+    import httpx
+    evil = {"Origin": "http://evil.example", "Cookie": "a=b"}
+    assert "access-control-allow-origin" not in httpx.get(url + "project/settings", headers=evil).headers
+    preflight = httpx.options(url + "project/settings", headers=dict(evil, **{"Access-Control-Request-Method": "GET"}))
+    assert "access-control-allow-origin" not in preflight.headers
 
 
 def _ui_url(ui: subprocess.Popen) -> str:

@@ -61,11 +61,13 @@ def run_ui(args) -> int:
 
 # Chainlit's settings where the app root has none of its own: messages cannot be edited (the chat's history
 # is the app's, which an edit in the page would not cut) and files cannot be attached (the app sends text
-# only, so an attachment would be dropped unseen).
+# only, so an attachment would be dropped unseen). No origin gets CORS headers: the page is served by the UI
+# itself, and Chainlit's default ("*", with credentials) lets any site's script read the UI's replies.
 CONFIG = """[meta]
 generated_by = "2.12.0"
 
 [project]
+allow_origins = []
 
 [features]
 edit_message = false
