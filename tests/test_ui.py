@@ -174,8 +174,9 @@ def _needs_chainlit():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux's /proc")
 def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_server(tmp_path, request):
     """SIGTERM is forwarded to the Chainlit child and waited for; a SIGKILLed parent takes it down too.
-    Before that, no other site's script may read from the UI (no CORS grant); where a browser is at hand, the
-    page of a UI whose server cannot be reached says so, on opening and on a message, and the UI keeps running."""
+    Before that, no other site's script may read from the UI (no CORS grant) or frame its page; where a browser
+    is at hand, the page of a UI whose server cannot be reached says so, on opening and on a message, the UI
+    keeps running, and the page loads no image from another origin (as an answer's Markdown would ask)."""
     _needs_chainlit()
     dead = socket.socket()          # bound and never listening for the whole test: refused, and a server that
     dead.bind(("127.0.0.1", 0))     # another test starts meanwhile cannot be handed its port
@@ -200,6 +201,12 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
                 "(sel) => document.querySelectorAll(sel).length >= 2", arg=ASSISTANT, timeout=30_000)
             assert "Cannot reach the server" in page.locator(ASSISTANT).all_inner_texts()[-1]
             assert ui.poll() is None
+            elsewhere = f"http://127.0.0.1:{dead.getsockname()[1]}/x.png"
+            assert page.evaluate("""(src) => new Promise(done => {
+                document.addEventListener('securitypolicyviolation', e => done(e.effectiveDirective));
+                const img = new Image();
+                img.onerror = () => setTimeout(() => done('fetched'), 1000);
+                img.src = src; })""", elsewhere) == "img-src"
         _stop(uis[signal.SIGTERM])
         assert uis[signal.SIGTERM].returncode == 0   # Chainlit's own status after a clean shutdown
         _stop(uis[signal.SIGKILL], signal.SIGKILL)
@@ -217,6 +224,8 @@ def _assert_other_sites_refused(url: str):
     assert "access-control-allow-origin" not in httpx.get(url + "project/settings", headers=evil).headers
     preflight = httpx.options(url + "project/settings", headers=dict(evil, **{"Access-Control-Request-Method": "GET"}))
     assert "access-control-allow-origin" not in preflight.headers
+    page = httpx.get(url).headers
+    assert "frame-ancestors 'none'" in page["content-security-policy"] and page["x-content-type-options"] == "nosniff"
 
 
 def _ui_url(ui: subprocess.Popen) -> str:

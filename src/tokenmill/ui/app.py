@@ -10,12 +10,22 @@ from __future__ import annotations
 import asyncio
 
 import chainlit as cl
+from chainlit.server import app, get_html_template
 from openai import AsyncOpenAI
 
-from tokenmill.ui.chat import UISettings, describe_error, drop_oldest_turn, exceeds_context, same_origin, trim_history
+from tokenmill.ui.chat import (UISettings, describe_error, drop_oldest_turn, exceeds_context, page_headers,
+                               same_origin, trim_history)
 
 SETTINGS = UISettings.from_env()
+HEADERS = page_headers(get_html_template(""))   # a root path changes the page's links, not its inline scripts
 CROSS_ORIGIN = "This page was opened from another site; tokenmill ui answers its own page only."
+
+
+@app.middleware("http")   # added before Chainlit starts its server, which imports this module first
+async def _security_headers(request, call_next):
+    response = await call_next(request)
+    response.headers.update(HEADERS)
+    return response
 
 
 def _client() -> AsyncOpenAI:

@@ -1,7 +1,10 @@
-"""Chat helpers of the front-end that need neither Chainlit nor a server: settings, history, error text."""
+"""Chat helpers of the front-end that need neither Chainlit nor a server: settings, history, error text, headers."""
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -77,6 +80,24 @@ def same_origin(environ: dict) -> bool:
     if origin is None:               # not a browser: no page of another site is behind it
         return True
     return urlsplit(origin).netloc.lower() == (environ.get("HTTP_HOST") or "").lower()
+
+
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)[^>]*>(.*?)</script>", re.DOTALL | re.IGNORECASE)
+
+
+def page_headers(html: str) -> dict[str, str]:
+    """The headers of every response of the UI, for its page `html`. Answers are untrusted Markdown: an image
+    in one (`![](https://elsewhere/?q=...)`) would be fetched as soon as it shows, carrying whatever the model
+    put in its URL, so images, scripts and connections are the UI's own (the page's inline scripts are
+    allowed by hash, nothing else inline); styles and fonts may come from elsewhere (Chainlit's Google font);
+    no site may frame the page."""
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'"
+                      for s in INLINE_SCRIPT.findall(html))
+    csp = (f"default-src 'self'; script-src 'self' {hashes}; style-src 'self' 'unsafe-inline' https:; "
+           "font-src 'self' data: https:; img-src 'self' data: blob:; media-src 'self' blob:; "
+           "connect-src 'self'; object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
+    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+            "Referrer-Policy": "no-referrer"}
 
 
 def describe_error(exc: BaseException, base_url: str) -> str:
