@@ -70,6 +70,14 @@ def test_only_the_uis_own_page_may_chat():
     assert same_origin({"HTTP_HOST": "127.0.0.1:8001"})
 
 
+def test_thinking_is_read_under_either_name():
+    from openai.types.chat.chat_completion_chunk import ChoiceDelta
+    from tokenmill.ui.chat import reasoning_of
+    assert reasoning_of(ChoiceDelta.model_validate({"reasoning_content": "a"})) == "a"
+    assert reasoning_of(ChoiceDelta.model_validate({"reasoning": "b"})) == "b"
+    assert reasoning_of(ChoiceDelta.model_validate({"content": "c"})) is None
+
+
 def test_an_error_within_the_stream_is_the_servers_not_unreachable():
     import httpx
     import openai

@@ -14,7 +14,7 @@ from chainlit.server import app, get_html_template
 from openai import AsyncOpenAI
 
 from tokenmill.ui.chat import (UISettings, describe_error, drop_oldest_turn, exceeds_context, page_headers,
-                               same_origin, trim_history)
+                               reasoning_of, same_origin, trim_history)
 
 SETTINGS = UISettings.from_env()
 HEADERS = page_headers(get_html_template(""))   # a root path changes the page's links, not its inline scripts
@@ -81,7 +81,7 @@ async def _stream_reply(client: AsyncOpenAI, model: str, messages: list[dict], r
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
-            reasoning = getattr(choice.delta, "reasoning_content", None)
+            reasoning = reasoning_of(choice.delta)
             if reasoning:
                 if thinking is None:
                     thinking = cl.Step(name="Thinking", type="llm")

@@ -64,6 +64,12 @@ def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
     return messages[starts[1]:] if len(starts) > 1 else None
 
 
+def reasoning_of(delta) -> str | None:
+    """A streamed chunk's thinking text: `reasoning_content`, as tokenmill sends it, or `reasoning`, the name
+    other servers (vLLM's newer releases, OpenRouter) use for it."""
+    return getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+
+
 def exceeds_context(exc: BaseException) -> bool:
     """The server refused the prompt as longer than its context (OpenAI's code for it)."""
     body = getattr(exc, "body", None)
