@@ -20,7 +20,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 def add_ui_args(p: argparse.ArgumentParser):
     d = UISettings()
     p.add_argument("--base-url", default=d.base_url, help="the server's OpenAI base URL (ending in /v1)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: "
+                   "$TOKENMILL_UI_API_KEY, which keeps the key out of the process list)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
