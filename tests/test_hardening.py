@@ -405,13 +405,14 @@ def test_a_shut_down_tokenizer_thread_fails_requests_instead_of_holding_them():
 def test_a_long_text_is_encoded_apart_from_the_others():
     """A prompt near the character limit takes seconds to encode (4M characters: ~5 s); the other clients'
     prompts arriving meanwhile are encoded on the tokenizer's own thread, not queued behind it, and the
-    long one's error is its own."""
+    long one's error is its own. Each long text takes 1 s here: short prompts queued behind either would
+    wait at least that."""
     from tokenmill.server.prompts import LONG_TEXT_CHARS, PromptTokenizer
 
     class SlowOnLongTexts:
         def encode(self, text, add_special_tokens=True):
             if len(text) > LONG_TEXT_CHARS:
-                time.sleep(2.0)
+                time.sleep(1.0)
                 if text.startswith("bad"):
                     raise ValueError("cannot encode this long text")
             return [len(text)]
@@ -437,7 +438,7 @@ def test_a_long_text_is_encoded_apart_from_the_others():
     assert short_s < 1.0, f"short prompts waited {short_s:.2f} s behind a long one"
     assert got[0] == [LONG_TEXT_CHARS + 1]
     assert isinstance(got[1], ValueError) and "cannot encode" in str(got[1])
-    assert total_s >= 4.0               # the long texts share their thread: one at a time
+    assert total_s >= 2.0               # the long texts share their thread: one at a time
 
 
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(guarded):
