@@ -108,10 +108,12 @@ def test_a_tied_checkpoint_storing_the_matrix_as_the_head(tmp_path):
     (dict(max_position_embeddings=-3), "max_position_embeddings is -3; it must be an integer >= 1"),
     (dict(num_attention_heads=4, num_key_value_heads=3, head_dim=8),
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (dict(hidden_size=24, num_attention_heads=8, num_key_value_heads=8, head_dim=3), "head_dim is 3; .* must be even"),
 ])
 def test_sizes_that_cannot_build_a_model_are_refused(tmp_path, keys, message):
     """A zero context failed in the start-up log (a division by zero), a negative one in torch (a RoPE table
-    of negative length); KV heads that do not divide the query heads failed on the weights' shapes."""
+    of negative length); KV heads that do not divide the query heads failed on the weights' shapes, and an odd
+    head_dim loaded and failed on the first step's cache write."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(_saved(tmp_path, lambda hf: hf.update(keys)))
 

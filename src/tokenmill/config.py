@@ -147,6 +147,9 @@ class ModelConfig:
             raise ValueError(f"the model config's num_attention_heads={self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={self.num_key_value_heads} (each KV head serves a whole "
                              "group of query heads)")
+        if self.head_dim % 2:
+            raise ValueError(f"the model config's head_dim is {self.head_dim}; RoPE rotates a head's values in pairs, "
+                             "so it must be even")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
