@@ -171,7 +171,8 @@ def test_an_output_for_no_call_and_a_reasoning_only_input_are_400():
 
 def test_an_item_of_the_previous_conversation_sent_again_is_400():
     """With previous_response_id, an input item whose id the conversation holds already (a client that sends
-    back the previous output too) would reach the prompt twice: a 400 naming it, as OpenAI's."""
+    back the previous output too), or one the input holds twice, would reach the prompt twice: a 400 naming
+    it, as OpenAI's."""
     answer = {"type": "message", "id": "msg_out", "role": "assistant", "status": "completed",
               "content": [{"type": "output_text", "text": "Hello.", "annotations": [], "logprobs": []}]}
     history = ResponsesRequest.model_validate({"input": "hi"}).input_items() + [answer]
@@ -181,6 +182,10 @@ def test_an_item_of_the_previous_conversation_sent_again_is_400():
     assert e.value.status == 400 and e.value.param == "input"
     follow = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "more", "id": "msg_new"}]})
     assert [m["role"] for m in follow.as_chat(False, history).chat_messages()] == ["user", "assistant", "user"]
+    twice = ResponsesRequest.model_validate({"input": [answer, {"role": "user", "content": "more"}, answer]})
+    with pytest.raises(APIError, match="Duplicate item found with id 'msg_out': the input holds it twice") as e:
+        twice.as_chat(False)
+    assert e.value.status == 400 and e.value.param == "input"
 
 
 def test_item_references_read_the_stored_items():

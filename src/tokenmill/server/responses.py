@@ -325,12 +325,18 @@ class ResponsesRequest(_Strict):
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         thinking = ""           # reasoning items' text, for the next assistant message
         earlier = _ITEMS.validate_python(list(history)) if history else []
-        # an item of the conversation sent again would reach the prompt twice (OpenAI's API refuses it too)
+        # an item of the conversation sent again, or twice in the input, would reach the prompt twice (OpenAI's
+        # API refuses both too)
         stored = {item.id for item in earlier if item.id is not None}
-        again = next((item.id for item in items if item.id is not None and item.id in stored), None)
-        if again is not None:
-            raise APIError(400, f"Duplicate item found with id {again!r}: the conversation of previous_response_id "
-                                "holds it already (send only the items that follow it)", "input")
+        seen = set(stored)
+        for item in items:
+            if item.id is None:
+                continue
+            if item.id in seen:
+                why = ("the conversation of previous_response_id holds it already (send only the items that follow "
+                       "it)") if item.id in stored else "the input holds it twice"
+                raise APIError(400, f"Duplicate item found with id {item.id!r}: {why}", "input")
+            seen.add(item.id)
         items = earlier + list(items)
         if any(isinstance(item, ItemReference) for item in items):
             raise TypeError("item references are resolved (resolve_references) before the request is read")
