@@ -698,6 +698,12 @@ def test_unknown_architecture_is_named(tmp_path):
     _finish(w)
     with pytest.raises(ValueError, match=r"architecture 'gemma'; tokenmill supports llama, qwen2, qwen3"):
         LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+    # an architecture of another GGUF type (an array) is named too, not an unhashable-type TypeError
+    from tokenmill.gguf_file import GGUFFile
+    f = GGUFFile(path)
+    f.metadata["general.architecture"] = ["llama"]
+    with pytest.raises(ValueError, match=r"architecture \['llama'\]; tokenmill supports"):
+        f.architecture
 
 
 def test_leftover_and_missing_tensors_are_named(tok_md, tmp_path):

@@ -85,7 +85,7 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF file {self.path!r} has architecture {arch!r}; tokenmill supports "
                              f"{', '.join(GGUF_ARCHITECTURES)}")
         return arch
