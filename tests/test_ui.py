@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tokenmill.ui.chat import UISettings, describe_error, drop_oldest_turn, exceeds_context, same_origin, trim_history
+from tokenmill.ui.chat import (UISettings, allowed_hosts, describe_error, drop_oldest_turn, exceeds_context,
+                               host_allowed, same_origin, trim_history)
 
 from test_server import alive
 
@@ -25,7 +26,8 @@ ASSISTANT = '[data-step-type="assistant_message"] .message-content'
 
 
 def test_settings_round_trip_through_env():
-    s = UISettings(base_url="http://h:1/v1", api_key="k", max_tokens=7, temperature=0.0, history_messages=3)
+    s = UISettings(base_url="http://h:1/v1", api_key="k", max_tokens=7, temperature=0.0, history_messages=3,
+                   allowed_hosts=allowed_hosts("127.0.0.1", ["box.lan", "*"]))
     assert UISettings.from_env(s.to_env()) == s
     assert UISettings.from_env({}) == UISettings()
 
@@ -68,6 +70,26 @@ def test_only_the_uis_own_page_may_chat():
     assert same_origin({"HTTP_ORIGIN": "http://127.0.0.1:8001", "HTTP_HOST": "127.0.0.1:8001"})
     assert not same_origin({"HTTP_ORIGIN": "http://evil.example", "HTTP_HOST": "127.0.0.1:8001"})
     assert same_origin({"HTTP_HOST": "127.0.0.1:8001"})
+
+
+def test_only_allowed_host_names_reach_the_ui():
+    """DNS rebinding: evil.example resolving to 127.0.0.1 makes its page same-origin with the UI, so the Host
+    header's name must be one only this machine answers for; ports are not compared, names not by case."""
+    local = allowed_hosts("127.0.0.1")
+    for host in ("127.0.0.1:8001", "LOCALHOST:8001", "localhost", "[::1]:8001", "[::1]", "localhost.:80"):
+        assert host_allowed(host, local), host
+    for host in ("evil.example:8001", "evil.example", "127.0.0.1.evil.example", "[::2]:8001", "", None):
+        assert not host_allowed(host, local), host
+    # every interface: no name is implied; a LAN address or a proxy's name is listed; a named bind is allowed
+    lan = allowed_hosts("0.0.0.0", ["192.168.1.5", "UI.Example.org:443", "[fe80::1]"])
+    assert set(lan) == {"localhost", "127.0.0.1", "::1", "192.168.1.5", "ui.example.org", "fe80::1"}
+    assert allowed_hosts("::") == allowed_hosts("[::]") == local
+    assert host_allowed("ui.example.org", lan) and host_allowed("[FE80::1]:8001", lan)
+    assert not host_allowed("0.0.0.0:8001", lan) and not host_allowed("evil.example", lan)
+    assert host_allowed("box.lan:8001", allowed_hosts("box.lan"))
+    assert host_allowed("evil.example", allowed_hosts("127.0.0.1", ["*"]))
+    with pytest.raises(ValueError, match="--allowed-host"):
+        UISettings(allowed_hosts=allowed_hosts("127.0.0.1", ["a,b"])).check()
 
 
 def test_thinking_is_read_under_either_name():
@@ -227,13 +249,30 @@ def test_no_process_outlives_tokenmill_ui_and_its_page_reports_an_unreachable_se
 
 
 def _assert_other_sites_refused(url: str):
+    """No CORS grant, no framing, and no answer to a name other than the machine's own (DNS rebinding), on
+    HTTP or on the chat's websocket."""
     import httpx
+    netloc = url.split("/")[2]
+    refused = httpx.get(url, headers={"Host": "evil.example:" + netloc.rpartition(":")[2]})
+    assert refused.status_code == 403 and "'evil.example'" in refused.text and "--allowed-host" in refused.text
+    assert httpx.get(url, headers={"Host": netloc}).status_code == 200
+    assert _websocket_status(netloc, "evil.example") == 403 and _websocket_status(netloc, netloc) == 101
     evil = {"Origin": "http://evil.example", "Cookie": "a=b"}
     assert "access-control-allow-origin" not in httpx.get(url + "project/settings", headers=evil).headers
     preflight = httpx.options(url + "project/settings", headers=dict(evil, **{"Access-Control-Request-Method": "GET"}))
     assert "access-control-allow-origin" not in preflight.headers
     page = httpx.get(url).headers
     assert "frame-ancestors 'none'" in page["content-security-policy"] and page["x-content-type-options"] == "nosniff"
+
+
+def _websocket_status(netloc: str, host: str) -> int:
+    """The HTTP status answering a websocket handshake on the chat's Socket.IO path, sent with `host` as Host."""
+    name, _, port = netloc.rpartition(":")
+    with socket.create_connection((name, int(port)), timeout=10) as s:
+        s.sendall((f"GET /ws/socket.io/?EIO=4&transport=websocket HTTP/1.1\r\nHost: {host}\r\n"
+                   "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n").encode())
+        return int(s.recv(1024).split()[1])
 
 
 def _ui_url(ui: subprocess.Popen) -> str:

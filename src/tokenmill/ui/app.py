@@ -12,9 +12,11 @@ import asyncio
 import chainlit as cl
 from chainlit.server import app, get_html_template
 from openai import AsyncOpenAI
+from starlette.datastructures import Headers
+from starlette.responses import PlainTextResponse
 
-from tokenmill.ui.chat import (UISettings, describe_error, drop_oldest_turn, exceeds_context, page_headers,
-                               reasoning_of, same_origin, trim_history)
+from tokenmill.ui.chat import (UISettings, describe_error, drop_oldest_turn, exceeds_context, host_allowed,
+                               host_name, page_headers, reasoning_of, same_origin, trim_history)
 
 SETTINGS = UISettings.from_env()
 HEADERS = page_headers(get_html_template(""))   # a root path changes the page's links, not its inline scripts
@@ -26,6 +28,31 @@ async def _security_headers(request, call_next):
     response = await call_next(request)
     response.headers.update(HEADERS)
     return response
+
+
+class _AllowedHostsOnly:
+    """Refuses every request and websocket whose Host is not an allowed name, before Chainlit sees it (an
+    ASGI middleware, as an "http" one never sees websockets; Socket.IO's polling requests are HTTP)."""
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            host = Headers(scope=scope).get("host")
+            if not host_allowed(host, SETTINGS.allowed_hosts):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})   # before accept: an HTTP 403
+                    return
+                name = host_name(host or "")
+                text = (f"tokenmill ui does not answer for host {name!r}; if that name is this machine's, "
+                        f"start it with --allowed-host {name or 'NAME'}\n")
+                await PlainTextResponse(text, status_code=403, headers=HEADERS)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+app.add_middleware(_AllowedHostsOnly)   # the outermost layer: added last
 
 
 def _client() -> AsyncOpenAI:

@@ -1,4 +1,5 @@
-"""Chat helpers of the front-end that need neither Chainlit nor a server: settings, history, error text, headers."""
+"""Chat helpers of the front-end that need neither Chainlit nor a server: settings, history, error text, headers
+and the host names the UI answers for."""
 from __future__ import annotations
 
 import base64
@@ -13,6 +14,11 @@ ENV_API_KEY = "TOKENMILL_UI_API_KEY"
 ENV_MAX_TOKENS = "TOKENMILL_UI_MAX_TOKENS"
 ENV_TEMPERATURE = "TOKENMILL_UI_TEMPERATURE"
 ENV_HISTORY = "TOKENMILL_UI_HISTORY_MESSAGES"
+ENV_ALLOWED_HOSTS = "TOKENMILL_UI_ALLOWED_HOSTS"
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+ANY_INTERFACE = ("0.0.0.0", "::")
+ANY_HOST = "*"
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class UISettings:
     max_tokens: int = 256
     temperature: float = 0.7
     history_messages: int = 8
+    allowed_hosts: tuple[str, ...] = LOCAL_HOSTS   # names a request's Host header may carry; see `host_allowed`
 
     @classmethod
     def from_env(cls, env=None) -> "UISettings":
@@ -30,7 +37,9 @@ class UISettings:
         return cls(base_url=env.get(ENV_BASE_URL) or d.base_url, api_key=env.get(ENV_API_KEY) or None,
                    max_tokens=int(env.get(ENV_MAX_TOKENS) or d.max_tokens),
                    temperature=float(env.get(ENV_TEMPERATURE) or d.temperature),
-                   history_messages=int(env.get(ENV_HISTORY) or d.history_messages))
+                   history_messages=int(env.get(ENV_HISTORY) or d.history_messages),
+                   allowed_hosts=tuple(env[ENV_ALLOWED_HOSTS].split(",")) if env.get(ENV_ALLOWED_HOSTS)
+                   else d.allowed_hosts)
 
     def check(self) -> None:
         """Refuses settings every message would fail with (a 400 from the server on each), naming them."""
@@ -40,10 +49,14 @@ class UISettings:
             raise ValueError(f"--temperature must be between 0 and 2, got {self.temperature}")
         if self.history_messages < 0:
             raise ValueError(f"--history-messages must be 0 (all) or more, got {self.history_messages}")
+        for name in self.allowed_hosts:   # the list travels to the page's process comma-separated
+            if not name.strip() or "," in name:
+                raise ValueError(f"--allowed-host takes one host name, got {name!r}")
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_BASE_URL: self.base_url, ENV_MAX_TOKENS: str(self.max_tokens),
-               ENV_TEMPERATURE: str(self.temperature), ENV_HISTORY: str(self.history_messages)}
+               ENV_TEMPERATURE: str(self.temperature), ENV_HISTORY: str(self.history_messages),
+               ENV_ALLOWED_HOSTS: ",".join(self.allowed_hosts)}
         if self.api_key:
             env[ENV_API_KEY] = self.api_key
         return env
@@ -86,6 +99,39 @@ def same_origin(environ: dict) -> bool:
     if origin is None:               # not a browser: no page of another site is behind it
         return True
     return urlsplit(origin).netloc.lower() == (environ.get("HTTP_HOST") or "").lower()
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, `--host` or `--allowed-host` value: lower-case, without its port, an IPv6
+    address's brackets or a trailing dot ("[::1]:8001" -> "::1", "LocalHost.:80" -> "localhost")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:       # more colons without brackets: a bare IPv6 address, no port
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def allowed_hosts(bind_host: str, extra=()) -> tuple[str, ...]:
+    """The host names the UI answers for: this machine's own, the address or name it binds unless that is
+    every interface (then a LAN address or a proxy's name reaching it must be in `extra`), and `extra`."""
+    names = list(LOCAL_HOSTS)
+    bound = host_name(bind_host)
+    if bound and bound not in ANY_INTERFACE:
+        names.append(bound)
+    names += [host_name(n) for n in extra]
+    return tuple(dict.fromkeys(names))
+
+
+def host_allowed(host_header: str | None, allowed) -> bool:
+    """Whether a request or websocket naming `host_header` as its Host may reach the UI. `same_origin` and the
+    CSP trust the Host header, so DNS rebinding (a site whose name later resolves to 127.0.0.1) would make
+    another site's script the UI's own page, its API key and all; a browser always sends the name it
+    resolved, so only names that no other site can answer for get through. Ports are not compared."""
+    if ANY_HOST in allowed:
+        return True
+    name = host_name(host_header or "")
+    return bool(name) and any(name == host_name(a) for a in allowed)
 
 
 INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)[^>]*>(.*?)</script>", re.DOTALL | re.IGNORECASE)

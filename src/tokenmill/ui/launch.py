@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 
-from tokenmill.ui.chat import UISettings
+from tokenmill.ui.chat import UISettings, allowed_hosts
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
@@ -24,6 +24,10 @@ def add_ui_args(p: argparse.ArgumentParser):
                    "$TOKENMILL_UI_API_KEY, which keeps the key out of the process list)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="another host name the page may be reached by (a LAN address, a proxy's name; "
+                   "repeatable; '*': any, which lets DNS rebinding through). Always allowed: localhost, "
+                   "127.0.0.1, ::1 and --host unless it is 0.0.0.0 or ::")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--history-messages", type=int, default=d.history_messages,
@@ -37,7 +41,8 @@ def run_ui(args) -> int:
         print("tokenmill ui needs Chainlit: pip install 'tokenmill[ui]'", file=sys.stderr)
         return 1
     settings = UISettings(base_url=args.base_url, api_key=args.api_key, max_tokens=args.max_tokens,
-                          temperature=args.temperature, history_messages=args.history_messages)
+                          temperature=args.temperature, history_messages=args.history_messages,
+                          allowed_hosts=allowed_hosts(args.host, args.allowed_host))
     try:
         settings.check()
     except ValueError as e:
