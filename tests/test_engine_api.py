@@ -1005,11 +1005,19 @@ def test_a_template_given_for_a_model_without_one(qwen3_dir, monkeypatch):
     assert seen == [Tokenizer(qwen3_dir).encode(rendered, add_special_tokens=False)]
 
 
+def _metric_sample(metrics, name: str, labels: dict | None = None) -> float | None:
+    """The value of the sample `name` (with these labels) on a ServerMetrics' rendered page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return s.value
+    return None
+
+
 def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     """Each choice's latency when it finishes (not the whole request's); a request that ends unfinished
     (client gone, engine dead) counts as an abort with its latency; the buckets reach two hours."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from tokenmill.engine.async_engine import _Stream
     from tokenmill.engine.metrics import ServerMetrics
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -1025,10 +1033,7 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     metrics.observe_output(_Stream(n=1, arrival_time=100.0), None, 102.0)
 
     def sample(name, labels=None):
-        for family in text_string_to_metric_families(metrics.render().decode()):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                    return s.value
+        return _metric_sample(metrics, name, labels)
     assert sample("tokenmill:e2e_request_latency_seconds_count") == 3
     assert sample("tokenmill:e2e_request_latency_seconds_sum") == 1.0 + 5.0 + 2.0
     assert [sample("tokenmill:request_success_total", {"finished_reason": r}) for r in ("stop", "length", "abort")] \
@@ -1060,8 +1065,6 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     """vLLM's Grafana dashboard reads the prompt and generation lengths, prefill and decode times, the
     longest sequence and the n and max_tokens parameters: per finished sequence (an aborted one too),
     and n and the longest sequence once per request."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from tokenmill.engine.async_engine import _Stream
     from tokenmill.engine.metrics import ServerMetrics, build_1_2_5_buckets
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -1081,10 +1084,7 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     metrics.observe_output(cut, None, 103.0)
 
     def sample(name, labels=None):
-        for family in text_string_to_metric_families(metrics.render().decode()):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                    return s.value
+        return _metric_sample(metrics, name, labels)
     assert sample("tokenmill:request_prompt_tokens_count") == 3
     assert sample("tokenmill:request_prompt_tokens_sum") == 3 + 3 + 7
     assert [sample("tokenmill:request_prompt_tokens_bucket", {"le": le}) for le in ("5.0", "50.0")] == [2, 3]
