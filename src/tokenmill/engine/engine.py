@@ -84,9 +84,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         # steps by their tokens (prompts counted as above, plus generated), one count per bucket of
-        # ITERATION_TOKENS_BUCKETS and a last one past them: vLLM's iteration_tokens_total
+        # ITERATION_TOKENS_BUCKETS and a last one past them: vLLM's iteration_tokens_total (its sum is
+        # num_prompt_tokens + num_generation_tokens, which count nothing else)
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        self.iteration_tokens_sum = 0
         # overlap host work with the device: process each step after launching the next one
         self.overlap = True
         self._in_flight = None
@@ -316,7 +316,6 @@ class LLMEngine:
         tokens = self.num_prompt_tokens + self.num_generation_tokens - counted
         if tokens:                 # a step whose every row had finished while it ran samples nothing
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
-            self.iteration_tokens_sum += tokens
 
     def _append(self, req: Request, position: int, token: int) -> None:
         self.num_generation_tokens += 1
@@ -408,5 +407,4 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "iteration_tokens": list(self.iteration_tokens),
-            "iteration_tokens_sum": self.iteration_tokens_sum,
         }

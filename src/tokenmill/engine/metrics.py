@@ -99,13 +99,14 @@ class _StatsCollector:
                 yield g
         counts = stats.get("iteration_tokens")
         if counts:
-            # per bucket in the engine's stats (the last past every bound), cumulative on the page
+            # per bucket in the engine's stats (the last past every bound), cumulative on the page; the steps'
+            # tokens are the prompt and generation tokens the engine counts, so those give the sum
             h = HistogramMetricFamily("tokenmill:iteration_tokens_total", "Tokens per engine step: the prompts "
                                       "of the sequences it sampled a first token for, and the tokens it generated.",
                                       labels=["model_name"])
             bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
             h.add_metric([self._model], list(zip(bounds, itertools.accumulate(counts))),
-                         stats.get("iteration_tokens_sum", 0))
+                         stats.get("prompt_tokens", 0) + stats.get("generation_tokens", 0))
             yield h
         for name, (doc, value) in self._extra().items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
