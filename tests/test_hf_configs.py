@@ -134,8 +134,8 @@ def test_rope_scaling_without_its_values_is_refused_naming_them(tmp_path, rope, 
 
 
 @pytest.mark.parametrize("text,message", [
-    ("{oops", r"config\.json is not valid JSON: Expecting property name"),
-    ("[]", r"config\.json holds a JSON list, not an object"),
+    ("{oops", r"config\.json: Expecting property name"),
+    ("[]", r"config\.json: not a JSON object but a JSON list"),
     (json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "num_attention_heads": 2}),
      r"config\.json lacks hidden_size, intermediate_size, num_hidden_layers; a decoder's config needs vocab_size, "),
 ])

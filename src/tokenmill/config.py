@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.generation_config import parse_eos_ids
+from tokenmill.generation_config import parse_eos_ids, read_json_object
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
 
@@ -49,17 +48,6 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
 
 # the config.json keys read without a default
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _json_object(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
@@ -162,12 +150,12 @@ class ModelConfig:
                 ggufs = sorted(os.path.basename(g) for g in glob.glob(os.path.join(os.path.dirname(path), "*.gguf")))
                 hint = f"; it holds {', '.join(ggufs[:4])}: a GGUF model is given as the file itself" if ggufs else ""
                 raise FileNotFoundError(f"no config.json at {path}{hint}")
-            hf = _json_object(path)
+            hf = read_json_object(path)
             # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
             # reads it too); quant_method is GPTQ's where it does not say
             legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
             if not hf.get("quantization_config") and os.path.isfile(legacy):
-                hf["quantization_config"] = {"quant_method": "gptq", **_json_object(legacy)}
+                hf["quantization_config"] = {"quant_method": "gptq", **read_json_object(legacy)}
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")

@@ -6,7 +6,7 @@ directory reads that directory's `generation_config.json`. `do_sample` is not re
 file that sets a temperature is taken to recommend it. `max_new_tokens` is not taken by the server: a
 request's token budget stays its own (the endpoint's default), so that no request is refused for a budget it
 never asked; the offline `LLM` takes it as max_tokens, as vLLM's does. The file's `eos_token_id` (and
-config.json's) is read by `parse_eos_ids`, for the engine's stop ids.
+config.json's) is read by `parse_eos_ids`, for the engine's stop ids; `read_json_object` reads these files.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def sampling_defaults(source: str, model: str, overrides: dict | None = None, bu
         folder = model if source == "auto" else source
         path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(path):
-            config = read_file(path)
+            config = read_json_object(path)
             found = {key: config[key] for key in KEYS if config.get(key) is not None}
             if budget and config.get("max_new_tokens") is not None:
                 found["max_tokens"] = config["max_new_tokens"]
@@ -69,16 +69,17 @@ def parse_eos_ids(value: Any, source: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def read_file(path: str) -> dict:
-    """A generation_config.json as a dict; a ValueError names the file where it is not a JSON object."""
+def read_json_object(path: str) -> dict:
+    """A JSON file holding an object (config.json, generation_config.json, quantize_config.json) as a dict; a
+    ValueError names the file where it cannot be read or is not a JSON object."""
     try:
         with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return config
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object but a JSON {type(value).__name__}")
+    return value
 
 
 def describe(defaults: dict) -> str:

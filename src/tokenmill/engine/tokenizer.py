@@ -237,5 +237,5 @@ def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return ()
-    from tokenmill.generation_config import parse_eos_ids, read_file
-    return parse_eos_ids(read_file(path).get("eos_token_id"), path)
+    from tokenmill.generation_config import parse_eos_ids, read_json_object
+    return parse_eos_ids(read_json_object(path).get("eos_token_id"), path)
