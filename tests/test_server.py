@@ -198,18 +198,28 @@ def test_n_seed_and_max_completion_tokens(server):
 
 
 def test_stop_strings(server):
+    """A stop string ends the text before it, streamed or not; generation_tokens_total counts the tokens the
+    clients received (their usage), as vLLM's: it was the engine core's count, which took in the token or
+    two the core samples for a sequence after the frontend has found its stop string."""
     client = server.client()
     full = client.completions.create(model="tiny", prompt="Continuous batching", **GREEDY).choices[0].text
     visible = full.replace("\ufffd", "")
     assert len(visible) >= 4, full
     stop = visible[2:4]
+    before = server.metrics()
     r = client.completions.create(model="tiny", prompt="Continuous batching", stop=[stop], **GREEDY)
     c = r.choices[0]
     assert c.finish_reason == "stop" and stop not in c.text and full.startswith(c.text)
     streamed = list(client.completions.create(model="tiny", prompt="Continuous batching", stop=stop, stream=True,
-                                              **GREEDY))
-    assert "".join(x.choices[0].text for x in streamed) == c.text
-    assert streamed[-1].choices[0].finish_reason == "stop"
+                                              stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(x.choices[0].text for x in streamed[:-1]) == c.text
+    assert streamed[-2].choices[0].finish_reason == "stop"
+    after = server.metrics()
+    assert r.usage.completion_tokens < GREEDY["max_tokens"]
+    assert streamed[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert {k: after[k] - before[k] for k in ("tokenmill:generation_tokens_total", "tokenmill:prompt_tokens_total")} \
+        == {"tokenmill:generation_tokens_total": 2 * r.usage.completion_tokens,
+            "tokenmill:prompt_tokens_total": 2 * r.usage.prompt_tokens}
 
 
 def test_logprobs(server):
@@ -296,7 +306,10 @@ def test_tokenize_detokenize(server, offline):
 
 
 def test_load_with_random_cancellations(server):
-    """A few hundred concurrent requests, a third cancelled at random: every one ends, no block leaks."""
+    """A few hundred concurrent requests, a third cancelled at random: every one ends, no block leaks, and
+    generation_tokens_total counts what the requests received, as request_generation_tokens does (vLLM's
+    frontend counts both): the core's count took in the tokens it sampled before a cancel reached it."""
+    before = server.metrics()
     rng = random.Random(0)
     outcomes: dict[str, int] = {}
 
@@ -350,7 +363,10 @@ def test_load_with_random_cancellations(server):
     assert len(outcomes) == 300
     assert set(outcomes.values()) <= {-1, 200, 400}, outcomes
     assert list(outcomes.values()).count(200) > 120
-    server.wait_engine_idle(timeout=30)
+    after = server.wait_engine_idle(timeout=30)
+    generated = [after[k] - before[k] for k in ("tokenmill:generation_tokens_total",
+                                                "tokenmill:request_generation_tokens_sum")]
+    assert generated[0] == generated[1] > 0, generated
 
 
 def test_sigterm_drains_then_exits_zero(server):
