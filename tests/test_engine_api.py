@@ -1023,14 +1023,14 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
-    stream = _Stream(n=2, arrival_time=100.0)
+    stream = _Stream(n=2, metrics=RequestMetrics(100.0))
 
     def out(reasons, finished, finished_time=None):
         return RequestOutput("r", None, [1], [CompletionOutput(i, "x", [5], None, None, r) for i, r in enumerate(reasons)],
                              finished, metrics=RequestMetrics(100.0, 100.0, 100.5, finished_time=finished_time))
     metrics.observe_output(stream, out(["stop", None], False), 101.0)
     metrics.observe_output(stream, out(["stop", "length"], True, 105.0), 105.5)
-    metrics.observe_output(_Stream(n=1, arrival_time=100.0), None, 102.0)
+    metrics.observe_output(_Stream(n=1, metrics=RequestMetrics(100.0)), None, 102.0)
 
     def sample(name, labels=None):
         return _metric_sample(metrics, name, labels)
@@ -1049,7 +1049,7 @@ def test_a_long_gap_between_tokens_reads_as_itself_in_the_inter_token_latency():
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
-    stream = _Stream(n=1, arrival_time=100.0)
+    stream = _Stream(n=1, metrics=RequestMetrics(100.0))
 
     def out(tokens):
         return RequestOutput("r", None, [1], [CompletionOutput(0, "x", tokens, None, None, None)], False,
@@ -1071,7 +1071,7 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
 
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     metrics = ServerMetrics("m", lambda: {}, max_model_len=64)
-    stream = _Stream(n=2, arrival_time=100.0, num_prompt_tokens=3, max_tokens=8)
+    stream = _Stream(n=2, metrics=RequestMetrics(100.0), num_prompt_tokens=3, max_tokens=8)
 
     def out(tokens, reasons, finished):
         return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(i, "x", t, None, None, r)
@@ -1080,7 +1080,7 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     metrics.observe_output(stream, out([[5], [5]], [None, None], False), 101.0)
     metrics.observe_output(stream, out([[5, 6], [5]], ["stop", None], False), 102.0)
     metrics.observe_output(stream, out([[5, 6], [5, 6, 7, 8]], ["stop", "length"], True), 104.0)
-    cut = _Stream(n=1, arrival_time=100.0, num_prompt_tokens=7)      # aborted before its first token
+    cut = _Stream(n=1, metrics=RequestMetrics(100.0), num_prompt_tokens=7)      # aborted while queued
     metrics.observe_output(cut, None, 103.0)
 
     def sample(name, labels=None):
@@ -1098,6 +1098,29 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     assert sample("tokenmill:request_inference_time_seconds_sum") == 1.5 + 3.5
     assert sample("tokenmill:request_params_n_count") == 2 and sample("tokenmill:request_params_n_sum") == 2 + 1
     assert sample("tokenmill:request_max_num_generation_tokens_sum") == 4 + 0
+
+
+def test_queue_time_of_sequences_that_end_unfinished():
+    """The queue time is observed when a sequence finishes, as vLLM's: one aborted after its first scheduling
+    but before its first token had none (it was observed with a first token only); one aborted while
+    queued has none."""
+    from tokenmill.engine.async_engine import RequestAbortedError, _Stream
+    from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.outputs import RequestMetrics
+
+    metrics = ServerMetrics("m", lambda: {})
+    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.25)), None, 101.0)
+    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
+                                   error=RequestAbortedError("aborted")), None, 101.0)
+    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0)), None, 103.0)
+
+    def sample(name, labels=None):
+        return _metric_sample(metrics, name, labels)
+    assert sample("tokenmill:request_queue_time_seconds_count") == 2
+    assert sample("tokenmill:request_queue_time_seconds_sum") == 0.25 + 0.5
+    assert sample("tokenmill:request_prefill_time_seconds_count") == 0
+    assert sample("tokenmill:request_success_total", {"finished_reason": "abort"}) == 3
+    assert sample("tokenmill:e2e_request_latency_seconds_sum") == 1.0 + 1.0 + 3.0
 
 
 def test_a_request_the_core_refuses_is_no_request_in_the_metrics(qwen3_dir):

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
 from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParamError
 
 
@@ -53,10 +53,11 @@ class _Stream:
     last_token_seen: list[float | None] = field(default_factory=list)
     first_token_seen: list[float | None] = field(default_factory=list)
     interval: int = 1                 # tokens between wakes (0: only the first output and the last)
-    # for the metrics of a request that ends unfinished: its sequences, its arrival, those seen finished;
-    # of every request: its prompt's length and max_tokens
+    # for the metrics of a request that ends unfinished: its sequences, its times (the output processor's,
+    # first scheduling included before any output came), those seen finished; of every request: its
+    # prompt's length and max_tokens
     n: int = 1
-    arrival_time: float = 0.0
+    metrics: RequestMetrics | None = None
     num_prompt_tokens: int = 0
     max_tokens: int | None = None
     finished_seen: set[int] = field(default_factory=set)
@@ -189,12 +190,12 @@ class AsyncLLM:
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be 0 or more, got {stream_interval}")
         arrival_time = arrival_time or time.time()
-        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, arrival_time=arrival_time,
-                         num_prompt_tokens=len(prompt), max_tokens=getattr(params, "max_tokens", None))
         handle = next(self._handles)
         # the output state before the stream: a prompt the detokenizer refuses (a negative token id) fails
         # here, before the cleanup below is in force, and must leave no stream holding the id
-        self.processor.add(handle, request_id, prompt, params, text, arrival_time)
+        metrics = self.processor.add(handle, request_id, prompt, params, text, arrival_time)
+        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, metrics=metrics,
+                         num_prompt_tokens=len(prompt), max_tokens=getattr(params, "max_tokens", None))
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))
         finished = False

@@ -188,17 +188,15 @@ class ServerMetrics:
 
     def observe_output(self, stream, out, now: float):
         """Called for every update of a request (its cumulative output `out`), and with `out` None when it
-        ends unfinished (its client gone, its engine dead, the server stopping). Each sequence (choice) of
-        a request counts as one, as vLLM counts the n child requests of one: its time to first token, its
-        gaps between tokens, and once it finishes its latency, finish reason ("abort" for one that ended
-        unfinished), lengths and prefill/decode times; the queue time is the request's. Its tokens count
-        as they come, and its prompt with its first. The request's n
-        and its longest sequence count once, when its last sequence finishes."""
+        ends unfinished (its client gone, its engine dead, the server stopping: "abort"). Each sequence (choice)
+        of a request counts as one, as vLLM counts the n child requests of one: its time to first token,
+        its gaps between tokens, its tokens, and once it finishes its latency, finish reason, queue time,
+        lengths and prefill/decode times. The request's n and its longest sequence count once, when its
+        last sequence finishes."""
         if out is None:
-            m = stream.output.metrics if stream.output is not None else None
             for i in range(stream.n):
                 if i not in stream.finished_seen:
-                    self._finish_sequence(stream, i, "abort", now, m)
+                    self._finish_sequence(stream, i, "abort", now, stream.metrics)
             return
         m = out.metrics
         seen = stream.prev_tokens
@@ -209,50 +207,48 @@ class ServerMetrics:
             stream.first_token_seen += [None] * grow
         for i, o in enumerate(out.outputs):
             n_tokens = len(o.token_ids)
-            if n_tokens > seen[i]:
-                self.generation_tokens.inc(n_tokens - seen[i])
-                if not seen[i]:
-                    self.prompt_tokens.inc(stream.num_prompt_tokens)
-            if n_tokens and not seen[i] and m is not None:
+            if n_tokens <= seen[i]:
+                continue
+            self.generation_tokens.inc(n_tokens - seen[i])
+            if not seen[i]:
+                self.prompt_tokens.inc(stream.num_prompt_tokens)
                 first = m.first_token_time if i == 0 and m.first_token_time else now
                 stream.first_token_seen[i] = first
                 self.ttft.observe(max(0.0, first - m.arrival_time))
-                if m.first_scheduled_time is not None:
-                    self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            elif n_tokens > seen[i]:
+            else:
                 last = stream.last_token_seen[i]
-                if last is not None:
-                    gap = (now - last) / (n_tokens - seen[i])
-                    for _ in range(n_tokens - seen[i]):
-                        self.itl.observe(gap)
-            if n_tokens > seen[i]:
-                seen[i] = n_tokens
-                stream.last_token_seen[i] = now
+                gap = (now - last) / (n_tokens - seen[i])
+                for _ in range(n_tokens - seen[i]):
+                    self.itl.observe(gap)
+            seen[i] = n_tokens
+            stream.last_token_seen[i] = now
         for i, o in enumerate(out.outputs):
             if (o.finish_reason is not None or out.finished) and i not in stream.finished_seen:
-                end = ((m.finished_time or now) if out.finished else now) if m is not None else None
+                end = (m.finished_time or now) if out.finished else now
                 self._finish_sequence(stream, i, o.finish_reason or "unknown", end, m)
 
-    def _finish_sequence(self, stream, i: int, reason: str, end: float | None, m) -> None:
-        """Sequence `i` has finished at `end` (None: its request's times are unknown). Prefill and decode
-        run from the request's first scheduling to the sequence's first token and from there to its last,
-        as vLLM's; a sequence that never got a token has neither."""
+    def _finish_sequence(self, stream, i: int, reason: str, end: float, m) -> None:
+        """Sequence `i` has finished at `end`; `m`: its request's `RequestMetrics`. As vLLM's, the queue
+        time runs from arrival to the first scheduling, prefill and decode from there to the sequence's
+        first token and from there to its last; each is observed where both its ends happened (a
+        sequence aborted while queued has none, one aborted before its first token a queue time only)."""
         stream.finished_seen.add(i)
-        if end is not None:
-            self.e2e.observe(max(0.0, end - (m.arrival_time if m is not None else stream.arrival_time)))
+        self.e2e.observe(max(0.0, end - m.arrival_time))
         self.finished.labels(self.model_name, reason).inc()
         n_tokens = stream.prev_tokens[i] if i < len(stream.prev_tokens) else 0
         self.prompt_len.observe(stream.num_prompt_tokens)
         self.generation_len.observe(n_tokens)
         if stream.max_tokens:
             self.max_tokens.observe(stream.max_tokens)
-        first = stream.first_token_seen[i] if i < len(stream.first_token_seen) else None
-        scheduled = m.first_scheduled_time if m is not None else None
-        if first is not None and scheduled is not None:
-            last = stream.last_token_seen[i]
-            self.prefill.observe(max(0.0, first - scheduled))
-            self.decode.observe(max(0.0, last - first))
-            self.inference.observe(max(0.0, last - scheduled))
+        scheduled = m.first_scheduled_time
+        if scheduled is not None:
+            self.queue.observe(max(0.0, scheduled - m.arrival_time))
+            first = stream.first_token_seen[i] if i < len(stream.first_token_seen) else None
+            if first is not None:
+                last = stream.last_token_seen[i]
+                self.prefill.observe(max(0.0, first - scheduled))
+                self.decode.observe(max(0.0, last - first))
+                self.inference.observe(max(0.0, last - scheduled))
         if len(stream.finished_seen) == stream.n:
             self.params_n.observe(stream.n)
             self.max_generation_len.observe(max(stream.prev_tokens, default=0))

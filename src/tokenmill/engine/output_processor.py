@@ -47,8 +47,9 @@ class OutputProcessor:
         return len(self._requests)
 
     def add(self, handle: int, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
-            arrival_time: float = 0.0) -> None:
-        """Registers a request before its first report can arrive."""
+            arrival_time: float = 0.0) -> RequestMetrics:
+        """Registers a request before its first report can arrive; returns its times, which the reports
+        fill in."""
         seqs = []
         want_logprobs = params.logprobs is not None
         for i in range(params.n):
@@ -66,6 +67,7 @@ class OutputProcessor:
                                metrics=RequestMetrics(arrival_time=arrival_time))
         self._requests[handle] = _Request(output, seqs, params.logprobs)
         self._handles[request_id] = handle
+        return output.metrics
 
     def forget(self, request_id: str, handle: int | None = None) -> None:
         """Drops a request (aborted, failed, or its reader gone); later reports of it are ignored. With
