@@ -1100,27 +1100,32 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     assert sample("tokenmill:request_max_num_generation_tokens_sum") == 4 + 0
 
 
-def test_queue_time_of_sequences_that_end_unfinished():
+def test_queue_time_and_finish_reason_of_sequences_that_end_unfinished():
     """The queue time is observed when a sequence finishes, as vLLM's: one aborted after its first scheduling
     but before its first token had none (it was observed with a first token only); one aborted while
-    queued has none."""
+    queued has none. A request that ran and then failed (its grammar too slow, the engine dead) counted as
+    an abort, vLLM's reason for a client that went away: it is an "error", a series there from the start."""
     from tokenmill.engine.async_engine import RequestAbortedError, _Stream
     from tokenmill.engine.metrics import ServerMetrics
     from tokenmill.outputs import RequestMetrics
+    from tokenmill.sampling_params import SamplingParamError
 
     metrics = ServerMetrics("m", lambda: {})
+    assert _metric_sample(metrics, "tokenmill:request_success_total", {"finished_reason": "error"}) == 0
     metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.25)), None, 101.0)
     metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
                                    error=RequestAbortedError("aborted")), None, 101.0)
+    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
+                                   error=SamplingParamError("structured_outputs.regex", "too slow")), None, 102.0)
     metrics.observe_output(_Stream(metrics=RequestMetrics(100.0)), None, 103.0)
 
     def sample(name, labels=None):
         return _metric_sample(metrics, name, labels)
-    assert sample("tokenmill:request_queue_time_seconds_count") == 2
-    assert sample("tokenmill:request_queue_time_seconds_sum") == 0.25 + 0.5
+    assert sample("tokenmill:request_queue_time_seconds_count") == 3
+    assert sample("tokenmill:request_queue_time_seconds_sum") == 0.25 + 0.5 + 0.5
     assert sample("tokenmill:request_prefill_time_seconds_count") == 0
-    assert sample("tokenmill:request_success_total", {"finished_reason": "abort"}) == 3
-    assert sample("tokenmill:e2e_request_latency_seconds_sum") == 1.0 + 1.0 + 3.0
+    assert [sample("tokenmill:request_success_total", {"finished_reason": r}) for r in ("abort", "error")] == [3, 1]
+    assert sample("tokenmill:e2e_request_latency_seconds_sum") == 1.0 + 1.0 + 2.0 + 3.0
 
 
 def test_a_request_the_core_refuses_is_no_request_in_the_metrics(qwen3_dir):

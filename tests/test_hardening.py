@@ -1491,7 +1491,7 @@ def test_a_template_error_does_not_echo_the_rendered_prompt():
 
 def test_a_request_the_engine_had_taken_is_no_rejection():
     """request_rejected_total counts 503s before the engine; one whose engine died (or whose server stopped)
-    while it ran is an abort in request_success_total instead."""
+    while it ran finishes as an "error" in request_success_total instead."""
     from types import SimpleNamespace
 
     from tokenmill.engine.async_engine import EngineDeadError

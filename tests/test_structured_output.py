@@ -474,7 +474,8 @@ def test_a_grammar_slower_than_the_limit_is_an_error_of_generate(llm, slow_fills
 
 def test_a_grammar_slower_than_the_limit_is_the_requests_http_error(qwen3_dir, slow_fills):
     """Served, the slow grammar's error is a 400 naming the request's field (guided_grammar) where nothing
-    was sent yet, the stream's error event where it had begun; a plain request beside them completes."""
+    was sent yet, the stream's error event where it had begun; a plain request beside them completes. In
+    the metrics the failed ones finish as "error" (they had a first token each, and no latency)."""
     import asyncio
 
     import httpx
@@ -512,3 +513,7 @@ def test_a_grammar_slower_than_the_limit_is_the_requests_http_error(qwen3_dir, s
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 20, plain.text
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    metrics = app.state.metrics
+    assert [metrics.finished.labels("tiny", r)._value.get() for r in ("stop", "length", "abort", "error")] \
+        == [0, 1, 0, 2]
+    assert sum(b.get() for b in metrics.e2e._buckets) == sum(b.get() for b in metrics.ttft._buckets) == 3

@@ -221,9 +221,10 @@ class AsyncLLM:
             self.processor.forget(request_id, handle)
             if owned and not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
-            # ended unfinished: an abort in the metrics; a request the core refused (a ValueError, the
-            # client's 400) never ran, and is no request there
-            if not stream.done and not isinstance(stream.error, ValueError) and self.on_output is not None:
+            # ended unfinished: an abort or an error in the metrics; a request the core refused (a
+            # ValueError, the client's 400, before its first scheduling) never ran, and is no request there
+            refused = isinstance(stream.error, ValueError) and metrics.first_scheduled_time is None
+            if not stream.done and not refused and self.on_output is not None:
                 self.on_output(stream, None, time.time())
 
     def abort(self, request_id: str | list[str]):

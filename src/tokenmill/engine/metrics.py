@@ -22,6 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from tokenmill.engine.async_engine import RequestAbortedError
 from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,7 +36,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
 REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight")
 
@@ -188,15 +189,17 @@ class ServerMetrics:
 
     def observe_output(self, stream, out, now: float):
         """Called for every update of a request (its cumulative output `out`), and with `out` None when it
-        ends unfinished (its client gone, its engine dead, the server stopping: "abort"). Each sequence (choice)
+        ends unfinished: its client gone ("abort"), or failed by the engine, the engine dead or the server
+        stopping ("error", vLLM's reason for a request the server could not finish). Each sequence (choice)
         of a request counts as one, as vLLM counts the n child requests of one: its time to first token,
         its gaps between tokens, its tokens, and once it finishes its latency, finish reason, queue time,
         lengths and prefill/decode times. The request's n and its longest sequence count once, when its
         last sequence finishes."""
         if out is None:
+            reason = "abort" if stream.error is None or isinstance(stream.error, RequestAbortedError) else "error"
             for i in range(stream.n):
                 if i not in stream.finished_seen:
-                    self._finish_sequence(stream, i, "abort", now, stream.metrics)
+                    self._finish_sequence(stream, i, reason, now, stream.metrics)
             return
         m = out.metrics
         seen = stream.prev_tokens
