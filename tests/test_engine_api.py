@@ -150,8 +150,10 @@ def test_vllm_dict_prompts_equal_their_plain_forms(llm):
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     one = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)       # a single dict is one prompt
     assert len(one) == 1 and one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
-    with pytest.raises(ValueError, match=r"exactly one of the keys \['prompt', 'prompt_token_ids'\], got "
-                                         r"\['multi_modal_data', 'prompt'\]"):
+    with pytest.raises(ValueError, match=r"exactly one of the keys \['prompt', 'prompt_token_ids'\] \(and "
+                                         r"optionally 'cache_salt'\), got \['prompt', 'prompt_token_ids'\]"):
+        llm.generate({"prompt": "x", "prompt_token_ids": [5]}, params)
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported: tokenmill runs text-only models"):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
     with pytest.raises(ValueError, match="'prompt' must be a string, got list"):
         llm.generate({"prompt": [5, 6]}, params)
@@ -220,6 +222,7 @@ def test_text_prompts_and_chat(llm):
         llm.chat(parts, sp, chat_template_content_format="openai")
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         llm.generate(["a", "b"], sp, priority=[1])
+
 
 
 def test_text_prompts_to_a_model_without_a_tokenizer_are_refused_by_name(tmp_path, save_tiny_model):
@@ -945,6 +948,14 @@ def test_requests_of_different_cache_salts_share_no_prefix_cache_block(llm):
     assert hits("tenant-a") == 28 and hits("tenant-b") == 28 and hits(None) == 28
     with pytest.raises(ValueError, match="^cache_salt must be a non-empty string, got ''"):
         SamplingParams(cache_salt="")
+    # where vLLM's offline API takes it: on the prompt dict (it was refused as an unknown key)
+    before = engine.get_stats()["prefix_cache_hits"]
+    llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"},
+                  {"prompt_token_ids": prompt, "cache_salt": "tenant-c"}], SamplingParams(**params))
+    assert engine.get_stats()["prefix_cache_hits"] - before == 28
+    with pytest.raises(ValueError, match="^cache_salt must be a non-empty string, got ''"):
+        llm.generate([[5, 6], {"prompt": "x", "cache_salt": ""}], SamplingParams(**params))
+    assert not engine.has_unfinished_requests()
 
 
 def test_reset_prefix_cache(llm):

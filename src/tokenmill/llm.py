@@ -15,6 +15,8 @@ from tokenmill.sampling_params import SamplingParamError, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# vLLM's TextPrompt / TokensPrompt keys for images, audio and video, and its EmbedsPrompt's
+_MEDIA_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
 # vLLM's LLM arguments that change nothing here: (the values taken, why another is refused); () takes any
 _NO_OPS = {
     "trust_remote_code": ((), "tokenmill runs its own code for the architectures it supports, never a checkpoint's"),
@@ -28,22 +30,28 @@ _NO_OPS = {
 }
 
 
-def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids) of a prompt: a string, token ids, or vLLM's dict forms
-    {"prompt": text} and {"prompt_token_ids": ids}."""
+def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, None, cache salt) or (None, token ids, cache salt) of a prompt: a string, token ids, or vLLM's
+    dict forms {"prompt": text} and {"prompt_token_ids": ids}, each with an optional "cache_salt"."""
+    salt = None
     if isinstance(prompt, dict):
-        if len(prompt) != 1 or next(iter(prompt)) not in _PROMPT_KEYS:
-            raise ValueError(f"a prompt dict takes exactly one of the keys {list(_PROMPT_KEYS)}, got "
-                             f"{sorted(prompt)}")
-        (key, value), = prompt.items()
+        media = [k for k in _MEDIA_KEYS if k in prompt]
+        if media:
+            raise ValueError(f"a prompt dict's {media[0]!r} is not supported: tokenmill runs text-only models, "
+                             "whose prompts are text or token ids")
+        keys = [k for k in prompt if k != "cache_salt"]
+        if len(keys) != 1 or keys[0] not in _PROMPT_KEYS:
+            raise ValueError(f"a prompt dict takes exactly one of the keys {list(_PROMPT_KEYS)} (and optionally "
+                             f"'cache_salt'), got {sorted(prompt)}")
+        key, value, salt = keys[0], prompt[keys[0]], prompt.get("cache_salt")
         if key == "prompt" and not isinstance(value, str):
             raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(value).__name__}")
         if key == "prompt_token_ids" and isinstance(value, str):
             raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of token ids, got a string")
         prompt = value
     if isinstance(prompt, str):
-        return prompt, None
-    return None, [int(t) for t in prompt]
+        return prompt, None, salt
+    return None, [int(t) for t in prompt], salt
 
 
 class LLM:
@@ -108,15 +116,17 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         parts = [_prompt_parts(p) for p in prompts]
-        if self.engine.tokenizer is None and any(text is not None for text, _ in parts):
+        if self.engine.tokenizer is None and any(text is not None for text, _, _ in parts):
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
             raise ValueError(f"the model {self.engine.config.model!r} has no tokenizer; pass prompts as lists of "
                              "token ids, or tokenizer=DIR for text prompts")
         ids = []
         try:
-            for i, ((text, token_ids), params) in enumerate(zip(parts, sampling_params)):
+            for i, ((text, token_ids, salt), params) in enumerate(zip(parts, sampling_params)):
                 params = params or self.get_default_sampling_params()
+                if salt is not None:        # vLLM's prompt dict's (checked as SamplingParams.cache_salt)
+                    params = dataclasses.replace(params, cache_salt=salt)
                 prompt_ids = self.engine.tokenizer.encode(text) if text is not None else token_ids
                 prompt_ids = params.truncate(prompt_ids, self.engine.max_model_len)
                 arrival = time.time()
