@@ -225,6 +225,23 @@ def test_text_prompts_and_chat(llm):
 
 
 
+def test_chat_takes_vllms_argument_order_and_chat_template_kwargs(llm):
+    """vLLM's LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template, ...): a template
+    passed fifth was read as continue_final_message (and None as add_generation_prompt), rendering another
+    prompt silently; chat_template_kwargs' add_generation_prompt (which vLLM's LLM.chat lets win) was a
+    TypeError; mm_processor_kwargs=None a TypeError."""
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    mine = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True}
+    out = llm.chat(msgs, sp, False, None, mine, chat_template_kwargs=kwargs, mm_processor_kwargs=None)[0]
+    assert out.prompt == "[hi][Hel"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set 'tokenize'"):
+        llm.chat(msgs, sp, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
+        llm.chat(msgs, sp, mm_processor_kwargs={"num_crops": 4})
+
+
 def test_text_prompts_to_a_model_without_a_tokenizer_are_refused_by_name(tmp_path, save_tiny_model):
     """A checkpoint without tokenizer files (or a GGUF without tokenizer metadata) takes token ids; a text
     prompt was an AttributeError on None."""

@@ -158,33 +158,44 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable = False, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             use_tqdm: bool | Callable = False, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the model's, or `chat_template`), then
-        generates. Messages are read as the server reads them (`server/protocol.ChatMessage`: OpenAI's text
-        parts joined, media parts refused, tool calls' arguments as objects: vLLM's "string"
-        `chat_template_content_format`, which "auto" is here; "openai" is refused); `tools`,
-        `continue_final_message` and `chat_template_kwargs` reach the template as vLLM's `LLM.chat` passes
-        them."""
-        from tokenmill.server.protocol import ChatMessage
+        generates; the arguments in vLLM's order. Messages are read as the server reads them
+        (`server/protocol.ChatMessage`: OpenAI's text parts joined, media parts refused, tool calls' arguments
+        as objects: vLLM's "string" `chat_template_content_format`, which "auto" is here; "openai" is refused);
+        `tools`, `continue_final_message` and `chat_template_kwargs` reach the template as vLLM's `LLM.chat`
+        passes them: chat_template_kwargs' own add_generation_prompt, continue_final_message, tools and
+        chat_template win over the arguments."""
+        from tokenmill.server.protocol import TEMPLATE_CALL_PARAMETERS, ChatMessage
         tok = self.engine.tokenizer
         if tok is None:
             from tokenmill.models.presets import check_text_prompts
             check_text_prompts(self.engine.config.model, self.engine.config.tokenizer)
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: tokenmill runs text-only models")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported: "
                              "messages reach the template with their text parts joined into a string ('string', "
                              "which 'auto' is here)")
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        tools = kwargs.pop("tools", tools)
+        chat_template = kwargs.pop("chat_template", chat_template)
+        for key in kwargs:
+            if key in TEMPLATE_CALL_PARAMETERS:
+                raise ValueError(f"chat_template_kwargs may not set {key!r}: a parameter of the template call, "
+                                 "not a template variable")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                              "(set add_generation_prompt=False)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         conversations = [[ChatMessage.model_validate(m).for_template() for m in c] for c in conversations]
-        kwargs = template_kwargs(chat_template_kwargs, tools, continue_final_message)
+        kwargs = template_kwargs(kwargs, tools, continue_final_message)
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         texts = [tok.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]

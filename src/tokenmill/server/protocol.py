@@ -601,7 +601,7 @@ def _check_chat_length(messages: list[ChatMessage] | None) -> None:
 # 500) or replaced the server's template with the client's (whose Jinja, sandboxed but unbounded, runs on
 # the one tokenizer thread every request shares). `documents` stays: it reaches the template as a variable.
 _USE_FIELD = "set by the request's own field of that name"
-_TEMPLATE_CALL_PARAMETERS = {
+TEMPLATE_CALL_PARAMETERS = {
     "messages": _USE_FIELD, "conversation": "the request's 'messages' are the conversation",
     "add_generation_prompt": _USE_FIELD, "continue_final_message": _USE_FIELD, "tools": _USE_FIELD,
     "chat_template": "the chat template is the server's (--chat-template)",
@@ -615,9 +615,9 @@ def _check_template_fields(req) -> None:
     """A chat request's template fields (chat completions and /tokenize alike): no template-call parameter in
     chat_template_kwargs; continue_final_message only without a generation prompt, after the assistant's."""
     for key in req.chat_template_kwargs or ():
-        if key in _TEMPLATE_CALL_PARAMETERS:
+        if key in TEMPLATE_CALL_PARAMETERS:
             raise UnsupportedValue("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}: "
-                                   + _TEMPLATE_CALL_PARAMETERS[key])
+                                   + TEMPLATE_CALL_PARAMETERS[key])
     if req.continue_final_message and req.add_generation_prompt:
         raise UnsupportedValue("continue_final_message", "'continue_final_message' and "
                                "'add_generation_prompt' cannot both be true (set add_generation_prompt false)")
