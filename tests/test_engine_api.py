@@ -24,7 +24,8 @@ def llm(qwen3_dir):
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
     (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
-    (dict(n=0), "n must be >= 1, got 0"),
+    (dict(n=0), "n must be an integer >= 1, got 0"),
+    (dict(n=2.0), "n must be an integer >= 1, got 2.0"),
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
     (dict(logprobs=50), "logprobs must be an integer in [0, 20], got 50"),
     # a float count of alternatives failed inside the step (topk, a slice), which killed an engine core; a
@@ -241,6 +242,23 @@ def test_chat_takes_vllms_argument_order_and_chat_template_kwargs(llm):
     with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
         llm.chat(msgs, sp, mm_processor_kwargs={"num_crops": 4})
 
+
+def test_vllms_other_offline_names_are_taken_or_refused_by_name(llm):
+    """A ported script's SamplingParams(output_kind=...) was a TypeError (vLLM's LLM returns final outputs
+    whatever it says, as here); sampling_params of another type an AttributeError on a str; LLM.embed,
+    beam_search, ... AttributeErrors."""
+    from tokenmill.sampling_params import RequestOutputKind
+    delta = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    assert len(llm.generate([[5, 6]], delta)[0].outputs[0].token_ids) == 3
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them \(one per "
+                                        r"prompt\), got dict \{'max_tokens': 3\}"):
+        llm.generate([[5, 6]], {"max_tokens": 3})
+    with pytest.raises(TypeError, match="got a list holding dict"):
+        llm.generate([[5, 6], [7]], [delta, {"max_tokens": 3}])
+    for name in ("embed", "encode", "classify", "score", "reward", "beam_search"):
+        with pytest.raises(ValueError, match=rf"^LLM\.{name}\(\) is not supported: "):
+            getattr(llm, name)(["a"])
+    assert not llm.engine.has_unfinished_requests()
 
 def test_text_prompts_to_a_model_without_a_tokenizer_are_refused_by_name(tmp_path, save_tiny_model):
     """A checkpoint without tokenizer files (or a GGUF without tokenizer metadata) takes token ids; a text

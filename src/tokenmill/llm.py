@@ -54,7 +54,26 @@ def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None, str | N
     return None, [int(t) for t in prompt], salt
 
 
+def _unsupported(name: str, why: str):
+    """A method of vLLM's LLM that tokenmill does not have: a ValueError naming it, not an AttributeError."""
+    def method(self, *args, **kwargs):
+        raise ValueError(f"LLM.{name}() is not supported: {why}")
+    method.__name__ = name
+    return method
+
+
+_POOLING = "tokenmill runs generative models only (vLLM's pooling runner, which this needs, is not implemented)"
+
+
 class LLM:
+    embed = _unsupported("embed", _POOLING)
+    encode = _unsupported("encode", _POOLING)
+    classify = _unsupported("classify", _POOLING)
+    score = _unsupported("score", _POOLING)
+    reward = _unsupported("reward", _POOLING)
+    beam_search = _unsupported("beam_search", "tokenmill has no beam search; sample n sequences with "
+                                              "SamplingParams(n=...) and rank them by cumulative_logprob")
+
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
@@ -111,6 +130,13 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        else:
+            wrong = sampling_params if not isinstance(sampling_params, (list, tuple)) else next(
+                (p for p in sampling_params if p is not None and not isinstance(p, SamplingParams)), None)
+            if wrong is not None:
+                raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                                f"{'' if wrong is sampling_params else 'a list holding '}{type(wrong).__name__} "
+                                f"{wrong!r:.80}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):

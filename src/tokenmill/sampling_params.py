@@ -5,6 +5,7 @@ in `LLMEngine.add_request`, with the same error type."""
 from __future__ import annotations
 
 import copy
+import enum
 import json
 from dataclasses import dataclass, field
 
@@ -212,6 +213,14 @@ def truncated_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
     return max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each output of a streamed request holds. `LLM.generate` returns every request's final
+    output whatever its params say (vLLM's LLM sets FINAL_ONLY), so `output_kind` changes nothing here."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -257,12 +266,13 @@ class SamplingParams:
     # best_of None or n, detokenize True, no logits_processors. spaces_between_special_tokens either way: the
     # output is decoded as the fast tokenizer joins special tokens, which takes no such option (neither does
     # vLLM's detokenizer of a fast tokenizer). extra_args is data for plugins, as vLLM's, which no in-tree
-    # sampler reads.
+    # sampler reads. output_kind any `RequestOutputKind` (see there).
     best_of: int | None = None
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
     logits_processors: list | None = None
     extra_args: dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -308,8 +318,8 @@ class SamplingParams:
     def _check(self):
         def bad(name, value, limit):
             raise SamplingParamError(name, f"{name} must be {limit}, got {value!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", self.n, ">= 1")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", self.n, "an integer >= 1")
         if not self.temperature >= 0:        # NaN too: the sampler would take its NaN scores' argmax, token 0
             bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -374,6 +384,8 @@ class SamplingParams:
             bad("cache_salt", self.cache_salt, "a non-empty string")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", self.extra_args, "a dict")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", self.output_kind, "a RequestOutputKind")
 
     @classmethod
     def from_optional(cls, **kwargs) -> SamplingParams:
