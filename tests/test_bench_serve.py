@@ -370,10 +370,46 @@ def test_each_level_and_the_warm_up_send_prompts_of_their_own(tmp_path):
                            "--dataset", "random", "--input-len-range", "8,8", "--output-len-range", "1,1",
                            "--max-concurrency", "1,1,2", "--num-prompts", "4", "--num-warmups", "1",
                            "--hardware", "test", "--no-progress", "--output-dir", str(tmp_path)]) == 0
-        with pytest.raises(SystemExit, match="levels of 1 or more, got 2,0"):
-            bench_main(["serve", "--base-url", base, "--model", "m", "--max-concurrency", "2,0",
-                        "--hardware", "test", "--no-progress", "--output-dir", str(tmp_path)])
     assert len(prompts) == 1 + 3 * 4 and len(set(prompts)) == len(prompts)
+
+
+def test_bad_flags_and_datasets_are_refused_naming_the_value(tmp_path, capsys):
+    """Each bad value is refused before any request (or, for `bench throughput`, before a model is
+    materialised) with the flag and the value named, where it was a traceback (a malformed dataset file, an
+    inverted range, 'abc' as a rate) or no error at all (zero prompts, a negative SLO)."""
+    from tokenmill.bench.cli import main as bench_main, parse_args
+    serve = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m"]
+    for argv, message in [
+        ([*serve, "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        ([*serve, "--dataset", "random", "--input-len-range", "9,3"], "--input-len-range: length range must "
+                                                                       "satisfy 1 <= lo <= hi, got (9, 3)"),
+        ([*serve, "--mixed-chat-chars", "10,5"], "--mixed-chat-chars: length range"),
+        ([*serve, "--request-rate", "abc"], "--request-rate takes requests per second above 0, or inf, got 'abc'"),
+        ([*serve, "--request-rate", "0"], "got '0'"),
+        ([*serve, "--max-concurrency", "2,0"], "levels of 1 or more, got '2,0'"),
+        ([*serve, "--goodput", "ttft:-5"], "got 'ttft:-5'"),
+        ([*serve, "--metric-percentiles", "a"], "--metric-percentiles takes comma-separated numbers in [0, 100]"),
+        ([*serve, "--percentile-metrics", "ttft,foo"], "--percentile-metrics takes ttft,tpot,itl,e2el, got 'ttft,foo'"),
+        ([*serve, "--dataset", str(tmp_path / "none.json")], "none.json' is neither 'mixed-chat' nor 'random' nor a file"),
+        (["throughput", "--model", "preset:qwen3-4b", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        (["throughput", "--model", "preset:qwen3-4b", "--output-len-range", "5,1"], "--output-len-range: length"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+    # vLLM's spellings of what is done anyway are accepted
+    args = parse_args([*serve, "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el"])
+    assert not args.no_ignore_eos and args.max_concurrency == [1, 4, 8, 16, 32]
+    with socket.socket() as s:          # bound, never listening: /v1/models is refused, --model names the model
+        s.bind(("127.0.0.1", 0))
+        closed = ["serve", "--base-url", f"http://127.0.0.1:{s.getsockname()[1]}", "--model", "m", "--no-progress",
+                  "--hardware", "test", "--output-dir", str(tmp_path)]
+        for content, message in [("{bad", "is not JSON: Expecting property name"),
+                                 ('{"a": 1}', "is a JSON dict, not the list of conversations"),
+                                 ("[1, {}]", "holds no conversation with a human and a gpt turn among its 2 entries")]:
+            (tmp_path / "d.json").write_text(content)
+            with pytest.raises(SystemExit, match=re.escape(message)):
+                bench_main([*closed, "--dataset", str(tmp_path / "d.json")])
 
 
 def test_mixed_chat_deterministic_and_in_range():

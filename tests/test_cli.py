@@ -210,12 +210,14 @@ def test_bench_serve_accepts_a_vllm_command():
     assert args.endpoint == "/v1/chat/completions"
 
 
-def test_bench_throughput_accepts_vllm_flags():
+def test_bench_throughput_accepts_vllm_flags(tmp_path):
     args = parse_args(["throughput", "--model", "m", "--random-input-len", "200", "--random-output-len", "20",
                        "--random-range-ratio", "0.1", "--result-dir", "/r", "--save-result"])
     assert (args.input_len_range, args.output_len_range, args.output_dir) == ("180,220", "18,22", "/r")
-    args = parse_args(["throughput", "--model", "m", "--dataset-name", "sharegpt", "--dataset-path", "sg.json"])
-    assert args.dataset == "sg.json" and args.input_len_range == "100,1024"
+    (tmp_path / "sg.json").write_text("[]")
+    args = parse_args(["throughput", "--model", "m", "--dataset-name", "sharegpt", "--dataset-path",
+                       str(tmp_path / "sg.json")])
+    assert args.dataset == str(tmp_path / "sg.json") and args.input_len_range == "100,1024"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -58,6 +58,11 @@ def add_vllm_args(p: argparse.ArgumentParser, serve: bool) -> None:
                        help="the request format when --endpoint is not given: openai-chat is "
                             "/v1/chat/completions, the others /v1/completions (also the default where "
                             "vLLM's dataset flags are given, as vLLM's default backend)")
+        g.add_argument("--ignore-eos", action="store_true",
+                       help="accepted for vLLM's commands: ignore_eos is sent unless --no-ignore-eos is given")
+        g.add_argument("--percentile-metrics", default=None,
+                       help="accepted for vLLM's commands (names from ttft,tpot,itl,e2el): the percentiles of "
+                            "every metric are reported")
         g.add_argument("--host", default="127.0.0.1", help="the server, when --base-url is not given")
         g.add_argument("--port", type=int, default=8000, help="the server's port, when --base-url is not given")
 
@@ -230,14 +235,35 @@ def _add_memory_args(sub) -> argparse.ArgumentParser:
     return m
 
 
+def check_workload(parser: argparse.ArgumentParser, args, datasets: tuple[str, ...]) -> None:
+    """The request set's flags, refused with the flag and its value named before a server is asked or a
+    model materialised; `datasets` are the built-in names a --dataset that is no file may take."""
+    if args.dataset not in datasets and not os.path.isfile(args.dataset):
+        parser.error(f"--dataset {args.dataset!r} is neither {' nor '.join(map(repr, datasets))} nor a file")
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    for name in ("input_len_range", "output_len_range"):
+        try:
+            parse_range(getattr(args, name))
+        except ValueError as e:
+            parser.error(f"--{name.replace('_', '-')}: {e}")
+
+
 def parse_args(argv: list[str]):
     """`tokenmill bench` arguments, with vLLM's flag names mapped onto ours."""
     parser, subs = _build_parsers()
     args = parser.parse_args(argv)
     if args.command == "serve":
         resolve_vllm_args(subs["serve"], args, SERVE_INPUT_LEN_RANGE, SERVE_OUTPUT_LEN_RANGE)
+        check_workload(subs["serve"], args, ("mixed-chat", "random"))
+        from tokenmill.bench.serve import check_sweep_args
+        try:
+            check_sweep_args(args)
+        except ValueError as e:
+            subs["serve"].error(str(e))
     elif args.command == "throughput":
         resolve_vllm_args(subs["throughput"], args, THROUGHPUT_LEN_RANGE, THROUGHPUT_LEN_RANGE)
+        check_workload(subs["throughput"], args, ("random",))
     return args
 
 
@@ -262,8 +288,11 @@ def build_requests(args, hf_config: dict, model_path: str | None):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
-    return sharegpt_requests(args.dataset, tokenizer, args.num_prompts, args.seed, max_input_len=1024,
-                             max_output_len=1024)
+    try:
+        return sharegpt_requests(args.dataset, tokenizer, args.num_prompts, args.seed, max_input_len=1024,
+                                 max_output_len=1024)
+    except ValueError as e:             # a dataset file that cannot be read
+        raise SystemExit(str(e)) from None
 
 
 def _child_env() -> dict:

@@ -69,22 +69,46 @@ def random_requests(num_prompts: int, input_len_range: tuple[int, int], output_l
     return requests
 
 
+def read_sharegpt(path: str) -> list[tuple[str, str] | None]:
+    """(first human turn, first gpt turn) of each entry of a ShareGPT-format JSON file, None for an entry
+    without both (kept, so that a seed's shuffle of the entries draws what it always drew). A file that
+    cannot be read, is not a JSON list or holds no entry with both turns is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"dataset {path!r} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset {path!r} is not JSON: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"dataset {path!r} is a JSON {type(data).__name__}, not the list of conversations "
+                         "of the ShareGPT format")
+    pairs = []
+    for item in data:
+        turns = (item.get("conversations") or item.get("conversation")) if isinstance(item, dict) else None
+        turns = [t for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
+        human = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
+        gpt = next((t.get("value") for t in turns if t.get("from") in ("gpt", "assistant")), None)
+        pairs.append((human, gpt) if isinstance(human, str) and isinstance(gpt, str) else None)
+    if not any(pairs):
+        raise ValueError(f"dataset {path!r} holds no conversation with a human and a gpt turn among its "
+                         f"{len(data)} entries (ShareGPT: " '{"conversations": [{"from": "human", "value": ...}, '
+                         '{"from": "gpt", "value": ...}]})')
+    return pairs
+
+
 def sharegpt_requests(path: str, tokenizer, num_prompts: int, seed: int = 0, max_input_len: int | None = None,
                       max_output_len: int | None = None, min_len: int = 4) -> list[BenchRequest]:
     """First human turn as the prompt; the first gpt turn's token length as the output length.
 
     Conversations are shuffled with `seed` and too short (< `min_len` tokens) or too long ones skipped,
     as vLLM's benchmark does."""
-    with open(path) as f:
-        data = json.load(f)
-    order = np.random.default_rng(seed).permutation(len(data))
+    pairs = read_sharegpt(path)
     requests = []
-    for idx in order.tolist():
-        turns = data[idx].get("conversations") or data[idx].get("conversation") or []
-        human = next((t["value"] for t in turns if t.get("from") in ("human", "user")), None)
-        gpt = next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None)
-        if human is None or gpt is None:
+    for idx in np.random.default_rng(seed).permutation(len(pairs)).tolist():
+        if pairs[idx] is None:
             continue
+        human, gpt = pairs[idx]
         prompt_ids = tokenizer.encode(human, add_special_tokens=False)
         output_len = len(tokenizer.encode(gpt, add_special_tokens=False))
         if len(prompt_ids) < min_len or output_len < min_len:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from tokenmill.bench.datasets import parse_range
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
 
@@ -75,14 +76,19 @@ class RequestResult:
 
 # ----- metrics -------------------------------------------------------------------------------------------
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """['ttft:300', 'tpot:50'] -> {'ttft': 300.0, 'tpot': 50.0} (milliseconds)."""
+    """['ttft:300', 'tpot:50'] -> {'ttft': 300.0, 'tpot': 50.0} (milliseconds, each 0 or more)."""
     slos = {}
     for item in items or []:
         for part in item.replace(",", " ").split():
             key, _, value = part.partition(":")
-            if key not in ("ttft", "tpot", "e2el") or not value:
-                raise ValueError(f"goodput SLOs are ttft:MS, tpot:MS or e2el:MS, got {part!r}")
-            slos[key] = float(value)
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = math.nan
+            if key not in ("ttft", "tpot", "e2el") or not ms >= 0:
+                raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS with MS a number of milliseconds "
+                                 f">= 0, got {part!r}")
+            slos[key] = ms
     return slos
 
 
@@ -92,10 +98,69 @@ def tpot_of(r: RequestResult) -> float | None:
 
 def parse_percentiles(text: str | None) -> tuple[float, ...]:
     """vLLM's --metric-percentiles, e.g. '25,50,99.9', added to the PERCENTILES every result has."""
-    extra = [float(p) for p in (text or "").split(",") if p.strip()]
+    try:
+        extra = [float(p) for p in (text or "").split(",") if p.strip()]
+    except ValueError:
+        extra = [math.nan]
     if any(not 0 <= p <= 100 for p in extra):
-        raise ValueError(f"--metric-percentiles are in [0, 100], got {text!r}")
+        raise ValueError(f"--metric-percentiles takes comma-separated numbers in [0, 100], got {text!r}")
     return tuple(sorted(set(PERCENTILES) | set(extra)))
+
+
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_levels(text: str) -> list[int]:
+    """--max-concurrency '1,4,8' -> [1, 4, 8]."""
+    try:
+        levels = [int(c) for c in str(text).split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"--max-concurrency takes comma-separated levels of 1 or more, got {text!r}")
+    return levels
+
+
+def check_sweep_args(args) -> None:
+    """Refuses, naming the flag and its value, what `run_sweep` could not run, before the server is asked
+    anything; `args.request_rate` becomes a float and `args.max_concurrency` the list of levels."""
+    parse_goodput(args.goodput)
+    parse_percentiles(args.metric_percentiles)
+    args.max_concurrency = parse_levels(args.max_concurrency)
+    try:
+        rate = float(args.request_rate)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0:
+        raise ValueError(f"--request-rate takes requests per second above 0, or inf, got {args.request_rate!r}")
+    args.request_rate = rate
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be above 0, got {args.burstiness}")
+    metrics = [m.strip() for m in (args.percentile_metrics or "").split(",") if m.strip()]
+    if any(m not in PERCENTILE_METRICS for m in metrics):
+        raise ValueError(f"--percentile-metrics takes {','.join(PERCENTILE_METRICS)}, got "
+                         f"{args.percentile_metrics!r}")
+    if args.ignore_eos and args.no_ignore_eos:
+        raise ValueError("give --ignore-eos or --no-ignore-eos, not both")
+    if args.client_processes < 1:
+        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be above 0 seconds, got {args.request_timeout}")
+    for name in ("structured_fraction", "tools_fraction"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.tools_fraction > 0 and not args.endpoint.endswith("chat/completions"):
+        raise ValueError("--tools-fraction needs the chat endpoint (/v1/chat/completions)")
+    if args.tools_fraction > 0 and args.structured_fraction > 0:
+        raise ValueError("give --tools-fraction or --structured-fraction, not both (each splits the requests "
+                         "into two classes)")
+    for name in ("mixed_chat_chars", "mixed_chat_output_len"):
+        try:
+            parse_range(getattr(args, name))
+        except ValueError as e:
+            raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
 
 
 def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float]:
@@ -581,28 +646,17 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
     if not model:
         raise SystemExit("--model is required when the server's /v1/models cannot be read")
     chat = args.endpoint.endswith("chat/completions")
-    requests = build_serve_requests(args, chat)
+    try:
+        requests = build_serve_requests(args, chat)
+    except ValueError as e:            # a dataset file that cannot be read
+        raise SystemExit(str(e)) from None
     if not requests:
-        raise SystemExit("the request set is empty")
+        raise SystemExit(f"dataset {args.dataset!r} holds no conversation long enough to send: a prompt of 4 or "
+                         "more characters and an answer of 4 or more tokens (characters / 4 without --tokenizer)")
     slos = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.metric_percentiles)
-    rate = float(args.request_rate)
-    if not rate > 0 or not args.burstiness > 0:
-        raise SystemExit(f"--request-rate and --burstiness must be above 0, got {args.request_rate} and "
-                         f"{args.burstiness}")
-    levels = [int(c) for c in str(args.max_concurrency).split(",") if c.strip()]
-    if any(c < 1 for c in levels):
-        raise SystemExit(f"--max-concurrency takes levels of 1 or more, got {args.max_concurrency}")
-    if not 0.0 <= args.structured_fraction <= 1.0:
-        raise SystemExit(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
+    rate, levels = args.request_rate, args.max_concurrency
     structured = structured_indices(len(requests), args.structured_fraction)
-    if not 0.0 <= args.tools_fraction <= 1.0:
-        raise SystemExit(f"--tools-fraction must be in [0, 1], got {args.tools_fraction}")
-    if args.tools_fraction > 0 and not chat:
-        raise SystemExit("--tools-fraction needs the chat endpoint (/v1/chat/completions)")
-    if args.tools_fraction > 0 and args.structured_fraction > 0:
-        raise SystemExit("give --tools-fraction or --structured-fraction, not both (each splits the requests "
-                         "into two classes)")
     tools = structured_indices(len(requests), args.tools_fraction)
 
     def drawn(seed: int) -> list[ServeRequest]:
@@ -635,8 +689,6 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         "client_processes": args.client_processes,
         "levels": [],
     }
-    if args.client_processes < 1:
-        raise SystemExit(f"--client-processes must be >= 1, got {args.client_processes}")
     for position, conc in enumerate(levels):
         if position:
             requests = drawn(args.seed + position)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tokenmill.bench.datasets import parse_range
+from tokenmill.bench.datasets import parse_range, read_sharegpt
 
 
 @dataclass(frozen=True)
@@ -127,15 +127,12 @@ def random_serve_requests(num_prompts: int, input_len_range: tuple[int, int], ou
 
 def sharegpt_serve_requests(path: str, num_prompts: int, seed: int = 0, tokenizer=None,
                             max_output_len: int = 1024, min_len: int = 4) -> list[ServeRequest]:
-    with open(path) as f:
-        data = json.load(f)
+    pairs = read_sharegpt(path)
     out = []
-    for idx in np.random.default_rng(seed).permutation(len(data)).tolist():
-        turns = data[idx].get("conversations") or data[idx].get("conversation") or []
-        human = next((t["value"] for t in turns if t.get("from") in ("human", "user")), None)
-        gpt = next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None)
-        if not human or not gpt:
+    for idx in np.random.default_rng(seed).permutation(len(pairs)).tolist():
+        if pairs[idx] is None:
             continue
+        human, gpt = pairs[idx]
         n_out = len(tokenizer.encode(gpt, add_special_tokens=False)) if tokenizer is not None else len(gpt) // 4
         if n_out < min_len or len(human) < min_len:
             continue
