@@ -412,6 +412,43 @@ def test_bad_flags_and_datasets_are_refused_naming_the_value(tmp_path, capsys):
                 bench_main([*closed, "--dataset", str(tmp_path / "d.json")])
 
 
+def _stream_a_token(writer, cut: bool = False) -> None:
+    """One output token's chunk, usage and [DONE]; `cut`: the token's chunk only, in a body whose end only
+    the server's close marks, which it then closes."""
+    if cut:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                     b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        writer.close()
+        return
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + _sse({"choices": [{"index": 0, "text": "a"}]})
+                 + _sse({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+                 + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+def test_a_stream_cut_before_done_is_a_failed_request():
+    """A server that dies after a request's first token, its body ending with the connection: a success of
+    one token at the first token's time, where it is a failure."""
+    async def handle(reader, writer):
+        while (request := await _read_request(reader)) is not None:
+            _stream_a_token(writer, cut=request[0] == "/cut")
+            await writer.drain()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = HTTPClient(base, timeout_s=5)
+        try:
+            return [await send_request(client, base + path, {}) for path in ("/cut", "/ok")]
+        finally:
+            await client.aclose()
+            server.close()
+
+    cut, ok = asyncio.run(main())
+    assert not cut.success and cut.error == "the stream ended before data: [DONE], after 1 chunk(s) with output"
+    assert ok.success and ok.output_tokens == 1
+
+
 def test_mixed_chat_deterministic_and_in_range():
     reqs = mixed_chat_requests(60, seed=3)
     assert reqs == mixed_chat_requests(60, seed=3) and reqs != mixed_chat_requests(60, seed=4)

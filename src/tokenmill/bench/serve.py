@@ -455,6 +455,11 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                     r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     r.output_tokens = int(usage.get("completion_tokens") or 0)
                     r.usage_reported = True
+    if not finished:
+        # OpenAI's streams end with [DONE]: a body that ends before it (a server closing a connection whose end
+        # only the close marks) was cut short, and its tokens so far are not a fast request
+        r.error = f"the stream ended before data: [DONE], after {content_chunks} chunk(s) with output"
+        return
     r.latency = (last if content_chunks else time.perf_counter()) - t0
     if not r.usage_reported:
         r.output_tokens = content_chunks
