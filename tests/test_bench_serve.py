@@ -449,6 +449,47 @@ def test_a_stream_cut_before_done_is_a_failed_request():
     assert ok.success and ok.output_tokens == 1
 
 
+def test_a_failed_warm_up_stops_the_run_and_ctrl_c_keeps_the_levels_done(tmp_path, monkeypatch, capsys):
+    """A server that refuses every request (a 404 for a model name, a 400 for a flag) stopped nothing: every
+    level ran its requests into the error. The warm-up's failure now ends the run with its error, as vLLM's
+    initial test run does. Ctrl-C printed a traceback; it now reports the levels already done (saved)."""
+    import tokenmill.bench.serve as bench_serve
+    from tokenmill.bench.cli import main as bench_main
+    paths = []
+
+    async def handle(reader, writer):
+        while (request := await _read_request(reader)) is not None:
+            paths.append(request[0])
+            if request[2]["model"] == "missing":
+                body = b'{"error": {"message": "The model `missing` does not exist."}}'
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            else:
+                _stream_a_token(writer)
+            await writer.drain()
+
+    with _threaded_server(handle) as base:
+        common = ["serve", "--base-url", base, "--endpoint", "/v1/completions", "--dataset", "random",
+                  "--input-len-range", "2", "--output-len-range", "1", "--num-prompts", "2", "--hardware", "test",
+                  "--no-progress", "--output-dir", str(tmp_path)]
+        with pytest.raises(SystemExit, match=re.escape(f"the warm-up request to {base}/v1/completions failed, so "
+                                                       "no level was run: HTTP 404: ") + ".*`missing` does not exist"):
+            bench_main([*common, "--model", "missing", "--max-concurrency", "1,2"])
+        assert len(paths) == 1
+        real_run_level = bench_serve.run_level
+
+        def interrupted_second_level(*args, **kwargs):
+            if args[4] == 2:           # the second level's concurrency
+                raise KeyboardInterrupt
+            return real_run_level(*args, **kwargs)
+        monkeypatch.setattr(bench_serve, "run_level", interrupted_second_level)
+        assert bench_main([*common, "--model", "m", "--max-concurrency", "1,2", "--num-warmups", "0",
+                           "--name", "cut"]) == 130
+    out = capsys.readouterr()
+    assert "interrupted: the 1 completed level(s) only" in out.err
+    assert "| server | 1 | 2/2 |" in out.out and "| server | 2 |" not in out.out     # the table of those done
+    assert [lv["max_concurrency"] for lv in json.loads((tmp_path / "cut.json").read_text())["levels"]] == [1]
+
+
 def test_mixed_chat_deterministic_and_in_range():
     reqs = mixed_chat_requests(60, seed=3)
     assert reqs == mixed_chat_requests(60, seed=3) and reqs != mixed_chat_requests(60, seed=4)

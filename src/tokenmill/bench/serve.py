@@ -673,8 +673,13 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         first = drawn(args.seed + len(levels))[0]
     for _ in range(args.num_warmups):
         warm = ServeRequest(first.prompt, min(first.max_tokens, 16), first.prompt_len)
-        asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers, progress=False,
-                              ignore_eos=not args.no_ignore_eos, temperature=args.temperature))
+        (result,), _ = asyncio.run(run_level(args.base_url, args.endpoint, model, [warm], 1, headers=headers,
+                                             progress=False, ignore_eos=not args.no_ignore_eos,
+                                             temperature=args.temperature))
+        if not result.success:
+            # as vLLM's initial test run: a server or flag that fails every request stops here, not after a sweep
+            raise SystemExit(f"the warm-up request to {args.base_url.rstrip('/')}{args.endpoint} failed, so no "
+                             f"level was run: {result.error}")
     summary = {
         "command": "tokenmill bench " + " ".join(argv),
         "git_commit": git_commit(),
@@ -819,7 +824,7 @@ def add_serve_args(p) -> None:
 def main_serve(args, argv: list[str]) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    paths = []
+    paths, saved = [], []
 
     def save(summary: dict) -> None:
         if not paths:
@@ -828,14 +833,25 @@ def main_serve(args, argv: list[str]) -> int:
         with open(paths[0] + ".tmp", "w") as f:
             json.dump(summary, f, ensure_ascii=False)
         os.replace(paths[0] + ".tmp", paths[0])
+        saved[:] = [summary]
 
-    summary = run_sweep(args, argv, on_level=save)
-    path = paths[0]
+    interrupted = False
+    try:
+        summary = run_sweep(args, argv, on_level=save)
+    except KeyboardInterrupt:
+        # Ctrl-C: the level under way is lost, the completed ones were saved as each ended
+        if not saved:
+            print("interrupted before the first level completed: no results", file=sys.stderr)
+            return 130
+        summary, interrupted = saved[0], True
+        print(f"interrupted: the {len(summary['levels'])} completed level(s) only", file=sys.stderr)
     from tokenmill.bench.report_serve import class_table, summary_table
     print(summary_table([summary]))
     classes = class_table([summary])
     if classes:
         print()
         print(classes)
-    print(f"results: {path}", file=sys.stderr)
+    print(f"results: {paths[0]}", file=sys.stderr)
+    if interrupted:
+        return 130
     return 0 if all(lv["failed"] == 0 for lv in summary["levels"]) else 1
