@@ -20,6 +20,8 @@ Definitions (as in vLLM's `benchmark_serving`, so figures compare with theirs):
   `--burstiness B` draws the gaps from vLLM's gamma distribution of shape B instead (1: Poisson; below 1
   burstier, above 1 more even, inf evenly spaced).
 - Goodput: completed requests per second that meet every SLO given with `--goodput ttft:MS tpot:MS e2el:MS`.
+- A request completes when its stream carried output and ended with `data: [DONE]`; one cut short, an HTTP
+  error or an error event fails, and failed requests are left out of every latency.
 Each concurrency level sends `--num-prompts` requests of its own, drawn with the seed plus the level's
 position (the warm-up's with the seed plus the number of levels), one level after the other: no level finds
 another's prompts in the server's prefix cache. (Prompts drawn from a dataset file repeat where it holds
