@@ -149,22 +149,48 @@ class HermesToolParser(ToolParser):
         return None if arguments is None else ToolCall(obj["name"], arguments)
 
 
-class ToolCallStream:
+class _DeltaStream:
+    """The output side of a stream: content held back while it is only whitespace, and each call sent as
+    two deltas in OpenAI's shape, its header (`index`, `id`, `type`, `function.name`, `function.arguments:
+    ""`) and its whole arguments string. `tool_calls` lists the calls sent so far (a response with any
+    ends with `finish_reason: "tool_calls"`)."""
+
+    def __init__(self):
+        self._pending_ws = ""           # content so far, while it is only whitespace
+        self._content_started = False
+        self.tool_calls: list[ToolCall] = []
+
+    def _call(self, call: ToolCall, out: list[Delta]) -> None:
+        index = len(self.tool_calls)
+        self.tool_calls.append(call)
+        out.append(Delta(tool_call={"index": index, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}))
+        out.append(Delta(tool_call={"index": index, "function": {"arguments": call.arguments}}))
+
+    def _content(self, text: str, out: list[Delta]) -> None:
+        if not text:
+            return
+        if not self._content_started:
+            self._pending_ws += text
+            if not self._pending_ws.strip():
+                return
+            text, self._pending_ws, self._content_started = self._pending_ws, "", True
+        out.append(Delta(content=text))
+
+
+class ToolCallStream(_DeltaStream):
     """Incremental `extract` for a tagged format: `feed(delta_text)` for each decoded piece, then
-    `finish()`; both return the deltas now decided. `tool_calls` lists the calls sent so far (a
-    response with any ends with `finish_reason: "tool_calls"`).
+    `finish()`; both return the deltas now decided.
 
     Over a whole output the content deltas concatenate to `extract(text).content` ("" where that is
     None) and each call's argument pieces to its `arguments`. Held back until decided: a possible start
     tag at the end of the text, a block until its end tag, and content while it is only whitespace."""
 
     def __init__(self, parser: ToolParser):
+        super().__init__()
         self._parser = parser
         self._buf = ""                  # outside a block: a partial start tag; inside: the body so far
         self._inside = False
-        self._pending_ws = ""           # content so far, while it is only whitespace
-        self._content_started = False
-        self.tool_calls: list[ToolCall] = []
 
     def feed(self, delta_text: str) -> list[Delta]:
         out: list[Delta] = []
@@ -203,22 +229,8 @@ class ToolCallStream:
         call = self._parser.parse_call(body)
         if call is None:
             self._content(self._parser.start_tag + body + end_tag, out)
-            return
-        index = len(self.tool_calls)
-        self.tool_calls.append(call)
-        out.append(Delta(tool_call={"index": index, "id": call.id, "type": "function",
-                                    "function": {"name": call.name, "arguments": ""}}))
-        out.append(Delta(tool_call={"index": index, "function": {"arguments": call.arguments}}))
-
-    def _content(self, text: str, out: list[Delta]) -> None:
-        if not text:
-            return
-        if not self._content_started:
-            self._pending_ws += text
-            if not self._pending_ws.strip():
-                return
-            text, self._pending_ws, self._content_started = self._pending_ws, "", True
-        out.append(Delta(content=text))
+        else:
+            self._call(call, out)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
