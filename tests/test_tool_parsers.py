@@ -1,5 +1,5 @@
-"""The hermes tool-call parser on scripted outputs, its stream against `extract` under any chunking, and
-the schemas that enforce tool_choice "required" / a named function."""
+"""The tool-call parsers (hermes, llama3_json, pythonic) on scripted outputs, each one's stream against its
+`extract` under any chunking, and the schemas that enforce tool_choice "required" / a named function."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,12 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser,
-                                           NamedCall, RequiredCalls, required_tools_schema)
+from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, NamedCall,
+                                           PythonicToolParser, RequiredCalls, required_tools_schema)
 
 HERMES = HermesToolParser()
+LLAMA3 = Llama3JsonToolParser()
+PYTHONIC = PythonicToolParser()
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -19,8 +21,8 @@ def call(name, arguments):
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)}\n</tool_call>'
 
 
-def run_stream(chunks):
-    s = HERMES.new_stream()
+def run_stream(chunks, parser=HERMES):
+    s = parser.new_stream()
     deltas = []
     for piece in chunks:
         deltas += s.feed(piece)
@@ -28,9 +30,9 @@ def run_stream(chunks):
     return s, deltas
 
 
-def assert_stream_matches(text, chunks):
-    expected = HERMES.extract(text)
-    s, deltas = run_stream(chunks)
+def assert_stream_matches(text, chunks, parser=HERMES):
+    expected = parser.extract(text)
+    s, deltas = run_stream(chunks, parser)
     assert all((d.content is None) != (d.tool_call is None) for d in deltas)
     assert "".join(d.content for d in deltas if d.content is not None) == (expected.content or "")
     arguments, headers = {}, {}
@@ -53,7 +55,8 @@ def assert_stream_matches(text, chunks):
 
 
 def test_registry():
-    assert TOOL_PARSERS["hermes"] is HermesToolParser
+    assert TOOL_PARSERS == {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                            "pythonic": PythonicToolParser}
 
 
 def test_single_call():
@@ -146,16 +149,136 @@ def test_char_by_char():
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool", "<", ">", "\n", " ", "hi", "中文",
              '{"name": "f", "arguments": {"x": 1}}', '{"name": "天气", "arguments": {"城": "北京 }{"}}',
-             '{"name": "g"}', '{"name": ', '"arguments": {', "}", '"', "[1]", "\\"]
+             '{"name": "g"}', '{"name": ', '"arguments": {', "}", '"', "[1]", "\\",
+             "<|python_tag|>", "<|python", "_tag|>", ";", '{"name": "h", "parameters": {"s": "]\\""}}',
+             "{", "[", "]", "(", ")", "'", "=", ",", "f(x=1)", "[f(x=1), g(s='a]', l=[1, {\"k\": None}])]",
+             "[天气(城='北京')]", "g()", "x=y"]
 
 
-@settings(max_examples=250, deadline=None)
-@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join), st.data())
-def test_stream_equals_extract(text, data):
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3, PYTHONIC], ids=lambda p: type(p).__name__)
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["", " ", "\n", "<|python_tag|>"]),
+       st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join), st.data())
+def test_stream_equals_extract(parser, lead, text, data):
+    """Every parser's stream, at any chunking (one character at a time included), sends the content and
+    the calls of its `extract`; the untagged formats decide at the output's start, hence the leads."""
+    text = lead + text
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    assert_stream_matches(text, chunks)
-    assert_stream_matches(text, list(text))
+    assert_stream_matches(text, chunks, parser)
+    assert_stream_matches(text, list(text), parser)
+
+
+# --- llama3_json and pythonic: untagged formats ---------------------------------------------------------
+
+def calls_of(out):
+    return [(c.name, json.loads(c.arguments)) for c in out.tool_calls]
+
+
+def test_llama3_json_calls():
+    """Llama 3.1's template asks for `{"name": ..., "parameters": ...}`; the model may open with <|python_tag|>
+    and write several, `;`-separated; `arguments` is read too (vLLM's llama3_json)."""
+    out = LLAMA3.extract('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert out.content is None and calls_of(out) == [("get_weather", {"city": "Paris"})]
+    out = LLAMA3.extract('\n<|python_tag|>{"name": "f", "parameters": {"s": "} ;{"}}; {"name": "天气", '
+                         '"arguments": {"城": "北京"}};\n')
+    assert out.content is None and calls_of(out) == [("f", {"s": "} ;{"}), ("天气", {"城": "北京"})]
+    assert out.tool_calls[1].arguments == '{"城": "北京"}'
+    out = LLAMA3.extract('Checking. <|python_tag|>{"name": "f", "parameters": {}}\n{"name": "g"} Done.')
+    assert out.content == "Checking.  Done." and [c.name for c in out.tool_calls] == ["f", "g"]
+
+
+@pytest.mark.parametrize("text", [
+    'The answer is {"name": "f", "parameters": {}}',               # no tag and not at the start: prose
+    '{"result": 42}',                                                # a JSON answer that is no call
+    '{"name": "f", "parameters": [1]}',                              # parameters not an object
+    '{"name": "f", "parameters": {}, "arguments": {}}',             # both: which one is meant?
+    '{"name": "f", "parameters": {"x": 1]}',                         # a bracket closing another's kind
+    '{"name": "f", "parameters": {"x": NaN}}',
+    '{"name": "f", "parameters": {"x": "\\ud83d"}}',               # no Unicode
+    '<|python_tag|>brave_search.call(query="x")',                   # Llama 3.1's built-in tools: not JSON
+    '<|python_tag|>{"name": "f", "parameters": {"x"',               # cut short by max_tokens
+    '<|python_tag|>',
+])
+def test_llama3_json_non_calls_stay_content(text):
+    assert_stream_matches(text, list(text), LLAMA3)
+    out = LLAMA3.extract(text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_llama3_json_text_after_a_malformed_object_stays_content():
+    out = LLAMA3.extract('<|python_tag|>{"name": "f"}; {"name": 3}; {"name": "g"}')
+    assert [c.name for c in out.tool_calls] == ["f"] and out.content == '; {"name": 3}; {"name": "g"}'
+
+
+def test_pythonic_calls():
+    """Llama 3.2's pythonic template: `[f(a=1), g(b="x")]`; literals become JSON, never evaluated."""
+    text = ("[get_weather(city='Paris', days=[1, 2], at={'hour': -3, 'exact': None}, metric=True), "
+            'get_time(zone="CET", point=(1.5, +2))]')
+    out = PYTHONIC.extract(text)
+    assert out.content is None and calls_of(out) == [
+        ("get_weather", {"city": "Paris", "days": [1, 2], "at": {"hour": -3, "exact": None}, "metric": True}),
+        ("get_time", {"zone": "CET", "point": [1.5, 2]})]
+    out = PYTHONIC.extract("\n[查询(城市='北京 ]')]\nI asked.")
+    assert calls_of(out) == [("查询", {"城市": "北京 ]"})] and out.content == "\n\nI asked."
+    assert out.tool_calls[0].arguments == '{"城市": "北京 ]"}'
+    assert calls_of(PYTHONIC.extract("[ping()]")) == [("ping", {})]
+
+
+@pytest.mark.parametrize("text", [
+    "Sure: [f(x=1)]",                     # not at the start
+    "[1] Smith et al.", "[link](https://example.com)", "[]",
+    "[f(x=g())]", "[f(x=y)]", "[f(x=1 + 1)]", "[f(x=lambda: 1)]", "[f(x=__import__('os'))]",   # not literals
+    "[f(1)]", "[f(**kw)]", "[f(x=1, x=2)]", "[os.system(x='ls')]",   # no name for an argument, not a plain name
+    "[f(x=1e400)]", "[f(x=1j)]", "[f(x=b'1')]", "[f(x={1: 2})]", "[f(x='\\ud83d')]",   # no JSON value
+    "[f(x=1), 'text']", "[f(x=1)", "[f(x=1}]", "[" * 300 + "]" * 300,
+], ids=lambda text: text[:40])
+def test_pythonic_non_calls_stay_content(text):
+    assert_stream_matches(text, list(text), PYTHONIC)
+    out = PYTHONIC.extract(text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_untagged_streams_send_each_call_once_it_closes():
+    s = LLAMA3.new_stream()
+    assert s.feed('<|python_tag|>{"name": "f", "parameters": {"x": ') == []
+    deltas = s.feed('1}}; {"name"')
+    assert [d.tool_call["function"] for d in deltas] == [{"name": "f", "arguments": ""}, {"arguments": '{"x": 1}'}]
+    assert s.feed(': "g"}') != [] and s.finish() == [] and [c.name for c in s.tool_calls] == ["f", "g"]
+    s = LLAMA3.new_stream()
+    assert [d.content for d in s.feed("Hi <|pyth")] == ["Hi "] and [d.content for d in s.feed("on>")] == ["<|python>"]
+    s = PYTHONIC.new_stream()
+    assert s.feed("[f(x=1), ") == [] and s.feed("g(y='])')") == []
+    assert len(s.feed("]")) == 4 and [d.content for d in s.feed(" ok")] == [" ok"]
+
+
+@pytest.mark.parametrize("parser,text,names", [
+    (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                           '{"name": "get_time", "parameters": {}}', ["get_weather", "get_time"]),
+    (PythonicToolParser, '[get_weather(city="Paris"), get_time()]', ["get_weather", "get_time"]),
+], ids=["llama3_json", "pythonic"])
+def test_untagged_parsers_through_the_chat_message(parser, text, names):
+    """The chat handler's reading of a choice (`ChoiceText`, whole and streamed) with each parser:
+    tool_calls, no content, and one call without parallel_tool_calls."""
+    from types import SimpleNamespace
+
+    from tokenmill.server.chat import ChoiceText
+    from tokenmill.server.protocol import ChatCompletionRequest
+    serving = SimpleNamespace(reasoning_parser=None, tool_parser=parser, think_tags=None)
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    for parallel, expected in ((None, names), (False, names[:1])):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                    "parallel_tool_calls": parallel})
+        whole = ChoiceText(serving, req, "")
+        message = whole.message(text)
+        assert message["content"] is None and whole.called_tools
+        assert [c["function"]["name"] for c in message["tool_calls"]] == expected
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+        streamed = ChoiceText(serving, req, "")
+        parts = [p for i in range(0, len(text), 3) for p in streamed.feed(text[i:i + 3])] + streamed.finish()
+        heads = [t for p in parts for t in p.get("tool_calls", []) if "id" in t]
+        assert [t["function"]["name"] for t in heads] == expected and streamed.called_tools
+        assert not any(p.get("content") for p in parts)
 
 
 # --- tool_choice schemas ------------------------------------------------------------------------------

@@ -499,7 +499,10 @@ def add_chat_args(p: argparse.ArgumentParser):
                         "template itself")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
-    p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the output: hermes (<tool_call> blocks: Qwen3, Nanbeige4.1, "
+                        "Hermes), llama3_json (JSON objects, after <|python_tag|> or alone: Llama 3.1-3.3), "
+                        "pythonic (a Python list of calls: Llama 3.2 / 4)")
     p.add_argument("--reasoning-parser", default=None,
                    help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1), or "
                         "deepseek_r1 (the reply always starts inside the thinking block)")

@@ -23,9 +23,15 @@ A stream buffers each block until it closes, then sends the call as two deltas i
 header (`index`, `id`, `type`, `function.name`, `function.arguments: ""`) and the whole arguments
 string. Sending no part of a call before its JSON is known to parse is what keeps streamed and
 non-streamed answers identical: a malformed block turns into content, never into half a call.
+
+`llama3_json` (JSON objects at the start of the output or after `<|python_tag|>`, Llama 3.1-3.3) and
+`pythonic` (a Python list of calls starting the output, Llama 3.2 / 4) have no end tag: each reads its
+format with a stream of its own, and its `extract` is that stream fed the whole output, under the same
+rules on names, arguments and content.
 """
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import re
@@ -233,7 +239,277 @@ class ToolCallStream(_DeltaStream):
             self._call(call, out)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+_CLOSER_OPENS = {")": "(", "]": "[", "}": "{"}
+
+
+class _Brackets:
+    """Where the bracketed value that a text starts with closes, read piece by piece: (, [ and { nest and
+    close by kind, outside strings delimited by one of `quotes` (a backslash escapes the next character)."""
+
+    def __init__(self, quotes: str):
+        self._quotes = quotes
+        self._special = re.compile("[" + re.escape("()[]{}\\" + quotes) + "]")
+        self._open: list[str] = []
+        self._quote: str | None = None
+        self._escaped = False
+
+    def scan(self, text: str, pos: int) -> int | None:
+        """Past the closing bracket, once `text` (read so far up to `pos`) has it; -1 where a bracket
+        closes another kind's (no value, whatever follows); None while open."""
+        while True:
+            if self._escaped:
+                if pos >= len(text):
+                    return None
+                pos, self._escaped = pos + 1, False
+            m = self._special.search(text, pos)
+            if m is None:
+                return None
+            ch, pos = m.group(), m.end()
+            if self._quote is not None:
+                if ch == "\\":
+                    self._escaped = True
+                elif ch == self._quote:
+                    self._quote = None
+            elif ch in self._quotes:
+                self._quote = ch
+            elif ch in "([{":
+                self._open.append(ch)
+            elif ch in _CLOSER_OPENS:
+                if not self._open or self._open.pop() != _CLOSER_OPENS[ch]:
+                    return -1
+                if not self._open:
+                    return pos
+
+
+def _extract_by_stream(parser: ToolParser, text: str) -> ExtractedToolCalls:
+    """`extract` of an untagged format: its stream fed the whole output at once, so that the two agree by
+    construction (the stream decides nothing that a later piece could change)."""
+    stream = parser.new_stream()
+    deltas = stream.feed(text) + stream.finish()
+    content = "".join(d.content for d in deltas if d.content is not None)
+    return ExtractedToolCalls(content or None, stream.tool_calls)
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser(ToolParser):
+    """`llama3_json` (Llama 3.1 / 3.2 / 3.3, whose chat templates ask for a JSON call): one or more JSON
+    objects `{"name": ..., "parameters": {...}}` (or `"arguments"`), separated by `;` and/or whitespace,
+    where the output starts (after whitespace) or after `<|python_tag|>`:
+
+        <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "f", "parameters": {}}
+
+    An object is a call by `parse_call`; the first one that is not (bad JSON, no name, a bracket closing
+    another's kind) and everything after it stays content verbatim, as does text before the tag, text after
+    the last call, and a tag or separator that no call follows. A stream sends each call once its object
+    closes; a reply that starts with `{` is held back until its object closes."""
+
+    def parse_call(self, body: str) -> ToolCall | None:
+        try:
+            obj = _loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        if "parameters" in obj and "arguments" in obj:
+            return None
+        arguments = _arguments_json(obj["parameters"] if "parameters" in obj else obj.get("arguments"))
+        return None if arguments is None else ToolCall(obj["name"], arguments)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return _extract_by_stream(self, text)
+
+    def new_stream(self) -> Llama3JsonStream:
+        return Llama3JsonStream(self)
+
+
+class Llama3JsonStream(_DeltaStream):
+    """`llama3_json`, read piece by piece. `_buf` holds the text not yet decided; in "call" mode its first
+    `_held` characters are what opened the call (a tag, a separator), content if no call follows."""
+
+    def __init__(self, parser: Llama3JsonToolParser):
+        super().__init__()
+        self._parser = parser
+        self._buf = ""
+        self._mode = "start"        # start | content | call | object | after_call | rest
+        self._held = 0
+        self._separated = False     # "call" mode after a separator, not a tag
+        self._object: _Brackets | None = None
+        self._scanned = 0
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        out: list[Delta] = []
+        self._buf += delta_text
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        if self._mode == "call" and self._separated and not self._buf[self._held:].strip():
+            self._buf = ""                  # a separator after the last call
+        self._content(self._buf, out)       # a partial tag, what opened no call, an unclosed object
+        self._buf, self._mode = "", "rest"
+        return out
+
+    def _step(self, out: list[Delta]) -> bool:
+        """Decide what the buffer's text allows; False once more text is needed."""
+        buf, mode = self._buf, self._mode
+        if mode == "rest":
+            self._content(buf, out)
+            self._buf = ""
+            return False
+        if mode == "content":
+            tag = buf.find(PYTHON_TAG)
+            if tag < 0:
+                keep = _partial_suffix(buf, PYTHON_TAG)
+                self._content(buf[:len(buf) - keep], out)
+                self._buf = buf[len(buf) - keep:]
+                return False
+            self._content(buf[:tag], out)
+            self._buf, self._mode, self._held, self._separated = buf[tag:], "call", len(PYTHON_TAG), False
+            return True
+        if mode == "object":
+            end = self._object.scan(buf, self._scanned)
+            if end is None:
+                self._scanned = len(buf)
+                return False
+            call = self._parser.parse_call(buf[self._held:end]) if end > 0 else None
+            if call is None:            # this object, what opened it and all that follows are content
+                self._mode = "rest"
+                return True
+            self._call(call, out)
+            self._buf, self._mode = buf[end:], "after_call"
+            return True
+        # start, call, after_call: whitespace, then an object (or after a call, a separator) or other text
+        at = self._held if mode == "call" else 0
+        first = len(buf) - len(buf[at:].lstrip())
+        if first == len(buf):
+            if mode == "start":
+                self._content(buf, out)
+                self._buf = ""
+            return False
+        if mode == "start":             # leading whitespace is content (held while nothing else came)
+            self._content(buf[:first], out)
+            self._buf, buf, first = buf[first:], buf[first:], 0
+        if buf[first] == "{":
+            self._mode, self._object, self._scanned, self._held = "object", _Brackets('"'), first, first
+        elif mode == "after_call" and buf[first] == ";":
+            self._mode, self._held, self._separated = "call", first + 1, True
+        else:
+            self._mode = "content"      # what opened a call that did not come is content, as is the rest
+            if mode == "call":
+                self._content(buf[:self._held], out)
+                self._buf = buf[self._held:]
+        return True
+
+
+def _python_literal(node: ast.expr):
+    """The JSON value of a Python literal: a string, a number (signed), True / False / None, a list or
+    tuple, a dict of string keys. ValueError for anything else (a name, a call, an operation): nothing in
+    the model's output is evaluated."""
+    if isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (str, bool, int, float)):
+        return node.value
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float)):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) and type(k.value) is str for k in node.keys):
+            raise ValueError("a dict key that is not a string")
+        return {k.value: _python_literal(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError(f"not a literal: {type(node).__name__}")
+
+
+class PythonicToolParser(ToolParser):
+    """`pythonic` (Llama 3.2 / 4 and others whose template asks for a Python list of calls): the output
+    starts (after whitespace) with a list of calls of keyword arguments whose values are literals:
+
+        [get_weather(city="Paris", days=[1, 2]), get_time(zone='CET', dst=True)]
+
+    The list is read with `ast.parse`, never evaluated; it holds calls when every item is `name(k=literal,
+    ...)` with distinct keywords (`_python_literal`) and JSON arguments (no inf or nan, every string
+    Unicode). Otherwise, and where the output does not start with `[`, it stays content verbatim; text after
+    a list of calls is content. A stream holds the list back until it closes (a bracket that closes another
+    kind's ends the wait: content), then sends all its calls."""
+
+    def parse_list(self, text: str) -> list[ToolCall] | None:
+        """The calls of a bracketed list, or None if it is not a non-empty list of calls."""
+        try:
+            tree = ast.parse(text, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for item in tree.elts:
+                if (not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args
+                        or any(k.arg is None for k in item.keywords)
+                        or len({k.arg for k in item.keywords}) < len(item.keywords)):
+                    return None
+                arguments = json.dumps({k.arg: _python_literal(k.value) for k in item.keywords},
+                                       ensure_ascii=False, allow_nan=False)
+                arguments.encode("utf-8")       # UnicodeEncodeError (a ValueError): a lone surrogate
+                calls.append(ToolCall(item.func.id, arguments))
+            return calls
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return _extract_by_stream(self, text)
+
+    def new_stream(self) -> PythonicStream:
+        return PythonicStream(self)
+
+
+class PythonicStream(_DeltaStream):
+    """`pythonic`, read piece by piece: leading whitespace, then a list held in `_buf` until it closes."""
+
+    def __init__(self, parser: PythonicToolParser):
+        super().__init__()
+        self._parser = parser
+        self._buf = ""
+        self._mode = "start"        # start | list | rest
+        self._list = _Brackets("'\"")
+        self._scanned = 0
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        out: list[Delta] = []
+        if self._mode == "rest":
+            self._content(delta_text, out)
+            return out
+        self._buf += delta_text
+        if self._mode == "start":
+            text = self._buf.lstrip()
+            self._content(self._buf[:len(self._buf) - len(text)], out)
+            self._buf = text
+            if not text:
+                return out
+            if not text.startswith("["):
+                return self._rest(out)
+            self._mode = "list"
+        end = self._list.scan(self._buf, self._scanned)
+        if end is None:
+            self._scanned = len(self._buf)
+            return out
+        calls = self._parser.parse_list(self._buf[:end]) if end > 0 else None
+        if calls is not None:
+            for call in calls:
+                self._call(call, out)
+            self._buf = self._buf[end:]
+        return self._rest(out)
+
+    def finish(self) -> list[Delta]:
+        return self._rest([])           # an unclosed list is content
+
+    def _rest(self, out: list[Delta]) -> list[Delta]:
+        self._content(self._buf, out)
+        self._buf, self._mode = "", "rest"
+        return out
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                                              "pythonic": PythonicToolParser}
 
 
 # --- tool_choice "required" or a named function, enforced by a grammar -----------------------------
