@@ -308,6 +308,23 @@ def test_parse_with_a_pydantic_model_and_json_modes(agent_server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text
 
 
+def test_a_forced_tool_call_takes_a_response_format_beside_it(agent_server):
+    """The Agents SDK sends an agent's output_type (response_format, Responses' text.format) in every turn, a
+    forced tool_choice beside it: the call is decoded under the tools' schema, as OpenAI and vLLM do."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True}}
+    r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "tools": [WEATHER], "tool_choice": "required", "response_format": fmt,
+        "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0})
+    assert r.status_code == 200, r.text
+    _check_weather(openai.types.chat.ChatCompletion.model_validate(r.json()).choices[0].message.tool_calls[0])
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = httpx.post(agent_server.url + "/v1/responses", timeout=30, json={
+        "input": "weather in Paris?", "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_schema", "name": "City", "schema": City.model_json_schema()}},
+        "max_output_tokens": 120, "temperature": 0})
+    assert r.status_code == 200 and r.json()["output"][0]["type"] == "function_call", r.text
+
+
 def test_logit_bias_on_both_endpoints(agent_server):
     client = agent_server.client()
     forced = 65

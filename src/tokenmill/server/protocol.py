@@ -263,6 +263,11 @@ class _SamplingRequest(_Strict):
             if getattr(self, name) is not None:
                 asked.append((name, {kind: getattr(self, name)}))
         asked += self._extra_constraints()
+        if any(name == "tool_choice" for name, _ in asked):
+            # a call that tool_choice forces is decoded under the tools' schemas, and leaves no message content
+            # for response_format to shape: both are taken, as OpenAI and vLLM take them (the Agents SDK sends an
+            # agent's output_type beside a forced tool choice)
+            asked = [(name, kinds) for name, kinds in asked if name != "response_format"]
         if len(asked) > 1:
             raise UnsupportedValue(asked[1][0], "only one output constraint per request: "
                                                + ", ".join(f"'{name}'" for name, _ in asked) + " were given")
