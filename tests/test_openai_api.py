@@ -410,6 +410,11 @@ def test_errors_name_what_the_client_sent(api_server):
     assert err["param"] == "logit_bias" and "5000 characters" in err["message"], err
     err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})
     assert err["param"] == "min_tokens" and "got 3" in err["message"]
+    # a value outside the ones a field takes is named beside them
+    for field, value, says in (("service_tier", "flex", "'default' (got string 'flex')"),
+                               ("truncation", 5, "'disabled' (got number 5)")):
+        err = error("/v1/responses", {"input": "x", field: value})
+        assert err["param"] == field and says in err["message"], err
     r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
         **chat, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")

@@ -111,7 +111,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         message = f"{where}: {e.get('msg', 'invalid value')}"
-        if "input" in e and e.get("type", "").endswith("_type"):
+        if "input" in e and (e.get("type", "").endswith("_type") or e.get("type") in ("literal_error", "enum")):
             message += f" (got {_kind(e['input'])})"
         if message not in seen and len(parts) < 5:
             seen.add(message)
