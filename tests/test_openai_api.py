@@ -170,7 +170,7 @@ def test_messages_clients_send_back(api_server):
                {"role": "user", "content": "and then?"}]
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, prompt_cache_key="k",
                                        safety_identifier="u1", metadata={"a": "b"}, store=False,
-                                       service_tier="auto")
+                                       service_tier="auto", verbosity="medium")
     assert r.choices[0].message.role == "assistant"
     bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "x", "audio": {"id": "a1"}}]})
@@ -410,6 +410,8 @@ def test_errors_name_what_the_client_sent(api_server):
     assert err["param"] == "logit_bias" and "5000 characters" in err["message"], err
     err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})
     assert err["param"] == "min_tokens" and "got 3" in err["message"]
+    assert error("/v1/chat/completions", {**chat, "verbosity": "low"})["param"] == "verbosity"
+    assert error("/v1/responses", {"input": "x", "stream_options": {}})["param"] == "stream_options"
     # a value outside the ones a field takes is named beside them
     for field, value, says in (("service_tier", "flex", "'default' (got string 'flex')"),
                                ("truncation", 5, "'disabled' (got number 5)")):
@@ -587,9 +589,11 @@ def test_tokenize_adds_a_bos_to_messages_only_when_asked(bos_app):
 
 def test_responses_create_and_stream(api_server):
     client = api_server.client()
+    # max_tool_calls bounds OpenAI's built-in tools' calls, which this server runs none of: taken, echoed
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,
-                                temperature=0, store=False)
+                                temperature=0, store=False, max_tool_calls=2)
     assert r.status in ("completed", "incomplete") and r.output and r.output[0].type == "message"
+    assert r.max_tool_calls == 2
     assert r.output_text and r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
                                                                   {"role": "user", "content": "hello"}],
@@ -597,7 +601,7 @@ def test_responses_create_and_stream(api_server):
     assert r.output_text == chat.choices[0].message.content
     events = list(client.responses.create(model="tiny", input=[{"role": "user", "content": "hello"}],
                                           instructions="Be brief.", max_output_tokens=8, temperature=0,
-                                          stream=True))
+                                          stream=True, stream_options={"include_obfuscation": False}))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")

@@ -63,6 +63,8 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "audio": ("null", lambda v: v is None),
     "prediction": ("null", lambda v: v is None),
     "web_search_options": ("null", lambda v: v is None),
+    # the default: Responses' text.verbosity takes the same
+    "verbosity": ('null or "medium"', lambda v: v in (None, "medium")),
     # vLLM's extra fields for what tokenmill does not do, which vLLM clients send at their defaults
     "use_beam_search": ("false (beam search is not implemented)", _noop_bool),
     "length_penalty": ("1.0 (it weighs beams, and beam search is not implemented)",
@@ -210,6 +212,7 @@ class _SamplingRequest(_Strict):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    verbosity: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     chat_template: Any = None

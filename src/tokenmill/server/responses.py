@@ -227,6 +227,11 @@ class TextOptions(_Strict):
     verbosity: Literal["medium"] | None = None
 
 
+class ResponsesStreamOptions(_Strict):
+    # OpenAI's padding of streamed events against length side channels: this server adds none
+    include_obfuscation: bool | None = None
+
+
 class ReasoningOptions(_Strict):
     effort: REASONING_EFFORTS | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -244,9 +249,12 @@ class ResponsesRequest(_Strict):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's bound on calls to its built-in tools, which this server runs none of: it bounds nothing here
+    max_tool_calls: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
     stream: bool | None = False
+    stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: Metadata | None = None
@@ -282,6 +290,8 @@ class ResponsesRequest(_Strict):
         if self.background:
             raise UnsupportedValue("background", "'background' is not supported by tokenmill: a response is "
                                                  "answered in its request (set it false or leave it out)")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
         unknown = [v for v in self.include or () if v not in INCLUDES]
         if unknown:
             raise UnsupportedValue("include", f"'include' value {unknown[0]!r} is not supported by tokenmill "
@@ -448,6 +458,7 @@ class _Shape:
                 "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
                 "temperature": r.temperature, "top_p": r.top_p, "top_logprobs": r.top_logprobs, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "max_tool_calls": r.max_tool_calls,
                 "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunctionChoice)
                                 else r.tool_choice or "auto"),
                 "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
