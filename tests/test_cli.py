@@ -321,6 +321,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--served-model-name", "a", "a"], "--served-model-name takes distinct, non-empty names"),
     ("serve", ["--seed", str(2 ** 70)], "seed must be a 64-bit integer"),
     ("serve", ["--swap-space", "1e6"], "swap_space 1e+06 GiB is more than 70% of this machine's"),
+    # --backend was among generate's options and ignored there: `generate --backend hf` ran tokenmill
+    ("generate", ["--backend", "hf"], "unrecognized arguments: --backend hf"),
 ])
 def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
     """Options the engine's config refuses, and files that do not exist, end the command with a usage error

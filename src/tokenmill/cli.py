@@ -42,9 +42,6 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a YAML file of options, as vLLM's: option names as keys (port: 8001, "
                         "max_num_seqs: 64, enable_prefix_caching: false, model: DIR), under the command line's")
-    p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "hf", "hf-cb"],
-                   help="inference backend: tokenmill, or a transformers baseline for benchmarks (hf: one "
-                        "generate() at a time; hf-cb: transformers' continuous batching)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES, metavar="DTYPE",
                    help="auto (the checkpoint's, float32 on the CPU), float32, float16 or bfloat16 (and vLLM's "
@@ -698,6 +695,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="engine cores, each a whole copy of the model (on CUDA, core i on device i), behind "
                             "the one API server; each request goes to one of them by prefix-cache affinity "
                             "and load (docs/SERVER.md)")
+    serve.add_argument("--backend", default="tokenmill", choices=["tokenmill", "hf", "hf-cb"],
+                       help="the server's engine: tokenmill, or a transformers baseline for benchmarks (hf: one "
+                            "generate() at a time; hf-cb: transformers' continuous batching)")
     add_http_args(serve)
     add_chat_args(serve)
     add_engine_args(serve)
