@@ -62,6 +62,106 @@ def test_every_help_shows_the_defaults():
            "100,1024)" in _shown_defaults(bench_subs["serve"])[1]
 
 
+
+# ---- the docs' flags against the parsers --------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_DOCS = ["README.md", *(os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                            if f.endswith(".md"))]
+
+
+def _doc(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def _all_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every `tokenmill` command's parser by its words: serve, generate, ui, bench throughput, ..."""
+    _, subs = cli.build_parser()
+    bench, _ = _build_parsers()
+    bench_subs = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {**{k: v for k, v in subs.items() if k != "bench"}, **{f"bench {k}": v for k, v in bench_subs.items()}}
+
+
+def _documented_default(cell: str, n: int) -> list[str | None]:
+    """The default column of a flag table's row, one plain value per flag of the row (None where the cell
+    says it in words: "the model's", "$VLLM_API_KEY, else none")."""
+    parts = [cell] if n == 1 else cell.split(", ")
+    if len(parts) != n:
+        return [None] * n
+    values = []
+    for part in parts:
+        m = re.fullmatch(r"`?([^`\s']+)`?(?: s| \(.*\))?", part.strip())
+        values.append(m.group(1) if m else None)
+    return values
+
+
+def _matches(value: str, default) -> bool:
+    if value in ("off", "none"):
+        return default in (None, False, "", [])
+    if value == "on":
+        return default is True
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return float(value) == default
+    if isinstance(default, list):
+        return [value] == default
+    return value == default
+
+
+def test_the_flag_tables_name_real_flags_with_their_defaults():
+    """Each row of README.md's, docs/SERVER.md's and docs/UI.md's flag tables names options of its command,
+    with the default that --help shows where the table gives a plain value."""
+    parsers = _all_parsers()
+    checked = 0
+    for path, command in [("README.md", "serve"), ("docs/SERVER.md", "serve"), ("docs/UI.md", "ui")]:
+        actions = parsers[command]._option_string_actions
+        for line in _doc(path).splitlines():
+            if not line.startswith("| `-"):
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            flags = re.findall(r"`(-[-\w]+)", cells[0])
+            for flag, value in zip(flags, _documented_default(cells[1], len(flags))):
+                assert flag in actions, f"{path}: {flag} is no option of tokenmill {command}"
+                if value is not None:
+                    assert _matches(value, actions[flag].default), \
+                        f"{path}: {flag} defaults to {actions[flag].default!r}, the table says {cells[1]!r}"
+                    checked += 1
+    assert checked >= 40
+
+
+def test_every_option_of_serve_generate_and_ui_is_in_the_docs():
+    """An option --help shows is named in README.md or docs/*.md (BENCHMARKS.md's measurements aside)."""
+    text = "".join(_doc(p) for p in USER_DOCS if not p.endswith("BENCHMARKS.md"))
+    parsers = _all_parsers()
+    missing = [f"{command} {flag}" for command in ("serve", "generate", "ui")
+               for action in parsers[command]._actions if action.help is not argparse.SUPPRESS
+               for flag in action.option_strings
+               if flag.startswith("--") and flag != "--help" and not flag.startswith("--no-")
+               and not re.search(re.escape(flag) + r"(?![\w-])", text)]
+    assert not missing, missing
+
+
+def test_the_docs_command_lines_use_options_their_command_has():
+    """`tokenmill serve ...`, `tokenmill bench serve ...`, `python -m tokenmill.bench throughput ...` written
+    in README.md and docs/*.md (BENCHMARKS.md's Reproduce commands included) take only options their
+    command has. A command's words run to the end of its line (or its backslash-continued lines) or its
+    code span, a shell operator or a comment."""
+    parsers = _all_parsers()
+    command = re.compile(r"(?:tokenmill|python -m tokenmill\.bench) (serve|generate|ui|bench \w+|\w+)\b"
+                         r"((?:\\\n|[^`\n])*)")
+    seen = 0
+    for path in USER_DOCS:
+        text = re.sub(r"\$\([^)]*\)", "X", _doc(path))          # `$(python -c ...)` is a value
+        for m in command.finditer(text):
+            name = m.group(1) if "tokenmill.bench" not in m.group(0) else f"bench {m.group(1)}"
+            if name not in parsers:
+                continue
+            words = re.split(r"\s(?:&&|\|\|?|;|#|&|>)", m.group(2).replace("\\\n", " "))[0]
+            for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", words):
+                assert flag.split("=")[0] in parsers[name]._option_string_actions, \
+                    f"{path}: `tokenmill {name}` has no option {flag}: {m.group(0)[:120]!r}"
+            seen += 1
+    assert seen >= 30
+
 # ---- serve --model, the log flags, generate's separator -----------------------------------------------
 @pytest.fixture
 def served(monkeypatch):
