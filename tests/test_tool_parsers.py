@@ -8,8 +8,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tokenmill.server.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, NamedCall,
-                                           PythonicToolParser, RequiredCalls, required_tools_schema)
+from tokenmill.server.tool_choice import NamedCall, RequiredCalls, required_tools_schema
+from tokenmill.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, PythonicToolParser
 
 HERMES = HermesToolParser()
 LLAMA3 = Llama3JsonToolParser()

@@ -3,7 +3,7 @@
 A choice's text goes through the reasoning parser first (`--reasoning-parser`: the thinking becomes
 `reasoning_content`), then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and
 `--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
-to the tools' JSON schema, and that JSON becomes the tool calls (`tool_parsers.ConstrainedCalls`): each
+to the tools' JSON schema, and that JSON becomes the tool calls (`tool_choice.ConstrainedCalls`): each
 call's name once known, then its arguments as generated, streamed as they come and kept partial when
 max_tokens cuts them short, as OpenAI and vLLM return them.
 """
@@ -18,7 +18,7 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import THINK_END
 from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
-from tokenmill.server.tool_parsers import ConstrainedCalls, NamedCall, RequiredCalls
+from tokenmill.server.tool_choice import ConstrainedCalls, NamedCall, RequiredCalls
 
 
 def logprob_entries(serving: Serving, token_ids, entries, k: int, as_ids: bool) -> list[dict]:

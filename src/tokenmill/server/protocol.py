@@ -296,7 +296,7 @@ class _SamplingRequest(_Strict):
         from tokenmill.sampling_params import StructuredOutputsParams
         field, kinds = spec
         if "tools" in kinds:
-            from tokenmill.server.tool_parsers import required_tools_schema
+            from tokenmill.server.tool_choice import required_tools_schema
             tools, choice = kinds["tools"]
             try:
                 schema = required_tools_schema(tools, choice,
