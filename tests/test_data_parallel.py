@@ -50,6 +50,22 @@ def test_a_shared_prefix_stays_on_its_core_until_it_is_too_loaded():
     assert router.choose(prefix[:3], [5, 4]) == 1
 
 
+def test_a_prefix_of_half_the_prompt_or_less_draws_no_request_to_its_core():
+    """Chat prompts all share their template's first block (SmolLM2's default system prompt is 24 tokens):
+    counted as affinity, it put every one of 8 concurrent chats on one core, the other idle."""
+    router = PrefixRouter(2, BS)
+    header = [1, 2, 3, 4, 5]                             # one full block in every prompt
+    loads = [0, 0]
+    for i in range(8):
+        loads[router.choose(header + [10 + i] * 7, loads)] += 1
+    assert loads == [4, 4]
+    # more than half of the prompt (a conversation's history) keeps it on its core; exactly half does not
+    first = router.choose([7] * 8, [0, 0])
+    busy = [2, 0] if first == 0 else [0, 2]
+    assert router.choose([7] * 8 + [9], busy) == first
+    assert router.choose([7] * 4 + [8] * 4, busy) == 1 - first
+
+
 def test_distinct_prefixes_spread_by_load_and_ties_take_turns():
     router = PrefixRouter(3, BS)
     assert [router.choose([i] * 8, [0, 0, 0]) for i in range(6)] == [0, 1, 2, 0, 1, 2]

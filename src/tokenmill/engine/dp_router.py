@@ -28,10 +28,13 @@ def block_hashes(prompt: list[int], block_size: int, cache_salt: str | None = No
 class PrefixRouter:
     """Chooses a core per request from its prompt and the cores' loads (requests in flight to each).
 
-    The rule: the core that last received the longest prefix of the prompt (at least one full block)
-    unless its load exceeds the least-loaded core's by more than `max(min_imbalance, imbalance_ratio x
-    that load)`; otherwise the least-loaded core, ties taken in turn so that a lightly loaded server
-    still uses every core. Every chosen prompt's blocks are then recorded as the chosen core's."""
+    The rule: the core that last received the longest prefix of the prompt, where that prefix is more
+    than half of the prompt's tokens, unless its load exceeds the least-loaded core's by more than
+    `max(min_imbalance, imbalance_ratio x that load)`; otherwise the least-loaded core, ties taken in turn
+    so that a lightly loaded server still uses every core. Every chosen prompt's blocks are then recorded
+    as the chosen core's. A shorter match saves too little prefill to leave a core idle for it: every chat
+    prompt of a model whose template starts with a default system prompt shares its first block, and
+    with any match counting, up to 9 concurrent chats all ran on one core while the others idled."""
 
     def __init__(self, num_cores: int, block_size: int, max_entries: int = DEFAULT_MAX_ENTRIES,
                  min_imbalance: int = 8, imbalance_ratio: float = 0.25):
@@ -61,8 +64,9 @@ class PrefixRouter:
         """The core for `prompt` given each core's load; records the prompt's blocks as that core's."""
         hashes = block_hashes(prompt, self.block_size, cache_salt)
         least = min(loads)
-        core, _ = self.affinity(hashes)
-        if core is None or loads[core] - least > max(self.min_imbalance, self.imbalance_ratio * least):
+        core, matched = self.affinity(hashes)
+        if (core is None or 2 * matched * self.block_size <= len(prompt)
+                or loads[core] - least > max(self.min_imbalance, self.imbalance_ratio * least)):
             n = self.num_cores
             core = next(c for c in ((self._turn + k) % n for k in range(n)) if loads[c] == least)
             self._turn = (core + 1) % n
