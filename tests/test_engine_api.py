@@ -1227,7 +1227,8 @@ def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
     shutil.copytree(qwen3_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.5}))
     llm = LLM(str(model), device="cpu", dtype="float32", seed=None, trust_remote_code=True,
-              disable_log_stats=True, revision=None, max_model_len=64, num_kv_blocks=64, block_size=4)
+              disable_log_stats=True, revision=None, data_parallel_size=1, max_model_len=64, num_kv_blocks=64,
+              block_size=4)
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.llm_engine.add_request("side", [9, 9, 9, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     beside = llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids
@@ -1247,6 +1248,8 @@ def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
         LLM(str(model), device="cpu", bogus=1)
     with pytest.raises(ValueError, match=r"LLM\(enable_lora=True\) is not supported"):
         LLM(str(model), device="cpu", enable_lora=True)
+    with pytest.raises(ValueError, match=r"LLM\(data_parallel_size=2\) is not supported: .*--data-parallel-size N"):
+        LLM(str(model), device="cpu", data_parallel_size=2)
 
     calls = {"n": 0}
     process = llm.processor.process

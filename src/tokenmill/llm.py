@@ -27,6 +27,8 @@ _NO_OPS = {
     "enable_chunked_prefill": ((True,), "chunked prefill is always on"),
     "load_format": (("auto",), "tokenmill reads safetensors directories and .gguf files"),
     "tokenizer_mode": (("auto",), "tokenmill loads the tokenizer transformers loads"),
+    "data_parallel_size": ((1,), "LLM runs one engine in this process; `tokenmill serve --data-parallel-size N` "
+                                 "serves N engine cores"),
 }
 
 
