@@ -158,6 +158,37 @@ def test_the_frontend_routes_follows_and_sums_its_cores():
     assert [str(e) for e in cores[0].failed] == [dp.dead] and not cores[1].failed   # the live core's requests end
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # a core's SystemExit(1)
+def test_a_core_that_fails_to_start_is_reported_at_once_by_its_index(qwen3_dir, monkeypatch):
+    """Core 1 fails while core 0 still loads: the cores' announcements were awaited in order, so the
+    failure waited for core 0's whole start-up (up to its 600 s timeout) and named no core. Cores in
+    threads here, so that no process starts."""
+    import dataclasses
+    import functools
+    import threading
+    import time
+
+    import slow_engine
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine import data_parallel
+    monkeypatch.setattr(data_parallel, "EngineCore", functools.partial(data_parallel.EngineCore, in_process=True))
+    configs = data_parallel.core_configs
+    monkeypatch.setattr(data_parallel, "core_configs", lambda config, size: [
+        dataclasses.replace(c, extra={**c.extra, "core": i}) for i, c in enumerate(configs(config, size))])
+    start = time.monotonic()
+    try:
+        with pytest.raises(data_parallel.EngineStartError,
+                           match=r"^engine core 1 of 2 \(cpu\) failed to start:\ncore 1 cannot load its model$"):
+            data_parallel.DataParallelLLM.start(EngineConfig(model=qwen3_dir, device="cpu"), 2,
+                                                engine_factory="slow_engine:core_0_loads", startup_timeout=10)
+        assert time.monotonic() - start < 5
+    finally:
+        slow_engine.LOADING.set()
+        for thread in threading.enumerate():
+            if thread.name == "engine-core":
+                thread.join(10)
+
+
 # ----- the server ----------------------------------------------------------------------------------------
 PROMPTS = ["The quick brown fox", "PagedAttention keeps", "def main():", "Continuous batching lets"]
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

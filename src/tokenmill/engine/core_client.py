@@ -43,7 +43,9 @@ class EngineCore:
     would otherwise wait forever."""
 
     def __init__(self, config, *, num_clients: int = 1, engine_factory: str | None = None,
-                 in_process: bool = False, startup_timeout: float = 600.0, wait: bool = True):
+                 in_process: bool = False, startup_timeout: float = 600.0, wait: bool = True,
+                 name: str = "engine core"):
+        """`name`: what start-up errors call it (a data-parallel core's index and device)."""
         pairs = [mp.Pipe(duplex=True) for _ in range(num_clients)]
         ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
         if in_process:
@@ -59,7 +61,7 @@ class EngineCore:
         if not in_process:
             for conn in theirs:
                 conn.close()
-        self._ours, self._startup_timeout = ours, startup_timeout
+        self._ours, self._startup_timeout, self.name = ours, startup_timeout, name
         self._deadline = time.monotonic() + startup_timeout
         self.clients: list[CoreClient] = []
         if wait:
@@ -68,8 +70,8 @@ class EngineCore:
     def await_ready(self) -> None:
         """Waits for the core's announcement on each pipe (`clients`); kills it if anything interrupts."""
         try:
-            self.clients = [CoreClient(conn, self._ready(conn, self._deadline, self._startup_timeout), i,
-                                       len(self._ours)) for i, conn in enumerate(self._ours)]
+            self.clients = [CoreClient(conn, self._ready(conn), i, len(self._ours))
+                            for i, conn in enumerate(self._ours)]
         except BaseException:
             self.abandon()
             raise
@@ -80,18 +82,23 @@ class EngineCore:
         for conn in self._ours:
             conn.close()
 
-    @staticmethod
-    def _ready(conn: Connection, deadline: float, startup_timeout: float) -> CoreReady:
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
-            raise EngineStartError(f"engine core did not start within {startup_timeout} s")
+    def _ready(self, conn: Connection) -> CoreReady:
+        if not conn.poll(max(0.0, self._deadline - time.monotonic())):
+            raise EngineStartError(f"{self.name} did not start within {self._startup_timeout} s")
         try:
             msg = conn.recv()
         except EOFError:
-            raise EngineStartError("engine core exited during start-up") from None
+            raise EngineStartError(f"{self.name} exited during start-up") from None
         if isinstance(msg, CoreFatal):
-            raise EngineStartError(f"engine core failed to start:\n{msg.message}")
+            raise EngineStartError(f"{self.name} failed to start:\n{msg.message}")
         assert isinstance(msg, CoreReady), msg
         return msg
+
+    @property
+    def pipes(self) -> list[Connection]:
+        """This side of the core's pipes; each becomes readable once the core has announced itself on it or
+        failed."""
+        return self._ours
 
     @property
     def pid(self) -> int | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
+from multiprocessing import connection as mp_connection
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
@@ -102,14 +104,19 @@ class DataParallelLLM:
             configs = core_configs(config, size)
         except ValueError as e:
             raise EngineStartError(str(e)) from None
-        # the cores load their models at the same time; their clients (which load tokenizers) are made in turn
+        # the cores load their models at the same time and are taken as they announce themselves, so that one
+        # that fails is reported (by its index and device) at once, not after the others have loaded; their
+        # clients (which load tokenizers) are made in turn
         procs: list[EngineCore] = []
         try:
-            for c in configs:
+            for i, c in enumerate(configs):
                 procs.append(EngineCore(c, engine_factory=engine_factory, startup_timeout=startup_timeout,
-                                        wait=False))
-            for proc in procs:
-                proc.await_ready()
+                                        wait=False, name=f"engine core {i} of {size} ({c.device})"))
+            waiting, deadline = {proc.pipes[0]: proc for proc in procs}, time.monotonic() + startup_timeout
+            while waiting:
+                ready = mp_connection.wait(list(waiting), max(0.0, deadline - time.monotonic())) or list(waiting)
+                for conn in ready:
+                    waiting.pop(conn).await_ready()      # raises if the core failed, or past its deadline
             cores = [AsyncLLM(c, client=proc.clients[0]) for c, proc in zip(configs, procs)]
         except BaseException:          # a core that failed to start, or Ctrl-C: none of them is left running
             for proc in procs:
