@@ -123,7 +123,9 @@ def test_the_frontend_routes_follows_and_sums_its_cores():
                        "prompt_tokens": 10, "iteration_tokens": [3, 0, 1]}),
              FakeCore({"num_running": 1, "num_total_blocks": 300, "num_free_blocks": 300, "kv_cache_usage": 0.0,
                        "prompt_tokens": 5, "iteration_tokens": [1, 2, 0]})]
+    cores[1].max_model_len = 64              # its device had less memory for the KV cache
     dp = DataParallelLLM(cores, BS)
+    assert dp.max_model_len == 64            # the length every core takes, whichever the router picks
     shared = list(range(100, 112))
     deaths = []
     dp.on_dead(deaths.append)

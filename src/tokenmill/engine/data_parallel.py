@@ -91,7 +91,10 @@ class DataParallelLLM:
         for i, core in enumerate(cores):
             core.on_dead(lambda why, i=i: self._core_dead(i, why))
         first = cores[0]
-        self.model_name, self.max_model_len, self.vocab_size = first.model_name, first.max_model_len, first.vocab_size
+        self.model_name, self.vocab_size = first.model_name, first.vocab_size
+        # a core on a device with less free memory may hold a shorter context (its KV cache sized to what
+        # fits): the server's length check must pass only requests that every core can take
+        self.max_model_len = min(core.max_model_len for core in cores)
         self.tokenizer, self.processor = first.tokenizer, first.processor
 
     @classmethod
