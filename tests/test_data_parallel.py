@@ -160,6 +160,33 @@ def test_the_frontend_routes_follows_and_sums_its_cores():
     assert [str(e) for e in cores[0].failed] == [dp.dead] and not cores[1].failed   # the live core's requests end
 
 
+def test_a_request_of_n_choices_weighs_n_on_its_core():
+    """n sequences take n of a core's seats and blocks: counted as one request, a best-of-8 request on
+    one core and three plain ones split 2 / 2."""
+    from types import SimpleNamespace
+    from tokenmill.engine.data_parallel import DataParallelLLM
+    cores = [FakeCore({}), FakeCore({})]
+    dp = DataParallelLLM(cores, BS)
+
+    async def main():
+        for core in cores:
+            core.gate = asyncio.Event()
+        gens = [dp.generate("wide", [1] * 8, SimpleNamespace(n=8))]
+        gens += [dp.generate(f"r{i}", [2 + i] * 8, None) for i in range(3)]
+        for g in gens:
+            await g.__anext__()
+        held = list(dp.loads)
+        for core in cores:
+            core.gate.set()
+        for g in gens:
+            assert [out async for out in g] == ["last"]
+        return held
+    held = asyncio.run(main())
+    wide = 0 if "wide" in cores[0].requests else 1
+    assert held[wide] == 8 and held[1 - wide] == 3 and dp.loads == [0, 0]
+    assert sorted(cores[1 - wide].requests) == ["r0", "r1", "r2"]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # a core's SystemExit(1)
 def test_a_core_that_fails_to_start_is_reported_at_once_by_its_index(qwen3_dir, monkeypatch):
     """Core 1 fails while core 0 still loads: the cores' announcements were awaited in order, so the

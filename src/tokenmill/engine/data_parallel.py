@@ -2,7 +2,7 @@
 
 Each core is a normal engine-core process with its own model copy, KV cache and prefix cache, driven by
 an `AsyncLLM` of this process. A new request goes to one core (`PrefixRouter`: prefix-cache affinity,
-bounded by the requests in flight to each); its aborts and stop strings follow it there (the owning
+bounded by the sequences in flight to each); its aborts and stop strings follow it there (the owning
 `AsyncLLM` sends them). Stats are those of all cores together. The interface is `AsyncLLM`'s, so the
 server serves either unchanged.
 
@@ -84,7 +84,7 @@ class DataParallelLLM:
         self._procs = list(procs)
         self.config = cores[0].config
         self.router = router or PrefixRouter(len(cores), block_size)
-        self.loads = [0] * len(cores)             # requests in flight from here to each core
+        self.loads = [0] * len(cores)             # sequences in flight from here to each core (n a request)
         self._owner: dict[str, int] = {}          # request id -> its core, while in flight
         self.dead: str | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
@@ -191,14 +191,16 @@ class DataParallelLLM:
             ids = self.tokenizer.encode(prompt)
         index = self.router.choose(ids, self.loads, getattr(params, "cache_salt", None))
         self._owner[request_id] = index
-        self.loads[index] += 1
+        # a request of n choices runs n sequences on its core, of its seats, blocks and steps
+        weight = getattr(params, "n", 1) or 1
+        self.loads[index] += weight
         gen = self.cores[index].generate(request_id, prompt, params, priority, arrival_time, carries_tools,
                                          stream_interval)
         try:
             async for out in gen:
                 yield out
         finally:
-            self.loads[index] -= 1
+            self.loads[index] -= weight
             del self._owner[request_id]
             await gen.aclose()       # an abandoned request is aborted in its core
 

@@ -26,7 +26,7 @@ def block_hashes(prompt: list[int], block_size: int, cache_salt: str | None = No
 
 
 class PrefixRouter:
-    """Chooses a core per request from its prompt and the cores' loads (requests in flight to each).
+    """Chooses a core per request from its prompt and the cores' loads (sequences in flight to each).
 
     The rule: the core that last received the longest prefix of the prompt, where that prefix is more
     than half of the prompt's tokens, unless its load exceeds the least-loaded core's by more than
