@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
 from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.tokenizer import import_tokenizer_modules
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParamError
 
@@ -110,7 +111,13 @@ class AsyncLLM:
         self._core: EngineCore | None = None
         if client is None:
             self._core = EngineCore(config, engine_factory=engine_factory, in_process=in_process,
-                                    startup_timeout=startup_timeout)
+                                    startup_timeout=startup_timeout, wait=False)
+            try:
+                import_tokenizer_modules(config.tokenizer or config.model)
+            except BaseException:
+                self._core.abandon()
+                raise
+            self._core.await_ready()
             client = self._core.clients[0]
         self._conn = client.conn
         self._handles = itertools.count(client.index, client.count)

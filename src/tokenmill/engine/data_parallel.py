@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.engine.core_client import EngineCore, EngineStartError
 from tokenmill.engine.dp_router import PrefixRouter
+from tokenmill.engine.tokenizer import import_tokenizer_modules
 
 # the stats that are levels or counts of each core and add up across cores; the two usage ratios are
 # recomputed from the summed blocks
@@ -115,6 +116,7 @@ class DataParallelLLM:
             for i, c in enumerate(configs):
                 procs.append(EngineCore(c, engine_factory=engine_factory, startup_timeout=startup_timeout,
                                         wait=False, name=f"engine core {i} of {size} ({c.device})"))
+            import_tokenizer_modules(config.tokenizer or config.model)
             waiting, deadline = {proc.pipes[0]: proc for proc in procs}, time.monotonic() + startup_timeout
             while waiting:
                 ready = mp_connection.wait(list(waiting), max(0.0, deadline - time.monotonic())) or list(waiting)

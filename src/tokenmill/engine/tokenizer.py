@@ -204,6 +204,17 @@ def template_kwargs(chat_template_kwargs: dict | None, tools: list[dict] | None,
     return kwargs
 
 
+def import_tokenizer_modules(path: str) -> None:
+    """Imports the modules `Tokenizer(path)` will: transformers' tokenizer classes and, for a Hugging Face
+    directory, torch through them (`AutoTokenizer` reads the model's config through modules that import
+    it). Seconds of a CPU core, which a frontend spends while its engine core starts instead of after; a
+    GGUF file's tokenizer needs neither `AutoTokenizer` nor torch. Nothing where `path` holds no tokenizer."""
+    if _is_gguf(path):
+        from transformers import PreTrainedTokenizerFast  # noqa: F401
+    elif Tokenizer.available(path):
+        from transformers import AutoTokenizer  # noqa: F401
+
+
 def _is_gguf(path: str) -> bool:
     return str(path).lower().endswith(".gguf") and os.path.isfile(path)
 
