@@ -92,9 +92,10 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, config, *, engine_factory: str | None = None, in_process: bool = False,
                  startup_timeout: float = 600.0, on_output: Callable | None = None,
-                 client: CoreClient | None = None):
+                 client: CoreClient | None = None, tokenizer=None):
         """Starts an engine core of its own, or, given `client`, uses a core another process owns (and
-        only leaves it at shutdown)."""
+        only leaves it at shutdown). `tokenizer`: the model's, already loaded for another client of the same
+        model (data parallel's cores share one); else loaded from where the core names it."""
         self.config = config
         self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, now)
         self._streams: dict[str, _Stream] = {}
@@ -126,8 +127,8 @@ class AsyncLLM:
         self.model_name: str = msg.model_name
         self.max_model_len: int = msg.max_model_len
         self.vocab_size: int | None = msg.vocab_size
-        self.tokenizer = None
-        if msg.tokenizer_path is not None:
+        self.tokenizer = tokenizer
+        if tokenizer is None and msg.tokenizer_path is not None:
             from tokenmill.engine.tokenizer import Tokenizer
             self.tokenizer = Tokenizer(msg.tokenizer_path)
         self.processor = OutputProcessor(self.tokenizer)

@@ -109,8 +109,7 @@ class DataParallelLLM:
         except ValueError as e:
             raise EngineStartError(str(e)) from None
         # the cores load their models at the same time and are taken as they announce themselves, so that one
-        # that fails is reported (by its index and device) at once, not after the others have loaded; their
-        # clients (which load tokenizers) are made in turn
+        # that fails is reported (by its index and device) at once, not after the others have loaded
         procs: list[EngineCore] = []
         try:
             for i, c in enumerate(configs):
@@ -122,7 +121,9 @@ class DataParallelLLM:
                 ready = mp_connection.wait(list(waiting), max(0.0, deadline - time.monotonic())) or list(waiting)
                 for conn in ready:
                     waiting.pop(conn).await_ready()      # raises if the core failed, or past its deadline
-            cores = [AsyncLLM(c, client=proc.clients[0]) for c, proc in zip(configs, procs)]
+            cores: list[AsyncLLM] = []
+            for c, proc in zip(configs, procs):     # the same model's tokenizer, loaded once
+                cores.append(AsyncLLM(c, client=proc.clients[0], tokenizer=cores[0].tokenizer if cores else None))
         except BaseException:          # a core that failed to start, or Ctrl-C: none of them is left running
             for proc in procs:
                 proc.abandon()
