@@ -41,7 +41,7 @@ class DefaultServer:
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
-            time.sleep(0.1)
+            time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
 
