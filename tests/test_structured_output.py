@@ -180,23 +180,31 @@ def test_bench_serve_structured_fraction_payloads():
 def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
     """The engine core compiled a request's grammar inside its loop: a schema of thousands of tools (tool_choice
     "required") took 16 s to compile on the CPU machine, and every other request's steps waited for it. The
-    core now compiles on a thread of its own and adds the request when its grammar is ready: here a compile
-    made to take 3 s, while a plain request and one whose grammar is cached finish beside it; the constrained
-    one then completes under its grammar, and an invalid spec compiled there is still that request's error
-    alone."""
+    core now compiles on threads of its own and adds the request when its grammar is ready: here a compile
+    made to last until a plain request and one whose grammar is cached have finished beside it; the
+    constrained one then completes under its grammar, and an invalid spec compiled there is still that
+    request's error alone. A compile that does not end (an object of 2,000 optional properties: minutes, GBs)
+    held the one compile thread, and every constrained request queued behind it: past MAX_COMPILE_SECONDS its
+    request fails naming the limit, the others compile beside it, and its spec sent again is refused at once."""
     import asyncio
+    import threading
     import time
 
     from tokenmill.config import EngineConfig
+    from tokenmill.engine import structured_output
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.engine.structured_output import StructuredOutputManager
 
     compile_grammar = StructuredOutputManager._compile
+    release, others_done, endless = threading.Event(), threading.Event(), []
 
     def slow(self, kind, spec, any_whitespace):
         if kind == "regex" and spec.startswith("(yes|no)"):
-            time.sleep(3)
+            assert others_done.wait(20)
             finished["slow compile"] = time.monotonic()
+        elif kind == "regex" and spec == "(a|b)*!":
+            endless.append(spec)
+            release.wait(30)
         return compile_grammar(self, kind, spec, any_whitespace)
     monkeypatch.setattr(StructuredOutputManager, "_compile", slow)
     engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True)
@@ -208,30 +216,45 @@ def test_a_slow_grammar_stalls_no_other_request(qwen3_dir, monkeypatch):
         finished[rid] = time.monotonic()
         if rid == "plain":                  # the other two wait for their grammars, and are counted so
             finished["waiting"] = (await engine.get_stats())["num_waiting"]
+        if "plain" in finished and "cached" in finished:
+            others_done.set()
         return last.outputs[0].text
 
     def json_object():
         return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True))
 
+    def endless_regex():
+        return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a|b)*!"))
+
     async def main():
         engine.attach()
         await run("warm-up", json_object())                  # its grammar compiled, and cached
-        results = await asyncio.wait_for(asyncio.gather(
-            run("slow", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))),
-            run("plain", SamplingParams(max_tokens=4, ignore_eos=True)),
-            run("cached", json_object()),
-            run("bad", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(("))),
-            return_exceptions=True), 60)
-        return results
+        tasks = [asyncio.ensure_future(run(rid, params)) for rid, params in (
+            ("endless", endless_regex()),                     # first: one compile thread would be held by it
+            ("slow", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))),
+            ("plain", SamplingParams(max_tokens=4, ignore_eos=True)),
+            ("cached", json_object()),
+            ("bad", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(("))))]
+        results = await asyncio.wait_for(asyncio.gather(*tasks[1:], return_exceptions=True), 30)
+        monkeypatch.setattr(structured_output, "MAX_COMPILE_SECONDS", 0.5)    # "endless" has compiled longer
+        results += await asyncio.wait_for(asyncio.gather(tasks[0], return_exceptions=True), 10)
+        again = time.monotonic()
+        results += await asyncio.gather(run("again", endless_regex()), return_exceptions=True)
+        return results, time.monotonic() - again
     try:
-        slow_text, plain_text, cached_text, bad = asyncio.run(main())
+        (slow_text, plain_text, cached_text, bad, endless_error, again), again_seconds = asyncio.run(main())
     finally:
+        release.set()
         engine.shutdown()
     assert finished["plain"] < finished["slow compile"] < finished["slow"], finished
     assert finished["cached"] < finished["slow compile"] and isinstance(cached_text, str), finished
     assert finished["waiting"] == 2, finished
     assert slow_text in ("yes!", "no!") and isinstance(plain_text, str)
     assert isinstance(bad, SamplingParamError) or (isinstance(bad, ValueError) and "invalid regex" in str(bad)), bad
+    message = re.compile(r"^the regex did not compile in \d+\.\d s; the limit is 0\.5 s: compile time grows faster")
+    assert isinstance(endless_error, ValueError) and message.match(str(endless_error)), endless_error
+    assert isinstance(again, ValueError) and message.match(str(again)) and again_seconds < 1, (again, again_seconds)
+    assert endless == ["(a|b)*!"], endless           # refused without a second compile
 
 
 def test_the_grammar_cache_is_bounded_in_bytes(llm):
@@ -255,6 +278,50 @@ def test_the_grammar_cache_is_bounded_in_bytes(llm):
                                        for p in params if manager.cached(p) is not None)
     small = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS], cache_bytes=size // 2)
     assert small.compile(params[0])[0] is not None and small.cached(params[0]) is None and small.cached_bytes == 0
+
+
+def test_requests_with_one_spec_share_its_compile(llm, monkeypatch):
+    """Grammars compile on several threads: a second request with a spec that is compiling waits for that
+    compile rather than starting its own, and one given up on (past MAX_COMPILE_SECONDS) fails at once
+    those waiting on it, while the compile itself runs on."""
+    import threading
+
+    from tokenmill.engine.structured_output import StructuredOutputManager
+    engine = llm.engine
+    manager = StructuredOutputManager(engine.tokenizer.hf, engine.model_config.vocab_size, [EOS])
+    compile_grammar, release, calls = StructuredOutputManager._compile, threading.Event(), []
+
+    def held(self, kind, spec, any_whitespace):
+        calls.append(spec)
+        assert release.wait(10)
+        return compile_grammar(self, kind, spec, any_whitespace)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", held)
+    results = {}
+
+    def run(name, regex):
+        try:
+            results[name] = manager.compile(StructuredOutputsParams(regex=regex))[0]
+        except SamplingParamError as e:
+            results[name] = e
+    threads = []
+    for name, regex, compiles in (("a", "[a-c]{3}", 1), ("b", "[a-c]{3}", 1), ("slow", "x+", 2), ("waiting", "x+", 2)):
+        threads.append(threading.Thread(target=run, args=(name, regex)))
+        threads[-1].start()
+        while len(calls) < compiles:
+            threads[-1].join(0.001)
+    threads[-1].join(0.05)
+    manager.gave_up(StructuredOutputsParams(regex="x+"), 61.0)
+    threads[-1].join(5)
+    assert str(results["waiting"]).startswith("the regex did not compile in 61.0 s; the limit is 60 s"), results
+    with pytest.raises(SamplingParamError, match="did not compile in 61.0 s"):
+        manager.compile(StructuredOutputsParams(regex="x+"))
+    assert "slow" not in results and "a" not in results and "b" not in results
+    release.set()
+    for t in threads:
+        t.join(10)
+    # the compile given up on ran on; its grammar is kept as any other
+    assert calls == ["[a-c]{3}", "x+"] and results["a"] is results["b"], (calls, results)
+    assert manager.compile(StructuredOutputsParams(regex="x+"))[0] is results["slow"] and len(calls) == 2
 
 
 def test_a_compile_queued_for_an_aborted_request_never_runs():

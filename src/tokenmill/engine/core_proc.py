@@ -125,10 +125,11 @@ class _Client:
         self.prefix = f"{index}:" if num_clients > 1 else ""
         self.live: dict[int, tuple[str, int, set[int]]] = {}   # handle -> (request id, n, finished indexes)
         self.handles: dict[str, int] = {}                     # request id -> handle
-        # requests whose grammar compiles on `compiler`'s thread, added to the engine once it is ready, so
+        # requests whose grammar compiles on `compiler`'s threads, added to the engine once it is ready, so
         # that a grammar of many seconds (thousands of tools) stalls no other request's steps
         self.compiler = compiler
         self.compiling: dict[str, tuple[Future, AddRequest]] = {}
+        self.compile_started: dict[str, float] = {}      # when the loop first saw the compile running
 
     def apply(self, engine, cmd, update: CoreUpdate) -> bool:
         """Applies one command; returns False when the client leaves."""
@@ -153,6 +154,7 @@ class _Client:
                 handle = self.handles.pop(rid, None)
                 self.live.pop(handle, None)
                 compiling = self.compiling.pop(rid, None)
+                self.compile_started.pop(rid, None)
                 if compiling is not None:
                     compiling[0].cancel()     # a compile still queued behind others never runs
         elif isinstance(cmd, Shutdown):
@@ -174,9 +176,21 @@ class _Client:
 
     def add_compiled(self, engine, update: CoreUpdate) -> bool:
         """Adds the requests whose grammar has compiled (an invalid one is the request's error, as it
-        would have been at once); returns whether any was."""
-        ready = [rid for rid, (future, _) in self.compiling.items() if future.done()]
+        would have been at once), and fails those whose grammar has compiled for over MAX_COMPILE_SECONDS
+        (its thread runs on: a compile cannot be interrupted); returns whether any was."""
+        from tokenmill.engine.structured_output import MAX_COMPILE_SECONDS
+        now = time.monotonic()
+        ready, given_up = [], False
+        for rid, (future, cmd) in list(self.compiling.items()):
+            if future.done():
+                ready.append(rid)
+            elif future.running() and now - self.compile_started.setdefault(rid, now) > MAX_COMPILE_SECONDS:
+                del self.compiling[rid]
+                error = engine.grammar_too_slow(cmd.params, now - self.compile_started.pop(rid))
+                update.errors.append((rid, str(error), error.param))
+                given_up = True
         for rid in ready:
+            self.compile_started.pop(rid, None)
             future, cmd = self.compiling.pop(rid)
             error = future.exception()
             if error is None:
@@ -185,7 +199,7 @@ class _Client:
                 update.errors.append((rid, str(error), getattr(error, "param", None)))
             else:
                 raise error
-        return bool(ready)
+        return bool(ready) or given_up
 
     def failed(self, request_id: str) -> str | None:
         """Forgets a request the engine failed (`LLMEngine.take_errors`, which names it with this client's
@@ -221,6 +235,7 @@ class _Client:
         for future, _ in self.compiling.values():
             future.cancel()
         self.compiling.clear()
+        self.compile_started.clear()
         self.conn.close()
 
 
@@ -253,7 +268,10 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
             _send(conn, fatal)
         raise SystemExit(1)
     # engines without grammars (a test factory's) add every request at once
-    compiler = ThreadPoolExecutor(1, "grammar") if hasattr(engine, "grammar_to_compile") else None
+    compiler = None
+    if hasattr(engine, "grammar_to_compile"):
+        from tokenmill.engine.structured_output import COMPILE_THREADS
+        compiler = ThreadPoolExecutor(COMPILE_THREADS, "grammar")
     clients = [_Client(i, len(conns), conn, compiler) for i, conn in enumerate(conns)]
     freeze_startup_objects()
     for client in clients:

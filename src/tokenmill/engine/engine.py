@@ -211,6 +211,14 @@ class LLMEngine:
         engine core compiles one not cached off its loop (`compile_grammar`) and adds the request with it."""
         return params.structured_outputs is not None and self.tokenizer is not None
 
+    def grammar_too_slow(self, params: SamplingParams, seconds: float) -> SamplingParamError:
+        """The error of a request whose grammar has compiled for `seconds`, past MAX_COMPILE_SECONDS: the engine
+        core stops waiting for it, and its spec is refused at once from now on."""
+        if self._structured is None:        # still being built for the first grammar: nothing to give up on
+            from tokenmill.engine.structured_output import compile_error
+            return compile_error(params.structured_outputs.kind, seconds)
+        return self._structured.gave_up(params.structured_outputs, seconds)
+
     def cached_grammar(self, params: SamplingParams) -> tuple | None:
         """`compile_grammar(params)` if that grammar is in the cache, else None."""
         return None if self._structured is None else self._structured.cached(params.structured_outputs)

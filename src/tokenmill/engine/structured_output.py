@@ -4,8 +4,9 @@
 vocabulary size (the model may have more rows than the tokenizer has tokens; those ids are never allowed).
 It compiles a request's `StructuredOutputsParams` into a grammar (an LRU of compiled grammars keyed by kind
 and spec) and gives every sequence its own `SequenceGrammar`, a matcher that accepts the sequence's tokens.
-The engine core compiles a grammar not in the cache on a thread of its own (`core_proc._Client`: a slow
-compile stalls no other request's steps) while its loop looks grammars up (`cached`): the cache is locked.
+The engine core compiles a grammar not in the cache on one of `COMPILE_THREADS` threads of its own
+(`core_proc._Client`: a slow compile stalls no other request's steps, nor another's compile) while its loop
+looks grammars up (`cached`): the cache is locked. Requests with the same spec share one compile.
 
 Each step, the sampler asks `BatchBitmask` for the bitmask of the rows that are constrained: packed
 allowed-token bits filled on the host after the forward pass is launched (so the fill overlaps the device's
@@ -55,6 +56,16 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 # fill with it (an 8k vocabulary, "a" after "a": 50 ms at token 20, 2.5 s at token 100) until the server
 # stalls. A sequence whose fill takes longer fails (`slow_fill`); sane grammars stay far below it.
 MAX_FILL_SECONDS = 0.1
+# Grammars not cached compile on this many threads of the engine core at once, so that a slow one holds up
+# no other constrained request (xgrammar's own threads work inside each compile).
+COMPILE_THREADS = 4
+# The engine core waits at most this long (wall time) for a grammar that has begun to compile; its request
+# then fails (`compile_error`) and the spec is refused at once from then on. A compile cannot be interrupted:
+# it runs on to its end on its thread (one of COMPILE_THREADS), with whatever memory it takes. Compile time
+# grows faster than the spec (SmolLM2's vocabulary, CPU machine, other work beside: an object of 400 optional
+# properties 0.95 s, of 800 5 s; an EBNF grammar of 6,400 rules, each optional before the next, over 40 s and
+# 2.2 GB), and 3,000 tools (983,000 characters, just under MAX_SPEC_CHARS) took 57 s.
+MAX_COMPILE_SECONDS = 60.0
 # The compiled grammars kept for reuse hold at most this many bytes together (besides `cache_size`
 # entries): the most recently used stay; one larger than this is used by its request and not kept.
 CACHE_BYTES = 1 << 30
@@ -78,18 +89,54 @@ class StructuredOutputManager:
         self._cache_bytes = cache_bytes
         self.cached_bytes = 0              # `memory_size_bytes` of the grammars in the cache, together
         self._lock = threading.Lock()
+        self._compiling: dict[tuple, threading.Event] = {}     # set when its compile ends or is given up on
+        self._too_slow: OrderedDict[tuple, float] = OrderedDict()   # specs given up on: seconds waited
 
     def cached(self, params: StructuredOutputsParams) -> tuple | None:
         """`compile(params)` if its grammar is in the cache, else None (nothing is compiled)."""
-        return self._lookup(_key(params))
+        with self._lock:
+            return self._lookup(_key(params))
 
     def compile(self, params: StructuredOutputsParams) -> tuple:
         """The compiled grammar of `params` and its cache key; an invalid spec raises SamplingParamError
-        with xgrammar's message and `param` "structured_outputs.<field>"."""
+        with xgrammar's message and `param` "structured_outputs.<field>", and so does one given up on
+        (`gave_up`). A spec that another thread compiles is waited for, not compiled twice."""
         key = _key(params)
-        hit = self._lookup(key)
-        if hit is not None:
-            return hit
+        while True:
+            with self._lock:
+                hit = self._lookup(key)
+                if hit is not None:
+                    return hit
+                if key in self._too_slow:
+                    raise compile_error(key[0], self._too_slow[key])
+                running = self._compiling.get(key)
+                if running is None:
+                    running = self._compiling[key] = threading.Event()
+                    break
+            running.wait()
+        try:
+            return self._compile_new(key)
+        finally:
+            with self._lock:
+                if self._compiling.get(key) is running:
+                    del self._compiling[key]
+            running.set()
+
+    def gave_up(self, params: StructuredOutputsParams, seconds: float) -> SamplingParamError:
+        """The error of a request whose grammar compiled for `seconds`, over MAX_COMPILE_SECONDS; its spec is
+        refused at once from now on (the last `cache_size` such specs), and requests waiting on its compile
+        get that error too."""
+        key = _key(params)
+        with self._lock:
+            self._too_slow[key] = seconds
+            while len(self._too_slow) > self._cache_size:
+                self._too_slow.popitem(last=False)
+            running = self._compiling.pop(key, None)
+        if running is not None:
+            running.set()
+        return compile_error(key[0], seconds)
+
+    def _compile_new(self, key: tuple) -> tuple:
         kind, spec, no_whitespace = key
         if isinstance(spec, str):
             chars = len(spec)
@@ -113,12 +160,12 @@ class StructuredOutputManager:
         return compiled, key
 
     def _lookup(self, key: tuple) -> tuple | None:
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is None:
-                return None
-            self._cache.move_to_end(key)
-            return compiled, key
+        """The cached grammar of `key` (the caller holds the lock)."""
+        compiled = self._cache.get(key)
+        if compiled is None:
+            return None
+        self._cache.move_to_end(key)
+        return compiled, key
 
     def _compile(self, kind: str, spec, any_whitespace: bool):
         c = self._compiler
@@ -205,6 +252,13 @@ def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
                               f"compute the allowed tokens after {tokens} tokens; the limit is "
                               f"{MAX_FILL_SECONDS * 1000:.0f} ms a token: an ambiguous grammar grows its parse "
                               "with every token; make it unambiguous")
+
+
+def compile_error(kind: str, seconds: float) -> SamplingParamError:
+    """The error of a spec whose grammar took over MAX_COMPILE_SECONDS to compile."""
+    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} did not compile in {seconds:,.1f} s; "
+                              f"the limit is {MAX_COMPILE_SECONDS:g} s: compile time grows faster than the "
+                              "spec (many optional properties or rules, each optional before the next); simplify it")
 
 
 class BatchBitmask:
