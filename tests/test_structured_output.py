@@ -405,6 +405,14 @@ def test_schemas_that_cannot_be_compiled_or_enforced_are_refused():
             StructuredOutputsParams(json=spec)
         assert e.value.param == "structured_outputs.json"
     StructuredOutputsParams(json={"type": "object", "properties": {"not": {"type": "string"}}, "uniqueItems": False})
+    # an object of 2,000 optional properties (60 KB) compiled for minutes; 20 objects of 64 required ones, 0.1 s
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
+    for schema, optional in ((wide, 300), ({"type": "array", "items": {**wide, "required": ["p0", "p1"]}}, 298)):
+        with pytest.raises(SamplingParamError, match=f"has {optional} optional properties \\(not in 'required'\\); "
+                           "at most 256 are accepted") as e:
+            StructuredOutputsParams(json=json.dumps(schema))
+        assert e.value.param == "structured_outputs.json"
+    StructuredOutputsParams(json={**wide, "required": [f"p{i}" for i in range(44)]})
 
 
 @pytest.mark.parametrize("schema, message", [

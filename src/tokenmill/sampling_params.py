@@ -17,6 +17,11 @@ MIN_TEMPERATURE = 1e-2
 # level 1): a JSON schema of about 30 nested objects. orjson parses up to 1,024 levels, but a request's
 # parameters travel to the engine core pickled, and the pickler's recursion gives out at a few hundred.
 MAX_JSON_DEPTH = 64
+# the most properties one object of a JSON schema may leave optional: xgrammar chains them, each optional
+# before the next, and its compile grows with the square of the chain (SmolLM2's vocabulary, CPU machine:
+# 256 optional properties 0.4 s, 800 5 s, 2,000 (60 KB of schema) over a minute, every one of the
+# engine core's compile threads held as long); OpenAI's strict schemas make every property required
+MAX_OPTIONAL_PROPERTIES = 256
 
 
 def json_depth(value) -> int:
@@ -98,8 +103,9 @@ def _unenforced(node: dict) -> str | None:
 
 def _check_schema(schema) -> None:
     """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
-    compile time grows with the cube of the depth) or using what xgrammar would compile as if absent
-    (`_unenforced`), anywhere a `$ref` could point: every object in it but data and annotations."""
+    compile time grows with the cube of the depth), with an object of more than `MAX_OPTIONAL_PROPERTIES`
+    optional properties, or using what xgrammar would compile as if absent (`_unenforced`), anywhere a
+    `$ref` could point: every object in it but data and annotations."""
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
         raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
@@ -113,6 +119,14 @@ def _check_schema(schema) -> None:
         if what is not None:
             raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
                                                                 "output cannot enforce")
+        properties, required = node.get("properties"), node.get("required")
+        if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES:
+            optional = len(properties.keys() - {r for r in required if isinstance(r, str)}) \
+                if isinstance(required, list) else len(properties)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise SamplingParamError("structured_outputs.json", f"an object of the JSON schema has {optional:,} "
+                                         f"optional properties (not in 'required'); at most {MAX_OPTIONAL_PROPERTIES} "
+                                         "are accepted: the grammar's compile time grows with their square")
         for key, value in node.items():
             if key in SCHEMA_DATA_KEYS:
                 continue
