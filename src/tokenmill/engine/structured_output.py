@@ -90,7 +90,8 @@ class StructuredOutputManager:
         self.cached_bytes = 0              # `memory_size_bytes` of the grammars in the cache, together
         self._lock = threading.Lock()
         self._compiling: dict[tuple, threading.Event] = {}     # set when its compile ends or is given up on
-        self._too_slow: OrderedDict[tuple, float] = OrderedDict()   # specs given up on: seconds waited
+        # specs given up on (the hash of their key: a spec may be a megabyte) -> the seconds waited
+        self._too_slow: OrderedDict[int, float] = OrderedDict()
 
     def cached(self, params: StructuredOutputsParams) -> tuple | None:
         """`compile(params)` if its grammar is in the cache, else None (nothing is compiled)."""
@@ -107,8 +108,8 @@ class StructuredOutputManager:
                 hit = self._lookup(key)
                 if hit is not None:
                     return hit
-                if key in self._too_slow:
-                    raise compile_error(key[0], self._too_slow[key])
+                if hash(key) in self._too_slow:
+                    raise compile_error(key[0], self._too_slow[hash(key)])
                 running = self._compiling.get(key)
                 if running is None:
                     running = self._compiling[key] = threading.Event()
@@ -128,7 +129,7 @@ class StructuredOutputManager:
         get that error too."""
         key = _key(params)
         with self._lock:
-            self._too_slow[key] = seconds
+            self._too_slow[hash(key)] = seconds
             while len(self._too_slow) > self._cache_size:
                 self._too_slow.popitem(last=False)
             running = self._compiling.pop(key, None)
