@@ -413,6 +413,14 @@ def test_schemas_that_cannot_be_compiled_or_enforced_are_refused():
             StructuredOutputsParams(json=json.dumps(schema))
         assert e.value.param == "structured_outputs.json"
     StructuredOutputsParams(json={**wide, "required": [f"p{i}" for i in range(44)]})
+    # 40 objects of 256 optional properties (312 KB) compiled for 41 s; 8 of them, 1 s
+    objects = {f"o{j}": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(256)}}
+               for j in range(9)}
+    with pytest.raises(SamplingParamError, match="the JSON schema has over 2,048 optional properties \\(not in "
+                                                 "'required'\\) in all; at most 2,048 are accepted"):
+        StructuredOutputsParams(json={"type": "object", "properties": objects, "required": list(objects)})
+    StructuredOutputsParams(json={"type": "object", "properties": dict(list(objects.items())[:8]),
+                                  "required": list(objects)[:8]})
 
 
 @pytest.mark.parametrize("schema, message", [

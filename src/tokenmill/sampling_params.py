@@ -20,8 +20,11 @@ MAX_JSON_DEPTH = 64
 # the most properties one object of a JSON schema may leave optional: xgrammar chains them, each optional
 # before the next, and its compile grows with the square of the chain (SmolLM2's vocabulary, CPU machine:
 # 256 optional properties 0.4 s, 800 5 s, 2,000 (60 KB of schema) over a minute, every one of the
-# engine core's compile threads held as long); OpenAI's strict schemas make every property required
+# engine core's compile threads held as long); OpenAI's strict schemas make every property required. The
+# whole schema may leave at most MAX_SCHEMA_OPTIONAL_PROPERTIES optional: 8 objects of 256 compile in 1 s,
+# 32 of 64 0.7 s, but 40 of 256 (312 KB) took 41 s, and the compile grows with the square of the schema
 MAX_OPTIONAL_PROPERTIES = 256
+MAX_SCHEMA_OPTIONAL_PROPERTIES = 2048
 
 
 def json_depth(value) -> int:
@@ -104,13 +107,13 @@ def _unenforced(node: dict) -> str | None:
 def _check_schema(schema) -> None:
     """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
     compile time grows with the cube of the depth), with an object of more than `MAX_OPTIONAL_PROPERTIES`
-    optional properties, or using what xgrammar would compile as if absent (`_unenforced`), anywhere a
+    optional properties or more than `MAX_SCHEMA_OPTIONAL_PROPERTIES` in all, or using what xgrammar would compile as if absent (`_unenforced`), anywhere a
     `$ref` could point: every object in it but data and annotations."""
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
         raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
                                                             f"{MAX_JSON_DEPTH} are accepted")
-    todo = [schema]
+    todo, all_optional = [schema], 0
     while todo:
         node = todo.pop()
         if not isinstance(node, dict):
@@ -120,13 +123,19 @@ def _check_schema(schema) -> None:
             raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
                                                                 "output cannot enforce")
         properties, required = node.get("properties"), node.get("required")
-        if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES:
+        if isinstance(properties, dict):
             optional = len(properties.keys() - {r for r in required if isinstance(r, str)}) \
                 if isinstance(required, list) else len(properties)
             if optional > MAX_OPTIONAL_PROPERTIES:
                 raise SamplingParamError("structured_outputs.json", f"an object of the JSON schema has {optional:,} "
                                          f"optional properties (not in 'required'); at most {MAX_OPTIONAL_PROPERTIES} "
                                          "are accepted: the grammar's compile time grows with their square")
+            all_optional += optional
+            if all_optional > MAX_SCHEMA_OPTIONAL_PROPERTIES:
+                raise SamplingParamError("structured_outputs.json", f"the JSON schema has over "
+                                         f"{MAX_SCHEMA_OPTIONAL_PROPERTIES:,} optional properties (not in 'required') "
+                                         f"in all; at most {MAX_SCHEMA_OPTIONAL_PROPERTIES:,} are accepted: the "
+                                         "grammar's compile time grows with their square")
         for key, value in node.items():
             if key in SCHEMA_DATA_KEYS:
                 continue
