@@ -25,6 +25,12 @@ MAX_JSON_DEPTH = 64
 # 32 of 64 0.7 s, but 40 of 256 (312 KB) took 41 s, and the compile grows with the square of the schema
 MAX_OPTIONAL_PROPERTIES = 256
 MAX_SCHEMA_OPTIONAL_PROPERTIES = 2048
+# the most optional parts ('?', '*', '{0,') and rules ('::=') a regex or a grammar may have, or a JSON schema's
+# patterns together: each lets the parser skip ahead, and xgrammar's compile time and memory grow with the
+# square of such a chain (SmolLM2's vocabulary, CPU machine: a regex of 800 optional groups 0.06 s and 2.3 MB
+# compiled, of 20,000 7.4 s and 835 MB, of 40,000 (349 KB) 40 s and 3.3 GB, 6.5 GB at its peak; an EBNF
+# grammar of 1,600 rules, each optional before the next, 2.3 s, of 6,400 over 40 s and 2.2 GB)
+MAX_OPTIONAL_PARTS = 2000
 
 
 def json_depth(value) -> int:
@@ -104,20 +110,38 @@ def _unenforced(node: dict) -> str | None:
     return None
 
 
+def _optional_parts(text: str) -> int:
+    """An upper bound on the optional parts and rules of a regex or an EBNF grammar (`MAX_OPTIONAL_PARTS`)."""
+    return text.count("?") + text.count("*") + text.count("{0,") + text.count("::=")
+
+
+def _check_optional_parts(param: str, what: str, parts: int) -> None:
+    if parts > MAX_OPTIONAL_PARTS:
+        raise SamplingParamError(param, f"{what} {parts:,} optional parts and rules ('?', '*', '{{0,', '::='); at most "
+                                 f"{MAX_OPTIONAL_PARTS:,} are accepted: the grammar's compile time and memory grow "
+                                 "with the square of their chains")
+
+
 def _check_schema(schema) -> None:
     """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
     compile time grows with the cube of the depth), with an object of more than `MAX_OPTIONAL_PROPERTIES`
-    optional properties or more than `MAX_SCHEMA_OPTIONAL_PROPERTIES` in all, or using what xgrammar would compile as if absent (`_unenforced`), anywhere a
-    `$ref` could point: every object in it but data and annotations."""
+    optional properties or more than `MAX_SCHEMA_OPTIONAL_PROPERTIES` in all, patterns of more than
+    `MAX_OPTIONAL_PARTS` optional parts together, or using what xgrammar would compile as if absent
+    (`_unenforced`), anywhere a `$ref` could point: every object in it but data and annotations."""
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
         raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
                                                             f"{MAX_JSON_DEPTH} are accepted")
-    todo, all_optional = [schema], 0
+    todo, all_optional, pattern_parts = [schema], 0, 0
     while todo:
         node = todo.pop()
         if not isinstance(node, dict):
             continue
+        pattern_map = node.get("patternProperties")
+        for pattern in (node.get("pattern"), *(pattern_map if isinstance(pattern_map, dict) else ())):
+            if isinstance(pattern, str):
+                pattern_parts += _optional_parts(pattern)
+                _check_optional_parts("structured_outputs.json", "the JSON schema's patterns have", pattern_parts)
         what = _unenforced(node)
         if what is not None:
             raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
@@ -218,6 +242,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise SamplingParamError(f"structured_outputs.{name}", f"{name} must be a string")
+            if value is not None:
+                _check_optional_parts(f"structured_outputs.{name}", f"the {name} has", _optional_parts(value))
 
     def _kinds(self) -> list[str]:
         # json={} is a schema (any value); json_object=False is unset
