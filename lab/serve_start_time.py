@@ -4,6 +4,9 @@ the whole process tree (server, engine core, API servers) until it has exited. L
 
     python lab/serve_start_time.py --trees OLD/src src --runs 3 -- src/tokenmill/assets/tiny
     python lab/serve_start_time.py --trees OLD/src src --runs 3 -- src/tokenmill/assets/tiny --api-server-count 2
+    python lab/serve_start_time.py --trees OLD/src src --runs 3 -- preset:qwen3-4b --device cuda   # GPU machine
+
+The CPU unless the flags name a --device.
 """
 from __future__ import annotations
 
@@ -32,8 +35,11 @@ def children_cpu() -> float:
 
 def one_start(tree: str, serve_args: list[str]) -> tuple[float, float]:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *serve_args, "--port", str(port), "--device", "cpu",
+    # the tree first, then what PYTHONPATH held (the GPU machine's server wheels)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(tree),
+                                                                     os.environ.get("PYTHONPATH")])))
+    device = [] if "--device" in serve_args else ["--device", "cpu"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *serve_args, "--port", str(port), *device,
            "--log-level", "warning"]
     cpu0, t0 = children_cpu(), time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
