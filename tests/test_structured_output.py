@@ -155,6 +155,12 @@ def test_logit_bias_limits(llm):
     (dict(json={"enum": ["x" * 100] * 9_901}), "structured_outputs.json",
      "JSON schema is 1,029,714 characters long, over the limit of 1,000,000"),
     (dict(choice=["y" * 999] * 1_001), "structured_outputs.choice", "over the limit of 1,000,000"),
+    (dict(structural_tag=json.dumps({"type": "structural_tag", "format": {"type": "or", "elements": [
+        {"type": "const_string", "value": "a"}, {"type": "regex", "pattern": "b*"}]}})),
+     "structured_outputs.structural_tag.format.elements.1", "format 'regex' at format.elements.1 is not supported"),
+    (dict(structural_tag=json.dumps({"type": "structural_tag", "format": {
+        "type": "json_schema", "json_schema": {"type": "nonsense"}}})),
+     "structured_outputs.structural_tag.format", 'Unsupported type "nonsense"'),
 ])
 def test_invalid_specs_name_the_problem(llm, spec, param, message):
     with pytest.raises(SamplingParamError, match=re.escape(message)) as e:

@@ -122,7 +122,7 @@ def _check_optional_parts(param: str, what: str, parts: int) -> None:
                                  "with the square of their chains")
 
 
-def _check_schema(schema) -> None:
+def _check_schema(schema, param: str = "structured_outputs.json") -> None:
     """Refuses a schema nested past `MAX_JSON_DEPTH` (it travels pickled to the engine core, and xgrammar's
     compile time grows with the cube of the depth), with an object of more than `MAX_OPTIONAL_PROPERTIES`
     optional properties or more than `MAX_SCHEMA_OPTIONAL_PROPERTIES` in all, patterns of more than
@@ -130,8 +130,8 @@ def _check_schema(schema) -> None:
     (`_unenforced`), anywhere a `$ref` could point: every object in it but data and annotations."""
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
-        raise SamplingParamError("structured_outputs.json", f"the JSON schema nests {depth} levels deep; at most "
-                                                            f"{MAX_JSON_DEPTH} are accepted")
+        raise SamplingParamError(param, f"the JSON schema nests {depth} levels deep; at most {MAX_JSON_DEPTH} are "
+                                        "accepted")
     todo, all_optional, pattern_parts = [schema], 0, 0
     while todo:
         node = todo.pop()
@@ -141,25 +141,24 @@ def _check_schema(schema) -> None:
         for pattern in (node.get("pattern"), *(pattern_map if isinstance(pattern_map, dict) else ())):
             if isinstance(pattern, str):
                 pattern_parts += _optional_parts(pattern)
-                _check_optional_parts("structured_outputs.json", "the JSON schema's patterns have", pattern_parts)
+                _check_optional_parts(param, "the JSON schema's patterns have", pattern_parts)
         what = _unenforced(node)
         if what is not None:
-            raise SamplingParamError("structured_outputs.json", f"the JSON schema uses {what}, which structured "
-                                                                "output cannot enforce")
+            raise SamplingParamError(param, f"the JSON schema uses {what}, which structured output cannot enforce")
         properties, required = node.get("properties"), node.get("required")
         if isinstance(properties, dict):
             optional = len(properties.keys() - {r for r in required if isinstance(r, str)}) \
                 if isinstance(required, list) else len(properties)
             if optional > MAX_OPTIONAL_PROPERTIES:
-                raise SamplingParamError("structured_outputs.json", f"an object of the JSON schema has {optional:,} "
+                raise SamplingParamError(param, f"an object of the JSON schema has {optional:,} "
                                          f"optional properties (not in 'required'); at most {MAX_OPTIONAL_PROPERTIES} "
                                          "are accepted: the grammar's compile time grows with their square")
             all_optional += optional
             if all_optional > MAX_SCHEMA_OPTIONAL_PROPERTIES:
-                raise SamplingParamError("structured_outputs.json", f"the JSON schema has over "
-                                         f"{MAX_SCHEMA_OPTIONAL_PROPERTIES:,} optional properties (not in 'required') "
-                                         f"in all; at most {MAX_SCHEMA_OPTIONAL_PROPERTIES:,} are accepted: the "
-                                         "grammar's compile time grows with their square")
+                raise SamplingParamError(param, f"the JSON schema has over {MAX_SCHEMA_OPTIONAL_PROPERTIES:,} optional "
+                                         f"properties (not in 'required') in all; at most "
+                                         f"{MAX_SCHEMA_OPTIONAL_PROPERTIES:,} are accepted: the grammar's compile time "
+                                         "grows with their square")
         for key, value in node.items():
             if key in SCHEMA_DATA_KEYS:
                 continue
@@ -171,6 +170,43 @@ def _check_schema(schema) -> None:
                 todo.extend(value)
             else:
                 todo.append(value)
+
+
+# The formats of a structural tag (xgrammar's names) the engine compiles, and the fields that hold their parts.
+# Each JSON schema in a tag is checked as `json`'s is and compiled as `json`'s (compact JSON where
+# `disable_any_whitespace`); free text, regexes and grammars are not taken: their limits are `regex`'s and
+# `grammar`'s, which a tag would step around.
+STRUCTURAL_TAG_FORMATS = {"const_string": (), "json_schema": (), "sequence": ("elements",), "or": ("elements",),
+                          "tag": ("content",), "tags_with_separator": ("tags",)}
+
+
+def structural_tag_schemas(tag) -> list[tuple[str, dict]]:
+    """(path, format) of each `json_schema` format of a structural tag (parsed), the path dotted from the tag's
+    root ("format.elements.0.content"), in the tag's order; SamplingParamError for a tag of other formats."""
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise SamplingParamError("structured_outputs.structural_tag", 'a structural tag is an object {"type": '
+                                 '"structural_tag", "format": {...}}')
+    out, todo = [], [("format", tag["format"])]
+    while todo:
+        path, node = todo.pop()
+        kind = node.get("type") if isinstance(node, dict) else None
+        if kind not in STRUCTURAL_TAG_FORMATS:
+            raise SamplingParamError(f"structured_outputs.structural_tag.{path}", f"structural tag format "
+                                     f"{kind!r} at {path} is not supported (only "
+                                     f"{', '.join(STRUCTURAL_TAG_FORMATS)})")
+        if kind == "json_schema":
+            schema = node.get("json_schema")
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamError(f"structured_outputs.structural_tag.{path}", f"the json_schema at {path} "
+                                         "must be a JSON schema object")
+            out.append((path, node))
+        for name in STRUCTURAL_TAG_FORMATS[kind]:
+            parts = node.get(name)
+            if isinstance(parts, list):
+                todo += [(f"{path}.{name}.{i}", part) for i, part in enumerate(parts)]
+            else:
+                todo.append((f"{path}.{name}", parts))
+    return out[::-1]
 
 
 class SamplingParamError(ValueError):
@@ -188,8 +224,9 @@ class SamplingParamError(ValueError):
 class StructuredOutputsParams:
     """Constrains the output to a grammar (vLLM's `StructuredOutputsParams`); exactly one of `json` (a
     JSON schema, as a dict or its text), `regex`, `choice` (the output is one of the strings), `grammar`
-    (EBNF / GBNF) and `json_object` (any JSON object) is set. JSON output allows any whitespace between
-    tokens unless `disable_any_whitespace` (then none). `whitespace_pattern` is refused: xgrammar has no
+    (EBNF / GBNF), `structural_tag` (xgrammar's, as JSON text, of `STRUCTURAL_TAG_FORMATS`) and `json_object`
+    (any JSON object) is set. JSON output allows any whitespace between tokens unless
+    `disable_any_whitespace` (then none). `whitespace_pattern` is refused: xgrammar has no
     such option.
 
     `think_tags` ((<think>, </think>) ids), set by a server with a reasoning parser: the grammar holds
@@ -202,6 +239,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
     think_tags: tuple[int, int] | None = None
@@ -210,8 +248,8 @@ class StructuredOutputsParams:
     def __post_init__(self):
         kinds = self._kinds()
         if len(kinds) != 1:
-            raise SamplingParamError("structured_outputs", "exactly one of json, regex, choice, grammar and "
-                                     f"json_object must be set, got {kinds or 'none'}")
+            raise SamplingParamError("structured_outputs", "exactly one of json, regex, choice, grammar, "
+                                     f"structural_tag and json_object must be set, got {kinds or 'none'}")
         if self.whitespace_pattern is not None:
             raise SamplingParamError("structured_outputs.whitespace_pattern",
                                      "whitespace_pattern is not supported; set disable_any_whitespace to allow "
@@ -244,15 +282,29 @@ class StructuredOutputsParams:
                 raise SamplingParamError(f"structured_outputs.{name}", f"{name} must be a string")
             if value is not None:
                 _check_optional_parts(f"structured_outputs.{name}", f"the {name} has", _optional_parts(value))
+        if self.structural_tag is not None:
+            self._check_structural_tag()
+
+    def _check_structural_tag(self):
+        if not isinstance(self.structural_tag, str):
+            raise SamplingParamError("structured_outputs.structural_tag", "structural_tag must be its JSON text, "
+                                     f"got {type(self.structural_tag).__name__}")
+        try:
+            tag = json.loads(self.structural_tag)
+        except (ValueError, RecursionError) as e:
+            raise SamplingParamError("structured_outputs.structural_tag", f"the structural tag is not valid JSON: "
+                                     f"{e}") from None
+        for path, node in structural_tag_schemas(tag):
+            _check_schema(node["json_schema"], f"structured_outputs.structural_tag.{path}")
 
     def _kinds(self) -> list[str]:
         # json={} is a schema (any value); json_object=False is unset
-        return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + \
+        return [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None] + \
             (["json_object"] if self.json_object else [])
 
     @property
     def kind(self) -> str:
-        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        """The field that is set: "json", "regex", "choice", "grammar", "structural_tag" or "json_object"."""
         return self._kinds()[0]
 
 

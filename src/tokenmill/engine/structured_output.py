@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams
+from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams, structural_tag_schemas
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill")
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-         "choice": "choice", "grammar": "grammar"}
+         "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 # xgrammar prefixes its messages with a time and a C++ source location
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -172,9 +172,9 @@ class StructuredOutputManager:
         c = self._compiler
         if kind == "json":
             grammar = self._xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
-            text = str(grammar)
-            fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
-            return c.compile_grammar(grammar if fixed == text else fixed)
+            return c.compile_grammar(_fixed_strings(grammar))
+        if kind == "structural_tag":
+            return c.compile_grammar(structural_tag_grammar(spec, any_whitespace))
         if kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
@@ -185,7 +185,9 @@ class StructuredOutputManager:
 
     def sequence_grammar(self, compiled: tuple, params: StructuredOutputsParams | None = None) -> "SequenceGrammar":
         grammar, (kind, _, no_whitespace) = compiled
-        keep = self._json_keep[not no_whitespace] if kind in ("json", "json_object") else None
+        # a structural tag's text between its JSON may hold newlines (hermes' `<tool_call>\n`)
+        keep = self._json_keep[not no_whitespace or kind == "structural_tag"] \
+            if kind in ("json", "json_object", "structural_tag") else None
         tags = params.think_tags if params is not None else None
         return SequenceGrammar(self._xgr.GrammarMatcher(grammar), keep, tags, params is not None and params.in_think)
 
@@ -311,6 +313,31 @@ def _key(params: StructuredOutputsParams) -> tuple:
     elif kind == "choice":
         spec = tuple(spec)
     return kind, spec, params.disable_any_whitespace
+
+
+def structural_tag_grammar(spec: str, any_whitespace: bool):
+    """The grammar (or its text) of a structural tag's JSON text, its JSON schemas compiled as `json`'s: with
+    free whitespace only where `any_whitespace` (xgrammar's own structural tags always allow it) and strings
+    held to JSON's characters (`_fixed_strings`). An invalid schema's error names its path in the tag."""
+    import xgrammar as xgr
+    tag = json.loads(spec)
+    for path, node in structural_tag_schemas(tag):
+        try:
+            grammar = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=any_whitespace)
+        except RuntimeError as e:
+            raise SamplingParamError(f"structured_outputs.structural_tag.{path}", f"invalid JSON schema at {path}: "
+                                     f"{_LOG_PREFIX.sub('', str(e).strip())}") from None
+        node.clear()
+        node.update(type="grammar", grammar=str(grammar))
+    return _fixed_strings(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+
+
+def _fixed_strings(grammar):
+    """`grammar`, or its text with the strings xgrammar bounds in length held to JSON's characters
+    (`_BOUNDED_STRING_CHAR`)."""
+    text = str(grammar)
+    fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return grammar if fixed == text else fixed
 
 
 def _keep_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
