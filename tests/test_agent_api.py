@@ -325,6 +325,45 @@ def test_a_forced_tool_call_takes_a_response_format_beside_it(agent_server):
     assert r.status_code == 200 and r.json()["output"][0]["type"] == "function_call", r.text
 
 
+def test_auto_tools_beside_a_response_format_call_a_tool_or_answer_in_it(agent_server):
+    """The Agents SDK sends an agent's output_type (response_format, Responses' text.format) beside its tools,
+    tool_choice "auto", in every turn: decoded under a grammar of either hermes calls or the format's JSON, the
+    model may call a tool (steered here by a logit bias on the <tool_call> tag) or answer in the format (the tag
+    banned), as against OpenAI, whole and streamed."""
+    client = agent_server.client()
+    tag = httpx.post(agent_server.url + "/tokenize", timeout=30, json={
+        "prompt": "<tool_call>", "add_special_tokens": False}).json()["tokens"]
+    assert len(tag) == 1
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True}}
+    kw = dict(model="tiny", messages=USER, tools=[WEATHER], response_format=fmt, parallel_tool_calls=False,
+              max_tokens=120, temperature=0)
+    call = {**_no_think(agent_server), str(tag[0]): 100}
+    c = client.chat.completions.create(**kw, logit_bias=call).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1, c
+    _check_weather(c.message.tool_calls[0])
+    chunks = list(client.chat.completions.create(**kw, logit_bias=call, stream=True))
+    deltas = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or [])]
+    assert [d.function.name for d in deltas if d.id] == ["get_weather"]
+    assert "".join(d.function.arguments or "" for d in deltas) == c.message.tool_calls[0].function.arguments
+    c = client.chat.completions.create(**kw, logit_bias={**call, str(tag[0]): -100}).choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls, c
+    City.model_validate_json(c.message.content)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model="tiny", input="weather in Paris?", tools=[tool], max_output_tokens=120,
+                                temperature=0, text={"format": {"type": "json_schema", "name": "City",
+                                                                "schema": City.model_json_schema()}})
+    assert r.status == "completed" and r.output[-1].type in ("function_call", "message"), r
+    # a schema that does not compile is named by the field it came in
+    frobnicate = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
+    bad = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": frobnicate}}],
+        "response_format": fmt})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+    bad = httpx.post(agent_server.url + "/v1/responses", timeout=30, json={"input": "x", "tools": [tool], "text": {
+        "format": {"type": "json_schema", "name": "x", "schema": frobnicate}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text
+
+
 def test_logit_bias_on_both_endpoints(agent_server):
     client = agent_server.client()
     forced = 65

@@ -170,6 +170,39 @@ def test_invalid_specs_name_the_problem(llm, spec, param, message):
     assert not llm.engine.has_unfinished_requests()
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Tokyo"]}, "unit": {"type": "string", "pattern": "^[a-z]{1,2}$"}},
+    "required": ["city", "unit"]}}}, {"type": "function", "function": {"name": "ping"}}]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_auto_tools_beside_a_format_decode_to_calls_or_the_format(llm, parser):
+    """Sampled under the grammar of tool_choice "auto" beside a response format, every output that ends is the
+    parser's calls of the tools, under their schemas (one without parallel calls), or the format's JSON; both
+    come."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+    from tokenmill.server.tool_parsers import TOOL_PARSERS
+    jsonschema = pytest.importorskip("jsonschema")
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": False,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ENUMS}}})
+    tool_parser = TOOL_PARSERS[parser]()
+    params = SamplingParams(temperature=1.5, max_tokens=100, seed=0, n=8,
+                            structured_outputs=req.structured_params(tool_parser.call_form))
+    kinds = []
+    for c in (c for out in llm.generate(PROMPTS[:2], params) for c in out.outputs if ended_by_grammar(c)):
+        extracted = tool_parser.extract(c.text)
+        if extracted.tool_calls:
+            assert extracted.content is None and len(extracted.tool_calls) == 1, c.text
+            call = extracted.tool_calls[0]
+            schema = {t["function"]["name"]: t["function"].get("parameters", {}) for t in TOOLS}[call.name]
+            jsonschema.validate(json.loads(call.arguments), schema)
+        else:
+            jsonschema.validate(json.loads(extracted.content), ENUMS)
+        kinds.append(bool(extracted.tool_calls))
+    assert len(kinds) >= 12 and set(kinds) == {True, False}, kinds
+
+
 def test_bench_serve_structured_fraction_payloads():
     from tokenmill.bench.serve import BENCH_SCHEMA, build_payload, structured_indices
     from tokenmill.bench.serve_datasets import ServeRequest

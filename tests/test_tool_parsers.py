@@ -370,6 +370,91 @@ def test_schema_errors(tools, choice, message):
         required_tools_schema(tools, choice)
 
 
+# --- tool_choice "auto" beside a JSON response format ----------------------------------------------------
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+
+
+def _auto_beside_format(tools, parser, parallel=True, schema=ANSWER):
+    from tokenmill.server.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tools": tools, "parallel_tool_calls": parallel,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    return req, req.structured_params(parser.call_form)
+
+
+def _grammar(params):
+    """The engine's grammar of a structural tag, as a matcher of strings takes it."""
+    pytest.importorskip("xgrammar")
+    from tokenmill.engine.structured_output import structural_tag_grammar
+    return structural_tag_grammar(params.structural_tag, not params.disable_any_whitespace)
+
+
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_tools_beside_a_format_admit_calls_or_the_format_alone(parser, parallel):
+    """Tools with tool_choice "auto" and a JSON response format: the output is the parser's calls (their
+    arguments under the tools' schemas, one without parallel calls) or the format's JSON, in compact JSON; the
+    parser reads the one as calls and leaves the other content."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    grammar = _grammar(_auto_beside_format(TOOLS, parser, parallel)[1])
+    form = parser.call_form
+
+    def calls(*items):
+        return form.separator.join(form.begin + json.dumps({"name": n, form.arguments_key: a}, ensure_ascii=False)
+                                   + form.end for n, a in items)
+    one = calls(("get_weather", {"city": "巴黎", "unit": "c"}))
+    two = calls(("book", {"item": {"n": 3}}), ("ping", {}))
+    for text in (one, two) if parallel else (one,):
+        assert accepts(grammar, text), text
+        extracted = parser.extract(text)
+        assert extracted.content is None and extracted.tool_calls
+    assert accepts(grammar, '{"city": "Paris"}')
+    assert parser.extract('{"city": "Paris"}') == type(parser.extract(""))('{"city": "Paris"}', [])
+    for text in ([] if parallel else [two]) + [
+            calls(("nope", {})), calls(("book", {"item": {"n": "3"}})), calls(("get_weather", {"unit": "c"})),
+            '{"city":"Paris"}', '{"city": "Pa\tris"}', '{"town": "Paris"}', "Paris", "",
+            '{"city": "Paris"}' + form.separator + one, one + '{"city": "Paris"}']:
+        assert not accepts(grammar, text), text
+
+
+def test_auto_tools_beside_a_format_key_the_grammar_by_both():
+    from tokenmill.engine.structured_output import _key
+    keys = {_key(_auto_beside_format(tools, HERMES, parallel, schema)[1])
+            for tools in (TOOLS, TOOLS[:2]) for parallel in (True, False) for schema in (ANSWER, {"type": "object"})}
+    assert len(keys) == 8
+    assert _key(_auto_beside_format(TOOLS, HERMES)[1]) == _key(_auto_beside_format(TOOLS, HERMES)[1])
+
+
+def test_a_pythonic_server_keeps_the_format_over_the_whole_output():
+    assert PYTHONIC.call_form is None
+    assert _auto_beside_format(TOOLS, PYTHONIC)[1].kind == "json"
+
+
+def test_auto_tools_beside_a_format_name_the_field_of_a_bad_schema():
+    """A schema refused before compiling, or that does not compile, is named by the field it came in: a
+    tool's by "tools", the format's by "response_format"."""
+    from tokenmill.sampling_params import SamplingParamError
+    from tokenmill.server.protocol import UnsupportedValue
+    unenforced = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    broken = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
+    tool = lambda parameters: [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    for tools, schema, field in ((tool(unenforced), ANSWER, "tools"), (TOOLS, unenforced, "response_format")):
+        with pytest.raises(SamplingParamError) as e:
+            _auto_beside_format(tools, HERMES, schema=schema)
+        assert "uniqueItems" in str(e.value)
+        req, _ = _auto_beside_format(TOOLS, HERMES)
+        assert req.field_of(e.value.param) == field
+    for tools, schema, field in ((tool(broken), ANSWER, "tools"), (TOOLS, broken, "response_format")):
+        req, params = _auto_beside_format(tools, HERMES, schema=schema)
+        with pytest.raises(SamplingParamError) as e:
+            _grammar(params)
+        assert "frobnicate" in str(e.value) and req.field_of(e.value.param) == field
+    with pytest.raises(UnsupportedValue, match="unsupported \\$ref") as e:
+        _auto_beside_format(tool({"$ref": "#/properties/x"}), HERMES)
+    assert e.value.field == "tools"
+
+
 def _read(reader, pieces):
     """The (index, name, arguments) pieces `reader` returns for `pieces` fed one after another, then finished."""
     out = [p for piece in pieces for p in reader.feed(piece)]

@@ -5,7 +5,9 @@ A choice's text goes through the reasoning parser first (`--reasoning-parser`: t
 `--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
 to the tools' JSON schema, and that JSON becomes the tool calls (`tool_choice.ConstrainedCalls`): each
 call's name once known, then its arguments as generated, streamed as they come and kept partial when
-max_tokens cuts them short, as OpenAI and vLLM return them.
+max_tokens cuts them short, as OpenAI and vLLM return them. With tool_choice "auto" beside a JSON
+response_format, the grammar admits the parser's calls or the format's JSON (`tool_choice.calls_or_format`),
+and the parser reads them as it reads any output.
 """
 from __future__ import annotations
 
@@ -170,7 +172,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
                     'off' if serving.prompts.template_reads("enable_thinking") else "")
             raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
                                 f"template does not read reasoning_effort{hint}", effort_param)
-    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    call_form = serving.tool_parser.call_form if serving.tool_parser is not None else None
+    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None, call_form)
     prompt_text, prompt = await serving.prompts.render_chat(
         req.chat_messages(), add_gen, bool(req.add_special_tokens), fits=params.truncate_prompt_tokens is None,
         **template_kwargs)

@@ -279,22 +279,42 @@ class _SamplingRequest(_Strict):
     def _extra_constraints(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
+    def _auto_tools(self) -> bool:
+        """Whether the model may call tools or answer (tools shown, tool_choice "auto")."""
+        return False
+
     def field_of(self, param: str | None) -> str | None:
         """The request's own field for an error about its output constraint, which the engine names by its
-        `structured_outputs` (the schema of a response_format, or of the tools a tool_choice forces)."""
+        `structured_outputs` (the schema of a response_format, or of the tools a tool_choice forces; in the
+        structural tag of tools beside a response_format, by the path of the part it is about)."""
         if param is None or not param.startswith("structured_outputs"):
             return param
+        from tokenmill.server.tool_choice import CALLS_PATH
+        if param.startswith(f"structured_outputs.structural_tag.{CALLS_PATH}"):
+            return "tools"
         spec = self.structured_spec()
         origin = spec[0] if spec is not None else None
         return {None: param, "structured_outputs": param, "tool_choice": "tools"}.get(origin, origin)
 
-    def structured_params(self):
-        """The engine's StructuredOutputsParams for the request's constraint, or None."""
+    def structured_params(self, call_form=None):
+        """The engine's StructuredOutputsParams for the request's constraint, or None. `call_form`: how the
+        server's tool-call parser writes calls (`tool_parsers.CallForm`), where tool_choice "auto" reads them."""
         spec = self.structured_spec()
         if spec is None:
             return None
         from tokenmill.sampling_params import StructuredOutputsParams
         field, kinds = spec
+        if call_form is not None and field == "response_format" and self._auto_tools():
+            # the format shapes the answer, not the calls the model may write instead (as OpenAI has it)
+            from tokenmill.server.tool_choice import calls_or_format
+            schema = {"type": "object"} if "json_object" in kinds else kinds["json"]
+            try:
+                tag = calls_or_format(self.tools_in_use(), call_form, schema,
+                                      parallel_tool_calls=getattr(self, "parallel_tool_calls", None) is not False)
+            except ValueError as e:
+                raise UnsupportedValue("tools", f"cannot constrain the output to these tools: {e}") from None
+            # a schema's error names the part of the tag it is in (`field_of`)
+            return StructuredOutputsParams(structural_tag=json.dumps(tag), disable_any_whitespace=True)
         if "tools" in kinds:
             from tokenmill.server.tool_choice import required_tools_schema
             tools, choice = kinds["tools"]
@@ -331,9 +351,11 @@ class _SamplingRequest(_Strict):
         """The field `requested_max_tokens` reads, as refusals name it."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def sampling_params(self, logprobs: int | None, defaults: dict | None = None, **overrides) -> SamplingParams:
+    def sampling_params(self, logprobs: int | None, defaults: dict | None = None, call_form=None,
+                        **overrides) -> SamplingParams:
         """Build the engine's parameters; raises ValueError naming a bad value and its limit. `defaults`:
-        the fields a request that leaves them unset takes (`generation_config.sampling_defaults`)."""
+        the fields a request that leaves them unset takes (`generation_config.sampling_defaults`);
+        `call_form`: `structured_params`'."""
         kw: dict[str, Any] = dict(
             n=self.n or 1,
             max_tokens=self.requested_max_tokens(),
@@ -372,7 +394,7 @@ class _SamplingRequest(_Strict):
             kw["cache_salt"] = self.cache_salt
         if self.vllm_xargs is not None:
             kw["extra_args"] = self.vllm_xargs
-        constraint = self.structured_params()
+        constraint = self.structured_params(call_form)
         if constraint is not None:
             kw["structured_outputs"] = constraint
         kw.update({k: v for k, v in overrides.items() if v is not None})
@@ -680,6 +702,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.tools or self.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _auto_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def _extra_constraints(self):
         # "required" and a named function are decoded under the tools' schemas

@@ -1,6 +1,7 @@
 """`tool_choice` "required" or a named function, enforced by a grammar: the JSON schema a constrained
 request's output is decoded under, and the readers that turn that JSON into OpenAI tool calls, whole or
-streamed."""
+streamed. And tool_choice "auto" beside a JSON response format: a structural tag that admits either the
+tool-call parser's calls or the format's JSON (`calls_or_format`), read by that parser as usual."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,8 @@ import json
 import re
 
 from tokenmill.sampling_params import SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS
-from tokenmill.server.tool_parsers import ToolCall
+from tokenmill.server.tool_parsers import CallForm, ToolCall
+
 
 def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
     """(name, parameters schema) of each tool of a request, checked."""
@@ -101,6 +103,19 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
             if fn_name == name:
                 return copy.deepcopy(params)
         raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    variants, defs = _call_variants(functions, "arguments")
+    schema = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _call_variants(functions: list[tuple[str, dict]], arguments_key: str) -> tuple[list[dict], dict]:
+    """One schema per function of a call object `{"name": <its name>, <arguments_key>: <its parameters>}`, and the
+    root `$defs` they share: each function's `$defs` moved there, prefixed by its position, so that its `$ref`s
+    still resolve."""
     defs, variants = {}, []
     for i, (fn_name, params) in enumerate(functions):
         params = _rehome_refs(params, f"tool{i}_")
@@ -108,14 +123,32 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
             for def_name, sub in (params.pop(section, None) or {}).items():
                 defs[_moved_name(f"tool{i}_", section, def_name)] = sub
         variants.append({"type": "object",
-                         "properties": {"name": {"const": fn_name}, "arguments": params},
-                         "required": ["name", "arguments"]})
-    schema = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
-    if not parallel_tool_calls:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
+                         "properties": {"name": {"const": fn_name}, arguments_key: params},
+                         "required": ["name", arguments_key]})
+    return variants, defs
+
+
+# where the tag of `calls_or_format` holds the calls (its other element is the format): a schema error at a
+# path under it is a tool's
+CALLS_PATH = "format.elements.0"
+
+
+def calls_or_format(tools: list[dict], form: CallForm, format_schema: dict, *, parallel_tool_calls: bool = True
+                    ) -> dict:
+    """The structural tag of tool_choice "auto" beside a JSON response format: the output is either one or more
+    calls written as `form` has them (exactly one without `parallel_tool_calls`), each call's object under the
+    schema of its tool's, or the format's JSON (`format_schema`). ValueError (a 400) for no tools."""
+    functions = _functions(tools)
+    if not functions:
+        raise ValueError("tool_choice requires at least one tool")
+    variants, defs = _call_variants(functions, form.arguments_key)
+    call = {"anyOf": variants, **({"$defs": defs} if defs else {})}
+    calls = {"type": "tags_with_separator", "separator": form.separator, "at_least_one": True,
+             "stop_after_first": not parallel_tool_calls,
+             "tags": [{"type": "tag", "begin": form.begin, "content": {"type": "json_schema", "json_schema": call},
+                       "end": form.end}]}
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [
+        calls, {"type": "json_schema", "json_schema": format_schema}]}}
 
 
 class ConstrainedCalls:

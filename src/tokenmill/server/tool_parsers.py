@@ -59,6 +59,16 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallForm:
+    """How a format writes calls, for a grammar to write them (`tool_choice.calls_or_format`): each call is
+    `begin`, the JSON object {"name": ..., <arguments_key>: {...}}, then `end`; calls are apart by `separator`."""
+    begin: str
+    end: str
+    separator: str
+    arguments_key: str
+
+
+@dataclass(frozen=True)
 class ExtractedToolCalls:
     content: str | None
     tool_calls: list[ToolCall]
@@ -109,9 +119,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ToolParser:
     """Base for formats that wrap each call in a start and an end tag. A format sets the tags and
-    `parse_call`; one that is not tagged overrides `extract` and `new_stream`."""
+    `parse_call`; one that is not tagged overrides `extract` and `new_stream`. `call_form`: how a grammar
+    writes its calls, None where no JSON grammar can (pythonic's Python literals)."""
     start_tag: str
     end_tag: str
+    call_form: CallForm | None = None
 
     def parse_call(self, body: str) -> ToolCall | None:
         """The call written in a block's body, or None if the body is not one."""
@@ -142,6 +154,8 @@ class ToolParser:
 class HermesToolParser(ToolParser):
     start_tag = TOOL_CALL_START
     end_tag = TOOL_CALL_END
+    # as Qwen's and Hermes' templates write calls
+    call_form = CallForm(TOOL_CALL_START + "\n", "\n" + TOOL_CALL_END, "\n", "arguments")
 
     def parse_call(self, body: str) -> ToolCall | None:
         try:
@@ -303,6 +317,8 @@ class Llama3JsonToolParser(ToolParser):
     another's kind) and everything after it stays content verbatim, as does text before the tag, text after
     the last call, and a tag or separator that no call follows. A stream sends each call once its object
     closes; a reply that starts with `{` is held back until its object closes."""
+    # the "parameters" Llama's templates ask for
+    call_form = CallForm("", "", "; ", "parameters")
 
     def parse_call(self, body: str) -> ToolCall | None:
         try:
