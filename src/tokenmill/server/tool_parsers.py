@@ -109,6 +109,22 @@ def _arguments_json(arguments) -> str | None:
     return json.dumps(arguments, ensure_ascii=False)
 
 
+def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """The call a JSON object writes: a non-empty string "name" and its arguments under one of
+    `argument_keys` (absent: {}); None for anything else, an object with two of those keys included."""
+    try:
+        obj = _loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    keys = [k for k in argument_keys if k in obj]
+    if len(keys) > 1:
+        return None
+    arguments = _arguments_json(obj[keys[0]] if keys else None)
+    return None if arguments is None else ToolCall(obj["name"], arguments)
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -158,14 +174,7 @@ class HermesToolParser(ToolParser):
     call_form = CallForm(TOOL_CALL_START + "\n", "\n" + TOOL_CALL_END, "\n", "arguments")
 
     def parse_call(self, body: str) -> ToolCall | None:
-        try:
-            obj = _loads(body)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            return None
-        arguments = _arguments_json(obj.get("arguments"))
-        return None if arguments is None else ToolCall(obj["name"], arguments)
+        return _json_call(body, ("arguments",))
 
 
 class _DeltaStream:
@@ -321,16 +330,7 @@ class Llama3JsonToolParser(ToolParser):
     call_form = CallForm("", "", "; ", "parameters")
 
     def parse_call(self, body: str) -> ToolCall | None:
-        try:
-            obj = _loads(body)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            return None
-        if "parameters" in obj and "arguments" in obj:
-            return None
-        arguments = _arguments_json(obj["parameters"] if "parameters" in obj else obj.get("arguments"))
-        return None if arguments is None else ToolCall(obj["name"], arguments)
+        return _json_call(body, ("parameters", "arguments"))
 
     def extract(self, text: str) -> ExtractedToolCalls:
         return _extract_by_stream(self, text)
