@@ -21,13 +21,18 @@ from tokenmill.runner.loader import load_model
 from tokenmill.runner.model_runner import kv_cache_tensors
 
 
+# the status an EOF on stdin exits with: 1 once a failure is being reported (rank 0, told of it, closes our
+# stdin, and that must not turn the failure into a clean exit)
+_stdin_exit_status = 0
+
+
 def _exit_when_stdin_closes() -> None:
     """Rank 0 holds the other end of stdin: EOF means it stopped us or died. Read unbuffered: a thread
     blocked inside the buffered reader holds its lock, which the interpreter's exit then waits on (an
     abort, status -6, where a failed worker should exit 1)."""
     while os.read(0, 4096):
         pass
-    os._exit(0)
+    os._exit(_stdin_exit_status)
 
 
 class Worker:
@@ -69,11 +74,13 @@ class Worker:
 
 def _report(store, key: str, step) -> None:
     """Runs `step`, then tells rank 0 through `key` that it succeeded, or its traceback (and exits 1)."""
+    global _stdin_exit_status
     try:
         step()
     except BaseException:
-        store.set(key, traceback.format_exc())
+        _stdin_exit_status = 1
         traceback.print_exc()
+        store.set(key, traceback.format_exc())
         _exit(1)
     store.set(key, "ok")
 
