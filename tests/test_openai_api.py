@@ -252,6 +252,32 @@ def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
+def test_chat_echo_prefixes_each_choice_with_the_assistants_last_message(api_server):
+    """vLLM's chat echo was refused by name: each choice's content now starts with the last message's where
+    it is the assistant's (streamed: in the role chunk), its logprobs the generated tokens' alone (as vLLM's);
+    beside a tool_choice that forces a call, which leaves no content to prefix, it is a 400 naming it."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello the"}]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 2,
+            "temperature": 0, "n": 2, "logprobs": True, "chat_template_kwargs": {"enable_thinking": False}}
+
+    def post(**extra) -> httpx.Response:
+        return httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={**body, **extra})
+
+    for c in post(echo=True).json()["choices"]:
+        generated = "".join(lp["token"] for lp in c["logprobs"]["content"])
+        assert c["message"]["content"] == "Hello the" + generated and len(c["logprobs"]["content"]) == 2, c
+    chunks = [json.loads(line[6:]) for line in post(echo=True, stream=True).text.splitlines()
+              if line.startswith("data: {")]
+    assert [(c["index"], c["delta"]) for c in chunks[0]["choices"]] == [
+        (i, {"role": "assistant", "content": "Hello the"}) for i in (0, 1)]
+    assert all(c["delta"].get("content") != "Hello the" for chunk in chunks[1:] for c in chunk["choices"])
+    user_last = post(messages=msgs[:1], continue_final_message=False, add_generation_prompt=True, echo=True)
+    assert user_last.status_code == 200 and not user_last.json()["choices"][0]["message"]["content"].startswith("hi")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = post(echo=True, tools=tools, tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
 def test_documents_reach_the_template_as_vllm_passes_them(tokenizer_dir):
     """vLLM's chat `documents` (retrieval-augmented generation) go to the template's `documents`, on chat
     completions and /tokenize alike (they were a 400, an unknown field); chat_template_kwargs' documents,
@@ -307,7 +333,7 @@ def test_vllms_fields_are_taken_at_their_defaults_and_refused_by_name_otherwise(
     for path, body in (("/v1/chat/completions", {**chat, "echo": False}), ("/v1/completions", {"prompt": "x"})):
         r = httpx.post(api_server.url + path, timeout=60, json={**body, **defaults})
         assert r.status_code == 200, (path, r.text)
-    for field, value in (("use_beam_search", True), ("length_penalty", 0.8), ("echo", True),
+    for field, value in (("use_beam_search", True), ("length_penalty", 0.8),
                          ("chat_template", "{{ messages }}"), ("guided_decoding_backend", "outlines"),
                          ("logits_processors", ["my.Processor"]), ("kv_transfer_params", {"do_remote_decode": True})):
         r = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={**chat, field: value})

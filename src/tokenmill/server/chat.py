@@ -202,6 +202,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     return_ids = bool(req.return_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = serving.response_id(raw, req, "chatcmpl"), now()
+    echoed = req.echoed()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
@@ -219,6 +220,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 lp = {"content": logprob_entries(serving, c.token_ids, c.logprobs, k, as_ids)}
             text = ChoiceText(serving, req, prompt_text)
             message = text.message(c.text)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": finish_reason(c, text), "stop_reason": c.stop_reason})
             if return_ids:
@@ -247,7 +250,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         last = None
         async for _, out in merged:
             if last is None:
-                first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                first = chunk([{"index": i, "delta": {"role": "assistant", "content": echoed}, "logprobs": None,
                                 "finish_reason": None} for i in range(params.n)], out, [])
                 if return_ids:
                     first["prompt_token_ids"] = list(out.prompt_token_ids)      # with the first chunk (vLLM's)

@@ -69,7 +69,6 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "use_beam_search": ("false (beam search is not implemented)", _noop_bool),
     "length_penalty": ("1.0 (it weighs beams, and beam search is not implemented)",
                        lambda v: v is None or (type(v) in (int, float) and v == 1)),
-    "echo": ("false (a chat reply is not prefixed with the last message)", _noop_bool),
     "chat_template": ("null (the chat template is the server's: --chat-template)", lambda v: v is None),
     "guided_decoding_backend": ('null, "auto" or "xgrammar" (the backend structured output uses)',
                                 lambda v: v in (None, "auto", "xgrammar")),
@@ -675,8 +674,8 @@ class ChatCompletionRequest(_SamplingRequest):
     include_reasoning: bool | None = True
     # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt, beside those the template writes
     add_special_tokens: bool | None = False
-    # vLLM's echo of the last message (when the reply continues its role): accepted at false (`_UNSUPPORTED`)
-    echo: Any = None
+    # vLLM's: the reply's content is prefixed with the last message's, where that is the assistant's (`echoed`)
+    echo: bool | None = False
     honored: ClassVar[frozenset[str]] = frozenset({"reasoning_effort"})
 
     _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
@@ -695,7 +694,16 @@ class ChatCompletionRequest(_SamplingRequest):
                                        f"{self.tool_choice.function.name!r}, which is not among the tools {names}")
         elif self.tool_choice == "required" and not self.tools:
             raise UnsupportedValue("tool_choice", "tool_choice 'required' needs at least one tool")
+        if self.echo and self._extra_constraints():
+            raise UnsupportedValue("echo", "'echo' prefixes the reply's content, and a tool_choice that forces a "
+                                           "call leaves it none (use tool_choice 'auto' or leave 'echo' out)")
         return self
+
+    def echoed(self) -> str:
+        """The text `echo` puts before each choice's content: the last message's where it is the assistant's,
+        the role the reply has (vLLM's rule; its logprobs stay the generated tokens'), else none."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def tools_in_use(self) -> list[dict] | None:
         """The tools the template shows the model (none when tool_choice is "none")."""
