@@ -122,6 +122,18 @@ def test_bad_settings_and_a_relative_app_root(tmp_path, monkeypatch):
     assert (tmp_path / "root" / ".chainlit" / "config.toml").read_text() == "# the user's own\n"
 
 
+def test_a_base_url_no_server_could_answer_is_a_usage_error():
+    """A --base-url without a scheme or with an empty port was taken at start, and every message then said
+    "Cannot reach the server": `tokenmill ui` refuses it (exit 2, as for the other settings), naming it."""
+    for bad, why in (("127.0.0.1:8000/v1", "http:// or https://"), ("localhost/v1", "http:// or https://"),
+                     ("http:///v1", "with a host"), ("http://127.0.0.1:/v1", "empty port"),
+                     ("http://127.0.0.1:80000/v1", "bad port")):
+        with pytest.raises(ValueError, match=f"--base-url .*{why}.*{bad}"):
+            UISettings(base_url=bad).check()
+    for good in ("http://127.0.0.1:8000/v1", "https://[::1]/v1", "https://api.example.com/v1"):
+        UISettings(base_url=good).check()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

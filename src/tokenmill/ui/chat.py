@@ -42,7 +42,9 @@ class UISettings:
                    else d.allowed_hosts)
 
     def check(self) -> None:
-        """Refuses settings every message would fail with (a 400 from the server on each), naming them."""
+        """Refuses settings every message would fail with (a 400 from the server on each, or no server
+        reached), naming them."""
+        check_base_url(self.base_url)
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -60,6 +62,22 @@ class UISettings:
         if self.api_key:
             env[ENV_API_KEY] = self.api_key
         return env
+
+
+def check_base_url(url: str) -> None:
+    """An http(s) URL with a host and, if a colon says one follows, a port: the openai client takes
+    "127.0.0.1:8000/v1" (no scheme) or "http://host:/v1" (an empty port, as from an unset variable) and
+    every message then fails as an unreachable server."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--base-url must be an http:// or https:// URL with a host "
+                         f"(e.g. http://127.0.0.1:8000/v1), got {url!r}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"--base-url has a bad port ({e}), got {url!r}") from None
+    if port is None and parts.netloc.endswith(":"):
+        raise ValueError(f"--base-url has an empty port after its host, got {url!r}")
 
 
 def trim_history(messages: list[dict], keep: int) -> list[dict]:
