@@ -31,6 +31,9 @@ MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 # a client's request id is logged with every line of its request: an id, not a payload
 MAX_REQUEST_ID = 256
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high"]
+# how long OpenAI keeps a prompt's cache: no answer depends on it. "in-memory" is how OpenAI's API reference
+# first spelled it (and the Agents SDK for JavaScript still sends it), "in_memory" the openai client's since
+PROMPT_CACHE_RETENTIONS = Literal["in_memory", "in-memory", "24h"]
 
 
 class UnsupportedValue(ValueError):
@@ -194,6 +197,7 @@ class _SamplingRequest(_Strict):
     # Fields that change nothing here: accepted as OpenAI defines them.
     metadata: Metadata | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: PROMPT_CACHE_RETENTIONS | None = None
     safety_identifier: str | None = None
 
     # `_UNSUPPORTED` fields a request type does honor (its own field's type checks them instead)

@@ -22,8 +22,9 @@ from pydantic import (
 from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
-    INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, REASONING_EFFORTS, ChatCompletionRequest, Metadata, UnsupportedValue,
-    _Strict, check_function_parameters, function_choice_only, function_tools_only, refuse_media_parts,
+    INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS, ChatCompletionRequest,
+    Metadata, UnsupportedValue, _Strict, check_function_parameters, function_choice_only, function_tools_only,
+    refuse_media_parts,
 )
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
@@ -260,8 +261,11 @@ class ResponsesRequest(_Strict):
     metadata: Metadata | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: PROMPT_CACHE_RETENTIONS | None = None
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
+    # OpenAI's Conversations API, which this server has none of: null alone (`_check`)
+    conversation: Any = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
@@ -290,6 +294,10 @@ class ResponsesRequest(_Strict):
         if self.background:
             raise UnsupportedValue("background", "'background' is not supported by tokenmill: a response is "
                                                  "answered in its request (set it false or leave it out)")
+        if self.conversation is not None:
+            raise UnsupportedValue("conversation", f"'conversation' ({repr(self.conversation)[:100]}) is not supported "
+                                                   "by tokenmill: it has no Conversations API (continue a response "
+                                                   "with 'previous_response_id', or send the conversation as 'input')")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
         unknown = [v for v in self.include or () if v not in INCLUDES]
