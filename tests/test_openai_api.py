@@ -170,7 +170,8 @@ def test_messages_clients_send_back(api_server):
                {"role": "user", "content": "and then?"}]
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, prompt_cache_key="k",
                                        safety_identifier="u1", metadata={"a": "b"}, store=False,
-                                       service_tier="auto", verbosity="medium", prompt_cache_retention="in_memory")
+                                       service_tier="auto", verbosity="medium", prompt_cache_retention="in_memory",
+                                       prompt_cache_options={"mode": "implicit", "ttl": "30m"})
     assert r.choices[0].message.role == "assistant"
     bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "x", "audio": {"id": "a1"}}]})
@@ -619,14 +620,16 @@ def test_responses_create_and_stream(api_server):
     # prompt_cache_retention and a null conversation (the Agents SDK sends what a user sets) change nothing
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,
                                 temperature=0, store=False, max_tool_calls=2, prompt_cache_retention="24h",
-                                conversation=None)
+                                prompt_cache_options={"ttl": "12h", "prewarm": False}, conversation=None)
     assert r.status in ("completed", "incomplete") and r.output and r.output[0].type == "message"
     assert r.max_tool_calls == 2
-    for conversation in ("conv_1", {"id": "conv_1"}):
-        bad = httpx.post(api_server.url + "/v1/responses", timeout=60,
-                         json={"input": "x", "conversation": conversation})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "conversation", bad.text
-        assert "conv_1" in bad.json()["error"]["message"] and "Conversations API" in bad.json()["error"]["message"]
+    for field, value, param, says in (("conversation", "conv_1", "conversation", "conv_1"),
+                                      ("conversation", {"id": "conv_1"}, "conversation", "Conversations API"),
+                                      ("prompt_cache_options", {"prewarm": True}, "prompt_cache_options.prewarm",
+                                       "only false")):
+        bad = httpx.post(api_server.url + "/v1/responses", timeout=60, json={"input": "x", field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert says in bad.json()["error"]["message"], bad.text
     assert r.output_text and r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
                                                                   {"role": "user", "content": "hello"}],

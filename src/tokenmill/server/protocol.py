@@ -142,6 +142,27 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+class PromptCacheOptions(_Strict):
+    """OpenAI's prompt_cache_options (where its docs move prompt_cache_retention): how long and from where OpenAI
+    caches a prompt, which no answer here depends on; a prewarm (a request answered with nothing) and a
+    comparison of cache use with another response are refused."""
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: bool | None = None
+    comparison_response_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.prewarm:
+            raise UnsupportedValue("prompt_cache_options.prewarm", "prompt_cache_options.prewarm is not supported "
+                                   "by tokenmill (only false): every request here is answered")
+        if self.comparison_response_id is not None:
+            raise UnsupportedValue("prompt_cache_options.comparison_response_id", "prompt_cache_options."
+                                   "comparison_response_id is not supported by tokenmill (only null): it has no "
+                                   "prompt cache diagnostics")
+        return self
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
@@ -198,6 +219,7 @@ class _SamplingRequest(_Strict):
     metadata: Metadata | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: PROMPT_CACHE_RETENTIONS | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
 
     # `_UNSUPPORTED` fields a request type does honor (its own field's type checks them instead)

@@ -23,8 +23,8 @@ from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, rea
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
     INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS, ChatCompletionRequest,
-    Metadata, UnsupportedValue, _Strict, check_function_parameters, function_choice_only, function_tools_only,
-    refuse_media_parts,
+    Metadata, PromptCacheOptions, UnsupportedValue, _Strict, check_function_parameters, function_choice_only,
+    function_tools_only, refuse_media_parts,
 )
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, now
@@ -262,6 +262,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: PROMPT_CACHE_RETENTIONS | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI's Conversations API, which this server has none of: null alone (`_check`)
