@@ -617,7 +617,8 @@ def test_tokenize_adds_a_bos_to_messages_only_when_asked(bos_app):
 def test_responses_create_and_stream(api_server):
     client = api_server.client()
     # max_tool_calls bounds OpenAI's built-in tools' calls, which this server runs none of: taken, echoed;
-    # prompt_cache_retention and a null conversation (the Agents SDK sends what a user sets) change nothing
+    # prompt_cache_retention, prompt_cache_options and a null conversation (the Agents SDK sends what a user
+    # sets) change nothing
     r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8,
                                 temperature=0, store=False, max_tool_calls=2, prompt_cache_retention="24h",
                                 prompt_cache_options={"ttl": "12h", "prewarm": False}, conversation=None)
