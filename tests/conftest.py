@@ -2,6 +2,7 @@
 through tokenmill's own loader. No network, no GPU."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -29,6 +30,13 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collectreport(report):
+    # what collection imports and builds (torch, transformers, the test modules) lives until the session
+    # ends: frozen as each collector finishes, the garbage collector's full passes no longer scan it (they
+    # were half of a worker's collection time: 6.0 of 12.2 s, 23 passes)
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
