@@ -9,7 +9,7 @@ layouts and loaded through the real loader.
 - Errors: a --quantization that does not match the checkpoint, unsupported bits / group sizes / AWQ
   versions.
 - GPTQ (`quant/gptq.py`): its error compensation beats rounding on the same grid on a random layer.
-The real SmolLM2-135M weights quantized by GPTQ: test_real_quantized.py.
+The real SmolLM2-135M weights quantized by GPTQ: `lab/quant_quality.py checkpoints` (FP8 GPTQ: test_real_quantized.py).
 """
 from __future__ import annotations
 

