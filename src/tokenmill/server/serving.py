@@ -203,9 +203,10 @@ class Serving:
                          + (f" x {copies} choices each repeating them" if copies > 1 else ""))
         return entries, parts
 
-    def params(self, req, logprobs: int | None, call_form=None, **overrides):
-        """The request's SamplingParams; `overrides` replace fields the endpoint decides itself; `call_form`:
-        how the tool-call parser writes calls, for a chat request's grammar (`structured_params`)."""
+    def params(self, req, logprobs: int | None, **overrides):
+        """The request's SamplingParams; `overrides` replace fields the endpoint decides itself. A chat
+        request's grammar learns how the tool-call parser writes calls (`structured_params`)."""
+        call_form = self.tool_parser.call_form if self.tool_parser is not None else None
         try:
             params = req.sampling_params(logprobs, self.sampling_defaults, call_form, **overrides)
             # tokenized once for all the request's prompts (the params are the request's own)
