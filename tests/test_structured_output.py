@@ -404,6 +404,63 @@ def test_a_compile_queued_for_an_aborted_request_never_runs():
     assert compiled == ["a", "c"] and set(client.compiling) == {"a", "c"} and not other.compiling
 
 
+def test_a_grammar_that_waits_for_a_busy_compile_thread_is_a_503(qwen3_dir, monkeypatch):
+    """Compiles past MAX_COMPILE_SECONDS keep their threads (a compile cannot be interrupted), so such specs,
+    one a thread, left every later uncached grammar queued until one of them ended, however long. A
+    request whose grammar waits that long for a thread is now a 503 `engine_busy` with Retry-After (its
+    compile never runs, the rejection is counted), and the same request succeeds once a thread is free."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine import structured_output
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.structured_output import StructuredOutputManager
+    from tokenmill.server.app import build_app
+
+    compile_grammar = StructuredOutputManager._compile
+    release, compiled = threading.Event(), []
+
+    def blocking(self, kind, spec, any_whitespace):
+        compiled.append(spec)
+        if spec == "(a|b)*!":
+            release.wait(30)
+        return compile_grammar(self, kind, spec, any_whitespace)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", blocking)
+    monkeypatch.setattr(structured_output, "COMPILE_THREADS", 1)
+    monkeypatch.setattr(structured_output, "MAX_COMPILE_SECONDS", 0.5)
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                                   max_model_len=256), in_process=True)
+    app = build_app(engine, served_model_names=["tiny"])
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        engine.attach()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t", timeout=30) as c:
+            stuck = asyncio.ensure_future(c.post("/v1/completions", json={**body, "guided_regex": "(a|b)*!"}))
+            await asyncio.sleep(0.1)                     # its compile holds the one thread
+            queued = await c.post("/v1/completions", json={**body, "guided_regex": "[a-z]{3}"})
+            release.set()
+            again = await c.post("/v1/completions", json={**body, "guided_regex": "[a-z]{3}"})
+            return await stuck, queued, again
+    try:
+        stuck, queued, again = asyncio.run(main())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert stuck.status_code == 400 and "did not compile" in stuck.json()["error"]["message"], stuck.text
+    assert queued.status_code == 503 and queued.headers["retry-after"] == "5", queued.text
+    error = queued.json()["error"]
+    assert error["code"] == "engine_busy" and error["type"] == "service_unavailable_error", error
+    assert re.match(r"The request's grammar waited \d+\.\d s for one of the engine's 1 grammar compile threads, "
+                    r"all busy .*\(the limit is 0\.5 s\); retry later\.$", error["message"]), error
+    assert again.status_code == 200 and re.fullmatch("[a-z]{3}", again.json()["choices"][0]["text"]), again.text
+    assert compiled == ["(a|b)*!", "[a-z]{3}"], compiled          # the queued compile never ran
+    assert app.state.metrics.rejected.labels("tiny", "engine_busy")._value.get() == 1
+
+
 def test_the_grammar_holds_the_answer_after_the_thinking_block(llm):
     """With think tags (a server's reasoning parser sets them), the output is free inside the thinking block
     and the grammar holds from after its close: where the prompt leaves the block open, and where the

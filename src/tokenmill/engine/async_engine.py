@@ -38,6 +38,11 @@ class RequestAbortedError(RuntimeError):
     pass
 
 
+class EngineBusyError(RuntimeError):
+    """The engine core could not take the request now (every grammar compile thread held past its time
+    limit); the same request may succeed later."""
+
+
 @dataclass
 class _Stream:
     """Latest cumulative output of one request; readers only ever need the newest state. `wake` tells
@@ -325,14 +330,19 @@ class AsyncLLM:
         except (EOFError, OSError) as e:
             self._mark_dead(f"engine core exited ({type(e).__name__})")
 
+    def _fail(self, rid: str, error: Exception) -> None:
+        self.processor.forget(rid)
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.error = error
+            stream.wake()
+
     def _apply(self, update: CoreUpdate):
         now = time.time()
         for rid, message, param in update.errors:
-            self.processor.forget(rid)
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.error = SamplingParamError(param, message) if param else ValueError(message)
-                stream.wake()
+            self._fail(rid, SamplingParamError(param, message) if param else ValueError(message))
+        for rid, message in update.busy:
+            self._fail(rid, EngineBusyError(message))
         if update.outputs is not None:
             outputs, stops = self.processor.process(update.outputs, now)
             if stops and not self.dead:

@@ -90,6 +90,8 @@ class CoreReady:
 class CoreUpdate:
     outputs: StepOutputs | None = None
     errors: list[tuple[str, str, str | None]] = field(default_factory=list)   # (request_id, message, param)
+    # requests the core could not take now, to be retried (a 503): (request_id, message)
+    busy: list[tuple[str, str]] = field(default_factory=list)
     stats: dict | None = None
     time: float = 0.0
 
@@ -129,6 +131,7 @@ class _Client:
         # that a grammar of many seconds (thousands of tools) stalls no other request's steps
         self.compiler = compiler
         self.compiling: dict[str, tuple[Future, AddRequest]] = {}
+        self.compile_queued: dict[str, float] = {}       # when the compile was handed to `compiler`
         self.compile_started: dict[str, float] = {}      # when the loop first saw the compile running
 
     def apply(self, engine, cmd, update: CoreUpdate) -> bool:
@@ -144,6 +147,7 @@ class _Client:
                 self._add(engine, cmd, update, grammar)
             else:
                 self.compiling[cmd.request_id] = (self.compiler.submit(engine.compile_grammar, cmd.params), cmd)
+                self.compile_queued[cmd.request_id] = time.monotonic()
         elif isinstance(cmd, StopSequences):
             engine.stop_sequences([(prefix + rid, index) for rid, index in cmd.sequences])
             for rid, index in cmd.sequences:
@@ -154,6 +158,7 @@ class _Client:
                 handle = self.handles.pop(rid, None)
                 self.live.pop(handle, None)
                 compiling = self.compiling.pop(rid, None)
+                self.compile_queued.pop(rid, None)
                 self.compile_started.pop(rid, None)
                 if compiling is not None:
                     compiling[0].cancel()     # a compile still queued behind others never runs
@@ -177,19 +182,30 @@ class _Client:
     def add_compiled(self, engine, update: CoreUpdate) -> bool:
         """Adds the requests whose grammar has compiled (an invalid one is the request's error, as it
         would have been at once), and fails those whose grammar has compiled for over MAX_COMPILE_SECONDS
-        (its thread runs on: a compile cannot be interrupted); returns whether any was."""
-        from tokenmill.engine.structured_output import MAX_COMPILE_SECONDS
+        (its thread runs on: a compile cannot be interrupted), and those that waited that long for a thread
+        (every one held by such compiles: the request is fine, the core busy); returns whether any was."""
+        from tokenmill.engine.structured_output import COMPILE_THREADS, MAX_COMPILE_SECONDS
         now = time.monotonic()
         ready, given_up = [], False
         for rid, (future, cmd) in list(self.compiling.items()):
             if future.done():
                 ready.append(rid)
-            elif future.running() and now - self.compile_started.setdefault(rid, now) > MAX_COMPILE_SECONDS:
+            elif future.running():
+                if now - self.compile_started.setdefault(rid, now) > MAX_COMPILE_SECONDS:
+                    del self.compiling[rid]
+                    self.compile_queued.pop(rid, None)
+                    error = engine.grammar_too_slow(cmd.params, now - self.compile_started.pop(rid))
+                    update.errors.append((rid, str(error), error.param))
+                    given_up = True
+            elif now - self.compile_queued[rid] > MAX_COMPILE_SECONDS and future.cancel():
                 del self.compiling[rid]
-                error = engine.grammar_too_slow(cmd.params, now - self.compile_started.pop(rid))
-                update.errors.append((rid, str(error), error.param))
+                waited = now - self.compile_queued.pop(rid)
+                update.busy.append((rid, f"The request's grammar waited {waited:,.1f} s for one of the engine's "
+                                         f"{COMPILE_THREADS} grammar compile threads, all busy with other grammars "
+                                         f"(the limit is {MAX_COMPILE_SECONDS:g} s); retry later."))
                 given_up = True
         for rid in ready:
+            self.compile_queued.pop(rid, None)
             self.compile_started.pop(rid, None)
             future, cmd = self.compiling.pop(rid)
             error = future.exception()
@@ -235,6 +251,7 @@ class _Client:
         for future, _ in self.compiling.values():
             future.cancel()
         self.compiling.clear()
+        self.compile_queued.clear()
         self.compile_started.clear()
         self.conn.close()
 

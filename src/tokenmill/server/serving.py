@@ -13,7 +13,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.engine.async_engine import AsyncLLM, EngineBusyError, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.prompts import PromptTokenizer, no_tokenizer
@@ -408,6 +408,8 @@ def _api_error(e: BaseException) -> BaseException:
         return _in_flight(APIError(503, "The engine is not running.", code="engine_dead"))
     if isinstance(e, ServerStopping):
         return _in_flight(APIError(503, "The server stopped before this request finished.", code="shutting_down"))
+    if isinstance(e, EngineBusyError):
+        return APIError(503, str(e), code="engine_busy", headers={"Retry-After": "5"})
     if isinstance(e, ValueError):
         return APIError(400, str(e), getattr(e, "param", None))
     if isinstance(e, _Disconnected):
