@@ -49,13 +49,13 @@ def test_metrics_on_hand_made_timings():
     # a meets both SLOs, b misses TTFT and TPOT, c (one token, no TPOT) meets them
     assert m["good_requests"] == 2 and m["request_goodput"] == pytest.approx(1.0)
     # the console line names the failures' error, not only the count
-    m["max_concurrency"], m["errors"] = 4, ["HTTP 500"]        # as the level loop fills them
-    assert format_level("tm", m).startswith("tm c=4: 3/4 ok, ")
-    assert format_level("tm", m).endswith("; 1 distinct error(s), first: HTTP 500")
+    m["label"], m["max_concurrency"], m["distinct_errors"] = "tm", 4, ["HTTP 500"]   # as the level loop fills them
+    assert format_level(m).startswith("tm c=4: 3/4 ok, ")
+    assert format_level(m).endswith("; 1 distinct error(s), first: HTTP 500")
     # a request without the server's usage: its token counts are chunks, which the line says
     assert m["requests_without_usage"] == 0
     c.usage_reported = False
-    assert "WARNING: 1 request(s) without usage" in format_level("tm", {**m, **compute_metrics([a, b, c], 2.0)})
+    assert "WARNING: 1 request(s) without usage" in format_level({**m, **compute_metrics([a, b, c], 2.0)})
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
 
@@ -390,6 +390,8 @@ def test_bad_flags_and_datasets_are_refused_naming_the_value(tmp_path, capsys):
         ([*serve, "--goodput", "ttft:-5"], "got 'ttft:-5'"),
         ([*serve, "--metric-percentiles", "a"], "--metric-percentiles takes comma-separated numbers in [0, 100]"),
         ([*serve, "--percentile-metrics", "ttft,foo"], "--percentile-metrics takes ttft,tpot,itl,e2el, got 'ttft,foo'"),
+        ([*serve, "--metadata", "tp"], "--metadata takes KEY=VALUE pairs, got 'tp'"),
+        ([*serve, "--metadata", "completed=3"], "--metadata 'completed=3': 'completed' is a key of the result itself"),
         ([*serve, "--dataset", str(tmp_path / "none.json")], "none.json' is neither 'mixed-chat' nor 'random' nor a file"),
         (["throughput", "--model", "preset:qwen3-4b", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
         (["throughput", "--model", "preset:qwen3-4b", "--output-len-range", "5,1"], "--output-len-range: length"),
@@ -487,7 +489,59 @@ def test_a_failed_warm_up_stops_the_run_and_ctrl_c_keeps_the_levels_done(tmp_pat
     out = capsys.readouterr()
     assert "interrupted: the 1 completed level(s) only" in out.err
     assert "| server | 1 | 2/2 |" in out.out and "| server | 2 |" not in out.out     # the table of those done
-    assert [lv["max_concurrency"] for lv in json.loads((tmp_path / "cut.json").read_text())["levels"]] == [1]
+    assert json.loads((tmp_path / "cut.json").read_text())["max_concurrency"] == 1
+
+
+def test_result_files_read_as_vllm_results(tmp_path):
+    """A script written for `vllm bench serve --save-result` files reads ours, where it found one file of
+    our own keys for a whole sweep: each level a record of vLLM's keys in vLLM's units (a sweep's levels in
+    files of vLLM's default names, or the lines of a --result-filename), --metadata and --save-detailed as
+    vLLM's, --append-result adding lines, and our keys beside vLLM's."""
+    import glob
+    from tokenmill.bench.cli import main as bench_main
+
+    async def handle(reader, writer):
+        while (await _read_request(reader)) is not None:
+            _stream_a_token(writer)
+            await writer.drain()
+
+    with _threaded_server(handle) as base:
+        common = ["serve", "--base-url", base, "--model", "org/tiny", "--endpoint", "/v1/completions", "--dataset",
+                  "random", "--input-len-range", "2", "--output-len-range", "1", "--num-prompts", "3",
+                  "--num-warmups", "0", "--hardware", "test", "--no-progress", "--label", "tm", "--save-result"]
+        assert bench_main([*common, "--max-concurrency", "1,2", "--result-dir", str(tmp_path / "sweep"),
+                           "--save-detailed", "--metadata", "version=0.3.3", "tp=1"]) == 0
+        named = [*common, "--result-dir", str(tmp_path), "--result-filename", "run.json"]
+        assert bench_main([*named, "--max-concurrency", "1,2"]) == 0
+        assert bench_main([*named, "--max-concurrency", "4", "--append-result"]) == 0
+    by_level = {}
+    for path in glob.glob(str(tmp_path / "sweep" / "*.json")):
+        with open(path) as f:
+            r = json.load(f)
+        by_level[r["max_concurrency"]] = r
+        assert os.path.basename(path) == f"tm-infqps-concurrency{r['max_concurrency']}-tiny-{r['date']}.json"
+    assert sorted(by_level) == [1, 2]
+    for conc, r in by_level.items():
+        assert re.fullmatch(r"\d{8}-\d{6}", r["date"])
+        assert (r["backend"], r["endpoint_type"], r["label"], r["model_id"], r["tokenizer_id"]) == \
+            ("openai", "openai", "tm", "org/tiny", None)
+        assert (r["num_prompts"], r["request_rate"], r["burstiness"]) == (3, "inf", 1.0)
+        assert (r["version"], r["tp"]) == ("0.3.3", "1")
+        assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (3, 0, 3, 3)
+        assert r["request_throughput"] == pytest.approx(3 / r["duration"]) and r["request_goodput"] is None
+        assert r["output_throughput"] == pytest.approx(3 / r["duration"])
+        assert r["total_token_throughput"] == pytest.approx(6 / r["duration"])
+        assert r["max_output_tokens_per_s"] == 3.0 and 1 <= r["max_concurrent_requests"] <= conc
+        assert all(isinstance(r[f"{stat}_{metric}_ms"], float) for stat in ("mean", "median", "std", "p99")
+                   for metric in ("ttft", "tpot", "itl", "e2el"))
+        # --save-detailed: per request, in seconds
+        assert (r["input_lens"], r["output_lens"], r["itls"]) == ([1] * 3, [1] * 3, [[]] * 3)
+        assert (r["generated_texts"], r["errors"]) == (["a"] * 3, [""] * 3) and len(r["start_times"]) == 3
+        assert r["mean_ttft_ms"] == pytest.approx(1e3 * np.mean(r["ttfts"]))
+        assert r["mean_e2el_ms"] == pytest.approx(1e3 * np.mean(r["latencies"]))
+        assert r["hardware"] == "test" and r["command"].startswith("tokenmill bench serve") and len(r["ttfts_ms"]) == 3
+    lines = [json.loads(line) for line in (tmp_path / "run.json").read_text().split("\n")]
+    assert [r["max_concurrency"] for r in lines] == [1, 2, 4] and "ttfts" not in lines[0]
 
 
 def test_mixed_chat_deterministic_and_in_range():
@@ -575,22 +629,21 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
     finally:
         for s in servers.values():
             s.stop()
-    for path, backend in zip(paths, servers):
-        with open(path) as f:
-            res = json.load(f)
-        assert res["backend"] == backend and res["model"] == "tiny" and res["hardware"] == "test-cpu"
-        assert res["git_commit"] and res["date"] and res["command"].startswith("tokenmill bench serve")
-        assert [lv["max_concurrency"] for lv in res["levels"]] == [1, 2]
-        for lv in res["levels"]:
+    from tokenmill.bench.serve_results import load_records
+    for path, label in zip(paths, servers):
+        levels = load_records([path])
+        assert [lv["max_concurrency"] for lv in levels] == [1, 2]
+        for lv in levels:
+            assert lv["label"] == label and lv["model_id"] == "tiny" and lv["hardware"] == "test-cpu"
+            assert lv["git_commit"] and lv["date"] and lv["command"].startswith("tokenmill bench serve")
             assert lv["failed"] == 0 and lv["completed"] == 4 and lv["requests_without_usage"] == 0
             assert 4 * 4 <= lv["total_output_tokens"] <= 4 * 8 and lv["total_input_tokens"] > 4 * 10
             assert lv["median_ttft_ms"] > 0 and lv["mean_e2el_ms"] >= lv["mean_ttft_ms"]
             assert len(lv["ttfts_ms"]) == 4 and lv["itls_ms"] and lv["good_requests"] <= 4
 
     with open(tmp_path / "tools.json") as f:
-        res = json.load(f)
-    assert res["tools"]["requests"] == 2 and res["tools"]["tool_choice"] == "auto"
-    (lv,) = res["levels"]
+        lv = json.load(f)
+    assert lv["tools"]["requests"] == 2 and lv["tools"]["tool_choice"] == "auto"
     assert lv["failed"] == 0 and (lv["completed_tools"], lv["completed_plain"]) == (2, 2)
     assert 0 < lv["median_ttft_ms_tools"] <= lv["max_ttft_ms"] and lv["max_e2el_ms"] >= lv["p99_e2el_ms"]
     assert bench_main(["report", str(tmp_path / "tools.json"), "--output-dir", str(tmp_path / "tools-report"),
@@ -610,10 +663,9 @@ def test_sweep_tokenmill_and_hf_then_report(qwen3_dir, tmp_path):
 def test_ratio_table_compares_only_the_same_workload():
     from tokenmill.bench.report_serve import ratio_table
 
-    def run(backend, dataset, rps):
-        return {"backend": backend, "dataset": {"name": dataset}, "levels": [
-            {"max_concurrency": 1, "request_throughput": rps, "output_throughput": 100 * rps,
-             "p95_e2el_ms": 1000 / rps, "median_ttft_ms": 10.0}]}
+    def run(label, dataset, rps):
+        return {"label": label, "dataset": {"name": dataset}, "max_concurrency": 1, "request_throughput": rps,
+                "output_throughput": 100 * rps, "p95_e2el_ms": 1000 / rps, "median_ttft_ms": 10.0}
     table = ratio_table([run("tokenmill", "mixed-chat", 4.0), run("hf-cb", "mixed-chat", 0.5),
                          run("tokenmill-1000in", "random", 2.0)])
     assert "| hf-cb | 1 | 8.00x |" in table

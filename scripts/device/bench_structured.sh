@@ -84,12 +84,13 @@ for run in ("plain", "structured"):
     if not os.path.exists(path):
         print(f"| {run} | (no result) |||||||")
         continue
-    d = json.load(open(path))
-    for m in d["levels"]:
+    levels = [json.loads(line) for line in open(path) if line.strip()]      # a level a line
+    for m in levels:
         f = lambda k: "-" if m.get(k) is None else f"{m[k]:.2f}"
         print(f"| {run} c={m['max_concurrency']} | {m['completed']}/{m['num_requests']} | {m['request_throughput']:.2f} | "
               f"{m['output_throughput']:.0f} | {m['median_tpot_ms']:.2f} | {f('median_tpot_ms_structured')} | "
               f"{f('median_tpot_ms_plain')} | {m.get('output_tokens_structured', '-')} / {m.get('output_tokens_plain', '-')} |")
+    d = levels[0]
     print(f"\ncommit {d['git_commit']}, {d['hardware']}, {d['date']}" if run == "structured" else "", end="")
 print()
 PY

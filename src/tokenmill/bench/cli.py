@@ -52,8 +52,17 @@ def add_vllm_args(p: argparse.ArgumentParser, serve: bool) -> None:
                    help="R in [0, 1): lengths uniform in [LEN*(1-R), LEN*(1+R)] (vLLM's default: 0)")
     g.add_argument("--save-result", action="store_true",
                    help="accepted for vLLM's commands; the results are always saved in --output-dir")
-    g.add_argument("--result-filename", default=None, help="--name with .json: the results' file name")
+    g.add_argument("--result-filename", default=None,
+                   help="the results' file name in --output-dir (--name plus .json)" + (
+                       "; a sweep's levels are its lines" if serve else ""))
     if serve:
+        g.add_argument("--save-detailed", action="store_true",
+                       help="also vLLM's per-request lists: input_lens, output_lens, ttfts, itls, latencies, "
+                            "start_times, generated_texts, errors")
+        g.add_argument("--append-result", action="store_true",
+                       help="add each level's result as a line of its file instead of replacing the file")
+        g.add_argument("--metadata", metavar="KEY=VALUE", nargs="*", default=None,
+                       help="pairs kept as keys of every level's result, e.g. --metadata version=0.3.3 tp=1")
         g.add_argument("--backend", choices=["vllm", "openai", "openai-chat"], default=None,
                        help="the request format when --endpoint is not given: openai-chat is "
                             "/v1/chat/completions, the others /v1/completions (also the default where "

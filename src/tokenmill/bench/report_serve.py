@@ -1,19 +1,21 @@
 """`tokenmill bench report`: `bench serve` result files -> one markdown report plus PNG plots.
 
-    tokenmill bench report results/serve-*.json --output-dir report/
+    tokenmill bench report results/*.json --output-dir report/
 
-Writes REPORT.md (a table per backend and concurrency level, ratios against each baseline at equal
+Each record of the files is one level of a run (bench/serve_results.py), named by its `label`. Writes
+REPORT.md (a table per label and concurrency level, ratios against each baseline at equal
 concurrency, for runs with `--tools-fraction` the TTFT of tool-carrying requests against the rest and the
 longest wait, and the hardware, model, commit and command of every run) and, when matplotlib is
 installed, throughput.png, latency_p95.png, ttft_dist.png and itl_dist.png.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import numpy as np
+
+from tokenmill.bench.serve_results import load_records
 
 COLUMNS = (
     ("conc", "max_concurrency", "{}"), ("ok/n", None, None), ("req/s", "request_throughput", "{:.2f}"),
@@ -27,34 +29,28 @@ COLUMNS = (
 )
 
 
-def load_results(paths: list[str]) -> list[dict]:
-    out = []
-    for p in paths:
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
+def _label(lv: dict) -> str:
+    return lv.get("label") or lv["backend"]
 
 
-def _row(backend: str, lv: dict) -> str:
-    cells = [backend]
+def _row(lv: dict, goodput: bool) -> str:
+    cells = [_label(lv)]
     for _, key, fmt in COLUMNS:
         if key is None:
-            cells.append(f"{lv['completed']}/{lv['num_requests']}")
+            cells.append(f"{lv['completed']}/{lv['completed'] + lv['failed']}")
         else:
             cells.append(fmt.format(lv[key]) if key in lv else "-")
-    if "request_goodput" in lv:
-        cells.append(f"{lv['request_goodput']:.2f}")
+    if goodput:
+        cells.append("-" if lv.get("request_goodput") is None else f"{lv['request_goodput']:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
-def summary_table(runs: list[dict]) -> str:
-    """One row per backend and concurrency level; latencies in ms."""
-    goodput = any("request_goodput" in lv for r in runs for lv in r["levels"])
+def summary_table(records: list[dict]) -> str:
+    """One row per record (a label's concurrency level); latencies in ms."""
+    goodput = any(lv.get("request_goodput") is not None for lv in records)
     head = ["backend", *(c[0] for c in COLUMNS)] + (["goodput req/s"] if goodput else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in runs:
-        for lv in r["levels"]:
-            lines.append(_row(r["backend"], lv))
+    lines += [_row(lv, goodput) for lv in records]
     return "\n".join(lines)
 
 
@@ -66,10 +62,10 @@ CLASS_COLUMNS = (
 )
 
 
-def class_table(runs: list[dict]) -> str:
-    """Runs whose requests were split by `--tools-fraction`: one row per backend and level, latencies in
-    ms; the max columns are the longest wait of any request. Empty when no run was split."""
-    rows = [(r["backend"], lv) for r in runs for lv in r["levels"] if "p95_ttft_ms_tools" in lv]
+def class_table(records: list[dict]) -> str:
+    """Levels whose requests were split by `--tools-fraction`: one row each, latencies in ms; the max
+    columns are the longest wait of any request. Empty when no level was split."""
+    rows = [(_label(lv), lv) for lv in records if "p95_ttft_ms_tools" in lv]
     if not rows:
         return ""
     head = ["backend", "conc", *(c[0] for c in CLASS_COLUMNS)]
@@ -83,56 +79,66 @@ def class_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def ratio_table(runs: list[dict], ours: str = "tokenmill") -> str:
-    """Our backend against each other backend at the same concurrency on the same dataset: throughput x,
-    p95 E2E fraction. Runs on another workload (e.g. a fixed-length latency probe) are not compared."""
-    mine = next((r for r in runs if r["backend"] == ours), None)
-    if mine is None or len(runs) < 2:
+def _workload(lv: dict) -> str | None:
+    return (lv.get("dataset") or {}).get("name")
+
+
+def ratio_table(records: list[dict], ours: str = "tokenmill") -> str:
+    """Our label against each other label at the same concurrency on the same dataset: throughput x,
+    p95 E2E fraction. Levels on another workload (e.g. a fixed-length latency probe) are not compared."""
+    mine = [lv for lv in records if _label(lv) == ours]
+    if not mine:
         return ""
     lines = ["| vs | conc | req/s ratio | out tok/s ratio | p95 E2E ratio (ours / theirs) | TTFT p50 ratio |",
              "|---|---|---|---|---|---|"]
-    by_conc = {lv["max_concurrency"]: lv for lv in mine["levels"]}
-    workload = mine.get("dataset", {}).get("name")
-    for other in runs:
-        if other is mine or other.get("dataset", {}).get("name") != workload:
+    by_conc = {lv["max_concurrency"]: lv for lv in mine}
+    workload = _workload(mine[0])
+    for lv in records:
+        if _label(lv) == ours or _workload(lv) != workload:
             continue
-        for lv in other["levels"]:
-            m = by_conc.get(lv["max_concurrency"])
-            if m is None or not lv["request_throughput"] or not lv["p95_e2el_ms"]:
-                continue
-            lines.append(f"| {other['backend']} | {lv['max_concurrency']} | "
-                         f"{m['request_throughput'] / lv['request_throughput']:.2f}x | "
-                         f"{m['output_throughput'] / max(lv['output_throughput'], 1e-9):.2f}x | "
-                         f"{m['p95_e2el_ms'] / lv['p95_e2el_ms']:.3f} | "
-                         f"{m['median_ttft_ms'] / max(lv['median_ttft_ms'], 1e-9):.3f} |")
+        m = by_conc.get(lv["max_concurrency"])
+        if m is None or not lv["request_throughput"] or not lv.get("p95_e2el_ms"):
+            continue
+        lines.append(f"| {_label(lv)} | {lv['max_concurrency']} | "
+                     f"{m['request_throughput'] / lv['request_throughput']:.2f}x | "
+                     f"{m['output_throughput'] / max(lv['output_throughput'], 1e-9):.2f}x | "
+                     f"{m['p95_e2el_ms'] / lv['p95_e2el_ms']:.3f} | "
+                     f"{m['median_ttft_ms'] / max(lv['median_ttft_ms'], 1e-9):.3f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def markdown_report(runs: list[dict], plots: list[str]) -> str:
+def _runs(records: list[dict]) -> dict[tuple, list[dict]]:
+    """The records grouped by run: label, date and command (a sweep's levels share them)."""
+    runs: dict[tuple, list[dict]] = {}
+    for lv in records:
+        runs.setdefault((_label(lv), lv.get("date"), lv.get("command")), []).append(lv)
+    return runs
+
+
+def markdown_report(records: list[dict], plots: list[str]) -> str:
     parts = ["# Online serving benchmark", ""]
-    for r in runs:
-        d = r.get("dataset", {})
-        parts += [f"- **{r['backend']}**: model `{r['model']}`, hardware {r.get('hardware') or 'unknown'}, "
-                  f"commit `{r.get('git_commit')}`, {r.get('date')}, endpoint `{r.get('endpoint')}`, dataset "
-                  f"`{d.get('name')}` ({d.get('num_requests')} requests per level, seed {d.get('seed')}, "
+    for (label, date, command), levels in _runs(records).items():
+        r, d = levels[0], levels[0].get("dataset") or {}
+        parts += [f"- **{label}**: model `{r['model_id']}`, hardware {r.get('hardware') or 'unknown'}, "
+                  f"commit `{r.get('git_commit')}`, {date}, endpoint `{r.get('endpoint')}`, dataset "
+                  f"`{d.get('name')}` ({r.get('num_prompts')} requests per level, seed {d.get('seed')}, "
                   f"ignore_eos {d.get('ignore_eos')}), request rate {r.get('request_rate')}",
-                  f"  - command: `{r.get('command')}`"]
-    counted = [f"{r['backend']} c={lv['max_concurrency']} ({lv['requests_without_usage']})" for r in runs
-               for lv in r.get("levels", []) if lv.get("requests_without_usage")]
+                  f"  - command: `{command}`"]
+    counted = [f"{_label(lv)} c={lv['max_concurrency']} ({lv['requests_without_usage']})" for lv in records
+               if lv.get("requests_without_usage")]
     tokens = ("token counts from the server's usage." if not counted else
               "token counts from the server's usage, except where a server sent none: there each output chunk "
               "counts as one token, so output throughput and TPOT are off wherever a chunk carries several "
               f"(levels, requests without usage: {', '.join(counted)}).")
     parts += ["", f"Latencies in ms; throughputs per second of wall time of each level; {tokens}", "",
-              summary_table(runs), ""]
-    ratios = ratio_table(runs)
+              summary_table(records), ""]
+    ratios = ratio_table(records)
     if ratios:
         parts += ["## tokenmill against the baselines, at equal concurrency", "", ratios, ""]
-    classes = class_table(runs)
+    classes = class_table(records)
     if classes:
         parts += ["## Requests with tools against the rest", "", classes, ""]
-    failures = [(r["backend"], lv["max_concurrency"], lv.get("errors")) for r in runs for lv in r["levels"]
-                if lv.get("failed")]
+    failures = [(_label(lv), lv["max_concurrency"], lv.get("distinct_errors")) for lv in records if lv["failed"]]
     if failures:
         parts += ["## Failed requests", ""] + [f"- {b} c={c}: {e}" for b, c, e in failures] + [""]
     for p in plots:
@@ -140,7 +146,7 @@ def markdown_report(runs: list[dict], plots: list[str]) -> str:
     return "\n".join(parts)
 
 
-def write_plots(runs: list[dict], output_dir: str) -> list[str]:
+def write_plots(records: list[dict], output_dir: str) -> list[str]:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -149,14 +155,17 @@ def write_plots(runs: list[dict], output_dir: str) -> list[str]:
         print("matplotlib is not installed: writing the markdown only (pip install 'tokenmill[bench]')",
               file=sys.stderr)
         return []
-    title = " / ".join(sorted({f"{r['model']} on {r.get('hardware') or '?'}" for r in runs}))
+    title = " / ".join(sorted({f"{r['model_id']} on {r.get('hardware') or '?'}" for r in records}))
+    by_label: dict[str, list[dict]] = {}
+    for lv in records:
+        by_label.setdefault(_label(lv), []).append(lv)
     written = []
 
     def line_plot(name: str, key: str, ylabel: str, log: bool = False):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for r in runs:
-            xs = [lv["max_concurrency"] for lv in r["levels"]]
-            ax.plot(xs, [lv[key] for lv in r["levels"]], marker="o", label=r["backend"])
+        for label, levels in by_label.items():
+            xs = [lv["max_concurrency"] for lv in levels]
+            ax.plot(xs, [lv[key] for lv in levels], marker="o", label=label)
         ax.set_xscale("log", base=2)
         if log:
             ax.set_yscale("log")
@@ -172,11 +181,10 @@ def write_plots(runs: list[dict], output_dir: str) -> list[str]:
 
     def dist_plot(name: str, key: str, xlabel: str):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for r in runs:
-            for lv in r["levels"]:
-                v = np.sort(np.asarray(lv.get(key) or [], dtype=np.float64))
-                if v.size:
-                    ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"{r['backend']} c={lv['max_concurrency']}")
+        for lv in records:
+            v = np.sort(np.asarray(lv.get(key) or [], dtype=np.float64))
+            if v.size:
+                ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"{_label(lv)} c={lv['max_concurrency']}")
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of samples (CDF)")
@@ -197,15 +205,15 @@ def write_plots(runs: list[dict], output_dir: str) -> list[str]:
 
 
 def main_report(args) -> int:
-    runs = load_results(args.results)
+    records = load_records(args.results)
     os.makedirs(args.output_dir, exist_ok=True)
-    plots = [] if args.no_plots else write_plots(runs, args.output_dir)
-    text = markdown_report(runs, plots)
+    plots = [] if args.no_plots else write_plots(records, args.output_dir)
+    text = markdown_report(records, plots)
     path = os.path.join(args.output_dir, "REPORT.md")
     with open(path, "w") as f:
         f.write(text)
-    print(summary_table(runs))
-    for table in (ratio_table(runs), class_table(runs)):
+    print(summary_table(records))
+    for table in (ratio_table(records), class_table(records)):
         if table:
             print()
             print(table)

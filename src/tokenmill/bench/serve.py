@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import math
 import os
 import platform
@@ -59,6 +58,7 @@ import orjson
 from tokenmill.bench.datasets import parse_range
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
+from tokenmill.bench.serve_results import detailed, parse_metadata, result_path, write_record
 
 PERCENTILES = (50, 95, 99)
 
@@ -74,6 +74,7 @@ class RequestResult:
     start: float = 0.0              # seconds since the level began
     usage_reported: bool = False
     error: str = ""
+    generated_text: str = ""
 
 
 # ----- metrics -------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def check_sweep_args(args) -> None:
     """Refuses, naming the flag and its value, what `run_sweep` could not run, before the server is asked
     anything; `args.request_rate` becomes a float and `args.max_concurrency` the list of levels."""
     parse_goodput(args.goodput)
-    parse_percentiles(args.metric_percentiles)
+    parse_metadata(args.metadata, parse_percentiles(args.metric_percentiles))
     args.max_concurrency = parse_levels(args.max_concurrency)
     try:
         rate = float(args.request_rate)
@@ -178,23 +179,26 @@ def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...] = PE
 
 def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None,
                     percentiles: tuple[float, ...] = PERCENTILES) -> dict:
+    """vLLM's metrics of one level under vLLM's keys (`duration` in seconds, latencies in ms), and ours beside
+    them."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     tpots = [t for t in (tpot_of(r) for r in ok) if t is not None]
     duration_s = max(duration_s, 1e-9)
     m = {
-        "completed": len(ok), "failed": len(results) - len(ok), "num_requests": len(results),
-        "success_rate": len(ok) / len(results) if results else 0.0,
-        "duration_s": duration_s, "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration_s, "output_throughput": total_out / duration_s,
-        "total_token_throughput": (total_in + total_out) / duration_s,
-        "requests_without_usage": sum(1 for r in ok if not r.usage_reported),
+        "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s, "request_goodput": None,
+        "output_throughput": total_out / duration_s, "total_token_throughput": (total_in + total_out) / duration_s,
+        **peak_output(ok),
     }
     m.update(_stats("ttft", [r.ttft for r in ok], percentiles))
     m.update(_stats("tpot", tpots, percentiles))
     m.update(_stats("itl", [g for r in ok for g in r.itl], percentiles))
     m.update(_stats("e2el", [r.latency for r in ok], percentiles))
+    m.update({"num_requests": len(results), "success_rate": len(ok) / len(results) if results else 0.0,
+              "requests_without_usage": sum(1 for r in ok if not r.usage_reported)})
     m["max_ttft_ms"] = max((r.ttft for r in ok), default=0.0) * 1e3
     m["max_e2el_ms"] = max((r.latency for r in ok), default=0.0) * 1e3
     if slos:
@@ -208,6 +212,22 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
         m["good_requests"] = good
         m["request_goodput"] = good / duration_s
     return m
+
+
+def peak_output(ok: list[RequestResult]) -> dict:
+    """vLLM's peaks of a level's completed requests: `max_output_tokens_per_s`, the most output chunks timed
+    in one whole second counted from the first request's start (a chunk is a token at one token a chunk, as
+    vLLM counts them), and `max_concurrent_requests`, the most requests in flight at once, each over
+    [start, start + latency)."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.start for r in ok)
+    times = np.concatenate([r.start + r.ttft + np.cumsum([0.0, *r.itl]) for r in ok]) - t0
+    per_second = np.bincount(np.maximum(times, 0.0).astype(np.int64))
+    # a request that ends as another starts is not beside it: at equal times the end comes first
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])
+    in_flight = np.cumsum([delta for _, delta in events])
+    return {"max_output_tokens_per_s": float(per_second.max()), "max_concurrent_requests": int(in_flight.max())}
 
 
 # ----- client ---------------------------------------------------------------------------------------------
@@ -269,18 +289,20 @@ def build_payload(endpoint: str, model: str, req: ServeRequest, ignore_eos: bool
     return body
 
 
-def _has_content(obj: dict) -> bool:
-    """Whether a chunk carries output: text, reasoning (`reasoning_content`, or vLLM's newer `reasoning`)
-    or a tool call's delta, or a completion's text."""
+def _output_text(obj: dict) -> str | None:
+    """The output a chunk carries: its text (content, reasoning as `reasoning_content` or vLLM's newer
+    `reasoning`, or a completion's text), "" for a tool call's delta alone, None for no output."""
+    out = None
     for choice in obj.get("choices") or ():
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                    or delta.get("tool_calls"):
-                return True
-        elif choice.get("text"):
-            return True
-    return False
+            text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
+                or ("" if delta.get("tool_calls") else None)
+        else:
+            text = choice.get("text") or None
+        if text is not None:
+            out = text if out is None else out + text
+    return out
 
 
 class _Body:
@@ -411,7 +433,7 @@ async def send_request(client: HTTPClient, url: str, payload: dict, headers: dic
 
 async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | None, r: RequestResult,
                   prompt_len: int | None = None) -> None:
-    content_chunks = 0
+    content_chunks, texts = 0, []
     t0 = last = time.perf_counter()
     first_choice = last_choice = None       # the times of the first and last chunks with choices
     async with client.post(path, payload, headers) as (status, body):
@@ -442,21 +464,25 @@ async def _stream(client: HTTPClient, path: str, payload: dict, headers: dict | 
                 if obj.get("choices"):
                     first_choice = now if first_choice is None else first_choice
                     last_choice = now
+                    text = _output_text(obj)
                     # TTFT waits for the first chunk with output (a role chunk may come before any token);
                     # from there on every chunk with choices carries tokens (an end-of-sequence token's
                     # own chunk has no text, yet usage counts it) and is timed, as vLLM's client times them
                     if content_chunks:
                         r.itl.append(now - last)
                         last = now
-                    elif _has_content(obj):
+                    elif text is not None:
                         r.ttft = now - t0
                         last = now
-                    content_chunks += _has_content(obj)
+                    if text is not None:
+                        content_chunks += 1
+                        texts.append(text)
                 usage = obj.get("usage")
                 if usage:
                     r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     r.output_tokens = int(usage.get("completion_tokens") or 0)
                     r.usage_reported = True
+    r.generated_text = "".join(texts)
     if not finished:
         # OpenAI's streams end with [DONE]: a body that ends before it (a server closing a connection whose end
         # only the close marks) was cut short, and its tokens so far are not a fast request
@@ -646,7 +672,9 @@ def _round_ms(values_s, digits: int = 3) -> list[float]:
     return [round(v * 1000.0, digits) for v in values_s]
 
 
-def run_sweep(args, argv: list[str], on_level=None) -> dict:
+def run_sweep(args, argv: list[str], on_level=None) -> list[dict]:
+    """Runs every level in turn; returns their records (bench/serve_results.py), each also handed to
+    `on_level` as the level ends."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     info = served_info(args.base_url, headers)
     model = args.model or info.get("id")
@@ -682,13 +710,17 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
             # as vLLM's initial test run: a server or flag that fails every request stops here, not after a sweep
             raise SystemExit(f"the warm-up request to {args.base_url.rstrip('/')}{args.endpoint} failed, so no "
                              f"level was run: {result.error}")
-    summary = {
+    # vLLM's run keys (bench/serve_results.py), then ours
+    request_format = args.backend or ("openai-chat" if chat else "openai")
+    setup = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+             "endpoint_type": request_format, "backend": request_format,
+             "label": args.label or info.get("owned_by") or "server", "model_id": model,
+             "tokenizer_id": args.tokenizer, "num_prompts": len(requests),
+             **parse_metadata(args.metadata, percentiles)}
+    provenance = {
         "command": "tokenmill bench " + " ".join(argv),
         "git_commit": git_commit(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hardware": args.hardware or detect_hardware(args.base_url, headers),
-        "model": model,
-        "backend": args.label or info.get("owned_by") or "server",
         "base_url": args.base_url, "endpoint": args.endpoint,
         "dataset": {"name": args.dataset, "seed": args.seed, "ignore_eos": not args.no_ignore_eos,
                     **dataset_summary(requests)},
@@ -696,11 +728,9 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
                        "schema": BENCH_SCHEMA} if structured else None,
         "tools": {"fraction": args.tools_fraction, "requests": len(tools), "tools": BENCH_TOOLS,
                   "tool_choice": "auto"} if tools else None,
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "burstiness": args.burstiness,
         "client_processes": args.client_processes,
-        "levels": [],
     }
+    records = []
     for position, conc in enumerate(levels):
         if position:
             requests = drawn(args.seed + position)
@@ -716,7 +746,11 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
                 args.base_url, args.endpoint, model, requests, conc, rate, args.seed, not args.no_ignore_eos,
                 args.temperature, headers, args.request_timeout, not args.no_progress, structured, tools,
                 burstiness=args.burstiness))
-        m = compute_metrics(results, duration, slos, percentiles)
+        m = {**setup, "request_rate": "inf" if math.isinf(rate) else rate, "burstiness": args.burstiness,
+             "max_concurrency": conc, **compute_metrics(results, duration, slos, percentiles)}
+        if args.save_detailed:
+            m.update(detailed(requests, results))
+        m["seed"] = args.seed + position
         if structured:
             for part, rows in (("structured", structured), ("plain", set(range(len(results))) - structured)):
                 tpots = [t for i in rows if results[i].success and (t := tpot_of(results[i])) is not None]
@@ -725,22 +759,21 @@ def run_sweep(args, argv: list[str], on_level=None) -> dict:
         if tools:
             m.update(class_metrics(results, tools, "tools"))
             m.update(class_metrics(results, set(range(len(results))) - tools, "plain"))
-        m.update({"max_concurrency": conc, "request_rate": "inf" if math.isinf(rate) else rate,
-                  "seed": args.seed + position})
         ok = [r for r in results if r.success]
         m["ttfts_ms"] = _round_ms(r.ttft for r in ok)
         m["e2els_ms"] = _round_ms(r.latency for r in ok)
         m["itls_ms"] = _round_ms(g for r in ok for g in r.itl)
-        m["errors"] = sorted({r.error for r in results if not r.success})[:10]
-        summary["levels"].append(m)
-        print(format_level(summary["backend"], m), file=sys.stderr, flush=True)
+        m["distinct_errors"] = sorted({r.error for r in results if not r.success})[:10]
+        m.update(provenance)
+        records.append(m)
+        print(format_level(m), file=sys.stderr, flush=True)
         if on_level is not None:       # results survive a run cut short by a time limit
-            on_level(summary)
-    return summary
+            on_level(m)
+    return records
 
 
-def format_level(backend: str, m: dict) -> str:
-    return (f"{backend} c={m['max_concurrency']}: {m['completed']}/{m['num_requests']} ok, "
+def format_level(m: dict) -> str:
+    return (f"{m['label']} c={m['max_concurrency']}: {m['completed']}/{m['num_requests']} ok, "
             f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s, "
             f"TTFT p50 {m['median_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, "
             f"E2E p95 {m['p95_e2el_ms']:.0f} ms, ITL p99 {m['p99_itl_ms']:.2f} ms, TTFT max {m['max_ttft_ms']:.0f} ms, "
@@ -754,8 +787,8 @@ def _no_usage(m: dict) -> str:
 
 
 def _errors(m: dict) -> str:
-    """The distinct errors of the failed requests (up to 10 kept in the metrics), the first one shown."""
-    errors = m.get("errors") or []
+    """The distinct errors of the failed requests (up to 10 kept in the record), the first one shown."""
+    errors = m.get("distinct_errors") or []
     return f"; {len(errors)} distinct error(s), first: {errors[0]}" if errors else ""
 
 
@@ -825,35 +858,34 @@ def add_serve_args(p) -> None:
 
 def main_serve(args, argv: list[str]) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     paths, saved = [], []
+    filename = args.result_filename or (f"{args.name}.json" if args.name else None)
 
-    def save(summary: dict) -> None:
-        if not paths:
-            name = args.name or f"serve-{summary['backend']}-{stamp}"
-            paths.append(os.path.join(args.output_dir, f"{name}.json"))
-        with open(paths[0] + ".tmp", "w") as f:
-            json.dump(summary, f, ensure_ascii=False)
-        os.replace(paths[0] + ".tmp", paths[0])
-        saved[:] = [summary]
+    def save(record: dict) -> None:
+        # a level's line is added to a file this run wrote before (a named file, or a level repeated)
+        path = result_path(args.output_dir, filename, record)
+        write_record(path, record, append=args.append_result or path in paths)
+        if path not in paths:
+            paths.append(path)
+        saved.append(record)
 
     interrupted = False
     try:
-        summary = run_sweep(args, argv, on_level=save)
+        records = run_sweep(args, argv, on_level=save)
     except KeyboardInterrupt:
         # Ctrl-C: the level under way is lost, the completed ones were saved as each ended
         if not saved:
             print("interrupted before the first level completed: no results", file=sys.stderr)
             return 130
-        summary, interrupted = saved[0], True
-        print(f"interrupted: the {len(summary['levels'])} completed level(s) only", file=sys.stderr)
+        records, interrupted = saved, True
+        print(f"interrupted: the {len(records)} completed level(s) only", file=sys.stderr)
     from tokenmill.bench.report_serve import class_table, summary_table
-    print(summary_table([summary]))
-    classes = class_table([summary])
+    print(summary_table(records))
+    classes = class_table(records)
     if classes:
         print()
         print(classes)
-    print(f"results: {paths[0]}", file=sys.stderr)
+    print(f"results: {' '.join(paths)}", file=sys.stderr)
     if interrupted:
         return 130
-    return 0 if all(lv["failed"] == 0 for lv in summary["levels"]) else 1
+    return 0 if all(r["failed"] == 0 for r in records) else 1
