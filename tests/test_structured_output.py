@@ -54,6 +54,17 @@ def ended_by_grammar(c) -> bool:
     return c.finish_reason == "stop" and c.token_ids[-1] == EOS
 
 
+def served_in_process(model_dir):
+    """An engine core in this process and the app serving it as "tiny" (its grammars and their limits
+    patchable from the test)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.server.app import build_app
+    engine = AsyncLLM(EngineConfig(model=model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                                   max_model_len=256), in_process=True)
+    return engine, build_app(engine, served_model_names=["tiny"])
+
+
 @pytest.mark.parametrize("schema", [NESTED, ENUMS, ARRAYS, TOP_ARRAY, BOUNDED, KEYED],
                          ids=["nested", "enums", "arrays", "array", "max-length", "property-names"])
 def test_json_schema_outputs_validate(llm, schema):
@@ -414,11 +425,8 @@ def test_a_grammar_that_waits_for_a_busy_compile_thread_is_a_503(qwen3_dir, monk
 
     import httpx
 
-    from tokenmill.config import EngineConfig
     from tokenmill.engine import structured_output
-    from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.engine.structured_output import StructuredOutputManager
-    from tokenmill.server.app import build_app
 
     compile_grammar = StructuredOutputManager._compile
     release, compiled = threading.Event(), []
@@ -431,9 +439,7 @@ def test_a_grammar_that_waits_for_a_busy_compile_thread_is_a_503(qwen3_dir, monk
     monkeypatch.setattr(StructuredOutputManager, "_compile", blocking)
     monkeypatch.setattr(structured_output, "COMPILE_THREADS", 1)
     monkeypatch.setattr(structured_output, "MAX_COMPILE_SECONDS", 0.5)
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
-                                   max_model_len=256), in_process=True)
-    app = build_app(engine, served_model_names=["tiny"])
+    engine, app = served_in_process(qwen3_dir)
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
 
     async def main():
@@ -671,13 +677,7 @@ def test_a_grammar_slower_than_the_limit_is_the_requests_http_error(qwen3_dir, s
 
     import httpx
 
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLM
-    from tokenmill.server.app import build_app
-
-    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
-                                   max_model_len=256), in_process=True)
-    app = build_app(engine, served_model_names=["tiny"])
+    engine, app = served_in_process(qwen3_dir)
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 30, "temperature": 0}
 
     async def main():
