@@ -200,27 +200,33 @@ def test_bad_tool_choices_are_400(agent_server):
         assert r.status_code == 400 and error["param"] == "tool_choice" and "pydantic" not in error["message"], error
 
 
-def test_reasoning_goes_to_reasoning_content(agent_server):
+def test_reasoning_goes_to_reasoning_and_reasoning_content(agent_server):
+    """The thinking under vLLM's current name (`reasoning`) and the one DeepSeek's API and older vLLM use
+    (`reasoning_content`): clients read one or the other."""
     client = agent_server.client()
     script = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
     steer = {"structured_outputs": {"regex": re.escape(script)}}
     r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=steer)
     msg = r.choices[0].message
-    assert msg.content == "It is sunny." and msg.model_extra["reasoning_content"] == "The user asks about Paris."
+    assert msg.content == "It is sunny."
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] == "The user asks about Paris."
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=steer,
                                                  stream=True))
-    reasoning = "".join((choice.delta.model_extra or {}).get("reasoning_content") or ""
-                        for ch in chunks for choice in ch.choices)
+    for name in ("reasoning", "reasoning_content"):
+        reasoning = "".join((choice.delta.model_extra or {}).get(name) or "" for ch in chunks for choice in ch.choices)
+        assert reasoning == "The user asks about Paris.", name
     content = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
-    assert reasoning == "The user asks about Paris." and content == "It is sunny."
+    assert content == "It is sunny."
     # vLLM's include_reasoning false: the thinking is left out of the answer, still not in its content
     hidden = {**steer, "include_reasoning": False}
     r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=hidden)
     msg = r.choices[0].message
-    assert msg.content == "It is sunny." and msg.model_extra["reasoning_content"] is None
+    assert msg.content == "It is sunny."
+    assert msg.model_extra["reasoning"] is msg.model_extra["reasoning_content"] is None
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, extra_body=hidden,
                                                  stream=True))
-    assert not any((choice.delta.model_extra or {}).get("reasoning_content") for ch in chunks for choice in ch.choices)
+    assert not any((choice.delta.model_extra or {}).get(name) for ch in chunks for choice in ch.choices
+                   for name in ("reasoning", "reasoning_content"))
     assert "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices) == "It is sunny."
 
 

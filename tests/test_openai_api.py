@@ -225,9 +225,9 @@ def test_a_call_without_arguments_reaches_the_template_as_an_empty_object():
 
 
 def test_reasoning_sent_back_under_vllms_name_reaches_the_template():
-    """vLLM names an answer's thinking `reasoning` (it was `reasoning_content`, which this server still
-    writes), and clients send it back with the history under either name: both are taken, and the template
-    reads the text under both names, as vLLM hands it over."""
+    """vLLM names an answer's thinking `reasoning` (it was `reasoning_content`; this server writes both), and
+    clients send it back with the history under either name: both are taken, and the template reads the
+    text under both names, as vLLM hands it over."""
     from tokenmill.server.protocol import ChatCompletionRequest
     for field in ("reasoning", "reasoning_content"):
         req = ChatCompletionRequest.model_validate({"messages": [

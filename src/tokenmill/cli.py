@@ -501,8 +501,8 @@ def add_chat_args(p: argparse.ArgumentParser):
                         "Hermes), llama3_json (JSON objects, after <|python_tag|> or alone: Llama 3.1-3.3), "
                         "pythonic (a Python list of calls: Llama 3.2 / 4)")
     p.add_argument("--reasoning-parser", default=None,
-                   help="put the model's thinking into reasoning_content: qwen3 (also Nanbeige4.1), or "
-                        "deepseek_r1 (the reply always starts inside the thinking block)")
+                   help="put the model's thinking into reasoning (and reasoning_content): qwen3 (also "
+                        "Nanbeige4.1), or deepseek_r1 (the reply always starts inside the thinking block)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:{id}' for requests that do not say "
                         "(their return_tokens_as_token_ids)")

@@ -1,13 +1,13 @@
 """POST /v1/chat/completions: chat template (tools included), then OpenAI chat-completion JSON or chunks.
 
 A choice's text goes through the reasoning parser first (`--reasoning-parser`: the thinking becomes
-`reasoning_content`), then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and
-`--enable-auto-tool-choice`). With tool_choice "required" or a named function, decoding is constrained
-to the tools' JSON schema, and that JSON becomes the tool calls (`tool_choice.ConstrainedCalls`): each
-call's name once known, then its arguments as generated, streamed as they come and kept partial when
-max_tokens cuts them short, as OpenAI and vLLM return them. With tool_choice "auto" beside a JSON
-response_format, the grammar admits the parser's calls or the format's JSON (`tool_choice.calls_or_format`),
-and the parser reads them as it reads any output.
+`reasoning`, vLLM's current name, and `reasoning_content`, the name DeepSeek's API and older vLLM give it),
+then the tool-call parser (`--tool-call-parser`, with tool_choice "auto" and `--enable-auto-tool-choice`).
+With tool_choice "required" or a named function, decoding is constrained to the tools' JSON schema, and that
+JSON becomes the tool calls (`tool_choice.ConstrainedCalls`): each call's name once known, then its arguments
+as generated, streamed as they come and kept partial when max_tokens cuts them short, as OpenAI and vLLM
+return them. With tool_choice "auto" beside a JSON response_format, the grammar admits the parser's calls or
+the format's JSON (`tool_choice.calls_or_format`), and the parser reads them as it reads any output.
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def logprob_entries(serving: Serving, token_ids, entries, k: int, as_ids: bool) 
         content.append({"token": text, "logprob": _lp(chosen.logprob) if chosen is not None else _lp(float("-inf")),
                         "bytes": list(serving.token_bytes(tid, text, as_ids)), "top_logprobs": tops})
     return content
+
+
+def _reasoning_delta(text: str) -> dict:
+    # under both names, as vLLM sent it while it renamed the field: clients read one or the other
+    return {"reasoning": text, "reasoning_content": text}
 
 
 class ChoiceText:
@@ -69,7 +74,7 @@ class ChoiceText:
         msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
-            msg["reasoning_content"] = reasoning if self.include_reasoning else None
+            msg["reasoning"] = msg["reasoning_content"] = reasoning if self.include_reasoning else None
             msg["content"] = text
         if self._calls is not None:
             calls = self._constrained_calls()
@@ -90,7 +95,7 @@ class ChoiceText:
         if self._reasoning_stream is not None:
             reasoning, text = self._reasoning_stream.feed(text)
             if reasoning and self.include_reasoning:
-                deltas.append({"reasoning_content": reasoning})
+                deltas.append(_reasoning_delta(reasoning))
         deltas += self._content(text or "")
         return deltas
 
@@ -99,7 +104,7 @@ class ChoiceText:
         if self._reasoning_stream is not None:
             reasoning, text = self._reasoning_stream.finish()
             if reasoning and self.include_reasoning:
-                deltas.append({"reasoning_content": reasoning})
+                deltas.append(_reasoning_delta(reasoning))
             deltas += self._content(text or "")
         if self._tool_stream is not None:
             deltas += [self._tool_delta(d) for d in self._tool_stream.finish()]
