@@ -183,6 +183,15 @@ def test_auto_tool_choice_keeps_one_call_without_parallel_calls(agent_server):
         assert [(tc.index, tc.function.name) for tc in heads] == list(enumerate(names))
 
 
+def test_tool_choice_none_still_shows_the_tools(agent_server):
+    """tool_choice "none": the template shows the tools as "auto" does (vLLM's default, and what OpenAI's models
+    know), so an agent's turns share the prompt's cached prefix; the output is not read for calls."""
+    shown = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"messages": USER, "tools": [WEATHER]})
+    r = agent_server.client().chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="none",
+                                                      max_tokens=1)
+    assert r.usage.prompt_tokens == len(shown.json()["tokens"]) and not r.choices[0].message.tool_calls
+
+
 def test_bad_tool_choices_are_400(agent_server):
     r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=30, json={
         "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})

@@ -732,8 +732,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return last.text() if self.echo and last.role == "assistant" else ""
 
     def tools_in_use(self) -> list[dict] | None:
-        """The tools the template shows the model (none when tool_choice is "none")."""
-        if not self.tools or self.tool_choice == "none":
+        """The tools the template shows the model: with tool_choice "none" too, as vLLM shows them (unless
+        started with --exclude-tools-when-tool-choice-none) and as OpenAI's models still know them; that
+        output is then not read for calls. An agent's turns with and without calls share a cached prefix."""
+        if not self.tools:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
