@@ -151,6 +151,13 @@ def test_usage_details_fingerprint_and_stream_options(api_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
+def test_a_reply_without_calls_carries_no_tool_calls(api_server):
+    """As OpenAI's (and vLLM's since it dropped `[]`): agent loops run `while message.tool_calls is not None`."""
+    r = api_server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=1)
+    assert r.choices[0].message.tool_calls is None and "tool_calls" not in r.choices[0].message.model_fields_set
+
+
 def test_models_retrieve(api_server):
     client = api_server.client()
     assert client.models.retrieve("tiny").id == "tiny"

@@ -87,6 +87,9 @@ class ChoiceText:
             msg["content"] = extracted.content
             msg["tool_calls"] = [c.to_openai() for c in extracted.tool_calls][:1 if self.one_call else None]
         self.called_tools = bool(msg["tool_calls"])
+        if not self.called_tools:
+            # as OpenAI leaves it out: clients loop while `message.tool_calls is not None`
+            del msg["tool_calls"]
         return msg
 
     def feed(self, text: str) -> list[dict]:
