@@ -178,8 +178,12 @@ def test_messages_clients_send_back(api_server):
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, prompt_cache_key="k",
                                        safety_identifier="u1", metadata={"a": "b"}, store=False,
                                        service_tier="auto", verbosity="medium", prompt_cache_retention="in_memory",
-                                       prompt_cache_options={"mode": "implicit", "ttl": "30m"})
+                                       prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+                                       prediction={"type": "content", "content": "Hello"})
     assert r.choices[0].message.role == "assistant"
+    bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "prediction": {"type": "content", "content": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction", bad.text
     bad = httpx.post(api_server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "x", "audio": {"id": "a1"}}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.audio"

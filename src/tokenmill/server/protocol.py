@@ -64,7 +64,6 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "reasoning_effort": ("null", lambda v: v is None),
     "modalities": ('null or ["text"]', lambda v: v is None or v == ["text"]),
     "audio": ("null", lambda v: v is None),
-    "prediction": ("null", lambda v: v is None),
     "web_search_options": ("null", lambda v: v is None),
     # the default: Responses' text.verbosity takes the same
     "verbosity": ('null or "medium"', lambda v: v in (None, "medium")),
@@ -163,6 +162,16 @@ class PromptCacheOptions(_Strict):
         return self
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
@@ -221,6 +230,8 @@ class _SamplingRequest(_Strict):
     prompt_cache_retention: PROMPT_CACHE_RETENTIONS | None = None
     prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
+    # OpenAI's predicted output: a guess at the answer that speeds decoding up and leaves the answer as it is
+    prediction: Prediction | None = None
 
     # `_UNSUPPORTED` fields a request type does honor (its own field's type checks them instead)
     honored: ClassVar[frozenset[str]] = frozenset()
@@ -235,7 +246,6 @@ class _SamplingRequest(_Strict):
     reasoning_effort: Any = None
     modalities: Any = None
     audio: Any = None
-    prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
     use_beam_search: Any = None
@@ -457,11 +467,6 @@ class CompletionRequest(_SamplingRequest):
         if p and isinstance(p[0], int):
             return [list(p)]
         return list(p)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
 class RefusalPart(_Strict):
