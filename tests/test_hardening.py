@@ -1091,22 +1091,24 @@ def test_continuous_usage_of_a_completion_chunk_is_its_choices(guarded):
 
 def test_continuous_usage_of_a_chat_chunk_is_its_choices(guarded):
     """The same in chat: each chunk's usage counts its own choice's tokens so far, and the role chunk none
-    (vLLM's). It counted every choice's tokens, and the role chunk those of the first output."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    with httpx.stream("POST", guarded.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    role, *middle, last = chunks
-    assert [c["delta"]["role"] for c in role["choices"]] == ["assistant", "assistant"]
-    assert role["usage"]["completion_tokens"] == 0
-    prompt = last["usage"]["prompt_tokens"]
-    seen: dict[int, int] = {}
-    for chunk in middle:
-        (choice,) = chunk["choices"]
-        assert chunk["usage"]["prompt_tokens"] == prompt
-        assert chunk["usage"]["completion_tokens"] >= seen.get(choice["index"], 0), chunk
-        seen[choice["index"]] = chunk["usage"]["completion_tokens"]
-    assert seen == {0: 3, 1: 3} and last["usage"]["completion_tokens"] == 6
+    (vLLM's). It counted every choice's tokens, and the role chunk those of the first output. Asked for
+    alone, continuous_usage_stats gives the usage too (vLLM's include_usage defaults to true): it gave none."""
+    for options in ({"include_usage": True, "continuous_usage_stats": True}, {"continuous_usage_stats": True}):
+        body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3, "ignore_eos": True,
+                "stream": True, "stream_options": options}
+        with httpx.stream("POST", guarded.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        role, *middle, last = chunks
+        assert [c["delta"]["role"] for c in role["choices"]] == ["assistant", "assistant"]
+        assert role["usage"]["completion_tokens"] == 0, options
+        prompt = last["usage"]["prompt_tokens"]
+        seen: dict[int, int] = {}
+        for chunk in middle:
+            (choice,) = chunk["choices"]
+            assert chunk["usage"]["prompt_tokens"] == prompt
+            assert chunk["usage"]["completion_tokens"] >= seen.get(choice["index"], 0), chunk
+            seen[choice["index"]] = chunk["usage"]["completion_tokens"]
+        assert seen == {0: 3, 1: 3} and last["usage"]["completion_tokens"] == 6
 
 
 def test_a_model_without_a_tokenizer_refuses_what_needs_one(tmp_path, save_tiny_model):

@@ -210,8 +210,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     model = req.model or serving.model_names[0]
     rid, created = serving.response_id(raw, req, "chatcmpl"), now()
     echoed = req.echoed()
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    include_usage, continuous = req.stream_usage()
 
     def finish_reason(c, text: ChoiceText) -> str | None:
         if c.finish_reason == "stop" and text.called_tools and not isinstance(req.tool_choice, NamedToolChoice):

@@ -82,8 +82,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     return_ids = bool(req.return_token_ids)
     model = req.model or serving.model_names[0]
     rid, created = serving.response_id(raw, req, "cmpl"), now()
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    include_usage, continuous = req.stream_usage()
 
     async def echoed(i: int) -> str:
         # the prompt the model read: a truncated one decoded

@@ -135,7 +135,7 @@ class StructuredOutputs(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
+    include_usage: bool | None = None
     continuous_usage_stats: bool | None = False
     # OpenAI's padding of streamed chunks against length side channels: this server adds none
     include_obfuscation: bool | None = None
@@ -378,6 +378,16 @@ class _SamplingRequest(_Strict):
                                                      + (f" ({len(key)} characters)" if len(key) > 40 else ""))
             out[int(key)] = float(value)
         return out
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, the usage so far in every chunk). vLLM's continuous_usage_stats alone
+        asks for both, as vLLM reads it (its include_usage defaults to true); OpenAI's options alone give the
+        usage chunk only where include_usage says so."""
+        opts = self.stream_options
+        if opts is None:
+            return False, False
+        include = bool(opts.continuous_usage_stats) if opts.include_usage is None else opts.include_usage
+        return include, include and bool(opts.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
