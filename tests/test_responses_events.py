@@ -4,6 +4,8 @@ included; an output cut short ends in an incomplete item. And the request's item
 they become (`ResponsesRequest.as_chat`)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 
@@ -64,6 +66,21 @@ def test_an_output_cut_by_max_output_tokens_leaves_its_last_item_incomplete():
     done = events.close_all(cut=True)
     assert [item["status"] for item in events.items] == ["completed", "incomplete"]
     assert next(e for e in done if e["type"] == "response.output_item.done")["item"]["status"] == "incomplete"
+
+
+def test_reasoning_text_comes_in_a_content_part_as_the_messages_text_does():
+    """OpenAI's event order, the reasoning item's as the message's (vLLM's too): the item added, its
+    reasoning_text part added, the deltas, the text done, the part done, the item done."""
+    events = _EventStream(shape=SimpleNamespace(req=SimpleNamespace(include=None)))
+    sent = events.delta({"reasoning_content": "Hm."}) + events.delta({"content": "Hi"}) + events.close_all()
+    assert [(e["type"], e.get("output_index")) for e in sent] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.done", 1), ("response.content_part.done", 1), ("response.output_item.done", 1)]
+    assert sent[1]["part"] == {"type": "reasoning_text", "text": ""} and sent[1]["content_index"] == 0
+    assert sent[4]["part"] == {"type": "reasoning_text", "text": "Hm."} and sent[4]["item_id"] == sent[0]["item"]["id"]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
 
 
 def _chat(items: list[dict]) -> list[dict]:
@@ -193,7 +210,6 @@ def test_item_references_read_the_stored_items():
     of a stored response: in the prompt and in the stored input, with its id, as if sent again; so an item the
     conversation of previous_response_id holds is a duplicate. An unknown id, or any with several API server
     processes (nothing stored), is a 400 naming it."""
-    from types import SimpleNamespace
     store = ResponseStore()
     first = ResponsesRequest.model_validate({"input": "weather?"})
     answer = {"type": "message", "id": "msg_out", "role": "assistant", "status": "completed",
@@ -276,7 +292,6 @@ def test_a_stream_cut_short_ends_with_a_numbered_error_event():
     """A stream the server cuts (a second SIGTERM) ends with OpenAI's error event, whose sequence_number
     follows the events before it, as every Responses event's does."""
     import asyncio
-    from types import SimpleNamespace
 
     import orjson
 

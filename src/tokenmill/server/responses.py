@@ -647,9 +647,8 @@ class _EventStream:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message" else \
                 {"type": "reasoning_text", "text": ""}
             item["content"] = [dict(part)]
-            if item["type"] == "message":
-                events.append(self.event("response.content_part.added", item_id=item["id"],
-                                         output_index=len(self.items) - 1, content_index=0, part=part))
+            events.append(self.event("response.content_part.added", item_id=item["id"],
+                                     output_index=len(self.items) - 1, content_index=0, part=part))
         return events
 
     def _close(self, status: str = "completed") -> list[dict]:
@@ -667,6 +666,8 @@ class _EventStream:
         elif item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                      content_index=0, text=item["content"][0]["text"]))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                     content_index=0, part=item["content"][0]))
             _encrypted(item, self.shape.req.include)
         elif item["type"] == "function_call":
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
