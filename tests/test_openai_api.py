@@ -635,6 +635,11 @@ def test_responses_create_and_stream(api_server):
                                 prompt_cache_options={"ttl": "12h", "prewarm": False}, conversation=None)
     assert r.status in ("completed", "incomplete") and r.output and r.output[0].type == "message"
     assert r.max_tool_calls == 2
+    # the Response object's fields as OpenAI documents them: the values sampled with, the tier that served it,
+    # the request's cache fields echoed, completed_at only once completed
+    assert (r.temperature, r.top_p, r.background, r.service_tier) == (0.0, 1.0, False, "default")
+    assert (r.prompt_cache_retention, r.prompt_cache_key, r.safety_identifier) == ("24h", None, None)
+    assert (r.completed_at is not None) == (r.status == "completed")
     for field, value, param, says in (("conversation", "conv_1", "conversation", "conv_1"),
                                       ("conversation", {"id": "conv_1"}, "conversation", "Conversations API"),
                                       ("prompt_cache_options", {"prewarm": True}, "prompt_cache_options.prewarm",
@@ -657,6 +662,7 @@ def test_responses_create_and_stream(api_server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == r.output_text == events[-1].response.output_text
+    assert events[0].response.completed_at is None and events[0].response.temperature == 0.0
     added = next(e for e in events if e.type == "response.output_item.added")
     assert added.item.content == []        # OpenAI's message opens empty; the SDK's helper appends the parts
     # the SDK's stream helper assembles the response from the events, as agents' frameworks use it

@@ -453,27 +453,35 @@ def _encrypted(item: dict, include: list[str] | None) -> dict:
 class _Shape:
     """The response object's fixed fields, for the final body and for every event that carries it."""
 
-    def __init__(self, serving: Serving, req: ResponsesRequest, model: str, stored: bool, prompt_text: str):
+    def __init__(self, serving: Serving, req: ResponsesRequest, model: str, stored: bool, prompt_text: str, params):
         self.id, self.created, self.req, self.model = _id("resp"), now(), req, model
         self.serving, self.stored = serving, stored
         self.prompt_text = prompt_text        # where the output starts, for its reasoning tokens' count
+        self.params = params                  # the sampling parameters, the server's defaults filled in
 
     def body(self, status: str, output: list[dict], out=None, finish: str | None = None) -> dict:
         r = self.req
         fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {
             "type": "text"}
+        # OpenAI's spelling of the retention this server also takes as "in-memory"
+        retention = r.prompt_cache_retention.replace("-", "_") if r.prompt_cache_retention else None
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+                "completed_at": now() if status == "completed" else None, "background": False,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "temperature": r.temperature, "top_p": r.top_p, "top_logprobs": r.top_logprobs, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "max_tool_calls": r.max_tool_calls,
+                # the values sampled with, as OpenAI's and vLLM's responses give them (1.0 where neither the
+                # request nor the model's generation config sets one)
+                "temperature": self.params.temperature, "top_p": self.params.top_p, "top_logprobs": r.top_logprobs,
+                "parallel_tool_calls": r.parallel_tool_calls is not False, "max_tool_calls": r.max_tool_calls,
                 "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunctionChoice)
                                 else r.tool_choice or "auto"),
                 "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
                 "text": {"format": fmt}, "reasoning": r.reasoning.model_dump() if r.reasoning else None,
                 "store": self.stored, "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
-                "truncation": "disabled", "user": r.user, "usage": None}
+                "truncation": "disabled", "user": r.user, "service_tier": "default",
+                "prompt_cache_key": r.prompt_cache_key, "prompt_cache_retention": retention,
+                "safety_identifier": r.safety_identifier, "usage": None}
         if out is not None:
             prompt = len(out.prompt_token_ids)
             completion = sum(len(c.token_ids) for c in out.outputs)
@@ -547,7 +555,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         e.param = req.field_of(e.param)
         raise
     keep = serving.responses is not None and req.store is not False
-    shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text)
+    shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text, params)
     # made once: the ids given to items that came without one are the same while a stream runs and after
     input_items = req.input_items() if keep else []
 
