@@ -729,6 +729,30 @@ def test_responses_take_function_call_history(api_server):
     assert r.output_text is not None
 
 
+def test_responses_truncation_auto_drops_the_earliest_items(api_server):
+    """truncation "disabled" (the default): an input past the context is a 400 naming it; "auto" (OpenAI's
+    rule) drops the conversation's earliest items until it fits with room for max_output_tokens, a call's
+    output with its call; where the last item alone cannot fit, still a 400."""
+    client = api_server.client()
+    text = "hello world " * 8                   # 88 tokens
+    chat = [{"role": "user", "content": text},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": text * 3},
+            {"type": "function_call_output", "call_id": "c2", "output": "ok"},
+            {"role": "user", "content": "and?"}]
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256") as e:
+        client.responses.create(model="tiny", input=chat, max_output_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "input"
+    r = client.responses.create(model="tiny", input=chat, max_output_tokens=1, truncation="auto", store=False)
+    left = client.responses.create(model="tiny", input=[chat[2], chat[4], chat[5]], max_output_tokens=1, store=False)
+    assert r.truncation == "auto" and r.usage.input_tokens == left.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="even the conversation's last item alone") as e:
+        client.responses.create(model="tiny", input=[{"role": "user", "content": text}], max_output_tokens=250,
+                                truncation="auto")
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_output_tokens"
+
+
 def test_responses_give_the_output_texts_logprobs_as_chat_does(api_server):
     """include ["message.output_text.logprobs"] with top_logprobs: the message's text carries each
     output token's logprob and alternatives, equal to chat's for the same conversation; streamed, the

@@ -267,7 +267,8 @@ class ResponsesRequest(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI's Conversations API, which this server has none of: null alone (`_check`)
     conversation: Any = None
-    truncation: Literal["disabled"] | None = None
+    # "auto": the conversation's earliest items are dropped until the prompt fits (`prepare`)
+    truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None      # a strict bool: Literal[False] let 0 and 0.0 through as false
     # vLLM's extra field, as chat's: lower is served first under --scheduling-policy priority (a 400 otherwise)
@@ -335,9 +336,10 @@ class ResponsesRequest(_Strict):
             out.append(d)
         return out
 
-    def as_chat(self, stream: bool, history: list[dict] = ()) -> ChatCompletionRequest:
+    def as_chat(self, stream: bool, history: list[dict] = (), drop: int = 0) -> ChatCompletionRequest:
         """The same request as chat completions see it, after the items of `history` (the conversation of
-        `previous_response_id`)."""
+        `previous_response_id`); `drop`: the conversation's first items left out (truncation "auto"), with the
+        outputs of the calls among them."""
         messages: list[dict] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
@@ -360,6 +362,11 @@ class ResponsesRequest(_Strict):
         if any(isinstance(item, ItemReference) for item in items):
             raise TypeError("item references are resolved (resolve_references) before the request is read")
         calls = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+        if drop:
+            dropped = calls - {item.call_id for item in items[drop:] if isinstance(item, FunctionCallItem)}
+            calls -= dropped
+            items = [item for item in items[drop:]
+                     if not (isinstance(item, FunctionCallOutputItem) and item.call_id in dropped)]
         for item in items:
             if isinstance(item, ReasoningItem):
                 thinking += item.text()
@@ -479,7 +486,7 @@ class _Shape:
                 "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
                 "text": {"format": fmt}, "reasoning": r.reasoning.model_dump() if r.reasoning else None,
                 "store": self.stored, "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
-                "truncation": "disabled", "user": r.user, "service_tier": "default",
+                "truncation": r.truncation or "disabled", "user": r.user, "service_tier": "default",
                 "prompt_cache_key": r.prompt_cache_key, "prompt_cache_retention": retention,
                 "safety_identifier": r.safety_identifier, "usage": None}
         if out is not None:
@@ -542,6 +549,42 @@ def list_page(items: list[dict], limit: int, order: str, after: str | None) -> d
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
+async def prepare(serving: Serving, req: ResponsesRequest, history: list[dict]):
+    """The request as a chat request, and that request's prompt text, prompt and sampling parameters. With
+    truncation "auto", where the prompt does not fit the context (with room for max_output_tokens), the fewest
+    of the conversation's earliest items are dropped that make it fit (OpenAI's rule; the instructions stay),
+    found by bisection: dropping more never lengthens the prompt. Where even the last item alone does not
+    fit, the 400 is the whole conversation's."""
+    async def prepared(drop: int = 0):
+        chat = req.as_chat(bool(req.stream), history, drop)
+        return chat, *await prepare_chat(serving, chat, effort_param="reasoning.effort")
+
+    try:
+        return await prepared()
+    except APIError as e:
+        if req.truncation != "auto" or e.code != "context_length_exceeded":
+            raise
+        too_long = e
+    # at most up to the last message or call, so that the conversation left has one
+    kinds = [item["type"] for item in history] + (
+        [item.type or "message" for item in req.input] if isinstance(req.input, list) else ["message"])
+    fits, low, high = None, 1, max((i for i, kind in enumerate(kinds) if kind in ("message", "function_call")),
+                                   default=0)
+    while low <= high:
+        drop = (low + high) // 2
+        try:
+            fits = await prepared(drop)
+            high = drop - 1
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            low = drop + 1
+    if fits is None:
+        too_long.message += " With truncation 'auto', even the conversation's last item alone does not fit."
+        raise too_long
+    return fits
+
+
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request):
     serving.check_model(req.model)
     req = resolve_references(serving, req)
@@ -549,8 +592,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     if req.previous_response_id is not None:
         history = response_store(serving, "previous_response_id").conversation(req.previous_response_id)
     try:
-        chat = req.as_chat(bool(req.stream), history)
-        prompt_text, prompt, params = await prepare_chat(serving, chat, effort_param="reasoning.effort")
+        chat, prompt_text, prompt, params = await prepare(serving, req, history)
     except APIError as e:
         e.param = req.field_of(e.param)
         raise
