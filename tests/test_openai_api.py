@@ -134,6 +134,10 @@ def test_completions_default_to_16_tokens(api_server):
     assert r.json()["usage"]["completion_tokens"] == 16
     err = httpx.post(api_server.url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 0}).json()
     assert err["error"]["param"] == "max_tokens"
+    # an explicit null too, as vLLM reads it (it ran to the end of the context): 16 tokens leave no room here
+    err = httpx.post(api_server.url + "/v1/completions", timeout=60,
+                     json={"prompt": [5] * (MAX_MODEL_LEN - 8), "max_tokens": None}).json()["error"]
+    assert err["code"] == "context_length_exceeded" and "16 in the completion" in err["message"], err
 
 
 def test_usage_details_fingerprint_and_stream_options(api_server):

@@ -19,6 +19,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 256
+COMPLETION_MAX_TOKENS = 16       # OpenAI's default max_tokens for completions
 MAX_PROMPT_CHARS = 4_000_000      # one prompt, or the text of all of a chat's messages together
 # OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
 MAX_METADATA = 16
@@ -458,11 +459,18 @@ PromptType = Union[
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
     # OpenAI's default for completions (chat completions default to the rest of the context)
-    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = COMPLETION_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
     honored: ClassVar[frozenset[str]] = frozenset({"echo"})
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value):
+        # an explicit null is the default too (as vLLM reads it), not the rest of the context: clients that
+        # send every field, unset ones as null, expect 16 tokens
+        return COMPLETION_MAX_TOKENS if value is None else value
 
     @model_validator(mode="after")
     def _check_echo(self):
