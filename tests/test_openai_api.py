@@ -472,7 +472,8 @@ def test_errors_name_what_the_client_sent(api_server):
 
 def test_completion_top_logprobs_always_hold_the_sampled_token(api_server):
     """Legacy completions: each position's top_logprobs holds the k most likely tokens and the sampled one
-    too where it is not among them (OpenAI: "up to logprobs+1 elements"), with the logprob it was given."""
+    too where it is not among them (OpenAI: "up to logprobs+1 elements"), with the logprob it was given (where
+    no likelier token has its text: `test_tokens_of_equal_text_share_the_likeliest_ones_logprob`)."""
     client = api_server.client()
     r = client.completions.create(model="tiny", prompt="hello there", max_tokens=24, logprobs=1, temperature=2.0,
                                   seed=3)
@@ -481,6 +482,23 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(api_server):
                                                                        lp.top_logprobs))
     sizes = {len(top) for top in lp.top_logprobs}
     assert 2 in sizes and sizes <= {1, 2}      # temperature 2 samples off the top
+
+
+def test_tokens_of_equal_text_share_the_likeliest_ones_logprob(api_server, tokenizer):
+    """Tokens of one text (split characters' bytes, each U+FFFD) are one key of top_logprobs: it holds the
+    likeliest one's logprob, so lm-eval's greedy check (the token's logprob is the top's largest) holds
+    exactly where the token is the likeliest; a less likely one of that text overwrote it, and a token of
+    rank 359 read as greedy."""
+    text = "你好，世界！这是一个测试。"
+    ids = tokenizer.encode(text)
+    c = httpx.post(api_server.url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1, "prompt_logprobs": 1}).json()["choices"][0]
+    lp, ranks = c["logprobs"], [None] + [e[str(t)]["rank"] for t, e in zip(ids[1:], c["prompt_logprobs"][1:])]
+    shared = 0
+    for tok, value, top, rank in list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], ranks))[1:]:
+        assert (value == max(top.values())) == (rank == 1), (tok, value, top, rank)
+        shared += top[tok] != value
+    assert shared        # the text holds such tokens
 
 
 def test_split_characters_keep_their_bytes_and_offsets(api_server):

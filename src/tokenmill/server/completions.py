@@ -52,8 +52,13 @@ def _logprobs(serving: Serving, token_ids, entries, k: int, offsets: TextOffsets
         # the sampled token always has its entry, so there may be k + 1 (OpenAI's legacy logprobs)
         if chosen is not None and all(t != tid for t, _ in ranked):
             ranked.append((tid, chosen))
-        ranked = [(t, lp) for t, lp in ranked if lp is not None]
-        tops.append({serving.token_text(t, lp, as_ids): _lp(lp.logprob) for t, lp in ranked})
+        # tokens of equal text (the bytes of split characters, all U+FFFD) share a key: it holds the most
+        # likely one's logprob, so that a token is greedy only where it equals the most likely
+        top: dict[str, float] = {}
+        for t, lp in ranked:
+            if lp is not None:
+                top.setdefault(serving.token_text(t, lp, as_ids), _lp(lp.logprob))
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
 
