@@ -450,6 +450,13 @@ def test_errors_name_what_the_client_sent(api_server):
     # past 4,300 digits int() refused with a message about Python's settings and no field
     err = error("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 5}})
     assert err["param"] == "logit_bias" and "5000 characters" in err["message"], err
+    # a batch is named by what it holds, not by every branch of the prompt's type failing
+    for prompt, says in ((["ab", [5, 6]], "holds lists and strings"), ([], "empty list"), ([7, None], "holds integers "
+                         "and nulls"), ([[5], []], "prompt 1 of the batch is an empty list"),
+                         ([[5], [6, "x"]], "prompt 1 of the batch holds strings")):
+        err = error("/v1/completions", {"prompt": prompt})
+        assert err["param"] == "prompt" and says in err["message"] and "Input should be" not in err["message"], err
+    assert "Token id 999999 is out of range" in error("/detokenize", {"tokens": [5, 999999]})["message"]
     err = error("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3})
     assert err["param"] == "min_tokens" and "got 3" in err["message"]
     assert error("/v1/chat/completions", {**chat, "verbosity": "low"})["param"] == "verbosity"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -456,6 +457,34 @@ PromptType = Union[
 ]
 
 
+_JSON_KINDS = {bool: "booleans", int: "integers", float: "numbers", str: "strings", list: "lists", dict: "objects",
+               type(None): "nulls"}
+
+
+def _json_kinds(items: list) -> list[str]:
+    """The JSON types of a list's items, as words."""
+    return sorted(_JSON_KINDS.get(t, t.__name__) for t in set(map(type, items)))
+
+
+def _prompt_shape_error(prompt: list) -> str | None:
+    """What a list that fits no branch of `PromptType` holds, in a sentence (pydantic's message tells every
+    branch's failure, each contradicting the next), or None where its items are of the right kinds."""
+    if not prompt:
+        return ("'prompt' is an empty list: a prompt is a string or a list of token ids, and a batch a list of "
+                "strings or of token-id lists")
+    kinds = _json_kinds(prompt)
+    if len(kinds) > 1 or kinds[0] not in ("strings", "integers", "lists"):
+        return (f"'prompt' holds {' and '.join(kinds)}: a prompt is a string or a list of token ids (integers), "
+                "and a batch a list of strings or of token-id lists")
+    for i, ids in enumerate(prompt if kinds[0] == "lists" else ()):
+        if not ids:
+            return f"prompt {i} of the batch is an empty list of token ids"
+        others = [kind for kind in _json_kinds(ids) if kind != "integers"]
+        if others:
+            return f"prompt {i} of the batch holds {' and '.join(others)}: token ids are integers"
+    return None
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
     # OpenAI's default for completions (chat completions default to the rest of the context)
@@ -464,6 +493,17 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     add_special_tokens: bool | None = True
     honored: ClassVar[frozenset[str]] = frozenset({"echo"})
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, prompt, handler):
+        try:
+            return handler(prompt)
+        except ValidationError:
+            why = _prompt_shape_error(prompt) if type(prompt) is list else None
+            if why is None:
+                raise
+        raise UnsupportedValue("prompt", why)
 
     @field_validator("max_tokens", mode="before")
     @classmethod
