@@ -18,7 +18,7 @@ import httpx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from test_server import ServerProcess
+from test_server import ServerProcess, labelled
 
 KEY = "sk-hardening"
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -925,7 +925,7 @@ def test_a_client_that_stops_reading_is_dropped():
             self.aborted = True
 
     async def main():
-        protocol = protocol_with_limits(10.0, 10.0, 0.2, 65536)(uvicorn.Config(app=None), ServerState(), {})
+        protocol = protocol_with_limits(10.0, 10.0, 0.2, 65536, reject=print)(uvicorn.Config(app=None), ServerState(), {})
         transport = Transport()
         protocol.transport, protocol.flow = transport, FlowControl(transport)
         protocol.pause_writing()                 # the client reads again in time: kept
@@ -941,6 +941,12 @@ def test_a_client_that_stops_reading_is_dropped():
 
 
 def test_connections_beyond_the_limit_get_503(guarded):
+    """Each such 503 counts in request_rejected_total{reason="too_many_connections"}, as the 503s of a full
+    queue do (it counted in none: an overloaded server's refusals were missing from its metrics)."""
+    def rejected():
+        return labelled(httpx.get(guarded.url + "/metrics", timeout=10).text, "tokenmill:request_rejected_total",
+                        reason="too_many_connections")
+    before = rejected()
     held = [_connect(guarded) for _ in range(40)]
     try:
         time.sleep(0.2)
@@ -954,6 +960,7 @@ def test_connections_beyond_the_limit_get_503(guarded):
             s.close()
     time.sleep(0.3)
     assert httpx.get(guarded.url + "/health", timeout=10).status_code == 200
+    assert rejected() - before == 1
 
 
 def test_a_burst_past_the_connection_limit_is_served_up_to_the_limit(guarded):
@@ -1529,7 +1536,8 @@ def test_a_closing_connection_whose_client_reads_nothing_is_dropped():
             self.aborted = True
 
     def connection(transport, body_arriving=False):
-        conn = protocol_with_limits(10.0, 60.0, 3.0, 65536).__new__(protocol_with_limits(10.0, 60.0, 3.0, 65536))
+        protocol = protocol_with_limits(10.0, 60.0, 3.0, 65536, reject=print)
+        conn = protocol.__new__(protocol)
         conn.transport, conn.cycle = transport, None
         conn._body_timer = object() if body_arriving else None
         return conn

@@ -38,7 +38,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
-REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight", "engine_busy")
+REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight", "engine_busy",
+                  "too_many_connections")
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -175,7 +176,8 @@ class ServerMetrics:
         self.finished = Counter("tokenmill:request_success", "Finished sequences (choices) by finish reason.",
                                 labelnames=["model_name", "finished_reason"], registry=own)
         self.rejected = Counter("tokenmill:request_rejected", "Requests refused before reaching the engine "
-                                "(503: queue full, shutting down, engine dead, logprobs in flight).",
+                                "(503: queue full, shutting down, engine dead, logprobs in flight, "
+                                "engine busy, too many connections).",
                                 labelnames=["model_name", "reason"], registry=own)
         # every series from the start at 0, as vLLM's, so that rate() and increase() see each first event
         for reason in FINISH_REASONS:

@@ -47,6 +47,7 @@ import asyncio
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -60,9 +61,11 @@ class _StopParsing(Exception):
 
 
 def protocol_with_limits(header_timeout: float, body_timeout: float, send_timeout: float,
-                         max_header_bytes: int) -> type:
+                         max_header_bytes: int, reject: Callable[[str], None]) -> type:
+    """`reject(reason)` counts a 503 refusal (ServerMetrics.reject)."""
     class Protocol(_GuardedProtocol):
         pass
+    Protocol.reject = staticmethod(reject)
     Protocol.header_timeout = header_timeout
     Protocol.body_timeout = body_timeout
     Protocol.send_timeout = send_timeout
@@ -92,6 +95,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     _lingering = False                # the write side is shut; what arrives is dropped until the connection ends
     _discarded = 0                    # bytes dropped since the refusal
     _linger_timer: asyncio.TimerHandle | None = None
+    reject: Callable[[str], None]     # counts a 503 refusal by its reason (protocol_with_limits)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -284,6 +288,7 @@ class _GuardedProtocol(HttpToolsProtocol):
             # answered here, not by a task running the app: the refusals' tasks of a burst counted as requests
             # in flight and pushed the requests within the limit past it
             self.logger.warning("Exceeded concurrency limit.")
+            self.reject("too_many_connections")
             self._refuse(503, b"Service Unavailable", f"The server is serving its limit of {limit} connections "
                          "or requests (--limit-concurrency); try again later.", "too_many_connections",
                          b"retry-after: 1\r\n")

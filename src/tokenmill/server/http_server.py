@@ -242,7 +242,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
     server = (server_class or DrainingServer)(
         uvicorn.Config(app, log_level=options.log_level, timeout_keep_alive=http.timeout_keep_alive,
                        http=protocol_with_limits(http.header_timeout, http.body_timeout, http.send_timeout,
-                                                 http.max_header_bytes),
+                                                 http.max_header_bytes, app.state.metrics.reject),
                        limit_concurrency=http.limit_concurrency, timeout_graceful_shutdown=30, access_log=False,
                        ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile, ssl_ca_certs=http.ssl_ca_certs,
                        ssl_cert_reqs=http.ssl_cert_reqs),
