@@ -258,6 +258,31 @@ def test_a_completions_prompt_logprobs_count_once_a_choice(tokenizer_dir, monkey
         assert err["param"] == "logprobs" and "16 choices each repeating them" in err["message"], err
 
 
+def test_a_requests_params_and_whole_answer_are_built_off_the_event_loop(tokenizer_dir, monkeypatch):
+    """A grammar's schema is built and checked, and a whole answer's body assembled, in time that grows with
+    the request: 3,000 tools with tool_choice "required" held every other client's stream ~0.4 s, n = 128
+    with 20 logprobs and 200 tokens ~1 s (lab/loop_stall.py). Both run on a thread now."""
+    from test_openai_api import _in_process_api
+    from tokenmill.server.chat import ChoiceText
+    from tokenmill.server.protocol import ChatCompletionRequest
+
+    threads = {}
+
+    def recorded(name, fn):
+        def wrapper(*args, **kw):
+            threads[name] = threading.current_thread()
+            return fn(*args, **kw)
+        return wrapper
+    monkeypatch.setattr(ChatCompletionRequest, "sampling_params",
+                        recorded("params", ChatCompletionRequest.sampling_params))
+    monkeypatch.setattr(ChoiceText, "message", recorded("answer", ChoiceText.message))
+    r = _in_process_api(tokenizer_dir)("/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert set(threads) == {"params", "answer"}
+    assert all(t is not threading.main_thread() for t in threads.values()), threads
+
+
 def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):
     """Through the Python API a request's parameters may still nest past the pickler's recursion limit. Its
     RecursionError lost every command of the tick (the other request here waited forever); now that request

@@ -180,7 +180,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
                     'off' if serving.prompts.template_reads("enable_thinking") else "")
             raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
                                 f"template does not read reasoning_effort{hint}", effort_param)
-    params = serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    params = await serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
     prompt_text, prompt = await serving.prompts.render_chat(
         req.chat_messages(), add_gen, bool(req.add_special_tokens), fits=params.truncate_prompt_tokens is None,
         **template_kwargs)

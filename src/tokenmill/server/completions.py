@@ -75,8 +75,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     if prompt_only and req.min_tokens:
         raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (the prompt echoed alone), got {req.min_tokens}",
                        "min_tokens")
-    params = serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
-                            prompt_logprobs=_prompt_k(req))
+    params = await serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
+                                  prompt_logprobs=_prompt_k(req))
     truncates = params.truncate_prompt_tokens is not None
     prompts = [serving.check_prompt(serving.truncate(
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))

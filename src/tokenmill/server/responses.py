@@ -620,7 +620,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
                              token_logprobs(c.token_ids, c.logprobs), c.finish_reason == "length")
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        return done(shape.body(status, items, out, c.finish_reason))
+        return shape.body(status, items, out, c.finish_reason)
 
     async def stream(merged):
         if keep:
@@ -663,7 +663,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     serving.admit()
     return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
                              event_names=True, field_of=lambda param: req.field_of(chat.field_of(param)),
-                             carries_tools=bool(req.tools))
+                             carries_tools=bool(req.tools), keep_final=done)
 
 
 class _EventStream:

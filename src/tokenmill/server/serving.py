@@ -203,9 +203,14 @@ class Serving:
                          + (f" x {copies} choices each repeating them" if copies > 1 else ""))
         return entries, parts
 
-    def params(self, req, logprobs: int | None, **overrides):
+    async def params(self, req, logprobs: int | None, **overrides):
         """The request's SamplingParams; `overrides` replace fields the endpoint decides itself. A chat
-        request's grammar learns how the tool-call parser writes calls (`structured_params`)."""
+        request's grammar learns how the tool-call parser writes calls (`structured_params`). Built on a
+        thread: a grammar's schema is built and checked in time that grows with it (3,000 tools held the
+        event loop ~0.4 s)."""
+        return await asyncio.to_thread(self._params, req, logprobs, **overrides)
+
+    def _params(self, req, logprobs: int | None, **overrides):
         call_form = self.tool_parser.call_form if self.tool_parser is not None else None
         try:
             params = req.sampling_params(logprobs, self.sampling_defaults, call_form, **overrides)
@@ -281,8 +286,11 @@ class Serving:
 
     async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
                   make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
-                  field_of=None, prompt_in_each_choice: bool = False, request_id: str | None = None) -> Response:
-        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`).
+                  field_of=None, prompt_in_each_choice: bool = False, request_id: str | None = None,
+                  keep_final=None) -> Response:
+        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`, which runs
+        on a thread: a body grows with n, logprobs and max_tokens, and n=128 with 20 logprobs and 200 tokens each
+        held the event loop ~1 s; `keep_final`, if given, then takes the body on the loop before it is sent).
         `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
         `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
         request's field for a parameter the engine refuses (its grammar's, by the field that asked for it);
@@ -322,7 +330,10 @@ class Serving:
             finally:
                 await _close_all(gens)
                 self._end(entries)
-            return json_response(make_final(finals))
+            body = await asyncio.to_thread(make_final, finals)
+            if keep_final is not None:
+                keep_final(body)
+            return json_response(body)
 
         closed = False
 
