@@ -261,12 +261,19 @@ def test_a_completions_prompt_logprobs_count_once_a_choice(tokenizer_dir, monkey
 def test_a_requests_params_and_whole_answer_are_built_off_the_event_loop(tokenizer_dir, monkeypatch):
     """A grammar's schema is built and checked, and a whole answer's body assembled, in time that grows with
     the request: 3,000 tools with tool_choice "required" held every other client's stream ~0.4 s, n = 128
-    with 20 logprobs and 200 tokens ~1 s (lab/loop_stall.py). Both run on a thread now."""
+    with 20 logprobs and 200 tokens ~1 s (lab/loop_stall.py). Both run on a thread now, and the answer's
+    logprobs are encoded as each choice is built: held as millions of small objects until the body was
+    encoded, they set off full garbage collections (0.3-0.7 s each), which hold the loop from any thread."""
+    import orjson
+
     from test_openai_api import _in_process_api
+    from tokenmill.server import serving
     from tokenmill.server.chat import ChoiceText
     from tokenmill.server.protocol import ChatCompletionRequest
 
-    threads = {}
+    threads, bodies = {}, []
+    respond = serving.json_response
+    monkeypatch.setattr(serving, "json_response", lambda body, *a: bodies.append(body) or respond(body, *a))
 
     def recorded(name, fn):
         def wrapper(*args, **kw):
@@ -277,10 +284,15 @@ def test_a_requests_params_and_whole_answer_are_built_off_the_event_loop(tokeniz
                         recorded("params", ChatCompletionRequest.sampling_params))
     monkeypatch.setattr(ChoiceText, "message", recorded("answer", ChoiceText.message))
     r = _in_process_api(tokenizer_dir)("/v1/chat/completions",
-                                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                        "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 2})
     assert r.status_code == 200, r.text
     assert set(threads) == {"params", "answer"}
     assert all(t is not threading.main_thread() for t in threads.values()), threads
+    body = bodies[-1]
+    assert isinstance(body["choices"][0]["logprobs"]["content"], orjson.Fragment)
+    assert isinstance(body["prompt_logprobs"], orjson.Fragment)
+    assert r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"] and r.json()["prompt_logprobs"]
 
 
 def test_a_request_that_cannot_be_pickled_fails_alone(qwen3_dir):

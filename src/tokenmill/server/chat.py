@@ -19,7 +19,7 @@ from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import THINK_END
-from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
+from tokenmill.server.serving import ChoiceState, Serving, _lp, encoded, now, prompt_logprobs_json, usage
 from tokenmill.server.tool_choice import ConstrainedCalls, NamedCall, RequiredCalls
 
 
@@ -223,7 +223,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         for c in out.outputs:
             lp = None
             if k is not None and c.logprobs is not None:
-                lp = {"content": logprob_entries(serving, c.token_ids, c.logprobs, k, as_ids)}
+                lp = {"content": encoded(logprob_entries(serving, c.token_ids, c.logprobs, k, as_ids))}
             text = ChoiceText(serving, req, prompt_text)
             message = text.message(c.text)
             if echoed:
@@ -236,7 +236,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                 "system_fingerprint": serving.fingerprint, "choices": choices,
                 "usage": usage(outs, reasoning_tokens(serving, prompt_text, out.outputs))}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
+            body["prompt_logprobs"] = encoded(prompt_logprobs_json(serving, out, req.prompt_logprobs))
         if return_ids:
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body

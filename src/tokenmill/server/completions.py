@@ -12,7 +12,7 @@ from fastapi import Request
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import ChoiceState, Serving, _lp, now, prompt_logprobs_json, usage
+from tokenmill.server.serving import ChoiceState, Serving, _lp, encoded, now, prompt_logprobs_json, usage
 
 
 class TextOffsets:
@@ -132,10 +132,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                 if k is not None and c.logprobs is not None:
                     gen = _logprobs(serving, c.token_ids, c.logprobs, k, offsets, as_ids, generated_in_text)
                     lp = _join(lp, gen) if lp is not None else gen
-                choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text, "logprobs": lp,
+                choice = {"index": i * n + c.index, "text": (echoes[i] if echo else "") + c.text,
+                          "logprobs": encoded(lp) if lp is not None else None,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(serving, out, req.prompt_logprobs)
+                    choice["prompt_logprobs"] = encoded(prompt_logprobs_json(serving, out, req.prompt_logprobs))
                 if return_ids:
                     choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(c.token_ids)
                 choices.append(choice)
