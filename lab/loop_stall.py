@@ -122,6 +122,9 @@ CASES = {
     "json_schema_1mb": lambda url: ("/v1/chat/completions", chat(
         [{"role": "user", "content": "hi"}],
         response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": big_schema(1 << 20)}})),
+    "json_schema_800kb": lambda url: ("/v1/chat/completions", chat(
+        [{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": big_schema(800_000)}})),
     "n128_logprobs20_200": lambda url: ("/v1/completions", {
         "prompt": "Once upon a time", "n": 128, "logprobs": 20, "max_tokens": 200, "ignore_eos": True}),
     "n128_logprobs20_200_stream": lambda url: ("/v1/completions", {
