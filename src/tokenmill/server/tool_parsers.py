@@ -450,9 +450,10 @@ class PythonicToolParser(ToolParser):
 
     Each item is read with `ast.parse` once it completes (a comma of the list's own ends it), never
     evaluated; the list holds calls when every item is `name(k=literal, ...)` with distinct keywords
-    (`_python_literal`) and JSON arguments (no inf or nan, every string Unicode). Otherwise, and where the output does not start with `[`, it stays content verbatim; text after
-    a list of calls is content. A stream holds the list back until it closes (a bracket that closes another
-    kind's ends the wait: content), then sends all its calls."""
+    (`_python_literal`) and JSON arguments (no inf or nan, every string Unicode). Otherwise, and where the
+    output does not start with `[`, it stays content verbatim; text after a list of calls is content. A
+    stream holds the list back until it closes (a bracket that closes another kind's ends the wait:
+    content), then sends all its calls."""
 
     def parse_call(self, item: str) -> ToolCall | None:
         """The call that one item of the list is, or None. Each item is parsed alone, as it completes: a list
