@@ -39,7 +39,10 @@ class PromptTokenizer:
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long")
-        self._long_tokenizer = None       # the copy the long texts' thread uses, made there when first needed
+        # the copy the long texts' thread uses, made here where no client waits: a copy serializes the Rust
+        # tokenizer holding the GIL (0.2 s and 8 MB for SmolLM2's), which the first long prompt made it
+        # take from every stream (1.2 s of the event loop on the CPU machine)
+        self._long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self._template_reads: dict[str, bool] = {}
         # what waits for the thread: ("text", text, add_special_tokens) or ("chat", messages,
         # add_generation_prompt, template kwargs, add_special_tokens, fits), each with the future its caller
@@ -174,8 +177,6 @@ class PromptTokenizer:
         return out
 
     def _encode_long(self, text: str, add_special_tokens: bool):
-        if self._long_tokenizer is None:
-            self._long_tokenizer = copy.deepcopy(self.tokenizer)
         batched = getattr(self._long_tokenizer, "encode_batch", None)
         try:
             if batched is not None:
