@@ -58,7 +58,7 @@ import orjson
 from tokenmill.bench.datasets import parse_range
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.serve_datasets import ServeRequest, build_serve_requests, dataset_summary
-from tokenmill.bench.serve_results import detailed, parse_metadata, result_path, write_record
+from tokenmill.bench.serve_results import parse_metadata, result_path, write_record
 
 PERCENTILES = (50, 95, 99)
 
@@ -128,7 +128,7 @@ def check_sweep_args(args) -> None:
     """Refuses, naming the flag and its value, what `run_sweep` could not run, before the server is asked
     anything; `args.request_rate` becomes a float and `args.max_concurrency` the list of levels."""
     parse_goodput(args.goodput)
-    parse_metadata(args.metadata, parse_percentiles(args.metric_percentiles))
+    parse_metadata(args.metadata, compute_metrics([], 1.0, None, parse_percentiles(args.metric_percentiles)))
     args.max_concurrency = parse_levels(args.max_concurrency)
     try:
         rate = float(args.request_rate)
@@ -212,6 +212,16 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: dict[
         m["good_requests"] = good
         m["request_goodput"] = good / duration_s
     return m
+
+
+def detailed(requests: list[ServeRequest], results: list[RequestResult]) -> dict:
+    """vLLM's --save-detailed lists, one entry per request in the order sent (seconds; `start_times` from
+    the level's start)."""
+    return {"input_lens": [r.prompt_tokens or q.prompt_len or 0 for q, r in zip(requests, results)],
+            "output_lens": [r.output_tokens if r.success else 0 for r in results],
+            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+            "latencies": [r.latency for r in results], "start_times": [r.start for r in results],
+            "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results]}
 
 
 def peak_output(ok: list[RequestResult]) -> dict:
@@ -716,7 +726,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> list[dict]:
              "endpoint_type": request_format, "backend": request_format,
              "label": args.label or info.get("owned_by") or "server", "model_id": model,
              "tokenizer_id": args.tokenizer, "num_prompts": len(requests),
-             **parse_metadata(args.metadata, percentiles)}
+             **parse_metadata(args.metadata, compute_metrics([], 1.0, None, percentiles))}
     provenance = {
         "command": "tokenmill bench " + " ".join(argv),
         "git_commit": git_commit(),

@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tokenmill.bench.serve import RequestResult
-    from tokenmill.bench.serve_datasets import ServeRequest
 
 # vLLM's run keys, in the order its file has them; `--metadata` pairs come after num_prompts
 SETUP_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts")
@@ -36,11 +31,11 @@ OWN_KEYS = ("seed", "distinct_errors", "ttfts_ms", "e2els_ms", "itls_ms", "goodp
 CLASS_SUFFIXES = ("_structured", "_plain", "_tools")
 
 
-def parse_metadata(items: list[str] | None, percentiles: tuple[float, ...]) -> dict[str, str]:
+def parse_metadata(items: list[str] | None, metric_keys) -> dict[str, str]:
     """vLLM's `--metadata KEY=VALUE ...` -> {KEY: VALUE} (strings, as vLLM keeps them); a key the record
-    has itself is refused, where vLLM would let one of the two overwrite the other."""
-    from tokenmill.bench.serve import compute_metrics
-    own = {*SETUP_KEYS, *TRAFFIC_KEYS, *DETAILED_KEYS, *OWN_KEYS, *compute_metrics([], 1.0, None, percentiles)}
+    has itself (`metric_keys`: the level's metrics') is refused, where vLLM would let one of the two overwrite
+    the other."""
+    own = {*SETUP_KEYS, *TRAFFIC_KEYS, *DETAILED_KEYS, *OWN_KEYS, *metric_keys}
     pairs = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -51,16 +46,6 @@ def parse_metadata(items: list[str] | None, percentiles: tuple[float, ...]) -> d
             raise ValueError(f"--metadata {item!r}: {key!r} is a key of the result itself")
         pairs[key] = value.strip()
     return pairs
-
-
-def detailed(requests: list[ServeRequest], results: list[RequestResult]) -> dict:
-    """vLLM's --save-detailed lists, one entry per request in the order sent (seconds; `start_times` from
-    the level's start)."""
-    return {"input_lens": [r.prompt_tokens or q.prompt_len or 0 for q, r in zip(requests, results)],
-            "output_lens": [r.output_tokens if r.success else 0 for r in results],
-            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-            "latencies": [r.latency for r in results], "start_times": [r.start for r in results],
-            "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results]}
 
 
 def result_path(output_dir: str, filename: str | None, record: dict) -> str:
