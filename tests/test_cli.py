@@ -162,6 +162,32 @@ def test_the_docs_command_lines_use_options_their_command_has():
             seen += 1
     assert seen >= 30
 
+def test_the_metrics_docs_name_what_metrics_exports():
+    """Every metric a scrape exports is in docs/MONITORING.md's table and docs/SERVER.md's Metrics section,
+    with every label value of its reasons; every `tokenmill:` or `vllm:` name the user docs give is exported
+    (the GPU gauges where pynvml is importable)."""
+    from prometheus_client import generate_latest
+    from tokenmill.engine import metrics
+    stats = {key: 0 for key in metrics._STATS}
+    stats["iteration_tokens"] = [1] * (len(metrics.ITERATION_TOKENS_BUCKETS) + 1)
+    page = generate_latest(metrics.ServerMetrics("m", lambda: stats).registry).decode()
+    exported = {name for name in re.findall(r"^# TYPE (\S+) ", page, re.M) if not name.endswith("_created")}
+    assert len(exported) >= 35, exported
+    server = _doc("docs/SERVER.md")      # its Metrics section names the swap metrics of "Preemption"
+    for name, text in (("docs/MONITORING.md", _doc("docs/MONITORING.md")),
+                       ("docs/SERVER.md", server.split("\n## Preemption", 1)[1].split("\n## ", 1)[0]
+                        + server.split("\n## Metrics", 1)[1].split("\n## ", 1)[0])):
+        missing = [m for m in sorted(exported) if not re.search(re.escape(m) + r"(?![\w:])", text)]
+        assert not missing, f"{name} does not name {missing}"
+        rejected = text.split("request_rejected_total{reason}", 1)[1].split("tokenmill:", 1)[0]
+        for reason in metrics.REJECT_REASONS:
+            assert f"`{reason}`" in rejected, f"{name}: request_rejected_total's reasons lack {reason}"
+    gpu = {"tokenmill:gpu_memory_used_bytes", "tokenmill:gpu_memory_total_bytes", "tokenmill:gpu_utilization_perc"}
+    named = {m for p in USER_DOCS if not p.endswith("BENCHMARKS.md")
+             for m in re.findall(r"(?<![\w:])((?:tokenmill|vllm):[a-z_]+[a-z])", _doc(p))}
+    assert not named - exported - gpu, sorted(named - exported - gpu)
+
+
 # ---- serve --model, the log flags, generate's separator -----------------------------------------------
 @pytest.fixture
 def served(monkeypatch):
