@@ -658,8 +658,10 @@ def test_a_surrogate_pair_is_one_character(guarded):
 # ----- 5: the key before the body, docs behind the key ----------------------------------------------------
 def test_routes_answer_under_the_root_path_and_responses_carry_request_ids(guarded):
     """--root-path /llm: a proxy that keeps the prefix and one that strips it reach the same routes, the open
-    paths stay open under it, and the schema names it. --enable-request-id-headers: every answer, a refusal
-    included, carries X-Request-Id, the client's own where it sent one."""
+    paths stay open under it, and the schema names it, with no deprecation warning at start (FastAPI's
+    root_path argument printed one). --enable-request-id-headers: every answer, a refusal included, carries
+    X-Request-Id, the client's own where it sent one."""
+    assert "Warning" not in guarded.log_path.read_text()
     for path in ("/llm/health", "/llm/metrics"):
         assert httpx.get(guarded.url + path).status_code == 200, path
     assert httpx.get(guarded.url + "/llm/v1/models").status_code == 401

@@ -205,8 +205,11 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         engine.attach()
         yield
 
-    app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan, root_path=root_path,
+    app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan,
                   **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
+    # set on the app, not passed to FastAPI(), whose root_path argument warns that it is deprecated: the
+    # app puts it in every request's scope, so routes answer with the prefix and without it
+    app.root_path = root_path
     app.router.route_class = _OrjsonRoute
     app.state.serving = serving
     app.state.engine = engine
