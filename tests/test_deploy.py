@@ -84,6 +84,15 @@ def test_the_image_listens_on_every_interface():
     assert cli.build_parser()[0].parse_args([*entry[1:], "/models/M", "--host", "::"]).host == "::"
 
 
+def test_the_image_has_the_c_compiler_triton_builds_its_launchers_with():
+    """Triton compiles its driver module and every kernel launcher from C at run time (gcc, else clang,
+    else $CC); python:*-slim ships no compiler, so the first kernel failed with "Failed to find C compiler"."""
+    text = open(os.path.join(ROOT, "deploy", "Dockerfile")).read()
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    installed = " ".join(re.findall(r"apt-get install ([^&\n]*)", text))
+    assert "slim" not in base or re.search(r"(?<![\w-])(gcc|clang)(?![\w-])", installed), (base, installed)
+
+
 def test_compiled_kernels_outlive_a_container_restart():
     """Triton's cache is on a writable pod volume, not in the container's own layer, which a restart
     discards: a restarted server finds its kernels compiled (docs/DEPLOY.md)."""
