@@ -415,6 +415,31 @@ def test_a_compile_queued_for_an_aborted_request_never_runs():
     assert compiled == ["a", "c"] and set(client.compiling) == {"a", "c"} and not other.compiling
 
 
+def test_compile_threads_and_the_threads_they_start_run_nicer_than_the_core():
+    """A compile holds no GIL, but xgrammar spreads it over 8 workers of its own: at the core's priority they
+    took 8/9 of the process's CPU from the loop thread (runnable, waiting for a core) and slowed every stream
+    beside the compile. The compile threads run COMPILE_NICE nicer, and so do the threads they start."""
+    import os
+    import threading
+
+    from tokenmill.engine.structured_output import COMPILE_NICE, compile_pool
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def compile_thread() -> tuple[int, int]:
+        started = []
+        worker = threading.Thread(target=lambda: started.append(nice()))    # as xgrammar starts its workers
+        worker.start()
+        worker.join()
+        return nice(), started[0]
+    pool = compile_pool()
+    try:
+        assert pool.submit(compile_thread).result() == (min(19, nice() + COMPILE_NICE),) * 2
+    finally:
+        pool.shutdown()
+
+
 def test_a_grammar_that_waits_for_a_busy_compile_thread_is_a_503(qwen3_dir, monkeypatch):
     """Compiles past MAX_COMPILE_SECONDS keep their threads (a compile cannot be interrupted), so such specs,
     one a thread, left every later uncached grammar queued until one of them ended, however long. A

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import traceback
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
@@ -287,8 +287,8 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
     # engines without grammars (a test factory's) add every request at once
     compiler = None
     if hasattr(engine, "grammar_to_compile"):
-        from tokenmill.engine.structured_output import COMPILE_THREADS
-        compiler = ThreadPoolExecutor(COMPILE_THREADS, "grammar")
+        from tokenmill.engine.structured_output import compile_pool
+        compiler = compile_pool()
     clients = [_Client(i, len(conns), conn, compiler) for i, conn in enumerate(conns)]
     freeze_startup_objects()
     for client in clients:
