@@ -64,8 +64,8 @@ COMPILE_THREADS = 4
 # The compile threads run this much nicer than the engine core (`compile_pool`), and so do the 8 workers
 # xgrammar starts for each compile (a thread starts with its creator's nice value). A compile holds no GIL,
 # but at the core's priority its 8 workers took equal shares of the cores beside the loop thread, which
-# waited, runnable, for one (3,000 tools on the loaded 2-core CPU machine: the loop ran 8-11% of the time
-# while they compiled, 30-37% before). At nice 5 the 8 weigh about 2.6 loop threads: it ran 19-31%. At 10
+# waited, runnable, for one (3,000 tools on the loaded 2-core CPU machine: the loop ran 7-11% of the time
+# while they compiled, 30-44% before). At nice 5 the 8 weigh about 2.6 loop threads: it ran 19-41%. At 10
 # the compile, starved by the host's other work as well, passed MAX_COMPILE_SECONDS there (twice in two).
 COMPILE_NICE = 5
 # The engine core waits at most this long (wall time) for a grammar that has begun to compile; its request
