@@ -86,9 +86,14 @@ def compile_pool() -> ThreadPoolExecutor:
 
 
 def _lower_priority() -> None:
-    # Linux keeps a nice value per thread: this lowers the calling thread's only (capped at 19)
+    # Linux keeps a nice value per thread: this lowers the calling thread's only (capped at 19). Elsewhere a
+    # thread id is no process id: the threads keep the core's priority (an initializer that raised would
+    # break the pool, and every compile with it)
     tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE))
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE))
+    except OSError:
+        pass
 
 
 class StructuredOutputManager:
