@@ -116,7 +116,7 @@ def test_logprobs_and_n(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
                                                     ignore_eos=True))[0]
     comp = out.outputs[0]
-    assert len(comp.logprobs) == 5
+    assert type(comp.logprobs) is list and len(comp.logprobs) == 5       # vLLM's list of dicts
     for tok, entry in zip(comp.token_ids, comp.logprobs):
         assert entry[tok].rank == 1                  # greedy picks the most likely token
         assert len(entry) == 3

@@ -252,10 +252,21 @@ class LLM:
                 self.engine.stop_sequences(stops)
             for out in outputs:
                 if out.finished and out.request_id in pending:
-                    done[out.request_id] = out
+                    done[out.request_id] = _with_listed_logprobs(out)
                     pending.discard(out.request_id)
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _with_listed_logprobs(out: RequestOutput) -> RequestOutput:
+    """`out` with its logprobs as vLLM's `LLM.generate` returns them: lists of `dict[int, Logprob]` (the output
+    processor keeps them flat, for the API server's sake)."""
+    for c in out.outputs:
+        if c.logprobs is not None:
+            c.logprobs = list(c.logprobs)
+    if out.prompt_logprobs is not None:
+        out.prompt_logprobs = list(out.prompt_logprobs)
+    return out

@@ -7,13 +7,14 @@ at once and is reported back (`process` returns it) so that the core stops it an
 tokens of that sequence already in flight in the core are dropped when they arrive.
 
 Each request's `RequestOutput` is one object, updated in place: token lists grow by appending, so a
-step costs the frontend work in proportion to the tokens it made.
+step costs the frontend work in proportion to the tokens it made. Logprobs stay the core's numbers, in
+`FlatLogprobs`: their dicts of `Logprob` are built where a response is encoded, not here on the event loop.
 """
 from __future__ import annotations
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.step_outputs import StepOutputs
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
 
 
 class _Sequence:
@@ -55,7 +56,7 @@ class OutputProcessor:
         for i in range(params.n):
             out = CompletionOutput(index=i, text="", token_ids=[],
                                    cumulative_logprob=0.0 if want_logprobs else None,
-                                   logprobs=[] if want_logprobs else None)
+                                   logprobs=FlatLogprobs(self.token_text) if want_logprobs else None)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -92,9 +93,13 @@ class OutputProcessor:
         for handle, raw in step.prompt_logprobs:
             req = requests.get(handle)
             if req is not None:
-                ids = req.output.prompt_token_ids
-                req.output.prompt_logprobs = [
-                    None if entry is None else self._entry(ids[pos], *entry) for pos, entry in enumerate(raw)]
+                flat = FlatLogprobs(self.token_text)
+                for token, entry in zip(req.output.prompt_token_ids, raw):
+                    if entry is None:
+                        flat.append_none()
+                    else:
+                        flat.append(token, *entry)
+                req.output.prompt_logprobs = flat
         logprobs = step.logprobs
         # a sequence that ends on an end-of-sequence or stop token id: that last token is not text
         silent = {f[4] for f in step.finished if f[4] >= 0}
@@ -112,7 +117,7 @@ class OutputProcessor:
                 # the step's rows hold as many alternatives as the batch's largest ask: this request's own
                 values, ids, rank = logprobs[j]
                 k = req.logprobs + 1
-                out.logprobs.append(self._entry(ids[0], values[0], rank, ids[1:k], values[1:k]))
+                out.logprobs.append(ids[0], values[0], rank, ids[1:k], values[1:k])
                 out.cumulative_logprob += values[0]
             detok = seq.detok
             if detok is not None and not (silent and j in silent):
@@ -157,13 +162,6 @@ class OutputProcessor:
                 reason, stop_reason = "stop", hit
             out.text = seq.detok.output_text(True)
         out.finish_reason, out.stop_reason = reason, stop_reason
-
-    def _entry(self, token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
-        """{token id: Logprob}: the token at its rank, then the most likely ones (ranks 1, 2, ...)."""
-        entry = {token: Logprob(value, rank, self.token_text(token))}
-        for r, (tid, v) in enumerate(zip(top_ids, top_values)):
-            entry.setdefault(tid, Logprob(v, r + 1, self.token_text(tid)))
-        return entry
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text, special tokens included (as logprobs show it)."""
