@@ -71,8 +71,8 @@ class ChatOptions:
                                  f"known: {', '.join(sorted(REASONING_PARSERS))}")
 
 
-# the most logprob entries (a token's, or one of its top alternatives) one request may ask for: ~2.7 GB of the
-# frontend's memory and 300 MB of JSON at the most
+# the most logprob entries (a token's, or one of its top alternatives) one request may ask for: 300 MB of JSON
+# at the most (64 MB held flat until it finishes)
 MAX_LOGPROB_ENTRIES = 4_000_000
 # and all requests in flight together (admitted and not finished), counted as each could come to: without it,
 # a thousand queued requests at the limit above could ask for terabytes
@@ -175,8 +175,9 @@ class Serving:
         """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
         (the offline API instead stops such a request at the context length, finish_reason "length").
         And a request whose logprobs could come to more than `MAX_LOGPROB_ENTRIES` is refused: the frontend
-        holds every entry of a request until it finishes (~670 bytes each, its JSON ~75), so one request of
-        128 choices x 40,960 tokens x 21 entries would take the server's memory and every client with it.
+        holds every entry of a request until it finishes (16 bytes each, `FlatLogprobs`) and its answer's
+        JSON is ~75 bytes an entry, so one request of 128 choices x 40,960 tokens x 21 entries would be an
+        8 GB answer.
         `max_tokens_param`: the field the client gave max_tokens in; `prompt_in_each_choice`: the answer
         repeats a prompt's logprobs in each of its n choices (completions), so they count n times."""
         limit = self.engine.max_model_len
