@@ -81,6 +81,12 @@ def test_tools_are_rendered_through_the_template(agent_server):
     r = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"messages": USER, "tools": [WEATHER]})
     text = httpx.post(agent_server.url + "/detokenize", timeout=30, json={"tokens": r.json()["tokens"]}).json()
     assert "# Tools" in text["prompt"] and '"get_weather"' in text["prompt"]
+    # vLLM's fields that chat completions take at a no-op value, as /tokenize's messages form takes them
+    same = httpx.post(agent_server.url + "/tokenize", timeout=30, json={
+        "messages": USER, "tools": [WEATHER], "chat_template": None, "mm_processor_kwargs": {}})
+    assert same.status_code == 200 and same.json()["tokens"] == r.json()["tokens"], same.text
+    other = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"messages": USER, "chat_template": "{{ 1 }}"})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "chat_template", other.text
 
 
 def test_tool_choice_required_and_named(agent_server):

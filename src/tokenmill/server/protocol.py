@@ -264,16 +264,7 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _check_unsupported(self):
-        for name in self.model_fields_set:
-            if name in _UNSUPPORTED and name not in self.honored:
-                accepted, ok = _UNSUPPORTED[name]
-                value = getattr(self, name)
-                try:
-                    fine = ok(value)
-                except Exception:
-                    fine = False
-                if not fine:
-                    raise UnsupportedValue(name, f"'{name}' is not supported by tokenmill (only {accepted} is accepted)")
+        _refuse_unsupported(self, self.honored)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise UnsupportedValue("best_of", "'best_of' is not supported by tokenmill (only best_of == n is accepted)")
         if self.stream_options is not None and not self.stream:
@@ -819,6 +810,19 @@ def _tool_choice_value(choice):
     return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
+def _refuse_unsupported(req: BaseModel, honored: frozenset[str] = frozenset()) -> None:
+    """A 400 for an `_UNSUPPORTED` field the request set to a value that would change something."""
+    for name in req.model_fields_set:
+        if name in _UNSUPPORTED and name not in honored:
+            accepted, ok = _UNSUPPORTED[name]
+            try:
+                fine = ok(getattr(req, name))
+            except Exception:
+                fine = False
+            if not fine:
+                raise UnsupportedValue(name, f"'{name}' is not supported by tokenmill (only {accepted} is accepted)")
+
+
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or messages through the chat template (with its fields as chat
     completions take them); `return_token_strs` adds each token's vocabulary string."""
@@ -834,11 +838,15 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     documents: list[dict[str, str]] | None = None
     return_token_strs: bool | None = False
+    # vLLM's, as chat completions take them: accepted at a no-op value (`_UNSUPPORTED`)
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
 
     _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
 
     @model_validator(mode="after")
     def _one_input(self):
+        _refuse_unsupported(self)
         if (self.prompt is None) == (self.messages is None):
             raise UnsupportedValue("prompt", "give exactly one of 'prompt' or 'messages'")
         if self.messages is not None:
