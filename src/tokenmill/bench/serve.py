@@ -126,9 +126,11 @@ def parse_levels(text: str) -> list[int]:
 
 def check_sweep_args(args) -> None:
     """Refuses, naming the flag and its value, what `run_sweep` could not run, before the server is asked
-    anything; `args.request_rate` becomes a float and `args.max_concurrency` the list of levels."""
-    parse_goodput(args.goodput)
-    parse_metadata(args.metadata, compute_metrics([], 1.0, None, parse_percentiles(args.metric_percentiles)))
+    anything; `args.request_rate` becomes a float, `args.max_concurrency` the list of levels, and
+    `args.goodput`, `args.metric_percentiles` and `args.metadata` their parsed values, which `run_sweep` reads."""
+    args.goodput = parse_goodput(args.goodput)
+    args.metric_percentiles = parse_percentiles(args.metric_percentiles)
+    args.metadata = parse_metadata(args.metadata, compute_metrics([], 1.0, None, args.metric_percentiles))
     args.max_concurrency = parse_levels(args.max_concurrency)
     try:
         rate = float(args.request_rate)
@@ -698,8 +700,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> list[dict]:
     if not requests:
         raise SystemExit(f"dataset {args.dataset!r} holds no conversation long enough to send: a prompt of 4 or "
                          "more characters and an answer of 4 or more tokens (characters / 4 without --tokenizer)")
-    slos = parse_goodput(args.goodput)
-    percentiles = parse_percentiles(args.metric_percentiles)
+    slos, percentiles = args.goodput, args.metric_percentiles
     rate, levels = args.request_rate, args.max_concurrency
     structured = structured_indices(len(requests), args.structured_fraction)
     tools = structured_indices(len(requests), args.tools_fraction)
@@ -726,7 +727,7 @@ def run_sweep(args, argv: list[str], on_level=None) -> list[dict]:
              "endpoint_type": request_format, "backend": request_format,
              "label": args.label or info.get("owned_by") or "server", "model_id": model,
              "tokenizer_id": args.tokenizer, "num_prompts": len(requests),
-             **parse_metadata(args.metadata, compute_metrics([], 1.0, None, percentiles))}
+             **args.metadata}
     provenance = {
         "command": "tokenmill bench " + " ".join(argv),
         "git_commit": git_commit(),
