@@ -71,25 +71,25 @@ class ChoiceText:
         return RequiredCalls()
 
     def message(self, text: str) -> dict:
-        msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
+        msg: dict = {"role": "assistant", "content": text}
+        calls: list[dict] = []
         if self.reasoning is not None:
             reasoning, text = self.reasoning.extract(text, prompt=self.prompt_text)
             msg["reasoning"] = msg["reasoning_content"] = reasoning if self.include_reasoning else None
             msg["content"] = text
         if self._calls is not None:
-            calls = self._constrained_calls()
-            calls.feed(text or "")
-            calls.finish()
-            msg["content"] = None if calls.calls else text
-            msg["tool_calls"] = calls.calls
+            constrained = self._constrained_calls()
+            constrained.feed(text or "")
+            constrained.finish()
+            calls = constrained.calls
+            msg["content"] = None if calls else text
         elif self.tools is not None and text:
             extracted = self.tools.extract(text)
             msg["content"] = extracted.content
-            msg["tool_calls"] = [c.to_openai() for c in extracted.tool_calls][:1 if self.one_call else None]
-        self.called_tools = bool(msg["tool_calls"])
-        if not self.called_tools:
-            # as OpenAI leaves it out: clients loop while `message.tool_calls is not None`
-            del msg["tool_calls"]
+            calls = [c.to_openai() for c in extracted.tool_calls][:1 if self.one_call else None]
+        self.called_tools = bool(calls)
+        if calls:       # else left out, as OpenAI does: clients loop while `message.tool_calls is not None`
+            msg["tool_calls"] = calls
         return msg
 
     def feed(self, text: str) -> list[dict]:
