@@ -114,6 +114,16 @@ def _vocab_size(engine) -> int | None:
     return None
 
 
+@dataclass
+class _Compile:
+    """A request waiting for its grammar: the compile's future, the request, when the compile was handed to
+    the pool (`queued`) and when the core's loop first saw it running (`started`)."""
+    future: Future
+    cmd: AddRequest
+    queued: float
+    started: float | None = None
+
+
 class _Client:
     """One client's pipe and the requests it has in the engine, to abort them if its pipe closes.
 
@@ -130,9 +140,7 @@ class _Client:
         # requests whose grammar compiles on `compiler`'s threads, added to the engine once it is ready, so
         # that a grammar of many seconds (thousands of tools) stalls no other request's steps
         self.compiler = compiler
-        self.compiling: dict[str, tuple[Future, AddRequest]] = {}
-        self.compile_queued: dict[str, float] = {}       # when the compile was handed to `compiler`
-        self.compile_started: dict[str, float] = {}      # when the loop first saw the compile running
+        self.compiling: dict[str, _Compile] = {}
 
     def apply(self, engine, cmd, update: CoreUpdate) -> bool:
         """Applies one command; returns False when the client leaves."""
@@ -146,8 +154,8 @@ class _Client:
             elif (grammar := engine.cached_grammar(cmd.params)) is not None:
                 self._add(engine, cmd, update, grammar)
             else:
-                self.compiling[cmd.request_id] = (self.compiler.submit(engine.compile_grammar, cmd.params), cmd)
-                self.compile_queued[cmd.request_id] = time.monotonic()
+                self.compiling[cmd.request_id] = _Compile(self.compiler.submit(engine.compile_grammar, cmd.params),
+                                                          cmd, time.monotonic())
         elif isinstance(cmd, StopSequences):
             engine.stop_sequences([(prefix + rid, index) for rid, index in cmd.sequences])
             for rid, index in cmd.sequences:
@@ -158,10 +166,8 @@ class _Client:
                 handle = self.handles.pop(rid, None)
                 self.live.pop(handle, None)
                 compiling = self.compiling.pop(rid, None)
-                self.compile_queued.pop(rid, None)
-                self.compile_started.pop(rid, None)
                 if compiling is not None:
-                    compiling[0].cancel()     # a compile still queued behind others never runs
+                    compiling.future.cancel()     # a compile still queued behind others never runs
         elif isinstance(cmd, Shutdown):
             return False
         return True
@@ -187,27 +193,27 @@ class _Client:
         from tokenmill.engine.structured_output import COMPILE_THREADS, MAX_COMPILE_SECONDS
         now = time.monotonic()
         ready, given_up = [], False
-        for rid, (future, cmd) in list(self.compiling.items()):
-            if future.done():
+        for rid, c in list(self.compiling.items()):
+            if c.future.done():
                 ready.append(rid)
-            elif future.running():
-                if now - self.compile_started.setdefault(rid, now) > MAX_COMPILE_SECONDS:
+            elif c.future.running():
+                if c.started is None:
+                    c.started = now
+                if now - c.started > MAX_COMPILE_SECONDS:
                     del self.compiling[rid]
-                    self.compile_queued.pop(rid, None)
-                    error = engine.grammar_too_slow(cmd.params, now - self.compile_started.pop(rid))
+                    error = engine.grammar_too_slow(c.cmd.params, now - c.started)
                     update.errors.append((rid, str(error), error.param))
                     given_up = True
-            elif now - self.compile_queued[rid] > MAX_COMPILE_SECONDS and future.cancel():
+            elif now - c.queued > MAX_COMPILE_SECONDS and c.future.cancel():
                 del self.compiling[rid]
-                waited = now - self.compile_queued.pop(rid)
+                waited = now - c.queued
                 update.busy.append((rid, f"The request's grammar waited {waited:,.1f} s for one of the engine's "
                                          f"{COMPILE_THREADS} grammar compile threads, all busy with other grammars "
                                          f"(the limit is {MAX_COMPILE_SECONDS:g} s); retry later."))
                 given_up = True
         for rid in ready:
-            self.compile_queued.pop(rid, None)
-            self.compile_started.pop(rid, None)
-            future, cmd = self.compiling.pop(rid)
+            c = self.compiling.pop(rid)
+            future, cmd = c.future, c.cmd
             error = future.exception()
             if error is None:
                 self._add(engine, cmd, update, future.result())
@@ -248,11 +254,9 @@ class _Client:
         engine.abort_request([self.prefix + rid for rid in self.handles])
         self.live.clear()
         self.handles.clear()
-        for future, _ in self.compiling.values():
-            future.cancel()
+        for c in self.compiling.values():
+            c.future.cancel()
         self.compiling.clear()
-        self.compile_queued.clear()
-        self.compile_started.clear()
         self.conn.close()
 
 
