@@ -147,3 +147,44 @@ def test_the_deployments_arguments_serve_drain_and_export_vllms_names(qwen3_dir,
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def _unit() -> dict[str, str]:
+    fields = {}
+    for line in open(os.path.join(ROOT, "deploy", "systemd", "tokenmill.service")):
+        if "=" in line and not line.startswith("#"):
+            key, value = line.rstrip("\n").split("=", 1)
+            fields[key] = value
+    return fields
+
+
+def test_the_systemd_unit_serves_on_loopback_where_nginx_points_and_drains_before_it_is_killed():
+    from tokenmill import cli
+    unit = _unit()
+    command = unit["ExecStart"].split()
+    assert command[0].endswith("/tokenmill") and command[1] == "serve"
+    args = cli.build_parser()[0].parse_args(command[1:])
+    assert args.host == "127.0.0.1"
+    nginx = open(os.path.join(ROOT, "deploy", "nginx", "tokenmill.conf")).read()
+    assert re.search(r"^\s*server 127\.0\.0\.1:(\d+);", nginx, re.M).group(1) == str(args.port)
+    # SIGTERM to the main process alone (it drains; the core and API servers ignore it), with as long to
+    # finish requests in flight as a Kubernetes pod has
+    assert (unit["KillSignal"], unit["KillMode"]) == ("SIGTERM", "mixed")
+    pod = _deployment()["spec"]["template"]["spec"]
+    assert int(unit["TimeoutStopSec"]) >= pod["terminationGracePeriodSeconds"]
+    assert unit["Restart"] == "on-failure" and unit["RestartPreventExitStatus"] == "2"
+    with pytest.raises(SystemExit) as refused:                 # a flag it does not know: exit 2, not retried
+        cli.build_parser()[0].parse_args([*command[1:], "--no-such-flag"])
+    assert refused.value.code == 2
+
+
+def test_nginx_lets_go_of_idle_connections_first_and_takes_the_bodies_the_server_takes():
+    from tokenmill.server.http_server import HTTPOptions
+    nginx = open(os.path.join(ROOT, "deploy", "nginx", "tokenmill.conf")).read()
+    upstream = re.search(r"upstream tokenmill \{(.*?)\}", nginx, re.S).group(1)
+    idle = float(re.search(r"keepalive_timeout (\d+)s;", upstream).group(1))
+    assert idle < HTTPOptions().timeout_keep_alive
+    body = re.search(r"client_max_body_size (\d+)m;", nginx).group(1)
+    assert int(body) * 1024 * 1024 == HTTPOptions().max_request_body_bytes
+    location = re.search(r"location / \{(.*?)\}", nginx, re.S).group(1)
+    assert "proxy_buffering off;" in location and "proxy_http_version 1.1;" in location
