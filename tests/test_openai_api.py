@@ -547,9 +547,10 @@ def test_text_offsets_pass_over_special_tokens_the_text_leaves_out(api_server):
     assert streamed == offsets
 
 
-def _in_process_api(tokenizer_path: str, chat_template: str | None = None):
-    """POST to the API in process, on this tokenizer (and chat template, `--chat-template`'s) and a stand-in
-    engine that answers a prompt with every prompt token's entry and one token."""
+def _in_process_api(tokenizer_path: str | None, chat_template: str | None = None, **app_options):
+    """POST to the API in process, on this tokenizer (None: none; and chat template, `--chat-template`'s) and a
+    stand-in engine that answers a prompt with every prompt token's entry and one token. `app_options` go to
+    `build_app`; the returned function takes another `method` and httpx's request arguments."""
     import asyncio
 
     from tokenmill.engine.output_processor import OutputProcessor
@@ -557,7 +558,7 @@ def _in_process_api(tokenizer_path: str, chat_template: str | None = None):
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.server.app import build_app
 
-    tok = Tokenizer(tokenizer_path)
+    tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else None
 
     class Engine:
         model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 64, False, None
@@ -572,12 +573,12 @@ def _in_process_api(tokenizer_path: str, chat_template: str | None = None):
                                                                          "length")], True, prompt_logprobs=entries)
 
     from tokenmill.server.serving import ChatOptions
-    app = build_app(Engine(), chat=ChatOptions(chat_template=chat_template))
+    app = build_app(Engine(), chat=ChatOptions(chat_template=chat_template), **app_options)
 
-    def post(path: str, body: dict) -> httpx.Response:
+    def post(path: str, body: dict | None = None, method: str = "POST", **kw) -> httpx.Response:
         async def send():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill") as c:
-                return await c.post(path, json=body)
+                return await c.request(method, path, json=body, **kw)
         return asyncio.run(send())
     return post
 

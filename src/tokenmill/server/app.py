@@ -7,9 +7,10 @@ import uuid
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import orjson
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from fastapi.routing import APIRoute
@@ -23,6 +24,7 @@ from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
 from tokenmill.server.guard import RequestGuard, api_keys
+from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store
 from tokenmill.server.protocol import (
@@ -232,6 +234,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(serving, req, raw)
+
+    @app.post("/invocations", responses=GENERATE, openapi_extra=INVOCATION_BODY)
+    async def invocations(raw: Request, body: Any = Body()):
+        # the body is parsed (and checked) as the endpoints' are; its fields pick the endpoint
+        req = invocation_request(body)
+        if isinstance(req, ChatCompletionRequest):
+            return await create_chat_completion(serving, req, raw)
+        return await create_completion(serving, req, raw)
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",

@@ -88,6 +88,9 @@ def unsupported_cause(errors: list[dict]) -> UnsupportedValue | None:
                  if isinstance((e.get("ctx") or {}).get("error"), UnsupportedValue)), None)
 
 
+NOT_READ_AS_JSON = "The request body was not read as JSON: send it with 'Content-Type: application/json'."
+
+
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message naming the offending fields, and the first field as `param`."""
     errors = exc.errors()
@@ -104,7 +107,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         return str(cause), cause.field
     if any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
         # FastAPI reads a body as JSON only when its Content-Type says so (curl -d sends a form's)
-        return ("The request body was not read as JSON: send it with 'Content-Type: application/json'.", None)
+        return NOT_READ_AS_JSON, None
     parts, param, seen = [], None, set()
     for e in errors:
         loc = _field_path(e)
@@ -112,7 +115,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         param = param or (loc[0] if loc else None)
         message = f"{where}: {e.get('msg', 'invalid value')}"
         if "input" in e and (e.get("type", "").endswith("_type") or e.get("type") in ("literal_error", "enum")):
-            message += f" (got {_kind(e['input'])})"
+            message += f" (got {json_kind(e['input'])})"
         if message not in seen and len(parts) < 5:
             seen.add(message)
             parts.append(message)
@@ -133,7 +136,7 @@ def _field_path(error: dict) -> list[str]:
     return path + ([last] if last is not None else [])
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
     """A value's JSON type, for 'expected X (got Y)' messages."""
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"

@@ -1,0 +1,77 @@
+"""SageMaker's `POST /invocations`, answered as the endpoint its body's fields pick, on the API in process
+(`_in_process_api`: the test tokenizer and a stand-in engine)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_openai_api import _in_process_api
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+COMPLETION = {"prompt": "hello world", "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def api(tokenizer_dir):
+    """A key and a 4 KiB body limit."""
+    post = _in_process_api(tokenizer_dir, api_key="k", max_request_body_bytes=4096)
+    return lambda path, body=None, method="POST", **kw: post(
+        path, body, method, **{"headers": {"Authorization": "Bearer k"}, **kw})
+
+
+def _answer(r) -> tuple:
+    """A response without what differs between two answers to one body (ids, times)."""
+    def strip(obj: dict) -> dict:
+        return {k: v for k, v in obj.items() if k not in ("id", "created")}
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        body = [e if e == "[DONE]" else strip(json.loads(e)) for e in events]
+    else:
+        body = strip(r.json())
+    return r.status_code, r.headers["content-type"], body
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "stream": True}),
+    ("/v1/completions", COMPLETION), ("/v1/completions", {**COMPLETION, "stream": True, "logprobs": 1}),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}),          # the chat endpoint's validation
+    ("/v1/chat/completions", {**CHAT, "prompt": "x"}),                 # messages pick chat: prompt is unknown
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}),              # 404 model_not_found
+    ("/v1/completions", {**COMPLETION, "max_tokens": 1.5}),
+    ("/v1/completions", {**COMPLETION, "n": 0}),
+    ("/v1/completions", {"prompt": list(range(64))}),                  # the context: refused before validation
+], ids=["chat", "chat-stream", "completion", "completion-stream", "chat-bad-type", "chat-unknown-field",
+        "unknown-model", "completion-bad-type", "completion-bad-value", "context"])
+def test_invocations_answers_as_the_endpoint_its_body_picks(api, endpoint, body):
+    direct, invoked = api(endpoint, body), api("/invocations", body)
+    assert _answer(invoked) == _answer(direct), (invoked.text, direct.text)
+
+
+@pytest.mark.parametrize("content", [b'{"prompt": "x",', b'{"prompt": "\\udfff"}',
+                                     b'{"prompt": %s}' % (b"[" * 70 + b"]" * 70)],
+                         ids=["malformed", "surrogate", "too-deep"])
+def test_invocations_parses_the_body_as_the_endpoints_do(api, content):
+    headers = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    invoked = api("/invocations", content=content, headers=headers)
+    assert invoked.status_code == 400 and invoked.json() == api("/v1/completions", content=content,
+                                                                  headers=headers).json()
+    form = api("/invocations", content=b'{"prompt": "x"}', headers={**headers, "Content-Type": "text/plain"})
+    assert form.status_code == 400 and "Content-Type: application/json" in form.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,says", [({"input": "x"}, "its fields are 'input'). A Responses body"),
+                                       ({}, "it has no fields"), ([CHAT], "(got array)")])
+def test_invocations_names_the_fields_it_looked_for(api, body, says):
+    r = api("/invocations", body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+    assert "'messages'" in error["message"] and "'prompt'" in error["message"] and says in error["message"], error
+
+
+def test_invocations_needs_the_key_and_keeps_the_body_limit(api):
+    no_key = api("/invocations", CHAT, headers={})
+    assert no_key.status_code == 401 and no_key.json() == api("/v1/chat/completions", CHAT, headers={}).json()
+    big = {**COMPLETION, "prompt": "x" * 5000}
+    r = api("/invocations", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
