@@ -220,7 +220,7 @@ def connections_by_pid(pids: list[int], port: int) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def servers(qwen3_dir, tmp_path_factory):
-    s = Servers(qwen3_dir, tmp_path_factory.mktemp("api-servers"))
+    s = Servers(qwen3_dir, tmp_path_factory.mktemp("api-servers"), "--enable-tokenizer-info-endpoint")
     yield s
     s.stop(signal.SIGKILL)
 
@@ -293,6 +293,24 @@ def test_several_api_servers_store_no_responses(servers):
                                 json={"input": "x", "previous_response_id": r.json()["id"]}),
                      httpx.get(servers.url + f"/v1/responses/{r.json()['id']}", timeout=60)):
         assert response.status_code == 400 and "--api-server-count" in response.json()["error"]["message"]
+
+
+def test_every_api_server_serves_tokenizer_info(servers):
+    """--enable-tokenizer-info-endpoint reaches each API server process: 16 requests at once, each on a
+    connection of its own, are answered 200 whichever process accepted them (both did)."""
+    held: dict[int, int] = {}
+    for _ in range(5):          # the kernel gives each connection to the first process to accept it
+        async def main():
+            async with httpx.AsyncClient(base_url=servers.url, timeout=60,
+                                         limits=httpx.Limits(max_connections=16)) as c:
+                answers = await asyncio.gather(*(c.get("/tokenizer_info") for _ in range(16)))
+                return answers, connections_by_pid(servers.api_pids, servers.port)
+        answers, by_pid = asyncio.run(main())
+        assert all(r.status_code == 200 and r.json()["eos_token"] == "<|im_end|>" for r in answers), answers[0].text
+        held = {pid: held.get(pid, 0) + n for pid, n in by_pid.items()}
+        if all(held.values()):
+            break
+    assert all(held.values()), held
 
 
 def test_sigterm_drains_every_api_server_and_exits_0(servers, want):

@@ -401,6 +401,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--backend", "hf", "--root-path", "/llm"], "--root-path needs --backend tokenmill"),
     ("serve", ["--backend", "hf-cb", "--api-key", "k"], "--api-key (or $VLLM_API_KEY) needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--enable-request-id-headers"], "--enable-request-id-headers needs --backend tokenmill"),
+    ("serve", ["--backend", "hf", "--enable-tokenizer-info-endpoint"],
+     "--enable-tokenizer-info-endpoint needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
      "--ssl-certfile (HTTPS) needs --backend tokenmill"),
     ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),

@@ -1,5 +1,6 @@
-"""SageMaker's `POST /invocations`, answered as the endpoint its body's fields pick, on the API in process
-(`_in_process_api`: the test tokenizer and a stand-in engine)."""
+"""Two routes vLLM deployments use, on the API in process (`_in_process_api`: the test tokenizer and a
+stand-in engine): SageMaker's `POST /invocations`, answered as the endpoint its body's fields pick, and
+`GET /tokenizer_info` (`--enable-tokenizer-info-endpoint`)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ COMPLETION = {"prompt": "hello world", "max_tokens": 1}
 
 @pytest.fixture(scope="module")
 def api(tokenizer_dir):
-    """A key and a 4 KiB body limit."""
-    post = _in_process_api(tokenizer_dir, api_key="k", max_request_body_bytes=4096)
+    """A key, a 4 KiB body limit and /tokenizer_info on."""
+    post = _in_process_api(tokenizer_dir, api_key="k", max_request_body_bytes=4096,
+                           enable_tokenizer_info_endpoint=True)
     return lambda path, body=None, method="POST", **kw: post(
         path, body, method, **{"headers": {"Authorization": "Bearer k"}, **kw})
 
@@ -75,3 +77,32 @@ def test_invocations_needs_the_key_and_keeps_the_body_limit(api):
     big = {**COMPLETION, "prompt": "x" * 5000}
     r = api("/invocations", big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+
+def test_tokenizer_info_is_the_tokenizer_config_as_loaded(api, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    r = api("/tokenizer_info", method="GET")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    info = r.json()
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert info["tokenizer_class"] == type(hf).__name__
+    assert (info["eos_token"], info["pad_token"], info["bos_token"]) == ("<|im_end|>", "<|endoftext|>", None)
+    # transformers' "no limit", past orjson's 64-bit integers, as the config file writes it
+    assert info["model_max_length"] == 1000000000000000019884624838656 == hf.init_kwargs["model_max_length"]
+    assert info["added_tokens_decoder"] == {"0": "<|endoftext|>", "1": "<|im_start|>", "2": "<|im_end|>",
+                                            "400": "<think>", "401": "</think>"}
+    assert info["chat_template"] == hf.chat_template
+    assert not {"name_or_path", "vocab_file", "is_local", "local_files_only"} & set(info), info
+    assert api("/tokenizer_info", method="GET", headers={}).status_code == 401
+
+
+def test_tokenizer_info_is_off_unless_asked_and_says_why_it_cannot_answer(tokenizer_dir):
+    off = _in_process_api(tokenizer_dir)("/tokenizer_info", method="GET")
+    assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+    template = "{{ messages[0]['content'] }}"
+    own = _in_process_api(tokenizer_dir, template, enable_tokenizer_info_endpoint=True)("/tokenizer_info",
+                                                                                        method="GET")
+    assert own.json()["chat_template"] == template          # the one chat requests are rendered with
+    none = _in_process_api(None, enable_tokenizer_info_endpoint=True)("/tokenizer_info", method="GET")
+    assert none.status_code == 404 and "without a tokenizer" in none.json()["error"]["message"], none.text

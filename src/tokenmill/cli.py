@@ -473,6 +473,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
     given = [flag for flag, on in (("--api-key (or $VLLM_API_KEY)", args.api_key is not None),
                                    ("--ssl-certfile (HTTPS)", args.ssl_certfile is not None),
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
+                                   ("--enable-tokenizer-info-endpoint", args.enable_tokenizer_info_endpoint),
                                    ("--root-path", args.root_path),
                                    ("--enable-request-id-headers", args.enable_request_id_headers),
                                    ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
@@ -579,6 +580,9 @@ def add_http_args(p: argparse.ArgumentParser):
                    help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (vLLM's): the tokenizer's class and configuration, its chat "
+                        "template included, which may be the deployment's own")
     p.add_argument("--root-path", default=d.root_path,
                    help="the path prefix under which a proxy in front serves this server (e.g. /llm): routes "
                         "answer with and without it, and the OpenAPI schema names it")
@@ -600,7 +604,8 @@ def http_options(args):
                        allowed_origins=_flat(args.allowed_origins), allowed_methods=_flat(args.allowed_methods),
                        allowed_headers=_flat(args.allowed_headers), allow_credentials=args.allow_credentials,
                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                       ssl_cert_reqs=args.ssl_cert_reqs, docs=not args.disable_fastapi_docs, root_path=args.root_path,
+                       ssl_cert_reqs=args.ssl_cert_reqs, docs=not args.disable_fastapi_docs,
+                       tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
                        request_id_headers=args.enable_request_id_headers)
 
 

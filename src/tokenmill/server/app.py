@@ -19,7 +19,7 @@ from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth, truncated_length
-from tokenmill.server import errors
+from tokenmill.server import errors, tokenizer_info
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
@@ -182,7 +182,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
               allowed_headers: list[str] | None = None, allow_credentials: bool = False,
               chat: ChatOptions = ChatOptions(), metrics_dir: str | None = None,
               store_responses: bool = True, sampling_defaults: dict | None = None, docs: bool = True,
-              root_path: str = "", request_id_headers: bool = False, stream_interval: int = 1) -> FastAPI:
+              root_path: str = "", request_id_headers: bool = False, stream_interval: int = 1,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The API key (when given; any of several) guards every path but /health, /ping, /metrics and /version, the
     OpenAPI docs included; it is checked, like the body size, before any body is read. `metrics_dir`:
     the prometheus_client multiprocess directory that several API server processes share.
@@ -191,7 +192,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     those fields unset sample with (`generation_config.sampling_defaults`). `docs`: serve /docs, /redoc and
     /openapi.json. `root_path`: the prefix under which a proxy serves this app (paths answer with it and
     without it). `request_id_headers`: every response carries X-Request-Id (`RequestIdHeaders`).
-    `stream_interval`: a streamed request's tokens go out that many at a time (its first and last at once)."""
+    `stream_interval`: a streamed request's tokens go out that many at a time (its first and last at once).
+    `enable_tokenizer_info_endpoint`: serve GET /tokenizer_info (off by default, as vLLM's: it shows the chat
+    template)."""
     names = list(served_model_names or [engine.model_name])
     serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults, stream_interval)
     if store_responses:
@@ -309,6 +312,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         except (OverflowError, ValueError, TypeError) as e:
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})
+
+    @app.get("/tokenizer_info", responses=LOOKUP, include_in_schema=enable_tokenizer_info_endpoint)
+    async def get_tokenizer_info():
+        if not enable_tokenizer_info_endpoint:
+            raise APIError(404, "GET /tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint "
+                                "(off by default, as it shows the chat template).")
+        info = tokenizer_info.tokenizer_info(serving.prompts.tokenizer, serving.prompts.chat_template)
+        return Response(tokenizer_info.dumps(info), media_type="application/json")
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response, responses=HEALTH)
     async def health():

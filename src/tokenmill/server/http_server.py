@@ -48,6 +48,7 @@ class HTTPOptions:
     ssl_ca_certs: str | None = None      # the CAs that client certificates are checked against
     ssl_cert_reqs: int = ssl.CERT_NONE   # CERT_OPTIONAL / CERT_REQUIRED: ask clients for a certificate
     docs: bool = True                    # /docs, /redoc and /openapi.json
+    tokenizer_info: bool = False         # GET /tokenizer_info (it shows the chat template)
     root_path: str = ""                  # the path prefix of a proxy in front (FastAPI's root_path)
     request_id_headers: bool = False     # X-Request-Id on every response
 
@@ -233,6 +234,7 @@ def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_c
                         allowed_origins=list(http.allowed_origins), allowed_methods=list(http.allowed_methods),
                         allowed_headers=list(http.allowed_headers), allow_credentials=http.allow_credentials,
                         docs=http.docs, root_path=http.root_path, request_id_headers=http.request_id_headers,
+                        enable_tokenizer_info_endpoint=http.tokenizer_info,
                         metrics_dir=options.metrics_dir, store_responses=options.api_servers == 1,
                         sampling_defaults=dict(options.sampling_defaults), stream_interval=options.stream_interval,
                         **({"chat": options.chat} if options.chat is not None else {}))
