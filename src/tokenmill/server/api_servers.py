@@ -2,9 +2,17 @@
 
 One API server process (FastAPI, uvicorn, uvloop) tops out around 20-25K SSE chunks a second
 (lab/sse_harness_probe.py); past that its streams' chunks bunch up and inter-token latency grows. Here the
-parent process binds the socket and starts the engine core once, with one pipe per API server, then
-starts N API server processes (spawn), each serving the same app on the inherited listening socket and
-talking to the core over its own pipe. Each new connection goes to whichever process accepts it first.
+parent process binds the socket and starts the engine core, with one pipe per API server, and at once N
+API server processes (spawn), each serving the same app on the inherited listening socket and talking to
+the core over its own pipe. Each new connection goes to whichever process accepts it first.
+
+Start-up: an API server imports what it serves with (the app, and transformers for the tokenizer: seconds
+of a CPU core) while the core loads its model, then waits. The parent reads the core's announcement
+(`CoreReady`) and hands it to each over its control pipe: only then does an API server load the tokenizer
+(from where the core names it), build the app and accept connections, so that no request reaches it
+before its core client is usable (connections wait in the socket's backlog meanwhile). A core that fails
+to start, an API server that dies first, or a signal, ends the start: the API servers and the core are
+killed (none serves yet); the exit status is 1, or 0 after a signal.
 
 The parent alone takes signals. Its k-th SIGTERM/SIGINT is passed to every API server over a control
 pipe as "act as if you had received k" (1: drain, 2: stop at once, 3: close every connection), so a signal
@@ -33,11 +41,14 @@ from multiprocessing.connection import Connection, wait
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError
-from tokenmill.server.http_server import DrainingServer, ServeOptions, announce, configure_logging, serve
+from tokenmill.engine.tokenizer import import_tokenizer_modules
+from tokenmill.server.http_server import (DrainingServer, ServeOptions, announce, configure_logging,
+                                          import_app_modules, serve)
 
 log = logging.getLogger("tokenmill.server")
 
 _READY = "ready"
+_STARTUP_TIMEOUT_S = 600.0   # the engine core's to load its model and announce itself
 _METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _STOP_NOW = 2          # the signal count at which an API server cuts its requests
 _KILL_AFTER_S = 15.0   # an API server told to stop at once that is still alive after this is killed
@@ -74,13 +85,19 @@ class _ApiServer(DrainingServer):
             self.handle_exit(signal.SIGTERM, None)
 
 
-def _api_server(client: CoreClient, sock: socket.socket, control: Connection, config,
+def _api_server(conn: Connection, index: int, count: int, sock: socket.socket, control: Connection, config,
                 options: ServeOptions) -> None:
-    """Process entry point of one API server."""
+    """Process entry point of one API server: client `index` of `count` of the core on `conn`."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     configure_logging(options)
-    engine = AsyncLLM(config, client=client)
+    import_app_modules()
+    import_tokenizer_modules(config.tokenizer or config.model)
+    try:
+        ready = control.recv()             # the core's announcement, once the parent has it
+    except EOFError:
+        sys.exit(1)                        # the parent is gone
+    engine = AsyncLLM(config, client=CoreClient(conn, ready, index, count))
     try:
         code = serve(engine, sock, options, functools.partial(_ApiServer, control=control))
     finally:
@@ -95,9 +112,9 @@ class _Child:
     control: Connection
     ready: bool = False
 
-    def tell(self, count: int) -> None:
+    def tell(self, message) -> None:
         try:
-            self.control.send(count)
+            self.control.send(message)
         except OSError:
             pass                           # it is exiting; its sentinel says so
 
@@ -132,33 +149,38 @@ class _Signals:
 
 def run_api_servers(config, sock: socket.socket, host: str, options: ServeOptions, count: int,
                     engine_factory: str | None) -> int:
-    try:
-        core = EngineCore(config, num_clients=count, engine_factory=engine_factory)
-    except EngineStartError as e:
-        print(f"tokenmill: {e}", file=sys.stderr, flush=True)
-        return 1
-    ready = core.clients[0].ready
+    core = EngineCore(config, num_clients=count, engine_factory=engine_factory, startup_timeout=_STARTUP_TIMEOUT_S,
+                      wait=False)
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S       # the core's own, or just after it
     port = sock.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
-    signals = _Signals()
     children: list[_Child] = []
     environ = os.environ.get(_METRICS_ENV)
+    signals = None
     try:
+        signals = _Signals()
         ctx = mp.get_context("spawn")
         # prometheus_client picks its multiprocess mode at import, from the environment
         os.environ[_METRICS_ENV] = metrics_dir
-        for client in core.clients:
+        for index, conn in enumerate(core.pipes):
             # one stats line for the whole server: the stats are the core's, the same in every process
-            opts = dataclasses.replace(options, metrics_dir=metrics_dir, api_servers=len(core.clients),
-                                       log_stats=options.log_stats and client.index == 0)
+            opts = dataclasses.replace(options, metrics_dir=metrics_dir, api_servers=count,
+                                       log_stats=options.log_stats and index == 0)
             ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_api_server, args=(client, sock, theirs, config, opts),
-                               name=f"tokenmill-api-server-{client.index}", daemon=True)
+            proc = ctx.Process(target=_api_server, args=(conn, index, count, sock, theirs, config, opts),
+                               name=f"tokenmill-api-server-{index}", daemon=True)
             proc.start()
             theirs.close()
-            client.conn.close()            # the API server holds this end of the core's pipe now
             children.append(_Child(proc, ours))
         sock.close()                       # the API servers hold the listening socket
+        code = _await_core(core, children, signals, deadline)
+        if code is not None:
+            return code
+        # the API server holds its end of the core's pipe; this process read only the announcement on it
+        for child, client in zip(children, core.clients):
+            child.tell(client.ready)
+            client.conn.close()
+        ready = core.clients[0].ready
 
         def serving():
             print(f"tokenmill: {count} API server processes (pids "
@@ -166,20 +188,52 @@ def run_api_servers(config, sock: socket.socket, host: str, options: ServeOption
             announce(ready.model_name, host, port, ready.pid, options.http.scheme)
         return _supervise(children, signals, serving)
     finally:
-        signals.close()
+        if signals is not None:
+            signals.close()
         if environ is None:
             os.environ.pop(_METRICS_ENV, None)
         else:
             os.environ[_METRICS_ENV] = environ
-        for client in core.clients:
-            client.conn.close()
         for child in children:
             if child.proc.is_alive():
                 child.proc.kill()
             child.proc.join(5)
             child.control.close()
-        core.join(10.0)
+        if core.clients:
+            for client in core.clients:
+                client.conn.close()
+            core.join(10.0)
+        else:                              # it never became ready
+            core.abandon()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _await_core(core: EngineCore, children: list[_Child], signals: _Signals, deadline: float) -> int | None:
+    """Waits for the core's announcement while the API servers start: None once the core is ready, else the
+    exit status (1: the core failed to start, or an API server exited first; 0: a signal came first)."""
+    alive = {c.proc.sentinel: c for c in children}
+    while True:
+        ready = wait([*core.pipes, *alive, signals.wake], max(0.0, deadline - time.monotonic()))
+        # a pipe is readable once the core has announced itself on it, or failed; past the deadline
+        # `await_ready` says that it did not start in time
+        if not ready or any(r in core.pipes for r in ready):
+            try:
+                core.await_ready()
+            except EngineStartError as e:
+                print(f"tokenmill: {e}", file=sys.stderr, flush=True)
+                return 1
+            return None
+        for r in ready:
+            if r in alive:
+                child = alive[r]
+                child.proc.join()
+                log.error("API server process %d exited with status %s before the engine core was ready",
+                          child.proc.pid, child.proc.exitcode)
+                return 1
+        signals.drain()
+        if signals.count:
+            log.warning("stopping before the engine core was ready")
+            return 0
 
 
 def _supervise(children: list[_Child], signals: _Signals, serving) -> int:

@@ -11,6 +11,7 @@ process. Signals that arrive while the process is already exiting change neither
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -215,6 +216,13 @@ def announce(model_name: str, host: str, port: int, engine_pid: int | None, sche
     where = f"[{host}]" if ":" in host else host        # an IPv6 address is bracketed in a URL
     pid = os.getpid() if engine_pid is None else engine_pid
     print(f"tokenmill: serving {model_name} on {scheme}://{where}:{port} (engine pid {pid})", flush=True)
+
+
+def import_app_modules() -> None:
+    """Imports what `serve` builds the app from (FastAPI, pydantic, the routes' modules), for a process that
+    has a core's start-up to wait for anyway (`--api-server-count`)."""
+    for module in ("app", "connections", "stats_log"):
+        importlib.import_module(f"tokenmill.server.{module}")
 
 
 def serve(engine: AsyncLLM, sock: socket.socket, options: ServeOptions, server_class=None,
