@@ -11,6 +11,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -182,11 +184,11 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 class Servers(ServerProcess):
     """`tokenmill serve --api-server-count 2` with 20 ms steps; `api_pids` are its API server processes."""
 
-    def __init__(self, model_dir: str, tmp_path, *args: str):
+    def __init__(self, model_dir: str, tmp_path, *args: str, factory: str = "slow_engine:make"):
         mp = pytest.MonkeyPatch()
         mp.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
         try:
-            super().__init__(model_dir, tmp_path, "--api-server-count", "2", "--engine-factory", "slow_engine:make",
+            super().__init__(model_dir, tmp_path, "--api-server-count", "2", "--engine-factory", factory,
                              "--max-model-len", "512", "--num-kv-blocks", "512", "--block-size", "4", *args)
         finally:
             mp.undo()
@@ -220,7 +222,8 @@ def connections_by_pid(pids: list[int], port: int) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def servers(qwen3_dir, tmp_path_factory):
-    s = Servers(qwen3_dir, tmp_path_factory.mktemp("api-servers"), "--enable-tokenizer-info-endpoint")
+    s = Servers(qwen3_dir, tmp_path_factory.mktemp("api-servers"), "--enable-tokenizer-info-endpoint",
+                factory="beside_api_servers:make")
     yield s
     s.stop(signal.SIGKILL)
 
@@ -234,6 +237,32 @@ def want(qwen3_dir):
 
 async def _complete(c: httpx.AsyncClient, prompt: str, stream: bool) -> str:
     return await completion_text(c, {"prompt": prompt, **GREEDY}, stream)
+
+
+def test_the_api_servers_start_while_the_core_loads(servers):
+    """The API server processes are spawned with the core, not once it is ready: the core's engine factory
+    saw both (the pids that then serve) before it returned, and, once they had finished their start, /health
+    got no answer from them: none accepts a connection before its core client is usable."""
+    log = servers.log_path.read_text()
+    assert (f"engine core loading beside API server processes {sorted(servers.api_pids)}; /health: no answer "
+            "(TimeoutError)") in log, log[-3000:]
+
+
+def test_a_core_that_fails_to_start_takes_the_api_servers_down(qwen3_dir):
+    """The core fails while the API servers start (they had been running: its factory names them): the error
+    is the core's, the status 1, and no API server is left."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(TESTS), "src"), TESTS]),
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", qwen3_dir, "--device", "cpu", "--port", "0",
+                        "--api-server-count", "2", "--engine-factory", "beside_api_servers:fail"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr[-2000:]
+    m = re.search(r"tokenmill: engine core failed to start:\ncannot load the model \(API server processes "
+                  r"\[(\d+), (\d+)\] were starting\)", p.stderr)
+    assert m, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "serving" not in p.stdout
+    for pid in map(int, m.groups()):
+        assert not alive(pid), pid
 
 
 def test_concurrent_requests_complete_through_both_api_servers(servers, want):
