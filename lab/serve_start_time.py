@@ -1,6 +1,7 @@
 """Seconds from spawning `tokenmill serve MODEL ...` to its first 200 of /health, source trees in turns
 (one start of each tree per round, so that a machine's load falls on all alike), and the CPU seconds of
-the whole process tree (server, engine core, API servers) until it has exited. Linux only.
+the whole process tree (server, engine core, API servers) until it has exited; each start on stderr as it
+ends, with the machine's load average. Linux only.
 
     python lab/serve_start_time.py --trees OLD/src src --runs 3 -- src/tokenmill/assets/tiny
     python lab/serve_start_time.py --trees OLD/src src --runs 3 -- src/tokenmill/assets/tiny --api-server-count 2
@@ -70,6 +71,9 @@ def main() -> None:
     for _ in range(args.runs):
         for tree in args.trees:
             results[tree].append(one_start(tree, serve_args))
+            ready, cpu = results[tree][-1]
+            print(f"{tree}: {ready:.2f} s to /health, {cpu:.2f} CPU s (load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
     print(f"serve {' '.join(serve_args)}: {args.runs} starts a tree")
     print("| tree | to /health s, best | median | CPU s of all its processes, median |")
     print("|---|---|---|---|")
