@@ -2,8 +2,8 @@
 
 The core serves one duplex pipe per client (core_proc.py). `EngineCore` starts it with `num_clients`
 pipes and waits for its announcement (`CoreReady`) on each; `AsyncLLM` starts one with a single pipe, and
-`tokenmill serve --api-server-count N` starts one with N and hands each API server process its
-`CoreClient`.
+`tokenmill serve --api-server-count N` starts one with N, hands each API server process a pipe as it
+starts and, once the core has announced itself, the announcement (the API server's `CoreClient`).
 """
 from __future__ import annotations
 
