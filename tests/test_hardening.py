@@ -1520,7 +1520,7 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
 def test_a_stream_whose_client_left_before_its_first_chunk_releases_its_requests():
     """The client is gone when the response starts: the body's generator is never started, so its
     `finally` (which closes the requests and counts them out of flight) never runs; the response does it."""
-    from tokenmill.server.serving import _ClosingStream
+    from tokenmill.server.serving import ClosingStream
 
     started, closed = [], []
 
@@ -1539,7 +1539,7 @@ def test_a_stream_whose_client_left_before_its_first_chunk_releases_its_requests
 
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
     with pytest.raises(Exception):
-        asyncio.run(_ClosingStream(body(), close, media_type="text/event-stream")(scope, receive, gone))
+        asyncio.run(ClosingStream(body(), close, media_type="text/event-stream")(scope, receive, gone))
     assert closed == [True] and started == []
 
 
@@ -1567,11 +1567,11 @@ def test_a_request_the_engine_had_taken_is_no_rejection():
 
     from tokenmill.engine.async_engine import EngineDeadError
     from tokenmill.server.errors import APIError, api_error_handler
-    from tokenmill.server.serving import _as_api_error
+    from tokenmill.server.serving import as_api_error
 
     rejected = []
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(metrics=SimpleNamespace(reject=rejected.append))))
-    asyncio.run(api_error_handler(request, _as_api_error(EngineDeadError("gone"))))
+    asyncio.run(api_error_handler(request, as_api_error(EngineDeadError("gone"))))
     assert rejected == []
     asyncio.run(api_error_handler(request, APIError(503, "The engine is not running.", code="engine_dead")))
     assert rejected == ["engine_dead"]

@@ -293,18 +293,11 @@ class Serving:
         given = raw.headers.get("x-request-id") or req.request_id
         return f"{prefix}-{given or uuid.uuid4().hex}"
 
-    async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
-                  make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
-                  field_of=None, prompt_in_each_choice: bool = False, request_id: str | None = None,
-                  keep_final=None) -> Response:
-        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`, which runs
-        on a thread: a body grows with n, logprobs and max_tokens, and n=128 with 20 logprobs and 200 tokens each
-        held the event loop ~1 s; `keep_final`, if given, then takes the body on the loop before it is sent).
-        `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
-        `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
-        request's field for a parameter the engine refuses (its grammar's, by the field that asked for it);
-        `prompt_in_each_choice` as `check_room`'s; `request_id`: the response's id, which begins the engine's
-        id (and log name) of each prompt."""
+    def submit(self, prompts: list[list[int]], params, priority: int, stream: bool, carries_tools: bool = False,
+               prompt_in_each_choice: bool = False, request_id: str | None = None) -> Submitted:
+        """Hands prompts that `admit` let in to the engine; a 503 where their logprobs would take the requests in
+        flight past `MAX_LOGPROB_ENTRIES_IN_FLIGHT`. `stream`: outputs come every `stream_interval` tokens (else
+        only the first and the last); the rest as `run`'s."""
         entries = self._logprob_entries(prompts, params, prompt_in_each_choice)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
@@ -322,71 +315,127 @@ class Serving:
                             f"{base}-{i}", ids, params)
                 for i, ids in enumerate(prompts)]
         self._begin(entries)
+        return Submitted(self, gens, entries)
+
+    async def run(self, raw: Request, prompts: list[list[int]], params, priority: int, stream: bool,
+                  make_stream, make_final, event_names: bool = False, carries_tools: bool = False,
+                  field_of=None, prompt_in_each_choice: bool = False, request_id: str | None = None,
+                  keep_final=None) -> Response:
+        """Submit every prompt, then answer with SSE (`make_stream`) or one JSON body (`make_final`, which runs
+        on a thread: a body grows with n, logprobs and max_tokens, and n=128 with 20 logprobs and 200 tokens each
+        held the event loop ~1 s; `keep_final`, if given, then takes the body on the loop before it is sent).
+        `event_names`: the Responses API's SSE, each event named by its type and no `[DONE]`;
+        `carries_tools`: the request offers tools (a boost under the priority policy); `field_of`: the
+        request's field for a parameter the engine refuses (its grammar's, by the field that asked for it);
+        `prompt_in_each_choice` as `check_room`'s; `request_id`: the response's id, which begins the engine's
+        id (and log name) of each prompt."""
+        submitted = self.submit(prompts, params, priority, stream, carries_tools, prompt_in_each_choice, request_id)
         try:
             # Wait for the first output so that engine-side rejections are still plain HTTP errors.
-            first = await _with_disconnect(raw, _first_outputs(gens))
+            first = await submitted.first(raw)
         except BaseException as e:
-            await _close_all(gens)
-            self._end(entries)
-            raise _as_api_error(e, field_of)
-        finally:
-            self.waiting -= len(prompts)
+            await submitted.close()
+            raise as_api_error(e, field_of)
         if not stream:
             try:
-                finals = await _with_disconnect(raw, _last_outputs(gens, first))
+                finals = await submitted.last(first, raw)
             except BaseException as e:
-                raise _as_api_error(e, field_of)
+                raise as_api_error(e, field_of)
             finally:
-                await _close_all(gens)
-                self._end(entries)
+                await submitted.close()
             body = await asyncio.to_thread(make_final, finals)
             if keep_final is not None:
                 keep_final(body)
             return json_response(body)
 
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                await _close_all(gens)
-                self._end(entries)
-
         async def sse() -> AsyncIterator[bytes]:
             sequence_number = 0         # the next Responses event's
             try:
                 try:
-                    async for chunk in make_stream(_merge_streams(gens, first)):
+                    async for chunk in make_stream(submitted.merged(first)):
                         if event_names:
                             sequence_number = chunk["sequence_number"] + 1
-                            yield b"event: " + chunk["type"].encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
+                            yield sse_event(chunk)
                         else:
                             yield b"data: " + dumps(chunk) + b"\n\n"
                 except Exception as e:
                     # the response has begun (status 200): an error ends the stream with an error event
                     # and, for chat and completions, [DONE], never a connection cut mid-body
-                    err = _as_api_error(e, field_of)
+                    err = as_api_error(e, field_of)
                     if not isinstance(err, APIError):
                         logger.exception("a stream failed")
                         err = APIError(500, f"internal error: {type(e).__name__}")
                     if event_names:
                         # OpenAI's error event, numbered on from the stream's events as every event is
-                        body = {"type": "error", "code": err.code, "message": err.message, "param": err.param,
-                                "sequence_number": sequence_number}
-                        yield b"event: error\ndata: " + dumps(body) + b"\n\n"
+                        yield sse_event(error_event(err, sequence_number))
                     else:
                         yield b"data: " + dumps(error_body(err.status, err.message, err.param, err.code)) + b"\n\n"
                 if not event_names:
                     yield b"data: [DONE]\n\n"
             finally:
-                await close()
+                await submitted.close()
 
-        return _ClosingStream(sse(), close, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStream(sse(), submitted.close, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-class _ClosingStream(StreamingResponse):
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(event: dict) -> bytes:
+    """A Responses event as Server-Sent Events name it: by its type."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+
+
+def error_event(err: APIError, sequence_number: int) -> dict:
+    """OpenAI's `error` event of a Responses stream."""
+    return {"type": "error", "code": err.code, "message": err.message, "param": err.param,
+            "sequence_number": sequence_number}
+
+
+class Submitted:
+    """Prompts handed to the engine (`Serving.submit`): they count in flight, with the logprob entries they could
+    return, until released (`close`, which also aborts those still running), and as waiting until their first
+    outputs. Neither count outlives a `Submitted` that is closed, or released without ever having been read."""
+
+    def __init__(self, serving: Serving, gens: list, logprob_entries: int):
+        self._serving, self.gens, self._entries = serving, gens, logprob_entries
+        self._waiting = len(gens)
+        self._released = self._closing = False
+
+    async def first(self, raw: Request | None = None) -> list[RequestOutput]:
+        """Every prompt's first output; `raw`: the client whose leaving ends the wait (None: nobody's)."""
+        try:
+            return await _with_disconnect(raw, _first_outputs(self.gens)) if raw is not None else \
+                await _first_outputs(self.gens)
+        finally:
+            self._serving.waiting -= self._waiting
+            self._waiting = 0
+
+    async def last(self, first: list[RequestOutput], raw: Request | None = None) -> list[RequestOutput]:
+        """Every prompt's last output, as `first`'s."""
+        return await _with_disconnect(raw, _last_outputs(self.gens, first)) if raw is not None else \
+            await _last_outputs(self.gens, first)
+
+    def merged(self, first: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return _merge_streams(self.gens, first)
+
+    def release(self) -> None:
+        """Stops counting the prompts, without closing their streams: for ones never read (the engine was
+        never told of them)."""
+        if not self._released:
+            self._released = True
+            self._serving.waiting -= self._waiting
+            self._waiting = 0
+            self._serving._end(self._entries)
+
+    async def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            await _close_all(self.gens)
+            self.release()
+
+
+class ClosingStream(StreamingResponse):
     """A stream that releases its requests however the response ends: a client gone before the first chunk
     was asked for leaves the body's generator unstarted, and an unstarted generator's `finally` never runs
     (its requests would generate for nobody and stay counted in flight)."""
@@ -412,7 +461,7 @@ def _in_flight(error: APIError) -> APIError:
     return error
 
 
-def _as_api_error(e: BaseException, field_of=None) -> BaseException:
+def as_api_error(e: BaseException, field_of=None) -> BaseException:
     """`e` as the HTTP error it answers; `field_of` (`run`'s) names the request's own field in its param: an
     engine-side error (a grammar's) may come before the first output or after it."""
     error = _api_error(e)
