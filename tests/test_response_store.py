@@ -117,12 +117,12 @@ def test_a_streamed_response_is_kept_from_its_start():
         store.conversation("r")
     assert e.value.code == "previous_response_in_progress"
     done = {**body, "status": "completed", "output": [{"type": "message", "role": "assistant", "content": "yo"}]}
-    store.finish(done, [{"type": "message", "role": "user", "content": "hi"}])
+    store.update(done, [{"type": "message", "role": "user", "content": "hi"}])
     assert store.get("r")["status"] == "completed" and len(store.conversation("r")) == 2
     assert store.nbytes == len(store._entries["r"][0])
     store.put({**body, "id": "s"}, [])
     store.delete("s")
-    store.finish({**done, "id": "s"}, [])
+    store.update({**done, "id": "s"}, [])
     with pytest.raises(APIError):
         store.get("s")
     assert not store.in_progress("s") and store.nbytes == len(store._entries["r"][0])
@@ -161,3 +161,67 @@ def test_items_are_read_back_by_id_from_the_latest_response_holding_them(monkeyp
     with pytest.raises(APIError, match="more than 2,000 bytes") as e:
         store.items([f"msg_q{kept[-1][1:]}"] * 4)
     assert e.value.param == "input"
+
+
+def test_a_response_is_continued_only_once_it_has_output():
+    """A background response queued or in progress is refused as a streamed one in progress is; cancelled or
+    failed it has no output to continue; completed, it is continued."""
+    store = ResponseStore()
+    body = {"id": "b", "status": "queued", "output": [], "previous_response_id": None, "error": None}
+    store.put(body, [{"type": "message", "role": "user", "content": "hi"}])
+    for status, says, code in (("queued", "still queued", "previous_response_in_progress"),
+                               ("in_progress", "still in progress", "previous_response_in_progress"),
+                               ("cancelled", "is cancelled", "previous_response_cancelled"),
+                               ("failed", "is failed", "previous_response_failed")):
+        assert store.set_status("b", status)["status"] == status
+        with pytest.raises(APIError, match=says) as e:
+            store.conversation("b")
+        assert (e.value.status, e.value.param, e.value.code) == (400, "previous_response_id", code)
+    store.update({**body, "status": "completed"}, [{"type": "message", "role": "user", "content": "hi"}])
+    assert len(store.conversation("b")) == 1 and store.set_status("gone", "cancelled") is None
+
+
+def test_a_streams_events_are_kept_within_bounds_and_go_with_their_response(monkeypatch):
+    """A streamed background response's events: read back after a sequence number; past the log's bound the
+    earliest go (a read from before them is a 400 naming `starting_after`), but none after what a live reader
+    has been given; counted in the store's bytes, kept when the body is replaced, and dropped with their
+    response, which `on_drop` hears of."""
+    monkeypatch.setattr(response_store, "EVENT_LOG_MAX_BYTES", 1_000)
+    store = ResponseStore(max_bytes=6_000)
+    dropped = []
+    store.on_drop = dropped.append
+    body = {"id": "s", "status": "in_progress", "output": [], "previous_response_id": None}
+    store.put(body, [])
+    entry_bytes = store.nbytes
+    store.open_events("s")
+    events = [b"%03d" % i + b"x" * 97 for i in range(30)]     # 100 bytes each, 141 as counted: 7 fit the log
+    for data in events[:5]:
+        store.add_event("s", data)
+    assert store.events_after("s", None) == events[:5] and store.events_after("s", 2) == events[3:5]
+    assert store.events_after("s", 4) == [] and store.nbytes == entry_bytes + 5 * 141
+    with pytest.raises(APIError, match="no event after sequence number 4") as e:
+        store.events_after("s", 5)
+    assert e.value.param == "starting_after"
+    for data in events[5:]:
+        store.add_event("s", data)
+    store.trim_events("s", read_through=9)      # a reader given up to 9 holds 10 on
+    assert store.events_after("s", 9) == events[10:] and store.nbytes == entry_bytes + 20 * 141
+    store.trim_events("s")
+    assert store.events_after("s", 22) == events[23:] and store.nbytes == entry_bytes + 7 * 141
+    with pytest.raises(APIError, match="before sequence number 23 are no longer kept") as e:
+        store.events_after("s", 21)
+    assert e.value.param == "starting_after"
+    store.update({**body, "status": "completed"}, [])
+    assert store.events_after("s", 22) == events[23:] and store.next_sequence_number("s") == 30
+    _put(store, "plain", "x")
+    with pytest.raises(APIError, match="not created with background and stream true") as e:
+        store.events_after("plain", None)
+    assert e.value.param == "stream"
+    for i in range(10):                 # past the bound: "s", the least recently used, goes with its events
+        _put(store, f"r{i}", "x" * 500)
+    assert dropped[0] == "s" and store.nbytes == sum(entry.nbytes() for entry in store._entries.values())
+    with pytest.raises(APIError) as e:
+        store.events_after("s", None)
+    assert e.value.status == 404
+    store.delete("r9")
+    assert dropped[-1] == "r9"

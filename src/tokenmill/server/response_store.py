@@ -11,7 +11,12 @@ entries go first (reading a conversation counts as a use of every response in it
 whose responses is gone cannot be continued (a 400 naming it). A streamed response is kept from its start,
 `in_progress`, so that GET and DELETE reach it while it streams (as OpenAI's); it cannot be continued until
 done, its finished body replaces it unless it was deleted meanwhile, and a stream that fails or is cut leaves
-nothing.
+nothing. A background response (server/background.py) is kept from its request on, `queued`, and ends
+`completed`, `incomplete`, `failed` or `cancelled`; only the first two can be continued. One created with
+`stream: true` keeps its events as sent (`add_event`), for a client to read again after a sequence number
+(`events_after`): they count in the store's bytes with their response and go with it, and past
+`EVENT_LOG_MAX_BYTES` a response's earliest events go first. An entry dropped past the bound or deleted is
+told to `on_drop` (a background response still running is then cancelled: nobody could reach it).
 
 An input item may name an item of a stored response instead of carrying it (`item_reference`): `items` reads
 it back through an index from each item id to the responses holding it (an item sent again, or read back by a
@@ -23,7 +28,7 @@ another, so none stores (server/app.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import orjson
 
@@ -37,6 +42,17 @@ CONVERSATION_MAX_BYTES = 4 * MAX_PROMPT_CHARS
 # what the index holds for each item id of an entry (its string, its holders list, its slot in the dict): ~235
 # bytes measured on CPython 3.11, counted with the entry so that the bound still counts what the process holds
 ITEM_INDEX_BYTES = 240
+# one streamed background response's events, but for those a client following it live has yet to be given: a
+# sixteenth of the store, so that one stream pushes out no more than that of the store's other responses. Measured
+# on the test model (400 tokens), a text delta's event is ~215 bytes, so a stream without logprobs keeps ~220 bytes
+# a token and any output a 40,960-token context allows (~9 MB) whole; with 20 top logprobs it is ~6.4 KB a token
+# (~1.3 KB in its delta, and each of the four closing events repeats them all): the latest ~2,600 tokens' events
+EVENT_LOG_MAX_BYTES = MAX_BYTES // 16
+# what a kept event holds beside its bytes: the bytes object's header (33) and the log's pointer to it (8)
+EVENT_OVERHEAD_BYTES = 41
+# the statuses of a response that cannot be continued (`conversation`): one still running, or ended without output
+UNFINISHED = ("queued", "in_progress")
+NOT_CONTINUABLE = UNFINISHED + ("failed", "cancelled")
 
 
 class _Entry(NamedTuple):
@@ -48,44 +64,98 @@ class _Entry(NamedTuple):
         return len(self.blob) + ITEM_INDEX_BYTES * len(self.item_ids)
 
 
+class _EventLog:
+    """A response's events as sent: event i has sequence number `base + i`, and those before `head` were dropped
+    (a list, not a deque, so that a reader takes the events after its own as one slice)."""
+
+    def __init__(self):
+        self.events: list[bytes] = []
+        self.base = 0
+        self.head = 0
+        self.nbytes = 0
+
+    def drop_first(self) -> int:
+        """Drops the earliest event kept; returns the bytes it held."""
+        size = len(self.events[self.head]) + EVENT_OVERHEAD_BYTES
+        self.events[self.head] = b""
+        self.head += 1
+        if self.head > len(self.events) // 2:        # amortized: each event is moved at most once more
+            del self.events[:self.head]
+            self.base += self.head
+            self.head = 0
+        self.nbytes -= size
+        return size
+
+
 class ResponseStore:
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._in_progress: set[str] = set()
+        self._status: dict[str, str] = {}       # response id -> its status, for those in NOT_CONTINUABLE
+        self._events: dict[str, _EventLog] = {}
+        self.on_drop: Callable[[str], None] | None = None
         # item id -> the stored responses holding an item with that id, latest stored last; an entry is listed
         # under each of its `item_ids` for as long as it is kept
         self._holders: dict[str, list[str]] = {}
 
-    def put(self, body: dict, input_items: list[dict]) -> None:
+    def put(self, body: dict, input_items: list[dict]) -> bool:
         """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
-        request's input items."""
+        request's input items, in place of the entry of that id (its events kept). A body larger than the whole
+        store is not kept, nor is the entry it would have replaced: False."""
         # a copy of orjson's bytes, which keep the capacity its writer grew to (an entry of ~1 KB held ~4 KB
         # more of the heap), so that the bound counts what the process holds
         blob = bytes(memoryview(orjson.dumps({"body": body, "input": input_items})))
         items = input_items + body["output"]
         item_ids = tuple(dict.fromkeys(item["id"] for item in items if isinstance(item.get("id"), str)))
         entry = _Entry(blob, _conversation_bytes(items), item_ids)
+        rid = body["id"]
+        events = self._events.pop(rid, None)        # counted in nbytes still
+        self.discard(rid)
         if entry.nbytes() > self.max_bytes:
-            return
-        self.discard(body["id"])
-        self._entries[body["id"]] = entry
+            if events is not None:
+                self.nbytes -= events.nbytes
+            return False
+        self._entries[rid] = entry
+        if events is not None:
+            self._events[rid] = events
         for item_id in item_ids:
-            self._holders.setdefault(item_id, []).append(body["id"])
-        if body.get("status") == "in_progress":
-            self._in_progress.add(body["id"])
+            self._holders.setdefault(item_id, []).append(rid)
+        if body.get("status") in NOT_CONTINUABLE:
+            self._status[rid] = body["status"]
         self.nbytes += entry.nbytes()
-        while self.nbytes > self.max_bytes:
-            self.discard(next(iter(self._entries)))
+        self._bound()
+        return True
 
-    def finish(self, body: dict, input_items: list[dict]) -> None:
-        """Replaces the in-progress entry of `body`'s response with `body`, unless it was deleted."""
+    def update(self, body: dict, input_items: list[dict]) -> None:
+        """Replaces the entry of `body`'s response with `body`, unless it was dropped or deleted."""
         if body["id"] in self._entries:
             self.put(body, input_items)
 
+    def set_status(self, response_id: str, status: str, error: dict | None = None) -> dict | None:
+        """The stored body of `response_id` with this status (and `error`), kept in its place; None where it is
+        no longer stored."""
+        if response_id not in self._entries:
+            return None
+        entry = orjson.loads(self._entries[response_id].blob)
+        body = {**entry["body"], "status": status, "error": error}
+        self.put(body, entry["input"])
+        return body
+
+    def _bound(self) -> None:
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, response_id: str) -> None:
+        self.discard(response_id)
+        if self.on_drop is not None:
+            self.on_drop(response_id)
+
     def discard(self, response_id: str) -> None:
-        self._in_progress.discard(response_id)
+        self._status.pop(response_id, None)
+        events = self._events.pop(response_id, None)
+        if events is not None:
+            self.nbytes -= events.nbytes
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return
@@ -97,7 +167,61 @@ class ResponseStore:
                 del self._holders[item_id]
 
     def in_progress(self, response_id: str) -> bool:
-        return response_id in self._in_progress
+        return self._status.get(response_id) in UNFINISHED
+
+    # ----- a streamed background response's events ---------------------------------------------------
+    def open_events(self, response_id: str) -> None:
+        """Starts keeping the events of the stored response `response_id`."""
+        if response_id in self._entries:
+            self._events.setdefault(response_id, _EventLog())
+
+    def add_event(self, response_id: str, data: bytes) -> None:
+        """Keeps the next event of `response_id` (nothing where it is no longer stored); a use of it."""
+        log = self._events.get(response_id)
+        if log is None:
+            return
+        log.events.append(data)
+        log.nbytes += len(data) + EVENT_OVERHEAD_BYTES
+        self.nbytes += len(data) + EVENT_OVERHEAD_BYTES
+        self._entries.move_to_end(response_id)
+        self._bound()
+
+    def trim_events(self, response_id: str, read_through: int | None = None) -> None:
+        """Drops the earliest events of `response_id` while they hold more than `EVENT_LOG_MAX_BYTES`, but none
+        after sequence number `read_through`: what every client following the stream live has been given (None:
+        none follows it), so that one keeps up even with a burst of events larger than the bound (the closing
+        events repeat the whole output, logprobs and all)."""
+        log = self._events.get(response_id)
+        if log is None:
+            return
+        while log.nbytes > EVENT_LOG_MAX_BYTES and log.head < len(log.events) and \
+                (read_through is None or log.base + log.head <= read_through):
+            self.nbytes -= log.drop_first()
+
+    def events_after(self, response_id: str, after: int | None) -> list[bytes]:
+        """The kept events of `response_id` whose sequence number is above `after` (None: all of them). A 404
+        where the response is gone; a 400 where events after `after` were dropped, or it keeps none."""
+        if response_id not in self._entries:
+            raise not_found(response_id)
+        log = self._events.get(response_id)
+        if log is None:
+            raise APIError(400, f"Response '{response_id}' was not created with background and stream true: "
+                                "it has no events to stream again (GET it without 'stream').", "stream")
+        start = 0 if after is None else after + 1
+        first, end = log.base + log.head, log.base + len(log.events)
+        if start > end:
+            raise APIError(400, f"'starting_after' is {after}, but response '{response_id}' has sent no event after "
+                                f"sequence number {end - 1} yet.", "starting_after")
+        if start < first:
+            raise APIError(400, f"The events of response '{response_id}' before sequence number {first} are no "
+                                f"longer kept (a response keeps its latest {EVENT_LOG_MAX_BYTES:,} bytes of events); "
+                                f"'starting_after' must be at least {first - 1}.", "starting_after")
+        return log.events[start - log.base:]
+
+    def next_sequence_number(self, response_id: str) -> int:
+        """The sequence number the next event of `response_id` takes (0 where none is kept)."""
+        log = self._events.get(response_id)
+        return 0 if log is None else log.base + len(log.events)
 
     def get(self, response_id: str) -> dict:
         return self._entry(response_id)["body"]
@@ -116,7 +240,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         if response_id not in self._entries:
             raise not_found(response_id)
-        self.discard(response_id)
+        self._drop(response_id)
 
     def conversation(self, previous_id: str) -> list[dict]:
         """The items of `previous_id`'s conversation, oldest first: each response's input, then its output."""
@@ -136,9 +260,14 @@ class ResponseStore:
                                "bytes, more than one prompt may", "previous_response_id")
             self._entries.move_to_end(rid)
             entry = orjson.loads(blob)
-            if rid in self._in_progress:
-                raise APIError(400, f"Previous response '{rid}' is still in progress; continue it once it "
-                                    "has completed.", "previous_response_id", "previous_response_in_progress")
+            status = self._status.get(rid)
+            if status in UNFINISHED:
+                raise APIError(400, f"Previous response '{rid}' is still {status.replace('_', ' ')}; continue it once "
+                                    "it has completed.", "previous_response_id", "previous_response_in_progress")
+            if status is not None:
+                raise APIError(400, f"Previous response '{rid}' is {status}: it has no output to continue (only a "
+                                    "completed or incomplete response can be).", "previous_response_id",
+                               f"previous_response_{status}")
             chain.append(entry)
             rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]

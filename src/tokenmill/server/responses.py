@@ -604,7 +604,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     def done(body: dict) -> dict:
         if keep:
             serving.responses.put(body, input_items) if not req.stream else \
-                serving.responses.finish(body, input_items)
+                serving.responses.update(body, input_items)
         return body
 
     # the request has no return_tokens_as_token_ids of its own: the server's (--return-tokens-as-token-ids)
