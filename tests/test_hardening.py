@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -631,6 +632,61 @@ def test_disconnect_frees_blocks(slow_server):
     asyncio.run(give_up())
     s.wait_engine_idle(timeout=5)
 
+def _sse_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_background_response_is_cancelled_at_once_and_frees_its_blocks(slow_server):
+    """`background`: answered `queued` at once, the response runs in the server, not in its request; cancelled
+    while it runs, its engine request is aborted and its KV blocks freed at once (its 400 tokens would take 8 s
+    more at 20 ms a step), it is `cancelled`, and a second cancel returns it unchanged. Until it has output it
+    cannot be continued."""
+    s = slow_server
+    c = s.client()
+    r = c.responses.create(model="tiny", input="hello", max_output_tokens=400, temperature=0, background=True)
+    assert (r.status, r.background, r.output) == ("queued", True, [])
+    for _ in range(500):
+        if c.responses.retrieve(r.id).status == "in_progress" and s.metrics()["tokenmill:kv_cache_usage_perc"] > 0:
+            break
+        time.sleep(0.01)
+    assert c.responses.retrieve(r.id).status == "in_progress"
+    with pytest.raises(openai.BadRequestError, match="still in progress"):
+        c.responses.create(model="tiny", input="x", previous_response_id=r.id)
+    cancelled = c.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    s.wait_engine_idle(timeout=4)
+    assert c.responses.cancel(r.id) == cancelled == c.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError, match="is cancelled"):
+        c.responses.create(model="tiny", input="x", previous_response_id=r.id)
+
+
+def test_a_background_stream_is_resumed_after_a_sequence_number(slow_server):
+    """`background` and `stream`: the client reads up to the first text delta and leaves; the response goes on,
+    and GET ?stream=true&starting_after=N gives the events after N in order, to its last; from the start, the
+    stream is what the client read and then those; its last event carries the stored response."""
+    s = slow_server
+    body = {"input": "hello", "max_output_tokens": 24, "temperature": 0, "background": True, "stream": True}
+    head = []
+    with httpx.stream("POST", s.url + "/v1/responses", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                head.append(json.loads(line[6:]))
+                if head[-1]["type"] == "response.output_text.delta":
+                    break
+    assert [e["type"] for e in head[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    rid, after = head[0]["response"]["id"], head[-1]["sequence_number"]
+    with httpx.stream("GET", f"{s.url}/v1/responses/{rid}?stream=true&starting_after={after}", timeout=30) as r:
+        rest = _sse_events(r)
+    assert [e["sequence_number"] for e in rest] == list(range(after + 1, after + 1 + len(rest)))
+    assert rest[-1]["type"] in ("response.completed", "response.incomplete"), rest[-1]
+    with httpx.stream("GET", f"{s.url}/v1/responses/{rid}?stream=true", timeout=30) as r:
+        assert _sse_events(r) == head + rest
+    stored = httpx.get(f"{s.url}/v1/responses/{rid}").json()
+    assert rest[-1]["response"] == stored and stored["usage"]["output_tokens"] > 1
+    assert "".join(e["delta"] for e in head + rest if e["type"] == "response.output_text.delta") == \
+        stored["output"][0]["content"][0]["text"]
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}], "max_tokens": 1}'),
     ("/tokenize", '{"messages": [{"role": "user", "content": "x\\udfff"}]}'),
@@ -1056,9 +1112,9 @@ def test_chat_types_are_not_coerced(guarded):
 
 
 def test_responses_types_are_not_coerced(guarded):
-    """`background` is a strict bool (0 is not false), refused by name when true."""
-    for value, says in ((0, "valid boolean"), (True, "not supported")):
-        r = _post(guarded, "/v1/responses", {"input": "x", "max_output_tokens": 1, "background": value})
+    """`background` is a strict bool (0 is not false), refused by name when true without the store."""
+    for value, says in ((0, "valid boolean"), (True, "needs 'store' true")):
+        r = _post(guarded, "/v1/responses", {"input": "x", "max_output_tokens": 1, "background": value, "store": False})
         err = _assert_openai_error(r, 400)
         assert err["param"] == "background" and says in err["message"], err
     assert _post(guarded, "/v1/responses", {"input": "x", "max_output_tokens": 1, "background": False}).status_code == 200

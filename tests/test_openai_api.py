@@ -4,6 +4,7 @@ fields clients send back, model retrieval."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -736,7 +737,7 @@ def test_responses_are_stored_retrieved_continued_and_deleted(api_server):
     with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_1' not found") as e:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
-    # OpenAI cancels only background responses, which this server refuses: a 400 for a stored one
+    # OpenAI cancels only background responses: a 400 for one answered in its request
     with pytest.raises(openai.BadRequestError, match="only responses created with background: true") as e:
         client.responses.cancel(first.id)
     assert e.value.param == "response_id"
@@ -748,6 +749,28 @@ def test_responses_are_stored_retrieved_continued_and_deleted(api_server):
     assert e.value.code == "response_not_found"
     with pytest.raises(openai.BadRequestError, match=f"{first.id}.*no longer stored"):
         client.responses.create(model="tiny", input="x", previous_response_id=events[-1].response.id)
+
+
+def test_a_background_response_ends_as_the_request_answered_at_once_would(api_server):
+    """Polled until it has ended, a background response has the body that the same request answered in its
+    request gets, but for its ids, times, `background` and the prompt tokens found cached."""
+    client = api_server.client()
+    args = dict(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    r = client.responses.create(background=True, **args)
+    assert (r.status, r.background) == ("queued", True)
+    while r.status in ("queued", "in_progress"):
+        time.sleep(0.01)
+        r = client.responses.retrieve(r.id)
+    answered = client.responses.create(**args)
+    assert r.background and not answered.background
+
+    def same(response) -> dict:
+        body = response.model_dump()
+        body.update(id=None, created_at=None, completed_at=None, background=None)
+        body["usage"]["input_tokens_details"]["cached_tokens"] = None
+        body["output"] = [{**item, "id": None} for item in body["output"]]
+        return body
+    assert same(r) == same(answered) and r.output_text
 
 
 def test_responses_take_function_call_history(api_server):

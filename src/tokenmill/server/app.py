@@ -20,6 +20,7 @@ from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth, truncated_length
 from tokenmill.server import errors, tokenizer_info
+from tokenmill.server.background import BackgroundResponses
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
@@ -44,6 +45,10 @@ GENERATE = {200: {"content": {"application/json": {}, "text/event-stream": {}},
                   "description": "The result, or its Server-Sent Events with `stream: true`."},
             **documented_errors(*GUARDED_ERRORS, 404)}
 LOOKUP = documented_errors(*GUARDED_ERRORS, 404)
+RETRIEVE = {200: {"content": {"application/json": {}, "text/event-stream": {}},
+                  "description": "The stored response, or with `stream=true` its events (background and stream "
+                                 "responses only)."},
+            **LOOKUP}
 GUARDED = documented_errors(*GUARDED_ERRORS)
 # liveness, as vLLM's: a draining server (SIGTERM: new requests get 503) still answers 200, so that a
 # liveness probe does not kill it before its requests in flight finish
@@ -199,6 +204,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     serving = Serving(engine, names, max_queue_len, vocab_size, chat, sampling_defaults, stream_interval)
     if store_responses:
         serving.responses = ResponseStore()
+        serving.background = BackgroundResponses(serving.responses)
     stats: dict = {}
     metrics = ServerMetrics(names[0], lambda: stats, multiprocess_dir=metrics_dir,
                             max_model_len=engine.max_model_len)
@@ -209,6 +215,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     async def lifespan(app: FastAPI):
         engine.attach()
         yield
+        if serving.background is not None:
+            await serving.background.close()
 
     app = FastAPI(title="tokenmill", version=package_version(), lifespan=lifespan,
                   **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
@@ -254,9 +262,19 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     async def responses(req: ResponsesRequest, raw: Request):
         return await create_response(serving, req, raw)
 
-    @app.get("/v1/responses/{response_id}", responses=LOOKUP)
-    async def get_response(response_id: str):
-        return json_response(response_store(serving, "response_id").get(response_id))
+    @app.get("/v1/responses/{response_id}", responses=RETRIEVE)
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        """`stream`: the events of a response created with background and stream true, those after sequence
+        number `starting_after` (all where it is left out) and then each new one until it ends."""
+        store = response_store(serving, "response_id")
+        if not stream:
+            if starting_after is not None:
+                raise APIError(400, "'starting_after' is only allowed when 'stream' is true", "starting_after")
+            return json_response(store.get(response_id))
+        if starting_after is not None and starting_after < 0:
+            raise APIError(400, f"'starting_after' must be 0 or more, got {starting_after} (leave it out to stream "
+                                "from the first event)", "starting_after")
+        return serving.background.stream(response_id, -1 if starting_after is None else starting_after)
 
     @app.get("/v1/responses/{response_id}/input_items", responses=LOOKUP)
     async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
@@ -265,11 +283,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
 
     @app.post("/v1/responses/{response_id}/cancel", responses=LOOKUP)
     async def cancel_response(response_id: str):
-        # OpenAI's API cancels only responses created with background: true, which this server refuses
-        response_store(serving, "response_id").get(response_id)
-        raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
-                       "background: true can be, and tokenmill answers every response in its request (close a "
-                       "stream to stop it)", "response_id")
+        """A background response still running is cancelled (its engine request aborted at once); one that has
+        ended is returned as it ended, as OpenAI's cancel is idempotent."""
+        store = response_store(serving, "response_id")
+        if not store.get(response_id)["background"]:
+            raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
+                           "background: true can be (close a stream to stop it)", "response_id")
+        await serving.background.cancel(response_id)
+        return json_response(store.get(response_id))
 
     @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(response_id: str):

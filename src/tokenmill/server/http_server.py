@@ -173,7 +173,7 @@ class DrainingServer(uvicorn.Server):
 
     def _start_drain(self):
         log.info("draining: %d requests in flight; new requests get 503", self.serving.in_flight)
-        self.serving.draining = True
+        self.serving.drain()
 
         async def drain():
             await self.serving.wait_idle()

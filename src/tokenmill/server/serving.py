@@ -124,6 +124,7 @@ class Serving:
                                           if t not in (THINK_START, THINK_END))
         self.fingerprint = "fp_tokenmill"
         self.responses: ResponseStore | None = None       # set by build_app where this process stores them
+        self.background = None          # with them, the background.BackgroundResponses this process runs
 
     # ----- admission -------------------------------------------------------------------------
     def check_model(self, model: str | None):
@@ -249,10 +250,18 @@ class Serving:
         if self.in_flight == 0:
             self._idle.set()
 
+    def drain(self) -> None:
+        """New requests get 503 from now on, and background responses still running are cut (failed): no
+        client's connection waits on them, and the store that would keep their result goes with the process."""
+        self.draining = True
+        if self.background is not None:
+            self.background.stop_all(APIError(503, "The server shut down before this response finished.",
+                                              code="shutting_down"))
+
     def stop_now(self) -> int:
         """Cuts every request in flight (streams end with an error event, others get a 503);
         returns how many were cut."""
-        self.draining = True
+        self.drain()
         return self.engine.fail_all(ServerStopping("the server is stopping"))
 
     async def wait_idle(self):

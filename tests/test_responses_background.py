@@ -1,0 +1,188 @@
+"""Background responses (server/background.py) in process, on a stand-in engine whose requests run until they
+finish or their stream is closed (what aborts them in the real engine): polled until done, with the body the
+same request answered in its own request gets; cut by a drain, or before their task first ran, with nothing
+left counted and nothing logged. (The real server's cancel, freed KV blocks and resumed streams:
+test_hardening.py.)"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import orjson
+
+from tokenmill.server import response_store
+
+STEP_S = 0.002
+
+
+def _app(tokenizer_dir: str):
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.server.app import build_app
+
+    tok = Tokenizer(tokenizer_dir)
+
+    class Engine:
+        """Writes token 40 each step up to max_tokens; `aborted` lists the requests closed unfinished."""
+        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 256, False, None
+        processor = OutputProcessor(tok)
+
+        def __init__(self):
+            self.aborted: list[str] = []
+            self.running = 0
+
+        def attach(self):
+            pass
+
+        async def generate(self, request_id, ids, params, priority, **kw):
+            self.running += 1
+            token_ids, finished = [], False
+            try:
+                while not finished:
+                    await asyncio.sleep(STEP_S)
+                    token_ids = token_ids + [40]
+                    finished = len(token_ids) == params.max_tokens
+                    c = CompletionOutput(0, tok.decode(token_ids), token_ids, None, None, "length" if finished else None)
+                    yield RequestOutput(request_id, None, ids, [c], finished)
+            finally:
+                self.running -= 1
+                if not finished:
+                    self.aborted.append(request_id)
+
+    engine = Engine()
+    return build_app(engine), engine
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill", timeout=30)
+
+
+async def _poll(c: httpx.AsyncClient, rid: str) -> tuple[list[str], dict]:
+    seen = []
+    while True:
+        body = (await c.get(f"/v1/responses/{rid}")).json()
+        if not seen or seen[-1] != body["status"]:
+            seen.append(body["status"])
+        if body["status"] not in ("queued", "in_progress"):
+            return seen, body
+        await asyncio.sleep(STEP_S)
+
+
+def test_a_background_response_ends_with_the_body_a_foreground_one_has(tokenizer_dir):
+    """Queued at once, then in progress, then the body the same request gets answered in its request (but its
+    ids, times and `background`); the engine request ran to its end, and nothing stays counted."""
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    body = {"input": "hello", "max_output_tokens": 30, "temperature": 0}
+
+    async def main():
+        async with _client(app) as c:
+            r = await c.post("/v1/responses", json={**body, "background": True})
+            assert r.status_code == 200, r.text
+            queued = r.json()
+            assert (queued["status"], queued["background"], queued["output"], queued["usage"]) == ("queued", True, [], None)
+            seen, done = await _poll(c, queued["id"])
+            foreground = (await c.post("/v1/responses", json=body)).json()
+            return seen, done, foreground
+    seen, done, foreground = asyncio.run(main())
+    assert seen[-2:] == ["in_progress", "incomplete"] and seen[0] in ("queued", "in_progress"), seen
+    assert done["background"] is True and foreground["background"] is False
+
+    def same(b: dict) -> dict:
+        return {**b, "id": None, "created_at": None, "background": None,
+                "output": [{**item, "id": None} for item in b["output"]]}
+    assert same(done) == same(foreground)
+    assert engine.aborted == [] and engine.running == 0
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
+
+
+def test_a_drain_or_the_apps_shutdown_cuts_background_responses_and_logs_nothing(tokenizer_dir, caplog):
+    """SIGTERM's drain fails a background response still running (nobody's connection waits on it, and its store
+    goes with the process), as the app's shutdown does: its engine request is closed at once, it counts in flight
+    no more, and nothing is logged; while it ran, a continuation of it was refused, as for any response not
+    completed."""
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    caplog.set_level(logging.WARNING)
+
+    async def start(c: httpx.AsyncClient) -> str:
+        running = engine.running
+        rid = (await c.post("/v1/responses", json={"input": "hello", "max_output_tokens": 200,
+                                                     "background": True})).json()["id"]
+        while engine.running == running:
+            await asyncio.sleep(STEP_S)
+        return rid
+
+    async def main():
+        async with _client(app) as c:
+            drained = await start(c)
+            follow = await c.post("/v1/responses", json={"input": "x", "previous_response_id": drained})
+            assert follow.status_code == 400 and follow.json()["error"]["code"] == "previous_response_in_progress"
+            serving.drain()
+            await serving.wait_idle()
+            serving.draining = False
+            async with app.router.lifespan_context(app):
+                stopped = await start(c)
+            return [(await c.get(f"/v1/responses/{rid}")).json() for rid in (drained, stopped)]
+    for body in asyncio.run(main()):
+        assert body["status"] == "failed" and body["error"]["code"] == "shutting_down", body
+    assert len(engine.aborted) == 2 and engine.running == 0
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_a_background_response_cut_before_its_task_ran_is_counted_no_more(tokenizer_dir):
+    """Cut before its task first ran (deleted, dropped past the store's bound, the server stopping): its prompts
+    were never read, so the engine heard of nothing, and the counts of waiting and in-flight requests are
+    released."""
+    from tokenmill.server.responses import ResponsesRequest, create_response
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+
+    async def main():
+        req = ResponsesRequest.model_validate({"input": "hello", "max_output_tokens": 50, "background": True})
+        queued = orjson.loads((await create_response(serving, req, None)).body)
+        assert (serving.waiting, serving.in_flight, len(serving.background)) == (1, 1, 1)
+        serving.responses.delete(queued["id"])            # its task has not run yet
+        await asyncio.sleep(0.05)
+    asyncio.run(main())
+    assert engine.running == 0 and engine.aborted == []
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
+
+
+def test_background_needs_a_server_that_stores_responses(tokenizer_dir):
+    """`store: false`, or a server that stores nothing (--api-server-count above 1): a 400 naming `background`."""
+    from tokenmill.server.app import build_app
+    app, engine = _app(tokenizer_dir)
+    unstored = build_app(engine, store_responses=False)
+
+    async def main():
+        async with _client(app) as c, _client(unstored) as u:
+            return (await c.post("/v1/responses", json={"input": "x", "background": True, "store": False}),
+                    await u.post("/v1/responses", json={"input": "x", "background": True}))
+    for r, says in zip(asyncio.run(main()), ("needs 'store' true", "--api-server-count above 1")):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        assert says in r.json()["error"]["message"], r.text
+
+
+def test_a_client_following_a_stream_is_given_every_event_past_the_bound(tokenizer_dir, monkeypatch):
+    """Its events over their bound (here 2,000 bytes, a few events), a background stream still reaches the
+    client that follows it live whole and in order: the events it has yet to be given are kept. Once it has
+    left, the earliest go, and a replay from before them is a 400 naming `starting_after`."""
+    monkeypatch.setattr(response_store, "EVENT_LOG_MAX_BYTES", 2_000)
+    app, _ = _app(tokenizer_dir)
+
+    async def main():
+        async with _client(app) as c:
+            r = await c.post("/v1/responses", json={"input": "hello", "max_output_tokens": 30, "background": True,
+                                                     "stream": True})
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            again = await c.get(f"/v1/responses/{events[0]['response']['id']}", params={"stream": "true"})
+            return events, again
+    events, again = asyncio.run(main())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and len(json.dumps(events)) > 5 * 2_000
+    assert again.status_code == 400 and again.json()["error"]["param"] == "starting_after", again.text
