@@ -696,7 +696,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         async for e in stream_events(submitted.merged(first), events):
             emit(e)
 
-    opening = [events.event("response.created", response=queued), events.event("response.queued", response=queued)]
+    opening = [events.event("response.created", response=queued), events.event("response.queued", response=queued)] \
+        if req.stream else []
     followed = serving.background.start(shape.id, submitted, generate, opening, bool(req.stream), field_of)
     return followed if req.stream else json_response(queued)
 
