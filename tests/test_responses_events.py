@@ -322,3 +322,27 @@ def test_a_stream_cut_short_ends_with_a_numbered_error_event():
     assert [e["type"] for e in events] == ["response.output_text.delta"] * 2 + ["error"]
     assert events[-1]["code"] == "shutting_down"
     assert [e["sequence_number"] for e in events] == [0, 1, 2]
+
+
+def test_truncation_auto_builds_the_sampling_parameters_once(tokenizer_dir, monkeypatch):
+    """truncation "auto" renders several conversations of one request (a bisection over the items dropped), whose
+    sampling parameters are the same: built once (a grammar's build grows with its tools), each conversation tried
+    taking a copy of its own."""
+    import asyncio
+
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.server.responses import prepare
+    from tokenmill.server.serving import Serving
+
+    serving = Serving(SimpleNamespace(tokenizer=Tokenizer(tokenizer_dir), max_model_len=256), ["tiny"], 16)
+    built = []
+    build = serving._params
+    monkeypatch.setattr(serving, "_params", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1])
+    conversation = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: hello world " * 3}
+                    for i in range(40)]
+    req = ResponsesRequest.model_validate({"input": conversation, "max_output_tokens": 8, "truncation": "auto",
+                                           "tools": [{"type": "function", "name": "f", "parameters": {}}],
+                                           "tool_choice": "required"})
+    chat, _, prompt, params = asyncio.run(prepare(serving, req, []))
+    assert 1 < len(chat.messages) < len(conversation) and len(prompt) + 8 <= 256
+    assert len(built) == 1 and params is not built[0] and params.structured_outputs is not None

@@ -11,6 +11,7 @@ the format's JSON (`tool_choice.calls_or_format`), and the parser reads them as 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from fastapi import Request
@@ -162,25 +163,36 @@ def reasoning_tokens(serving: Serving, prompt_text: str, outputs) -> int | None:
     return sum(parser.reasoning_tokens(c.token_ids, c.text, prompt_text, serving.think_tags) for c in outputs)
 
 
-async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):
-    """The rendered prompt (its text, as much as the reasoning parser reads: `reasoning.last_turn`; and its
-    ids, checked) and the sampling parameters of a chat request.
-    `effort_param`: what the client called `reasoning_effort` (Responses nests it in `reasoning`)."""
+async def chat_params(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort"):
+    """A chat request's sampling parameters, after the checks of its tool choice and reasoning effort against
+    the server and the template. `effort_param`: what the client called `reasoning_effort` (Responses nests
+    it in `reasoning`)."""
     tools = req.tools_in_use()
     if tools is not None and req.tool_choice in (None, "auto") and not serving.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                             'set on the server', "tool_choice")
+    if req.reasoning_effort is not None and not serving.prompts.template_reads("reasoning_effort"):
+        hint = (': it reads enable_thinking, so chat_template_kwargs {"enable_thinking": false} turns thinking '
+                'off' if serving.prompts.template_reads("enable_thinking") else "")
+        raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
+                            f"template does not read reasoning_effort{hint}", effort_param)
+    return await serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+
+
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort",
+                       params=None):
+    """The rendered prompt (its text, as much as the reasoning parser reads: `reasoning.last_turn`; and its
+    ids, checked) and the sampling parameters of a chat request. `params`: those `chat_params` built for
+    this request already, which only its messages set apart (Responses' truncation renders several
+    conversations of one request, and a grammar's build grows with its tools), copied: the prompt's
+    adjustments below replace fields of the copy, never change one in place."""
+    params = await chat_params(serving, req, effort_param) if params is None else copy.copy(params)
+    tools = req.tools_in_use()
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
     template_kwargs = chat_template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message,
                                            req.documents)
     if req.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = req.reasoning_effort
-        if not serving.prompts.template_reads("reasoning_effort"):
-            hint = (': it reads enable_thinking, so chat_template_kwargs {"enable_thinking": false} turns thinking '
-                    'off' if serving.prompts.template_reads("enable_thinking") else "")
-            raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
-                                f"template does not read reasoning_effort{hint}", effort_param)
-    params = await serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
     prompt_text, prompt = await serving.prompts.render_chat(
         req.chat_messages(), add_gen, bool(req.add_special_tokens), fits=params.truncate_prompt_tokens is None,
         **template_kwargs)

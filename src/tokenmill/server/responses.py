@@ -22,7 +22,7 @@ from pydantic import (
     ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
 )
 
-from tokenmill.server.chat import ChoiceText, logprob_entries, prepare_chat, reasoning_tokens
+from tokenmill.server.chat import ChoiceText, chat_params, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
     INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS, ChatCompletionRequest,
@@ -558,9 +558,13 @@ async def prepare(serving: Serving, req: ResponsesRequest, history: list[dict]):
     of the conversation's earliest items are dropped that make it fit (OpenAI's rule; the instructions stay),
     found by bisection: dropping more never lengthens the prompt. Where even the last item alone does not
     fit, the 400 is the whole conversation's."""
+    chat = req.as_chat(bool(req.stream), history)
+    # built once: the conversations tried differ in their messages only, which the parameters do not read
+    params = await chat_params(serving, chat, effort_param="reasoning.effort")
+
     async def prepared(drop: int = 0):
-        chat = req.as_chat(bool(req.stream), history, drop)
-        return chat, *await prepare_chat(serving, chat, effort_param="reasoning.effort")
+        tried = req.as_chat(bool(req.stream), history, drop) if drop else chat
+        return tried, *await prepare_chat(serving, tried, params=params)
 
     try:
         return await prepared()
