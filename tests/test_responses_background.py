@@ -11,6 +11,7 @@ import logging
 
 import httpx
 import orjson
+import pytest
 
 from tokenmill.server import response_store
 
@@ -26,25 +27,30 @@ def _app(tokenizer_dir: str):
     tok = Tokenizer(tokenizer_dir)
 
     class Engine:
-        """Writes token 40 each step up to max_tokens; `aborted` lists the requests closed unfinished."""
+        """Writes token 40 each step up to max_tokens, and yields every `stream_interval` tokens (0: the first and
+        the last only), as AsyncLLM does; `aborted` lists the requests closed unfinished, `generated` counts the
+        tokens written."""
         model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 256, False, None
         processor = OutputProcessor(tok)
 
         def __init__(self):
             self.aborted: list[str] = []
-            self.running = 0
+            self.running = self.generated = 0
 
         def attach(self):
             pass
 
-        async def generate(self, request_id, ids, params, priority, **kw):
+        async def generate(self, request_id, ids, params, priority, stream_interval=1, **kw):
             self.running += 1
             token_ids, finished = [], False
             try:
                 while not finished:
                     await asyncio.sleep(STEP_S)
                     token_ids = token_ids + [40]
+                    self.generated += 1
                     finished = len(token_ids) == params.max_tokens
+                    if not (finished or len(token_ids) == 1 or stream_interval and len(token_ids) % stream_interval == 0):
+                        continue
                     c = CompletionOutput(0, tok.decode(token_ids), token_ids, None, None, "length" if finished else None)
                     yield RequestOutput(request_id, None, ids, [c], finished)
             finally:
@@ -132,6 +138,55 @@ def test_a_drain_or_the_apps_shutdown_cuts_background_responses_and_logs_nothing
     assert len(engine.aborted) == 2 and engine.running == 0
     assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cancelled_or_drained_background_response_keeps_what_it_generated(tokenizer_dir, stream):
+    """Cancelled, or cut by a drain (failed), a background response keeps in its output what it had generated until
+    then, its last item incomplete, and its usage counts those tokens (as OpenAI's keeps a cancelled response's
+    output); streamed, its output items are those its events opened, and the drained one's `response.failed`
+    event carries that body."""
+    from tokenmill.server.responses import ResponsesRequest, create_response
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    tok = engine.tokenizer
+
+    async def start() -> str:
+        req = ResponsesRequest.model_validate({"input": "hello", "max_output_tokens": 200, "background": True,
+                                               "stream": stream})
+        followed = await create_response(serving, req, None)
+        rid = next(reversed(serving.background._jobs))
+        if stream:
+            await followed._close()          # its client leaves at once: the response goes on
+        return rid
+
+    async def main():
+        cancelled, drained = await start(), await start()
+        generated = engine.generated
+        while engine.generated < generated + 20:
+            await asyncio.sleep(STEP_S)
+        await serving.background.cancel(cancelled)
+        serving.drain()
+        await serving.wait_idle()
+        return [(serving.responses.get(rid), serving.responses.events_after(rid, None) if stream else [])
+                for rid in (cancelled, drained)]
+    ended = asyncio.run(main())
+    for (body, events), status in zip(ended, ("cancelled", "failed")):
+        assert body["status"] == status and body["background"] is True, body
+        (item,) = body["output"]
+        text, usage = item["content"][0]["text"], body["usage"]
+        assert (item["type"], item["status"]) == ("message", "incomplete"), item
+        assert usage["output_tokens"] >= 10 and text == tok.decode([40] * usage["output_tokens"]), body
+        assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+        if stream:
+            events = [orjson.loads(e.split(b"data: ", 1)[1]) for e in events]
+            assert [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"] == [item["id"]]
+            assert events[-1]["type"] == ("error" if status == "cancelled" else "response.failed"), events[-1]
+    assert ended[1][0]["error"]["code"] == "shutting_down"
+    if stream:
+        assert orjson.loads(ended[1][1][-1].split(b"data: ", 1)[1])["response"] == ended[1][0]
+    assert len(engine.aborted) == 2 and engine.running == 0
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
 
 
 def test_a_background_response_cut_before_its_task_ran_is_counted_no_more(tokenizer_dir):

@@ -29,6 +29,8 @@ logger = logging.getLogger("tokenmill")
 
 # what a task is given to send its events through (kept for followers where the response streams)
 Emit = Callable[[dict], None]
+# the body of a response as far as it was generated, None where nothing was (`start`)
+SoFar = Callable[[], dict | None]
 
 
 class _Reader:
@@ -41,8 +43,8 @@ class _Reader:
 class _Job:
     """One background response's task, and how its followers learn of new events."""
 
-    def __init__(self, response_id: str, submitted: Submitted, stream: bool):
-        self.id, self.submitted, self.stream = response_id, submitted, stream
+    def __init__(self, response_id: str, submitted: Submitted, stream: bool, so_far: SoFar | None):
+        self.id, self.submitted, self.stream, self.so_far = response_id, submitted, stream, so_far
         self.task: asyncio.Task | None = None
         self.stop_error: APIError | None = None     # the server cut it (None where a client cancelled it)
         self.cut = False                            # its cancellation is stored
@@ -70,13 +72,16 @@ class BackgroundResponses:
         return len(self._jobs)
 
     def start(self, response_id: str, submitted: Submitted, generate: Callable[[Emit], Awaitable[None]],
-              opening: list[dict] = (), stream: bool = False, field_of=None) -> ClosingStream | None:
+              opening: list[dict] = (), stream: bool = False, field_of=None,
+              so_far: SoFar | None = None) -> ClosingStream | None:
         """Runs `generate(emit)` in a task of its own for the stored response `response_id`, whose prompts are
         `submitted`; `generate` stores the finished body itself and, where the response `stream`s, sends its
         events through `emit`, after the `opening` ones, kept at once. An error it raises fails the response
-        (`field_of`: the request's field for an engine-side refusal's, as `Serving.run`'s). Returns, where it
-        streams, the stream of its events for the request's own client, who follows them from the first."""
-        job = _Job(response_id, submitted, stream)
+        (`field_of`: the request's field for an engine-side refusal's, as `Serving.run`'s). A response cut short
+        (cancelled, or failed) is stored as `so_far()` gives it, once its prompts are aborted: what it had
+        generated. Returns, where it streams, the stream of its events for the request's own client, who follows
+        them from the first."""
+        job = _Job(response_id, submitted, stream, so_far)
         self._jobs[response_id] = job
         followed = None
         if stream:
@@ -93,17 +98,32 @@ class BackgroundResponses:
         try:
             await generate(lambda event: self._emit(job, event))
         except asyncio.CancelledError:
-            self._cut(job)
+            self._cut(job, await self._so_far(job))
             raise
         except Exception as e:
             error = as_api_error(e, field_of)
             if not isinstance(error, APIError):
                 logger.exception("background response %s failed", job.id)
                 error = APIError(500, f"internal error: {type(e).__name__}")
-            self._fail(job, error)
+            self._fail(job, error, await self._so_far(job))
         finally:
             # its ending is stored before it stops counting in flight, which a drain waits for
             await job.submitted.close()
+
+    async def _so_far(self, job: _Job) -> dict | None:
+        """The body of a response cut short, as far as it was generated: its prompts are aborted first (at once,
+        and its output then changes no more), and the body is made on a thread, as a finished one is (it grows
+        with the output and its logprobs). Cancelled again meanwhile (deleted, drained), it is left out."""
+        await job.submitted.abort()
+        if job.so_far is None:
+            return None
+        try:
+            return await asyncio.to_thread(job.so_far)
+        except asyncio.CancelledError:
+            return None
+        except Exception:
+            logger.exception("background response %s: its output so far could not be read", job.id)
+            return None
 
     def _emit(self, job: _Job, event: dict) -> None:
         job.next_sequence_number = event["sequence_number"] + 1
@@ -116,21 +136,22 @@ class BackgroundResponses:
         """Holds the response's events to their bound, but for those a live reader has yet to be given."""
         self.store.trim_events(job.id, min((r.after for r in job.readers), default=None))
 
-    def _fail(self, job: _Job, error: APIError) -> None:
+    def _fail(self, job: _Job, error: APIError, so_far: dict | None = None) -> None:
         # OpenAI's response error: a code (the error's, else its type) and a message
         code = error.code or error_body(error.status, error.message)["error"]["type"]
-        body = self.store.set_status(job.id, "failed", {"code": code, "message": error.message})
+        body = self.store.set_status(job.id, "failed", {"code": code, "message": error.message}, so_far)
         if body is not None:
             self._emit(job, {"type": "response.failed", "sequence_number": job.next_sequence_number, "response": body})
 
-    def _cut(self, job: _Job) -> None:
-        """Stores how a cancelled task ended: failed where the server cut it, else cancelled."""
+    def _cut(self, job: _Job, so_far: dict | None = None) -> None:
+        """Stores how a cancelled task ended (with `so_far`, its output until then): failed where the server cut
+        it, else cancelled."""
         if job.cut:
             return
         job.cut = True
         if job.stop_error is not None:
-            self._fail(job, job.stop_error)
-        elif self.store.set_status(job.id, "cancelled") is not None:
+            self._fail(job, job.stop_error, so_far)
+        elif self.store.set_status(job.id, "cancelled", None, so_far) is not None:
             # OpenAI's stream events have no cancelled one: the error event says it, and ends the stream
             self._emit(job, error_event(APIError(400, f"Response '{job.id}' was cancelled.", code="response_cancelled"),
                                         job.next_sequence_number))

@@ -132,13 +132,14 @@ class ResponseStore:
         if body["id"] in self._entries:
             self.put(body, input_items)
 
-    def set_status(self, response_id: str, status: str, error: dict | None = None) -> dict | None:
-        """The stored body of `response_id` with this status (and `error`), kept in its place; None where it is
-        no longer stored."""
+    def set_status(self, response_id: str, status: str, error: dict | None = None,
+                   body: dict | None = None) -> dict | None:
+        """The stored body of `response_id` (or `body`, the response as it stands now) with this status (and
+        `error`), kept in its place; None where it is no longer stored."""
         if response_id not in self._entries:
             return None
         entry = orjson.loads(self._entries[response_id].blob)
-        body = {**entry["body"], "status": status, "error": error}
+        body = {**(body or entry["body"]), "status": status, "error": error}
         self.put(body, entry["input"])
         return body
 

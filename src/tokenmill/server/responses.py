@@ -651,9 +651,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         """The output's events, after the response's opening ones that `events` has numbered."""
         text = ChoiceText(serving, chat, prompt_text)
         sent = sent_tokens = 0
-        last = None
         async for _, out in merged:
-            last = out
+            events.last = out
             c = out.outputs[0]
             piece = c.text[sent:]
             sent = len(c.text)
@@ -666,12 +665,12 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
             for part in parts:
                 for e in events.delta(part):
                     yield e
-        c = last.outputs[0]
+        c = events.last.outputs[0]
         for e in events.close_all(c.finish_reason == "length"):
             yield e
         status = "incomplete" if c.finish_reason == "length" else "completed"
         yield events.event("response.completed" if status == "completed" else "response.incomplete",
-                           response=done(shape.body(status, events.items, last, c.finish_reason)))
+                           response=done(shape.body(status, events.items, events.last, c.finish_reason)))
 
     def field_of(param):
         return req.field_of(chat.field_of(param))
@@ -680,7 +679,8 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     if not req.background:
         return await serving.run(raw, [prompt], params, req.priority or 0, bool(req.stream), stream, final,
                                  event_names=True, field_of=field_of, carries_tools=bool(req.tools), keep_final=done)
-    submitted = serving.submit([prompt], params, req.priority or 0, bool(req.stream), carries_tools=bool(req.tools))
+    # its outputs as they come even where it does not stream: one cut short keeps what it had generated (`so_far`)
+    submitted = serving.submit([prompt], params, req.priority or 0, True, carries_tools=bool(req.tools))
     queued = shape.body("queued", [])
     if not serving.responses.put(queued, input_items):
         submitted.release()
@@ -694,15 +694,33 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         started = shape.body("in_progress", [])
         serving.responses.update(started, input_items)
         if not req.stream:
-            done(await asyncio.to_thread(final, await submitted.last(first)))
+            async for _, out in submitted.merged(first):
+                events.last = out
+            done(await asyncio.to_thread(final, [events.last]))
             return
         emit(events.event("response.in_progress", response=started))
         async for e in stream_events(submitted.merged(first), events):
             emit(e)
 
+    def so_far() -> dict | None:
+        """The body of the response as far as it was generated, for one cut short (its status and error are the
+        caller's): its output items (the last one incomplete, unless the output had ended) and their usage; None
+        before its first output. Called once its engine request is aborted: its output no longer changes."""
+        out = events.last
+        if out is None:
+            return None
+        c = out.outputs[0]
+        if req.stream:      # the items its events made; their closing events are not sent (the stream ends cut)
+            events.close_all(cut=not out.finished)
+            items = events.items
+        else:
+            items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
+                                 token_logprobs(c.token_ids, c.logprobs), cut=not out.finished)
+        return shape.body("in_progress", items, out)
+
     opening = [events.event("response.created", response=queued), events.event("response.queued", response=queued)] \
         if req.stream else []
-    followed = serving.background.start(shape.id, submitted, generate, opening, bool(req.stream), field_of)
+    followed = serving.background.start(shape.id, submitted, generate, opening, bool(req.stream), field_of, so_far)
     return followed if req.stream else json_response(queued)
 
 
@@ -717,6 +735,7 @@ class _EventStream:
         self.open: dict | None = None       # the item receiving deltas
         self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
         self.pending_logprobs: list[dict] = []   # tokens' logprobs not yet sent with an output_text delta
+        self.last = None                    # the latest (cumulative) output read
 
     def event(self, kind: str, **fields) -> dict:
         e = {"type": kind, "sequence_number": self.seq, **fields}

@@ -409,7 +409,7 @@ class Submitted:
     def __init__(self, serving: Serving, gens: list, logprob_entries: int):
         self._serving, self.gens, self._entries = serving, gens, logprob_entries
         self._waiting = len(gens)
-        self._released = self._closing = False
+        self._released = self._aborted = False
 
     async def first(self, raw: Request | None = None) -> list[RequestOutput]:
         """Every prompt's first output; `raw`: the client whose leaving ends the wait (None: nobody's)."""
@@ -437,11 +437,16 @@ class Submitted:
             self._waiting = 0
             self._serving._end(self._entries)
 
-    async def close(self) -> None:
-        if not self._closing:
-            self._closing = True
+    async def abort(self) -> None:
+        """Closes the prompts' output streams, which aborts those still running in the engine (their KV blocks
+        freed); they count until released."""
+        if not self._aborted:
+            self._aborted = True
             await _close_all(self.gens)
-            self.release()
+
+    async def close(self) -> None:
+        await self.abort()
+        self.release()
 
 
 class ClosingStream(StreamingResponse):
