@@ -165,7 +165,7 @@ def test_items_are_read_back_by_id_from_the_latest_response_holding_them(monkeyp
 
 def test_a_response_is_continued_only_once_it_has_output():
     """A background response queued or in progress is refused as a streamed one in progress is; cancelled or
-    failed it has no output to continue; completed, it is continued."""
+    failed it was cut short (its output, kept, ends unfinished); completed, it is continued."""
     store = ResponseStore()
     body = {"id": "b", "status": "queued", "output": [], "previous_response_id": None, "error": None}
     store.put(body, [{"type": "message", "role": "user", "content": "hi"}])

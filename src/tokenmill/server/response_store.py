@@ -50,7 +50,8 @@ ITEM_INDEX_BYTES = 240
 EVENT_LOG_MAX_BYTES = MAX_BYTES // 16
 # what a kept event holds beside its bytes: the bytes object's header (33) and the log's pointer to it (8)
 EVENT_OVERHEAD_BYTES = 41
-# the statuses of a response that cannot be continued (`conversation`): one still running, or ended without output
+# the statuses of a response that cannot be continued (`conversation`): one still running, or cut short (what output
+# it had stays to read, its last item unfinished)
 UNFINISHED = ("queued", "in_progress")
 NOT_CONTINUABLE = UNFINISHED + ("failed", "cancelled")
 
@@ -266,9 +267,9 @@ class ResponseStore:
                 raise APIError(400, f"Previous response '{rid}' is still {status.replace('_', ' ')}; continue it once "
                                     "it has completed.", "previous_response_id", "previous_response_in_progress")
             if status is not None:
-                raise APIError(400, f"Previous response '{rid}' is {status}: it has no output to continue (only a "
-                                    "completed or incomplete response can be).", "previous_response_id",
-                               f"previous_response_{status}")
+                raise APIError(400, f"Previous response '{rid}' is {status}: it was cut short, and only a completed "
+                                    "or incomplete response can be continued (send the output items it has as input "
+                                    "to go on from them).", "previous_response_id", f"previous_response_{status}")
             chain.append(entry)
             rid = entry["body"]["previous_response_id"]
         return [item for entry in reversed(chain) for item in entry["input"] + entry["body"]["output"]]
