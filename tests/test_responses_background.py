@@ -241,3 +241,28 @@ def test_a_client_following_a_stream_is_given_every_event_past_the_bound(tokeniz
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == "response.incomplete" and len(json.dumps(events)) > 5 * 2_000
     assert again.status_code == 400 and again.json()["error"]["param"] == "starting_after", again.text
+
+
+def test_get_takes_openais_include_and_include_obfuscation(tokenizer_dir):
+    """GET /v1/responses/{id} as the openai client asks it: `include[]` values are honored as POST's (a 400 naming
+    one the stored response cannot give, or one this server has none of), and `include_obfuscation` is taken."""
+    import openai
+    app, _ = _app(tokenizer_dir)
+
+    async def main():
+        async with _client(app) as http:
+            client = openai.AsyncOpenAI(api_key="x", base_url="http://tokenmill/v1", http_client=http, max_retries=0)
+            plain = await client.responses.create(model="tiny", input="hello", max_output_tokens=3)
+            with_logprobs = await client.responses.create(model="tiny", input="hello", max_output_tokens=3,
+                                                          include=["message.output_text.logprobs"])
+            got = await client.responses.retrieve(plain.id, include=["reasoning.encrypted_content"],
+                                                  include_obfuscation=False)
+            assert got == plain
+            got = await client.responses.retrieve(with_logprobs.id, include=["message.output_text.logprobs"])
+            assert got == with_logprobs
+            for include, says in ((["message.output_text.logprobs"], "created without it"),
+                                  (["web_search_call.results"], "is not supported by tokenmill")):
+                with pytest.raises(openai.BadRequestError, match=says) as e:
+                    await client.responses.retrieve(plain.id, include=include)
+                assert e.value.param == "include" and include[0] in e.value.message
+    asyncio.run(main())

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import ResponsesRequest, _EventStream, resolve_references
+from tokenmill.server.responses import ResponsesRequest, _EventStream, _unwrap, resolve_references, retrieve
 
 
 def _lp(token: str) -> dict:
@@ -346,3 +346,28 @@ def test_truncation_auto_builds_the_sampling_parameters_once(tokenizer_dir, monk
     chat, _, prompt, params = asyncio.run(prepare(serving, req, []))
     assert 1 < len(chat.messages) < len(conversation) and len(prompt) + 8 <= 256
     assert len(built) == 1 and params is not built[0] and params.structured_outputs is not None
+
+
+def test_get_includes_what_the_stored_response_can_give():
+    """GET's `include`: a reasoning item's `encrypted_content` is added to a body stored without it (the stored body
+    unchanged); the output text's logprobs, never computed for a request without them, are a 400 naming the value,
+    as is, with `stream`, a value the events were sent without; what the request included is there either way."""
+    store = ResponseStore()
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                 "content": [{"type": "reasoning_text", "text": "think"}]}
+    message = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]}
+    body = {"id": "r", "status": "completed", "output": [reasoning, message], "previous_response_id": None}
+    store.put(body, [])
+    got = retrieve(store, "r", ["reasoning.encrypted_content"], stream=False)
+    assert _unwrap(got["output"][0]["encrypted_content"]) == "think" and got["output"][1] == message
+    assert store.get("r") == body and retrieve(store, "r", [], stream=False) == body
+    for include, stream, says in ((["message.output_text.logprobs"], False, "were never computed"),
+                                  (["reasoning.encrypted_content"], True, "GET the response without 'stream'"),
+                                  (["file_search_call.results"], False, "'file_search_call.results' is not supported")):
+        with pytest.raises(APIError, match=says) as e:
+            retrieve(store, "r", include, stream)
+        assert (e.value.status, e.value.param) == (400, "include") and include[0] in e.value.message
+    store.put(body, [], ResponsesRequest.model_validate({"input": "x", "top_logprobs": 0}).included())
+    assert retrieve(store, "r", ["message.output_text.logprobs"], stream=False) == body
+    assert retrieve(store, "r", ["message.output_text.logprobs"], stream=True) is None

@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import orjson
-from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from fastapi.routing import APIRoute
@@ -27,7 +27,7 @@ from tokenmill.server.errors import APIError, BodyError, document_errors_only, d
 from tokenmill.server.guard import RequestGuard, api_keys
 from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store
+from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store, retrieve
 from tokenmill.server.protocol import (
     MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeRequest,
@@ -263,14 +263,20 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         return await create_response(serving, req, raw)
 
     @app.get("/v1/responses/{response_id}", responses=RETRIEVE)
-    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None,
+                           include: list[str] = Query([], alias="include[]"),
+                           include_unbracketed: list[str] = Query([], alias="include"),
+                           include_obfuscation: bool | None = None):
         """`stream`: the events of a response created with background and stream true, those after sequence
-        number `starting_after` (all where it is left out) and then each new one until it ends."""
+        number `starting_after` (all where it is left out) and then each new one until it ends. `include`: as
+        POST's (`include[]=...`, as OpenAI's clients send it, or `include=...`), honored or refused by
+        `retrieve`. `include_obfuscation`: taken, and changes nothing (this server pads no event)."""
         store = response_store(serving, "response_id")
+        body = retrieve(store, response_id, include + include_unbracketed, stream)
         if not stream:
             if starting_after is not None:
                 raise APIError(400, "'starting_after' is only allowed when 'stream' is true", "starting_after")
-            return json_response(store.get(response_id))
+            return json_response(body)
         if starting_after is not None and starting_after < 0:
             raise APIError(400, f"'starting_after' must be 0 or more, got {starting_after} (leave it out to stream "
                                 "from the first event)", "starting_after")

@@ -100,13 +100,15 @@ class ResponseStore:
         # under each of its `item_ids` for as long as it is kept
         self._holders: dict[str, list[str]] = {}
 
-    def put(self, body: dict, input_items: list[dict]) -> bool:
+    def put(self, body: dict, input_items: list[dict], include: list[str] = ()) -> bool:
         """Keeps `body` (its `previous_response_id` links it to the conversation it continued) with the
-        request's input items, in place of the entry of that id (its events kept). A body larger than the whole
-        store is not kept, nor is the entry it would have replaced: False."""
+        request's input items and the `include` values its output carries (`included`), in place of the entry
+        of that id (its events kept). A body larger than the whole store is not kept, nor is the entry it would
+        have replaced: False."""
         # a copy of orjson's bytes, which keep the capacity its writer grew to (an entry of ~1 KB held ~4 KB
         # more of the heap), so that the bound counts what the process holds
-        blob = bytes(memoryview(orjson.dumps({"body": body, "input": input_items})))
+        entry = {"body": body, "input": input_items, **({"include": list(include)} if include else {})}
+        blob = bytes(memoryview(orjson.dumps(entry)))
         items = input_items + body["output"]
         item_ids = tuple(dict.fromkeys(item["id"] for item in items if isinstance(item.get("id"), str)))
         entry = _Entry(blob, _conversation_bytes(items), item_ids)
@@ -128,10 +130,10 @@ class ResponseStore:
         self._bound()
         return True
 
-    def update(self, body: dict, input_items: list[dict]) -> None:
+    def update(self, body: dict, input_items: list[dict], include: list[str] = ()) -> None:
         """Replaces the entry of `body`'s response with `body`, unless it was dropped or deleted."""
         if body["id"] in self._entries:
-            self.put(body, input_items)
+            self.put(body, input_items, include)
 
     def set_status(self, response_id: str, status: str, error: dict | None = None,
                    body: dict | None = None) -> dict | None:
@@ -141,7 +143,7 @@ class ResponseStore:
             return None
         entry = orjson.loads(self._entries[response_id].blob)
         body = {**(body or entry["body"]), "status": status, "error": error}
-        self.put(body, entry["input"])
+        self.put(body, entry["input"], entry.get("include", ()))
         return body
 
     def _bound(self) -> None:
@@ -227,6 +229,11 @@ class ResponseStore:
 
     def get(self, response_id: str) -> dict:
         return self._entry(response_id)["body"]
+
+    def included(self, response_id: str) -> tuple[dict, list[str]]:
+        """The body of `response_id`, and the `include` values its output carries (as `put` was given them)."""
+        entry = self._entry(response_id)
+        return entry["body"], entry.get("include", [])
 
     def input_items(self, response_id: str) -> list[dict]:
         """The input items of `response_id`'s own request, in the order sent."""

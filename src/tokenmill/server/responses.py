@@ -143,7 +143,15 @@ class ReasoningItem(_Strict):
 # It is encoded, not encrypted (this server holds no key and the text is in the item's content already);
 # the prefix tells a blob of ours from another server's, which is ignored.
 INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
+_ENCRYPTED, _LOGPROBS = INCLUDES
 _BLOB_PREFIX = "tokenmill-reasoning-v1."
+
+
+def _unknown_include(include: list[str] | None) -> str | None:
+    """The refusal of the first `include` value this server has none of, None where there is none."""
+    unknown = [v for v in include or () if v not in INCLUDES]
+    return f"'include' value {unknown[0]!r} is not supported by tokenmill (only {', '.join(map(repr, INCLUDES))})" \
+        if unknown else None
 
 
 def _wrap(text: str) -> str:
@@ -305,10 +313,9 @@ class ResponsesRequest(_Strict):
                                                    "with 'previous_response_id', or send the conversation as 'input')")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        unknown = [v for v in self.include or () if v not in INCLUDES]
+        unknown = _unknown_include(self.include)
         if unknown:
-            raise UnsupportedValue("include", f"'include' value {unknown[0]!r} is not supported by tokenmill "
-                                              f"(only {', '.join(map(repr, INCLUDES))})")
+            raise UnsupportedValue("include", unknown)
         return self
 
     def field_of(self, param: str | None) -> str | None:
@@ -321,6 +328,11 @@ class ResponsesRequest(_Strict):
     def wants_logprobs(self) -> bool:
         """The output text's token logprobs: asked by include (OpenAI's way) or by top_logprobs alone."""
         return "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None
+
+    def included(self) -> list[str]:
+        """The `include` values its response's output carries (as stored, for GET's `include`): those asked, and
+        the output text's logprobs where top_logprobs alone asks for them."""
+        return [v for v in INCLUDES if v in (self.include or ()) or v == _LOGPROBS and self.wants_logprobs()]
 
     def input_items(self) -> list[dict]:
         """The input as items, as a stored response keeps them and `input_items` lists them: each with
@@ -511,6 +523,36 @@ def response_store(serving: Serving, param: str) -> ResponseStore:
     return serving.responses
 
 
+def retrieve(store: ResponseStore, response_id: str, include: list[str], stream: bool) -> dict | None:
+    """GET's `include` (OpenAI's values, as POST takes them; another is a 400 naming it): the body of `response_id`
+    with what they add, or None where it `stream`s, its events then sent again as they were made. A reasoning
+    item's `encrypted_content` is added to a body stored without it (its text is in the item); the output text's
+    logprobs, never computed for a request that asked for none, and anything the events were made without, are a
+    400 naming the value and why. Without `include`, the body is as stored, with what its own request included."""
+    if not include:
+        return None if stream else store.get(response_id)
+    unknown = _unknown_include(include)
+    if unknown:
+        raise APIError(400, unknown, "include")
+    body, included = store.included(response_id)
+    missing = [v for v in dict.fromkeys(include) if v not in included]
+    if _LOGPROBS in missing:
+        raise APIError(400, f"'include' value {_LOGPROBS!r} cannot be honored: response '{response_id}' was created "
+                            "without it (or 'top_logprobs'), so its output's token logprobs were never computed; ask "
+                            "for them when creating a response", "include")
+    if stream:
+        if missing:
+            raise APIError(400, f"'include' value {missing[0]!r} cannot be honored with 'stream': the events of "
+                                f"response '{response_id}' are sent again as they were made, without it (its request "
+                                "did not include it); GET the response without 'stream' to have it", "include")
+        return None
+    if _ENCRYPTED in missing:
+        for item in body["output"]:
+            if item["type"] == "reasoning":
+                _encrypted(item, [_ENCRYPTED])
+    return body
+
+
 def resolve_references(serving: Serving, req: ResponsesRequest) -> ResponsesRequest:
     """`req` with each item_reference in its input replaced by the stored item it names, which then reaches the
     prompt, the duplicate check against previous_response_id's conversation and the stored input as if sent."""
@@ -612,11 +654,13 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     # made once: the ids given to items that came without one are the same while a stream runs and after
     input_items = req.input_items() if keep else []
 
+    included = req.included()
+
     def done(body: dict) -> dict:
         """Stores the finished body: in place of the entry kept since the start, where there is one."""
         if keep:
-            serving.responses.put(body, input_items) if not (req.stream or req.background) else \
-                serving.responses.update(body, input_items)
+            serving.responses.put(body, input_items, included) if not (req.stream or req.background) else \
+                serving.responses.update(body, input_items, included)
         return body
 
     # the request has no return_tokens_as_token_ids of its own: the server's (--return-tokens-as-token-ids)
@@ -636,7 +680,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
 
     async def stream(merged):
         if keep:
-            serving.responses.put(shape.body("in_progress", []), input_items)
+            serving.responses.put(shape.body("in_progress", []), input_items, included)
         try:
             events = _EventStream(shape)
             yield events.event("response.created", response=shape.body("in_progress", []))
@@ -682,7 +726,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     # its outputs as they come even where it does not stream: one cut short keeps what it had generated (`so_far`)
     submitted = serving.submit([prompt], params, req.priority or 0, True, carries_tools=bool(req.tools))
     queued = shape.body("queued", [])
-    if not serving.responses.put(queued, input_items):
+    if not serving.responses.put(queued, input_items, included):
         submitted.release()
         raise APIError(400, f"the input is more than the {serving.responses.max_bytes:,} bytes that the response store "
                             "holds, and a background response is read back from it: leave 'background' out",
@@ -692,7 +736,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     async def generate(emit):
         first = await submitted.first()
         started = shape.body("in_progress", [])
-        serving.responses.update(started, input_items)
+        serving.responses.update(started, input_items, included)
         if not req.stream:
             async for _, out in submitted.merged(first):
                 events.last = out
