@@ -2,7 +2,8 @@
 /v1/responses/{id}` reach.
 
 A response is kept as the items it added to its conversation: its request's input items and its output
-items, with the id of the response it continued. A request that names `previous_response_id` is
+items, with the id of the response it continued (and the `include` values its output carries, which GET's
+`include` reads). A request that names `previous_response_id` is
 prefixed with the conversation so far, each stored response's input then output, oldest first (not
 their `instructions`, as OpenAI's API has it). Each entry is held as its JSON bytes, so that the bound
 counts what the process holds (with each entry, the bytes its items add to a conversation: their JSON without
