@@ -1,8 +1,8 @@
 """Background responses (server/background.py) in process, on a stand-in engine whose requests run until they
 finish or their stream is closed (what aborts them in the real engine): polled until done, with the body the
-same request answered in its own request gets; cut by a drain, or before their task first ran, with nothing
-left counted and nothing logged. (The real server's cancel, freed KV blocks and resumed streams:
-test_hardening.py.)"""
+same request answered in its own request gets; cancelled or cut by a drain, with what they had generated kept;
+cut before their task first ran, with nothing left counted and nothing logged. And GET's `include` as OpenAI's
+client sends it. (The real server's cancel, freed KV blocks and resumed streams: test_hardening.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +49,8 @@ def _app(tokenizer_dir: str):
                     token_ids = token_ids + [40]
                     self.generated += 1
                     finished = len(token_ids) == params.max_tokens
-                    if not (finished or len(token_ids) == 1 or stream_interval and len(token_ids) % stream_interval == 0):
+                    due = len(token_ids) == 1 or stream_interval and len(token_ids) % stream_interval == 0
+                    if not (finished or due):
                         continue
                     c = CompletionOutput(0, tok.decode(token_ids), token_ids, None, None, "length" if finished else None)
                     yield RequestOutput(request_id, None, ids, [c], finished)

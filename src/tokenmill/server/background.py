@@ -4,11 +4,11 @@ started them, and reached through the Responses store (server/response_store.py)
 
 A background response is stored `queued` when its request is answered, `in_progress` once the engine has
 started it, and ends as a foreground response would (`completed` or `incomplete`, with the same body), or
-`failed` (the body's `error` says why), or `cancelled`: either of the last two with the output it had generated. One created with `stream: true` keeps its events in
-the store as they are made; its request's stream and any `GET /v1/responses/{id}?stream=true&starting_after=N`
-follow them (`stream`): the kept events after N, then each new one as it comes. A client that leaves stops
-nothing: that is what background is for. Past their bound the earliest events go, but none that a client
-following them live has yet to be given.
+`failed` (the body's `error` says why), or `cancelled`: either of the last two with the output it had generated.
+One created with `stream: true` keeps its events in the store as they are made; its request's stream and any
+`GET /v1/responses/{id}?stream=true&starting_after=N` follow them (`stream`): the kept events after N, then each
+new one as it comes. A client that leaves stops nothing: that is what background is for. Past their bound the
+earliest events go, but none that a client following them live has yet to be given.
 
 Every way a task can end releases its engine requests: cancelling it (a client's cancel, a delete, the store
 dropping its response past the bound, the server draining or stopping) closes its output streams, which aborts
