@@ -653,8 +653,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     shape = _Shape(serving, req, req.model or serving.model_names[0], keep, prompt_text, params)
     # made once: the ids given to items that came without one are the same while a stream runs and after
     input_items = req.input_items() if keep else []
-
-    included = req.included()
+    included = req.included()       # kept with the body, for GET's `include`
 
     def done(body: dict) -> dict:
         """Stores the finished body: in place of the entry kept since the start, where there is one."""
@@ -754,12 +753,13 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         if out is None:
             return None
         c = out.outputs[0]
+        cut = not out.finished or c.finish_reason == "length"
         if req.stream:      # the items its events made; their closing events are not sent (the stream ends cut)
-            events.close_all(cut=not out.finished)
+            events.close_all(cut)
             items = events.items
         else:
             items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
-                                 token_logprobs(c.token_ids, c.logprobs), cut=not out.finished)
+                                 token_logprobs(c.token_ids, c.logprobs), cut)
         return shape.body("in_progress", items, out)
 
     opening = [events.event("response.created", response=queued), events.event("response.queued", response=queued)] \
