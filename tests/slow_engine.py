@@ -34,3 +34,14 @@ def core_0_loads(config):
     if config.extra["core"] == 0:
         LOADING.wait(60)
     raise ValueError(f"core {config.extra['core']} cannot load its model")
+
+
+STARTING = threading.Event()     # set by the frontend's `while_starting`
+
+
+def loads_once_started(config):
+    """A core (in a thread of the test) that finishes loading only once its frontend's `AsyncLLM`
+    `while_starting` has run, and fails if that has not come within 5 s."""
+    if not STARTING.wait(5):
+        raise RuntimeError("while_starting did not run while the core loaded")
+    return LLMEngine(config)

@@ -1308,3 +1308,16 @@ def test_the_offline_api_as_vllm_users_call_it(qwen3_dir, tmp_path):
     assert not llm.engine.groups and len(llm.processor) == 0
     out = llm.generate([[8, 9]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2 and not llm.engine.groups
+
+
+def test_while_starting_runs_while_the_core_loads(qwen3_dir):
+    """`AsyncLLM`'s `while_starting` (a server's app imports) runs while its core loads the model, not once the
+    core is ready: a core that finishes loading only after it has run still starts."""
+    import slow_engine
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLM
+    slow_engine.STARTING.clear()
+    engine = AsyncLLM(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32"), in_process=True,
+                      engine_factory="slow_engine:loads_once_started", startup_timeout=30,
+                      while_starting=slow_engine.STARTING.set)
+    engine.shutdown()

@@ -97,10 +97,11 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, config, *, engine_factory: str | None = None, in_process: bool = False,
                  startup_timeout: float = 600.0, on_output: Callable | None = None,
-                 client: CoreClient | None = None, tokenizer=None):
+                 client: CoreClient | None = None, tokenizer=None, while_starting: Callable[[], None] | None = None):
         """Starts an engine core of its own, or, given `client`, uses a core another process owns (and
         only leaves it at shutdown). `tokenizer`: the model's, already loaded for another client of the same
-        model (data parallel's cores share one); else loaded from where the core names it."""
+        model (data parallel's cores share one); else loaded from where the core names it. `while_starting`:
+        work of the caller's to do while a core of its own loads its model (its app's imports)."""
         self.config = config
         self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, now)
         self._streams: dict[str, _Stream] = {}
@@ -120,6 +121,8 @@ class AsyncLLM:
                                     startup_timeout=startup_timeout, wait=False)
             try:
                 import_tokenizer_modules(config.tokenizer or config.model)
+                if while_starting is not None:
+                    while_starting()
             except BaseException:
                 self._core.abandon()
                 raise

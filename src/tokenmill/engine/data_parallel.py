@@ -100,8 +100,8 @@ class DataParallelLLM:
 
     @classmethod
     def start(cls, config, size: int, *, engine_factory: str | None = None,
-              startup_timeout: float = 600.0) -> "DataParallelLLM":
-        """Starts `size` engine cores (`core_configs`) and their clients."""
+              startup_timeout: float = 600.0, while_starting: Callable[[], None] | None = None) -> "DataParallelLLM":
+        """Starts `size` engine cores (`core_configs`) and their clients; `while_starting` as `AsyncLLM`'s."""
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
         try:
@@ -116,6 +116,8 @@ class DataParallelLLM:
                 procs.append(EngineCore(c, engine_factory=engine_factory, startup_timeout=startup_timeout,
                                         wait=False, name=f"engine core {i} of {size} ({c.device})"))
             import_tokenizer_modules(config.tokenizer or config.model)
+            if while_starting is not None:
+                while_starting()
             waiting, deadline = {proc.pipes[0]: proc for proc in procs}, time.monotonic() + startup_timeout
             while waiting:
                 ready = mp_connection.wait(list(waiting), max(0.0, deadline - time.monotonic())) or list(waiting)

@@ -220,7 +220,7 @@ def announce(model_name: str, host: str, port: int, engine_pid: int | None, sche
 
 def import_app_modules() -> None:
     """Imports what `serve` builds the app from (FastAPI, pydantic, the routes' modules), for a process that
-    has a core's start-up to wait for anyway (`--api-server-count`)."""
+    has a core's start-up to wait for anyway (`AsyncLLM`'s `while_starting`, `--api-server-count`)."""
     for module in ("app", "connections", "stats_log"):
         importlib.import_module(f"tokenmill.server.{module}")
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
 from tokenmill.server.guard import api_keys
-from tokenmill.server.http_server import HTTPOptions, ServeOptions, announce, configure_logging, serve
+from tokenmill.server.http_server import (HTTPOptions, ServeOptions, announce, configure_logging,
+                                          import_app_modules, serve)
 
 
 class PortInUse(OSError):
@@ -114,10 +115,13 @@ def run_server(config, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     try:
         if data_parallel_size > 1:
             from tokenmill.engine.data_parallel import DataParallelLLM
-            engine = DataParallelLLM.start(config, data_parallel_size, engine_factory=engine_factory)
+            engine = DataParallelLLM.start(config, data_parallel_size, engine_factory=engine_factory,
+                                           while_starting=import_app_modules)
             print(f"tokenmill: {data_parallel_size} engine cores (pids {', '.join(map(str, engine.pids))})", flush=True)
         else:
-            engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process)
+            # the app's modules are imported while the core loads its model, not after
+            engine = AsyncLLM(config, engine_factory=engine_factory, in_process=in_process,
+                              while_starting=import_app_modules)
     except EngineStartError as e:
         sock.close()
         print(f"tokenmill: {e}", file=sys.stderr, flush=True)
