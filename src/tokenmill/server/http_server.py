@@ -1,8 +1,9 @@
 """One API server process's HTTP side: uvicorn on a given socket, draining on SIGTERM.
 
-The first SIGTERM/SIGINT drains: new requests get 503, those in flight finish, then the process
-exits. A second one stops at once: streams in flight end with an error event, other requests get a
-JSON 503, and the process exits within a few seconds. A third closes every connection.
+The first SIGTERM/SIGINT drains: new requests get 503, those in flight finish (background responses,
+which no connection waits on, are failed at once: `Serving.drain`), then the process exits. A second
+one stops at once: streams in flight end with an error event, other requests get a JSON 503, and the
+process exits within a few seconds. A third closes every connection.
 
 Exit status: 0 after a drain, or a stop that cut nothing; 1 when the engine core died (after /health
 has answered 503 for `dead_grace_s`) or a stop cut requests, so that an orchestrator restarts the
