@@ -133,7 +133,8 @@ class Serving:
 
     def admit(self, num_prompts: int = 1):
         """Checks that a new request (of `num_prompts` prompts) may enter. Once this returns, the caller
-        must reach `run`, which counts the prompts as waiting until their first outputs arrive."""
+        must reach `run` or `submit` (a background response's), which count the prompts as waiting until their
+        first outputs arrive."""
         if self.engine.dead:
             raise APIError(503, "The engine is not running.", code="engine_dead")
         if self.draining:
