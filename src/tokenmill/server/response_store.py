@@ -203,6 +203,14 @@ class ResponseStore:
                 (read_through is None or log.base + log.head <= read_through):
             self.nbytes -= log.drop_first()
 
+    def could_trim(self, response_id: str, after: int | None = None) -> bool:
+        """Whether `trim_events` may drop events of `response_id`: they hold more than their bound, and where
+        `after` is given (a reader had been given the events through `after` before its latest read), that reader
+        had yet to be given the earliest kept one: a reader past it held none of them."""
+        log = self._events.get(response_id)
+        return log is not None and log.nbytes > EVENT_LOG_MAX_BYTES and \
+            (after is None or after < log.base + log.head)
+
     def events_after(self, response_id: str, after: int | None) -> list[bytes]:
         """The kept events of `response_id` whose sequence number is above `after` (None: all of them). A 404
         where the response is gone; a 400 where events after `after` were dropped, or it keeps none."""
