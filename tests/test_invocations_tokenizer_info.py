@@ -95,11 +95,16 @@ def test_tokenizer_info_is_the_tokenizer_config_as_loaded(api, tokenizer_dir):
     assert info["chat_template"] == hf.chat_template
     assert not {"name_or_path", "vocab_file", "is_local", "local_files_only"} & set(info), info
     assert api("/tokenizer_info", method="GET", headers={}).status_code == 401
+    # HEAD, as /v1/models answers it (it was a 405)
+    head = api("/tokenizer_info", method="HEAD")
+    assert head.status_code == 200 and head.headers["content-length"] == str(len(r.content)), head.headers
+    assert api("/tokenizer_info", method="HEAD", headers={}).status_code == 401
 
 
 def test_tokenizer_info_is_off_unless_asked_and_says_why_it_cannot_answer(tokenizer_dir):
     off = _in_process_api(tokenizer_dir)("/tokenizer_info", method="GET")
     assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+    assert _in_process_api(tokenizer_dir)("/tokenizer_info", method="HEAD").status_code == 404
     template = "{{ messages[0]['content'] }}"
     own = _in_process_api(tokenizer_dir, template, enable_tokenizer_info_endpoint=True)("/tokenizer_info",
                                                                                         method="GET")

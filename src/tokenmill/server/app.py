@@ -340,7 +340,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
             raise APIError(400, f"cannot decode these tokens: {e}", "tokens") from None
         return json_response({"prompt": text})
 
-    @app.get("/tokenizer_info", responses=LOOKUP, include_in_schema=enable_tokenizer_info_endpoint)
+    # HEAD as /v1/models answers it: HTTP asks every server for HEAD where it serves GET, and checkers probe with it
+    @app.api_route("/tokenizer_info", methods=["GET", "HEAD"], responses=LOOKUP,
+                   include_in_schema=enable_tokenizer_info_endpoint)
     async def get_tokenizer_info():
         if not enable_tokenizer_info_endpoint:
             raise APIError(404, "GET /tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint "
