@@ -304,3 +304,27 @@ def test_the_followers_of_a_stream_are_scanned_at_most_once_an_event(tokenizer_d
     seen, events = asyncio.run(main())
     assert seen == [list(range(events))] * 50 and events > 30
     assert 0 < len(scans) <= events + 1, (len(scans), events)
+
+
+def test_starting_after_and_the_query_name_the_value_they_refuse(tokenizer_dir):
+    """A query parameter that does not parse as its type named neither the value nor what it got ("unable to
+    parse string as an integer"); it says what it got now. A number past the events sent, or below 0, is refused
+    with the events there are."""
+    app, _ = _app(tokenizer_dir)
+
+    async def main():
+        async with _client(app) as c:
+            r = await c.post("/v1/responses", json={"input": "hello", "max_output_tokens": 3, "background": True,
+                                                     "stream": True})
+            rid = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+            query = [{"stream": "true", "starting_after": v} for v in ("1.5", "1e3", "x", "9" * 5000, "-1", "10" * 20)]
+            return await asyncio.gather(*(c.get(f"/v1/responses/{rid}", params=q) for q in query),
+                                        c.get(f"/v1/responses/{rid}", params={"stream": "maybe"}),
+                                        c.get(f"/v1/responses/{rid}/input_items", params={"limit": "ten"}))
+    answers = asyncio.run(main())
+    says = ["(got string '1.5')", "(got string '1e3')", "(got string 'x')", f"(got string '{'9' * 39}",
+            "must be 0 or more, got -1", f"'starting_after' is {'10' * 20}, but", "(got string 'maybe')",
+            "(got string 'ten')"]
+    for r, said, param in zip(answers, says, ["starting_after"] * 6 + ["stream", "limit"]):
+        error = r.json()["error"]
+        assert r.status_code == 400 and said in error["message"] and error["param"] == param, r.text

@@ -114,7 +114,9 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         message = f"{where}: {e.get('msg', 'invalid value')}"
-        if "input" in e and (e.get("type", "").endswith("_type") or e.get("type") in ("literal_error", "enum")):
+        # a value of the wrong type, or a query parameter's text that does not parse as its type: what it was
+        if "input" in e and (e.get("type", "").endswith(("_type", "_parsing", "_parsing_size"))
+                             or e.get("type") in ("literal_error", "enum")):
             message += f" (got {json_kind(e['input'])})"
         if message not in seen and len(parts) < 5:
             seen.add(message)
