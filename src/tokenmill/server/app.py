@@ -29,7 +29,7 @@ from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store, retrieve
 from tokenmill.server.protocol import (
-    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_XARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeRequest,
 )
 from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt_too_long
@@ -64,10 +64,11 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
     prompt ids held every other client ~2 s (and took ~450 MB), 300,000 one-word messages 4.3 s, 1.5M
     logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
     prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
-    Responses input items with their content parts, tools and documents (each at least a token) beyond the
-    context; a batch of more than MAX_PROMPTS prompts; more logit_bias or allowed_token_ids entries than the
-    vocabulary has tokens; and metadata or chat_template_kwargs past their counts (1M metadata pairs, 16 MB, held the
-    loop ~1 s) are refused with what they hold and the limit. A prompt of ids longer than the request's
+    Responses input items with their content parts (and a message's tool calls), tools and documents (and their
+    fields) (each at least a token) beyond the context; a batch of more than MAX_PROMPTS prompts; more logit_bias
+    or allowed_token_ids entries than the vocabulary has tokens; and metadata, chat_template_kwargs or vllm_xargs
+    past their counts (1M metadata pairs, 16 MB, held the loop ~1 s; 1M tool calls of null, 6 MB, 6.8 s making an
+    error of each) are refused with what they hold and the limit. A prompt of ids longer than the request's
     truncate_prompt_tokens is cut to its last tokens here, before it is validated."""
     if type(body) is not dict:
         return
@@ -91,10 +92,16 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
         items = body.get(field)
         if type(items) is list:
             count = len(items)
-            if field in ("messages", "input"):       # and the content parts within them
+            if field in ("messages", "input"):       # and the content parts (and a message's tool calls) within them
                 count = max(count, sum(len(parts) for m in items if type(m) is dict
-                                       for parts in (m.get("content"), m.get("output")) if type(parts) is list))
-                what = f"{what} or content parts" if count > len(items) else what
+                                       for parts in (m.get("content"), m.get("output"), m.get("tool_calls"))
+                                       if type(parts) is list))
+                if count > len(items):
+                    what = "messages, content parts or tool calls" if field == "messages" else \
+                        "input items or content parts"
+            elif field == "documents":              # and their fields
+                count = max(count, sum(len(d) for d in items if type(d) is dict))
+                what = "documents or document fields" if count > len(items) else what
             if count > max_model_len:
                 raise BodyError(400, f"'{field}' holds {count} {what}, more than this model's maximum context "
                                      f"length of {max_model_len} tokens.", field, "context_length_exceeded")
@@ -103,7 +110,8 @@ def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
         if vocab_size is not None and type(ids) in (dict, list) and len(ids) > vocab_size:
             raise BodyError(400, f"{field} has {len(ids)} entries; the model's vocabulary has {vocab_size} "
                                  "tokens.", field)
-    for field, limit in (("metadata", MAX_METADATA), ("chat_template_kwargs", MAX_TEMPLATE_KWARGS)):
+    for field, limit in (("metadata", MAX_METADATA), ("chat_template_kwargs", MAX_TEMPLATE_KWARGS),
+                         ("vllm_xargs", MAX_XARGS)):
         entries = body.get(field)
         if type(entries) is dict and len(entries) > limit:
             raise BodyError(400, f"'{field}' has {len(entries)} entries; at most {limit} are accepted.", field)

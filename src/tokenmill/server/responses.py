@@ -280,7 +280,7 @@ class ResponsesRequest(_Strict):
     conversation: Any = None
     # "auto": the conversation's earliest items are dropped until the prompt fits (`prepare`)
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
+    include: Annotated[list[str], Field(fail_fast=True)] | None = None
     background: bool | None = None      # strict: 0 and 0.0 are no bools
     # vLLM's extra field, as chat's: lower is served first under --scheduling-policy priority (a 400 otherwise)
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
