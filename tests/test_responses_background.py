@@ -328,3 +328,30 @@ def test_starting_after_and_the_query_name_the_value_they_refuse(tokenizer_dir):
     for r, said, param in zip(answers, says, ["starting_after"] * 6 + ["stream", "limit"]):
         error = r.json()["error"]
         assert r.status_code == 400 and said in error["message"] and error["param"] == param, r.text
+
+
+def test_a_follower_is_sent_a_large_event_in_pieces(tokenizer_dir, monkeypatch):
+    """uvicorn copies each piece of a body it is handed into the connection's buffer, and waits for the client only
+    once that buffer is past 64 KiB: a closing event (10.1 MB for 8,000 tokens with 20 top logprobs) went whole
+    into the buffer of each follower that read nothing, and 100 of them held 944 MB more. A follower is sent an
+    event in pieces of at most `SEND_PIECE_BYTES` (here 200 bytes), which make up the events whole."""
+    from tokenmill.server import background
+    from tokenmill.server.responses import ResponsesRequest, create_response
+    monkeypatch.setattr(background, "SEND_PIECE_BYTES", 200)
+    app, _ = _app(tokenizer_dir)
+    serving = app.state.serving
+
+    async def main():
+        req = ResponsesRequest.model_validate({"input": "hello", "max_output_tokens": 8, "background": True,
+                                               "stream": True})
+        own = await create_response(serving, req, None)
+        try:
+            pieces = [bytes(piece) async for piece in own.body_iterator]
+        finally:
+            await own._close()
+        return pieces
+    pieces = asyncio.run(main())
+    events = [json.loads(e.split(b"data: ", 1)[1]) for e in b"".join(pieces).split(b"\n\n") if e]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and len(json.dumps(events[-1])) > 1000
+    assert max(map(len, pieces)) == 200, sorted(map(len, pieces))[-3:]
