@@ -119,13 +119,13 @@ def test_a_streamed_response_is_kept_from_its_start():
     done = {**body, "status": "completed", "output": [{"type": "message", "role": "assistant", "content": "yo"}]}
     store.update(done, [{"type": "message", "role": "user", "content": "hi"}])
     assert store.get("r")["status"] == "completed" and len(store.conversation("r")) == 2
-    assert store.nbytes == len(store._entries["r"][0])
+    assert store.nbytes == store._entries["r"].nbytes()
     store.put({**body, "id": "s"}, [])
     store.delete("s")
     store.update({**done, "id": "s"}, [])
     with pytest.raises(APIError):
         store.get("s")
-    assert not store.in_progress("s") and store.nbytes == len(store._entries["r"][0])
+    assert not store.in_progress("s") and store.nbytes == store._entries["r"].nbytes()
 
 
 def test_items_are_read_back_by_id_from_the_latest_response_holding_them(monkeypatch):

@@ -284,6 +284,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         if not stream:
             if starting_after is not None:
                 raise APIError(400, "'starting_after' is only allowed when 'stream' is true", "starting_after")
+            if body is None:          # no include: the stored JSON as it is kept
+                return Response(store.get_json(response_id), media_type="application/json")
             return json_response(body)
         if starting_after is not None and starting_after < 0:
             raise APIError(400, f"'starting_after' must be 0 or more, got {starting_after} (leave it out to stream "
@@ -304,7 +306,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
             raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
                            "background: true can be (close a stream to stop it)", "response_id")
         await serving.background.cancel(response_id)
-        return json_response(store.get(response_id))
+        return Response(store.get_json(response_id), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(response_id: str):

@@ -525,12 +525,13 @@ def response_store(serving: Serving, param: str) -> ResponseStore:
 
 def retrieve(store: ResponseStore, response_id: str, include: list[str], stream: bool) -> dict | None:
     """GET's `include` (OpenAI's values, as POST takes them; another is a 400 naming it): the body of `response_id`
-    with what they add, or None where it `stream`s, its events then sent again as they were made. A reasoning
+    with what they add, or None where it `stream`s (its events then sent again as they were made) or
+    where there is no `include` (the stored JSON is answered as kept). A reasoning
     item's `encrypted_content` is added to a body stored without it (its text is in the item); the output text's
     logprobs, never computed for a request that asked for none, and anything the events were made without, are a
     400 naming the value and why. Without `include`, the body is as stored, with what its own request included."""
     if not include:
-        return None if stream else store.get(response_id)
+        return None
     unknown = _unknown_include(include)
     if unknown:
         raise APIError(400, unknown, "include")
