@@ -302,7 +302,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
         """A background response still running is cancelled (its engine request aborted at once); one that has
         ended is returned as it ended, as OpenAI's cancel is idempotent."""
         store = response_store(serving, "response_id")
-        if not store.get(response_id)["background"]:
+        if not store.is_background(response_id):
             raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
                            "background: true can be (close a stream to stop it)", "response_id")
         await serving.background.cancel(response_id)

@@ -62,6 +62,7 @@ class _Entry(NamedTuple):
     input: bytes                # its request's input items as JSON
     conversation_bytes: int     # what its items add to a conversation (`_conversation_bytes`)
     item_ids: tuple[str, ...]   # the ids of its input and output items, as `_holders` lists it
+    background: bool            # made with background: true (what cancel asks, without decoding the body)
     include: tuple[str, ...] = ()   # the `include` values its output carries (GET's `include` reads them)
 
     def nbytes(self) -> int:
@@ -113,7 +114,8 @@ class ResponseStore:
         have replaced: False."""
         items = input_items + body["output"]
         item_ids = tuple(dict.fromkeys(item["id"] for item in items if isinstance(item.get("id"), str)))
-        entry = _Entry(_json(body), _json(input_items), _conversation_bytes(items), item_ids, tuple(include))
+        entry = _Entry(_json(body), _json(input_items), _conversation_bytes(items), item_ids,
+                       body.get("background") is True, tuple(include))
         rid = body["id"]
         events = self._events.pop(rid, None)        # counted in nbytes still
         self.discard(rid)
@@ -251,6 +253,9 @@ class ResponseStore:
         """The body of `response_id`, and the `include` values its output carries (as `put` was given them)."""
         entry = self._entry(response_id)
         return orjson.loads(entry.body), list(entry.include)
+
+    def is_background(self, response_id: str) -> bool:
+        return self._entry(response_id).background
 
     def input_items(self, response_id: str) -> list[dict]:
         """The input items of `response_id`'s own request, in the order sent."""
