@@ -351,7 +351,8 @@ async def tokenizer_info(port: int, conns: int = 200, each: int = 5) -> str:
 
 MISTAKES = 1_000_000
 BODIES = {
-    "1M unknown fields (/invocations)": ("/invocations", lambda: {"prompt": "x", **{f"k{i}": 0 for i in range(MISTAKES)}}),
+    "1M unknown fields (/invocations)": ("/invocations", lambda: {
+        "prompt": "x", **{f"k{i}": 0 for i in range(MISTAKES)}}),
     "1M unknown fields in a message": ("/v1/chat/completions", lambda: {"messages": [
         {"role": "user", "content": "x", **{f"k{i}": 0 for i in range(MISTAKES)}}]}),
     "1M unknown fields in an input item": ("/v1/responses", lambda: {"input": [

@@ -29,8 +29,8 @@ from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store, retrieve
 from tokenmill.server.protocol import (
-    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_XARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-    TokenizeRequest,
+    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_XARGS, ChatCompletionRequest, CompletionRequest,
+    DetokenizeRequest, TokenizeRequest,
 )
 from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt_too_long
 
