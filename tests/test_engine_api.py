@@ -612,6 +612,7 @@ def test_a_reader_is_woken_every_stream_interval_tokens(qwen3_dir):
     sequence has k more tokens, and the last; 0 yields the first and the last alone (what the server's
     requests answered whole wait for). The outputs stay cumulative: the last is the whole answer."""
     engine = _async_engine(qwen3_dir)
+    assert engine.scheduling_policy == "fcfs"       # as its core announced it (CoreReady), for the server's checks
     params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, n=2)
 
     async def seen(rid: str, interval: int):

@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 
+from tokenmill.config import priority_refusal
 from tokenmill.server import response_store
 
 STEP_S = 0.002
@@ -22,6 +23,7 @@ def _app(tokenizer_dir: str):
     from tokenmill.engine.output_processor import OutputProcessor
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.sampling_params import SamplingParamError
     from tokenmill.server.app import build_app
 
     tok = Tokenizer(tokenizer_dir)
@@ -29,8 +31,10 @@ def _app(tokenizer_dir: str):
     class Engine:
         """Writes token 40 each step up to max_tokens, and yields every `stream_interval` tokens (0: the first and
         the last only), as AsyncLLM does; `aborted` lists the requests closed unfinished, `generated` counts the
-        tokens written."""
+        tokens written. It refuses, as the real engine does before a first output, a priority under its `fcfs`
+        policy (which it announces, as AsyncLLM does) and any grammar (as one that does not compile)."""
         model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 256, False, None
+        scheduling_policy = "fcfs"
         processor = OutputProcessor(tok)
 
         def __init__(self):
@@ -41,6 +45,11 @@ def _app(tokenizer_dir: str):
             pass
 
         async def generate(self, request_id, ids, params, priority, stream_interval=1, **kw):
+            await asyncio.sleep(STEP_S)
+            if priority_refusal(priority, self.scheduling_policy):
+                raise SamplingParamError("priority", priority_refusal(priority, self.scheduling_policy))
+            if params.structured_outputs is not None:
+                raise SamplingParamError("structured_outputs.json", "invalid JSON schema: it did not compile")
             self.running += 1
             token_ids, finished = [], False
             try:
@@ -388,3 +397,30 @@ def test_get_answers_the_stored_json_as_it_is_kept(tokenizer_dir, monkeypatch):
     kept = serving.responses.get_json(rid)
     assert [(r.status_code, r.content) for r in polls + [cancelled]] == [(200, kept)] * 4
     assert json.loads(kept)["status"] == "incomplete"
+
+
+def test_an_engine_side_refusal_is_the_foregrounds_400_or_a_failed_response_naming_the_field(tokenizer_dir):
+    """A priority the engine's policy refuses is known before the request is answered: background or not, the same
+    400 naming `priority`, and nothing is stored or counted. A grammar the engine refuses is known only once it
+    has tried: the background response is then `failed`, its error naming the field the foreground's 400 names."""
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    body = {"input": "hello", "max_output_tokens": 5}
+    schema = {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}
+
+    async def main():
+        async with _client(app) as c:
+            refused = [await c.post("/v1/responses", json={**body, "priority": 3, **extra})
+                       for extra in ({}, {"background": True}, {"background": True, "stream": True})]
+            failed = [await c.post("/v1/responses", json={**body, **schema, **extra})
+                      for extra in ({}, {"background": True})]
+            return refused, failed[0], (await _poll(c, failed[1].json()["id"]))[1]
+    refused, foreground, failed = asyncio.run(main())
+    for r in refused:
+        assert r.status_code == 400 and r.json() == refused[0].json(), r.text
+    assert refused[0].json()["error"]["param"] == "priority" and "'fcfs'" in refused[0].json()["error"]["message"]
+    assert foreground.status_code == 400 and foreground.json()["error"]["param"] == "text.format", foreground.text
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": "invalid_request_error", "message": foreground.json()["error"]["message"], "param": "text.format"}
+    assert list(serving.responses._entries) == [failed["id"]] and engine.running == 0
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)

@@ -432,3 +432,13 @@ class EngineConfig:
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         import torch
         return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def priority_refusal(priority: int, policy: str) -> str | None:
+    """Why a request of `priority` is refused under the scheduling `policy` (None: it is not): a priority is
+    honoured only by the priority policy, and one the scheduler would ignore is refused rather than dropped. The
+    engine refuses it, and a frontend that knows the core's policy (`CoreReady`) refuses it before answering."""
+    if priority and policy != "priority":
+        return (f"priority {priority} is only honoured under the priority scheduling policy (--scheduling-policy "
+                f"priority); this engine's is {policy!r}")
+    return None

@@ -135,6 +135,7 @@ class AsyncLLM:
         self.model_name: str = msg.model_name
         self.max_model_len: int = msg.max_model_len
         self.vocab_size: int | None = msg.vocab_size
+        self.scheduling_policy: str | None = msg.scheduling_policy
         self.tokenizer = tokenizer
         if tokenizer is None and msg.tokenizer_path is not None:
             from tokenmill.engine.tokenizer import Tokenizer

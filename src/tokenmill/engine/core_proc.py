@@ -84,6 +84,9 @@ class CoreReady:
     tokenizer_path: str | None      # where the client loads the tokenizer from; None: the model has none
     pid: int
     vocab_size: int | None = None
+    # the engine's --scheduling-policy, by which a frontend refuses a priority before it answers (None: an engine
+    # that has none, which refuses or ignores priorities itself)
+    scheduling_policy: str | None = None
 
 
 @dataclass
@@ -280,7 +283,8 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
         engine = load_factory(engine_factory or DEFAULT_ENGINE_FACTORY)(config)
         ready = CoreReady(model_name=engine.model_name, max_model_len=engine.max_model_len,
                           tokenizer_path=getattr(engine, "tokenizer_path", None), pid=os.getpid(),
-                          vocab_size=_vocab_size(engine))
+                          vocab_size=_vocab_size(engine),
+                          scheduling_policy=getattr(getattr(engine, "config", None), "scheduling_policy", None))
     except BaseException as e:
         # a ValueError is the engine refusing its configuration: its message names the value and the limit;
         # an OSError names the file or the resource (a missing model, memory the KV cache could not map)

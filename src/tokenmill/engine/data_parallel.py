@@ -93,6 +93,7 @@ class DataParallelLLM:
             core.on_dead(lambda why, i=i: self._core_dead(i, why))
         first = cores[0]
         self.model_name, self.vocab_size = first.model_name, first.vocab_size
+        self.scheduling_policy = first.scheduling_policy       # every core's: they share one config
         # a core on a device with less free memory may hold a shorter context (its KV cache sized to what
         # fits): the server's length check must pass only requests that every core can take
         self.max_model_len = min(core.max_model_len for core in cores)

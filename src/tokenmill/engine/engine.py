@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig, priority_refusal
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request, RequestStatus
@@ -111,10 +111,9 @@ class LLMEngine:
         arrival time fourth, which here would have been a priority. `carries_tools`: the request offers tools (the
         priority policy's boost). `grammar`: `compile_grammar(params)`'s result, compiled beforehand."""
         params = params or SamplingParams()
-        if priority and self.config.scheduling_policy != "priority":
-            raise SamplingParamError("priority", f"priority {priority} is only honoured under the priority "
-                                                 "scheduling policy (--scheduling-policy priority); this engine's "
-                                                 f"is {self.config.scheduling_policy!r}")
+        refused = priority_refusal(priority, self.config.scheduling_policy)
+        if refused is not None:
+            raise SamplingParamError("priority", refused)
         handle = next(self._ids) if handle is None else handle
         request_id = request_id if request_id is not None else str(handle)
         if request_id in self.groups:

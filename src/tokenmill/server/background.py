@@ -147,9 +147,11 @@ class BackgroundResponses:
             self.store.trim_events(job.id, min((r.after for r in job.readers), default=None))
 
     def _fail(self, job: _Job, error: APIError, so_far: dict | None = None) -> None:
-        # OpenAI's response error: a code (the error's, else its type) and a message
+        # OpenAI's response error: a code (the error's, else its type) and a message; and, as the foreground's 400
+        # names it, the request's field that an engine-side refusal is about (a grammar that did not compile)
         code = error.code or error_body(error.status, error.message)["error"]["type"]
-        body = self.store.set_status(job.id, "failed", {"code": code, "message": error.message}, so_far)
+        body = self.store.set_status(job.id, "failed", {"code": code, "message": error.message, "param": error.param},
+                                     so_far)
         if body is not None:
             self._emit(job, {"type": "response.failed", "sequence_number": job.next_sequence_number, "response": body})
 

@@ -13,6 +13,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tokenmill.config import priority_refusal
 from tokenmill.engine.async_engine import AsyncLLM, EngineBusyError, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, error_body
@@ -101,6 +102,8 @@ class Serving:
         self.max_queue_len = max_queue_len
         self.waiting = 0        # admitted prompts that have not produced a first output yet
         self.vocab_size = vocab_size
+        # the engine's, as its core announced it (None: unknown, and a priority is left to the engine to refuse)
+        self.scheduling_policy: str | None = getattr(engine, "scheduling_policy", None)
         self.draining = False
         self.in_flight = 0
         self.logprob_entries_in_flight = 0    # what the requests in flight could return (`_logprob_entries`)
@@ -307,7 +310,13 @@ class Serving:
                prompt_in_each_choice: bool = False, request_id: str | None = None) -> Submitted:
         """Hands prompts that `admit` let in to the engine; a 503 where their logprobs would take the requests in
         flight past `MAX_LOGPROB_ENTRIES_IN_FLIGHT`. `stream`: outputs come every `stream_interval` tokens (else
-        only the first and the last); the rest as `run`'s."""
+        only the first and the last); the rest as `run`'s. A priority the engine's scheduling policy would refuse
+        is a 400 here, before anything is answered: a background response's request is answered before the engine
+        sees it, and must be refused as the same request in the foreground is."""
+        refused = None if self.scheduling_policy is None else priority_refusal(priority, self.scheduling_policy)
+        if refused is not None:
+            self.waiting -= len(prompts)
+            raise APIError(400, refused, "priority")
         entries = self._logprob_entries(prompts, params, prompt_in_each_choice)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
