@@ -15,6 +15,7 @@ import pytest
 
 from tokenmill.config import priority_refusal
 from tokenmill.server import response_store
+from tokenmill.server.errors import APIError
 
 STEP_S = 0.002
 
@@ -423,4 +424,53 @@ def test_an_engine_side_refusal_is_the_foregrounds_400_or_a_failed_response_nami
     assert failed["status"] == "failed" and failed["error"] == {
         "code": "invalid_request_error", "message": foreground.json()["error"]["message"], "param": "text.format"}
     assert list(serving.responses._entries) == [failed["id"]] and engine.running == 0
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("then", ["drain", "delete"])
+def test_a_cancel_under_way_ends_cancelled_with_its_output_whatever_comes_after(tokenizer_dir, then):
+    """A drain or a delete while a cancelled response's body so far is being built (held here on an event) cuts
+    it no more: the body is built whole, and the drained one stays `cancelled` with its output (not `failed`,
+    `shutting_down`); the drain cuts no response already ending."""
+    import threading
+    from tokenmill.server.responses import ResponsesRequest, create_response
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    building, go, built = threading.Event(), threading.Event(), []
+
+    async def main():
+        req = ResponsesRequest.model_validate({"input": "hello", "max_output_tokens": 200, "background": True})
+        rid = orjson.loads((await create_response(serving, req, None)).body)["id"]
+        job = serving.background._jobs[rid]
+        so_far = job.so_far
+
+        def held() -> dict | None:
+            building.set()
+            go.wait(5)
+            built.append(so_far())
+            return built[-1]
+        job.so_far = held
+        while engine.generated < 10:
+            await asyncio.sleep(STEP_S)
+        cancel = asyncio.create_task(serving.background.cancel(rid))
+        await asyncio.to_thread(building.wait, 5)
+        if then == "drain":
+            serving.drain()
+            again = serving.background.stop_all(APIError(503, "stopping", code="shutting_down"))
+        else:
+            serving.responses.delete(rid)
+            again = 0
+        await asyncio.sleep(0.05)
+        waits = not cancel.done()       # on its body, not cut short
+        go.set()
+        await cancel
+        await serving.wait_idle()
+        return rid, job, again, waits
+    rid, job, again, waits = asyncio.run(main())
+    assert waits and again == 0 and job.cut and len(built) == 1 and built[0]["output"], built
+    if then == "drain":
+        body = serving.responses.get(rid)
+        assert body["status"] == "cancelled" and body["error"] is None, body
+        assert body["output"] == built[0]["output"] and body["usage"]["output_tokens"] >= 10, body
+    assert engine.running == 0 and len(engine.aborted) == 1
     assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)

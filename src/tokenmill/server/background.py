@@ -52,6 +52,9 @@ class _Job:
     def __init__(self, response_id: str, submitted: Submitted, stream: bool, so_far: SoFar | None):
         self.id, self.submitted, self.stream, self.so_far = response_id, submitted, stream, so_far
         self.task: asyncio.Task | None = None
+        # its ending has begun (a cut asked for, or a failure being stored): the first way it ends is the one
+        # stored, so nothing later cancels its task, which would interrupt the building of its body so far
+        self.ending = False
         self.stop_error: APIError | None = None     # the server cut it (None where a client cancelled it)
         self.cut = False                            # its cancellation is stored
         self.next_sequence_number = 0
@@ -107,6 +110,7 @@ class BackgroundResponses:
             self._cut(job, await self._so_far(job))
             raise
         except Exception as e:
+            job.ending = True
             error = as_api_error(e, field_of)
             if not isinstance(error, APIError):
                 logger.exception("background response %s failed", job.id)
@@ -119,7 +123,8 @@ class BackgroundResponses:
     async def _so_far(self, job: _Job) -> dict | None:
         """The body of a response cut short, as far as it was generated: its prompts are aborted first (at once,
         and its output then changes no more), and the body is made on a thread, as a finished one is (it grows
-        with the output and its logprobs). Cancelled again meanwhile (deleted, drained), it is left out."""
+        with the output and its logprobs). A cut asked for meanwhile (a delete, a drain) does not cancel the task
+        again (`_stop`); only the event loop's own end, cancelling every task, leaves the body out."""
         await job.submitted.abort()
         if job.so_far is None:
             return None
@@ -176,26 +181,36 @@ class BackgroundResponses:
         job.notify()
         job.ended.set()
 
+    @staticmethod
+    def _stop(job: _Job, error: APIError | None = None) -> bool:
+        """Cuts `job` (`error`: the server's reason, which fails it; None: a client's cancel) unless its ending has
+        begun: then it ends as that began (a client's cancel stays `cancelled`, with its output, whatever comes
+        after). Returns whether this cut it."""
+        if job.ending:
+            return False
+        job.ending, job.stop_error = True, error
+        job.task.cancel()
+        return True
+
     def _dropped(self, response_id: str) -> None:
         """Its stored response is gone (deleted, or dropped past the store's bound): nobody can reach it."""
         job = self._jobs.get(response_id)
         if job is not None:
-            job.task.cancel()
+            self._stop(job)
 
     async def cancel(self, response_id: str) -> None:
         """Cancels the background response `response_id` if it still runs, and waits until it has ended (its
-        engine requests aborted, its body `cancelled`); one that has ended stays as it ended."""
+        engine requests aborted, its body `cancelled`); one that has ended, or whose ending has begun, stays as
+        it ends."""
         job = self._jobs.get(response_id)
         if job is not None:
-            job.task.cancel()
+            self._stop(job)
             await job.ended.wait()
 
     def stop_all(self, error: APIError) -> int:
-        """Cuts every background response still running, each then `failed` with `error`; returns how many."""
-        for job in self._jobs.values():
-            job.stop_error = error
-            job.task.cancel()
-        return len(self._jobs)
+        """Cuts every background response still running, each then `failed` with `error`, but those already
+        ending (cancelled by a client, failing), which end as they began; returns how many it cut."""
+        return sum(self._stop(job, error) for job in list(self._jobs.values()))
 
     async def close(self) -> None:
         """Cuts those still running (the server is stopping) and waits until each has ended."""
