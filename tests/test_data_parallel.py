@@ -91,6 +91,7 @@ class FakeCore:
     def __init__(self, stats: dict):
         self.config = None
         self.model_name, self.max_model_len, self.vocab_size, self.tokenizer, self.processor = "m", 96, 512, None, None
+        self.scheduling_policy = "fcfs"
         self.on_output = None
         self.stats, self.requests, self.aborted, self.dead_callbacks = stats, [], [], []
         self.gate: asyncio.Event | None = None
