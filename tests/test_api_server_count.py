@@ -390,3 +390,22 @@ def test_an_api_server_that_dies_takes_the_server_down_with_status_1(qwen3_dir, 
             time.sleep(0.1)
     finally:
         s.stop(signal.SIGKILL)
+
+
+def test_no_core_is_started_where_the_start_fails_before_it_could_be_ended(monkeypatch):
+    """The parent's own set-up (the metrics directory) comes before the engine core's start: a core ignores SIGTERM,
+    so one started ahead of a step that then failed would be left for the exit to wait on."""
+    import socket as socket_module
+    import tempfile
+    from tokenmill.server import api_servers
+    from tokenmill.server.http_server import ServeOptions
+    started = []
+    monkeypatch.setattr(api_servers, "EngineCore", lambda *a, **kw: started.append(a))
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with socket_module.socket() as sock, pytest.raises(OSError, match="No space left"):
+        sock.bind(("127.0.0.1", 0))
+        api_servers.run_api_servers(None, sock, "127.0.0.1", ServeOptions(), 2, None)
+    assert started == []

@@ -149,15 +149,21 @@ class _Signals:
 
 def run_api_servers(config, sock: socket.socket, host: str, options: ServeOptions, count: int,
                     engine_factory: str | None) -> int:
-    core = EngineCore(config, num_clients=count, engine_factory=engine_factory, startup_timeout=_STARTUP_TIMEOUT_S,
-                      wait=False)
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S       # the core's own, or just after it
     port = sock.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
     children: list[_Child] = []
     environ = os.environ.get(_METRICS_ENV)
     signals = None
+    # nothing between the core's start and the `try` that ends it: a core ignores SIGTERM, so one left behind
+    # by an error here would hold the exit until multiprocessing's exit handler gave up on it
     try:
+        core = EngineCore(config, num_clients=count, engine_factory=engine_factory,
+                          startup_timeout=_STARTUP_TIMEOUT_S, wait=False)
+    except BaseException:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        raise
+    try:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S       # the core's own, or just after it
         signals = _Signals()
         ctx = mp.get_context("spawn")
         # prometheus_client picks its multiprocess mode at import, from the environment
