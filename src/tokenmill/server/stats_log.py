@@ -148,15 +148,17 @@ def params_summary(params) -> str:
 
 def log_request(gen: AsyncIterator, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
     """Wraps one request's output stream so that its arrival and its end are logged; returns `gen`
-    itself when request logging is off."""
+    itself when request logging is off. Its arrival is logged when the stream is first read, which is when
+    the engine is handed the request: a stream closed unread (a background response cut before its task ran)
+    logs neither line, never an arrival without an end."""
     if not request_logger.isEnabledFor(logging.INFO):
         return gen
-    request_logger.info("Received request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids),
+    return _logged(gen, request_id, len(prompt_token_ids), params)
+
+
+async def _logged(gen: AsyncIterator, request_id: str, prompt_tokens: int, params) -> AsyncIterator:
+    request_logger.info("Received request %s: %d prompt tokens, %s", request_id, prompt_tokens,
                         params_summary(params))
-    return _logged(gen, request_id)
-
-
-async def _logged(gen: AsyncIterator, request_id: str) -> AsyncIterator:
     out = None
     failed = None
     t0 = time.perf_counter()
