@@ -424,16 +424,14 @@ class Submitted:
     async def first(self, raw: Request | None = None) -> list[RequestOutput]:
         """Every prompt's first output; `raw`: the client whose leaving ends the wait (None: nobody's)."""
         try:
-            return await _with_disconnect(raw, _first_outputs(self.gens)) if raw is not None else \
-                await _first_outputs(self.gens)
+            return await _with_disconnect(raw, _first_outputs(self.gens))
         finally:
             self._serving.waiting -= self._waiting
             self._waiting = 0
 
     async def last(self, first: list[RequestOutput], raw: Request | None = None) -> list[RequestOutput]:
         """Every prompt's last output, as `first`'s."""
-        return await _with_disconnect(raw, _last_outputs(self.gens, first)) if raw is not None else \
-            await _last_outputs(self.gens, first)
+        return await _with_disconnect(raw, _last_outputs(self.gens, first))
 
     def merged(self, first: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
         return _merge_streams(self.gens, first)
@@ -517,8 +515,10 @@ async def _wait_disconnect(raw: Request):
             raise _Disconnected()
 
 
-async def _with_disconnect(raw: Request, coro):
-    """Run `coro`, cancelling it if the client goes away first."""
+async def _with_disconnect(raw: Request | None, coro):
+    """Run `coro`, cancelling it if the client goes away first (`raw` None: no client's, a background task's)."""
+    if raw is None:
+        return await coro
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_wait_disconnect(raw))
     try:
