@@ -42,6 +42,52 @@ def rss_mb(pid: int) -> float:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
+class Served:
+    """`tokenmill serve ARGS` on the CPU in a process of its own (this tree's src first on its path), its output
+    in /tmp/NAME-PID.log: in a `with`, started and waited for until it serves (`url`), and on leaving terminated
+    (killed if it has not exited 60 s later), `rc` its exit status. `env`: more environment variables."""
+
+    def __init__(self, args: list[str], name: str, **env: str):
+        self.args, self.env = args, env
+        self.log_path = f"/tmp/{name}-{os.getpid()}.log"
+        self.url = self.proc = None
+        self.rc: int | str | None = None
+
+    def __enter__(self) -> "Served":
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   **self.env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *self.args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while not (m := re.search(r"on (https?://[\d.]+:\d+) \(engine pid", self.log())):
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+                time.sleep(0.1)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.url = m.group(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.rc = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.rc = "killed"
+        self._log.close()
+
+    def log(self) -> str:
+        return open(self.log_path).read()
+
+    def log_problems(self) -> list[str]:
+        """The log's lines of a traceback, an error or an exception."""
+        return [f"log: {line}" for line in self.log().splitlines()
+                if "Traceback" in line or "ERROR" in line or "Exception" in line]
+
+
 def tree(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = [int(p) for p in out.split()]
@@ -396,77 +442,60 @@ def main():
     argv = argv[:argv.index("--")] if "--" in argv else argv
     model = argv[0]
     rounds, clients, seed = (int(argv[i]) if len(argv) > i else d for i, d in ((1, 3), (2, 300), (3, 0)))
-    log_path = f"/tmp/abuse-storm-{os.getpid()}.log"
-    log = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *([model] if model != "-" else []),
-                             "--port", "0", "--device", "cpu", "--served-model-name", "tiny",
-                             "--max-model-len", str(MAX_MODEL_LEN), *server_args],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Served([*([model] if model != "-" else []), "--port", "0", "--device", "cpu", "--served-model-name",
+                     "tiny", "--max-model-len", str(MAX_MODEL_LEN), *server_args], "abuse-storm")
     failed = False
     try:
-        deadline = time.monotonic() + 180
-        while not (m := re.search(r"on (https?://[\d.]+:\d+) \(engine pid", open(log_path).read())):
-            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()
-            time.sleep(0.1)
-        url = m.group(1)
-        ctx = asyncio.run(prepare(url))
-        print(f"server {url}, log {log_path}; stop string {ctx['stop']!r}", flush=True)
-        wait_idle(url)
-        pids = tree(proc.pid)
-        rss0 = {p: rss_mb(p) for p in pids}
-        for r in range(rounds):
-            before = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-            t0 = time.monotonic()
-            t = asyncio.run(storm(url, random.Random(seed * 1000 + r), clients, ctx))
-            storm_s = time.monotonic() - t0
-            m = wait_idle(url)
-            idle_s = time.monotonic() - t0 - storm_s
-            problems = t.problems + check_counters(m, before, t, ctx)
-            ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                 "max_tokens": 5}, timeout=30)
-            if ok.status_code != 200 or ok.json()["usage"]["completion_tokens"] < 1:
-                problems.append(f"the request after the storm: {ok.status_code} {ok.text[:200]}")
-            for rid, whole in ctx["response_ids"]:
-                g = httpx.get(url + f"/v1/responses/{rid}", timeout=10)
-                if g.status_code == 400 and "--api-server-count" in g.text:
-                    continue
-                done = g.status_code == 200 and g.json()["status"] in ("completed", "incomplete")
-                # a stream cut by its client is discarded, unless the server had sent it all by then
-                if not (done or not whole and g.status_code == 404):
-                    problems.append(f"response {rid} (read whole {whole}): {g.status_code} {g.text[:200]}")
-            ctx["response_ids"].clear()
-            text = open(log_path).read()
-            for line in text.splitlines():
-                if "Traceback" in line or "ERROR" in line or "Exception" in line:
-                    problems.append(f"log: {line}")
-            rss = {p: rss_mb(p) for p in pids}
-            succ = {k.split("=")[1].strip('"}'): v - before.get(k, 0) for k, v in m.items()
-                    if k.startswith("tokenmill:request_success_total")}
-            rej = sum(v - before.get(k, 0) for k, v in m.items() if k.startswith("tokenmill:request_rejected_total"))
-            if not t.rejected <= rej <= t.rejected + t.left:    # a client that left may not have read its 503
-                problems.append(f"rejected: {rej} counted, {t.rejected} received, {t.left} clients left")
-            def d(name):
-                return m[f"tokenmill:{name}"] - before[f"tokenmill:{name}"]
-            print(f"round {r}: kinds {dict(t.kinds)}", flush=True)
-            print(f"round {r}: {clients} clients in {storm_s:.1f} s, idle {idle_s:.1f} s later; statuses "
-                  f"{dict(sorted(t.statuses.items()))}; finished {succ}, rejected {rej:.0f}; requests "
-                  f"{m['tokenmill:request_params_n_count'] - before['tokenmill:request_params_n_count']:.0f}; "
-                  f"prefix-cache hits {d('prefix_cache_hits_total'):.0f} of {d('prefix_cache_queries_total'):.0f} "
-                  f"tokens; preemptions {d('num_preemptions_total'):.0f}; RSS MB "
-                  + ", ".join(f"{rss0[p]:.0f}->{rss[p]:.0f}" for p in pids), flush=True)
-            for p in problems[:30]:
-                print("  PROBLEM:", p, flush=True)
-            failed |= bool(problems)
+        with server:
+            url, proc = server.url, server.proc
+            ctx = asyncio.run(prepare(url))
+            print(f"server {url}, log {server.log_path}; stop string {ctx['stop']!r}", flush=True)
+            wait_idle(url)
+            pids = tree(proc.pid)
+            rss0 = {p: rss_mb(p) for p in pids}
+            for r in range(rounds):
+                before = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+                t0 = time.monotonic()
+                t = asyncio.run(storm(url, random.Random(seed * 1000 + r), clients, ctx))
+                storm_s = time.monotonic() - t0
+                m = wait_idle(url)
+                idle_s = time.monotonic() - t0 - storm_s
+                problems = t.problems + check_counters(m, before, t, ctx)
+                ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                     "max_tokens": 5}, timeout=30)
+                if ok.status_code != 200 or ok.json()["usage"]["completion_tokens"] < 1:
+                    problems.append(f"the request after the storm: {ok.status_code} {ok.text[:200]}")
+                for rid, whole in ctx["response_ids"]:
+                    g = httpx.get(url + f"/v1/responses/{rid}", timeout=10)
+                    if g.status_code == 400 and "--api-server-count" in g.text:
+                        continue
+                    done = g.status_code == 200 and g.json()["status"] in ("completed", "incomplete")
+                    # a stream cut by its client is discarded, unless the server had sent it all by then
+                    if not (done or not whole and g.status_code == 404):
+                        problems.append(f"response {rid} (read whole {whole}): {g.status_code} {g.text[:200]}")
+                ctx["response_ids"].clear()
+                problems += server.log_problems()
+                rss = {p: rss_mb(p) for p in pids}
+                succ = {k.split("=")[1].strip('"}'): v - before.get(k, 0) for k, v in m.items()
+                        if k.startswith("tokenmill:request_success_total")}
+                rej = sum(v - before.get(k, 0) for k, v in m.items()
+                          if k.startswith("tokenmill:request_rejected_total"))
+                if not t.rejected <= rej <= t.rejected + t.left:    # a client that left may not have read its 503
+                    problems.append(f"rejected: {rej} counted, {t.rejected} received, {t.left} clients left")
+                def d(name):
+                    return m[f"tokenmill:{name}"] - before[f"tokenmill:{name}"]
+                print(f"round {r}: kinds {dict(t.kinds)}", flush=True)
+                print(f"round {r}: {clients} clients in {storm_s:.1f} s, idle {idle_s:.1f} s later; statuses "
+                      f"{dict(sorted(t.statuses.items()))}; finished {succ}, rejected {rej:.0f}; requests "
+                      f"{m['tokenmill:request_params_n_count'] - before['tokenmill:request_params_n_count']:.0f}; "
+                      f"prefix-cache hits {d('prefix_cache_hits_total'):.0f} of {d('prefix_cache_queries_total'):.0f} "
+                      f"tokens; preemptions {d('num_preemptions_total'):.0f}; RSS MB "
+                      + ", ".join(f"{rss0[p]:.0f}->{rss[p]:.0f}" for p in pids), flush=True)
+                for p in problems[:30]:
+                    print("  PROBLEM:", p, flush=True)
+                failed |= bool(problems)
     finally:
-        proc.terminate()
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "killed"
-        log.close()
-        print(f"server exit {rc}; log {log_path}")
+        print(f"server exit {server.rc}; log {server.log_path}")
     sys.exit(1 if failed else 0)
 
 

@@ -27,7 +27,8 @@ import sys
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from abuse_storm import Served, rss_mb     # lab/ is this script's directory, first on its path
+
 PROBLEMS: list[str] = []
 
 
@@ -144,11 +145,6 @@ def check_idle(port: int, part: str, timeout: float = 30) -> float:
         time.sleep(0.1)
 
 
-def rss_mb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) // 1024
-
-
 def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -237,7 +233,7 @@ async def followers(port: int, pid: int, n: int = 500) -> str:
     if set(seen) != {(True, "response.completed")} and set(seen) != {(True, "response.incomplete")}:
         PROBLEMS.append(f"followers: {seen}")
     return (f"{n} followers of one stream: {dict(seen)} in {time.monotonic() - t0:.1f} s; API server "
-            f"{cpu_s(pid) - cpu0:.1f} CPU s, RSS {rss0} -> {rss_mb(pid)} MB; /health held {held:.3f} s")
+            f"{cpu_s(pid) - cpu0:.1f} CPU s, RSS {rss0:.0f} -> {rss_mb(pid):.0f} MB; /health held {held:.3f} s")
 
 
 async def read_nothing(port: int, pid: int, n: int = 100) -> str:
@@ -257,7 +253,7 @@ async def read_nothing(port: int, pid: int, n: int = 100) -> str:
         for c in conns:
             await c.send("GET", path)
         await asyncio.sleep(4)
-        out.append(f"{n} {what} that read nothing {rss0} -> {rss_mb(pid)} MB")
+        out.append(f"{n} {what} that read nothing {rss0:.0f} -> {rss_mb(pid):.0f} MB")
         for c in conns:
             c.close()
         await asyncio.sleep(1)
@@ -391,22 +387,12 @@ def main():
     argv = argv[:argv.index("--")] if "--" in argv else argv
     model = argv[0]
     only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else None
-    log_path = f"/tmp/background-storm-{os.getpid()}.log"
-    log = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", "0", "--device", "cpu",
-                             "--served-model-name", "tiny", "--log-level", "warning", "--max-model-len", "8192",
-                             "--num-kv-blocks", "4096", "--block-size", "4", "--max-queue-len", "64",
-                             "--send-timeout", "10", "--enable-tokenizer-info-endpoint", *server_args],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while not (m := re.search(r"on https?://[\d.]+:(\d+) \(engine pid", open(log_path).read())):
-            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()
-            time.sleep(0.1)
-        port = int(m.group(1))
-        print(f"server on port {port}, log {log_path}", flush=True)
+    with Served([model, "--port", "0", "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning",
+                 "--max-model-len", "8192", "--num-kv-blocks", "4096", "--block-size", "4", "--max-queue-len", "64",
+                 "--send-timeout", "10", "--enable-tokenizer-info-endpoint", *server_args],
+                "background-storm", OMP_NUM_THREADS="1") as server:
+        proc, port = server.proc, int(server.url.rsplit(":", 1)[1])
+        print(f"server on port {port}, log {server.log_path}", flush=True)
         rss0 = rss_mb(proc.pid)
         for name, run in (("burst", lambda: asyncio.run(burst(port))),
                           ("followers", lambda: asyncio.run(followers(port, proc.pid))),
@@ -422,21 +408,11 @@ def main():
             print(f"{name} ({time.monotonic() - t0:.1f} s; idle {idle:.2f} s after): {said}", flush=True)
         for line in mistakes(port) if only is None or "mistakes" in only else ():
             print("mistakes:", line, flush=True)
-        print(f"API server RSS {rss0} -> {rss_mb(proc.pid)} MB", flush=True)
-        for line in open(log_path).read().splitlines():
-            if "Traceback" in line or "ERROR" in line or "Exception" in line:
-                PROBLEMS.append(f"log: {line}")
-    finally:
-        proc.terminate()
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "killed"
-        log.close()
+        print(f"API server RSS {rss0:.0f} -> {rss_mb(proc.pid):.0f} MB", flush=True)
+        PROBLEMS.extend(server.log_problems())
     for p in PROBLEMS[:30]:
         print("  PROBLEM:", p, flush=True)
-    print(f"server exit {rc}; log {log_path}; {len(PROBLEMS)} problems")
+    print(f"server exit {server.rc}; log {server.log_path}; {len(PROBLEMS)} problems")
     sys.exit(1 if PROBLEMS else 0)
 
 
