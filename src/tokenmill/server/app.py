@@ -341,9 +341,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     @app.post("/detokenize", responses=LOOKUP)
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        bad = next((t for t in req.tokens if t >= vocab_size), None) if vocab_size is not None else None
-        if bad is not None:
-            raise APIError(400, f"Token id {bad} is out of range for a vocabulary of {vocab_size}.", "tokens")
+        serving.check_token_ids(req.tokens, "tokens")
         try:
             text = await serving.prompts.decode(req.tokens)
         except (OverflowError, ValueError, TypeError) as e:

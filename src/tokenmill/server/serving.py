@@ -160,12 +160,15 @@ class Serving:
         if len(ids) >= self.engine.max_model_len:
             raise APIError(400, prompt_too_long(self.engine.max_model_len, len(ids)), param,
                            "context_length_exceeded")
-        if self.vocab_size is not None:
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise APIError(400, f"Token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}.",
-                               param)
+        self.check_token_ids(ids, param)
         return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming the first id past the vocabulary (nothing to check where its size is unknown)."""
+        if self.vocab_size is not None:
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"Token id {bad} is out of range for a vocabulary of {self.vocab_size}.", param)
 
     def truncate(self, ids: list[int], params) -> list[int]:
         """The prompt as the request's truncate_prompt_tokens leaves it (the engine's rule, applied here
