@@ -155,8 +155,8 @@ def test_a_drain_or_the_apps_shutdown_cuts_background_responses_and_logs_nothing
 def test_a_cancelled_or_drained_background_response_keeps_what_it_generated(tokenizer_dir, stream):
     """Cancelled, or cut by a drain (failed), a background response keeps in its output what it had generated until
     then, its last item incomplete, and its usage counts those tokens (as OpenAI's keeps a cancelled response's
-    output); streamed, its output items are those its events opened, and the drained one's `response.failed`
-    event carries that body."""
+    output); streamed, its output items are those its events opened, closed by their done events, and its last
+    event (`response.incomplete` for the cancelled one, `response.failed` for the drained one) carries that body."""
     from tokenmill.server.responses import ResponsesRequest, create_response
     app, engine = _app(tokenizer_dir)
     serving = app.state.serving
@@ -192,10 +192,14 @@ def test_a_cancelled_or_drained_background_response_keeps_what_it_generated(toke
         if stream:
             events = [orjson.loads(e.split(b"data: ", 1)[1]) for e in events]
             assert [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"] == [item["id"]]
-            assert events[-1]["type"] == ("error" if status == "cancelled" else "response.failed"), events[-1]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            assert [e["type"] for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                                        "response.output_item.done",
+                                                        "response.incomplete" if status == "cancelled" else
+                                                        "response.failed"], events[-4:]
+            assert events[-4]["text"] == text and events[-3]["part"] == item["content"][0], events[-4:]
+            assert events[-2]["item"] == item and events[-1]["response"] == body, events[-2:]
     assert ended[1][0]["error"]["code"] == "shutting_down"
-    if stream:
-        assert orjson.loads(ended[1][1][-1].split(b"data: ", 1)[1])["response"] == ended[1][0]
     assert len(engine.aborted) == 2 and engine.running == 0
     assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
 
@@ -444,7 +448,7 @@ def test_a_cancel_under_way_ends_cancelled_with_its_output_whatever_comes_after(
         job = serving.background._jobs[rid]
         so_far = job.so_far
 
-        def held() -> dict | None:
+        def held() -> tuple[dict, list[dict]]:
             building.set()
             go.wait(5)
             built.append(so_far())
@@ -467,10 +471,55 @@ def test_a_cancel_under_way_ends_cancelled_with_its_output_whatever_comes_after(
         await serving.wait_idle()
         return rid, job, again, waits
     rid, job, again, waits = asyncio.run(main())
-    assert waits and again == 0 and job.cut and len(built) == 1 and built[0]["output"], built
+    assert waits and again == 0 and job.cut and len(built) == 1 and built[0][0]["output"], built
     if then == "drain":
         body = serving.responses.get(rid)
         assert body["status"] == "cancelled" and body["error"] is None, body
-        assert body["output"] == built[0]["output"] and body["usage"]["output_tokens"] >= 10, body
+        assert body["output"] == built[0][0]["output"] and body["usage"]["output_tokens"] >= 10, body
     assert engine.running == 0 and len(engine.aborted) == 1
     assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)
+
+
+def test_a_cancelled_stream_ends_as_the_openai_client_reads_a_whole_one(tokenizer_dir):
+    """A background stream cancelled while it runs ends, on its request's own stream and on one resumed after its
+    first text delta (`starting_after`), with the same events: the done events of the message and its text part,
+    carrying the text as far as it went (the item `incomplete`), then `response.incomplete` carrying the response
+    `cancelled`, as the cancel and GET answer it; the sequence numbers leave no gap. The openai client reads both
+    streams, and its stream helper accumulates them, without an error."""
+    import openai
+    app, engine = _app(tokenizer_dir)
+
+    async def main():
+        async with _client(app) as http:
+            client = openai.AsyncOpenAI(base_url="http://tokenmill/v1", api_key="k", http_client=http)
+
+            async def events(stream) -> list:
+                return [e async for e in stream]
+            own = asyncio.create_task(client.responses.create(model="tiny", input="hello", max_output_tokens=200,
+                                                              background=True, stream=True))
+            while engine.generated < 10:
+                await asyncio.sleep(STEP_S)
+            rid = next(reversed(app.state.serving.background._jobs))
+            cancelled = await client.responses.cancel(rid)
+            seen = await events(await own)
+            first_delta = next(e.sequence_number for e in seen if e.type == "response.output_text.delta")
+            resumed = await events(await client.responses.retrieve(rid, stream=True, starting_after=first_delta))
+            async with client.responses.stream(response_id=rid, starting_after=first_delta) as helper:
+                helped = await events(helper)
+            return seen, first_delta, resumed, helped, cancelled, await client.responses.retrieve(rid)
+    seen, first_delta, resumed, helped, cancelled, stored = asyncio.run(main())
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in seen[first_delta + 1:]]
+    assert [e.sequence_number for e in helped] == [e.sequence_number for e in resumed]
+    text_done, part_done, item_done, last = seen[-4:]
+    (item,) = stored.output
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert (text_done.type, text_done.text) == ("response.output_text.done", text) and text, text_done
+    assert (part_done.type, part_done.part.text) == ("response.content_part.done", text), part_done
+    assert (item_done.type, item_done.item.status, item_done.item.id) == ("response.output_item.done", "incomplete",
+                                                                          item.id), item_done
+    assert (last.type, last.response.status) == ("response.incomplete", "cancelled"), last
+    assert last.response == cancelled == stored and item.content[0].text == text
+    assert helped[-1].type == "response.incomplete" and helped[-1].response.output[0].content[0].text == text
+    assert engine.running == 0 and len(engine.aborted) == 1
+

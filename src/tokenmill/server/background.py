@@ -8,7 +8,12 @@ started it, and ends as a foreground response would (`completed` or `incomplete`
 One created with `stream: true` keeps its events in the store as they are made; its request's stream and any
 `GET /v1/responses/{id}?stream=true&starting_after=N` follow them (`stream`): the kept events after N, then each
 new one as it comes. A client that leaves stops nothing: that is what background is for. Past their bound the
-earliest events go, but none that a client following them live has yet to be given.
+earliest events go, but none that a client following them live has yet to be given. A stream cut short ends as a
+whole one does, so that a client's event loop finds every item it was given closed and a last event carrying the
+response: the done events of the item and content part left open (their text as far as it went, the item
+`incomplete`), then `response.failed`, or for a cancelled response `response.incomplete` with the status
+`cancelled` (OpenAI's stream events have no cancelled one; incomplete is the one that ends a response whose output
+stopped short, which langchain and the openai client's stream helpers read as its end, not as an error).
 
 Every way a task can end releases its engine requests: cancelling it (a client's cancel, a delete, the store
 dropping its response past the bound, the server draining or stopping) closes its output streams, which aborts
@@ -29,8 +34,9 @@ logger = logging.getLogger("tokenmill")
 
 # what a task is given to send its events through (kept for followers where the response streams)
 Emit = Callable[[dict], None]
-# the body of a response as far as it was generated, None where nothing was (`start`)
-SoFar = Callable[[], dict | None]
+# the body of a response as far as it was generated (None: keep the stored one), and where it streams the events
+# that close the item and content part its events left open (`start`)
+SoFar = Callable[[], tuple[dict | None, list[dict]]]
 
 # a kept event goes to a follower in pieces of at most this. uvicorn copies each piece it is handed into the
 # connection's buffer, and waits for the client only once that buffer is past its high-water mark (64 KiB), so a
@@ -88,8 +94,8 @@ class BackgroundResponses:
         events through `emit`, after the `opening` ones, kept at once. An error it raises fails the response
         (`field_of`: the request's field for an engine-side refusal's, as `Serving.run`'s). A response cut short
         (cancelled, or failed) is stored as `so_far()` gives it, once its prompts are aborted: what it had
-        generated. Returns, where it streams, the stream of its events for the request's own client, who follows
-        them from the first."""
+        generated, its stream ended by the closing events `so_far()` also gives (`_end`). Returns, where it
+        streams, the stream of its events for the request's own client, who follows them from the first."""
         job = _Job(response_id, submitted, stream, so_far)
         self._jobs[response_id] = job
         followed = None
@@ -120,11 +126,12 @@ class BackgroundResponses:
             # its ending is stored before it stops counting in flight, which a drain waits for
             await job.submitted.close()
 
-    async def _so_far(self, job: _Job) -> dict | None:
-        """The body of a response cut short, as far as it was generated: its prompts are aborted first (at once,
-        and its output then changes no more), and the body is made on a thread, as a finished one is (it grows
-        with the output and its logprobs). A cut asked for meanwhile (a delete, a drain) does not cancel the task
-        again (`_stop`); only the event loop's own end, cancelling every task, leaves the body out."""
+    async def _so_far(self, job: _Job) -> tuple[dict | None, list[dict]] | None:
+        """The body of a response cut short, as far as it was generated, with the events that close its stream
+        (`SoFar`): its prompts are aborted first (at once, and its output then changes no more), and the body is
+        made on a thread, as a finished one is (it grows with the output and its logprobs). A cut asked for
+        meanwhile (a delete, a drain) does not cancel the task again (`_stop`); only the event loop's own end,
+        cancelling every task, leaves the body out."""
         await job.submitted.abort()
         if job.so_far is None:
             return None
@@ -151,16 +158,13 @@ class BackgroundResponses:
         if self.store.could_trim(job.id, after):
             self.store.trim_events(job.id, min((r.after for r in job.readers), default=None))
 
-    def _fail(self, job: _Job, error: APIError, so_far: dict | None = None) -> None:
+    def _fail(self, job: _Job, error: APIError, so_far: tuple[dict | None, list[dict]] | None = None) -> None:
         # OpenAI's response error: a code (the error's, else its type) and a message; and, as the foreground's 400
         # names it, the request's field that an engine-side refusal is about (a grammar that did not compile)
         code = error.code or error_body(error.status, error.message)["error"]["type"]
-        body = self.store.set_status(job.id, "failed", {"code": code, "message": error.message, "param": error.param},
-                                     so_far)
-        if body is not None:
-            self._emit(job, {"type": "response.failed", "sequence_number": job.next_sequence_number, "response": body})
+        self._end(job, "failed", {"code": code, "message": error.message, "param": error.param}, so_far)
 
-    def _cut(self, job: _Job, so_far: dict | None = None) -> None:
+    def _cut(self, job: _Job, so_far: tuple[dict | None, list[dict]] | None = None) -> None:
         """Stores how a cancelled task ended (with `so_far`, its output until then): failed where the server cut
         it, else cancelled."""
         if job.cut:
@@ -168,10 +172,21 @@ class BackgroundResponses:
         job.cut = True
         if job.stop_error is not None:
             self._fail(job, job.stop_error, so_far)
-        elif self.store.set_status(job.id, "cancelled", None, so_far) is not None:
-            # OpenAI's stream events have no cancelled one: the error event says it, and ends the stream
-            self._emit(job, error_event(APIError(400, f"Response '{job.id}' was cancelled.", code="response_cancelled"),
-                                        job.next_sequence_number))
+        else:
+            self._end(job, "cancelled", None, so_far)
+
+    def _end(self, job: _Job, status: str, error: dict | None, so_far: tuple[dict | None, list[dict]] | None) -> None:
+        """Stores `job` ended `status` (with `error`), its body the one `so_far` gives (else the stored one), and
+        ends its events with `so_far`'s closing ones and the event that carries that body. The closing events take
+        their sequence numbers here, after the last one sent, so that a stream has no gap whatever was made."""
+        body, closing = so_far or (None, [])
+        stored = self.store.set_status(job.id, status, error, body)
+        if stored is None:          # deleted, or dropped past the store's bound: its events went with it
+            return
+        for event in closing:
+            self._emit(job, {**event, "sequence_number": job.next_sequence_number})
+        self._emit(job, {"type": "response.failed" if status == "failed" else "response.incomplete",
+                         "sequence_number": job.next_sequence_number, "response": stored})
 
     def _ended(self, job: _Job, task: asyncio.Task) -> None:
         if task.cancelled():

@@ -746,22 +746,22 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         async for e in stream_events(submitted.merged(first), events):
             emit(e)
 
-    def so_far() -> dict | None:
+    def so_far() -> tuple[dict, list[dict]]:
         """The body of the response as far as it was generated, for one cut short (its status and error are the
-        caller's): its output items (the last one incomplete, unless the output had ended) and their usage; None
-        before its first output. Called once its engine request is aborted: its output no longer changes."""
+        caller's): its output items (the last one incomplete, unless the output had ended) and their usage, none
+        before its first output; and where it streams, the events that close the item its events left open (their
+        sequence numbers the caller's). Called once its engine request is aborted: its output no longer changes."""
         out = events.last
         if out is None:
-            return None
+            return shape.body("in_progress", []), []
         c = out.outputs[0]
         cut = not out.finished or c.finish_reason == "length"
-        if req.stream:      # the items its events made; their closing events are not sent (the stream ends cut)
-            events.close_all(cut)
-            items = events.items
-        else:
-            items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
-                                 token_logprobs(c.token_ids, c.logprobs), cut)
-        return shape.body("in_progress", items, out)
+        if req.stream:      # the items its events made, the last one closed as a whole stream closes it
+            closing = events.close_all(cut)
+            return shape.body("in_progress", events.items, out), closing
+        items = output_items(shape, ChoiceText(serving, chat, prompt_text), c.text,
+                             token_logprobs(c.token_ids, c.logprobs), cut)
+        return shape.body("in_progress", items, out), []
 
     opening = [events.event("response.created", response=queued), events.event("response.queued", response=queued)] \
         if req.stream else []
