@@ -523,3 +523,52 @@ def test_a_cancelled_stream_ends_as_the_openai_client_reads_a_whole_one(tokenize
     assert helped[-1].type == "response.incomplete" and helped[-1].response.output[0].content[0].text == text
     assert engine.running == 0 and len(engine.aborted) == 1
 
+
+@pytest.mark.parametrize("first", ["cancel", "delete"])
+def test_a_cancel_and_a_delete_of_one_response_each_answer_what_they_did(tokenizer_dir, first):
+    """A cancel waits for the response's ending (its body so far being built, held here on an event): a delete that
+    comes meanwhile deletes it, and the cancel, which came first and did cancel it, still answers the response
+    `cancelled` with its output, not a 404. A delete first cancels the response itself, and a cancel after it is a
+    404. Either way GET finds nothing after, the engine request was aborted, and nothing stays counted."""
+    import threading
+    app, engine = _app(tokenizer_dir)
+    serving = app.state.serving
+    building, go = threading.Event(), threading.Event()
+
+    async def main():
+        async with _client(app) as c:
+            rid = (await c.post("/v1/responses", json={"input": "hello", "max_output_tokens": 200,
+                                                       "background": True})).json()["id"]
+            job = serving.background._jobs[rid]
+            so_far = job.so_far
+
+            def held():
+                building.set()
+                go.wait(5)
+                return so_far()
+            job.so_far = held
+            while engine.generated < 10:
+                await asyncio.sleep(STEP_S)
+            if first == "cancel":
+                cancel = asyncio.create_task(c.post(f"/v1/responses/{rid}/cancel"))
+                await asyncio.to_thread(building.wait, 5)
+                delete = await c.delete(f"/v1/responses/{rid}")
+                go.set()
+                cancel = await cancel
+            else:
+                go.set()
+                delete = await c.delete(f"/v1/responses/{rid}")
+                cancel = await c.post(f"/v1/responses/{rid}/cancel")
+            await serving.wait_idle()
+            return cancel, delete, await c.get(f"/v1/responses/{rid}")
+    cancel, delete, get = asyncio.run(main())
+    assert delete.status_code == 200 and delete.json()["deleted"] is True, delete.text
+    assert get.status_code == 404, get.text
+    if first == "cancel":
+        body = cancel.json()
+        assert cancel.status_code == 200 and (body["status"], body["error"]) == ("cancelled", None), cancel.text
+        assert body["output"] and body["usage"]["output_tokens"] >= 10, body
+    else:
+        assert cancel.status_code == 404 and cancel.json()["error"]["code"] == "response_not_found", cancel.text
+    assert engine.running == 0 and len(engine.aborted) == 1
+    assert (serving.in_flight, serving.waiting, len(serving.background)) == (0, 0, 0)

@@ -300,13 +300,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
     @app.post("/v1/responses/{response_id}/cancel", responses=LOOKUP)
     async def cancel_response(response_id: str):
         """A background response still running is cancelled (its engine request aborted at once); one that has
-        ended is returned as it ended, as OpenAI's cancel is idempotent."""
+        ended is returned as it ended, as OpenAI's cancel is idempotent. A delete while the cancel waits for the
+        ending changes not its answer: the cancelled response (`BackgroundResponses.cancel`)."""
         store = response_store(serving, "response_id")
         if not store.is_background(response_id):
             raise APIError(400, f"Response '{response_id}' cannot be cancelled: only responses created with "
                            "background: true can be (close a stream to stop it)", "response_id")
-        await serving.background.cancel(response_id)
-        return Response(store.get_json(response_id), media_type="application/json")
+        return Response(await serving.background.cancel(response_id), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(response_id: str):

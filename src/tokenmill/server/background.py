@@ -15,6 +15,9 @@ response: the done events of the item and content part left open (their text as 
 `cancelled` (OpenAI's stream events have no cancelled one; incomplete is the one that ends a response whose output
 stopped short, which langchain and the openai client's stream helpers read as its end, not as an error).
 
+A cancel answers the response as its ending left it, even where a delete came while it waited for that ending:
+the cancel was first, and did cancel it (`cancel`, `_Job.final`); a delete first makes a later cancel a 404.
+
 Every way a task can end releases its engine requests: cancelling it (a client's cancel, a delete, the store
 dropping its response past the bound, the server draining or stopping) closes its output streams, which aborts
 them in the engine at once and frees their KV blocks; a task cancelled before it ever ran had told the engine
@@ -28,7 +31,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.serving import SSE_HEADERS, ClosingStream, Submitted, as_api_error, error_event, sse_event
+from tokenmill.server.serving import (
+    SSE_HEADERS, ClosingStream, Submitted, as_api_error, dumps, error_event, sse_event,
+)
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,6 +68,9 @@ class _Job:
         self.ending = False
         self.stop_error: APIError | None = None     # the server cut it (None where a client cancelled it)
         self.cut = False                            # its cancellation is stored
+        # the body its ending made (cancelled or failed), kept for the cancel waiting on it: a delete may have taken
+        # it from the store meanwhile
+        self.final: dict | None = None
         self.next_sequence_number = 0
         self.readers: set[_Reader] = set()         # the clients following its events live
         self.ended = asyncio.Event()
@@ -181,6 +189,7 @@ class BackgroundResponses:
         their sequence numbers here, after the last one sent, so that a stream has no gap whatever was made."""
         body, closing = so_far or (None, [])
         stored = self.store.set_status(job.id, status, error, body)
+        job.final = stored if stored is not None or body is None else {**body, "status": status, "error": error}
         if stored is None:          # deleted, or dropped past the store's bound: its events went with it
             return
         for event in closing:
@@ -213,14 +222,21 @@ class BackgroundResponses:
         if job is not None:
             self._stop(job)
 
-    async def cancel(self, response_id: str) -> None:
+    async def cancel(self, response_id: str) -> bytes:
         """Cancels the background response `response_id` if it still runs, and waits until it has ended (its
         engine requests aborted, its body `cancelled`); one that has ended, or whose ending has begun, stays as
-        it ends."""
+        it ends. Returns its body as JSON: the stored one, or where a delete (or the store's bound) took it while
+        this waited, the body its ending made; a 404 where it was gone before."""
         job = self._jobs.get(response_id)
-        if job is not None:
+        if job is not None and not job.task.done():       # done: its body is stored, its callback still to run
             self._stop(job)
             await job.ended.wait()
+        try:
+            return self.store.get_json(response_id)
+        except APIError:
+            if job is None or job.final is None:
+                raise
+            return dumps(job.final)
 
     def stop_all(self, error: APIError) -> int:
         """Cuts every background response still running, each then `failed` with `error`, but those already
