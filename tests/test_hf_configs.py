@@ -46,7 +46,18 @@ def _drop_rope(hf):
         "original_max_position_embeddings": 64}),
     lambda hf: hf.update(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "rope_theta": 1e4}),
-], ids=["dict-theta", "legacy-dict-theta", "type-key", "top-level-original", "no-original"])
+    # YaRN: its attention factor from factor, or mscale over mscale_all_dim, or as given; its factor, where
+    # null, max_position_embeddings over the original context; the band's bounds, truncated or not
+    lambda hf: hf.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                          "rope_theta": 1e4}),
+    lambda hf: hf.update(rope_parameters={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64,
+                                          "beta_fast": 8, "beta_slow": 2, "truncate": False, "rope_theta": 1e6}),
+    lambda hf: hf.update(rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                          "mscale": 0.7, "mscale_all_dim": 1.0, "rope_theta": 1e4}),
+    lambda hf: hf.update(rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                                          "attention_factor": 1.5, "rope_theta": 1e4}),
+], ids=["dict-theta", "legacy-dict-theta", "type-key", "top-level-original", "no-original", "yarn",
+        "yarn-derived-factor", "yarn-mscale", "yarn-attention-factor"])
 def test_rope_as_transformers_reads_it(tmp_path, edit):
     path = _saved(tmp_path, edit)
     cfg = ModelConfig.from_hf(path)
@@ -123,11 +134,24 @@ def test_sizes_that_cannot_build_a_model_are_refused(tmp_path, keys, message):
     ({"rope_type": "linear", "factor": 0}, r"got factor=0"),
     ({"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
      r"type 'llama3' needs factor, low_freq_factor, .*; got low_freq_factor=None, high_freq_factor=None"),
-    ({"rope_type": "yarn", "factor": 4.0}, r"unsupported rope_scaling type 'yarn'; supported: default, linear, llama3"),
+    ({"rope_type": "longrope", "factor": 4.0}, r"unsupported rope_scaling type 'longrope'; supported: default, "
+                                                r"linear, llama3, yarn"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling type 'dynamic' is not supported: dynamic NTK scaling "
+                                              r"changes the frequencies with each sequence's length"),
+    ({"rope_type": "yarn", "factor": "4"}, r"type 'yarn' needs factor, original_max_position_embeddings as positive "
+                                           r"numbers; got factor='4'"),
+    ({"rope_type": "yarn", "factor": 0.5}, r"type 'yarn' needs factor >= 1 \(the context's growth\); got factor=0.5"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 32}, r"needs beta_fast >= beta_slow .*; got "
+                                                                            r"beta_fast=1, beta_slow=32"),
+    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0}, r"attention_factor as a number > 0; got "
+                                                                  r"attention_factor=0"),
+    ({"rope_type": "yarn", "factor": 4.0, "mscale": "big"}, r"mscale_all_dim as numbers >= 0 .*; got mscale='big'"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}, r"takes truncate as true or false; got truncate='yes'"),
 ])
 def test_rope_scaling_without_its_values_is_refused_naming_them(tmp_path, rope, message):
     """A scaled kind without the numbers it reads was a KeyError inside the RoPE table (a zero factor a
-    table of infinities); a kind not implemented is named with those that are."""
+    table of infinities); a kind not implemented is named with those that are, dynamic with the reason no
+    one table serves it."""
     cfg = ModelConfig.from_hf(_saved(tmp_path, lambda hf: (_drop_rope(hf), hf.update(rope_scaling=rope))))
     with pytest.raises(ValueError, match=message):
         RotaryEmbedding(cfg.head_dim, 16, cfg.rope_theta, cfg.rope_scaling)

@@ -50,6 +50,10 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
     """A GGUF file's `rope_freqs.weight`: the divisor of each rotary frequency (llama.cpp's converter writes
     it for Llama 3.1/3.2's llama3 scaling, inv_freq / scaled inv_freq), head_dim / 2 positive numbers."""
@@ -179,6 +183,11 @@ class ModelConfig:
             if hf.get("original_max_position_embeddings"):
                 scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+        if kind == "yarn" and scaling.get("factor") is None:
+            # transformers' YaRN without a factor: the stretch from the original context to the model's
+            context, original = hf.get("max_position_embeddings", 4096), scaling["original_max_position_embeddings"]
+            if _positive(context) and _positive(original):
+                scaling["factor"] = context / original
         eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         act = hf.get("hidden_act", "silu")

@@ -7,9 +7,76 @@ import torch
 from torch import nn
 
 
-# the scaled kinds of config.json read here, and the keys each reads
+# the scaled kinds of config.json read here, and the keys each must hold as positive numbers
 _SCALING_KEYS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("factor", "original_max_position_embeddings")}
+# YaRN's optional numbers (beta_fast and beta_slow absent, null or 0 are transformers' defaults, 32 and 1)
+_YARN_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+_REFUSED = {"dynamic": "dynamic NTK scaling changes the frequencies with each sequence's length, so no one cos/sin "
+                       "table serves a batch of sequences of different lengths"}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_yarn(scaling: dict) -> None:
+    bad = [k for k in _YARN_NUMBERS if scaling.get(k) is not None and not (_number(scaling[k]) and scaling[k] >= 0)]
+    if bad or scaling.get("attention_factor") == 0:
+        raise ValueError(f"rope_scaling of type 'yarn' takes beta_fast, beta_slow, mscale and mscale_all_dim as "
+                         f"numbers >= 0 and attention_factor as a number > 0; got "
+                         f"{', '.join(f'{k}={scaling[k]!r}' for k in bad or ['attention_factor'])}")
+    if scaling["factor"] < 1:
+        raise ValueError(f"rope_scaling of type 'yarn' needs factor >= 1 (the context's growth); got "
+                         f"factor={scaling['factor']!r}")
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    if fast < slow:
+        raise ValueError(f"rope_scaling of type 'yarn' needs beta_fast >= beta_slow (rotations that bound the "
+                         f"interpolated band from above and below); got beta_fast={fast!r}, beta_slow={slow!r}")
+    if scaling.get("truncate") not in (None, True, False):
+        raise ValueError(f"rope_scaling of type 'yarn' takes truncate as true or false; got "
+                         f"truncate={scaling['truncate']!r}")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 where the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What multiplies cos and sin, so that q.k grows by its square: YaRN's attention_factor, as given or
+    derived from factor (and mscale over mscale_all_dim where both are given); 1 for every other kind."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return _yarn_mscale(factor, scaling["mscale"]) / _yarn_mscale(factor, scaling["mscale_all_dim"])
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Frequencies that turn fewer than beta_slow times over the original context are divided by factor
+    (interpolated), those that turn more than beta_fast times stay (extrapolated), and the pairs between
+    blend linearly. Pair i turns original_len * inv[i] / (2 pi) times; the pair index of r turns is solved
+    for in closed form, then floored/ceiled unless truncate is false (or null, as transformers reads it;
+    absent is true)."""
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+    def pair_of(turns: float) -> float:
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_of(scaling.get("beta_fast") or 32), pair_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001           # a band of no width: a step instead of a division by zero
+    # 0 up to pair `low` (kept), 1 from pair `high` on (divided by factor)
+    interpolated = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * interpolated + inv * (1 - interpolated)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -25,14 +92,20 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
             raise ValueError(f"RoPE freq_factors must be {inv.numel()} positive finite numbers (one per rotary "
                              f"frequency of head_dim {head_dim}); got {tuple(factors.shape)} values")
         return inv / factors
+    if kind in _REFUSED:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported: {_REFUSED[kind]}; supported: default, "
+                         f"{', '.join(_SCALING_KEYS)}")
     if kind not in _SCALING_KEYS:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(_SCALING_KEYS)}")
-    missing = [k for k in _SCALING_KEYS[kind] if not isinstance(scaling.get(k), (int, float)) or scaling[k] <= 0]
+    missing = [k for k in _SCALING_KEYS[kind] if not _number(scaling.get(k)) or scaling[k] <= 0]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} needs {', '.join(_SCALING_KEYS[kind])} as positive "
                          f"numbers; got {', '.join(f'{k}={scaling.get(k)!r}' for k in missing)}")
     if kind == "linear":
         return inv / float(scaling["factor"])
+    if kind == "yarn":
+        _check_yarn(scaling)
+        return _yarn_inv_freq(inv, head_dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -64,6 +137,8 @@ class RotaryEmbedding(nn.Module):
         cpu = torch.device("cpu")
         inv = _inv_freq(self.head_dim, self.theta, self.scaling).to(cpu)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=cpu), inv)
-        # [max_positions, head_dim]: cos in the first half, sin in the second
-        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+        # [max_positions, head_dim]: cos in the first half, sin in the second, both times the attention
+        # factor: every RoPE path (the torch reference and the Triton prologue and decode kernels) rotates
+        # with this one table, so it scales q and k alike, and q.k by its square, wherever it runs
+        table = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(self.scaling)).float()
         self.cos_sin = table.to(self.cos_sin.device)
