@@ -294,6 +294,27 @@ class ModelConfig:
         )
 
     @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the model serves (vLLM's derived max_model_len; the RoPE table covers it):
+        max_position_embeddings, or with YaRN original_max_position_embeddings x factor where that is
+        longer. YaRN numbers that are not positive are left to the RoPE table's check, which names them."""
+        s = self.rope_scaling
+        if s is None or s["rope_type"] != "yarn" or not (_positive(s.get("factor"))
+                                                         and _positive(s.get("original_max_position_embeddings"))):
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * s["factor"]))
+
+    @property
+    def derived_max_model_len_source(self) -> str:
+        """Where `derived_max_model_len` comes from, for an error that refuses a longer max_model_len."""
+        n, s = self.derived_max_model_len, self.rope_scaling
+        if n == self.max_position_embeddings:
+            return f"max_position_embeddings={n}"
+        return (f"YaRN context of {n} tokens (rope_scaling's original_max_position_embeddings="
+                f"{s['original_max_position_embeddings']} x factor={s['factor']}; max_position_embeddings="
+                f"{self.max_position_embeddings})")
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.dtype.itemsize
 

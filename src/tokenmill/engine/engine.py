@@ -54,10 +54,10 @@ class LLMEngine:
                 tokenizer_eos = self.tokenizer.eos_token_ids
         mc = self.model_config
         self.eos_token_ids = set(mc.eos_token_ids) | set(generation_eos_ids(model_dir)) | set(tokenizer_eos)
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+        if config.max_model_len is not None and config.max_model_len > mc.derived_max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
-        max_len = config.max_model_len or mc.max_position_embeddings
+                             f"{mc.derived_max_model_len_source}")
+        max_len = config.max_model_len or mc.derived_max_model_len
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, mc, model_dir, max_len)
         capacity = self.runner.num_blocks * config.block_size

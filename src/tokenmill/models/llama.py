@@ -167,7 +167,8 @@ class DecoderModel(nn.Module):
         # torch._dynamo, 1.0-1.4 s of every process's start-up on the CPU machine
         rows = cfg.vocab_size // _ranks(tp)
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # one row per position up to the longest max_model_len the engine allows
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,0 +1,87 @@
+"""YaRN RoPE scaling, as Qwen3's model card turns it on for 131,072 tokens: the rope_scaling dict added to
+config.json. Tiny models whose original context (64) a 240-token prompt passes are served to their whole
+YaRN context (64 x 4) and compared with transformers on the same checkpoint; a longer max_model_len is
+refused naming both numbers."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tokenmill import LLM, SamplingParams
+
+ORIGINAL, FACTOR, CONTEXT = 64, 4.0, 80          # max_position_embeddings past the original, as Qwen3's 40,960
+YARN = {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": ORIGINAL}
+PROMPT = [(37 * i + 11) % 128 for i in range(240)]
+# the prompt's logprobs, then greedy tokens (with theirs) to the end of the context: positions 0..255
+TO_THE_END = SamplingParams(temperature=0, max_tokens=int(ORIGINAL * FACTOR) - len(PROMPT), ignore_eos=True,
+                            logprobs=0, prompt_logprobs=0)
+ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def _checkpoint(directory, arch: str, rope_scaling: dict | None) -> str:
+    """A tiny random model saved by transformers, its config.json written as Qwen3-4B's is (rope_theta at
+    the top level, rope_scaling null unless given)."""
+    config, model = ARCHS[arch]
+    torch.manual_seed(0)
+    model(config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT,
+                 initializer_range=0.2)).save_pretrained(directory)     # peaked attention: a wrong rotation shows
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    hf.pop("rope_parameters", None)
+    hf.update(rope_theta=1e6, rope_scaling=rope_scaling)
+    with open(path, "w") as f:
+        json.dump(hf, f)
+    return str(directory)
+
+
+def _served(model_dir: str, **engine_args):
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64, **engine_args)  # chunked prefill
+    assert llm.engine.max_model_len == ORIGINAL * FACTOR
+    result = llm.generate([PROMPT], TO_THE_END)[0]
+    out = result.outputs[0]
+    assert len(PROMPT) + len(out.token_ids) == ORIGINAL * FACTOR
+    prompt = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
+    return list(out.token_ids), torch.tensor(prompt + [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(the checkpoint with the model card's rope_scaling, the same without it, the first one served)"""
+    root = tmp_path_factory.mktemp("yarn")
+    edited = _checkpoint(root / "yarn", "qwen3", dict(YARN))
+    return edited, _checkpoint(root / "plain", "qwen3", None), _served(edited)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_yarn_equals_transformers_past_the_original_context(arch, qwen3, tmp_path):
+    """Prompt logprobs over a chunked 240-token prefill, then greedy tokens and their logprobs to the last
+    position of the 256-token YaRN context, as transformers computes them from the same config.json
+    (attention factor included: it scales cos and sin); the unscaled model's differ."""
+    model_dir = qwen3[0] if arch == "qwen3" else _checkpoint(tmp_path, arch, dict(YARN))
+    tokens, ours = qwen3[2] if arch == "qwen3" else _served(model_dir)
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(ids).logits[0].log_softmax(-1)
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, rope_scaling={
+            "rope_type": "default", "rope_theta": 1e6}).eval()(ids).logits[0].log_softmax(-1)
+    assert ref[len(PROMPT) - 1:-1].argmax(-1).tolist() == tokens
+    rows = torch.arange(ids.shape[1] - 1)
+    want, unscaled = ref[rows, ids[0, 1:]], plain[rows, ids[0, 1:]]
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    assert (unscaled - want).abs().max() > 0.1
+
+
+def test_a_max_model_len_past_the_yarn_context_is_refused(qwen3):
+    with pytest.raises(ValueError, match=r"max_model_len=257 exceeds the model's YaRN context of 256 tokens \(rope_"
+                                         r"scaling's original_max_position_embeddings=64 x factor=4.0; "
+                                         r"max_position_embeddings=80\)"):
+        LLM(qwen3[0], device="cpu", dtype="float32", max_model_len=257)
+    # without YaRN, the model's own context bounds it
+    with pytest.raises(ValueError, match=r"max_model_len=81 exceeds the model's max_position_embeddings=80"):
+        LLM(qwen3[1], device="cpu", dtype="float32", max_model_len=81)
