@@ -399,6 +399,7 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--root-path", "llm"], "root_path must start with '/' and not end with one, got 'llm'"),
     ("serve", ["--root-path", "/llm/"], "root_path must start with '/'"),
     ("serve", ["--backend", "hf", "--root-path", "/llm"], "--root-path needs --backend tokenmill"),
+    ("serve", ["--backend", "hf", "--hf-overrides", "{}"], "--hf-overrides needs --backend tokenmill"),
     ("serve", ["--backend", "hf-cb", "--api-key", "k"], "--api-key (or $VLLM_API_KEY) needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--enable-request-id-headers"], "--enable-request-id-headers needs --backend tokenmill"),
     ("serve", ["--backend", "hf", "--enable-tokenizer-info-endpoint"],
@@ -412,6 +413,9 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--reasoning-parser", "bogus"], "unknown --reasoning-parser 'bogus'"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),
+    ("serve", ["--hf-overrides", "{rope_scaling: 1}"], "argument --hf-overrides: not JSON (Expecting property name"),
+    ("serve", ["--hf-overrides", '["rope_scaling"]'], "argument --hf-overrides: expected a JSON object (such as "
+                                                      "'{\"rope_scaling\": {...}}'), got a JSON list"),
     ("serve", ["--revision", "main"], "--revision is vLLM's and has no effect here: tokenmill loads local"),
     ("serve", ["--max_logprobs", "40"], "--max-logprobs is vLLM's and has no effect here: the logprobs limit"),
     # vLLM flags that were "unrecognized arguments", with no reason given

@@ -1,7 +1,7 @@
 """YaRN RoPE scaling, as Qwen3's model card turns it on for 131,072 tokens: the rope_scaling dict added to
-config.json. Tiny models whose original context (64) a 240-token prompt passes are served to their whole
-YaRN context (64 x 4) and compared with transformers on the same checkpoint; a longer max_model_len is
-refused naming both numbers."""
+config.json, or given as --hf-overrides over a checkpoint without it. Tiny models whose original context (64)
+a 240-token prompt passes are served to their whole YaRN context (64 x 4) and compared with transformers on
+the same checkpoint; a longer max_model_len is refused naming both numbers."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, cli
+from tokenmill.config import ModelConfig
 
 ORIGINAL, FACTOR, CONTEXT = 64, 4.0, 80          # max_position_embeddings past the original, as Qwen3's 40,960
 YARN = {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": ORIGINAL}
@@ -77,6 +78,16 @@ def test_yarn_equals_transformers_past_the_original_context(arch, qwen3, tmp_pat
     assert (unscaled - want).abs().max() > 0.1
 
 
+def test_hf_overrides_serves_yarn_as_the_edited_config(qwen3):
+    """--hf-overrides with the model card's rope_scaling, over a checkpoint without it, serves what the
+    config.json edited as the card says serves: the same tokens and logprobs, the same context."""
+    args = cli.build_parser()[0].parse_args(["serve", qwen3[1], "--hf-overrides", json.dumps({"rope_scaling": YARN})])
+    overrides = cli.engine_config(args).hf_overrides
+    assert overrides == {"rope_scaling": YARN}
+    tokens, logprobs = _served(qwen3[1], hf_overrides=overrides)
+    assert tokens == qwen3[2][0] and torch.equal(logprobs, qwen3[2][1])
+
+
 def test_a_max_model_len_past_the_yarn_context_is_refused(qwen3):
     with pytest.raises(ValueError, match=r"max_model_len=257 exceeds the model's YaRN context of 256 tokens \(rope_"
                                          r"scaling's original_max_position_embeddings=64 x factor=4.0; "
@@ -85,3 +96,21 @@ def test_a_max_model_len_past_the_yarn_context_is_refused(qwen3):
     # without YaRN, the model's own context bounds it
     with pytest.raises(ValueError, match=r"max_model_len=81 exceeds the model's max_position_embeddings=80"):
         LLM(qwen3[1], device="cpu", dtype="float32", max_model_len=81)
+
+
+def test_hf_overrides_merge_objects_key_by_key(qwen3):
+    """An object merges into the checkpoint's object under the same key (one number of it changed); any
+    other value replaces; a GGUF model, which has no config.json, refuses them, as LLM() refuses vLLM's
+    other form, a function of the config."""
+    yarn = ModelConfig.from_hf(qwen3[0], {"rope_scaling": {"factor": 8.0}, "max_position_embeddings": 96})
+    assert yarn.rope_scaling == {**YARN, "factor": 8.0} and yarn.derived_max_model_len == 512
+    assert ModelConfig.from_hf(qwen3[0], {"rope_scaling": None}).rope_scaling is None
+    # transformers' YaRN without a factor: max_position_embeddings over the original context
+    assert ModelConfig.from_hf(qwen3[1], {"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 20}}
+                               ).rope_scaling["factor"] == 4.0
+    with pytest.raises(ValueError, match=r"hf_overrides edit a checkpoint's config\.json; the GGUF model "
+                                         r"'m\.gguf' has none"):
+        LLM("m.gguf", hf_overrides={"rope_scaling": YARN})
+    with pytest.raises(ValueError, match=r"hf_overrides must be a dict merged over config\.json \(None: none\), "
+                                         r"got function"):
+        LLM(qwen3[1], hf_overrides=lambda config: config)

@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "must divide the model's KV heads. CPU (gloo) only for now")
     p.add_argument("--max-model-len", type=context_len, default=d.max_model_len,
                    help="context length, prompt plus output (default: the model's); 32k = 32,000, 32K = 32,768")
+    p.add_argument("--hf-overrides", type=json_object, default=d.hf_overrides, metavar="JSON",
+                   help="a JSON object merged over the model's config.json before it is read (objects key by "
+                        "key), as vLLM's: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}' serves Qwen3 at 131,072 tokens")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of equal prompt prefixes")
@@ -110,7 +114,7 @@ def engine_config(args) -> EngineConfig:
         priority_short_boost=args.priority_short_boost, priority_short_max_tokens=args.priority_short_max_tokens,
         scheduler_delay_factor=args.scheduler_delay_factor, target_itl_ms=args.target_itl_ms,
         swap_space=args.swap_space, preemption_mode=args.preemption_mode,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, hf_overrides=args.hf_overrides)
 
 
 def _serve(args) -> int:
@@ -228,6 +232,18 @@ def positive_seconds(text: str) -> float:
 def uvicorn_log_level(text: str) -> str:
     """vLLM's --uvicorn-log-level values onto --log-level's: trace is debug, critical is error."""
     return {"trace": "debug", "critical": "error"}.get(text, text)
+
+
+def json_object(text: str) -> dict:
+    """--hf-overrides: one JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object (such as '{{\"rope_scaling\": {{...}}}}'), got "
+                                         f"a JSON {type(value).__name__}: {text!r}")
+    return value
 
 
 def cors_entry(text: str) -> str | list[str]:
@@ -475,6 +491,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                                    ("--disable-fastapi-docs", args.disable_fastapi_docs),
                                    ("--enable-tokenizer-info-endpoint", args.enable_tokenizer_info_endpoint),
                                    ("--root-path", args.root_path),
+                                   ("--hf-overrides", args.hf_overrides is not None),
                                    ("--enable-request-id-headers", args.enable_request_id_headers),
                                    ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
                                    (f"--stream-interval {args.stream_interval}", args.stream_interval != 1)) if on]

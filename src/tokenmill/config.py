@@ -50,6 +50,17 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict with `overrides` (vLLM's --hf-overrides) over it, as a new dict: where both hold an
+    object under a key the two are merged key by key, so {"rope_scaling": {"factor": 2.0}} changes one
+    number of the checkpoint's rope_scaling; any other value (null included) replaces the checkpoint's."""
+    merged = dict(hf)
+    for key, value in overrides.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge_hf_overrides(merged[key], value) if both else value
+    return merged
+
+
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
@@ -144,8 +155,10 @@ class ModelConfig:
                              "so it must be even")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
-        """Normalise a Hugging Face config (a dict, a config.json path or a model directory)."""
+    def from_hf(cls, hf: dict[str, Any] | str | os.PathLike,
+                hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """Normalise a Hugging Face config (a dict, a config.json path or a model directory), with
+        `hf_overrides` merged over it first (`merge_hf_overrides`)."""
         if not isinstance(hf, dict):
             path = os.fspath(hf)
             if os.path.isdir(path):
@@ -160,6 +173,8 @@ class ModelConfig:
             legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
             if not hf.get("quantization_config") and os.path.isfile(legacy):
                 hf["quantization_config"] = {"quant_method": "gptq", **read_json_object(legacy)}
+        if hf_overrides:
+            hf = merge_hf_overrides(hf, hf_overrides)
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
@@ -359,6 +374,9 @@ class EngineConfig:
     # steps with prefill tokens run as CUDA graphs up to this many tokens (0: only decode graphs)
     cuda_graph_max_tokens: int = 2048
     tokenizer: str | None = None
+    # merged over the checkpoint's config.json before it is read, as vLLM's --hf-overrides
+    # (`merge_hf_overrides`), e.g. {"rope_scaling": {"rope_type": "yarn", ...}}
+    hf_overrides: dict | None = None
     extra: dict = field(default_factory=dict)
     # tiles and block sizes of the CUDA kernels (layers/kernel_config.py); the default is the shipped table
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -383,6 +401,12 @@ class EngineConfig:
             if not os.path.exists(self.tokenizer) or not Tokenizer.available(self.tokenizer):
                 raise ValueError(f"tokenizer {self.tokenizer!r} holds no tokenizer (tokenizer.json, "
                                  "tokenizer_config.json, vocab.json, tokenizer.model, or a .gguf with one)")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict merged over config.json (None: none), got "
+                             f"{type(self.hf_overrides).__name__} {self.hf_overrides!r}")
+        if self.hf_overrides and self.model.lower().endswith(".gguf"):
+            raise ValueError(f"hf_overrides edit a checkpoint's config.json; the GGUF model {self.model!r} has none "
+                             "(its config is its metadata)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (or None: the model's), got {self.max_model_len}")
         if self.max_num_seqs < 1:

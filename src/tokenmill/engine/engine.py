@@ -40,7 +40,8 @@ class LLMEngine:
             raise FileNotFoundError(f"model {'file' if is_gguf else 'directory'} {model_dir!r} does not exist "
                                     "(tokenmill loads local directories and .gguf files only; it never downloads)")
         self.model_name = config.model
-        self.model_config = ModelConfig.from_gguf(model_dir) if is_gguf else ModelConfig.from_hf(model_dir)
+        self.model_config = (ModelConfig.from_gguf(model_dir) if is_gguf
+                             else ModelConfig.from_hf(model_dir, config.hf_overrides))
         tok_dir = config.tokenizer or model_dir
         self.tokenizer_path = tok_dir if Tokenizer.available(tok_dir) else None   # where a frontend loads it
         # the tokenizer is loaded when first asked for (`tokenizer`): a served engine core, whose frontend
