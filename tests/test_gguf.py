@@ -623,6 +623,33 @@ def test_an_integer_reads_as_a_float(tmp_path):
     assert cfg.rope_theta == 500000.0 and cfg.max_position_embeddings == 2048 and cfg.head_dim == HIDDEN // HEADS
 
 
+def test_yarn_metadata_reads_as_config_jsons_rope_scaling(tmp_path):
+    """llama.cpp's converter writes YaRN's rope_scaling as rope.scaling.* keys; they were refused ("supported:
+    none, linear"). They read back as that dict, the YaRN context (original x factor) past context_length."""
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 1024, "llama.rope.scaling.yarn_beta_fast": 16.0}
+    cfg = ModelConfig.from_gguf(_metadata_file(str(tmp_path / "yarn.gguf"), yarn))
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                "beta_fast": 16.0}
+    assert cfg.max_position_embeddings == 2048 and cfg.derived_max_model_len == 4096
+
+
+@pytest.mark.parametrize("drop, extra, message", [
+    ("llama.rope.scaling.original_context_length", {}, r"has llama\.rope\.scaling\.type='yarn' but lacks "
+                                                       r"llama\.rope\.scaling\.original_context_length, which YaRN "
+                                                       r"needs \(original_max_position_embeddings\)"),
+    (None, {"llama.rope.scaling.yarn_log_multiplier": 0.1}, r"has llama\.rope\.scaling\.yarn_log_multiplier="
+                                                            r"0\.1.*; tokenmill's YaRN \(transformers'\) has no such "
+                                                            r"setting and reads it only at 0\.0"),
+])
+def test_yarn_metadata_that_cannot_be_read_is_named(tmp_path, drop, extra, message):
+    values = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+              "llama.rope.scaling.original_context_length": 1024, **extra}
+    values.pop(drop, None)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_gguf(_metadata_file(str(tmp_path / "yarn.gguf"), values))
+
+
 @pytest.fixture(scope="module")
 def small_file(tok_md, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("broken") / "small.gguf")

@@ -101,6 +101,37 @@ def _gguf_value(file: Any, key: str, kind: type, default: Any = _REQUIRED) -> An
     return kind(value)
 
 
+# GGUF YaRN keys (llama.cpp's converter writes them from config.json's rope_scaling) -> that dict's keys
+_GGUF_YARN = {"rope.scaling.factor": "factor",
+              "rope.scaling.original_context_length": "original_max_position_embeddings",
+              "rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow",
+              "rope.scaling.yarn_attn_factor": "attention_factor"}
+# llama.cpp's YaRN keys with no equal in transformers' YaRN, and the value each has when it changes nothing
+_GGUF_YARN_NEUTRAL = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0,
+                      "rope.scaling.attn_factor": 1.0}
+
+
+def _gguf_yarn(file: Any, arch: str) -> dict[str, Any]:
+    """A GGUF file's YaRN scaling as config.json's rope_scaling dict: factor and original context are
+    required (there is no max_position_embeddings of the original model to derive them from); a key of
+    llama.cpp's own is taken only at the value that leaves transformers' YaRN unchanged."""
+    for key, neutral in _GGUF_YARN_NEUTRAL.items():
+        value = _gguf_value(file, f"{arch}.{key}", float, neutral)
+        if value != neutral:
+            raise ValueError(f"GGUF file {file.path!r} has {arch}.{key}={value}; tokenmill's YaRN (transformers') "
+                             f"has no such setting and reads it only at {neutral}")
+    scaling = {"rope_type": "yarn"}
+    for key, name in _GGUF_YARN.items():
+        required = name in ("factor", "original_max_position_embeddings")
+        value = _gguf_value(file, f"{arch}.{key}", int if name == "original_max_position_embeddings" else float, None)
+        if value is None and required:
+            raise ValueError(f"GGUF file {file.path!r} has {arch}.rope.scaling.type='yarn' but lacks {arch}.{key}, "
+                             f"which YaRN needs ({name})")
+        if value is not None:
+            scaling[name] = value
+    return scaling
+
+
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
     """A dtype or its name -> the dtype; None -> float32."""
     import torch
@@ -269,11 +300,13 @@ class ModelConfig:
         scaling_type = get("rope.scaling.type", str, "none")
         if scaling_type == "linear":
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
+        elif scaling_type == "yarn":
+            scaling = _gguf_yarn(file, arch)
         elif scaling_type == "none":
             scaling = None
         else:
             raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
-                             "supported: none, linear")
+                             "supported: none, linear, yarn")
         if "rope_freqs.weight" in file.tensors:
             if scaling is not None:
                 raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight and "
