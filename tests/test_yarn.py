@@ -114,3 +114,22 @@ def test_hf_overrides_merge_objects_key_by_key(qwen3):
     with pytest.raises(ValueError, match=r"hf_overrides must be a dict merged over config\.json \(None: none\), "
                                          r"got function"):
         LLM(qwen3[1], hf_overrides=lambda config: config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_yarn_on_the_gpu_equals_the_cpu_engine(qwen3, max_num_seqs):
+    """The Triton RoPE kernels (the prefill's q/k norm + RoPE + cache write, the one-kernel decode at one and
+    at several sequences, under CUDA graphs) read the YaRN table with its attention factor as the CPU path
+    does: the same greedy tokens to the end of the context, logprobs within float32 kernel rounding."""
+    llm = LLM(qwen3[0], device="cuda", dtype="float32", max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
+              gpu_memory_utilization=0.3)
+    results = llm.generate([PROMPT] * max_num_seqs, TO_THE_END)
+    tokens, logprobs = qwen3[2]
+    for result in results:
+        out = result.outputs[0]
+        assert list(out.token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
+        got += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+        assert torch.allclose(torch.tensor(got), logprobs, atol=2e-3), (torch.tensor(got) - logprobs).abs().max()
