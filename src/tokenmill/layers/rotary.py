@@ -134,11 +134,27 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recomputes the table in float32 (after the module was built on the meta device)."""
+        self.cos_sin = self._table().to(self.cos_sin.device)
+
+    def _table(self) -> torch.Tensor:
         cpu = torch.device("cpu")
         inv = _inv_freq(self.head_dim, self.theta, self.scaling).to(cpu)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=cpu), inv)
         # [max_positions, head_dim]: cos in the first half, sin in the second, both times the attention
         # factor: every RoPE path (the torch reference and the Triton prologue and decode kernels) rotates
         # with this one table, so it scales q and k alike, and q.k by its square, wherever it runs
-        table = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(self.scaling)).float()
-        self.cos_sin = table.to(self.cos_sin.device)
+        return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(self.scaling)).float()
+
+
+class NoRotaryEmbedding(RotaryEmbedding):
+    """The table of a NoPE layer (SmolLM3's `no_rope_layers`): cos 1 and sin 0 at every position. Every RoPE
+    path rotates with it as with any table and leaves q and k exactly as they are: in float32, x * 1 - y * 0
+    is x and y * 1 + x * 0 is y (a zero's sign aside), and no path does other work that depends on the
+    position. One instance serves all the NoPE layers of a model."""
+
+    def __init__(self, head_dim: int, max_positions: int):
+        super().__init__(head_dim, max_positions, theta=0.0)      # no frequencies: theta is never read
+
+    def _table(self) -> torch.Tensor:
+        half = self.head_dim // 2
+        return torch.cat((torch.ones(self.max_positions, half), torch.zeros(self.max_positions, half)), dim=-1)
