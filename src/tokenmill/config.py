@@ -31,15 +31,19 @@ DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
-def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
+def _sliding_layers(hf: dict[str, Any], rope_layers: tuple[bool, ...] | None) -> tuple[list[int], int | None]:
     """The layers of a Hugging Face config that attend over a sliding window, and the window: the layers
-    `layer_types` marks "sliding_attention", or without it (older Qwen2 configs) with `use_sliding_window`,
-    the layers from `max_window_layers` on, as transformers reads them (its defaults where a key is absent:
-    a window of 4,096, layers from 28 on; a window of null slides nowhere)."""
-    window = hf["sliding_window"] if "sliding_window" in hf else 4096
+    `layer_types` marks "sliding_attention", or without it with `use_sliding_window`, as transformers reads
+    them: SmolLM3's NoPE layers (`rope_layers` given; no default window), else (older Qwen2 configs) the
+    layers from `max_window_layers` on (defaults: a window of 4,096, layers from 28 on). A window of null
+    slides nowhere."""
+    window = hf["sliding_window"] if "sliding_window" in hf else (None if rope_layers is not None else 4096)
     types = hf.get("layer_types")
     if types:
         return [i for i, t in enumerate(types) if t == "sliding_attention"], window
+    if rope_layers is not None:
+        slides = hf.get("use_sliding_window") and window is not None
+        return [i for i, rotates in enumerate(rope_layers) if slides and not rotates], window
     if hf.get("use_sliding_window") and window:
         first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
         return list(range(first, hf["num_hidden_layers"])), window
@@ -48,6 +52,32 @@ def _sliding_layers(hf: dict[str, Any]) -> tuple[list[int], int | None]:
 
 # the config.json keys read without a default
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# transformers' defaults for the keys a config.json may leave out, where an architecture's differ from the
+# ones `from_hf` falls back on (Llama's)
+_HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings": True, "num_key_value_heads": 4,
+                                       "max_position_embeddings": 32768}}
+
+
+def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE flags, as transformers reads them: `no_rope_layers` (1: the layer rotates q
+    and k, 0: a NoPE layer; entries past the last layer unread), or without it every
+    `no_rope_layer_interval`-th layer (4 by default) a NoPE layer."""
+    n = hf["num_hidden_layers"]
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        if type(interval) is not int or interval < 1:
+            raise ValueError(f"config.json's no_rope_layer_interval is {interval!r}; it must be an integer >= 1 "
+                             "(every interval-th layer applies no RoPE)")
+        return tuple((i + 1) % interval != 0 for i in range(n))
+    if not isinstance(flags, list) or len(flags) < n or any(
+            type(f) not in (int, bool) or f not in (0, 1) for f in flags[:n]):
+        shown = (f"{flags[:8]}{'...' if len(flags) > 8 else ''} ({len(flags)} entries)" if isinstance(flags, list)
+                 else repr(flags))
+        raise ValueError(f"config.json's no_rope_layers is {shown}; it must list 1 (RoPE) or 0 (no RoPE) for each "
+                         f"of the num_hidden_layers={n} layers")
+    return tuple(bool(f) for f in flags[:n])
 
 
 def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +198,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     # the checkpoint's weight format (its quantization_config); None: plain weights
     quantization: W4Config | Fp8Config | None = None
+    # per layer, whether it rotates q and k (`rotates`); None: every layer does. SmolLM3's NoPE layers do not
+    rope_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         # sizes a checkpoint's config states: a zero or negative one failed deep in the build (an empty RoPE
@@ -184,6 +216,13 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"the model config's head_dim is {self.head_dim}; RoPE rotates a head's values in pairs, "
                              "so it must be even")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
+                             f"layer, num_hidden_layers={self.num_hidden_layers}")
+
+    def rotates(self, layer: int) -> bool:
+        """Whether `layer` applies RoPE to q and k (a NoPE layer attends by content alone)."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike,
@@ -214,6 +253,11 @@ class ModelConfig:
             raise ValueError(f"config.json lacks {', '.join(missing)}; a decoder's config needs "
                              f"{', '.join(_REQUIRED_HF_KEYS)}")
         arch = archs[0]
+        hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
+        # SmolLM3 alone reads no_rope_layers (another architecture's config may carry it unread)
+        layers = hf["num_hidden_layers"]
+        rope_layers = (_no_rope_layers(hf) if arch == "SmolLM3ForCausalLM" and type(layers) is int and layers > 0
+                       else None)
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         # Qwen3's head_dim is its own (transformers' default 128), not the hidden size over the heads
@@ -242,7 +286,7 @@ class ModelConfig:
         if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
             raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                              "which carries none here (Qwen2's bias on q/k/v alone is)")
-        sliding, window = _sliding_layers(hf)
+        sliding, window = _sliding_layers(hf, rope_layers)
         if sliding:
             raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
                              f"{'...' if len(sliding) > 8 else ''} (sliding_window {window}) is "
@@ -271,6 +315,7 @@ class ModelConfig:
             hidden_act="silu" if act == "swish" else act,       # the same function
             quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
+            rope_layers=rope_layers,
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""One decoder for Llama (Nanbeige), Qwen2 and Qwen3: features are explicit flags of `ModelConfig`.
+"""One decoder for Llama (Nanbeige), Qwen2, Qwen3 and SmolLM3: features are explicit flags of `ModelConfig`.
 
 Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`).
 The forward pass works on a flat batch of T tokens from many sequences; attention reaches the KV
@@ -19,7 +19,7 @@ from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.layers.quantized import Linear, linear
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import NoRotaryEmbedding, RotaryEmbedding
 from tokenmill.quant.fp8 import Fp8Rows
 from tokenmill.quant.formats import W4Config
 
@@ -167,9 +167,14 @@ class DecoderModel(nn.Module):
         # torch._dynamo, 1.0-1.4 s of every process's start-up on the CPU machine
         rows = cfg.vocab_size // _ranks(tp)
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
-        # one row per position up to the longest max_model_len the engine allows
+        # one row per position up to the longest max_model_len the engine allows; each layer reads its
+        # table from its own module (every RoPE path, CUDA graphs and tensor-parallel ranks included), so
+        # the NoPE layers share one identity table beside the rotating layers' one
         rotary = RotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
+        layers = range(cfg.num_hidden_layers)
+        nope = (None if all(cfg.rotates(i) for i in layers)
+                else NoRotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary if cfg.rotates(i) else nope, tp) for i in layers)
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
@@ -195,7 +200,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2 (attention_bias) and Qwen3 (qk_norm, tied head) through config flags."""
+    """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head) and SmolLM3 (NoPE layers, `rope_layers`)
+    through config flags."""
 
     # checkpoint shard name -> (packed parameter name, shard index)
     packed_modules = {

@@ -10,6 +10,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }
 
 
