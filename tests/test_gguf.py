@@ -411,15 +411,17 @@ def llama3_checkpoint(directory, vocab: int):
     return model
 
 
-def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
-    """The checkpoint as llama.cpp's converter writes it: q/k permuted, and the llama3 scaling as
-    rope_freqs.weight, unscaled over scaled inverse frequency (transformers' own inv_freq as the scaled)."""
+def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "llama") -> None:
+    """The checkpoint as llama.cpp's converter writes it: q/k permuted (for smollm3 too, converted as llama),
+    no output.weight where the head is tied, and a llama3 scaling as rope_freqs.weight, unscaled over scaled
+    inverse frequency (transformers' own inv_freq as the scaled)."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    if rope_freqs is None:
-        unscaled = 1.0 / (LLAMA3_ROPE["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    theta = cfg.rope_parameters["rope_theta"]
+    if rope_freqs is None and cfg.rope_parameters["rope_type"] == "llama3":
+        unscaled = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_freqs = (unscaled / model.model.rotary_emb.inv_freq.double()).float().numpy()
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -427,7 +429,7 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(LLAMA3_ROPE["rope_theta"])
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -442,11 +444,14 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None) -> None:
     w.add_eom_token_id(tok["eom"])
     w.add_add_bos_token(True)
     w.add_chat_template(tok["template"])
-    w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
         value = value.float().numpy()
         if key.startswith("model.layers."):
             i, rest = key[len("model.layers."):].split(".", 1)
@@ -564,6 +569,34 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
     for stop in (tok["eos"], tok["eom"]):
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, logit_bias={stop: 100.0}))[0]
         assert out.outputs[0].token_ids == [stop] and out.outputs[0].finish_reason == "stop"
+
+
+def test_smollm3_leaves_rope_out_of_every_fourth_layer(tmp_path):
+    """llama.cpp's smollm3 file (q/k permuted as llama's, tied head, no key for the NoPE layers: llama.cpp
+    fixes them at every 4th) computes what transformers' SmolLM3 computes on the checkpoint it was converted
+    from, whose default no_rope_layers is that pattern: prompt logprobs over a chunked prefill, greedy tokens."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    tok = llama3_tokenizer_metadata()
+    torch.manual_seed(0)
+    model = SmolLM3ForCausalLM(SmolLM3Config(
+        vocab_size=len(tok["tokens"]), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e4,
+        bos_token_id=tok["bos"], eos_token_id=tok["eos"], pad_token_id=None, initializer_range=0.2)).eval()
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = str(tmp_path / "smollm3.gguf")
+    llama3_to_gguf(path, model, tok, arch="smollm3")
+    cfg = ModelConfig.from_gguf(path)
+    assert (cfg.architecture, cfg.rope_layers, cfg.tie_word_embeddings) == (
+        "SmolLM3ForCausalLM", (True, True, True, False), True)
+    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
+    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
+    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 
 # the metadata `ModelConfig.from_gguf` reads, of a llama with no tensors

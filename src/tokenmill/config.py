@@ -363,6 +363,9 @@ class ModelConfig:
         # every end of generation the file names stops it, as in llama.cpp: EOS, a turn's end (EOT, Llama 3's
         # <|eot_id|>) and the end of a turn that called a tool (EOM, Llama 3.1's <|eom_id|>)
         eos = [_gguf_value(file, f"tokenizer.ggml.{kind}_token_id", int, None) for kind in ("eos", "eot", "eom")]
+        layers = get("block_count", int)
+        # llama.cpp's smollm3 leaves RoPE out of every 4th layer, a step it fixes in code (no metadata key)
+        rope_layers = tuple((i + 1) % 4 != 0 for i in range(layers)) if arch == "smollm3" else None
         file_type = _gguf_value(file, "general.file_type", int, None)
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
         return cls(
@@ -370,7 +373,7 @@ class ModelConfig:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", int),
-            num_hidden_layers=get("block_count", int),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=get("attention.head_count_kv", int, heads),
             head_dim=head_dim,
@@ -384,6 +387,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
             bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
             dtype=dtype,
+            rope_layers=rope_layers,
         )
 
     @property
