@@ -558,7 +558,7 @@ def test_a_calibrated_grid_must_fit_the_checkpoint_it_is_written_into(tmp_path):
     (torch.ones(2, 16), 32, r"an integer tensor .* got torch.float32 of shape \(2, 16\)"),
     (torch.full((2, 16), 600), 32, r"calibration token ids must be in \[0, 512\), got \[600, 600\]"),
     (torch.ones(1, 600, dtype=torch.long), 32, r"sequences of 600 tokens are longer than the model's "
-                                               r"max_position_embeddings \(512\)"),
+                                               r"context, its max_position_embeddings=512"),
     (torch.ones(2, 16, dtype=torch.long), 48, r"group_size=48 is not supported; supported: 32, 64, 128"),
 ], ids=["empty", "1-d", "float", "out-of-vocab", "too-long", "group48"])
 def test_calibration_the_quantizer_cannot_use_is_refused(tmp_path, save_tiny_model, calibration, group, message):

@@ -27,8 +27,8 @@ Definitions (t = KV bytes per token = 2 * layers * kv_heads * head_dim * dtype s
 Maximum concurrency for a KV budget of B bytes: paged, floor(floor(B / block bytes) / blocks per request),
 with blocks per request the workload's measured peak over its requests (for the long workload exactly
 ceil((long_len - 1) / bs)); static, floor(B / (reserve * t)) with reserve = max_model_len (and, in the JSON
-and the 8K column, the model's own context, max_position_embeddings). B is measured on the device from a
-second engine with the serving settings (`max_num_batched_tokens`, `max_num_seqs`,
+and the 8K column, the model's own context: max_position_embeddings, or YaRN's longer one). B is measured on
+the device from a second engine with the serving settings (`max_num_batched_tokens`, `max_num_seqs`,
 `gpu_memory_utilization`): its `num_blocks` * block bytes. For a GPU of G GiB it is computed:
 B = G * 2**30 * gpu_memory_utilization - weight bytes (parameters from the config, at the checkpoint's
 dtype) - an allowance for activations, the CUDA context and the allocator (`overhead_gib`). The device run
@@ -212,7 +212,7 @@ def study_model(model: str, model_path: str | None, workloads: list[Workload], a
 
     hf = preset_config(model) if is_preset(model) else None
     mc = ModelConfig.from_hf(hf if hf is not None else model_path)
-    bs, mml, context = args.block_size, args.max_model_len, mc.max_position_embeddings
+    bs, mml, context = args.block_size, args.max_model_len, mc.derived_max_model_len
     # the 24 GB figures use the checkpoint's dtype, as a GPU serving it does
     ckpt_t = mc.kv_bytes_per_token
     result = {"model": model, "architecture": mc.architecture, "checkpoint_dtype": str(mc.dtype).replace("torch.", ""),

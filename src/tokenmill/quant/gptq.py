@@ -240,9 +240,9 @@ def check_calibration(calibration, cfg) -> None:
         raise ValueError(f"calibration must be an integer tensor of token ids [num_seqs, seq_len], got {got}")
     if not calibration.numel():
         raise ValueError(f"calibration of shape {tuple(calibration.shape)} holds no tokens")
-    if calibration.shape[1] > cfg.max_position_embeddings:
+    if calibration.shape[1] > cfg.derived_max_model_len:
         raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+                         f"context, its {cfg.derived_max_model_len_source}")
     lo, hi = int(calibration.min()), int(calibration.max())
     if lo < 0 or hi >= cfg.vocab_size:
         raise ValueError(f"calibration token ids must be in [0, {cfg.vocab_size}), got [{lo}, {hi}]")
