@@ -922,5 +922,9 @@ def test_which_variables_a_chat_template_reads():
              "{%- endif %}")
     assert _template_reads(qwen3, "enable_thinking") and not _template_reads(qwen3, "reasoning_effort")
     assert _template_reads({"default": qwen3, "effort": "{{ reasoning_effort }}"}, "reasoning_effort")
-    assert _template_reads("{% generation %}{{ x }}{% endgeneration %}", "reasoning_effort")   # unparseable here
+    # transformers' own tag (SmolLM3's template marks its assistant turns with it) is read through; a tag of
+    # another renderer counts as reading anything, so that only the render decides
+    generation = "{% generation %}{{ enable_thinking }}{% endgeneration %}"
+    assert _template_reads(generation, "enable_thinking") and not _template_reads(generation, "reasoning_effort")
+    assert _template_reads("{% other %}{{ x }}{% endother %}", "reasoning_effort")
     assert not _template_reads(None, "reasoning_effort")

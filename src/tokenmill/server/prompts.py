@@ -233,6 +233,21 @@ class PromptTokenizer:
         return text
 
 
+def _generation_tag():
+    """A Jinja extension for transformers' `{% generation %}...{% endgeneration %}` (it marks the
+    assistant's tokens; SmolLM3's template has it), read as its body alone: only to find which variables a
+    template uses."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return GenerationTag
+
+
 def _template_reads(template, name: str) -> bool:
     """`PromptTokenizer.template_reads` for a template source (or a dict of named ones; None: no template)."""
     if template is None:
@@ -240,11 +255,11 @@ def _template_reads(template, name: str) -> bool:
     sources = template.values() if isinstance(template, dict) else [template]
     import jinja2
     from jinja2 import meta
-    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"])
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", _generation_tag()])
     for source in sources:
         try:
             if name in meta.find_undeclared_variables(env.parse(source)):
                 return True
-        except jinja2.TemplateSyntaxError:       # a tag of the renderer's own (e.g. {% generation %})
+        except jinja2.TemplateSyntaxError:       # a tag of another renderer's own
             return True
     return False
