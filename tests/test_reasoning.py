@@ -58,11 +58,17 @@ def test_qwen3_extract(text, prompt, expected):
     assert stream(QWEN3, list(text), prompt) == tuple(x or "" for x in expected)
 
 
-def test_deepseek_r1_always_starts_thinking():
+def test_deepseek_r1_starts_thinking_unless_the_prompt_closed_the_block():
+    """deepseek_r1 starts inside the block, whether or not the prompt opened it; but a template that turned
+    thinking off (Qwen3's and SmolLM3's close an empty block in the generation prompt) leaves an answer: it
+    was all reasoning, content None."""
     r1 = DeepSeekR1ReasoningParser()
     assert r1.extract("abc</think>xyz") == ("abc", "xyz")
-    assert r1.extract("<think>abc</think>xyz", CLOSED_PROMPT) == ("abc", "xyz")
+    assert r1.extract("abc</think>xyz", OPEN_PROMPT) == ("abc", "xyz")
     assert r1.extract("abc") == ("abc", None)
+    assert r1.extract("Paris.", CLOSED_PROMPT) == (None, "Paris.")
+    assert r1.extract("<think>abc</think>xyz", CLOSED_PROMPT) == ("abc", "xyz")
+    assert stream(r1, list("Paris."), CLOSED_PROMPT) == ("", "Paris.")
 
 
 def test_starts_in_reasoning_reads_the_last_tag():

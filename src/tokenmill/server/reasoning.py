@@ -19,7 +19,8 @@ The rule (`qwen3`; also Nanbeige4.1, whose template is Qwen3-Thinking's):
 - Reasoning is stripped of surrounding whitespace and content of leading whitespace (the `\\n\\n` after
   `</think>`, which Qwen's templates also drop when they render history); an empty part is None.
 
-`deepseek_r1` differs in one point: generation always starts inside the block.
+`deepseek_r1` differs in one point: generation starts inside the block unless the prompt's last turn
+closed one (a template that turned thinking off), with or without a `<think>` in the prompt.
 
 Reasoning tokens (usage's `completion_tokens_details.reasoning_tokens`, Responses'
 `output_tokens_details.reasoning_tokens`) are counted on the output's token ids: those inside the block
@@ -114,7 +115,9 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     def starts_in_reasoning(self, prompt: str) -> bool:
-        return True
+        # always, but where the prompt's last turn closed a block itself: the template turned thinking off
+        # (SmolLM3's and Qwen3's `<think>\n\n</think>\n`), and the reply is all answer
+        return prompt.rfind(THINK_END) <= prompt.rfind(THINK_START)
 
 
 class ReasoningStream:
