@@ -204,6 +204,9 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         # where the tokenizer marks the call tags as special tokens, skipping them would hide every call
         # from the parser (vLLM's rule: tools in use keep special tokens)
         params.skip_special_tokens = False
+    if serving.think_tags_skipped:
+        # the same for the thinking tags: skipped, the block's text came back as content, tags stripped
+        params.skip_special_tokens = False
     if params.structured_outputs is not None and serving.think_tags is not None and THINK_END not in prompt_text:
         # the constraint holds the answer, after the thinking block (the reasoning parser's reading); where the
         # last turn closed a block (thinking turned off) there is none to come

@@ -115,6 +115,7 @@ class Serving:
         self.tool_parser = self.reasoning_parser = None
         self.think_tags: tuple[int, int] | None = None       # (<think>, </think>) ids, with a reasoning parser
         self.turn_markers: tuple[str, ...] = ()                # special tokens: where a chat turn starts or ends
+        self.think_tags_skipped = False      # the tokenizer's decoding drops them as special tokens
         if chat.tool_call_parser is not None:
             from tokenmill.server.tool_parsers import TOOL_PARSERS
             self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
@@ -125,6 +126,7 @@ class Serving:
                 self.think_tags = think_token_ids(engine.tokenizer)
                 self.turn_markers = tuple(t for t in engine.tokenizer.all_special_tokens
                                           if t not in (THINK_START, THINK_END))
+                self.think_tags_skipped = bool(set(self.think_tags) & engine.tokenizer.skipped_special_ids)
         self.fingerprint = "fp_tokenmill"
         self.responses: ResponseStore | None = None       # set by build_app where this process stores them
         self.background = None          # with them, the background.BackgroundResponses this process runs
