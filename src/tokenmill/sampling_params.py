@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import reprlib
 from dataclasses import dataclass, field
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -209,6 +210,23 @@ def structural_tag_schemas(tag) -> list[tuple[str, dict]]:
     return out[::-1]
 
 
+# the characters of a client's value an error message quotes at most: it names the value, and a 30 MB name
+# or list is not sent back (nor built) whole
+MAX_SHOWN_CHARS = 40
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = MAX_SHOWN_CHARS
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = 4
+
+
+def shown(value) -> str:
+    """`value` as an error message quotes it: a string cut to `MAX_SHOWN_CHARS` (with its length where cut),
+    a container to its first few items, each cut the same way."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= MAX_SHOWN_CHARS else \
+            f"{value[:MAX_SHOWN_CHARS]!r}... ({len(value):,} characters)"
+    return _SHORT_REPR.repr(value)
+
+
 class SamplingParamError(ValueError):
     """A sampling parameter out of its range; `param` names it (the OpenAI error's `param`)."""
 
@@ -406,11 +424,11 @@ class SamplingParams:
             try:
                 token = int(key)
             except (TypeError, ValueError):
-                raise SamplingParamError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+                raise SamplingParamError("logit_bias", f"logit_bias key {shown(key)} is not a token id") from None
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
                 raise SamplingParamError("logit_bias", f"logit_bias value for token {token} must be in "
-                                         f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
+                                         f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {shown(value)}")
             if token < 0:
                 raise SamplingParamError("logit_bias", f"logit_bias token id {token} must be >= 0")
             parsed[token] = float(value)
@@ -418,7 +436,7 @@ class SamplingParams:
 
     def _check(self):
         def bad(name, value, limit):
-            raise SamplingParamError(name, f"{name} must be {limit}, got {value!r}")
+            raise SamplingParamError(name, f"{name} must be {limit}, got {shown(value)}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
         if not self.temperature >= 0:        # NaN too: the sampler would take its NaN scores' argmax, token 0

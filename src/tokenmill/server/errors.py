@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from tokenmill.engine.metrics import REJECT_REASONS
+from tokenmill.sampling_params import MAX_SHOWN_CHARS
 from tokenmill.server.protocol import MAX_UNKNOWN_NAMED, UnsupportedValue
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -71,8 +72,18 @@ class BodyError(APIError, StarletteHTTPException):
         StarletteHTTPException.__init__(self, status, message)
 
 
+# an error's message and param at most: they quote a client's values cut short (`shown`); past this, a value
+# some message quotes whole is cut here rather than sent back (a 30 MB name came back twice, 60 MB)
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 4096, 256
+
+
+def _cut(text: str | None, limit: int) -> str | None:
+    return text if text is None or len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's shape: `code` is a string naming the error (e.g. "context_length_exceeded") or null."""
+    message, param = _cut(message, MAX_MESSAGE_CHARS), _cut(param, MAX_PARAM_CHARS)
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -149,7 +160,7 @@ def _unknown_fields(errors: list[dict]) -> tuple[list[str], int]:
         names = names[:MAX_UNKNOWN_NAMED - len(named)]
         if names:
             path = _field_path(e)
-            named += [".".join(path if name is None else path + [str(name)]) for name in names]
+            named += [".".join(path if name is None else path + [_name(str(name))]) for name in names]
         more += count - len(names)
     return named, more
 
@@ -163,9 +174,14 @@ def _field_path(error: dict) -> list[str]:
     if loc[:1] == ["query"] and len(loc) > 1:
         loc = loc[1:]
     last = loc.pop() if loc and error.get("type") == "extra_forbidden" else None
-    path = [x for x in loc if (x.isdigit() or x.isidentifier() and not x[0].isupper())
+    path = [_name(x) for x in loc if (x.isdigit() or x.isidentifier() and not x[0].isupper())
             and x not in ("str", "int", "float", "bool")]
-    return path + ([last] if last is not None else [])
+    return path + ([_name(last)] if last is not None else [])
+
+
+def _name(key: str) -> str:
+    """A name in an error's path (a client's key, such as an unknown field's), cut to `MAX_SHOWN_CHARS`."""
+    return key if len(key) <= MAX_SHOWN_CHARS else f"{key[:MAX_SHOWN_CHARS]}...({len(key):,} characters)"
 
 
 def json_kind(value) -> str:

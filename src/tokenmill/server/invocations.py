@@ -8,9 +8,12 @@ chat body with a wrong temperature gets the chat endpoint's 400 naming temperatu
 bodies (`input`) are not taken."""
 from __future__ import annotations
 
+import itertools
+
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from tokenmill.sampling_params import shown
 from tokenmill.server.errors import NOT_READ_AS_JSON, APIError, json_kind
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -39,7 +42,7 @@ def invocation_request(body) -> ChatCompletionRequest | CompletionRequest:
             except ValidationError as e:
                 errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors(include_url=False)]
                 raise RequestValidationError(errors, body=body) from None
-    fields = ", ".join(f"'{key}'" for key in list(body)[:8]) + (", ..." if len(body) > 8 else "")
+    fields = ", ".join(shown(key) for key in itertools.islice(body, 8)) + (", ..." if len(body) > 8 else "")
     has = f"its fields are {fields}" if body else "it has no fields"
     responses = " A Responses body ('input') goes to POST /v1/responses." if "input" in body else ""
     raise APIError(400, f"/invocations takes {wanted}; this body has neither ({has}).{responses}")

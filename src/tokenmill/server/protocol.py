@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_SHOWN_CHARS, SamplingParams, shown
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128
@@ -669,13 +669,24 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
+def _json_shown(value) -> str:
+    """`value` as JSON, as an error quotes it: a string cut as `shown` cuts it, a list to its first 4 items."""
+    if isinstance(value, str):
+        return json.dumps(value) if len(value) <= MAX_SHOWN_CHARS else \
+            f"{json.dumps(value[:MAX_SHOWN_CHARS])}... ({len(value):,} characters)"
+    if isinstance(value, list):
+        return "[" + ", ".join(_json_shown(v) if isinstance(v, str) else shown(v) for v in value[:4]) \
+            + (", ...]" if len(value) > 4 else "]")
+    return shown(value)
+
+
 def check_function_parameters(params: dict | None) -> dict | None:
     """A function tool's `parameters`, checked: a schema of an object (OpenAI's rule: a function's arguments
     are one JSON object; a schema naming no type takes it), its `$defs` / `definitions` objects."""
     kind = (params or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise UnsupportedValue("tools", f'a function\'s parameters must be a JSON Schema of type "object", '
-                                        f"got type {json.dumps(kind)}")
+                                        f"got type {_json_shown(kind)}")
     for key in ("$defs", "definitions"):
         if key in (params or {}) and not isinstance(params[key], dict):
             raise UnsupportedValue("tools", f"a function's parameters.{key} must be an object of schemas, "
@@ -690,7 +701,7 @@ def function_tools_only(tools):
     for tool in tools if isinstance(tools, list) else ():
         kind = tool.get("type") if isinstance(tool, dict) else None
         if isinstance(kind, str) and kind != "function":
-            raise UnsupportedValue("tools", f"tool type {kind!r} is not supported by tokenmill (only 'function')")
+            raise UnsupportedValue("tools", f"tool type {shown(kind)} is not supported by tokenmill (only 'function')")
     return tools
 
 
@@ -699,7 +710,7 @@ def function_choice_only(choice):
     built-in tool): then a 400 naming that type, as `function_tools_only` does for a tool."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     if isinstance(kind, str) and kind != "function":
-        raise UnsupportedValue("tool_choice", f"tool_choice type {kind!r} is not supported by tokenmill (only "
+        raise UnsupportedValue("tool_choice", f"tool_choice type {shown(kind)} is not supported by tokenmill (only "
                                               "'none', 'auto', 'required' or a function by name)")
     return choice
 
@@ -806,7 +817,8 @@ class ChatCompletionRequest(_SamplingRequest):
             names = [t.function.name for t in self.tools or ()]
             if self.tool_choice.function.name not in names:
                 raise UnsupportedValue("tool_choice", f"tool_choice names the function "
-                                       f"{self.tool_choice.function.name!r}, which is not among the tools {names}")
+                                       f"{shown(self.tool_choice.function.name)}, which is not among the tools "
+                                       f"{shown(names)}")
         elif self.tool_choice == "required" and not self.tools:
             raise UnsupportedValue("tool_choice", "tool_choice 'required' needs at least one tool")
         if self.echo and self._extra_constraints():

@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 import orjson
 
+from tokenmill.sampling_params import shown
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import MAX_PROMPT_CHARS
 
@@ -279,14 +280,14 @@ class ResponseStore:
         while rid is not None:
             stored = self._entries.get(rid)
             if stored is None:
-                message = (f"Previous response with id '{rid}' not found." if rid == previous_id else
-                           f"Response '{rid}', earlier in the conversation of '{previous_id}', is no longer "
+                message = (f"Previous response with id {shown(rid)} not found." if rid == previous_id else
+                           f"Response '{rid}', earlier in the conversation of {shown(previous_id)}, is no longer "
                            "stored (deleted, or dropped as the oldest past the store's bound); send the "
                            "conversation as 'input' instead.")
                 raise APIError(400, message, "previous_response_id", "previous_response_not_found")
             size += stored.conversation_bytes
             if size > CONVERSATION_MAX_BYTES:
-                raise APIError(400, f"the conversation of '{previous_id}' holds more than {CONVERSATION_MAX_BYTES:,} "
+                raise APIError(400, f"the conversation of {shown(previous_id)} holds more than {CONVERSATION_MAX_BYTES:,} "
                                "bytes, more than one prompt may", "previous_response_id")
             self._entries.move_to_end(rid)
             body, input_items = stored.read()
@@ -313,7 +314,7 @@ class ResponseStore:
             if item_id not in found:
                 holders = self._holders.get(item_id)
                 if not holders:
-                    raise APIError(400, f"Item with id {item_id!r} not found: no stored response holds it (items "
+                    raise APIError(400, f"Item with id {shown(item_id)} not found: no stored response holds it (items "
                                         "of responses created with store false are not kept, nor those of a "
                                         "response deleted or dropped past the store's bound).", "input")
                 rid = holders[-1]
@@ -349,4 +350,4 @@ def _conversation_bytes(items: list[dict]) -> int:
 
 
 def not_found(response_id: str) -> APIError:
-    return APIError(404, f"No response found with id '{response_id}'.", "response_id", "response_not_found")
+    return APIError(404, f"No response found with id {shown(response_id)}.", "response_id", "response_not_found")

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
 )
 
+from tokenmill.sampling_params import shown
 from tokenmill.server.chat import ChoiceText, chat_params, logprob_entries, prepare_chat, reasoning_tokens
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
@@ -149,9 +150,9 @@ _BLOB_PREFIX = "tokenmill-reasoning-v1."
 
 def _unknown_include(include: list[str] | None) -> str | None:
     """The refusal of the first `include` value this server has none of, None where there is none."""
-    unknown = [v for v in include or () if v not in INCLUDES]
-    return f"'include' value {unknown[0]!r} is not supported by tokenmill (only {', '.join(map(repr, INCLUDES))})" \
-        if unknown else None
+    unknown = next((v for v in include or () if v not in INCLUDES), None)
+    return f"'include' value {shown(unknown)} is not supported by tokenmill (only {', '.join(map(repr, INCLUDES))})" \
+        if unknown is not None else None
 
 
 def _wrap(text: str) -> str:
@@ -295,7 +296,7 @@ class ResponsesRequest(_Strict):
         for item in items if isinstance(items, list) else ():
             kind = item.get("type") if isinstance(item, dict) else None
             if isinstance(kind, str) and kind not in ITEM_TYPES:
-                raise UnsupportedValue("input", f"input item type {kind!r} is not supported by tokenmill (only "
+                raise UnsupportedValue("input", f"input item type {shown(kind)} is not supported by tokenmill (only "
                                                 f"{', '.join(map(repr, ITEM_TYPES))})")
         return items
 
@@ -308,7 +309,7 @@ class ResponsesRequest(_Strict):
             raise UnsupportedValue("background", "'background' true needs 'store' true (a background response "
                                                  "is read back from the store): leave 'store' out or set it true")
         if self.conversation is not None:
-            raise UnsupportedValue("conversation", f"'conversation' ({repr(self.conversation)[:100]}) is not supported "
+            raise UnsupportedValue("conversation", f"'conversation' ({shown(self.conversation)}) is not supported "
                                                    "by tokenmill: it has no Conversations API (continue a response "
                                                    "with 'previous_response_id', or send the conversation as 'input')")
         if self.stream_options is not None and not self.stream:
@@ -371,7 +372,7 @@ class ResponsesRequest(_Strict):
             if item.id in seen:
                 why = ("the conversation of previous_response_id holds it already (send only the items that follow "
                        "it)") if item.id in stored else "the input holds it twice"
-                raise APIError(400, f"Duplicate item found with id {item.id!r}: {why}", "input")
+                raise APIError(400, f"Duplicate item found with id {shown(item.id)}: {why}", "input")
             seen.add(item.id)
         items = earlier + list(items)
         if any(isinstance(item, ItemReference) for item in items):
@@ -400,7 +401,7 @@ class ResponsesRequest(_Strict):
             elif isinstance(item, FunctionCallOutputItem):
                 if item.call_id not in calls:
                     raise APIError(400, f"No tool call found for function call output with call_id "
-                                        f"{item.call_id!r}: no function_call item in the input or the "
+                                        f"{shown(item.call_id)}: no function_call item in the input or the "
                                         "conversation has it", "input")
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             if thinking and messages[-1]["role"] == "assistant":
@@ -563,7 +564,7 @@ def resolve_references(serving: Serving, req: ResponsesRequest) -> ResponsesRequ
     if not refs:
         return req
     if serving.responses is None:
-        raise APIError(400, f"Item with id {refs[0]!r} not found: responses are not stored with --api-server-count "
+        raise APIError(400, f"Item with id {shown(refs[0])} not found: responses are not stored with --api-server-count "
                             "above 1 (a later request may reach another API server process); send the item "
                             "itself instead of an item_reference", "input")
     found = serving.responses.items(refs)
@@ -581,14 +582,14 @@ def list_page(items: list[dict], limit: int, order: str, after: str | None) -> d
     if not 1 <= limit <= 100:
         raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
     if order not in ("asc", "desc"):
-        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+        raise APIError(400, f"order must be 'asc' or 'desc', got {shown(order)}", "order")
     if order == "desc":
         items = items[::-1]
     start = 0
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
-            raise APIError(400, f"after: no item with id {after!r} in this list", "after")
+            raise APIError(400, f"after: no item with id {shown(after)} in this list", "after")
         start = ids.index(after) + 1
     page = items[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill.config import priority_refusal
 from tokenmill.engine.async_engine import AsyncLLM, EngineBusyError, EngineDeadError
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import shown
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.prompts import PromptTokenizer, no_tokenizer
 from tokenmill.server.response_store import ResponseStore
@@ -134,7 +135,7 @@ class Serving:
     # ----- admission -------------------------------------------------------------------------
     def check_model(self, model: str | None):
         if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+            raise APIError(404, f"The model {shown(model)} does not exist.", "model", "model_not_found")
 
     def admit(self, num_prompts: int = 1):
         """Checks that a new request (of `num_prompts` prompts) may enter. Once this returns, the caller

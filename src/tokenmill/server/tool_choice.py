@@ -8,7 +8,7 @@ import copy
 import json
 import re
 
-from tokenmill.sampling_params import SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS
+from tokenmill.sampling_params import SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS, shown
 from tokenmill.server.tool_parsers import CallForm, ToolCall
 
 
@@ -45,7 +45,7 @@ def _named(tool_choice) -> str | None:
         if isinstance(name, str) and name:
             return name
     raise ValueError('tool_choice must be "required" or {"type": "function", "function": {"name": ...}} '
-                     f"to be enforced by a schema, got {tool_choice!r}")
+                     f"to be enforced by a schema, got {shown(tool_choice)}")
 
 
 _DEFS_SECTIONS = ("$defs", "definitions")
@@ -77,7 +77,7 @@ def _rehome_refs(node, prefix: str):
                         break
                 else:
                     if value.startswith("#"):
-                        raise ValueError(f"tool parameters: unsupported $ref {value!r} "
+                        raise ValueError(f"tool parameters: unsupported $ref {shown(value)} "
                                          "(only #/$defs/... and #/definitions/...)")
             out[key] = _rehome_refs(value, prefix)
         return out
@@ -102,7 +102,7 @@ def required_tools_schema(tools: list[dict], tool_choice, *, parallel_tool_calls
         for fn_name, params in functions:
             if fn_name == name:
                 return copy.deepcopy(params)
-        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        raise ValueError(f"tool_choice names function {shown(name)}, which is not in tools")
     variants, defs = _call_variants(functions, "arguments")
     schema = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
     if not parallel_tool_calls:

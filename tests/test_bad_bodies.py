@@ -1,0 +1,77 @@
+"""Bodies built to be expensive to refuse, in process (the app on the test tokenizer and a stand-in engine that
+records what reaches it): each 400 names the value and its limit, quotes a client's value cut short, stops at
+a list's or map's first mistake, and comes before the engine where the API server can tell. What these bodies
+cost is lab/validation_cost.py's to measure (docs/BENCHMARKS.md); these tests time nothing."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+VOCAB, CONTEXT = 512, 256
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+LONG = "x" * 100_000
+
+
+@pytest.fixture(scope="module")
+def api(tokenizer_dir):
+    """(post, the request ids the stand-in engine was handed)."""
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.server.app import build_app
+
+    tok = Tokenizer(tokenizer_dir)
+    handed: list[str] = []
+
+    class Engine:
+        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, CONTEXT, False, None
+        processor = OutputProcessor(tok)
+
+        def attach(self):
+            pass
+
+        async def generate(self, request_id, ids, params, priority, **kw):
+            handed.append(request_id)
+            yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "a", [40], None, None, "length")], True)
+
+    app = build_app(Engine(), vocab_size=VOCAB)
+
+    def post(path: str, body) -> httpx.Response:
+        async def send():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill") as c:
+                return await c.post(path, json=body)
+        return asyncio.run(send())
+    return post, handed
+
+
+def test_a_clients_long_value_is_quoted_cut_short(api):
+    """A value an error names was quoted whole: a 30 MB model name, unknown field's name, tool type, function
+    name or previous_response_id came back in a 30 MB answer (an unknown field's twice, in the message and the
+    param). Each is cut to its first 40 characters and its length; any message past 4,096 characters is cut."""
+    from tokenmill.server.errors import error_body
+    post, _ = api
+    function = {"type": "function", "function": {"name": "f"}}
+    cases = [("/v1/chat/completions", {**CHAT, "model": LONG}, 404, "model"),
+             ("/v1/chat/completions", {**CHAT, LONG: 1}, 400, None),
+             ("/v1/chat/completions", {**CHAT, "logit_bias": {LONG: "x"}}, 400, "logit_bias"),
+             ("/v1/chat/completions", {**CHAT, "tools": [{"type": LONG}]}, 400, "tools"),
+             ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+                 "name": "f", "parameters": {"type": LONG}}}]}, 400, "tools"),
+             ("/v1/chat/completions", {**CHAT, "tools": [function], "tool_choice": {
+                 "type": "function", "function": {"name": LONG}}}, 400, "tool_choice"),
+             ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": LONG}}, 400, "tool_choice"),
+             ("/v1/chat/completions", {**CHAT, "stop": [LONG, ""]}, 400, "stop"),
+             ("/v1/responses", {"input": "hi", "previous_response_id": LONG}, 400, "previous_response_id"),
+             ("/v1/responses", {"input": [{"type": LONG}]}, 400, "input"),
+             ("/invocations", {LONG: 1, "b": 2}, 400, None),
+             ("/tokenize", {"prompt": "hi", "model": LONG}, 404, "model")]
+    for path, body, status, param in cases:
+        r = post(path, body)
+        err = r.json()["error"]
+        assert r.status_code == status and len(r.content) < 1000, (path, param, r.status_code, len(r.content))
+        assert "x" * 17 in err["message"] and (param is None or err["param"] == param), (path, err)
+    err = error_body(400, "y" * 10_000, "z" * 1000)["error"]
+    assert err["message"].endswith("... (10,000 characters)") and len(err["message"]) < 4200, err["message"][-50:]
+    assert err["param"].endswith("... (1,000 characters)") and len(err["param"]) < 300
