@@ -8,6 +8,7 @@ import asyncio
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 VOCAB, CONTEXT = 512, 256
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -75,3 +76,38 @@ def test_a_clients_long_value_is_quoted_cut_short(api):
     err = error_body(400, "y" * 10_000, "z" * 1000)["error"]
     assert err["message"].endswith("... (10,000 characters)") and len(err["message"]) < 4200, err["message"][-50:]
     assert err["param"].endswith("... (1,000 characters)") and len(err["param"]) < 300
+
+
+def test_lists_and_maps_stop_at_their_first_mistake():
+    """Pydantic made an error of each mistake (~6 us of the event loop each, made, turned into dicts and
+    described), and the bounds before validation admit a vocabulary's worth of logit_bias and allowed_token_ids
+    entries and a context's worth of messages, tools, document fields or token ids: 151,936 logit_bias values
+    that are strings held the loop ~1 s. Each list stops at its first bad item, and logit_bias and a document
+    at their first bad value, named."""
+    from tokenmill.server.protocol import ChatCompletionRequest, DetokenizeRequest
+    from tokenmill.server.responses import ResponsesRequest
+
+    def errors(model, body) -> list[dict]:
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(body)
+        return e.value.errors()
+    many = 1000
+    for model, body, at in ((ChatCompletionRequest, {**CHAT, "allowed_token_ids": ["x"] * many}, "allowed_token_ids"),
+                            (ChatCompletionRequest, {**CHAT, "stop_token_ids": ["x"] * many}, "stop_token_ids"),
+                            (ChatCompletionRequest, {**CHAT, "bad_words": [None] * many}, "bad_words"),
+                            (ChatCompletionRequest, {"messages": [{"role": "user", "content": 1}] * many}, "messages"),
+                            (ChatCompletionRequest, {"messages": [{"role": "user", "content": [1] * many}]}, "messages"),
+                            (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function", "function": {}}] * many},
+                             "tools"),
+                            (ChatCompletionRequest, {**CHAT, "prediction": {"type": "content", "content": [None] * many}},
+                             "prediction"),
+                            (DetokenizeRequest, {"tokens": ["x"] * many}, "tokens"),
+                            (ResponsesRequest, {"input": [{"role": "x", "content": "hi"}] * many}, "input")):
+        found = errors(model, body)
+        assert len(found) <= 3 and all(e["loc"][0] == at for e in found), (at, len(found), found[:4])
+    for body, says in (({**CHAT, "logit_bias": {str(i): "x" for i in range(many)}},
+                        "the value for '0' is string 'x'"),
+                       ({**CHAT, "documents": [{f"k{i}": 1 for i in range(many)}]},
+                        "document 0's field 'k0' is number 1")):
+        found = errors(ChatCompletionRequest, body)
+        assert len(found) == 1 and says in str(found[0]["ctx"]["error"]), found[:2]

@@ -10,7 +10,7 @@ from starlette.routing import Match
 
 from tokenmill.engine.metrics import REJECT_REASONS
 from tokenmill.sampling_params import MAX_SHOWN_CHARS
-from tokenmill.server.protocol import MAX_UNKNOWN_NAMED, UnsupportedValue
+from tokenmill.server.protocol import MAX_UNKNOWN_NAMED, UnsupportedValue, json_kind
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -182,17 +182,6 @@ def _field_path(error: dict) -> list[str]:
 def _name(key: str) -> str:
     """A name in an error's path (a client's key, such as an unknown field's), cut to `MAX_SHOWN_CHARS`."""
     return key if len(key) <= MAX_SHOWN_CHARS else f"{key[:MAX_SHOWN_CHARS]}...({len(key):,} characters)"
-
-
-def json_kind(value) -> str:
-    """A value's JSON type, for 'expected X (got Y)' messages."""
-    if isinstance(value, bool):
-        return f"boolean {str(value).lower()}"
-    if isinstance(value, (int, float)):
-        return f"number {value!r}"
-    if isinstance(value, str):
-        return f"string {value[:40]!r}"
-    return {list: "array", dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _describe_bad_json(error: dict, doc) -> str:

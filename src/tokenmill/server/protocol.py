@@ -4,6 +4,11 @@ Unknown fields are rejected (`extra="forbid"`) and types are strict where OpenAI
 string is read as a number, no float as an integer, no number or string as a boolean. Fields that OpenAI defines but tokenmill does not
 implement are listed in `_UNSUPPORTED` and accepted only at a value that changes nothing, so that
 clients which send defaults keep working while anything that would be silently ignored is a 400.
+
+Validation runs on the event loop, and pydantic makes an error of each mistake (~6 us each, made, turned into
+dicts and described), while the bounds before it (server/body.py) admit a context's worth of messages, tools
+or token ids and a vocabulary's worth of logit_bias entries: lists stop at their first mistake (`fail_fast`),
+and logit_bias and a document at their first value of the wrong type (`numbers_only`, `text_fields_only`).
 """
 from __future__ import annotations
 
@@ -137,6 +142,40 @@ def refuse_media_parts(content, field: str):
     return content
 
 
+def json_kind(value) -> str:
+    """A value's JSON type, for 'expected X (got Y)' messages."""
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value!r}"
+    if isinstance(value, str):
+        return f"string {value[:MAX_SHOWN_CHARS]!r}"
+    return {list: "array", dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def numbers_only(bias):
+    """A logit_bias as given, unless one of its values is not a number: then one error naming the first such
+    entry, where pydantic made an error of each (a vocabulary's worth, 151,936 entries of strings, held the
+    event loop ~1 s)."""
+    if type(bias) is dict:
+        for key, value in bias.items():
+            if type(value) is not float and type(value) is not int:
+                raise UnsupportedValue("logit_bias", f"logit_bias values are numbers (a token's bias): the value "
+                                                     f"for {shown(key)} is {json_kind(value)}")
+    return bias
+
+
+def text_fields_only(documents):
+    """A chat's documents as given, unless a document's field is not a string: then one error naming the first,
+    where pydantic made an error of each field (a document may hold a context's worth)."""
+    for i, document in enumerate(documents if type(documents) is list else ()):
+        for key, value in document.items() if type(document) is dict else ():
+            if type(value) is not str:
+                raise UnsupportedValue("documents", f"document {i}'s field {shown(key)} is {json_kind(value)}: a "
+                                                    "document's fields are strings")
+    return documents
+
+
 class JsonSchemaFormat(_Strict):
     name: str | None = None
     description: str | None = None
@@ -205,7 +244,7 @@ class TextPart(_Strict):
 
 class Prediction(_Strict):
     type: Literal["content"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(fail_fast=True)]
 
 
 class _SamplingRequest(_Strict):
@@ -223,7 +262,8 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]],
+                              Field(max_length=MAX_STOP, fail_fast=True)] | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
@@ -235,12 +275,13 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = 0
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]],
+                                 Field(min_length=1, fail_fast=True)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     # vLLM's: the logprobs' tokens as "token_id:{id}" (the text of two tokens may be equal)
     return_tokens_as_token_ids: bool | None = None
     bad_words: Annotated[list[Annotated[str, Field(max_length=MAX_BAD_WORD_CHARS)]],
-                         Field(max_length=MAX_BAD_WORDS)] | None = None
+                         Field(max_length=MAX_BAD_WORDS, fail_fast=True)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -272,6 +313,8 @@ class _SamplingRequest(_Strict):
 
     # `_UNSUPPORTED` fields a request type does honor (its own field's type checks them instead)
     honored: ClassVar[frozenset[str]] = frozenset()
+
+    _numbers_only = field_validator("logit_bias", mode="before")(numbers_only)
 
     # OpenAI fields accepted only at a no-op value (see `_UNSUPPORTED`).
     suffix: Any = None
@@ -476,10 +519,11 @@ class _SamplingRequest(_Strict):
 
 PromptType = Union[
     Annotated[str, Field(max_length=MAX_PROMPT_CHARS)],
-    Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]], Field(min_length=1, max_length=MAX_PROMPTS)],
-    Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]],
-              Field(min_length=1, max_length=MAX_PROMPTS)],
+    Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1, fail_fast=True)],
+    Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
+              Field(min_length=1, max_length=MAX_PROMPTS, fail_fast=True)],
+    Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1, fail_fast=True)]],
+              Field(min_length=1, max_length=MAX_PROMPTS, fail_fast=True)],
 ]
 
 
@@ -593,9 +637,10 @@ class ToolCallParam(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[ContentPart] | None = None
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[ContentPart], Field(fail_fast=True)] \
+        | None = None
     name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(fail_fast=True)] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     # vLLM's current name of the same text (and OpenRouter's), which their clients send back
@@ -782,17 +827,17 @@ def _check_template_fields(req) -> None:
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     # vLLM's: the template's `documents` (retrieval-augmented generation); a template that reads none ignores them
-    documents: list[dict[str, str]] | None = None
+    documents: Annotated[list[dict[str, str]], Field(fail_fast=True)] | None = None
     # passed to the chat template, as vLLM does; refused where the template does not read it (`prepare_chat`)
     reasoning_effort: REASONING_EFFORTS | None = None
     # vLLM's: false leaves reasoning_content out (null) of the answer; the thinking is still parsed out of the
@@ -806,6 +851,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
     _function_choice_only = field_validator("tool_choice", mode="before")(function_choice_only)
+    _text_fields_only = field_validator("documents", mode="before")(text_fields_only)
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -875,21 +921,22 @@ class TokenizeRequest(_Strict):
     completions take them); `return_token_strs` adds each token's vocabulary string."""
     model: str | None = None
     prompt: Annotated[str, Field(max_length=4_000_000)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    tools: list[Tool] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)] | None = None
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
     # the tokenizer's special tokens (BOS) added: by default to a prompt, not to rendered messages (whose
     # template writes them), as completions and chat completions each take it
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
-    documents: list[dict[str, str]] | None = None
+    documents: Annotated[list[dict[str, str]], Field(fail_fast=True)] | None = None
     return_token_strs: bool | None = False
     # vLLM's, as chat completions take them: accepted at a no-op value (`_UNSUPPORTED`)
     chat_template: Any = None
     mm_processor_kwargs: Any = None
 
     _function_tools_only = field_validator("tools", mode="before")(function_tools_only)
+    _text_fields_only = field_validator("documents", mode="before")(text_fields_only)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -907,4 +954,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(fail_fast=True)]

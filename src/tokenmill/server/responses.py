@@ -56,7 +56,7 @@ def _joined(text: str | list[InputText]) -> str:
 class MessageItem(_Strict):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputText], Field(fail_fast=True)]
     id: str | None = None
     status: str | None = None
     # the openai client's fields that this server's output items leave out: null where a client sends back
@@ -96,7 +96,7 @@ class FunctionCallOutputItem(_Strict):
     for a tool that returns text objects); the parts' text joined is what the model sees."""
     type: Literal["function_call_output"]
     call_id: str
-    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[InputText]
+    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputText], Field(fail_fast=True)]
     id: str | None = None
     status: str | None = None
     # as in MessageItem: the client's fields, null in the items of `input_items.list` as it dumps them
@@ -253,13 +253,14 @@ class ReasoningOptions(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputItem], Field(min_length=1,
+                                                                                                  fail_fast=True)]
     instructions: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], Field(fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's bound on calls to its built-in tools, which this server runs none of: it bounds nothing here
