@@ -111,3 +111,19 @@ def test_lists_and_maps_stop_at_their_first_mistake():
                         "document 0's field 'k0' is number 1")):
         found = errors(ChatCompletionRequest, body)
         assert len(found) == 1 and says in str(found[0]["ctx"]["error"]), found[:2]
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_the_engine(api):
+    """The ids logit_bias, allowed_token_ids and stop_token_ids name were checked against the vocabulary only
+    by the engine: a request was admitted, queued and handed over (a vocabulary's worth of logit_bias with it)
+    before its 400. The API server knows the vocabulary's size and refuses it first, naming the id."""
+    post, handed = api
+    for field, value in (("logit_bias", {"5": 1, "600": 1}), ("allowed_token_ids", [5, 600]),
+                         ("stop_token_ids", [600])):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 1})):
+            before = len(handed)
+            err = post(path, {**body, field: value}).json()["error"]
+            assert err["param"] == field and err["message"] == f"Token id 600 is out of range for a vocabulary of " \
+                f"{VOCAB}.", (path, err)
+            assert len(handed) == before, (path, field)
+    assert post("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1}}).status_code == 200

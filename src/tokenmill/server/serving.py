@@ -166,8 +166,9 @@ class Serving:
         self.check_token_ids(ids, param)
         return ids
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        """A 400 naming the first id past the vocabulary (nothing to check where its size is unknown)."""
+    def check_token_ids(self, ids, param: str | None) -> None:
+        """A 400 naming the first of `ids` (a list, or a logit_bias's keys) past the vocabulary (nothing to check
+        where its size is unknown)."""
         if self.vocab_size is not None:
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
@@ -238,8 +239,15 @@ class Serving:
             params = params.resolve_bad_words(self.prompts.tokenizer)
         except ValueError as e:
             raise APIError(400, str(e), req.field_of(getattr(e, "param", getattr(e, "field", None)))) from None
-        if self.vocab_size is not None and params.top_k >= self.vocab_size:
-            params.top_k = 0
+        if self.vocab_size is not None:
+            # the token ids a request names, against the vocabulary here as the engine checks them: the 400 before
+            # the request is admitted, not from the engine core after a vocabulary's worth of logit_bias got there
+            for field, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                               ("allowed_token_ids", params.allowed_token_ids or ()),
+                               ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])):
+                self.check_token_ids(ids, req.field_of(field))
+            if params.top_k >= self.vocab_size:
+                params.top_k = 0
         if self.prompts.tokenizer is None:
             # output text, stop strings and logprobs' token texts are the tokenizer's
             for needs, field in ((params.stop, "stop"), (params.logprobs is not None, "logprobs"),
