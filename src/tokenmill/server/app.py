@@ -9,8 +9,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import orjson
-from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from fastapi.routing import APIRoute
@@ -18,21 +17,18 @@ from fastapi.routing import APIRoute
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
-from tokenmill.sampling_params import MAX_JSON_DEPTH, json_depth, truncated_length
 from tokenmill.server import errors, tokenizer_info
 from tokenmill.server.background import BackgroundResponses
+from tokenmill.server.body import parse_body
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
-from tokenmill.server.errors import APIError, BodyError, document_errors_only, documented_errors
+from tokenmill.server.errors import APIError, document_errors_only, documented_errors
 from tokenmill.server.guard import RequestGuard, api_keys
 from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store, retrieve
-from tokenmill.server.protocol import (
-    MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_XARGS, ChatCompletionRequest, CompletionRequest,
-    DetokenizeRequest, TokenizeRequest,
-)
-from tokenmill.server.serving import ChatOptions, Serving, json_response, prompt_too_long
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenmill.server.serving import ChatOptions, Serving, json_response
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -56,98 +52,13 @@ HEALTH = {200: {"description": "The engine is running (also while the server dra
           503: {"description": "The engine is not running."}}
 
 
-
-
-def refuse_oversized(body, max_model_len: int, vocab_size: int | None) -> None:
-    """Refuses, right after parsing, a body whose arrays cannot fit what they are for, before it is walked
-    and validated: validation runs on the event loop at ~60 ns to ~10 us an element, so a 32 MB body of 16M
-    prompt ids held every other client ~2 s (and took ~450 MB), 300,000 one-word messages 4.3 s, 1.5M
-    logit_bias entries 3.2 s, /detokenize of 8M ids 4.2 s, 300,000 one-character prompts (1.1 MB) 2 s. A
-    prompt of ids (or a batch's) that leaves no room in the context; /detokenize's tokens, chat messages or
-    Responses input items with their content parts (and a message's tool calls), tools and documents (and their
-    fields) (each at least a token) beyond the context; a batch of more than MAX_PROMPTS prompts; more logit_bias
-    or allowed_token_ids entries than the vocabulary has tokens; and metadata, chat_template_kwargs or vllm_xargs
-    past their counts (1M metadata pairs, 16 MB, held the loop ~1 s; 1M tool calls of null, 6 MB, 6.8 s making an
-    error of each) are refused with what they hold and the limit. A prompt of ids longer than the request's
-    truncate_prompt_tokens is cut to its last tokens here, before it is validated."""
-    if type(body) is not dict:
-        return
-    prompt = body.get("prompt")
-    keep = body.get("truncate_prompt_tokens")
-    keep = truncated_length(keep, max_model_len) if keep == -1 or type(keep) is int and 0 < keep <= max_model_len \
-        else None
-    if type(prompt) is list and prompt:
-        for ids in (prompt if type(prompt[0]) is list else [prompt]):
-            if type(ids) is not list or not ids or type(ids[0]) is not int:
-                continue
-            if keep is not None and len(ids) > keep:
-                del ids[:-keep]         # truncate_prompt_tokens: what the engine would drop is not validated
-            if len(ids) >= max_model_len:
-                raise BodyError(400, prompt_too_long(max_model_len, len(ids)), "prompt", "context_length_exceeded")
-        if type(prompt[0]) is not int and len(prompt) > MAX_PROMPTS:
-            raise BodyError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.",
-                            "prompt")
-    for field, what in (("tokens", "token ids"), ("messages", "messages"), ("input", "input items"),
-                        ("tools", "tools"), ("documents", "documents")):
-        items = body.get(field)
-        if type(items) is list:
-            count = len(items)
-            if field in ("messages", "input"):       # and the content parts (and a message's tool calls) within them
-                count = max(count, sum(len(parts) for m in items if type(m) is dict
-                                       for parts in (m.get("content"), m.get("output"), m.get("tool_calls"))
-                                       if type(parts) is list))
-                if count > len(items):
-                    what = "messages, content parts or tool calls" if field == "messages" else \
-                        "input items or content parts"
-            elif field == "documents":              # and their fields
-                count = max(count, sum(len(d) for d in items if type(d) is dict))
-                what = "documents or document fields" if count > len(items) else what
-            if count > max_model_len:
-                raise BodyError(400, f"'{field}' holds {count} {what}, more than this model's maximum context "
-                                     f"length of {max_model_len} tokens.", field, "context_length_exceeded")
-    for field in ("logit_bias", "allowed_token_ids"):
-        ids = body.get(field)
-        if vocab_size is not None and type(ids) in (dict, list) and len(ids) > vocab_size:
-            raise BodyError(400, f"{field} has {len(ids)} entries; the model's vocabulary has {vocab_size} "
-                                 "tokens.", field)
-    for field, limit in (("metadata", MAX_METADATA), ("chat_template_kwargs", MAX_TEMPLATE_KWARGS),
-                         ("vllm_xargs", MAX_XARGS)):
-        entries = body.get(field)
-        if type(entries) is dict and len(entries) > limit:
-            raise BodyError(400, f"'{field}' has {len(entries)} entries; at most {limit} are accepted.", field)
-
-
-def _refuse_invalid_utf8(raw: bytes) -> None:
-    """A body that is not UTF-8 is refused naming its first invalid byte and where it is: orjson says 'str is
-    not valid UTF-8: surrogates not allowed' at byte 0 for any of them."""
-    try:
-        raw.decode()
-    except UnicodeDecodeError as e:
-        head = raw[:e.start]
-        line, column = head.count(b"\n") + 1, e.start - head.rfind(b"\n")
-        raise BodyError(400, f"The request body is not valid UTF-8: byte 0x{raw[e.start]:02x} ({e.reason}) at line "
-                             f"{line}, column {column} (byte {e.start}).") from None
-
-
 class _OrjsonRequest(Request):
-    """Bodies are parsed by orjson, which (unlike the standard library) refuses lone UTF-16 surrogates
-    such as "\\udfff": no string that cannot be encoded as UTF-8 reaches the handlers; and nest at most
-    `MAX_JSON_DEPTH` levels."""
+    """Bodies are parsed, and refused where they cannot be what they are for, by `body.parse_body`."""
 
     async def json(self):
         if not hasattr(self, "_json"):
-            raw = await self.body()
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                _refuse_invalid_utf8(raw)
-                raise
-            refuse_oversized(body, self.app.state.engine.max_model_len, self.app.state.serving.vocab_size)
-            depth = json_depth(body)
-            if depth > MAX_JSON_DEPTH:
-                raise HTTPException(400, f"The request body nests arrays and objects {depth} levels deep; "
-                                         f"at most {MAX_JSON_DEPTH} are accepted.")
-            self._json = body
+            self._json = parse_body(await self.body(), self.app.state.engine.max_model_len,
+                                    self.app.state.serving.vocab_size)
         return self._json
 
 
