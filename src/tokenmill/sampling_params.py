@@ -10,6 +10,8 @@ import json
 import reprlib
 from dataclasses import dataclass, field
 
+import orjson
+
 LOGIT_BIAS_LIMIT = 100.0
 # a positive temperature below this samples at this (vLLM's rule); 0 is greedy
 MIN_TEMPERATURE = 1e-2
@@ -32,6 +34,32 @@ MAX_SCHEMA_OPTIONAL_PROPERTIES = 2048
 # compiled, of 20,000 7.4 s and 835 MB, of 40,000 (349 KB) 40 s and 3.3 GB, 6.5 GB at its peak; an EBNF
 # grammar of 1,600 rules, each optional before the next, 2.3 s, of 6,400 over 40 s and 2.2 GB)
 MAX_OPTIONAL_PARTS = 2000
+# A spec's text (a JSON schema as JSON, a regex, a grammar, the choices together) is at most this long:
+# xgrammar's compile grows faster than the text (SmolLM2's vocabulary, one CPU thread: a schema of 162,401
+# characters 0.7 s and 21 MB compiled, of 1,628,901 characters 34 s and 216 MB), and COMPILE_THREADS
+# threads serve every constrained request. A tool list that fits a 40,960-token context is ~160,000 characters.
+# Checked as the params are made, before a schema is walked (a 990,000-property schema, 31 MB, took ~2 s to
+# check first), and by the engine's compile (`StructuredOutputManager`), for a structural tag too.
+MAX_SPEC_CHARS = 1_000_000
+_SPEC_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def check_spec_chars(kind: str, chars: int, at_least: bool = False) -> None:
+    """A spec of `chars` characters (`at_least`: or more) within `MAX_SPEC_CHARS`, or a SamplingParamError
+    naming its length."""
+    if chars > MAX_SPEC_CHARS:
+        raise SamplingParamError(f"structured_outputs.{kind}", f"the {_SPEC_WHAT[kind]} is {'at least ' * at_least}"
+                                 f"{chars:,} characters long, over the limit of {MAX_SPEC_CHARS:,}")
+
+
+def json_chars_at_least(value) -> int:
+    """A lower bound of `len(json.dumps(value))`, the length the grammar's limit measures, at C speed: orjson's
+    compact UTF-8 (json.dumps adds a space after each separator and escapes each character past ASCII as 6 or
+    12); 0 for what orjson cannot write (an integer past 64 bits)."""
+    try:
+        return len(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        return 0
 
 
 def json_depth(value) -> int:
@@ -273,6 +301,7 @@ class StructuredOutputsParams:
                                      "whitespace_pattern is not supported; set disable_any_whitespace to allow "
                                      "no whitespace in JSON output")
         if isinstance(self.json, str):
+            check_spec_chars("json", len(self.json))
             try:
                 parsed = json.loads(self.json)
             except (ValueError, RecursionError) as e:
@@ -285,20 +314,25 @@ class StructuredOutputsParams:
             raise SamplingParamError("structured_outputs.json",
                                      f"the JSON schema must be a dict or its JSON text, got {type(self.json).__name__}")
         elif self.json is not None:
+            check_spec_chars("json", json_chars_at_least(self.json), at_least=True)     # before json.dumps (1 s a 30 MB)
             try:
-                json.dumps(self.json)
+                text = json.dumps(self.json)          # as the engine's compile measures it
             except (TypeError, ValueError, RecursionError) as e:    # a set, an object, a cycle: not JSON
                 raise SamplingParamError("structured_outputs.json", f"the JSON schema is not JSON: {e}") from None
+            check_spec_chars("json", len(text))
             _check_schema(self.json)
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamError("structured_outputs.choice", "choice must be a non-empty list of non-empty "
                                      "strings")
+        if self.choice is not None:
+            check_spec_chars("choice", sum(len(c) + 1 for c in self.choice))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise SamplingParamError(f"structured_outputs.{name}", f"{name} must be a string")
             if value is not None:
+                check_spec_chars(name, len(value))
                 _check_optional_parts(f"structured_outputs.{name}", f"the {name} has", _optional_parts(value))
         if self.structural_tag is not None:
             self._check_structural_tag()

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams, structural_tag_schemas
+from tokenmill.sampling_params import (MAX_SPEC_CHARS, SamplingParamError, StructuredOutputsParams,
+                                       structural_tag_schemas)
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -41,11 +42,6 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-# A spec's text (a JSON schema as JSON, a regex, a grammar, the choices together) is at most this long:
-# xgrammar's compile grows faster than the text (SmolLM2's vocabulary, one CPU thread: a schema of 162,401
-# characters 0.7 s and 21 MB compiled, of 1,628,901 characters 34 s and 216 MB), and COMPILE_THREADS
-# threads serve every constrained request. A tool list that fits a 40,960-token context is ~160,000 characters.
-MAX_SPEC_CHARS = 1_000_000
 # xgrammar 0.2.9 writes a string with minLength or maxLength as a repetition of this class, which lets the
 # control characters JSON forbids raw in a string into it; a tab there no token mask can tell from the
 # whitespace between JSON's tokens. The class of xgrammar's own unbounded strings replaces it.
