@@ -79,7 +79,9 @@ def text_shape(raw: bytes) -> tuple[int, int]:
     ones. Each step is a loop in C, ~10 ms a MB whatever the body holds, where `json_depth`'s walk of the parsed
     body took ~0.25 us an array or object (230,000 arrays nested 63 deep, 29 MB: 14 s). orjson parses 1,024
     levels at most, so the count fits 16 bits."""
-    marks = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_MARKS)
+    if b"\\" in raw:         # two passes over the body (~55 ms for 30 MB), where it has an escape at all
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = raw.translate(None, _NOT_MARKS)
     if not marks:
         return 0, 0
     codes = np.frombuffer(marks, np.uint8)
