@@ -127,7 +127,7 @@ def cases(vocab: int, context: int):
     yield "chat: an unknown field of 999,000 arrays nested 60 deep", chat, with_raw(CHAT, "x", at_bound)
     yield "chat: a message's parsed, 999,000 arrays nested 60 deep", chat, \
         ('{"max_tokens": 1, "messages": [{"role": "user", "content": "hi", "parsed": ' + at_bound + "}]}").encode()
-    yield chat + ": logit_bias, a key of 30 MB whose value is a string", chat, \
+    yield "chat: logit_bias, a key of 30 MB whose value is a string", chat, \
         with_raw(CHAT, "logit_bias", json.dumps({long(): "x"}))
     yield "chat: stop_token_ids, millions of strings", chat, \
         with_raw(CHAT, "stop_token_ids", json_list('"x"', fill('"x"')))
