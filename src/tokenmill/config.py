@@ -56,7 +56,12 @@ _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 # transformers' defaults for the keys a config.json may leave out, where an architecture's differ from the
 # ones `from_hf` falls back on (Llama's)
 _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings": True, "num_key_value_heads": 4,
-                                       "max_position_embeddings": 32768}}
+                                       "max_position_embeddings": 32768},
+                "GraniteForCausalLM": {"max_position_embeddings": 2048}}
+
+# Granite's four scalars, as config.json names them (transformers' default for each is 1.0, the attention's
+# softmax scale included)
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 
 def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
@@ -200,6 +205,14 @@ class ModelConfig:
     quantization: W4Config | Fp8Config | None = None
     # per layer, whether it rotates q and k (`rotates`); None: every layer does. SmolLM3's NoPE layers do not
     rope_layers: tuple[bool, ...] | None = None
+    # Granite's scalars: the embeddings times embedding_multiplier, each residual branch (attention and MLP
+    # outputs) times residual_multiplier, the logits over logits_scaling, all three folded into the weights
+    # at load (`LlamaForCausalLM.fold_multipliers`); the attention's softmax scale `attention_scale`
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # the softmax scale of q.k; None: 1/sqrt(head_dim)
+    attention_multiplier: float | None = None
 
     def __post_init__(self):
         # sizes a checkpoint's config states: a zero or negative one failed deep in the build (an empty RoPE
@@ -219,6 +232,21 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
+        for name in GRANITE_MULTIPLIERS:
+            value = getattr(self, name)
+            if not (name == "attention_multiplier" and value is None) and not _positive(value):
+                raise ValueError(f"the model config's {name} is {value!r}; it must be a positive finite number")
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax, in every attention path (`PagedAttention.scale`)."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None else float(self.attention_multiplier)
+
+    @property
+    def multiplies_weights(self) -> bool:
+        """Whether loading scales weights by the config's multipliers (`LlamaForCausalLM.fold_multipliers`):
+        its linear, embedding and norm weights are then not the checkpoint's."""
+        return (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
 
     def rotates(self, layer: int) -> bool:
         """Whether `layer` applies RoPE to q and k (a NoPE layer attends by content alone)."""
@@ -316,6 +344,8 @@ class ModelConfig:
             quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
             rope_layers=rope_layers,
+            # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
+            **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
         )
 
     @classmethod

@@ -120,11 +120,13 @@ def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float,
 class PagedAttention(nn.Module):
     """One layer's view of the paged KV cache and its softmax scale; the model's backend stores this
     step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
-    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache."""
+    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache. `scale` (q.k times it before
+    the softmax; `ModelConfig.attention_scale`) is the one every attention path reads: the reference, the
+    Triton prefill and decode kernels."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.kv_scale: torch.Tensor | None = None     # float32 [2] (K, V) with an FP8 cache

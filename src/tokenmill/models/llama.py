@@ -1,4 +1,5 @@
-"""One decoder for Llama (Nanbeige), Qwen2, Qwen3 and SmolLM3: features are explicit flags of `ModelConfig`.
+"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3 and Granite: features are explicit flags of
+`ModelConfig`, Granite's scalars folded into the weights at load (`LlamaForCausalLM.fold_multipliers`).
 
 Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`).
 The forward pass works on a flat batch of T tokens from many sequences; attention reaches the KV
@@ -18,7 +19,7 @@ from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.fp8_linear import Fp8Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.layers.quantized import Linear, linear
+from tokenmill.layers.quantized import Linear, W4Linear, linear
 from tokenmill.layers.rotary import NoRotaryEmbedding, RotaryEmbedding
 from tokenmill.quant.fp8 import Fp8Rows
 from tokenmill.quant.formats import W4Config
@@ -30,6 +31,14 @@ def _weights(layer: nn.Module) -> dict:
     if isinstance(layer, Fp8Linear):
         return dict(weight=layer.weight, bias=layer.bias, weight_scale=layer.scale, weight_block=layer.block)
     return dict(weight=layer.weight, bias=layer.bias)
+
+
+def _scale_output(layer: nn.Module, factor: float) -> None:
+    """Multiplies a linear layer's output by `factor` (o_proj and down_proj carry no bias): a plain weight,
+    or a quantized layer's scales (W is its stored values times their scale, an FP8 layer's float32, a
+    4-bit layer's fp16, zero points apart)."""
+    (layer.scale if isinstance(layer, Fp8Linear) else layer.scales if isinstance(layer, W4Linear)
+     else layer.weight).mul_(factor)
 
 
 def _ranks(tp: TensorParallel | None) -> int:
@@ -51,7 +60,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale)
         self.backend = TorchBackend()
         self.tp = tp
 
@@ -200,8 +209,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head) and SmolLM3 (NoPE layers, `rope_layers`)
-    through config flags."""
+    """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head), SmolLM3 (NoPE layers, `rope_layers`)
+    and Granite (scalar multipliers) through config flags."""
 
     # checkpoint shard name -> (packed parameter name, shard index)
     packed_modules = {
@@ -242,6 +251,34 @@ class LlamaForCausalLM(nn.Module):
         a dtype or device move, which replaces parameters)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def fold_multipliers(self) -> None:
+        """Granite's scalars folded into the loaded weights (once, by the loader, before any layer repacks
+        them), so that the one forward pass computes Granite's (transformers' modeling_granite):
+
+        - residual_multiplier scales o_proj's and down_proj's products, x (r W)^T = r (x W^T): their
+          weights, or a quantized layer's scales (FP8 and 4-bit weights are values times scales, so the
+          product scales with them); every path (reference, single-token kernels, an FP8 product whose
+          scales the norm applies) reads those tensors.
+        - embedding_multiplier scales the embedding table, so every lookup (the single-token kernel's
+          gather, a tensor-parallel rank's rows) reads the scaled rows.
+        - logits_scaling divides the logits: the head is linear in its input, norm(h) * w, so dividing the
+          final norm's weight w divides them. A tied head is the scaled table too: its logits come out
+          times embedding_multiplier, which w divides out likewise. RMSNorm is scale-invariant in its
+          input, not its weight: only w may carry this, and only the head reads the final norm's output.
+
+        Exact but for one rounding of each scaled tensor in its dtype (float32 ~6e-8 of a value, bfloat16
+        ~4e-3, a 4-bit layer's fp16 scales ~5e-4), where transformers rounds each product times its scalar."""
+        cfg = self.config
+        if not cfg.multiplies_weights:
+            return
+        for layer in self.model.layers:
+            _scale_output(layer.self_attn.o_proj, cfg.residual_multiplier)
+            _scale_output(layer.mlp.down_proj, cfg.residual_multiplier)
+        self.model.embed_tokens.weight.mul_(cfg.embedding_multiplier)
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        self.model.norm.weight.mul_(1.0 / (cfg.logits_scaling * (cfg.embedding_multiplier if tied else 1.0)))
 
     def shard_sizes(self, packed: str) -> list[int]:
         """The output features of each part of a packed projection (this rank's, with tensor parallelism)."""

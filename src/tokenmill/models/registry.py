@@ -7,10 +7,18 @@ from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+}
+
+# relatives of a served architecture that the Llama decoder cannot run, and why
+_NOT_SERVED = {
+    "GraniteMoeForCausalLM": "its MLP is a mixture of experts",
+    "GraniteMoeSharedForCausalLM": "its MLP is a mixture of experts with a shared expert",
+    "GraniteMoeHybridForCausalLM": "Granite 4's decoder: Mamba-2 layers, shared and mixture-of-experts MLPs",
 }
 
 
@@ -18,5 +26,7 @@ def get_model_class(cfg: ModelConfig) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}; "
+        why = _NOT_SERVED.get(cfg.architecture)
+        why = f" ({why}, which tokenmill does not run)" if why else ""
+        raise ValueError(f"unsupported architecture {cfg.architecture!r}{why}; "
                          f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None

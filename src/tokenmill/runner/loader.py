@@ -148,6 +148,7 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
         load_gguf_weights(model, model_path)
     else:
         load_weights(model, model_path)
+    model.fold_multipliers()
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
