@@ -186,6 +186,18 @@ def test_granite_moe_and_hybrid_are_refused(arch, why):
         get_model_class(ModelConfig.from_hf({**BASE, "architectures": [arch]}))
 
 
+def test_gptq_refuses_a_model_whose_residual_multiplier_is_folded(checkpoints):
+    """GPTQ's grids of a loaded Granite would carry residual_multiplier into a checkpoint whose config.json
+    names it too."""
+    from tokenmill.quant.gptq import gptq_model
+    from tokenmill.runner.loader import load_model
+    path = checkpoints["tied"]
+    model = load_model(path, ModelConfig.from_hf(path), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=r"residual_multiplier=0.22 is folded into the loaded model's o_proj "
+                                         r"and down_proj"):
+        gptq_model(model, torch.tensor([PROMPT[:8]]), 32)
+
+
 def prefolded(src: str, out: str, dtype: torch.dtype) -> None:
     """The Granite checkpoint with embedding_multiplier, residual_multiplier and logits_scaling in its tensors
     (a quantized one's in its o_proj and down_proj scales; config.json's at 1.0), attention_multiplier kept: a

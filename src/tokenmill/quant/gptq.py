@@ -255,6 +255,13 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
     by layer, quantizing each linear on the way on inputs from the quantized ones before it. With
     `float_inputs`, each layer runs first as the float model, whose inputs each linear's quantizer gets."""
     cfg = model.config
+    if cfg.residual_multiplier != 1.0:
+        # the loader folded it into o_proj and down_proj (`fold_multipliers`): their grids would carry it
+        # beside the config.json that names it, and a load would apply it twice
+        raise ValueError(f"residual_multiplier={cfg.residual_multiplier} is folded into the loaded model's o_proj "
+                         "and down_proj, which a checkpoint written from their grids would carry beside the "
+                         "config.json that names it; round the checkpoint's own weights "
+                         "(quantize.write_checkpoint) instead")
     check_calibration(calibration, cfg)
     num_seqs, seq_len = calibration.shape
     meta = _prefill_metadata(num_seqs, seq_len)
