@@ -411,10 +411,12 @@ def llama3_checkpoint(directory, vocab: int):
     return model
 
 
-def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "llama") -> None:
-    """The checkpoint as llama.cpp's converter writes it: q/k permuted (for smollm3 too, converted as llama),
-    no output.weight where the head is tied, and a llama3 scaling as rope_freqs.weight, unscaled over scaled
-    inverse frequency (transformers' own inv_freq as the scaled)."""
+def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "llama",
+                   metadata: dict | None = None) -> None:
+    """The checkpoint as llama.cpp's converter writes it: q/k permuted (for smollm3 and granite too, converted
+    as llama), no output.weight where the head is tied, and a llama3 scaling as rope_freqs.weight, unscaled
+    over scaled inverse frequency (transformers' own inv_freq as the scaled); `metadata`: more keys, each a
+    float32 or a bool."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     theta = cfg.rope_parameters["rope_theta"]
@@ -444,6 +446,8 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
     w.add_eom_token_id(tok["eom"])
     w.add_add_bos_token(True)
     w.add_chat_template(tok["template"])
+    for key, value in (metadata or {}).items():
+        (w.add_bool if isinstance(value, bool) else w.add_float32)(key, value)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -597,6 +601,49 @@ def test_smollm3_leaves_rope_out_of_every_fourth_layer(tmp_path):
     ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
     want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+
+
+def test_granite_reads_its_four_scales(tmp_path):
+    """llama.cpp's granite file (q/k permuted as llama's, tied head, Granite's scalars as
+    granite.embedding_scale, residual_scale, attention.scale and logit_scale) computes what transformers'
+    Granite computes on the checkpoint it was converted from: prompt logprobs over a chunked prefill, greedy
+    tokens. A scalar's key left out changes nothing, as llama.cpp reads it (the softmax scale 1/sqrt(head_dim));
+    rope.scaling.finetuned false (no RoPE, in llama.cpp) is refused."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+    tok = llama3_tokenizer_metadata()
+    scales = dict(embedding_multiplier=12.0, residual_multiplier=0.25, attention_multiplier=0.0625, logits_scaling=4.0)
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(
+        vocab_size=len(tok["tokens"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e4,
+        bos_token_id=tok["bos"], eos_token_id=tok["eos"], pad_token_id=None, tie_word_embeddings=True,
+        initializer_range=0.2, **scales)).eval()
+    keys = {"embedding_multiplier": "granite.embedding_scale", "residual_multiplier": "granite.residual_scale",
+            "attention_multiplier": "granite.attention.scale", "logits_scaling": "granite.logit_scale"}
+    path = str(tmp_path / "granite.gguf")
+    llama3_to_gguf(path, model, tok, arch="granite", metadata={keys[k]: v for k, v in scales.items()})
+    cfg = ModelConfig.from_gguf(path)
+    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.embedding_multiplier, cfg.residual_multiplier,
+            cfg.attention_scale, cfg.logits_scaling) == ("GraniteForCausalLM", True, *scales.values())
+    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
+    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
+    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    bare = str(tmp_path / "bare.gguf")
+    llama3_to_gguf(bare, model, tok, arch="granite")
+    cfg = ModelConfig.from_gguf(bare)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (
+        1.0, 1.0, 16 ** -0.5, 1.0)
+    no_rope = str(tmp_path / "no-rope.gguf")
+    llama3_to_gguf(no_rope, model, tok, arch="granite", metadata={"granite.rope.scaling.finetuned": False})
+    with pytest.raises(ValueError, match=r"granite\.rope\.scaling\.finetuned=false, which llama\.cpp reads as no "
+                                         r"RoPE in any layer"):
+        ModelConfig.from_gguf(no_rope)
 
 
 # the metadata `ModelConfig.from_gguf` reads, of a llama with no tensors

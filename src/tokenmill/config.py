@@ -60,8 +60,10 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "GraniteForCausalLM": {"max_position_embeddings": 2048}}
 
 # Granite's four scalars, as config.json names them (transformers' default for each is 1.0, the attention's
-# softmax scale included)
-GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+# softmax scale included), and the GGUF keys llama.cpp's converter writes them under (where a key is left
+# out, or 0, llama.cpp takes the neutral value: 1, and for the attention 1/sqrt(head_dim))
+GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                       "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
 def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
@@ -352,7 +354,8 @@ class ModelConfig:
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
         """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
-        EOS/EOT/EOM ids as stop ids, and a head tied to the embedding when the file has no `output.weight`."""
+        EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, and a
+        granite file's scalars."""
         from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
 
         file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
@@ -398,6 +401,14 @@ class ModelConfig:
         rope_layers = tuple((i + 1) % 4 != 0 for i in range(layers)) if arch == "smollm3" else None
         file_type = _gguf_value(file, "general.file_type", int, None)
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
+        multipliers = {}
+        if arch == "granite":
+            if not get("rope.scaling.finetuned", bool, True):
+                raise ValueError(f"GGUF file {file.path!r} has granite.rope.scaling.finetuned=false, which "
+                                 "llama.cpp reads as no RoPE in any layer; tokenmill's granite rotates q and k")
+            # 0, as llama.cpp reads it, and a key left out (its converter writes those config.json has) change
+            # nothing
+            multipliers = {name: value for name, key in GRANITE_MULTIPLIERS.items() if (value := get(key, float, 0.0))}
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
@@ -418,6 +429,7 @@ class ModelConfig:
             bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
             dtype=dtype,
             rope_layers=rope_layers,
+            **multipliers,
         )
 
     @property

@@ -45,9 +45,9 @@ def hf_name(gguf_name: str) -> str:
 
 
 def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp stores a llama (or smollm3) q/k projection with each head's rows reordered for interleaved RoPE
-    (row 2i and 2i+1 of a head are rows i and i + head_dim/2 of the Hugging Face layout, which rotates
-    halves). This undoes that: per head, (head_dim/2, 2) rows back to (2, head_dim/2)."""
+    """llama.cpp stores a llama (smollm3, granite) q/k projection with each head's rows reordered for
+    interleaved RoPE (row 2i and 2i+1 of a head are rows i and i + head_dim/2 of the Hugging Face layout,
+    which rotates halves). This undoes that: per head, (head_dim/2, 2) rows back to (2, head_dim/2)."""
     rows = w.shape[0]
     if rows % (2 * num_heads):
         raise ValueError(f"cannot unpermute {rows} rows over {num_heads} heads")
@@ -57,8 +57,8 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, Any]]:
     """`(hf_key, read)` pairs for `fill.fill_parameters`; `read()` dequantizes one tensor."""
     # llama.cpp's converter permutes q/k for the architectures it rotates in interleaved pairs (its
-    # LLAMA_ROPE_TYPE_NORM): llama, and smollm3, converted as llama is
-    permute = file.architecture in ("llama", "smollm3")
+    # LLAMA_ROPE_TYPE_NORM): llama, and smollm3 and granite, converted as llama is
+    permute = file.architecture in ("llama", "smollm3", "granite")
     for name in file.tensor_names:
         if name in CONFIG_TENSORS:
             continue
