@@ -66,6 +66,11 @@ GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_mult
                        "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
+def _rope_all_but_every(interval: int, layers: int) -> tuple[bool, ...]:
+    """Per layer, whether it rotates: all but every `interval`-th (layers interval - 1, 2 interval - 1, ...)."""
+    return tuple((i + 1) % interval != 0 for i in range(layers))
+
+
 def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
     """SmolLM3's per-layer RoPE flags, as transformers reads them: `no_rope_layers` (1: the layer rotates q
     and k, 0: a NoPE layer; entries past the last layer unread), or without it every
@@ -77,7 +82,7 @@ def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"config.json's no_rope_layer_interval is {interval!r}; it must be an integer >= 1 "
                              "(every interval-th layer applies no RoPE)")
-        return tuple((i + 1) % interval != 0 for i in range(n))
+        return _rope_all_but_every(interval, n)
     if not isinstance(flags, list) or len(flags) < n or any(
             type(f) not in (int, bool) or f not in (0, 1) for f in flags[:n]):
         shown = (f"{flags[:8]}{'...' if len(flags) > 8 else ''} ({len(flags)} entries)" if isinstance(flags, list)
@@ -98,8 +103,13 @@ def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[st
     return merged
 
 
+def finite_number(value: Any) -> bool:
+    """A JSON number of a config (not a boolean, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return finite_number(value) and value > 0
 
 
 def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
@@ -398,7 +408,7 @@ class ModelConfig:
         eos = [_gguf_value(file, f"tokenizer.ggml.{kind}_token_id", int, None) for kind in ("eos", "eot", "eom")]
         layers = get("block_count", int)
         # llama.cpp's smollm3 leaves RoPE out of every 4th layer, a step it fixes in code (no metadata key)
-        rope_layers = tuple((i + 1) % 4 != 0 for i in range(layers)) if arch == "smollm3" else None
+        rope_layers = _rope_all_but_every(4, layers) if arch == "smollm3" else None
         file_type = _gguf_value(file, "general.file_type", int, None)
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
         multipliers = {}

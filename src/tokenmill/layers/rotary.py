@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.config import finite_number
+
 
 # the scaled kinds of config.json read here, and the keys each must hold as positive numbers
 _SCALING_KEYS = {"linear": ("factor",),
@@ -17,12 +19,8 @@ _REFUSED = {"dynamic": "dynamic NTK scaling changes the frequencies with each se
                        "table serves a batch of sequences of different lengths"}
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_yarn(scaling: dict) -> None:
-    bad = [k for k in _YARN_NUMBERS if scaling.get(k) is not None and not (_number(scaling[k]) and scaling[k] >= 0)]
+    bad = [k for k in _YARN_NUMBERS if scaling.get(k) is not None and not (finite_number(scaling[k]) and scaling[k] >= 0)]
     if bad or scaling.get("attention_factor") == 0:
         raise ValueError(f"rope_scaling of type 'yarn' takes beta_fast, beta_slow, mscale and mscale_all_dim as "
                          f"numbers >= 0 and attention_factor as a number > 0; got "
@@ -97,7 +95,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
                          f"{', '.join(_SCALING_KEYS)}")
     if kind not in _SCALING_KEYS:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(_SCALING_KEYS)}")
-    missing = [k for k in _SCALING_KEYS[kind] if not _number(scaling.get(k)) or scaling[k] <= 0]
+    missing = [k for k in _SCALING_KEYS[kind] if not finite_number(scaling.get(k)) or scaling[k] <= 0]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} needs {', '.join(_SCALING_KEYS[kind])} as positive "
                          f"numbers; got {', '.join(f'{k}={scaling.get(k)!r}' for k in missing)}")
