@@ -575,6 +575,20 @@ def test_llama3_tokenizer_equals_transformers(llama3, tmp_path):
         assert out.outputs[0].token_ids == [stop] and out.outputs[0].finish_reason == "stop"
 
 
+def _assert_served_as_transformers(path: str, model) -> None:
+    """The GGUF file at `path`, served on the CPU (a prefill in chunks of 12), computes what transformers'
+    `model`, the checkpoint it was converted from, computes: prompt logprobs within 1e-4, greedy tokens."""
+    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
+    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
+    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+
+
 def test_smollm3_leaves_rope_out_of_every_fourth_layer(tmp_path):
     """llama.cpp's smollm3 file (q/k permuted as llama's, tied head, no key for the NoPE layers: llama.cpp
     fixes them at every 4th) computes what transformers' SmolLM3 computes on the checkpoint it was converted
@@ -592,15 +606,7 @@ def test_smollm3_leaves_rope_out_of_every_fourth_layer(tmp_path):
     cfg = ModelConfig.from_gguf(path)
     assert (cfg.architecture, cfg.rope_layers, cfg.tie_word_embeddings) == (
         "SmolLM3ForCausalLM", (True, True, True, False), True)
-    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
-    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
-    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    _assert_served_as_transformers(path, model)
 
 
 def test_granite_reads_its_four_scales(tmp_path):
@@ -625,15 +631,7 @@ def test_granite_reads_its_four_scales(tmp_path):
     cfg = ModelConfig.from_gguf(path)
     assert (cfg.architecture, cfg.tie_word_embeddings, cfg.embedding_multiplier, cfg.residual_multiplier,
             cfg.attention_scale, cfg.logits_scaling) == ("GraniteForCausalLM", True, *scales.values())
-    prompt = [(37 * i + 11) % model.config.vocab_size for i in range(48)]
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].log_softmax(-1)
-    assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == out.outputs[0].token_ids
-    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    _assert_served_as_transformers(path, model)
     bare = str(tmp_path / "bare.gguf")
     llama3_to_gguf(bare, model, tok, arch="granite")
     cfg = ModelConfig.from_gguf(bare)

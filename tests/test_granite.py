@@ -22,6 +22,7 @@ from tokenmill.quant import fp8, w4
 from tokenmill.quant.formats import parse_w4_config
 from tokenmill.quant.quantize import write_checkpoint
 
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
 from test_fp8 import write_dequantized_twin
 
 # far from 1, and from Llama's softmax scale (1/sqrt(16) = 0.25 at head_dim 16)
@@ -46,11 +47,7 @@ def save_granite(path: str, tied: bool, **shape) -> None:
 
 def _served(model_dir: str, **engine_args):
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=32, **engine_args)
-    result = llm.generate([PROMPT], PARAMS)[0]
-    out = result.outputs[0]
-    logprobs = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-    return llm, list(out.token_ids), torch.tensor(logprobs + [lp[t].logprob for lp, t in zip(out.logprobs,
-                                                                                              out.token_ids)])
+    return (llm, *sequence_logprobs(llm.generate([PROMPT], PARAMS)[0], PROMPT))
 
 
 def _reference(model_dir: str, tokens: list[int]) -> torch.Tensor:
@@ -229,14 +226,7 @@ def test_granite_on_the_gpu_equals_the_cpu_engine(granite, max_num_seqs):
     first one gathering the scaled embedding), under CUDA graphs, at one and at four sequences: the CPU
     engine's greedy tokens, logprobs within float32 kernel rounding."""
     path, _, tokens, logprobs = granite
-    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=32, max_num_seqs=max_num_seqs,
-              gpu_memory_utilization=0.3)
-    for result in llm.generate([PROMPT] * max_num_seqs, PARAMS):
-        out = result.outputs[0]
-        assert list(out.token_ids) == tokens
-        got = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-        got += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-        assert torch.allclose(torch.tensor(got), logprobs, atol=2e-3), (torch.tensor(got) - logprobs).abs().max()
+    assert_gpu_equals_cpu_engine(path, PROMPT, PARAMS, tokens, logprobs, max_num_seqs, max_num_batched_tokens=32)
 
 
 @pytest.mark.gpu

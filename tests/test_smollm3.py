@@ -12,6 +12,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.layers.rotary import NoRotaryEmbedding, RotaryEmbedding
 
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
+
 NO_ROPE_LAYERS = [1, 0, 1, 0]          # transformers' default for 4 layers is [1, 1, 1, 0]
 PROMPT = [(37 * i + 11) % 128 for i in range(100)]
 # the prompt's logprobs over a prefill chunked by 32 tokens, then 20 greedy tokens with theirs
@@ -22,11 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _served(model_dir: str, **engine_args):
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=32, **engine_args)
-    result = llm.generate([PROMPT], PARAMS)[0]
-    out = result.outputs[0]
-    logprobs = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-    return llm, list(out.token_ids), torch.tensor(logprobs + [lp[t].logprob for lp, t in zip(out.logprobs,
-                                                                                              out.token_ids)])
+    return (llm, *sequence_logprobs(llm.generate([PROMPT], PARAMS)[0], PROMPT))
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +128,4 @@ def test_smollm3_on_the_gpu_equals_the_cpu_engine(smollm3, max_num_seqs):
     layer's own table (the NoPE layers' identity one): the CPU engine's greedy tokens, logprobs within float32
     kernel rounding."""
     path, _, tokens, logprobs = smollm3
-    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=32, max_num_seqs=max_num_seqs,
-              gpu_memory_utilization=0.3)
-    for result in llm.generate([PROMPT] * max_num_seqs, PARAMS):
-        out = result.outputs[0]
-        assert list(out.token_ids) == tokens
-        got = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-        got += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-        assert torch.allclose(torch.tensor(got), logprobs, atol=2e-3), (torch.tensor(got) - logprobs).abs().max()
+    assert_gpu_equals_cpu_engine(path, PROMPT, PARAMS, tokens, logprobs, max_num_seqs, max_num_batched_tokens=32)

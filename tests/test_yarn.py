@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from tokenmill import LLM, SamplingParams, cli
 from tokenmill.config import ModelConfig
 
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
+
 ORIGINAL, FACTOR, CONTEXT = 64, 4.0, 80          # max_position_embeddings past the original, as Qwen3's 40,960
 YARN = {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": ORIGINAL}
 PROMPT = [(37 * i + 11) % 128 for i in range(240)]
@@ -44,11 +46,9 @@ def _checkpoint(directory, arch: str, rope_scaling: dict | None) -> str:
 def _served(model_dir: str, **engine_args):
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64, **engine_args)  # chunked prefill
     assert llm.engine.max_model_len == ORIGINAL * FACTOR
-    result = llm.generate([PROMPT], TO_THE_END)[0]
-    out = result.outputs[0]
-    assert len(PROMPT) + len(out.token_ids) == ORIGINAL * FACTOR
-    prompt = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-    return list(out.token_ids), torch.tensor(prompt + [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+    tokens, logprobs = sequence_logprobs(llm.generate([PROMPT], TO_THE_END)[0], PROMPT)
+    assert len(PROMPT) + len(tokens) == ORIGINAL * FACTOR
+    return tokens, logprobs
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +123,4 @@ def test_yarn_on_the_gpu_equals_the_cpu_engine(qwen3, max_num_seqs):
     """The Triton RoPE kernels (the prefill's q/k norm + RoPE + cache write, the one-kernel decode at one and
     at several sequences, under CUDA graphs) read the YaRN table with its attention factor as the CPU path
     does: the same greedy tokens to the end of the context, logprobs within float32 kernel rounding."""
-    llm = LLM(qwen3[0], device="cuda", dtype="float32", max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
-              gpu_memory_utilization=0.3)
-    results = llm.generate([PROMPT] * max_num_seqs, TO_THE_END)
-    tokens, logprobs = qwen3[2]
-    for result in results:
-        out = result.outputs[0]
-        assert list(out.token_ids) == tokens
-        got = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], PROMPT[1:])]
-        got += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-        assert torch.allclose(torch.tensor(got), logprobs, atol=2e-3), (torch.tensor(got) - logprobs).abs().max()
+    assert_gpu_equals_cpu_engine(qwen3[0], PROMPT, TO_THE_END, *qwen3[2], max_num_seqs, max_num_batched_tokens=64)

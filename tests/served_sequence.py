@@ -1,0 +1,28 @@
+"""What the model-family tests (test_yarn, test_smollm3, test_granite) read of one served sequence, and their
+check of the CUDA engine against the CPU engine's reading of it."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill import LLM
+
+
+def sequence_logprobs(result, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """A RequestOutput's greedy tokens, and the logprob of each token after the first: the prompt's (its
+    prompt_logprobs), then the output's."""
+    out = result.outputs[0]
+    logprobs = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], prompt[1:])]
+    logprobs += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    return list(out.token_ids), torch.tensor(logprobs)
+
+
+def assert_gpu_equals_cpu_engine(path: str, prompt: list[int], params, tokens: list[int], logprobs: torch.Tensor,
+                                 max_num_seqs: int, **engine_args) -> None:
+    """`prompt` served by the CUDA engine in float32, `max_num_seqs` copies at once: the CPU engine's greedy
+    `tokens`, and its `logprobs` within float32 kernel rounding."""
+    llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3,
+              **engine_args)
+    for result in llm.generate([prompt] * max_num_seqs, params):
+        got_tokens, got = sequence_logprobs(result, prompt)
+        assert got_tokens == tokens
+        assert torch.allclose(got, logprobs, atol=2e-3), (got - logprobs).abs().max()
