@@ -21,7 +21,7 @@ LONG = "x" * 100_000
 @pytest.fixture(scope="module")
 def api(tokenizer_dir):
     """(post, the request ids the stand-in engine was handed)."""
-    from tokenmill.engine.output_processor import OutputProcessor
+    from stand_in_engine import StandInEngine
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.server.app import build_app
@@ -29,18 +29,12 @@ def api(tokenizer_dir):
     tok = Tokenizer(tokenizer_dir)
     handed: list[str] = []
 
-    class Engine:
-        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, CONTEXT, False, None
-        processor = OutputProcessor(tok)
-
-        def attach(self):
-            pass
-
+    class Engine(StandInEngine):
         async def generate(self, request_id, ids, params, priority, **kw):
             handed.append(request_id)
             yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "a", [40], None, None, "length")], True)
 
-    app = build_app(Engine(), vocab_size=VOCAB)
+    app = build_app(Engine(tok, CONTEXT), vocab_size=VOCAB)
 
     def post(path: str, body) -> httpx.Response:
         async def send():

@@ -46,7 +46,7 @@ def chat(tokenizer_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
-    from tokenmill.engine.output_processor import OutputProcessor
+    from stand_in_engine import StandInEngine
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.server.app import build_app
@@ -61,13 +61,7 @@ def chat(tokenizer_dir, tmp_path_factory):
     tok = Tokenizer(str(path))
     seen: dict = {}
 
-    class Engine:
-        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 1024, False, None
-        processor = OutputProcessor(tok)
-
-        def attach(self):
-            pass
-
+    class Engine(StandInEngine):
         async def generate(self, request_id, ids, params, priority, **kw):
             seen.update(prompt=tok.decode(ids, skip_special_tokens=False), skip=params.skip_special_tokens)
             script = tok.encode(seen["script"], add_special_tokens=False)
@@ -83,7 +77,7 @@ def chat(tokenizer_dir, tmp_path_factory):
                 out.text = detok.output_text(last)
                 yield RequestOutput(request_id, None, ids, [copy.copy(out)], last)
 
-    app = build_app(Engine(), chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+    app = build_app(Engine(tok, 1024), chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
                                                reasoning_parser="qwen3"))
 
     def post(body: dict, script: str = "", stream: bool = False):

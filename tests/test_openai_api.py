@@ -554,27 +554,21 @@ def _in_process_api(tokenizer_path: str | None, chat_template: str | None = None
     `build_app`; the returned function takes another `method` and httpx's request arguments."""
     import asyncio
 
-    from tokenmill.engine.output_processor import OutputProcessor
+    from stand_in_engine import StandInEngine
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.server.app import build_app
 
     tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else None
 
-    class Engine:
-        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 64, False, None
-        processor = OutputProcessor(tok)
-
-        def attach(self):
-            pass
-
+    class Engine(StandInEngine):
         async def generate(self, request_id, ids, params, priority, **kw):
             entries = [None] + [{t: Logprob(-1.0, 1)} for t in ids[1:]]
             yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "", [5], None, [{5: Logprob(-1.0, 1)}],
                                                                          "length")], True, prompt_logprobs=entries)
 
     from tokenmill.server.serving import ChatOptions
-    app = build_app(Engine(), chat=ChatOptions(chat_template=chat_template), **app_options)
+    app = build_app(Engine(tok, 64), chat=ChatOptions(chat_template=chat_template), **app_options)
 
     def post(path: str, body: dict | None = None, method: str = "POST", **kw) -> httpx.Response:
         async def send():

@@ -21,7 +21,7 @@ STEP_S = 0.002
 
 
 def _app(tokenizer_dir: str):
-    from tokenmill.engine.output_processor import OutputProcessor
+    from stand_in_engine import StandInEngine
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParamError
@@ -29,21 +29,17 @@ def _app(tokenizer_dir: str):
 
     tok = Tokenizer(tokenizer_dir)
 
-    class Engine:
+    class Engine(StandInEngine):
         """Writes token 40 each step up to max_tokens, and yields every `stream_interval` tokens (0: the first and
         the last only), as AsyncLLM does; `aborted` lists the requests closed unfinished, `generated` counts the
         tokens written. It refuses, as the real engine does before a first output, a priority under its `fcfs`
         policy (which it announces, as AsyncLLM does) and any grammar (as one that does not compile)."""
-        model_name, tokenizer, max_model_len, dead, on_output = "tiny", tok, 256, False, None
         scheduling_policy = "fcfs"
-        processor = OutputProcessor(tok)
 
         def __init__(self):
+            super().__init__(tok, 256)
             self.aborted: list[str] = []
             self.running = self.generated = 0
-
-        def attach(self):
-            pass
 
         async def generate(self, request_id, ids, params, priority, stream_interval=1, **kw):
             await asyncio.sleep(STEP_S)
