@@ -205,6 +205,14 @@ class _DeltaStream:
             text, self._pending_ws, self._content_started = self._pending_ws, "", True
         out.append(Delta(content=text))
 
+    def _content_before(self, text: str, openings: tuple[str, ...], out: list[Delta]) -> tuple[int, str | None]:
+        """Sends `text` as content up to the first of `openings` in it, or up to where a possible start of one
+        ends it; returns where the text not yet sent starts and the opening found there (None if none)."""
+        found = min(((at, o) for o in openings if (at := text.find(o)) >= 0), default=None)
+        cut = found[0] if found else len(text) - max((_partial_suffix(text, o) for o in openings), default=0)
+        self._content(text[:cut], out)
+        return cut, found[1] if found else None
+
 
 class ToolCallStream(_DeltaStream):
     """Incremental `extract` for a tagged format: `feed(delta_text)` for each decoded piece, then
@@ -233,13 +241,10 @@ class ToolCallStream(_DeltaStream):
                 self._close_block(self._buf[:end], end_tag, out)
                 self._buf = self._buf[end + len(end_tag):]
             else:
-                start = self._buf.find(start_tag)
-                if start < 0:
-                    keep = _partial_suffix(self._buf, start_tag)
-                    self._content(self._buf[:len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep:]
+                start, tag = self._content_before(self._buf, (start_tag,), out)
+                if tag is None:
+                    self._buf = self._buf[start:]
                     return out
-                self._content(self._buf[:start], out)
                 self._buf, self._inside = self._buf[start + len(start_tag):], True
             searched = 0
 
@@ -316,6 +321,56 @@ def _extract_by_stream(parser: ToolParser, text: str) -> ExtractedToolCalls:
     return ExtractedToolCalls(content or None, stream.tool_calls)
 
 
+class _UntaggedStream(_DeltaStream):
+    """Base of the streams of untagged formats: `_buf` holds the text not yet decided, which `_step` reads
+    for as long as it can decide something. In "content" mode text is content up to one of `openings` (what
+    may open calls), which `_opened` takes over; in "rest" mode all is content; the format reads the others."""
+
+    def __init__(self, openings: tuple[str, ...], mode: str):
+        super().__init__()
+        self._openings = openings
+        self._buf = ""
+        self._mode = mode
+        self._held = 0                  # how much of `_buf` opened what is being read: content if no call follows
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        out: list[Delta] = []
+        self._buf += delta_text
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        self._content(self._buf, out)       # a partial opening, what opened no call, an unclosed object or list
+        self._buf, self._mode = "", "rest"
+        return out
+
+    def _step(self, out: list[Delta]) -> bool:
+        """Decide what the buffer's text allows; False once more text is needed."""
+        buf = self._buf
+        if self._mode == "rest":
+            self._content(buf, out)
+            self._buf = ""
+            return False
+        if self._mode == "content":
+            at, opening = self._content_before(buf, self._openings, out)
+            self._buf = buf[at:]
+            if opening is None:
+                return False
+            self._opened(len(opening))
+            return True
+        return self._read(out)
+
+    def _opened(self, held: int) -> None:
+        """`_buf` now starts with an opening, `held` characters long."""
+        raise NotImplementedError
+
+    def _read(self, out: list[Delta]) -> bool:
+        """`_step` in the format's own modes."""
+        raise NotImplementedError
+
+
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -343,52 +398,27 @@ class Llama3JsonToolParser(ToolParser):
         return Llama3JsonStream(self)
 
 
-class Llama3JsonStream(_DeltaStream):
-    """`llama3_json`, read piece by piece. `_buf` holds the text not yet decided; in "call" mode its first
-    `_held` characters are what opened the call (a tag, a separator), content if no call follows."""
+class Llama3JsonStream(_UntaggedStream):
+    """`llama3_json`, read piece by piece. In "call" mode `_buf`'s first `_held` characters are what opened
+    the call (a tag, a separator)."""
 
     def __init__(self, parser: Llama3JsonToolParser):
-        super().__init__()
+        super().__init__((PYTHON_TAG,), "start")    # start | content | call | object | after_call | rest
         self._parser = parser
-        self._buf = ""
-        self._mode = "start"        # start | content | call | object | after_call | rest
-        self._held = 0
         self._separated = False     # "call" mode after a separator, not a tag
         self._object: _Brackets | None = None
         self._scanned = 0
 
-    def feed(self, delta_text: str) -> list[Delta]:
-        out: list[Delta] = []
-        self._buf += delta_text
-        while self._step(out):
-            pass
-        return out
-
     def finish(self) -> list[Delta]:
-        out: list[Delta] = []
         if self._mode == "call" and self._separated and not self._buf[self._held:].strip():
             self._buf = ""                  # a separator after the last call
-        self._content(self._buf, out)       # a partial tag, what opened no call, an unclosed object
-        self._buf, self._mode = "", "rest"
-        return out
+        return super().finish()
 
-    def _step(self, out: list[Delta]) -> bool:
-        """Decide what the buffer's text allows; False once more text is needed."""
+    def _opened(self, held: int) -> None:
+        self._mode, self._held, self._separated = "call", held, False
+
+    def _read(self, out: list[Delta]) -> bool:
         buf, mode = self._buf, self._mode
-        if mode == "rest":
-            self._content(buf, out)
-            self._buf = ""
-            return False
-        if mode == "content":
-            tag = buf.find(PYTHON_TAG)
-            if tag < 0:
-                keep = _partial_suffix(buf, PYTHON_TAG)
-                self._content(buf[:len(buf) - keep], out)
-                self._buf = buf[len(buf) - keep:]
-                return False
-            self._content(buf[:tag], out)
-            self._buf, self._mode, self._held, self._separated = buf[tag:], "call", len(PYTHON_TAG), False
-            return True
         if mode == "object":
             end = self._object.scan(buf, self._scanned)
             if end is None:
@@ -442,7 +472,22 @@ def _python_literal(node: ast.expr):
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 
-class PythonicToolParser(ToolParser):
+class _ListToolParser(ToolParser):
+    """Base of the formats that write their calls as one list, read by `ListStream`: after one of `openings`
+    (and whitespace), or where the output starts (after whitespace) if `list_at_start`, a `[` opens the list,
+    whose strings are delimited by one of `quotes`; `parse_call` reads one item of it."""
+    openings: tuple[str, ...] = ()
+    list_at_start = True
+    quotes = '"'
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return _extract_by_stream(self, text)
+
+    def new_stream(self) -> ListStream:
+        return ListStream(self)
+
+
+class PythonicToolParser(_ListToolParser):
     """`pythonic` (Llama 3.2 / 4 and others whose template asks for a Python list of calls): the output
     starts (after whitespace) with a list of calls of keyword arguments whose values are literals:
 
@@ -454,6 +499,7 @@ class PythonicToolParser(ToolParser):
     output does not start with `[`, it stays content verbatim; text after a list of calls is content. A
     stream holds the list back until it closes (a bracket that closes another kind's ends the wait:
     content), then sends all its calls."""
+    quotes = "'\""
 
     def parse_call(self, item: str) -> ToolCall | None:
         """The call that one item of the list is, or None. Each item is parsed alone, as it completes: a list
@@ -472,60 +518,69 @@ class PythonicToolParser(ToolParser):
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return None
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        return _extract_by_stream(self, text)
 
-    def new_stream(self) -> PythonicStream:
-        return PythonicStream(self)
+class ListStream(_UntaggedStream):
+    """A list format (`_ListToolParser`) read piece by piece. Text before an opening is content; a list is
+    held in `_buf` until it closes, then sent as its calls when every item is one (the last item may be empty
+    after a comma, as Python allows), after which the search for an opening goes on. A list that is not all
+    calls (or none), a bracket closing another's kind and an unclosed list stay content, opening included,
+    with all that follows; so does an opening that no `[` follows, and the search goes on past it. In "opened"
+    and "list" mode `_buf`'s first `_held` characters are the opening and the whitespace after it."""
 
-
-class PythonicStream(_DeltaStream):
-    """`pythonic`, read piece by piece: leading whitespace, then a list held in `_buf` until it closes."""
-
-    def __init__(self, parser: PythonicToolParser):
-        super().__init__()
+    def __init__(self, parser: _ListToolParser):
+        # start | content | opened | list | rest
+        super().__init__(parser.openings, "start" if parser.list_at_start else "content")
         self._parser = parser
-        self._buf = ""
-        self._mode = "start"        # start | list | rest
-        self._list = _Brackets("'\"")
+        self._list: _Brackets | None = None
         self._scanned = 0
-        self._item = 1                  # where the list's next item starts in `_buf` (past its "[")
-        self._calls: list[ToolCall] | None = []     # its items read so far; None once one is not a call
+        self._item = 0                  # where the list's next item starts in `_buf` (past its "[" or a comma)
+        self._calls: list[ToolCall] | None = None   # its items read so far; None once one is not a call
 
-    def feed(self, delta_text: str) -> list[Delta]:
-        out: list[Delta] = []
-        if self._mode == "rest":
-            self._content(delta_text, out)
-            return out
-        self._buf += delta_text
-        if self._mode == "start":
-            text = self._buf.lstrip()
-            self._content(self._buf[:len(self._buf) - len(text)], out)
-            self._buf = text
-            if not text:
-                return out
-            if not text.startswith("["):
-                return self._rest(out)
-            self._mode = "list"
-        end = self._list.scan(self._buf, self._scanned)
+    def _opened(self, held: int) -> None:
+        self._mode, self._held = "opened", held
+
+    def _read(self, out: list[Delta]) -> bool:
+        buf, mode = self._buf, self._mode
+        if mode == "list":
+            return self._scan(out)
+        # start, opened: whitespace, then the list or other text
+        at = self._held if mode == "opened" else 0
+        first = len(buf) - len(buf[at:].lstrip())
+        if first == len(buf):
+            return False
+        if mode == "start":             # leading whitespace is content, before a list too
+            self._content(buf[:first], out)
+            self._buf, buf, first = buf[first:], buf[first:], 0
+        if buf[first] == "[":
+            self._mode, self._held, self._list = "list", first, _Brackets(self._parser.quotes)
+            self._scanned, self._item, self._calls = first, first + 1, []
+        else:                           # what opened no list is content; an opening may follow it
+            self._content(buf[:first], out)
+            self._buf, self._mode = buf[first:], "content"
+        return True
+
+    def _scan(self, out: list[Delta]) -> bool:
+        buf = self._buf
+        end = self._list.scan(buf, self._scanned)
         for comma in self._list.commas:
-            self._read_item(self._buf[self._item:comma], last=False)
+            self._read_item(buf[self._item:comma], last=False)
             self._item = comma + 1
         self._list.commas.clear()
         if end is None:
-            self._scanned = len(self._buf)
-            return out
+            self._scanned = len(buf)
+            return False
         if end > 0:
-            self._read_item(self._buf[self._item:end - 1], last=True)
+            self._read_item(buf[self._item:end - 1], last=True)
         if end > 0 and self._calls:
             for call in self._calls:
                 self._call(call, out)
-            self._buf = self._buf[end:]
-        return self._rest(out)
+            self._buf, self._mode = buf[end:], "content"
+        else:
+            self._mode = "rest"
+        return True
 
     def _read_item(self, item: str, last: bool) -> None:
-        """One item of the list, as `PythonicToolParser.parse_call` reads it; the last may be empty after a
-        comma (`[f(a=1), ]`), as Python allows."""
+        """One item of the list, as the parser's `parse_call` reads it."""
         if self._calls is None:
             return
         if not item.strip() and last and self._calls:
@@ -535,14 +590,6 @@ class PythonicStream(_DeltaStream):
             self._calls = None
         else:
             self._calls.append(call)
-
-    def finish(self) -> list[Delta]:
-        return self._rest([])           # an unclosed list is content
-
-    def _rest(self, out: list[Delta]) -> list[Delta]:
-        self._content(self._buf, out)
-        self._buf, self._mode = "", "rest"
-        return out
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
