@@ -7,12 +7,9 @@ transformers' `{% generation %}` tag, and `tools` shown in the system turn. The 
 skip_special_tokens), on a tokenizer that marks `<think>` and `</think>` special."""
 from __future__ import annotations
 
-import asyncio
-import copy
 import json
 import shutil
 
-import httpx
 import pytest
 
 # The structure of SmolLM3's template (not its text): the mode from enable_thinking (default on), overridden
@@ -45,10 +42,8 @@ def chat(tokenizer_dir, tmp_path_factory):
     """POST to the app in process: (status, body or streamed deltas, the rendered prompt, skip_special_tokens)."""
     from transformers import AutoTokenizer
 
-    from tokenmill.engine.detokenizer import IncrementalDetokenizer
-    from stand_in_engine import StandInEngine
+    from stand_in_engine import ScriptedEngine, post_chat
     from tokenmill.engine.tokenizer import Tokenizer
-    from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.server.app import build_app
     from tokenmill.server.serving import ChatOptions
 
@@ -58,45 +53,15 @@ def chat(tokenizer_dir, tmp_path_factory):
     hf.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})    # special, still one token each
     hf.chat_template = TEMPLATE
     hf.save_pretrained(path)
-    tok = Tokenizer(str(path))
-    seen: dict = {}
-
-    class Engine(StandInEngine):
-        async def generate(self, request_id, ids, params, priority, **kw):
-            seen.update(prompt=tok.decode(ids, skip_special_tokens=False), skip=params.skip_special_tokens)
-            script = tok.encode(seen["script"], add_special_tokens=False)
-            detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
-            out = CompletionOutput(0, "", [], None, None)
-            for i, token in enumerate(script):
-                out.token_ids.append(token)
-                detok.add(token)
-                last = i == len(script) - 1
-                if last:
-                    detok.finish()
-                    out.finish_reason = "stop"
-                out.text = detok.output_text(last)
-                yield RequestOutput(request_id, None, ids, [copy.copy(out)], last)
-
-    app = build_app(Engine(tok, 1024), chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
-                                               reasoning_parser="qwen3"))
+    engine = ScriptedEngine(Tokenizer(str(path)), 1024)
+    app = build_app(engine, chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                             reasoning_parser="qwen3"))
 
     def post(body: dict, script: str = "", stream: bool = False):
-        seen.update(script=script, prompt=None)
-
-        async def send():
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill") as c:
-                body_ = {"model": "tiny", "messages": USER, **body, "stream": stream}
-                if not stream:
-                    r = await c.post("/v1/chat/completions", json=body_)
-                    return r.status_code, r.json()
-                deltas = []
-                async with c.stream("POST", "/v1/chat/completions", json=body_) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            deltas += [ch["delta"] for ch in json.loads(line[6:])["choices"]]
-                return r.status_code, deltas
-        status, got = asyncio.run(send())
-        return status, got, seen["prompt"], seen.get("skip")
+        engine.script = script
+        engine.seen.update(prompt=None)
+        status, got = post_chat(app, {"model": "tiny", "messages": USER, **body}, stream)
+        return status, got, engine.seen["prompt"], engine.seen.get("skip")
     return post
 
 
