@@ -409,7 +409,7 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("generate", ["--max-num-seqs", "0", "--prompt", "hi"], "max_num_seqs must be >= 1, got 0"),
     ("serve", ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
     ("serve", ["--tool-call-parser", "llama4_pythonic"],
-     "unknown --tool-call-parser 'llama4_pythonic'; known: hermes, llama3_json, pythonic"),
+     "unknown --tool-call-parser 'llama4_pythonic'; known: granite, hermes, llama3_json, phi4_mini_json, pythonic"),
     ("serve", ["--reasoning-parser", "bogus"], "unknown --reasoning-parser 'bogus'"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ("serve", ["--allowed-origins", '["http://a.example"'], "argument --allowed-origins: not a JSON list"),

@@ -1,4 +1,4 @@
-"""The tool-call parsers (hermes, llama3_json, pythonic) on scripted outputs, each one's stream against its
+"""The tool-call parsers (hermes, llama3_json, pythonic, granite, phi4_mini_json) on scripted outputs, each one's stream against its
 `extract` under any chunking, and the schemas that enforce tool_choice "required" / a named function."""
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tokenmill.server.tool_choice import NamedCall, RequiredCalls, required_tools_schema
-from tokenmill.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, PythonicToolParser
+from tokenmill.server.tool_parsers import (TOOL_PARSERS, GraniteToolParser, HermesToolParser, Llama3JsonToolParser,
+                                          Phi4MiniJsonToolParser, PythonicToolParser)
 
 HERMES = HermesToolParser()
 LLAMA3 = Llama3JsonToolParser()
 PYTHONIC = PythonicToolParser()
+GRANITE = GraniteToolParser()
+PHI4 = Phi4MiniJsonToolParser()
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -56,7 +59,8 @@ def assert_stream_matches(text, chunks, parser=HERMES):
 
 def test_registry():
     assert TOOL_PARSERS == {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                            "pythonic": PythonicToolParser}
+                            "pythonic": PythonicToolParser, "granite": GraniteToolParser,
+                            "phi4_mini_json": Phi4MiniJsonToolParser}
 
 
 def test_single_call():
@@ -152,12 +156,14 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool", "<", ">
              '{"name": "g"}', '{"name": ', '"arguments": {', "}", '"', "[1]", "\\",
              "<|python_tag|>", "<|python", "_tag|>", ";", '{"name": "h", "parameters": {"s": "]\\""}}',
              "{", "[", "]", "(", ")", "'", "=", ",", "f(x=1)", "[f(x=1), g(s='a]', l=[1, {\"k\": None}])]",
-             "[天气(城='北京')]", "g()", "x=y"]
+             "[天气(城='北京')]", "g()", "x=y",
+             "<|tool_call|>", "<|tool", "_call|>", "functools", "func", "tools", '[{"name": "f", "arguments": {}}]',
+             '[{"name": "天气", "parameters": {"城": "北京 ]["}}, ', '{"name": "g", "arguments": {"x": [1]}}]']
 
 
-@pytest.mark.parametrize("parser", [HERMES, LLAMA3, PYTHONIC], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3, PYTHONIC, GRANITE, PHI4], ids=lambda p: type(p).__name__)
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from(["", " ", "\n", "<|python_tag|>"]),
+@given(st.sampled_from(["", " ", "\n", "<|python_tag|>", "<|tool_call|>", "functools"]),
        st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join), st.data())
 def test_stream_equals_extract(parser, lead, text, data):
     """Every parser's stream, at any chunking (one character at a time included), sends the content and
@@ -170,6 +176,11 @@ def test_stream_equals_extract(parser, lead, text, data):
 
 
 # --- llama3_json and pythonic: untagged formats ---------------------------------------------------------
+
+def short_id(param):
+    """A test's id of a parser (its class, shortened) or a text (its start)."""
+    return type(param).__name__[:7] if hasattr(param, "extract") else param[:30] if isinstance(param, str) else None
+
 
 def calls_of(out):
     return [(c.name, json.loads(c.arguments)) for c in out.tool_calls]
@@ -257,6 +268,88 @@ def test_a_pythonic_list_is_parsed_an_item_at_a_time(monkeypatch):
     assert len(parsed) == 200 and max(parsed) < 40
 
 
+@pytest.mark.parametrize("parser,text,content,calls", [
+    # Granite 3.x's templates write a turn's calls as `<|tool_call|>` and their JSON list; `<tool_call>` opens
+    # one too, and so does the output's start (vLLM's granite)
+    (GRANITE, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    (GRANITE, ' <tool_call> [{"name": "f", "arguments": {"s": "] [ },"}}, {"name": "天气", '
+              '"arguments": "{\\"城\\": \\"北京\\"}"}]\n', None, [("f", {"s": "] [ },"}), ("天气", {"城": "北京"})]),
+    (GRANITE, '[{"name": "ping", "arguments": {}}]', None, [("ping", {})]),
+    (GRANITE, 'Checking.\n<|tool_call|>[{"name": "f", "arguments": {}}] Done.<|tool_call|>[{"name": "g", '
+              '"arguments": {"n": [1, {"k": null}]}}]', "Checking.\n Done.", [("f", {}), ("g", {"n": [1, {"k": None}]})]),
+    # Phi-4-mini's tool prompt asks for `functools[{"name": ..., "arguments": ...}, ...]`, no closing marker;
+    # "parameters" is read too (vLLM's phi4_mini_json)
+    (PHI4, 'functools[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', None,
+     [("get_weather", {"city": "Tokyo"})]),
+    (PHI4, 'functools[\n  {"name": "f", "arguments": {"n": {"d": [1, "]"]}}},\n  {"name": "天气", "parameters": '
+           '{"城": "北京"}}\n]', None, [("f", {"n": {"d": [1, "]"]}}), ("天气", {"城": "北京"})]),
+    (PHI4, 'Let me check.\nfunctools[{"name": "f", "arguments": {}}]\nAnything else?',
+     "Let me check.\n\nAnything else?", [("f", {})]),
+], ids=lambda p: short_id(p))
+def test_json_list_calls(parser, text, content, calls):
+    """A JSON list of calls after its opening: the calls, their arguments as OpenAI sends them (not ASCII),
+    the text around the list as content; streamed a character at a time alike."""
+    out = parser.extract(text)
+    assert out.content == content and calls_of(out) == calls
+    assert [c.arguments for c in out.tool_calls] == [json.dumps(a, ensure_ascii=False) for _, a in calls]
+    assert_stream_matches(text, list(text), parser)
+
+
+GRANITE_NON_CALLS = [
+    'The list [{"name": "f", "arguments": {}}]',                      # no opening and not at the start: prose
+    '<|tool_call|>[{"name": "f", "arguments": {"x": }}]',              # bad JSON
+    '<|tool_call|>[{"name": "f", "arguments": {}}, 3]',                # an item that is no call
+    '<|tool_call|>[{"name": "f", "arguments": [1]}]',                  # arguments not an object
+    '<|tool_call|>[{"name": "f", "arguments": {"x": "\\ud83d"}}]',   # no Unicode
+    '<|tool_call|>[{"name": "f", "arguments": {"x": 1]}]',             # a bracket closing another's kind
+    '<|tool_call|>{"name": "f", "arguments": {}}',                     # not a list
+    '<|tool_call|>[]', '<|tool_call|>', '<|tool_call|>Sure.', '<|toolbox|>[1]',
+    '<|tool_call|>[{"name": "f", "arguments": {"x"',                   # cut short by max_tokens
+]
+
+
+PHI4_NON_CALLS = [
+    "Use functools.partial here.", "import functools", "functools",    # the module named in prose
+    'functools{"name": "f"}',                                          # not a list
+    '[{"name": "f", "arguments": {}}]',                                # no marker
+    "functools[] This is just text", "functools[ This is just text ]",
+    'functools[{"name": "f", "arguments": "not a dict"}]',
+    'functools[{"name": "f", "arguments": {}, "parameters": {}}]',     # both: which one is meant?
+    'functools[{"name": "f", "arguments": {"x": NaN}}]',
+    'functools[{"name": "f", "arguments": {"x": 1}}',                  # cut short by max_tokens
+]
+
+
+@pytest.mark.parametrize("parser,text", [(GRANITE, t) for t in GRANITE_NON_CALLS] + [(PHI4, t) for t in PHI4_NON_CALLS],
+                         ids=lambda p: short_id(p))
+def test_json_list_non_calls_stay_content(parser, text):
+    assert_stream_matches(text, list(text), parser)
+    out = parser.extract(text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_list_openings_split_across_pieces_never_leak():
+    """An opening cut anywhere is held back until it is known; one that turns out to be no opening, or that
+    no list follows, is sent as content."""
+    text = 'Sure.<|tool_call|>[{"name": "f", "arguments": {"x": 1}}]'
+    for cut in range(len("Sure."), len("Sure.<|tool_call|>[")):
+        s = GRANITE.new_stream()
+        first = s.feed(text[:cut])
+        assert [d.content for d in first] == ["Sure."]
+        deltas = s.feed(text[cut:]) + s.finish()
+        assert [d.tool_call["function"] for d in deltas] == [{"name": "f", "arguments": ""}, {"arguments": '{"x": 1}'}]
+    s = GRANITE.new_stream()
+    assert [d.content for d in s.feed("a <|tool")] == ["a "] and [d.content for d in s.feed("box|>")] == ["<|toolbox|>"]
+    assert s.feed("<|tool_call|>") == [] and s.feed(" ") == []
+    assert "".join(d.content for d in s.feed("ok")) == "<|tool_call|> ok"
+    s = PHI4.new_stream()
+    assert [d.content for d in s.feed("Try func")] == ["Try "] and s.feed("tools") == []
+    assert "".join(d.content for d in s.feed(".reduce")) == "functools.reduce"
+    assert [d.content for d in s.feed(" functools[{")] == [" "]
+    assert len(s.feed('"name": "f"}]')) == 2 and s.finish() == []
+
+
 def test_untagged_streams_send_each_call_once_it_closes():
     s = LLAMA3.new_stream()
     assert s.feed('<|python_tag|>{"name": "f", "parameters": {"x": ') == []
@@ -274,7 +367,11 @@ def test_untagged_streams_send_each_call_once_it_closes():
     (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                            '{"name": "get_time", "parameters": {}}', ["get_weather", "get_time"]),
     (PythonicToolParser, '[get_weather(city="Paris"), get_time()]', ["get_weather", "get_time"]),
-], ids=["llama3_json", "pythonic"])
+    (GraniteToolParser, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                        '{"name": "get_time", "arguments": {}}]', ["get_weather", "get_time"]),
+    (Phi4MiniJsonToolParser, 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                             '{"name": "get_time", "arguments": {}}]', ["get_weather", "get_time"]),
+], ids=["llama3_json", "pythonic", "granite", "phi4_mini_json"])
 def test_untagged_parsers_through_the_chat_message(parser, text, names):
     """The chat handler's reading of a choice (`ChoiceText`, whole and streamed) with each parser:
     tool_calls, no content, and one call without parallel_tool_calls."""
@@ -408,7 +505,8 @@ def _grammar(params):
     return structural_tag_grammar(params.structural_tag, not params.disable_any_whitespace)
 
 
-@pytest.mark.parametrize("parser", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3, GRANITE, PHI4], ids=["hermes", "llama3_json", "granite",
+                                                                   "phi4_mini_json"])
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_tools_beside_a_format_admit_calls_or_the_format_alone(parser, parallel):
     """Tools with tool_choice "auto" and a JSON response format: the output is the parser's calls (their
@@ -419,8 +517,9 @@ def test_auto_tools_beside_a_format_admit_calls_or_the_format_alone(parser, para
     form = parser.call_form
 
     def calls(*items):
-        return form.separator.join(form.begin + json.dumps({"name": n, form.arguments_key: a}, ensure_ascii=False)
-                                   + form.end for n, a in items)
+        return form.opening + form.separator.join(
+            form.begin + json.dumps({"name": n, form.arguments_key: a}, ensure_ascii=False) + form.end
+            for n, a in items) + form.closing
     one = calls(("get_weather", {"city": "巴黎", "unit": "c"}))
     two = calls(("book", {"item": {"n": 3}}), ("ping", {}))
     for text in (one, two) if parallel else (one,):
@@ -642,3 +741,57 @@ def test_required_schemas_rename_refs_under_properties_named_like_data_keywords(
     grammar = xgr.Grammar.from_json_schema(json.dumps(required_tools_schema(tools, "required")))
     assert accepts(grammar, '[{"name": "f", "arguments": {"type": "a", "default": "b"}}]')
     assert not accepts(grammar, '[{"name": "f", "arguments": {"type": "c", "default": "b"}}]')
+
+
+# --- through the server ---------------------------------------------------------------------------------
+
+# a template that shows the tools, as Granite's and Phi-4-mini's do (their text is not needed here)
+TOOLS_TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                  "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+
+
+@pytest.mark.parametrize("parser,special,script", [
+    ("granite", "<|tool_call|>", 'Let me look.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "巴黎"}}]'),
+    ("phi4_mini_json", None, 'functools[{"name": "get_weather", "arguments": {"city": "巴黎"}}]'),
+])
+def test_list_parsers_serve_tool_calls(tokenizer_dir, tmp_path, parser, special, script):
+    """Served with `--enable-auto-tool-choice --tool-call-parser granite` (or phi4_mini_json), a chat request
+    with tools and tool_choice "auto" gets the model's calls as `tool_calls`, finish_reason "tool_calls", and
+    the text before them as content, whole and streamed. Granite's `<|tool_call|>` is a special token of its
+    tokenizer (as here): the output keeps it for the parser."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from stand_in_engine import ScriptedEngine, post_chat
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.server.app import build_app
+    from tokenmill.server.serving import ChatOptions
+    path = tokenizer_dir
+    if special is not None:
+        path = tmp_path / "tokenizer"
+        shutil.copytree(tokenizer_dir, path)
+        hf = AutoTokenizer.from_pretrained(path)
+        hf.add_special_tokens({"additional_special_tokens": [special]})
+        hf.save_pretrained(path)
+    engine = ScriptedEngine(Tokenizer(str(path)), 1024)
+    engine.script = script
+    app = build_app(engine, chat=ChatOptions(chat_template=TOOLS_TEMPLATE, enable_auto_tool_choice=True,
+                                             tool_call_parser=parser))
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather],
+            "tool_choice": "auto"}
+    content = script[:script.index(special)] if special is not None else None
+    status, got = post_chat(app, body)
+    choice = got["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls", got
+    assert engine.seen["prompt"].startswith("tools: get_weather") and engine.seen["skip"] is False
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "巴黎"}'} and call["id"].startswith("call_")
+    assert choice["message"]["content"] == content
+    status, deltas = post_chat(app, body, stream=True)
+    calls = [c for d in deltas for c in d.get("tool_calls") or ()]
+    assert status == 200 and "".join(d.get("content") or "" for d in deltas) == (content or "")
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "巴黎"}'

@@ -517,7 +517,9 @@ def add_chat_args(p: argparse.ArgumentParser):
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the output: hermes (<tool_call> blocks: Qwen3, Nanbeige4.1, "
                         "Hermes), llama3_json (JSON objects, after <|python_tag|> or alone: Llama 3.1-3.3), "
-                        "pythonic (a Python list of calls: Llama 3.2 / 4)")
+                        "pythonic (a Python list of calls: Llama 3.2 / 4), granite (a JSON list after "
+                        "<|tool_call|>: IBM Granite 3.x), phi4_mini_json (a JSON list after functools: "
+                        "Phi-4-mini)")
     p.add_argument("--reasoning-parser", default=None,
                    help="put the model's thinking into reasoning (and reasoning_content): qwen3 (also "
                         "Nanbeige4.1), or deepseek_r1 (the reply always starts inside the thinking block)")

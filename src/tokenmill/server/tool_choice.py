@@ -147,6 +147,9 @@ def calls_or_format(tools: list[dict], form: CallForm, format_schema: dict, *, p
              "stop_after_first": not parallel_tool_calls,
              "tags": [{"type": "tag", "begin": form.begin, "content": {"type": "json_schema", "json_schema": call},
                        "end": form.end}]}
+    if form.opening or form.closing:
+        calls = {"type": "sequence", "elements": [{"type": "const_string", "value": form.opening}, calls,
+                                                  {"type": "const_string", "value": form.closing}]}
     return {"type": "structural_tag", "format": {"type": "or", "elements": [
         calls, {"type": "json_schema", "json_schema": format_schema}]}}
 

@@ -25,10 +25,11 @@ header (`index`, `id`, `type`, `function.name`, `function.arguments: ""`) and th
 string. Sending no part of a call before its JSON is known to parse is what keeps streamed and
 non-streamed answers identical: a malformed block turns into content, never into half a call.
 
-`llama3_json` (JSON objects at the start of the output or after `<|python_tag|>`, Llama 3.1-3.3) and
-`pythonic` (a Python list of calls starting the output, Llama 3.2 / 4) have no end tag: each reads its
-format with a stream of its own, and its `extract` is that stream fed the whole output, under the same
-rules on names, arguments and content.
+`llama3_json` (JSON objects at the start of the output or after `<|python_tag|>`, Llama 3.1-3.3),
+`pythonic` (a Python list of calls starting the output, Llama 3.2 / 4), `granite` (a JSON list of calls
+after `<|tool_call|>`, IBM Granite 3.x) and `phi4_mini_json` (a JSON list of calls after `functools`,
+Phi-4-mini) have no end tag: each reads its format with a stream (the last three with one `ListStream`),
+and its `extract` is that stream fed the whole output, under the same rules on names, arguments and content.
 """
 from __future__ import annotations
 
@@ -61,11 +62,14 @@ class ToolCall:
 @dataclass(frozen=True)
 class CallForm:
     """How a format writes calls, for a grammar to write them (`tool_choice.calls_or_format`): each call is
-    `begin`, the JSON object {"name": ..., <arguments_key>: {...}}, then `end`; calls are apart by `separator`."""
+    `begin`, the JSON object {"name": ..., <arguments_key>: {...}}, then `end`; calls are apart by `separator`,
+    all of them between `opening` and `closing` (a list's)."""
     begin: str
     end: str
     separator: str
     arguments_key: str
+    opening: str = ""
+    closing: str = ""
 
 
 @dataclass(frozen=True)
@@ -592,5 +596,47 @@ class ListStream(_UntaggedStream):
             self._calls.append(call)
 
 
+class _JsonListToolParser(_ListToolParser):
+    """A JSON list of objects `{"name": ..., <one of argument_keys>: {...}}`, each item a call as `_json_call`
+    reads it; the list is calls when every item is one."""
+    argument_keys: tuple[str, ...] = ("arguments",)
+
+    def parse_call(self, item: str) -> ToolCall | None:
+        return _json_call(item, self.argument_keys)
+
+
+GRANITE_TOOL_CALL = "<|tool_call|>"
+
+
+class GraniteToolParser(_JsonListToolParser):
+    """`granite` (IBM Granite 3.x instruct, whose templates write a turn's calls as `<|tool_call|>` and their
+    JSON list): a JSON list of calls after `<|tool_call|>` (a special token of Granite's tokenizers) or
+    `<tool_call>` (as some Granite 3.0 / 3.1 outputs have it), or alone where the output starts, as vLLM's
+    `granite` reads it:
+
+        <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]
+
+    Text before the opening and after the list is content (vLLM's parser keeps the whole output as content
+    when any comes with the list)."""
+    openings = (GRANITE_TOOL_CALL, TOOL_CALL_START)
+    call_form = CallForm("", "", ", ", "arguments", opening=GRANITE_TOOL_CALL + "[", closing="]")
+
+
+class Phi4MiniJsonToolParser(_JsonListToolParser):
+    """`phi4_mini_json` (Phi-4-mini-instruct, whose tool prompt asks for a JSON list after a `functools`
+    marker and none after it): a JSON list of calls after `functools`, anywhere in the text, objects
+    `{"name": ..., "arguments": {...}}` (or `"parameters"`, as vLLM's parser reads too):
+
+        Let me check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+    Text before `functools` and after the list is content (vLLM's parser drops it where calls came), and a
+    `functools` that no list follows (the Python module named in prose) is content."""
+    openings = ("functools",)
+    list_at_start = False
+    argument_keys = ("arguments", "parameters")
+    call_form = CallForm("", "", ", ", "arguments", opening="functools[", closing="]")
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                              "pythonic": PythonicToolParser}
+                                              "pythonic": PythonicToolParser, "granite": GraniteToolParser,
+                                              "phi4_mini_json": Phi4MiniJsonToolParser}
