@@ -134,8 +134,14 @@ def test_sizes_that_cannot_build_a_model_are_refused(tmp_path, keys, message):
     ({"rope_type": "linear", "factor": 0}, r"got factor=0"),
     ({"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
      r"type 'llama3' needs factor, low_freq_factor, .*; got low_freq_factor=None, high_freq_factor=None"),
-    ({"rope_type": "longrope", "factor": 4.0}, r"unsupported rope_scaling type 'longrope'; supported: default, "
-                                                r"linear, llama3, yarn"),
+    ({"rope_type": "su", "factor": 4.0}, r"unsupported rope_scaling type 'su'; supported: default, linear, llama3, "
+                                          r"yarn, longrope"),
+    ({"rope_type": "longrope", "factor": 4.0}, r"type 'longrope' needs short_factor as 8 positive numbers, one per "
+                                                r"rotary frequency of the 16 rotated dims of a head; got None"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7 + [0]},
+     r"needs long_factor as 8 positive numbers, .*; got 8 values \[1.0, 1.0, 1.0, 1.0\]\.\.\."),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "long_mscale": 1.2},
+     r"type 'longrope' with long_mscale=1.2 is not supported: transformers' LongRoPE has one attention factor"),
     ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling type 'dynamic' is not supported: dynamic NTK scaling "
                                               r"changes the frequencies with each sequence's length"),
     ({"rope_type": "yarn", "factor": "4"}, r"type 'yarn' needs factor, original_max_position_embeddings as positive "

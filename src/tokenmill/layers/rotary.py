@@ -1,4 +1,7 @@
-"""Rotary position embedding (the rotate-half layout used by Llama and Qwen checkpoints)."""
+"""Rotary position embedding (the rotate-half layout used by Llama and Qwen checkpoints): one cos/sin table per
+model, [positions, head_dim], that every RoPE path (the torch reference, the Triton prologue and the one-kernel
+decode) reads, rotating pair (i, i + head_dim/2) of each head by column i. Partial rotary (Phi-4-mini's 96 of 128)
+is that table with identity columns past the rotated frequencies and q/k rows in `rotary_order`."""
 from __future__ import annotations
 
 import math
@@ -12,7 +15,9 @@ from tokenmill.config import finite_number
 # the scaled kinds of config.json read here, and the keys each must hold as positive numbers
 _SCALING_KEYS = {"linear": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                 "yarn": ("factor", "original_max_position_embeddings")}
+                 "yarn": ("factor", "original_max_position_embeddings"),
+                 # factor only sets the attention factor (`ModelConfig.from_hf` derives it where it is left out)
+                 "longrope": ("factor", "original_max_position_embeddings")}
 # YaRN's optional numbers (beta_fast and beta_slow absent, null or 0 are transformers' defaults, 32 and 1)
 _YARN_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 _REFUSED = {"dynamic": "dynamic NTK scaling changes the frequencies with each sequence's length, so no one cos/sin "
@@ -37,19 +42,55 @@ def _check_yarn(scaling: dict) -> None:
                          f"truncate={scaling['truncate']!r}")
 
 
+def _check_longrope(scaling: dict, dim: int) -> None:
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if not (isinstance(factors, list) and len(factors) == dim // 2
+                and all(finite_number(f) and f > 0 for f in factors)):
+            shown = (f"{len(factors)} values {factors[:4]}{'...' if len(factors) > 4 else ''}"
+                     if isinstance(factors, list) else repr(factors))
+            raise ValueError(f"rope_scaling of type 'longrope' needs {name} as {dim // 2} positive numbers, one per "
+                             f"rotary frequency of the {dim} rotated dims of a head; got {shown}")
+    # vLLM's own keys, which transformers does not read: the two disagree on such a checkpoint
+    given = [k for k in ("short_mscale", "long_mscale") if scaling.get(k) is not None]
+    if given:
+        raise ValueError(f"rope_scaling of type 'longrope' with {', '.join(f'{k}={scaling[k]!r}' for k in given)} is "
+                         "not supported: transformers' LongRoPE has one attention factor (attention_factor, or one "
+                         "derived from factor), which tokenmill reads")
+    value = scaling.get("attention_factor")
+    if value is not None and not (finite_number(value) and value > 0):
+        raise ValueError(f"rope_scaling of type 'longrope' takes attention_factor as a positive number; got "
+                         f"attention_factor={value!r}")
+
+
+def longrope_uses_long_factors(scaling: dict, max_model_len: int) -> bool:
+    """LongRoPE's factors, chosen once for the served context as vLLM chooses them: the long ones where
+    max_model_len passes original_max_position_embeddings, the short ones otherwise. transformers chooses per
+    forward pass by the sequence's length, which the paged cache cannot follow: its keys are stored rotated, and
+    a sequence that grew past the original context would need every cached key rotated again. The two agree on
+    every sequence where max_model_len is within the original context, and on every sequence longer than it
+    where max_model_len is past it (llama.cpp chooses by its context size likewise)."""
+    return max_model_len > scaling["original_max_position_embeddings"]
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 where the context is not stretched)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def attention_factor(scaling: dict | None) -> float:
-    """What multiplies cos and sin, so that q.k grows by its square: YaRN's attention_factor, as given or
-    derived from factor (and mscale over mscale_all_dim where both are given); 1 for every other kind."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """What multiplies cos and sin (of the rotated dims), so that q.k grows by its square: YaRN's and LongRoPE's
+    attention_factor, as given or derived from factor (YaRN's from mscale over mscale_all_dim where both are
+    given; LongRoPE's sqrt(1 + ln factor / ln original_max_position_embeddings), short and long factors alike, as
+    transformers and vLLM apply it); 1 for every other kind."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
         return _yarn_mscale(factor, scaling["mscale"]) / _yarn_mscale(factor, scaling["mscale_all_dim"])
     return _yarn_mscale(factor)
@@ -77,7 +118,9 @@ def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict
     return inv / factor * interpolated + inv * (1 - interpolated)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None, max_model_len: int) -> torch.Tensor:
+    """The rotary frequencies of `head_dim` rotated dims (a head's, or its rotary_dim); `max_model_len` (the
+    served context) chooses LongRoPE's factors."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if scaling is None:
         return inv
@@ -104,6 +147,10 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     if kind == "yarn":
         _check_yarn(scaling)
         return _yarn_inv_freq(inv, head_dim, theta, scaling)
+    if kind == "longrope":
+        _check_longrope(scaling, head_dim)
+        factors = scaling["long_factor" if longrope_uses_long_factors(scaling, max_model_len) else "short_factor"]
+        return inv / torch.tensor(factors, dtype=torch.float64)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -122,10 +169,29 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Row p of a head of q and k, as the RoPE paths take it, is the checkpoint's row order[p]. A checkpoint
+    with partial rotary (transformers' rotate_half over the first rotary_dim dims) pairs dim i with
+    i + rotary_dim/2 and passes the dims from rotary_dim on through; the paths pair p with p + head_dim/2, by
+    table column p, whose columns from rotary_dim/2 on are the identity (`RotaryEmbedding`). So each pair keeps
+    its partner at p and p + head_dim/2, p < rotary_dim/2, and the passed-through dims fill the identity
+    columns' places. q.k sums over a head's dims, which q and k share in one order, so attention is the
+    checkpoint's; only the cached keys are in this order. The identity where rotary_dim is head_dim."""
+    half, r = head_dim // 2, rotary_dim // 2
+    passed = torch.arange(rotary_dim, head_dim)
+    return torch.cat((torch.arange(r), passed[:half - r], torch.arange(r, rotary_dim), passed[half - r:]))
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    """`rotary_dim`: the leading dims of a head the checkpoint rotates (None: all); `max_model_len`: the served
+    context (None: max_positions), which chooses LongRoPE's factors."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None, max_model_len: int | None = None):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.max_model_len = max_positions if max_model_len is None else max_model_len
         self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
         if self.cos_sin.device.type != "meta":
             self.reset_buffers()
@@ -136,12 +202,18 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self) -> torch.Tensor:
         cpu = torch.device("cpu")
-        inv = _inv_freq(self.head_dim, self.theta, self.scaling).to(cpu)
+        inv = _inv_freq(self.rotary_dim, self.theta, self.scaling, self.max_model_len).to(cpu)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=cpu), inv)
         # [max_positions, head_dim]: cos in the first half, sin in the second, both times the attention
         # factor: every RoPE path (the torch reference and the Triton prologue and decode kernels) rotates
-        # with this one table, so it scales q and k alike, and q.k by its square, wherever it runs
-        return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(self.scaling)).float()
+        # with this one table, so it scales q and k alike, and q.k by its square, wherever it runs. Past the
+        # rotated frequencies (partial rotary) cos 1 and sin 0, unscaled, leave the dims `rotary_order` puts
+        # there exactly as projected, as transformers passes them through
+        factor = attention_factor(self.scaling)
+        unrotated = self.head_dim // 2 - inv.numel()
+        cos = torch.cat((freqs.cos() * factor, torch.ones(self.max_positions, unrotated, dtype=torch.float64)), -1)
+        sin = torch.cat((freqs.sin() * factor, torch.zeros(self.max_positions, unrotated, dtype=torch.float64)), -1)
+        return torch.cat((cos, sin), dim=-1).float()
 
 
 class NoRotaryEmbedding(RotaryEmbedding):
