@@ -2,6 +2,7 @@
 `ModelConfig.from_gguf` the one that reads a GGUF file's model metadata."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import os
@@ -57,13 +58,39 @@ _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 # ones `from_hf` falls back on (Llama's)
 _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings": True, "num_key_value_heads": 4,
                                        "max_position_embeddings": 32768},
-                "GraniteForCausalLM": {"max_position_embeddings": 2048}}
+                "GraniteForCausalLM": {"max_position_embeddings": 2048},
+                # Phi3Config's original_max_position_embeddings (4,096) is always an attribute, which transformers
+                # puts over the RoPE dict's own
+                "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096}}
+
+# Phi-3's RoPE kinds as transformers' Phi3Config takes them: su and yarn are older names of longrope
+_PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
 
 # Granite's four scalars, as config.json names them (transformers' default for each is 1.0, the attention's
 # softmax scale included), and the GGUF keys llama.cpp's converter writes them under (where a key is left
 # out, or 0, llama.cpp takes the neutral value: 1, and for the attention 1/sqrt(head_dim))
 GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                        "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+
+
+def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None, int | None]:
+    """Phi-3's RoPE kind, rotated dims of a head (None: all) and sliding window (None: none), as transformers'
+    Phi3 reads them: partial_rotary_factor from the RoPE dict, else the top level (Phi-4-mini's 0.75), rotating
+    int(head_dim x factor) dims; the window over every layer."""
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in _PHI3_ROPE_TYPES:
+        raise ValueError(f"Phi3ForCausalLM with rope_scaling of type {kind!r} is not supported: transformers' Phi3 "
+                         "takes longrope (or su and yarn, its older names) or none")
+    factor = rope.get("partial_rotary_factor")
+    factor = hf.get("partial_rotary_factor", 1.0) if factor is None else factor
+    if not (finite_number(factor) and 0 < factor <= 1):
+        raise ValueError(f"config.json's partial_rotary_factor is {factor!r}; it must be a number in (0, 1], the "
+                         "share of each head's dims that RoPE rotates")
+    window = hf.get("sliding_window")
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
+    rotary = int(head_dim * factor)
+    return _PHI3_ROPE_TYPES[kind], None if rotary == head_dim else rotary, window
 
 
 def _rope_all_but_every(interval: int, layers: int) -> tuple[bool, ...]:
@@ -225,6 +252,15 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # the softmax scale of q.k; None: 1/sqrt(head_dim)
     attention_multiplier: float | None = None
+    # the leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor: Phi-4-mini's 96 of 128),
+    # the rest passed through; None: the whole head
+    rotary_dim: int | None = None
+    # every layer attends over the latest sliding_window positions alone (Phi-3's). tokenmill attends over the
+    # whole context, which is the same for a sequence no longer than the window: max_model_len is bounded by it
+    sliding_window: int | None = None
+    # the longest context served: the engine's max_model_len, set once resolved (`serving`); None:
+    # derived_max_model_len. LongRoPE's factors are chosen by it (`rotary.longrope_uses_long_factors`)
+    max_model_len: int | None = None
 
     def __post_init__(self):
         # sizes a checkpoint's config states: a zero or negative one failed deep in the build (an empty RoPE
@@ -248,6 +284,22 @@ class ModelConfig:
             value = getattr(self, name)
             if not (name == "attention_multiplier" and value is None) and not _positive(value):
                 raise ValueError(f"the model config's {name} is {value!r}; it must be a positive finite number")
+        r = self.rotary_dim
+        if r is not None and (type(r) is not int or r % 2 or not 2 <= r <= self.head_dim):
+            raise ValueError(f"the model config's rotary_dim is {r!r}; RoPE rotates a head's leading dims in pairs, "
+                             f"so it must be an even integer from 2 to head_dim={self.head_dim}")
+        for name in ("sliding_window", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"the model config's {name} is {value!r}; it must be an integer >= 1 (or None)")
+        # checked once the context is known (`serving`): a config is read before max_model_len is
+        n, w = self.max_model_len, self.sliding_window
+        if w is not None and n is not None and n > w:
+            default = f" (the model's {self.derived_max_model_len_source})" if n == self.derived_max_model_len else ""
+            raise ValueError(f"max_model_len={n}{default} is longer than the model's sliding_window={w}: its layers "
+                             f"attend over the latest {w} positions alone, and tokenmill, which has no "
+                             f"sliding-window attention, over the whole context, the same only up to {w} tokens; "
+                             f"serve at most {w} (--max-model-len {w})")
 
     @property
     def attention_scale(self) -> float:
@@ -259,6 +311,21 @@ class ModelConfig:
         """Whether loading scales weights by the config's multipliers (`LlamaForCausalLM.fold_multipliers`):
         its linear, embedding and norm weights are then not the checkpoint's."""
         return (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates: rotary_dim, else all of head_dim."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def served_max_model_len(self) -> int:
+        """The longest context served: max_model_len once the engine set it, else derived_max_model_len."""
+        return self.derived_max_model_len if self.max_model_len is None else self.max_model_len
+
+    def serving(self, max_model_len: int) -> "ModelConfig":
+        """This config serving contexts of up to `max_model_len` tokens (the engine's, once resolved): a
+        sliding window shorter than it is refused here."""
+        return dataclasses.replace(self, max_model_len=max_model_len)
 
     def rotates(self, layer: int) -> bool:
         """Whether `layer` applies RoPE to q and k (a NoPE layer attends by content alone)."""
@@ -308,28 +375,34 @@ class ModelConfig:
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
         kind = rope.get("rope_type") or rope.get("type") or "default"
+        phi3 = arch == "Phi3ForCausalLM"
+        rotary_dim = window = None
+        if phi3:
+            kind, rotary_dim, window = _phi3_rope(rope, hf, head_dim)
         scaling = None if kind == "default" else {**rope, "rope_type": kind}
         if scaling is not None and kind in ("llama3", "yarn", "longrope"):
             if hf.get("original_max_position_embeddings"):
                 scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
-        if kind == "yarn" and scaling.get("factor") is None:
-            # transformers' YaRN without a factor: the stretch from the original context to the model's
+        if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+            # transformers' YaRN and LongRoPE without a factor: the stretch from the original context to the
+            # model's (LongRoPE's sets its attention factor alone)
             context, original = hf.get("max_position_embeddings", 4096), scaling["original_max_position_embeddings"]
             if _positive(context) and _positive(original):
                 scaling["factor"] = context / original
         eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
         dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         act = hf.get("hidden_act", "silu")
-        if hf.get("mlp_bias"):
+        # transformers' Phi3 reads neither bias key (it has no bias), nor the other architectures' window keys
+        if hf.get("mlp_bias") and not phi3:
             raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
-        if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
             raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                              "which carries none here (Qwen2's bias on q/k/v alone is)")
-        sliding, window = _sliding_layers(hf, rope_layers)
+        sliding, sliding_window = _sliding_layers(hf, rope_layers) if not phi3 else ([], None)
         if sliding:
             raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
-                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {window}) is "
+                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {sliding_window}) is "
                              "not supported: tokenmill attends over the whole context in every layer, which "
                              "changes the output past the window")
         return cls(
@@ -347,7 +420,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or (not phi3 and bool(hf.get("attention_bias", False))),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
@@ -356,6 +429,8 @@ class ModelConfig:
             quantization=(parse_quantization(hf["quantization_config"])
                           if hf.get("quantization_config") else None),
             rope_layers=rope_layers,
+            rotary_dim=rotary_dim,
+            sliding_window=window,
             # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
             **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
         )

@@ -59,6 +59,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"{mc.derived_max_model_len_source}")
         max_len = config.max_model_len or mc.derived_max_model_len
+        # the model serves this context from here: LongRoPE's factors are chosen by it, a sliding window
+        # shorter than it is refused
+        self.model_config = mc = mc.serving(max_len)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, mc, model_dir, max_len)
         capacity = self.runner.num_blocks * config.block_size

@@ -1,7 +1,9 @@
-"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3 and Granite: features are explicit flags of
-`ModelConfig`, Granite's scalars folded into the weights at load (`LlamaForCausalLM.fold_multipliers`).
+"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3, Granite and Phi-3: features are explicit flags of
+`ModelConfig`, Granite's scalars folded into the weights at load (`LlamaForCausalLM.fold_multipliers`), Phi-3's
+partial rotary in the RoPE table and the order of q's and k's rows (`rotary.rotary_order`).
 
-Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`).
+Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`; Phi-3's
+checkpoints store them so, `fill.checkpoint_layout`).
 The forward pass works on a flat batch of T tokens from many sequences; attention reaches the KV
 cache through `AttentionMetadata`. Built with a `TensorParallel`, each module holds its rank's slice
 (`layers/parallel.py` says which) and joins the slices with all-reduces after o_proj and down_proj, in
@@ -179,7 +181,8 @@ class DecoderModel(nn.Module):
         # one row per position up to the longest max_model_len the engine allows; each layer reads its
         # table from its own module (every RoPE path, CUDA graphs and tensor-parallel ranks included), so
         # the NoPE layers share one identity table beside the rotating layers' one
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.rope_dim, cfg.served_max_model_len)
         layers = range(cfg.num_hidden_layers)
         nope = (None if all(cfg.rotates(i) for i in layers)
                 else NoRotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len))
@@ -209,8 +212,9 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head), SmolLM3 (NoPE layers, `rope_layers`)
-    and Granite (scalar multipliers) through config flags."""
+    """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head), SmolLM3 (NoPE layers, `rope_layers`),
+    Granite (scalar multipliers) and Phi-3 (`rotary_dim`, LongRoPE, fused checkpoint tensors) through config
+    flags."""
 
     # checkpoint shard name -> (packed parameter name, shard index)
     packed_modules = {

@@ -243,6 +243,10 @@ def check_calibration(calibration, cfg) -> None:
     if calibration.shape[1] > cfg.derived_max_model_len:
         raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
                          f"context, its {cfg.derived_max_model_len_source}")
+    if cfg.sliding_window is not None and calibration.shape[1] > cfg.sliding_window:
+        raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
+                         f"sliding_window={cfg.sliding_window}, past which tokenmill's attention (over the whole "
+                         "sequence) is not the model's")
     lo, hi = int(calibration.min()), int(calibration.max())
     if lo < 0 or hi >= cfg.vocab_size:
         raise ValueError(f"calibration token ids must be in [0, {cfg.vocab_size}), got [{lo}, {hi}]")
@@ -262,6 +266,12 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
                          "and down_proj, which a checkpoint written from their grids would carry beside the "
                          "config.json that names it; round the checkpoint's own weights "
                          "(quantize.write_checkpoint) instead")
+    if cfg.rope_dim != cfg.head_dim:
+        # the loader put q's and k's rows in the RoPE paths' order (`rotary.rotary_order`), which the grids of
+        # q_proj and k_proj would carry into a checkpoint that a load reorders again
+        raise ValueError(f"rotary_dim={cfg.rope_dim} of head_dim={cfg.head_dim}: the loaded model's q_proj and "
+                         "k_proj rows are reordered for partial rotary, which a checkpoint written from their grids "
+                         "would carry; round the checkpoint's own weights (quantize.write_checkpoint) instead")
     check_calibration(calibration, cfg)
     num_seqs, seq_len = calibration.shape
     meta = _prefill_metadata(num_seqs, seq_len)

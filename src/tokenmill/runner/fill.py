@@ -1,11 +1,13 @@
 """Checkpoint tensors into a model's parameters, packed ones (q/k/v, gate/up) by shard, with the check
-that every parameter was filled and no tensor was left over; the safetensors and GGUF loads share it."""
+that every parameter was filled and no tensor was left over; the safetensors and GGUF loads share it, and
+`checkpoint_layout`, which puts a checkpoint's tensors in the model's layout first."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from tokenmill.layers.parallel import split_dim
+from tokenmill.layers.rotary import rotary_order
 
 # keys some checkpoints carry that hold no learned state
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -98,3 +100,70 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     if (not dst.dtype.is_floating_point or dst.dtype.itemsize == 1) and src.dtype != dst.dtype:
         raise ValueError(f"checkpoint tensor {key!r} is {src.dtype}, the model expects {dst.dtype}")
     dst.copy_(src)
+
+
+def checkpoint_layout(model: nn.Module, tensors):
+    """`(key, read)` pairs of a checkpoint in the layout `fill_parameters` takes: a tensor that holds a packed
+    layer's shards whole (Phi-3's qkv_proj and gate_up_proj) as those shards (`_split_fused`), and where RoPE
+    rotates part of a head, q's and k's rows in the order the RoPE paths rotate (`rotary.rotary_order`).
+    Before any quantization at load, which then quantizes the shards in that order as it does Llama's."""
+    return _reorder_rotary_rows(model, _split_fused(model, tensors))
+
+
+def _split_fused(model: nn.Module, tensors):
+    """A fused `...{packed}.{leaf}` tensor as its shards' keys, in the model's packed order (q, k, v; gate, up:
+    the order transformers' Phi3 splits them in). Each shard lies along the output features where the
+    packed layer says (`output_dims`, as `fill_parameters` stacks them); a read of the whole shard reads the
+    fused tensor once for all of them, a rank's read (`read(index)`, tensor parallelism: plain weights along
+    their rows) only its rows."""
+    shards: dict[str, list[str]] = {}
+    for shard, (packed, index) in sorted(model.packed_modules.items(), key=lambda item: item[1]):
+        shards.setdefault(packed, []).append(shard)
+    tp = getattr(model, "tp", None)
+    for key, read in tensors:
+        prefix, _, leaf = key.rpartition(".")
+        owner, _, packed = prefix.rpartition(".")
+        layer = _submodule(model, prefix) if packed in shards else None
+        if layer is None:
+            yield key, read
+            continue
+        dim, per = getattr(layer, "output_dims", {}).get(leaf, (0, 1))
+        sizes = [n * (1 if tp is None else tp.size) for n in model.shard_sizes(packed)]
+        whole: list[torch.Tensor] = []
+
+        def part(start: int, size: int, index=None, read=read, whole=whole, dim=dim, per=per) -> torch.Tensor:
+            if index is None:
+                if not whole:
+                    whole.append(read())
+                return whole[0].narrow(dim, start // per, size // per)
+            rows = index[-1]
+            return read((*index[:-1], slice(start + rows.start, start + rows.stop)))
+        for i, name in enumerate(shards[packed]):
+            yield f"{owner}.{name}.{leaf}", lambda index=None, start=sum(sizes[:i]), size=sizes[i]: part(
+                start, size, index)
+
+
+def _reorder_rotary_rows(model: nn.Module, tensors):
+    """q's and k's rows (weights and biases) reordered head by head by `rotary_order`, where RoPE rotates part
+    of a head; a rank's read (whole heads) reordered alike."""
+    cfg = model.config
+    if cfg.rope_dim == cfg.head_dim:
+        yield from tensors
+        return
+    order = rotary_order(cfg.head_dim, cfg.rope_dim)
+
+    def reordered(w: torch.Tensor) -> torch.Tensor:
+        heads = w.shape[0] // cfg.head_dim
+        return w.reshape(heads, cfg.head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+    for key, read in tensors:
+        if key.endswith((".q_proj.weight", ".k_proj.weight", ".q_proj.bias", ".k_proj.bias")):
+            yield key, lambda index=None, read=read: reordered(read() if index is None else read(index))
+        else:
+            yield key, read
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

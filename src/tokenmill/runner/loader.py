@@ -16,7 +16,7 @@ from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, Fp8Config
 from tokenmill.quant.w4 import act_order_perm
-from tokenmill.runner.fill import fill_parameters, num_shards, packed_target
+from tokenmill.runner.fill import checkpoint_layout, fill_parameters, num_shards, packed_target
 from tokenmill.runner.gguf_loader import load_gguf_weights
 
 def weight_files(model_dir: str) -> list[str]:
@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                             continue
                     yield key, lambda index=None, f=f, key=stored: (f.get_tensor(key) if index is None
                                                                     else f.get_slice(key)[index])
-    stream = tensors()
+    stream = checkpoint_layout(model, tensors())
     if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
         stream = fp8.quantize_at_load(stream)
     fill_parameters(model, stream, repr(model_dir))
@@ -139,6 +139,12 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
                 else f"would be quantized at load (--quantization {quantization})")
         raise ValueError(f"tensor_parallel_size={tp.size} loads plain safetensors checkpoints only, unquantized; "
                          f"{model_path!r} {what}")
+    if cfg.quantization is not None and cfg.rope_dim != cfg.head_dim:
+        # the load reorders q's and k's rows for partial rotary (`fill.checkpoint_layout`), which a quantized
+        # checkpoint's packed values and scales do not take row by row
+        raise ValueError(f"the quantized checkpoint {model_path!r} rotates {cfg.rope_dim} of its head_dim="
+                         f"{cfg.head_dim} dims (partial rotary); tokenmill serves partial rotary from plain weights "
+                         "only (--quantization fp8 quantizes them at load)")
     if quantization == "fp8" and cfg.quantization is None:
         cfg = dataclasses.replace(cfg, quantization=Fp8Config())
     if isinstance(cfg.quantization, Fp8Config):
