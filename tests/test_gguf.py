@@ -11,6 +11,7 @@ quantize, the blocks are random bytes with small finite scales.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -416,10 +417,15 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
     """The checkpoint as llama.cpp's converter writes it: q/k permuted (for smollm3 and granite too, converted
     as llama), no output.weight where the head is tied, and a llama3 scaling as rope_freqs.weight, unscaled
     over scaled inverse frequency (transformers' own inv_freq as the scaled); `metadata`: more keys, each a
-    float32 or a bool."""
+    float32 or a bool. A phi3 checkpoint as its converter (Phi3MiniModel) writes one: q/k as they are, the
+    fused attn_qkv and ffn_up (gate then up), the rotated dims int(partial_rotary_factor x hidden) / heads,
+    the original context, the sliding window (0: none), and LongRoPE's factors as rope_factors_short/long
+    with the attention factor it computes."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     theta = cfg.rope_parameters["rope_theta"]
+    rope_dims = int(cfg.rope_parameters.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // (
+        cfg.num_attention_heads)
     if rope_freqs is None and cfg.rope_parameters["rope_type"] == "llama3":
         unscaled = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_freqs = (unscaled / model.model.rotary_emb.inv_freq.double()).float().numpy()
@@ -430,7 +436,7 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
     w.add_block_count(cfg.num_hidden_layers)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rope_dims)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -450,9 +456,20 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
         (w.add_bool if isinstance(value, bool) else w.add_float32)(key, value)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    if arch == "phi3":
+        rope = cfg.rope_parameters
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if rope["rope_type"] == "longrope":
+            scale, original = cfg.max_position_embeddings / cfg.original_max_position_embeddings, (
+                cfg.original_max_position_embeddings)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
     for key, value in model.state_dict().items():
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -461,7 +478,7 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
             i, rest = key[len("model.layers."):].split(".", 1)
             module, kind = rest.rsplit(".", 1)
             name = f"blk.{i}.{names[module]}.{kind}"
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if module in ("self_attn.q_proj", "self_attn.k_proj") and arch != "phi3":
                 value = _permute(value, cfg.num_attention_heads if module == "self_attn.q_proj"
                                  else cfg.num_key_value_heads)
         else:
@@ -650,6 +667,35 @@ CONFIG_METADATA = {"llama.context_length": 2048, "llama.embedding_length": HIDDE
                    "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 300}
 
 
+def test_phi3_reads_fused_tensors_partial_rotary_and_longrope(tmp_path):
+    """llama.cpp's phi3 file of a Phi-4-mini-shaped checkpoint (fused attn_qkv and ffn_up, 12 of 16 dims
+    rotating, LongRoPE's factors as tensors, tied head, a window past the context) computes what transformers'
+    Phi3 computes on the checkpoint it was converted from: prompt logprobs over a chunked prefill, greedy tokens,
+    at the file's context of 256, past the original 32 (both take the long factors over the 56 tokens)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    tok = llama3_tokenizer_metadata()
+    short, long = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], [2.0, 3.0, 4.5, 6.0, 8.0, 9.5]
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(
+        vocab_size=len(tok["tokens"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        original_max_position_embeddings=32, partial_rotary_factor=0.75, sliding_window=1024,
+        tie_word_embeddings=True, bos_token_id=tok["bos"], eos_token_id=tok["eos"], pad_token_id=None,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                         "rope_theta": 1e4})).eval()
+    path = str(tmp_path / "phi3.gguf")
+    llama3_to_gguf(path, model, tok, arch="phi3")
+    cfg = ModelConfig.from_gguf(path)
+    assert (cfg.architecture, cfg.rotary_dim, cfg.sliding_window, cfg.tie_word_embeddings) == (
+        "Phi3ForCausalLM", 12, 1024, True)
+    s = cfg.rope_scaling
+    assert (s["rope_type"], s["original_max_position_embeddings"], s["factor"]) == ("longrope", 32, 8.0)
+    assert s["short_factor"] == pytest.approx(short) and s["long_factor"] == pytest.approx(long)
+    assert s["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(8) / math.log(32)))
+    _assert_served_as_transformers(path, model)
+
+
 def _metadata_file(path: str, values: dict) -> str:
     """A tensorless llama GGUF file holding `CONFIG_METADATA` with `values` over it (each written as a
     uint32, float32, bool, string or array by its Python type)."""
@@ -699,6 +745,16 @@ def test_an_integer_reads_as_a_float(tmp_path):
     path = _metadata_file(str(tmp_path / "theta.gguf"), {"llama.rope.freq_base": 500000})
     cfg = ModelConfig.from_gguf(path)
     assert cfg.rope_theta == 500000.0 and cfg.max_position_embeddings == 2048 and cfg.head_dim == HIDDEN // HEADS
+
+
+def test_partial_rotary_outside_phi3_is_refused(tmp_path):
+    """A llama file rotates in interleaved pairs (its q/k permuted for them): part of a head rotating is read
+    in phi3 files alone, whose rotate-half layout the partial-rotary order serves."""
+    path = _metadata_file(str(tmp_path / "partial.gguf"), {"llama.rope.dimension_count": HIDDEN // HEADS // 2})
+    with pytest.raises(ValueError, match=rf"llama\.rope\.dimension_count={HIDDEN // HEADS // 2} rotates part of "
+                                         rf"head_dim={HIDDEN // HEADS}; tokenmill rotates part of a head in phi3 "
+                                         r"files only"):
+        ModelConfig.from_gguf(path)
 
 
 def test_yarn_metadata_reads_as_config_jsons_rope_scaling(tmp_path):

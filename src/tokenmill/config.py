@@ -185,6 +185,39 @@ _GGUF_YARN_NEUTRAL = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_lo
                       "rope.scaling.attn_factor": 1.0}
 
 
+# the tensors in which llama.cpp's converter stores LongRoPE's short and long factors (phi3), read into the config
+GGUF_LONGROPE = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+
+
+def _gguf_longrope(file: Any, arch: str, rotary_dim: int) -> dict[str, Any]:
+    """A GGUF file's LongRoPE as config.json's rope_scaling dict: the factors from their tensors (rotary_dim / 2
+    each; checked by the RoPE table), the original context from rope.scaling.original_context_length and the
+    attention factor from rope.scaling.attn_factor, which llama.cpp's converter computes as transformers does
+    (where it is left out, from context_length over the original context, as transformers derives it)."""
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for name, key in GGUF_LONGROPE.items():
+        if name not in file.tensors:
+            raise ValueError(f"GGUF file {file.path!r} carries {' or '.join(n for n in GGUF_LONGROPE if n != name)} "
+                             f"but not {name}; LongRoPE needs both sets of factors")
+        t = file.tensors[name]
+        if tuple(t.shape) != (rotary_dim // 2,):
+            raise ValueError(f"GGUF file {file.path!r} has {name} of shape {tuple(reversed(t.shape))}; it must hold "
+                             f"one factor per rotary frequency, {rotary_dim // 2} for {rotary_dim} rotated dims")
+        scaling[key] = file.read(name).double().tolist()
+    original = _gguf_value(file, f"{arch}.rope.scaling.original_context_length", int, None)
+    if original is None:
+        raise ValueError(f"GGUF file {file.path!r} has LongRoPE factors but lacks "
+                         f"{arch}.rope.scaling.original_context_length, which chooses between them")
+    scaling["original_max_position_embeddings"] = original
+    context = _gguf_value(file, f"{arch}.context_length", int)
+    if _positive(original):
+        scaling["factor"] = context / original
+    attn = _gguf_value(file, f"{arch}.rope.scaling.attn_factor", float, None)
+    if attn is not None:
+        scaling["attention_factor"] = attn
+    return scaling
+
+
 def _gguf_yarn(file: Any, arch: str) -> dict[str, Any]:
     """A GGUF file's YaRN scaling as config.json's rope_scaling dict: factor and original context are
     required (there is no max_position_embeddings of the original model to derive them from); a key of
@@ -439,8 +472,8 @@ class ModelConfig:
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
         """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
-        EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, and a
-        granite file's scalars."""
+        EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, a
+        granite file's scalars, and a phi3 file's rotated dims, LongRoPE factors and sliding window."""
         from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
 
         file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
@@ -457,9 +490,9 @@ class ModelConfig:
         if get("attention.value_length", int, head_dim) != head_dim:
             raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}")
         rotary = get("rope.dimension_count", int, head_dim)
-        if rotary != head_dim:
+        if rotary != head_dim and arch != "phi3":
             raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of head_dim={head_dim}; "
-                             "tokenmill rotates whole heads only")
+                             "tokenmill rotates part of a head in phi3 files only (their rotate-half layout)")
         scaling_type = get("rope.scaling.type", str, "none")
         if scaling_type == "linear":
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
@@ -475,6 +508,11 @@ class ModelConfig:
                 raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight and "
                                  f"{arch}.rope.scaling.type={scaling_type!r}; tokenmill reads one RoPE scaling")
             scaling = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(file, head_dim)}
+        if any(name in file.tensors for name in GGUF_LONGROPE):
+            if scaling is not None:
+                raise ValueError(f"GGUF file {file.path!r} carries {' and '.join(GGUF_LONGROPE)} beside another RoPE "
+                                 "scaling; tokenmill reads one RoPE scaling")
+            scaling = _gguf_longrope(file, arch, rotary)
         vocab = get("vocab_size", int, 0) or len(md.get("tokenizer.ggml.tokens") or ())
         if not vocab:
             vocab = int(file.tensors["token_embd.weight"].shape[1])
@@ -486,6 +524,8 @@ class ModelConfig:
         rope_layers = _rope_all_but_every(4, layers) if arch == "smollm3" else None
         file_type = _gguf_value(file, "general.file_type", int, None)
         dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
+        # llama.cpp's phi3 writes 0 for no window
+        window = (get("attention.sliding_window", int, 0) or None) if arch == "phi3" else None
         multipliers = {}
         if arch == "granite":
             if not get("rope.scaling.finetuned", bool, True):
@@ -514,6 +554,8 @@ class ModelConfig:
             bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
             dtype=dtype,
             rope_layers=rope_layers,
+            rotary_dim=None if rotary == head_dim else rotary,
+            sliding_window=window,
             **multipliers,
         )
 

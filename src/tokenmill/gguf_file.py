@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # general.architecture -> our registry key
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                      "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 # GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType), each one that gguf's numpy
 # dequantizer (>= 0.11) reads as ggml does. Q5_0 and Q5_1 are what llama.cpp writes in a K-quant file for

@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format): metadata, tensor names and streamed weights.
 
 The file is memory-mapped by the `gguf` package's reader; each tensor is dequantized on its own (one
-float32 copy of that tensor on the host), unpermuted where llama.cpp permuted it, and copied into its
-parameter through `fill.fill_parameters`, which packs q/k/v and gate/up and checks that every
+float32 copy of that tensor on the host), unpermuted where llama.cpp permuted it, put in the model's
+layout by `fill.checkpoint_layout` (phi3's fused attn_qkv and ffn_up split, partial rotary's q/k order) and
+copied into its parameter through `fill.fill_parameters`, which packs q/k/v and gate/up and checks that every
 parameter was filled and no tensor was left over. Config and tokenizer come from the same metadata
 (`ModelConfig.from_gguf`, `engine/gguf_tokenizer.py`).
 """
@@ -14,8 +15,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from tokenmill.config import GGUF_LONGROPE
 from tokenmill.gguf_file import GGUFFile, open_gguf
-from tokenmill.runner.fill import fill_parameters
+from tokenmill.runner.fill import checkpoint_layout, fill_parameters
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -28,19 +30,23 @@ _LAYER = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-# tensors that ModelConfig.from_gguf reads into the config (not parameters): Llama 3's RoPE divisors
-CONFIG_TENSORS = ("rope_freqs.weight",)
+# llama.cpp's phi3 stores Phi-3's fused tensors as they are: q/k/v rows in attn_qkv, gate then up rows in ffn_up
+_PHI3_LAYER = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# tensors that ModelConfig.from_gguf reads into the config (not parameters): Llama 3's RoPE divisors, LongRoPE's
+# factors
+CONFIG_TENSORS = ("rope_freqs.weight", *GGUF_LONGROPE)
 _LAYER_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a GGUF tensor name (unknown names are returned unchanged, so
-    the load reports them as left over)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The Hugging Face parameter name of a GGUF tensor name in a file of `architecture` (unknown names are
+    returned unchanged, so the load reports them as left over)."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    layer = _PHI3_LAYER if architecture == "phi3" else _LAYER
     m = _LAYER_KEY.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer:
+        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
@@ -62,7 +68,7 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
     for name in file.tensor_names:
         if name in CONFIG_TENSORS:
             continue
-        key = hf_name(name)
+        key = hf_name(name, file.architecture)
         heads = None
         if permute and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             heads = num_heads
@@ -78,4 +84,5 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
 def load_gguf_weights(model: nn.Module, path: str) -> None:
     file = open_gguf(path)
     cfg = model.config
-    fill_parameters(model, gguf_tensors(file, cfg.num_attention_heads, cfg.num_key_value_heads), repr(path))
+    tensors = gguf_tensors(file, cfg.num_attention_heads, cfg.num_key_value_heads)
+    fill_parameters(model, checkpoint_layout(model, tensors), repr(path))
