@@ -242,6 +242,11 @@ def test_config_bounds_the_served_context_by_the_sliding_window():
                                          r"than the model's sliding_window=2047"):
         cfg.serving(4096)
     assert ModelConfig.from_hf({**PHI4_MINI, "sliding_window": None}).serving(131072).sliding_window is None
+    # GPTQ calibration, which builds no engine, bounds its sequences by the window likewise
+    from tokenmill.quant.gptq import check_calibration
+    with pytest.raises(ValueError, match=r"calibration sequences of 2048 tokens are longer than the model's "
+                                         r"sliding_window=2047"):
+        check_calibration(torch.zeros(1, 2048, dtype=torch.long), cfg)
 
 
 @pytest.mark.parametrize("change,message", [
