@@ -158,16 +158,14 @@ def test_a_tensor_parallel_rank_loads_its_slices_of_the_fused_tensors(checkpoint
         assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, want)
 
 
-def test_a_sliding_window_as_long_as_the_context_serves_and_a_shorter_one_is_refused(checkpoints):
+def test_a_sliding_window_bounds_the_served_context(checkpoints, caplog):
     """transformers' Phi3 attends over the latest sliding_window positions; tokenmill over the whole context, the
-    same while a sequence is no longer than the window: a window shorter than the served context is refused
-    before any weight is read, and serving within it computes what transformers computes."""
+    same while a sequence is no longer than the window: the model's default context is lowered to a shorter
+    window (with a warning), a longer --max-model-len is refused before any weight is read, and serving within
+    the window computes what transformers computes, its RoPE table one row a served position."""
     path = checkpoints["plain"]
-    with pytest.raises(ValueError, match=r"max_model_len=256 \(the model's max_position_embeddings=256\) is longer "
-                                         r"than the model's sliding_window=100: .* serve at most 100 "
-                                         r"\(--max-model-len 100\)"):
-        LLM(path, device="cpu", dtype="float32", hf_overrides={"sliding_window": 100})
-    with pytest.raises(ValueError, match=r"max_model_len=101 is longer than the model's sliding_window=100"):
+    with pytest.raises(ValueError, match=r"max_model_len=101 is longer than the model's sliding_window=100: .* "
+                                         r"serve at most 100 \(--max-model-len 100\)"):
         LLM(path, device="cpu", dtype="float32", hf_overrides={"sliding_window": 100}, max_model_len=101)
     narrow = os.path.join(os.path.dirname(path), "window80")
     os.makedirs(narrow)
@@ -177,7 +175,11 @@ def test_a_sliding_window_as_long_as_the_context_serves_and_a_shorter_one_is_ref
         json.dump(dict(hf, sliding_window=80), f)
     os.symlink(os.path.join(path, "model.safetensors"), os.path.join(narrow, "model.safetensors"))
     prompt = PROMPT[:60]
-    _, tokens, ours = _served(narrow, prompt, max_model_len=80)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        llm, tokens, ours = _served(narrow, prompt)
+    assert "sliding window of 80 positions, shorter than its max_position_embeddings=256" in caplog.text
+    assert llm.engine.max_model_len == 80
+    assert llm.engine.runner.model.model.layers[0].self_attn.rotary.cos_sin.shape[0] == 80
     want = _reference(narrow, tokens, prompt)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 

@@ -178,14 +178,15 @@ class DecoderModel(nn.Module):
         # torch._dynamo, 1.0-1.4 s of every process's start-up on the CPU machine
         rows = cfg.vocab_size // _ranks(tp)
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
-        # one row per position up to the longest max_model_len the engine allows; each layer reads its
-        # table from its own module (every RoPE path, CUDA graphs and tensor-parallel ranks included), so
-        # the NoPE layers share one identity table beside the rotating layers' one
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len, cfg.rope_theta, cfg.rope_scaling,
-                                 cfg.rope_dim, cfg.served_max_model_len)
+        # one row per position of the context the engine serves (its max_model_len; no position reaches
+        # past it), which also chooses LongRoPE's factors; each layer reads its table from its own module
+        # (every RoPE path, CUDA graphs and tensor-parallel ranks included), so the NoPE layers share one
+        # identity table beside the rotating layers' one
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.served_max_model_len, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.rope_dim)
         layers = range(cfg.num_hidden_layers)
         nope = (None if all(cfg.rotates(i) for i in layers)
-                else NoRotaryEmbedding(cfg.head_dim, cfg.derived_max_model_len))
+                else NoRotaryEmbedding(cfg.head_dim, cfg.served_max_model_len))
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary if cfg.rotates(i) else nope, tp) for i in layers)
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
