@@ -404,7 +404,7 @@ class _SamplingRequest(_Strict):
 
     def structured_params(self, call_form=None):
         """The engine's StructuredOutputsParams for the request's constraint, or None. `call_form`: how the
-        server's tool-call parser writes calls (`tool_parsers.CallForm`), where tool_choice "auto" reads them."""
+        server's tool-call parser writes calls (`tool_parsers.base.CallForm`), where tool_choice "auto" reads them."""
         spec = self.structured_spec()
         if spec is None:
             return None

@@ -2,7 +2,7 @@
 `reasoning_content` and `content`.
 
 Order in a chat response: the reasoning parser runs first, on the whole generated text; the tool parser
-(`tool_parsers.py`) then runs only on the `content` it returns. A `<tool_call>` written while thinking is
+(`tool_parsers/`) then runs only on the `content` it returns. A `<tool_call>` written while thinking is
 therefore reasoning text, never a call. Streaming chains the same way: each `content` delta of the
 reasoning stream is fed to the tool-call stream.
 

@@ -9,7 +9,7 @@ import json
 import re
 
 from tokenmill.sampling_params import SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS, shown
-from tokenmill.server.tool_parsers import CallForm, ToolCall
+from tokenmill.server.tool_parsers.base import CallForm, ToolCall
 
 
 def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
