@@ -1,17 +1,16 @@
-"""Frozen configs: `ModelConfig.from_hf` is the one place that reads a Hugging Face config.json, and
-`ModelConfig.from_gguf` the one that reads a GGUF file's model metadata."""
+"""Frozen configs: the dtype names, `ModelConfig` (the model's shape and features, checked, and what follows
+from them) and `EngineConfig` (the engine's settings). `ModelConfig.from_hf` reads a Hugging Face config.json
+(`hf_config.py`), `ModelConfig.from_gguf` a GGUF file's model metadata (`gguf_config.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.generation_config import parse_eos_ids, read_json_object
 from tokenmill.layers.kernel_config import KernelConfig
-from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config, parse_quantization
+from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config
 
 # torch is imported where a dtype or a device is made, not here: an API server process builds these
 # configs (the command line's) without the tensor library, which would cost it ~1.5 s of CPU and ~180 MB
@@ -31,41 +30,6 @@ DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
-
-def _sliding_layers(hf: dict[str, Any], rope_layers: tuple[bool, ...] | None) -> tuple[list[int], int | None]:
-    """The layers of a Hugging Face config that attend over a sliding window, and the window: the layers
-    `layer_types` marks "sliding_attention", or without it with `use_sliding_window`, as transformers reads
-    them: SmolLM3's NoPE layers (`rope_layers` given; no default window), else (older Qwen2 configs) the
-    layers from `max_window_layers` on (defaults: a window of 4,096, layers from 28 on). A window of null
-    slides nowhere."""
-    window = hf["sliding_window"] if "sliding_window" in hf else (None if rope_layers is not None else 4096)
-    types = hf.get("layer_types")
-    if types:
-        return [i for i, t in enumerate(types) if t == "sliding_attention"], window
-    if rope_layers is not None:
-        slides = hf.get("use_sliding_window") and window is not None
-        return [i for i, rotates in enumerate(rope_layers) if slides and not rotates], window
-    if hf.get("use_sliding_window") and window:
-        first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
-        return list(range(first, hf["num_hidden_layers"])), window
-    return [], window
-
-
-# the config.json keys read without a default
-_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-# transformers' defaults for the keys a config.json may leave out, where an architecture's differ from the
-# ones `from_hf` falls back on (Llama's)
-_HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings": True, "num_key_value_heads": 4,
-                                       "max_position_embeddings": 32768},
-                "GraniteForCausalLM": {"max_position_embeddings": 2048},
-                # Phi3Config's original_max_position_embeddings (4,096) is always an attribute, which transformers
-                # puts over the RoPE dict's own
-                "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096}}
-
-# Phi-3's RoPE kinds as transformers' Phi3Config takes them: su and yarn are older names of longrope
-_PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
-
 # Granite's four scalars, as config.json names them (transformers' default for each is 1.0, the attention's
 # softmax scale included), and the GGUF keys llama.cpp's converter writes them under (where a key is left
 # out, or 0, llama.cpp takes the neutral value: 1, and for the attention 1/sqrt(head_dim))
@@ -73,61 +37,9 @@ GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_mult
                        "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
-def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None, int | None]:
-    """Phi-3's RoPE kind, rotated dims of a head (None: all) and sliding window (None: none), as transformers'
-    Phi3 reads them: partial_rotary_factor from the RoPE dict, else the top level (Phi-4-mini's 0.75), rotating
-    int(head_dim x factor) dims; the window over every layer."""
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind not in _PHI3_ROPE_TYPES:
-        raise ValueError(f"Phi3ForCausalLM with rope_scaling of type {kind!r} is not supported: transformers' Phi3 "
-                         "takes longrope (or su and yarn, its older names) or none")
-    factor = rope.get("partial_rotary_factor")
-    factor = hf.get("partial_rotary_factor", 1.0) if factor is None else factor
-    if not (finite_number(factor) and 0 < factor <= 1):
-        raise ValueError(f"config.json's partial_rotary_factor is {factor!r}; it must be a number in (0, 1], the "
-                         "share of each head's dims that RoPE rotates")
-    window = hf.get("sliding_window")
-    if window is not None and (type(window) is not int or window < 1):
-        raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
-    rotary = int(head_dim * factor)
-    return _PHI3_ROPE_TYPES[kind], None if rotary == head_dim else rotary, window
-
-
 def _rope_all_but_every(interval: int, layers: int) -> tuple[bool, ...]:
     """Per layer, whether it rotates: all but every `interval`-th (layers interval - 1, 2 interval - 1, ...)."""
     return tuple((i + 1) % interval != 0 for i in range(layers))
-
-
-def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
-    """SmolLM3's per-layer RoPE flags, as transformers reads them: `no_rope_layers` (1: the layer rotates q
-    and k, 0: a NoPE layer; entries past the last layer unread), or without it every
-    `no_rope_layer_interval`-th layer (4 by default) a NoPE layer."""
-    n = hf["num_hidden_layers"]
-    flags = hf.get("no_rope_layers")
-    if flags is None:
-        interval = hf.get("no_rope_layer_interval", 4)
-        if type(interval) is not int or interval < 1:
-            raise ValueError(f"config.json's no_rope_layer_interval is {interval!r}; it must be an integer >= 1 "
-                             "(every interval-th layer applies no RoPE)")
-        return _rope_all_but_every(interval, n)
-    if not isinstance(flags, list) or len(flags) < n or any(
-            type(f) not in (int, bool) or f not in (0, 1) for f in flags[:n]):
-        shown = (f"{flags[:8]}{'...' if len(flags) > 8 else ''} ({len(flags)} entries)" if isinstance(flags, list)
-                 else repr(flags))
-        raise ValueError(f"config.json's no_rope_layers is {shown}; it must list 1 (RoPE) or 0 (no RoPE) for each "
-                         f"of the num_hidden_layers={n} layers")
-    return tuple(bool(f) for f in flags[:n])
-
-
-def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """config.json's dict with `overrides` (vLLM's --hf-overrides) over it, as a new dict: where both hold an
-    object under a key the two are merged key by key, so {"rope_scaling": {"factor": 2.0}} changes one
-    number of the checkpoint's rope_scaling; any other value (null included) replaces the checkpoint's."""
-    merged = dict(hf)
-    for key, value in overrides.items():
-        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
-        merged[key] = merge_hf_overrides(merged[key], value) if both else value
-    return merged
 
 
 def finite_number(value: Any) -> bool:
@@ -137,106 +49,6 @@ def finite_number(value: Any) -> bool:
 
 def _positive(value: Any) -> bool:
     return finite_number(value) and value > 0
-
-
-def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
-    """A GGUF file's `rope_freqs.weight`: the divisor of each rotary frequency (llama.cpp's converter writes
-    it for Llama 3.1/3.2's llama3 scaling, inv_freq / scaled inv_freq), head_dim / 2 positive numbers."""
-    t = file.tensors["rope_freqs.weight"]
-    if tuple(t.shape) != (head_dim // 2,):
-        raise ValueError(f"GGUF file {file.path!r} has rope_freqs.weight of shape {tuple(reversed(t.shape))}; "
-                         f"it must hold one divisor per rotary frequency, {head_dim // 2} for head_dim {head_dim}")
-    factors = file.read("rope_freqs.weight").double()
-    if not bool(factors.isfinite().all() and (factors > 0).all()):
-        raise ValueError(f"GGUF file {file.path!r} has rope_freqs.weight values that are not positive and "
-                         f"finite ({factors.tolist()[:8]}...)")
-    return tuple(factors.tolist())
-
-
-_REQUIRED = object()
-_VALUE_KINDS = {bool: "a bool", int: "an integer", float: "a float", str: "a string", list: "an array"}
-
-
-def _gguf_value(file: Any, key: str, kind: type, default: Any = _REQUIRED) -> Any:
-    """The GGUF metadata value `key` read as `kind` (int, float or str), `default` where the file lacks it.
-    GGUF types its values, so one of another type (a number stored as a string, an array such as a
-    per-layer value where one value belongs, a bool for a count) is refused, naming the key, the value and
-    its type and what was expected, never coerced; only an integer reads as a float."""
-    if key not in file.metadata:
-        if default is _REQUIRED:
-            raise ValueError(f"GGUF file {file.path!r} lacks metadata key {key}")
-        return default
-    value = file.metadata[key]
-    if type(value) is not kind and not (kind is float and type(value) is int):
-        shown = f"{value[:4]}{'...' if len(value) > 4 else ''}" if isinstance(value, list) else repr(value)
-        raise ValueError(f"GGUF file {file.path!r} has metadata {key} = {shown}, "
-                         f"{_VALUE_KINDS.get(type(value), type(value).__name__)}; "
-                         f"tokenmill expects one value there, {_VALUE_KINDS[kind]}")
-    return kind(value)
-
-
-# GGUF YaRN keys (llama.cpp's converter writes them from config.json's rope_scaling) -> that dict's keys
-_GGUF_YARN = {"rope.scaling.factor": "factor",
-              "rope.scaling.original_context_length": "original_max_position_embeddings",
-              "rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow",
-              "rope.scaling.yarn_attn_factor": "attention_factor"}
-# llama.cpp's YaRN keys with no equal in transformers' YaRN, and the value each has when it changes nothing
-_GGUF_YARN_NEUTRAL = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0,
-                      "rope.scaling.attn_factor": 1.0}
-
-
-# the tensors in which llama.cpp's converter stores LongRoPE's short and long factors (phi3), read into the config
-GGUF_LONGROPE = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
-
-
-def _gguf_longrope(file: Any, arch: str, rotary_dim: int) -> dict[str, Any]:
-    """A GGUF file's LongRoPE as config.json's rope_scaling dict: the factors from their tensors (rotary_dim / 2
-    each; checked by the RoPE table), the original context from rope.scaling.original_context_length and the
-    attention factor from rope.scaling.attn_factor, which llama.cpp's converter computes as transformers does
-    (where it is left out, from context_length over the original context, as transformers derives it)."""
-    scaling: dict[str, Any] = {"rope_type": "longrope"}
-    for name, key in GGUF_LONGROPE.items():
-        if name not in file.tensors:
-            raise ValueError(f"GGUF file {file.path!r} carries {' or '.join(n for n in GGUF_LONGROPE if n != name)} "
-                             f"but not {name}; LongRoPE needs both sets of factors")
-        t = file.tensors[name]
-        if tuple(t.shape) != (rotary_dim // 2,):
-            raise ValueError(f"GGUF file {file.path!r} has {name} of shape {tuple(reversed(t.shape))}; it must hold "
-                             f"one factor per rotary frequency, {rotary_dim // 2} for {rotary_dim} rotated dims")
-        scaling[key] = file.read(name).double().tolist()
-    original = _gguf_value(file, f"{arch}.rope.scaling.original_context_length", int, None)
-    if original is None:
-        raise ValueError(f"GGUF file {file.path!r} has LongRoPE factors but lacks "
-                         f"{arch}.rope.scaling.original_context_length, which chooses between them")
-    scaling["original_max_position_embeddings"] = original
-    context = _gguf_value(file, f"{arch}.context_length", int)
-    if _positive(original):
-        scaling["factor"] = context / original
-    attn = _gguf_value(file, f"{arch}.rope.scaling.attn_factor", float, None)
-    if attn is not None:
-        scaling["attention_factor"] = attn
-    return scaling
-
-
-def _gguf_yarn(file: Any, arch: str) -> dict[str, Any]:
-    """A GGUF file's YaRN scaling as config.json's rope_scaling dict: factor and original context are
-    required (there is no max_position_embeddings of the original model to derive them from); a key of
-    llama.cpp's own is taken only at the value that leaves transformers' YaRN unchanged."""
-    for key, neutral in _GGUF_YARN_NEUTRAL.items():
-        value = _gguf_value(file, f"{arch}.{key}", float, neutral)
-        if value != neutral:
-            raise ValueError(f"GGUF file {file.path!r} has {arch}.{key}={value}; tokenmill's YaRN (transformers') "
-                             f"has no such setting and reads it only at {neutral}")
-    scaling = {"rope_type": "yarn"}
-    for key, name in _GGUF_YARN.items():
-        required = name in ("factor", "original_max_position_embeddings")
-        value = _gguf_value(file, f"{arch}.{key}", int if name == "original_max_position_embeddings" else float, None)
-        if value is None and required:
-            raise ValueError(f"GGUF file {file.path!r} has {arch}.rope.scaling.type='yarn' but lacks {arch}.{key}, "
-                             f"which YaRN needs ({name})")
-        if value is not None:
-            scaling[name] = value
-    return scaling
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
@@ -369,104 +181,8 @@ class ModelConfig:
                 hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
         """Normalise a Hugging Face config (a dict, a config.json path or a model directory), with
         `hf_overrides` merged over it first (`merge_hf_overrides`)."""
-        if not isinstance(hf, dict):
-            path = os.fspath(hf)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                ggufs = sorted(os.path.basename(g) for g in glob.glob(os.path.join(os.path.dirname(path), "*.gguf")))
-                hint = f"; it holds {', '.join(ggufs[:4])}: a GGUF model is given as the file itself" if ggufs else ""
-                raise FileNotFoundError(f"no config.json at {path}{hint}")
-            hf = read_json_object(path)
-            # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
-            # reads it too); quant_method is GPTQ's where it does not say
-            legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
-            if not hf.get("quantization_config") and os.path.isfile(legacy):
-                hf["quantization_config"] = {"quant_method": "gptq", **read_json_object(legacy)}
-        if hf_overrides:
-            hf = merge_hf_overrides(hf, hf_overrides)
-        archs = hf.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
-        missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}; a decoder's config needs "
-                             f"{', '.join(_REQUIRED_HF_KEYS)}")
-        arch = archs[0]
-        hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
-        # SmolLM3 alone reads no_rope_layers (another architecture's config may carry it unread)
-        layers = hf["num_hidden_layers"]
-        rope_layers = (_no_rope_layers(hf) if arch == "SmolLM3ForCausalLM" and type(layers) is int and layers > 0
-                       else None)
-        heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        # Qwen3's head_dim is its own (transformers' default 128), not the hidden size over the heads
-        head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
-        # transformers' reading: the RoPE dict (rope_scaling, or rope_parameters) before the top level, its
-        # kind under "rope_type" or the older "type"; the scaled kinds' original context from the top level
-        # first, else the dict's, else max_position_embeddings
-        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-        rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-        kind = rope.get("rope_type") or rope.get("type") or "default"
-        phi3 = arch == "Phi3ForCausalLM"
-        rotary_dim = window = None
-        if phi3:
-            kind, rotary_dim, window = _phi3_rope(rope, hf, head_dim)
-        scaling = None if kind == "default" else {**rope, "rope_type": kind}
-        if scaling is not None and kind in ("llama3", "yarn", "longrope"):
-            if hf.get("original_max_position_embeddings"):
-                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-            scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
-        if kind in ("yarn", "longrope") and scaling.get("factor") is None:
-            # transformers' YaRN and LongRoPE without a factor: the stretch from the original context to the
-            # model's (LongRoPE's sets its attention factor alone)
-            context, original = hf.get("max_position_embeddings", 4096), scaling["original_max_position_embeddings"]
-            if _positive(context) and _positive(original):
-                scaling["factor"] = context / original
-        eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
-        dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
-        act = hf.get("hidden_act", "silu")
-        # transformers' Phi3 reads neither bias key (it has no bias), nor the other architectures' window keys
-        if hf.get("mlp_bias") and not phi3:
-            raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
-        if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
-            raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
-                             "which carries none here (Qwen2's bias on q/k/v alone is)")
-        sliding, sliding_window = _sliding_layers(hf, rope_layers) if not phi3 else ([], None)
-        if sliding:
-            raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
-                             f"{'...' if len(sliding) > 8 else ''} (sliding_window {sliding_window}) is "
-                             "not supported: tokenmill attends over the whole context in every layer, which "
-                             "changes the output past the window")
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
-            attention_bias=arch == "Qwen2ForCausalLM" or (not phi3 and bool(hf.get("attention_bias", False))),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            eos_token_ids=eos_ids,
-            bos_token_id=hf.get("bos_token_id"),
-            dtype=dtype,
-            hidden_act="silu" if act == "swish" else act,       # the same function
-            quantization=(parse_quantization(hf["quantization_config"])
-                          if hf.get("quantization_config") else None),
-            rope_layers=rope_layers,
-            rotary_dim=rotary_dim,
-            sliding_window=window,
-            # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
-            **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
-        )
+        from tokenmill.hf_config import read_hf_config
+        return read_hf_config(cls, hf, hf_overrides)
 
     @classmethod
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
@@ -474,90 +190,8 @@ class ModelConfig:
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
         EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, a
         granite file's scalars, and a phi3 file's rotated dims, LongRoPE factors and sliding window."""
-        from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
-
-        file = gguf if isinstance(gguf, GGUFFile) else open_gguf(gguf)
-        md, arch = file.metadata, file.architecture
-
-        def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
-            return _gguf_value(file, f"{arch}.{key}", kind, default)
-
-        hidden, heads = get("embedding_length", int), get("attention.head_count", int)
-        if hidden <= 0 or heads <= 0:
-            raise ValueError(f"GGUF file {file.path!r} has {arch}.embedding_length={hidden} and "
-                             f"{arch}.attention.head_count={heads}; both must be positive")
-        head_dim = get("attention.key_length", int, hidden // heads)
-        if get("attention.value_length", int, head_dim) != head_dim:
-            raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}")
-        rotary = get("rope.dimension_count", int, head_dim)
-        if rotary != head_dim and arch != "phi3":
-            raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of head_dim={head_dim}; "
-                             "tokenmill rotates part of a head in phi3 files only (their rotate-half layout)")
-        scaling_type = get("rope.scaling.type", str, "none")
-        if scaling_type == "linear":
-            scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
-        elif scaling_type == "yarn":
-            scaling = _gguf_yarn(file, arch)
-        elif scaling_type == "none":
-            scaling = None
-        else:
-            raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
-                             "supported: none, linear, yarn")
-        if "rope_freqs.weight" in file.tensors:
-            if scaling is not None:
-                raise ValueError(f"GGUF file {file.path!r} carries rope_freqs.weight and "
-                                 f"{arch}.rope.scaling.type={scaling_type!r}; tokenmill reads one RoPE scaling")
-            scaling = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(file, head_dim)}
-        if any(name in file.tensors for name in GGUF_LONGROPE):
-            if scaling is not None:
-                raise ValueError(f"GGUF file {file.path!r} carries {' and '.join(GGUF_LONGROPE)} beside another RoPE "
-                                 "scaling; tokenmill reads one RoPE scaling")
-            scaling = _gguf_longrope(file, arch, rotary)
-        vocab = get("vocab_size", int, 0) or len(md.get("tokenizer.ggml.tokens") or ())
-        if not vocab:
-            vocab = int(file.tensors["token_embd.weight"].shape[1])
-        # every end of generation the file names stops it, as in llama.cpp: EOS, a turn's end (EOT, Llama 3's
-        # <|eot_id|>) and the end of a turn that called a tool (EOM, Llama 3.1's <|eom_id|>)
-        eos = [_gguf_value(file, f"tokenizer.ggml.{kind}_token_id", int, None) for kind in ("eos", "eot", "eom")]
-        layers = get("block_count", int)
-        # llama.cpp's smollm3 leaves RoPE out of every 4th layer, a step it fixes in code (no metadata key)
-        rope_layers = _rope_all_but_every(4, layers) if arch == "smollm3" else None
-        file_type = _gguf_value(file, "general.file_type", int, None)
-        dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
-        # llama.cpp's phi3 writes 0 for no window
-        window = (get("attention.sliding_window", int, 0) or None) if arch == "phi3" else None
-        multipliers = {}
-        if arch == "granite":
-            if not get("rope.scaling.finetuned", bool, True):
-                raise ValueError(f"GGUF file {file.path!r} has granite.rope.scaling.finetuned=false, which "
-                                 "llama.cpp reads as no RoPE in any layer; tokenmill's granite rotates q and k")
-            # 0, as llama.cpp reads it, and a key left out (its converter writes those config.json has) change
-            # nothing
-            multipliers = {name: value for name, key in GRANITE_MULTIPLIERS.items() if (value := get(key, float, 0.0))}
-        return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=get("feed_forward_length", int),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=get("attention.head_count_kv", int, heads),
-            head_dim=head_dim,
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon", float),
-            rope_theta=get("rope.freq_base", float, 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=get("context_length", int),
-            tie_word_embeddings="output.weight" not in file.tensors,
-            attention_bias="blk.0.attn_q.bias" in file.tensors,
-            qk_norm=arch == "qwen3",
-            eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
-            dtype=dtype,
-            rope_layers=rope_layers,
-            rotary_dim=None if rotary == head_dim else rotary,
-            sliding_window=window,
-            **multipliers,
-        )
+        from tokenmill.gguf_config import read_gguf_config
+        return read_gguf_config(cls, gguf)
 
     @property
     def derived_max_model_len(self) -> int:

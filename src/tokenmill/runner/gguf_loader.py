@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from tokenmill.config import GGUF_LONGROPE
+from tokenmill.gguf_config import GGUF_LONGROPE
 from tokenmill.gguf_file import GGUFFile, open_gguf
 from tokenmill.runner.fill import checkpoint_layout, fill_parameters
 

@@ -1,0 +1,203 @@
+"""The one place that reads a Hugging Face config.json (`ModelConfig.from_hf`), into our `ModelConfig` as
+transformers reads it: the per-architecture defaults, Phi-3's RoPE, SmolLM3's NoPE layers, Granite's
+multipliers, the sliding layers refused, and `merge_hf_overrides` (--hf-overrides)."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from tokenmill.config import (GRANITE_MULTIPLIERS, ModelConfig, _positive, _rope_all_but_every, finite_number,
+                              parse_dtype)
+from tokenmill.generation_config import parse_eos_ids, read_json_object
+from tokenmill.quant.formats import parse_quantization
+
+
+def _sliding_layers(hf: dict[str, Any], rope_layers: tuple[bool, ...] | None) -> tuple[list[int], int | None]:
+    """The layers of a Hugging Face config that attend over a sliding window, and the window: the layers
+    `layer_types` marks "sliding_attention", or without it with `use_sliding_window`, as transformers reads
+    them: SmolLM3's NoPE layers (`rope_layers` given; no default window), else (older Qwen2 configs) the
+    layers from `max_window_layers` on (defaults: a window of 4,096, layers from 28 on). A window of null
+    slides nowhere."""
+    window = hf["sliding_window"] if "sliding_window" in hf else (None if rope_layers is not None else 4096)
+    types = hf.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"], window
+    if rope_layers is not None:
+        slides = hf.get("use_sliding_window") and window is not None
+        return [i for i, rotates in enumerate(rope_layers) if slides and not rotates], window
+    if hf.get("use_sliding_window") and window:
+        first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
+        return list(range(first, hf["num_hidden_layers"])), window
+    return [], window
+
+
+# the config.json keys read without a default
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# transformers' defaults for the keys a config.json may leave out, where an architecture's differ from the
+# ones `from_hf` falls back on (Llama's)
+_HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings": True, "num_key_value_heads": 4,
+                                       "max_position_embeddings": 32768},
+                "GraniteForCausalLM": {"max_position_embeddings": 2048},
+                # Phi3Config's original_max_position_embeddings (4,096) is always an attribute, which transformers
+                # puts over the RoPE dict's own
+                "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096}}
+
+# Phi-3's RoPE kinds as transformers' Phi3Config takes them: su and yarn are older names of longrope
+_PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
+
+def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None, int | None]:
+    """Phi-3's RoPE kind, rotated dims of a head (None: all) and sliding window (None: none), as transformers'
+    Phi3 reads them: partial_rotary_factor from the RoPE dict, else the top level (Phi-4-mini's 0.75), rotating
+    int(head_dim x factor) dims; the window over every layer."""
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in _PHI3_ROPE_TYPES:
+        raise ValueError(f"Phi3ForCausalLM with rope_scaling of type {kind!r} is not supported: transformers' Phi3 "
+                         "takes longrope (or su and yarn, its older names) or none")
+    factor = rope.get("partial_rotary_factor")
+    factor = hf.get("partial_rotary_factor", 1.0) if factor is None else factor
+    if not (finite_number(factor) and 0 < factor <= 1):
+        raise ValueError(f"config.json's partial_rotary_factor is {factor!r}; it must be a number in (0, 1], the "
+                         "share of each head's dims that RoPE rotates")
+    window = hf.get("sliding_window")
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
+    rotary = int(head_dim * factor)
+    return _PHI3_ROPE_TYPES[kind], None if rotary == head_dim else rotary, window
+
+
+def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE flags, as transformers reads them: `no_rope_layers` (1: the layer rotates q
+    and k, 0: a NoPE layer; entries past the last layer unread), or without it every
+    `no_rope_layer_interval`-th layer (4 by default) a NoPE layer."""
+    n = hf["num_hidden_layers"]
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        if type(interval) is not int or interval < 1:
+            raise ValueError(f"config.json's no_rope_layer_interval is {interval!r}; it must be an integer >= 1 "
+                             "(every interval-th layer applies no RoPE)")
+        return _rope_all_but_every(interval, n)
+    if not isinstance(flags, list) or len(flags) < n or any(
+            type(f) not in (int, bool) or f not in (0, 1) for f in flags[:n]):
+        shown = (f"{flags[:8]}{'...' if len(flags) > 8 else ''} ({len(flags)} entries)" if isinstance(flags, list)
+                 else repr(flags))
+        raise ValueError(f"config.json's no_rope_layers is {shown}; it must list 1 (RoPE) or 0 (no RoPE) for each "
+                         f"of the num_hidden_layers={n} layers")
+    return tuple(bool(f) for f in flags[:n])
+
+
+def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict with `overrides` (vLLM's --hf-overrides) over it, as a new dict: where both hold an
+    object under a key the two are merged key by key, so {"rope_scaling": {"factor": 2.0}} changes one
+    number of the checkpoint's rope_scaling; any other value (null included) replaces the checkpoint's."""
+    merged = dict(hf)
+    for key, value in overrides.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge_hf_overrides(merged[key], value) if both else value
+    return merged
+
+
+def read_hf_config(cls: type[ModelConfig], hf: dict[str, Any] | str | os.PathLike,
+                   hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """`ModelConfig.from_hf`'s reading: a Hugging Face config (a dict, a config.json path or a model
+    directory), with `hf_overrides` merged over it first, as a `cls`."""
+    if not isinstance(hf, dict):
+        path = os.fspath(hf)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            ggufs = sorted(os.path.basename(g) for g in glob.glob(os.path.join(os.path.dirname(path), "*.gguf")))
+            hint = f"; it holds {', '.join(ggufs[:4])}: a GGUF model is given as the file itself" if ggufs else ""
+            raise FileNotFoundError(f"no config.json at {path}{hint}")
+        hf = read_json_object(path)
+        # older AutoGPTQ checkpoints keep their quantization in quantize_config.json beside it (vLLM
+        # reads it too); quant_method is GPTQ's where it does not say
+        legacy = os.path.join(os.path.dirname(path), "quantize_config.json")
+        if not hf.get("quantization_config") and os.path.isfile(legacy):
+            hf["quantization_config"] = {"quant_method": "gptq", **read_json_object(legacy)}
+    if hf_overrides:
+        hf = merge_hf_overrides(hf, hf_overrides)
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
+    missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}; a decoder's config needs "
+                         f"{', '.join(_REQUIRED_HF_KEYS)}")
+    arch = archs[0]
+    hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
+    # SmolLM3 alone reads no_rope_layers (another architecture's config may carry it unread)
+    layers = hf["num_hidden_layers"]
+    rope_layers = (_no_rope_layers(hf) if arch == "SmolLM3ForCausalLM" and type(layers) is int and layers > 0
+                   else None)
+    heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    # Qwen3's head_dim is its own (transformers' default 128), not the hidden size over the heads
+    head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+    # transformers' reading: the RoPE dict (rope_scaling, or rope_parameters) before the top level, its
+    # kind under "rope_type" or the older "type"; the scaled kinds' original context from the top level
+    # first, else the dict's, else max_position_embeddings
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    phi3 = arch == "Phi3ForCausalLM"
+    rotary_dim = window = None
+    if phi3:
+        kind, rotary_dim, window = _phi3_rope(rope, hf, head_dim)
+    scaling = None if kind == "default" else {**rope, "rope_type": kind}
+    if scaling is not None and kind in ("llama3", "yarn", "longrope"):
+        if hf.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+    if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+        # transformers' YaRN and LongRoPE without a factor: the stretch from the original context to the
+        # model's (LongRoPE's sets its attention factor alone)
+        context, original = hf.get("max_position_embeddings", 4096), scaling["original_max_position_embeddings"]
+        if _positive(context) and _positive(original):
+            scaling["factor"] = context / original
+    eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
+    dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
+    act = hf.get("hidden_act", "silu")
+    # transformers' Phi3 reads neither bias key (it has no bias), nor the other architectures' window keys
+    if hf.get("mlp_bias") and not phi3:
+        raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
+    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
+        raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
+                         "which carries none here (Qwen2's bias on q/k/v alone is)")
+    sliding, sliding_window = _sliding_layers(hf, rope_layers) if not phi3 else ([], None)
+    if sliding:
+        raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
+                         f"{'...' if len(sliding) > 8 else ''} (sliding_window {sliding_window}) is "
+                         "not supported: tokenmill attends over the whole context in every layer, which "
+                         "changes the output past the window")
+    return cls(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
+        attention_bias=arch == "Qwen2ForCausalLM" or (not phi3 and bool(hf.get("attention_bias", False))),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+        dtype=dtype,
+        hidden_act="silu" if act == "swish" else act,       # the same function
+        quantization=(parse_quantization(hf["quantization_config"])
+                      if hf.get("quantization_config") else None),
+        rope_layers=rope_layers,
+        rotary_dim=rotary_dim,
+        sliding_window=window,
+        # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
+        **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
+    )
