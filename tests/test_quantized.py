@@ -460,6 +460,25 @@ def test_an_already_quantized_checkpoint_is_not_quantized_again(tmp_path, save_t
             assert not os.path.exists(tmp_path / "again")
 
 
+def test_the_writers_refuse_fused_projections(tmp_path, save_tiny_model):
+    """The writers quantize q/k/v_proj and gate/up_proj by name: a checkpoint that fuses them (Phi-3's qkv_proj
+    and gate_up_proj) had them copied unquantized beside the quantized o_proj and down_proj."""
+    src = str(tmp_path / "src")
+    save_tiny_model(src, "qwen3", hidden_size=64)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    p = "model.layers.0."
+    state[p + "mlp.gate_up_proj.weight"] = torch.cat([state.pop(p + "mlp.gate_proj.weight"),
+                                                      state.pop(p + "mlp.up_proj.weight")])
+    for write in (lambda d: fp8.write_checkpoint(d, state, cfg, "compressed-tensors"),
+                  lambda d: write_checkpoint(d, state, cfg, "awq", 32)):
+        with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.mlp.gate_up_proj.weight' fuses "
+                                             r"several projections .* split it into them first"):
+            write(str(tmp_path / "out"))
+        assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize("write,message", [
     (lambda d, s, c: write_checkpoint(d, s, c, "gptq", 16), r"gptq checkpoint with group_size=16 is not supported"),
     (lambda d, s, c: write_checkpoint(d, s, c, "gptq", -1), r"gptq checkpoint with group_size=-1 is not supported"),

@@ -203,6 +203,10 @@ def check_unquantized(state: dict[str, torch.Tensor], hf_config: dict) -> None:
                          f"{qc.get('quant_method')!r}); quantize its unquantized weights instead")
     for key, t in state.items():
         prefix, _, leaf = key.rpartition(".")
+        if prefix.rpartition(".")[2] in ("qkv_proj", "gate_up_proj"):
+            # the writers quantize the unfused layers by name: a fused one would be copied as it is
+            raise ValueError(f"checkpoint tensor {key!r} fuses several projections (as Phi-3's do); the writers "
+                             "quantize q/k/v_proj and gate/up_proj apart: split it into them first")
         if prefix.rpartition(".")[2] in QUANTIZED_LAYERS and (leaf not in ("weight", "bias")
                                                               or t.dtype not in PLAIN_DTYPES):
             raise ValueError(f"checkpoint tensor {key!r} ({t.dtype}) is already quantized; quantize the "
