@@ -33,6 +33,8 @@ route every delta at once, so the streamed parts always concatenate to the non-s
 """
 from __future__ import annotations
 
+from tokenmill.server.tool_parsers.base import partial_suffix
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -57,14 +59,6 @@ def think_token_ids(tokenizer) -> tuple[int, int]:
                              f"{got}")
         ids.append(got[0])
     return ids[0], ids[1]
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -149,7 +143,7 @@ class ReasoningStream:
         if self._phase == "reasoning":
             end = self._buf.find(THINK_END)
             if end < 0:
-                keep = _partial_suffix(self._buf, THINK_END)
+                keep = partial_suffix(self._buf, THINK_END)
                 self._reason(self._buf[:len(self._buf) - keep], reasoning)
                 self._buf = self._buf[len(self._buf) - keep:]
             else:

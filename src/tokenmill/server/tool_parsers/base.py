@@ -93,7 +93,7 @@ def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return None if arguments is None else ToolCall(obj["name"], arguments)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -167,7 +167,7 @@ class _DeltaStream:
         """Sends `text` as content up to the first of `openings` in it, or up to where a possible start of one
         ends it; returns where the text not yet sent starts and the opening found there (None if none)."""
         found = min(((at, o) for o in openings if (at := text.find(o)) >= 0), default=None)
-        cut = found[0] if found else len(text) - max((_partial_suffix(text, o) for o in openings), default=0)
+        cut = found[0] if found else len(text) - max((partial_suffix(text, o) for o in openings), default=0)
         self._content(text[:cut], out)
         return cut, found[1] if found else None
 
