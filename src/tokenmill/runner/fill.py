@@ -1,6 +1,7 @@
 """Checkpoint tensors into a model's parameters, packed ones (q/k/v, gate/up) by shard, with the check
 that every parameter was filled and no tensor was left over; the safetensors and GGUF loads share it, and
-`checkpoint_layout`, which puts a checkpoint's tensors in the model's layout first."""
+`checkpoint_layout`, which puts a checkpoint's tensors in the model's layout first (FP8 quantization at load
+included)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,8 @@ from torch import nn
 
 from tokenmill.layers.parallel import split_dim
 from tokenmill.layers.rotary import rotary_order
+from tokenmill.quant import fp8
+from tokenmill.quant.formats import Fp8Config
 
 # keys some checkpoints carry that hold no learned state
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -103,11 +106,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
 
 
 def checkpoint_layout(model: nn.Module, tensors):
-    """`(key, read)` pairs of a checkpoint in the layout `fill_parameters` takes: a tensor that holds a packed
-    layer's shards whole (Phi-3's qkv_proj and gate_up_proj) as those shards (`_split_fused`), and where RoPE
-    rotates part of a head, q's and k's rows in the order the RoPE paths rotate (`rotary.rotary_order`).
-    Before any quantization at load, which then quantizes the shards in that order as it does Llama's."""
-    return _reorder_rotary_rows(model, _split_fused(model, tensors))
+    """`(key, read)` pairs of a checkpoint (safetensors or GGUF) in the layout `fill_parameters` takes: a
+    tensor that holds a packed layer's shards whole (Phi-3's qkv_proj and gate_up_proj) as those shards
+    (`_split_fused`), where RoPE rotates part of a head, q's and k's rows in the order the RoPE paths rotate
+    (`rotary.rotary_order`), and where the model quantizes plain weights at load (--quantization fp8), each
+    decoder linear weight then quantized per output channel (`fp8.quantize_at_load`). Quantizing last gives
+    every source the same bytes: it keys on the shards' names (q_proj, gate_proj, ...), which a fused tensor
+    has only once split, and per-row scales commute with the split and the row order."""
+    stream = _reorder_rotary_rows(model, _split_fused(model, tensors))
+    quant = getattr(model.config, "quantization", None)
+    if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
+        stream = fp8.quantize_at_load(stream)
+    return stream
 
 
 def _split_fused(model: nn.Module, tensors):

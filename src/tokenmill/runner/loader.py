@@ -100,10 +100,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                             continue
                     yield key, lambda index=None, f=f, key=stored: (f.get_tensor(key) if index is None
                                                                     else f.get_slice(key)[index])
-    stream = checkpoint_layout(model, tensors())
-    if isinstance(quant, Fp8Config) and quant.checkpoint_format is None:
-        stream = fp8.quantize_at_load(stream)
-    fill_parameters(model, stream, repr(model_dir))
+    fill_parameters(model, checkpoint_layout(model, tensors()), repr(model_dir))
     if quant is not None and quant.method == "gptq" and quant.desc_act:
         # act-order rows in the plain order would give wrong outputs without an error
         for name, module in model.named_modules():
