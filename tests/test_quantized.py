@@ -350,12 +350,17 @@ def test_requested_quantization_must_match_the_checkpoint(awq_dir):
         check_quantization("gptq_marlin", ModelConfig.from_hf(q), q)
 
 
-def test_quantization_on_a_gguf_file_is_refused(tmp_path):
+def test_quantization_on_a_gguf_file_is_refused_but_fp8(tmp_path):
+    """A GGUF file's own types are dequantized as read; fp8 is the one quantization it takes at load
+    (test_gguf_fp8.py), any other is refused naming it."""
     from tokenmill.runner.loader import check_quantization
     path = tmp_path / "m.gguf"
     path.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"--quantization awq applies to safetensors checkpoints .* GGUF file"):
-        check_quantization("awq", None, str(path))
+    for method in ("awq", "gptq", "awq_marlin"):
+        with pytest.raises(ValueError, match=rf"--quantization {method} cannot apply to .*m\.gguf', a GGUF file: .* "
+                                             r"fp8 is the one quantization a GGUF file can be quantized to at load"):
+            check_quantization(method, None, str(path))
+    check_quantization("fp8", None, str(path))
 
 
 def test_cli_flag_reaches_the_engine_config():

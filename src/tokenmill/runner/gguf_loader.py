@@ -2,10 +2,11 @@
 
 The file is memory-mapped by the `gguf` package's reader; each tensor is dequantized on its own (one
 float32 copy of that tensor on the host), unpermuted where llama.cpp permuted it, put in the model's
-layout by `fill.checkpoint_layout` (phi3's fused attn_qkv and ffn_up split, partial rotary's q/k order) and
-copied into its parameter through `fill.fill_parameters`, which packs q/k/v and gate/up and checks that every
-parameter was filled and no tensor was left over. Config and tokenizer come from the same metadata
-(`ModelConfig.from_gguf`, `engine/gguf_tokenizer.py`).
+layout by `fill.checkpoint_layout` (phi3's fused attn_qkv and ffn_up split, partial rotary's q/k order;
+with --quantization fp8, each decoder linear weight then quantized per output channel, as a plain
+safetensors checkpoint's is) and copied into its parameter through `fill.fill_parameters`, which packs
+q/k/v and gate/up and checks that every parameter was filled and no tensor was left over. Config and
+tokenizer come from the same metadata (`ModelConfig.from_gguf`, `engine/gguf_tokenizer.py`).
 """
 from __future__ import annotations
 

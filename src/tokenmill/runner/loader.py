@@ -128,8 +128,8 @@ def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: t
                quantization: str | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """`model_path`: a Hugging Face directory (safetensors) or a `.gguf` file. `quantization` (the
     engine's): None takes the checkpoint's format, else it must be the checkpoint's; "fp8" on a plain
-    checkpoint quantizes its linear layers at load. `tp`: load rank tp.rank's slices only, from plain
-    safetensors weights."""
+    checkpoint or a GGUF file quantizes its linear layers at load. `tp`: load rank tp.rank's slices only,
+    from plain safetensors weights."""
     check_quantization(quantization, cfg, model_path)
     if tp is not None and (is_gguf(model_path) or quantization is not None or cfg.quantization is not None):
         what = ("is a GGUF file" if is_gguf(model_path) else "is quantized" if cfg.quantization is not None
@@ -164,12 +164,15 @@ def is_gguf(path: str) -> bool:
 
 def check_quantization(requested: str | None, cfg: ModelConfig, model_path: str) -> None:
     """A requested quantization must be the checkpoint's own: tokenmill reads pre-quantized weights, and
-    quantizes at load only to fp8."""
+    quantizes at load only to fp8, plain weights and a GGUF file's (each tensor dequantized as read) alike."""
     if requested is None:
         return
     if is_gguf(model_path):
-        raise ValueError(f"--quantization {requested} applies to safetensors checkpoints with a "
-                         f"quantization_config; {model_path!r} is a GGUF file (its own types are read as they are)")
+        if requested == "fp8":
+            return
+        raise ValueError(f"--quantization {requested} cannot apply to {model_path!r}, a GGUF file: its own types "
+                         "are dequantized as they are read, and fp8 is the one quantization a GGUF file can be "
+                         "quantized to at load (--quantization fp8)")
     have = cfg.quantization.method if cfg.quantization is not None else None
     if have is None and requested == "fp8":
         return
