@@ -48,8 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "spellings: float, half, fp16, bf16)")
     p.add_argument("--quantization", choices=[*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES], default=d.quantization,
                    help="the checkpoint's weight format (default: read from its config.json's "
-                        "quantization_config; given, it must match); fp8 on a plain checkpoint quantizes "
-                        "its linear layers to FP8 E4M3 at load; vLLM's awq_marlin and gptq_marlin are awq and gptq")
+                        "quantization_config; given, it must match); fp8 on a plain checkpoint or a GGUF file "
+                        "quantizes its linear layers to FP8 E4M3 at load; vLLM's awq_marlin and gptq_marlin are awq and gptq")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV-cache element type: auto (the model dtype) or fp8 (E4M3, half the bytes per token)")
     p.add_argument("--device", default=d.device, help="auto, cuda, cuda:N or cpu")
