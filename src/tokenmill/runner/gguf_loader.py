@@ -61,8 +61,11 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, Any]]:
-    """`(hf_key, read)` pairs for `fill.fill_parameters`; `read()` dequantizes one tensor."""
+def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int,
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, Any]]:
+    """`(hf_key, read)` pairs for `fill.fill_parameters`; `read()` dequantizes one tensor (on the host) and
+    gives it on `device`, the model's: what follows (the unpermute, FP8 quantization at load) runs where a
+    safetensors checkpoint's tensors, opened on that device, run it, so both give the same bytes."""
     # llama.cpp's converter permutes q/k for the architectures it rotates in interleaved pairs (its
     # LLAMA_ROPE_TYPE_NORM): llama, and smollm3 and granite, converted as llama is
     permute = file.architecture in ("llama", "smollm3", "granite")
@@ -77,7 +80,7 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
             heads = num_kv_heads
 
         def read(name=name, heads=heads):
-            w = file.read(name)
+            w = file.read(name).to(device)
             return w if heads is None else unpermute_rows(w, heads)
         yield key, read
 
@@ -85,5 +88,6 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
 def load_gguf_weights(model: nn.Module, path: str) -> None:
     file = open_gguf(path)
     cfg = model.config
-    tensors = gguf_tensors(file, cfg.num_attention_heads, cfg.num_key_value_heads)
+    device = next(model.parameters()).device
+    tensors = gguf_tensors(file, cfg.num_attention_heads, cfg.num_key_value_heads, device)
     fill_parameters(model, checkpoint_layout(model, tensors), repr(path))
