@@ -31,11 +31,11 @@ SMALL = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, max_
 IDS = [(37 * i + 11) % 256 for i in range(30)]
 
 
-def _served_alike(gguf_path: str, twin_dir: str) -> torch.nn.Module:
+def _served_alike(gguf_path: str, twin_dir: str, **engine) -> torch.nn.Module:
     """Loads both with --quantization fp8 and checks that every parameter holds the same bytes (FP8 weights
     and their scales, the embedding, norms and head in float32) and the prompt logprobs (a prefill in chunks
-    of 12) are equal; returns the GGUF file's model."""
-    ours, twin = (LLM(p, quantization="fp8", **SMALL) for p in (gguf_path, twin_dir))
+    of 12) are equal; returns the GGUF file's model. `engine`: arguments over SMALL's."""
+    ours, twin = (LLM(p, quantization="fp8", **{**SMALL, **engine}) for p in (gguf_path, twin_dir))
     model = ours.engine.runner.model
     got, want = dict(model.named_parameters()), dict(twin.engine.runner.model.named_parameters())
     assert got.keys() == want.keys()
@@ -48,11 +48,10 @@ def _served_alike(gguf_path: str, twin_dir: str) -> torch.nn.Module:
     return model
 
 
-def test_llama_gguf_quantized_at_load_as_its_safetensors_twin(tmp_path):
-    """A llama file of Q8_0 (q, k, o, gate, down), Q4_K (up) and F16 (v) projections: each linear layer holds
-    `fp8.quantize` of the tensor as `gguf` dequantizes it, q and k unpermuted first (the permuted rows would
-    give other bytes), and every parameter and logprob equals those of the twin checkpoint of those
-    dequantized tensors, quantized at load."""
+def _llama_file_and_twin(tmp_path) -> tuple[str, str, dict, dict]:
+    """A llama file of Q8_0 (q, k, o, gate, down), Q4_K (up) and F16 (v) projections, and its twin checkpoint:
+    the tensors as `gguf` dequantizes them, q and k unpermuted. Returns both paths, the twin's tensors and the
+    file's (q and k as stored)."""
     path = str(tmp_path / "q8.gguf")
     layer = dict(attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.F16, attn_output=Q.Q8_0, ffn_gate=Q.Q8_0, ffn_up=Q.Q4_K,
                  ffn_down=Q.Q8_0)
@@ -75,6 +74,14 @@ def test_llama_gguf_quantized_at_load_as_its_safetensors_twin(tmp_path):
                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIMS["llama"], rope_theta=50000.0,
                        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
                        eos_token_id=2), f)
+    return path, twin, state, stored
+
+
+def test_llama_gguf_quantized_at_load_as_its_safetensors_twin(tmp_path):
+    """Each linear layer of the llama file holds `fp8.quantize` of the tensor as `gguf` dequantizes it, q and k
+    unpermuted first (the permuted rows would give other bytes), and every parameter and logprob equals those
+    of the twin checkpoint of those dequantized tensors, quantized at load."""
+    path, twin, state, stored = _llama_file_and_twin(tmp_path)
     model = _served_alike(path, twin)
     layer0 = model.model.layers[0].self_attn.qkv_proj
     parts = [fp8.quantize(state[f"model.layers.0.self_attn.{p}_proj.weight"]) for p in "qkv"]
@@ -88,6 +95,14 @@ def test_llama_gguf_quantized_at_load_as_its_safetensors_twin(tmp_path):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 loads plain safetensors checkpoints only, "
                                          r"unquantized; .*q8\.gguf' is a GGUF file"):
         load_model(path, ModelConfig.from_gguf(path), torch.device("cpu"), torch.float32, "fp8", TensorParallel(0, 2))
+
+
+@pytest.mark.gpu
+def test_llama_gguf_quantized_at_load_on_the_gpu_as_its_safetensors_twin(tmp_path):
+    """On a GPU each GGUF tensor goes to the device before it is unpermuted and quantized, as a safetensors
+    checkpoint's tensors are opened there: the same bytes in every parameter, the same logprobs."""
+    path, twin, _, _ = _llama_file_and_twin(tmp_path)
+    _served_alike(path, twin, device="cuda", block_size=16, num_kv_blocks=8)
 
 
 def test_phi3_gguf_quantized_at_load_as_its_safetensors_twin(tmp_path):
