@@ -27,9 +27,10 @@ from tokenmill.server.chat import ChoiceText, chat_params, logprob_entries, prep
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol import (
     INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS, ChatCompletionRequest,
-    Metadata, PromptCacheOptions, UnsupportedValue, _Strict, check_function_parameters, function_choice_only,
+    Metadata, PromptCacheOptions, UnsupportedValue, check_function_parameters, function_choice_only,
     function_tools_only, refuse_media_parts,
 )
+from tokenmill.server.protocol.base import _Strict
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import Serving, json_response, now
 
