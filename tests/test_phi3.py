@@ -98,14 +98,17 @@ def test_longrope_long_factors_past_the_original_context(longrope):
 
 
 def test_longrope_short_factors_within_the_original_context(longrope):
-    """Served within the original context (max_model_len 64: the short factors), a 60-token sequence computes
-    what transformers computes over it (the short factors below 65 tokens); served at 256, the same prompt
-    takes the long factors, which transformers would not for it, and its logprobs move by more than 0.1."""
+    """Served within the original context (max_model_len 64, or a cache of 64 tokens: the short factors), a
+    60-token sequence computes what transformers computes over it (the short factors below 65 tokens); served at
+    256, the same prompt takes the long factors, which transformers would not for it, and its logprobs move by
+    more than 0.1."""
     path = longrope[0]
     prompt = PROMPT[:40]
     _, tokens, ours = _served(path, prompt, max_model_len=64)
     want = _reference(path, tokens, prompt)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    # a cache sized by hand to 64 tokens serves that context: the short factors too
+    assert torch.equal(_served(path, prompt, num_kv_blocks=4, block_size=16)[2], ours)
     _, _, long = _served(path, prompt)
     assert (long[:len(prompt) - 1] - ours[:len(prompt) - 1]).abs().max() > 0.1
 

@@ -68,8 +68,10 @@ class LLMEngine:
                            mc.derived_max_model_len_source, mc.sliding_window)
             max_len = mc.sliding_window
         # the model serves this context from here: LongRoPE's factors are chosen by it, a sliding window
-        # shorter than it is refused
-        self.model_config = mc = mc.serving(max_len)
+        # shorter than it is refused, the RoPE tables hold it. A cache sized by hand bounds it before the model
+        # is built (the warning below says so); one sized by memory is sized for max_len or refused
+        served = max_len if config.num_kv_blocks is None else min(max_len, config.num_kv_blocks * config.block_size)
+        self.model_config = mc = mc.serving(served)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, mc, model_dir, max_len)
         capacity = self.runner.num_blocks * config.block_size
