@@ -15,7 +15,8 @@ import time
 
 import tokenmill
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.server.responses import ResponsesRequest, prepare
+from tokenmill.server.protocol.responses import ResponsesRequest
+from tokenmill.server.responses import prepare
 from tokenmill.server.serving import Serving
 
 TINY = os.path.join(os.path.dirname(tokenmill.__file__), "assets/tiny")

@@ -82,7 +82,7 @@ def test_lists_and_maps_stop_at_their_first_mistake():
     that are strings held the loop ~1 s. Each list stops at its first bad item, and logit_bias and a document
     at their first bad value, named."""
     from tokenmill.server.protocol import ChatCompletionRequest, DetokenizeRequest
-    from tokenmill.server.responses import ResponsesRequest
+    from tokenmill.server.protocol.responses import ResponsesRequest
 
     def errors(model, body) -> list[dict]:
         with pytest.raises(ValidationError) as e:

@@ -1118,7 +1118,7 @@ def test_a_body_of_many_mistakes_makes_few_errors():
 
     from tokenmill.server.errors import describe_validation_error
     from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
-    from tokenmill.server.responses import ResponsesRequest
+    from tokenmill.server.protocol.responses import ResponsesRequest
 
     def refused(model, body) -> tuple[int, str, str]:
         with pytest.raises(ValidationError) as e:

@@ -153,7 +153,8 @@ def test_a_cancelled_or_drained_background_response_keeps_what_it_generated(toke
     then, its last item incomplete, and its usage counts those tokens (as OpenAI's keeps a cancelled response's
     output); streamed, its output items are those its events opened, closed by their done events, and its last
     event (`response.incomplete` for the cancelled one, `response.failed` for the drained one) carries that body."""
-    from tokenmill.server.responses import ResponsesRequest, create_response
+    from tokenmill.server.protocol.responses import ResponsesRequest
+    from tokenmill.server.responses import create_response
     app, engine = _app(tokenizer_dir)
     serving = app.state.serving
     tok = engine.tokenizer
@@ -204,7 +205,8 @@ def test_a_background_response_cut_before_its_task_ran_is_counted_no_more(tokeni
     """Cut before its task first ran (deleted, dropped past the store's bound, the server stopping): its prompts
     were never read, so the engine heard of nothing, and the counts of waiting and in-flight requests are
     released."""
-    from tokenmill.server.responses import ResponsesRequest, create_response
+    from tokenmill.server.protocol.responses import ResponsesRequest
+    from tokenmill.server.responses import create_response
     app, engine = _app(tokenizer_dir)
     serving = app.state.serving
 
@@ -285,7 +287,8 @@ def test_the_followers_of_a_stream_are_scanned_at_most_once_an_event(tokenizer_d
     scanned only where an event could go: the events past their bound (here 2,000 bytes), and, after a read, by a
     follower that had yet to be given the earliest kept (here one that read the first and stopped). 50 followers
     are given every event, with one scan an event."""
-    from tokenmill.server.responses import ResponsesRequest, create_response
+    from tokenmill.server.protocol.responses import ResponsesRequest
+    from tokenmill.server.responses import create_response
     monkeypatch.setattr(response_store, "EVENT_LOG_MAX_BYTES", 2_000)
     app, _ = _app(tokenizer_dir)
     serving = app.state.serving
@@ -346,7 +349,8 @@ def test_a_follower_is_sent_a_large_event_in_pieces(tokenizer_dir, monkeypatch):
     into the buffer of each follower that read nothing, and 100 of them held 944 MB more. A follower is sent an
     event in pieces of at most `SEND_PIECE_BYTES` (here 200 bytes), which make up the events whole."""
     from tokenmill.server import background
-    from tokenmill.server.responses import ResponsesRequest, create_response
+    from tokenmill.server.protocol.responses import ResponsesRequest
+    from tokenmill.server.responses import create_response
     monkeypatch.setattr(background, "SEND_PIECE_BYTES", 200)
     app, _ = _app(tokenizer_dir)
     serving = app.state.serving
@@ -433,7 +437,8 @@ def test_a_cancel_under_way_ends_cancelled_with_its_output_whatever_comes_after(
     it no more: the body is built whole, and the drained one stays `cancelled` with its output (not `failed`,
     `shutting_down`); the drain cuts no response already ending."""
     import threading
-    from tokenmill.server.responses import ResponsesRequest, create_response
+    from tokenmill.server.protocol.responses import ResponsesRequest
+    from tokenmill.server.responses import create_response
     app, engine = _app(tokenizer_dir)
     serving = app.state.serving
     building, go, built = threading.Event(), threading.Event(), []

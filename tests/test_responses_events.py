@@ -10,8 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.server.errors import APIError
+from tokenmill.server.protocol.responses import ResponsesRequest, _unwrap
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import ResponsesRequest, _EventStream, _unwrap, resolve_references, retrieve
+from tokenmill.server.responses import _EventStream, resolve_references, retrieve
 
 
 def _lp(token: str) -> dict:

@@ -648,7 +648,7 @@ def test_function_parameters_that_are_not_an_object_schema_are_refused(parameter
     from pydantic import ValidationError
 
     from tokenmill.server.protocol import ChatCompletionRequest, UnsupportedValue
-    from tokenmill.server.responses import ResponsesRequest
+    from tokenmill.server.protocol.responses import ResponsesRequest
     for cls, tool in ((ChatCompletionRequest, {"type": "function", "function": {"name": "f", "parameters": parameters}}),
                       (ResponsesRequest, {"type": "function", "name": "f", "parameters": parameters})):
         with pytest.raises(ValidationError, match=message) as e:

@@ -26,8 +26,9 @@ from tokenmill.server.errors import APIError, document_errors_only, documented_e
 from tokenmill.server.guard import RequestGuard, api_keys
 from tokenmill.server.invocations import INVOCATION_BODY, invocation_request
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import ResponsesRequest, create_response, list_page, response_store, retrieve
+from tokenmill.server.responses import create_response, list_page, response_store, retrieve
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenmill.server.protocol.responses import ResponsesRequest
 from tokenmill.server.serving import ChatOptions, Serving, json_response
 
 

@@ -14,8 +14,9 @@ One module a concern, each importing only those before it: `base` (limits, `_Str
 `_UNSUPPORTED`, shared validators), `tools` (function tools, tool_choice), `messages` (a chat's messages and
 template fields), `options` (the objects sampling fields hold), `sampling` (`_SamplingRequest`, the fields
 completions and chat completions share), then one module an endpoint: `completions`, `chat`, `tokenization`
-(/tokenize, /detokenize). The Responses API's models live with its handler (server/responses.py). Here are
-re-exported the names the rest of tokenmill imports.
+(/tokenize, /detokenize), `responses` (/v1/responses). Here are re-exported the names the rest of tokenmill
+imports, but those of `responses`, imported from it directly: its `as_chat` raises server/errors.py's APIError,
+and errors.py imports this package.
 """
 from tokenmill.server.protocol.base import (
     INT64_MAX, INT64_MIN, MAX_METADATA, MAX_PROMPT_CHARS, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_UNKNOWN_NAMED,
