@@ -452,7 +452,7 @@ def test_responses_order_text_around_a_tool_call_alike_whole_and_streamed():
     from types import SimpleNamespace
     from tokenmill.server.chat import ChoiceText
     from tokenmill.server.protocol.responses import ResponsesRequest
-    from tokenmill.server.responses import _EventStream, output_items
+    from tokenmill.server.response_output import _EventStream, output_items
     from tokenmill.server.tool_parsers import HermesToolParser
     serving = SimpleNamespace(reasoning_parser=None, tool_parser=HermesToolParser, think_tags=None)
     req = ResponsesRequest.model_validate({"input": "weather?", "tools": [

@@ -1,4 +1,4 @@
-"""Responses' streaming events (server/responses.py `_EventStream`): every output token's logprob reaches
+"""Responses' streaming events (server/response_output.py `_EventStream`): every output token's logprob reaches
 the message's text, as in the response that is not streamed, those of tokens after the last text delta
 included; an output cut short ends in an incomplete item. And the request's items as the chat messages
 they become (`ResponsesRequest.as_chat`)."""
@@ -11,8 +11,9 @@ from pydantic import ValidationError
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol.responses import ResponsesRequest, _unwrap
+from tokenmill.server.response_output import _EventStream
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.responses import _EventStream, resolve_references, retrieve
+from tokenmill.server.responses import resolve_references, retrieve
 
 
 def _lp(token: str) -> dict:
