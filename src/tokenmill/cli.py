@@ -11,7 +11,8 @@ from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 
 from tokenmill.cli_help import HelpFormatter
-from tokenmill.config import DTYPE_CHOICES, KV_CACHE_DTYPES, EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
+from tokenmill.config_values import DTYPE_CHOICES
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS
 
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.config_values import GRANITE_MULTIPLIERS, parse_dtype, positive
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config
 
@@ -18,50 +19,7 @@ from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, 
 if TYPE_CHECKING:
     import torch
 
-# dtype names -> torch's attribute
-_DTYPES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-
-
-DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
-
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
-# Granite's four scalars, as config.json names them (transformers' default for each is 1.0, the attention's
-# softmax scale included), and the GGUF keys llama.cpp's converter writes them under (where a key is left
-# out, or 0, llama.cpp takes the neutral value: 1, and for the attention 1/sqrt(head_dim))
-GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
-                       "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
-
-
-def _rope_all_but_every(interval: int, layers: int) -> tuple[bool, ...]:
-    """Per layer, whether it rotates: all but every `interval`-th (layers interval - 1, 2 interval - 1, ...)."""
-    return tuple((i + 1) % interval != 0 for i in range(layers))
-
-
-def finite_number(value: Any) -> bool:
-    """A JSON number of a config (not a boolean, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive(value: Any) -> bool:
-    return finite_number(value) and value > 0
-
-
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
-    """A dtype or its name -> the dtype; None -> float32."""
-    import torch
-    if value is None:
-        return torch.float32
-    if isinstance(value, torch.dtype):
-        return value
-    key = str(value).replace("torch.", "").lower()
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(set(_DTYPES))}")
-    return getattr(torch, _DTYPES[key])
 
 
 @dataclass(frozen=True)
@@ -127,7 +85,7 @@ class ModelConfig:
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
         for name in GRANITE_MULTIPLIERS:
             value = getattr(self, name)
-            if not (name == "attention_multiplier" and value is None) and not _positive(value):
+            if not (name == "attention_multiplier" and value is None) and not positive(value):
                 raise ValueError(f"the model config's {name} is {value!r}; it must be a positive finite number")
         r = self.rotary_dim
         if r is not None and (type(r) is not int or r % 2 or not 2 <= r <= self.head_dim):
@@ -199,8 +157,8 @@ class ModelConfig:
         max_position_embeddings, or with YaRN original_max_position_embeddings x factor where that is
         longer. YaRN numbers that are not positive are left to the RoPE table's check, which names them."""
         s = self.rope_scaling
-        if s is None or s["rope_type"] != "yarn" or not (_positive(s.get("factor"))
-                                                         and _positive(s.get("original_max_position_embeddings"))):
+        if s is None or s["rope_type"] != "yarn" or not (positive(s.get("factor"))
+                                                         and positive(s.get("original_max_position_embeddings"))):
             return self.max_position_embeddings
         return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * s["factor"]))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.config import GRANITE_MULTIPLIERS, ModelConfig, _positive, _rope_all_but_every, parse_dtype
+from tokenmill.config_values import GRANITE_MULTIPLIERS, parse_dtype, positive, rope_all_but_every
 
 
 def _rope_freq_factors(file: Any, head_dim: int) -> tuple[float, ...]:
@@ -79,7 +79,7 @@ def _gguf_longrope(file: Any, arch: str, rotary_dim: int) -> dict[str, Any]:
                          f"{arch}.rope.scaling.original_context_length, which chooses between them")
     scaling["original_max_position_embeddings"] = original
     context = _gguf_value(file, f"{arch}.context_length", int)
-    if _positive(original):
+    if positive(original):
         scaling["factor"] = context / original
     attn = _gguf_value(file, f"{arch}.rope.scaling.attn_factor", float, None)
     if attn is not None:
@@ -108,7 +108,7 @@ def _gguf_yarn(file: Any, arch: str) -> dict[str, Any]:
     return scaling
 
 
-def read_gguf_config(cls: type[ModelConfig], gguf: Any) -> ModelConfig:
+def read_gguf_config(cls: type, gguf: Any):
     """`ModelConfig.from_gguf`'s reading: a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`)
     as a `cls`."""
     from tokenmill.gguf_file import GGUF_ARCHITECTURES, GGUFFile, open_gguf
@@ -158,7 +158,7 @@ def read_gguf_config(cls: type[ModelConfig], gguf: Any) -> ModelConfig:
     eos = [_gguf_value(file, f"tokenizer.ggml.{kind}_token_id", int, None) for kind in ("eos", "eot", "eom")]
     layers = get("block_count", int)
     # llama.cpp's smollm3 leaves RoPE out of every 4th layer, a step it fixes in code (no metadata key)
-    rope_layers = _rope_all_but_every(4, layers) if arch == "smollm3" else None
+    rope_layers = rope_all_but_every(4, layers) if arch == "smollm3" else None
     file_type = _gguf_value(file, "general.file_type", int, None)
     dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
     # llama.cpp's phi3 writes 0 for no window

@@ -7,8 +7,7 @@ import glob
 import os
 from typing import Any
 
-from tokenmill.config import (GRANITE_MULTIPLIERS, ModelConfig, _positive, _rope_all_but_every, finite_number,
-                              parse_dtype)
+from tokenmill.config_values import GRANITE_MULTIPLIERS, finite_number, parse_dtype, positive, rope_all_but_every
 from tokenmill.generation_config import parse_eos_ids, read_json_object
 from tokenmill.quant.formats import parse_quantization
 
@@ -78,7 +77,7 @@ def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"config.json's no_rope_layer_interval is {interval!r}; it must be an integer >= 1 "
                              "(every interval-th layer applies no RoPE)")
-        return _rope_all_but_every(interval, n)
+        return rope_all_but_every(interval, n)
     if not isinstance(flags, list) or len(flags) < n or any(
             type(f) not in (int, bool) or f not in (0, 1) for f in flags[:n]):
         shown = (f"{flags[:8]}{'...' if len(flags) > 8 else ''} ({len(flags)} entries)" if isinstance(flags, list)
@@ -99,8 +98,8 @@ def merge_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[st
     return merged
 
 
-def read_hf_config(cls: type[ModelConfig], hf: dict[str, Any] | str | os.PathLike,
-                   hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
+                   hf_overrides: dict[str, Any] | None = None):
     """`ModelConfig.from_hf`'s reading: a Hugging Face config (a dict, a config.json path or a model
     directory), with `hf_overrides` merged over it first, as a `cls`."""
     if not isinstance(hf, dict):
@@ -155,7 +154,7 @@ def read_hf_config(cls: type[ModelConfig], hf: dict[str, Any] | str | os.PathLik
         # transformers' YaRN and LongRoPE without a factor: the stretch from the original context to the
         # model's (LongRoPE's sets its attention factor alone)
         context, original = hf.get("max_position_embeddings", 4096), scaling["original_max_position_embeddings"]
-        if _positive(context) and _positive(original):
+        if positive(context) and positive(original):
             scaling["factor"] = context / original
     eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
     dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.config import finite_number
+from tokenmill.config_values import finite_number
 
 
 # the scaled kinds of config.json read here, and the keys each must hold as positive numbers
