@@ -41,15 +41,28 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "GraniteForCausalLM": {"max_position_embeddings": 2048},
                 # Phi3Config's original_max_position_embeddings (4,096) is always an attribute, which transformers
                 # puts over the RoPE dict's own
-                "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096}}
+                "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+                "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072}}
+
+# the architectures whose sliding_window (when set) spans every layer, which bounds the context served
+# (`ModelConfig.sliding_window`): tokenmill attends over the whole context, the same up to the window
+_EVERY_LAYER_WINDOW = ("Phi3ForCausalLM", "MistralForCausalLM")
 
 # Phi-3's RoPE kinds as transformers' Phi3Config takes them: su and yarn are older names of longrope
 _PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
 
-def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None, int | None]:
-    """Phi-3's RoPE kind, rotated dims of a head (None: all) and sliding window (None: none), as transformers'
-    Phi3 reads them: partial_rotary_factor from the RoPE dict, else the top level (Phi-4-mini's 0.75), rotating
-    int(head_dim x factor) dims; the window over every layer."""
+def _every_layer_window(hf: dict[str, Any]) -> int | None:
+    """The sliding window of an architecture in `_EVERY_LAYER_WINDOW` (None: none)."""
+    window = hf.get("sliding_window")
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
+    return window
+
+
+def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None]:
+    """Phi-3's RoPE kind and rotated dims of a head (None: all), as transformers' Phi3 reads them:
+    partial_rotary_factor from the RoPE dict, else the top level (Phi-4-mini's 0.75), rotating int(head_dim x
+    factor) dims."""
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in _PHI3_ROPE_TYPES:
         raise ValueError(f"Phi3ForCausalLM with rope_scaling of type {kind!r} is not supported: transformers' Phi3 "
@@ -59,11 +72,8 @@ def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple
     if not (finite_number(factor) and 0 < factor <= 1):
         raise ValueError(f"config.json's partial_rotary_factor is {factor!r}; it must be a number in (0, 1], the "
                          "share of each head's dims that RoPE rotates")
-    window = hf.get("sliding_window")
-    if window is not None and (type(window) is not int or window < 1):
-        raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
     rotary = int(head_dim * factor)
-    return _PHI3_ROPE_TYPES[kind], None if rotary == head_dim else rotary, window
+    return _PHI3_ROPE_TYPES[kind], None if rotary == head_dim else rotary
 
 
 def _no_rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
@@ -142,9 +152,11 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     phi3 = arch == "Phi3ForCausalLM"
-    rotary_dim = window = None
+    rotary_dim = None
     if phi3:
-        kind, rotary_dim, window = _phi3_rope(rope, hf, head_dim)
+        kind, rotary_dim = _phi3_rope(rope, hf, head_dim)
+    every_layer = arch in _EVERY_LAYER_WINDOW
+    window = _every_layer_window(hf) if every_layer else None
     scaling = None if kind == "default" else {**rope, "rope_type": kind}
     if scaling is not None and kind in ("llama3", "yarn", "longrope"):
         if hf.get("original_max_position_embeddings"):
@@ -165,7 +177,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
         raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                          "which carries none here (Qwen2's bias on q/k/v alone is)")
-    sliding, sliding_window = _sliding_layers(hf, rope_layers) if not phi3 else ([], None)
+    sliding, sliding_window = _sliding_layers(hf, rope_layers) if not every_layer else ([], None)
     if sliding:
         raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
                          f"{'...' if len(sliding) > 8 else ''} (sliding_window {sliding_window}) is "

@@ -9,6 +9,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
