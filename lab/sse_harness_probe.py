@@ -42,7 +42,7 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop"
 def main() -> int:
     import numpy as np
 
-    from tokenmill.bench.serve import run_level
+    from tokenmill.bench.serve_levels import run_level
     from tokenmill.bench.serve_datasets import ServeRequest
 
     p = argparse.ArgumentParser()

@@ -15,9 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from tokenmill.bench.serve import (BENCH_TOOLS, HTTPClient, RequestResult, arrival_times, build_payload,
-                                   class_metrics, compute_metrics, deal, format_level, parse_goodput, parse_percentiles,
-                                   run_level_processes, send_request, structured_indices, tpot_of)
+from tokenmill.bench.serve import format_level
+from tokenmill.bench.serve_args import parse_goodput, parse_percentiles
+from tokenmill.bench.serve_http import HTTPClient, send_request
+from tokenmill.bench.serve_levels import arrival_times, deal, run_level_processes
+from tokenmill.bench.serve_metrics import RequestResult, class_metrics, compute_metrics, tpot_of
+from tokenmill.bench.serve_payload import BENCH_TOOLS, build_payload, structured_indices
 from tokenmill.bench.serve_datasets import ServeRequest
 from tokenmill.bench.serve_datasets import mixed_chat_requests, write_tokenizer_dir
 

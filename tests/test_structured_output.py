@@ -215,7 +215,7 @@ def test_auto_tools_beside_a_format_decode_to_calls_or_the_format(llm, parser):
 
 
 def test_bench_serve_structured_fraction_payloads():
-    from tokenmill.bench.serve import BENCH_SCHEMA, build_payload, structured_indices
+    from tokenmill.bench.serve_payload import BENCH_SCHEMA, build_payload, structured_indices
     from tokenmill.bench.serve_datasets import ServeRequest
     assert sorted(structured_indices(12, 0.25)) == [3, 7, 11]
     assert len(structured_indices(200, 0.25)) == 50 and not structured_indices(10, 0.0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The cost of structured output on one GPU: `tokenmill serve preset:qwen3-4b`, then `tokenmill bench serve`
 # mixed-chat at concurrency 64, all plain and with a quarter of the requests under a JSON schema
-# (bench/serve.py's BENCH_SCHEMA through `response_format` json_schema), the same requests in both runs.
+# (bench/serve_payload.py's BENCH_SCHEMA through `response_format` json_schema), the same requests in both runs.
 # Reported: req/s, output tok/s and TPOT p50 of each run, and in the mixed run the TPOT of the constrained
 # and of the plain requests apart.
 #

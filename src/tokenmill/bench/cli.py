@@ -22,9 +22,9 @@ from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from tokenmill.bench.provenance import git_commit
 from tokenmill.bench.datasets import (load_requests, parse_range, random_requests, save_requests,
                                       sharegpt_requests, special_token_ids)
-from tokenmill.bench.serve import DEFAULT_ENDPOINT
-from tokenmill.bench.serve import INPUT_LEN_RANGE as SERVE_INPUT_LEN_RANGE
-from tokenmill.bench.serve import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
+from tokenmill.bench.serve_args import DEFAULT_ENDPOINT
+from tokenmill.bench.serve_args import INPUT_LEN_RANGE as SERVE_INPUT_LEN_RANGE
+from tokenmill.bench.serve_args import OUTPUT_LEN_RANGE as SERVE_OUTPUT_LEN_RANGE
 from tokenmill.cli_help import HelpFormatter
 
 SUBCOMMANDS = ("throughput", "prepare", "serve", "report", "memory")
@@ -192,7 +192,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     q.add_argument("--dtype", default="bfloat16")
 
     from tokenmill.bench.report_serve import add_report_args
-    from tokenmill.bench.serve import add_serve_args
+    from tokenmill.bench.serve_args import add_serve_args
     serve = sub.add_parser("serve", help="online benchmark of an OpenAI-compatible server",
                            formatter_class=HelpFormatter)
     add_serve_args(serve)
@@ -265,7 +265,7 @@ def parse_args(argv: list[str]):
     if args.command == "serve":
         resolve_vllm_args(subs["serve"], args, SERVE_INPUT_LEN_RANGE, SERVE_OUTPUT_LEN_RANGE)
         check_workload(subs["serve"], args, ("mixed-chat", "random"))
-        from tokenmill.bench.serve import check_sweep_args
+        from tokenmill.bench.serve_args import check_sweep_args
         try:
             check_sweep_args(args)
         except ValueError as e:
