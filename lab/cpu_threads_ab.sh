@@ -18,7 +18,7 @@ for turn in $(seq "$TURNS"); do
   for busy in 0 1; do
     for spec in $TREES; do
       name=${spec%%=*}; tree=${spec#*=}
-      PYTHONPATH=$tree python "$tree/tokenmill/cli.py" serve src/tokenmill/assets/tiny --port "$PORT" --device cpu \
+      PYTHONPATH=$tree python -m tokenmill.cli serve src/tokenmill/assets/tiny --port "$PORT" --device cpu \
         --disable-log-stats --log-level warning > "$OUT/server-$name.log" 2>&1 &
       server=$!
       until curl -s -o /dev/null "http://127.0.0.1:$PORT/health"; do sleep 0.3; done

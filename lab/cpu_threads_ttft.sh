@@ -6,7 +6,7 @@
 mkdir -p /tmp/thr
 for spec in old=.ab_old/src new=src old=.ab_old/src new=src; do
   name=${spec%%=*}; tree=${spec#*=}
-  PYTHONPATH=$tree python $tree/tokenmill/cli.py serve --port 8150 --device cpu --disable-log-stats --log-level warning > /tmp/thr/smol-$name.log 2>&1 &
+  PYTHONPATH=$tree python -m tokenmill.cli serve --port 8150 --device cpu --disable-log-stats --log-level warning > /tmp/thr/smol-$name.log 2>&1 &
   pid=$!
   until curl -s -o /dev/null localhost:8150/health; do sleep 0.5; done
   python - $name <<'PY'

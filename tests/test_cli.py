@@ -20,6 +20,9 @@ import pytest
 import tokenmill
 from tokenmill import cli
 from tokenmill.bench.cli import _build_parsers, parse_args, vllm_range
+from tokenmill.cli.generate import GENERATE_SEPARATOR
+from tokenmill.cli.server_args import chat_options, http_options
+from tokenmill.cli.vllm_compat import vllm_spellings
 from tokenmill.bench.datasets import parse_range, random_requests
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server import stats_log
@@ -302,7 +305,7 @@ def test_generate_separates_the_outputs_of_several_prompts(monkeypatch, capsys):
     monkeypatch.setattr(tokenmill, "LLM", FakeLLM)
     model = bundled_model_path()
     assert cli.main(["generate", model, "--prompt", "a", "--prompt", "b"]) == 0
-    sep = cli.GENERATE_SEPARATOR
+    sep = GENERATE_SEPARATOR
     assert capsys.readouterr().out == f"out of a\nsecond line\n{sep}\nout of b\nsecond line\n"
     assert cli.main(["generate", model, "--prompt", "a"]) == 0
     assert sep not in capsys.readouterr().out
@@ -367,7 +370,7 @@ def test_bench_refuses_contradicting_flags(argv, message, capsys):
     (["-dp", "2", "--api-server-count", "2"], ["not supported together yet"]),
 ])
 def test_serve_refuses_bad_process_counts_naming_them(argv, messages, capsys):
-    """--api-server-count and --data-parallel-size (one argparse type, `cli.at_least_one`) and the
+    """--api-server-count and --data-parallel-size (one argparse type, `cli.arg_types.at_least_one`) and the
     combinations of them that serve cannot run."""
     from tokenmill import cli
     with pytest.raises(SystemExit) as e:
@@ -462,7 +465,7 @@ def test_bad_engine_options_are_usage_errors(command, argv, message, capsys):
     503 for --max-queue-len 0)."""
     from tokenmill import cli
     with pytest.raises(SystemExit) as e:
-        cli.main([command, os.path.join(os.path.dirname(cli.__file__), "assets", "tiny"), *argv])
+        cli.main([command, bundled_model_path(), *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err, err
 
@@ -475,14 +478,14 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
     parser, _ = cli.build_parser()
     args = parser.parse_args(["serve", "--allowed-origins", '["https://a.example", "https://b.example"]',
                               "https://c.example", "--allowed-methods", '["GET","POST"]'])
-    http = cli.http_options(args)
+    http = http_options(args)
     assert http.allowed_origins == ("https://a.example", "https://b.example", "https://c.example")
     assert http.allowed_methods == ("GET", "POST") and args.api_key == ["from-env"]
     assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == ["flag"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert cli.build_parser()[0].parse_args(["serve"]).api_key is None
     # vLLM's launch line: options with underscores, flags whose effect is always on, its log-level name
-    args = parser.parse_args(cli.vllm_spellings([
+    args = parser.parse_args(vllm_spellings([
         "serve", "--max_model_len=64", "--trust-remote-code", "/models/m", "--enable-chunked-prefill",
         "--disable-log-requests", "--uvicorn-log-level", "warning", "--max_num_seqs", "8"]))
     assert (args.model, args.max_model_len, args.max_num_seqs, args.log_level) == ("/models/m", 64, 8, "warning")
@@ -492,14 +495,14 @@ def test_vllm_spellings_of_cors_lists_and_the_api_key(monkeypatch):
     assert [parser.parse_args(["serve", "--max-num-batched-tokens", v]).max_num_batched_tokens
             for v in ("16k", "16K", "2048")] == [16_000, 16_384, 2048]
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    assert cli.chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
+    assert chat_options(parser.parse_args(["serve", "--chat-template", inline])).chat_template == inline
     # vLLM's --return-tokens-as-token-ids: the server's default, which a request's own field overrides
     from tokenmill.server.serving import Serving
-    server = SimpleNamespace(return_tokens_as_token_ids=cli.chat_options(
+    server = SimpleNamespace(return_tokens_as_token_ids=chat_options(
         parser.parse_args(["serve", "--return-tokens-as-token-ids"])).return_tokens_as_token_ids)
     assert [Serving.tokens_as_ids(server, SimpleNamespace(return_tokens_as_token_ids=v)) for v in (None, False, True)] \
         == [True, False, True]
-    assert not cli.chat_options(parser.parse_args(["serve"])).return_tokens_as_token_ids
+    assert not chat_options(parser.parse_args(["serve"])).return_tokens_as_token_ids
 
 
 # ---- the stats line -----------------------------------------------------------------------------------
@@ -695,7 +698,7 @@ def test_generate_refuses_bad_sampling_before_loading_and_without_a_traceback(ca
     """`generate --max-tokens 0` loaded the model first, then ended in a SamplingParamError traceback."""
     from tokenmill import LLM, cli
     monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
-    tiny = os.path.join(os.path.dirname(cli.__file__), "assets", "tiny")
+    tiny = bundled_model_path()
     assert cli.main(["generate", tiny, "--max-tokens", "0", "--prompt", "hi"]) == 1
     err = capsys.readouterr().err
     assert "tokenmill: max_tokens must be" in err and "Traceback" not in err
