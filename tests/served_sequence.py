@@ -1,5 +1,6 @@
-"""What the model-family tests (test_yarn, test_smollm3, test_granite) read of one served sequence, and their
-check of the CUDA engine against the CPU engine's reading of it."""
+"""What the model-family tests (test_yarn, test_smollm3, test_granite, test_phi3, test_mistral) read of one
+served sequence, transformers' reading of the same sequence, and their check of the CUDA engine against the CPU
+engine's reading of it."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,17 @@ def sequence_logprobs(result, prompt: list[int]) -> tuple[list[int], torch.Tenso
     logprobs = [lp[t].logprob for lp, t in zip(result.prompt_logprobs[1:], prompt[1:])]
     logprobs += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
     return list(out.token_ids), torch.tensor(logprobs)
+
+
+def transformers_logprobs(model_dir: str, prompt: list[int], tokens: list[int], **config) -> torch.Tensor:
+    """transformers' logprob of each token of prompt + tokens after the first, in one float32 forward pass
+    (`config`: from_pretrained's overrides), after checking that its greedy tokens past the prompt are `tokens`."""
+    from transformers import AutoModelForCausalLM
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **config).eval()(ids).logits[0]
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
+    return logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
 
 
 def assert_gpu_equals_cpu_engine(path: str, prompt: list[int], params, tokens: list[int], logprobs: torch.Tensor,

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
+from transformers import GraniteConfig, GraniteForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -22,7 +22,7 @@ from tokenmill.quant import fp8, w4
 from tokenmill.quant.formats import parse_w4_config
 from tokenmill.quant.quantize import write_checkpoint
 
-from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs, transformers_logprobs
 from test_fp8 import write_dequantized_twin
 
 # far from 1, and from Llama's softmax scale (1/sqrt(16) = 0.25 at head_dim 16)
@@ -50,15 +50,6 @@ def _served(model_dir: str, **engine_args):
     return (llm, *sequence_logprobs(llm.generate([PROMPT], PARAMS)[0], PROMPT))
 
 
-def _reference(model_dir: str, tokens: list[int]) -> torch.Tensor:
-    """transformers' logprob of each token of PROMPT + tokens after the first."""
-    ids = torch.tensor([PROMPT + tokens])
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(ids).logits[0]
-    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == tokens
-    return logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("granite")
@@ -81,7 +72,7 @@ def test_granite_equals_transformers(granite):
     transformers computes them; a tied head stays the embedding table (scaled), the scalars live in the
     weights and the attention's scale."""
     path, llm, tokens, ours = granite
-    want = _reference(path, tokens)
+    want = transformers_logprobs(path, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     model = llm.engine.runner.model
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == model.config.tie_word_embeddings
@@ -139,7 +130,7 @@ def test_quantized_granite_equals_transformers_on_its_dequantized_weights(checkp
     llm, tokens, ours = _served(plain, quantization="fp8") if fmt == "fp8 at load" else _served(qdir)
     layer = llm.engine.runner.model.model.layers[0].self_attn.o_proj
     assert type(layer).__name__ == ("W4Linear" if fmt in ("awq", "gptq") else "Fp8Linear")
-    want = _reference(twin, tokens)
+    want = transformers_logprobs(twin, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=atol), (ours - want).abs().max()
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 
-from served_sequence import sequence_logprobs
+from served_sequence import sequence_logprobs, transformers_logprobs
 
 PROMPT = [(37 * i + 11) % 128 for i in range(40)]
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0)
@@ -45,11 +45,7 @@ def test_mistral_equals_transformers(checkpoints, name, caplog):
     assert llm.engine.max_model_len == (256 if name == "none" else 64)
     assert ("sliding window of 64 positions" in caplog.text) == (name == "window")
     tokens, ours = sequence_logprobs(llm.generate([PROMPT], PARAMS)[0], PROMPT)
-    ids = torch.tensor([PROMPT + tokens])
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits[0]
-    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == tokens
-    want = logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+    want = transformers_logprobs(path, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 

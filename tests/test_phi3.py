@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+from transformers import Phi3Config, Phi3ForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -23,7 +23,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, rotary_order
 from tokenmill.quant import fp8
 from tokenmill.runner.loader import build_model, load_model, load_weights
 
-from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs, transformers_logprobs
 
 PROMPT = [(37 * i + 11) % 128 for i in range(100)]
 # the prompt's logprobs over a prefill chunked by 32 tokens, then 20 greedy tokens with theirs
@@ -47,16 +47,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _served(model_dir: str, prompt: list[int] = PROMPT, **engine_args):
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=32, **engine_args)
     return (llm, *sequence_logprobs(llm.generate([prompt], PARAMS)[0], prompt))
-
-
-def _reference(model_dir: str, tokens: list[int], prompt: list[int] = PROMPT) -> torch.Tensor:
-    """transformers' logprob of each token of prompt + tokens after the first, in one forward pass (its LongRoPE
-    takes the long factors where that sequence is longer than the original context)."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(ids).logits[0]
-    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
-    return logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +75,7 @@ def test_phi3_equals_transformers(checkpoints, name):
     """Prompt logprobs over a chunked prefill, then greedy tokens and their logprobs past the prompt, as
     transformers computes them from the fused qkv_proj and gate_up_proj."""
     _, tokens, ours = _served(checkpoints[name])
-    want = _reference(checkpoints[name], tokens)
+    want = transformers_logprobs(checkpoints[name], PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 
@@ -93,7 +83,7 @@ def test_longrope_long_factors_past_the_original_context(longrope):
     """Served at its context of 256 (past the original 64: the long factors) with partial rotary and a tied head,
     a 120-token sequence computes what transformers computes over it, which takes the long factors too."""
     path, tokens, ours = longrope
-    want = _reference(path, tokens)
+    want = transformers_logprobs(path, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 
@@ -105,7 +95,7 @@ def test_longrope_short_factors_within_the_original_context(longrope):
     path = longrope[0]
     prompt = PROMPT[:40]
     _, tokens, ours = _served(path, prompt, max_model_len=64)
-    want = _reference(path, tokens, prompt)
+    want = transformers_logprobs(path, prompt, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     # a cache sized by hand to 64 tokens serves that context: the short factors too
     assert torch.equal(_served(path, prompt, num_kv_blocks=4, block_size=16)[2], ours)
@@ -138,7 +128,7 @@ def test_fp8_at_load_equals_transformers_on_its_dequantized_weights(checkpoints,
         out.write(f.read())
     llm, tokens, ours = _served(path, quantization="fp8")
     assert type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj).__name__ == "Fp8Linear"
-    want = _reference(twin, tokens)
+    want = transformers_logprobs(twin, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 
@@ -183,7 +173,7 @@ def test_a_sliding_window_bounds_the_served_context(checkpoints, caplog):
     assert "sliding window of 80 positions, shorter than its max_position_embeddings=256" in caplog.text
     assert llm.engine.max_model_len == 80
     assert llm.engine.runner.model.model.layers[0].self_attn.rotary.cos_sin.shape[0] == 80
-    want = _reference(narrow, tokens, prompt)
+    want = transformers_logprobs(narrow, prompt, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
+from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.layers.rotary import NoRotaryEmbedding, RotaryEmbedding
 
-from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs, transformers_logprobs
 
 NO_ROPE_LAYERS = [1, 0, 1, 0]          # transformers' default for 4 layers is [1, 1, 1, 0]
 PROMPT = [(37 * i + 11) % 128 for i in range(100)]
@@ -40,20 +40,11 @@ def smollm3(tmp_path_factory):
     return (path, *_served(path))
 
 
-def _reference(model_dir: str, tokens: list[int], **config) -> torch.Tensor:
-    """transformers' logprob of each token of PROMPT + tokens after the first."""
-    ids = torch.tensor([PROMPT + tokens])
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **config).eval()(ids).logits[0]
-    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == tokens
-    return logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
-
-
 def test_smollm3_equals_transformers(smollm3):
     """Prompt logprobs over a chunked prefill, then greedy tokens and their logprobs past the prompt, as
     transformers computes them; the NoPE layers share one identity table beside the rotating layers' one."""
     path, llm, tokens, ours = smollm3
-    want = _reference(path, tokens)
+    want = transformers_logprobs(path, PROMPT, tokens)
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     model = llm.engine.runner.model
     assert model.config.rope_layers == (True, False, True, False)
@@ -78,7 +69,7 @@ def test_yarn_scales_the_rotating_layers_alone(smollm3):
     path, _, _, plain = smollm3
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     _, tokens, ours = _served(path, hf_overrides={"rope_parameters": yarn})
-    want = _reference(path, tokens, rope_parameters={**yarn, "rope_theta": 1e4})
+    want = transformers_logprobs(path, PROMPT, tokens, rope_parameters={**yarn, "rope_theta": 1e4})
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     assert (ours[:len(PROMPT) - 1] - plain[:len(PROMPT) - 1]).abs().max() > 0.1
 
