@@ -412,6 +412,38 @@ def llama3_checkpoint(directory, vocab: int):
     return model
 
 
+def add_tokenizer(w, tok: dict) -> None:
+    """`tok` as llama.cpp's converters write it: a byte-level vocabulary (`llama3_tokenizer_metadata`'s) or,
+    where its "model" is "llama", a SentencePiece one as they write Llama 2's and Mistral's: pieces, scores and
+    types, and the merges, add_bos_token, add_eos_token, add_space_prefix and chat template where `tok` holds
+    them (Llama 2's and Mistral's files hold no merges)."""
+    if tok.get("model") == "llama":
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tok["tokens"])
+        w.add_token_scores(tok["scores"])
+        w.add_token_types(tok["types"])
+        w.add_bos_token_id(tok["bos"])
+        w.add_eos_token_id(tok["eos"])
+        w.add_unk_token_id(tok["unk"])
+        for key, add in (("merges", w.add_token_merges), ("add_bos", w.add_add_bos_token),
+                         ("add_eos", w.add_add_eos_token), ("add_space_prefix", w.add_add_space_prefix),
+                         ("template", w.add_chat_template)):
+            if key in tok:
+                add(tok[key])
+        return
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(tok["bos"])
+    w.add_eos_token_id(tok["eos"])
+    w.add_eot_token_id(tok["eos"])
+    w.add_eom_token_id(tok["eom"])
+    w.add_add_bos_token(True)
+    w.add_chat_template(tok["template"])
+
+
 def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "llama",
                    metadata: dict | None = None) -> None:
     """The checkpoint as llama.cpp's converter writes it: q/k permuted (for smollm3 and granite too, converted
@@ -420,7 +452,7 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
     float32 or a bool. A phi3 checkpoint as its converter (Phi3MiniModel) writes one: q/k as they are, the
     fused attn_qkv and ffn_up (gate then up), the rotated dims int(partial_rotary_factor x hidden) / heads,
     the original context, the sliding window (0: none), and LongRoPE's factors as rope_factors_short/long
-    with the attention factor it computes."""
+    with the attention factor it computes. `tok`: as `add_tokenizer` takes it."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     theta = cfg.rope_parameters["rope_theta"]
@@ -441,17 +473,7 @@ def llama3_to_gguf(path: str, model, tok: dict, rope_freqs=None, arch: str = "ll
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok["pre"])
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(tok["bos"])
-    w.add_eos_token_id(tok["eos"])
-    w.add_eot_token_id(tok["eos"])
-    w.add_eom_token_id(tok["eom"])
-    w.add_add_bos_token(True)
-    w.add_chat_template(tok["template"])
+    add_tokenizer(w, tok)
     for key, value in (metadata or {}).items():
         (w.add_bool if isinstance(value, bool) else w.add_float32)(key, value)
     if rope_freqs is not None:
