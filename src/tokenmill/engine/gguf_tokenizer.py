@@ -1,14 +1,23 @@
 """A Hugging Face fast tokenizer built from a GGUF file's `tokenizer.*` metadata.
 
-GGUF stores a byte-level BPE vocabulary (`tokenizer.ggml.model` = "gpt2") as the token strings in the
-byte-to-unicode alphabet, the merges as "left right" strings, each token's type (3: control, made a
-special token; 4: user-defined, matched whole but not special), BOS/EOS/UNK/PAD ids, whether to add BOS
-and EOS, and the chat template. How text is split before BPE is only named (`tokenizer.ggml.pre`); each name
-tokenmill knows maps to the split its vocabulary was trained with, and with it what its tokenizer.json
-did besides: Qwen2's NFC normalization, Llama 3's `ignore_merges` (a piece that is a token whole is that
-token, whatever the merges reach) and BOS added where the file does not say. Unknown names are refused,
-since a wrong split silently changes every token id, and so is a file naming none (llama.cpp's
-converters write "default" for a split they could not identify).
+Two kinds of vocabulary are built, by `tokenizer.ggml.model`: byte-level BPE ("gpt2") and SentencePiece BPE
+("llama": Llama 2, Mistral 7B, Phi-3/3.5-mini, TinyLlama). Every other kind is refused.
+
+GGUF stores a byte-level BPE vocabulary as the token strings in the byte-to-unicode alphabet, the merges as
+"left right" strings, each token's type (3: control, made a special token; 4: user-defined, matched whole
+but not special), BOS/EOS/UNK/PAD ids, whether to add BOS and EOS, and the chat template. How text is
+split before BPE is only named (`tokenizer.ggml.pre`); each name tokenmill knows maps to the split its
+vocabulary was trained with, and with it what its tokenizer.json did besides: Qwen2's NFC normalization,
+Llama 3's `ignore_merges` (a piece that is a token whole is that token, whatever the merges reach) and BOS
+added where the file does not say. Unknown names are refused, since a wrong split silently changes every
+token id, and so is a file naming none (llama.cpp's converters write "default" for a split they could not
+identify).
+
+A SentencePiece vocabulary is stored as its pieces (a space written U+2581), each piece's score and type
+(6: a byte-fallback piece `<0xXX>`) and, mostly, no merges; it is rebuilt as transformers' GGUF reader
+rebuilds it (the reference the tests compare with): BPE over merges ranked by the scores, byte fallback, a
+U+2581 before the text, and a decoder that turns U+2581 back into spaces, joins byte pieces into UTF-8 and
+drops the space the encoder added.
 """
 from __future__ import annotations
 
@@ -24,8 +33,13 @@ _SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_
 _GPT2_NAMES = ("gpt-2", "smollm")
 _LLAMA3_NAMES = ("llama-bpe", "llama3")
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted((*_SPLITS, *_GPT2_NAMES)))
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 _CONTROL, _USER_DEFINED = 3, 4
+_SPACE = "\u2581"           # SentencePiece's visible space
+# architectures whose SentencePiece vocabulary transformers reads with Gemma's tokenizer (pieces of spaces
+# respelled, merges ranked by position, not score), which tokenmill neither builds nor serves
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 def _pre_tokenizer(name: str, path: str):
@@ -46,23 +60,13 @@ def _pre_tokenizer(name: str, path: str):
                      f"{', '.join(SUPPORTED_PRE_TOKENIZERS)} (pass --tokenizer DIR with the model's tokenizer)")
 
 
-def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
-    """A `PreTrainedTokenizerFast` equal to the one the GGUF file was converted from."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-    from transformers import PreTrainedTokenizerFast
+def _byte_level_bpe(metadata: dict[str, Any], vocab: dict[str, int], path: str):
+    """The Rust tokenizer of a "gpt2" vocabulary, and whether BOS is added where the file does not say."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF file {path!r} has tokenizer model {kind!r}; tokenmill builds byte-level "
-                         "BPE ('gpt2') tokenizers from GGUF only (pass --tokenizer DIR for others)")
-    tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
-    if not tokens or not merges:
-        raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+    if not merges:
+        raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.merges")
     pre = metadata.get("tokenizer.ggml.pre")
     if pre is None or pre == "default":
         named = "no tokenizer.ggml.pre" if pre is None else "tokenizer.ggml.pre 'default'"
@@ -75,6 +79,87 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = _pre_tokenizer(pre, path)
     tok.decoder = decoders.ByteLevel()
+    return tok, pre in _LLAMA3_NAMES
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], vocab: dict[str, int], path: str):
+    """The Rust tokenizer of a "llama" vocabulary, and whether BOS is added where the file does not say
+    (yes: llama.cpp and transformers' GGUF reader add it to such a vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    arch = metadata.get("general.architecture")
+    if arch in _GEMMA_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path!r} is a {arch} model, whose SentencePiece vocabulary tokenmill does "
+                         "not build (pass --tokenizer DIR with the model's tokenizer)")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            held = "none" if scores is None else len(scores)
+            raise ValueError(f"GGUF file {path!r} has a SentencePiece vocabulary of {len(tokens)} tokens with "
+                             f"{held} tokenizer.ggml.scores and no tokenizer.ggml.merges; the merges are ranked "
+                             "by one score per token")
+        pairs = _merges_from_scores(tokens, scores, vocab)
+    # a character outside the vocabulary is its UTF-8 bytes' pieces (Llama 2's, Mistral's and Phi-3's
+    # vocabularies hold all 256); the model names no unk_token, as transformers' reader builds it, so where a
+    # byte piece is missing the character is dropped (llama.cpp gives <unk>)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    # Where the word-boundary space goes before a text, transformers' GGUF reader (followed here) and
+    # llama.cpp differ. llama.cpp puts one before every run of text, at the start and after each control
+    # or user-defined token, even where the run begins with a space, and none at all where
+    # `tokenizer.ggml.add_space_prefix` is false. transformers puts one at the start of the text alone,
+    # unless the text begins with a space, whatever add_space_prefix says; for phi3 files (Phi-3's own
+    # tokenizer.json prepends in its normalizer) it puts one before every run, as llama.cpp does where
+    # add_space_prefix is true.
+    if arch == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first", split=False)
+    # the pieces joined, byte pieces as UTF-8 (a run that is not UTF-8 as U+FFFD per byte), and the first
+    # space dropped: the one the encoder added
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok, True
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges equal to SentencePiece BPE's encoding, which keeps no merges but joins, step by step, the
+    adjacent pair whose joined piece scores highest: each way of cutting a piece into two pieces of the
+    vocabulary is a merge, ranked by that piece's score. Ties as transformers ranks them: a longer left part
+    first, then a longer right part, then the pieces in vocabulary order (the cuts of one piece never tie:
+    their left parts differ in length)."""
+    score_of = dict(zip(tokens, scores))        # a repeated piece is refused later, by the vocabulary size
+    ranked = [(score, k, len(piece) - k, piece[:k], piece[k:])
+              for piece, score in score_of.items() for k in range(1, len(piece))
+              if piece[:k] in vocab and piece[k:] in vocab]
+    ranked.sort(key=lambda m: (-m[0], -m[1], -m[2]))      # stable: equal keys keep vocabulary order
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
+    """A `PreTrainedTokenizerFast` equal to the one transformers' GGUF reader builds from the file (for
+    byte-level BPE: to the tokenizer the file was converted from)."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        raise ValueError(f"GGUF file {path!r} has tokenizer model {kind!r}; tokenmill builds "
+                         f"{' and '.join(map(repr, SUPPORTED_TOKENIZER_MODELS))} (byte-level and SentencePiece "
+                         "BPE) tokenizers from GGUF (pass --tokenizer DIR for others)")
+    tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.tokens")
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    if kind == "gpt2":
+        tok, bos_by_default = _byte_level_bpe(metadata, vocab, path)
+    else:
+        tok, bos_by_default = _sentencepiece_bpe(metadata, tokens, vocab, path)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -87,11 +172,13 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
     bos, eos = token("bos_token_id"), token("eos_token_id")
     # the BOS before and the EOS after each text, as the file says (llama.cpp and transformers' GGUF
     # reader add both where it does)
-    first = [bos] if metadata.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_NAMES) and bos is not None else []
+    first = [bos] if metadata.get("tokenizer.ggml.add_bos_token", bos_by_default) and bos is not None else []
     last = [eos] if metadata.get("tokenizer.ggml.add_eos_token", False) and eos is not None else []
-    if first or last:
+    if first or last or kind == "llama":
+        # a pair's second text and its BOS/EOS are of type 1, as in transformers' templates
         tok.post_processor = processors.TemplateProcessing(
-            single=[*first, "$A", *last], pair=[*first, "$A", *last, *first, "$B", *last],
+            single=[*first, "$A", *last],
+            pair=[*first, "$A", *last, *(f"{t}:1" for t in first), "$B:1", *(f"{t}:1" for t in last)],
             special_tokens=[(t, vocab[t]) for t in {*first, *last}])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
