@@ -1012,7 +1012,25 @@ def test_bos_and_eos_are_added_as_the_file_says(tmp_path):
             assert ours.encode(text) == ref.encode(text), (add_bos, add_eos, text)
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+def test_gpt4o_and_falcon3_splits():
+    """llama.cpp's gpt-4o (Phi-4-mini's o200k vocabulary) splits letters at a case change, keeps a contraction on
+    its word and digits in threes, where Llama 3's split keeps "HelloWorld" whole and cuts "'s" off; it looks
+    nothing up whole before merging and adds no BOS unless the file says. falcon3 is read as Llama 3's."""
+    from tokenmill.engine.gguf_tokenizer import build_gguf_tokenizer
+    extra, merges = ["bc", "ab", "abc", "<s>"], ["b c", "a b"]
+    pieces = {}
+    for pre in ("gpt-4o", "llama-bpe", "falcon3"):
+        tok = build_gguf_tokenizer(_bpe_metadata(pre, extra, merges))
+        split = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("HelloWorld it's 12345 x\n/y")
+        pieces[pre] = [p for p, _ in split]
+        pieces[pre, "abc"] = tok.convert_ids_to_tokens(tok.encode("abc"))
+    assert pieces["gpt-4o"] == ["Hello", "World", "Ġit's", "Ġ", "123", "45", "Ġx", "Ċ", "/y"]
+    assert pieces["llama-bpe"][:4] == ["HelloWorld", "Ġit", "'s", "Ġ"]
+    assert pieces["gpt-4o", "abc"] == ["a", "bc"]
+    assert pieces["falcon3"] == pieces["llama-bpe"] and pieces["falcon3", "abc"] == ["<s>", "abc"]
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "gpt-4o", "falcon3"])
 def test_add_space_prefix_leaves_byte_level_text_alone(pre):
     """`tokenizer.ggml.add_space_prefix` is SentencePiece's: llama.cpp and transformers' GGUF reader
     ignore it for byte-level BPE, so a file that sets it encodes as one that does not (it once put a space

@@ -28,10 +28,18 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+# GPT-4o's (o200k; Phi-4-mini): letters split at a case change, a contraction kept on its word, a punctuation run
+# taking the newlines and slashes after it
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+           "gpt-4o": _GPT4O_SPLIT}
 # GPT-2's own split (ByteLevel's built-in regex); "smollm" isolates every digit first
 _GPT2_NAMES = ("gpt-2", "smollm")
-_LLAMA3_NAMES = ("llama-bpe", "llama3")
+# the names llama.cpp reads as Llama 3's (Falcon3's vocabulary included): a piece looked up whole first, BOS
+# added where the file does not say
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "falcon3")
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted((*_SPLITS, *_GPT2_NAMES)))
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
