@@ -1012,7 +1012,7 @@ def test_bos_and_eos_are_added_as_the_file_says(tmp_path):
             assert ours.encode(text) == ref.encode(text), (add_bos, add_eos, text)
 
 
-def test_gpt4o_and_falcon3_splits():
+def test_gpt4o_falcon3_refact_and_starcoder_splits():
     """llama.cpp's gpt-4o (Phi-4-mini's o200k vocabulary) splits letters at a case change, keeps a contraction on
     its word and digits in threes, where Llama 3's split keeps "HelloWorld" whole and cuts "'s" off; it looks
     nothing up whole before merging and adds no BOS unless the file says. falcon3 is read as Llama 3's."""
@@ -1028,9 +1028,14 @@ def test_gpt4o_and_falcon3_splits():
     assert pieces["llama-bpe"][:4] == ["HelloWorld", "Ġit", "'s", "Ġ"]
     assert pieces["gpt-4o", "abc"] == ["a", "bc"]
     assert pieces["falcon3"] == pieces["llama-bpe"] and pieces["falcon3", "abc"] == ["<s>", "abc"]
+    # refact and starcoder (StarCoder-lineage vocabularies) split as smollm: every digit alone
+    splits = {pre: build_gguf_tokenizer(_bpe_metadata(pre, extra, merges)).backend_tokenizer.pre_tokenizer
+              .pre_tokenize_str("a 123") for pre in ("smollm", "refact", "starcoder")}
+    assert [p for p, _ in splits["refact"]] == ["a", "Ġ", "1", "2", "3"]
+    assert splits["refact"] == splits["starcoder"] == splits["smollm"]
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "gpt-4o", "falcon3"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "gpt-4o", "falcon3", "refact"])
 def test_add_space_prefix_leaves_byte_level_text_alone(pre):
     """`tokenizer.ggml.add_space_prefix` is SentencePiece's: llama.cpp and transformers' GGUF reader
     ignore it for byte-level BPE, so a file that sets it encodes as one that does not (it once put a space

@@ -35,8 +35,10 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
            "gpt-4o": _GPT4O_SPLIT}
-# GPT-2's own split (ByteLevel's built-in regex); "smollm" isolates every digit first
-_GPT2_NAMES = ("gpt-2", "smollm")
+# GPT-2's own split (ByteLevel's built-in regex); the others isolate every digit first, as llama.cpp reads
+# them alike (SmolLM2's, and the StarCoder-lineage vocabularies of refact and starcoder files)
+_DIGITS_FIRST = ("smollm", "refact", "starcoder")
+_GPT2_NAMES = ("gpt-2", *_DIGITS_FIRST)
 # the names llama.cpp reads as Llama 3's (Falcon3's vocabulary included): a piece looked up whole first, BOS
 # added where the file does not say
 _LLAMA3_NAMES = ("llama-bpe", "llama3", "falcon3")
@@ -57,7 +59,7 @@ def _pre_tokenizer(name: str, path: str):
     # GGUF reader ignore it for byte-level BPE), and ByteLevel would put it before every split piece
     if name in _GPT2_NAMES:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if name == "smollm":
+        if name in _DIGITS_FIRST:
             return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         return byte_level
     if name in _SPLITS:
