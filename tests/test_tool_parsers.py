@@ -795,3 +795,21 @@ def test_list_parsers_serve_tool_calls(tokenizer_dir, tmp_path, parser, special,
     assert status == 200 and "".join(d.get("content") or "" for d in deltas) == (content or "")
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "巴黎"}'
+
+
+def test_a_tool_parser_over_a_template_that_reads_no_tools_is_warned_of(tokenizer_dir, caplog):
+    """A chat template that does not read `tools` (Phi-4-mini's own reads them from the system message) would
+    drop every request's tools silently: the server says so at start, naming --chat-template."""
+    from stand_in_engine import ScriptedEngine
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.server.app import build_app
+    from tokenmill.server.serving import ChatOptions
+    engine = ScriptedEngine(Tokenizer(str(tokenizer_dir)), 1024)
+    no_tools = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+    for template, warned in ((no_tools, True), (TOOLS_TEMPLATE, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tokenmill"):
+            build_app(engine, chat=ChatOptions(chat_template=template, enable_auto_tool_choice=True,
+                                               tool_call_parser="phi4_mini_json"))
+        assert ("the chat template does not read `tools`" in caplog.text) == warned, caplog.text
+        assert ("pass --chat-template" in caplog.text) == warned

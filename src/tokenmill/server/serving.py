@@ -120,6 +120,12 @@ class Serving:
         if chat.tool_call_parser is not None:
             from tokenmill.server.tool_parsers import TOOL_PARSERS
             self.tool_parser = TOOL_PARSERS[chat.tool_call_parser]
+            if engine.tokenizer is not None and not self.prompts.template_reads("tools"):
+                # requests' tools would never reach the model (Phi-4-mini's own template reads them from the
+                # system message instead), which answers as if it had none
+                logger.warning("--tool-call-parser %s is set, but the chat template does not read `tools`: the "
+                               "tools of a request will not reach the model; pass --chat-template with a "
+                               "template that renders them", chat.tool_call_parser)
         if chat.reasoning_parser is not None:
             from tokenmill.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, think_token_ids
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
