@@ -1624,7 +1624,7 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
 def test_a_stream_whose_client_left_before_its_first_chunk_releases_its_requests():
     """The client is gone when the response starts: the body's generator is never started, so its
     `finally` (which closes the requests and counts them out of flight) never runs; the response does it."""
-    from tokenmill.server.serving import ClosingStream
+    from tokenmill.server.engine_streams import ClosingStream
 
     started, closed = [], []
 
@@ -1671,7 +1671,7 @@ def test_a_request_the_engine_had_taken_is_no_rejection():
 
     from tokenmill.engine.async_engine import EngineDeadError
     from tokenmill.server.errors import APIError, api_error_handler
-    from tokenmill.server.serving import as_api_error
+    from tokenmill.server.engine_streams import as_api_error
 
     rejected = []
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(metrics=SimpleNamespace(reject=rejected.append))))
@@ -1744,7 +1744,7 @@ def test_every_refusal_of_a_batch_is_retrieved():
     with a traceback for each, on every such request; so did a refusal landing in the tick of a disconnect."""
     import gc
 
-    from tokenmill.server.serving import _gather, _with_disconnect
+    from tokenmill.server.engine_streams import _gather, _with_disconnect
 
     async def refused(msg, delay=0.0):
         await asyncio.sleep(delay)

@@ -297,7 +297,8 @@ def test_a_stream_cut_short_ends_with_a_numbered_error_event():
 
     import orjson
 
-    from tokenmill.server.serving import ServerStopping, Serving
+    from tokenmill.server.engine_streams import ServerStopping
+    from tokenmill.server.serving import Serving
 
     class Engine:
         tokenizer, max_model_len, dead = None, 64, False

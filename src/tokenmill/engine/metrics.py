@@ -37,7 +37,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# the codes of the 503s that refuse a request before it reaches the engine (server/serving.py)
+# the codes of the 503s that refuse a request before it reaches the engine (server/: serving.py, engine_streams.py,
+# connections.py)
 REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead", "logprobs_in_flight", "engine_busy",
                   "too_many_connections")
 

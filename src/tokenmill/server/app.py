@@ -18,6 +18,7 @@ from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.engine.tokenizer import template_kwargs
 from tokenmill.server import errors, tokenizer_info
+from tokenmill.server.answers import json_response
 from tokenmill.server.background import BackgroundResponses
 from tokenmill.server.body import parse_body
 from tokenmill.server.chat import create_chat_completion
@@ -29,7 +30,7 @@ from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import create_response, list_page, response_store, retrieve
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.protocol.responses import ResponsesRequest
-from tokenmill.server.serving import ChatOptions, Serving, json_response
+from tokenmill.server.serving import ChatOptions, Serving
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024

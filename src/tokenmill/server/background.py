@@ -29,11 +29,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from tokenmill.server.answers import SSE_HEADERS, dumps, error_event, sse_event
+from tokenmill.server.engine_streams import ClosingStream, as_api_error
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.serving import (
-    SSE_HEADERS, ClosingStream, Submitted, as_api_error, dumps, error_event, sse_event,
-)
+from tokenmill.server.serving import Submitted
 
 logger = logging.getLogger("tokenmill")
 

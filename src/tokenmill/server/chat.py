@@ -17,10 +17,11 @@ import dataclasses
 from fastapi import Request
 
 from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
+from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import THINK_END
-from tokenmill.server.serving import ChoiceState, Serving, _lp, encoded, now, prompt_logprobs_json, usage
+from tokenmill.server.serving import Serving, prompt_logprobs_json
 from tokenmill.server.tool_choice import ConstrainedCalls, NamedCall, RequiredCalls
 
 

@@ -11,9 +11,10 @@ import codecs
 
 from fastapi import Request
 
+from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import ChoiceState, Serving, _lp, encoded, now, prompt_logprobs_json, usage
+from tokenmill.server.serving import Serving, prompt_logprobs_json
 
 
 class TextOffsets:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import secrets
 
+from tokenmill.server.answers import dumps
 from tokenmill.server.errors import error_body
-from tokenmill.server.serving import dumps
 
 
 def api_keys(api_key) -> tuple[str, ...]:

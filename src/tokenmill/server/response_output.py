@@ -4,9 +4,10 @@ not streamed gets the items of one delta (`output_items`), so that both give the
 """
 from __future__ import annotations
 
+from tokenmill.server.answers import now
 from tokenmill.server.chat import ChoiceText, reasoning_tokens
 from tokenmill.server.protocol.responses import NamedFunctionChoice, ResponsesRequest, _id, _wrap
-from tokenmill.server.serving import Serving, now
+from tokenmill.server.serving import Serving
 
 
 def output_items(shape: _Shape, text: ChoiceText, whole: str, logprobs: list[dict], cut: bool = False) -> list[dict]:

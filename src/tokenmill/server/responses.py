@@ -26,9 +26,10 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.protocol.responses import (
     _ENCRYPTED, _ITEMS, _LOGPROBS, ItemReference, ResponsesRequest, _unknown_include,
 )
+from tokenmill.server.answers import json_response
 from tokenmill.server.response_output import _encrypted, _EventStream, _Shape, output_items
 from tokenmill.server.response_store import ResponseStore
-from tokenmill.server.serving import Serving, json_response
+from tokenmill.server.serving import Serving
 
 
 def response_store(serving: Serving, param: str) -> ResponseStore:

@@ -1,51 +1,31 @@
-"""Completions and chat completions: OpenAI requests in, engine streams out, OpenAI JSON/SSE back."""
+"""`Serving`, the state each endpoint shares: admission and draining, a request's checks and SamplingParams, and
+its prompts handed to the engine and answered as JSON or SSE."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tokenmill.config import priority_refusal
-from tokenmill.engine.async_engine import AsyncLLM, EngineBusyError, EngineDeadError
+from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import shown
+from tokenmill.server.answers import SSE_HEADERS, _lp, dumps, error_event, json_response, sse_event
+from tokenmill.server.engine_streams import (
+    ClosingStream, ServerStopping, _close_all, _first_outputs, _last_outputs, _merge_streams, _with_disconnect,
+    as_api_error,
+)
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.prompts import PromptTokenizer, no_tokenizer
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.stats_log import log_request
 
 logger = logging.getLogger("tokenmill")
-
-_MIN_LOGPROB = -9999.0
-
-
-def dumps(obj) -> bytes:
-    """Compact UTF-8 JSON (no ASCII escapes, as OpenAI sends it)."""
-    return orjson.dumps(obj)
-
-
-def encoded(obj) -> orjson.Fragment:
-    """`obj` as JSON now, which the body holding it embeds as it is: a whole answer's logprobs are millions
-    of small dicts and lists, and held until the body was encoded they set off full garbage collections
-    (0.3-0.7 s each for n = 128 x 200 tokens x 21 entries, holding the GIL and so the event loop) while it
-    was built; encoded a choice at a time they die young."""
-    return orjson.Fragment(dumps(obj))
-
-
-def json_response(obj, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json")
-
-
-def _lp(x: float) -> float:
-    return _MIN_LOGPROB if x != x or x < _MIN_LOGPROB else float(x)
 
 
 @dataclass(frozen=True)
@@ -84,10 +64,6 @@ MAX_LOGPROB_ENTRIES_IN_FLIGHT = 4 * MAX_LOGPROB_ENTRIES
 def prompt_too_long(max_model_len: int, tokens: int) -> str:
     return (f"This model's maximum context length is {max_model_len} tokens, but the prompt has {tokens} tokens "
             f"(at least 1 token must be left for the completion).")
-
-
-class ServerStopping(RuntimeError):
-    """The server was told to stop at once (a second SIGTERM): requests in flight are cut."""
 
 
 class Serving:
@@ -417,20 +393,6 @@ class Serving:
         return ClosingStream(sse(), submitted.close, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse_event(event: dict) -> bytes:
-    """A Responses event as Server-Sent Events name it: by its type."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
-
-
-def error_event(err: APIError, sequence_number: int) -> dict:
-    """OpenAI's `error` event of a Responses stream."""
-    return {"type": "error", "code": err.code, "message": err.message, "param": err.param,
-            "sequence_number": sequence_number}
-
-
 class Submitted:
     """Prompts handed to the engine (`Serving.submit`): they count in flight, with the logprob entries they could
     return, until released (`close`, which also aborts those still running), and as waiting until their first
@@ -477,194 +439,6 @@ class Submitted:
         self.release()
 
 
-class ClosingStream(StreamingResponse):
-    """A stream that releases its requests however the response ends: a client gone before the first chunk
-    was asked for leaves the body's generator unstarted, and an unstarted generator's `finally` never runs
-    (its requests would generate for nobody and stay counted in flight)."""
-
-    def __init__(self, content, close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._close()
-
-
-class _Disconnected(Exception):
-    pass
-
-
-def _in_flight(error: APIError) -> APIError:
-    """Marks a 503 of a request the engine had taken: an abort in the metrics, not a rejection."""
-    error.in_flight = True
-    return error
-
-
-def as_api_error(e: BaseException, field_of=None) -> BaseException:
-    """`e` as the HTTP error it answers; `field_of` (`run`'s) names the request's own field in its param: an
-    engine-side error (a grammar's) may come before the first output or after it."""
-    error = _api_error(e)
-    if field_of is not None and isinstance(error, APIError):
-        error.param = field_of(error.param)
-    return error
-
-
-def _api_error(e: BaseException) -> BaseException:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, EngineDeadError):
-        return _in_flight(APIError(503, "The engine is not running.", code="engine_dead"))
-    if isinstance(e, ServerStopping):
-        return _in_flight(APIError(503, "The server stopped before this request finished.", code="shutting_down"))
-    if isinstance(e, EngineBusyError):
-        return APIError(503, str(e), code="engine_busy", headers={"Retry-After": "5"})
-    if isinstance(e, ValueError):
-        return APIError(400, str(e), getattr(e, "param", None))
-    if isinstance(e, _Disconnected):
-        return APIError(499, "client disconnected")
-    return e
-
-
-async def _wait_disconnect(raw: Request):
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected()
-
-
-async def _with_disconnect(raw: Request | None, coro):
-    """Run `coro`, cancelling it if the client goes away first (`raw` None: no client's, a background task's)."""
-    if raw is None:
-        return await coro
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_wait_disconnect(raw))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            try:
-                await work
-            except BaseException:
-                pass
-        watch.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    if watch.done() and not watch.cancelled() and watch.exception() is not None:
-        raise watch.exception()
-    raise _Disconnected()
-
-
-async def _gather(coros) -> list:
-    """Like asyncio.gather, but a failure or a cancellation cancels and awaits all the others."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        # awaits the cancelled ones and retrieves every failure (asyncio logs one never retrieved)
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-    for t, result in zip(tasks, results):
-        if not t.cancelled() and isinstance(result, BaseException):
-            raise result
-    if any(t.cancelled() for t in tasks):
-        raise asyncio.CancelledError()
-    return results
-
-
-async def _first_outputs(gens) -> list[RequestOutput]:
-    return await _gather(g.__anext__() for g in gens)
-
-
-async def _last_outputs(gens, first: list[RequestOutput]) -> list[RequestOutput]:
-    async def last(g, out):
-        while not out.finished:
-            out = await g.__anext__()
-        return out
-    return await _gather(last(g, o) for g, o in zip(gens, first))
-
-
-async def _close_all(gens):
-    for g in gens:
-        try:
-            await g.aclose()
-        except BaseException:
-            pass
-
-
-async def _merge_streams(gens, first: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, cumulative output) pairs from all prompts, as they arrive."""
-    for i, out in enumerate(first):
-        yield i, out
-    live = {i: g for i, (g, out) in enumerate(zip(gens, first)) if not out.finished}
-    if len(live) == 1:
-        (i, g), = live.items()
-        async for out in g:
-            yield i, out
-        return
-    tasks = {asyncio.ensure_future(g.__anext__()): i for i, g in live.items()}
-    try:
-        while tasks:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                i = tasks.pop(t)
-                out = t.result()
-                yield i, out
-                if not out.finished:
-                    tasks[asyncio.ensure_future(live[i].__anext__())] = i
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class ChoiceState:
-    """What has been streamed of one choice so far."""
-    __slots__ = ("text_len", "num_tokens", "finished", "text_offsets", "started")
-
-    def __init__(self):
-        self.text_len = 0
-        self.num_tokens = 0
-        self.finished = False
-        self.text_offsets = None         # completions' logprobs: `completions.TextOffsets` of the text so far
-        self.started = False
-
-    def advance(self, c, with_logprobs: bool):
-        """What choice `c` (a cumulative CompletionOutput) adds since the last call, as (text, token ids,
-        logprob entries), or None when there is nothing to send yet (e.g. a possible stop string is
-        still withheld, or the choice already finished)."""
-        if self.finished:
-            return None
-        text = c.text[self.text_len:]
-        new_ids = c.token_ids[self.num_tokens:]
-        if not text and c.finish_reason is None and (not with_logprobs or not new_ids):
-            return None
-        new_logprobs = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
-        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
-        self.finished = c.finish_reason is not None
-        return text, new_ids, new_logprobs
-
-
-def usage(outs: list[RequestOutput], reasoning_tokens: int | None = None, choices=None) -> dict:
-    """OpenAI's usage; `cached_tokens` counts the prompt tokens whose KV came from the prefix cache.
-    `reasoning_tokens` (where a reasoning parser counted them) goes in `completion_tokens_details`.
-    `choices`: count these outputs' tokens only (default: every output of `outs`)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for c in (choices if choices is not None else
-                                                 [c for o in outs for c in o.outputs]))
-    cached = sum(o.num_cached_tokens or 0 for o in outs)
-    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-    if reasoning_tokens is not None:
-        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return body
-
-
 def prompt_logprobs_json(serving: Serving, out: RequestOutput, top: int) -> list | None:
     """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank,
     decoded_token}}: the prompt's token and the `top` most likely (the engine may hold more, where echoed
@@ -675,11 +449,3 @@ def prompt_logprobs_json(serving: Serving, out: RequestOutput, top: int) -> list
             {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
              for t, lp in entry.items() if t == token or lp.rank <= top}
             for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def is_finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
