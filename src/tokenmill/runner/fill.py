@@ -133,7 +133,7 @@ def _split_fused(model: nn.Module, tensors):
     for key, read in tensors:
         prefix, _, leaf = key.rpartition(".")
         owner, _, packed = prefix.rpartition(".")
-        layer = _submodule(model, prefix) if packed in shards else None
+        layer = submodule(model, prefix) if packed in shards else None
         if layer is None:
             yield key, read
             continue
@@ -172,7 +172,8 @@ def _reorder_rotary_rows(model: nn.Module, tensors):
             yield key, read
 
 
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+def submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The module named `name`, or None where the model has none (a checkpoint key it lacks)."""
     try:
         return model.get_submodule(name)
     except AttributeError:

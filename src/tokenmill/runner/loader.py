@@ -16,7 +16,7 @@ from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, Fp8Config
 from tokenmill.quant.w4 import act_order_perm
-from tokenmill.runner.fill import checkpoint_layout, fill_parameters, num_shards, packed_target
+from tokenmill.runner.fill import checkpoint_layout, fill_parameters, num_shards, packed_target, submodule
 from tokenmill.runner.gguf_loader import load_gguf_weights
 
 def weight_files(model_dir: str) -> list[str]:
@@ -93,7 +93,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     key = names.get(stored, stored)
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
                         layer = packed_target(model, key)[0].removesuffix(".g_idx")
-                        module = _submodule(model, layer)
+                        module = submodule(model, layer)
                         if module is not None:          # else a key the model lacks, which fill reports
                             orders.setdefault(layer, []).append(
                                 (key, act_order_perm(f.get_tensor(key), module.in_features, quant.group_size, key)))
@@ -115,13 +115,6 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                                  "differently; its shards read one input and need one act-order")
         if perm is not None:
             model.get_submodule(layer).set_act_order(perm)
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
