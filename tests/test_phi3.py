@@ -209,11 +209,11 @@ def test_config_reads_phi4_mini_as_transformers_does():
     assert (s["rope_type"], s["original_max_position_embeddings"], s["factor"]) == ("longrope", 4096, 32.0)
     # served at its context the long factors, at 4,096 the short ones; both times transformers' attention factor
     for context, factor in ((131072, 2.0), (4096, 1.0)):
-        table = RotaryEmbedding(128, 8, 1e4, s, rotary_dim=96, max_model_len=context).cos_sin
+        table = RotaryEmbedding(128, context, 1e4, s, rotary_dim=96).cos_sin
         inv = 1.0 / (1e4 ** (torch.arange(0, 96, 2, dtype=torch.float64) / 96)) / factor
         scale = (1 + torch.log(torch.tensor(32.0)) / torch.log(torch.tensor(4096.0))).sqrt()
         assert torch.allclose(table[5, :48].double(), (5 * inv).cos() * scale.double(), atol=1e-6)
-        assert torch.equal(table[:, 48:64], torch.ones(8, 16)) and not table[:, 112:].any()
+        assert torch.equal(table[:, 48:64], torch.ones(context, 16)) and not table[:, 112:].any()
     # su and yarn are older names of longrope in transformers' Phi3; partial_rotary_factor in the RoPE dict first
     for old in ("su", "yarn"):
         cfg = ModelConfig.from_hf({**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "type": old}})

@@ -33,7 +33,7 @@ def _transformers_rope():
                                       "rope_theta": 1e4})
     scaling = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "factor": CONTEXT / ORIGINAL,
                "original_max_position_embeddings": ORIGINAL}
-    ours = RotaryEmbedding(HEAD_DIM, CONTEXT, 1e4, scaling, rotary_dim=ROTARY, max_model_len=CONTEXT)
+    ours = RotaryEmbedding(HEAD_DIM, CONTEXT, 1e4, scaling, rotary_dim=ROTARY)
     return Phi3RotaryEmbedding(cfg), ours.cos_sin.to(DEVICE)
 
 

@@ -183,15 +183,14 @@ def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """`rotary_dim`: the leading dims of a head the checkpoint rotates (None: all); `max_model_len`: the served
-    context (None: max_positions), which chooses LongRoPE's factors."""
+    """`max_positions`: the served context, a row per position, which also chooses LongRoPE's factors;
+    `rotary_dim`: the leading dims of a head the checkpoint rotates (None: all)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
-                 rotary_dim: int | None = None, max_model_len: int | None = None):
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        self.max_model_len = max_positions if max_model_len is None else max_model_len
         self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
         if self.cos_sin.device.type != "meta":
             self.reset_buffers()
@@ -202,7 +201,7 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self) -> torch.Tensor:
         cpu = torch.device("cpu")
-        inv = _inv_freq(self.rotary_dim, self.theta, self.scaling, self.max_model_len).to(cpu)
+        inv = _inv_freq(self.rotary_dim, self.theta, self.scaling, self.max_positions).to(cpu)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=cpu), inv)
         # [max_positions, head_dim]: cos in the first half, sin in the second, both times the attention
         # factor: every RoPE path (the torch reference and the Triton prologue and decode kernels) rotates
