@@ -173,14 +173,14 @@ def test_a_grammar_spec_past_its_length_is_refused_before_it_is_walked_or_built(
     """A JSON schema over the grammar's 1,000,000 characters was walked and checked (a 990,000-property one, 31
     MB, ~2 s), and the schema of tools a tool_choice forces was built of every tool's parameters (35,678 tools
     of 24 properties, 26 MB, 4.8 s), before the engine refused them for their length. Both are refused first."""
-    from tokenmill import sampling_params
+    from tokenmill import structured_outputs_params
     from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams
     from tokenmill.server import tool_choice
     from tokenmill.server.protocol import ChatCompletionRequest
 
     def never(*args, **kwargs):
         raise AssertionError("walked or built")
-    monkeypatch.setattr(sampling_params, "_check_schema", never)
+    monkeypatch.setattr(structured_outputs_params, "check_schema", never)
     monkeypatch.setattr(tool_choice, "required_tools_schema", never)
     with pytest.raises(SamplingParamError, match=r"the JSON schema is at least 1,0\d\d,\d\d\d characters long, over "
                                                  r"the limit of 1,000,000"):
