@@ -112,7 +112,7 @@ def test_roofline_matmul_rate_speeds_the_projections_only():
 
 
 def test_bench_weight_format_follows_the_engine():
-    from tokenmill.bench.cli import _weight_format
+    from tokenmill.bench.throughput_run import _weight_format
     from tokenmill.quant.formats import Fp8Config, W4Config
 
     assert _weight_format(None, None) == (None, 128)
