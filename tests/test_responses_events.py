@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol.responses import ResponsesRequest, _unwrap
+from tokenmill.server.protocol.response_includes import unwrap_reasoning
+from tokenmill.server.protocol.responses import ResponsesRequest
 from tokenmill.server.response_output import _EventStream
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import resolve_references, retrieve
@@ -363,7 +364,7 @@ def test_get_includes_what_the_stored_response_can_give():
     body = {"id": "r", "status": "completed", "output": [reasoning, message], "previous_response_id": None}
     store.put(body, [])
     got = retrieve(store, "r", ["reasoning.encrypted_content"], stream=False)
-    assert _unwrap(got["output"][0]["encrypted_content"]) == "think" and got["output"][1] == message
+    assert unwrap_reasoning(got["output"][0]["encrypted_content"]) == "think" and got["output"][1] == message
     # without include the stored JSON is answered as kept, never decoded
     assert store.get("r") == body and retrieve(store, "r", [], stream=False) is None
     for include, stream, says in ((["message.output_text.logprobs"], False, "were never computed"),

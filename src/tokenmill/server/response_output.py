@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from tokenmill.server.answers import now
 from tokenmill.server.chat import ChoiceText, reasoning_tokens
-from tokenmill.server.protocol.responses import NamedFunctionChoice, ResponsesRequest, _id, _wrap
+from tokenmill.server.protocol.response_includes import wrap_reasoning
+from tokenmill.server.protocol.responses import NamedFunctionChoice, ResponsesRequest, _id
 from tokenmill.server.serving import Serving
 
 
@@ -26,7 +27,7 @@ def output_items(shape: _Shape, text: ChoiceText, whole: str, logprobs: list[dic
 def _encrypted(item: dict, include: list[str] | None) -> dict:
     """A reasoning item with `encrypted_content` where the request included it."""
     if include and "reasoning.encrypted_content" in include:
-        item["encrypted_content"] = _wrap(item["content"][0]["text"])
+        item["encrypted_content"] = wrap_reasoning(item["content"][0]["text"])
     return item
 
 

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from tokenmill.sampling_params import shown
 from tokenmill.server.chat import ChoiceText, chat_params, logprob_entries, prepare_chat
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol.responses import (
-    _ENCRYPTED, _ITEMS, _LOGPROBS, ItemReference, ResponsesRequest, _unknown_include,
-)
+from tokenmill.server.protocol.response_includes import INCLUDE_ENCRYPTED, INCLUDE_LOGPROBS, unknown_include
+from tokenmill.server.protocol.response_items import INPUT_ITEMS, ItemReference
+from tokenmill.server.protocol.responses import ResponsesRequest
 from tokenmill.server.answers import json_response
 from tokenmill.server.response_output import _encrypted, _EventStream, _Shape, output_items
 from tokenmill.server.response_store import ResponseStore
@@ -49,25 +49,25 @@ def retrieve(store: ResponseStore, response_id: str, include: list[str], stream:
     400 naming the value and why. Without `include`, the body is as stored, with what its own request included."""
     if not include:
         return None
-    unknown = _unknown_include(include)
+    unknown = unknown_include(include)
     if unknown:
         raise APIError(400, unknown, "include")
     body, included = store.included(response_id)
     missing = [v for v in dict.fromkeys(include) if v not in included]
-    if _LOGPROBS in missing:
-        raise APIError(400, f"'include' value {_LOGPROBS!r} cannot be honored: response '{response_id}' was created "
-                            "without it (or 'top_logprobs'), so its output's token logprobs were never computed; ask "
-                            "for them when creating a response", "include")
+    if INCLUDE_LOGPROBS in missing:
+        raise APIError(400, f"'include' value {INCLUDE_LOGPROBS!r} cannot be honored: response '{response_id}' was "
+                            "created without it (or 'top_logprobs'), so its output's token logprobs were never "
+                            "computed; ask for them when creating a response", "include")
     if stream:
         if missing:
             raise APIError(400, f"'include' value {missing[0]!r} cannot be honored with 'stream': the events of "
                                 f"response '{response_id}' are sent again as they were made, without it (its request "
                                 "did not include it); GET the response without 'stream' to have it", "include")
         return None
-    if _ENCRYPTED in missing:
+    if INCLUDE_ENCRYPTED in missing:
         for item in body["output"]:
             if item["type"] == "reasoning":
-                _encrypted(item, [_ENCRYPTED])
+                _encrypted(item, [INCLUDE_ENCRYPTED])
     return body
 
 
@@ -85,7 +85,7 @@ def resolve_references(serving: Serving, req: ResponsesRequest) -> ResponsesRequ
                             "itself instead of an item_reference", "input")
     found = serving.responses.items(refs)
     try:
-        resolved = iter(_ITEMS.validate_python([found[ref] for ref in refs]))
+        resolved = iter(INPUT_ITEMS.validate_python([found[ref] for ref in refs]))
     except ValidationError as e:
         raise APIError(400, f"input: a referenced item cannot be read back: {e}", "input") from None
     items = [next(resolved) if isinstance(item, ItemReference) else item for item in req.input]

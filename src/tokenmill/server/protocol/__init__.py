@@ -14,8 +14,9 @@ One module a concern, each importing only those before it: `base` (limits, `_Str
 `_UNSUPPORTED`, shared validators), `tools` (function tools, tool_choice), `messages` (a chat's messages and
 template fields), `options` (the objects sampling fields hold), `sampling` (`_SamplingRequest`, the fields
 completions and chat completions share), then one module an endpoint: `completions`, `chat`, `tokenization`
-(/tokenize, /detokenize), `responses` (/v1/responses). Here are re-exported the names the rest of tokenmill
-imports, but those of `responses`, imported from it directly: its `as_chat` raises server/errors.py's APIError,
+(/tokenize, /detokenize), `responses` (/v1/responses, after `response_includes`, its `include` values, and
+`response_items`, its input items). Here are re-exported the names the rest of tokenmill imports, but those of
+the Responses modules, imported from them directly: `responses`' `as_chat` raises server/errors.py's APIError,
 and errors.py imports this package.
 """
 from tokenmill.server.protocol.base import (

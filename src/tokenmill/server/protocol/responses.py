@@ -1,170 +1,31 @@
-"""POST /v1/responses' request: its input items (messages, function calls and their outputs, reasoning items,
-item references), tools, tool_choice, text and reasoning options, and `ResponsesRequest`, which reads as the
-chat request (`as_chat`) that its handler (server/responses.py) serves, and lists its input as stored items.
+"""POST /v1/responses' request: its tools, tool_choice, text and reasoning options, and `ResponsesRequest`, which
+reads as the chat request (`as_chat`) that its handler (server/responses.py) serves, and lists its input as stored
+items. Its input items are in response_items.py, its `include` values in response_includes.py.
 
 Not re-exported by the package: `as_chat` raises server/errors.py's `APIError`, and errors.py imports the
 package, so the package importing this module would make the two import each other.
 """
 from __future__ import annotations
 
-import base64
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tokenmill.sampling_params import shown
 from tokenmill.server.errors import APIError, unsupported_cause
 from tokenmill.server.protocol.base import (
     INT64_MAX, INT64_MIN, MAX_PROMPT_CHARS, PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS, Metadata, UnsupportedValue,
-    _Strict, refuse_media_parts,
+    _Strict,
 )
 from tokenmill.server.protocol.chat import ChatCompletionRequest
 from tokenmill.server.protocol.options import PromptCacheOptions
+from tokenmill.server.protocol.response_includes import INCLUDE_LOGPROBS, INCLUDES, unknown_include
+from tokenmill.server.protocol.response_items import (
+    INPUT_ITEMS, ITEM_TYPES, FunctionCallItem, FunctionCallOutputItem, InputItem, ItemReference, MessageItem,
+    ReasoningItem,
+)
 from tokenmill.server.protocol.tools import check_function_parameters, function_choice_only, function_tools_only
-
-
-class InputText(_Strict):
-    type: Literal["input_text", "output_text", "text"]
-    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-    annotations: Any = None
-    logprobs: Any = None
-    # the openai client's responses.parse() keeps the text it parsed beside it: the same data, not kept
-    parsed: Any = Field(default=None, exclude=True)
-    # the client's field that this server's items leave out: null where a client sends back an item of
-    # `input_items.list` as the client dumps it
-    prompt_cache_breakpoint: None = None
-
-
-def _joined(text: str | list[InputText]) -> str:
-    """A text given as a string or as input_text parts: the parts' text joined."""
-    return text if isinstance(text, str) else "".join(p.text for p in text)
-
-
-class MessageItem(_Strict):
-    type: Literal["message"] | None = None
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputText], Field(fail_fast=True)]
-    id: str | None = None
-    status: str | None = None
-    # the openai client's fields that this server's output items leave out: null where a client sends back
-    # an item as the client dumps it (`model_dump()`)
-    phase: None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content):
-        return refuse_media_parts(content, "input.content")
-
-    def text(self) -> str:
-        return _joined(self.content)
-
-
-class FunctionCallItem(_Strict):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: str | None = None
-    # as in MessageItem: the client's fields, null in the items it dumps from this server's output (`async`
-    # under its name in the client's model, as `model_dump()` without by_alias writes it)
-    async_: None = Field(default=None, alias="async")
-    caller: None = None
-    namespace: None = None
-    created_by: None = None
-    # the openai client's responses.parse() keeps the arguments it parsed beside them: the same data, not kept
-    parsed_arguments: Any = Field(default=None, exclude=True)
-
-    model_config = ConfigDict(populate_by_name=True)
-
-
-class FunctionCallOutputItem(_Strict):
-    """A tool's result: a string, or content parts as OpenAI's API also takes them (what the Agents SDK sends
-    for a tool that returns text objects); the parts' text joined is what the model sees."""
-    type: Literal["function_call_output"]
-    call_id: str
-    output: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[InputText], Field(fail_fast=True)]
-    id: str | None = None
-    status: str | None = None
-    # as in MessageItem: the client's fields, null in the items of `input_items.list` as it dumps them
-    caller: None = None
-    created_by: None = None
-    name: None = None
-    namespace: None = None
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _text_only(cls, output):
-        return refuse_media_parts(output, "input.output")
-
-    def text(self) -> str:
-        return _joined(self.output)
-
-
-class ReasoningItem(_Strict):
-    """A reasoning item sent back from an earlier response: its text becomes the `reasoning_content` of
-    the assistant message that follows it, for the chat template to keep or drop (Qwen3's keeps the
-    thinking of the turn in progress, between tool calls, and drops that of earlier turns)."""
-    type: Literal["reasoning"]
-    id: str | None = None
-    summary: Any = None
-    content: Any = None
-    encrypted_content: Any = None
-    status: str | None = None
-
-    def text(self) -> str:
-        """The reasoning text: its content parts', else what `encrypted_content` carries if this server
-        wrote it, else its summary's; "" where none is readable."""
-        for parts in (self.content, _unwrap(self.encrypted_content), self.summary):
-            if isinstance(parts, str):
-                return parts
-            if not isinstance(parts, list):      # absent, or a shape no client sends: nothing to read
-                continue
-            texts = [p.get("text") for p in parts if isinstance(p, dict)]
-            if texts and all(isinstance(t, str) for t in texts):
-                return "".join(texts)
-        return ""
-
-
-# `include: ["reasoning.encrypted_content"]` (what Codex and the Agents SDK send with `store: false`, to
-# carry reasoning between turns themselves): reasoning items then carry their text in `encrypted_content`.
-# It is encoded, not encrypted (this server holds no key and the text is in the item's content already);
-# the prefix tells a blob of ours from another server's, which is ignored.
-INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
-_ENCRYPTED, _LOGPROBS = INCLUDES
-_BLOB_PREFIX = "tokenmill-reasoning-v1."
-
-
-def _unknown_include(include: list[str] | None) -> str | None:
-    """The refusal of the first `include` value this server has none of, None where there is none."""
-    unknown = next((v for v in include or () if v not in INCLUDES), None)
-    return f"'include' value {shown(unknown)} is not supported by tokenmill (only {', '.join(map(repr, INCLUDES))})" \
-        if unknown is not None else None
-
-
-def _wrap(text: str) -> str:
-    return _BLOB_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
-
-
-def _unwrap(blob) -> str | None:
-    if not isinstance(blob, str) or not blob.startswith(_BLOB_PREFIX):
-        return None
-    try:
-        return base64.urlsafe_b64decode(blob[len(_BLOB_PREFIX):]).decode("utf-8")
-    except ValueError:
-        return None
-
-
-class ItemReference(_Strict):
-    """An item of a stored response (its request's input or its output) named by id instead of sent again;
-    OpenAI's type is optional, so an item of nothing but an id is one too. `resolve_references` replaces it
-    with the stored item before the request is read."""
-    type: Literal["item_reference"] | None = None
-    id: str
-
 
 
 def _id(prefix: str) -> str:
@@ -173,29 +34,6 @@ def _id(prefix: str) -> str:
 
 _ITEM_ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
-
-# the input item types this server reads; a message may also leave its type out
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
-_ITEM_CLASSES = {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem",
-                 "reasoning": "ReasoningItem", "item_reference": "ItemReference"}
-
-
-def _item_kind(item) -> str:
-    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
-    if kind is None and isinstance(item, dict) and "id" in item and item.keys() <= {"id", "type"}:
-        return "ItemReference"
-    return _ITEM_CLASSES.get(kind, "MessageItem")
-
-
-# an item is validated as the kind its type names (a message where it names none), so that a bad item's 400
-# speaks of that kind's fields only; the tags are class names, which an error's field path leaves out
-# (errors._field_path), so that it names the client's fields ("input.0.name", not "input.0.message.name")
-InputItem = Annotated[Union[Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
-                            Annotated[ReasoningItem, Tag("ReasoningItem")],
-                            Annotated[ItemReference, Tag("ItemReference")],
-                            Annotated[MessageItem, Tag("MessageItem")]], Discriminator(_item_kind)]
-_ITEMS = TypeAdapter(list[InputItem])
 # the chat request's fields (`ResponsesRequest.as_chat`) that this API calls otherwise
 _RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "prompt": "input",
                      "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
@@ -310,7 +148,7 @@ class ResponsesRequest(_Strict):
                                                    "with 'previous_response_id', or send the conversation as 'input')")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        unknown = _unknown_include(self.include)
+        unknown = unknown_include(self.include)
         if unknown:
             raise UnsupportedValue("include", unknown)
         return self
@@ -329,7 +167,7 @@ class ResponsesRequest(_Strict):
     def included(self) -> list[str]:
         """The `include` values its response's output carries (as stored, for GET's `include`): those asked, and
         the output text's logprobs where top_logprobs alone asks for them."""
-        return [v for v in INCLUDES if v in (self.include or ()) or v == _LOGPROBS and self.wants_logprobs()]
+        return [v for v in INCLUDES if v in (self.include or ()) or v == INCLUDE_LOGPROBS and self.wants_logprobs()]
 
     def input_items(self) -> list[dict]:
         """The input as items, as a stored response keeps them and `input_items` lists them: each with
@@ -357,7 +195,7 @@ class ResponsesRequest(_Strict):
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         thinking = ""           # reasoning items' text, for the next assistant message
-        earlier = _ITEMS.validate_python(list(history)) if history else []
+        earlier = INPUT_ITEMS.validate_python(list(history)) if history else []
         # an item of the conversation sent again, or twice in the input, would reach the prompt twice (OpenAI's
         # API refuses both too)
         stored = {item.id for item in earlier if item.id is not None}
