@@ -58,9 +58,12 @@ class ModelConfig:
     # the leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor: Phi-4-mini's 96 of 128),
     # the rest passed through; None: the whole head
     rotary_dim: int | None = None
-    # every layer attends over the latest sliding_window positions alone (Phi-3's). tokenmill attends over the
-    # whole context, which is the same for a sequence no longer than the window: max_model_len is bounded by it
+    # the sliding window of the layers that have one: a query at position p sees the positions j with
+    # p - sliding_window < j <= p alone (transformers' mask; `window`); None: every layer sees the whole context
     sliding_window: int | None = None
+    # per layer, whether it attends over sliding_window (Qwen2's from max_window_layers on, layer_types'
+    # "sliding_attention"); None with a window: every layer does (Mistral's, Phi-3's)
+    sliding_layers: tuple[bool, ...] | None = None
     # the longest context served: the engine's max_model_len, set once resolved (`serving`); None:
     # derived_max_model_len. LongRoPE's factors are chosen by it (`rotary.longrope_uses_long_factors`)
     max_model_len: int | None = None
@@ -103,6 +106,14 @@ class ModelConfig:
                              f"attend over the latest {w} positions alone, and tokenmill, which has no "
                              f"sliding-window attention, over the whole context, the same only up to {w} tokens; "
                              f"serve at most {w} (--max-model-len {w})")
+        layers = self.sliding_layers
+        if layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("the model config's sliding_layers name the layers that attend over sliding_window, "
+                                 "which is None; give the window (or no sliding_layers)")
+            if len(layers) != self.num_hidden_layers or any(type(f) is not bool for f in layers):
+                raise ValueError(f"the model config's sliding_layers is {layers!r}; it needs a bool per layer, "
+                                 f"num_hidden_layers={self.num_hidden_layers}")
 
     @property
     def attention_scale(self) -> float:
@@ -134,6 +145,13 @@ class ModelConfig:
         """Whether `layer` applies RoPE to q and k (a NoPE layer attends by content alone)."""
         return self.rope_layers is None or self.rope_layers[layer]
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window `layer` attends over (a query sees itself and the window - 1 positions before
+        it), or None where it sees the whole context. The KV cache keeps every position either way."""
+        if self.sliding_window is None or not (self.sliding_layers is None or self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike,
                 hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -147,7 +165,8 @@ class ModelConfig:
         """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
         EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, a
-        granite file's scalars, and a phi3 file's rotated dims, LongRoPE factors and sliding window."""
+        granite file's scalars, and a phi3 file's rotated dims, LongRoPE factors and sliding window (over
+        every layer)."""
         from tokenmill.gguf_config import read_gguf_config
         return read_gguf_config(cls, gguf)
 

@@ -20,18 +20,18 @@ def _decode_positions(table, ctx, block_size):
 
 
 def _fused_decode_reference(qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, slots, table,
-                            ctx, num_heads, num_kv_heads, head_dim):
+                            ctx, num_heads, num_kv_heads, head_dim, window=None):
     """The unfused decode attention on copies of the cache: prologue (norm, RoPE, store), then attention
-    over the cache. Returns (out, k_cache, v_cache)."""
+    over the cache (within `window`). Returns (out, k_cache, v_cache)."""
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     q = _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, 1e-6, ref_k, ref_v, slots,
                             num_heads, num_kv_heads, head_dim)
     qsl = torch.arange(qkv.shape[0] + 1, dtype=torch.int32, device=DEVICE)
-    return paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5), ref_k, ref_v
+    return paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5, window=window), ref_k, ref_v
 
 
 def _check_fused_decode(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
-                        num_splits, config, tol):
+                        num_splits, config, tol, window=None):
     """The one-kernel decode attention against the unfused reference. Context length 0 is a padded
     slot (slot -1, zero output)."""
     batch = len(seq_lens)
@@ -44,12 +44,13 @@ def _check_fused_decode(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_
     q_weight = _randn(head_dim, dtype=dtype, gen=gen) if qk_norm else None
     k_weight = _randn(head_dim, dtype=dtype, gen=gen) if qk_norm else None
     ref, ref_k, ref_v = _fused_decode_reference(qkv, positions, rope.cos_sin, q_weight, k_weight, k_cache,
-                                                v_cache, slots, table, ctx, num_heads, num_kv_heads, head_dim)
+                                                v_cache, slots, table, ctx, num_heads, num_kv_heads, head_dim,
+                                                window)
     for _ in range(2):  # the second launch finds the split counters reset by the first
         out = da.fused_decode_attention(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache,
                                         v_cache, slots, table, ctx, head_dim ** -0.5, num_heads,
                                         num_kv_heads, head_dim, num_splits=num_splits,
-                                        config=config or da.SHIPPED)
+                                        config=config or da.SHIPPED, window=window)
         assert out.shape == (batch, num_heads, head_dim)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(k_cache, ref_k, rtol=tol, atol=tol)
@@ -72,6 +73,15 @@ def test_fused_decode_attention_equals_prologue_then_attention(num_heads, num_kv
     # at most); the new token first, last and inside a split, alone, and in a split of its own
     _check_fused_decode(_gen(31), [1, 37, 0, 16, 70, 33, 150], num_heads, num_kv_heads, head_dim, block_size,
                         dtype, qk_norm, num_splits, DecodeAttentionConfig(16, min_split_len=min_split), _tol(dtype))
+
+
+@pytest.mark.parametrize("window,num_splits", [(1, 1), (20, 4)])
+def test_fused_decode_attention_within_a_sliding_window(window, num_splits):
+    """The new token sees the window's positions alone (a window of 1: itself): contexts shorter than the
+    window, ones whose window starts inside a tile, splits over the window's tiles from that one on (150
+    positions behind a window of 20: 6 in the first tile, two splits), and a padded slot."""
+    _check_fused_decode(_gen(32), [1, 0, 16, 37, 150], 4, 1, 16, 4, torch.float32, True, num_splits,
+                        DecodeAttentionConfig(16, min_split_len=16), _tol(torch.float32), window)
 
 
 def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
@@ -213,3 +223,24 @@ def test_the_backend_launches_each_caches_decode_configuration(monkeypatch):
     backend.attend(None, None, None, None, 1.0, kv_scale=None)
     backend.attend(None, None, None, None, 1.0, kv_scale=torch.ones(2))
     assert seen == [kernels.decode_attention, kernels.fp8_decode_attention] * 2
+
+
+def test_the_backend_hands_each_kernel_the_layers_window(monkeypatch):
+    """The Triton backend passes the layer's sliding window (None: none) to the one-kernel decode and to the
+    prefill and decode-rows kernels, which take it as a constexpr (0: none)."""
+    from tokenmill.layers.backend import TritonBackend
+    from tokenmill.layers.kernels import paged_attention
+    seen = []
+    monkeypatch.setattr(da, "fused_decode_attention", lambda *a, window=None, **k: seen.append(window))
+    monkeypatch.setattr(paged_attention, "paged_attention", lambda *a, window=None, **k: seen.append(window))
+    backend = TritonBackend()
+
+    class PureDecode:
+        def is_pure_decode(self, num_tokens):
+            return True
+    attend = backend.decode_attention(torch.zeros(2, dtype=torch.long), PureDecode())
+    attend(None, window=None)
+    attend(None, window=6)
+    backend.attend(None, None, None, None, 1.0)
+    backend.attend(None, None, None, None, 1.0, window=6)
+    assert seen == [None, 6] * 2

@@ -80,16 +80,17 @@ def test_engine_eager_prefill_attention_through_a_tile_map(qwen3_dir):
     steps = []
 
     class TiledPrefill(TorchBackend):
-        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None):
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None):
             if meta.is_pure_decode(q.shape[0]):
-                return super().attend(q, k_cache, v_cache, meta, scale, kv_scale)
+                return super().attend(q, k_cache, v_cache, meta, scale, kv_scale, window=window)
             steps.append((meta.prefill_tiles, meta.query_start_loc.diff().tolist()))
             return pa.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                               meta.query_start_loc, meta.max_query_len, scale,
-                                              tiles=meta.prefill_tiles, kv_scale=kv_scale)
+                                              tiles=meta.prefill_tiles, kv_scale=kv_scale, window=window)
     assert _generate(qwen3_dir, config, prompts, params, TiledPrefill()) == expected
     assert all(tiles is not None for tiles, _ in steps)
     # a chunk of two query blocks beside other sequences took place, one tile per block
     assert any(len(lens) > 1 and max(lens) > 64 for _, lens in steps)
     assert all(tiles.shape[1] == sum(-(-n // 64) for n in lens if n > 1) for tiles, lens in steps)
     assert any(1 in lens for _, lens in steps)          # decode rows beside a chunk
+

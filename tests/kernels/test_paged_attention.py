@@ -56,6 +56,51 @@ def test_decode_rows_split_over_the_context(num_splits, dtype):
     assert all(int(c.abs().sum()) == 0 for bufs in counters._kept.values() for c in bufs)
 
 
+def _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale, window):
+    """Each query against its sequence's whole context, one position at a time: a query at position p
+    weighs the keys at p - window < j <= p alone (transformers' sliding-window mask)."""
+    out, row = torch.zeros_like(q, dtype=torch.float32), 0
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    for b, (ctx, q_len) in enumerate(zip(seq_lens, q_lens)):
+        pages = table[b, : -(-ctx // block_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:ctx].float().repeat_interleave(q.shape[1] // num_kv_heads, 1)
+        v = v_cache[pages].flatten(0, 1)[:ctx].float().repeat_interleave(q.shape[1] // num_kv_heads, 1)
+        for i in range(q_len):
+            p = ctx - q_len + i
+            lo = max(0, p - window + 1)
+            weights = torch.einsum("hd,jhd->hj", q[row + i].float(), k[lo:p + 1]).mul(scale).softmax(-1)
+            out[row + i] = torch.einsum("hj,jhd->hd", weights, v[lo:p + 1])
+        row += q_len
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("window,dtype", [(1, torch.float32), (40, HALF)])
+def test_prefill_and_decode_rows_within_a_sliding_window(window, dtype):
+    """A sliding window: prefill chunks over cached prefixes (tiles of 16 rows whose rows see different
+    window edges, tiles where a row sees no position, and with a window of 40 a query tile at 66-69 that
+    every position of 32-63 is visible to, unmasked), and decode rows split over the window's tiles alone
+    (150 positions behind a window of 40: two splits of the 54 from the window's tile on). The kernels
+    equal the reference, and both a dense computation over each whole context."""
+    gen = _gen(13)
+    num_kv_heads, head_dim, group = 1, 16, 2
+    q_lens = [5, 1, 23, 4, 1, 0]
+    seq_lens = [5, 40, 30, 70, 150, 0]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 4, num_kv_heads, head_dim, dtype, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    dense = _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, 0.3, window)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3, window=window)
+    torch.testing.assert_close(ref, dense, rtol=_tol(dtype), atol=_tol(dtype))
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
+                                     config=PrefillAttentionConfig(16, 16, 4, 1),
+                                     decode_config=DecodeAttentionConfig(block_n=16, num_warps=4, num_stages=1,
+                                                                         min_split_len=16),
+                                     num_splits=3, window=window)
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    assert not torch.allclose(paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3), ref, atol=0.1)
+
+
 def test_decode_rows_splits_from_shapes(monkeypatch):
     """The split counts depend on shapes only: more sequences, fewer splits; never more splits than tiles
     in the longest possible context."""
@@ -72,6 +117,10 @@ def test_decode_rows_splits_from_shapes(monkeypatch):
     assert splits == {1: 32, 2: 17, 4: 9, 5: 26, 8: 16, 16: 8, 32: 4, 48: 2, 66: 2, 67: 1, 256: 1}
     assert [b for b in splits if da.takes_filled_launch(b, 8, splits[b], cpu)] == [5, 8, 16, 32, 48, 66]
     assert da.decode_num_splits(4, 8, 2, 16, cpu, 64) == 1        # one tile in the longest context
+    # a sliding window caps both by the tiles a query visits: its own and the one its first position is in
+    assert da.decode_num_splits(1, 8, 512, 16, cpu, 64, window=100) == pa.window_tiles(512, 16, 64, 100) == 3
+    assert pa.decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=64) == 2
+    assert pa.decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=1) == 1
 
 
 def test_prefill_tile_grid_equals_sequence_grid():
@@ -146,6 +195,9 @@ def test_attention_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match="query_start_loc must be int32"):
         pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table, ctx, qsl.long(), 1,
                                    1.0)
+    with pytest.raises(ValueError, match=r"window is 0; it must be an integer >= 1"):
+        pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table, ctx, qsl, 1, 1.0,
+                                   window=0)
 
 @pytest.mark.gpu
 @gpu

@@ -52,16 +52,19 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float,
-                          kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          kv_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32; an FP8
     cache is dequantized (times `kv_scale`) to float32. Decodes and prefill chunks go through torch's
     scaled_dot_product_attention and an index_select of their blocks, the CPU path's fastest (docs:
-    "CPU attention over a batch").
+    "CPU attention over a batch"). `window` (the layer's sliding window, `ModelConfig.window`; None:
+    none): a query at position p sees the cached positions j with p - window < j <= p alone
+    (transformers' sliding-window mask), and the blocks wholly below every query's window are not read.
 
     Sequences with one query token (decodes) are attended together, padded to the longest context;
     a sequence with several (a prefill chunk) is attended on its own, so no step holds scores larger
     than one chunk's [Hq, q_len, context]."""
     check_kv_scale(k_cache, kv_scale)
+    check_window(window)
     scales = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -70,11 +73,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if decodes:
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decodes], seq_lens[decodes],
-                                      max(lens[b] for b in decodes), scale, scales)
+                                      [lens[b] for b in decodes], scale, scales, window)
     for b, ctx in enumerate(lens):
         qs, qe = starts[b], starts[b + 1]
         if qe - qs > 1:
-            out[qs:qe] = _prefill_attention(q[qs:qe], k_cache, v_cache, block_tables[b], ctx, scale, scales)
+            out[qs:qe] = _prefill_attention(q[qs:qe], k_cache, v_cache, block_tables[b], ctx, scale, scales,
+                                               window)
     return out
 
 
@@ -86,47 +90,77 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: torch
     return kv if scale is None else kv * scale
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len: int, scale: float, scales):
-    """q [B, Hq, D], one query per sequence at its last position; contexts padded to `max_len`."""
+def _first_block(first_position: int, block_size: int) -> int:
+    """The block that holds `first_position`, the lowest position a query of the batch sees (0 without
+    a window, or when it is negative)."""
+    return max(first_position, 0) // block_size
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens: list[int], scale: float, scales,
+                      window: int | None):
+    """q [B, Hq, D], one query per sequence at its last position, contexts `lens` (seq_lens on the host);
+    the positions from the lowest window's block on are gathered, padded to the longest context."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    blocks = block_tables[:, : (max_len + block_size - 1) // block_size]
-    k = _gather(k_cache, blocks, max_len, scales[0])                # [B, L, Hkv, D]
-    v = _gather(v_cache, blocks, max_len, scales[1])
+    max_len = max(lens)
+    first = 0 if window is None else _first_block(min(lens) - window, block_size)
+    blocks = block_tables[:, first: (max_len + block_size - 1) // block_size]
+    k = _gather(k_cache, blocks, max_len - first * block_size, scales[0])     # [B, L, Hkv, D]
+    v = _gather(v_cache, blocks, max_len - first * block_size, scales[1])
     qg = q.float().unflatten(1, (num_kv_heads, -1))                 # [B, Hkv, G, D]
-    keep = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    pos = torch.arange(first * block_size, max_len, device=q.device)[None, :]
+    keep = pos < seq_lens[:, None]
+    if window is not None:
+        keep &= pos >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=keep[:, None, None, :], scale=scale)
     # a padded slot (seq_len 0) attends to nothing: its NaN row becomes zeros
     return out.nan_to_num(0.0).flatten(1, 2).to(q.dtype)
 
 
-def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float, scales):
-    """q [Lq, Hq, D], the last Lq positions of a context of `ctx`, causal."""
+def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float, scales, window: int | None):
+    """q [Lq, Hq, D], the last Lq positions of a context of `ctx`, causal (and within `window`)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    blocks = block_table[: (ctx + block_size - 1) // block_size]
-    k = _gather(k_cache, blocks, ctx, scales[0])                    # [ctx, Hkv, D]
-    v = _gather(v_cache, blocks, ctx, scales[1])
-    qg = q.float().unflatten(1, (num_kv_heads, -1)).permute(1, 2, 0, 3)     # [Hkv, G, Lq, D]
-    k, v = (t.permute(1, 0, 2)[:, None].expand(-1, qg.shape[1], -1, -1) for t in (k, v))   # [Hkv, G, ctx, D]
     lq = q.shape[0]
+    first = 0 if window is None else _first_block(ctx - lq + 1 - window, block_size)
+    blocks = block_table[first: (ctx + block_size - 1) // block_size]
+    k = _gather(k_cache, blocks, ctx - first * block_size, scales[0])       # [L, Hkv, D]
+    v = _gather(v_cache, blocks, ctx - first * block_size, scales[1])
+    qg = q.float().unflatten(1, (num_kv_heads, -1)).permute(1, 2, 0, 3)     # [Hkv, G, Lq, D]
+    k, v = (t.permute(1, 0, 2)[:, None].expand(-1, qg.shape[1], -1, -1) for t in (k, v))   # [Hkv, G, L, D]
     # causal from the bottom right: query i, at position ctx - Lq + i, sees the keys up to its own
     # (torch's is_causal aligns them from the top left, which is the same only without a cached prefix)
-    mask = None if lq == ctx else (torch.arange(ctx, device=q.device)[None, :]
-                                   <= torch.arange(ctx - lq, ctx, device=q.device)[:, None])
+    mask = None
+    if lq != ctx or window is not None:
+        keys = torch.arange(first * block_size, ctx, device=q.device)[None, :]
+        queries = torch.arange(ctx - lq, ctx, device=q.device)[:, None]
+        mask = keys <= queries
+        if window is not None:
+            mask &= keys > queries - window
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.permute(2, 0, 1, 3).flatten(1, 2).to(q.dtype)
 
 
-class PagedAttention(nn.Module):
-    """One layer's view of the paged KV cache and its softmax scale; the model's backend stores this
-    step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
-    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache. `scale` (q.k times it before
-    the softmax; `ModelConfig.attention_scale`) is the one every attention path reads: the reference, the
-    Triton prefill and decode kernels."""
+def check_window(window: int | None) -> None:
+    """A layer's sliding window is a positive int (positions a query sees, its own included), or None."""
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"window is {window!r}; it must be an integer >= 1 (the positions a query sees, its own "
+                         "included), or None for none")
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+
+class PagedAttention(nn.Module):
+    """One layer's view of the paged KV cache, its softmax scale and its sliding window; the model's backend
+    stores this step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
+    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache. `scale` (q.k times it before
+    the softmax; `ModelConfig.attention_scale`) and `window` (`ModelConfig.window`: the positions a query
+    sees, its own included; None: the whole context) are the ones every attention path reads: the
+    reference, the Triton prefill and decode kernels. The cache keeps every position (blocks below the
+    window are not freed)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None):
         super().__init__()
+        check_window(window)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = window
         self.k_cache = self.v_cache = torch.empty(0)
         self.kv_scale: torch.Tensor | None = None     # float32 [2] (K, V) with an FP8 cache

@@ -48,7 +48,10 @@ def _ranks(tp: TensorParallel | None) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None):
+    """`window`: the layer's sliding window (`ModelConfig.window`; None: it attends over the whole context)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None,
+                 window: int | None = None):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -62,7 +65,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale, window)
         self.backend = TorchBackend()
         self.tp = tp
 
@@ -88,7 +91,7 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, kv_scale=self.attn.kv_scale, into=into)
+                                   self.head_dim, kv_scale=self.attn.kv_scale, into=into, window=self.attn.window)
         else:
             # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the
             # cache
@@ -96,7 +99,7 @@ class Attention(nn.Module):
                                                 self.attn.v_cache, meta.slot_mapping, self.num_heads,
                                                 self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
             out = self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
-                                      kv_scale=self.attn.kv_scale, into=into)
+                                      kv_scale=self.attn.kv_scale, into=into, window=self.attn.window)
         return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
 
 
@@ -120,9 +123,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel | None = None,
+                 window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, tp)
+        self.self_attn = Attention(cfg, rotary, tp, window)
         self.mlp = MLP(cfg, tp)
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -187,7 +191,8 @@ class DecoderModel(nn.Module):
         layers = range(cfg.num_hidden_layers)
         nope = (None if all(cfg.rotates(i) for i in layers)
                 else NoRotaryEmbedding(cfg.head_dim, cfg.served_max_model_len))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary if cfg.rotates(i) else nope, tp) for i in layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary if cfg.rotates(i) else nope, tp, cfg.window(i))
+                                    for i in layers)
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()

@@ -39,9 +39,10 @@ from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
+from tokenmill.layers.attention import check_window
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
                                                       _out_unit, _pages, _sms, out_rows, store_out,
-                                                      store_row_scales)
+                                                      store_row_scales, window_start, window_tiles)
 from tokenmill.quant.fp8 import Fp8Rows
 
 MAX_SPLITS = 32
@@ -49,17 +50,18 @@ SHIPPED = SHIPPED_DECODE
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      device: torch.device, block_n: int = SHIPPED.block_n) -> int:
+                      device: torch.device, block_n: int = SHIPPED.block_n, window: int | None = None) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
-    context nor MAX_SPLITS. From more than a quarter of an SM's worth of (sequence, kv head) programs on
-    (`takes_filled_launch`): as many splits as keep at most eight programs an SM, as many one-warp
-    programs as share one (26 at 5 sequences of 8 kv heads on 132 SMs, 8 at 16, 2 at 48-66, one from 67
-    on). Fewer programs (batch 1-4 there, where MAX_SPLITS caps the split count; at 3 sequences the
-    one-warp launch at 32 splits was 37% slower with an FP8 cache on an H200, at 4 7% faster): enough
-    splits in the four-warp tiles to fill the GPU twice (docs/BENCHMARKS.md)."""
+    context (or in a sliding `window`, `paged_attention.window_tiles`) nor MAX_SPLITS. From more than a
+    quarter of an SM's worth of (sequence, kv head) programs on (`takes_filled_launch`): as many splits as
+    keep at most eight programs an SM, as many one-warp programs as share one (26 at 5 sequences of 8 kv
+    heads on 132 SMs, 8 at 16, 2 at 48-66, one from 67 on). Fewer programs (batch 1-4 there, where
+    MAX_SPLITS caps the split count; at 3 sequences the one-warp launch at 32 splits was 37% slower with an
+    FP8 cache on an H200, at 4 7% faster): enough splits in the four-warp tiles to fill the GPU twice
+    (docs/BENCHMARKS.md)."""
     num_sms = _sms(device)
     programs = batch * num_kv_heads
-    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    max_tiles = window_tiles(max_blocks_per_seq, block_size, block_n, window)
     if _one_warp_batch(batch, num_kv_heads, device):
         wanted = (8 * num_sms) // programs
     else:
@@ -87,12 +89,15 @@ def _ask_l2(ptrs):
 
 
 @triton.jit
-def _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
-               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the K and V halves of cached positions n0 .. n0 + BLOCK_N, on their `pages` (those from `end` on
-    # masked to zero)
+def _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, first, end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOW: tl.constexpr):
+    # the K and V halves of cached positions n0 .. n0 + BLOCK_N, on their `pages` (those from `end` on,
+    # and with a sliding WINDOW those before `first`, masked to zero)
     n = n0 + tl.arange(0, BLOCK_N)
     valid = n < end
+    if WINDOW > 0:
+        valid = valid & (n >= first)
     off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * HEAD_DIM
     off = off[:, None] + dr[None, :]
     mask = valid[:, None] & d_mask[None, :]
@@ -135,9 +140,11 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                          ASK_L2: tl.constexpr, WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr,
-                         OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
+                         OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
+    # With a sliding WINDOW (0: none) the new token sees the positions from ctx - WINDOW on alone, and the
+    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.window_start`).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -146,11 +153,19 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     # written before the pass, and the cache below the new token, written by earlier steps.
     ctx = tl.load(seq_lens_ptr + b)
     new = ctx - 1  # this step's token; ctx 0 is a padded CUDA-graph slot, which has none
+    first = 0
+    if WINDOW > 0:
+        first, lo = window_start(ctx, WINDOW, BLOCK_N)
+        span = ctx - lo
+    else:
+        span = ctx
     # splits of at least MIN_SPLIT_LEN positions; only the splits that hold positions run
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-    num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+    num_active = tl.maximum(tl.cdiv(span, split_len), 1)
     if split < num_active:
         start = split * split_len
+        if WINDOW > 0:
+            start += lo
         end = tl.minimum(start + split_len, ctx)
         cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
         pos = tl.load(positions_ptr + b).to(tl.int64)
@@ -160,9 +175,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
         table = block_tables_ptr + b64 * bt_stride_b
         pages = _pages(table, start, cached_end, PAGE_SIZE, BLOCK_N)
-        k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, start, cached_end,
-                                                         kvh, c_stride_blk, c_stride_tok, dr, d_mask,
-                                                         HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N)
+        k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, start, first,
+                                                         cached_end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
+                                                         HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N, WINDOW)
         # the norm weights are weights, and the split counter's line is only asked into L2: both before
         # the wait, so no HBM read of theirs is left between the wait and the output
         qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
@@ -201,15 +216,21 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc1 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
         acc2 = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
-        if start < cached_end:
+        # the first tile when it holds a visible cached position (with a window, split 0's first tile may
+        # hold none: a window of 1 sees the new token alone); every later tile does
+        if WINDOW > 0:
+            attend_first = tl.maximum(start, first) < cached_end
+        else:
+            attend_first = start < cached_end
+        if attend_first:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
         # each tile's pages are loaded a tile ahead of its K and V (see `_pages`)
         pages = _pages(table, start + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-            k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, cached_end, kvh,
-                                                       c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
-                                                       PAGE_SIZE, BLOCK_N)
+            k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, first, cached_end,
+                                                       kvh, c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
+                                                       PAGE_SIZE, BLOCK_N, WINDOW)
             pages = _pages(table, n0 + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
@@ -264,7 +285,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            num_splits: int | None = None,
                            config: DecodeAttentionConfig | None = None,
                            kv_scale: torch.Tensor | None = None,
-                           out_group: int | None = None) -> torch.Tensor | Fp8Rows:
+                           out_group: int | None = None, window: int | None = None) -> torch.Tensor | Fp8Rows:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by attention over the cache
@@ -272,11 +293,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     A sequence with seq_len 0 (a padded CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its
     `kv_scale` (attention.py); with it, `out_group` has the output come as `Fp8Rows` [B, Hq * D] at V's
     scale (`paged_attention.out_rows`). `config`: the launch, by default the shipped one for the cache's
-    dtype."""
+    dtype. `window`: the layer's sliding window (None: none; a constexpr, so a model without one runs the
+    kernel compiled without it): the new token attends over the window's positions alone, and only the
+    window's tiles are read and split."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
     _check_tables(block_tables, seq_lens)
+    check_window(window)
     devices = {t.device for t in (qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables,
                                   seq_lens)}
     if len(devices) != 1:
@@ -291,7 +315,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     cfg = config or shipped_decode_attention(kv_scale is not None)
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                       qkv.device, cfg.block_n)
+                                       qkv.device, cfg.block_n, window)
     if num_splits == 1 and cfg.one_split is not None:
         cfg = cfg.one_split
     elif cfg.filled is not None and takes_filled_launch(batch, num_kv_heads, num_splits, qkv.device):
@@ -326,7 +350,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
         FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, **out_launch,
-        num_warps=cfg.num_warps,
+        WINDOW=window or 0, num_warps=cfg.num_warps,
         launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
         maxnreg=cfg.maxnreg)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
+from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale, check_window
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
@@ -59,15 +59,24 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 8
 
 
+def window_tiles(max_blocks_per_seq: int, block_size: int, block_n: int, window: int | None) -> int:
+    """The block_n tiles a decode query's loop may visit: those of the longest possible context, or with a
+    sliding window at most those of the window and the tile its first position starts in
+    (`window_start`). A decode kernel's split count never exceeds it (CUDA-graph safe: shapes alone)."""
+    tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    return tiles if window is None else min(tiles, triton.cdiv(window + block_n - 1, block_n))
+
+
 def decode_rows_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                           device: torch.device, block_n: int) -> int:
+                           device: torch.device, block_n: int, window: int | None = None) -> int:
     """Splits of a mixed step's decode rows, from shapes only (CUDA-graph safe): up to ROWS_WAVES (sequence,
-    kv head, split) programs an SM, never more splits than block_n tiles in the longest possible context.
+    kv head, split) programs an SM, never more splits than block_n tiles in the longest possible context
+    (or in a sliding `window`, `window_tiles`).
     A split holds at least min_split_len positions, so short contexts run fewer programs than the grid
     has, and the rows' batch counts the prefill sequences, whose programs exit. On an H200 (8 kv heads),
     against one split: 8 at 32 rows 14-31% faster, 4 at 64 rows 0-10%, 2 at 128 rows 0-9%; 2 at 256
     rows were 0-7% slower, so 256 rows take one (docs/BENCHMARKS.md)."""
-    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    max_tiles = window_tiles(max_blocks_per_seq, block_size, block_n, window)
     return max(1, min((ROWS_WAVES * _sms(device)) // (batch * num_kv_heads), max_tiles, ROWS_MAX_SPLITS))
 
 
@@ -108,17 +117,23 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
+                 EMPTY_ROWS: tl.constexpr):
     # one online-softmax step over a tile of cached positions: K and V at kv_off (loads masked by kv_mask),
     # widened to q's dtype (`fp8_v_tile`: V unscaled); with MASKED, scores outside `visible` are
-    # dropped
+    # dropped. EMPTY_ROWS: a row may have seen no visible position yet (a sliding window's first tiles),
+    # so its running max is still -inf: it is taken as 0, which makes its alpha and p 0 instead of NaN
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = fp8_v_tile(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0), q.dtype, FP8, WIDEN_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -201,6 +216,16 @@ def store_row_scales(scale_ptr, row64, writer, v_scale, OUT_FP8: tl.constexpr, S
 
 
 @triton.jit
+def window_start(ctx, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    # a decode query at position ctx - 1 sees the positions from `first` = ctx - WINDOW on (transformers'
+    # sliding window: p - WINDOW < j <= p); its loop starts at `lo`, the start of the BLOCK_N tile that
+    # holds max(first, 0), so a context longer than the window costs the window's tiles alone
+    first = ctx - WINDOW
+    lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
+    return first, lo
+
+
+@triton.jit
 def _pages(table, n0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # the cache pages of positions n0 .. n0 + BLOCK_N (0 from `end` on). The attention loops load each
     # tile's pages a tile ahead of its K and V: no load of a tile then waits for another of the same tile,
@@ -221,22 +246,32 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                         BLOCK_GR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
-                        OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
+                        OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr,
+                        WINDOW: tl.constexpr):
     # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
-    # every cached position is visible); other sequences' programs exit. The group's GROUP q heads are
-    # padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode (decode_attention.py):
-    # at least MIN_SPLIT_LEN positions each, only those holding positions run, and the last of a
-    # (b, kvh) to finish merges the partial results.
+    # every cached position is visible, or with a sliding WINDOW (0: none) those from ctx - WINDOW on);
+    # other sequences' programs exit. The group's GROUP q heads are padded to BLOCK_G rows (>= 16 for
+    # tl.dot). Splits as in the one-kernel decode (decode_attention.py): at least MIN_SPLIT_LEN positions
+    # each, only those holding positions run, and the last of a (b, kvh) to finish merges the partial
+    # results.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + b)
     if tl.load(query_start_loc_ptr + b + 1) - row == 1:
         ctx = tl.load(seq_lens_ptr + b)
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-        num_active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+        if WINDOW > 0:
+            # the splits cut [lo, ctx), lo the tile of the first visible position: split 0 holds it
+            first, lo = window_start(ctx, WINDOW, BLOCK_N)
+            span = ctx - lo
+        else:
+            span = ctx
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        num_active = tl.maximum(tl.cdiv(span, split_len), 1)
         if split < num_active:
             start = split * split_len
+            if WINDOW > 0:
+                start += lo
             end = tl.minimum(start + split_len, ctx)
             b64 = b.to(tl.int64)
             table = block_tables_ptr + b64 * bt_stride_b
@@ -259,11 +294,14 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 valid = n < end
+                if WINDOW > 0:
+                    valid = valid & (n >= first)
                 off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
                 pages = _pages(table, n0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+                # every tile holds a visible position (the first visible one is in split 0's first)
                 m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                              valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
-                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
+                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, False)
             has = l_i > 0
             # OUT_FP8: the output in units of V's scale (the row's scale, written by kv head 0's first split)
             acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0))[:, None]
@@ -300,11 +338,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr,
                     WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
+                    BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
-    # own. With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of
-    # from its grid coordinates.
+    # own, and with a sliding WINDOW (0: none) > its own - WINDOW. With USE_TILES, program p takes
+    # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
     h = tl.program_id(1)
     if USE_TILES:
         b = tl.load(tiles_ptr + tl.program_id(0))
@@ -334,27 +372,47 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + b.to(tl.int64) * bt_stride_b
         first_pos = ctx - q_len + m_blk * BLOCK_M
-        # tokens [0, full_end) are visible to every query of the tile: no causal mask needed there
+        # tokens [full_lo, full_end) are visible to every query of the tile: no mask needed there
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(ctx, first_pos + BLOCK_M)
-        pages = _pages(table, 0, full_end, PAGE_SIZE, BLOCK_N)
-        for n0 in range(0, full_end, BLOCK_N):
+        full_lo = 0
+        if WINDOW > 0:
+            # the tile's first query sees from first_pos - WINDOW + 1 on, its last from last_pos - WINDOW + 1:
+            # the tiles from the first's up to the one after the last's see a window edge (masked, a row
+            # may see none of a tile); the rest of [lo, full_end) is in every query's window
+            last_pos = hi - 1
+            lo = (tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - WINDOW + 1, 0), BLOCK_N) * BLOCK_N, lo),
+                                 full_end)
+            pages = _pages(table, lo, full_lo, PAGE_SIZE, BLOCK_N)
+            for n0 in range(lo, full_lo, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
+                pages = _pages(table, n0 + BLOCK_N, full_lo, PAGE_SIZE, BLOCK_N)
+                # below full_end <= first_pos + 1: the causal rule holds for every query
+                m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
+                                             d_mask[None, :], n[None, :] > q_pos[:, None] - WINDOW, m_i, l_i, acc,
+                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, True)
+        pages = _pages(table, full_lo, full_end, PAGE_SIZE, BLOCK_N)
+        for n0 in range(full_lo, full_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             pages = _pages(table, n0 + BLOCK_N, full_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
                                          d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False,
-                                         FP8, WIDEN_ASM)
+                                         FP8, WIDEN_ASM, False)
         pages = _pages(table, full_end, hi, PAGE_SIZE, BLOCK_N)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
             off = pages.to(tl.int64) * c_stride_blk + (n % PAGE_SIZE) * c_stride_tok + kvh * c_stride_h
             pages = _pages(table, n0 + BLOCK_N, hi, PAGE_SIZE, BLOCK_N)
+            visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
-                                         valid[:, None] & d_mask[None, :],
-                                         valid[None, :] & (n[None, :] <= q_pos[:, None]), m_i, l_i, acc,
-                                         scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM)
+                                         valid[:, None] & d_mask[None, :], visible, m_i, l_i, acc,
+                                         scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, WINDOW > 0)
 
         # OUT_FP8: the output in units of V's scale (the rows' scales, written by q head 0's programs)
         acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -372,7 +430,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             tiles: torch.Tensor | None = None,
                             kv_scale: torch.Tensor | None = None,
                             decode_config: DecodeAttentionConfig | None = None,
-                            num_splits: int | None = None, out_group: int | None = None) -> torch.Tensor | Fp8Rows:
+                            num_splits: int | None = None, out_group: int | None = None,
+                            window: int | None = None) -> torch.Tensor | Fp8Rows:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
     of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
@@ -383,8 +442,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     PREFILL_BLOCK_M) is given, the grid has one program per tile and head, which keeps a CUDA graph
     padded to many sequences cheap. An FP8 cache comes with its `kv_scale` (attention.py); with it,
     `out_group` (the columns a scale of the FP8 product that takes the output, `fp8_gemm.input_group`)
-    has the output come as `quant/fp8.Fp8Rows` [T, Hq * D] at V's scale (`out_rows`)."""
+    has the output come as `quant/fp8.Fp8Rows` [T, Hq * D] at V's scale (`out_rows`). `window`: the layer's
+    sliding window (`attention.paged_attention_torch`; None: none), a constexpr of both kernels, so a model
+    without one runs the kernels compiled without it; a decode row then reads the window's tiles alone."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale)
+    check_window(window)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got "
@@ -416,7 +478,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dcfg = decode_config or shipped_decode_attention(fp8)
     if num_splits is None:
         num_splits = decode_rows_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, q.device,
-                                            dcfg.block_n)
+                                            dcfg.block_n, window)
     if num_splits > 1:
         part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -432,7 +494,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
-        **out_launch, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        **out_launch, WINDOW=window or 0, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         maxnreg=dcfg.rows_maxnreg)
     if grid is None:
         return rows(out)
@@ -444,7 +506,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         tiles.stride(0) if tiles is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
-        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, **out_launch, num_warps=cfg.num_warps,
+        USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, **out_launch, WINDOW=window or 0,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return rows(out)
 
@@ -474,11 +537,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
                     kv_scale: torch.Tensor | None = None,
                     decode_config: DecodeAttentionConfig | None = None,
-                    out_group: int | None = None) -> torch.Tensor | Fp8Rows:
+                    out_group: int | None = None, window: int | None = None) -> torch.Tensor | Fp8Rows:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D] (or
-    `Fp8Rows` with `out_group`): `paged_prefill_attention`, for steps with prefill chunks and the decode
-    rows beside them (pure-decode steps run `decode_attention.fused_decode_attention` from the packed qkv
-    instead)."""
+    `Fp8Rows` with `out_group`), within the layer's sliding `window` (None: none): `paged_prefill_attention`,
+    for steps with prefill chunks and the decode rows beside them (pure-decode steps run
+    `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles,
-                                   kv_scale=kv_scale, decode_config=decode_config, out_group=out_group)
+                                   kv_scale=kv_scale, decode_config=decode_config, out_group=out_group,
+                                   window=window)
