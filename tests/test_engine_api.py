@@ -421,17 +421,15 @@ def test_config_normalisation():
     # Qwen2's q/k/v carry a bias whatever an exported attention_bias key says (transformers reads none)
     assert ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "attention_bias": False}).attention_bias
     assert ModelConfig.from_hf({**base, "hidden_act": "swish"}).hidden_act == "silu"      # the same function
-    # sliding-window attention is refused, not attended over the whole context: by layer_types, or by
-    # use_sliding_window from max_window_layers on (older Qwen2 configs); a window that is off passes
-    for window in ({"layer_types": ["sliding_attention"], "sliding_window": 16},
+    # a sliding window: Qwen3 reads it with use_sliding_window alone, by layer_types or from max_window_layers
+    # on (tests/test_sliding_window.py)
+    for window in ({"layer_types": ["sliding_attention"], "sliding_window": 16, "use_sliding_window": True},
                    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}):
-        with pytest.raises(ValueError, match=r"sliding-window attention in layers \[0\] \(sliding_window 16\) is "
-                                             "not supported"):
-            ModelConfig.from_hf({**base, **window})
+        assert ModelConfig.from_hf({**base, **window}).window(0) == 16
     for window in ({"layer_types": ["full_attention"], "sliding_window": 16},
                    {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 0},
                    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}):
-        ModelConfig.from_hf({**base, **window})
+        assert ModelConfig.from_hf({**base, **window}).window(0) is None
 
 
 def test_unknown_architecture_and_missing_weights(qwen3_dir, tmp_path):

@@ -73,12 +73,12 @@ def test_qwen2_sliding_defaults_and_qwen3_head_dim(tmp_path):
             hf.pop("layer_types", None), hf.pop("max_window_layers", None), hf.pop("sliding_window", None)
             hf.update(use_sliding_window=True, **keys)
         return edit
-    # no window given: transformers' 4,096 from max_window_layers on, from layer 1 here: refused, not served
-    # over the whole context
-    with pytest.raises(ValueError, match=r"layers \[1\] \(sliding_window 4096\) is not supported"):
-        ModelConfig.from_hf(_saved(tmp_path / "a", legacy(max_window_layers=1), Qwen2Config))
+    # no window given: transformers' 4,096 from max_window_layers on, from layer 1 here
+    cfg = ModelConfig.from_hf(_saved(tmp_path / "a", legacy(max_window_layers=1), Qwen2Config))
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (False, True))
     # no max_window_layers: from layer 28 on, none of two layers slides
-    assert ModelConfig.from_hf(_saved(tmp_path / "b", legacy(sliding_window=8), Qwen2Config)).num_hidden_layers == 2
+    cfg = ModelConfig.from_hf(_saved(tmp_path / "b", legacy(sliding_window=8), Qwen2Config))
+    assert (cfg.sliding_window, cfg.sliding_layers) == (None, None)
 
     def qwen3(hf):
         hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")

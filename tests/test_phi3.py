@@ -3,12 +3,11 @@ in one `qkv_proj` and gate/up in one `gate_up_proj`, which the loader splits int
 partial rotary (Phi-4-mini's partial_rotary_factor 0.75) and LongRoPE (short and long factors, chosen once by the
 served context). Tiny random checkpoints saved by transformers are served with transformers' logprobs and greedy
 tokens: plain, partial rotary, LongRoPE in each regime where transformers chooses the factors tokenmill chose, a
-sliding window as long as the context, FP8 quantized at load; a tensor-parallel rank loads its slices of the fused
-tensors. The config's reading and its refusals (a sliding window shorter than the served context) are checked on
-config.json dicts."""
+sliding window as long as the context and one shorter than the prompt, FP8 quantized at load; a tensor-parallel
+rank loads its slices of the fused tensors. The config's reading and its refusals are checked on config.json
+dicts."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -151,30 +150,18 @@ def test_a_tensor_parallel_rank_loads_its_slices_of_the_fused_tensors(checkpoint
         assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, want)
 
 
-def test_a_sliding_window_bounds_the_served_context(checkpoints, caplog):
-    """transformers' Phi3 attends over the latest sliding_window positions; tokenmill over the whole context, the
-    same while a sequence is no longer than the window: the model's default context is lowered to a shorter
-    window (with a warning), a longer --max-model-len is refused before any weight is read, and serving within
-    the window computes what transformers computes, its RoPE table one row a served position."""
+def test_a_sliding_window_shorter_than_the_prompt(checkpoints):
+    """transformers' Phi3 attends over the latest sliding_window positions in every layer; so does tokenmill, at
+    the model's whole context: a window of 7 over a 60-token prompt chunked by 32 computes what transformers
+    computes, which differs from the same checkpoint's attention over the whole context."""
     path = checkpoints["plain"]
-    with pytest.raises(ValueError, match=r"max_model_len=101 is longer than the model's sliding_window=100: .* "
-                                         r"serve at most 100 \(--max-model-len 100\)"):
-        LLM(path, device="cpu", dtype="float32", hf_overrides={"sliding_window": 100}, max_model_len=101)
-    narrow = os.path.join(os.path.dirname(path), "window80")
-    os.makedirs(narrow)
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    with open(os.path.join(narrow, "config.json"), "w") as f:
-        json.dump(dict(hf, sliding_window=80), f)
-    os.symlink(os.path.join(path, "model.safetensors"), os.path.join(narrow, "model.safetensors"))
     prompt = PROMPT[:60]
-    with caplog.at_level("WARNING", logger="tokenmill"):
-        llm, tokens, ours = _served(narrow, prompt)
-    assert "sliding window of 80 positions, shorter than its max_position_embeddings=256" in caplog.text
-    assert llm.engine.max_model_len == 80
-    assert llm.engine.runner.model.model.layers[0].self_attn.rotary.cos_sin.shape[0] == 80
-    want = transformers_logprobs(narrow, prompt, tokens)
+    llm, tokens, ours = _served(path, prompt, hf_overrides={"sliding_window": 7})
+    assert llm.engine.max_model_len == 256
+    want = transformers_logprobs(path, prompt, tokens, sliding_window=7, attn_implementation="eager")
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    _, _, whole = _served(path, prompt)
+    assert (whole[:len(prompt) - 1] - ours[:len(prompt) - 1]).abs().max() > 0.1
 
 
 def test_partial_rotary_is_refused_where_rows_cannot_be_reordered(checkpoints):
@@ -228,20 +215,17 @@ def test_config_reads_phi4_mini_as_transformers_does():
     assert (cfg.rope_scaling["original_max_position_embeddings"], cfg.rms_norm_eps) == (4096, 1e-5)
 
 
-def test_config_bounds_the_served_context_by_the_sliding_window():
-    """Phi-3-mini-4k's config: a window of 2,047 over a context of 4,096 serves up to 2,047 tokens."""
+def test_config_reads_the_sliding_window_over_every_layer():
+    """Phi-3-mini-4k's config: a window of 2,047 over every layer, served at its whole context of 4,096 (GPTQ
+    calibration past the window too: its attention applies the window); null is no window."""
     cfg = ModelConfig.from_hf({**PHI4_MINI, "sliding_window": 2047, "max_position_embeddings": 4096,
                                "rope_scaling": None, "partial_rotary_factor": 1.0})
-    assert cfg.serving(2047).max_model_len == 2047
-    with pytest.raises(ValueError, match=r"max_model_len=4096 \(the model's max_position_embeddings=4096\) is longer "
-                                         r"than the model's sliding_window=2047"):
-        cfg.serving(4096)
-    assert ModelConfig.from_hf({**PHI4_MINI, "sliding_window": None}).serving(131072).sliding_window is None
-    # GPTQ calibration, which builds no engine, bounds its sequences by the window likewise
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.window(0), cfg.window(31)) == (2047, None, 2047, 2047)
+    assert cfg.serving(4096).max_model_len == 4096
     from tokenmill.quant.gptq import check_calibration
-    with pytest.raises(ValueError, match=r"calibration sequences of 2048 tokens are longer than the model's "
-                                         r"sliding_window=2047"):
-        check_calibration(torch.zeros(1, 2048, dtype=torch.long), cfg)
+    check_calibration(torch.zeros(1, 4096, dtype=torch.long), cfg)
+    none = ModelConfig.from_hf({**PHI4_MINI, "sliding_window": None})
+    assert none.sliding_window is None and none.window(0) is None
 
 
 @pytest.mark.parametrize("change,message", [

@@ -91,8 +91,15 @@ def test_config_reads_no_rope_layers_as_transformers_does():
     # another architecture never reads the key
     assert ModelConfig.from_hf({**BASE, "architectures": ["LlamaForCausalLM"], "no_rope_layers": [0] * 6}
                                ).rope_layers is None
-    # SmolLM3 slides only its NoPE layers, and only with a window
-    assert ModelConfig.from_hf({**BASE, "use_sliding_window": True, "sliding_window": None}).rope_layers
+    # SmolLM3 slides only its NoPE layers (the 4th here), and only with a window and use_sliding_window; by
+    # layer_types, its window whatever use_sliding_window says (transformers' mask)
+    assert ModelConfig.from_hf({**BASE, "use_sliding_window": True, "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf({**BASE, "sliding_window": 64}).sliding_window is None
+    cfg = ModelConfig.from_hf({**BASE, "use_sliding_window": True, "sliding_window": 64})
+    assert [cfg.window(i) for i in range(6)] == [None, None, None, 64, None, None]
+    cfg = ModelConfig.from_hf({**BASE, "sliding_window": 64,
+                               "layer_types": ["sliding_attention"] + ["full_attention"] * 5})
+    assert [cfg.window(i) for i in range(6)] == [64, None, None, None, None, None]
 
 
 @pytest.mark.parametrize("change,message", [
@@ -101,8 +108,8 @@ def test_config_reads_no_rope_layers_as_transformers_does():
     ({"no_rope_layers": [1, 2, 1, 1, 1, 1]}, r"no_rope_layers is \[1, 2, 1, 1, 1, 1\] \(6 entries\)"),
     ({"no_rope_layers": "1110"}, r"no_rope_layers is '1110'"),
     ({"no_rope_layer_interval": 0}, r"no_rope_layer_interval is 0; it must be an integer >= 1"),
-    ({"use_sliding_window": True, "sliding_window": 64},
-     r"SmolLM3ForCausalLM with sliding-window attention in layers \[3\] \(sliding_window 64\) is not supported"),
+    ({"layer_types": ["sliding_attention"] * 6},
+     r"layer_types marks layers \[0, 1, 2, 3, 4, 5\] \"sliding_attention\", but sliding_window is null"),
     ({"attention_bias": True}, r"SmolLM3ForCausalLM with attention_bias is not supported"),
     ({"mlp_bias": True}, r"SmolLM3ForCausalLM with mlp_bias is not supported"),
 ])

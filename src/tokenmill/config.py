@@ -98,14 +98,6 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"the model config's {name} is {value!r}; it must be an integer >= 1 (or None)")
-        # checked once the context is known (`serving`): a config is read before max_model_len is
-        n, w = self.max_model_len, self.sliding_window
-        if w is not None and n is not None and n > w:
-            default = f" (the model's {self.derived_max_model_len_source})" if n == self.derived_max_model_len else ""
-            raise ValueError(f"max_model_len={n}{default} is longer than the model's sliding_window={w}: its layers "
-                             f"attend over the latest {w} positions alone, and tokenmill, which has no "
-                             f"sliding-window attention, over the whole context, the same only up to {w} tokens; "
-                             f"serve at most {w} (--max-model-len {w})")
         layers = self.sliding_layers
         if layers is not None:
             if self.sliding_window is None:
@@ -137,8 +129,7 @@ class ModelConfig:
         return self.derived_max_model_len if self.max_model_len is None else self.max_model_len
 
     def serving(self, max_model_len: int) -> "ModelConfig":
-        """This config serving contexts of up to `max_model_len` tokens (the engine's, once resolved): a
-        sliding window shorter than it is refused here."""
+        """This config serving contexts of up to `max_model_len` tokens (the engine's, once resolved)."""
         return dataclasses.replace(self, max_model_len=max_model_len)
 
     def rotates(self, layer: int) -> bool:

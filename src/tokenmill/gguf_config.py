@@ -161,7 +161,7 @@ def read_gguf_config(cls: type, gguf: Any):
     rope_layers = rope_all_but_every(4, layers) if arch == "smollm3" else None
     file_type = _gguf_value(file, "general.file_type", int, None)
     dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
-    # llama.cpp's phi3 writes 0 for no window
+    # llama.cpp's phi3 writes 0 for no window; the window spans every layer, as in transformers' Phi3
     window = (get("attention.sliding_window", int, 0) or None) if arch == "phi3" else None
     multipliers = {}
     if arch == "granite":

@@ -1,6 +1,6 @@
 """The one place that reads a Hugging Face config.json (`ModelConfig.from_hf`), into our `ModelConfig` as
 transformers reads it: the per-architecture defaults, Phi-3's RoPE, SmolLM3's NoPE layers, Granite's
-multipliers, the sliding layers refused, and `merge_hf_overrides` (--hf-overrides)."""
+multipliers, the sliding-window layers, and `merge_hf_overrides` (--hf-overrides)."""
 from __future__ import annotations
 
 import glob
@@ -12,23 +12,45 @@ from tokenmill.generation_config import parse_eos_ids, read_json_object
 from tokenmill.quant.formats import parse_quantization
 
 
-def _sliding_layers(hf: dict[str, Any], rope_layers: tuple[bool, ...] | None) -> tuple[list[int], int | None]:
-    """The layers of a Hugging Face config that attend over a sliding window, and the window: the layers
-    `layer_types` marks "sliding_attention", or without it with `use_sliding_window`, as transformers reads
-    them: SmolLM3's NoPE layers (`rope_layers` given; no default window), else (older Qwen2 configs) the
-    layers from `max_window_layers` on (defaults: a window of 4,096, layers from 28 on). A window of null
-    slides nowhere."""
-    window = hf["sliding_window"] if "sliding_window" in hf else (None if rope_layers is not None else 4096)
+def _sliding_window(arch: str, hf: dict[str, Any],
+                    rope_layers: tuple[bool, ...] | None) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The sliding window of a Hugging Face config and the layers that attend over it (`ModelConfig.
+    sliding_window`, `sliding_layers`; (None, None): none), as transformers' decoders apply them (the mask of
+    eager and sdpa attention): Mistral and Phi-3 over every layer (`_EVERY_LAYER_WINDOW`; layer_types
+    unread); Qwen2 and Qwen3 with use_sliding_window alone (its window of 4,096 by default), over the layers
+    layer_types marks "sliding_attention", without it those from max_window_layers on (28 by default);
+    SmolLM3 over the layers layer_types marks (its window whatever use_sliding_window says), without it its
+    NoPE layers (`rope_layers`) when use_sliding_window is set; Llama and Granite nowhere (their decoders read
+    no window key)."""
+    if arch in _EVERY_LAYER_WINDOW:
+        return _checked_window(hf.get("sliding_window")), None
+    n = hf["num_hidden_layers"]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+        first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
+        default = [window is not None and i >= first for i in range(n)]
+    elif arch == "SmolLM3ForCausalLM":
+        window = hf.get("sliding_window")
+        slides = bool(hf.get("use_sliding_window")) and window is not None
+        default = [slides and not rotates for rotates in rope_layers]
+    else:
+        return None, None
     types = hf.get("layer_types")
     if types:
-        return [i for i, t in enumerate(types) if t == "sliding_attention"], window
-    if rope_layers is not None:
-        slides = hf.get("use_sliding_window") and window is not None
-        return [i for i, rotates in enumerate(rope_layers) if slides and not rotates], window
-    if hf.get("use_sliding_window") and window:
-        first = hf["max_window_layers"] if hf.get("max_window_layers") is not None else 28
-        return list(range(first, hf["num_hidden_layers"])), window
-    return [], window
+        if not isinstance(types, list) or len(types) != n:
+            raise ValueError(f"config.json's layer_types is {types!r}; it must list each of the num_hidden_layers={n} "
+                             "layers' attention (\"full_attention\" or \"sliding_attention\")")
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        sliding = default
+    if not any(sliding):
+        return None, None
+    if window is None:
+        why = (f"{arch} has no window without use_sliding_window" if arch != "SmolLM3ForCausalLM"
+               and not hf.get("use_sliding_window") else "sliding_window is null")
+        raise ValueError(f"config.json's layer_types marks layers {[i for i, s in enumerate(sliding) if s][:8]} "
+                         f"\"sliding_attention\", but {why}: transformers builds no mask for them either")
+    return _checked_window(window), None if all(sliding) else tuple(sliding)
 
 
 # the config.json keys read without a default
@@ -44,16 +66,14 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
                 "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072}}
 
-# the architectures whose sliding_window (when set) spans every layer, which bounds the context served
-# (`ModelConfig.sliding_window`): tokenmill attends over the whole context, the same up to the window
+# the architectures whose sliding_window (when set) spans every layer
 _EVERY_LAYER_WINDOW = ("Phi3ForCausalLM", "MistralForCausalLM")
 
 # Phi-3's RoPE kinds as transformers' Phi3Config takes them: su and yarn are older names of longrope
 _PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
 
-def _every_layer_window(hf: dict[str, Any]) -> int | None:
-    """The sliding window of an architecture in `_EVERY_LAYER_WINDOW` (None: none)."""
-    window = hf.get("sliding_window")
+def _checked_window(window: Any) -> int | None:
+    """config.json's sliding_window where a layer reads it (None: none)."""
     if window is not None and (type(window) is not int or window < 1):
         raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
     return window
@@ -155,8 +175,6 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     rotary_dim = None
     if phi3:
         kind, rotary_dim = _phi3_rope(rope, hf, head_dim)
-    every_layer = arch in _EVERY_LAYER_WINDOW
-    window = _every_layer_window(hf) if every_layer else None
     scaling = None if kind == "default" else {**rope, "rope_type": kind}
     if scaling is not None and kind in ("llama3", "yarn", "longrope"):
         if hf.get("original_max_position_embeddings"):
@@ -171,18 +189,14 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
     dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
     act = hf.get("hidden_act", "silu")
-    # transformers' Phi3 reads neither bias key (it has no bias), nor the other architectures' window keys
+    # transformers' Phi3 reads neither bias key (it has no bias)
     if hf.get("mlp_bias") and not phi3:
         raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
         raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                          "which carries none here (Qwen2's bias on q/k/v alone is)")
-    sliding, sliding_window = _sliding_layers(hf, rope_layers) if not every_layer else ([], None)
-    if sliding:
-        raise ValueError(f"{arch} with sliding-window attention in layers {sliding[:8]}"
-                         f"{'...' if len(sliding) > 8 else ''} (sliding_window {sliding_window}) is "
-                         "not supported: tokenmill attends over the whole context in every layer, which "
-                         "changes the output past the window")
+    window, sliding_layers = (_sliding_window(arch, hf, rope_layers) if type(layers) is int and layers > 0
+                              else (None, None))
     return cls(
         architecture=arch,
         vocab_size=hf["vocab_size"],
@@ -209,6 +223,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         rope_layers=rope_layers,
         rotary_dim=rotary_dim,
         sliding_window=window,
+        sliding_layers=sliding_layers,
         # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
         **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
     )

@@ -59,17 +59,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"{mc.derived_max_model_len_source}")
         max_len = config.max_model_len or mc.derived_max_model_len
-        if config.max_model_len is None and mc.sliding_window is not None and max_len > mc.sliding_window:
-            # tokenmill attends over the whole context, which is the window's attention up to the window's
-            # length: the model's default is lowered to it (as to the cache's capacity below); a longer
-            # --max-model-len asked for is refused (`ModelConfig.serving`)
-            logger.warning("the model's layers attend over a sliding window of %d positions, shorter than its "
-                           "%s: serving at most %d tokens a request", mc.sliding_window,
-                           mc.derived_max_model_len_source, mc.sliding_window)
-            max_len = mc.sliding_window
-        # the model serves this context from here: LongRoPE's factors are chosen by it, a sliding window
-        # shorter than it is refused, the RoPE tables hold it. A cache sized by hand bounds it before the model
-        # is built (the warning below says so); one sized by memory is sized for max_len or refused
+        # the model serves this context from here: LongRoPE's factors are chosen by it, the RoPE tables hold
+        # it. A cache sized by hand bounds it before the model is built (the warning below says so); one sized
+        # by memory is sized for max_len or refused
         served = max_len if config.num_kv_blocks is None else min(max_len, config.num_kv_blocks * config.block_size)
         self.model_config = mc = mc.serving(served)
         torch.manual_seed(config.seed)

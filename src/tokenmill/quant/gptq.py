@@ -243,10 +243,6 @@ def check_calibration(calibration, cfg) -> None:
     if calibration.shape[1] > cfg.derived_max_model_len:
         raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
                          f"context, its {cfg.derived_max_model_len_source}")
-    if cfg.sliding_window is not None and calibration.shape[1] > cfg.sliding_window:
-        raise ValueError(f"calibration sequences of {calibration.shape[1]} tokens are longer than the model's "
-                         f"sliding_window={cfg.sliding_window}, past which tokenmill's attention (over the whole "
-                         "sequence) is not the model's")
     lo, hi = int(calibration.min()), int(calibration.max())
     if lo < 0 or hi >= cfg.vocab_size:
         raise ValueError(f"calibration token ids must be in [0, {cfg.vocab_size}), got [{lo}, {hi}]")
