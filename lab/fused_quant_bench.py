@@ -110,8 +110,8 @@ def silu_fp8_warps(x: torch.Tensor, warps: int):
     out = torch.empty(x.shape[0], inter, dtype=FP8, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(inter)
-    fused_ops._silu_and_mul_kernel[(x.shape[0], 1)](x, out, scale, x.stride(0), scale.stride(0), I=inter, BLOCK=block,
-                                                    FP8_GROUP=block, PDL=False, num_warps=warps)
+    fused_ops._act_and_mul_kernel[(x.shape[0], 1)](x, out, scale, x.stride(0), scale.stride(0), I=inter, BLOCK=block,
+                                                   FP8_GROUP=block, PDL=False, ACT=1, num_warps=warps)
     return out, scale
 
 
@@ -124,13 +124,13 @@ def variants(rows: int, device: str, dtype: torch.dtype, inter: int = 9728):
     return {
         "rms_norm + quantize_rows": lambda: quantize_rows(fused_ops.rms_norm(x, w, 1e-6, res)[0]),
         "rms_norm, FP8 out": lambda: fused_ops.rms_norm(x, w, 1e-6, res, fp8_group=HIDDEN),
-        "silu_and_mul + quantize_rows": lambda: quantize_rows(fused_ops.silu_and_mul(gu)),
-        "silu_and_mul, FP8 out (shipped)": lambda: fused_ops.silu_and_mul(gu, fp8_group=inter),
+        "silu_and_mul + quantize_rows": lambda: quantize_rows(fused_ops.act_and_mul(gu)),
+        "silu_and_mul, FP8 out (shipped)": lambda: fused_ops.act_and_mul(gu, fp8_group=inter),
         "silu_and_mul, FP8 out, 16 warps": lambda: silu_fp8_warps(gu, 16),
         "silu_and_mul, FP8 out, 32 warps": lambda: silu_fp8_warps(gu, 32),
         **{f"silu_and_mul, FP8 out, split {n}": lambda n=n: silu_fp8_split(gu, n) for n in SPLITS},
         **{f"silu_and_mul, FP8 out, chunked {n}": lambda n=n: silu_fp8_chunked(gu, n) for n in CHUNKS},
-        "silu_and_mul alone": lambda: fused_ops.silu_and_mul(gu),
+        "silu_and_mul alone": lambda: fused_ops.act_and_mul(gu),
         "rms_norm alone": lambda: fused_ops.rms_norm(x, w, 1e-6, res),
     }
 

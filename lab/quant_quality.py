@@ -489,11 +489,11 @@ def gptq_with_knobs(model, calibration, k: Knobs):
         x, residual = backend.rms_norm(hidden, norm2.weight, norm2.eps, residual)
         if k.awq:
             x = fold(norm2, mlp.gate_up_proj, x, f"{prefix}.post_attention_layernorm")
-            s = _awq_scale(mlp.down_proj.weight, backend.silu_and_mul(mlp.gate_up_proj(x)))
+            s = _awq_scale(mlp.down_proj.weight, backend.act_and_mul(mlp.gate_up_proj(x), mlp.act))
             mlp.down_proj.weight.mul_(s)
             mlp.gate_up_proj.weight[cfg.intermediate_size:].div_(s[:, None])       # up_proj's rows
         gate_up = quantize("mlp.gate_up_proj", mlp.gate_up_proj, x, prefix)
-        hidden = quantize("mlp.down_proj", mlp.down_proj, backend.silu_and_mul(gate_up), prefix)
+        hidden = quantize("mlp.down_proj", mlp.down_proj, backend.act_and_mul(gate_up, mlp.act), prefix)
         attn.attn.k_cache = attn.attn.v_cache = torch.empty(0)
     return weights, norms
 

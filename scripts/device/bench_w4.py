@@ -190,9 +190,9 @@ def layer_norms_skipped():
             return norm(self, x, weight, eps, residual)
         return x if residual is None else (x, residual)
 
-    def silu_and_mul(self, x, into=None):
+    def act_and_mul(self, x, act, into=None):
         return x[..., : x.shape[-1] // 2]
-    return mock.patch.multiple(TritonBackend, rms_norm=rms_norm, silu_and_mul=silu_and_mul)
+    return mock.patch.multiple(TritonBackend, rms_norm=rms_norm, act_and_mul=act_and_mul)
 
 
 def awq_preset(model: str) -> tuple[str, str]:

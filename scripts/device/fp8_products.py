@@ -111,7 +111,7 @@ def main(args) -> None:
                 sweep[name] = swept = {}
                 for tile in candidates():
                     run = lambda q, s, t=tile: gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, k), tile=t,
-                                                                 silu=SILU.get(name, False))[0]
+                                                                 act="silu" if name in SILU else None)[0]
                     try:
                         got = run(*qs[0]).float()
                         ref = want if name not in SILU else F.silu(want[:, :n // 2]) * want[:, n // 2:]
@@ -123,7 +123,8 @@ def main(args) -> None:
                         swept[repr(tile)] = f"ERROR {type(e).__name__}: {str(e)[:100]}"
                 timed = {t: v for t, v in swept.items() if isinstance(v, float)}
                 shipped = graph_us([lambda q=q, s=s: gemv.fused_linear(x, q, weight_scale=s, weight_block=(1, k),
-                                                                  silu=SILU.get(name, False))[0] for q, s in qs])
+                                                                  act="silu" if name in SILU else None)[0]
+                                            for q, s in qs])
                 best = min(timed, key=timed.get) if timed else None
                 lines_sweep.append(f"| {name} {n}x{k} | {shipped:.2f} | {best} | "
                                    f"{timed[best]:.2f} | {shipped / timed[best]:.2f}x |" if best else

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.config_values import GRANITE_MULTIPLIERS, parse_dtype, positive
+from tokenmill.config_values import ACTIVATIONS, GRANITE_MULTIPLIERS, parse_dtype, positive
 from tokenmill.layers.kernel_config import KernelConfig
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, QUANTIZATION_METHODS, Fp8Config, W4Config
 
@@ -86,6 +86,9 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"the model config's hidden_act is {self.hidden_act!r}; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
         for name in GRANITE_MULTIPLIERS:
             value = getattr(self, name)
             if not (name == "attention_multiplier" and value is None) and not positive(value):

@@ -1,6 +1,6 @@
 """What ModelConfig (config.py) and its readers (hf_config.py, gguf_config.py) share, apart from the config
 itself, so that the readers need not import it: dtype names, the number checks a config's values pass,
-Granite's scalars and the every-n-th-layer NoPE pattern."""
+Granite's scalars, the MLP's activations and the every-n-th-layer NoPE pattern."""
 from __future__ import annotations
 
 import math
@@ -24,6 +24,11 @@ DTYPE_CHOICES = ("auto", *_DTYPES)      # what --dtype takes
 # out, or 0, llama.cpp takes the neutral value: 1, and for the attention 1/sqrt(head_dim))
 GRANITE_MULTIPLIERS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                        "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+
+
+# the MLP's gated activations served (`ModelConfig.hidden_act`, `layers/activation.py`), as config.json names
+# them, and the number the kernels take each as (their ACT constexpr; 0: no activation)
+ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
 def rope_all_but_every(interval: int, layers: int) -> tuple[bool, ...]:

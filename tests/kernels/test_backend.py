@@ -28,13 +28,13 @@ def test_triton_backend_gives_the_reference_tokens(qwen3_dir):
     llm = LLM(qwen3_dir, **config)
     backend = TritonBackend()
     calls = []
-    for name in ("rms_norm", "silu_and_mul", "qk_norm_rope_store", "attend", "single_token_linear",
+    for name in ("rms_norm", "act_and_mul", "qk_norm_rope_store", "attend", "single_token_linear",
                  "decode_attention"):
         method = getattr(backend, name)
         setattr(backend, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
     llm.engine.runner.model.use_backend(backend)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-    assert set(calls) == {"rms_norm", "silu_and_mul", "qk_norm_rope_store", "attend", "single_token_linear",
+    assert set(calls) == {"rms_norm", "act_and_mul", "qk_norm_rope_store", "attend", "single_token_linear",
                           "decode_attention"}
 
 
@@ -56,4 +56,4 @@ def test_triton_norm_and_silu_quantize_only_for_fp8_products_that_take_quantized
         assert isinstance(backend.rms_norm(x, w, 1e-6, into=layer), Fp8Rows) == quantized, name
         out, _ = backend.rms_norm(x, w, 1e-6, residual=x, into=layer)
         assert isinstance(out, Fp8Rows) == quantized, name
-        assert isinstance(backend.silu_and_mul(gate_up, into=layer), Fp8Rows) == quantized, name
+        assert isinstance(backend.act_and_mul(gate_up, "silu", into=layer), Fp8Rows) == quantized, name

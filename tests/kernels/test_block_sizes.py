@@ -24,7 +24,7 @@ class AttentionKernels(TritonBackend):
     (the prologue kernel stores at flat slots, block size unseen, and is tested in test_fused_ops). One
     split per decode program: the interpreter pays for every program, and the pages are walked alike."""
     rms_norm = TorchBackend.rms_norm
-    silu_and_mul = TorchBackend.silu_and_mul
+    act_and_mul = TorchBackend.act_and_mul
     qk_norm_rope_store = TorchBackend.qk_norm_rope_store
     single_token_linear = TorchBackend.single_token_linear
     greedy = TorchBackend.greedy

@@ -293,7 +293,7 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
     inputs = []
 
     class Kernels(TorchBackend):
-        rms_norm, silu_and_mul, _fp8_group = TritonBackend.rms_norm, TritonBackend.silu_and_mul, \
+        rms_norm, act_and_mul, _fp8_group = TritonBackend.rms_norm, TritonBackend.act_and_mul, \
             staticmethod(TritonBackend._fp8_group)
 
         def fp8_linear(self, x, layer):
@@ -328,8 +328,8 @@ def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_ti
     norm = fused_ops.rms_norm
 
     class Kernels(TorchBackend):
-        rms_norm, silu_and_mul, fp8_linear, _fp8_group = (
-            TritonBackend.rms_norm, TritonBackend.silu_and_mul, TritonBackend.fp8_linear,
+        rms_norm, act_and_mul, fp8_linear, _fp8_group = (
+            TritonBackend.rms_norm, TritonBackend.act_and_mul, TritonBackend.fp8_linear,
             staticmethod(TritonBackend._fp8_group))
 
     class Unscaled(Kernels):
@@ -403,7 +403,7 @@ def test_single_token_fp8_products_equal_the_dequantized_reference(block, block_
         rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)
         x, res, norm, bias = rnd(1, k), rnd(1, k), rnd(k), rnd(n)
         cases = [dict(bias=bias), dict(norm_weight=norm, eps=1e-5, residual=res),
-                 dict(norm_weight=norm, eps=1e-5, residual=res, silu=True)]
+                 dict(norm_weight=norm, eps=1e-5, residual=res, act="silu")]
         for kwargs in cases:
             ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
             out, out_res = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, **tiles, **kwargs)
@@ -465,8 +465,8 @@ def test_fp8_tiles_are_whole_rows_and_refuse_straddling_blocks(monkeypatch):
     ref = x @ w.t()
     torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table)[0], ref,
                                **_f16_bound(ref))
-    ref = gemv.fused_linear_torch(x, w, silu=True)[0]
-    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table, silu=True)[0],
+    ref = gemv.fused_linear_torch(x, w, act="silu")[0]
+    torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table, act="silu")[0],
                                ref, **_f16_bound(ref))
     assert ran == [WholeRowTile(1, 8, 1), gemv.FP8_TILE]
     with pytest.raises(ValueError, match="straddles scale blocks of 8 rows"):
@@ -501,7 +501,7 @@ def test_shipped_fp8_gate_up_tile_equals_the_dequantized_reference(block):
     q, s, blk = _fp8_layer(n, k, block, 6)
     g = torch.Generator().manual_seed(7)
     x, res = (torch.randn(1, k, generator=g).to(DEVICE) for _ in range(2))
-    kwargs = dict(norm_weight=(1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE), eps=1e-6, residual=res, silu=True)
+    kwargs = dict(norm_weight=(1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE), eps=1e-6, residual=res, act="silu")
     out, out_res = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, tile=tile, **kwargs)
     ref, ref_res = gemv.fused_linear_torch(x, fp8.dequantize(q, s, blk), **kwargs)
     torch.testing.assert_close(out, ref, **_f16_bound(ref))
@@ -538,7 +538,7 @@ def test_fp8_model_decodes_through_the_single_token_products(tmp_path, save_tiny
     calls = []
 
     def fused(x, weight, bias=None, **kwargs):
-        calls.append((weight.dtype, kwargs.get("weight_block"), kwargs.get("silu", False),
+        calls.append((weight.dtype, kwargs.get("weight_block"), kwargs.get("act") is not None,
                       kwargs.get("ids") is not None))
         return gemv.fused_linear(x, weight, bias, tile=WholeRowTile(64, 4, 1), **kwargs)
 
@@ -600,10 +600,10 @@ def test_gpu_single_token_fp8_products_on_the_models_shapes(n, k, silu, norm, bl
     x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
     kwargs = dict(norm_weight=(1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16(), eps=1e-6,
                   residual=torch.randn(1, k, device="cuda", generator=g).bfloat16()) if norm else {}
-    got, _ = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, silu=silu, **kwargs)
+    got, _ = gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, act="silu" if silu else None, **kwargs)
     # the input as the decoder rounds it (the bf16 norm of x + residual), the product in float32
     xn = rms_norm_torch(x, kwargs["norm_weight"], kwargs["eps"], kwargs["residual"])[0] if norm else x
-    want, _ = gemv.fused_linear_torch(xn.float(), fp8.dequantize(q, s, blk), silu=silu)
+    want, _ = gemv.fused_linear_torch(xn.float(), fp8.dequantize(q, s, blk), act="silu" if silu else None)
     # within bf16 rounding of each output: SiLU-and-mul rounds the gate, up, activation and product to bf16
     # (up to ~2% of an output), and its largest outputs are ~25x the mean, so a bound on the largest error
     # relative to the mean alone fails an exactly rounded product

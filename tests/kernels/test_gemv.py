@@ -10,19 +10,19 @@ from tokenmill.layers.kernels import gemv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("norm,residual,silu,bias", [
-    (False, False, False, False), (False, False, False, True), (True, False, False, False),
-    (True, True, False, True), (True, True, True, False)])
-def test_fused_linear_matches_reference(dtype, norm, residual, silu, bias):
+@pytest.mark.parametrize("norm,residual,act,bias", [
+    (False, False, None, False), (False, False, None, True), (True, False, None, False),
+    (True, True, None, True), (True, True, "silu", False), (True, True, "gelu_pytorch_tanh", False)])
+def test_fused_linear_matches_reference(dtype, norm, residual, act, bias):
     gen = _gen(21)
     n, k = 44, 200   # 11 row blocks of 4 over 4 programs: each program loops; k is 7 ragged chunks of 32
     x, w = _randn(1, k, dtype=dtype, gen=gen), _randn(n, k, dtype=dtype, gen=gen) / 8
     kwargs = dict(bias=_randn(n, dtype=dtype, gen=gen) if bias else None,
                   norm_weight=_randn(k, dtype=dtype, gen=gen) if norm else None, eps=1e-5,
-                  residual=_randn(1, k, dtype=dtype, gen=gen) if residual else None, silu=silu)
+                  residual=_randn(1, k, dtype=dtype, gen=gen) if residual else None, act=act)
     ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
     out, out_res = gemv.fused_linear(x, w, tile=RegisterTile(4, 32, 4, 1), **kwargs)
-    assert out.shape == ((1, n // 2) if silu else (1, n))
+    assert out.shape == ((1, n // 2) if act else (1, n))
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     if not norm:
         assert out_res is None
@@ -50,15 +50,16 @@ def test_fused_linear_whole_row_tiles_match_reference(n, k):
     """("whole", ...) tiles: a row block's K columns in one load of a power of two and one of the rest
     (k = 200: 128 + 128 with 56 masked; 128: one load; 96: 64 + 32), the next block's loads issued
     ahead, one or several blocks per program, the last cut short, each with and without a norm,
-    residual, bias, SiLU-and-mul (gate and up rows) and gathered input row."""
+    residual, bias, SiLU- and GELU-and-mul (gate and up rows) and gathered input row."""
     gen = _gen(24)
     dtype = HALF
     x, w = _randn(1, k, dtype=dtype, gen=gen), _randn(n, k, dtype=dtype, gen=gen) / 8
     norm, res, bias = _randn(k, dtype=dtype, gen=gen), _randn(1, k, dtype=dtype, gen=gen), _randn(n, dtype=dtype, gen=gen)
     cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-5), dict(norm_weight=norm, eps=1e-5, residual=res, bias=bias),
-             dict(norm_weight=norm, eps=1e-5, residual=res, silu=True)]
+             dict(norm_weight=norm, eps=1e-5, residual=res, act="silu"),
+             dict(norm_weight=norm, eps=1e-5, residual=res, act="gelu_pytorch_tanh")]
     if n % 2:
-        cases.pop()
+        del cases[-2:]
     for kwargs in cases:
         ref, ref_res = gemv.fused_linear_torch(x, w, **kwargs)
         for tile in [WholeRowTile(4, 4, 1), WholeRowTile(2, 1, 3), WholeRowTile(16, 4, 1)]:
@@ -81,7 +82,7 @@ def test_fused_linear_whole_row_tiles_name_their_limits():
         gemv.fused_linear(x, w, tile=WholeRowTile(256, 4, 1))
     with pytest.raises(ValueError, match="row block of 256 x 256 weights"):   # gate and up rows
         gemv.fused_linear(torch.zeros(1, 256, device=DEVICE), torch.zeros(512, 256, device=DEVICE),
-                          tile=WholeRowTile(128, 4, 1), silu=True)
+                          tile=WholeRowTile(128, 4, 1), act="silu")
     kernels = KernelConfig(tiles={(64, 256, False): WholeRowTile(256, 4, 1)})   # a table entry falls back
     torch.testing.assert_close(gemv.fused_linear(x, w, kernels=kernels)[0], torch.zeros(1, 64, device=DEVICE))
 
@@ -93,7 +94,8 @@ def test_fused_linear_gathers_its_input_from_the_embedding_table(silu, bias):
     n, k = 44, 200
     table, w = _randn(9, k, gen=gen), _randn(n, k, gen=gen) / 8
     ids = torch.tensor([6], dtype=torch.int64, device=DEVICE)
-    kwargs = dict(bias=_randn(n, gen=gen) if bias else None, norm_weight=_randn(k, gen=gen), eps=1e-5, silu=silu)
+    kwargs = dict(bias=_randn(n, gen=gen) if bias else None, norm_weight=_randn(k, gen=gen), eps=1e-5,
+                  act="silu" if silu else None)
     out, res = gemv.fused_linear(table, w, tile=RegisterTile(4, 32, 4, 1), ids=ids, **kwargs)
     ref, ref_res = gemv.fused_linear_torch(table, w, ids=ids, **kwargs)
     torch.testing.assert_close(out, ref, rtol=_tol(torch.float32), atol=_tol(torch.float32))
@@ -114,9 +116,9 @@ def test_fused_linear_rejects_bad_inputs():
     with pytest.raises(ValueError, match="needs a norm"):
         gemv.fused_linear(x, w, residual=x)
     with pytest.raises(ValueError, match="even number"):
-        gemv.fused_linear(x, torch.zeros(5, 8, device=DEVICE), silu=True)
+        gemv.fused_linear(x, torch.zeros(5, 8, device=DEVICE), act="silu")
     with pytest.raises(ValueError, match="no bias"):
-        gemv.fused_linear(x, w, torch.zeros(6, device=DEVICE), silu=True)
+        gemv.fused_linear(x, w, torch.zeros(6, device=DEVICE), act="silu")
 
 def _check_tile_cases(gemv, x, w, tile, cases):
     # a tile at layer sizes against the reference, for each set of options; the residual out exactly
@@ -143,7 +145,7 @@ def test_gpu_fused_linear_whole_row_tiles(n, k, tile):
     norm, res = 1 + _randn(k, dtype=bf16, gen=gen) / 10, _randn(1, k, dtype=bf16, gen=gen)
     cases = [{}, dict(bias=_randn(n, dtype=bf16, gen=gen)), dict(norm_weight=norm, eps=1e-6, residual=res)]
     if n % 2 == 0:
-        cases.append(dict(norm_weight=norm, eps=1e-6, residual=res, silu=True))
+        cases.append(dict(norm_weight=norm, eps=1e-6, residual=res, act="silu"))
     _check_tile_cases(gemv, x, w, tile, cases)
 
 
@@ -161,10 +163,10 @@ def test_gpu_fused_linear_shared_memory_tiles(n, k, tile):
     norm, res = 1 + _randn(k, dtype=bf16, gen=gen) / 10, _randn(1, k, dtype=bf16, gen=gen)
     bias = _randn(n, dtype=bf16, gen=gen)
     cases = [{}, dict(bias=bias), dict(norm_weight=norm, eps=1e-6), dict(norm_weight=norm, eps=1e-6, residual=res),
-             dict(norm_weight=norm, eps=1e-6, residual=res, silu=True)]
+             dict(norm_weight=norm, eps=1e-6, residual=res, act="silu")]
     _check_tile_cases(gemv, x, w, tile, cases)
     with pytest.raises(ValueError, match="shared memory"):
-        gemv.fused_linear(x, w, tile=SmemTile(64, 512, 4), silu=True)
+        gemv.fused_linear(x, w, tile=SmemTile(64, 512, 4), act="silu")
 
 
 @pytest.mark.gpu
@@ -185,7 +187,7 @@ def test_gpu_fused_linear_chain_in_a_cuda_graph():
     def layer():
         qkv, r = gemv.fused_linear(x, w_qkv, norm_weight=n1, eps=1e-6, residual=res)
         o, _ = gemv.fused_linear(qkv[:, :4096].contiguous(), w_o)
-        h, r2 = gemv.fused_linear(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, silu=True)
+        h, r2 = gemv.fused_linear(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, act="silu")
         return qkv, r, o, h, r2, gemv.fused_linear(h, w_down)[0]
     layer()
     torch.cuda.synchronize()
@@ -200,7 +202,7 @@ def test_gpu_fused_linear_chain_in_a_cuda_graph():
         torch.testing.assert_close(qkv, ref_qkv, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(r, ref_r, rtol=0, atol=0)
         torch.testing.assert_close(o, gemv.fused_linear_torch(qkv[:, :4096], w_o)[0], rtol=2e-2, atol=2e-2)
-        ref_h, ref_r2 = gemv.fused_linear_torch(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, silu=True)
+        ref_h, ref_r2 = gemv.fused_linear_torch(o, w_gu, norm_weight=n2, eps=1e-6, residual=r, act="silu")
         torch.testing.assert_close(h, ref_h, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(r2, ref_r2, rtol=0, atol=0)
         torch.testing.assert_close(down, gemv.fused_linear_torch(h, w_down)[0], rtol=2e-2, atol=2e-2)

@@ -17,8 +17,8 @@ from tokenmill.layers.kernels import gemv_smem
 ptrs = ["x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr"]
 copies = r"cp\.async\.c[ag]\.shared\.global"
 got = []
-for K, bn, bk, nw, silu, norm in json.loads(sys.argv[1]):
-    const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu, PDL=True,
+for K, bn, bk, nw, act, norm in json.loads(sys.argv[1]):
+    const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, ACT=act, PDL=True,
                  NUM_WARPS=nw)
     sig = {**{p: "*bf16" for p in ptrs}, "eps": "fp32", "n_out": "i32", "w_stride": "i32",
            **{c: "constexpr" for c in const}}
@@ -32,8 +32,9 @@ for K, bn, bk, nw, silu, norm in json.loads(sys.argv[1]):
 print(json.dumps(got))
 '''
 _CASES = [
-    (2560, 8, 512, 8, False, False),       # nanbeige4.1-3b o_proj, the shipped shared-memory tile
-    (2560, 4, 512, 4, True, True),         # norm before, SiLU-and-mul after, gate and up rows
+    (2560, 8, 512, 8, 0, False),       # nanbeige4.1-3b o_proj, the shipped shared-memory tile
+    (2560, 4, 512, 4, 1, True),        # norm before, SiLU-and-mul after, gate and up rows
+    (2560, 4, 512, 4, 2, True),        # the same with GELU (tanh) after: Gemma 3's
 ]
 
 
@@ -44,10 +45,10 @@ def compiled():
 
 
 @pytest.mark.skipif(not gemv_smem.AVAILABLE, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("k,block_n,block_k,warps,silu,norm", _CASES)
-def test_sm90_code_copies_all_weights_before_the_wait(compiled, k, block_n, block_k, warps, silu, norm):
-    got = compiled[(k, block_n, block_k, warps, silu, norm)]
-    rows = block_n * (2 if silu else 1)
+@pytest.mark.parametrize("k,block_n,block_k,warps,act,norm", _CASES)
+def test_sm90_code_copies_all_weights_before_the_wait(compiled, k, block_n, block_k, warps, act, norm):
+    got = compiled[(k, block_n, block_k, warps, act, norm)]
+    rows = block_n * (2 if act else 1)
     # 16-byte copies (8 bf16), each thread's share of the program's rows x K
     assert got["before"] == rows * k // 8 // (32 * warps)
     assert got["after"] == 0

@@ -16,8 +16,8 @@ weights = r"ld\.global\.cg\.v4"
 got = []
 for K, bn, nw, norm, silu in json.loads(sys.argv[1]):
     bk, bk2 = gemv._whole_blocks(K)
-    const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False, SILU=silu,
-                 GATHER=False, PDL=True, SCALE=gemv.NO_SCALE, SCALE_BN=1, SCALE_BK=1, ASM=True)
+    const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=norm, HAS_BIAS=False,
+                 ACT=int(silu), GATHER=False, PDL=True, SCALE=gemv.NO_SCALE, SCALE_BN=1, SCALE_BK=1, ASM=True)
     cc = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride",))
     before, after = cc.asm["ptx"].split("griddepcontrol.wait", 1)
     got.append(dict(before=len(re.findall(weights, before)), after=len(re.findall(weights, after)),
@@ -58,7 +58,7 @@ got = []
 for K, bn, nw, scale in json.loads(sys.argv[1]):
     bk, bk2 = gemv._whole_blocks(K)
     const = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=max(bk2, 8), NORM=True, RESIDUAL=True, HAS_BIAS=False,
-                 SILU=False, GATHER=False, PDL=True, SCALE=scale, SCALE_BN=128 if scale == gemv.BLOCK_SCALE else 1,
+                 ACT=0, GATHER=False, PDL=True, SCALE=scale, SCALE_BN=128 if scale == gemv.BLOCK_SCALE else 1,
                  SCALE_BK=128 if scale == gemv.BLOCK_SCALE else 1, ASM=True)
     ptx = compile_sm90(gemv._gemv_whole_kernel, const, types, nw, aligned=("w_stride",)).asm["ptx"]
     before, after = ptx.split("griddepcontrol.wait", 1)

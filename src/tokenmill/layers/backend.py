@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from tokenmill.layers.activation import silu_and_mul_torch
+from tokenmill.layers.activation import act_and_mul_torch
 from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torch
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.kernel_config import KernelConfig
@@ -34,9 +34,10 @@ class TorchBackend:
         out, summed = rms_norm_torch(x, weight, eps, residual)
         return out if residual is None else (out, summed)
 
-    def silu_and_mul(self, x: torch.Tensor, into=None) -> torch.Tensor:
-        """silu(gate) * up of the packed [gate | up] x; `into` as for `rms_norm`."""
-        return silu_and_mul_torch(x)
+    def act_and_mul(self, x: torch.Tensor, act: str, into=None) -> torch.Tensor:
+        """act(gate) * up of the packed [gate | up] x, `act` the MLP's activation (`activation.ACTIVATIONS`);
+        `into` as for `rms_norm`."""
+        return act_and_mul_torch(x, act)
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -71,7 +72,7 @@ class TorchBackend:
 
     def single_token_linear(self, input_ids: torch.Tensor):
         """A `gemv.fused_linear`-like product when a step of these input ids runs its layers as
-        single-token kernels (norm folded into the product, SiLU-and-mul into gate_up), else None. It
+        single-token kernels (norm folded into the product, the gated activation into gate_up), else None. It
         takes plain weights and FP8 ones (with `weight_scale` and `weight_block`); a 4-bit model never
         asks for it."""
         return None
@@ -122,9 +123,9 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import fused_ops
         return fused_ops.rms_norm(x, weight, eps, residual, fp8_group=self._fp8_group(into))
 
-    def silu_and_mul(self, x, into=None):
+    def act_and_mul(self, x, act, into=None):
         from tokenmill.layers.kernels import fused_ops
-        return fused_ops.silu_and_mul(x, fp8_group=self._fp8_group(into))
+        return fused_ops.act_and_mul(x, act, fp8_group=self._fp8_group(into))
 
     @staticmethod
     def _fp8_layer(layer) -> bool:

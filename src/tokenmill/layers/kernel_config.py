@@ -2,9 +2,9 @@
 by the runner. No Triton here, so the CPU path reads it without a Triton backend.
 
 A single-token product (`kernels/gemv.py`) runs one of three tiles, picked by its weight shape (N, K) and
-whether SiLU-and-mul follows; `KernelConfig()` holds the shipped table, the fastest tiles on an H200 for
-the qwen3-4b and nanbeige4.1-3b products inside the batch-1 decode graph (docs/BENCHMARKS.md), and the
-register tile for every other shape.
+whether the gated activation (SiLU- or GELU-and-mul) follows; `KernelConfig()` holds the shipped table, the
+fastest tiles on an H200 for the qwen3-4b and nanbeige4.1-3b products inside the batch-1 decode graph
+(docs/BENCHMARKS.md), and the register tile for every other shape.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class RegisterTile:
 
 @dataclass(frozen=True)
 class WholeRowTile:
-    """`gemv._gemv_whole_kernel`: a row block's whole rows (block_n x K, with SiLU as many up rows again)
-    in one round trip to HBM, the first block's before the wait and each next block's issued ahead."""
+    """`gemv._gemv_whole_kernel`: a row block's whole rows (block_n x K, with the gated activation as many up
+    rows again) in one round trip to HBM, the first block's before the wait and each next block's issued ahead."""
     block_n: int
     num_warps: int
     programs_per_sm: int
@@ -43,8 +43,9 @@ class SmemTile:
 
 Tile = Union[RegisterTile, WholeRowTile, SmemTile]
 
-# ((N, K, silu), tile) pairs; each the fastest of the whole-row tiles timed inside the batch-1 decode graph
-# (scripts/device/decode_tiles.py --weights bf16), or a register or shared-memory tile that beat them all there
+# ((N, K, gated), tile) pairs (gated: the gated activation follows, whichever it is); each the fastest of the
+# whole-row tiles timed inside the batch-1 decode graph (scripts/device/decode_tiles.py --weights bf16), or a
+# register or shared-memory tile that beat them all there
 SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (6144, 2560, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4),     # qwen3-4b qkv
     (2560, 4096, False): WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4),     # qwen3-4b o_proj
@@ -145,7 +146,7 @@ class PrefillAttentionConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """`tiles`: ((N, K, silu), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
+    """`tiles`: ((N, K, gated), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
     immutable and pickles with `EngineConfig` into the engine core's process. `fp8_tiles`: the same for
     products with FP8 weights; a shape not there takes `gemv.fp8_tile` of its 16-bit tile.
     `decode_attention` and `fp8_decode_attention`: the decode attention's launch for each KV cache."""
@@ -167,10 +168,10 @@ class KernelConfig:
         """The decode attention's launch for a bf16 or an FP8 KV cache."""
         return self.fp8_decode_attention if fp8_cache else self.decode_attention
 
-    def tile(self, n: int, k: int, silu: bool) -> Tile:
-        """The tile for a product with weight [n, k] (SiLU-and-mul after it when `silu`)."""
-        return self._by_shape.get((n, k, silu), self.default_tile)
+    def tile(self, n: int, k: int, gated: bool) -> Tile:
+        """The tile for a product with weight [n, k] (the gated activation after it when `gated`)."""
+        return self._by_shape.get((n, k, gated), self.default_tile)
 
-    def fp8_tile(self, n: int, k: int, silu: bool) -> Tile | None:
+    def fp8_tile(self, n: int, k: int, gated: bool) -> Tile | None:
         """The measured tile for that product with FP8 weights, or None."""
-        return self._fp8_by_shape.get((n, k, silu))
+        return self._fp8_by_shape.get((n, k, gated))

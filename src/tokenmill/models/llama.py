@@ -106,8 +106,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
+        self.act = cfg.hidden_act       # act(gate) * up
         intermediate = cfg.intermediate_size // _ranks(tp)
         self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, False, cfg.quantization)
         self.down_proj = linear(intermediate, cfg.hidden_size, False, cfg.quantization)
@@ -116,7 +115,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """The MLP's output, for the next RMSNorm (as `Attention.forward`'s)."""
-        act = self.backend.silu_and_mul(self.gate_up_proj(x), into=self.down_proj)
+        act = self.backend.act_and_mul(self.gate_up_proj(x), self.act, into=self.down_proj)
         if self.tp is None:
             return self.backend.linear_into_norm(self.down_proj, act)
         return self.tp.all_reduce(self.down_proj(act))
@@ -156,7 +155,7 @@ class DecoderLayer(nn.Module):
 
     def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta, ids):
         """The same layer for one token in four weight-reading kernels, each norm folded into the
-        product after it and SiLU-and-mul into gate_up (see `kernels/gemv.py`); the first layer's qkv
+        product after it and the gated activation into gate_up (see `kernels/gemv.py`); the first layer's qkv
         product also gathers the token's embedding."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_linear(hidden, **_weights(attn.qkv_proj), norm_weight=self.input_layernorm.weight,
@@ -167,7 +166,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = fused_linear(hidden, **_weights(mlp.gate_up_proj),
                                         norm_weight=self.post_attention_layernorm.weight,
                                         eps=self.post_attention_layernorm.eps, residual=residual,
-                                        silu=True)
+                                        act=mlp.act)
         hidden, _ = fused_linear(hidden, **_weights(mlp.down_proj))
         if self.tp is not None:
             self.tp.all_reduce(hidden)

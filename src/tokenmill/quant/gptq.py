@@ -228,7 +228,7 @@ def _layer_pass(layer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor |
     hidden = linear("self_attn.o_proj", attn.o_proj, attn.attend_qkv(positions, qkv, meta))
     x, residual = backend.rms_norm(hidden, norm2.weight, norm2.eps, residual)
     gate_up = linear("mlp.gate_up_proj", mlp.gate_up_proj, x)
-    return linear("mlp.down_proj", mlp.down_proj, backend.silu_and_mul(gate_up)), residual
+    return linear("mlp.down_proj", mlp.down_proj, backend.act_and_mul(gate_up, mlp.act)), residual
 
 
 def check_calibration(calibration, cfg) -> None:

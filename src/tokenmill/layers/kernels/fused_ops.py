@@ -1,11 +1,11 @@
-"""Triton element-wise kernels: RMSNorm (+ fused residual add), SiLU-and-mul, and the fused attention
-prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv projection.
+"""Triton element-wise kernels: RMSNorm (+ fused residual add), the gated activation (SiLU- or GELU-and-mul),
+and the fused attention prologue (per-head q/k norm + rotary + KV-cache store) that follows the qkv projection.
 
-References: `rms_norm_torch` (norm.py), `silu_and_mul_torch` (activation.py), `apply_rotary_torch`
+References: `rms_norm_torch` (norm.py), `act_and_mul_torch` (activation.py), `apply_rotary_torch`
 (rotary.py) and `store_kvcache_torch` (attention.py) for the prologue. Each kernel rounds intermediates
 to the input dtype where the reference does, so results match it to the last bit or one rounding step.
 An FP8 cache (attention.py) receives K / scale and V / scale saturated to E4M3 (`quantize_kv`). Before
-an FP8 product, RMSNorm and SiLU-and-mul write their rows in E4M3 with their scales (`fp8_group`): the
+an FP8 product, RMSNorm and the gated activation write their rows in E4M3 with their scales (`fp8_group`): the
 rows they would write otherwise, quantized as the product would quantize them (`fp8_gemm.input_group`).
 Inputs need a unit stride on the last dim only; token and head strides are free, so views split from
 the packed qkv projection work as they are.
@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.activation import check_activation
 from tokenmill.layers.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scale
 from tokenmill.layers.kernels import pdl
 from tokenmill.quant.fp8 import FP8, Fp8Rows, UnscaledRows
@@ -161,12 +162,24 @@ def rms_norm(x: torch.Tensor | UnscaledRows, weight: torch.Tensor, eps: float, r
     return out if residual is None else (out, res_out)
 
 
-# -------------------------------------------------------------------------------------- silu and mul
+# -------------------------------------------------------------------------------- gated activation
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.constexpr, BLOCK: tl.constexpr,
-                         FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
+def gate_act(g, ACT: tl.constexpr):
+    # act(g) of a float32 gate, ACT as `activation.ACTIVATIONS` numbers it: SiLU g sigmoid(g) (1), or GELU's
+    # tanh approximation (2), g (1 + tanh(u)) / 2 with u = sqrt(2 / pi) (g + 0.044715 g^3), taken as the equal
+    # g sigmoid(2u): one exp as SiLU's, and no 1 + tanh(u) that cancels for negative g. Past the exp's
+    # range (u < -44) the sigmoid is 0 and g / inf gives it
+    if ACT == 2:
+        return g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+    else:
+        return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.constexpr, BLOCK: tl.constexpr,
+                        FP8_GROUP: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr):
     # program (t, j): columns j * BLOCK ... of token t. FP8_GROUP > 0: out is FP8, the values as the plain
     # kernel writes them quantized with a scale per FP8_GROUP columns (BLOCK: per block, which then spans
     # the row) into s_ptr
@@ -176,8 +189,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.cons
     mask = c < I
     gate = tl.load(x_ptr + t * x_stride_t + c, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * x_stride_t + I + c, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    act = gate_act(gate.to(tl.float32), ACT).to(gate.dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     if FP8_GROUP > 0:
         q, scale = _fp8_groups(tl.reshape(y.to(tl.float32), [1, BLOCK]), 1, BLOCK, FP8_GROUP)
@@ -188,20 +200,22 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.cons
         tl.store(out_ptr + t * I + c, y, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
-    """x [..., 2I] packed as [gate | up] -> silu(gate) * up, [..., I] (contiguous). `fp8_group` (x 2-D): the
-    result comes as `quant/fp8.Fp8Rows`, equal to `quantize_rows(out, fp8_group)` of the plain one."""
-    _check_dtype("silu_and_mul x", x)
+def act_and_mul(x: torch.Tensor, act: str = "silu", fp8_group: int | None = None):
+    """x [..., 2I] packed as [gate | up] -> act(gate) * up, [..., I] (contiguous); `act` an activation of
+    `activation.ACTIVATIONS`. `fp8_group` (x 2-D): the result comes as `quant/fp8.Fp8Rows`, equal to
+    `quantize_rows(out, fp8_group)` of the plain one."""
+    code = check_activation(act)
+    _check_dtype("act_and_mul x", x)
     if x.shape[-1] % 2 or x.stride(-1) != 1:
-        raise ValueError(f"silu_and_mul: last dim must be even with unit stride, got shape "
+        raise ValueError(f"act_and_mul: last dim must be even with unit stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     block = min(1024, triton.next_power_of_2(inter))
     if fp8_group is not None:
         if x.dim() != 2:
-            raise ValueError(f"silu_and_mul: FP8 output takes x [T, 2I], got {tuple(x.shape)}")
-        out, scale, group = _fp8_out("silu_and_mul", x.shape[0], inter, fp8_group, x)
+            raise ValueError(f"act_and_mul: FP8 output takes x [T, 2I], got {tuple(x.shape)}")
+        out, scale, group = _fp8_out("act_and_mul", x.shape[0], inter, fp8_group, x)
         if group == inter:
             # a program takes the whole row, to see its absmax, at 8 warps: for 9,728 columns on an H200,
             # 3.7-28.2 us at 64-2,048 rows against 4.4-37.0 at 16 warps and 3.9-37.2 at 32
@@ -214,9 +228,9 @@ def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None):
         scale, kernel_group = out, 0
     if x2.shape[0] > 0 and inter > 0:
         pdl_on = pdl.enabled(x.device)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, scale, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
-            PDL=pdl_on, num_warps=4 if block <= 1024 else 8, launch_pdl=pdl_on)
+            PDL=pdl_on, ACT=code, num_warps=4 if block <= 1024 else 8, launch_pdl=pdl_on)
     if fp8_group is not None:
         out = Fp8Rows(out, scale, fp8_group, x.dtype)
     return out

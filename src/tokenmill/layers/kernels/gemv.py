@@ -1,5 +1,5 @@
 """Single-token linear layers: one kernel per product of a one-row input with a weight matrix, with the
-RMSNorm (+ residual add) before it and the SiLU-and-mul after it folded in.
+RMSNorm (+ residual add) before it and the gated activation (SiLU- or GELU-and-mul) after it folded in.
 
 A batch-1 decode step reads every weight once and does little else, so it is bound by how close each
 product gets to HBM bandwidth. The weight matrices of a 3-4B model are 20-100 MB, small enough that a
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tokenmill.layers.activation import silu_and_mul_torch
+from tokenmill.layers.activation import act_and_mul_torch, check_activation
 from tokenmill.layers.kernel_config import KernelConfig, RegisterTile, SmemTile, Tile, WholeRowTile
 from tokenmill.layers.kernels import gemv_smem, pdl
+from tokenmill.layers.kernels.fused_ops import gate_act
 from tokenmill.layers.norm import rms_norm_torch
 
 MAX_ROWS = 1
@@ -47,10 +48,10 @@ WHOLE_MAX = 32 * 1024   # weights in a whole-row tile's row block: its registers
 FP8_TILE = WholeRowTile(block_n=2, num_warps=4, programs_per_sm=4)
 SHIPPED = KernelConfig()
 
-def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, silu=False,
+def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, residual=None, act=None,
                        ids=None):
     """Reference: y = linear(rms_norm(x + residual) * norm_weight) (each step optional), then
-    silu(gate) * up over the packed [gate | up] output when `silu`. Returns (y, x + residual), the
+    act(gate) * up over the packed [gate | up] output when an activation `act` is named. Returns (y, x + residual), the
     second being x itself without a residual and None without a norm. `ids`: the input is x[ids]."""
     if ids is not None:
         x = F.embedding(ids, x)
@@ -61,7 +62,7 @@ def fused_linear_torch(x, weight, bias=None, *, norm_weight=None, eps=0.0, resid
         if residual is not None:
             res_out = summed
     y = F.linear(x, weight, bias)
-    return (silu_and_mul_torch(y) if silu else y), res_out
+    return (y if act is None else act_and_mul_torch(y, act)), res_out
 
 
 @triton.jit
@@ -104,10 +105,11 @@ def _whole_loads(ptrs, mask):
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, eps, n_out, w_stride,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, GATHER: tl.constexpr,
+                 RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GATHER: tl.constexpr,
                  PDL: tl.constexpr):
-    # Persistent: program p computes row blocks p, p + P, ... of the output. With SILU the weight is
-    # [gate | up] stacked by rows, and output row n needs weight rows n and n_out + n. With GATHER the
+    # Persistent: program p computes row blocks p, p + P, ... of the output. With an activation (ACT, as
+    # `fused_ops.gate_act` takes it; 0: none) the weight is [gate | up] stacked by rows, and output row n
+    # needs weight rows n and n_out + n, which give act(gate) * up. With GATHER the
     # input is row ids[0] of the table at x_ptr, which program 0 also writes to res_out (NORM only).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -120,7 +122,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
     tile_mask = (rows < n_out)[:, None] & (c < K)[None, :]
     w_first = tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask, other=0.0)
     u_first = w_first
-    if SILU:
+    if ACT != 0:
         u_first = tl.load(w_ptr + (rows + n_out).to(tl.int64)[:, None] * w_stride + c[None, :], mask=tile_mask,
                           other=0.0)
     pdl.enter(PDL)
@@ -150,29 +152,28 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
             tile_mask = row_mask[:, None] & (c < K)[None, :]
             w = tl.load(w_rows + c[None, :], mask=tile_mask, other=0.0)
             u = w
-            if SILU:
+            if ACT != 0:
                 u = tl.load(u_rows + c[None, :], mask=tile_mask, other=0.0)
         xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, 0, c, K, NORM, RESIDUAL)
         # per element, summed per row once the row is done
         acc = w.to(tl.float32) * xk[None, :]
         acc_u = acc
-        if SILU:
+        if ACT != 0:
             acc_u = u.to(tl.float32) * xk[None, :]
         # one chunk in flight per program (num_stages=1): the registers hold the next chunk, not a pipeline
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=1):
             tile_mask = row_mask[:, None] & (k0 + c < K)[None, :]
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, k0, c, K, NORM, RESIDUAL)
             acc += tl.load(w_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk[None, :]
-            if SILU:
+            if ACT != 0:
                 acc_u += tl.load(u_rows + k0 + c[None, :], mask=tile_mask, other=0.0).to(tl.float32) * xk[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if SILU:
+        if ACT != 0:
             g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
             up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            y = act * up
+            y = gate_act(g, ACT).to(out_ptr.dtype.element_ty).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -180,7 +181,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids
 def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K: tl.constexpr,
                 BLOCK_N: tl.constexpr, TWO: tl.constexpr, PACKED: tl.constexpr):
     # every weight of row block `unit` (none past the last unit), in one or two loads issued together;
-    # weight rows from first_row on (n_out: the up rows of SiLU-and-mul). PACKED (FP8): w_ptr holds int32
+    # weight rows from first_row on (n_out: the up rows of the gated activation). PACKED (FP8): w_ptr holds int32
     # words of four FP8 weights, ca / cb index pairs of words (eight columns), and a load is [rows, pairs, 2]
     rows = unit * BLOCK_N + r
     ok = (rows < n_out) & (unit < num_units)
@@ -203,11 +204,12 @@ def _whole_rows(w_ptr, w_stride, unit, num_units, n_out, first_row, r, ca, cb, K
 
 @triton.jit
 def _whole_block(w_ptr, w_stride, unit, num_units, n_out, r, ca, cb, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TWO: tl.constexpr, SILU: tl.constexpr, PACKED: tl.constexpr):
-    # `_whole_rows` of row block `unit`, and with SILU of its up rows too (the same as the gate's without)
+                 TWO: tl.constexpr, ACT: tl.constexpr, PACKED: tl.constexpr):
+    # `_whole_rows` of row block `unit`, and with an activation of its up rows too (the same as the gate's
+    # without)
     wa, wb = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, 0, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     ua, ub = wa, wb
-    if SILU:
+    if ACT != 0:
         ua, ub = _whole_rows(w_ptr, w_stride, unit, num_units, n_out, n_out, r, ca, cb, K, BLOCK_N, TWO, PACKED)
     return wa, wb, ua, ub
 
@@ -321,13 +323,13 @@ def _fp8_sums(w, x0, x1, x2, x3, s_ptr, s_stride, first_row, p, K: tl.constexpr,
 def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ids_ptr, s_ptr, eps, n_out,
                        w_stride, s_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_K2: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SILU: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr,
+                       ACT: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr,
                        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ASM: tl.constexpr):
     # `_gemv_kernel` with whole rows: a row block's K columns are one load of BLOCK_K (a power of two)
     # and, when K is longer, one of BLOCK_K2 more, both in flight at once, so a row block costs one
     # round trip to HBM; the first is requested before the wait, and the next row block's loads are
-    # issued before this one is summed. The input is loaded (and normalised) once per program. With
-    # SILU the up rows (n_out further on) come with the gate rows. FP8 weights (SCALE > 0) come as int32
+    # issued before this one is summed. The input is loaded (and normalised) once per program. With an
+    # activation (ACT) the up rows (n_out further on) come with the gate rows. FP8 weights (SCALE > 0) come as int32
     # words (w_ptr, w_stride in words) and multiply as float16 pairs (above).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -342,7 +344,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         wcb = BLOCK_K // 8 + tl.arange(0, BLOCK_K2 // 8)
     else:
         wca, wcb = ca, cb
-    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, wca, wcb, K, BLOCK_N, TWO, SILU,
+    wa, wb, ua, ub = _whole_block(w_ptr, w_stride, pid, num_units, n_out, r, wca, wcb, K, BLOCK_N, TWO, ACT,
                                   PACKED)
     pdl.enter(PDL)
     if GATHER:
@@ -382,7 +384,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
 
     for unit in range(pid, num_units, num_programs):
         na, nb, nua, nub = _whole_block(w_ptr, w_stride, unit + num_programs, num_units, n_out, r, wca, wcb, K,
-                                        BLOCK_N, TWO, SILU, PACKED)
+                                        BLOCK_N, TWO, ACT, PACKED)
         rows = unit * BLOCK_N + r
         row_mask = rows < n_out
         if PACKED:
@@ -396,7 +398,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             y = _whole_sums(wa, wb, xa, xb, TWO)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if SILU:
+        if ACT != 0:
             g = y.to(dtype).to(tl.float32)
             if PACKED:
                 up = _fp8_sums(ua, xa0, xa1, xa2, xa3, s_ptr, s_stride, n_out + unit * BLOCK_N, wca, K, SCALE,
@@ -408,7 +410,7 @@ def _gemv_whole_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
             else:
                 up = _whole_sums(ua, ub, xa, xb, TWO)
             up = up.to(dtype).to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
+            y = gate_act(g, ACT).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
         wa, wb, ua, ub = na, nb, nua, nub
 
@@ -430,10 +432,10 @@ def fp8_tile(tile: Tile) -> WholeRowTile:
     return FP8_TILE
 
 
-def fp8_tile_of(kernels: KernelConfig, n: int, k: int, silu: bool) -> Tile:
-    """The tile an FP8 product of weight [n, k] runs unless given one: its shape's `kernels.fp8_tiles` entry,
-    else `fp8_tile` of its 16-bit tile."""
-    return kernels.fp8_tile(n, k, silu) or fp8_tile(kernels.tile(n, k, silu))
+def fp8_tile_of(kernels: KernelConfig, n: int, k: int, gated: bool) -> Tile:
+    """The tile an FP8 product of weight [n, k] (a gated activation after it when `gated`) runs unless given
+    one: its shape's `kernels.fp8_tiles` entry, else `fp8_tile` of its 16-bit tile."""
+    return kernels.fp8_tile(n, k, gated) or fp8_tile(kernels.tile(n, k, gated))
 
 
 def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple[int, int]]:
@@ -457,11 +459,11 @@ def _scale_mode(weight, weight_scale, weight_block, x_dtype) -> tuple[int, tuple
     return (ROW_SCALE, (1, 1)) if (bn, bk) == (1, k) else (BLOCK_SCALE, (bn, bk))
 
 
-def _block_scale_problem(scale_mode: int, n_out: int, silu: bool, block_n: int, scale_bn: int) -> str | None:
+def _block_scale_problem(scale_mode: int, n_out: int, gated: bool, block_n: int, scale_bn: int) -> str | None:
     # with block scales, a row block (gate and up rows alike) must lie within one row of scales
-    if scale_mode == BLOCK_SCALE and (scale_bn % block_n or (silu and n_out % block_n)):
+    if scale_mode == BLOCK_SCALE and (scale_bn % block_n or (gated and n_out % block_n)):
         return (f"a row block of {block_n} rows straddles scale blocks of {scale_bn} rows"
-                f"{f' (or the up rows from {n_out} on)' if silu else ''}")
+                f"{f' (or the up rows from {n_out} on)' if gated else ''}")
     return None
 
 
@@ -472,14 +474,16 @@ def _num_sms(device: torch.device) -> int:
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 residual: torch.Tensor | None = None, silu: bool = False,
+                 residual: torch.Tensor | None = None, act: str | None = None,
                  tile: Tile | None = None, kernels: KernelConfig = SHIPPED, ids: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None):
     """`fused_linear_torch` for x [M, K] with M <= MAX_ROWS, in one kernel per row. Returns
-    (y, residual_out): y is [M, N] ([M, N / 2] with silu); residual_out is x + residual when both a
-    norm and a residual are given, x when only the norm is, else None.
+    (y, residual_out): y is [M, N] ([M, N / 2] with an activation `act`, of `activation.ACTIVATIONS`: the weight
+    is [gate | up], y act(gate) * up); residual_out is x + residual when both a norm and a residual are given, x
+    when only the norm is, else None.
 
-    The kernel runs `tile`, which must suit the product, or else `kernels.tile(N, K, silu)`, which falls
+    The kernel runs `tile`, which must suit the product, or else `kernels.tile(N, K, act is not None)`, which
+    falls
     back to `kernels.default_tile` where it does not (a shared-memory tile for a float32 product).
 
     An FP8 weight (float8_e4m3fn) comes with `weight_scale` (float32 [ceil(N / bn), ceil(K / bk)]) and
@@ -504,8 +508,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"fused_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must share "
                          f"K and have unit last strides")
     scale_mode, (scale_bn, scale_bk) = _scale_mode(weight, weight_scale, weight_block, x.dtype)
-    if silu and (n % 2 or bias is not None):
-        raise ValueError(f"fused_linear: silu needs an even number of weight rows (got {n}) and no bias")
+    gated = act is not None
+    code = check_activation(act) if gated else 0
+    if gated and (n % 2 or bias is not None):
+        raise ValueError(f"fused_linear: an activation ({act}) needs an even number of weight rows (got {n}) and no "
+                         "bias")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"fused_linear: bias must be [{n}], got {tuple(bias.shape)}")
     if residual is not None and (norm_weight is None or residual.shape != x.shape
@@ -515,27 +522,27 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
         raise ValueError(f"fused_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
     explicit = tile is not None
-    n_out = n // 2 if silu else n
+    n_out = n // 2 if gated else n
     one_row = dataclasses.replace(FP8_TILE, block_n=1)     # one row never straddles scale blocks
     if scale_mode != NO_SCALE and (k % 8 or (scale_mode == BLOCK_SCALE and scale_bk % 8) or weight.stride(0) % 4
-                                   or _whole_tile_problem(k, silu, one_row, FP8)):
+                                   or _whole_tile_problem(k, gated, one_row, FP8)):
         from tokenmill.quant.fp8 import dequantize
         return fused_linear(x, dequantize(weight, weight_scale, weight_block).to(x.dtype), bias,
-                            norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, kernels=kernels, ids=ids)
+                            norm_weight=norm_weight, eps=eps, residual=residual, act=act, kernels=kernels, ids=ids)
     if scale_mode != NO_SCALE:
         if not explicit:
-            tile = fp8_tile_of(kernels, n, k, silu)
+            tile = fp8_tile_of(kernels, n, k, gated)
         why = ("FP8 weights run whole-row tiles" if not isinstance(tile, WholeRowTile) else
-               _whole_tile_problem(k, silu, tile, FP8) or _block_scale_problem(scale_mode, n_out, silu,
-                                                                               tile.block_n, scale_bn))
+               _whole_tile_problem(k, gated, tile, FP8) or _block_scale_problem(scale_mode, n_out, gated,
+                                                                                tile.block_n, scale_bn))
         if why is not None:
             if explicit:
                 raise ValueError(f"fused_linear: {tile} for weight {tuple(weight.shape)}: {why}")
             tile = one_row
     else:
-        tile = tile if explicit else kernels.tile(n, k, silu)
+        tile = tile if explicit else kernels.tile(n, k, gated)
     if isinstance(tile, SmemTile) and ids is not None:   # that kernel reads its input as given: gather first
-        return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
+        return fused_linear(F.embedding(ids, x), weight, bias, norm_weight=norm_weight, eps=eps, act=act,
                             tile=tile if explicit else None, kernels=kernels)
     rows = x.shape[0] if ids is None else ids.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
@@ -547,17 +554,17 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pdl_on = pdl.enabled(x.device)
     why = None
     if isinstance(tile, SmemTile):
-        why = gemv_smem.check_tile(n, k, silu, x.dtype, tile)
+        why = gemv_smem.check_tile(n, k, gated, x.dtype, tile)
         if why is None:
             for m in range(x.shape[0]):
                 gemv_smem.smem_linear(x[m], weight, bias, norm_weight, eps,
-                                      residual[m] if residual is not None else None, silu, out[m],
+                                      residual[m] if residual is not None else None, code, out[m],
                                       res_out[m] if residual is not None else None, tile, pdl_on)
             return out, res_out
     elif isinstance(tile, WholeRowTile):
-        why = _whole_tile_problem(k, silu, tile, weight.dtype)
+        why = _whole_tile_problem(k, gated, tile, weight.dtype)
         if why is None:
-            return _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out,
+            return _whole_linear(x, weight, bias, norm_weight, eps, residual, code, ids, tile, out, res_out,
                                  pdl_on, weight_scale, scale_mode, scale_bn, scale_bk)
     elif not isinstance(tile, RegisterTile):
         raise TypeError(f"fused_linear: {tile!r} is not a tile")
@@ -571,7 +578,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         _gemv_kernel[grid](
             *_pointers(x, weight, bias, norm_weight, residual, ids, out, res_out, None, m)[:8], eps, n_out,
             weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACT=code, GATHER=ids is not None,
             PDL=pdl_on, num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out
 
@@ -582,10 +589,10 @@ def _whole_blocks(k: int) -> tuple[int, int]:
     return block_k, triton.next_power_of_2(k - block_k) if k > block_k else 1
 
 
-def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile, dtype: torch.dtype) -> str | None:
+def _whole_tile_problem(k: int, gated: bool, tile: WholeRowTile, dtype: torch.dtype) -> str | None:
     block_k, block_k2 = _whole_blocks(k)
     width = block_k + (block_k2 if k > block_k else 0)
-    rows = tile.block_n * (2 if silu else 1)     # with silu, as many up rows again
+    rows = tile.block_n * (2 if gated else 1)     # with an activation, as many up rows again
     per_register = 4 if dtype == FP8 else 1      # FP8 weights: four to an int32 word
     if rows * width > WHOLE_MAX * per_register:
         return (f"a row block of {rows} x {width} weights is over the {WHOLE_MAX * per_register} that whole rows "
@@ -593,7 +600,7 @@ def _whole_tile_problem(k: int, silu: bool, tile: WholeRowTile, dtype: torch.dty
     return None
 
 
-def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, out, res_out, pdl_on,
+def _whole_linear(x, weight, bias, norm_weight, eps, residual, code, ids, tile, out, res_out, pdl_on,
                   weight_scale, scale_mode, scale_bn, scale_bk):
     k = weight.shape[1]
     block_k, block_k2 = _whole_blocks(k)
@@ -607,7 +614,7 @@ def _whole_linear(x, weight, bias, norm_weight, eps, residual, silu, ids, tile, 
         _gemv_whole_kernel[grid](
             *pointers, eps, n_out, w_stride, weight_scale.stride(0) if weight_scale is not None else 0,
             K=k, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_K2=block_k2, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU=silu, GATHER=ids is not None,
+            RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACT=code, GATHER=ids is not None,
             PDL=pdl_on, SCALE=scale_mode, SCALE_BN=scale_bn, SCALE_BK=scale_bk, ASM=x.is_cuda,
             num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out, res_out

@@ -3,13 +3,13 @@ programmatic-dependent-launch wait (`pdl.py`).
 
 `gemv._gemv_kernel` holds one weight tile in registers before its wait, so a product streams its weights
 only once the kernel before it has finished. Here each program owns one block of output rows and issues
-`cp.async` copies of all its weight rows (BLOCK_N x K, and the matching `up` rows with SILU) into shared
+`cp.async` copies of all its weight rows (BLOCK_N x K, and the matching `up` rows with an activation) into shared
 memory first. A product launched during a short kernel (o_proj during attention) then has its weights
 on chip, or on their way, when its input is ready. Shared memory bounds the block: BLOCK_N x K x 2 bytes
-(twice that with SILU) must fit one program, and programs beyond what the SMs hold at once start as
+(twice that with an activation) must fit one program, and programs beyond what the SMs hold at once start as
 earlier ones finish.
 
-Same operation and rounding as `gemv.fused_linear` (RMSNorm (+ residual) before, SiLU-and-mul after,
+Same operation and rounding as `gemv.fused_linear` (RMSNorm (+ residual) before, the gated activation after,
 optional bias); `gemv.fused_linear` calls `smem_linear` for an `SmemTile`.
 Written in Gluon, Triton's dialect with explicit layouts and shared memory, which the interpreter does
 not run: the tests check it on the GPU, and its sm90 code (copies before the wait) on the CPU.
@@ -32,8 +32,8 @@ except ImportError:       # a Triton without Gluon: fused_linear keeps its plain
 SMEM_BYTES = 227 * 1024   # shared memory one program may hold on sm90
 
 
-def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: SmemTile) -> str | None:
-    """Why `tile` cannot run this product, or None if it can."""
+def check_tile(n: int, k: int, gated: bool, dtype: torch.dtype, tile: SmemTile) -> str | None:
+    """Why `tile` cannot run this product (a gated activation after it when `gated`), or None if it can."""
     block_n, block_k, num_warps = tile.block_n, tile.block_k, tile.num_warps
     if not AVAILABLE:
         return "this Triton has no Gluon"
@@ -43,7 +43,7 @@ def check_tile(n: int, k: int, silu: bool, dtype: torch.dtype, tile: SmemTile) -
         return f"BLOCK_K {block_k} must be a power of two of at least 256 that divides K {k}"
     if block_n % num_warps or block_n & (block_n - 1):
         return f"BLOCK_N {block_n} must be a power of two and a multiple of num_warps {num_warps}"
-    need = (2 if silu else 1) * block_n * k * 2
+    need = (2 if gated else 1) * block_n * k * 2
     if need > SMEM_BYTES:
         return f"BLOCK_N {block_n} x K {k} needs {need} bytes of shared memory, over {SMEM_BYTES}"
     return None
@@ -71,10 +71,18 @@ if AVAILABLE:
         return h.to(gl.float32)
 
     @gluon.jit
+    def _gate_act(g, ACT: gl.constexpr):
+        # fused_ops.gate_act in Gluon: SiLU (ACT 1) or GELU's tanh approximation as g sigmoid(2u) (2)
+        if ACT == 2:
+            return g / (1.0 + gl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+        else:
+            return g / (1.0 + gl.exp(-g))
+
+    @gluon.jit
     def _smem_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, eps, n_out, w_stride,
                           K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          SILU: gl.constexpr, PDL: gl.constexpr, NUM_WARPS: gl.constexpr):
+                          ACT: gl.constexpr, PDL: gl.constexpr, NUM_WARPS: gl.constexpr):
         # One program: output rows pid * BLOCK_N ..., its weight rows in shared memory as K // BLOCK_K
         # chunks. A warp per row, 16-byte copies, 256 columns a pass, so no element is copied twice.
         NUM_CHUNKS: gl.constexpr = K // BLOCK_K
@@ -91,7 +99,7 @@ if AVAILABLE:
         w_s = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NUM_CHUNKS, BLOCK_N, BLOCK_K], smem_layout)
         for i in gl.static_range(NUM_CHUNKS):
             async_copy.async_copy_global_to_shared(w_s.index(i), w_src + i * BLOCK_K)
-        if SILU:    # [gate | up] stacked by rows: output row n needs weight rows n and n_out + n
+        if ACT != 0:    # [gate | up] stacked by rows: output row n needs weight rows n and n_out + n
             u_s = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NUM_CHUNKS, BLOCK_N, BLOCK_K], smem_layout)
             u_src = w_src + n_out.to(gl.int64) * w_stride
             for i in gl.static_range(NUM_CHUNKS):
@@ -117,30 +125,30 @@ if AVAILABLE:
         for i in gl.static_range(NUM_CHUNKS):
             xk = _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, i * BLOCK_K + c, NORM, RESIDUAL)[None, :]
             acc += w_s.index(i).load(layout).to(gl.float32) * xk
-            if SILU:
+            if ACT != 0:
                 acc_u += u_s.index(i).load(layout).to(gl.float32) * xk
         y = gl.sum(acc, 1)
         if HAS_BIAS:
             y += gl.load(b_ptr + rows).to(gl.float32)
-        if SILU:
+        if ACT != 0:
             g = y.to(out_ptr.dtype.element_ty).to(gl.float32)
             up = gl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(gl.float32)
-            act = (g / (1.0 + gl.exp(-g))).to(out_ptr.dtype.element_ty).to(gl.float32)
-            y = act * up
+            y = _gate_act(g, ACT).to(out_ptr.dtype.element_ty).to(gl.float32) * up
         gl.store(out_ptr + out_rows, y.to(out_ptr.dtype.element_ty), mask=out_rows < n_out)
 
 
-def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: float, residual, silu: bool,
+def smem_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: float, residual, act: int,
                 out: torch.Tensor, res_out: torch.Tensor | None, tile: SmemTile, pdl_on: bool) -> None:
-    """One row of `gemv.fused_linear` (x [K], out [N or N / 2]) with `tile`, which `check_tile` passed;
-    gemv.fused_linear checks the arguments and allocates the outputs."""
+    """One row of `gemv.fused_linear` (x [K], out [N or N / 2]) with `tile`, which `check_tile` passed; `act`: the
+    activation's number (`activation.ACTIVATIONS`; 0: none). gemv.fused_linear checks the arguments and allocates
+    the outputs."""
     block_n, block_k, num_warps = tile.block_n, tile.block_k, tile.num_warps
     n, k = weight.shape
-    n_out = n // 2 if silu else n
+    n_out = n // 2 if act else n
     _smem_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
         eps, n_out, weight.stride(0),
         K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, SILU=silu, PDL=pdl_on, NUM_WARPS=num_warps,
+        HAS_BIAS=bias is not None, ACT=act, PDL=pdl_on, NUM_WARPS=num_warps,
         num_warps=num_warps, launch_pdl=pdl_on)
