@@ -55,6 +55,15 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # the softmax scale of q.k; None: 1/sqrt(head_dim)
     attention_multiplier: float | None = None
+    # embedding_multiplier rounded to the model's dtype before it scales the table, as transformers' Gemma casts
+    # its sqrt(hidden_size) (34.0 for sqrt(1152) in bfloat16); Granite's scales as the number it is
+    embedding_multiplier_in_dtype: bool = False
+    # Gemma 3's four norms a layer: the attention's and the MLP's outputs each normalised before their residual
+    # add (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by pre_feedforward_layernorm
+    post_norms: bool = False
+    # every RMSNorm weight stored as its offset from 1 (Gemma's x_normed * (1 + w)); the load adds the 1
+    # (`LlamaForCausalLM.fold_multipliers`)
+    norm_unit_offset: bool = False
     # the leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor: Phi-4-mini's 96 of 128),
     # the rest passed through; None: the whole head
     rotary_dim: int | None = None
@@ -62,8 +71,11 @@ class ModelConfig:
     # p - sliding_window < j <= p alone (transformers' mask; `window`); None: every layer sees the whole context
     sliding_window: int | None = None
     # per layer, whether it attends over sliding_window (Qwen2's from max_window_layers on, layer_types'
-    # "sliding_attention"); None with a window: every layer does (Mistral's, Phi-3's)
+    # "sliding_attention", Gemma 3's); None with a window: every layer does (Mistral's, Phi-3's)
     sliding_layers: tuple[bool, ...] | None = None
+    # the RoPE base of the sliding layers, which rotate unscaled (Gemma 3's rope_local_base_freq); None: every
+    # layer rotates with rope_theta and rope_scaling
+    local_rope_theta: float | None = None
     # the longest context served: the engine's max_model_len, set once resolved (`serving`); None:
     # derived_max_model_len. LongRoPE's factors are chosen by it (`rotary.longrope_uses_long_factors`)
     max_model_len: int | None = None
@@ -86,6 +98,9 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
+        if self.local_rope_theta is not None and not positive(self.local_rope_theta):
+            raise ValueError(f"the model config's local_rope_theta is {self.local_rope_theta!r}; it must be a positive "
+                             "finite number")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"the model config's hidden_act is {self.hidden_act!r}; supported: "
                              f"{', '.join(ACTIVATIONS)}")
@@ -117,9 +132,11 @@ class ModelConfig:
 
     @property
     def multiplies_weights(self) -> bool:
-        """Whether loading scales weights by the config's multipliers (`LlamaForCausalLM.fold_multipliers`):
-        its linear, embedding and norm weights are then not the checkpoint's."""
-        return (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
+        """Whether loading scales weights by the config's multipliers, or adds 1 to its norms'
+        (`LlamaForCausalLM.fold_multipliers`): its linear, embedding and norm weights are then not the
+        checkpoint's."""
+        return (self.norm_unit_offset
+                or (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0))
 
     @property
     def rope_dim(self) -> int:
@@ -145,6 +162,10 @@ class ModelConfig:
         if self.sliding_window is None or not (self.sliding_layers is None or self.sliding_layers[layer]):
             return None
         return self.sliding_window
+
+    def rotates_locally(self, layer: int) -> bool:
+        """Whether `layer` rotates with the local base (`local_rope_theta`, unscaled): Gemma 3's sliding layers."""
+        return self.local_rope_theta is not None and (self.sliding_layers is None or self.sliding_layers[layer])
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike,

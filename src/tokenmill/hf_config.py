@@ -1,6 +1,7 @@
 """The one place that reads a Hugging Face config.json (`ModelConfig.from_hf`), into our `ModelConfig` as
 transformers reads it: the per-architecture defaults, Phi-3's RoPE, SmolLM3's NoPE layers, Granite's
-multipliers, the sliding-window layers, and `merge_hf_overrides` (--hf-overrides)."""
+multipliers, Gemma 3's layers, the other architectures' sliding-window layers, and `merge_hf_overrides`
+(--hf-overrides)."""
 from __future__ import annotations
 
 import glob
@@ -66,6 +67,15 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
                 "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072}}
 
+# transformers' Gemma3TextConfig defaults
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+_HF_DEFAULTS["Gemma3ForCausalLM"] = _GEMMA3_DEFAULTS
+GEMMA3 = ("Gemma3ForCausalLM",)
+
 # the architectures whose sliding_window (when set) spans every layer
 _EVERY_LAYER_WINDOW = ("Phi3ForCausalLM", "MistralForCausalLM")
 
@@ -77,6 +87,65 @@ def _checked_window(window: Any) -> int | None:
     if window is not None and (type(window) is not int or window < 1):
         raise ValueError(f"config.json's sliding_window is {window!r}; it must be an integer >= 1 (or null: none)")
     return window
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE as transformers' Gemma3TextConfig reads it: (the full-attention layers' dict, rope_theta
+    in it; the sliding layers' base). transformers 5 writes rope_parameters per layer type; older config.json
+    files (the hub's) rope_scaling over the full-attention layers alone, rope_theta (1e6) and rope_local_base_freq
+    (1e4), which fill what rope_parameters leaves out."""
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    full.update(hf.get("rope_scaling") or {})
+    full.setdefault("rope_theta", 1e6 if hf.get("rope_theta") is None else hf["rope_theta"])
+    local.setdefault("rope_theta", 1e4 if hf.get("rope_local_base_freq") is None else hf["rope_local_base_freq"])
+    kind = local.get("rope_type") or local.get("type") or "default"
+    if kind != "default":
+        raise ValueError(f"Gemma 3's sliding layers with RoPE of type {kind!r} are not supported: tokenmill scales "
+                         "the full-attention layers' RoPE alone (rope_parameters' sliding_attention must be default)")
+    for name, value in (("full_attention", full["rope_theta"]), ("sliding_attention", local["rope_theta"])):
+        if not positive(value):
+            raise ValueError(f"config.json's rope_theta of the {name} layers is {value!r}; it must be a positive "
+                             "number")
+    return full, float(local["rope_theta"])
+
+
+def _gemma3_layers(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's features as `ModelConfig` fields, read as transformers' Gemma3 computes them: four norms a layer
+    (`post_norms`) with weights stored as offsets from 1, the embeddings times sqrt(hidden_size) rounded to the
+    model's dtype, q.k scaled by query_pre_attn_scalar ** -0.5, and the sliding layers: `layer_types`, else every
+    sliding_window_pattern-th layer (6) full and the rest sliding, over sliding_window positions. Soft-capping
+    (Gemma 2's) and bidirectional attention are refused."""
+    arch = hf["architectures"][0]
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise ValueError(f"{arch} with {name}={hf[name]!r} is not supported: tokenmill does not soft-cap (tanh) "
+                             "the attention scores or the logits (Gemma 2 does; Gemma 3 sets both null)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention is not supported: tokenmill's attention is causal")
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        if type(pattern) is not int or pattern < 1:
+            raise ValueError(f"config.json's sliding_window_pattern is {pattern!r}; it must be an integer >= 1 (every "
+                             "pattern-th layer attends to the whole context)")
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(
+            t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"config.json's layer_types is {types!r}; it must name sliding_attention or full_attention "
+                         f"for each of the num_hidden_layers={n} layers")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    window = hf["sliding_window"]
+    if any(sliding) and (type(window) is not int or window < 1):
+        raise ValueError(f"config.json's sliding_window is {window!r}; Gemma 3's sliding layers need an integer >= 1")
+    scalar = hf["query_pre_attn_scalar"]
+    if not positive(scalar):
+        raise ValueError(f"config.json's query_pre_attn_scalar is {scalar!r}; it must be a positive number (q.k is "
+                         "scaled by its inverse square root)")
+    return dict(post_norms=True, norm_unit_offset=True, embedding_multiplier=hf["hidden_size"] ** 0.5,
+                embedding_multiplier_in_dtype=True, attention_multiplier=scalar ** -0.5,
+                sliding_layers=sliding if any(sliding) else None, sliding_window=window if any(sliding) else None)
 
 
 def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None]:
@@ -151,12 +220,12 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     archs = hf.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
+    arch = archs[0]
+    hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
     missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}; a decoder's config needs "
                          f"{', '.join(_REQUIRED_HF_KEYS)}")
-    arch = archs[0]
-    hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
     # SmolLM3 alone reads no_rope_layers (another architecture's config may carry it unread)
     layers = hf["num_hidden_layers"]
     rope_layers = (_no_rope_layers(hf) if arch == "SmolLM3ForCausalLM" and type(layers) is int and layers > 0
@@ -167,8 +236,10 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
     # transformers' reading: the RoPE dict (rope_scaling, or rope_parameters) before the top level, its
     # kind under "rope_type" or the older "type"; the scaled kinds' original context from the top level
-    # first, else the dict's, else max_position_embeddings
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    # first, else the dict's, else max_position_embeddings. Gemma 3's is its full-attention layers'
+    gemma3 = arch in GEMMA3
+    rope, local_rope_theta = (_gemma3_rope(hf) if gemma3
+                              else (dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {}), None))
     rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     phi3 = arch == "Phi3ForCausalLM"
@@ -188,14 +259,14 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
             scaling["factor"] = context / original
     eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
     dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
-    act = hf.get("hidden_act", "silu")
+    act = hf["hidden_activation"] if gemma3 else hf.get("hidden_act", "silu")
     # transformers' Phi3 reads neither bias key (it has no bias)
     if hf.get("mlp_bias") and not phi3:
         raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
         raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                          "which carries none here (Qwen2's bias on q/k/v alone is)")
-    window, sliding_layers = (_sliding_window(arch, hf, rope_layers) if type(layers) is int and layers > 0
+    window, sliding_layers = (_sliding_window(arch, hf, rope_layers) if not gemma3 and type(layers) is int and layers > 0
                               else (None, None))
     return cls(
         architecture=arch,
@@ -213,7 +284,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
         attention_bias=arch == "Qwen2ForCausalLM" or (not phi3 and bool(hf.get("attention_bias", False))),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM" or gemma3,
         eos_token_ids=eos_ids,
         bos_token_id=hf.get("bos_token_id"),
         dtype=dtype,
@@ -222,8 +293,8 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
                       if hf.get("quantization_config") else None),
         rope_layers=rope_layers,
         rotary_dim=rotary_dim,
-        sliding_window=window,
-        sliding_layers=sliding_layers,
+        local_rope_theta=local_rope_theta,
+        **(_gemma3_layers(hf) if gemma3 else {"sliding_window": window, "sliding_layers": sliding_layers}),
         # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
         **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
     )

@@ -43,6 +43,42 @@ def test_single_token_layers_give_the_composed_layers_tokens(model_dir):
     assert calls.count(True) > 0 and len(calls) == 4 * calls.count(True)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU every one-token step takes this path anyway")
+def test_gemma3_single_token_layers_give_the_composed_layers_tokens(tmp_path):
+    """Gemma 3's one-token steps through the single-token products: GELU folded into gate_up, its norms after
+    o_proj and down_proj run between the products, the norms before them folded in; the composed layer's tokens."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tokenmill import SamplingParams
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, bos_token_id=None,
+        eos_token_id=2, pad_token_id=0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(tmp_path))
+    prompts = [[5, 9, 31, 7, 200, 3, 3, 41], [12]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    config = dict(device="cpu", dtype="float32", max_num_seqs=1)
+    expected = _generate(str(tmp_path), config, prompts, params)
+    acts = []
+
+    def fused(*args, **kwargs):
+        acts.append(kwargs.get("act"))
+        return gemv.fused_linear(*args, tile=RegisterTile(32, 64, 4, 2), **kwargs)
+
+    class SingleToken(TorchBackend):
+        def single_token_linear(self, input_ids):
+            return fused if input_ids.shape[0] == 1 else None
+    assert _generate(str(tmp_path), config, prompts, params, SingleToken()) == expected
+    assert acts.count("gelu_pytorch_tanh") > 0 and len(acts) == 4 * acts.count("gelu_pytorch_tanh")
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU every decode step takes this path anyway")
 def test_engine_decode_through_the_one_kernel_attention(model_dir):
     """Every decode step with its attention in the one fused kernel (split-K with the in-kernel merge)

@@ -1,6 +1,7 @@
-"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3, Granite and Phi-3: features are explicit flags of
-`ModelConfig`, Granite's scalars folded into the weights at load (`LlamaForCausalLM.fold_multipliers`), Phi-3's
-partial rotary in the RoPE table and the order of q's and k's rows (`rotary.rotary_order`).
+"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3, Granite, Phi-3 and Gemma 3: features are explicit flags
+of `ModelConfig`, Granite's scalars and Gemma's norm offsets and embedding scale folded into the weights at load
+(`LlamaForCausalLM.fold_multipliers`), Phi-3's partial rotary in the RoPE table and the order of q's and k's rows
+(`rotary.rotary_order`), Gemma 3's four norms a layer (`post_norms`) and its sliding layers' own RoPE table.
 
 Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`; Phi-3's
 checkpoints store them so, `fill.checkpoint_layout`).
@@ -68,14 +69,15 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale, window)
         self.backend = TorchBackend()
         self.tp = tp
+        self.post_norm = cfg.post_norms
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 decode_attention=None):
-        """The attention block's output, for the post-attention RMSNorm (in the backend's
-        `linear_into_norm` form without tensor parallelism; a tensor after the all-reduce)."""
+        """The attention block's output, for the RMSNorm after it (in the backend's `linear_into_norm` form
+        where that norm adds the residual, without tensor parallelism; else a tensor, after the all-reduce)."""
         attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention, into=self.o_proj)
         if self.tp is None:
-            return self.backend.linear_into_norm(self.o_proj, attended)
+            return self.o_proj(attended) if self.post_norm else self.backend.linear_into_norm(self.o_proj, attended)
         return self.tp.all_reduce(self.o_proj(attended))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
@@ -112,12 +114,13 @@ class MLP(nn.Module):
         self.down_proj = linear(intermediate, cfg.hidden_size, False, cfg.quantization)
         self.backend = TorchBackend()
         self.tp = tp
+        self.post_norm = cfg.post_norms
 
     def forward(self, x: torch.Tensor):
         """The MLP's output, for the next RMSNorm (as `Attention.forward`'s)."""
         act = self.backend.act_and_mul(self.gate_up_proj(x), self.act, into=self.down_proj)
         if self.tp is None:
-            return self.backend.linear_into_norm(self.down_proj, act)
+            return self.down_proj(act) if self.post_norm else self.backend.linear_into_norm(self.down_proj, act)
         return self.tp.all_reduce(self.down_proj(act))
 
 
@@ -130,6 +133,14 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma 3's four norms (transformers' names): post_attention_layernorm normalises the attention's output
+        # alone, before its residual add; pre_feedforward_layernorm is the MLP's input norm, and
+        # post_feedforward_layernorm normalises its output alone. The residual adds ride in the next norm as
+        # ever: x + post_attn(attn) in pre_feedforward_layernorm's, h + post_ff(mlp) in the next layer's
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
 
     def forward(self, positions, hidden, residual, meta, fused_linear=None, decode_attention=None, ids=None):
@@ -149,27 +160,39 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.backend.rms_norm(hidden, norm1.weight, norm1.eps, residual, into=qkv_proj)
         hidden = self.self_attn(positions, hidden, meta, decode_attention)
+        if self.post_norms:
+            hidden = self.backend.rms_norm(hidden, norm2.weight, norm2.eps)
+            norm2 = self.pre_feedforward_layernorm
         hidden, residual = self.backend.rms_norm(hidden, norm2.weight, norm2.eps, residual,
                                                  into=self.mlp.gate_up_proj)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.post_norms:
+            norm3 = self.post_feedforward_layernorm
+            hidden = self.backend.rms_norm(hidden, norm3.weight, norm3.eps)
+        return hidden, residual
 
     def _forward_single_token(self, fused_linear, decode_attention, positions, hidden, residual, meta, ids):
-        """The same layer for one token in four weight-reading kernels, each norm folded into the
-        product after it and the gated activation into gate_up (see `kernels/gemv.py`); the first layer's qkv
-        product also gathers the token's embedding."""
+        """The same layer for one token in four weight-reading kernels, each norm before a product folded into
+        it and the gated activation into gate_up (see `kernels/gemv.py`); the first layer's qkv product also
+        gathers the token's embedding. Gemma's norms after a product (`post_norms`) run on their own."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_linear(hidden, **_weights(attn.qkv_proj), norm_weight=self.input_layernorm.weight,
                                      eps=self.input_layernorm.eps, residual=residual, ids=ids)
         hidden, _ = fused_linear(attn.attend_qkv(positions, qkv, meta, decode_attention), **_weights(attn.o_proj))
         if self.tp is not None:       # the partial sums join between kernels, before the norm folded into gate_up
             self.tp.all_reduce(hidden)
-        hidden, residual = fused_linear(hidden, **_weights(mlp.gate_up_proj),
-                                        norm_weight=self.post_attention_layernorm.weight,
-                                        eps=self.post_attention_layernorm.eps, residual=residual,
-                                        act=mlp.act)
+        norm2 = self.post_attention_layernorm
+        if self.post_norms:
+            hidden = self.backend.rms_norm(hidden, norm2.weight, norm2.eps)
+            norm2 = self.pre_feedforward_layernorm
+        hidden, residual = fused_linear(hidden, **_weights(mlp.gate_up_proj), norm_weight=norm2.weight,
+                                        eps=norm2.eps, residual=residual, act=mlp.act)
         hidden, _ = fused_linear(hidden, **_weights(mlp.down_proj))
         if self.tp is not None:
             self.tp.all_reduce(hidden)
+        if self.post_norms:
+            norm3 = self.post_feedforward_layernorm
+            hidden = self.backend.rms_norm(hidden, norm3.weight, norm3.eps)
         return hidden, residual
 
 
@@ -184,14 +207,15 @@ class DecoderModel(nn.Module):
         # one row per position of the context the engine serves (its max_model_len; no position reaches
         # past it), which also chooses LongRoPE's factors; each layer reads its table from its own module
         # (every RoPE path, CUDA graphs and tensor-parallel ranks included), so the NoPE layers share one
-        # identity table beside the rotating layers' one
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.served_max_model_len, cfg.rope_theta, cfg.rope_scaling,
-                                 cfg.rope_dim)
+        # identity table beside the rotating layers' one, and Gemma 3's sliding layers their local one
+        n = cfg.served_max_model_len
+        rotary = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, cfg.rope_scaling, cfg.rope_dim)
         layers = range(cfg.num_hidden_layers)
-        nope = (None if all(cfg.rotates(i) for i in layers)
-                else NoRotaryEmbedding(cfg.head_dim, cfg.served_max_model_len))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary if cfg.rotates(i) else nope, tp, cfg.window(i))
-                                    for i in layers)
+        nope = None if all(cfg.rotates(i) for i in layers) else NoRotaryEmbedding(cfg.head_dim, n)
+        local = (None if not any(cfg.rotates_locally(i) for i in layers)
+                 else RotaryEmbedding(cfg.head_dim, n, cfg.local_rope_theta, None, cfg.rope_dim))
+        tables = [nope if not cfg.rotates(i) else local if cfg.rotates_locally(i) else rotary for i in layers]
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tables[i], tp, cfg.window(i)) for i in layers)
         self.tp = tp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TorchBackend()
@@ -218,8 +242,8 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head), SmolLM3 (NoPE layers, `rope_layers`),
-    Granite (scalar multipliers) and Phi-3 (`rotary_dim`, LongRoPE, fused checkpoint tensors) through config
-    flags."""
+    Granite (scalar multipliers), Phi-3 (`rotary_dim`, LongRoPE, fused checkpoint tensors) and Gemma 3 (`post_norms`,
+    norm offsets, GELU, a local RoPE table for its sliding layers) through config flags."""
 
     # checkpoint shard name -> (packed parameter name, shard index)
     packed_modules = {
@@ -263,15 +287,22 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def fold_multipliers(self) -> None:
-        """Granite's scalars folded into the loaded weights (once, by the loader, before any layer repacks
-        them), so that the one forward pass computes Granite's (transformers' modeling_granite):
+        """Granite's scalars, and Gemma's norm offsets and embedding scale, folded into the loaded weights (once,
+        by the loader, before any layer repacks them), so that the one forward pass computes Granite's
+        (transformers' modeling_granite) and Gemma 3's (modeling_gemma3):
 
+        - Gemma's RMSNorm multiplies by 1 + w for each stored weight w (`norm_unit_offset`): every norm's weight
+          (the four of a layer, q/k norm, the final norm) becomes 1 + w, rounded once in the model's dtype where
+          transformers adds in float32 (bfloat16: within 4e-3 of it, as its own rounding of the norm's output).
+          Before the scalars below, which divide the final norm's weight.
         - residual_multiplier scales o_proj's and down_proj's products, x (r W)^T = r (x W^T): their
           weights, or a quantized layer's scales (FP8 and 4-bit weights are values times scales, so the
           product scales with them); every path (reference, single-token kernels, an FP8 product whose
           scales the norm applies) reads those tensors.
         - embedding_multiplier scales the embedding table, so every lookup (the single-token kernel's
-          gather, a tensor-parallel rank's rows) reads the scaled rows.
+          gather, a tensor-parallel rank's rows) reads the scaled rows. Gemma's sqrt(hidden_size) is rounded to
+          the table's dtype first (`embedding_multiplier_in_dtype`), as transformers casts it: the scaled rows are
+          then transformers' to the bit.
         - logits_scaling divides the logits: the head is linear in its input, norm(h) * w, so dividing the
           final norm's weight w divides them. A tied head is the scaled table too: its logits come out
           times embedding_multiplier, which w divides out likewise. RMSNorm is scale-invariant in its
@@ -282,12 +313,21 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if not cfg.multiplies_weights:
             return
-        for layer in self.model.layers:
-            _scale_output(layer.self_attn.o_proj, cfg.residual_multiplier)
-            _scale_output(layer.mlp.down_proj, cfg.residual_multiplier)
-        self.model.embed_tokens.weight.mul_(cfg.embedding_multiplier)
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
-        self.model.norm.weight.mul_(1.0 / (cfg.logits_scaling * (cfg.embedding_multiplier if tied else 1.0)))
+        if cfg.norm_unit_offset:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)
+        if cfg.residual_multiplier != 1.0:
+            for layer in self.model.layers:
+                _scale_output(layer.self_attn.o_proj, cfg.residual_multiplier)
+                _scale_output(layer.mlp.down_proj, cfg.residual_multiplier)
+        table = self.model.embed_tokens.weight
+        embedding = cfg.embedding_multiplier
+        if cfg.embedding_multiplier_in_dtype:
+            embedding = torch.tensor(embedding, dtype=torch.float32).to(table.dtype).item()
+        table.mul_(embedding)
+        tied = self.lm_head.weight is table
+        self.model.norm.weight.mul_(1.0 / (cfg.logits_scaling * (embedding if tied else 1.0)))
 
     def shard_sizes(self, packed: str) -> list[int]:
         """The output features of each part of a packed projection (this rank's, with tensor parallelism)."""

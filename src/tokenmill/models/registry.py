@@ -7,6 +7,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 # relatives of a served architecture that the Llama decoder cannot run, and why
 _NOT_SERVED = {
+    "Gemma2ForCausalLM": "its attention scores and logits are soft-capped (tanh)",
     "GraniteMoeForCausalLM": "its MLP is a mixture of experts",
     "GraniteMoeSharedForCausalLM": "its MLP is a mixture of experts with a shared expert",
     "GraniteMoeHybridForCausalLM": "Granite 4's decoder: Mamba-2 layers, shared and mixture-of-experts MLPs",

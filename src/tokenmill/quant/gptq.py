@@ -262,6 +262,10 @@ def _sequential(model: nn.Module, calibration: torch.Tensor, quantize_linear: Qu
                          "and down_proj, which a checkpoint written from their grids would carry beside the "
                          "config.json that names it; round the checkpoint's own weights "
                          "(quantize.write_checkpoint) instead")
+    if cfg.post_norms:
+        raise ValueError(f"{cfg.architecture}'s layers normalise the attention's and the MLP's outputs (post_norms), "
+                         "which the calibration pass (a Llama layer's) does not run; tokenmill does not calibrate "
+                         "GPTQ grids for it")
     if cfg.rope_dim != cfg.head_dim:
         # the loader put q's and k's rows in the RoPE paths' order (`rotary.rotary_order`), which the grids of
         # q_proj and k_proj would carry into a checkpoint that a load reorders again
