@@ -1,15 +1,21 @@
-"""Gemma 3 (`Gemma3ForCausalLM`): the Llama decoder with four norms a layer (`post_norms`), RMSNorm weights stored
-as offsets from 1, GELU's tanh approximation, the embeddings times sqrt(hidden_size), q.k scaled by
-query_pre_attn_scalar ** -0.5, q/k norm, and sliding layers that rotate with their own RoPE base. A tiny random checkpoint saved by transformers (random norm weights, so that 1 + w is not 1; layers of
-both kinds with distinct bases; query_pre_attn_scalar not head_dim) is served with transformers' logprobs and greedy
-tokens; served with the scale, the local base or the activation at another value it is not. Its window spans every
-sequence served here, where windowed and full attention agree. The config's reading is checked against transformers'
-own (old config.json keys and transformers 5's rope_parameters), and its refusals on config.json dicts."""
+"""Gemma 3 (`Gemma3ForCausalLM`, and the text of `Gemma3ForConditionalGeneration`): the Llama decoder with four
+norms a layer (`post_norms`), RMSNorm weights stored as offsets from 1, GELU's tanh approximation, the embeddings
+times sqrt(hidden_size), q.k scaled by query_pre_attn_scalar ** -0.5, q/k norm, and sliding layers that rotate with
+their own RoPE base. A tiny random checkpoint saved by transformers (random norm weights, so that 1 + w is not 1;
+layers of both kinds with distinct bases; query_pre_attn_scalar not head_dim) is served with transformers' logprobs
+and greedy tokens; served with the scale, the local base or the activation at another value it is not. Its window
+spans every sequence served here, where windowed and full attention agree. A tiny multimodal checkpoint's text is
+served as transformers computes it. The config's reading is checked against transformers' own (old config.json keys,
+a sparse text_config, transformers 5's rope_parameters), and its refusals on config.json dicts."""
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -92,26 +98,69 @@ def test_each_reading_moves_the_output(gemma3, override):
     assert (other[:len(PROMPT) - 1] - ours[:len(PROMPT) - 1]).abs().max() > 0.01
 
 
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """A Gemma3ForConditionalGeneration checkpoint (its vision tower tiny), as transformers saves it."""
+    path = str(tmp_path_factory.mktemp("gemma3_multimodal"))
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    text = {**TEXT, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}      # the 4B's, on the full layers
+    _random_norms(Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=125, boi_token_index=126,
+        eoi_token_index=127))).save_pretrained(path)
+    return path
+
+
+def test_multimodal_checkpoint_serves_its_text(multimodal, tmp_path, caplog):
+    """The language model of a Gemma3ForConditionalGeneration checkpoint, served as text: transformers' logprobs
+    and greedy tokens of the whole model on text alone (linear RoPE scaling on the full layers); the vision tower's
+    and projector's tensors are skipped, said once. Its tensors under transformers 5's in-memory names
+    (model.language_model.*) load alike."""
+    with caplog.at_level("INFO", logger="tokenmill"):
+        _, tokens, ours = _served(multimodal)
+    want = transformers_logprobs(multimodal, PROMPT, tokens)
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    assert "skipping the 34 tensors under vision_tower., multi_modal_projector." in caplog.text
+    renamed = str(tmp_path / "renamed")
+    os.makedirs(renamed)
+    state = load_file(os.path.join(multimodal, "model.safetensors"))
+    save_file({("model." + k.replace("language_model.model.", "language_model.")
+                if not k.startswith("language_model.lm_head") else k): v for k, v in state.items()},
+              os.path.join(renamed, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(multimodal, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(renamed, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert torch.equal(_served(renamed)[2], ours)
+
+
 GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                  num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                  hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768, query_pre_attn_scalar=256,
                  rms_norm_eps=1e-6, rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000,
                  sliding_window=512, sliding_window_pattern=6, attn_logit_softcapping=None,
                  final_logit_softcapping=None, eos_token_id=[1, 106], bos_token_id=2, torch_dtype="bfloat16")
+GEMMA3_4B = dict(architectures=["Gemma3ForConditionalGeneration"], eos_token_id=[1, 106], torch_dtype="bfloat16",
+                 text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text",
+                                  num_hidden_layers=34, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                                  sliding_window=1024),
+                 vision_config=dict(hidden_size=1152, model_type="siglip_vision_model"))
 
 
 def _transformers_reading(hf: dict) -> Gemma3TextConfig:
-    return Gemma3TextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "torch_dtype")})
+    text = hf.get("text_config", hf)
+    return Gemma3TextConfig(**{k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")})
 
 
-@pytest.mark.parametrize("hf", [GEMMA3_1B,
+@pytest.mark.parametrize("hf", [GEMMA3_1B, GEMMA3_4B,
                                 {**GEMMA3_1B, "rope_parameters": {"full_attention": {"rope_type": "default",
                                                                                     "rope_theta": 5e5}}},
                                 {**GEMMA3_1B, "layer_types": ["full_attention"] * 13 + ["sliding_attention"] * 13}],
-                         ids=["1b", "rope_parameters", "layer_types"])
+                         ids=["1b", "4b", "rope_parameters", "layer_types"])
 def test_config_reads_gemma3_as_transformers_does(hf):
-    """gemma-3-1b-it's config.json and transformers 5's keys: each layer's kind, the RoPE of each kind, the sizes,
-    as transformers reads them."""
+    """gemma-3-1b-it's and gemma-3-4b-it's config.json (the latter's sparse text_config on transformers' defaults),
+    and transformers 5's keys: each layer's kind, the RoPE of each kind, the sizes, as transformers reads them."""
     cfg, want = ModelConfig.from_hf(hf), _transformers_reading(hf)
     assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in want.layer_types)
     assert cfg.sliding_window == want.sliding_window

@@ -1,7 +1,7 @@
 """The one place that reads a Hugging Face config.json (`ModelConfig.from_hf`), into our `ModelConfig` as
 transformers reads it: the per-architecture defaults, Phi-3's RoPE, SmolLM3's NoPE layers, Granite's
-multipliers, Gemma 3's layers, the other architectures' sliding-window layers, and `merge_hf_overrides`
-(--hf-overrides)."""
+multipliers, Gemma 3's layers (a multimodal checkpoint's text_config), the other architectures' sliding-window
+layers, and `merge_hf_overrides` (--hf-overrides)."""
 from __future__ import annotations
 
 import glob
@@ -67,14 +67,17 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
                 "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072}}
 
-# transformers' Gemma3TextConfig defaults
+# transformers' Gemma3TextConfig defaults, which a multimodal checkpoint's text_config mostly relies on
+# (gemma-3-4b-it's names its sizes, RoPE scaling and window alone)
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
                     "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096}
-_HF_DEFAULTS["Gemma3ForCausalLM"] = _GEMMA3_DEFAULTS
-GEMMA3 = ("Gemma3ForCausalLM",)
+_HF_DEFAULTS["Gemma3ForCausalLM"] = _HF_DEFAULTS["Gemma3ForConditionalGeneration"] = _GEMMA3_DEFAULTS
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# multimodal architectures served as text alone: their config.json's text_config is the model's (`_text_config`)
+_TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 # the architectures whose sliding_window (when set) spans every layer
 _EVERY_LAYER_WINDOW = ("Phi3ForCausalLM", "MistralForCausalLM")
@@ -89,11 +92,22 @@ def _checked_window(window: Any) -> int | None:
     return window
 
 
+def _text_config(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A multimodal config.json's language model as a text model's config: its text_config over the top level
+    (which holds the architecture, dtype, EOS ids, quantization_config), the vision_config left out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{arch}'s config.json has text_config {text!r}; its language model's config must be an "
+                         "object there")
+    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **text,
+            "architectures": hf["architectures"]}
+
+
 def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """Gemma 3's RoPE as transformers' Gemma3TextConfig reads it: (the full-attention layers' dict, rope_theta
     in it; the sliding layers' base). transformers 5 writes rope_parameters per layer type; older config.json
-    files (the hub's) rope_scaling over the full-attention layers alone, rope_theta (1e6) and rope_local_base_freq
-    (1e4), which fill what rope_parameters leaves out."""
+    files (the hub's) rope_scaling over the full-attention layers alone (gemma-3-4b's linear factor 8), rope_theta
+    (1e6) and rope_local_base_freq (1e4), which fill what rope_parameters leaves out."""
     params = hf.get("rope_parameters") or {}
     full = dict(params.get("full_attention") or {"rope_type": "default"})
     local = dict(params.get("sliding_attention") or {"rope_type": "default"})
@@ -221,6 +235,8 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     if not archs:
         raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
     arch = archs[0]
+    if arch in _TEXT_CONFIG_ARCHITECTURES:
+        hf = _text_config(hf, arch)
     hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
     missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
     if missing:

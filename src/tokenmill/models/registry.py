@@ -8,6 +8,8 @@ from tokenmill.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    # its language model alone (text in, text out): the vision tower's tensors are skipped at load
+    "Gemma3ForConditionalGeneration": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -23,6 +25,17 @@ _NOT_SERVED = {
     "GraniteMoeForCausalLM": "its MLP is a mixture of experts",
     "GraniteMoeSharedForCausalLM": "its MLP is a mixture of experts with a shared expert",
     "GraniteMoeHybridForCausalLM": "Granite 4's decoder: Mamba-2 layers, shared and mixture-of-experts MLPs",
+}
+
+
+# multimodal checkpoints served as text alone (`MODEL_REGISTRY`): the prefixes of their language model's tensors
+# and what each stands for here (older files' and transformers 5's names alike), and the prefixes of the parts
+# not served (vision tower, projector), whose tensors the load skips
+TEXT_OF_MULTIMODAL: dict[str, tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {
+    "Gemma3ForConditionalGeneration": (
+        (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head.")),
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 
 import torch
@@ -12,12 +13,15 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.models.registry import get_model_class
+from tokenmill.models.registry import TEXT_OF_MULTIMODAL, get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, Fp8Config
 from tokenmill.quant.w4 import act_order_perm
 from tokenmill.runner.fill import checkpoint_layout, fill_parameters, num_shards, packed_target, submodule
 from tokenmill.runner.gguf_loader import load_gguf_weights
+
+logger = logging.getLogger("tokenmill")
+
 
 def weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -76,27 +80,21 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     orders: dict[str, list[tuple[str, torch.Tensor | None]]] = {}      # layer -> (key, perm) of its shards
 
     files = weight_files(model_dir)
-    names = {}
-    if model.config.tie_word_embeddings:
-        keys = set()
-        for path in files:
-            with _open(path, "cpu") as f:
-                keys.update(f.keys())
-        if "lm_head.weight" in keys and "model.embed_tokens.weight" not in keys:
-            # tied, the shared matrix stored under the head's name alone (transformers ties it either way)
-            names["lm_head.weight"] = "model.embed_tokens.weight"
+    names = _checkpoint_names(model.config, files, model_dir)     # stored key -> ours (None: skipped)
 
     def tensors():
         for path in files:
             with _open(path, str(device)) as f:
                 for stored in f.keys():
                     key = names.get(stored, stored)
+                    if key is None:
+                        continue
                     if quant is not None and quant.method == "gptq" and key.endswith(".g_idx"):
                         layer = packed_target(model, key)[0].removesuffix(".g_idx")
                         module = submodule(model, layer)
                         if module is not None:          # else a key the model lacks, which fill reports
                             orders.setdefault(layer, []).append(
-                                (key, act_order_perm(f.get_tensor(key), module.in_features, quant.group_size, key)))
+                                (key, act_order_perm(f.get_tensor(stored), module.in_features, quant.group_size, key)))
                             continue
                     yield key, lambda index=None, f=f, key=stored: (f.get_tensor(key) if index is None
                                                                     else f.get_slice(key)[index])
@@ -115,6 +113,37 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                                  "differently; its shards read one input and need one act-order")
         if perm is not None:
             model.get_submodule(layer).set_act_order(perm)
+
+
+def _checkpoint_names(cfg: ModelConfig, files: list[str], model_dir: str) -> dict[str, str | None]:
+    """The stored keys whose name in the model differs (None: skipped); a key not in it is the model's as
+    stored. A multimodal checkpoint served as text (`registry.TEXT_OF_MULTIMODAL`) has its language model's
+    tensors renamed and the rest (vision tower, projector) skipped, said once in the log; a tied checkpoint
+    may store the shared matrix under the head's name alone (transformers ties it either way)."""
+    text = TEXT_OF_MULTIMODAL.get(cfg.architecture)
+    if text is None and not cfg.tie_word_embeddings:
+        return {}
+    stored = []
+    for path in files:
+        with _open(path, "cpu") as f:
+            stored.extend(f.keys())
+    names: dict[str, str | None] = {}
+    if text is not None:
+        renamed, skipped = text
+        for key in stored:
+            if key.startswith(skipped):
+                names[key] = None
+            else:
+                names.update({key: ours + key[len(prefix):] for prefix, ours in renamed if key.startswith(prefix)})
+        left_out = [key for key, ours in names.items() if ours is None]
+        if left_out:
+            logger.info("%s: serving its language model alone (text in, text out); skipping the %d tensors under "
+                        "%s", model_dir, len(left_out),
+                        ", ".join(p for p in skipped if any(key.startswith(p) for key in left_out)))
+    ours = {names.get(key, key): key for key in stored}
+    if cfg.tie_word_embeddings and "lm_head.weight" in ours and "model.embed_tokens.weight" not in ours:
+        names[ours["lm_head.weight"]] = "model.embed_tokens.weight"
+    return names
 
 
 def load_model(model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
