@@ -3,8 +3,8 @@ norms a layer (`post_norms`), RMSNorm weights stored as offsets from 1, GELU's t
 times sqrt(hidden_size), q.k scaled by query_pre_attn_scalar ** -0.5, q/k norm, and sliding layers that rotate with
 their own RoPE base. A tiny random checkpoint saved by transformers (random norm weights, so that 1 + w is not 1;
 layers of both kinds with distinct bases; query_pre_attn_scalar not head_dim) is served with transformers' logprobs
-and greedy tokens; served with the scale, the local base or the activation at another value it is not. Its window
-spans every sequence served here, where windowed and full attention agree. A tiny multimodal checkpoint's text is
+and greedy tokens; served with the scale, the local base or the activation at another value it is not. Its sliding
+layers' window (16) is far shorter than the sequences served. A tiny multimodal checkpoint's text is
 served as transformers computes it. The config's reading is checked against transformers' own (old config.json keys,
 a sparse text_config, transformers 5's rope_parameters), and its refusals on config.json dicts."""
 from __future__ import annotations
@@ -26,11 +26,11 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full
 # hidden_size 72: the embeddings' scale sqrt(72) = 8.485 is 8.5 in bfloat16
 TEXT = dict(vocab_size=128, hidden_size=72, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, query_pre_attn_scalar=24,
-            sliding_window=128, layer_types=LAYER_TYPES, rope_theta=1e4, rope_local_base_freq=100.0,
+            sliding_window=16, layer_types=LAYER_TYPES, rope_theta=1e4, rope_local_base_freq=100.0,
             bos_token_id=None, eos_token_id=2, pad_token_id=0)
 PROMPT = [(37 * i + 11) % 128 for i in range(100)]
-# the prompt's logprobs over a prefill chunked by 32 tokens, then 20 greedy tokens with theirs: 120 tokens, within
-# the window of 128
+# the prompt's logprobs over a prefill chunked by 32 tokens, then 20 greedy tokens with theirs: 120 tokens, past the
+# sliding layers' window of 16
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -73,7 +73,7 @@ def test_gemma3_equals_transformers(gemma3):
     assert (tables[0].theta, tables[1].theta) == (100.0, 1e4) and tables[2] is tables[0] and tables[3] is tables[1]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert {layer.self_attn.attn.scale for layer in model.model.layers} == {24 ** -0.5}
-    assert model.config.sliding_layers == (True, False, True, False) and model.config.sliding_window == 128
+    assert model.config.sliding_layers == (True, False, True, False) and model.config.sliding_window == 16
     assert llm.engine.eos_token_ids == {2, 1, 106}       # config.json's and generation_config.json's
 
 
