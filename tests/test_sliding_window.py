@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 
-from served_sequence import sequence_logprobs, transformers_logprobs
+from served_sequence import assert_gpu_equals_cpu_engine, sequence_logprobs, transformers_logprobs
 
 PROMPTS = [[(37 * i + 11) % 128 for i in range(30)], [(29 * i + 5) % 128 for i in range(23)]]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0)
@@ -110,3 +110,16 @@ def test_model_config_checks_its_sliding_layers():
     with pytest.raises(ValueError, match=r"sliding_layers name the layers that attend over sliding_window, which is "
                                          r"None"):
         cfg.__class__(**{**cfg.__dict__, "sliding_layers": (True,) * 4})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_sliding_layers_on_the_gpu_equal_the_cpu_engine(qwen2, max_num_seqs):
+    """The Triton prefill, decode-rows and one-kernel decode kernels with a window, under CUDA graphs, at one and
+    at eight sequences of 200 prompt tokens (the window's first position past the kernels' first tiles): the CPU
+    engine's greedy tokens, logprobs within float32 kernel rounding."""
+    prompt = [(13 * i + 7) % 128 for i in range(200)]
+    llm = LLM(qwen2, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    tokens, logprobs = sequence_logprobs(llm.generate([prompt], PARAMS)[0], prompt)
+    assert_gpu_equals_cpu_engine(qwen2, prompt, PARAMS, tokens, logprobs, max_num_seqs, max_num_batched_tokens=64)
