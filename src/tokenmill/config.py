@@ -76,6 +76,10 @@ class ModelConfig:
     # the RoPE base of the sliding layers, which rotate unscaled (Gemma 3's rope_local_base_freq); None: every
     # layer rotates with rope_theta and rope_scaling
     local_rope_theta: float | None = None
+    # Gemma 2's soft cap of every layer's attention scores: q.k x attention_scale = s becomes
+    # attn_logit_softcapping x tanh(s / attn_logit_softcapping) before the softmax, in every attention path
+    # (`PagedAttention.softcap`); None: none
+    attn_logit_softcapping: float | None = None
     # the longest context served: the engine's max_model_len, set once resolved (`serving`); None:
     # derived_max_model_len. LongRoPE's factors are chosen by it (`rotary.longrope_uses_long_factors`)
     max_model_len: int | None = None
@@ -98,9 +102,11 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
-        if self.local_rope_theta is not None and not positive(self.local_rope_theta):
-            raise ValueError(f"the model config's local_rope_theta is {self.local_rope_theta!r}; it must be a positive "
-                             "finite number")
+        for name in ("local_rope_theta", "attn_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not positive(value):
+                raise ValueError(f"the model config's {name} is {value!r}; it must be a positive finite number (or "
+                                 "None: none)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"the model config's hidden_act is {self.hidden_act!r}; supported: "
                              f"{', '.join(ACTIVATIONS)}")

@@ -27,14 +27,14 @@ def compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options):
 '''
 
 # The attention kernels as qwen3-4b's heads launch them (32 q over 8 kv heads of 128, 16-slot pages, 64-position
-# tiles, no sliding window): `attention_kernels[name]` is (kernel, its constexprs but FP8 and WIDEN_ASM),
-# `attention_types(cache)` the argument types with the cache's element type, `attention_aligned` the strides a
-# launch specialises; `compile_attention`'s `const` overrides constexprs.
+# tiles, no sliding window, no soft cap): `attention_kernels[name]` is (kernel, its constexprs but FP8 and
+# WIDEN_ASM), `attention_types(cache)` the argument types with the cache's element type, `attention_aligned` the
+# strides a launch specialises; `compile_attention`'s `const` overrides constexprs.
 ATTENTION = COMPILE + r'''
 from tokenmill.layers.kernels import decode_attention, paged_attention
 _heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
               PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", OUT_FP8=False, OUT_SCALES=1,
-              BLOCK_S=1, WINDOW=0)
+              BLOCK_S=1, WINDOW=0, SOFTCAP=0.0)
 attention_kernels = {
     "decode": (decode_attention._fused_decode_kernel,
                dict(_heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,

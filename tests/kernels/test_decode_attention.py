@@ -20,18 +20,19 @@ def _decode_positions(table, ctx, block_size):
 
 
 def _fused_decode_reference(qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, slots, table,
-                            ctx, num_heads, num_kv_heads, head_dim, window=None):
+                            ctx, num_heads, num_kv_heads, head_dim, window=None, softcap=None):
     """The unfused decode attention on copies of the cache: prologue (norm, RoPE, store), then attention
-    over the cache (within `window`). Returns (out, k_cache, v_cache)."""
+    over the cache (within `window`, the scores soft-capped by `softcap`). Returns (out, k_cache, v_cache)."""
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     q = _prologue_reference(qkv, positions, cos_sin, q_weight, k_weight, 1e-6, ref_k, ref_v, slots,
                             num_heads, num_kv_heads, head_dim)
     qsl = torch.arange(qkv.shape[0] + 1, dtype=torch.int32, device=DEVICE)
-    return paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5, window=window), ref_k, ref_v
+    return (paged_attention_torch(q, ref_k, ref_v, table, ctx, qsl, head_dim ** -0.5, window=window, softcap=softcap),
+            ref_k, ref_v)
 
 
 def _check_fused_decode(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm,
-                        num_splits, config, tol, window=None):
+                        num_splits, config, tol, window=None, softcap=None):
     """The one-kernel decode attention against the unfused reference. Context length 0 is a padded
     slot (slot -1, zero output)."""
     batch = len(seq_lens)
@@ -45,12 +46,12 @@ def _check_fused_decode(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_
     k_weight = _randn(head_dim, dtype=dtype, gen=gen) if qk_norm else None
     ref, ref_k, ref_v = _fused_decode_reference(qkv, positions, rope.cos_sin, q_weight, k_weight, k_cache,
                                                 v_cache, slots, table, ctx, num_heads, num_kv_heads, head_dim,
-                                                window)
+                                                window, softcap)
     for _ in range(2):  # the second launch finds the split counters reset by the first
         out = da.fused_decode_attention(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache,
                                         v_cache, slots, table, ctx, head_dim ** -0.5, num_heads,
                                         num_kv_heads, head_dim, num_splits=num_splits,
-                                        config=config or da.SHIPPED, window=window)
+                                        config=config or da.SHIPPED, window=window, softcap=softcap)
         assert out.shape == (batch, num_heads, head_dim)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(k_cache, ref_k, rtol=tol, atol=tol)
@@ -82,6 +83,14 @@ def test_fused_decode_attention_within_a_sliding_window(window, num_splits):
     positions behind a window of 20: 6 in the first tile, two splits), and a padded slot."""
     _check_fused_decode(_gen(32), [1, 0, 16, 37, 150], 4, 1, 16, 4, torch.float32, True, num_splits,
                         DecodeAttentionConfig(16, min_split_len=16), _tol(torch.float32), window)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_fused_decode_attention_with_a_soft_cap(window):
+    """Every score soft-capped before the softmax (a cap of 0.5 on q.k / 4 of unit-normal heads of 16, which it
+    bites), the new token's (taken from registers) as the cached ones', over splits and within a sliding window."""
+    _check_fused_decode(_gen(34), [1, 0, 16, 37, 150], 4, 1, 16, 4, torch.float32, True, 4,
+                        DecodeAttentionConfig(16, min_split_len=16), _tol(torch.float32), window, softcap=0.5)
 
 
 def test_fused_decode_attention_stages_follow_the_split_count(monkeypatch):
@@ -226,13 +235,15 @@ def test_the_backend_launches_each_caches_decode_configuration(monkeypatch):
 
 
 def test_the_backend_hands_each_kernel_the_layers_window(monkeypatch):
-    """The Triton backend passes the layer's sliding window (None: none) to the one-kernel decode and to the
-    prefill and decode-rows kernels, which take it as a constexpr (0: none)."""
+    """The Triton backend passes the layer's sliding window and soft cap (None: none) to the one-kernel decode and
+    to the prefill and decode-rows kernels, which take them as constexprs (0: none)."""
     from tokenmill.layers.backend import TritonBackend
     from tokenmill.layers.kernels import paged_attention
     seen = []
-    monkeypatch.setattr(da, "fused_decode_attention", lambda *a, window=None, **k: seen.append(window))
-    monkeypatch.setattr(paged_attention, "paged_attention", lambda *a, window=None, **k: seen.append(window))
+    monkeypatch.setattr(da, "fused_decode_attention", lambda *a, window=None, softcap=None, **k: seen.append(
+        (window, softcap)))
+    monkeypatch.setattr(paged_attention, "paged_attention", lambda *a, window=None, softcap=None, **k: seen.append(
+        (window, softcap)))
     backend = TritonBackend()
 
     class PureDecode:
@@ -240,7 +251,7 @@ def test_the_backend_hands_each_kernel_the_layers_window(monkeypatch):
             return True
     attend = backend.decode_attention(torch.zeros(2, dtype=torch.long), PureDecode())
     attend(None, window=None)
-    attend(None, window=6)
+    attend(None, window=6, softcap=50.0)
     backend.attend(None, None, None, None, 1.0)
-    backend.attend(None, None, None, None, 1.0, window=6)
-    assert seen == [None, 6] * 2
+    backend.attend(None, None, None, None, 1.0, window=6, softcap=50.0)
+    assert seen == [(None, None), (6, 50.0)] * 2

@@ -220,8 +220,9 @@ def test_engine_fp8_cache_through_the_kernels(qwen3_dir):
         def qk_norm_rope_store(self, *args, **kwargs):
             return ops.qk_norm_rope_store(*args, **kwargs)
 
-        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None):
-            return pa.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale=kv_scale, window=window)
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None, softcap=None):
+            return pa.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale=kv_scale, window=window,
+                                      softcap=softcap)
 
         def decode_attention(self, input_ids, meta):
             if not meta.is_pure_decode(input_ids.shape[0]):

@@ -116,13 +116,14 @@ def test_engine_eager_prefill_attention_through_a_tile_map(qwen3_dir):
     steps = []
 
     class TiledPrefill(TorchBackend):
-        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None):
+        def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None, softcap=None):
             if meta.is_pure_decode(q.shape[0]):
-                return super().attend(q, k_cache, v_cache, meta, scale, kv_scale, window=window)
+                return super().attend(q, k_cache, v_cache, meta, scale, kv_scale, window=window, softcap=softcap)
             steps.append((meta.prefill_tiles, meta.query_start_loc.diff().tolist()))
             return pa.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                               meta.query_start_loc, meta.max_query_len, scale,
-                                              tiles=meta.prefill_tiles, kv_scale=kv_scale, window=window)
+                                              tiles=meta.prefill_tiles, kv_scale=kv_scale, window=window,
+                                              softcap=softcap)
     assert _generate(qwen3_dir, config, prompts, params, TiledPrefill()) == expected
     assert all(tiles is not None for tiles, _ in steps)
     # a chunk of two query blocks beside other sequences took place, one tile per block

@@ -56,9 +56,10 @@ def test_decode_rows_split_over_the_context(num_splits, dtype):
     assert all(int(c.abs().sum()) == 0 for bufs in counters._kept.values() for c in bufs)
 
 
-def _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale, window):
+def _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale, window, softcap=None):
     """Each query against its sequence's whole context, one position at a time: a query at position p
-    weighs the keys at p - window < j <= p alone (transformers' sliding-window mask)."""
+    weighs the keys at p - window < j <= p alone (transformers' sliding-window mask; window None: all up to
+    p), its scores s soft-capped to softcap x tanh(s / softcap) when a cap is given (Gemma 2's)."""
     out, row = torch.zeros_like(q, dtype=torch.float32), 0
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     for b, (ctx, q_len) in enumerate(zip(seq_lens, q_lens)):
@@ -67,8 +68,11 @@ def _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale,
         v = v_cache[pages].flatten(0, 1)[:ctx].float().repeat_interleave(q.shape[1] // num_kv_heads, 1)
         for i in range(q_len):
             p = ctx - q_len + i
-            lo = max(0, p - window + 1)
-            weights = torch.einsum("hd,jhd->hj", q[row + i].float(), k[lo:p + 1]).mul(scale).softmax(-1)
+            lo = 0 if window is None else max(0, p - window + 1)
+            scores = torch.einsum("hd,jhd->hj", q[row + i].float(), k[lo:p + 1]).mul(scale)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = scores.softmax(-1)
             out[row + i] = torch.einsum("hj,jhd->hd", weights, v[lo:p + 1])
         row += q_len
     return out.to(q.dtype)
@@ -99,6 +103,33 @@ def test_prefill_and_decode_rows_within_a_sliding_window(window, dtype):
                                      num_splits=3, window=window)
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     assert not torch.allclose(paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3), ref, atol=0.1)
+
+
+@pytest.mark.parametrize("window,softcap,dtype", [(None, 1.0, torch.float32), (40, 2.0, HALF)])
+def test_prefill_and_decode_rows_with_a_soft_cap(window, softcap, dtype):
+    """Scores soft-capped before the softmax (Gemma 2's attn_logit_softcapping, on the natural scale although the
+    kernels' scores are in the log2 domain): prefill chunks over cached prefixes and decode rows split over their
+    context, with and without a sliding window beside the cap. The kernels equal the reference, which equals a
+    dense computation; a cap of 1 or 2 on scores of q.k x 0.3 (about 1.2 apart) moves the output."""
+    gen = _gen(17)
+    num_kv_heads, head_dim, group = 1, 16, 2
+    q_lens = [5, 1, 23, 4, 1, 0]
+    seq_lens = [5, 40, 30, 70, 150, 0]
+    k_cache, v_cache, table = _paged_cache(seq_lens, 4, num_kv_heads, head_dim, dtype, gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    dense = _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, 0.3, window, softcap)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(ref, dense, rtol=_tol(dtype), atol=_tol(dtype))
+    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
+                                     config=PrefillAttentionConfig(16, 16, 4, 1),
+                                     decode_config=DecodeAttentionConfig(block_n=16, num_warps=4, num_stages=1,
+                                                                         min_split_len=16),
+                                     num_splits=3, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
+    uncapped = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3, window=window)
+    assert not torch.allclose(uncapped, ref, atol=0.1)
 
 
 def test_decode_rows_splits_from_shapes(monkeypatch):
@@ -198,6 +229,10 @@ def test_attention_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match=r"window is 0; it must be an integer >= 1"):
         pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table, ctx, qsl, 1, 1.0,
                                    window=0)
+    for softcap in (0.0, -50.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"softcap is {softcap}; it must be a positive finite number"):
+            pa.paged_prefill_attention(torch.zeros(1, 4, 16, device=DEVICE), cache, cache, table, ctx, qsl, 1, 1.0,
+                                       softcap=softcap)
 
 @pytest.mark.gpu
 @gpu

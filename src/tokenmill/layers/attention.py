@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config_values import positive
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)      # 448
@@ -52,19 +53,23 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float,
-                          kv_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                          kv_scale: torch.Tensor | None = None, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Reference for every attention kernel. q: [T, Hq, D] -> [T, Hq, D], softmax in float32; an FP8
     cache is dequantized (times `kv_scale`) to float32. Decodes and prefill chunks go through torch's
     scaled_dot_product_attention and an index_select of their blocks, the CPU path's fastest (docs:
     "CPU attention over a batch"). `window` (the layer's sliding window, `ModelConfig.window`; None:
     none): a query at position p sees the cached positions j with p - window < j <= p alone
     (transformers' sliding-window mask), and the blocks wholly below every query's window are not read.
+    `softcap` (`ModelConfig.attn_logit_softcapping`; None: none): each score s = q.k x scale becomes
+    softcap x tanh(s / softcap) before the softmax (Gemma 2's), written out (`_attend`).
 
     Sequences with one query token (decodes) are attended together, padded to the longest context;
     a sequence with several (a prefill chunk) is attended on its own, so no step holds scores larger
     than one chunk's [Hq, q_len, context]."""
     check_kv_scale(k_cache, kv_scale)
     check_window(window)
+    check_softcap(softcap)
     scales = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -73,12 +78,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if decodes:
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decodes], seq_lens[decodes],
-                                      [lens[b] for b in decodes], scale, scales, window)
+                                      [lens[b] for b in decodes], scale, scales, window, softcap)
     for b, ctx in enumerate(lens):
         qs, qe = starts[b], starts[b + 1]
         if qe - qs > 1:
             out[qs:qe] = _prefill_attention(q[qs:qe], k_cache, v_cache, block_tables[b], ctx, scale, scales,
-                                               window)
+                                            window, softcap)
     return out
 
 
@@ -96,8 +101,20 @@ def _first_block(first_position: int, block_size: int) -> int:
     return max(first_position, 0) // block_size
 
 
+def _attend(q, k, v, mask, scale: float, softcap: float | None):
+    """softmax(q.k x scale, masked) v over [..., Lq, D] x [..., L, D] (mask [Lq, L] or broadcast to the scores;
+    None: causal from the top left): torch's fused attention, or with a `softcap` the same written out, since it
+    cannot cap the scores. Scaled, divided by the cap, tanh, times the cap, then masked: transformers' order."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
 def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens: list[int], scale: float, scales,
-                      window: int | None):
+                      window: int | None, softcap: float | None):
     """q [B, Hq, D], one query per sequence at its last position, contexts `lens` (seq_lens on the host);
     the positions from the lowest window's block on are gathered, padded to the longest context."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -111,13 +128,13 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens: list[in
     keep = pos < seq_lens[:, None]
     if window is not None:
         keep &= pos >= seq_lens[:, None] - window
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=keep[:, None, None, :], scale=scale)
+    out = _attend(qg, k.transpose(1, 2), v.transpose(1, 2), keep[:, None, None, :], scale, softcap)
     # a padded slot (seq_len 0) attends to nothing: its NaN row becomes zeros
     return out.nan_to_num(0.0).flatten(1, 2).to(q.dtype)
 
 
-def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float, scales, window: int | None):
+def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float, scales, window: int | None,
+                       softcap: float | None):
     """q [Lq, Hq, D], the last Lq positions of a context of `ctx`, causal (and within `window`)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lq = q.shape[0]
@@ -136,7 +153,7 @@ def _prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float,
         mask = keys <= queries
         if window is not None:
             mask &= keys > queries - window
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    out = _attend(qg, k, v, mask, scale, softcap)
     return out.permute(2, 0, 1, 3).flatten(1, 2).to(q.dtype)
 
 
@@ -147,20 +164,32 @@ def check_window(window: int | None) -> None:
                          "included), or None for none")
 
 
-class PagedAttention(nn.Module):
-    """One layer's view of the paged KV cache, its softmax scale and its sliding window; the model's backend
-    stores this step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
-    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache. `scale` (q.k times it before
-    the softmax; `ModelConfig.attention_scale`) and `window` (`ModelConfig.window`: the positions a query
-    sees, its own included; None: the whole context) are the ones every attention path reads: the
-    reference, the Triton prefill and decode kernels. The cache keeps every position (blocks below the
-    window are not freed)."""
+def check_softcap(softcap: float | None) -> None:
+    """A layer's attention soft cap is a positive finite number (scores s become softcap x tanh(s / softcap)),
+    or None for none."""
+    if softcap is not None and not positive(softcap):
+        raise ValueError(f"softcap is {softcap!r}; it must be a positive finite number (scores s become "
+                         "softcap * tanh(s / softcap)), or None for none")
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None):
+
+class PagedAttention(nn.Module):
+    """One layer's view of the paged KV cache, its softmax scale, sliding window and soft cap; the model's
+    backend stores this step's K/V into it and attends over it. `k_cache` / `v_cache` are bound by
+    `LlamaForCausalLM.bind_kv_cache` once the runner has allocated the cache. `scale` (q.k times it before
+    the softmax; `ModelConfig.attention_scale`), `window` (`ModelConfig.window`: the positions a query
+    sees, its own included; None: the whole context) and `softcap` (`ModelConfig.attn_logit_softcapping`:
+    the scaled scores s become softcap x tanh(s / softcap); None: none) are the ones every attention path
+    reads: the reference, the Triton prefill and decode kernels. The cache keeps every position (blocks
+    below the window are not freed)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None,
+                 softcap: float | None = None):
         super().__init__()
         check_window(window)
+        check_softcap(softcap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window = window
+        self.softcap = softcap
         self.k_cache = self.v_cache = torch.empty(0)
         self.kv_scale: torch.Tensor | None = None     # float32 [2] (K, V) with an FP8 cache

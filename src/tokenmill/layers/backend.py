@@ -62,13 +62,14 @@ class TorchBackend:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, kv_scale: torch.Tensor | None = None, into=None,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hq, D] over the paged cache, which already holds this step's K/V, within the layer's sliding
-        `window` (`PagedAttention.window`; None: the whole context). `into`: the layer that takes the output
+        `window` (`PagedAttention.window`; None: the whole context), its scores soft-capped by `softcap`
+        (`PagedAttention.softcap`; None: none). `into`: the layer that takes the output
         next (o_proj), for a backend that writes it in the form that layer reads (the Triton backend: an FP8
         layer's input rows in E4M3 at V's scale, beside an FP8 cache)."""
         return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, kv_scale, window)
+                                     scale, kv_scale, window, softcap)
 
     def single_token_linear(self, input_ids: torch.Tensor):
         """A `gemv.fused_linear`-like product when a step of these input ids runs its layers as
@@ -79,7 +80,7 @@ class TorchBackend:
 
     def decode_attention(self, input_ids: torch.Tensor, meta: AttentionMetadata):
         """A `decode_attention.fused_decode_attention`-like function when a step's attention runs as one
-        kernel from the packed qkv, else None; it takes `into` and `window` as `attend` does."""
+        kernel from the packed qkv, else None; it takes `into`, `window` and `softcap` as `attend` does."""
         return None
 
     def w4_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
@@ -145,12 +146,13 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import fused_ops
         return fused_ops.qk_norm_rope_store(*args, **kwargs)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None):
+    def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None, softcap=None):
         from tokenmill.layers.kernels import paged_attention
         return paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, self.kernels.prefill_attention,
                                                kv_scale=kv_scale,
                                                decode_config=self.kernels.decode_attention_for(kv_scale is not None),
-                                               out_group=self._out_group(kv_scale, into), window=window)
+                                               out_group=self._out_group(kv_scale, into), window=window,
+                                               softcap=softcap)
 
     @staticmethod
     def _out_group(kv_scale, into) -> int | None:
@@ -170,10 +172,10 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import decode_attention
         kernels, out_group = self.kernels, self._out_group
 
-        def attend(*args, kv_scale=None, into=None, window=None, **kwargs):
+        def attend(*args, kv_scale=None, into=None, window=None, softcap=None, **kwargs):
             return decode_attention.fused_decode_attention(
                 *args, kv_scale=kv_scale, config=kernels.decode_attention_for(kv_scale is not None),
-                out_group=out_group(kv_scale, into), window=window, **kwargs)
+                out_group=out_group(kv_scale, into), window=window, softcap=softcap, **kwargs)
         return attend
 
     def w4_linear(self, x, layer):

@@ -66,7 +66,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale, window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale, window,
+                                   cfg.attn_logit_softcapping)
         self.backend = TorchBackend()
         self.tp = tp
         self.post_norm = cfg.post_norms
@@ -93,7 +94,8 @@ class Attention(nn.Module):
             out = decode_attention(qkv, positions, self.rotary.cos_sin, *qk_norm, self.attn.k_cache,
                                    self.attn.v_cache, meta.slot_mapping, meta.block_tables,
                                    meta.seq_lens, self.attn.scale, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, kv_scale=self.attn.kv_scale, into=into, window=self.attn.window)
+                                   self.head_dim, kv_scale=self.attn.kv_scale, into=into, window=self.attn.window,
+                                   softcap=self.attn.softcap)
         else:
             # q/k norm, RoPE and the KV-cache store (one kernel on CUDA); attention then reads K/V from the
             # cache
@@ -101,7 +103,8 @@ class Attention(nn.Module):
                                                 self.attn.v_cache, meta.slot_mapping, self.num_heads,
                                                 self.num_kv_heads, self.head_dim, kv_scale=self.attn.kv_scale)
             out = self.backend.attend(q, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale,
-                                      kv_scale=self.attn.kv_scale, into=into, window=self.attn.window)
+                                      kv_scale=self.attn.kv_scale, into=into, window=self.attn.window,
+                                      softcap=self.attn.softcap)
         return out if isinstance(out, Fp8Rows) else out.reshape(T, self.q_size)
 
 

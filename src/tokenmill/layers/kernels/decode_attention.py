@@ -39,9 +39,9 @@ from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
-from tokenmill.layers.attention import check_window
+from tokenmill.layers.attention import check_softcap, check_window
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _out_unit, _pages, _sms, out_rows, store_out,
+                                                      _out_unit, _pages, _sms, out_rows, softcap_scores, store_out,
                                                       store_row_scales, window_start, window_tiles)
 from tokenmill.quant.fp8 import Fp8Rows
 
@@ -110,13 +110,14 @@ def _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, first, end, kvh, c_stride_bl
 
 @triton.jit
 def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, scale_log2,
-                 DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr, SOFTCAP: tl.constexpr):
     # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
-    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), unscaled
+    # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), unscaled; the scores
+    # soft-capped (`paged_attention.softcap_scores`)
     k_lo, k_hi = k_lo.to(q1.dtype), k_hi.to(q1.dtype)
     v_lo, v_hi = fp8_v_tile(v_lo, q1.dtype, FP8, WIDEN_ASM), fp8_v_tile(v_hi, q1.dtype, FP8, WIDEN_ASM)
     s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
-    s = (s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2
+    s = softcap_scores((s + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION)) * scale_log2, SOFTCAP)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -140,11 +141,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                          BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                          ASK_L2: tl.constexpr, WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr,
-                         OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
+                         OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     # With a sliding WINDOW (0: none) the new token sees the positions from ctx - WINDOW on alone, and the
-    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.window_start`).
+    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.window_start`). SOFTCAP (0:
+    # none): every score's soft cap, the new token's included (`paged_attention.softcap_scores`).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -224,7 +227,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             attend_first = start < cached_end
         if attend_first:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
+                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM, SOFTCAP)
         # each tile's pages are loaded a tile ahead of its K and V (see `_pages`)
         pages = _pages(table, start + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
@@ -233,12 +236,12 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                                                        PAGE_SIZE, BLOCK_N, WINDOW)
             pages = _pages(table, n0 + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
-                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM)
+                                                acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM, SOFTCAP)
         if (new >= start) & (new < end):
             k1f = tl.sum(k1.to(tl.float32), 0)  # row 1 is zero
             k2f = tl.sum(k2.to(tl.float32), 0)
             s_new = tl.sum(q1.to(tl.float32) * k1f[None, :], 1) + tl.sum(q2.to(tl.float32) * k2f[None, :], 1)
-            s_new = s_new * scale_log2
+            s_new = softcap_scores(s_new * scale_log2, SOFTCAP)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
@@ -285,7 +288,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            num_splits: int | None = None,
                            config: DecodeAttentionConfig | None = None,
                            kv_scale: torch.Tensor | None = None,
-                           out_group: int | None = None, window: int | None = None) -> torch.Tensor | Fp8Rows:
+                           out_group: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor | Fp8Rows:
     """One new token per sequence: qkv row b is sequence b's packed projection [(Hq + 2 Hkv) * D], its
     token sits at position seq_lens[b] - 1 (cos/sin taken at positions[b]) and goes to the cache at
     slot_mapping[b]. Equals `qk_norm_rope_store` (same arguments) followed by attention over the cache
@@ -295,12 +299,14 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     scale (`paged_attention.out_rows`). `config`: the launch, by default the shipped one for the cache's
     dtype. `window`: the layer's sliding window (None: none; a constexpr, so a model without one runs the
     kernel compiled without it): the new token attends over the window's positions alone, and only the
-    window's tiles are read and split."""
+    window's tiles are read and split. `softcap`: the layer's soft cap of the scores (None: none; a constexpr
+    likewise, 0.0 for none), as `attention.paged_attention_torch` applies it."""
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
     _check_tables(block_tables, seq_lens)
     check_window(window)
+    check_softcap(softcap)
     devices = {t.device for t in (qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables,
                                   seq_lens)}
     if len(devices) != 1:
@@ -350,7 +356,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
         FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, **out_launch,
-        WINDOW=window or 0, num_warps=cfg.num_warps,
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=cfg.num_warps,
         launch_pdl=pdl_on,
         num_stages=cfg.many_splits_stages if num_splits >= cfg.many_splits else cfg.num_stages,
         maxnreg=cfg.maxnreg)

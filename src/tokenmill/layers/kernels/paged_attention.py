@@ -7,7 +7,8 @@ attention_metadata.py.
 
 Every kernel reaches the cache token by token through the block table (page = block_table[n // block_size]),
 so any block size works, including 1, and a tile of BLOCK_N tokens may span several pages.
-Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)).
+Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)); a soft cap (Gemma
+2's) is applied to those scores as to the natural ones (`softcap_scores`).
 An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
 for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
 by `fused_ops.fp8_v_tile`, its scale applied to the output, or, for an FP8 o_proj, the output written in
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale, check_window
+from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale, check_softcap, check_window
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
@@ -116,15 +117,27 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scal
 
 
 @triton.jit
+def softcap_scores(s, SOFTCAP: tl.constexpr):
+    # scores in the log2 domain (q.k x scale x log2(e)) soft-capped as transformers caps the natural ones,
+    # x -> SOFTCAP tanh(x / SOFTCAP): with c = SOFTCAP log2(e) that is s -> c tanh(s / c), and tanh(s / c) =
+    # 1 - 2 / (exp2(2 s / SOFTCAP) + 1), which is -1 or 1 where exp2 underflows or overflows (never NaN).
+    # SOFTCAP 0: none, the scores as they are (the kernels of a model without a cap compile as before)
+    if SOFTCAP > 0:
+        s = (SOFTCAP * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp2(s * (2.0 / SOFTCAP)) + 1.0))
+    return s
+
+
+@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, visible, m_i, l_i, acc, scale_log2,
                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
-                 EMPTY_ROWS: tl.constexpr):
+                 EMPTY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr):
     # one online-softmax step over a tile of cached positions: K and V at kv_off (loads masked by kv_mask),
-    # widened to q's dtype (`fp8_v_tile`: V unscaled); with MASKED, scores outside `visible` are
-    # dropped. EMPTY_ROWS: a row may have seen no visible position yet (a sliding window's first tiles),
-    # so its running max is still -inf: it is taken as 0, which makes its alpha and p 0 instead of NaN
+    # widened to q's dtype (`fp8_v_tile`: V unscaled), the scores soft-capped (`softcap_scores`); with
+    # MASKED, scores outside `visible` are dropped. EMPTY_ROWS: a row may have seen no visible position yet
+    # (a sliding window's first tiles), so its running max is still -inf: it is taken as 0, which makes its
+    # alpha and p 0 instead of NaN
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = softcap_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, SOFTCAP)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -247,13 +260,13 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
                         OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr,
-                        WINDOW: tl.constexpr):
+                        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
     # every cached position is visible, or with a sliding WINDOW (0: none) those from ctx - WINDOW on);
-    # other sequences' programs exit. The group's GROUP q heads are padded to BLOCK_G rows (>= 16 for
-    # tl.dot). Splits as in the one-kernel decode (decode_attention.py): at least MIN_SPLIT_LEN positions
-    # each, only those holding positions run, and the last of a (b, kvh) to finish merges the partial
-    # results.
+    # other sequences' programs exit. SOFTCAP (0: none): the scores' soft cap (`softcap_scores`). The
+    # group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode
+    # (decode_attention.py): at least MIN_SPLIT_LEN positions each, only those holding positions run, and the
+    # last of a (b, kvh) to finish merges the partial results.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -301,7 +314,7 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                 # every tile holds a visible position (the first visible one is in split 0's first)
                 m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                              valid[:, None] & d_mask[None, :], valid[None, :], m_i, l_i, acc,
-                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, False)
+                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, False, SOFTCAP)
             has = l_i > 0
             # OUT_FP8: the output in units of V's scale (the row's scale, written by kv head 0's first split)
             acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0))[:, None]
@@ -338,11 +351,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr,
                     WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr,
-                    BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
+                    BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
-    # own, and with a sliding WINDOW (0: none) > its own - WINDOW. With USE_TILES, program p takes
-    # (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its grid coordinates.
+    # own, and with a sliding WINDOW (0: none) > its own - WINDOW. SOFTCAP (0: none): the scores' soft cap.
+    # With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its
+    # grid coordinates.
     h = tl.program_id(1)
     if USE_TILES:
         b = tl.load(tiles_ptr + tl.program_id(0))
@@ -392,7 +406,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                 # below full_end <= first_pos + 1: the causal rule holds for every query
                 m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                              d_mask[None, :], n[None, :] > q_pos[:, None] - WINDOW, m_i, l_i, acc,
-                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, True)
+                                             scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, True, SOFTCAP)
         pages = _pages(table, full_lo, full_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(full_lo, full_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -400,7 +414,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
             pages = _pages(table, n0 + BLOCK_N, full_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :], d_mask[None, :],
                                          d_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False,
-                                         FP8, WIDEN_ASM, False)
+                                         FP8, WIDEN_ASM, False, SOFTCAP)
         pages = _pages(table, full_end, hi, PAGE_SIZE, BLOCK_N)
         for n0 in range(full_end, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -412,7 +426,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                 visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, off[:, None] + d[None, :],
                                          valid[:, None] & d_mask[None, :], visible, m_i, l_i, acc,
-                                         scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, WINDOW > 0)
+                                         scale_log2, DOT_PRECISION, True, FP8, WIDEN_ASM, WINDOW > 0, SOFTCAP)
 
         # OUT_FP8: the output in units of V's scale (the rows' scales, written by q head 0's programs)
         acc = acc * (_out_unit(v_scale, OUT_FP8) / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -431,7 +445,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             kv_scale: torch.Tensor | None = None,
                             decode_config: DecodeAttentionConfig | None = None,
                             num_splits: int | None = None, out_group: int | None = None,
-                            window: int | None = None) -> torch.Tensor | Fp8Rows:
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor | Fp8Rows:
     """Variable-length queries over the paged cache: q [T, Hq, D] -> out [T, Hq, D]; sequence b owns
     rows query_start_loc[b]:query_start_loc[b+1]. Two kernels: the prefill kernel takes the sequences
     of several queries, BLOCK_M of them by one q head a program; the decode-rows kernel takes those of
@@ -444,9 +458,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `out_group` (the columns a scale of the FP8 product that takes the output, `fp8_gemm.input_group`)
     has the output come as `quant/fp8.Fp8Rows` [T, Hq * D] at V's scale (`out_rows`). `window`: the layer's
     sliding window (`attention.paged_attention_torch`; None: none), a constexpr of both kernels, so a model
-    without one runs the kernels compiled without it; a decode row then reads the window's tiles alone."""
+    without one runs the kernels compiled without it; a decode row then reads the window's tiles alone.
+    `softcap`: the layer's soft cap of the scores (`attention.paged_attention_torch`; None: none), a constexpr
+    of both kernels likewise (0.0: none)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_scale)
     check_window(window)
+    check_softcap(softcap)
     batch = block_tables.shape[0]
     if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got "
@@ -494,7 +511,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_GR=triton.next_power_of_2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, BLOCK_N=dcfg.block_n,
         MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision, FP8=fp8, WIDEN_ASM=q.is_cuda,
-        **out_launch, WINDOW=window or 0, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        **out_launch, WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=dcfg.num_warps,
+        num_stages=dcfg.num_stages,
         maxnreg=dcfg.rows_maxnreg)
     if grid is None:
         return rows(out)
@@ -507,7 +525,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision,
         USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, **out_launch, WINDOW=window or 0,
-        num_warps=cfg.num_warps,
+        SOFTCAP=float(softcap or 0.0), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return rows(out)
 
@@ -537,12 +555,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float, config: PrefillAttentionConfig = SHIPPED,
                     kv_scale: torch.Tensor | None = None,
                     decode_config: DecodeAttentionConfig | None = None,
-                    out_group: int | None = None, window: int | None = None) -> torch.Tensor | Fp8Rows:
+                    out_group: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor | Fp8Rows:
     """Attention of q [T, Hq, D] over the paged cache (this step's K/V already stored) -> [T, Hq, D] (or
-    `Fp8Rows` with `out_group`), within the layer's sliding `window` (None: none): `paged_prefill_attention`,
+    `Fp8Rows` with `out_group`), within the layer's sliding `window` (None: none) and with its scores'
+    `softcap` (None: none): `paged_prefill_attention`,
     for steps with prefill chunks and the decode rows beside them (pure-decode steps run
     `decode_attention.fused_decode_attention` from the packed qkv instead)."""
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, meta.max_query_len, scale, config, tiles=meta.prefill_tiles,
                                    kv_scale=kv_scale, decode_config=decode_config, out_group=out_group,
-                                   window=window)
+                                   window=window, softcap=softcap)
