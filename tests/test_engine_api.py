@@ -439,7 +439,8 @@ def test_unknown_architecture_and_missing_weights(qwen3_dir, tmp_path):
     cfg["architectures"] = ["MambaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'; supported: "
-                                         "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
+                                         "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+                                         "GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
                                          "Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM"):
         LLM(str(bad), device="cpu")

@@ -156,14 +156,19 @@ def _transformers_reading(hf: dict) -> Gemma3TextConfig:
 @pytest.mark.parametrize("hf", [GEMMA3_1B, GEMMA3_4B,
                                 {**GEMMA3_1B, "rope_parameters": {"full_attention": {"rope_type": "default",
                                                                                     "rope_theta": 5e5}}},
-                                {**GEMMA3_1B, "layer_types": ["full_attention"] * 13 + ["sliding_attention"] * 13}],
-                         ids=["1b", "4b", "rope_parameters", "layer_types"])
+                                {**GEMMA3_1B, "layer_types": ["full_attention"] * 13 + ["sliding_attention"] * 13},
+                                {**GEMMA3_1B, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}],
+                         ids=["1b", "4b", "rope_parameters", "layer_types", "soft_caps"])
 def test_config_reads_gemma3_as_transformers_does(hf):
     """gemma-3-1b-it's and gemma-3-4b-it's config.json (the latter's sparse text_config on transformers' defaults),
-    and transformers 5's keys: each layer's kind, the RoPE of each kind, the sizes, as transformers reads them."""
+    and transformers 5's keys: each layer's kind, the RoPE of each kind, the sizes, as transformers reads them; soft
+    caps (none on Gemma 3's own checkpoints), which transformers' Gemma3 applies where a config sets them, as Gemma
+    2's."""
     cfg, want = ModelConfig.from_hf(hf), _transformers_reading(hf)
     assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in want.layer_types)
     assert cfg.sliding_window == want.sliding_window
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (want.attn_logit_softcapping,
+                                                                         want.final_logit_softcapping)
     full, local = want.rope_parameters["full_attention"], want.rope_parameters["sliding_attention"]
     assert (cfg.rope_theta, cfg.local_rope_theta, local["rope_type"]) == (full["rope_theta"], local["rope_theta"],
                                                                            "default")
@@ -176,11 +181,9 @@ def test_config_reads_gemma3_as_transformers_does(hf):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"attn_logit_softcapping": 50.0}, r"Gemma3ForCausalLM with attn_logit_softcapping=50.0 is not supported: "
-                                       r"tokenmill does not soft-cap"),
-    ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30.0 is not supported"),
+    ({"attn_logit_softcapping": 0.0}, r"attn_logit_softcapping is 0.0; it must be a positive number"),
     ({"use_bidirectional_attention": True}, r"use_bidirectional_attention is not supported"),
-    ({"sliding_window": None}, r"sliding_window is None; Gemma 3's sliding layers need an integer >= 1"),
+    ({"sliding_window": None}, r"sliding_window is None; Gemma3ForCausalLM's sliding layers need an integer >= 1"),
     ({"layer_types": ["full_attention"] * 3}, r"layer_types is .* for each of the num_hidden_layers=26 layers"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      r"sliding layers with RoPE of type 'linear' are not supported"),

@@ -80,6 +80,9 @@ class ModelConfig:
     # attn_logit_softcapping x tanh(s / attn_logit_softcapping) before the softmax, in every attention path
     # (`PagedAttention.softcap`); None: none
     attn_logit_softcapping: float | None = None
+    # Gemma 2's soft cap of the logits: each becomes final_logit_softcapping x tanh(logit / final_logit_softcapping)
+    # in `LlamaForCausalLM.compute_logits`, which every path that samples or scores tokens reads; None: none
+    final_logit_softcapping: float | None = None
     # the longest context served: the engine's max_model_len, set once resolved (`serving`); None:
     # derived_max_model_len. LongRoPE's factors are chosen by it (`rotary.longrope_uses_long_factors`)
     max_model_len: int | None = None
@@ -102,7 +105,7 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
-        for name in ("local_rope_theta", "attn_logit_softcapping"):
+        for name in ("local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not positive(value):
                 raise ValueError(f"the model config's {name} is {value!r}; it must be a positive finite number (or "

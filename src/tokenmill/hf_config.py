@@ -1,7 +1,7 @@
 """The one place that reads a Hugging Face config.json (`ModelConfig.from_hf`), into our `ModelConfig` as
 transformers reads it: the per-architecture defaults, Phi-3's RoPE, SmolLM3's NoPE layers, Granite's
-multipliers, Gemma 3's layers (a multimodal checkpoint's text_config), the other architectures' sliding-window
-layers, and `merge_hf_overrides` (--hf-overrides)."""
+multipliers, Gemma 2's and Gemma 3's layers (a Gemma 3 multimodal checkpoint's text_config), the other
+architectures' sliding-window layers, and `merge_hf_overrides` (--hf-overrides)."""
 from __future__ import annotations
 
 import glob
@@ -76,6 +76,15 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_siz
                     "query_pre_attn_scalar": 256, "sliding_window": 4096}
 _HF_DEFAULTS["Gemma3ForCausalLM"] = _HF_DEFAULTS["Gemma3ForConditionalGeneration"] = _GEMMA3_DEFAULTS
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' Gemma2Config defaults (gemma-2-2b's sizes), soft caps included: a config.json that leaves a cap out
+# has it, one that sets it null has none
+_HF_DEFAULTS["Gemma2ForCausalLM"] = {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+GEMMA = ("Gemma2ForCausalLM", *GEMMA3)
 # multimodal architectures served as text alone: their config.json's text_config is the model's (`_text_config`)
 _TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
@@ -125,20 +134,26 @@ def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return full, float(local["rope_theta"])
 
 
-def _gemma3_layers(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's features as `ModelConfig` fields, read as transformers' Gemma3 computes them: four norms a layer
-    (`post_norms`) with weights stored as offsets from 1, the embeddings times sqrt(hidden_size) rounded to the
-    model's dtype, q.k scaled by query_pre_attn_scalar ** -0.5, and the sliding layers: `layer_types`, else every
-    sliding_window_pattern-th layer (6) full and the rest sliding, over sliding_window positions. Soft-capping
-    (Gemma 2's) and bidirectional attention are refused."""
+def _gemma_layers(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's features as `ModelConfig` fields, read as transformers' Gemma2 and Gemma3 compute
+    them: four norms a layer (`post_norms`) with weights stored as offsets from 1, the embeddings times
+    sqrt(hidden_size) rounded to the model's dtype, q.k scaled by query_pre_attn_scalar ** -0.5, the soft caps of
+    the attention scores and of the logits (Gemma 2's 50 and 30; null: none, Gemma 3's), and the sliding layers:
+    `layer_types`, else Gemma 2's every other layer from the first (Gemma2Config's) or all but Gemma 3's every
+    sliding_window_pattern-th (6), over sliding_window positions. Bidirectional attention is refused."""
     arch = hf["architectures"][0]
+    caps = {}
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(name) is not None:
-            raise ValueError(f"{arch} with {name}={hf[name]!r} is not supported: tokenmill does not soft-cap (tanh) "
-                             "the attention scores or the logits (Gemma 2 does; Gemma 3 sets both null)")
+        cap = hf.get(name)
+        if cap is not None and not positive(cap):
+            raise ValueError(f"config.json's {name} is {cap!r}; it must be a positive number (x becomes "
+                             f"{name} * tanh(x / {name})), or null: none")
+        caps[name] = None if cap is None else float(cap)
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"{arch} with use_bidirectional_attention is not supported: tokenmill's attention is causal")
     n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None and arch not in GEMMA3:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if types is None:
         pattern = hf.get("sliding_window_pattern", 6)
         if type(pattern) is not int or pattern < 1:
@@ -152,14 +167,15 @@ def _gemma3_layers(hf: dict[str, Any]) -> dict[str, Any]:
     sliding = tuple(t == "sliding_attention" for t in types)
     window = hf["sliding_window"]
     if any(sliding) and (type(window) is not int or window < 1):
-        raise ValueError(f"config.json's sliding_window is {window!r}; Gemma 3's sliding layers need an integer >= 1")
+        raise ValueError(f"config.json's sliding_window is {window!r}; {arch}'s sliding layers need an integer >= 1")
     scalar = hf["query_pre_attn_scalar"]
     if not positive(scalar):
         raise ValueError(f"config.json's query_pre_attn_scalar is {scalar!r}; it must be a positive number (q.k is "
                          "scaled by its inverse square root)")
     return dict(post_norms=True, norm_unit_offset=True, embedding_multiplier=hf["hidden_size"] ** 0.5,
                 embedding_multiplier_in_dtype=True, attention_multiplier=scalar ** -0.5,
-                sliding_layers=sliding if any(sliding) else None, sliding_window=window if any(sliding) else None)
+                sliding_layers=sliding if any(sliding) else None, sliding_window=window if any(sliding) else None,
+                **caps)
 
 
 def _phi3_rope(rope: dict[str, Any], hf: dict[str, Any], head_dim: int) -> tuple[str, int | None]:
@@ -275,14 +291,15 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
             scaling["factor"] = context / original
     eos_ids = parse_eos_ids(hf.get("eos_token_id"), "config.json")
     dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype"))
-    act = hf["hidden_activation"] if gemma3 else hf.get("hidden_act", "silu")
+    gemma = arch in GEMMA
+    act = hf["hidden_activation"] if gemma else hf.get("hidden_act", "silu")
     # transformers' Phi3 reads neither bias key (it has no bias)
     if hf.get("mlp_bias") and not phi3:
         raise ValueError(f"{arch} with mlp_bias is not supported: the MLP's products carry no bias here")
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM" and not phi3:
         raise ValueError(f"{arch} with attention_bias is not supported: it puts a bias on o_proj too, "
                          "which carries none here (Qwen2's bias on q/k/v alone is)")
-    window, sliding_layers = (_sliding_window(arch, hf, rope_layers) if not gemma3 and type(layers) is int and layers > 0
+    window, sliding_layers = (_sliding_window(arch, hf, rope_layers) if not gemma and type(layers) is int and layers > 0
                               else (None, None))
     return cls(
         architecture=arch,
@@ -310,7 +327,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         rope_layers=rope_layers,
         rotary_dim=rotary_dim,
         local_rope_theta=local_rope_theta,
-        **(_gemma3_layers(hf) if gemma3 else {"sliding_window": window, "sliding_layers": sliding_layers}),
+        **(_gemma_layers(hf) if gemma else {"sliding_window": window, "sliding_layers": sliding_layers}),
         # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
         **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
     )

@@ -1,7 +1,8 @@
-"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3, Granite, Phi-3 and Gemma 3: features are explicit flags
-of `ModelConfig`, Granite's scalars and Gemma's norm offsets and embedding scale folded into the weights at load
+"""One decoder for Llama (Nanbeige), Qwen2, Qwen3, SmolLM3, Granite, Phi-3, Gemma 2 and Gemma 3: features are explicit
+flags of `ModelConfig`, Granite's scalars and Gemma's norm offsets and embedding scale folded into the weights at load
 (`LlamaForCausalLM.fold_multipliers`), Phi-3's partial rotary in the RoPE table and the order of q's and k's rows
-(`rotary.rotary_order`), Gemma 3's four norms a layer (`post_norms`) and its sliding layers' own RoPE table.
+(`rotary.rotary_order`), Gemma's four norms a layer (`post_norms`), Gemma 2's soft caps of the attention scores
+(`PagedAttention.softcap`) and of the logits (`compute_logits`), and Gemma 3's sliding layers' own RoPE table.
 
 Weights are packed: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `packed_modules`; Phi-3's
 checkpoints store them so, `fill.checkpoint_layout`).
@@ -245,8 +246,9 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Qwen2 (attention_bias), Qwen3 (qk_norm, tied head), SmolLM3 (NoPE layers, `rope_layers`),
-    Granite (scalar multipliers), Phi-3 (`rotary_dim`, LongRoPE, fused checkpoint tensors) and Gemma 3 (`post_norms`,
-    norm offsets, GELU, a local RoPE table for its sliding layers) through config flags."""
+    Granite (scalar multipliers), Phi-3 (`rotary_dim`, LongRoPE, fused checkpoint tensors), Gemma 2 (`post_norms`,
+    norm offsets, GELU, soft caps) and Gemma 3 (those but the caps, q/k norm, a local RoPE table for its sliding
+    layers) through config flags."""
 
     # checkpoint shard name -> (packed parameter name, shard index)
     packed_modules = {
@@ -292,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
     def fold_multipliers(self) -> None:
         """Granite's scalars, and Gemma's norm offsets and embedding scale, folded into the loaded weights (once,
         by the loader, before any layer repacks them), so that the one forward pass computes Granite's
-        (transformers' modeling_granite) and Gemma 3's (modeling_gemma3):
+        (transformers' modeling_granite) and Gemma 2's and Gemma 3's (modeling_gemma2, modeling_gemma3):
 
         - Gemma's RMSNorm multiplies by 1 + w for each stored weight w (`norm_unit_offset`): every norm's weight
           (the four of a layer, q/k norm, the final norm) becomes 1 + w, rounded once in the model's dtype where
@@ -344,5 +346,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits of `hidden`'s rows: the one place that makes them, for every path that samples,
+        takes the argmax or scores tokens (eager and CUDA-graph steps, prompt logprobs, tensor-parallel workers).
+        Gemma 2's `final_logit_softcapping` caps them here, cap x tanh(logits / cap) in their dtype, in
+        transformers' order."""
         logits = self.lm_head(hidden)
-        return logits if self.tp is None else self.tp.all_gather_last(logits)
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -7,6 +7,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
     # its language model alone (text in, text out): the vision tower's tensors are skipped at load
     "Gemma3ForConditionalGeneration": LlamaForCausalLM,
@@ -21,7 +22,6 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 # relatives of a served architecture that the Llama decoder cannot run, and why
 _NOT_SERVED = {
-    "Gemma2ForCausalLM": "its attention scores and logits are soft-capped (tanh)",
     "GraniteMoeForCausalLM": "its MLP is a mixture of experts",
     "GraniteMoeSharedForCausalLM": "its MLP is a mixture of experts with a shared expert",
     "GraniteMoeHybridForCausalLM": "Granite 4's decoder: Mamba-2 layers, shared and mixture-of-experts MLPs",
