@@ -23,6 +23,10 @@ CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
 ASSISTANT = '[data-step-type="assistant_message"] .message-content'
+SCREENSHOT = os.environ.get("TOKENMILL_UI_SCREENSHOT")
+# the answer's length: a few chunks show it streams (each token ~70 ms of the default model on one thread);
+# the docs' screenshot (docs/ui.png) shows a paragraph
+MAX_TOKENS = 48 if SCREENSHOT else 16
 
 
 def test_settings_round_trip_through_env():
@@ -144,7 +148,7 @@ def _start_ui(tmp_path, base_url: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(tmp_path / f"ui-{port}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "ui", "--base-url", base_url, "--port",
-                             str(port), "--temperature", "0", "--max-tokens", "48"],
+                             str(port), "--temperature", "0", "--max-tokens", str(MAX_TOKENS)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -338,6 +342,6 @@ def test_chat_page_streams_an_answer(browser, default_server, tmp_path):
         # Chainlit scrolls the last question to the top; show the greeting too
         page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight)"
                       " e.scrollTop = 0; })")
-        page.screenshot(path=os.environ.get("TOKENMILL_UI_SCREENSHOT") or str(tmp_path / "ui.png"))
+        page.screenshot(path=SCREENSHOT or str(tmp_path / "ui.png"))
     finally:
         _stop(ui)
