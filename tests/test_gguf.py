@@ -179,14 +179,22 @@ def write_gguf(path: str, arch: str, tok: dict, seed: int = 0, tied: bool | None
 
 
 def hf_from_gguf(path: str):
+    """transformers' model of the file. It parses the file with `gguf.GGUFReader` twice, for the config and
+    then for the weights (0.6 s each here, most of it the 8,192-token vocabulary read field by field): the
+    reader is a function of the file alone (a read-only view of it), so the second parse is the first's,
+    and what transformers builds from it is unchanged, bit for bit."""
+    import functools
+
     from transformers import AutoModelForCausalLM
     try:                     # transformers 5 keeps GGUF weights quantized unless asked; 4.x dequantizes
         from transformers import GgufConfig
         kwargs = dict(quantization_config=GgufConfig(dequantize=True))
     except ImportError:
         kwargs = {}
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **kwargs).eval()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **kwargs).eval()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
