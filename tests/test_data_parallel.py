@@ -307,6 +307,14 @@ def test_sigterm_drains_both_cores_and_exits_0(server, want):
         assert not alive(pid), pid
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_ctrl_c_while_the_cores_start_leaves_no_core_running(qwen3_dir):
     """An interrupted start-up kills the cores: they ignore SIGTERM (their server drains first), so
     multiprocessing's exit handler, which terminates and then joins them, waited forever."""
@@ -327,7 +335,9 @@ DataParallelLLM.start(EngineConfig(model={qwen3_dir!r}, device="cpu"), 2, engine
         time.sleep(0.2)
         try:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                cores = [int(c) for c in f.read().split()]
+                children = [int(c) for c in f.read().split()]
+            # the cores are multiprocessing's spawned children; its resource tracker is a child too
+            cores = [pid for pid in children if b"spawn_main" in _cmdline(pid)]
         except OSError:
             break
     assert len(cores) >= 2, cores
