@@ -108,7 +108,6 @@ def test_sentencepiece_tokenizer_equals_transformers(vocab, tmp_path, arch, keys
 
 
 @pytest.mark.parametrize("arch, keys, message", [
-    ("gemma2", {}, r"is a gemma2 model, whose SentencePiece vocabulary tokenmill does not build"),
     ("llama", {"scores": [0.0] * 7}, r"vocabulary of {n} tokens with 7 tokenizer.ggml.scores and no "
                                      r"tokenizer.ggml.merges; the merges are ranked by one score per token"),
 ])

@@ -189,8 +189,8 @@ class ModelConfig:
         """Our config from a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`):
         `{arch}.*` shape keys, RoPE base, RMSNorm eps, context length, the tokenizer's BOS id and its
         EOS/EOT/EOM ids as stop ids, a head tied to the embedding when the file has no `output.weight`, a
-        granite file's scalars, and a phi3 file's rotated dims, LongRoPE factors and sliding window (over
-        every layer)."""
+        granite file's scalars, a phi3 file's rotated dims, LongRoPE factors and sliding window (over
+        every layer), and a gemma2 or gemma3 file's layers (`gguf_config._gguf_gemma`)."""
         from tokenmill.gguf_config import read_gguf_config
         return read_gguf_config(cls, gguf)
 

@@ -1,6 +1,6 @@
 """The one place that reads a GGUF file's model metadata (`ModelConfig.from_gguf`), into our `ModelConfig`:
 its typed values, its RoPE scaling (linear, YaRN, Llama 3's rope_freqs tensor, phi3's LongRoPE factor
-tensors) and the per-architecture keys."""
+tensors) and the per-architecture keys (granite's scalars, phi3's window, gemma2's and gemma3's layers)."""
 from __future__ import annotations
 
 from typing import Any
@@ -108,6 +108,77 @@ def _gguf_yarn(file: Any, arch: str) -> dict[str, Any]:
     return scaling
 
 
+# llama.cpp's Gemma files hold no query_pre_attn_scalar: llama.cpp scales q.k by 1/sqrt(hidden / heads) in the 27B
+# models, which it tells apart by their layer count, and by 1/sqrt(head_dim) in the others, as their checkpoints'
+# query_pre_attn_scalar does (144 and 168 for Gemma 2's and Gemma 3's 27B; head_dim, 256, for every other size)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# what llama.cpp takes where a Gemma file leaves a key out: every pattern-th layer attends to the whole context
+# (Gemma 2's every other one, Gemma 3's every 6th), Gemma 2's window and soft caps (transformers' Gemma2Config
+# defaults too), and Gemma 3's sliding layers' RoPE base (its rope_local_base_freq)
+_GEMMA_DEFAULTS = {"gemma2": dict(pattern=2, window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+                   "gemma3": dict(pattern=6, window=0, attn_logit_softcapping=None, final_logit_softcapping=None,
+                                  local_rope_theta=10000.0)}
+
+
+def _gguf_gemma(file: Any, arch: str, layers: int, hidden: int, heads: int, head_dim: int,
+                rope_theta: float) -> dict[str, Any]:
+    """A gemma2 or gemma3 file's features as `ModelConfig` fields, its keys read as llama.cpp reads them and the
+    model computed as transformers' Gemma2 and Gemma3 compute the checkpoint it was converted from (as
+    `hf_config._gemma_layers` reads its config.json): four norms a layer, GELU tanh, the embeddings times
+    sqrt(hidden_size) rounded to the dtype, the soft caps, q/k norm (gemma3), and the sliding layers:
+    `attention.sliding_window_pattern` (a period n: each n-th layer attends to the whole context, 0 none; or a
+    bool per layer, true where it slides) else llama.cpp's fixed pattern, over `attention.sliding_window`
+    positions (0 in a gemma3 file: none), gemma3's rotating with `rope.freq_base_swa` (else 10,000) unscaled.
+    llama.cpp's converter wrote every norm weight with the 1 of Gemma's x_normed * (1 + w) added, q/k norm and
+    the final norm included: the weights are the norms' whole factors, so no offset is added at load. Where the
+    two differ, transformers is followed: the embedding scale is rounded to the dtype, and a gemma3 file's
+    attn_logit_softcapping (which llama.cpp's converter never writes, nor llama.cpp reads) caps the scores."""
+    defaults = _GEMMA_DEFAULTS[arch]
+
+    def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+        return _gguf_value(file, f"{arch}.{key}", kind, default)
+
+    caps = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = get(name, float, defaults[name])
+        if cap is not None and not positive(cap):
+            raise ValueError(f"GGUF file {file.path!r} has {arch}.{name}={cap}; it must be a positive number "
+                             "(x becomes cap * tanh(x / cap))")
+        caps[name] = cap
+    window = get("attention.sliding_window", int, defaults["window"])
+    if window < (1 if arch == "gemma2" else 0):
+        need = "Gemma 2's sliding layers need a window >= 1" if arch == "gemma2" else "it must be >= 0 (0: none)"
+        raise ValueError(f"GGUF file {file.path!r} has {arch}.attention.sliding_window={window}; {need}")
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = file.metadata.get(key, defaults["pattern"])
+    if type(pattern) is int and pattern >= 0:
+        sliding = tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(layers))
+    elif isinstance(pattern, list) and len(pattern) == layers and all(type(p) is bool for p in pattern):
+        sliding = tuple(pattern)
+    else:
+        shown = f"{pattern[:8]}{'...' if len(pattern) > 8 else ''} ({len(pattern)} entries)" if isinstance(
+            pattern, list) else repr(pattern)
+        raise ValueError(f"GGUF file {file.path!r} has {key} = {shown}; it must be a period n >= 0 (each n-th layer "
+                         f"attends to the whole context; 0: none does) or a bool for each of the {layers} layers "
+                         "(true: it slides)")
+    sliding = sliding if window and any(sliding) else None
+    local = get("rope.freq_base_swa", float, None)
+    if arch == "gemma2" and local is not None and local != rope_theta:
+        raise ValueError(f"GGUF file {file.path!r} has {arch}.rope.freq_base_swa={local} apart from "
+                         f"{arch}.rope.freq_base={rope_theta}; Gemma 2 rotates every layer with one base")
+    if arch == "gemma3":
+        local = defaults["local_rope_theta"] if local is None else local
+        if not positive(local):
+            raise ValueError(f"GGUF file {file.path!r} has {arch}.rope.freq_base_swa={local}; it must be a positive "
+                             "number")
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    return dict(hidden_act="gelu_pytorch_tanh", qk_norm=arch == "gemma3", post_norms=True, norm_unit_offset=False,
+                embedding_multiplier=hidden ** 0.5, embedding_multiplier_in_dtype=True,
+                attention_multiplier=scalar ** -0.5, sliding_layers=sliding,
+                sliding_window=window if sliding else None,
+                local_rope_theta=local if arch == "gemma3" and sliding else None, **caps)
+
+
 def read_gguf_config(cls: type, gguf: Any):
     """`ModelConfig.from_gguf`'s reading: a GGUF file's metadata (a path, or an opened `gguf_file.GGUFFile`)
     as a `cls`."""
@@ -162,15 +233,24 @@ def read_gguf_config(cls: type, gguf: Any):
     file_type = _gguf_value(file, "general.file_type", int, None)
     dtype = parse_dtype({0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16"))
     # llama.cpp's phi3 writes 0 for no window; the window spans every layer, as in transformers' Phi3
-    window = (get("attention.sliding_window", int, 0) or None) if arch == "phi3" else None
-    multipliers = {}
+    features: dict[str, Any] = dict(
+        qk_norm=arch == "qwen3", sliding_window=(get("attention.sliding_window", int, 0) or None) if arch == "phi3"
+        else None)
     if arch == "granite":
         if not get("rope.scaling.finetuned", bool, True):
             raise ValueError(f"GGUF file {file.path!r} has granite.rope.scaling.finetuned=false, which "
                              "llama.cpp reads as no RoPE in any layer; tokenmill's granite rotates q and k")
         # 0, as llama.cpp reads it, and a key left out (its converter writes those config.json has) change
         # nothing
-        multipliers = {name: value for name, key in GRANITE_MULTIPLIERS.items() if (value := get(key, float, 0.0))}
+        features.update({name: value for name, key in GRANITE_MULTIPLIERS.items() if (value := get(key, float, 0.0))})
+    rope_theta = get("rope.freq_base", float, 10000.0)
+    if arch in _GEMMA_DEFAULTS:
+        features.update(_gguf_gemma(file, arch, layers, hidden, heads, head_dim, rope_theta))
+        # llama.cpp stops a Gemma model on <end_of_turn> (found by its text), as the checkpoints'
+        # generation_config.json does: a chat turn ends there, not at <eos>
+        tokens = md.get("tokenizer.ggml.tokens") or []
+        if "<end_of_turn>" in tokens:
+            eos.append(tokens.index("<end_of_turn>"))
     return cls(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -181,17 +261,15 @@ def read_gguf_config(cls: type, gguf: Any):
         num_key_value_heads=get("attention.head_count_kv", int, heads),
         head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", float),
-        rope_theta=get("rope.freq_base", float, 10000.0),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=get("context_length", int),
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias="blk.0.attn_q.bias" in file.tensors,
-        qk_norm=arch == "qwen3",
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         bos_token_id=_gguf_value(file, "tokenizer.ggml.bos_token_id", int, None),
         dtype=dtype,
         rope_layers=rope_layers,
         rotary_dim=None if rotary == head_dim else rotary,
-        sliding_window=window,
-        **multipliers,
+        **features,
     )

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 # general.architecture -> our registry key
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's architecture of a multimodal model's projector file (its mmproj: the vision or audio encoder alone)
+_PROJECTOR_ARCHITECTURE = "clip"
 
 # GGML tensor types dequantized at load (names of gguf.GGMLQuantizationType), each one that gguf's numpy
 # dequantizer (>= 0.11) reads as ggml does. Q5_0 and Q5_1 are what llama.cpp writes in a K-quant file for
@@ -86,6 +89,10 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
+        if arch == _PROJECTOR_ARCHITECTURE:
+            raise ValueError(f"GGUF file {self.path!r} has architecture {arch!r}: it is a multimodal model's projector "
+                             "(llama.cpp's mmproj file, an image or audio encoder), not a language model; tokenmill "
+                             "serves text in, text out from the model's own GGUF file (gemma-3-4b-it's text, say)")
         if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF file {self.path!r} has architecture {arch!r}; tokenmill supports "
                              f"{', '.join(GGUF_ARCHITECTURES)}")

@@ -1,7 +1,8 @@
 """A Hugging Face fast tokenizer built from a GGUF file's `tokenizer.*` metadata.
 
 Two kinds of vocabulary are built, by `tokenizer.ggml.model`: byte-level BPE ("gpt2") and SentencePiece BPE
-("llama": Llama 2, Mistral 7B, Phi-3/3.5-mini, TinyLlama). Every other kind is refused.
+("llama": Llama 2, Mistral 7B, Phi-3/3.5-mini, TinyLlama, and Gemma 2's and Gemma 3's own kind of it). Every other
+kind is refused.
 
 GGUF stores a byte-level BPE vocabulary as the token strings in the byte-to-unicode alphabet, the merges as
 "left right" strings, each token's type (3: control, made a special token; 4: user-defined, matched whole
@@ -17,7 +18,10 @@ A SentencePiece vocabulary is stored as its pieces (a space written U+2581), eac
 (6: a byte-fallback piece `<0xXX>`) and, mostly, no merges; it is rebuilt as transformers' GGUF reader
 rebuilds it (the reference the tests compare with): BPE over merges ranked by the scores, byte fallback, a
 U+2581 before the text, and a decoder that turns U+2581 back into spaces, joins byte pieces into UTF-8 and
-drops the space the encoder added.
+drops the space the encoder added. A gemma2 or gemma3 file's is rebuilt as transformers' GGUF reader rebuilds
+Gemma's (its GemmaTokenizer): no space before the text, every space a U+2581, the pieces of spaces alone (which
+llama.cpp's converter wrote as spaces) respelled in U+2581, and the merges ranked by the pieces' order in the
+vocabulary, not by their scores.
 """
 from __future__ import annotations
 
@@ -47,8 +51,7 @@ SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 _CONTROL, _USER_DEFINED = 3, 4
 _SPACE = "\u2581"           # SentencePiece's visible space
-# architectures whose SentencePiece vocabulary transformers reads with Gemma's tokenizer (pieces of spaces
-# respelled, merges ranked by position, not score), which tokenmill neither builds nor serves
+# architectures whose SentencePiece vocabulary transformers reads with Gemma's tokenizer (`_gemma_bpe`)
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
@@ -98,9 +101,6 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], vocab: dict[
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     arch = metadata.get("general.architecture")
-    if arch in _GEMMA_ARCHITECTURES:
-        raise ValueError(f"GGUF file {path!r} is a {arch} model, whose SentencePiece vocabulary tokenmill does "
-                         "not build (pass --tokenizer DIR with the model's tokenizer)")
     merges = metadata.get("tokenizer.ggml.merges")
     if merges:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -134,6 +134,34 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], vocab: dict[
     return tok, True
 
 
+def _gemma_spelling(tokens: list[str]) -> list[str]:
+    """Gemma's pieces as its tokenizer spells them: llama.cpp's converter wrote the user-defined pieces of spaces
+    alone ("  ", up to 31) in spaces, which Gemma's tokenizer (its text's spaces made U+2581 first) spells in
+    U+2581; respelled as transformers' GGUF reader respells them (any piece of whitespace alone that holds a
+    space, each of its characters a U+2581)."""
+    return [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _gemma_bpe(metadata: dict[str, Any], tokens: list[str], vocab: dict[str, int]):
+    """The Rust tokenizer of a gemma2 or gemma3 file's SentencePiece vocabulary (`tokens` and `vocab` respelled
+    by `_gemma_spelling`), as transformers' GGUF reader builds it with its GemmaTokenizer: each space a U+2581
+    and none added before the text, byte fallback, `<unk>` for what it cannot spell, and the merges ranked by
+    the order of the pieces in the vocabulary (the file's scores do not follow Gemma's merge order); BOS added
+    where the file does not say, as for any SentencePiece vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    merges = metadata.get("tokenizer.ggml.merges")
+    pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges
+             else _merges_from_scores(tokens, [-float(i) for i in range(len(tokens))], vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                               unk_token="<unk>" if "<unk>" in vocab else None))
+    tok.normalizer = normalizers.Replace(" ", _SPACE)
+    # GemmaTokenizer's split at spaces, which meets none once the normalizer turned them into U+2581
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok, True
+
+
 def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """BPE merges equal to SentencePiece BPE's encoding, which keeps no merges but joins, step by step, the
     adjacent pair whose joined piece scores highest: each way of cutting a piece into two pieces of the
@@ -163,17 +191,23 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str = "<gguf>"):
     if not tokens:
         raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.tokens")
     types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    gemma = kind == "llama" and metadata.get("general.architecture") in _GEMMA_ARCHITECTURES
+    spelled = _gemma_spelling(tokens) if gemma else tokens
     vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
+    for i, t in enumerate(spelled):
         vocab.setdefault(t, i)
     if kind == "gpt2":
         tok, bos_by_default = _byte_level_bpe(metadata, vocab, path)
+    elif gemma:
+        tok, bos_by_default = _gemma_bpe(metadata, spelled, vocab)
     else:
         tok, bos_by_default = _sentencepiece_bpe(metadata, tokens, vocab, path)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == _CONTROL])
+    # as written in the file: Gemma's respelled pieces of spaces are no longer in the vocabulary under that
+    # spelling, and are left to the merges, as transformers' reader leaves them
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+                    for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab])
 
     def token(key: str) -> str | None:
         i = metadata.get(f"tokenizer.ggml.{key}")

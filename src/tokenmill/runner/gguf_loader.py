@@ -33,6 +33,11 @@ _LAYER = {
 }
 # llama.cpp's phi3 stores Phi-3's fused tensors as they are: q/k/v rows in attn_qkv, gate then up rows in ffn_up
 _PHI3_LAYER = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma's four norms a layer: ffn_norm is the MLP's input norm there (pre_feedforward_layernorm), and
+# post_attention_norm and post_ffw_norm normalise the attention's and the MLP's outputs
+_GEMMA_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_LAYERS = {"phi3": _PHI3_LAYER, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
 # tensors that ModelConfig.from_gguf reads into the config (not parameters): Llama 3's RoPE divisors, LongRoPE's
 # factors
 CONFIG_TENSORS = ("rope_freqs.weight", *GGUF_LONGROPE)
@@ -44,7 +49,7 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     returned unchanged, so the load reports them as left over)."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
-    layer = _PHI3_LAYER if architecture == "phi3" else _LAYER
+    layer = _LAYERS.get(architecture, _LAYER)
     m = _LAYER_KEY.fullmatch(gguf_name)
     if m and m.group(2) in layer:
         return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
@@ -67,7 +72,8 @@ def gguf_tensors(file: GGUFFile, num_heads: int, num_kv_heads: int,
     gives it on `device`, the model's: what follows (the unpermute, FP8 quantization at load) runs where a
     safetensors checkpoint's tensors, opened on that device, run it, so both give the same bytes."""
     # llama.cpp's converter permutes q/k for the architectures it rotates in interleaved pairs (its
-    # LLAMA_ROPE_TYPE_NORM): llama, and smollm3 and granite, converted as llama is
+    # LLAMA_ROPE_TYPE_NORM): llama, and smollm3 and granite, converted as llama is (qwen2, qwen3, phi3 and the
+    # gemmas rotate halves, as transformers does: their rows are as they were)
     permute = file.architecture in ("llama", "smollm3", "granite")
     for name in file.tensor_names:
         if name in CONFIG_TENSORS:
