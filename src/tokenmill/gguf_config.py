@@ -124,7 +124,7 @@ def _gguf_gemma(file: Any, arch: str, layers: int, hidden: int, heads: int, head
                 rope_theta: float) -> dict[str, Any]:
     """A gemma2 or gemma3 file's features as `ModelConfig` fields, its keys read as llama.cpp reads them and the
     model computed as transformers' Gemma2 and Gemma3 compute the checkpoint it was converted from (as
-    `hf_config._gemma_layers` reads its config.json): four norms a layer, GELU tanh, the embeddings times
+    `hf_gemma.gemma_layers` reads its config.json): four norms a layer, GELU tanh, the embeddings times
     sqrt(hidden_size) rounded to the dtype, the soft caps, q/k norm (gemma3), and the sliding layers:
     `attention.sliding_window_pattern` (a period n: each n-th layer attends to the whole context, 0 none; or a
     bool per layer, true where it slides) else llama.cpp's fixed pattern, over `attention.sliding_window`
