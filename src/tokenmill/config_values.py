@@ -1,4 +1,4 @@
-"""What ModelConfig (config.py) and its readers (hf_config.py, gguf_config.py) share, apart from the config
+"""What ModelConfig (model_config.py) and its readers (hf_config.py, gguf_config.py) share, apart from the config
 itself, so that the readers need not import it: dtype names, the number checks a config's values pass,
 Granite's scalars, the MLP's activations and the every-n-th-layer NoPE pattern."""
 from __future__ import annotations
