@@ -1,6 +1,6 @@
 """Frozen configs: `EngineConfig` (the engine's settings: the KV cache dtypes it takes, its checks, the device
-and dtypes it resolves) and `priority_refusal`. `ModelConfig` (the model's shape and features) lives in `model_config.py` and is
-imported from here, as the rest of the package does."""
+and dtypes it resolves) and `priority_refusal`. `ModelConfig` (the model's shape and features) lives in
+`model_config.py` and is imported from here, as the rest of the package does."""
 from __future__ import annotations
 
 import math
