@@ -69,8 +69,16 @@ _HF_DEFAULTS = {"SmolLM3ForCausalLM": {"rope_theta": 2e6, "tie_word_embeddings":
                 "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072},
                 **GEMMA_DEFAULTS}
 
-# multimodal architectures served as text alone: their config.json's text_config is the model's (`_text_config`)
-_TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+# multimodal checkpoints served as text alone (`models/registry.py`): the prefixes of their language model's tensors
+# and what each stands for here (older files' and transformers 5's names alike), and the prefixes of the parts
+# not served (vision tower, projector), whose tensors the load skips (`runner/loader.py`) and whose linear layers
+# a quantized checkpoint may leave unquantized. Their config.json's text_config is the model's (`_text_config`)
+TEXT_OF_MULTIMODAL: dict[str, tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {
+    "Gemma3ForConditionalGeneration": (
+        (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head.")),
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
+}
 
 # the architectures whose sliding_window (when set) spans every layer
 _EVERY_LAYER_WINDOW = ("Phi3ForCausalLM", "MistralForCausalLM")
@@ -169,7 +177,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     if not archs:
         raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
     arch = archs[0]
-    if arch in _TEXT_CONFIG_ARCHITECTURES:
+    if arch in TEXT_OF_MULTIMODAL:
         hf = _text_config(hf, arch)
     hf = {**_HF_DEFAULTS.get(arch, {}), **hf}
     missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
@@ -240,7 +248,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         bos_token_id=hf.get("bos_token_id"),
         dtype=dtype,
         hidden_act="silu" if act == "swish" else act,       # the same function
-        quantization=(parse_quantization(hf["quantization_config"])
+        quantization=(parse_quantization(hf["quantization_config"], TEXT_OF_MULTIMODAL.get(arch, ((), ()))[1])
                       if hf.get("quantization_config") else None),
         rope_layers=rope_layers,
         rotary_dim=rotary_dim,

@@ -28,17 +28,6 @@ _NOT_SERVED = {
 }
 
 
-# multimodal checkpoints served as text alone (`MODEL_REGISTRY`): the prefixes of their language model's tensors
-# and what each stands for here (older files' and transformers 5's names alike), and the prefixes of the parts
-# not served (vision tower, projector), whose tensors the load skips
-TEXT_OF_MULTIMODAL: dict[str, tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {
-    "Gemma3ForConditionalGeneration": (
-        (("language_model.model.", "model."), ("model.language_model.", "model."),
-         ("language_model.lm_head.", "lm_head.")),
-        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
-}
-
-
 def get_model_class(cfg: ModelConfig) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[cfg.architecture]

@@ -20,15 +20,16 @@ QUANTIZATION_METHODS = (*W4_METHODS, "fp8")
 QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
-def parse_quantization(qc: dict) -> W4Config | Fp8Config:
-    """A config.json's `quantization_config` -> the config of its layers."""
+def parse_quantization(qc: dict, unserved: tuple[str, ...] = ()) -> W4Config | Fp8Config:
+    """A config.json's `quantization_config` -> the config of its layers. `unserved`: the name prefixes of a
+    multimodal checkpoint's parts not served (`hf_config.TEXT_OF_MULTIMODAL`), which it may leave unquantized."""
     method = str(qc.get("quant_method", "")).lower()
     if method in FP8_METHODS:
-        return parse_fp8_config(qc)
+        return parse_fp8_config(qc, unserved)
     if method not in W4_METHODS:
         raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
                          f"supported: {', '.join((*W4_METHODS, *FP8_METHODS))}")
-    return parse_w4_config(qc)
+    return parse_w4_config(qc, unserved)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class W4Config:
         return -(-in_features // self.group_size)
 
 
-def parse_w4_config(qc: dict) -> W4Config:
+def parse_w4_config(qc: dict, unserved: tuple[str, ...] = ()) -> W4Config:
     """A config.json's `quantization_config` -> W4Config, or a ValueError naming the unsupported value."""
     method = str(qc.get("quant_method", "")).lower()
     if method not in W4_METHODS:
@@ -59,10 +60,10 @@ def parse_w4_config(qc: dict) -> W4Config:
     if group not in W4_GROUP_SIZES:
         raise ValueError(f"{method} checkpoint with group_size={group!r} is not supported; supported: "
                          f"{', '.join(map(str, W4_GROUP_SIZES))}")
-    if _not_the_head(qc.get("modules_to_not_convert")):
+    if _not_the_head(qc.get("modules_to_not_convert"), unserved):
         raise ValueError(f"{method} checkpoint with modules_to_not_convert={qc['modules_to_not_convert']!r} "
-                         "is not supported; supported: every decoder linear layer quantized (the head may be "
-                         "left out)")
+                         "is not supported; supported: every decoder linear layer quantized (the head, and a "
+                         "multimodal checkpoint's vision tower, may be left out)")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
@@ -107,7 +108,7 @@ class Fp8Config:
         return -(-out_features // bn), -(-in_features // bk)
 
 
-def parse_fp8_config(qc: dict) -> Fp8Config:
+def parse_fp8_config(qc: dict, unserved: tuple[str, ...] = ()) -> Fp8Config:
     """A config.json's FP8 `quantization_config` -> Fp8Config, or a ValueError naming the unsupported value."""
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
@@ -122,7 +123,7 @@ def parse_fp8_config(qc: dict) -> Fp8Config:
         if block is None or tuple(block) not in FP8_BLOCKS:
             raise ValueError(f"fp8 checkpoint with weight_block_size={block!r} is not supported; supported: "
                              f"{', '.join(str(list(b)) for b in FP8_BLOCKS)}")
-        _check_ignored(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), "fp8")
+        _check_ignored(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), "fp8", unserved)
         return Fp8Config(tuple(block), "fp8")
     if method != "compressed-tensors":
         raise ValueError(f"quant_method {qc.get('quant_method')!r} is not an FP8 format; supported: "
@@ -156,24 +157,38 @@ def parse_fp8_config(qc: dict) -> Fp8Config:
     if act is not None and not act.get("dynamic", False):
         raise ValueError(f"compressed-tensors input_activations with dynamic=false (static scales, strategy="
                          f"{act.get('strategy')!r}) are not supported; supported: dynamic per-token or none")
-    _check_ignored(qc.get("ignore"), "compressed-tensors")
+    _check_ignored(qc.get("ignore"), "compressed-tensors", unserved)
     return Fp8Config(None, "compressed-tensors")
 
 
-def _not_the_head(modules) -> list[str]:
+# a decoder linear layer's name in each form a checkpoint stores it: a text model's, and a multimodal one's
+# language model's (`hf_config.TEXT_OF_MULTIMODAL`, older files' and transformers 5's)
+_DECODER_LINEARS = tuple(f"{prefix}layers.0.{block}.{name}"
+                         for prefix in ("model.", "language_model.model.", "model.language_model.")
+                         for block, names in (("self_attn", QUANTIZED_LAYERS[:4]), ("mlp", QUANTIZED_LAYERS[4:]))
+                         for name in names)
+
+
+def _not_the_head(modules, unserved: tuple[str, ...] = ()) -> list[str]:
     """The entries of a checkpoint's list of unquantized modules other than the vocabulary head, which
-    tokenmill always keeps in the model dtype: `lm_head`, or a compressed-tensors `re:` pattern that
-    matches it and no decoder layer."""
+    tokenmill always keeps in the model dtype, and the parts of a multimodal checkpoint not served (`unserved`
+    prefixes: its vision tower, which llm-compressor leaves unquantized and lists layer by layer). An entry is
+    a name (`lm_head`, a multimodal checkpoint's `language_model.lm_head`, `vision_tower` or a module under it),
+    or a compressed-tensors `re:` pattern that matches the head or an unserved module and no decoder layer."""
     def head_only(m: str) -> bool:
         if not m.startswith("re:"):
-            return m == "lm_head"
+            return m == "lm_head" or m.endswith(".lm_head") or any((m + ".").startswith(p) for p in unserved)
         pattern = re.compile(m[3:])
-        return bool(pattern.fullmatch("lm_head")) and not pattern.fullmatch("model.layers.0.mlp.down_proj")
+        if any(pattern.fullmatch(name) for name in _DECODER_LINEARS):
+            return False
+        return any(pattern.fullmatch(name) for name in ("lm_head", "language_model.lm_head",
+                                                        *(p + "encoder.layers.0.mlp.fc1" for p in unserved)))
     return [m for m in modules or () if not head_only(str(m))]
 
 
-def _check_ignored(modules, method: str) -> None:
-    rest = _not_the_head(modules)
+def _check_ignored(modules, method: str, unserved: tuple[str, ...] = ()) -> None:
+    rest = _not_the_head(modules, unserved)
     if rest:
         raise ValueError(f"{method} checkpoint leaving {rest[:4]!r} unquantized is not supported; "
-                         "supported: every decoder linear layer in FP8 (the head may be left out)")
+                         "supported: every decoder linear layer in FP8 (the head, and a multimodal checkpoint's vision tower, "
+                         "may be left out)")

@@ -12,8 +12,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import TEXT_OF_MULTIMODAL
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.models.registry import TEXT_OF_MULTIMODAL, get_model_class
+from tokenmill.models.registry import get_model_class
 from tokenmill.quant import fp8
 from tokenmill.quant.formats import QUANTIZATION_ALIASES, Fp8Config
 from tokenmill.quant.w4 import act_order_perm
@@ -117,7 +118,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 def _checkpoint_names(cfg: ModelConfig, files: list[str], model_dir: str) -> dict[str, str | None]:
     """The stored keys whose name in the model differs (None: skipped); a key not in it is the model's as
-    stored. A multimodal checkpoint served as text (`registry.TEXT_OF_MULTIMODAL`) has its language model's
+    stored. A multimodal checkpoint served as text (`hf_config.TEXT_OF_MULTIMODAL`) has its language model's
     tensors renamed and the rest (vision tower, projector) skipped, said once in the log; a tied checkpoint
     may store the shared matrix under the head's name alone (transformers ties it either way)."""
     text = TEXT_OF_MULTIMODAL.get(cfg.architecture)
