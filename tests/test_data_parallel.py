@@ -14,7 +14,7 @@ import signal
 import httpx
 import pytest
 
-from test_server import ServerProcess, alive, completion_text
+from test_server import ServerProcess, alive, cmdline, completion_text
 from tokenmill.engine.dp_router import PrefixRouter, block_hashes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -307,14 +307,6 @@ def test_sigterm_drains_both_cores_and_exits_0(server, want):
         assert not alive(pid), pid
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def test_ctrl_c_while_the_cores_start_leaves_no_core_running(qwen3_dir):
     """An interrupted start-up kills the cores: they ignore SIGTERM (their server drains first), so
     multiprocessing's exit handler, which terminates and then joins them, waited forever."""
@@ -337,7 +329,7 @@ DataParallelLLM.start(EngineConfig(model={qwen3_dir!r}, device="cpu"), 2, engine
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 children = [int(c) for c in f.read().split()]
             # the cores are multiprocessing's spawned children; its resource tracker is a child too
-            cores = [pid for pid in children if b"spawn_main" in _cmdline(pid)]
+            cores = [pid for pid in children if b"spawn_main" in cmdline(pid)]
         except OSError:
             break
     assert len(cores) >= 2, cores

@@ -57,6 +57,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def cmdline(pid: int) -> bytes:
+    """Process `pid`'s command line (its arguments NUL-separated); empty once it has exited."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 class ServerProcess:
     def __init__(self, model_dir: str, tmp_path, *args: str):
         self.log_path = tmp_path / f"server-{os.getpid()}-{time.monotonic_ns()}.log"

@@ -18,7 +18,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.cli import build_parser, engine_config
 from tokenmill.config import EngineConfig, ModelConfig
 
-from test_server import alive
+from test_server import alive, cmdline
 
 # a shared prefix, lengths 3 to 40 (several prefill chunks under max_num_batched_tokens=24), one token
 PROMPTS = [[7, 3, 11], [5, 9, 13, 2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
@@ -200,7 +200,7 @@ def test_a_worker_that_dies_while_the_server_idles_ends_it(qwen3_dir, tmp_path):
     s = ServerProcess(qwen3_dir, tmp_path, "-tp", "2", "--max-model-len", "128", "--num-kv-blocks", "64")
     try:
         workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                   and _parent(int(pid)) == s.engine_pid and b"tp_worker" in _cmdline(int(pid))]
+                   and _parent(int(pid)) == s.engine_pid and b"tp_worker" in cmdline(int(pid))]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         assert s.proc.wait(timeout=60) != 0
@@ -216,14 +216,6 @@ def _parent(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_a_worker_that_dies_before_joining_the_group_fails_the_start(qwen3_dir, tmp_path, monkeypatch):
