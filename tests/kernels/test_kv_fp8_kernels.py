@@ -80,8 +80,11 @@ def test_qk_norm_rope_store_into_fp8_cache(num_heads, num_kv_heads, head_dim, bl
     assert torch.all(caches[3].view(-1, num_kv_heads, head_dim)[untouched].float() == poison)
 
 
-@pytest.mark.parametrize("group,block_size,dtype", [(5, 16, torch.float32), (4, 4, HALF)])
-def test_prefill_attention_over_fp8_cache(group, block_size, dtype):
+@pytest.mark.parametrize("group,block_size,dtype,window,softcap", [
+    (5, 16, torch.float32, None, None), (4, 4, HALF, None, None), (4, 4, HALF, 8, 2.0)])
+def test_prefill_attention_over_fp8_cache(group, block_size, dtype, window, softcap):
+    """Prefill chunks and decode rows over an FP8 cache, K's scale folded into the scores' (before a soft cap
+    and within a sliding window where a layer has them), V's applied to the output."""
     gen = _gen(43)
     num_kv_heads, head_dim = 2, 16
     q_lens, seq_lens = [5, 1, 23, 17], [5, 40, 30, 17]
@@ -91,13 +94,17 @@ def test_prefill_attention_over_fp8_cache(group, block_size, dtype):
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
-    ref = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, kv_scale)
+    ref = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, kv_scale, window=window, softcap=softcap)
     out = pa.paged_prefill_attention(q, k8, v8, table, ctx, qsl, max(q_lens), 0.3,
-                                     config=PrefillAttentionConfig(16, 16, 4, 1), kv_scale=kv_scale)
+                                     config=PrefillAttentionConfig(16, 16, 4, 1), kv_scale=kv_scale,
+                                     window=window, softcap=softcap)
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
     # the scales are applied: the same bytes read as if their scale were 1 give another result
-    plain = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, _scales(1.0, 1.0))
+    plain = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, _scales(1.0, 1.0), window=window, softcap=softcap)
     assert (plain - ref).abs().max() > 0.1
+    if softcap is not None:     # the cap bites on these scores: without it the output moves
+        uncapped = paged_attention_torch(q, k8, v8, table, ctx, qsl, 0.3, kv_scale, window=window)
+        assert (uncapped - ref).abs().max() > 0.05
 
 
 def _check_fp8_rows(rows, plain: torch.Tensor, v_scale: float, group: int) -> None:
