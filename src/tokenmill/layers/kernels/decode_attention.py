@@ -41,8 +41,8 @@ from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, 
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.attention import check_softcap, check_window
 from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _out_unit, _pages, _sms, out_rows, softcap_scores, store_out,
-                                                      store_row_scales, window_start, window_tiles)
+                                                      _out_unit, _pages, _sms, decode_splits, out_rows, softcap_scores,
+                                                      store_out, store_row_scales, window_tiles)
 from tokenmill.quant.fp8 import Fp8Rows
 
 MAX_SPLITS = 32
@@ -146,7 +146,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     # With a sliding WINDOW (0: none) the new token sees the positions from ctx - WINDOW on alone, and the
-    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.window_start`). SOFTCAP (0:
+    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.decode_splits`). SOFTCAP (0:
     # none): every score's soft cap, the new token's included (`paged_attention.softcap_scores`).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -156,19 +156,10 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     # written before the pass, and the cache below the new token, written by earlier steps.
     ctx = tl.load(seq_lens_ptr + b)
     new = ctx - 1  # this step's token; ctx 0 is a padded CUDA-graph slot, which has none
-    first = 0
-    if WINDOW > 0:
-        first, lo = window_start(ctx, WINDOW, BLOCK_N)
-        span = ctx - lo
-    else:
-        span = ctx
     # splits of at least MIN_SPLIT_LEN positions; only the splits that hold positions run
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-    num_active = tl.maximum(tl.cdiv(span, split_len), 1)
+    first, lo, split_len, num_active = decode_splits(ctx, NUM_SPLITS, WINDOW, BLOCK_N, MIN_SPLIT_LEN)
     if split < num_active:
-        start = split * split_len
-        if WINDOW > 0:
-            start += lo
+        start = lo + split * split_len
         end = tl.minimum(start + split_len, ctx)
         cached_end = tl.minimum(end, new)  # positions before the new token are in the cache already
         pos = tl.load(positions_ptr + b).to(tl.int64)

@@ -63,7 +63,7 @@ def _sms(device: torch.device) -> int:
 def window_tiles(max_blocks_per_seq: int, block_size: int, block_n: int, window: int | None) -> int:
     """The block_n tiles a decode query's loop may visit: those of the longest possible context, or with a
     sliding window at most those of the window and the tile its first position starts in
-    (`window_start`). A decode kernel's split count never exceeds it (CUDA-graph safe: shapes alone)."""
+    (`decode_splits`). A decode kernel's split count never exceeds it (CUDA-graph safe: shapes alone)."""
     tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
     return tiles if window is None else min(tiles, triton.cdiv(window + block_n - 1, block_n))
 
@@ -229,13 +229,23 @@ def store_row_scales(scale_ptr, row64, writer, v_scale, OUT_FP8: tl.constexpr, S
 
 
 @triton.jit
-def window_start(ctx, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    # a decode query at position ctx - 1 sees the positions from `first` = ctx - WINDOW on (transformers'
-    # sliding window: p - WINDOW < j <= p); its loop starts at `lo`, the start of the BLOCK_N tile that
-    # holds max(first, 0), so a context longer than the window costs the window's tiles alone
-    first = ctx - WINDOW
-    lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
-    return first, lo
+def decode_splits(ctx, num_splits, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    # A decode query at position ctx - 1, its positions cut into splits of split_len (whole BLOCK_N tiles, at
+    # least MIN_SPLIT_LEN positions), of which the first num_active hold positions; split s starts at
+    # lo + s * split_len. With a sliding WINDOW (0: none) it sees the positions from `first` = ctx - WINDOW on
+    # (transformers' window: p - WINDOW < j <= p), and lo is the start of the tile that holds max(first, 0), so
+    # a context longer than the window costs the window's tiles alone; without one, first = lo = 0
+    if WINDOW > 0:
+        first = ctx - WINDOW
+        lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
+        span = ctx - lo
+    else:
+        first = 0
+        lo = 0
+        span = ctx
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+    num_active = tl.maximum(tl.cdiv(span, split_len), 1)
+    return first, lo, split_len, num_active
 
 
 @triton.jit
@@ -273,18 +283,10 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     row = tl.load(query_start_loc_ptr + b)
     if tl.load(query_start_loc_ptr + b + 1) - row == 1:
         ctx = tl.load(seq_lens_ptr + b)
-        if WINDOW > 0:
-            # the splits cut [lo, ctx), lo the tile of the first visible position: split 0 holds it
-            first, lo = window_start(ctx, WINDOW, BLOCK_N)
-            span = ctx - lo
-        else:
-            span = ctx
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-        num_active = tl.maximum(tl.cdiv(span, split_len), 1)
+        # the splits cut [lo, ctx), lo the tile of the first visible position: split 0 holds it
+        first, lo, split_len, num_active = decode_splits(ctx, num_splits, WINDOW, BLOCK_N, MIN_SPLIT_LEN)
         if split < num_active:
-            start = split * split_len
-            if WINDOW > 0:
-                start += lo
+            start = lo + split * split_len
             end = tl.minimum(start + split_len, ctx)
             b64 = b.to(tl.int64)
             table = block_tables_ptr + b64 * bt_stride_b
