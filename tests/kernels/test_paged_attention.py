@@ -78,40 +78,11 @@ def _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale,
     return out.to(q.dtype)
 
 
-@pytest.mark.parametrize("window,dtype", [(1, torch.float32), (40, HALF)])
-def test_prefill_and_decode_rows_within_a_sliding_window(window, dtype):
-    """A sliding window: prefill chunks over cached prefixes (tiles of 16 rows whose rows see different
-    window edges, tiles where a row sees no position, and with a window of 40 a query tile at 66-69 that
-    every position of 32-63 is visible to, unmasked), and decode rows split over the window's tiles alone
-    (150 positions behind a window of 40: two splits of the 54 from the window's tile on). The kernels
-    equal the reference, and both a dense computation over each whole context."""
-    gen = _gen(13)
-    num_kv_heads, head_dim, group = 1, 16, 2
-    q_lens = [5, 1, 23, 4, 1, 0]
-    seq_lens = [5, 40, 30, 70, 150, 0]
-    k_cache, v_cache, table = _paged_cache(seq_lens, 4, num_kv_heads, head_dim, dtype, gen)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    q = _randn(sum(q_lens), group * num_kv_heads, head_dim, dtype=dtype, gen=gen)
-    dense = _dense_window_attention(q, k_cache, v_cache, table, seq_lens, q_lens, 0.3, window)
-    ref = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3, window=window)
-    torch.testing.assert_close(ref, dense, rtol=_tol(dtype), atol=_tol(dtype))
-    out = pa.paged_prefill_attention(q, k_cache, v_cache, table, ctx, qsl, max(q_lens), 0.3,
-                                     config=PrefillAttentionConfig(16, 16, 4, 1),
-                                     decode_config=DecodeAttentionConfig(block_n=16, num_warps=4, num_stages=1,
-                                                                         min_split_len=16),
-                                     num_splits=3, window=window)
-    torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
-    assert not torch.allclose(paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3), ref, atol=0.1)
-
-
-@pytest.mark.parametrize("window,softcap,dtype", [(None, 1.0, torch.float32), (40, 2.0, HALF)])
-def test_prefill_and_decode_rows_with_a_soft_cap(window, softcap, dtype):
-    """Scores soft-capped before the softmax (Gemma 2's attn_logit_softcapping, on the natural scale although the
-    kernels' scores are in the log2 domain): prefill chunks over cached prefixes and decode rows split over their
-    context, with and without a sliding window beside the cap. The kernels equal the reference, which equals a
-    dense computation; a cap of 1 or 2 on scores of q.k x 0.3 (about 1.2 apart) moves the output."""
-    gen = _gen(17)
+def _windowed_batch_equals_dense(seed: int, window: int | None, softcap: float | None, dtype):
+    """Prefill chunks over cached prefixes and decode rows (150 positions among them: three splits of 16-position
+    tiles), the kernels against the reference and the reference against a dense computation over each whole
+    context, under `window` and `softcap`; returns the reference's inputs and its output."""
+    gen = _gen(seed)
     num_kv_heads, head_dim, group = 1, 16, 2
     q_lens = [5, 1, 23, 4, 1, 0]
     seq_lens = [5, 40, 30, 70, 150, 0]
@@ -128,7 +99,28 @@ def test_prefill_and_decode_rows_with_a_soft_cap(window, softcap, dtype):
                                                                          min_split_len=16),
                                      num_splits=3, window=window, softcap=softcap)
     torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype))
-    uncapped = paged_attention_torch(q, k_cache, v_cache, table, ctx, qsl, 0.3, window=window)
+    return (q, k_cache, v_cache, table, ctx, qsl), ref
+
+
+@pytest.mark.parametrize("window,dtype", [(1, torch.float32), (40, HALF)])
+def test_prefill_and_decode_rows_within_a_sliding_window(window, dtype):
+    """A sliding window: prefill chunks over cached prefixes (tiles of 16 rows whose rows see different
+    window edges, tiles where a row sees no position, and with a window of 40 a query tile at 66-69 that
+    every position of 32-63 is visible to, unmasked), and decode rows split over the window's tiles alone
+    (150 positions behind a window of 40: two splits of the 54 from the window's tile on). The kernels
+    equal the reference, and both a dense computation over each whole context."""
+    inputs, ref = _windowed_batch_equals_dense(13, window, None, dtype)
+    assert not torch.allclose(paged_attention_torch(*inputs, 0.3), ref, atol=0.1)
+
+
+@pytest.mark.parametrize("window,softcap,dtype", [(None, 1.0, torch.float32), (40, 2.0, HALF)])
+def test_prefill_and_decode_rows_with_a_soft_cap(window, softcap, dtype):
+    """Scores soft-capped before the softmax (Gemma 2's attn_logit_softcapping, on the natural scale although the
+    kernels' scores are in the log2 domain): prefill chunks over cached prefixes and decode rows split over their
+    context, with and without a sliding window beside the cap. The kernels equal the reference, which equals a
+    dense computation; a cap of 1 or 2 on scores of q.k x 0.3 (about 1.2 apart) moves the output."""
+    inputs, ref = _windowed_batch_equals_dense(17, window, softcap, dtype)
+    uncapped = paged_attention_torch(*inputs, 0.3, window=window)
     assert not torch.allclose(uncapped, ref, atol=0.1)
 
 
