@@ -151,6 +151,21 @@ def test_quantizer_round_trip_within_half_a_step():
         assert ((back - w).abs()[big] <= w.abs()[big] * 2.0 ** -4 + 1e-7).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantizes_the_bytes_of_the_cpu():
+    """Weights quantized at load on the GPU hold the bytes a checkpoint written on the CPU holds: the
+    scales and the FP8 values bit for bit, per channel and block-wise, over weights whose row maxima take
+    many exponents (a scale one rounding off flips the FP8 value of some weight at a tie)."""
+    torch.manual_seed(0)
+    w = torch.randn(4096, 512) * torch.logspace(-4, 1, 4096)[:, None]
+    for block in (None, (128, 128)):
+        cpu_q, cpu_s = fp8.quantize(w, block)
+        gpu_q, gpu_s = (t.cpu() for t in fp8.quantize(w.cuda(), block))
+        assert torch.equal(gpu_s, cpu_s), (gpu_s != cpu_s).sum()
+        assert torch.equal(gpu_q.view(torch.uint8), cpu_q.view(torch.uint8)), (gpu_q != cpu_q).sum()
+
+
 @pytest.fixture(scope="module")
 def hf_base():
     return dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=128,

@@ -81,6 +81,14 @@ def check_device(device: torch.device, what: str = "FP8 weights") -> None:
 
 
 # ---- quantizer and reference ---------------------------------------------------------------------------
+def scales_of(amax: torch.Tensor) -> torch.Tensor:
+    """The FP8 scales of blocks whose largest |w| is `amax` (float32): amax / 448, 1 where amax is 0. The
+    448 is a tensor on amax's device: CUDA divides by a Python number as a product with its reciprocal, a
+    second rounding the CPU does not make, and a checkpoint quantized at load on the GPU is to hold the
+    bytes of one written on the CPU."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+
+
 def quantize(w: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (FP8 weight, float32 scale) by round to nearest: per output channel (scale [out, 1])
     with `block` None, else one scale per (block_n, block_k) tile, a partial last tile included."""
@@ -90,7 +98,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[tor
     pn, pk = -(-n // bn) * bn, -(-k // bk) * bk
     tiles = torch.nn.functional.pad(w, (0, pk - k, 0, pn - n)).view(pn // bn, bn, pk // bk, bk)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = scales_of(amax)
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(pn, pk)[:n, :k]
     return q.contiguous(), scale.contiguous()
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.quant.formats import W4_GROUP_SIZES
-from tokenmill.quant.fp8 import FP8, FP8_MAX
+from tokenmill.quant.fp8 import FP8, FP8_MAX, scales_of
 from tokenmill.quant.quantize import Grid, _groups, group_grid
 from tokenmill.quant.w4 import dequantize_grid
 
@@ -160,7 +160,7 @@ def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01
     A compensated weight can outgrow the row's absmax; it saturates at +-448."""
     w = w.float() * (hessian.diagonal() != 0)          # dead inputs' weights: see `gptq_columns`
     amax = w.abs().amax(1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = scales_of(amax)
 
     def round_column(i: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         q.copy_(torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
