@@ -58,6 +58,10 @@ try:
     from tokenmill.layers.kernels import gemv_smem
 except ImportError:
     gemv_smem = None
+try:  # the decode-rows kernel in a module of its own, else (older trees) in paged_attention, if anywhere
+    from tokenmill.layers.kernels import decode_rows as rows_module
+except ImportError:
+    rows_module = paged_attention
 gt = {**{p: BF for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")},
       "ids_ptr": "*i64", "eps": "fp32"}
 def whole(K, bn, nw, norm, res, silu, gather):
@@ -122,13 +126,13 @@ def prefill(fp8):
                 BLOCK_S=1),
                 pa_types(fp8), 4, 2, aligned=pa_aligned)
 def decode_rows(fp8):
-    return comp(paged_attention._decode_rows_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, SPLIT_CHUNK=8, GROUP=4,
+    return comp(rows_module._decode_rows_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, SPLIT_CHUNK=8, GROUP=4,
                 BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64,
                 DOT_PRECISION="tf32", FP8=fp8, WIDEN_ASM=True, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
                 pa_types(fp8), 4, 2, aligned=pa_aligned)
 K["prefill"] = lambda: prefill(False)
 K["prefill_fp8"] = lambda: prefill(True)
-if hasattr(paged_attention, "_decode_rows_kernel"):
+if hasattr(rows_module, "_decode_rows_kernel"):
     K["decode_rows"] = lambda: decode_rows(False)
     K["decode_rows_fp8"] = lambda: decode_rows(True)
 K["stage"] = lambda: comp(staging._stage_kernel, dict(HAS_PREV=True, BLOCK=1024),

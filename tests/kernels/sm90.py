@@ -31,7 +31,7 @@ def compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options):
 # WIDEN_ASM), `attention_types(cache)` the argument types with the cache's element type, `attention_aligned` the
 # strides a launch specialises; `compile_attention`'s `const` overrides constexprs.
 ATTENTION = COMPILE + r'''
-from tokenmill.layers.kernels import decode_attention, paged_attention
+from tokenmill.layers.kernels import decode_attention, decode_rows, paged_attention
 _heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
               PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", OUT_FP8=False, OUT_SCALES=1,
               BLOCK_S=1, WINDOW=0, SOFTCAP=0.0)
@@ -39,7 +39,7 @@ attention_kernels = {
     "decode": (decode_attention._fused_decode_kernel,
                dict(_heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,
                     ASK_L2=True)),
-    "decode_rows": (paged_attention._decode_rows_kernel, dict(_heads, SPLIT_CHUNK=8)),
+    "decode_rows": (decode_rows._decode_rows_kernel, dict(_heads, SPLIT_CHUNK=8)),
     "prefill": (paged_attention._prefill_kernel, dict(_heads, BLOCK_M=64, USE_TILES=True))}
 attention_aligned = ("qkv_stride_t", "cs_stride", "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h",
                      "c_stride_blk", "c_stride_tok", "c_stride_h")
@@ -52,7 +52,7 @@ def attention_types(cache, out="*bf16"):
             "scale_log2": "fp32", "kv_scale_ptr": "*fp32", "k_cache_ptr": cache, "v_cache_ptr": cache}
 
 def compile_attention(name, fp8, widen_asm=True, const=None, num_warps=4, out_fp8=False, **options):
-    # out_fp8: the output in E4M3 at V's scale for an FP8 o_proj (`paged_attention.out_rows`)
+    # out_fp8: the output in E4M3 at V's scale for an FP8 o_proj (`attention_common.out_rows`)
     fn, shipped = attention_kernels[name]
     const = dict(shipped, FP8=fp8, WIDEN_ASM=widen_asm, **(dict(OUT_FP8=True) if out_fp8 else {}), **(const or {}))
     const = {k: v for k, v in const.items() if k in fn.arg_names}

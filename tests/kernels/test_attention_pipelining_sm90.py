@@ -1,5 +1,5 @@
 """The attention kernels' software pipelining, compiled for sm90 on the CPU: each loop loads a tile's pages
-a tile ahead of its K and V (`paged_attention._pages`), so that at the shipped stage count (3) the
+a tile ahead of its K and V (`attention_common.tile_pages`), so that at the shipped stage count (3) the
 pipeliner keeps two tiles of K and V in flight, each in its own shared-memory buffer. With the pages
 loaded in the same iteration as the K and V that need them, it kept one buffer in these kernels whatever
 the stage count (docs/BENCHMARKS.md, "Attention with each tile's pages loaded a tile ahead"); the bf16

@@ -108,7 +108,7 @@ def test_prefill_attention_over_fp8_cache(group, block_size, dtype, window, soft
 
 
 def _check_fp8_rows(rows, plain: torch.Tensor, v_scale: float, group: int) -> None:
-    """An attention output written for an FP8 product (`paged_attention.out_rows`): E4M3 at V's scale,
+    """An attention output written for an FP8 product (`attention_common.out_rows`): E4M3 at V's scale,
     each row's scales V's, against the plain output of the same kernel (float32, V's scale a power of
     two: the same values, so the same codes)."""
     from tokenmill.quant.fp8 import Fp8Rows

@@ -9,6 +9,8 @@ from tokenmill.layers.attention import paged_attention_torch, store_kvcache_torc
 from tokenmill.layers.attention_metadata import AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import paged_attention as pa
+from tokenmill.layers.kernels.attention_common import window_tiles
+from tokenmill.layers.kernels.decode_rows import decode_rows_num_splits
 
 
 @pytest.mark.parametrize("group,block_size,dtype", [
@@ -128,22 +130,22 @@ def test_decode_rows_splits_from_shapes(monkeypatch):
     """The split counts depend on shapes only: more sequences, fewer splits; never more splits than tiles
     in the longest possible context."""
     cpu = torch.device("cpu")
-    few = pa.decode_rows_num_splits(1, 8, 256, 16, cpu, 64)
-    many = pa.decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
+    few = decode_rows_num_splits(1, 8, 256, 16, cpu, 64)
+    many = decode_rows_num_splits(256, 8, 256, 16, cpu, 64)
     assert few >= many >= 1
-    assert pa.decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
+    assert decode_rows_num_splits(1, 1, 2, 16, cpu, 64) == 1       # 32 positions: one tile
     # the one-kernel decode on an H200's 132 SMs, 8 kv heads and 8,192-position tables: eight programs an SM
     # from 5 sequences on; batch 1-4 fill the GPU twice in 64 x 4 x 3 tiles
     from tokenmill.layers.kernels import decode_attention as da
-    monkeypatch.setattr(da, "_sms", lambda device: 132)
+    monkeypatch.setattr(da, "planned_sms", lambda device: 132)
     splits = {b: da.decode_num_splits(b, 8, 512, 16, cpu, 64) for b in (1, 2, 4, 5, 8, 16, 32, 48, 66, 67, 256)}
     assert splits == {1: 32, 2: 17, 4: 9, 5: 26, 8: 16, 16: 8, 32: 4, 48: 2, 66: 2, 67: 1, 256: 1}
     assert [b for b in splits if da.takes_filled_launch(b, 8, splits[b], cpu)] == [5, 8, 16, 32, 48, 66]
     assert da.decode_num_splits(4, 8, 2, 16, cpu, 64) == 1        # one tile in the longest context
     # a sliding window caps both by the tiles a query visits: its own and the one its first position is in
-    assert da.decode_num_splits(1, 8, 512, 16, cpu, 64, window=100) == pa.window_tiles(512, 16, 64, 100) == 3
-    assert pa.decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=64) == 2
-    assert pa.decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=1) == 1
+    assert da.decode_num_splits(1, 8, 512, 16, cpu, 64, window=100) == window_tiles(512, 16, 64, 100) == 3
+    assert decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=64) == 2
+    assert decode_rows_num_splits(1, 1, 256, 16, cpu, 64, window=1) == 1
 
 
 def test_prefill_tile_grid_equals_sequence_grid():

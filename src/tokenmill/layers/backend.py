@@ -157,7 +157,7 @@ class TritonBackend(TorchBackend):
     @staticmethod
     def _out_group(kv_scale, into) -> int | None:
         """With an FP8 cache, the columns a scale with which an FP8 o_proj takes its input rows: the
-        attention kernels write them in E4M3 at V's scale (`paged_attention.out_rows`); else None."""
+        attention kernels write them in E4M3 at V's scale (`attention_common.out_rows`); else None."""
         return None if kv_scale is None or into is None else TritonBackend._fp8_group(into)
 
     def single_token_linear(self, input_ids):

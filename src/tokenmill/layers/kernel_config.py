@@ -74,7 +74,7 @@ SHIPPED_FP8_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
     """`decode_attention.fused_decode_attention`, and a mixed step's decode rows
-    (`paged_attention.paged_prefill_attention`). A tile is block_n positions; a split holds at least
+    (`decode_rows.launch_decode_rows`). A tile is block_n positions; a split holds at least
     min_split_len of them (a multiple of block_n), so contexts up to that length take one program per
     (sequence, kv head) and need no merge. A launch with many_splits splits or more (a batch of one
     sequence, two with 4 kv heads) has splits of one or two tiles, which software pipelining only slows:

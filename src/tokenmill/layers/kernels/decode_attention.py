@@ -22,7 +22,7 @@ norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log
 cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
 the cached tokens do; K's scale is folded into the score scale and V's multiplies the output, V widened
 by `fused_ops.fp8_v_tile`. For an FP8 o_proj the output is written in E4M3 in units of V's scale instead
-(`paged_attention.out_rows`), which o_proj takes as its quantized input rows.
+(`attention_common.out_rows`), which o_proj takes as its quantized input rows.
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
 counts), never on host copies of lengths, and the counters are a persistent zeroed buffer (`counters.py`)
@@ -40,9 +40,9 @@ from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
                                                 fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
 from tokenmill.layers.attention import check_softcap, check_window
-from tokenmill.layers.kernels.paged_attention import (_LOG2E, _check_tables, _dot_precision, _merge_splits,
-                                                      _out_unit, _pages, _sms, decode_splits, out_rows, softcap_scores,
-                                                      store_out, store_row_scales, window_tiles)
+from tokenmill.layers.kernels.attention_common import (LOG2E, check_tables, decode_splits, dot_precision,
+                                                       merge_splits, out_rows, out_unit, planned_sms, softcap_scores,
+                                                       store_out, store_row_scales, tile_pages, window_tiles)
 from tokenmill.quant.fp8 import Fp8Rows
 
 MAX_SPLITS = 32
@@ -52,14 +52,14 @@ SHIPPED = SHIPPED_DECODE
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
                       device: torch.device, block_n: int = SHIPPED.block_n, window: int | None = None) -> int:
     """Split-K factor from shapes only, never more splits than block_n tiles in the longest possible
-    context (or in a sliding `window`, `paged_attention.window_tiles`) nor MAX_SPLITS. From more than a
+    context (or in a sliding `window`, `attention_common.window_tiles`) nor MAX_SPLITS. From more than a
     quarter of an SM's worth of (sequence, kv head) programs on (`takes_filled_launch`): as many splits as
     keep at most eight programs an SM, as many one-warp programs as share one (26 at 5 sequences of 8 kv
     heads on 132 SMs, 8 at 16, 2 at 48-66, one from 67 on). Fewer programs (batch 1-4 there, where
     MAX_SPLITS caps the split count; at 3 sequences the one-warp launch at 32 splits was 37% slower with an
     FP8 cache on an H200, at 4 7% faster): enough splits in the four-warp tiles to fill the GPU twice
     (docs/BENCHMARKS.md)."""
-    num_sms = _sms(device)
+    num_sms = planned_sms(device)
     programs = batch * num_kv_heads
     max_tiles = window_tiles(max_blocks_per_seq, block_size, block_n, window)
     if _one_warp_batch(batch, num_kv_heads, device):
@@ -72,7 +72,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
 def _one_warp_batch(batch: int, num_kv_heads: int, device: torch.device) -> bool:
     # more than a quarter of an SM's worth of (sequence, kv head) programs: where both the split count
     # (eight programs an SM) and the launch (`filled`) change
-    return 4 * batch * num_kv_heads > _sms(device)
+    return 4 * batch * num_kv_heads > planned_sms(device)
 
 
 def takes_filled_launch(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
@@ -113,7 +113,7 @@ def _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc1, acc2, sc
                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr, SOFTCAP: tl.constexpr):
     # one online-softmax step over a tile of cached positions (at least one valid), heads in halves; an
     # FP8 tile is widened to q's dtype (exact; a no-op for a cache in q's dtype), unscaled; the scores
-    # soft-capped (`paged_attention.softcap_scores`)
+    # soft-capped (`attention_common.softcap_scores`)
     k_lo, k_hi = k_lo.to(q1.dtype), k_hi.to(q1.dtype)
     v_lo, v_hi = fp8_v_tile(v_lo, q1.dtype, FP8, WIDEN_ASM), fp8_v_tile(v_hi, q1.dtype, FP8, WIDEN_ASM)
     s = tl.dot(q1, tl.trans(k_lo), input_precision=DOT_PRECISION)
@@ -146,8 +146,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
     # One program: sequence b, kv head kvh, split. Heads are 2 * HALF wide and handled as two halves,
     # the layout RoPE works in; the group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot).
     # With a sliding WINDOW (0: none) the new token sees the positions from ctx - WINDOW on alone, and the
-    # splits cut [lo, ctx), lo the tile of the first of them (`paged_attention.decode_splits`). SOFTCAP (0:
-    # none): every score's soft cap, the new token's included (`paged_attention.softcap_scores`).
+    # splits cut [lo, ctx), lo the tile of the first of them (`attention_common.decode_splits`). SOFTCAP (0:
+    # none): every score's soft cap, the new token's included (`attention_common.softcap_scores`).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,7 +168,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         cos = tl.load(cos_sin_ptr + pos * cs_stride + dr[None, :], mask=d_mask[None, :], other=0.0)
         sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + dr[None, :], mask=d_mask[None, :], other=0.0)
         table = block_tables_ptr + b64 * bt_stride_b
-        pages = _pages(table, start, cached_end, PAGE_SIZE, BLOCK_N)
+        pages = tile_pages(table, start, cached_end, PAGE_SIZE, BLOCK_N)
         k_lo, k_hi, v_lo, v_hi, first_valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, start, first,
                                                          cached_end, kvh, c_stride_blk, c_stride_tok, dr, d_mask,
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N, WINDOW)
@@ -219,13 +219,13 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         if attend_first:
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, first_valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM, SOFTCAP)
-        # each tile's pages are loaded a tile ahead of its K and V (see `_pages`)
-        pages = _pages(table, start + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
+        # each tile's pages are loaded a tile ahead of its K and V (see `tile_pages`)
+        pages = tile_pages(table, start + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
         for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
             k_lo, k_hi, v_lo, v_hi, valid = _load_tile(k_cache_ptr, v_cache_ptr, pages, n0, first, cached_end,
                                                        kvh, c_stride_blk, c_stride_tok, dr, d_mask, HEAD_DIM, HALF,
                                                        PAGE_SIZE, BLOCK_N, WINDOW)
-            pages = _pages(table, n0 + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
+            pages = tile_pages(table, n0 + BLOCK_N, cached_end, PAGE_SIZE, BLOCK_N)
             m_i, l_i, acc1, acc2 = _attend_tile(q1, q2, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i,
                                                 acc1, acc2, scale_log2, DOT_PRECISION, FP8, WIDEN_ASM, SOFTCAP)
         if (new >= start) & (new < end):
@@ -249,7 +249,7 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         o_mask = g_mask[:, None] & d_mask[None, :]
         has = l_i > 0
         # V's scale (1.0 without FP8; 1.0 for an output in its units, OUT_FP8) with the softmax's sum
-        inv = _out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0)
+        inv = out_unit(v_scale, OUT_FP8) / tl.where(has, l_i, 1.0)
         store_row_scales(out_scale_ptr, b64, (kvh == 0) & (split == 0), v_scale, OUT_FP8, OUT_SCALES, BLOCK_S)
         if num_active == 1:
             dst = out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dr[None, :]
@@ -265,9 +265,9 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
             counter = counter_ptr + b * NUM_KV_HEADS + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_active - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM), b64, kvh,
-                              num_active, NUM_Q_HEADS,
-                              NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D, OUT_FP8)
+                merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b64 * (NUM_Q_HEADS * HEAD_DIM), b64, kvh,
+                             num_active, NUM_Q_HEADS,
+                             NUM_SPLITS, GROUP, BLOCK_GR, SPLIT_CHUNK, HEAD_DIM, BLOCK_D, OUT_FP8)
                 tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
 
@@ -287,7 +287,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     (`attention.paged_attention_torch`, one query a sequence); returns the attention output [B, Hq, D].
     A sequence with seq_len 0 (a padded CUDA-graph slot, slot -1) gets zeros. An FP8 cache comes with its
     `kv_scale` (attention.py); with it, `out_group` has the output come as `Fp8Rows` [B, Hq * D] at V's
-    scale (`paged_attention.out_rows`). `config`: the launch, by default the shipped one for the cache's
+    scale (`attention_common.out_rows`). `config`: the launch, by default the shipped one for the cache's
     dtype. `window`: the layer's sliding window (None: none; a constexpr, so a model without one runs the
     kernel compiled without it): the new token attends over the window's positions alone, and only the
     window's tiles are read and split. `softcap`: the layer's soft cap of the scores (None: none; a constexpr
@@ -295,7 +295,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     check_prologue_inputs("fused_decode_attention", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
                           v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
     batch = qkv.shape[0]
-    _check_tables(block_tables, seq_lens)
+    check_tables(block_tables, seq_lens)
     check_window(window)
     check_softcap(softcap)
     devices = {t.device for t in (qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -336,7 +336,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
     _fused_decode_kernel[(batch, num_kv_heads, num_splits)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, block_tables, seq_lens, out, out_scale, part_out, part_lse, counters,
-        kv_scale if kv_scale is not None else seq_lens, scale * _LOG2E,
+        kv_scale if kv_scale is not None else seq_lens, scale * LOG2E,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
@@ -345,7 +345,7 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
         SPLIT_CHUNK=min(8, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, PAGE_SIZE=block_size,
-        BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=_dot_precision(qkv.dtype),
+        BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=dot_precision(qkv.dtype),
         FP8=kv_scale is not None, PDL=pdl_on, ASK_L2=qkv.is_cuda, WIDEN_ASM=qkv.is_cuda, **out_launch,
         WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=cfg.num_warps,
         launch_pdl=pdl_on,

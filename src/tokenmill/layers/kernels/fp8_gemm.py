@@ -8,7 +8,7 @@ row, or with block scales of each row's block of columns, as the checkpoints' dy
 the products run on the FP8 tensor cores. The kernel that writes a product's input may quantize it on its
 way out instead (`Fp8Rows`; `input_group` says with which columns per scale): the RMSNorm before qkv and
 gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of the rows a product, and,
-beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`paged_attention.out_rows`).
+beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`attention_common.out_rows`).
 
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor

@@ -468,8 +468,8 @@ def _block_scale_problem(scale_mode: int, n_out: int, gated: bool, block_n: int,
 
 
 def _num_sms(device: torch.device) -> int:
-    from tokenmill.layers.kernels.paged_attention import _num_sms
-    return _num_sms(device.index or 0) if device.type == "cuda" else 4
+    from tokenmill.layers.kernels.attention_common import num_sms
+    return num_sms(device.index or 0) if device.type == "cuda" else 4
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
