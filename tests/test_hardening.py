@@ -223,7 +223,8 @@ def test_a_request_asking_for_more_logprobs_than_memory_holds_is_a_400():
 
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.server.errors import APIError
-    from tokenmill.server.serving import MAX_LOGPROB_ENTRIES, Serving
+    from tokenmill.server.request_checks import MAX_LOGPROB_ENTRIES
+    from tokenmill.server.serving import Serving
 
     serving = Serving(SimpleNamespace(tokenizer=None, max_model_len=40960), ["m"], 8)
     prompt = [[1] * 100]
@@ -245,10 +246,10 @@ def test_a_completions_prompt_logprobs_count_once_a_choice(tokenizer_dir, monkey
     n choices, but they were counted once: n = 32 on a 2,000-token prompt with echo and 20 alternatives
     answered 36 MB of JSON counted as 43,000 entries, so n = 128 could build 128 times the limit. Each
     choice's copy now counts (a chat answer holds them once)."""
-    import tokenmill.server.serving as serving_module
+    import tokenmill.server.request_checks as request_checks
     from test_openai_api import _in_process_api
 
-    monkeypatch.setattr(serving_module, "MAX_LOGPROB_ENTRIES", 1000)
+    monkeypatch.setattr(request_checks, "MAX_LOGPROB_ENTRIES", 1000)
     post = _in_process_api(tokenizer_dir)
     ids = list(range(10, 30))                    # 20 prompt tokens x 5 entries: 100 a choice
     for extra in ({"prompt_logprobs": 4}, {"echo": True, "logprobs": 4}):
@@ -1587,7 +1588,7 @@ def test_logprobs_in_flight_have_a_bound(tmp_path):
     """Each request may ask for up to 4,000,000 logprob entries (~2.7 GB of the API server's memory), and
     the queue holds --max-queue-len requests: in flight together they are bounded too, counted as each
     could come to. Past the bound a request gets 503 with Retry-After; as requests end, room returns."""
-    from tokenmill.server.serving import MAX_LOGPROB_ENTRIES_IN_FLIGHT
+    from tokenmill.server.request_checks import MAX_LOGPROB_ENTRIES_IN_FLIGHT
     s = _slow_engine_server(os.path.join(TESTS, "..", "src", "tokenmill", "assets", "tiny"), tmp_path,
                             "--max-num-seqs", "128", "--max-queue-len", "16")
     big = {"model": "tiny", "prompt": "hi", "n": 126, "max_tokens": 1500, "logprobs": 20, "ignore_eos": True}

@@ -16,7 +16,7 @@ import orjson
 from tokenmill.sampling_params import MAX_JSON_DEPTH, truncated_length
 from tokenmill.server.errors import BodyError
 from tokenmill.server.protocol import MAX_METADATA, MAX_PROMPTS, MAX_TEMPLATE_KWARGS, MAX_XARGS
-from tokenmill.server.serving import prompt_too_long
+from tokenmill.server.request_checks import prompt_too_long
 
 
 # the arrays and objects a body may hold. What a request reads is bounded by the context (40,960 chat messages

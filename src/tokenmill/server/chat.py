@@ -21,7 +21,8 @@ from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import THINK_END
-from tokenmill.server.serving import Serving, prompt_logprobs_json
+from tokenmill.server.serving import Serving
+from tokenmill.server.token_text import prompt_logprobs_json
 from tokenmill.server.tool_choice import ConstrainedCalls, NamedCall, RequiredCalls
 
 

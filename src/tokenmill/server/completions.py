@@ -14,7 +14,8 @@ from fastapi import Request
 from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import Serving, prompt_logprobs_json
+from tokenmill.server.serving import Serving
+from tokenmill.server.token_text import prompt_logprobs_json
 
 
 class TextOffsets:

@@ -1,5 +1,6 @@
-"""`Serving`, the state each endpoint shares: admission and draining, a request's checks and SamplingParams, and
-its prompts handed to the engine and answered as JSON or SSE."""
+"""`Serving`, the state each endpoint shares: admission and draining, and a request's prompts handed to the
+engine and answered as JSON or SSE. It takes in a request's checks and SamplingParams (`request_checks.py`)
+and the token texts of answers (`token_text.py`)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,16 +15,17 @@ from fastapi.responses import Response
 from tokenmill.config import priority_refusal
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import shown
-from tokenmill.server.answers import SSE_HEADERS, _lp, dumps, error_event, json_response, sse_event
+from tokenmill.server.answers import SSE_HEADERS, dumps, error_event, json_response, sse_event
 from tokenmill.server.engine_streams import (
     ClosingStream, ServerStopping, _close_all, _first_outputs, _last_outputs, _merge_streams, _with_disconnect,
     as_api_error,
 )
 from tokenmill.server.errors import APIError, error_body
-from tokenmill.server.prompts import PromptTokenizer, no_tokenizer
+from tokenmill.server.prompts import PromptTokenizer
+from tokenmill.server.request_checks import MAX_LOGPROB_ENTRIES_IN_FLIGHT, RequestChecks, most_logprob_entries
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.stats_log import log_request
+from tokenmill.server.token_text import TokenText
 
 logger = logging.getLogger("tokenmill")
 
@@ -53,20 +55,7 @@ class ChatOptions:
                                  f"known: {', '.join(sorted(REASONING_PARSERS))}")
 
 
-# the most logprob entries (a token's, or one of its top alternatives) one request may ask for: 300 MB of JSON
-# at the most (64 MB held flat until it finishes)
-MAX_LOGPROB_ENTRIES = 4_000_000
-# and all requests in flight together (admitted and not finished), counted as each could come to: without it,
-# a thousand queued requests at the limit above could ask for terabytes
-MAX_LOGPROB_ENTRIES_IN_FLIGHT = 4 * MAX_LOGPROB_ENTRIES
-
-
-def prompt_too_long(max_model_len: int, tokens: int) -> str:
-    return (f"This model's maximum context length is {max_model_len} tokens, but the prompt has {tokens} tokens "
-            f"(at least 1 token must be left for the completion).")
-
-
-class Serving:
+class Serving(RequestChecks, TokenText):
     """Shared front half of both endpoints: checks, tokenisation (`prompts`), submission, draining."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int,
@@ -83,7 +72,7 @@ class Serving:
         self.scheduling_policy: str | None = getattr(engine, "scheduling_policy", None)
         self.draining = False
         self.in_flight = 0
-        self.logprob_entries_in_flight = 0    # what the requests in flight could return (`_logprob_entries`)
+        self.logprob_entries_in_flight = 0    # what the requests in flight could return (`most_logprob_entries`)
         self._idle = asyncio.Event()
         self._idle.set()
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, chat.chat_template)
@@ -115,10 +104,6 @@ class Serving:
         self.background = None          # with them, the background.BackgroundResponses this process runs
 
     # ----- admission -------------------------------------------------------------------------
-    def check_model(self, model: str | None):
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model {shown(model)} does not exist.", "model", "model_not_found")
-
     def admit(self, num_prompts: int = 1):
         """Checks that a new request (of `num_prompts` prompts) may enter. Once this returns, the caller
         must reach `run` or `submit` (a background response's), which count the prompts as waiting until their
@@ -137,107 +122,6 @@ class Serving:
                                 f"{self.max_queue_len} (--max-queue-len); retry later.",
                            code="queue_full", headers={"Retry-After": "1"})
         self.waiting += num_prompts
-
-    def check_prompt(self, ids: list[int], param: str = "prompt") -> list[int]:
-        """`param`: the request's field the prompt came from (a chat's is its messages)."""
-        if not ids:
-            raise APIError(400, "The prompt is empty (0 tokens).", param)
-        if len(ids) >= self.engine.max_model_len:
-            raise APIError(400, prompt_too_long(self.engine.max_model_len, len(ids)), param,
-                           "context_length_exceeded")
-        self.check_token_ids(ids, param)
-        return ids
-
-    def check_token_ids(self, ids, param: str | None) -> None:
-        """A 400 naming the first of `ids` (a list, or a logit_bias's keys) past the vocabulary (nothing to check
-        where its size is unknown)."""
-        if self.vocab_size is not None:
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"Token id {bad} is out of range for a vocabulary of {self.vocab_size}.", param)
-
-    def truncate(self, ids: list[int], params) -> list[int]:
-        """The prompt as the request's truncate_prompt_tokens leaves it (the engine's rule, applied here
-        before the prompt's checks)."""
-        try:
-            return params.truncate(ids, self.engine.max_model_len)
-        except ValueError as e:
-            raise APIError(400, str(e), "truncate_prompt_tokens") from None
-
-    def check_room(self, prompts: list[list[int]], params, max_tokens_param: str = "max_tokens",
-                   prompt_in_each_choice: bool = False) -> None:
-        """As vLLM's server does: a request whose prompt plus max_tokens exceeds the context is refused
-        (the offline API instead stops such a request at the context length, finish_reason "length").
-        And a request whose logprobs could come to more than `MAX_LOGPROB_ENTRIES` is refused: the frontend
-        holds every entry of a request until it finishes (16 bytes each, `FlatLogprobs`) and its answer's
-        JSON is ~75 bytes an entry, so one request of 128 choices x 40,960 tokens x 21 entries would be an
-        8 GB answer.
-        `max_tokens_param`: the field the client gave max_tokens in; `prompt_in_each_choice`: the answer
-        repeats a prompt's logprobs in each of its n choices (completions), so they count n times."""
-        limit = self.engine.max_model_len
-        longest = max(len(ids) for ids in prompts)
-        if params.max_tokens is not None and longest + params.max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{longest + params.max_tokens} tokens ({longest} in the prompt, "
-                                f"{params.max_tokens} in the completion). Please reduce the length of the "
-                                f"prompt or {max_tokens_param}.", max_tokens_param, "context_length_exceeded")
-        entries, parts = self._logprob_entries(prompts, params, prompt_in_each_choice)
-        if entries > MAX_LOGPROB_ENTRIES:
-            raise APIError(400, f"This request could return {entries:,} logprob entries ({' + '.join(parts)}); at "
-                                f"most {MAX_LOGPROB_ENTRIES:,} are returned for one request. Lower max_tokens, n or "
-                                f"the number of top logprobs.", "logprobs")
-
-    def _logprob_entries(self, prompts: list[list[int]], params, prompt_in_each_choice: bool = False
-                         ) -> tuple[int, list[str]]:
-        """The most logprob entries a request could return, and how they add up (for its refusal).
-        `prompt_in_each_choice`: as `check_room`'s."""
-        limit = self.engine.max_model_len
-        entries, parts = 0, []
-        if params.logprobs is not None:
-            tokens = sum(params.max_tokens if params.max_tokens is not None else limit - len(ids) for ids in prompts)
-            entries += params.n * tokens * (params.logprobs + 1)
-            why = "max_tokens" if params.max_tokens is not None else "to the context's end: no max_tokens"
-            parts.append(f"{params.n} choices x {tokens:,} tokens ({why}) x {params.logprobs + 1} entries a token")
-        if params.prompt_logprobs is not None:
-            tokens = sum(len(ids) for ids in prompts)
-            copies = params.n if prompt_in_each_choice else 1
-            entries += copies * tokens * (params.prompt_logprobs + 1)
-            parts.append(f"{tokens:,} prompt tokens x {params.prompt_logprobs + 1} entries a token"
-                         + (f" x {copies} choices each repeating them" if copies > 1 else ""))
-        return entries, parts
-
-    async def params(self, req, logprobs: int | None, **overrides):
-        """The request's SamplingParams; `overrides` replace fields the endpoint decides itself. A chat
-        request's grammar learns how the tool-call parser writes calls (`structured_params`). Built on a
-        thread: a grammar's schema is built and checked in time that grows with it (3,000 tools held the
-        event loop ~0.4 s)."""
-        return await asyncio.to_thread(self._params, req, logprobs, **overrides)
-
-    def _params(self, req, logprobs: int | None, **overrides):
-        call_form = self.tool_parser.call_form if self.tool_parser is not None else None
-        try:
-            params = req.sampling_params(logprobs, self.sampling_defaults, call_form, **overrides)
-            # tokenized once for all the request's prompts (the params are the request's own)
-            params = params.resolve_bad_words(self.prompts.tokenizer)
-        except ValueError as e:
-            raise APIError(400, str(e), req.field_of(getattr(e, "param", getattr(e, "field", None)))) from None
-        if self.vocab_size is not None:
-            # the token ids a request names, against the vocabulary here as the engine checks them: the 400 before
-            # the request is admitted, not from the engine core after a vocabulary's worth of logit_bias got there
-            for field, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
-                               ("allowed_token_ids", params.allowed_token_ids or ()),
-                               ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])):
-                self.check_token_ids(ids, req.field_of(field))
-            if params.top_k >= self.vocab_size:
-                params.top_k = 0
-        if self.prompts.tokenizer is None:
-            # output text, stop strings and logprobs' token texts are the tokenizer's
-            for needs, field in ((params.stop, "stop"), (params.logprobs is not None, "logprobs"),
-                                 (params.prompt_logprobs is not None, "prompt_logprobs"),
-                                 (params.structured_outputs is not None, "structured_outputs")):
-                if needs:
-                    raise APIError(400, no_tokenizer(field), req.field_of(field))
-        return params
 
     def _begin(self, logprob_entries: int):
         self.in_flight += 1
@@ -267,33 +151,6 @@ class Serving:
     async def wait_idle(self):
         await self._idle.wait()
 
-    # ----- token text ------------------------------------------------------------------------
-    def tokens_as_ids(self, req) -> bool:
-        """Whether the request's logprobs name tokens by id: its return_tokens_as_token_ids, else the
-        server's (--return-tokens-as-token-ids)."""
-        asked = req.return_tokens_as_token_ids
-        return self.return_tokens_as_token_ids if asked is None else asked
-
-    def token_text(self, token_id: int, logprob_entry=None, as_id: bool = False) -> str:
-        """A logprob entry's token: its text, or with `as_id` (vLLM's return_tokens_as_token_ids, which tells
-        apart tokens of equal text) "token_id:{id}"."""
-        if as_id:
-            return f"token_id:{token_id}"
-        if logprob_entry is not None and logprob_entry.decoded_token is not None:
-            return logprob_entry.decoded_token
-        return self.engine.processor.token_text(token_id)
-
-    def token_bytes(self, token_id: int, text: str, as_id: bool = False) -> bytes:
-        """The bytes a token adds to the text (a part of a character's included), else its `text`'s; with
-        `as_id`, those of its "token_id:{id}" (vLLM's)."""
-        data = None if as_id else self.engine.processor.token_bytes(token_id)
-        return data if data is not None else text.encode("utf-8")
-
-    def skipped_special_ids(self) -> frozenset[int]:
-        """The special tokens that an output decoded with skip_special_tokens leaves out of its text."""
-        tokenizer = self.prompts.tokenizer
-        return frozenset() if tokenizer is None else tokenizer.skipped_special_ids
-
     # ----- running requests ------------------------------------------------------------------
     @staticmethod
     def response_id(raw: Request, req, prefix: str) -> str:
@@ -313,7 +170,7 @@ class Serving:
         if refused is not None:
             self.waiting -= len(prompts)
             raise APIError(400, refused, "priority")
-        entries = self._logprob_entries(prompts, params, prompt_in_each_choice)[0]
+        entries = most_logprob_entries(prompts, params, self.engine.max_model_len, prompt_in_each_choice)[0]
         if self.logprob_entries_in_flight + entries > MAX_LOGPROB_ENTRIES_IN_FLIGHT:
             self.waiting -= len(prompts)
             raise APIError(503, f"The requests in flight could already return {self.logprob_entries_in_flight:,} "
@@ -438,14 +295,3 @@ class Submitted:
         await self.abort()
         self.release()
 
-
-def prompt_logprobs_json(serving: Serving, out: RequestOutput, top: int) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {id: {logprob, rank,
-    decoded_token}}: the prompt's token and the `top` most likely (the engine may hold more, where echoed
-    logprobs asked for more)."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if entry is None else
-            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": serving.token_text(t, lp)}
-             for t, lp in entry.items() if t == token or lp.rank <= top}
-            for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
