@@ -189,6 +189,23 @@ def _byte_level_inverse() -> dict[str, int]:
     return chars
 
 
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def think_tag_ids(tokenizer, needed_by: str) -> tuple[int, int]:
+    """The ids of `<think>` and `</think>`; a ValueError naming what needs them (`needed_by`: a reasoning
+    parser's flag, a request's field) and a tag that is not one token."""
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        got = tokenizer.encode(tag, add_special_tokens=False)
+        if len(got) != 1:
+            raise ValueError(f"{needed_by} needs {tag} as one token of the tokenizer's vocabulary (it counts "
+                             f"reasoning tokens by it); this tokenizer encodes {tag} as {len(got)} tokens {got}")
+        ids.append(got[0])
+    return ids[0], ids[1]
+
+
 def template_kwargs(chat_template_kwargs: dict | None, tools: list[dict] | None,
                     continue_final_message: bool | None, documents: list[dict] | None = None) -> dict:
     """The chat template's keyword arguments of a chat request (served, tokenized or offline): the

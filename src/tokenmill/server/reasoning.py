@@ -33,10 +33,8 @@ route every delta at once, so the streamed parts always concatenate to the non-s
 """
 from __future__ import annotations
 
+from tokenmill.engine.tokenizer import THINK_END, THINK_START, think_tag_ids
 from tokenmill.server.tool_parsers.base import partial_suffix
-
-THINK_START = "<think>"
-THINK_END = "</think>"
 
 
 def last_turn(prompt: str, markers: tuple[str, ...]) -> str:
@@ -50,15 +48,7 @@ def last_turn(prompt: str, markers: tuple[str, ...]) -> str:
 
 def think_token_ids(tokenizer) -> tuple[int, int]:
     """The ids of `<think>` and `</think>`; a ValueError naming a tag that is not one token."""
-    ids = []
-    for tag in (THINK_START, THINK_END):
-        got = tokenizer.encode(tag, add_special_tokens=False)
-        if len(got) != 1:
-            raise ValueError(f"--reasoning-parser needs {tag} as one token of the tokenizer's vocabulary (it "
-                             f"counts reasoning tokens by it); this tokenizer encodes {tag} as {len(got)} tokens "
-                             f"{got}")
-        ids.append(got[0])
-    return ids[0], ids[1]
+    return think_tag_ids(tokenizer, "--reasoning-parser")
 
 
 class ReasoningParser:
