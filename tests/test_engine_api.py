@@ -36,6 +36,8 @@ def llm(qwen3_dir):
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids (integers >= 0), got [-1]"),
     (dict(stop=[1]), "stop must be non-empty strings (a string or a list of them), got [1]"),
     (dict(top_k=1.5), "top_k must be an integer: 0 or -1 (disabled) or >= 1, got 1.5"),
+    (dict(thinking_token_budget=-1), "thinking_token_budget must be an integer >= 0 (or None: no budget), got -1"),
+    (dict(thinking_token_budget=2.5), "thinking_token_budget must be an integer >= 0 (or None: no budget), got 2.5"),
 ])
 def test_bad_sampling_values_name_value_and_limit(kwargs, message):
     with pytest.raises(ValueError) as e:

@@ -78,6 +78,14 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: at most this many generated tokens inside the thinking block, then `</think>` is the next token
+    # (engine/thinking_budget.py); None: no cap. The block is marked by `think_tags`, the (<think>, </think>) ids
+    # (a server's reasoning parser's; else the tokenizer's, filled when the request is added), and opens at the
+    # first generated token where `in_think` (a server's chat sets it as its reasoning parser reads the prompt;
+    # None: where the prompt's last think tag is <think>), else where the output's first token is <think>
+    thinking_token_budget: int | None = None
+    think_tags: tuple[int, int] | None = None
+    in_think: bool | None = None
     # vLLM's: a secret mixed into the hash of the prompt's first block (so into every block's, through the
     # chain): requests of different salts share no prefix-cache block, so one tenant cannot learn from its
     # time to first token whether another's prompt began as its own did (a cache-timing side channel). A
@@ -113,6 +121,8 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise SamplingParamError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         self._check()
+        if self.think_tags is not None:
+            self.think_tags = tuple(self.think_tags)
         if 0 < self.temperature < MIN_TEMPERATURE:
             # vLLM's floor: logits scaled by a smaller one can overflow to inf
             self.temperature = MIN_TEMPERATURE
@@ -189,6 +199,15 @@ class SamplingParams:
                        for w in self.bad_words_token_ids)):
             bad("bad_words_token_ids", self.bad_words_token_ids,
                 "a list of words, each a non-empty list of token ids (integers >= 0)")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            bad("thinking_token_budget", budget, "an integer >= 0 (or None: no budget)")
+        if self.think_tags is not None and (
+                not isinstance(self.think_tags, (list, tuple)) or len(self.think_tags) != 2
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.think_tags)):
+            bad("think_tags", self.think_tags, "the token ids of <think> and </think> (two integers >= 0)")
+        if self.in_think is not None and not isinstance(self.in_think, bool):
+            bad("in_think", self.in_think, "a bool or None")
         if self.truncate_prompt_tokens is not None and (
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):

@@ -238,6 +238,29 @@ def test_greedy_rows_take_the_first_maximum():
     assert got.tolist() == [7, 0, int(logits[2].argmax())]
 
 
+def test_a_forced_token_is_drawn_under_every_filter():
+    """A row that must take one token (a thinking budget's </think>: `SamplingTensors.forced`) keeps it alone:
+    `sample` draws it whatever the row's temperature, top-k, top-p and min-p (on CUDA through the kernel), and
+    so does the kernel given the logits `sample` hands it; a row that need not keeps its draw, and logprobs
+    stay those of the model's distribution."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 8, 600
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(DEVICE)
+    t = _mixed_rows(gen, rows, vocab)
+    ids = torch.tensor([5, 17, 599, 0, 42, 300, 1, 2], device=DEVICE)
+    must = torch.tensor([True, True, True, True, False, True, False, True], device=DEVICE)
+    free = sample(logits, t).token_ids
+    t.forced, t.max_logprobs = (torch.arange(rows, device=DEVICE), ids, must), 0
+    out = sample(logits, t)
+    assert torch.equal(out.token_ids, torch.where(must, ids, free))
+    model = logits.float().log_softmax(-1).gather(-1, out.token_ids[:, None])
+    assert torch.allclose(out.logprobs, model, atol=1e-5)
+    alone = torch.full_like(logits, float("-inf"))
+    alone[torch.arange(rows, device=DEVICE), ids] = 0.0
+    assert torch.equal(_kernel(torch.where(must[:, None], alone, logits), t),
+                       torch.where(must, ids, _kernel(logits, t)))
+
+
 def test_kernel_parameters_are_views_of_one_packed_copy():
     t = _tensors(100, [0.0, 0.5], top_k=[0, 5], top_p=[1.0, 0.8], min_p=[0.0, 0.1], seeds=[-2**63, 2**62 + 1],
                  positions=[0, 2**40])

@@ -19,6 +19,8 @@ from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.thinking_budget import (ThinkingBudget, grammar_after_block, resolve_think_tags,
+                                              starts_in_think)
 from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS, StepOutputs, StepOutputsBuilder
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids, plain_eos_ids
 from tokenmill.runner.model_runner import ModelRunner
@@ -138,6 +140,7 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params = params.resolve_bad_words(self.tokenizer)     # itself where the frontend resolved them
+        params = resolve_think_tags(params, self.tokenizer)    # the same
         self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row
@@ -145,6 +148,10 @@ class LLMEngine:
         # the ids min_tokens holds back (read only, shared by the n sequences): end of sequence too where
         # ignore_eos is set (vLLM's rule: min_tokens counts tokens that are not it)
         held_back = [] if not params.min_tokens else sorted(set(params.stop_token_ids) | self.eos_token_ids)
+        in_think = params.thinking_token_budget is not None and starts_in_think(params, prompt_ids)
+        spec = params.structured_outputs
+        if params.thinking_token_budget is not None:
+            spec = grammar_after_block(spec, params.think_tags, in_think)
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -153,7 +160,9 @@ class LLMEngine:
             seqs[-1].handle = handle
             seqs[-1].min_tokens_ids = held_back
             if compiled is not None:
-                seqs[-1].grammar = self._structured.sequence_grammar(compiled, params.structured_outputs)
+                seqs[-1].grammar = self._structured.sequence_grammar(compiled, spec)
+            if params.thinking_token_budget is not None:
+                seqs[-1].thinking = ThinkingBudget(params.think_tags, params.thinking_token_budget, in_think)
         self.groups[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -188,12 +197,13 @@ class LLMEngine:
                 del self.groups[rid]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids a request names (logit_bias, allowed_token_ids, stop_token_ids) are in the vocabulary: the
-        sampler indexes the logits with them."""
+        """Token ids a request names (logit_bias, allowed_token_ids, stop_token_ids, bad words, think tags) are in
+        the vocabulary: the sampler indexes the logits with them."""
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])):
+                          ("bad_words", [t for word in params.bad_words_token_ids or () for t in word]),
+                          ("think_tags", params.think_tags or ())):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "
@@ -334,6 +344,8 @@ class LLMEngine:
         self.num_generation_tokens += 1
         p = req.params
         status, text = None, False
+        if req.thinking is not None:
+            req.thinking.accept(token)
         grammar_ended = req.grammar is not None and self._grammar_ended(req, token)
         # a stop or end-of-sequence token's text shows only with include_stop_str_in_output (vLLM's rule; a
         # special token's then as skip_special_tokens has it)

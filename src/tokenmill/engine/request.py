@@ -78,6 +78,8 @@ class Request:
         self.pending_row = -1
         # structured output: this sequence's matcher (engine/structured_output.py), else None
         self.grammar = None
+        # thinking_token_budget: this sequence's thinking block and its count (engine/thinking_budget.py), else None
+        self.thinking = None
 
     @property
     def scores_prompt(self) -> bool:

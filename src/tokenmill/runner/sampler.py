@@ -72,6 +72,9 @@ class SamplingTensors:
     token_bitmask: BatchBitmask | None = None  # the grammar-constrained rows
     # the rows limited to allowed_token_ids: ([S] bool, the limited rows; the row and token id of each entry)
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the rows that may have to take one token (a thinking budget's `</think>`): (rows, token ids, [F] bool
+    # whether each must, decided on the device where it waits on the token in flight)
+    forced: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # what the CUDA kernel reads, every row filled (top_k = vocab size, top_p = 1, min_p = 0 where off, each
     # row's seed and position): (temperature, top_k, top_p, min_p, seeds, positions)
     kernel_params: tuple[torch.Tensor, ...] | None = None
@@ -131,6 +134,10 @@ class SamplingTensors:
         max_logprobs = most if most >= 0 else None
         bias = _logit_bias(requests, device, prev_tokens)
         allowed = _allowed(requests, device)
+        forced = None
+        if any(r.thinking is not None for r in requests):
+            from tokenmill.engine.thinking_budget import forced_rows
+            forced = forced_rows(requests, device, prev_tokens)
         bitmask = None
         if any(r.grammar is not None for r in requests):
             from tokenmill.engine.structured_output import BatchBitmask
@@ -139,13 +146,13 @@ class SamplingTensors:
         penalties = bool(flags["penalties"].any())
         if all_greedy and not penalties:
             return SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
-                                   None, None, max_logprobs, bias, bitmask, allowed)
+                                   None, None, max_logprobs, bias, bitmask, allowed, forced)
         packed["position"] = np.fromiter((r.num_output_tokens for r in requests), np.int64, rows)
         counts = seen = None
         if penalties:
             counts, seen = _penalty_tensors(requests, vocab_size, device, prev_tokens, copies)
         t = SamplingTensors.from_rows(packed, vocab_size, device, all_greedy, max_logprobs, counts, seen)
-        t.logit_bias, t.token_bitmask, t.allowed = bias, bitmask, allowed
+        t.logit_bias, t.token_bitmask, t.allowed, t.forced = bias, bitmask, allowed, forced
         return t
 
 
@@ -345,7 +352,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
     """`greedy`: each row's argmax of `logits` where the caller has it already (the CUDA graphs end
     with it); used as the tokens when every row is greedy and nothing else is asked of the logits."""
     if (t.all_greedy and t.output_counts is None and t.seen_mask is None and t.max_logprobs is None
-            and t.logit_bias is None and t.token_bitmask is None and t.allowed is None):
+            and t.logit_bias is None and t.token_bitmask is None and t.allowed is None and t.forced is None):
         if greedy is not None:
             return SamplerOutput(token_ids=greedy)
         # argmax in the logits' own dtype: every bf16/fp16 value is exact in float32, so it picks the same
@@ -353,8 +360,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
         return SamplerOutput(token_ids=logits.argmax(-1))
     if t.token_bitmask is not None:
         logits = t.token_bitmask.apply(logits)
-    # logprobs are those of the model's distribution under the grammar, before logit_bias, penalties,
-    # temperature and top-k/top-p (vLLM v1's default, "raw_logprobs")
+    # logprobs are those of the model's distribution under the grammar, before allowed_token_ids, logit_bias,
+    # penalties, a forced token, temperature and top-k/top-p (vLLM v1's default, "raw_logprobs")
     raw = logits
     if t.allowed is not None:
         is_limited, rows, ids = t.allowed
@@ -368,6 +375,13 @@ def sample(logits: torch.Tensor, t: SamplingTensors, greedy: torch.Tensor | None
             logits = logits.index_put(t.logit_bias[:2], t.logit_bias[2], accumulate=True)
         if t.output_counts is not None or t.seen_mask is not None:
             logits = apply_penalties(logits, t)
+    if t.forced is not None:
+        rows, ids, must = t.forced
+        # a row that must take its token keeps that one alone, at logit 0, whatever the masks, bias and
+        # penalties above made of it: the budget wins over allowed_token_ids, bad words and logit_bias
+        only = torch.full((len(rows), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+        only[torch.arange(len(rows), device=logits.device), ids] = 0
+        logits = logits.index_put((rows,), torch.where(must[:, None], only, logits[rows]))
     if t.all_greedy:
         token_ids = logits.argmax(-1)
     elif logits.is_cuda:
