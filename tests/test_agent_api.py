@@ -296,6 +296,56 @@ def test_reasoning_tokens_are_counted_in_usage(agent_server):
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def _stream_ids_and_text(server, path: str, body: dict) -> tuple[list[int], dict[str, str]]:
+    """A streamed answer's token ids (`return_token_ids`) and its text by field (reasoning, content, text)."""
+    ids, text = [], {}
+    with httpx.stream("POST", server.url + path, timeout=60, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    ids += choice.get("token_ids") or []
+                    for name, value in {**choice.get("delta", {}), "text": choice.get("text")}.items():
+                        if name in ("reasoning", "content", "text") and value:
+                            text[name] = text.get(name, "") + value
+    return ids, text
+
+
+def test_a_thinking_token_budget_closes_the_block_at_the_budget(agent_server):
+    """vLLM's thinking_token_budget: the template opens the block (a reasoning effort) and a bias keeps the
+    model from closing it; </think> comes as the token after the budget's, the reasoning holds exactly the
+    budget's tokens and the answer follows within max_tokens, streamed as answered whole. Under a JSON schema
+    the grammar holds the answer after the forced </think>. On completions, a prompt that ends inside a block
+    (its last think tag is <think>) opens it."""
+    close = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"prompt": "</think>", "add_special_tokens":
+                                                                         False}).json()["tokens"][0]
+    chat = {"model": "tiny", "messages": USER, "max_tokens": 12, "temperature": 0, "reasoning_effort": "high",
+            "logit_bias": {str(close): -100}, "return_token_ids": True}
+    for budget in (0, 4):
+        r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=60,
+                       json={**chat, "thinking_token_budget": budget}).json()
+        choice, ids = r["choices"][0], r["choices"][0]["token_ids"]
+        assert ids[budget] == close and close not in ids[:budget] and len(ids) == 12, (budget, ids)
+        assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == budget
+        assert choice["message"]["content"], choice
+        streamed = _stream_ids_and_text(agent_server, "/v1/chat/completions", {**chat, "thinking_token_budget": budget})
+        whole = {k: choice["message"][k] for k in ("reasoning", "content") if choice["message"][k]}
+        assert streamed == (ids, whole)
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"]}
+    r = httpx.post(agent_server.url + "/v1/chat/completions", timeout=60, json={
+        **chat, "max_tokens": 40, "thinking_token_budget": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}).json()
+    choice = r["choices"][0]
+    assert choice["token_ids"][3] == close and choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Tokyo")
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == 3
+    completion = {"model": "tiny", "prompt": "The weather in Paris<think>", "max_tokens": 6, "temperature": 0,
+                  "logit_bias": {str(close): -100}, "thinking_token_budget": 2, "return_token_ids": True}
+    r = httpx.post(agent_server.url + "/v1/completions", timeout=60, json=completion).json()
+    ids = r["choices"][0]["token_ids"]
+    assert ids[2] == close and close not in ids[:2] and len(ids) == 6, ids
+    assert _stream_ids_and_text(agent_server, "/v1/completions", completion) == (ids, {"text": r["choices"][0]["text"]})
+
+
 class City(BaseModel):
     name: str = Field(max_length=8)
     population: int = Field(ge=0, le=1000)

@@ -126,6 +126,52 @@ def test_token_ids_past_the_vocabulary_are_refused_before_the_engine(api):
     assert post("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1}}).status_code == 200
 
 
+def test_a_thinking_budget_needs_a_reasoning_parser_and_an_integer_of_at_least_zero(api, tokenizer_dir):
+    """vLLM's thinking_token_budget counts the block that a reasoning parser's tags mark: on a server without
+    one it is a 400 naming the field and the flag; with one, a budget that is not an integer >= 0 is a 400
+    naming the value, and a budget reaches the engine with the parser's tags (a chat's, with whether its
+    prompt leaves the block open). Each 400 before the engine."""
+    from stand_in_engine import StandInEngine
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.server.app import build_app
+    from tokenmill.server.serving import ChatOptions
+
+    post, handed = api
+    completion = {"prompt": "hi", "max_tokens": 1}
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", completion)):
+        before = len(handed)
+        err = post(path, {**body, "thinking_token_budget": 8}).json()["error"]
+        assert err["param"] == "thinking_token_budget" and "--reasoning-parser" in err["message"], (path, err)
+        assert len(handed) == before
+    tok = Tokenizer(tokenizer_dir)
+    seen = []
+
+    class Engine(StandInEngine):
+        async def generate(self, request_id, ids, params, priority, **kw):
+            seen.append(params)
+            yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "a", [40], None, None, "length")], True)
+
+    app = build_app(Engine(tok, CONTEXT), vocab_size=VOCAB, chat=ChatOptions(reasoning_parser="qwen3"))
+
+    def post_parsed(path: str, body) -> httpx.Response:
+        async def send():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://tokenmill") as c:
+                return await c.post(path, json=body)
+        return asyncio.run(send())
+    for value, says in ((-1, "an integer >= 0 (or None: no budget), got -1"), (2.5, "(got number 2.5)"),
+                        ("8", "(got string '8')"), (True, "(got boolean true)")):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", completion)):
+            r = post_parsed(path, {**body, "thinking_token_budget": value})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "thinking_token_budget" and says in err["message"], err
+    assert not seen
+    tags = tuple(tok.encode(t, add_special_tokens=False)[0] for t in ("<think>", "</think>"))
+    for path, body, in_think in (("/v1/chat/completions", CHAT, False), ("/v1/completions", completion, None)):
+        assert post_parsed(path, {**body, "thinking_token_budget": 0}).status_code == 200
+        assert (seen[-1].thinking_token_budget, seen[-1].think_tags, seen[-1].in_think) == (0, tags, in_think)
+
+
 @settings(max_examples=80, deadline=None)
 @given(value=st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\ab\u00e9'),
                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(

@@ -20,7 +20,7 @@ from tokenmill.engine.tokenizer import template_kwargs as chat_template_kwargs
 from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
-from tokenmill.server.reasoning import THINK_END
+from tokenmill.server.reasoning import THINK_END, budget_think_tags
 from tokenmill.server.serving import Serving
 from tokenmill.server.token_text import prompt_logprobs_json
 from tokenmill.server.tool_choice import ConstrainedCalls, NamedCall, RequiredCalls
@@ -178,7 +178,8 @@ async def chat_params(serving: Serving, req: ChatCompletionRequest, effort_param
                 'off' if serving.prompts.template_reads("enable_thinking") else "")
         raise APIError(400, f"{effort_param} {req.reasoning_effort!r} cannot be honored: this model's chat "
                             f"template does not read reasoning_effort{hint}", effort_param)
-    return await serving.params(req, (req.top_logprobs or 0) if req.logprobs else None)
+    return await serving.params(req, (req.top_logprobs or 0) if req.logprobs else None,
+                                think_tags=budget_think_tags(serving.think_tags, req.thinking_token_budget))
 
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_param: str = "reasoning_effort",
@@ -215,6 +216,9 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         params.structured_outputs = dataclasses.replace(
             params.structured_outputs, think_tags=serving.think_tags,
             in_think=serving.reasoning_parser().starts_in_reasoning(prompt_text))
+    if params.thinking_token_budget is not None:
+        # the budget counts the block the reasoning parser reads
+        params.in_think = serving.reasoning_parser().starts_in_reasoning(prompt_text)
     serving.check_room([prompt], params, req.max_tokens_field())
     return prompt_text, prompt, params
 

@@ -14,6 +14,7 @@ from fastapi import Request
 from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.reasoning import budget_think_tags
 from tokenmill.server.serving import Serving
 from tokenmill.server.token_text import prompt_logprobs_json
 
@@ -79,7 +80,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (the prompt echoed alone), got {req.min_tokens}",
                        "min_tokens")
     params = await serving.params(req, req.logprobs, max_tokens=1 if prompt_only else None,
-                                  prompt_logprobs=_prompt_k(req))
+                                  prompt_logprobs=_prompt_k(req),
+                                  think_tags=budget_think_tags(serving.think_tags, req.thinking_token_budget))
     truncates = params.truncate_prompt_tokens is not None
     prompts = [serving.check_prompt(serving.truncate(
         await serving.prompts.encode(p, add_special, fits=not truncates) if isinstance(p, str) else p, params))

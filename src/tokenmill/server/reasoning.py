@@ -34,6 +34,7 @@ route every delta at once, so the streamed parts always concatenate to the non-s
 from __future__ import annotations
 
 from tokenmill.engine.tokenizer import THINK_END, THINK_START, think_tag_ids
+from tokenmill.server.errors import APIError
 from tokenmill.server.tool_parsers.base import partial_suffix
 
 
@@ -49,6 +50,18 @@ def last_turn(prompt: str, markers: tuple[str, ...]) -> str:
 def think_token_ids(tokenizer) -> tuple[int, int]:
     """The ids of `<think>` and `</think>`; a ValueError naming a tag that is not one token."""
     return think_tag_ids(tokenizer, "--reasoning-parser")
+
+
+def budget_think_tags(think_tags: tuple[int, int] | None, budget: int | None) -> tuple[int, int] | None:
+    """The think tags a request's `thinking_token_budget` counts by: the server's (`think_tags`, those of its
+    reasoning parser), None without a budget; a 400 naming the field on a server without a reasoning parser,
+    where nothing says which tokens mark the thinking block (vLLM's budget needs a reasoning config too)."""
+    if budget is None:
+        return None
+    if think_tags is None:
+        raise APIError(400, "thinking_token_budget needs a reasoning parser to know the thinking block's tags: start "
+                            "the server with --reasoning-parser (e.g. qwen3)", "thinking_token_budget")
+    return think_tags
 
 
 class ReasoningParser:

@@ -66,6 +66,9 @@ class _SamplingRequest(_Strict):
     # vLLM's: the prompt's token ids and each choice's generated ones in the answer (streamed: the prompt's
     # with a choice's first chunk, and each chunk's new tokens)
     return_token_ids: bool | None = None
+    # vLLM's: at most this many tokens inside the thinking block, then `</think>` (needs --reasoning-parser);
+    # its lower bound is SamplingParams', whose 400 names the value
+    thinking_token_budget: Annotated[int, Field(le=INT64_MAX)] | None = None
     # vLLM's: either value changes nothing (`SamplingParams.spaces_between_special_tokens`)
     spaces_between_special_tokens: bool | None = True
     # vLLM's data for sampling plugins (`SamplingParams.extra_args`), which no sampler here reads
@@ -279,6 +282,8 @@ class _SamplingRequest(_Strict):
             kw["bad_words"] = self.bad_words
         if self.cache_salt is not None:
             kw["cache_salt"] = self.cache_salt
+        if self.thinking_token_budget is not None:
+            kw["thinking_token_budget"] = self.thinking_token_budget
         if self.vllm_xargs is not None:
             kw["extra_args"] = self.vllm_xargs
         constraint = self.structured_params(call_form)
