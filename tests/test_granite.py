@@ -230,7 +230,7 @@ def test_quantized_granite_on_the_gpu_equals_its_prefolded_twin(tmp_path, fmt):
     every fold already in the checkpoint (`prefolded`; equal on the CPU's reference in bfloat16, bit for bit). A
     dropped residual fold moved them there by 3.7-3.8 at most, 0.68-0.69 on average. Both sides read the same
     quantized bytes, written by the CPU quantizer, so that a difference is the fold's; FP8 quantized at load is
-    compared apart (lab/granite_fp8_at_load.py)."""
+    compared apart (test_granite_fp8_at_load_on_the_gpu_equals_the_written_checkpoint)."""
     from test_real_model import engine_logprobs
     plain, twin = str(tmp_path / "plain"), str(tmp_path / "twin")
     save_granite(plain, tied=True, vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -255,3 +255,24 @@ def test_quantized_granite_on_the_gpu_equals_its_prefolded_twin(tmp_path, fmt):
     prompts = [[(5 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate([3, 20, 41, 9])]
     assert [o.outputs[0].token_ids for o in granite.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in folded.generate(prompts, params)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_granite_fp8_at_load_on_the_gpu_equals_the_written_checkpoint(tmp_path):
+    """Granite's bf16 checkpoint quantized at load on the GPU (`--quantization fp8`, its multipliers folded
+    into the scales) serves the logprobs of the same checkpoint written per channel by the CPU quantizer, bit
+    for bit: both hold the same FP8 bytes and scales. With the scales divided on the GPU as a product with
+    448's reciprocal they were 0.16 apart at most."""
+    from test_real_model import engine_logprobs
+    plain = str(tmp_path / "plain")
+    save_granite(plain, tied=True, vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
+    with open(os.path.join(plain, "config.json")) as f:
+        hf = json.load(f)
+    fp8.write_checkpoint(plain + "-q", load_file(os.path.join(plain, "model.safetensors")), hf, "compressed-tensors")
+    config = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64, gpu_memory_utilization=0.3)
+    ids = [(7 * i + 3) % 512 for i in range(40)]
+    at_load = engine_logprobs(LLM(plain, quantization="fp8", **config), ids)
+    written = engine_logprobs(LLM(plain + "-q", **config), ids)
+    assert torch.equal(at_load, written), (at_load.float() - written.float()).abs().max()
