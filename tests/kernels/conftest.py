@@ -2,12 +2,14 @@
 before any test module of this folder imports a kernel). `triton.jit` picks interpreter or compiler when
 a module is imported, triton's own `tl.sum` & co. included, so if triton was imported before (by a test
 collected earlier), it and our kernels are imported afresh; the compiled extension `triton._C` is kept,
-it does not depend on the mode. sm90.py compiles GPU code in a fresh interpreter without the variable."""
+it does not depend on the mode. sm90.py compiles GPU code in another interpreter, started without the
+variable (`sm90_compiler`)."""
 from __future__ import annotations
 
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -142,3 +144,14 @@ if not torch.cuda.is_available():
 
     interpreter.InterpreterBuilder.get_block_ty = lambda self, dtype, shape: _block_type(dtype, shape)
     tl.core.block_type.with_element_ty = lambda self, scalar_ty: _block_type(scalar_ty, self.shape)
+
+
+@pytest.fixture(scope="session")
+def sm90_compiler():
+    """`sm90.Compiler`: the one Python, without TRITON_INTERPRET, that compiles sm90 code for the session's
+    tests. A Python of its own for each script imported torch, triton and our kernels each time: the six
+    files of sm90 tests took 47 s on one core of the 2-core CPU machine, 32 s with one Python."""
+    import sm90
+    compiler = sm90.Compiler()
+    yield compiler
+    compiler.close()

@@ -1,7 +1,9 @@
 """sm90 code of our kernels, compiled on the CPU for tests that check where instructions sit (which the
 interpreter cannot show). Triton reads TRITON_INTERPRET, which the CPU tests set, when it is imported,
-so each compile runs in a fresh interpreter without it: `run` executes a script there and returns the
-JSON that the script prints last. A script may start with COMPILE, which defines
+so the compiles run in another Python, started without it: `Compiler.run` executes a script there and
+returns the JSON that the script prints last. That Python serves a session's scripts in turn (torch,
+triton and our kernels imported once, not once a script), each in fresh globals with its arguments in
+sys.argv[1]. A script may start with COMPILE, which defines
 `compile_sm90(fn, const, types, num_warps, aligned=(), arch=90, **options)`: the kernel compiled for sm90
 (or `arch`), its pointers (and the integer arguments named in `aligned`) specialised as a launch
 specialises them, 16-byte aligned pointers and multiples of 16; arguments not in `types` are int32. A
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 
 COMPILE = r'''
 import triton
@@ -61,9 +65,65 @@ def compile_attention(name, fp8, widen_asm=True, const=None, num_warps=4, out_fp
 '''
 
 
-def run(script: str, *args, timeout: int = 600):
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# The compiling Python: a script a line ([script, its JSON arguments]) on stdin, an answer a line on the
+# stdout it started with ({"printed": ...} or {"error": traceback}); what the compiler itself writes to
+# fd 1 goes to stderr, so that it cannot break into an answer.
+_SERVE = r'''
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+for line in sys.stdin:
+    script, args = json.loads(line)
+    sys.argv = ["-c", args]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(script, "<sm90 script>", "exec"), {"__name__": "__main__"})
+        answer = {"printed": printed.getvalue()}
+    except BaseException:
+        answer = {"error": traceback.format_exc()}
+    answers.write(json.dumps(answer) + "\n")
+    answers.flush()
+'''
+
+
+class Compiler:
+    """The compiling Python of a test session (the `sm90_compiler` fixture), started at the first `run` and
+    again after a script that timed out or ended it."""
+
+    def __init__(self):
+        self._proc = None
+        self._log = tempfile.TemporaryFile("w+")
+
+    def run(self, script: str, *args, timeout: int = 600):
+        if self._proc is None or self._proc.poll() is not None:
+            env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+            self._proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._proc.stdin.write(json.dumps([script, json.dumps(args)]) + "\n")
+        self._proc.stdin.flush()
+        if not select.select([self._proc.stdout], [], [], timeout)[0]:
+            self._stop(kill=True)
+            raise subprocess.TimeoutExpired("sm90 script", timeout)
+        line = self._proc.stdout.readline()
+        if not line:
+            status = self._proc.wait()
+            self._stop()
+            self._log.seek(0)
+            raise AssertionError(f"the compiling Python exited with {status}:\n{self._log.read()[-3000:]}")
+        answer = json.loads(line)
+        assert "error" not in answer, answer.get("error", "")[-3000:]
+        return json.loads(answer["printed"].strip().splitlines()[-1])
+
+    def _stop(self, kill: bool = False) -> None:
+        if self._proc is not None:
+            if kill:
+                self._proc.kill()
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
+            self._proc.stdout.close()
+            self._proc = None
+
+    def close(self) -> None:
+        self._stop()
+        self._log.close()

@@ -51,9 +51,9 @@ _SMALL_GPU_SHARED = 99 * 1024
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(sm90_compiler):
     cases = _SM90 + _FILLED + _SMALL
-    return dict(zip(map(tuple, cases), sm90.run(_COMPILE, *cases, timeout=600)))
+    return dict(zip(map(tuple, cases), sm90_compiler.run(_COMPILE, *cases, timeout=600)))
 
 
 @pytest.mark.parametrize("case", _SM90, ids=lambda c: f"{c[0]}-{'fp8' if c[1] else 'bf16'}-{c[5]}x{c[6]}")

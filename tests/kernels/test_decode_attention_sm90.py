@@ -16,6 +16,6 @@ print(json.dumps([len(re.findall(r"prefetch\.global\.L2 ", p)) for p in parts]))
 '''
 
 
-def test_sm90_attention_asks_l2_for_its_counter_line_before_the_wait():
-    before, after = sm90.run(_COMPILE, True)
+def test_sm90_attention_asks_l2_for_its_counter_line_before_the_wait(sm90_compiler):
+    before, after = sm90_compiler.run(_COMPILE, True)
     assert before == 1 and after == 0

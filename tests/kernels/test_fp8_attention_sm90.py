@@ -21,9 +21,9 @@ _CASES = [("decode", True), ("decode_rows", True), ("decode", False)]
 
 
 @pytest.fixture(scope="module")
-def operands():
+def operands(sm90_compiler):
     return {case: {tuple(map(int, o)) for o in got}
-            for case, got in zip(_CASES, sm90.run(_COMPILE, *_CASES, timeout=300))}
+            for case, got in zip(_CASES, sm90_compiler.run(_COMPILE, *_CASES, timeout=300))}
 
 
 @pytest.mark.parametrize("kernel", ["decode", "decode_rows"])
@@ -47,12 +47,12 @@ print(json.dumps(got))
 '''
 
 
-def test_attention_output_for_an_fp8_o_proj_compiles_to_e4m3_stores():
+def test_attention_output_for_an_fp8_o_proj_compiles_to_e4m3_stores(sm90_compiler):
     """The three attention kernels compile for sm90 with their output in E4M3 at V's scale (what an FP8
     o_proj takes beside an FP8 cache): float32 to E4M3 conversions appear, which the plain (bf16) output
     has none of (the cache's new K and V are quantized by the prologue kernel or, in the one-kernel decode,
     in both variants)."""
     cases = [(name, out) for name in ("decode", "decode_rows", "prefill") for out in (False, True)]
-    got = dict(zip(cases, sm90.run(_COMPILE_OUT, *cases, timeout=600)))
+    got = dict(zip(cases, sm90_compiler.run(_COMPILE_OUT, *cases, timeout=600)))
     for name in ("decode", "decode_rows", "prefill"):
         assert got[(name, True)] > got[(name, False)], (name, got)

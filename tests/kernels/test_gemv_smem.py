@@ -5,7 +5,6 @@ checked on the GPU (test_kernels.py, test_gpu_fused_linear_shared_memory_tiles).
 from __future__ import annotations
 
 import pytest
-import sm90
 
 from tokenmill.layers.kernels import gemv_smem
 
@@ -39,9 +38,9 @@ _CASES = [
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    # every case in one fresh interpreter: its start-up (torch, triton) is paid once
-    return dict(zip(_CASES, sm90.run(_COMPILE, *_CASES, timeout=300)))
+def compiled(sm90_compiler):
+    # every case in one script
+    return dict(zip(_CASES, sm90_compiler.run(_COMPILE, *_CASES, timeout=300)))
 
 
 @pytest.mark.skipif(not gemv_smem.AVAILABLE, reason="this Triton has no Gluon")

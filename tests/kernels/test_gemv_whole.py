@@ -32,10 +32,10 @@ _TILES = [
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    # each tile without and with SiLU-and-mul, all in one fresh interpreter (its start-up paid once)
+def compiled(sm90_compiler):
+    # each tile without and with SiLU-and-mul, all in one script
     cases = [(*tile, silu) for tile in _TILES for silu in (False, True)]
-    return dict(zip(cases, sm90.run(_COMPILE, *cases, timeout=300)))
+    return dict(zip(cases, sm90_compiler.run(_COMPILE, *cases, timeout=300)))
 
 
 @pytest.mark.parametrize("k,block_n,warps,norm", _TILES)
@@ -71,13 +71,13 @@ print(json.dumps(got))
 
 
 @pytest.mark.parametrize("scale", ["row", "block"])
-def test_sm90_fp8_whole_rows_multiply_float16_pairs(scale):
+def test_sm90_fp8_whole_rows_multiply_float16_pairs(sm90_compiler, scale):
     """qwen3-4b's FP8 qkv (K = 2560, four rows a block): each thread's words (pairs of int32, eight weights)
     are requested before the wait, and every eight weights cost two `cvt.f16x2.e4m3x2` and four float16-pair
     products, with two float16 -> float32 conversions for their sum (once in the inline assembly)."""
     from tokenmill.layers.kernels import gemv
     mode = gemv.ROW_SCALE if scale == "row" else gemv.BLOCK_SCALE
-    got, = sm90.run(_COMPILE_FP8, (2560, 4, 4, mode), timeout=300)
+    got, = sm90_compiler.run(_COMPILE_FP8, (2560, 4, 4, mode), timeout=300)
     assert got["before"] == 4 * 2560 // 8 // (32 * 4)          # 8-byte loads of 8 FP8 weights
     # per thread and row block: 4 rows x 320 eight-column steps over 128 threads, one assembly block each
     steps = 4 * 2560 // 8 // 128

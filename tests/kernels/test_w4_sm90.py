@@ -29,8 +29,8 @@ _CASES = [(2560, 8, 128, 1, 1), (2560, 8, 128, 1, 4), (9728, 4, 256, 2, 1)]     
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    return dict(zip(_CASES, sm90.run(_COMPILE, *_CASES, timeout=300)))
+def compiled(sm90_compiler):
+    return dict(zip(_CASES, sm90_compiler.run(_COMPILE, *_CASES, timeout=300)))
 
 
 @pytest.mark.parametrize("k,block_n,block_w,warps,rows", _CASES)
