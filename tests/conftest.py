@@ -46,12 +46,8 @@ def pytest_collection_modifyitems(items):
 
 # Files that share a session fixture too costly to build once per worker, and the fixture: `--dist loadfile`
 # hands each group to one worker as one unit of work (its files in the queue's order), where the fixture is
-# built once. The default model's server (`default_server`, ~13 s of a worker's time) was started by both;
-# the Python that compiles sm90 code (kernels/conftest.py's `sm90_compiler`, 1.7 s) by each that ran an sm90 test.
-SHARED_SESSION_FIXTURE = {"test_ui.py": "default_server", "test_tiny_model.py": "default_server",
-                          **dict.fromkeys(("test_attention_pipelining_sm90.py", "test_decode_attention_sm90.py",
-                                           "test_fp8_attention_sm90.py", "test_w4_sm90.py", "test_gemv_smem.py",
-                                           "test_gemv_whole.py"), "sm90_compiler")}
+# built once. The default model's server (`default_server`, ~13 s of a worker's time) was started by both.
+SHARED_SESSION_FIXTURE = {"test_ui.py": "default_server", "test_tiny_model.py": "default_server"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
