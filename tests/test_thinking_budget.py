@@ -146,3 +146,29 @@ def test_a_tokenizer_without_one_token_tags_is_refused():
         bundled.generate("Hi", SamplingParams(max_tokens=2, thinking_token_budget=4))
     assert e.value.param == "thinking_token_budget"
     assert bundled.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_budget_on_the_gpu_under_graphs_and_overlap(qwen3_dir):
+    """On the GPU's sampling kernel, CUDA graphs and overlapped steps on (each row's last token still in
+    flight when the next step's sampling is built, so whether it must close is decided on the device): the
+    block cut at exactly the budget, greedy and sampled, beside rows without a budget that keep their tokens."""
+    llm = LLM(qwen3_dir, device="cuda", max_num_seqs=16, gpu_memory_utilization=0.3)
+    tok = llm.get_tokenizer()
+    open_tag, close_tag = (tok.encode(t, add_special_tokens=False)[0] for t in ("<think>", "</think>"))
+    assert llm.engine.runner.graphs
+    prompts = [f"The quick brown fox {i}<think>" for i in range(6)]
+    base = dict(max_tokens=16, ignore_eos=True, logit_bias={close_tag: -100})
+    for sampled in (dict(temperature=0), dict(temperature=1.0, top_p=0.9, seed=3)):
+        free = llm.generate(prompts, SamplingParams(**sampled, **base))
+        budgets = [0, 1, 3, 7, None, 5]
+        cut = llm.generate(prompts, [SamplingParams(**sampled, **base, thinking_token_budget=b) for b in budgets])
+        for f, c, b in zip(free, cut, budgets):
+            f, c = f.outputs[0].token_ids, c.outputs[0].token_ids
+            if b is None:
+                assert c == f
+            else:
+                assert c[:b] == f[:b] and c[b] == close_tag and close_tag not in c[b + 1:], (b, c)
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
