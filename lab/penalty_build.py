@@ -1,6 +1,6 @@
 """The host side of a penalised step's sampling tensors, per step, on the CPU: the dense build that ran
 before f748757 (two [rows, vocabulary] tensors filled on the host, then copied to the device) against the
-flat token ids that `runner/sampler._penalty_tensors` sends now (each request's int32 copy grown by one
+flat token ids that `runner/sampling_tensors._penalty_tensors` sends now (each request's int32 copy grown by one
 token a step), qwen3-4b's vocabulary, half prompt and half generated tokens a row.
 
     python lab/penalty_build.py [--tokens 1024]

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from sampler_bench import time_gpu
-from tokenmill.runner.sampler import ROW, SamplingTensors
+from tokenmill.runner.sampling_rows import ROW
+from tokenmill.runner.sampling_tensors import SamplingTensors
 
 CASES = {"top_p 0.95": dict(top_p=0.95), "top_p 0.95, min_p 0.05": dict(top_p=0.95, min_p=0.05),
          "top_k 50": dict(top_k=50), "race only": dict()}

@@ -37,7 +37,8 @@ import torch
 
 from tokenmill import SamplingParams
 from tokenmill.runner import sampler
-from tokenmill.runner.sampler import SamplerOutput, SamplingTensors, apply_penalties, sample, seeded_exponential
+from tokenmill.runner.sampler import SamplerOutput, apply_penalties, sample, seeded_exponential
+from tokenmill.runner.sampling_tensors import SamplingTensors
 
 VOCAB = 151936
 DEVICE = torch.device("cuda")
@@ -198,8 +199,8 @@ def main() -> int:
     for batch in batches:
         for dist, scale in SCALES.items():
             logits = (torch.randn(batch, VOCAB, device=device, generator=gen) * scale).to(torch.bfloat16)
-            greedy = sampler.SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
-                                             None, None, None)
+            greedy = SamplingTensors(None, True, None, None, None, None, None, None, None, None, None,
+                                     None, None, None)
             gpu_us, host_us = time_gpu(lambda: sample(logits, greedy), args.iters)
             results.append(dict(batch=batch, dist=dist, config="greedy", path="argmax", gpu_us=gpu_us,
                                 host_us=host_us))

@@ -25,7 +25,8 @@ import torch
 
 from sampler_bench import time_gpu
 from tokenmill.layers.kernels import sampling
-from tokenmill.runner.sampler import ROW, SamplingTensors
+from tokenmill.runner.sampling_rows import ROW
+from tokenmill.runner.sampling_tensors import SamplingTensors
 
 SHAPES = [(2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32), (16384, 16),
           (16384, 32)]

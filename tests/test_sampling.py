@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner.sampler import SamplingTensors, sample, seeded_exponential
+from tokenmill.runner.sampler import sample, seeded_exponential
+from tokenmill.runner.sampling_tensors import SamplingTensors
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_penalty_tensors_follow_each_requests_tokens_as_they_grow():
     # copy of its tokens that only the new (and a resolved placeholder's) entries are copied into
     from tokenmill.engine.request import PLACEHOLDER, Request
     from tokenmill.runner.host_copies import HostCopies
-    from tokenmill.runner.sampler import _penalty_tensors
+    from tokenmill.runner.sampling_tensors import _penalty_tensors
 
     vocab = 50
     a = Request("a", [3, 4, 4], SamplingParams(frequency_penalty=1.0), 100, 0)
@@ -306,15 +307,15 @@ def test_bad_words_ban_a_words_last_token_after_the_rest(llm, monkeypatch):
     """vLLM's bad_words, as token ids: a one-token word never comes; a longer word's last token is banned
     where the output ends with the rest of it (the match read on the device while that token is in flight,
     steps overlapping), so the output leaves the free one exactly where the word would complete."""
-    import tokenmill.runner.sampler as sampler
+    import tokenmill.runner.sampling_tensors as sampling_tensors
     decided_on_device = []
 
     def counted(row, r, pending):
         banned = bad_words(row, r, pending)
         decided_on_device.extend(pending)
         return banned
-    bad_words = sampler._bad_words
-    monkeypatch.setattr(sampler, "_bad_words", counted)
+    bad_words = sampling_tensors._bad_words
+    monkeypatch.setattr(sampling_tensors, "_bad_words", counted)
     free = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     o = free.outputs[0].token_ids
     for word in ([o[0]], [o[2], o[3]], [o[5], o[6], o[7]]):

@@ -10,7 +10,9 @@ import torch
 
 from kernel_testing import DEVICE, HALF, gpu
 from tokenmill.layers.kernels import sampling
-from tokenmill.runner.sampler import ROW, SamplingTensors, _random_tokens_torch, sample
+from tokenmill.runner.sampler import _random_tokens_torch, sample
+from tokenmill.runner.sampling_rows import ROW
+from tokenmill.runner.sampling_tensors import SamplingTensors
 
 
 def _tensors(vocab, temperature, top_k=None, top_p=None, min_p=None, seeds=None, positions=None):

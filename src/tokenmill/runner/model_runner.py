@@ -31,7 +31,8 @@ from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.loader import load_model
-from tokenmill.runner.sampler import SamplingTensors, sample, warm_up as warm_up_sampler
+from tokenmill.runner.sampler import sample, warm_up as warm_up_sampler
+from tokenmill.runner.sampling_tensors import SamplingTensors
 from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
 from tokenmill.runner.swap import SwapSpace
 from tokenmill.runner.tensor_parallel import ShardedModel, TensorParallelWorkers
