@@ -13,7 +13,7 @@ Phases: schedule (Scheduler.schedule), execute (ModelRunner.execute: input prepa
 eager launch, sampler launch, less its before_sample callback; the eager forward's launch alone is also
 counted apart, as eager_forward), before_sample (scheduler bookkeeping and,
 for grammar batches, the previous step's processing), wait (StepResult.fetch: blocking on the device),
-process (LLMEngine._process less wait: appending tokens, stop checks, the step's report),
+process (StepReader.read less wait: appending tokens, stop checks, the step's report),
 send / recv (the pipe to the API server, pickling included), and
 step (LLMEngine.step in all) and loop (the core loop's iterations, idle waits excluded).
 """
@@ -67,12 +67,13 @@ def install() -> None:
     from tokenmill.engine import core_proc
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.engine.step_reader import StepReader
     from tokenmill.runner import step as step_mod
     from tokenmill.runner.model_runner import ModelRunner
 
     _timed(Scheduler, "schedule", "schedule")
     _timed(step_mod.StepResult, "fetch", "wait")
-    _timed(LLMEngine, "_process", "process", exclude=("wait",))
+    _timed(StepReader, "read", "process", exclude=("wait",))
     _timed(Connection, "send", "send")
     _timed(Connection, "recv", "recv")
     _timed(ModelRunner, "_eager_forward", "eager_forward")

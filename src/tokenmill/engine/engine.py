@@ -5,7 +5,6 @@ text, stop strings and cumulative outputs are built by the frontend (`OutputProc
 core which sequences a stop string ended (`stop_sequences`)."""
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import os
@@ -17,11 +16,13 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig, priority_refusal
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.grammars import Grammars, slow_fills
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thinking_budget import (ThinkingBudget, grammar_after_block, resolve_think_tags,
                                               starts_in_think)
-from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS, StepOutputs, StepOutputsBuilder
+from tokenmill.engine.step_outputs import StepOutputs
+from tokenmill.engine.step_reader import StepReader, keep_prompt_logprobs
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids, plain_eos_ids
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParamError, SamplingParams
@@ -84,21 +85,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.runner.num_cpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.block_manager, self.max_model_len)
-        self._last_fetch = 0.0
         self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self._report = StepOutputsBuilder()
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        # steps by their tokens (prompts counted as above, plus generated), one count per bucket of
-        # ITERATION_TOKENS_BUCKETS and a last one past them: vLLM's iteration_tokens_total (its sum is
-        # num_prompt_tokens + num_generation_tokens, which count nothing else)
-        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.reader = StepReader(self)          # the step report and the token counts
         # overlap host work with the device: process each step after launching the next one
         self.overlap = True
         self._in_flight = None
-        self._structured = None      # the StructuredOutputManager, built for the first constrained request
+        self.grammars = Grammars(self)
         self._errors: list[tuple[str, str, str | None]] = []     # `take_errors`'
         self.ready_seconds = time.perf_counter() - t0
         startup_log.log_startup(self)
@@ -160,7 +154,7 @@ class LLMEngine:
             seqs[-1].handle = handle
             seqs[-1].min_tokens_ids = held_back
             if compiled is not None:
-                seqs[-1].grammar = self._structured.sequence_grammar(compiled, spec)
+                seqs[-1].grammar = self.grammars.sequence_grammar(compiled, spec)
             if params.thinking_token_budget is not None:
                 seqs[-1].thinking = ThinkingBudget(params.think_tags, params.thinking_token_budget, in_think)
         self.groups[request_id] = seqs
@@ -210,33 +204,20 @@ class LLMEngine:
                                          f"[0, {vocab}) (the model's vocabulary size is {vocab})")
 
     def compile_grammar(self, params: SamplingParams) -> tuple:
-        """`params`' compiled grammar, for `add_request`; an invalid spec raises SamplingParamError. One thread
-        compiles: the caller's, or the engine core's compile thread while the engine steps."""
-        if self.tokenizer is None:
-            raise SamplingParamError("structured_outputs", "structured output needs the model's tokenizer, and "
-                                     "this model has none")
-        if self._structured is None:
-            from tokenmill.engine.structured_output import StructuredOutputManager
-            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                       sorted(self.eos_token_ids))
-        return self._structured.compile(params.structured_outputs)
+        """`params`' compiled grammar, for `add_request` (`Grammars.compile`)."""
+        return self.grammars.compile(params)
 
     def grammar_to_compile(self, params: SamplingParams) -> bool:
-        """Whether `params` need a grammar, whose compile can take seconds (a schema of many tools): the
-        engine core compiles one not cached off its loop (`compile_grammar`) and adds the request with it."""
-        return params.structured_outputs is not None and self.tokenizer is not None
+        """Whether `params` need a grammar the engine core compiles off its loop (`Grammars.to_compile`)."""
+        return self.grammars.to_compile(params)
 
     def grammar_too_slow(self, params: SamplingParams, seconds: float) -> SamplingParamError:
-        """The error of a request whose grammar has compiled for `seconds`, past MAX_COMPILE_SECONDS: the engine
-        core stops waiting for it, and its spec is refused at once from now on."""
-        if self._structured is None:        # still being built for the first grammar: nothing to give up on
-            from tokenmill.engine.structured_output import compile_error
-            return compile_error(params.structured_outputs.kind, seconds)
-        return self._structured.gave_up(params.structured_outputs, seconds)
+        """The error of a request whose grammar compiled too long (`Grammars.too_slow`)."""
+        return self.grammars.too_slow(params, seconds)
 
     def cached_grammar(self, params: SamplingParams) -> tuple | None:
         """`compile_grammar(params)` if that grammar is in the cache, else None."""
-        return None if self._structured is None else self._structured.cached(params.structured_outputs)
+        return self.grammars.cached(params)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step still to read: one left in flight when its last requests ended
@@ -255,7 +236,7 @@ class LLMEngine:
         previous, launched = self._in_flight, None
         settled = False
         if sched:
-            self._report_started(sched.requests)
+            self.reader.report_started(sched.requests)
             constrained = any(r.grammar is not None for r in sched.requests)
 
             def before_sample(step):
@@ -264,130 +245,25 @@ class LLMEngine:
                 if constrained and previous is not None:
                     # a grammar's next mask needs the previous token accepted: read that step now,
                     # while this one's forward runs, before this step samples
-                    self._process(previous)
+                    self.reader.read(previous)
                     settled = True
             t_launch = time.perf_counter()
             launched = self.runner.execute(sched.requests, sched.num_new_tokens, previous, before_sample)
             launched.shape = (sched.total_tokens, len(sched.requests), t_launch)
             if constrained:
-                self._fail_slow_grammars(sched.requests)
-            self._keep_prompt_logprobs(launched.prompt_logprobs)
+                # that step's token is dropped: its request is finished when the step is read
+                for req, error in slow_fills(sched.requests):
+                    logger.warning("request %s failed: %s", req.parent_id, error)
+                    self._errors.append((req.parent_id, str(error), error.param))
+                    self.abort_request(req.parent_id)
+            keep_prompt_logprobs(launched.prompt_logprobs)
         self._in_flight = launched
         if previous is not None and not settled:
-            self._process(previous)
+            self.reader.read(previous)
         if launched is not None and not self.overlap:
             self._in_flight = None
-            self._process(launched)
-        report, self._report = self._report.build(), StepOutputsBuilder()
-        return report
-
-    def _fail_slow_grammars(self, requests: list[Request]) -> None:
-        """Aborts the requests of which a sequence's grammar took over MAX_FILL_SECONDS to fill its mask in
-        the step just launched, before the next step is scheduled: each such fill stalls every request's
-        steps and an ambiguous grammar's grows with each token. That step's token is dropped (its request
-        is finished when the step is read)."""
-        from tokenmill.engine.structured_output import slow_fill_error
-        for req in requests:
-            if req.grammar is not None and req.grammar.slow_fill is not None and not req.status.finished:
-                error = slow_fill_error(req.grammar, req.params.structured_outputs.kind)
-                logger.warning("request %s failed: %s", req.parent_id, error)
-                self._errors.append((req.parent_id, str(error), error.param))
-                self.abort_request(req.parent_id)
-
-    def _report_started(self, requests: list[Request]) -> None:
-        """Reports each request's first scheduling (once, by its first sequence)."""
-        for req in requests:
-            if not req.reported_start and req.index == 0:
-                req.reported_start = True
-                self._report.started.append((req.handle, req.first_scheduled_time, req.num_cached_tokens))
-
-    def _process(self, step) -> None:
-        """Writes a finished step's sampled tokens into their requests, applies the token-level stop
-        conditions (end of sequence, stop token ids, grammar end, length) and reports the tokens."""
-        if not step.positions:
-            return
-        host = step.fetch()
-        done = time.perf_counter()
-        tokens, seqs, t_launch = step.shape
-        # a step's time as its requests see it: from its launch, or from the previous step's tokens if
-        # those came later (steps overlap); a step that samples nothing counts into the next one
-        self.scheduler.observe_step(tokens, seqs, done - max(t_launch, self._last_fetch))
-        self._last_fetch = done
-        counted = self.num_prompt_tokens + self.num_generation_tokens
-        token_ids = host["token_ids"]
-        lp = host.get("logprobs")
-        now = time.time()
-        report = self._report
-        for j, row in enumerate(step.sample_rows.tolist()):
-            req = step.requests[row]
-            if req.status.finished:
-                continue          # aborted or stopped while this step was in flight
-            token = token_ids[j]
-            req.resolve(step.positions[j], token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                # its prompt is computed: counted when prefilled, by each of n sequences as vLLM counts
-                # each child request's (so it matches the request_prompt_tokens histogram's sum)
-                self.num_prompt_tokens += req.num_prompt_tokens
-                if req.params.prompt_logprobs is not None and req.index == 0:
-                    # a one-token prompt has nothing scored: its entries are still vLLM's [None]
-                    report.prompt_logprobs.append((req.handle, req.prompt_logprobs or [None] * req.num_prompt_tokens))
-            # a batch samples logprobs when any of its requests asks; only those requests report them
-            report.token(req.handle, req.index, token, None if lp is None or req.params.logprobs is None else
-                         (lp[j], host["logprob_token_ids"][j], host["ranks"][j]))
-            self._append(req, step.positions[j], token)
-        tokens = self.num_prompt_tokens + self.num_generation_tokens - counted
-        if tokens:                 # a step whose every row had finished while it ran samples nothing
-            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
-
-    def _append(self, req: Request, position: int, token: int) -> None:
-        self.num_generation_tokens += 1
-        p = req.params
-        status, text = None, False
-        if req.thinking is not None:
-            req.thinking.accept(token)
-        grammar_ended = req.grammar is not None and self._grammar_ended(req, token)
-        # a stop or end-of-sequence token's text shows only with include_stop_str_in_output (vLLM's rule; a
-        # special token's then as skip_special_tokens has it)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            status, req.stop_reason, text = RequestStatus.FINISHED_STOPPED, None, p.include_stop_str_in_output
-        elif token in p.stop_token_ids:
-            status, req.stop_reason, text = RequestStatus.FINISHED_STOPPED, token, p.include_stop_str_in_output
-        elif grammar_ended:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        elif position + 1 - req.num_prompt_tokens >= req.max_tokens or position + 1 >= self.max_model_len:
-            status, text = RequestStatus.FINISHED_LENGTH, True
-        if status is not None:
-            del req.all_token_ids[position + 1:]      # a placeholder of a step launched since
-            req.num_pending = 0
-            self.scheduler.finish(req, status)
-            report = self._report
-            report.finished.append((req.handle, req.index, status.finish_reason, req.stop_reason,
-                                    -1 if text else len(report.tokens) - 1))
-            seqs = self.groups.get(req.parent_id)
-            if seqs is not None and all(s.status.finished for s in seqs):
-                del self.groups[req.parent_id]
-
-    def _keep_prompt_logprobs(self, scored) -> None:
-        """Stores prompt-token logprobs by position as (logprob, rank, top ids, top logprobs); a
-        recomputed prompt, after preemption, rewrites the same entries."""
-        for part in scored:
-            req = part.request
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] * req.num_prompt_tokens
-            for j, (value, rank) in enumerate(zip(part.logprobs, part.ranks)):
-                req.prompt_logprobs[part.first_token + j] = (value, rank, part.top_token_ids[j],
-                                                             part.top_logprobs[j])
-
-    @staticmethod
-    def _grammar_ended(req: Request, token: int) -> bool:
-        """Advances the sequence's grammar by `token`: True once the grammar has terminated (it accepted
-        EOS, which it allows only where the output is complete), or if it refuses the token (which the
-        mask rules out)."""
-        if req.grammar.accept(token):
-            return req.grammar.terminated
-        logger.warning("request %s: sampled token %d is outside its grammar; finishing it", req.request_id, token)
-        return True
+            self.reader.read(launched)
+        return self.reader.take_report()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, as vLLM's: False (nothing forgotten) while requests are unfinished."""
@@ -429,7 +305,7 @@ class LLMEngine:
             "swap_in_cached_blocks": self.scheduler.num_swap_in_cached_blocks,
             "swap_out_bytes": self.scheduler.num_swapped_out_blocks * self.runner.block_bytes,
             "swap_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.block_bytes,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
-            "iteration_tokens": list(self.iteration_tokens),
+            "prompt_tokens": self.reader.num_prompt_tokens,
+            "generation_tokens": self.reader.num_generation_tokens,
+            "iteration_tokens": list(self.reader.iteration_tokens),
         }
