@@ -58,6 +58,10 @@ try:
     from tokenmill.layers.kernels import gemv_smem
 except ImportError:
     gemv_smem = None
+try:  # the whole-row kernel in a module of its own, else (older trees) in gemv
+    from tokenmill.layers.kernels import gemv_whole
+except ImportError:
+    gemv_whole = gemv
 try:  # the decode-rows kernel in a module of its own, else (older trees) in paged_attention, if anywhere
     from tokenmill.layers.kernels import decode_rows as rows_module
 except ImportError:
@@ -67,7 +71,7 @@ gt = {**{p: BF for p in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_pt
 def whole(K, bn, nw, norm, res, silu, gather):
     bk = 1 << (K.bit_length() - 1)
     bk2 = triton.next_power_of_2(K - bk) if K > bk else 1
-    return comp(gemv._gemv_whole_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=res,
+    return comp(gemv_whole._gemv_whole_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=res,
                 HAS_BIAS=False, SILU=silu, GATHER=gather, AHEAD=True, HINT=2, PDL=2, ASM=True, SCALE=0, SCALE_BN=1, SCALE_BK=1), gt, nw, aligned=("w_stride",))
 def plain(K, bn, bk, nw, norm, res, silu, gather):
     return comp(gemv._gemv_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=res, HAS_BIAS=False,

@@ -98,12 +98,12 @@ def w4_variants(runner, vary, combine):
 def whole_row_variants(runner, fp8: bool, vary, combine):
     """`tile_variants` of the fused single-token products (`gemv.fused_linear`): each setter gives the
     backend a KernelConfig with one product's whole-row tile, in `fp8_tiles` for FP8 weights (the shipped
-    tile as fused_linear picks it: the shape's entry, else `gemv.fp8_tile` of the 16-bit tile), in `tiles`
+    tile as fused_linear picks it: the shape's entry, else `gemv_whole.fp8_tile` of the 16-bit tile), in `tiles`
     for bf16 (whatever tile type the shape ships with)."""
     from torch import nn
     from tokenmill.layers.fp8_linear import Fp8Linear
     from tokenmill.layers.kernel_config import WholeRowTile
-    from tokenmill.layers.kernels import gemv
+    from tokenmill.layers.kernels import gemv_whole
     backend = runner.model.model.backend
     base = backend.kernels
     field, kind, candidates = (("fp8_tiles", Fp8Linear, FP8_CANDIDATES) if fp8
@@ -112,7 +112,7 @@ def whole_row_variants(runner, fp8: bool, vary, combine):
     keys = sorted({(*m.weight.shape, name.endswith("gate_up_proj"))      # (N, K, SiLU-and-mul after it)
                    for name, m in runner.model.named_modules()
                    if isinstance(m, kind) and name.rpartition(".")[2] in products})
-    shipped = {key: gemv.fp8_tile_of(base, *key) if fp8 else base.tile(*key) for key in keys}
+    shipped = {key: gemv_whole.fp8_tile_of(base, *key) if fp8 else base.tile(*key) for key in keys}
 
     def setter(extra):
         def apply():

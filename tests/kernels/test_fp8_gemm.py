@@ -451,15 +451,16 @@ def test_fp8_tiles_are_whole_rows_and_refuse_straddling_blocks(monkeypatch):
     would straddle two rows of block scales, is refused by name when asked for and avoided when it comes
     from the table."""
     from tokenmill.layers.kernel_config import KernelConfig, RegisterTile, SmemTile, WholeRowTile
-    from tokenmill.layers.kernels import gemv
-    assert gemv.fp8_tile(WholeRowTile(2, 4, 5)) == WholeRowTile(4, 4, 5)
-    assert gemv.fp8_tile(RegisterTile(4, 1024, 4, 8)) == gemv.fp8_tile(SmemTile(8, 512, 8)) == gemv.FP8_TILE
+    from tokenmill.layers.kernels import gemv, gemv_whole
+    assert gemv_whole.fp8_tile(WholeRowTile(2, 4, 5)) == WholeRowTile(4, 4, 5)
+    assert (gemv_whole.fp8_tile(RegisterTile(4, 1024, 4, 8)) == gemv_whole.fp8_tile(SmemTile(8, 512, 8))
+            == gemv_whole.FP8_TILE)
     q, s, blk = _fp8_layer(48, 64, (8, 32), 5)
     x = torch.randn(1, 64, device=DEVICE)
     w = fp8.dequantize(q, s, blk)
     ran = []
-    real_whole = gemv._whole_linear
-    monkeypatch.setattr(gemv, "_whole_linear", lambda *a: ran.append(a[8]) or real_whole(*a))
+    real_whole = gemv_whole.whole_linear
+    monkeypatch.setattr(gemv_whole, "whole_linear", lambda *a: ran.append(a[8]) or real_whole(*a))
     table = KernelConfig(tiles={(48, 64, False): WholeRowTile(2, 4, 1), (48, 64, True): RegisterTile(2, 16, 4, 1)},
                          fp8_tiles={(48, 64, False): WholeRowTile(1, 8, 1)})
     ref = x @ w.t()
@@ -468,7 +469,7 @@ def test_fp8_tiles_are_whole_rows_and_refuse_straddling_blocks(monkeypatch):
     ref = gemv.fused_linear_torch(x, w, act="silu")[0]
     torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=table, act="silu")[0],
                                ref, **_f16_bound(ref))
-    assert ran == [WholeRowTile(1, 8, 1), gemv.FP8_TILE]
+    assert ran == [WholeRowTile(1, 8, 1), gemv_whole.FP8_TILE]
     with pytest.raises(ValueError, match="straddles scale blocks of 8 rows"):
         gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, tile=WholeRowTile(16, 4, 1))
     with pytest.raises(ValueError, match="FP8 weights run whole-row tiles"):
@@ -483,7 +484,7 @@ def test_fp8_tiles_are_whole_rows_and_refuse_straddling_blocks(monkeypatch):
     ref = x @ w.t()
     torch.testing.assert_close(gemv.fused_linear(x, q, weight_scale=s, weight_block=blk, kernels=wide)[0], ref,
                                **_f16_bound(ref))
-    assert ran == [WholeRowTile(1, gemv.FP8_TILE.num_warps, gemv.FP8_TILE.programs_per_sm)]
+    assert ran == [WholeRowTile(1, gemv_whole.FP8_TILE.num_warps, gemv_whole.FP8_TILE.programs_per_sm)]
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
@@ -494,9 +495,9 @@ def test_shipped_fp8_gate_up_tile_equals_the_dequantized_reference(block):
     on read the scale rows (262 + row) // 128, one of them shared with gate rows), norm and residual folded
     in, against the dequantized reference in float32."""
     from tokenmill.layers.kernel_config import WholeRowTile
-    from tokenmill.layers.kernels import gemv
-    tile = gemv.SHIPPED.fp8_tile(19456, 2560, True) or gemv.fp8_tile(gemv.SHIPPED.tile(19456, 2560, True))
-    assert isinstance(tile, WholeRowTile) and tile.block_n == 2 and gemv._whole_blocks(2560) == (2048, 512)
+    from tokenmill.layers.kernels import gemv, gemv_whole
+    tile = gemv.SHIPPED.fp8_tile(19456, 2560, True) or gemv_whole.fp8_tile(gemv.SHIPPED.tile(19456, 2560, True))
+    assert isinstance(tile, WholeRowTile) and tile.block_n == 2 and gemv_whole.whole_blocks(2560) == (2048, 512)
     n, k = 2 * 262, 2560
     q, s, blk = _fp8_layer(n, k, block, 6)
     g = torch.Generator().manual_seed(7)
@@ -590,7 +591,7 @@ def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
                                            (20992, 2560, True, True), (2560, 10496, False, False)])
 def test_gpu_single_token_fp8_products_on_the_models_shapes(n, k, silu, norm, block):
     """The single-token products of qwen3-4b's and nanbeige4.1-3b's layers with FP8 weights and their shipped
-    FP8 tiles (`KernelConfig.fp8_tiles`, else `gemv.fp8_tile` of the 16-bit tile), norm, residual and
+    FP8 tiles (`KernelConfig.fp8_tiles`, else `gemv_whole.fp8_tile` of the 16-bit tile), norm, residual and
     SiLU-and-mul as the decoder runs them, against the dequantized product in float32 of the bf16-normed
     input."""
     from tokenmill.layers.kernels import gemv

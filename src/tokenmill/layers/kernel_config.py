@@ -24,7 +24,7 @@ class RegisterTile:
 
 @dataclass(frozen=True)
 class WholeRowTile:
-    """`gemv._gemv_whole_kernel`: a row block's whole rows (block_n x K, with the gated activation as many up
+    """`gemv_whole._gemv_whole_kernel`: a row block's whole rows (block_n x K, with the gated activation as many up
     rows again) in one round trip to HBM, the first block's before the wait and each next block's issued ahead."""
     block_n: int
     num_warps: int
@@ -57,7 +57,7 @@ SHIPPED_TILES: tuple[tuple[tuple[int, int, bool], Tile], ...] = tuple({
     (2560, 10496, False): WholeRowTile(block_n=1, num_warps=16, programs_per_sm=2),   # nanbeige4.1-3b down_proj
 }.items())
 
-# the FP8 products' whole-row tiles where an H200 sweep found one faster than `gemv.fp8_tile` of the 16-bit
+# the FP8 products' whole-row tiles where an H200 sweep found one faster than `gemv_whole.fp8_tile` of the 16-bit
 # tile, timed inside the batch-1 decode graph (scripts/device/decode_tiles.py --weights fp8; nanbeige4.1-3b's
 # down_proj tile is an isolated sweep's, scripts/device/fp8_products.py, which held in the graph);
 # docs/BENCHMARKS.md
@@ -148,7 +148,7 @@ class PrefillAttentionConfig:
 class KernelConfig:
     """`tiles`: ((N, K, gated), tile) pairs (a mapping is accepted and kept as pairs), so the config stays
     immutable and pickles with `EngineConfig` into the engine core's process. `fp8_tiles`: the same for
-    products with FP8 weights; a shape not there takes `gemv.fp8_tile` of its 16-bit tile.
+    products with FP8 weights; a shape not there takes `gemv_whole.fp8_tile` of its 16-bit tile.
     `decode_attention` and `fp8_decode_attention`: the decode attention's launch for each KV cache."""
     tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_TILES
     fp8_tiles: tuple[tuple[tuple[int, int, bool], Tile], ...] = SHIPPED_FP8_TILES

@@ -61,7 +61,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _input_chunk(x_ptr, res_ptr, nw_ptr, rstd, kk, NORM: gl.constexpr, RESIDUAL: gl.constexpr):
-        # columns kk of the product's input in float32, rounded as gemv._input_chunk rounds them
+        # columns kk of the product's input in float32, rounded as gemv_whole.input_chunk rounds them
         h = gl.load(x_ptr + kk)
         if RESIDUAL:
             h = (h.to(gl.float32) + gl.load(res_ptr + kk).to(gl.float32)).to(h.dtype)
