@@ -2,13 +2,14 @@
 
 Per variant, one CUDA graph of 36 layers, each: the qkv product (single-token GEMV), attention, the
 o_proj product, at real model shapes and one sequence per row, every layer with its own weights and KV
-cache. Variants: `unfused` (the prologue kernel, split-K decode attention, its merge kernel) and the
-one-kernel attention (`decode_attention.fused_decode_attention`) with several settings, each written
-MIN[wWARPS][sSTAGES][bBLOCK_N]: `min_split_len` MIN, `num_warps` WARPS, `num_stages` STAGES for every
-launch (the kernel's default is one stage at `many_splits` splits, else two), `block_n` BLOCK_N (defaults
-the kernel's). Prints microseconds per layer and writes them to $OUT/decode_attention_bench.json.
+cache. Variants of the one-kernel attention (`decode_attention.fused_decode_attention`): `shipped` (its
+default launch) and launches written MIN[wWARPS][sSTAGES][bBLOCK_N]: `min_split_len` MIN, `num_warps`
+WARPS, `num_stages` STAGES for every launch, `block_n` BLOCK_N (the rest `DecodeAttentionConfig`'s
+defaults, for every batch). Prints microseconds per layer and writes them to
+$OUT/decode_attention_bench.json. (The three-kernel path it was first measured against is gone; its
+figures are in docs/BENCHMARKS.md.)
 
-Usage: python scripts/device/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
+Usage: python lab/decode_attention_bench.py --out DIR [--contexts 160,1000,4000] [--batches 1,8]
        [--min-split-lens 64,128,64w8,64s1,32s1b32]
 """
 from __future__ import annotations
@@ -17,12 +18,16 @@ import argparse
 import json
 import os
 import re
+import sys
 
 import torch
 
-from profile_decode import replay_ms  # scripts/device/, the script's own folder
-from tokenmill.layers.kernels import decode_attention, fused_ops, gemv, paged_attention
+from tokenmill.layers.kernel_config import DecodeAttentionConfig
+from tokenmill.layers.kernels import decode_attention, gemv
 from tokenmill.layers.rotary import RotaryEmbedding
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "device"))
+from profile_decode import replay_ms  # noqa: E402
 
 SHAPES = {"qwen3-4b": (2560, 32, 8, True), "nanbeige4.1-3b": (2560, 20, 4, False)}
 LAYERS, BLOCK, HEAD_DIM = 36, 16, 128
@@ -53,9 +58,11 @@ def build(model: str, batch: int, ctx: int):
                 x=x, hq=hq, hkv=hkv)
 
 
-def attention_config(variant: str) -> dict:
-    """"64w8s1b32" -> {"min_split_len": 64, "num_warps": 8, "num_stages": 1, "block_n": 32}; each of w, s
-    and b optional, in that order."""
+def attention_config(variant: str) -> DecodeAttentionConfig | None:
+    """"64w8s1b32" -> DecodeAttentionConfig(min_split_len=64, num_warps=8, num_stages=1, block_n=32); each of
+    w, s and b optional, in that order. "shipped" -> None (the kernel's default launch)."""
+    if variant == "shipped":
+        return None
     m = re.fullmatch(r"(\d+)(?:w(\d+))?(?:s(\d+))?(?:b(\d+))?", variant)
     if m is None:
         raise ValueError(f"attention variant {variant!r} is not MIN[wWARPS][sSTAGES][bBLOCK_N]")
@@ -65,7 +72,7 @@ def attention_config(variant: str) -> dict:
             cfg[key] = int(value)
     if "num_stages" in cfg:     # every launch, also those with `many_splits` splits
         cfg["many_splits_stages"] = cfg["num_stages"]
-    return cfg
+    return DecodeAttentionConfig(**cfg)
 
 
 def step(s, variant, o_proj=None):
@@ -74,14 +81,9 @@ def step(s, variant, o_proj=None):
     hq, hkv = s["hq"], s["hkv"]
     for L in s["layers"]:
         qkv = gemv.fused_linear(x, L["w_qkv"])[0] if x.shape[0] == 1 else x @ L["w_qkv"].t()
-        args = (qkv, s["positions"], s["cos_sin"], L["qw"], L["kw"], 1e-6)
-        if variant == "unfused":
-            q = fused_ops.qk_norm_rope_store(*args, L["k"], L["v"], s["slots"], hq, hkv, HEAD_DIM)
-            attn = paged_attention.paged_decode_attention(q, L["k"], L["v"], s["table"], s["ctx"], HEAD_DIM ** -0.5)
-        else:
-            attn = decode_attention.fused_decode_attention(
-                *args, L["k"], L["v"], s["slots"], s["table"], s["ctx"], HEAD_DIM ** -0.5, hq, hkv, HEAD_DIM,
-                config=attention_config(variant))
+        attn = decode_attention.fused_decode_attention(
+            qkv, s["positions"], s["cos_sin"], L["qw"], L["kw"], 1e-6, L["k"], L["v"], s["slots"], s["table"],
+            s["ctx"], HEAD_DIM ** -0.5, hq, hkv, HEAD_DIM, config=attention_config(variant))
         attn = attn.reshape(x.shape[0], -1)
         if o_proj is not None and x.shape[0] == 1:
             x = o_proj(attn, L["w_o"])
@@ -109,7 +111,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--min-split-lens", default="64,128,256")
     args = ap.parse_args()
-    variants = ["unfused"] + args.min_split_lens.split(",")
+    variants = ["shipped"] + args.min_split_lens.split(",")
     rows = []
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -122,7 +124,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    head = ["unfused"] + [f"one kernel, min split {v}" for v in variants[1:]]
+    head = ["shipped"] + [f"min split {v}" for v in variants[1:]]
     print("\n| model | batch | context | " + " | ".join(head) + " |")
     print("|---|---|---|" + "---|" * len(head))
     for r in rows:

@@ -4,13 +4,13 @@ for each weight-reading product of a decoder layer, at the sizes of the presets.
 Each variant runs as a CUDA graph over one weight copy per layer (so weights come from HBM, not L2), the
 way a batch-1 decode step meets them: `qkv` = RMSNorm(+residual) then the product, `o`, `gate_up` =
 RMSNorm(+residual), the product and SiLU-and-mul, `down`. The cuBLAS variant uses our norm and
-activation kernels around `F.linear`; the GEMV variant folds them in. Every GEMV tile configuration is
-timed; the fastest per shape goes to gemv_configs.json (the format `TOKENMILL_GEMV_CONFIGS` reads).
-Then one graph of whole layers (all four products, per layer) compares the two paths.
+activation kernels around `F.linear`; the GEMV variant folds them in. Every register tile (`RegisterTile`:
+block_n x block_k x warps, at each programs-per-SM count) is timed; the fastest per shape goes to
+gemv_configs.json as [N, K, gated, [block_n, block_k, num_warps, programs_per_sm]]. Then one graph of
+whole layers (all four products, per layer) compares the two paths.
 
-Usage: python scripts/device/gemv_bench.py --out DIR [--models qwen3-4b,nanbeige4.1-3b]
-       [--tiles 4x512x4,4x1024x4] [--per-sm 8] [--row-sums 0,1] [--no-layers]
-(`--row-sums`: sweep the optional fifth tile element of `gemv.CONFIGS`.)
+Usage: python lab/gemv_bench.py --out DIR [--models qwen3-4b,nanbeige4.1-3b]
+       [--tiles 4x512x4,4x1024x4] [--per-sm 8] [--no-layers]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.kernel_config import RegisterTile
 from tokenmill.layers.kernels import fused_ops, gemv, pdl
 
 SHAPES = {  # hidden, q width, kv width, intermediate, layers
@@ -82,16 +83,14 @@ def main() -> None:
     ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
                     help="block_n x block_k x num_warps, comma-separated")
     ap.add_argument("--per-sm", default=",".join(map(str, PER_SM)))
-    ap.add_argument("--row-sums", default="0")
     ap.add_argument("--no-layers", action="store_true", help="skip the whole-layer comparison")
     args = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     per_sms = [int(v) for v in args.per_sm.split(",")]
-    row_sums = [int(v) for v in args.row_sums.split(",")]
     os.makedirs(args.out, exist_ok=True)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
-    print(f"programmatic dependent launch mode: {pdl.mode(dev)}", flush=True)
+    print(f"programmatic dependent launch: {pdl.enabled(dev)}", flush=True)
     configs, rows, layer_rows = [], [], []
     for model in args.models.split(","):
         layers, prods = products(model)
@@ -109,17 +108,18 @@ def main() -> None:
                     h = fused_ops.rms_norm(x, nw, 1e-6, res)[0] if norm else x
                     y = F.linear(h, w)
                     if silu:
-                        fused_ops.silu_and_mul(y)
+                        fused_ops.act_and_mul(y)
 
             base = graph_us(cublas) / layers
             timed = {}
-            for (bn, bk, warps), per_sm, rs in itertools.product(tiles, per_sms, row_sums):
-                cfg = (bn, bk, warps, per_sm, *([1] if rs else []))
+            for (bn, bk, warps), per_sm in itertools.product(tiles, per_sms):
+                cfg = (bn, bk, warps, per_sm)
 
                 def fused():
                     for w in ws:
                         gemv.fused_linear(x, w, norm_weight=nw if norm else None, eps=1e-6,
-                                          residual=res if norm else None, silu=silu, config=cfg)
+                                          residual=res if norm else None, act="silu" if silu else None,
+                                          tile=RegisterTile(*cfg))
                 timed[cfg] = graph_us(fused) / layers
             cfg = min(timed, key=timed.get)
             us = timed[cfg]
@@ -148,17 +148,17 @@ def main() -> None:
                 a, r = fused_ops.rms_norm(h, nw, 1e-6, r)
                 o = F.linear(F.linear(a, weights["qkv"][i])[:, :q], weights["o"][i])
                 a, r = fused_ops.rms_norm(o, nw, 1e-6, r)
-                h = F.linear(fused_ops.silu_and_mul(F.linear(a, weights["gate_up"][i])), weights["down"][i])
+                h = F.linear(fused_ops.act_and_mul(F.linear(a, weights["gate_up"][i])), weights["down"][i])
 
         def layer_gemv():
             h, r = x, res
             for i in range(layers):
                 def lin(inp, name, **kw):
                     w = weights[name][i]
-                    return gemv.fused_linear(inp, w, config=table[(*w.shape, kw.get("silu", False))], **kw)
+                    return gemv.fused_linear(inp, w, tile=RegisterTile(*table[(*w.shape, "act" in kw)]), **kw)
                 a, r = lin(h, "qkv", norm_weight=nw, eps=1e-6, residual=r)
                 o, _ = lin(a[:, :q].contiguous(), "o")
-                a, r = lin(o, "gate_up", norm_weight=nw, eps=1e-6, residual=r, silu=True)
+                a, r = lin(o, "gate_up", norm_weight=nw, eps=1e-6, residual=r, act="silu")
                 h, _ = lin(a, "down")
         total_mb = sum(w.numel() * 2 for ws in weights.values() for w in ws) / 1e6
         for name, fn in (("cublas", layer_cublas), ("gemv", layer_gemv)):
@@ -169,11 +169,10 @@ def main() -> None:
         weights = None
         torch.cuda.empty_cache()
 
-    for path in (os.path.join(args.out, "gemv_configs.json"), "/tmp/gemv_configs.json"):
-        with open(path, "w") as f:
-            json.dump(configs, f)
+    with open(os.path.join(args.out, "gemv_configs.json"), "w") as f:
+        json.dump(configs, f)
     with open(os.path.join(args.out, "gemv_bench.json"), "w") as f:
-        json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.mode(dev)}, f, indent=1)
+        json.dump({"products": rows, "layers": layer_rows, "pdl": pdl.enabled(dev)}, f, indent=1)
     print_table(["model", "product", "N x K", "MB", "cuBLAS us (TB/s)", "GEMV us (TB/s)", "GEMV config"],
                 ([r["model"], r["product"], f"{r['N']} x {r['K']}", str(r["MB"]),
                   f"{r['cublas_us']} ({r['cublas_TBs']})", f"{r['gemv_us']} ({r['gemv_TBs']})",

@@ -7,9 +7,9 @@ down), one CUDA graph launches it once per layer over the layer's own weight cop
 does, so weights come from HBM and each launch overlaps the one before as in a decode step. Prints us
 per product and TB/s for the current tile and each shared-memory tile that fits, and writes
 $OUT/gemv_smem.json. Where the products meet attention, the batch-1 decode graph itself is the
-measure: profile_decode.py --gemv-variants (decode_latency.sh GEMV_VARIANTS).
+measure: scripts/device/decode_tiles.py.
 
-Usage: python scripts/device/gemv_smem.py [--models qwen3-4b] [--tiles 2x512x2,4x512x4,...]
+Usage: python lab/gemv_smem.py [--models qwen3-4b] [--tiles 2x512x2,4x512x4,...]
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch
 
 
 def main() -> None:
-    from gemv_bench import graph_us, products, write_rows    # scripts/device/, the script's own folder
+    from gemv_bench import graph_us, products, write_rows    # lab/, the script's own folder
+    from tokenmill.layers.kernel_config import SmemTile
     from tokenmill.layers.kernels import gemv, gemv_smem
 
     ap = argparse.ArgumentParser()
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="2x512x2,4x512x4,8x512x8,8x1024x8,2x256x2,4x256x4",
                     help="shared-memory tiles, block_n x block_k x warps")
     args = ap.parse_args()
-    tiles = [("smem", *(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
+    tiles = [SmemTile(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
     bf16 = torch.bfloat16
     rows = []
     for model in args.models.split(","):
@@ -39,16 +40,16 @@ def main() -> None:
         for name, (n, k), norm, silu in prods:
             ws = [torch.randn(n, k, device="cuda", dtype=bf16, generator=gen) / 50 for _ in range(layers)]
             x = torch.randn(1, k, device="cuda", dtype=bf16, generator=gen)
-            kw = dict(silu=silu)
+            kw = dict(act="silu" if silu else None)
             if norm:
                 kw.update(norm_weight=1 + torch.randn(k, device="cuda", dtype=bf16, generator=gen) / 10, eps=1e-6,
                           residual=torch.randn(1, k, device="cuda", dtype=bf16, generator=gen))
             ref = gemv.fused_linear_torch(x, ws[0], **kw)[0].float()
-            current = gemv.CONFIGS.get((n, k, silu), gemv.DEFAULT_CONFIG)
+            current = gemv.SHIPPED.tile(n, k, silu)
             for tile in [current] + [t for t in tiles if gemv_smem.check_tile(n, k, silu, bf16, t) is None]:
-                err = (gemv.fused_linear(x, ws[0], config=tile, **kw)[0].float() - ref).abs().max().item()
-                us = graph_us(lambda: [gemv.fused_linear(x, w, config=tile, **kw) for w in ws]) / layers
-                row = dict(model=model, product=name, n=n, k=k, tile=list(tile), current=tile == current,
+                err = (gemv.fused_linear(x, ws[0], tile=tile, **kw)[0].float() - ref).abs().max().item()
+                us = graph_us(lambda: [gemv.fused_linear(x, w, tile=tile, **kw) for w in ws]) / layers
+                row = dict(model=model, product=name, n=n, k=k, tile=repr(tile), current=tile == current,
                            us=us, tb_s=n * k * 2 / us / 1e6, max_abs_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -56,7 +57,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     write_rows(args.out, "gemv_smem", rows, ["model", "product (N x K)", "tile", "us", "TB/s", "max abs err vs torch"],
                lambda r: [r["model"], f"{r['product']} {r['n']} x {r['k']}",
-                          ", ".join(str(v) for v in r["tile"]) + (" (current)" if r["current"] else ""),
+                          r["tile"] + (" (current)" if r["current"] else ""),
                           f"{r['us']:.2f}", f"{r['tb_s']:.2f}", f"{r['max_abs_err']:.3g}"])
     print("\n(one launch per layer, each over its own weight copy, in one CUDA graph; us per launch)")
 

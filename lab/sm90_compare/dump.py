@@ -72,13 +72,13 @@ def whole(K, bn, nw, norm, res, silu, gather):
     bk = 1 << (K.bit_length() - 1)
     bk2 = triton.next_power_of_2(K - bk) if K > bk else 1
     return comp(gemv_whole._gemv_whole_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=bk2, NORM=norm, RESIDUAL=res,
-                HAS_BIAS=False, SILU=silu, GATHER=gather, AHEAD=True, HINT=2, PDL=2, ASM=True, SCALE=0, SCALE_BN=1, SCALE_BK=1), gt, nw, aligned=("w_stride",))
+                HAS_BIAS=False, SILU=silu, ACT=int(silu), GATHER=gather, AHEAD=True, HINT=2, PDL=2, ASM=True, SCALE=0, SCALE_BN=1, SCALE_BK=1), gt, nw, aligned=("w_stride",))
 def plain(K, bn, bk, nw, norm, res, silu, gather):
     return comp(gemv._gemv_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=norm, RESIDUAL=res, HAS_BIAS=False,
-                SILU=silu, GATHER=gather, ROW_SUMS=False, STAGES=1, HINT=0, PDL=2, SCALE=0, SCALE_BN=1, SCALE_BK=1), gt, nw, aligned=("w_stride",))
+                SILU=silu, ACT=int(silu), GATHER=gather, ROW_SUMS=False, STAGES=1, HINT=0, PDL=2, SCALE=0, SCALE_BN=1, SCALE_BK=1), gt, nw, aligned=("w_stride",))
 def smem(K, bn, bk, nw):
     return comp(gemv_smem._smem_gemv_kernel, dict(K=K, BLOCK_N=bn, BLOCK_K=bk, NORM=False, RESIDUAL=False,
-                HAS_BIAS=False, SILU=False, PDL=2, NUM_WARPS=nw), gt, nw, aligned=("w_stride",), gluon=True)
+                HAS_BIAS=False, SILU=False, ACT=0, PDL=2, NUM_WARPS=nw), gt, nw, aligned=("w_stride",), gluon=True)
 dt = {**{p: BF for p in ("qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "pf_ptr")},
       "cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_ptr": "*i64", "block_tables_ptr": "*i32",
       "context_lens_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -90,7 +90,7 @@ def fused(hq, hkv, norm, splits, stages):
         BLOCK_GR=triton.next_power_of_2(g), SPLIT_CHUNK=min(8, triton.next_power_of_2(splits)), HEAD_DIM=128,
         HALF=64, BLOCK_HALF=64, BLOCK_D=128, HAS_NORM=norm, PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64,
         DOT_PRECISION="tf32", PDL=2, PREFETCH=0, PF_LINE=1, THREADS=128, NORM_FIRST=2, ASK_L2=True, FP8=False,
-        OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1),
+        WIDEN_ASM=True, OUT_FP8=False, OUT_SCALES=1, BLOCK_S=1, WINDOW=0, SOFTCAP=0.0),
         dt, 4, stages, aligned=("qkv_stride_t", "cs_stride", "c_stride_blk", "c_stride_tok"))
 K = {}
 K["whole_qwen_qkv_gather"] = lambda: whole(2560, 2, 4, True, False, False, True)
@@ -112,7 +112,9 @@ K["fused_nb_b1"] = lambda: fused(20, 4, False, 32, 1)
 K["rms_norm"] = lambda: comp(fused_ops._rms_norm_kernel, dict(N=2560, BLOCK_R=1, BLOCK_N=4096, HAS_RESIDUAL=True,
                              FP8_GROUP=0, UNSCALED=False, PDL=2), {"x_ptr": BF, "res_ptr": BF, "w_ptr": BF, "out_ptr": BF,
                              "res_out_ptr": BF, "s_ptr": "*fp32", "rs_ptr": "*fp32", "cs_ptr": "*fp32", "eps": "fp32"}, 8)
-K["silu"] = lambda: comp(fused_ops._silu_and_mul_kernel, dict(I=9728, BLOCK=1024, FP8_GROUP=0, PDL=2),
+# SiLU-and-mul: ACT 1 of the activation kernel, else (older trees) the SiLU-only kernel
+act_kernel = getattr(fused_ops, "_act_and_mul_kernel", None) or getattr(fused_ops, "_silu_and_mul_kernel")
+K["silu"] = lambda: comp(act_kernel, dict(I=9728, BLOCK=1024, FP8_GROUP=0, PDL=2, ACT=1),
                          {"x_ptr": BF, "out_ptr": BF, "s_ptr": "*fp32"}, 4, aligned=("x_stride_t",))
 K["qk_prologue"] = lambda: comp(fused_ops._qk_norm_rope_store_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32,
                          BLOCK_HKV=8, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=2, FP8=False),
