@@ -76,7 +76,7 @@ class Request:
         self.num_preemptions = 0
         self.num_pending = 0
         self.pending_row = -1
-        # structured output: this sequence's matcher (engine/structured_output.py), else None
+        # structured output: this sequence's matcher (engine/grammar_bitmask.py), else None
         self.grammar = None
         # thinking_token_budget: this sequence's thinking block and its count (engine/thinking_budget.py), else None
         self.thinking = None

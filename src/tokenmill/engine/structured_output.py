@@ -1,18 +1,13 @@
-"""Grammar-constrained decoding (structured output) with xgrammar, on the engine core's side.
+"""Grammar-constrained decoding (structured output) with xgrammar, on the engine core's side: compiling.
 
 `StructuredOutputManager` is built once per engine, on first use, from the tokenizer and the model's
 vocabulary size (the model may have more rows than the tokenizer has tokens; those ids are never allowed).
 It compiles a request's `StructuredOutputsParams` into a grammar (an LRU of compiled grammars keyed by kind
-and spec) and gives every sequence its own `SequenceGrammar`, a matcher that accepts the sequence's tokens.
+and spec) and gives every sequence its own `SequenceGrammar` (grammar_bitmask.py, with the step's bitmask),
+a matcher that accepts the sequence's tokens.
 The engine core compiles a grammar not in the cache on one of `COMPILE_THREADS` threads of its own
 (`core_proc._Client`: a slow compile stalls no other request's steps, nor another's compile) while its loop
 looks grammars up (`cached`): the cache is locked. Requests with the same spec share one compile.
-
-Each step, the sampler asks `BatchBitmask` for the bitmask of the rows that are constrained: packed
-allowed-token bits filled on the host after the forward pass is launched (so the fill overlaps the device's
-work), copied to the device and applied to those rows only; the other rows' logits are untouched.
-Invariant: a constrained sequence's previous token has been accepted before its next mask is filled; the
-engine processes every step holding a constrained sequence before it launches the next one.
 """
 from __future__ import annotations
 
@@ -21,18 +16,14 @@ import logging
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.engine.grammar_bitmask import MAX_FILL_SECONDS, SequenceGrammar
 from tokenmill.sampling_params import (MAX_SPEC_CHARS, SamplingParamError, StructuredOutputsParams,
                                        structural_tag_schemas)
-
-if TYPE_CHECKING:
-    from tokenmill.engine.request import Request
 
 logger = logging.getLogger("tokenmill")
 
@@ -47,13 +38,6 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false
 # whitespace between JSON's tokens. The class of xgrammar's own unbounded strings replaces it.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
-# One sequence's grammar may take at most this much host CPU time to compute one token's allowed tokens
-# (`SequenceGrammar.fill`). Fills run inside the engine step, so every other request waits on them. A JSON
-# schema's or a regex's fill takes well under a millisecond even on a 150k vocabulary; an ambiguous grammar
-# (root ::= (x | x x)* with x matching one text in several ways) grows its parse with every token, and its
-# fill with it (an 8k vocabulary, "a" after "a": 50 ms at token 20, 2.5 s at token 100) until the server
-# stalls. A sequence whose fill takes longer fails (`slow_fill`); sane grammars stay far below it.
-MAX_FILL_SECONDS = 0.1
 # Grammars not cached compile on this many threads of the engine core at once, so that a slow one holds up
 # no other constrained request (xgrammar's own threads work inside each compile).
 COMPILE_THREADS = 4
@@ -213,62 +197,6 @@ class StructuredOutputManager:
         return SequenceGrammar(self._xgr.GrammarMatcher(grammar), keep, tags, params is not None and params.in_think)
 
 
-class SequenceGrammar:
-    """One sequence's position in its grammar. The matcher terminates once it accepts a stop token (EOS),
-    which it allows only where the grammar is complete. With `think_tags` the grammar starts after the
-    output's thinking block (`StructuredOutputsParams`): every token is free until `</think>` where the
-    block is open (`in_think`), and the first token may open one with `<think>`, unless the grammar itself
-    begins with `<think>` (a client's regex or grammar that spells out the reasoning governs it too)."""
-
-    __slots__ = ("matcher", "keep", "open_tag", "close_tag", "thinking", "first", "accepted", "slow_fill")
-
-    def __init__(self, matcher, keep: torch.Tensor | None = None, think_tags: tuple[int, int] | None = None,
-                 in_think: bool = False):
-        self.matcher = matcher
-        self.keep = keep            # [W] int32: bits of the tokens this kind of output may ever hold
-        self.open_tag, self.close_tag = think_tags or (None, None)
-        self.thinking = think_tags is not None and in_think       # inside the block: the grammar waits
-        self.first = think_tags is not None and not in_think      # the next token may open a block
-        self.accepted = 0           # the sequence's tokens so far
-        self.slow_fill = None       # (seconds, tokens accepted before it) of a fill over MAX_FILL_SECONDS
-
-    def accept(self, token_id: int) -> bool:
-        self.accepted += 1
-        if self.thinking:
-            self.thinking = token_id != self.close_tag
-            return True
-        if self.first:
-            self.first = False
-            if token_id == self.open_tag:
-                self.thinking = True
-                return True
-        return self.matcher.accept_token(token_id)
-
-    @property
-    def terminated(self) -> bool:
-        return not self.thinking and self.matcher.is_terminated()
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.thinking or self.matcher.is_terminated():
-            # thinking: any token; terminated while its next step was in flight: that token is dropped
-            bitmask[row] = -1
-            return
-        # the thread's CPU time: a fill descheduled on a busy host is not charged for the wait
-        t0 = time.thread_time()
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        seconds = time.thread_time() - t0
-        if seconds > MAX_FILL_SECONDS and self.slow_fill is None:
-            self.slow_fill = (seconds, self.accepted)
-        if self.keep is not None:
-            bitmask[row] &= self.keep
-        if self.first:
-            word, bit = divmod(self.open_tag, 32)
-            if (int(bitmask[row, word]) >> bit) & 1:
-                self.first = False          # the grammar begins with <think>: it holds the reasoning too
-            else:
-                bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)     # int32: bit 31 is the sign
-
-
 def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
     """The error of a sequence whose grammar took over MAX_FILL_SECONDS for one token (`slow_fill`)."""
     seconds, tokens = grammar.slow_fill
@@ -283,47 +211,6 @@ def compile_error(kind: str, seconds: float) -> SamplingParamError:
     return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} did not compile in {seconds:,.1f} s; "
                               f"the limit is {MAX_COMPILE_SECONDS:g} s: compile time grows faster than the "
                               "spec (many optional properties or rules, each optional before the next); simplify it")
-
-
-class BatchBitmask:
-    """The allowed tokens of one step's constrained rows: `rows` (sampler rows) and their grammars.
-    `apply` fills the packed bitmask [len(rows), ceil(vocab / 32)] int32 on the host and masks those rows."""
-
-    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], vocab_size: int, device: torch.device):
-        self.grammars = grammars
-        self.vocab_size = vocab_size
-        self.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-
-    @staticmethod
-    def from_requests(requests: list[Request], vocab_size: int, device: torch.device) -> "BatchBitmask | None":
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not rows:
-            return None
-        return BatchBitmask(rows, [requests[i].grammar for i in rows], vocab_size, device)
-
-    def host_bitmask(self) -> torch.Tensor:
-        bitmask = torch.empty((len(self.grammars), -(-self.vocab_size // 32)), dtype=torch.int32)
-        for i, g in enumerate(self.grammars):
-            g.fill(bitmask, i)
-        return bitmask
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [S, V] float with the tokens each constrained row's grammar forbids at -inf (a new
-        tensor; the input is left as it was)."""
-        bitmask = self.host_bitmask()
-        if logits.is_cuda:
-            bitmask = bitmask.pin_memory()
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        allowed = unpack_bitmask(bitmask, logits.shape[-1])
-        masked = logits[self.rows].masked_fill(~allowed, float("-inf"))
-        return logits.index_put((self.rows,), masked)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32, bit j of word w set where token 32 w + j is allowed -> [R, vocab_size] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _key(params: StructuredOutputsParams) -> tuple:

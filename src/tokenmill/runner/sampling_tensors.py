@@ -17,7 +17,7 @@ from tokenmill.runner.sampling_rows import ROW
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
-    from tokenmill.engine.structured_output import BatchBitmask
+    from tokenmill.engine.grammar_bitmask import BatchBitmask
 
 _WORDS = ROW.itemsize // 4     # a packed row (`sampling_rows.ROW`) in 32-bit words
 
@@ -111,7 +111,7 @@ class SamplingTensors:
             forced = forced_rows(requests, device, prev_tokens)
         bitmask = None
         if any(r.grammar is not None for r in requests):
-            from tokenmill.engine.structured_output import BatchBitmask
+            from tokenmill.engine.grammar_bitmask import BatchBitmask
             bitmask = BatchBitmask.from_requests(requests, vocab_size, device)
         all_greedy = bool(flags["greedy"].all())
         penalties = bool(flags["penalties"].any())
