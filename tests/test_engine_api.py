@@ -763,7 +763,7 @@ def test_a_sequence_that_stopped_early_holds_back_no_other_ones_tokens():
     not the longest's)."""
     from types import SimpleNamespace
 
-    from tokenmill.engine.async_engine import _Stream
+    from tokenmill.engine.request_stream import _Stream
 
     def out(*lengths):
         return SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[0] * n) for n in lengths])
@@ -1110,8 +1110,8 @@ def _metric_sample(metrics, name: str, labels: dict | None = None) -> float | No
 def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     """Each choice's latency when it finishes (not the whole request's); a request that ends unfinished
     (client gone, engine dead) counts as an abort with its latency; the buckets reach two hours."""
-    from tokenmill.engine.async_engine import _Stream
     from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.engine.request_stream import _Stream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
@@ -1136,8 +1136,8 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
 def test_a_long_gap_between_tokens_reads_as_itself_in_the_inter_token_latency():
     """A sequence preempted for 30 s between two tokens: its gap lands in the 40 s bucket (the buckets
     reach 80 s, as vLLM's), not past the last bound, where every quantile would read that bound."""
-    from tokenmill.engine.async_engine import _Stream
     from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.engine.request_stream import _Stream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
@@ -1157,8 +1157,8 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     """vLLM's Grafana dashboard reads the prompt and generation lengths, prefill and decode times, the
     longest sequence and the n and max_tokens parameters: per finished sequence (an aborted one too),
     and n and the longest sequence once per request."""
-    from tokenmill.engine.async_engine import _Stream
     from tokenmill.engine.metrics import ServerMetrics, build_1_2_5_buckets
+    from tokenmill.engine.request_stream import _Stream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
@@ -1197,8 +1197,9 @@ def test_queue_time_and_finish_reason_of_sequences_that_end_unfinished():
     but before its first token had none (it was observed with a first token only); one aborted while
     queued has none. A request that ran and then failed (its grammar too slow, the engine dead) counted as
     an abort, vLLM's reason for a client that went away: it is an "error", a series there from the start."""
-    from tokenmill.engine.async_engine import RequestAbortedError, _Stream
+    from tokenmill.engine.async_engine import RequestAbortedError
     from tokenmill.engine.metrics import ServerMetrics
+    from tokenmill.engine.request_stream import _Stream
     from tokenmill.outputs import RequestMetrics
     from tokenmill.sampling_params import SamplingParamError
 

@@ -11,6 +11,7 @@ interpreter lock; `in_process=True` keeps the thread variant for debugging and c
 
 An `AsyncLLM` starts a core of its own (`EngineCore`), or is the client of one that another process
 started (`CoreClient`: with `--api-server-count N` the server's parent starts a core with N pipes).
+Each request's outputs reach its `generate()` reader through a `_Stream` (request_stream.py).
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
 from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_stream import _Stream
 from tokenmill.engine.tokenizer import import_tokenizer_modules
-from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParamError
 
 
@@ -41,57 +42,6 @@ class RequestAbortedError(RuntimeError):
 class EngineBusyError(RuntimeError):
     """The engine core could not take the request now (every grammar compile thread held past its time
     limit); the same request may succeed later."""
-
-
-@dataclass
-class _Stream:
-    """Latest cumulative output of one request; readers only ever need the newest state. `wake` tells
-    its reader that it changed: a flag and the one future the reader waits on, which costs the loop less
-    per token than an `asyncio.Event` (that looks up its loop and keeps a queue of waiters)."""
-    output: RequestOutput | None = None
-    error: BaseException | None = None
-    done: bool = False
-    changed: bool = False
-    waiter: asyncio.Future | None = None
-    # each sequence's tokens seen so far and when the last arrived (the metrics' time to first token and
-    # inter-token latency)
-    prev_tokens: list[int] = field(default_factory=list)
-    last_token_seen: list[float | None] = field(default_factory=list)
-    first_token_seen: list[float | None] = field(default_factory=list)
-    interval: int = 1                 # tokens between wakes (0: only the first output and the last)
-    # for the metrics of a request that ends unfinished: its sequences, its times (the output processor's,
-    # first scheduling included before any output came), those seen finished; of every request: its
-    # prompt's length and max_tokens
-    n: int = 1
-    metrics: RequestMetrics | None = None
-    num_prompt_tokens: int = 0
-    max_tokens: int | None = None
-    finished_seen: set[int] = field(default_factory=set)
-    delivered: list[int] | None = None    # each sequence's tokens at the last wake; None before the first
-
-    def due(self, out: RequestOutput) -> bool:
-        """Whether `out` is worth waking the reader for: the first output, the last, or one in which some
-        sequence has `interval` more tokens than at the last wake (each sequence counts its own: one that
-        stopped early must not hold back the others' tokens). The reader always gets the newest
-        cumulative output, so an output it is not woken for is not lost, only delivered with a later one."""
-        counts = [len(c.token_ids) for c in out.outputs]
-        if (out.finished or self.delivered is None
-                or (self.interval and any(n - d >= self.interval for n, d in zip(counts, self.delivered)))):
-            self.delivered = counts
-            return True
-        return False
-
-    def wake(self) -> None:
-        self.changed = True
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self.changed:
-            self.waiter = loop.create_future()
-            await self.waiter
-        self.changed = False
 
 
 class AsyncLLM:
