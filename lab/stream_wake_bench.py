@@ -1,6 +1,6 @@
 """What waking a request's reader costs the event loop, per token: 256 readers each woken once a step, 400
 steps, under uvloop, with an `asyncio.Event` (set, wait, clear) and with a flag and one future
-(`request_stream._Stream.wake` / `wait`).
+(`request_stream.RequestStream.wake` / `wait`).
 
     python lab/stream_wake_bench.py
 """

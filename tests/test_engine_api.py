@@ -763,12 +763,12 @@ def test_a_sequence_that_stopped_early_holds_back_no_other_ones_tokens():
     not the longest's)."""
     from types import SimpleNamespace
 
-    from tokenmill.engine.request_stream import _Stream
+    from tokenmill.engine.request_stream import RequestStream
 
     def out(*lengths):
         return SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[0] * n) for n in lengths])
     for interval, expected in ((1, [True] * 6), (3, [False, False, True, False, False, True])):
-        stream = _Stream(interval=interval)
+        stream = RequestStream(interval=interval)
         assert stream.due(out(10, 5))
         assert [stream.due(out(10, n)) for n in range(6, 12)] == expected
 
@@ -1111,18 +1111,18 @@ def test_request_metrics_per_choice_and_for_requests_ended_unfinished():
     """Each choice's latency when it finishes (not the whole request's); a request that ends unfinished
     (client gone, engine dead) counts as an abort with its latency; the buckets reach two hours."""
     from tokenmill.engine.metrics import ServerMetrics
-    from tokenmill.engine.request_stream import _Stream
+    from tokenmill.engine.request_stream import RequestStream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
-    stream = _Stream(n=2, metrics=RequestMetrics(100.0))
+    stream = RequestStream(n=2, metrics=RequestMetrics(100.0))
 
     def out(reasons, finished, finished_time=None):
         return RequestOutput("r", None, [1], [CompletionOutput(i, "x", [5], None, None, r) for i, r in enumerate(reasons)],
                              finished, metrics=RequestMetrics(100.0, 100.0, 100.5, finished_time=finished_time))
     metrics.observe_output(stream, out(["stop", None], False), 101.0)
     metrics.observe_output(stream, out(["stop", "length"], True, 105.0), 105.5)
-    metrics.observe_output(_Stream(n=1, metrics=RequestMetrics(100.0)), None, 102.0)
+    metrics.observe_output(RequestStream(n=1, metrics=RequestMetrics(100.0)), None, 102.0)
 
     def sample(name, labels=None):
         return _metric_sample(metrics, name, labels)
@@ -1137,11 +1137,11 @@ def test_a_long_gap_between_tokens_reads_as_itself_in_the_inter_token_latency():
     """A sequence preempted for 30 s between two tokens: its gap lands in the 40 s bucket (the buckets
     reach 80 s, as vLLM's), not past the last bound, where every quantile would read that bound."""
     from tokenmill.engine.metrics import ServerMetrics
-    from tokenmill.engine.request_stream import _Stream
+    from tokenmill.engine.request_stream import RequestStream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = ServerMetrics("m", lambda: {})
-    stream = _Stream(n=1, metrics=RequestMetrics(100.0))
+    stream = RequestStream(n=1, metrics=RequestMetrics(100.0))
 
     def out(tokens):
         return RequestOutput("r", None, [1], [CompletionOutput(0, "x", tokens, None, None, None)], False,
@@ -1158,12 +1158,12 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     longest sequence and the n and max_tokens parameters: per finished sequence (an aborted one too),
     and n and the longest sequence once per request."""
     from tokenmill.engine.metrics import ServerMetrics, build_1_2_5_buckets
-    from tokenmill.engine.request_stream import _Stream
+    from tokenmill.engine.request_stream import RequestStream
     from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     metrics = ServerMetrics("m", lambda: {}, max_model_len=64)
-    stream = _Stream(n=2, metrics=RequestMetrics(100.0), num_prompt_tokens=3, max_tokens=8)
+    stream = RequestStream(n=2, metrics=RequestMetrics(100.0), num_prompt_tokens=3, max_tokens=8)
 
     def out(tokens, reasons, finished):
         return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(i, "x", t, None, None, r)
@@ -1172,7 +1172,7 @@ def test_request_length_and_phase_metrics_that_vllms_dashboard_reads():
     metrics.observe_output(stream, out([[5], [5]], [None, None], False), 101.0)
     metrics.observe_output(stream, out([[5, 6], [5]], ["stop", None], False), 102.0)
     metrics.observe_output(stream, out([[5, 6], [5, 6, 7, 8]], ["stop", "length"], True), 104.0)
-    cut = _Stream(n=1, metrics=RequestMetrics(100.0), num_prompt_tokens=7)      # aborted while queued
+    cut = RequestStream(n=1, metrics=RequestMetrics(100.0), num_prompt_tokens=7)      # aborted while queued
     metrics.observe_output(cut, None, 103.0)
 
     def sample(name, labels=None):
@@ -1199,18 +1199,18 @@ def test_queue_time_and_finish_reason_of_sequences_that_end_unfinished():
     an abort, vLLM's reason for a client that went away: it is an "error", a series there from the start."""
     from tokenmill.engine.async_engine import RequestAbortedError
     from tokenmill.engine.metrics import ServerMetrics
-    from tokenmill.engine.request_stream import _Stream
+    from tokenmill.engine.request_stream import RequestStream
     from tokenmill.outputs import RequestMetrics
     from tokenmill.sampling_params import SamplingParamError
 
     metrics = ServerMetrics("m", lambda: {})
     assert _metric_sample(metrics, "tokenmill:request_success_total", {"finished_reason": "error"}) == 0
-    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.25)), None, 101.0)
-    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
+    metrics.observe_output(RequestStream(metrics=RequestMetrics(100.0, first_scheduled_time=100.25)), None, 101.0)
+    metrics.observe_output(RequestStream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
                                    error=RequestAbortedError("aborted")), None, 101.0)
-    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
+    metrics.observe_output(RequestStream(metrics=RequestMetrics(100.0, first_scheduled_time=100.5),
                                    error=SamplingParamError("structured_outputs.regex", "too slow")), None, 102.0)
-    metrics.observe_output(_Stream(metrics=RequestMetrics(100.0)), None, 103.0)
+    metrics.observe_output(RequestStream(metrics=RequestMetrics(100.0)), None, 103.0)
 
     def sample(name, labels=None):
         return _metric_sample(metrics, name, labels)

@@ -11,7 +11,7 @@ interpreter lock; `in_process=True` keeps the thread variant for debugging and c
 
 An `AsyncLLM` starts a core of its own (`EngineCore`), or is the client of one that another process
 started (`CoreClient`: with `--api-server-count N` the server's parent starts a core with N pipes).
-Each request's outputs reach its `generate()` reader through a `_Stream` (request_stream.py).
+Each request's outputs reach its `generate()` reader through a `RequestStream` (request_stream.py).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import time
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
-from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError  # noqa: F401 (re-exported)
+from tokenmill.engine.core_client import CoreClient, EngineCore
 from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request_stream import _Stream
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.tokenizer import import_tokenizer_modules
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParamError
@@ -54,7 +54,7 @@ class AsyncLLM:
         work of the caller's to do while a core of its own loads its model (its app's imports)."""
         self.config = config
         self.on_output = on_output        # metrics hook: (stream_state, RequestOutput, now)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._pending: list = []
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +161,7 @@ class AsyncLLM:
         # the output state before the stream: a prompt the detokenizer refuses (a negative token id) fails
         # here, before the cleanup below is in force, and must leave no stream holding the id
         metrics = self.processor.add(handle, request_id, prompt, params, text, arrival_time)
-        stream = _Stream(interval=stream_interval, n=getattr(params, "n", 1) or 1, metrics=metrics,
+        stream = RequestStream(interval=stream_interval, n=getattr(params, "n", 1) or 1, metrics=metrics,
                          num_prompt_tokens=len(prompt), max_tokens=getattr(params, "max_tokens", None))
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, prompt, params, priority, arrival_time, handle, carries_tools))

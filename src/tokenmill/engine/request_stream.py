@@ -1,7 +1,7 @@
 """One request's stream, from the engine core's updates to its `AsyncLLM.generate()` reader.
 
 `AsyncLLM` writes each update's cumulative `RequestOutput` of a request (or the error it ends with) into the
-request's `_Stream`, and wakes the reader only when that output is due (`stream_interval`); the reader takes
+request's `RequestStream`, and wakes the reader only when that output is due (`stream_interval`); the reader takes
 the newest state. Invariant: a stream holds only the latest cumulative output, so a reader woken late, or
 not woken for an update, loses nothing and never falls behind by a backlog. Writer and reader both run on
 the event loop's thread. The stream also keeps what the metrics hook (`AsyncLLM.on_output`) counts.
@@ -15,7 +15,7 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 
 
 @dataclass
-class _Stream:
+class RequestStream:
     """Latest cumulative output of one request; readers only ever need the newest state. `wake` tells
     its reader that it changed: a flag and the one future the reader waits on, which costs the loop less
     per token than an `asyncio.Event` (that looks up its loop and keeps a queue of waiters)."""

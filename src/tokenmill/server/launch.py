@@ -12,7 +12,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from tokenmill.engine.async_engine import AsyncLLM, EngineStartError
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.core_client import EngineStartError
 from tokenmill.server.guard import api_keys
 from tokenmill.server.http_server import (HTTPOptions, ServeOptions, announce, configure_logging,
                                           import_app_modules, serve)
