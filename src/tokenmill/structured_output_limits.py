@@ -32,14 +32,16 @@ MAX_OPTIONAL_PARTS = 2000
 # Checked as the params are made, before a schema is walked (a 990,000-property schema, 31 MB, took ~2 s to
 # check first), and by the engine's compile (`StructuredOutputManager`), for a structural tag too.
 MAX_SPEC_CHARS = 1_000_000
-_SPEC_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# what each kind of spec is called in its errors
+SPEC_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+             "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def check_spec_chars(kind: str, chars: int, at_least: bool = False) -> None:
     """A spec of `chars` characters (`at_least`: or more) within `MAX_SPEC_CHARS`, or a SamplingParamError
     naming its length."""
     if chars > MAX_SPEC_CHARS:
-        raise SamplingParamError(f"structured_outputs.{kind}", f"the {_SPEC_WHAT[kind]} is {'at least ' * at_least}"
+        raise SamplingParamError(f"structured_outputs.{kind}", f"the {SPEC_WHAT[kind]} is {'at least ' * at_least}"
                                  f"{chars:,} characters long, over the limit of {MAX_SPEC_CHARS:,}")
 
 

@@ -22,13 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenmill.engine.grammar_bitmask import MAX_FILL_SECONDS, SequenceGrammar
-from tokenmill.sampling_params import (MAX_SPEC_CHARS, SamplingParamError, StructuredOutputsParams,
-                                       structural_tag_schemas)
+from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams, structural_tag_schemas
+from tokenmill.structured_output_limits import SPEC_WHAT, check_spec_chars
 
 logger = logging.getLogger("tokenmill")
 
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-         "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 # xgrammar prefixes its messages with a time and a C++ source location
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -148,14 +146,12 @@ class StructuredOutputManager:
             chars = len(spec)
         else:                     # the choices, one separator each; json_object's spec is a flag
             chars = sum(len(s) + 1 for s in spec) if kind == "choice" else 0
-        if chars > MAX_SPEC_CHARS:
-            raise SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} is {chars:,} characters "
-                                     f"long, over the limit of {MAX_SPEC_CHARS:,}")
+        check_spec_chars(kind, chars)
         try:
             compiled = self._compile(kind, spec, not no_whitespace)
         except RuntimeError as e:
             message = _LOG_PREFIX.sub("", str(e).strip())
-            raise SamplingParamError(f"structured_outputs.{kind}", f"invalid {_WHAT[kind]}: {message}") from None
+            raise SamplingParamError(f"structured_outputs.{kind}", f"invalid {SPEC_WHAT[kind]}: {message}") from None
         size = compiled.memory_size_bytes
         with self._lock:
             if key not in self._cache and size <= self._cache_bytes:
@@ -200,7 +196,7 @@ class StructuredOutputManager:
 def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
     """The error of a sequence whose grammar took over MAX_FILL_SECONDS for one token (`slow_fill`)."""
     seconds, tokens = grammar.slow_fill
-    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} took {seconds * 1000:,.1f} ms to "
+    return SamplingParamError(f"structured_outputs.{kind}", f"the {SPEC_WHAT[kind]} took {seconds * 1000:,.1f} ms to "
                               f"compute the allowed tokens after {tokens} tokens; the limit is "
                               f"{MAX_FILL_SECONDS * 1000:.0f} ms a token: an ambiguous grammar grows its parse "
                               "with every token; make it unambiguous")
@@ -208,7 +204,7 @@ def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
 
 def compile_error(kind: str, seconds: float) -> SamplingParamError:
     """The error of a spec whose grammar took over MAX_COMPILE_SECONDS to compile."""
-    return SamplingParamError(f"structured_outputs.{kind}", f"the {_WHAT[kind]} did not compile in {seconds:,.1f} s; "
+    return SamplingParamError(f"structured_outputs.{kind}", f"the {SPEC_WHAT[kind]} did not compile in {seconds:,.1f} s; "
                               f"the limit is {MAX_COMPILE_SECONDS:g} s: compile time grows faster than the "
                               "spec (many optional properties or rules, each optional before the next); simplify it")
 
