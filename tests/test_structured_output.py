@@ -101,6 +101,19 @@ def test_regex_choice_and_grammar(llm):
     assert all(re.fullmatch(r"\([1-9][0-9]?[+*][1-9][0-9]?\)|[1-9][0-9]?", t) for t in texts[6:]), texts[6:]
 
 
+def test_allowed_token_ids_the_grammar_refuses_end_the_request_under_every_filter(llm):
+    """allowed_token_ids that the grammar refuses leave a row no token (every logit -inf): greedy or drawn
+    under top-p, top-k or min-p, it takes token 0, which the grammar refuses too, and the request ends
+    there beside the batch's others."""
+    filters = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5),
+               dict(temperature=1.0, top_k=3), dict(temperature=1.0, min_p=0.1)]
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    refused = [SamplingParams(max_tokens=4, allowed_token_ids=[EOS], structured_outputs=spec, **f) for f in filters]
+    outs = llm.generate([PROMPTS[0]] * 6, refused + [constrained(choice=["yes", "no"])])
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs[:-1]] == [([0], "stop")] * 5
+    assert outs[-1].outputs[0].text in ("yes", "no")
+
+
 def test_json_object_and_eos_only_where_the_grammar_accepts(llm):
     tok = llm.get_tokenizer()
     close = tok.encode("}")[0]

@@ -81,7 +81,9 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
         sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
     if t.top_p is not None:
         probs = sorted_logits.softmax(-1)
-        kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True)   # >= 1
+        # >= 1; a row with no token left (every logit -inf: allowed_token_ids outside its grammar) has NaN
+        # probabilities, keeps its first and draws token 0, as the kernel and the rows without top-p do
+        kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True).clamp_min(1)
         logits = logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
     return logits
 
