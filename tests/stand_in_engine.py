@@ -25,7 +25,7 @@ class StandInEngine:
 class ScriptedEngine(StandInEngine):
     """Answers each request with `script`'s tokens, one output a token, decoded as the engine's detokenizer
     decodes them under the request's skip_special_tokens, finishing with "stop". `seen` holds the last
-    request's prompt (decoded with its special tokens) and skip_special_tokens."""
+    request's prompt (decoded with its special tokens), skip_special_tokens and sampling params."""
     script = ""
 
     def __init__(self, tokenizer, max_model_len: int):
@@ -36,7 +36,8 @@ class ScriptedEngine(StandInEngine):
         from tokenmill.engine.detokenizer import IncrementalDetokenizer
         from tokenmill.outputs import CompletionOutput, RequestOutput
         tok = self.tokenizer
-        self.seen.update(prompt=tok.decode(ids, skip_special_tokens=False), skip=params.skip_special_tokens)
+        self.seen.update(prompt=tok.decode(ids, skip_special_tokens=False), skip=params.skip_special_tokens,
+                         params=params)
         script = tok.encode(self.script, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
         out = CompletionOutput(0, "", [], None, None)

@@ -62,6 +62,7 @@ def chat(tokenizer_dir, tmp_path_factory):
         engine.seen.update(prompt=None)
         status, got = post_chat(app, {"model": "tiny", "messages": USER, **body}, stream)
         return status, got, engine.seen["prompt"], engine.seen.get("skip")
+    post.engine = engine
     return post
 
 
@@ -129,3 +130,16 @@ def test_reasoning_effort_is_refused_by_a_template_with_a_generation_tag(chat):
     assert status == 400 and body["error"]["param"] == "reasoning_effort", body
     assert "does not read reasoning_effort" in body["error"]["message"]
     assert '{"enable_thinking": false}' in body["error"]["message"]
+
+
+def test_a_thinking_budget_leaves_a_grammar_whole_where_thinking_is_off(chat):
+    """Thinking off (the prompt closes an empty block), a JSON grammar holds the output from its first token,
+    which can then open no block: the budget goes nowhere, so that the engine does not read it as leaving the
+    grammar room for a block first (with thinking on, the grammar waits for the block and the budget counts it)."""
+    json_object = {"response_format": {"type": "json_object"}, "thinking_token_budget": 4}
+    status, _, _, _ = chat({**json_object, "chat_template_kwargs": {"enable_thinking": False}}, "{}")
+    params = chat.engine.seen["params"]
+    assert status == 200 and params.thinking_token_budget is None and params.structured_outputs.think_tags is None
+    status, _, _, _ = chat(json_object, "<think>\nhm\n</think>\n{}")
+    params = chat.engine.seen["params"]
+    assert status == 200 and params.thinking_token_budget == 4 and params.structured_outputs.think_tags is not None

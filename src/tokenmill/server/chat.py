@@ -217,8 +217,13 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
             params.structured_outputs, think_tags=serving.think_tags,
             in_think=serving.reasoning_parser().starts_in_reasoning(prompt_text))
     if params.thinking_token_budget is not None:
-        # the budget counts the block the reasoning parser reads
-        params.in_think = serving.reasoning_parser().starts_in_reasoning(prompt_text)
+        if params.structured_outputs is not None and params.structured_outputs.think_tags is None:
+            # thinking turned off: the grammar holds the output from its first token, which then opens no
+            # block for a budget to count (the engine would read the budget as leaving the grammar room for one)
+            params.thinking_token_budget = None
+        else:
+            # the budget counts the block the reasoning parser reads
+            params.in_think = serving.reasoning_parser().starts_in_reasoning(prompt_text)
     serving.check_room([prompt], params, req.max_tokens_field())
     return prompt_text, prompt, params
 
