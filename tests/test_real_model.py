@@ -191,22 +191,34 @@ def engine_logprobs_many(llm: LLM, texts: list[list[int]]) -> list[torch.Tensor]
     return result
 
 
-def against_reference(name: str, ref: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> tuple[float, float]:
-    """`lp` against `ref` (`engine_logprobs` rows of `ids`), printed: the text's perplexity ratio, and the
-    teacher-forced top-1 agreement where ref's top-1 margin is at least 0.3 nats (near-ties flip under any
-    rounding). Returns (ratio, that agreement)."""
-    target = torch.tensor(ids[1:])
+def teacher_forced(lp: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `compare` reads of `engine_logprobs` rows of `ids`, a row at a time: each target's log-prob, the
+    top-1 token and the top-1 margin. Rows of several texts may be reduced apiece and concatenated, which
+    gives what reducing their concatenated rows gives, without copying ~0.5 GB of rows."""
+    top2 = lp.topk(2, -1).values
+    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], lp.argmax(-1), top2[:, 0] - top2[:, 1]
+
+
+def compare(name: str, ref: tuple, got: tuple) -> tuple[float, float]:
+    """`got` against `ref` (each `teacher_forced` of the same ids), printed: the text's perplexity ratio, and
+    the teacher-forced top-1 agreement where ref's top-1 margin is at least 0.3 nats (near-ties flip under
+    any rounding). Returns (ratio, that agreement)."""
+    (ref_target, ref_top1, ref_margin), (target, top1, _) = ref, got
 
     def perplexity(x):
-        return math.exp(-x.gather(1, target[:, None]).mean().item())
-    top2 = ref.topk(2, -1).values
-    confident = top2[:, 0] - top2[:, 1] >= 0.3
-    agree = lp.argmax(-1) == ref.argmax(-1)
-    ratio = perplexity(lp) / perplexity(ref)
-    print(f"{name}: perplexity {perplexity(lp):.3f} vs {perplexity(ref):.3f} (ratio {ratio:.4f}) over "
-          f"{len(ids) - 1} tokens; top-1 agreement {agree.float().mean():.4f}, "
+        return math.exp(-x.mean().item())
+    confident = ref_margin >= 0.3
+    agree = top1 == ref_top1
+    ratio = perplexity(target) / perplexity(ref_target)
+    print(f"{name}: perplexity {perplexity(target):.3f} vs {perplexity(ref_target):.3f} (ratio {ratio:.4f}) over "
+          f"{len(target)} tokens; top-1 agreement {agree.float().mean():.4f}, "
           f"{agree[confident].float().mean():.4f} at {int(confident.sum())} positions of margin >= 0.3 nats")
     return ratio, agree[confident].float().mean().item()
+
+
+def against_reference(name: str, ref: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> tuple[float, float]:
+    """`compare` of `lp` against `ref`, both `engine_logprobs` rows of `ids`."""
+    return compare(name, teacher_forced(ref, ids), teacher_forced(lp, ids))
 
 @needs_smollm2
 def test_perplexity_equals_transformers(llm, hf):

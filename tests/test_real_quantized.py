@@ -21,7 +21,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.models.default import smollm2_gguf
 from tokenmill.quant import fp8
 
-from test_real_model import HELD_OUT, against_reference, engine_logprobs_many
+from test_real_model import HELD_OUT, compare, engine_logprobs_many, teacher_forced
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,24 +77,22 @@ def calibration_ids(tok, num_tokens: int, seq_len: int = 256) -> torch.Tensor:
     return torch.tensor(ids[:num_tokens]).view(-1, seq_len)
 
 
-def held_out_logprobs(llm: LLM) -> dict[str, tuple[torch.Tensor, list[int]]]:
-    """`engine_logprobs` of the two held-out texts, with the ids `against_reference` reads them against:
-    "short", `HELD_OUT` (272 predicted tokens), and "long", the nine passages of data/held_out.txt (2,128),
-    each its own sequence; their rows are stacked, and the ids are the first passage's first token and then
-    every predicted one (no passage's first token is predicted)."""
+def held_out_logprobs(llm: LLM) -> dict[str, tuple[torch.Tensor, ...]]:
+    """`teacher_forced` of `engine_logprobs` of the two held-out texts: "short", `HELD_OUT` (272 predicted
+    tokens), and "long", the nine passages of data/held_out.txt (2,128), each its own sequence, their
+    positions concatenated (no passage's first token is predicted)."""
     tok = llm.get_tokenizer()
     short = tok.encode(HELD_OUT)
     with open(HELD_OUT_PASSAGES) as f:
         passages = [tok.encode(p) for p in f.read().split("\n\n")]
-    long_ids = passages[0][:1] + [t for p in passages for t in p[1:]]
     short_lp, *passage_lps = engine_logprobs_many(llm, [short] + passages)
-    return {"short": (short_lp, short), "long": (torch.cat(passage_lps), long_ids)}
+    long = zip(*(teacher_forced(lp, ids) for lp, ids in zip(passage_lps, passages)))
+    return {"short": teacher_forced(short_lp, short), "long": tuple(map(torch.cat, long))}
 
 
 def against_unquantized(name: str, ref: dict, lp: dict) -> dict[str, tuple[float, float]]:
-    """`against_reference` on each held-out text: {text: (perplexity ratio, confident top-1 agreement)}."""
-    return {text: against_reference(f"{name}, {text} text", ref[text][0], lp[text][0], ref[text][1])
-            for text in ref}
+    """`compare` on each held-out text: {text: (perplexity ratio, confident top-1 agreement)}."""
+    return {text: compare(f"{name}, {text} text", ref[text], lp[text]) for text in ref}
 
 
 @dataclass
@@ -105,7 +103,7 @@ class RealModel:
     state: dict[str, torch.Tensor]
     hf_config: dict
     tokenizer: object
-    ref: dict[str, tuple[torch.Tensor, list[int]]]
+    ref: dict[str, tuple[torch.Tensor, ...]]
 
     def model(self):
         """The float model, as `gptq.gptq_model` takes it."""
