@@ -352,3 +352,18 @@ def test_bad_words_token_ids_of_no_tokens_are_refused():
         with pytest.raises(ValueError, match="bad_words_token_ids must be a list of words"):
             SamplingParams(bad_words_token_ids=bad)
     assert SamplingParams(bad_words_token_ids=[[5], [6, 7]]).bad_words_token_ids == [[5], [6, 7]]
+
+
+def test_bad_words_that_ban_every_allowed_token_are_refused(llm):
+    """allowed_token_ids all banned by one-token bad words leave a row no token (the sampler drew token 0,
+    again and again): refused by name, given as ids or as words; a word of several tokens bans its last only
+    after the rest, so it leaves that token allowed."""
+    with pytest.raises(ValueError, match=r"bad_words ban every token of allowed_token_ids \[5, 6\]") as e:
+        SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[6], [5], [9]])
+    assert e.value.param == "bad_words"
+    assert SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[6], [7, 5]]).allowed_token_ids == [5, 6]
+    tok = llm.get_tokenizer()
+    word = next(w for w in ("the", "a", "is", "of") if len(tok.encode(w, add_special_tokens=False)) == 1)
+    banned = tok.encode(word, add_special_tokens=False)
+    with pytest.raises(ValueError, match="leaves no token to generate"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, allowed_token_ids=banned, bad_words=[word]))

@@ -199,6 +199,7 @@ class SamplingParams:
                        for w in self.bad_words_token_ids)):
             bad("bad_words_token_ids", self.bad_words_token_ids,
                 "a list of words, each a non-empty list of token ids (integers >= 0)")
+        self.check_some_token_allowed()
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             bad("thinking_token_budget", budget, "an integer >= 0 (or None: no budget)")
@@ -256,7 +257,18 @@ class SamplingParams:
                 words.append(spaced)
         resolved = copy.copy(self)
         resolved.bad_words_token_ids = [w for w in words if w]
+        resolved.check_some_token_allowed()
         return resolved
+
+    def check_some_token_allowed(self) -> None:
+        """A SamplingParamError where bad words of one token ban every token of allowed_token_ids: the request
+        would have no token to generate."""
+        if self.allowed_token_ids is None or not self.bad_words_token_ids:
+            return
+        banned = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        if banned.issuperset(self.allowed_token_ids):
+            raise SamplingParamError("bad_words", f"bad_words ban every token of allowed_token_ids "
+                                     f"{shown(self.allowed_token_ids)}, which leaves no token to generate")
 
     def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens; with -1 its last
