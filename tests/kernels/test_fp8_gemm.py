@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sm90
 from tokenmill.quant import fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,13 +70,30 @@ def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, rows_tile
     monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    assert rows_tile(6144, (1, 2560), cpu, 16) == Fp8RowsTile(64, 256, 4, 3, 2)
+    assert rows_tile(6144, (1, 2560), cpu, 16) == Fp8RowsTile(64, 256, 4, 3, 2, early_steps=4)
     assert rows_tile(6144, (1, 2560), cpu, 64) == Fp8RowsTile(64, 256, 4, 3, 1)
-    assert rows_tile(2560, (1, 4096), cpu, 32) == Fp8RowsTile(64, 256, 4, 3, 4)
+    assert rows_tile(2560, (1, 4096), cpu, 32) == Fp8RowsTile(64, 256, 4, 3, 4, early_steps=4)
     assert rows_tile(2560, (1, 4096), cpu, 33) == Fp8RowsTile(64, 256, 4, 3, 2)
+    assert rows_tile(6144, (128, 128), cpu, 16) == Fp8RowsTile(64, 128, 4, 4, 2)
     assert rows_tile(19456, (1, 2560), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 1)
     assert rows_tile(2560, (1, 9728), cpu, 128) == Fp8RowsTile(64, 128, 4, 4, 2)
     assert rows_tile(6144, (128, 128), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 2)
+
+
+@pytest.mark.parametrize("rows,split", [(5, 3), (17, 1), (40, 2)])
+def test_weight_steps_read_before_the_wait_give_the_same_bits(rows, split):
+    """Per channel, at few rows, a program reads its first four weight steps before its wait
+    (`early_steps`): the same sums in the same order as reading them in the loop, so the same bits, where a
+    split holds fewer steps than four (K = 448 in 64-column steps over three splits: three steps a split,
+    the last two) and more (one split of seven); block scales are refused."""
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows
+    q, s, blk, _ = layer(200, 448, None, False)
+    x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    late = fp8_rows(x, q, s, blk, tile=Fp8RowsTile(64, 64, 4, 2, split, 32))
+    assert torch.equal(fp8_rows(x, q, s, blk, tile=Fp8RowsTile(64, 64, 4, 2, split, 32, early_steps=4)), late)
+    bq, bs, bblk, _ = layer(200, 448, (64, 64), False)
+    with pytest.raises(ValueError, match="none with block scales"):
+        fp8_rows(x, bq, bs, bblk, tile=Fp8RowsTile(64, 64, 4, 2, split, 32, early_steps=4))
 
 
 def test_few_row_product_in_256_column_steps_equals_the_w8a8_reference():
@@ -642,3 +660,31 @@ def test_gpu_fp8_model_under_cuda_graphs(tmp_path, save_tiny_model):
     # float32, top-1 agreement 0.79): a misapplied scale moves them by whole nats.
     assert (ours - ref).abs().mean() < 0.35
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.7
+
+
+_COMPILE_EARLY = sm90.COMPILE + r'''
+import json, re, sys
+from tokenmill.layers.kernels import fp8_gemm
+types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
+         "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+t = fp8_gemm.Fp8RowsTile(*json.loads(sys.argv[1])[0])
+const = dict(SPLIT=t.split_k, BLOCK_N=t.block_n, BLOCK_M=16, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
+             BLOCK_SCALE=False, SCALE_BN=1, SCALE_BK=2560, HAS_BIAS=False, EARLY=t.early_steps, PDL=True)
+ptx = compile_sm90(fp8_gemm._fp8_rows_kernel, const, types, t.num_warps,
+                   aligned=("x_stride", "w_stride", "out_stride", "K", "N")).asm["ptx"]
+before = ptx.split("griddepcontrol.wait", 1)[0]
+print(json.dumps(dict(loads=len(re.findall(r"ld\.global", before)), stores=len(re.findall(r"(st|atom|red)\.global", before)))))
+'''
+
+
+def test_sm90_few_row_products_read_four_weight_steps_before_the_wait(sm90_compiler, monkeypatch):
+    """qwen3-4b's qkv at 16 rows (`rows_tile`'s tile): each thread's share of four 64 x 256 weight steps in
+    16-byte loads is requested before the programmatic-dependent-launch wait, and nothing is written to
+    global memory."""
+    import dataclasses
+
+    from tokenmill.layers.kernels import fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
+    tile = fp8_gemm.rows_tile(6144, (1, 2560), torch.device("cpu"), 16)
+    got = sm90_compiler.run(_COMPILE_EARLY, dataclasses.astuple(tile), timeout=300)
+    assert got == dict(loads=4 * 64 * 256 // 16 // (32 * tile.num_warps), stores=0)

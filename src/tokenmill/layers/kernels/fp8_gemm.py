@@ -13,7 +13,11 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
-  programs to fill the SMs. On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
+  programs to fill the SMs. Per channel, at up to `EARLY_ROWS` input rows, each program reads its first
+  four weight steps before its programmatic-dependent-launch wait, while the kernel before it runs: the
+  decode graph of qwen3-4b (FP8 weights and KV) at 4-32 sequences took 0.82-0.87x the time on an H100; at
+  64 rows and in 128-token mixed steps it took 1.01-1.09x, the registers that hold the steps being short
+  there (docs/BENCHMARKS.md). On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
   `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
   1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
   docs/BENCHMARKS.md).
@@ -59,6 +63,8 @@ from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
 ROWS_MAX = 192
 TENSORWISE_ROWS = (64, 384)     # input rows of the narrow per-channel products that take `fp8_linear_tensorwise`
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
+EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
+                                    # weight steps before their wait (`rows_tile`)
 BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
 
 
@@ -80,6 +86,7 @@ class Fp8RowsTile:
     num_stages: int
     split_k: int
     block_m: int = ROWS_BLOCK_M
+    early_steps: int = 0        # weight steps read before the programmatic-dependent-launch wait: 0 or 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +146,8 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
     split = max(1, triton.cdiv(sms, tiles))
     if per_channel and ROWS_BLOCK_M // 2 < m <= ROWS_BLOCK_M:
         split = max(1, split // 2)
-    return Fp8RowsTile(block_n, block_k, 4, stages, split)
+    early = EARLY_STEPS if per_channel and m <= EARLY_ROWS else 0
+    return Fp8RowsTile(block_n, block_k, 4, stages, split, early_steps=early)
 
 
 # M unspecialized: an eager step of any row count reuses the variant that a CUDA graph of the same tile
@@ -149,7 +157,7 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
                      xs_stride, w_stride, s_stride, out_stride, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                      BLOCK_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # W8A8: out[m, n] = sum over k of xq[m, k] * w[n, k] times the scales of (m, k) and (n, k), as
     # tl.dot(w [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) so that the weight rows fill the tensor cores'
     # 64-row side and the input rows the narrow one. Program (p, s): tile p (its input row blocks the
@@ -165,12 +173,24 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
     k_begin, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
     x_cols = xq_ptr + m.to(tl.int64)[None, :] * x_stride
-    # programmatic dependent launch (`pdl.py`): the programs launch and take their shared memory while the
-    # kernel before finishes; asking L2 for their first weight steps before the wait was slower (one H200,
-    # docs/BENCHMARKS.md)
+    # programmatic dependent launch (`pdl.py`): the programs launch while the kernel before them runs. With
+    # EARLY (per channel, few input rows: registers to spare) they read their split's first four weight
+    # steps then, which no kernel of the forward pass writes, and multiply them once their input is ready
+    if EARLY:
+        k1 = k_begin + c
+        k2, k3, k4 = k1 + BLOCK_K, k1 + 2 * BLOCK_K, k1 + 3 * BLOCK_K
+        w1 = tl.load(w_rows + k1[None, :], mask=row_mask[:, None] & (k1 < k_end)[None, :], other=0.0)
+        w2 = tl.load(w_rows + k2[None, :], mask=row_mask[:, None] & (k2 < k_end)[None, :], other=0.0)
+        w3 = tl.load(w_rows + k3[None, :], mask=row_mask[:, None] & (k3 < k_end)[None, :], other=0.0)
+        w4 = tl.load(w_rows + k4[None, :], mask=row_mask[:, None] & (k4 < k_end)[None, :], other=0.0)
     pdl.enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    if EARLY:
+        acc += tl.dot(w1, tl.load(x_cols + k1[:, None], mask=(k1 < k_end)[:, None] & m_mask[None, :], other=0.0))
+        acc += tl.dot(w2, tl.load(x_cols + k2[:, None], mask=(k2 < k_end)[:, None] & m_mask[None, :], other=0.0))
+        acc += tl.dot(w3, tl.load(x_cols + k3[:, None], mask=(k3 < k_end)[:, None] & m_mask[None, :], other=0.0))
+        acc += tl.dot(w4, tl.load(x_cols + k4[:, None], mask=(k4 < k_end)[:, None] & m_mask[None, :], other=0.0))
+    for k0 in tl.range(k_begin + EARLY * BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + c
         w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
         xq = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & m_mask[None, :], other=0.0)
@@ -202,6 +222,9 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
     tile = tile or rows_tile(N, block, x.device, M)
     if tile is None or block_scale and (block[0] % tile.block_n or block[1] % tile.block_k):
         raise ValueError(f"fp8_rows: {tile} does not fit within scale blocks of {block}")
+    if tile.early_steps not in (0, EARLY_STEPS) or tile.early_steps and block_scale:
+        raise ValueError(f"fp8_rows: {tile} reads 0 or {EARLY_STEPS} weight steps before its wait, and none with "
+                         f"block scales ({block})")
     if M == 0:
         return torch.empty(0, N, dtype=x.dtype, device=x.device)
     # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
@@ -217,7 +240,7 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, count, M, N, K, xq.stride(0),
         x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), SPLIT=tile.split_k,
         BLOCK_N=tile.block_n, BLOCK_M=block_m, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, BLOCK_SCALE=block_scale,
-        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, PDL=pdl_on,
+        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, EARLY=tile.early_steps, PDL=pdl_on,
         num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out
 
