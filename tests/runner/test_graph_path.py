@@ -140,3 +140,28 @@ def test_published_tokens_survive_a_late_read(qwen3_dir, monkeypatch):
     assert settled == [(steps[1], True), (steps[2], True)]
     assert all(s._shared for s in steps[3:])
     assert [s.fetch()["token_ids"][0] for s in steps] == expected
+
+
+def test_no_collection_runs_while_graphs_are_captured(qwen3_dir, monkeypatch):
+    """A CUDA graph destroyed while another is captured invalidates that capture (an engine made after
+    another one died in a reference cycle failed its start when a collection found the dead one's graphs
+    mid-capture): the dead are collected before the first capture, and none after until the last."""
+    import gc
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=64)
+    graph_runner = llm.engine.runner.graph_runner
+    freed, seen = [], []
+
+    class Dead:
+        def __del__(self):
+            freed.append(True)
+    dead = Dead()
+    dead.me = dead          # garbage in a cycle, as a dead engine is
+    del dead
+    static_forward = graph_runner.static_forward
+
+    def watched(key):
+        forward = static_forward(key)
+        return lambda: seen.append((gc.isenabled(), bool(freed))) or forward()
+    monkeypatch.setattr(graph_runner, "static_forward", watched)
+    llm.engine.runner.capture_graphs(emulate=True)
+    assert seen and set(seen) == {(False, True)} and gc.isenabled()

@@ -14,6 +14,7 @@ needs nothing after its replay to hand its tokens to the host. The table has a r
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -140,18 +141,27 @@ class CudaGraphRunner:
         self.graph_outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         pool = None
         order = sorted(keys, key=lambda k: (k[0] != "mixed", -k[1], -k[-1]))
-        for key in tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=emulate):
-            forward = self.static_forward(key)
-            outputs = forward()                       # warms up the kernels (and their compilation)
-            if emulate:
-                self.graphs[key] = _EagerGraph(forward, outputs)
-            else:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = forward()
-                pool = graph.pool()
-                self.graphs[key] = graph
-            self.graph_outputs[key] = outputs
+        # A CUDA graph destroyed while another is captured invalidates that capture: the dead engines of this
+        # process (held in reference cycles) are collected first, and no collection runs until the end
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            for key in tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=emulate):
+                forward = self.static_forward(key)
+                outputs = forward()                       # warms up the kernels (and their compilation)
+                if emulate:
+                    self.graphs[key] = _EagerGraph(forward, outputs)
+                else:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = forward()
+                    pool = graph.pool()
+                    self.graphs[key] = graph
+                self.graph_outputs[key] = outputs
+        finally:
+            if collecting:
+                gc.enable()
         self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
         self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
         self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
