@@ -15,9 +15,9 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
   programs to fill the SMs. Per channel, at up to `EARLY_ROWS` input rows, each program reads its first
   four weight steps before its programmatic-dependent-launch wait, while the kernel before it runs: the
-  decode graph of qwen3-4b (FP8 weights and KV) at 4-32 sequences took 0.82-0.87x the time on an H100; at
-  64 rows and in 128-token mixed steps it took 1.01-1.09x, the registers that hold the steps being short
-  there (docs/BENCHMARKS.md). On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
+  decode graph of qwen3-4b (FP8 weights and KV) at 4-32 sequences took 0.86-0.89x the time on an H100
+  (nanbeige4.1-3b's 0.90-0.94x); at 64 rows and in 128-token mixed steps it took 1.01-1.09x, the
+  registers that hold the steps being short there (docs/BENCHMARKS.md). On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
   `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
   1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
   docs/BENCHMARKS.md).
