@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU follow-ups still to run: FP8 quantized at load against the CPU quantizer's bytes
-# (scripts/device/fp8_at_load.sh), thinking_token_budget under CUDA graphs and overlap, and the architectures
+# The GPU checks of the newest changes: FP8 quantized at load against the CPU quantizer's bytes
+# (scripts/device/fp8_at_load.sh, whose Granite tests build engines one after another in a process: the CUDA
+# graph capture after a dead engine), thinking_token_budget under CUDA graphs and overlap, and the architectures
 # and attention features added last (sliding windows, Gemma 2's soft caps, Gemma 3, Phi-3's partial rotary,
 # SmolLM3, YaRN), the newest first so that a call's time limit cuts the oldest. Results under $OUT
 # (fp8_at_load.txt, gpu_tests.log); lab/window_attention_bench.py times the windowed and soft-capped kernels.
