@@ -1326,3 +1326,21 @@ def test_while_starting_runs_while_the_core_loads(qwen3_dir):
                       engine_factory="slow_engine:loads_once_started", startup_timeout=30,
                       while_starting=slow_engine.STARTING.set)
     engine.shutdown()
+
+
+def test_an_engine_is_freed_when_its_last_reference_goes(qwen3_dir):
+    """No reference cycle holds a dead LLM's engine, runner and model (its weights and KV cache; on a GPU
+    0.3-0.9 of it) until a collection: the parts the engine holds refer back to it by proxy."""
+    import gc
+    import weakref
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=40)
+    llm.generate(["Hello"], SamplingParams(max_tokens=3))
+    parts = [weakref.ref(o) for o in (llm.engine, llm.engine.runner, llm.engine.runner.model)]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del llm
+        assert [p() for p in parts] == [None, None, None]
+    finally:
+        if collecting:
+            gc.enable()

@@ -4,6 +4,7 @@ constrained request, so an engine that serves none never loads xgrammar nor its 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 
 from tokenmill.engine.request import Request
@@ -17,7 +18,9 @@ class Grammars:
     ids it reads when the first grammar is compiled."""
 
     def __init__(self, engine):
-        self._engine = engine
+        # a proxy: the engine holds this, and a reference back would keep a dead engine (its weights and KV
+        # cache) until a collection found the cycle
+        self._engine = weakref.proxy(engine)
         self._manager = None
 
     def to_compile(self, params: SamplingParams) -> bool:

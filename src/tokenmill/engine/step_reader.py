@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 
 from tokenmill.engine.grammars import grammar_ended
 from tokenmill.engine.request import Request, RequestStatus
@@ -16,7 +17,9 @@ class StepReader:
     and max_model_len it reads. Owns the report of the step being built and the engine's token counts."""
 
     def __init__(self, engine):
-        self._engine = engine
+        # a proxy: the engine holds this, and a reference back would keep a dead engine (its weights and KV
+        # cache) until a collection found the cycle
+        self._engine = weakref.proxy(engine)
         self._report = StepOutputsBuilder()
         self._last_fetch = 0.0
         self.num_prompt_tokens = 0
