@@ -210,16 +210,17 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
     if serving.think_tags_skipped:
         # the same for the thinking tags: skipped, the block's text came back as content, tags stripped
         params.skip_special_tokens = False
-    if params.structured_outputs is not None and serving.think_tags is not None and THINK_END not in prompt_text:
-        # the constraint holds the answer, after the thinking block (the reasoning parser's reading); where the
-        # last turn closed a block (thinking turned off) there is none to come
+    # the last turn closed a block: thinking turned off, none to come
+    thinking_off = THINK_END in prompt_text
+    if params.structured_outputs is not None and serving.think_tags is not None and not thinking_off:
+        # the constraint holds the answer, after the thinking block (the reasoning parser's reading)
         params.structured_outputs = dataclasses.replace(
             params.structured_outputs, think_tags=serving.think_tags,
             in_think=serving.reasoning_parser().starts_in_reasoning(prompt_text))
     if params.thinking_token_budget is not None:
-        if params.structured_outputs is not None and params.structured_outputs.think_tags is None:
-            # thinking turned off: the grammar holds the output from its first token, which then opens no
-            # block for a budget to count (the engine would read the budget as leaving the grammar room for one)
+        if params.structured_outputs is not None and thinking_off:
+            # the grammar holds the output from its first token, which then opens no block for a budget to
+            # count (the engine would read the budget as leaving the grammar room for one)
             params.thinking_token_budget = None
         else:
             # the budget counts the block the reasoning parser reads
