@@ -165,8 +165,8 @@ def tok(tokenizer_dir):
     ("abc</think>xyz", PLAIN_PROMPT, "deepseek_r1", "abc"),
 ])
 def test_reasoning_tokens_are_those_inside_the_block(tok, text, prompt, name, expected):
-    from tokenmill.server.reasoning import think_token_ids
-    tags = think_token_ids(tok)
+    from tokenmill.engine.tokenizer import think_tag_ids
+    tags = think_tag_ids(tok, "--reasoning-parser")
     ids = tok.encode(text, add_special_tokens=False)
     assert tags[0] in ids or "<think>" not in text
     count = REASONING_PARSERS[name]().reasoning_tokens(ids, text, prompt, tags)
@@ -174,11 +174,10 @@ def test_reasoning_tokens_are_those_inside_the_block(tok, text, prompt, name, ex
 
 
 def test_a_tokenizer_without_think_tokens_is_refused():
-    from tokenmill.engine.tokenizer import Tokenizer
-    from tokenmill.server.reasoning import think_token_ids
+    from tokenmill.engine.tokenizer import Tokenizer, think_tag_ids
     bundled = Tokenizer(os.path.join(os.path.dirname(tokenmill.__file__), "assets", "tiny"))
     with pytest.raises(ValueError, match=r"<think> as one token .* encodes <think> as \d+ tokens"):
-        think_token_ids(bundled)
+        think_tag_ids(bundled, "--reasoning-parser")
 
 
 def test_a_think_tag_in_an_earlier_turn_opens_no_block():

@@ -25,7 +25,7 @@ closed one (a template that turned thinking off), with or without a `<think>` in
 Reasoning tokens (usage's `completion_tokens_details.reasoning_tokens`, Responses'
 `output_tokens_details.reasoning_tokens`) are counted on the output's token ids: those inside the block
 that `extract` reads, the tags themselves not counted. Every model these parsers are for has `<think>` and
-`</think>` as single tokens of its vocabulary; `think_token_ids` refuses a tokenizer without them.
+`</think>` as single tokens of its vocabulary; `engine.tokenizer.think_tag_ids` refuses a tokenizer without them.
 
 vLLM's qwen3 parser decides from the output alone: without `</think>` its non-streamed answer is all
 content while its stream has already sent the text as reasoning. Deciding from the prompt lets a stream
@@ -33,7 +33,7 @@ route every delta at once, so the streamed parts always concatenate to the non-s
 """
 from __future__ import annotations
 
-from tokenmill.engine.tokenizer import THINK_END, THINK_START, think_tag_ids
+from tokenmill.engine.tokenizer import THINK_END, THINK_START
 from tokenmill.server.errors import APIError
 from tokenmill.server.tool_parsers.base import partial_suffix
 
@@ -45,11 +45,6 @@ def last_turn(prompt: str, markers: tuple[str, ...]) -> str:
     opens nothing."""
     cut = max((i + len(m) for m in markers if m and (i := prompt.rfind(m)) >= 0), default=0)
     return prompt[cut:]
-
-
-def think_token_ids(tokenizer) -> tuple[int, int]:
-    """The ids of `<think>` and `</think>`; a ValueError naming a tag that is not one token."""
-    return think_tag_ids(tokenizer, "--reasoning-parser")
 
 
 def budget_think_tags(think_tags: tuple[int, int] | None, budget: int | None) -> tuple[int, int] | None:
@@ -83,7 +78,7 @@ class ReasoningParser:
 
     def reasoning_tokens(self, token_ids: list[int], text: str, prompt: str, tags: tuple[int, int]) -> int:
         """How many of an output's `token_ids` (whose text is `text`) lie inside the thinking block that
-        `extract` reads: those before the first `</think>` token (`tags`: `think_token_ids`) and after the
+        `extract` reads: those before the first `</think>` token (`tags`: `think_tag_ids`) and after the
         output's own `<think>` token if it opened the block. The tags are not counted. A model writes its
         tags as those tokens; one spelled out in smaller pieces is not read as a tag here."""
         opened = text.lstrip().startswith(THINK_START)

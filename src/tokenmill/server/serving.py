@@ -92,10 +92,11 @@ class Serving(RequestChecks, TokenText):
                                "tools of a request will not reach the model; pass --chat-template with a "
                                "template that renders them", chat.tool_call_parser)
         if chat.reasoning_parser is not None:
-            from tokenmill.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, think_token_ids
+            from tokenmill.engine.tokenizer import think_tag_ids
+            from tokenmill.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START
             self.reasoning_parser = REASONING_PARSERS[chat.reasoning_parser]
             if engine.tokenizer is not None:
-                self.think_tags = think_token_ids(engine.tokenizer)
+                self.think_tags = think_tag_ids(engine.tokenizer, "--reasoning-parser")
                 self.turn_markers = tuple(t for t in engine.tokenizer.all_special_tokens
                                           if t not in (THINK_START, THINK_END))
                 self.think_tags_skipped = bool(set(self.think_tags) & engine.tokenizer.skipped_special_ids)
