@@ -897,22 +897,27 @@ FRESH_ENGINE_PROCESS = """
 import json, sys
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
 e = LLMEngine(EngineConfig(model=sys.argv[1], device='cpu', num_kv_blocks=8))
 at_start = 'transformers' in sys.modules
+e.add_request('r', [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True, bad_words=['hi'], bad_words_token_ids=[[9]]))
+while e.has_unfinished_requests():
+    e.step()
+served = 'transformers' in sys.modules
 server_side = sorted(m for m in ('prometheus_client', 'fastapi') if m in sys.modules)
 eos = sorted(e.eos_token_ids)
 loaded = list(e.tokenizer.eos_token_ids)
 after = 'transformers' in sys.modules
 from tokenmill import LLM
 LLM(sys.argv[1], device='cpu', num_kv_blocks=8)
-print(json.dumps([server_side, at_start, eos, loaded, after, sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules)]))
+print(json.dumps([server_side, at_start, served, eos, loaded, after, sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules)]))
 """
 
 
 @pytest.fixture(scope="module")
 def fresh_engine_process(qwen3_dir) -> list:
     """`FRESH_ENGINE_PROCESS`'s report: [the server's packages imported by the engine core, transformers
-    imported once the engine core is built, the core's
+    imported once the engine core is built, and once it has served a request (bad words resolved), the core's
     EOS ids, its tokenizer's once loaded, transformers imported then, torch._dynamo and sympy imported by
     the end]."""
     import subprocess
@@ -954,14 +959,15 @@ def test_an_api_server_process_imports_neither_triton_nor_the_engine():
 def test_an_engine_core_takes_the_tokenizers_eos_id_without_loading_it(fresh_engine_process, qwen3_dir, tmp_path):
     """The engine reads the tokenizer's EOS id from tokenizer_config.json and tokenizer.json (no
     transformers) and loads the tokenizer when first asked for: a served engine core, whose frontend
-    tokenizes, starts without it. The id is the one transformers resolves; where the files leave it
-    unclear the tokenizer is loaded at start, as before."""
+    tokenizes, starts and serves without it (its first request loaded it, for bad words the frontend had
+    resolved). The id is the one transformers resolves; where the files leave it unclear the tokenizer is
+    loaded at start, as before."""
     from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids
-    _, at_start, engine_eos, loaded_eos, after, _ = fresh_engine_process
+    _, at_start, served, engine_eos, loaded_eos, after, _ = fresh_engine_process
     eos = Tokenizer(qwen3_dir).eos_token_ids
     assert eos and plain_eos_ids(qwen3_dir) == eos and tuple(loaded_eos) == eos
     assert set(eos) <= set(engine_eos)
-    assert (at_start, after) == (False, True)
+    assert (at_start, served, after) == (False, False, True)
     # a special_tokens_map.json naming another EOS, or none named: only the tokenizer can tell
     other = tmp_path / "other"
     shutil.copytree(qwen3_dir, other)

@@ -133,8 +133,12 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (prompt plus at least 1 generated token)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        params = params.resolve_bad_words(self.tokenizer)     # itself where the frontend resolved them
-        params = resolve_think_tags(params, self.tokenizer)    # the same
+        # a frontend resolves both itself: the tokenizer is loaded (`tokenizer`) only for a request that still
+        # needs it, not by the first request of a served core
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.resolve_bad_words(self.tokenizer)
+        if params.thinking_token_budget is not None and params.think_tags is None:
+            params = resolve_think_tags(params, self.tokenizer)
         self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)
         # any integer seed, taken modulo 2**62: each choice's seed (base + index) fits the int64 sampling row
