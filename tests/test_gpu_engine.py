@@ -186,3 +186,26 @@ def test_allowed_token_ids_and_bad_words_on_the_kernel(qwen3_dir, prompts):
         assert out[:at] == ids[:at] and out[at] != ids[at]
     stats = llm.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_engine_is_freed_at_its_last_reference(qwen3_dir, prompts):
+    """A dead LLM's weights, KV cache and CUDA graphs go back to the allocator when its last reference goes,
+    without a collection: the next LLM of the process profiles the GPU with that memory free."""
+    import gc
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(qwen3_dir, device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.runner.graphs
+    held = torch.cuda.memory_allocated() - before
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del llm
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+    finally:
+        if collecting:
+            gc.enable()
+    assert held > 1 << 30 and left < held // 100, (held, left)
