@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")       # transformers reads GGUF only with acce
 
 from tokenmill import LLM, SamplingParams                      # noqa: E402
 from tokenmill.config import ModelConfig                       # noqa: E402
-from tokenmill.engine.tokenizer import Tokenizer               # noqa: E402
+from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids  # noqa: E402
 from tokenmill.runner.gguf_loader import unpermute_rows        # noqa: E402
 from tokenmill.tiny import bundled_model_path                  # noqa: E402
 
@@ -374,6 +374,7 @@ def test_tokenizer_equals_the_original(loaded, tok_md):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     assert ours.encode_chat(chat) == original.encode_chat(chat)
     assert ours.eos_token_ids == (2,) and ours.vocab_size == original.vocab_size
+    assert plain_eos_ids(path) == ours.eos_token_ids
     text = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert text.prompt_token_ids == original.encode("Hello")
 
@@ -736,6 +737,16 @@ def _metadata_file(path: str, values: dict) -> str:
         add(key, value)
     _finish(w)
     return path
+
+
+def test_an_engine_core_starts_on_a_gguf_without_its_tokenizer(small_file):
+    """The engine reads a GGUF tokenizer's EOS id from the metadata (`plain_eos_ids`), so a served engine core,
+    whose frontend tokenizes, starts without building the tokenizer; the id is the built tokenizer's."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=small_file, device="cpu", num_kv_blocks=8))
+    assert engine._tokenizer is None
+    assert engine.tokenizer.eos_token_ids == (2,) and 2 in engine.eos_token_ids
 
 
 def test_eos_eot_and_eom_are_stop_ids(tmp_path):

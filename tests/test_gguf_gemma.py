@@ -20,7 +20,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gem
 
 from tokenmill import LLM, SamplingParams                      # noqa: E402
 from tokenmill.config import ModelConfig                       # noqa: E402
-from tokenmill.engine.tokenizer import Tokenizer               # noqa: E402
+from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids  # noqa: E402
 
 from served_sequence import sequence_logprobs, transformers_logprobs  # noqa: E402
 from test_gguf import _finish, add_tokenizer                   # noqa: E402
@@ -178,6 +178,7 @@ def test_gemma_tokenizer_is_transformers_gguf_readers(converted):
     _, _, path = converted
     ours = Tokenizer(path)
     ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert plain_eos_ids(path) == ours.eos_token_ids == (ref.eos_token_id,)
     assert json.loads(ours.hf.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
     for text in [*TEXTS, "a\n\nb  c", "<start_of_turn>user\nHi<end_of_turn>"]:
         for special in (True, False):

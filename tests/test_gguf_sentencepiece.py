@@ -12,7 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from tokenmill import LLM, SamplingParams                      # noqa: E402
-from tokenmill.engine.tokenizer import Tokenizer               # noqa: E402
+from tokenmill.engine.tokenizer import Tokenizer, plain_eos_ids  # noqa: E402
 
 from test_gguf import _finish, add_tokenizer, llama3_to_gguf   # noqa: E402
 
@@ -82,6 +82,7 @@ def test_sentencepiece_tokenizer_equals_transformers(vocab, tmp_path, arch, keys
     _write(str(tmp_path / "spm.gguf"), arch, tok)
     ours = Tokenizer(str(tmp_path / "spm.gguf"))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    assert plain_eos_ids(str(tmp_path / "spm.gguf")) == ours.eos_token_ids == (ref.eos_token_id,)
     model = json.loads(ours.hf.backend_tokenizer.to_str())["model"]
     assert model["merges"] == json.loads(ref.backend_tokenizer.to_str())["model"]["merges"]
     for text in TEXTS:

@@ -239,8 +239,8 @@ def _is_gguf(path: str) -> bool:
 def plain_eos_ids(path: str) -> tuple[int, ...] | None:
     """`Tokenizer(path).eos_token_ids` read without transformers, where that is plain: tokenizer_config.json
     names the EOS token (special_tokens_map.json, if any, names the same one) and tokenizer.json maps it to
-    an id. None otherwise (a GGUF file, no tokenizer.json, no EOS named, an unknown token): then only the
-    tokenizer itself can tell."""
+    an id; or a GGUF file's tokenizer.ggml.eos_token_id (`_gguf_eos_ids`). None otherwise (no tokenizer.json,
+    no EOS named, an unknown token): then only the tokenizer itself can tell."""
     def eos_named(name: str):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -248,7 +248,9 @@ def plain_eos_ids(path: str) -> tuple[int, ...] | None:
         with open(file, encoding="utf-8") as f:
             eos = json.load(f).get("eos_token")
         return eos.get("content") if isinstance(eos, dict) else eos
-    if _is_gguf(path) or not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if _is_gguf(path):
+        return _gguf_eos_ids(path)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
     from tokenizers import Tokenizer as RustTokenizer
     try:
@@ -259,6 +261,22 @@ def plain_eos_ids(path: str) -> tuple[int, ...] | None:
     except Exception:       # a damaged file: `Tokenizer(path)` reads it again and names it in its error
         return None
     return None if token_id is None else (token_id,)
+
+
+def _gguf_eos_ids(path: str) -> tuple[int, ...] | None:
+    """The EOS id of the tokenizer `build_gguf_tokenizer` makes of a GGUF file: its token is the file's
+    tokenizer.ggml.eos_token_id's, whose id is that token's first place in the vocabulary; () where the file
+    names none. None for a tokenizer model that is not built (loading it names the error)."""
+    from tokenmill.engine.gguf_tokenizer import SUPPORTED_TOKENIZER_MODELS
+    from tokenmill.gguf_file import open_gguf
+    metadata = open_gguf(path).metadata
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    if metadata.get("tokenizer.ggml.model") not in SUPPORTED_TOKENIZER_MODELS or not tokens:
+        return None
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    if eos is None or not 0 <= eos < len(tokens):
+        return ()
+    return (tokens.index(tokens[eos]),)
 
 
 def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
