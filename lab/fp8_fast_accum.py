@@ -6,7 +6,7 @@ and the error it adds, per product and row count.
         DIR/fp8_fast_accum.md (also printed), DIR/fp8_fast_accum.json
 
 Each product runs where `fp8_gemm.fp8_linear` would send it: `tensorwise` (scalar scales, float32 out, as
-`fp8_linear_tensorwise`) for o_proj and down at `TENSORWISE_ROWS`, `rowwise` (row and channel scales,
+`fp8_linear_tensorwise`) for o_proj and down at up to `TENSORWISE_MAX_ROWS`, `rowwise` (row and channel scales,
 bf16 out, as `fp8_linear_many`) above `ROWS_MAX` otherwise. Microseconds a product inside a CUDA graph
 over COPIES weight copies. Errors: the output against the float64 product of the same FP8 operands and
 scales (the accumulation's own error), as the root mean square over the reference's, beside the FP8
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
     args = ap.parse_args()
     from fp8_products import graph_us
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, TENSORWISE_ROWS, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, TENSORWISE_MAX_ROWS, quantize_rows
     from tokenmill.quant.fp8 import FP8, FP8_MAX
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -55,7 +55,7 @@ def main() -> None:
             wsc = [w.float().abs().amax(1, keepdim=True) / FP8_MAX for w in w16]
             wq = [(w.float() / s).to(FP8) for w, s in zip(w16, wsc)]
             for m in [int(r) for r in args.rows.split(",")]:
-                if n <= k and TENSORWISE_ROWS[0] <= m <= TENSORWISE_ROWS[1]:
+                if n <= k and m <= TENSORWISE_MAX_ROWS:
                     path = "tensorwise"
                 elif m > ROWS_MAX:
                     path = "rowwise"

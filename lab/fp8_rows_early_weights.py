@@ -1,10 +1,10 @@
 """`_fp8_rows_kernel` reading its first four weight steps before its programmatic-dependent-launch wait
 (`Fp8RowsTile.early_steps`, per-channel products of at most `fp8_gemm.EARLY_ROWS` input rows), against the
 same kernel reading nothing before the wait, in the engine's own CUDA graphs; or any other choice of
-`fp8_gemm`'s module constants (`--variants`: `TENSORWISE_ROWS`, the rows at which o_proj and down take cuBLASLt).
+`fp8_gemm`'s module constants (`--variants`: `TENSORWISE_MAX_ROWS`, the rows up to which o_proj and down take cuBLASLt).
 
     python lab/fp8_rows_early_weights.py --out DIR [--model preset:qwen3-4b] [--batches 4,8,16,32,64] \
-        [--early-rows 0,32,64 | --variants 'shipped;TENSORWISE_ROWS=(17,384);EARLY_ROWS=0,TENSORWISE_ROWS=(17,384)']
+        [--early-rows 0,32,64 | --variants 'shipped;TENSORWISE_MAX_ROWS=0;EARLY_ROWS=0,TENSORWISE_MAX_ROWS=0']
 
 The engine (FP8 weights and KV cache) decodes each batch for --steps steps (contexts of ~160 positions), then
 its decode graph, and the mixed graph of 128 tokens over as many sequences, are captured again under each
@@ -28,7 +28,7 @@ from tokenmill.layers.kernels import fp8_gemm
 
 
 def parse_variant(spec: str) -> dict:
-    """'shipped' -> {}; 'EARLY_ROWS=0,TENSORWISE_ROWS=(17,384)' -> {'EARLY_ROWS': 0, 'TENSORWISE_ROWS': (17, 384)}:
+    """'shipped' -> {}; 'EARLY_ROWS=0,ROWS_MAX=128' -> {'EARLY_ROWS': 0, 'ROWS_MAX': 128}:
     `fp8_gemm` constants and the values they take in the variant."""
     if spec == "shipped":
         return {}

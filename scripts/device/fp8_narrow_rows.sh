@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA graph capture after a dead engine (scripts/device/fp8_at_load.sh: the FP8-at-load and Granite GPU
 # tests build engines one after another in a process) and a dead engine's memory freed without a collection
-# (tests/test_gpu_engine.py), then the rows from which o_proj and down take cuBLASLt
-# (`fp8_gemm.TENSORWISE_ROWS`) timed in the engine's own decode graphs at 16-64 sequences of qwen3-4b, FP8
+# (tests/test_gpu_engine.py), then o_proj and down through cuBLASLt (`fp8_gemm.TENSORWISE_MAX_ROWS`) against
+# `fp8_rows` (TENSORWISE_MAX_ROWS=0) in the engine's own decode graphs at 16-64 sequences of qwen3-4b, FP8
 # weights and KV, each variant captured on the same static buffers (lab/fp8_rows_early_weights.py --variants).
 #   OUT=/path bash scripts/device/fp8_narrow_rows.sh        # carry .whl; STAGES="capture rows" (default)
-#   VARIANTS='shipped;TENSORWISE_ROWS=(33,384);TENSORWISE_ROWS=(9,384)' BATCHES=16,32,48,64 MODEL=preset:qwen3-4b
+#   VARIANTS='shipped;TENSORWISE_MAX_ROWS=0' BATCHES=16,32,48,64 MODEL=preset:qwen3-4b
 set -uo pipefail
 STAGES=${STAGES:-"capture rows"}
 source "$(dirname "$0")/env.sh"
@@ -17,7 +17,7 @@ for stage in $STAGES; do
              python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py -k freed 2>&1 \
                | tee "$OUT/freed.txt" | tail -3; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     rows) python lab/fp8_rows_early_weights.py --model "${MODEL:-preset:qwen3-4b}" --batches "${BATCHES:-16,32,48,64}" \
-            --variants "${VARIANTS:-shipped;TENSORWISE_ROWS=(33,384);TENSORWISE_ROWS=(9,384)}" --turns 5 \
+            --variants "${VARIANTS:-shipped;TENSORWISE_MAX_ROWS=0}" --turns 5 \
             --out "$OUT" > "$OUT/rows.log" 2>&1 || { status=1; tail -20 "$OUT/rows.log"; } ;;
   esac
   echo "stage $stage: $((SECONDS - t0)) s"

@@ -10,26 +10,27 @@ way out instead (`Fp8Rows`; `input_group` says with which columns per scale): th
 gate_up and the SiLU-and-mul before down do, saving a kernel and a round trip of the rows a product, and,
 beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`attention_common.out_rows`).
 
+- Per-channel weights no wider than deep (o_proj, down_proj) at up to `TENSORWISE_MAX_ROWS` input rows:
+  `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into float32,
+  then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast); where an RMSNorm
+  takes the product next (`unscaled`: o_proj and down_proj without a bias), that norm's kernel applies the
+  scales as it adds the residual (`quant/fp8.UnscaledRows`), a kernel fewer. With the row and channel
+  scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows on an H200, and
+  13-21 us this way at 64-384 rows (1.2-1.5x faster than `fp8_rows` at 64-128). Below 64 rows the decode
+  graph of qwen3-4b (FP8 weights and KV) on an H100 took 0.84x the time with o_proj and down this way
+  rather than on `fp8_rows` at 48 sequences, 0.94-0.97x at 2, 8, 16 and 32, 1.02x at 4
+  (docs/BENCHMARKS.md). Wider products (qkv, gate_up) lose it to the float32 round trip.
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
   programs to fill the SMs. Per channel, at up to `EARLY_ROWS` input rows, each program reads its first
   four weight steps before its programmatic-dependent-launch wait, while the kernel before it runs: the
   decode graph of qwen3-4b (FP8 weights and KV) at 4-32 sequences took 0.86-0.89x the time on an H100
-  (nanbeige4.1-3b's 0.90-0.94x); at 64 rows and in 128-token mixed steps it took 1.01-1.09x, the
-  registers that hold the steps being short there (docs/BENCHMARKS.md). On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` +
-  `_scaled_mm` at 2-64 rows, 0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products),
-  1.12-1.38x over a layer at 256-512, and 0.57-0.93x bf16's at 2-16 (qwen3-4b shapes,
-  docs/BENCHMARKS.md).
-- Per-channel weights no wider than deep (o_proj, down_proj) at `TENSORWISE_ROWS`, before either path
-  around it: `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into
-  float32, then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast); where an
-  RMSNorm takes the product next (`unscaled`: o_proj and down_proj without a bias), that norm's kernel
-  applies the scales as it adds the residual (`quant/fp8.UnscaledRows`), a kernel fewer. With the
-  row and channel scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows
-  on an H200, and 13-21 us this way at 64-384 rows (1.2-1.5x faster than `fp8_rows` at 64-128); wider
-  products (qkv, gate_up) lose it to the float32 round trip, and `fp8_rows` wins below 48 rows
-  (docs/BENCHMARKS.md).
+  (nanbeige4.1-3b's 0.90-0.94x), o_proj and down among these products then; at 64 rows and in 128-token
+  mixed steps it took 1.01-1.09x, the registers that hold the steps being short there (docs/BENCHMARKS.md).
+  On an H200, per channel, it took 0.03-0.89x the time of `quantize_rows` + `_scaled_mm` at 2-64 rows,
+  0.71-1.02x at 128-192 (0.85-0.86x over a layer's four products), 1.12-1.38x over a layer at 256-512, and
+  0.57-0.93x bf16's at 2-16 (qwen3-4b shapes, docs/BENCHMARKS.md).
 - More rows, per-channel scales: `torch._scaled_mm` with the weight's per-channel scales; there the
   products are bound by compute, which FP8 doubles.
 - Both `_scaled_mm` paths accumulate fast (`use_fast_accum`: the tensor cores' partial sums are not
@@ -61,7 +62,7 @@ from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
 
 ROWS_MAX = 192
-TENSORWISE_ROWS = (64, 384)     # input rows of the narrow per-channel products that take `fp8_linear_tensorwise`
+TENSORWISE_MAX_ROWS = 384     # narrow per-channel products of up to these input rows take `fp8_linear_tensorwise`
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
                                     # weight steps before their wait (`rows_tile`)
@@ -380,7 +381,7 @@ def scaled_mm_fits(shape: tuple[int, int], block: tuple[int, int]) -> bool:
 def tensorwise_fits(shape: tuple[int, int], block: tuple[int, int], rows: int) -> bool:
     """Whether `fp8_linear` takes `fp8_linear_tensorwise` for `rows` input rows and a weight of `shape`."""
     n, k = shape
-    return scaled_mm_fits(shape, block) and n <= k and TENSORWISE_ROWS[0] <= rows <= TENSORWISE_ROWS[1]
+    return scaled_mm_fits(shape, block) and n <= k and rows <= TENSORWISE_MAX_ROWS
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
