@@ -244,7 +244,7 @@ class SamplingParams:
         at the text's start, and after a space where that gives the word a token of its own (the same number
         of tokens, a different first one). A copy where ids are filled: ids kept in the caller's params
         would outlive a change of its words, or go to a model with another tokenizer."""
-        if not self.bad_words or self.bad_words_token_ids is not None:
+        if not self.bad_words_unresolved:
             return self
         if tokenizer is None:
             raise SamplingParamError("bad_words", "bad_words needs the model's tokenizer, and this model has none")
@@ -286,6 +286,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def bad_words_unresolved(self) -> bool:
+        """Bad words whose token ids are not filled yet: `resolve_bad_words` needs a tokenizer for them."""
+        return bool(self.bad_words) and self.bad_words_token_ids is None
 
     @property
     def needs_penalties(self) -> bool:

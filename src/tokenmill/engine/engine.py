@@ -20,7 +20,7 @@ from tokenmill.engine.grammars import Grammars, slow_fills
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thinking_budget import (ThinkingBudget, grammar_after_block, resolve_think_tags,
-                                              starts_in_think)
+                                              starts_in_think, think_tags_unresolved)
 from tokenmill.engine.step_outputs import StepOutputs
 from tokenmill.engine.step_reader import StepReader, keep_prompt_logprobs
 from tokenmill.engine.tokenizer import Tokenizer, generation_eos_ids, plain_eos_ids
@@ -135,9 +135,9 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # a frontend resolves both itself: the tokenizer is loaded (`tokenizer`) only for a request that still
         # needs it, not by the first request of a served core
-        if params.bad_words and params.bad_words_token_ids is None:
+        if params.bad_words_unresolved:
             params = params.resolve_bad_words(self.tokenizer)
-        if params.thinking_token_budget is not None and params.think_tags is None:
+        if think_tags_unresolved(params):
             params = resolve_think_tags(params, self.tokenizer)
         self._check_token_ids(params)
         compiled = grammar if grammar is not None or params.structured_outputs is None else self.compile_grammar(params)

@@ -34,10 +34,15 @@ if TYPE_CHECKING:
     from tokenmill.engine.request import Request
 
 
+def think_tags_unresolved(params: SamplingParams) -> bool:
+    """A thinking_token_budget without the think tags it counts by: `resolve_think_tags` needs a tokenizer."""
+    return params.thinking_token_budget is not None and params.think_tags is None
+
+
 def resolve_think_tags(params: SamplingParams, tokenizer) -> SamplingParams:
     """`params` with `think_tags` filled from the tokenizer where a thinking_token_budget needs them (a server
     sets its reasoning parser's); a copy where filled, as `SamplingParams.resolve_bad_words` makes one."""
-    if params.thinking_token_budget is None or params.think_tags is not None:
+    if not think_tags_unresolved(params):
         return params
     if tokenizer is None:
         raise SamplingParamError("thinking_token_budget", "thinking_token_budget needs the model's tokenizer, which "
