@@ -26,7 +26,6 @@ import torch
 from tokenmill.layers.kernels import fp8_gemm
 
 
-
 def parse_variant(spec: str) -> dict:
     """'shipped' -> {}; 'EARLY_ROWS=0,ROWS_MAX=128' -> {'EARLY_ROWS': 0, 'ROWS_MAX': 128}:
     `fp8_gemm` constants and the values they take in the variant."""
