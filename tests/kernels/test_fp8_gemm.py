@@ -63,9 +63,10 @@ def test_few_row_product_equals_the_w8a8_reference(rows, block, bias, split):
 def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their_tiles_fit_one_wave(monkeypatch):
     """`rows_tile` on an H200's 132 SMs: per channel, up to 64 rows, a product whose 64-row tiles fit in one
     wave (qkv, o_proj and down of qwen3-4b) takes 256-column steps, gate_up's 304 tiles keep 128; the split
-    fills the SMs about once, halved for 33-64 rows; block scales and more rows keep the 128-column tile.
+    fills the SMs about once, halved from 33 rows on; block scales and more rows keep the 128-column tile.
     Each choice against the tile it replaced: 13.43 -> 10.53 us (qkv), 13.74 -> 11.51 (o_proj) and
-    18.78 -> 17.68 (down) at 64 rows (docs/benchmarks/20261202/fp8-rows-split-fc634fb.md)."""
+    18.78 -> 17.68 (down) at 64 rows (docs/benchmarks/20261202/fp8-rows-split-fc634fb.md); nanbeige4.1-3b's
+    qkv at 96-128 rows 12.8-14.3 -> 8.8 us (one H100, docs/benchmarks/20261207/fp8-wide-tensorwise-*)."""
     from tokenmill.layers.kernels import fp8_gemm
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, rows_tile
     monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
@@ -76,7 +77,9 @@ def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their
     assert rows_tile(2560, (1, 4096), cpu, 33) == Fp8RowsTile(64, 256, 4, 3, 2)
     assert rows_tile(6144, (128, 128), cpu, 16) == Fp8RowsTile(64, 128, 4, 4, 2)
     assert rows_tile(19456, (1, 2560), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 1)
-    assert rows_tile(2560, (1, 9728), cpu, 128) == Fp8RowsTile(64, 128, 4, 4, 2)
+    assert rows_tile(2560, (1, 9728), cpu, 128) == Fp8RowsTile(64, 128, 4, 4, 1)
+    assert rows_tile(3584, (1, 2560), cpu, 128) == Fp8RowsTile(64, 128, 4, 4, 1)
+    assert rows_tile(3584, (1, 2560), cpu, 160) == Fp8RowsTile(64, 128, 4, 4, 1)
     assert rows_tile(6144, (128, 128), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 2)
 
 

@@ -67,6 +67,7 @@ ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
                                     # weight steps before their wait (`rows_tile`)
 BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
+HALF_SPLIT_ROWS = ROWS_BLOCK_M // 2     # per-channel products of more input rows halve their K split (`rows_tile`)
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -130,8 +131,8 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
     columns, fewer where a block is smaller, four steps in flight, input rows in blocks of 64, and the K
     steps split so that the tiles' programs fill the SMs about once. Per channel, where the tiles of one
     block of input rows fit in one wave of the SMs, 256-column steps (three in flight) halve the steps
-    that each wait for their product; and a full block of input rows (33-64) takes half that split, as
-    its partial sums grow with the rows while the split's reach over the SMs does not. (On an H200, of
+    that each wait for their product; and more than `HALF_SPLIT_ROWS` input rows take half that split, as
+    their partial sums grow with the rows while the split's reach over the SMs does not. (On an H200, of
     24 tiles a product: the fastest or within 2% of it at 16 and 64 rows, within 17% at 128-192.)"""
     block_n, block_k, stages = 64, 128, 4
     per_channel = block[0] == 1
@@ -145,7 +146,7 @@ def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) 
     if per_channel and m <= ROWS_BLOCK_M and tiles <= sms:
         block_k, stages = 256, 3
     split = max(1, triton.cdiv(sms, tiles))
-    if per_channel and ROWS_BLOCK_M // 2 < m <= ROWS_BLOCK_M:
+    if per_channel and m > HALF_SPLIT_ROWS:
         split = max(1, split // 2)
     early = EARLY_STEPS if per_channel and m <= EARLY_ROWS else 0
     return Fp8RowsTile(block_n, block_k, 4, stages, split, early_steps=early)
