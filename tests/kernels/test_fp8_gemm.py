@@ -66,7 +66,7 @@ def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their
     fills the SMs about once, halved from 33 rows on; block scales and more rows keep the 128-column tile.
     Each choice against the tile it replaced: 13.43 -> 10.53 us (qkv), 13.74 -> 11.51 (o_proj) and
     18.78 -> 17.68 (down) at 64 rows (docs/benchmarks/20261202/fp8-rows-split-fc634fb.md); nanbeige4.1-3b's
-    qkv at 96-128 rows 12.8-14.3 -> 8.8 us (one H100, docs/benchmarks/20261207/fp8-wide-tensorwise-*)."""
+    qkv at 96-128 rows 12.8-14.3 -> 8.8 us (one H100, docs/benchmarks/20261207/fp8-wide-tensorwise-bd95a4d-h100.md)."""
     from tokenmill.layers.kernels import fp8_gemm
     from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, rows_tile
     monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
