@@ -2,6 +2,8 @@
 logprobs; n > 1; stop conditions."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -277,6 +279,28 @@ def test_allowed_token_ids_limit_what_a_request_samples(llm):
             SamplingParams(allowed_token_ids=bad)
     with pytest.raises(ValueError, match="allowed_token_ids token id 100000 is out of range"):
         llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5, 100000]))
+
+
+def test_allowed_token_ids_that_min_tokens_bans_are_refused(llm):
+    """allowed_token_ids that are all stop or end-of-sequence tokens (or bad words), which min_tokens bans,
+    leave the first tokens none to sample: the sampler drew token 0 until min_tokens were out. Refused by name,
+    stop tokens when the params are made, the model's end-of-sequence ones when the engine takes the request;
+    one token besides is enough."""
+    held = ("stop or end-of-sequence tokens, which min_tokens=3 bans for the first 3 tokens: no token is left to "
+            "generate")
+    with pytest.raises(ValueError, match=re.escape(f"allowed_token_ids [7] are all {held}")) as e:
+        SamplingParams(min_tokens=3, allowed_token_ids=[7], stop_token_ids=[7])
+    assert e.value.param == "min_tokens"
+    with pytest.raises(ValueError, match=re.escape(f"of allowed_token_ids [5, 7], bad_words ban [5] and the rest are "
+                                                   f"{held}")):
+        SamplingParams(min_tokens=3, allowed_token_ids=[5, 7], stop_token_ids=[7], bad_words_token_ids=[[5]])
+    eos = next(iter(llm.engine.eos_token_ids))
+    with pytest.raises(ValueError, match=re.escape(f"allowed_token_ids [{eos}] are all {held}")) as e:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos]))
+    assert e.value.param == "min_tokens" and not llm.engine.groups
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, min_tokens=3,
+                                                    allowed_token_ids=[eos, 40]))[0].outputs[0]
+    assert out.token_ids[:3] == [40] * 3
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):

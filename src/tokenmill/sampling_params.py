@@ -260,15 +260,25 @@ class SamplingParams:
         resolved.check_some_token_allowed()
         return resolved
 
-    def check_some_token_allowed(self) -> None:
-        """A SamplingParamError where bad words of one token ban every token of allowed_token_ids: the request
-        would have no token to generate."""
-        if self.allowed_token_ids is None or not self.bad_words_token_ids:
+    def check_some_token_allowed(self, eos_token_ids=()) -> None:
+        """A SamplingParamError where allowed_token_ids leave the request no token to generate from its first
+        token on (the sampler would draw token 0 from a row of -inf): bad words of one token ban them all,
+        or, with min_tokens, those they leave are stop tokens or end-of-sequence ones (`eos_token_ids`, the
+        model's, which the engine passes), all banned until min_tokens tokens are out."""
+        if self.allowed_token_ids is None:
             return
-        banned = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
         if banned.issuperset(self.allowed_token_ids):
             raise SamplingParamError("bad_words", f"bad_words ban every token of allowed_token_ids "
                                      f"{shown(self.allowed_token_ids)}, which leaves no token to generate")
+        ends = set(self.stop_token_ids).union(eos_token_ids)
+        if self.min_tokens and (banned | ends).issuperset(self.allowed_token_ids):
+            words = sorted(banned.intersection(self.allowed_token_ids))
+            allowed = f"allowed_token_ids {shown(self.allowed_token_ids)}"
+            which = f"of {allowed}, bad_words ban {shown(words)} and the rest are" if words else f"{allowed} are all"
+            raise SamplingParamError("min_tokens", f"{which} stop or end-of-sequence tokens, which min_tokens="
+                                     f"{self.min_tokens} bans for the first {self.min_tokens} tokens: no token is left "
+                                     "to generate")
 
     def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens; with -1 its last

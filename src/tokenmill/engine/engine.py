@@ -196,7 +196,9 @@ class LLMEngine:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids a request names (logit_bias, allowed_token_ids, stop_token_ids, bad words, think tags) are in
-        the vocabulary: the sampler indexes the logits with them."""
+        the vocabulary: the sampler indexes the logits with them. Its allowed_token_ids leave it a token to
+        generate where min_tokens bans the model's end-of-sequence ids (`check_some_token_allowed`, which the
+        params ran without them)."""
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -206,6 +208,7 @@ class LLMEngine:
             if bad is not None:
                 raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "
                                          f"[0, {vocab}) (the model's vocabulary size is {vocab})")
+        params.check_some_token_allowed(self.eos_token_ids)
 
     def compile_grammar(self, params: SamplingParams) -> tuple:
         """`params`' compiled grammar, for `add_request` (`Grammars.compile`)."""
