@@ -101,17 +101,51 @@ def test_regex_choice_and_grammar(llm):
     assert all(re.fullmatch(r"\([1-9][0-9]?[+*][1-9][0-9]?\)|[1-9][0-9]?", t) for t in texts[6:]), texts[6:]
 
 
-def test_allowed_token_ids_the_grammar_refuses_end_the_request_under_every_filter(llm):
-    """allowed_token_ids that the grammar refuses leave a row no token (every logit -inf): greedy or drawn
-    under top-p, top-k or min-p, it takes token 0, which the grammar refuses too, and the request ends
-    there beside the batch's others."""
+NO_TOKEN = "after 0 tokens the choice allows none of allowed_token_ids [2], which leaves no token to generate"
+
+
+def test_allowed_token_ids_the_grammar_refuses_fail_the_request_under_every_filter(llm):
+    """allowed_token_ids that the grammar refuses leave a row no token (every logit -inf): greedy or drawn under
+    top-p, top-k or min-p, it took token 0, which the grammar refused too, and the request ended "stop" with
+    token 0 for its output. The fill of its mask now fails it, naming the position and the fields, beside the
+    batch's other request, which completes; so do bad words that ban every token the grammar allows, one of
+    one token at once, one of two after its first. `LLM.generate` raises the error."""
+    engine = llm.engine
     filters = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5),
                dict(temperature=1.0, top_k=3), dict(temperature=1.0, min_p=0.1)]
     spec = StructuredOutputsParams(choice=["yes", "no"])
-    refused = [SamplingParams(max_tokens=4, allowed_token_ids=[EOS], structured_outputs=spec, **f) for f in filters]
-    outs = llm.generate([PROMPTS[0]] * 6, refused + [constrained(choice=["yes", "no"])])
-    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs[:-1]] == [([0], "stop")] * 5
-    assert outs[-1].outputs[0].text in ("yes", "no")
+    params = {f"refused{i}": SamplingParams(max_tokens=4, allowed_token_ids=[EOS], structured_outputs=spec, **f)
+              for i, f in enumerate(filters)}
+    x, y = llm.get_tokenizer().encode("xy", add_special_tokens=False)
+    params["word"] = constrained(max_tokens=4, choice=["x"])
+    params["word"].bad_words_token_ids = [[x]]
+    params["two"] = constrained(max_tokens=4, choice=["xy"])
+    params["two"].bad_words_token_ids = [[x, y]]
+    params["fine"] = constrained(choice=["yes", "no"])
+    handles = {engine.add_request(rid, [5, 6, 7], p): rid for rid, p in params.items()}
+    tokens = {rid: [] for rid in params}
+    errors, finished = [], set()
+    while engine.has_unfinished_requests():
+        report = engine.step()
+        errors += engine.take_errors()
+        for handle, token in zip(report.handles.tolist(), report.tokens.tolist()):
+            tokens[handles[handle]].append(token)
+        finished |= {handles[f[0]] for f in report.finished}
+    assert len(errors) == 7 and {rid for rid, _, _ in errors} == set(params) - {"fine"}, errors
+    for rid, message, param in errors:
+        if rid.startswith("refused"):
+            assert message == NO_TOKEN and param == "allowed_token_ids", (rid, message, param)
+    assert {rid: (m, p) for rid, m, p in errors if not rid.startswith("refused")} == {
+        "word": (f"after 0 tokens the choice allows only [{x}], which bad_words ban there: no token is left to "
+                 "generate", "bad_words"),
+        "two": (f"after 1 token the choice allows only [{y}], which bad_words ban there: no token is left to "
+                "generate", "bad_words")}
+    assert tokens["two"] == [x] and all(not tokens[rid] for rid in params if rid not in ("two", "fine"))
+    assert finished == {"fine"} and llm.get_tokenizer().decode(tokens["fine"][:-1]) in ("yes", "no")
+    assert not engine.groups and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(SamplingParamError, match=re.escape(NO_TOKEN)) as e:
+        llm.generate(PROMPTS[:2], [params["refused0"], constrained(choice=["yes", "no"])])
+    assert e.value.param == "allowed_token_ids" and not engine.groups
 
 
 def test_json_object_and_eos_only_where_the_grammar_accepts(llm):
@@ -746,3 +780,47 @@ def test_a_grammar_slower_than_the_limit_is_the_requests_http_error(qwen3_dir, s
     assert [metrics.finished.labels("tiny", r)._value.get() for r in ("stop", "length", "abort", "error")] \
         == [0, 1, 0, 2]
     assert sum(b.get() for b in metrics.e2e._buckets) == sum(b.get() for b in metrics.ttft._buckets) == 3
+
+
+def test_a_grammar_that_leaves_no_token_is_the_requests_http_error(qwen3_dir):
+    """Served, a grammar that allows none of allowed_token_ids fails its request as a slow grammar does: a 400
+    naming the conflict where nothing was sent yet, the stream's error event where it had begun;
+    allowed_token_ids that min_tokens bans (end of sequence, which only the engine knows) are a 400 when the
+    request arrives. The server goes on serving."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.engine.tokenizer import Tokenizer
+
+    y, e = Tokenizer(qwen3_dir).encode("ye", add_special_tokens=False)
+    engine, app = served_in_process(qwen3_dir)
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        engine.attach()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t", timeout=60) as c:
+            whole = await c.post("/v1/completions", json={**body, "guided_choice": ["yes", "no"],
+                                                          "allowed_token_ids": [EOS]})
+            async with c.stream("POST", "/v1/completions", json={**body, "guided_choice": ["yes"], "stream": True,
+                                                                  "allowed_token_ids": [y, e]}) as r:
+                streamed = r.status_code, [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            held_back = await c.post("/v1/completions", json={**body, "allowed_token_ids": [EOS], "min_tokens": 2})
+            plain = await c.post("/v1/completions", json={**body, "ignore_eos": True})
+        return whole, streamed, held_back, plain
+    try:
+        whole, (status, events), held_back, plain = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert whole.status_code == 400 and whole.json()["error"] | {"type": None, "code": None} == {
+        "message": NO_TOKEN, "param": "allowed_token_ids", "type": None, "code": None}, whole.text
+    assert status == 200 and events[-1] == "data: [DONE]", events
+    assert "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2]) in ("y", "ye"), events
+    assert json.loads(events[-2][len("data: "):])["error"] | {"type": None, "code": None} == {
+        "message": f"after 2 tokens the choice allows none of allowed_token_ids [{y}, {e}], which leaves no token "
+                   "to generate", "param": "allowed_token_ids", "type": None, "code": None}, events
+    assert held_back.status_code == 400 and held_back.json()["error"]["param"] == "min_tokens", held_back.text
+    assert held_back.json()["error"]["message"] == ("allowed_token_ids [2] are all stop or end-of-sequence tokens, "
+                                                    "which min_tokens=2 bans for the first 2 tokens: no token is "
+                                                    "left to generate")
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4, plain.text

@@ -16,7 +16,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig, priority_refusal
 from tokenmill.engine import startup_log
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.grammars import Grammars, slow_fills
+from tokenmill.engine.grammars import Grammars, failed_fills
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thinking_budget import (ThinkingBudget, grammar_after_block, resolve_think_tags,
@@ -176,7 +176,8 @@ class LLMEngine:
 
     def take_errors(self) -> list[tuple[str, str, str | None]]:
         """The requests the engine failed since the last call, as (request id, message, param): a grammar
-        slower than `MAX_FILL_SECONDS` a token. Each is gone from the engine, its blocks freed, as an abort
+        slower than `MAX_FILL_SECONDS` a token, or one that left no token beside the request's allowed_token_ids
+        and bad words (`failed_fills`). Each is gone from the engine, its blocks freed, as an abort
         leaves it; its frontend fails it with the message (param: the field, as a SamplingParamError's)."""
         errors, self._errors = self._errors, []
         return errors
@@ -259,7 +260,7 @@ class LLMEngine:
             launched.shape = (sched.total_tokens, len(sched.requests), t_launch)
             if constrained:
                 # that step's token is dropped: its request is finished when the step is read
-                for req, error in slow_fills(sched.requests):
+                for req, error in failed_fills(sched.requests):
                     logger.warning("request %s failed: %s", req.parent_id, error)
                     self._errors.append((req.parent_id, str(error), error.param))
                     self.abort_request(req.parent_id)

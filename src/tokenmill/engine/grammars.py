@@ -58,15 +58,22 @@ class Grammars:
         return self._manager.sequence_grammar(compiled, spec)
 
 
-def slow_fills(requests: list[Request]) -> Iterator[tuple[Request, SamplingParamError]]:
-    """The unfinished sequences whose grammar took over MAX_FILL_SECONDS to fill its mask in the step just
-    launched, each with its error: each such fill stalls every request's steps and an ambiguous grammar's grows
-    with each token, so the engine fails their requests before it schedules the next step. Lazy: a request
-    failed for one sequence has its other sequences finished before they are looked at."""
-    from tokenmill.engine.structured_output import slow_fill_error
+def failed_fills(requests: list[Request]) -> Iterator[tuple[Request, SamplingParamError]]:
+    """The unfinished sequences whose grammar's fill failed in the step just launched, each with its error: a
+    fill that left no token to sample beside the request's allowed_token_ids and bad words (`no_token`: the
+    sampler drew token 0, which the grammar refuses), or one that took over MAX_FILL_SECONDS (each such fill
+    stalls every request's steps and an ambiguous grammar's grows with each token). The engine fails their
+    requests before it schedules the next step, so that step's token is dropped. Lazy: a request failed for
+    one sequence has its other sequences finished before they are looked at."""
+    from tokenmill.engine.structured_output import no_token_error, slow_fill_error
     for req in requests:
-        if req.grammar is not None and req.grammar.slow_fill is not None and not req.status.finished:
-            yield req, slow_fill_error(req.grammar, req.params.structured_outputs.kind)
+        grammar = req.grammar
+        if grammar is None or req.status.finished:
+            continue
+        if grammar.no_token is not None:
+            yield req, no_token_error(grammar, req.params)
+        elif grammar.slow_fill is not None:
+            yield req, slow_fill_error(grammar, req.params.structured_outputs.kind)
 
 
 def grammar_ended(req: Request, token: int) -> bool:

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenmill.engine.grammar_bitmask import MAX_FILL_SECONDS, SequenceGrammar
-from tokenmill.sampling_params import SamplingParamError, StructuredOutputsParams, structural_tag_schemas
+from tokenmill.sampling_params import (SamplingParamError, SamplingParams, StructuredOutputsParams,
+                                      shown, structural_tag_schemas)
 from tokenmill.structured_output_limits import SPEC_WHAT, check_spec_chars
 
 logger = logging.getLogger("tokenmill")
@@ -200,6 +201,20 @@ def slow_fill_error(grammar: SequenceGrammar, kind: str) -> SamplingParamError:
                               f"compute the allowed tokens after {tokens} tokens; the limit is "
                               f"{MAX_FILL_SECONDS * 1000:.0f} ms a token: an ambiguous grammar grows its parse "
                               "with every token; make it unambiguous")
+
+
+def no_token_error(grammar: SequenceGrammar, params: SamplingParams) -> SamplingParamError:
+    """The error of a sequence whose grammar left no token to sample beside its allowed_token_ids and bad words
+    (`no_token`), naming the output position and the fields that ruled the grammar's tokens out."""
+    tokens, ruled_out = grammar.no_token
+    what = f"after {tokens} token{'s' * (tokens != 1)} the {SPEC_WHAT[params.structured_outputs.kind]} allows"
+    allowed = params.allowed_token_ids
+    if allowed is not None and not ruled_out:
+        return SamplingParamError("allowed_token_ids", f"{what} none of allowed_token_ids {shown(allowed)}, which "
+                                  "leaves no token to generate")
+    among = f" of allowed_token_ids {shown(allowed)}" if allowed is not None else ""
+    return SamplingParamError("bad_words", f"{what} only {shown(ruled_out)}{among}, which bad_words ban there: no "
+                              "token is left to generate")
 
 
 def compile_error(kind: str, seconds: float) -> SamplingParamError:

@@ -81,8 +81,11 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
         sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
     if t.top_p is not None:
         probs = sorted_logits.softmax(-1)
-        # >= 1; a row with no token left (every logit -inf: allowed_token_ids outside its grammar) has NaN
-        # probabilities, keeps its first and draws token 0, as the kernel and the rows without top-p do
+        # >= 1; a row with no token left (every logit -inf) has NaN probabilities, keeps its first and draws
+        # token 0, as the kernel and the rows without top-p do. A fallback: a request whose parameters leave it
+        # no token is refused (`SamplingParams.check_some_token_allowed`) or, where its grammar's mask leaves
+        # none, failed before its token is read (`grammar_bitmask.no_token_left`). Only a row without a grammar
+        # whose allowed_token_ids bad words of several tokens all ban (decided on the device) still reaches it
         kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True).clamp_min(1)
         logits = logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
     return logits
