@@ -54,6 +54,21 @@ def ended_by_grammar(c) -> bool:
     return c.finish_reason == "stop" and c.token_ids[-1] == EOS
 
 
+def step_until_done(engine, params: dict) -> tuple[dict, list, set]:
+    """Adds each (request id, params) of `params` with the prompt [5, 6, 7] and steps the engine until none is
+    left: each request's tokens as the step reports carried them, the engine's errors, the finished ids."""
+    handles = {engine.add_request(rid, [5, 6, 7], p): rid for rid, p in params.items()}
+    tokens = {rid: [] for rid in params}
+    errors, finished = [], set()
+    while engine.has_unfinished_requests():
+        report = engine.step()
+        errors += engine.take_errors()
+        for handle, token in zip(report.handles.tolist(), report.tokens.tolist()):
+            tokens[handles[handle]].append(token)
+        finished |= {handles[f[0]] for f in report.finished}
+    return tokens, errors, finished
+
+
 def served_in_process(model_dir):
     """An engine core in this process and the app serving it as "tiny" (its grammars and their limits
     patchable from the test)."""
@@ -122,15 +137,7 @@ def test_allowed_token_ids_the_grammar_refuses_fail_the_request_under_every_filt
     params["two"] = constrained(max_tokens=4, choice=["xy"])
     params["two"].bad_words_token_ids = [[x, y]]
     params["fine"] = constrained(choice=["yes", "no"])
-    handles = {engine.add_request(rid, [5, 6, 7], p): rid for rid, p in params.items()}
-    tokens = {rid: [] for rid in params}
-    errors, finished = [], set()
-    while engine.has_unfinished_requests():
-        report = engine.step()
-        errors += engine.take_errors()
-        for handle, token in zip(report.handles.tolist(), report.tokens.tolist()):
-            tokens[handles[handle]].append(token)
-        finished |= {handles[f[0]] for f in report.finished}
+    tokens, errors, finished = step_until_done(engine, params)
     assert len(errors) == 7 and {rid for rid, _, _ in errors} == set(params) - {"fine"}, errors
     for rid, message, param in errors:
         if rid.startswith("refused"):
@@ -713,16 +720,7 @@ def test_a_grammar_slower_than_the_limit_fails_its_request_alone(llm, slow_fills
     plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     fine = constrained(max_tokens=30, regex="[a-z]{12}")
     expected = [llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids for p in (plain, fine)]
-    handles = {engine.add_request(rid, [5, 6, 7], p): rid for rid, p in (("slow", slow), ("plain", plain),
-                                                                       ("fine", fine))}
-    tokens = {rid: [] for rid in handles.values()}
-    errors, finished = [], set()
-    while engine.has_unfinished_requests():
-        report = engine.step()
-        errors += engine.take_errors()
-        for handle, token in zip(report.handles.tolist(), report.tokens.tolist()):
-            tokens[handles[handle]].append(token)
-        finished |= {handles[f[0]] for f in report.finished}
+    tokens, errors, finished = step_until_done(engine, {"slow": slow, "plain": plain, "fine": fine})
     assert [(rid, param) for rid, _, param in errors] == [("slow", "structured_outputs.regex")], errors
     assert float(SLOW_MESSAGE.match(errors[0][1]).group(1).replace(",", "")) >= 150, errors[0][1]
     assert len(tokens["slow"]) <= 6 and "slow" not in finished
