@@ -4,10 +4,11 @@ same kernel reading nothing before the wait, in the engine's own CUDA graphs; or
 `fp8_gemm`'s module constants (`--variants`: `TENSORWISE_MAX_ROWS`, the rows up to which o_proj and down take cuBLASLt).
 
     python lab/fp8_rows_early_weights.py --out DIR [--model preset:qwen3-4b] [--batches 4,8,16,32,64] \
-        [--early-rows 0,32,64 | --variants 'shipped;TENSORWISE_MAX_ROWS=0;EARLY_ROWS=0,TENSORWISE_MAX_ROWS=0']
+        [--early-rows 0,32,64 | --variants 'shipped;TENSORWISE_MAX_ROWS=0;EARLY_ROWS=0,TENSORWISE_MAX_ROWS=0'] \
+        [--mixed-tokens 128,256,384]
 
 The engine (FP8 weights and KV cache) decodes each batch for --steps steps (contexts of ~160 positions), then
-its decode graph, and the mixed graph of 128 tokens over as many sequences, are captured again under each
+its decode graph, and the mixed graphs of --mixed-tokens tokens (128) over as many sequences, are captured again under each
 variant (`EARLY_ROWS` 0: no product reads early; `shipped`: the constants as they are) on the same static
 buffers and timed, the variants in turns; the logits of each are compared with the first variant's.
 DIR/fp8_rows_early_weights.{json,md}.
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--early-rows", default="0,32,64", help="EARLY_ROWS variants, comma-separated")
     ap.add_argument("--variants", help="';'-separated variants: 'shipped' or NAME=value[,NAME=value] of fp8_gemm's "
                     "constants (overrides --early-rows)")
+    ap.add_argument("--mixed-tokens", default="128", help="token counts of the mixed graphs timed, comma-separated")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -100,15 +102,17 @@ def main() -> None:
                 else [f"EARLY_ROWS={int(v)}" for v in args.early_rows.split(",")])
     for v in variants:
         parse_variant(v)
-    # graphs up to the 128-token mixed steps timed here, so that the engine starts sooner
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096, cuda_graph_max_tokens=128,
+    mixed_tokens = [int(t) for t in args.mixed_tokens.split(",")]
+    # graphs up to the largest mixed step timed here, so that the engine starts sooner
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096,
+              cuda_graph_max_tokens=max(mixed_tokens),
               gpu_memory_utilization=0.5, quantization="fp8", kv_cache_dtype="fp8")
     gr = llm.engine.runner.graph_runner
     rows = []
     for bs in batches:
         prompts = [[100 + i + j for j in range(32)] for i in range(bs)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True))
-        for key in [("decode", bs), ("mixed", 128, bs)]:
+        for key in [("decode", bs)] + [("mixed", t, bs) for t in mixed_tokens]:
             if key in gr.graphs:
                 rows += time_variants(gr, key, variants, args.turns)
     with open(os.path.join(args.out, "fp8_rows_early_weights.json"), "w") as f:

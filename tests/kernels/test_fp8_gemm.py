@@ -24,6 +24,20 @@ def layer(n: int, k: int, block, bias: bool, seed: int = 0):
     return to(q), to(s), block or (1, k), to(b)
 
 
+def scaled(unscaled):
+    """An `UnscaledRows` with its scales, by `_scale_rows_kernel` (whose rounding to the dtype is the
+    interpreter's on the CPU, as in the kernels that take the rows)."""
+    import triton
+    from tokenmill.layers.kernels.fp8_gemm import _scale_rows_kernel
+    raw = unscaled.raw.float()
+    m, n = raw.shape
+    out = torch.empty(m, n, dtype=unscaled.dtype, device=raw.device)
+    _scale_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
+        raw, unscaled.row_scale, unscaled.col_scale, unscaled.col_scale, out, m, n, HAS_BIAS=False, BLOCK_M=32,
+        BLOCK_N=128, num_warps=4)
+    return out
+
+
 def w8a8_reference(x, q, s, blk, b=None):
     """The product of the quantized input (`quantize_rows_torch`: per row for per-channel weights, per row
     and block of columns for block-scaled ones) with the dequantized weight, in float32."""
@@ -241,11 +255,12 @@ def test_scaled_mm_products_accumulate_fast(n, rows, path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 256])
 def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group):
-    """o_proj and down_proj at up to 384 rows hand their float32 sums on unscaled (`UnscaledRows`, no bias),
-    and the RMSNorm with the residual applies the rows' and channels' scales as it loads them: its output
-    (plain, or FP8 rows with a scale each, as the next per-channel product takes them) and the summed
-    residual are the very bits (float32 on a GPU: within a rounding) of the norm of
-    the scaled product. With a bias, or at rows outside the range, the product comes scaled as before."""
+    """o_proj and down_proj at up to 2,048 rows hand their sums on unscaled (`UnscaledRows`, no bias; in
+    bfloat16 for bfloat16 rows, else float32), within a rounding of the scaled product, and the RMSNorm with
+    the residual applies the rows' and channels' scales as it loads them: its output (plain, or FP8 rows
+    with a scale each, as the next per-channel product takes them) and the summed residual are the very
+    bits (float32 on a GPU: within a rounding) of the norm of the sums scaled first. With a bias, or at
+    rows outside the range, the product comes scaled as before."""
     from tokenmill.layers.kernels import fp8_gemm, fused_ops
     from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows
     q, s, blk, b = layer(96, 256, None, True)
@@ -254,12 +269,13 @@ def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group)
     residual = torch.randn(100, 96, generator=g).to(dtype).to(DEVICE)
     norm_w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
     raw = fp8_gemm.fp8_linear(x, q, s, blk, unscaled=True)
-    assert isinstance(raw, UnscaledRows) and raw.raw.dtype == torch.float32 and raw.dtype == dtype
-    scaled = fp8_gemm.fp8_linear(x, q, s, blk)
+    assert isinstance(raw, UnscaledRows) and raw.raw.dtype == dtype and raw.dtype == dtype
+    plain = fp8_gemm.fp8_linear(x, q, s, blk)
+    torch.testing.assert_close(scaled(raw), plain, rtol=2 ** -6 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     out, summed = fused_ops.rms_norm(raw, norm_w, 1e-6, residual, fp8_group=group)
-    want, want_summed = fused_ops.rms_norm(scaled, norm_w, 1e-6, residual, fp8_group=group)
+    want, want_summed = fused_ops.rms_norm(scaled(raw), norm_w, 1e-6, residual, fp8_group=group)
     assert torch.equal(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), fp8_gemm.fp8_linear(x, q, s, blk, b))
-    assert not isinstance(fp8_gemm.fp8_linear(x.repeat(4, 1), q, s, blk, unscaled=True), UnscaledRows)
+    assert not isinstance(fp8_gemm.fp8_linear(x.repeat(21, 1), q, s, blk, unscaled=True), UnscaledRows)
     with pytest.raises(ValueError, match="an unscaled product"):
         fused_ops.rms_norm(raw, norm_w, 1e-6)
     if dtype == torch.float32 and DEVICE == "cuda":
@@ -278,6 +294,36 @@ def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group)
     else:
         assert isinstance(out, Fp8Rows) and out.dtype == dtype
         assert torch.equal(out.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(out.scale, want.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [None, 64])
+def test_gate_ups_scales_are_applied_by_silu_and_mul(dtype, group):
+    """gate_up (wider than deep) at 65-384 rows hands its sums on unscaled, and SiLU-and-mul applies the
+    row's and each gate and up column's scale as it loads them: its output (plain, or FP8 rows with their
+    scales as down takes them) is the very bits of the activation of the sums scaled first, and within a
+    rounding of the activation of the product scaled in float32. At 64 rows and fewer, above 384, or with a
+    bias the product comes scaled."""
+    from tokenmill.layers.kernels import fp8_gemm, fused_ops
+    from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows
+    q, s, blk, b = layer(2 * 96, 128, None, True)
+    x = (torch.randn(70, 128, generator=torch.Generator().manual_seed(8)) *
+         torch.linspace(0.1, 3.0, 70)[:, None]).to(dtype).to(DEVICE)
+    raw = fp8_gemm.fp8_linear(x, q, s, blk, unscaled=True)
+    assert isinstance(raw, UnscaledRows) and raw.raw.dtype == dtype and raw.raw.shape == (70, 192)
+    got = fused_ops.act_and_mul(raw, "silu", fp8_group=group)
+    want = fused_ops.act_and_mul(scaled(raw), "silu", fp8_group=group)
+    if group is None:
+        assert got.dtype == dtype and torch.equal(got, want)
+    else:
+        assert isinstance(got, Fp8Rows) and got.dtype == dtype
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    plain = fused_ops.act_and_mul(fp8_gemm.fp8_linear(x, q, s, blk), "silu")
+    torch.testing.assert_close(fused_ops.act_and_mul(raw, "silu"), plain,
+                               rtol=2 ** -5 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    for rows in (64, 385):
+        assert not isinstance(fp8_gemm.fp8_linear(x[:1].repeat(rows, 1), q, s, blk, unscaled=True), UnscaledRows)
+    assert not isinstance(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), UnscaledRows)
 
 
 def test_input_group_is_none_where_a_path_takes_unquantized_rows():
@@ -333,11 +379,11 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU engine on the interpreter's kernels; a CUDA host compiles them for the GPU")
-def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_tiny_model, monkeypatch):
+def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save_tiny_model, monkeypatch):
     """An FP8 model (per channel, quantized at load) on a backend running the Triton RMSNorm, SiLU-and-mul
-    and FP8 products: in a step of up to 384 rows, o_proj and down_proj come unscaled to the norm after each
-    (the post-attention one, and the final one), and the greedy tokens and log-probs equal those of the
-    same kernels scaling every product first."""
+    and FP8 products: o_proj and down_proj come unscaled to the norm after each (the post-attention one,
+    and the final one), and gate_up to SiLU-and-mul in a step of more than 64 rows, and the greedy tokens
+    and log-probs equal those of the same kernels scaling every product first."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TorchBackend, TritonBackend
     from tokenmill.layers.kernels import fused_ops
@@ -345,8 +391,8 @@ def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_ti
     path = str(tmp_path / "plain")
     save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
-    unscaled = []
-    norm = fused_ops.rms_norm
+    unscaled, act_unscaled = [], []
+    norm, act_and_mul = fused_ops.rms_norm, fused_ops.act_and_mul
 
     class Kernels(TorchBackend):
         rms_norm, act_and_mul, fp8_linear, _fp8_group = (
@@ -354,11 +400,15 @@ def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_ti
             staticmethod(TritonBackend._fp8_group))
 
     class Unscaled(Kernels):
-        linear_into_norm = TritonBackend.linear_into_norm
+        linear_unscaled = TritonBackend.linear_unscaled
 
     def counting(x, *args, **kwargs):
         unscaled.append(isinstance(x, UnscaledRows))
         return norm(x, *args, **kwargs)
+
+    def counting_act(x, *args, **kwargs):
+        act_unscaled.append(isinstance(x, UnscaledRows))
+        return act_and_mul(x, *args, **kwargs)
 
     def run(backend):
         llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8")
@@ -368,10 +418,12 @@ def test_fp8_model_hands_o_proj_and_down_to_the_norms_unscaled(tmp_path, save_ti
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
     scaled = run(Kernels())
     monkeypatch.setattr(fused_ops, "rms_norm", counting)
+    monkeypatch.setattr(fused_ops, "act_and_mul", counting_act)
     assert run(Unscaled()) == scaled
     # each step (the 73-row prefill, the 2-row decode): the embedding's norm, then o_proj's, and down's into
-    # the final norm
+    # the final norm; gate_up (768 x 256, wide) unscaled in the prefill alone
     assert len(unscaled) == 6 and unscaled == [False, True, True] * 2
+    assert act_unscaled == [True, False]
 
 
 @pytest.mark.parametrize("group", [None, 128])
@@ -585,16 +637,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("rows", [1, 4, 8, 17, 64, 130, 192, 300, 1000])
 @pytest.mark.parametrize("n,k,block", [(6144, 2560, None), (2560, 9728, None), (19456, 2560, None),
                                        (6144, 2560, (128, 128)), (2560, 9728, (128, 128))])
-def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block):
+@pytest.mark.parametrize("unscaled", [False, True])
+def test_gpu_fp8_linear_on_qwen3_4b_shapes(rows, n, k, block, unscaled):
     """Every path of `fp8_linear` against the dequantized float32 product: the W8A8 paths (the few-row
     kernel up to ROWS_MAX rows, above them `_scaled_mm` per channel and the block GEMM with block scales) within the activations' FP8 rounding (checked against the product of the quantized
     activations, and loosely against the unrounded one). Every path accumulates fast (the tensor cores' FP8
     partial sums, ~14 bits, not promoted to float32 along K): over down's 9,728 columns that leaves ~3e-3
     of the output's rms, and ~6% of its mean magnitude at the worst of 2.5M outputs."""
     from tokenmill.layers.kernels.fp8_gemm import fp8_linear
+    from tokenmill.quant.fp8 import UnscaledRows
     q, s, blk, _ = layer(n, k, block, False)
     x = torch.randn(rows, k, device="cuda").bfloat16()
-    got = fp8_linear(x, q, s, blk).float()
+    got = fp8_linear(x, q, s, blk, unscaled=unscaled)
+    got = (scaled(got) if isinstance(got, UnscaledRows) else got).float()
     exact = x.float() @ fp8.dequantize(q, s, blk).t()
     scale = exact.abs().mean()
     err = got - w8a8_reference(x, q, s, blk)

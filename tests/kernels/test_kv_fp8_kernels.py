@@ -265,20 +265,20 @@ def test_fp8_model_takes_o_proj_input_from_the_attention_kernels(tmp_path, save_
         return layer.in_features == 256 and layer.out_features == 256       # down_proj takes 384
 
     class Kernels(TritonBackend):
-        def linear_into_norm(self, layer, x):
+        def linear_unscaled(self, layer, x):
             if o_proj(layer):
                 taken.append(isinstance(x, Fp8Rows) and bool(torch.all(x.scale == 1.0)))
-            return super().linear_into_norm(layer, x)
+            return super().linear_unscaled(layer, x)
 
     class QuantizedByTorch(TritonBackend):
         _out_group = staticmethod(lambda kv_scale, into: None)
 
-        def linear_into_norm(self, layer, x):
+        def linear_unscaled(self, layer, x):
             if o_proj(layer):
                 taken.append(isinstance(x, Fp8Rows))
                 one = torch.ones(x.shape[0], 1)
                 x = Fp8Rows(quantize_kv_torch(x, one[0, 0]), one, x.shape[1], x.dtype)
-            return super().linear_into_norm(layer, x)
+            return super().linear_unscaled(layer, x)
 
     def run(backend):      # the engine's FP8 cache has scales of 1.0, which QuantizedByTorch assumes
         return fp8_model_tokens(path, backend, 20, kv_cache_dtype="fp8", enforce_eager=True)

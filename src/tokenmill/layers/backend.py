@@ -94,10 +94,11 @@ class TorchBackend:
         from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch
         return fp8_linear_torch(x, layer.weight, layer.scale, layer.block, layer.bias)
 
-    def linear_into_norm(self, layer, x: torch.Tensor):
+    def linear_unscaled(self, layer, x: torch.Tensor):
         """`layer(x)` for a product whose result goes next into `rms_norm` beside a residual (o_proj and
-        down_proj); a backend may give it in a form that only that norm reads (the Triton backend: an FP8
-        layer's product before its scales, `quant/fp8.UnscaledRows`, which the norm's kernel applies)."""
+        down_proj) or into `act_and_mul` (gate_up); a backend may give it in a form that only those kernels
+        read (the Triton backend: an FP8 layer's product before its scales, `quant/fp8.UnscaledRows`, which
+        the next kernel applies)."""
         return layer(x)
 
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -186,7 +187,7 @@ class TritonBackend(TorchBackend):
         from tokenmill.layers.kernels import fp8_gemm
         return fp8_gemm.fp8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
 
-    def linear_into_norm(self, layer, x):
+    def linear_unscaled(self, layer, x):
         if not TritonBackend._fp8_layer(layer):
             return layer(x)
         from tokenmill.layers.kernels import fp8_gemm

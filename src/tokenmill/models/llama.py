@@ -75,11 +75,11 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 decode_attention=None):
-        """The attention block's output, for the RMSNorm after it (in the backend's `linear_into_norm` form
+        """The attention block's output, for the RMSNorm after it (in the backend's `linear_unscaled` form
         where that norm adds the residual, without tensor parallelism; else a tensor, after the all-reduce)."""
         attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention, into=self.o_proj)
         if self.tp is None:
-            return self.o_proj(attended) if self.post_norm else self.backend.linear_into_norm(self.o_proj, attended)
+            return self.o_proj(attended) if self.post_norm else self.backend.linear_unscaled(self.o_proj, attended)
         return self.tp.all_reduce(self.o_proj(attended))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
@@ -122,9 +122,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """The MLP's output, for the next RMSNorm (as `Attention.forward`'s)."""
-        act = self.backend.act_and_mul(self.gate_up_proj(x), self.act, into=self.down_proj)
+        act = self.backend.act_and_mul(self.backend.linear_unscaled(self.gate_up_proj, x), self.act,
+                                       into=self.down_proj)
         if self.tp is None:
-            return self.down_proj(act) if self.post_norm else self.backend.linear_into_norm(self.down_proj, act)
+            return self.down_proj(act) if self.post_norm else self.backend.linear_unscaled(self.down_proj, act)
         return self.tp.all_reduce(self.down_proj(act))
 
 

@@ -12,14 +12,19 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
 
 - Per-channel weights no wider than deep (o_proj, down_proj) at up to `TENSORWISE_MAX_ROWS` input rows:
   `torch._scaled_mm` with scalar scales (cuBLASLt, whose kernels split K on these shapes) into float32,
-  then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast); where an RMSNorm
-  takes the product next (`unscaled`: o_proj and down_proj without a bias), that norm's kernel applies the
-  scales as it adds the residual (`quant/fp8.UnscaledRows`), a kernel fewer. With the row and channel
+  then `_scale_rows_kernel` (each row's and each channel's scale, the bias, the cast). With the row and channel
   scales in the call (PyTorch's rowwise kernel) down_proj took ~26 us from 64 to 512 rows on an H200, and
   13-21 us this way at 64-384 rows (1.2-1.5x faster than `fp8_rows` at 64-128). Below 64 rows the decode
   graph of qwen3-4b (FP8 weights and KV) on an H100 took 0.84x the time with o_proj and down this way
   rather than on `fp8_rows` at 48 sequences, 0.94-0.97x at 2, 8, 16 and 32, 1.02x at 4
   (docs/BENCHMARKS.md). Wider products (qkv, gate_up) lose it to the float32 round trip.
+- A product whose next kernel applies the scales as it loads it (`unscaled`: o_proj and down_proj into the
+  RMSNorm that adds the residual, gate_up into SiLU-and-mul; `quant/fp8.UnscaledRows`), per channel,
+  without a bias: the same `_scaled_mm` with scalar scales, and no kernel of its own to scale it. Narrow
+  ones up to `UNSCALED_NARROW_MAX_ROWS` rows, wide ones within `UNSCALED_WIDE_ROWS` (at 64 rows and fewer
+  `fp8_rows` wins). On an H100 (sums in bfloat16) it took 0.72-0.89x the time of the rowwise
+  `_scaled_mm` for o_proj and down at 512, 1,024 and 2,048 rows (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for
+  gate_up at 96-192 rows and 0.93-0.95x the rowwise one's at 256-384, which wins from 512 (docs/BENCHMARKS.md).
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
@@ -63,6 +68,8 @@ from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
 
 ROWS_MAX = 192
 TENSORWISE_MAX_ROWS = 384     # narrow per-channel products of up to these input rows take `fp8_linear_tensorwise`
+UNSCALED_NARROW_MAX_ROWS = 2048   # `unscaled` narrow products of up to these rows come before their scales
+UNSCALED_WIDE_ROWS = (64, 384)    # `unscaled` wide products of more than the first, at most the second
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
                                     # weight steps before their wait (`rows_tile`)
@@ -385,18 +392,32 @@ def tensorwise_fits(shape: tuple[int, int], block: tuple[int, int], rows: int) -
     return scaled_mm_fits(shape, block) and n <= k and rows <= TENSORWISE_MAX_ROWS
 
 
+def unscaled_fits(shape: tuple[int, int], block: tuple[int, int], rows: int) -> bool:
+    """Whether `fp8_linear` with `unscaled` gives the product of `rows` input rows and a weight of `shape`
+    before its scales: per channel, and narrow (no wider than deep) up to `UNSCALED_NARROW_MAX_ROWS` rows,
+    wide within `UNSCALED_WIDE_ROWS`."""
+    n, k = shape
+    if not scaled_mm_fits(shape, block):
+        return False
+    if n <= k:
+        return rows <= UNSCALED_NARROW_MAX_ROWS
+    return UNSCALED_WIDE_ROWS[0] < rows <= UNSCALED_WIDE_ROWS[1]
+
+
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledRows:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
-    (`Fp8Rows`, with the group of `input_group`). `unscaled` (for a product an RMSNorm takes next): where
-    the path is `fp8_linear_tensorwise` and there is no bias, the result comes before its scales
-    (`UnscaledRows`), which the norm applies."""
+    (`Fp8Rows`, with the group of `input_group`). `unscaled` (for a product whose next kernel applies the
+    scales as it loads it: the RMSNorm after o_proj and down, SiLU-and-mul after gate_up): without a bias
+    and where `unscaled_fits`, the result comes before its scales (`fp8_linear_unscaled`)."""
     if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:
             return fp8_block_gemm(x, weight, scale, block, bias, tile)
+    elif unscaled and bias is None and unscaled_fits(tuple(weight.shape), block, x.shape[0]):
+        return fp8_linear_unscaled(x, weight, scale)
     elif tensorwise_fits(tuple(weight.shape), block, x.shape[0]):
-        return fp8_linear_tensorwise(x, weight, scale, bias, unscaled=unscaled and bias is None)
+        return fp8_linear_tensorwise(x, weight, scale, bias)
     elif x.shape[0] <= ROWS_MAX or not scaled_mm_fits(weight.shape, block):
         tile = rows_tile(weight.shape[0], block, x.device, x.shape[0])
         if tile is not None:
@@ -413,18 +434,29 @@ def _one(device: torch.device) -> torch.Tensor:
     return torch.ones((), device=device)
 
 
-def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledRows:
-    """`fp8_linear` of a per-channel weight: the unscaled product in float32 by `_scaled_mm` with scalar
-    scales of 1, then each row's and channel's scale and the bias in `_scale_rows_kernel`; with `unscaled`
-    (no bias), the product before its scales, for the RMSNorm after it to apply them."""
+def _raw_product(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, out_dtype: torch.dtype):
+    """The per-channel product before its scales, in `out_dtype` (`_scaled_mm` with scalar scales of 1),
+    and the input rows' scales."""
     xq, x_scale = _quantized(x, x.shape[1])
     one = _one(xq.device)
-    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
-    if unscaled:
-        if bias is not None:
-            raise ValueError("an unscaled FP8 product takes no bias")
-        return UnscaledRows(raw, x_scale, scale.view(-1), x.dtype)
+    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=True)
+    return raw, x_scale
+
+
+def fp8_linear_unscaled(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor) -> UnscaledRows:
+    """`fp8_linear` of a per-channel weight without a bias, before its scales (`UnscaledRows`), for the next
+    kernel to apply them as it loads it: the sums in bfloat16 for bfloat16 rows (their range holds any sum
+    of FP8 products, and the product rounds to bfloat16 anyway), else in float32 (float16's does not)."""
+    raw_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    raw, x_scale = _raw_product(x, weight, raw_dtype)
+    return UnscaledRows(raw, x_scale, scale.view(-1), x.dtype)
+
+
+def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` of a per-channel weight: the unscaled product in float32 (`_raw_product`), then each
+    row's and channel's scale and the bias in `_scale_rows_kernel`."""
+    raw, x_scale = _raw_product(x, weight, torch.float32)
     m, n = raw.shape
     out = torch.empty(m, n, dtype=x.dtype, device=raw.device)
     _scale_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](

@@ -178,17 +178,23 @@ def gate_act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.constexpr, BLOCK: tl.constexpr,
-                        FP8_GROUP: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, rs_ptr, cs_ptr, x_stride_t, s_stride, I: tl.constexpr,
+                        BLOCK: tl.constexpr, FP8_GROUP: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr,
+                        PDL: tl.constexpr, ACT: tl.constexpr):
     # program (t, j): columns j * BLOCK ... of token t. FP8_GROUP > 0: out is FP8, the values as the plain
     # kernel writes them quantized with a scale per FP8_GROUP columns (BLOCK: per block, which then spans
-    # the row) into s_ptr
+    # the row) into s_ptr. UNSCALED: x is a product's sums, scaled by its row's (rs_ptr) and columns'
+    # (cs_ptr) scales and rounded to the product's dtype DTYPE first, as `UnscaledRows` says
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I
     gate = tl.load(x_ptr + t * x_stride_t + c, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * x_stride_t + I + c, mask=mask, other=0.0)
+    if UNSCALED:
+        rs = tl.load(rs_ptr + t)
+        gate = (gate.to(tl.float32) * rs * tl.load(cs_ptr + c, mask=mask, other=0.0)).to(DTYPE)
+        up = (up.to(tl.float32) * rs * tl.load(cs_ptr + I + c, mask=mask, other=0.0)).to(DTYPE)
     act = gate_act(gate.to(tl.float32), ACT).to(gate.dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     if FP8_GROUP > 0:
@@ -200,12 +206,22 @@ def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, x_stride_t, s_stride, I: tl.const
         tl.store(out_ptr + t * I + c, y, mask=mask)
 
 
-def act_and_mul(x: torch.Tensor, act: str = "silu", fp8_group: int | None = None):
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def act_and_mul(x: torch.Tensor | UnscaledRows, act: str = "silu", fp8_group: int | None = None):
     """x [..., 2I] packed as [gate | up] -> act(gate) * up, [..., I] (contiguous); `act` an activation of
     `activation.ACTIVATIONS`. `fp8_group` (x 2-D): the result comes as `quant/fp8.Fp8Rows`, equal to
-    `quantize_rows(out, fp8_group)` of the plain one."""
+    `quantize_rows(out, fp8_group)` of the plain one. x may be an FP8 product before its scales
+    (`quant/fp8.UnscaledRows`): the kernel scales it as it loads it, with the results of the scaled tensor."""
     code = check_activation(act)
+    unscaled = x if isinstance(x, UnscaledRows) else None
+    if unscaled is not None:
+        if unscaled.raw.dim() != 2:
+            raise ValueError(f"act_and_mul: an unscaled product is [T, 2I], got {tuple(unscaled.raw.shape)}")
+        x = unscaled.raw
     _check_dtype("act_and_mul x", x)
+    dtype = x.dtype if unscaled is None else unscaled.dtype
     if x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"act_and_mul: last dim must be even with unit stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -224,15 +240,17 @@ def act_and_mul(x: torch.Tensor, act: str = "silu", fp8_group: int | None = None
         else:
             block, kernel_group = max(block, group), group
     else:
-        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+        out = torch.empty((*x.shape[:-1], inter), dtype=dtype, device=x.device)
         scale, kernel_group = out, 0
+    rs, cs = (unscaled.row_scale, unscaled.col_scale) if unscaled is not None else (x, x)
     if x2.shape[0] > 0 and inter > 0:
         pdl_on = pdl.enabled(x.device)
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, scale, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
-            PDL=pdl_on, ACT=code, num_warps=4 if block <= 1024 else 8, launch_pdl=pdl_on)
+            x2, out, scale, rs, cs, x2.stride(0), scale.stride(0), I=inter, BLOCK=block, FP8_GROUP=kernel_group,
+            UNSCALED=unscaled is not None, DTYPE=_TL_DTYPES[dtype], PDL=pdl_on, ACT=code,
+            num_warps=4 if block <= 1024 else 8, launch_pdl=pdl_on)
     if fp8_group is not None:
-        out = Fp8Rows(out, scale, fp8_group, x.dtype)
+        out = Fp8Rows(out, scale, fp8_group, dtype)
     return out
 
 
