@@ -299,10 +299,10 @@ def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 64])
 def test_gate_ups_scales_are_applied_by_silu_and_mul(dtype, group):
-    """gate_up (wider than deep) at 65-384 rows hands its sums on unscaled, and SiLU-and-mul applies the
+    """gate_up (wider than deep) at 65-192 rows hands its sums on unscaled, and SiLU-and-mul applies the
     row's and each gate and up column's scale as it loads them: its output (plain, or FP8 rows with their
     scales as down takes them) is the very bits of the activation of the sums scaled first, and within a
-    rounding of the activation of the product scaled in float32. At 64 rows and fewer, above 384, or with a
+    rounding of the activation of the product scaled in float32. At 64 rows and fewer, above 192, or with a
     bias the product comes scaled."""
     from tokenmill.layers.kernels import fp8_gemm, fused_ops
     from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows
@@ -321,7 +321,7 @@ def test_gate_ups_scales_are_applied_by_silu_and_mul(dtype, group):
     plain = fused_ops.act_and_mul(fp8_gemm.fp8_linear(x, q, s, blk), "silu")
     torch.testing.assert_close(fused_ops.act_and_mul(raw, "silu"), plain,
                                rtol=2 ** -5 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
-    for rows in (64, 385):
+    for rows in (64, 193):
         assert not isinstance(fp8_gemm.fp8_linear(x[:1].repeat(rows, 1), q, s, blk, unscaled=True), UnscaledRows)
     assert not isinstance(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), UnscaledRows)
 

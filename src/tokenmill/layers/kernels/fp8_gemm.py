@@ -24,7 +24,9 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
   ones up to `UNSCALED_NARROW_MAX_ROWS` rows, wide ones within `UNSCALED_WIDE_ROWS` (at 64 rows and fewer
   `fp8_rows` wins). On an H100 (sums in bfloat16) it took 0.72-0.89x the time of the rowwise
   `_scaled_mm` for o_proj and down at 512, 1,024 and 2,048 rows (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for
-  gate_up at 96-192 rows and 0.93-0.95x the rowwise one's at 256-384, which wins from 512 (docs/BENCHMARKS.md).
+  gate_up at 96-192 rows. Past 192 rows gate_up keeps the rowwise `_scaled_mm`: its own time is 0.93-0.95x at
+  256-384 rows this way, but the 384-token mixed graphs took 1.016-1.020x the time with it, SiLU-and-mul
+  reading each gate and up column's scale again for every row (docs/BENCHMARKS.md).
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
@@ -69,7 +71,7 @@ from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
 ROWS_MAX = 192
 TENSORWISE_MAX_ROWS = 384     # narrow per-channel products of up to these input rows take `fp8_linear_tensorwise`
 UNSCALED_NARROW_MAX_ROWS = 2048   # `unscaled` narrow products of up to these rows come before their scales
-UNSCALED_WIDE_ROWS = (64, 384)    # `unscaled` wide products of more than the first, at most the second
+UNSCALED_WIDE_ROWS = (64, ROWS_MAX)   # `unscaled` wide products of more than the first, at most the second
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
 EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
                                     # weight steps before their wait (`rows_tile`)
