@@ -326,6 +326,43 @@ def test_gate_ups_scales_are_applied_by_silu_and_mul(dtype, group):
     assert not isinstance(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), UnscaledRows)
 
 
+@pytest.mark.parametrize("dtype,qk_norm,fp8_cache", [(torch.bfloat16, True, False), (torch.bfloat16, False, True),
+                                                     (torch.float32, True, True)])
+def test_qkvs_scales_are_applied_by_the_attention_prologue(dtype, qk_norm, fp8_cache):
+    """qkv (wider than deep) hands its sums on unscaled at 65-192 rows, and the attention prologue
+    (`qk_norm_rope_store`: q/k norm, RoPE, the KV store) applies the row's and each q, k and v column's
+    scale as it loads them: q and both caches (in the model dtype or FP8) are the very bits of the prologue
+    of the sums scaled first."""
+    from tokenmill.layers.attention import FP8_KV_DTYPE
+    from tokenmill.layers.kernels import fp8_gemm, fused_ops
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.quant.fp8 import UnscaledRows
+    heads, kv_heads, head_dim = 4, 2, 32
+    q, s, blk, _ = layer((heads + 2 * kv_heads) * head_dim, 96, None, False, seed=3)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(70, 96, generator=g) * torch.linspace(0.1, 3.0, 70)[:, None]).to(dtype).to(DEVICE)
+    raw = fp8_gemm.fp8_linear(x, q, s, blk, unscaled=True)
+    assert isinstance(raw, UnscaledRows) and raw.shape == (70, 256)
+    rope = RotaryEmbedding(head_dim, 128, 10000.0).to(DEVICE)
+    positions = torch.randint(0, 128, (70,), generator=g).to(DEVICE)
+    slots = torch.randperm(80, generator=g)[:70].to(DEVICE)
+    slots[5] = -1
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) if qk_norm else None
+               for _ in range(2)]
+    kv_scale = torch.tensor([0.05, 0.03], device=DEVICE) if fp8_cache else None
+    cache_dtype = FP8_KV_DTYPE if fp8_cache else dtype
+
+    def prologue(qkv):
+        caches = [torch.zeros(20, 4, kv_heads, head_dim, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
+        out = fused_ops.qk_norm_rope_store(qkv, positions, rope.cos_sin, *weights, 1e-6, *caches, slots, heads,
+                                           kv_heads, head_dim, kv_scale=kv_scale)
+        return [t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t for t in (out, *caches)]
+    got, want = prologue(raw), prologue(scaled(raw))
+    assert got[0].dtype == dtype
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_input_group_is_none_where_a_path_takes_unquantized_rows():
     """Per channel, a weight whose dims are not multiples of 16 runs the dequantized layer above ROWS_MAX
     rows; block scales of fewer than 16 rows fit no tile."""
@@ -382,8 +419,9 @@ def test_fp8_model_feeds_its_products_rows_quantized_by_the_norms_and_silu(tmp_p
 def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save_tiny_model, monkeypatch):
     """An FP8 model (per channel, quantized at load) on a backend running the Triton RMSNorm, SiLU-and-mul
     and FP8 products: o_proj and down_proj come unscaled to the norm after each (the post-attention one,
-    and the final one), and gate_up to SiLU-and-mul in a step of more than 64 rows, and the greedy tokens
-    and log-probs equal those of the same kernels scaling every product first."""
+    and the final one), and gate_up to SiLU-and-mul and qkv to the attention prologue in a step of more than
+    64 rows, and the greedy tokens and top log-probs are those of the same kernels scaling every product
+    first (the log-probs within float32 roundings)."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TorchBackend, TritonBackend
     from tokenmill.layers.kernels import fused_ops
@@ -391,13 +429,13 @@ def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save
     path = str(tmp_path / "plain")
     save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
-    unscaled, act_unscaled = [], []
-    norm, act_and_mul = fused_ops.rms_norm, fused_ops.act_and_mul
+    unscaled, act_unscaled, prologue_unscaled = [], [], []
+    norm, act_and_mul, prologue = fused_ops.rms_norm, fused_ops.act_and_mul, fused_ops.qk_norm_rope_store
 
     class Kernels(TorchBackend):
-        rms_norm, act_and_mul, fp8_linear, _fp8_group = (
-            TritonBackend.rms_norm, TritonBackend.act_and_mul, TritonBackend.fp8_linear,
-            staticmethod(TritonBackend._fp8_group))
+        rms_norm, act_and_mul, qk_norm_rope_store, fp8_linear, _fp8_group = (
+            TritonBackend.rms_norm, TritonBackend.act_and_mul, TritonBackend.qk_norm_rope_store,
+            TritonBackend.fp8_linear, staticmethod(TritonBackend._fp8_group))
 
     class Unscaled(Kernels):
         linear_unscaled = TritonBackend.linear_unscaled
@@ -410,20 +448,33 @@ def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save
         act_unscaled.append(isinstance(x, UnscaledRows))
         return act_and_mul(x, *args, **kwargs)
 
+    def counting_prologue(x, *args, **kwargs):
+        prologue_unscaled.append(isinstance(x, UnscaledRows))
+        return prologue(x, *args, **kwargs)
+
     def run(backend):
         llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, quantization="fp8")
         llm.engine.runner.model.use_backend(backend)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)
         out = llm.generate([[(7 * i) % 500 for i in range(70)], [12, 40, 6]], params)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+        return [(o.outputs[0].token_ids, [{t: p.logprob for t, p in step.items()} for step in o.outputs[0].logprobs])
+                for o in out]
     scaled = run(Kernels())
     monkeypatch.setattr(fused_ops, "rms_norm", counting)
     monkeypatch.setattr(fused_ops, "act_and_mul", counting_act)
-    assert run(Unscaled()) == scaled
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_store", counting_prologue)
+    got = run(Unscaled())
+    # the same tokens and top log-probs; the values within float32 roundings, the wide products' sums being
+    # `fp8_rows`' (another order of additions) when scaled first
+    assert [(ids, [list(step) for step in steps]) for ids, steps in got] == \
+        [(ids, [list(step) for step in steps]) for ids, steps in scaled]
+    for (_, steps), (_, want) in zip(got, scaled):
+        for step, want_step in zip(steps, want):
+            assert all(abs(step[t] - want_step[t]) < 1e-5 for t in step)
     # each step (the 73-row prefill, the 2-row decode): the embedding's norm, then o_proj's, and down's into
-    # the final norm; gate_up (768 x 256, wide) unscaled in the prefill alone
+    # the final norm; gate_up (768 x 256) and qkv (512 x 256), wide, unscaled in the prefill alone
     assert len(unscaled) == 6 and unscaled == [False, True, True] * 2
-    assert act_unscaled == [True, False]
+    assert act_unscaled == [True, False] and prologue_unscaled == [True, False]
 
 
 @pytest.mark.parametrize("group", [None, 128])

@@ -96,9 +96,9 @@ class TorchBackend:
 
     def linear_unscaled(self, layer, x: torch.Tensor):
         """`layer(x)` for a product whose result goes next into `rms_norm` beside a residual (o_proj and
-        down_proj) or into `act_and_mul` (gate_up); a backend may give it in a form that only those kernels
-        read (the Triton backend: an FP8 layer's product before its scales, `quant/fp8.UnscaledRows`, which
-        the next kernel applies)."""
+        down_proj), `act_and_mul` (gate_up) or `qk_norm_rope_store` (qkv); a backend may give it in a form
+        that only those kernels read (the Triton backend: an FP8 layer's product before its scales,
+        `quant/fp8.UnscaledRows`, which the next kernel applies)."""
         return layer(x)
 
     def greedy(self, logits: torch.Tensor, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -77,14 +77,17 @@ class Attention(nn.Module):
                 decode_attention=None):
         """The attention block's output, for the RMSNorm after it (in the backend's `linear_unscaled` form
         where that norm adds the residual, without tensor parallelism; else a tensor, after the all-reduce)."""
-        attended = self.attend_qkv(positions, self.qkv_proj(x), meta, decode_attention, into=self.o_proj)
+        # the one-kernel decode reads the scaled product; the prologue of the other steps applies the scales
+        qkv = self.qkv_proj(x) if decode_attention is not None else self.backend.linear_unscaled(self.qkv_proj, x)
+        attended = self.attend_qkv(positions, qkv, meta, decode_attention, into=self.o_proj)
         if self.tp is None:
             return self.o_proj(attended) if self.post_norm else self.backend.linear_unscaled(self.o_proj, attended)
         return self.tp.all_reduce(self.o_proj(attended))
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                    decode_attention=None, into=None) -> torch.Tensor | Fp8Rows:
-        """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj.
+        """Packed qkv projection [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj; without
+        `decode_attention`, qkv may come in the backend's `linear_unscaled` form.
         `decode_attention` (from the backend's `decode_attention`): the whole of it in that one kernel.
         `into` (o_proj, where its product takes the output as it is): the output in the form the backend
         writes for it (`TorchBackend.attend`); the single-token products read it as a tensor."""

@@ -70,6 +70,10 @@ class UnscaledRows:
     col_scale: torch.Tensor
     dtype: torch.dtype
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
 
 def check_device(device: torch.device, what: str = "FP8 weights") -> None:
     """FP8 (E4M3) tensor cores and conversions need sm89 (Ada) or newer: `what` (FP8 weights, an FP8 KV

@@ -271,32 +271,53 @@ def _norm_weights(w_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM:
 
 
 @triton.jit
-def _norm_rope(src_ptr, w_ptr, eps, cos, sin,
+def _heads(src_ptr, rs, cs_ptr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_HALF: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
+    # the two halves of NUM_HEADS heads from src_ptr (heads 2 * HALF apart), and their mask; UNSCALED: a
+    # product's sums, times the row's scale rs and each column's scale from cs_ptr (its first column's),
+    # rounded to DTYPE, as `UnscaledRows` says
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (d < HALF)
+    x1 = tl.load(src_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)
+    x2 = tl.load(src_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)
+    if UNSCALED:
+        x1 = (x1.to(tl.float32) * rs * tl.load(cs_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)).to(DTYPE)
+        x2 = (x2.to(tl.float32) * rs * tl.load(cs_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)).to(DTYPE)
+    return x1, x2, mask
+
+
+@triton.jit
+def _norm_rope(src_ptr, w_ptr, eps, cos, sin, rs, cs_ptr,
                NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
     w1, w2 = _norm_weights(w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-    return _norm_rope_with(src_ptr, w1, w2, eps, cos, sin, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, HAS_NORM)
+    x1, x2, mask = _heads(src_ptr, rs, cs_ptr, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, UNSCALED, DTYPE)
+    r1, r2 = _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF, HAS_NORM)
+    return r1, r2, mask
 
 
 @triton.jit
 def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
                     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    # src_ptr: head 0 of one token, heads 2 * HALF apart; w1, w2: `_norm_weights`. Rounds like rms_norm
-    # then apply_rotary_torch: normalised value -> input dtype, times weight in fp32 -> input dtype,
-    # rotated in fp32 -> input dtype
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < NUM_HEADS) & (d < HALF)
-    x1 = tl.load(src_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)
-    x2 = tl.load(src_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)
+    # src_ptr: head 0 of one token, heads 2 * HALF apart; w1, w2: `_norm_weights`
+    x1, x2, mask = _heads(src_ptr, 1.0, src_ptr, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, False, tl.float32)
+    r1, r2 = _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF, HAS_NORM)
+    return r1, r2, mask
+
+
+@triton.jit
+def _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # Rounds like rms_norm then apply_rotary_torch: normalised value -> input dtype, times weight in fp32 ->
+    # input dtype, rotated in fp32 -> input dtype
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
         f1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         f2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
+    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype)
 
 
 @triton.jit
@@ -359,22 +380,28 @@ def load_kv_scales(kv_scale_ptr, FP8: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, eps,
-                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr, qkv_stride_t, cs_stride,
+                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr, rs_ptr, col_scale_ptr,
+                               qkv_stride_t, cs_stride,
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               FP8: tl.constexpr, PDL: tl.constexpr):
-    # one program per token; the row is [q heads | k heads | v heads], each head 2 * HALF wide
+                               FP8: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr):
+    # one program per token; the row is [q heads | k heads | v heads], each head 2 * HALF wide. UNSCALED:
+    # the row is an FP8 product's sums, scaled by the row's (rs_ptr) and columns' (col_scale_ptr) scales
+    # as it is loaded (`_heads`)
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * qkv_stride_t
+    rs = 1.0
+    if UNSCALED:
+        rs = tl.load(rs_ptr + t)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + d, mask=d < HALF, other=0.0)
 
-    q1, q2, q_mask = _norm_rope(row, q_w_ptr, eps, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF,
-                                HAS_NORM)
+    q1, q2, q_mask = _norm_rope(row, q_w_ptr, eps, cos, sin, rs, col_scale_ptr, NUM_Q_HEADS, BLOCK_HQ, HALF,
+                                BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_dst = q_ptr + t * (NUM_Q_HEADS * 2 * HALF) + hq * (2 * HALF) + d
     tl.store(q_dst, q1, mask=q_mask)
@@ -383,26 +410,30 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # padding tokens (slot -1) leave the cache untouched
         k_src = row + NUM_Q_HEADS * 2 * HALF
-        k1, k2, kv_mask = _norm_rope(k_src, k_w_ptr, eps, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF,
-                                     BLOCK_HALF, HAS_NORM)
+        k_cols = col_scale_ptr + NUM_Q_HEADS * 2 * HALF
+        k1, k2, kv_mask = _norm_rope(k_src, k_w_ptr, eps, cos, sin, rs, k_cols, NUM_KV_HEADS, BLOCK_HKV, HALF,
+                                     BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
         hkv = tl.arange(0, BLOCK_HKV)[:, None]
         dst = slot * (NUM_KV_HEADS * 2 * HALF) + hkv * (2 * HALF) + d
         k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
         tl.store(k_cache_ptr + dst, quantize_kv(k1, k_scale, FP8), mask=kv_mask)
         tl.store(k_cache_ptr + dst + HALF, quantize_kv(k2, k_scale, FP8), mask=kv_mask)
-        v_src = k_src + NUM_KV_HEADS * 2 * HALF + hkv * (2 * HALF) + d
-        tl.store(v_cache_ptr + dst, quantize_kv(tl.load(v_src, mask=kv_mask), v_scale, FP8), mask=kv_mask)
-        tl.store(v_cache_ptr + dst + HALF, quantize_kv(tl.load(v_src + HALF, mask=kv_mask), v_scale, FP8),
-                 mask=kv_mask)
+        v1, v2, _ = _heads(k_src + NUM_KV_HEADS * 2 * HALF, rs, k_cols + NUM_KV_HEADS * 2 * HALF, NUM_KV_HEADS,
+                           BLOCK_HKV, HALF, BLOCK_HALF, UNSCALED, DTYPE)
+        tl.store(v_cache_ptr + dst, quantize_kv(v1, v_scale, FP8), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, quantize_kv(v2, v_scale, FP8), mask=kv_mask)
 
 
 def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                          num_kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None) -> None:
+                          num_kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None,
+                          dtype: torch.dtype | None = None) -> None:
     """The checks of `qk_norm_rope_store`'s inputs, shared by the kernels that start from a packed qkv;
-    errors name the calling function."""
+    errors name the calling function. `dtype`: the rows' dtype where qkv holds a product's sums before
+    their scales (`UnscaledRows.raw`); qkv's own by default."""
     _check_dtype(f"{name} qkv", qkv)
+    dtype = dtype or qkv.dtype
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"{name}: qkv must be [T, {width}] = [T, ({num_heads} + 2 * "
@@ -426,13 +457,13 @@ def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor,
     if (q_weight is None) != (k_weight is None):
         raise ValueError(f"{name}: q_weight and k_weight must both be given or both be None")
     for arg, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w is not None and (w.shape != (head_dim,) or w.dtype != qkv.dtype or w.stride(0) != 1):
-            raise ValueError(f"{name}: {arg} must be {qkv.dtype} [{head_dim}] with unit "
+        if w is not None and (w.shape != (head_dim,) or w.dtype != dtype or w.stride(0) != 1):
+            raise ValueError(f"{name}: {arg} must be {dtype} [{head_dim}] with unit "
                              f"stride, got {w.dtype} {tuple(w.shape)}")
     for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim)
-                or cache.dtype not in (qkv.dtype, FP8_KV_DTYPE) or cache.dtype != k_cache.dtype):
-            raise ValueError(f"{name}: {arg} must be {qkv.dtype} or {FP8_KV_DTYPE} [num_blocks, block_size, "
+                or cache.dtype not in (dtype, FP8_KV_DTYPE) or cache.dtype != k_cache.dtype):
+            raise ValueError(f"{name}: {arg} must be {dtype} or {FP8_KV_DTYPE} [num_blocks, block_size, "
                              f"{num_kv_heads}, {head_dim}], got {cache.dtype} {tuple(cache.shape)}")
         if not cache.is_contiguous():
             raise ValueError(f"{name}: {arg} must be contiguous")
@@ -441,7 +472,7 @@ def check_prologue_inputs(name: str, qkv: torch.Tensor, positions: torch.Tensor,
         raise ValueError(f"{name}: kv_scale must be contiguous on the cache's device {k_cache.device}")
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+def qk_norm_rope_store(qkv: torch.Tensor | UnscaledRows, positions: torch.Tensor, cos_sin: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int,
@@ -451,11 +482,16 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
     k_weight (both None: no qk-norm), then rotate-half RoPE at positions[t] (cos_sin [max_pos, D] float32,
     cos | sin); k and v are written to the cache [num_blocks, block_size, Hkv, D] at
     slot_mapping[t] (slots < 0 are skipped), quantized with `kv_scale` into an FP8 cache. Returns q as a
-    new contiguous [T, Hq, D]."""
+    new contiguous [T, Hq, D]. qkv may be an FP8 product before its scales (`quant/fp8.UnscaledRows`): the
+    kernel scales it as it loads it, with the results of the scaled tensor."""
+    unscaled = qkv if isinstance(qkv, UnscaledRows) else None
+    if unscaled is not None:
+        qkv = unscaled.raw
+    dtype = qkv.dtype if unscaled is None else unscaled.dtype
     check_prologue_inputs("qk_norm_rope_store", qkv, positions, cos_sin, q_weight, k_weight, k_cache,
-                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale)
+                          v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, kv_scale, dtype=dtype)
     num_tokens = qkv.shape[0]
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=qkv.device)
     if num_tokens == 0:
         return q
     has_norm = q_weight is not None
@@ -464,10 +500,11 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         eps, q, k_cache, v_cache, slot_mapping, kv_scale if kv_scale is not None else cos_sin,
+        unscaled.row_scale if unscaled is not None else cos_sin, unscaled.col_scale if unscaled is not None else cos_sin,
         qkv.stride(0), cos_sin.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, FP8=kv_scale is not None,
-        PDL=pdl_on,
+        UNSCALED=unscaled is not None, DTYPE=_TL_DTYPES[dtype], PDL=pdl_on,
         num_warps=8 if num_heads * head_dim >= 8192 else 4, launch_pdl=pdl_on)
     return q
