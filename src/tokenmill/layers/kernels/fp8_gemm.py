@@ -19,12 +19,14 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
   rather than on `fp8_rows` at 48 sequences, 0.94-0.97x at 2, 8, 16 and 32, 1.02x at 4
   (docs/BENCHMARKS.md). Wider products (qkv, gate_up) lose it to the float32 round trip.
 - A product whose next kernel applies the scales as it loads it (`unscaled`: o_proj and down_proj into the
-  RMSNorm that adds the residual, gate_up into SiLU-and-mul; `quant/fp8.UnscaledRows`), per channel,
+  RMSNorm that adds the residual, gate_up into SiLU-and-mul, qkv into the attention prologue of the steps
+  that are not one-kernel decodes; `quant/fp8.UnscaledRows`), per channel,
   without a bias: the same `_scaled_mm` with scalar scales, and no kernel of its own to scale it. Narrow
   ones up to `UNSCALED_NARROW_MAX_ROWS` rows, wide ones within `UNSCALED_WIDE_ROWS` (at 64 rows and fewer
-  `fp8_rows` wins). On an H100 (sums in bfloat16) it took 0.72-0.89x the time of the rowwise
-  `_scaled_mm` for o_proj and down at 512, 1,024 and 2,048 rows (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for
-  gate_up at 96-192 rows. Past 192 rows gate_up keeps the rowwise `_scaled_mm`: its own time is 0.93-0.95x at
+  `fp8_rows` wins). qwen3-4b's 128- and 192-token mixed graphs took 0.968x and 0.910x the time with the
+  wide products this way (FP8 weights and KV, 64 sequences, one H100). On an H100 (sums in bfloat16) it
+  took 0.72-0.89x the time of the rowwise `_scaled_mm` for o_proj and down at 512, 1,024 and 2,048 rows
+  (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for gate_up at 96-192 rows. Past 192 rows gate_up keeps the rowwise `_scaled_mm`: its own time is 0.93-0.95x at
   256-384 rows this way, but the 384-token mixed graphs took 1.016-1.020x the time with it, SiLU-and-mul
   reading each gate and up column's scale again for every row (docs/BENCHMARKS.md).
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
@@ -410,7 +412,8 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
                bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledRows:
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
     (`Fp8Rows`, with the group of `input_group`). `unscaled` (for a product whose next kernel applies the
-    scales as it loads it: the RMSNorm after o_proj and down, SiLU-and-mul after gate_up): without a bias
+    scales as it loads it: the RMSNorm after o_proj and down, SiLU-and-mul after gate_up, the attention
+    prologue after qkv): without a bias
     and where `unscaled_fits`, the result comes before its scales (`fp8_linear_unscaled`)."""
     if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
         tile = gemm_tile(block, x.shape[0])
