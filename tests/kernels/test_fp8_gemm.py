@@ -254,7 +254,7 @@ def test_scaled_mm_products_accumulate_fast(n, rows, path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 256])
-def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group):
+def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group, monkeypatch):
     """o_proj and down_proj at up to 2,048 rows hand their sums on unscaled (`UnscaledRows`, no bias; in
     bfloat16 for bfloat16 rows, else float32), within a rounding of the scaled product, and the RMSNorm with
     the residual applies the rows' and channels' scales as it loads them: its output (plain, or FP8 rows
@@ -275,7 +275,8 @@ def test_a_narrow_products_scales_are_applied_by_the_norm_after_it(dtype, group)
     out, summed = fused_ops.rms_norm(raw, norm_w, 1e-6, residual, fp8_group=group)
     want, want_summed = fused_ops.rms_norm(scaled(raw), norm_w, 1e-6, residual, fp8_group=group)
     assert torch.equal(fp8_gemm.fp8_linear(x, q, s, blk, b, unscaled=True), fp8_gemm.fp8_linear(x, q, s, blk, b))
-    assert not isinstance(fp8_gemm.fp8_linear(x.repeat(21, 1), q, s, blk, unscaled=True), UnscaledRows)
+    monkeypatch.setattr(fp8_gemm, "UNSCALED_NARROW_MAX_ROWS", 99)       # 100 rows past the range
+    assert not isinstance(fp8_gemm.fp8_linear(x, q, s, blk, unscaled=True), UnscaledRows)
     with pytest.raises(ValueError, match="an unscaled product"):
         fused_ops.rms_norm(raw, norm_w, 1e-6)
     if dtype == torch.float32 and DEVICE == "cuda":
