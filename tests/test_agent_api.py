@@ -344,6 +344,12 @@ def test_a_thinking_token_budget_closes_the_block_at_the_budget(agent_server):
     ids = r["choices"][0]["token_ids"]
     assert ids[2] == close and close not in ids[:2] and len(ids) == 6, ids
     assert _stream_ids_and_text(agent_server, "/v1/completions", completion) == (ids, {"text": r["choices"][0]["text"]})
+    # the forced </think> outside allowed_token_ids is the budget's, not a sampled token that no list allowed
+    allowed = httpx.post(agent_server.url + "/tokenize", timeout=30, json={"prompt": " sunny and warm",
+                                                                          "add_special_tokens": False}).json()["tokens"]
+    r = httpx.post(agent_server.url + "/v1/completions", timeout=60, json={**completion, "allowed_token_ids": allowed})
+    ids = r.json()["choices"][0]["token_ids"]
+    assert r.status_code == 200 and ids[2] == close and set(ids) - {close} <= set(allowed), r.text
 
 
 class City(BaseModel):

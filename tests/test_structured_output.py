@@ -155,6 +155,35 @@ def test_allowed_token_ids_the_grammar_refuses_fail_the_request_under_every_filt
     assert e.value.param == "allowed_token_ids" and not engine.groups
 
 
+def test_bad_words_that_ban_every_allowed_token_fail_the_request_without_a_grammar(llm):
+    """Without a grammar, a word of two tokens bans its last only once the output ends with its first, which the
+    sampler decides on the device: allowed_token_ids [x] with the bad word [x, x] leave the second token none,
+    and the sampler drew token 0 (outside allowed_token_ids) as the request's output, greedy or under top-p.
+    The engine now fails the request when it reads that token, naming the position and the fields, beside a
+    request that completes; so does one whose only other allowed token is an end of sequence that min_tokens
+    holds back. `LLM.generate` raises the error."""
+    engine = llm.engine
+    x, y = llm.get_tokenizer().encode("xy", add_special_tokens=False)
+    params = {f"banned{i}": SamplingParams(max_tokens=6, allowed_token_ids=[x], **f)
+              for i, f in enumerate([dict(temperature=0.0), dict(temperature=1.0, top_p=0.5, seed=3)])}
+    params["held"] = SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=[x, EOS], min_tokens=4)
+    params["fine"] = SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=[x, y], ignore_eos=True)
+    for p in params.values():
+        p.bad_words_token_ids = [[x, x]]
+    tokens, errors, finished = step_until_done(engine, params)
+    message = f"at output token 1 bad_words ban [{x}] of allowed_token_ids [{x}]: no token is left to generate"
+    assert sorted(errors) == sorted([("banned0", message, "bad_words"), ("banned1", message, "bad_words"), (
+        "held", f"at output token 1 bad_words ban [{x}] of allowed_token_ids [{x}, {EOS}], and min_tokens=4 bans "
+        f"[{EOS}]: no token is left to generate", "bad_words")])
+    assert all(tokens[rid] == [x] for rid in ("banned0", "banned1", "held"))
+    fine = tokens["fine"]
+    assert finished == {"fine"} and len(fine) == 6 and set(fine) <= {x, y} and [x, x] not in [fine[i:i + 2] for i in range(5)]
+    assert not engine.groups and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(SamplingParamError, match=re.escape(message)) as e:
+        llm.generate(PROMPTS[:2], [params["banned0"], params["fine"]])
+    assert e.value.param == "bad_words" and not engine.groups
+
+
 def test_json_object_and_eos_only_where_the_grammar_accepts(llm):
     tok = llm.get_tokenizer()
     close = tok.encode("}")[0]

@@ -177,7 +177,8 @@ class LLMEngine:
     def take_errors(self) -> list[tuple[str, str, str | None]]:
         """The requests the engine failed since the last call, as (request id, message, param): a grammar
         slower than `MAX_FILL_SECONDS` a token, or one that left no token beside the request's allowed_token_ids
-        and bad words (`failed_fills`). Each is gone from the engine, its blocks freed, as an abort
+        and bad words (`failed_fills`), or bad words that banned every one of its allowed_token_ids
+        (`step_reader.no_token_left`). Each is gone from the engine, its blocks freed, as an abort
         leaves it; its frontend fails it with the message (param: the field, as a SamplingParamError's)."""
         errors, self._errors = self._errors, []
         return errors

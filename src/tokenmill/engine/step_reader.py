@@ -4,12 +4,16 @@ kept."""
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 import weakref
 
 from tokenmill.engine.grammars import grammar_ended
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS, StepOutputs, StepOutputsBuilder
+from tokenmill.param_errors import SamplingParamError, shown
+
+logger = logging.getLogger("tokenmill.engine")
 
 
 class StepReader:
@@ -64,6 +68,12 @@ class StepReader:
                 continue          # aborted or stopped while this step was in flight
             token = token_ids[j]
             req.resolve(step.positions[j], token)
+            error = no_token_left(req, step.positions[j], token)
+            if error is not None:
+                logger.warning("request %s failed: %s", req.parent_id, error)
+                self._engine._errors.append((req.parent_id, str(error), error.param))
+                self._engine.abort_request(req.parent_id)
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
                 # its prompt is computed: counted when prefilled, by each of n sequences as vLLM counts
@@ -108,6 +118,33 @@ class StepReader:
             seqs = engine.groups.get(req.parent_id)
             if seqs is not None and all(s.status.finished for s in seqs):
                 del engine.groups[req.parent_id]
+
+
+def no_token_left(req: Request, position: int, token: int) -> SamplingParamError | None:
+    """The error of a request whose allowed_token_ids its bad words (and min_tokens) left no token at
+    sequence position `position`, where the sampler has drawn `token` (token 0, its draw where every
+    logit is -inf); None where `token` is one the request allowed there. A word of several tokens bans its
+    last only once the output ends with the rest, which the sampler decides on the device (the rest's last
+    token may still be in flight when the step launches), so the host learns of it here, before the token
+    is reported. A grammar's rows fail at its fill instead (`grammar_bitmask.no_token_left`), and a
+    thinking budget's forced `</think>` takes no account of either list."""
+    p = req.params
+    if p.allowed_token_ids is None or req.grammar is not None or (req.thinking is not None and
+                                                                    req.thinking.must_close()):
+        return None
+    index = position - req.num_prompt_tokens          # the token's place in the output (`position`: in the sequence)
+    before = req.all_token_ids[req.num_prompt_tokens:position]
+    banned = {w[-1] for w in p.bad_words_token_ids or () if len(w) - 1 <= index and
+              before[len(before) - len(w) + 1:] == w[:-1]}
+    held = set(req.min_tokens_ids) if index < p.min_tokens else set()
+    if token in p.allowed_token_ids and token not in banned and token not in held:
+        return None
+    where = f"at output token {index}"
+    ruled_out = sorted(set(p.allowed_token_ids) & banned)
+    also = (f", and min_tokens={p.min_tokens} bans {shown(sorted(set(p.allowed_token_ids) & held))}"
+            if held & set(p.allowed_token_ids) else "")
+    return SamplingParamError("bad_words", f"{where} bad_words ban {shown(ruled_out)} of allowed_token_ids "
+                              f"{shown(p.allowed_token_ids)}{also}: no token is left to generate")
 
 
 def keep_prompt_logprobs(scored) -> None:

@@ -84,8 +84,9 @@ def _top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
         # >= 1; a row with no token left (every logit -inf) has NaN probabilities, keeps its first and draws
         # token 0, as the kernel and the rows without top-p do. A fallback: a request whose parameters leave it
         # no token is refused (`SamplingParams.check_some_token_allowed`) or, where its grammar's mask leaves
-        # none, failed before its token is read (`grammar_bitmask.no_token_left`). Only a row without a grammar
-        # whose allowed_token_ids bad words of several tokens all ban (decided on the device) still reaches it
+        # none, failed before its token is read (`grammar_bitmask.no_token_left`). A row without a grammar whose
+        # allowed_token_ids bad words of several tokens all ban (decided on the device) reaches it, and its
+        # request fails when its token is read (`step_reader.no_token_left`)
         kept = ((probs.cumsum(-1) - probs) < t.top_p[:, None]).sum(-1, keepdim=True).clamp_min(1)
         logits = logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
     return logits
