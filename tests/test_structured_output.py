@@ -833,10 +833,11 @@ def test_a_grammar_that_leaves_no_token_is_the_requests_http_error(qwen3_dir):
                                                                   "allowed_token_ids": [y, e]}) as r:
                 streamed = r.status_code, [line async for line in r.aiter_lines() if line.startswith("data: ")]
             held_back = await c.post("/v1/completions", json={**body, "allowed_token_ids": [EOS], "min_tokens": 2})
+            banned = await c.post("/v1/completions", json={**body, "allowed_token_ids": [y], "bad_words": ["yy"]})
             plain = await c.post("/v1/completions", json={**body, "ignore_eos": True})
-        return whole, streamed, held_back, plain
+        return whole, streamed, held_back, banned, plain
     try:
-        whole, (status, events), held_back, plain = asyncio.run(main())
+        whole, (status, events), held_back, banned, plain = asyncio.run(main())
     finally:
         engine.shutdown()
     assert whole.status_code == 400 and whole.json()["error"] | {"type": None, "code": None} == {
@@ -850,4 +851,8 @@ def test_a_grammar_that_leaves_no_token_is_the_requests_http_error(qwen3_dir):
     assert held_back.json()["error"]["message"] == ("allowed_token_ids [2] are all stop or end-of-sequence tokens, "
                                                     "which min_tokens=2 bans for the first 2 tokens: no token is "
                                                     "left to generate")
+    # a bad word of two tokens bans the only allowed token once the output ends with its first
+    assert banned.status_code == 400 and banned.json()["error"] | {"type": None, "code": None} == {
+        "message": f"at output token 1 bad_words ban [{y}] of allowed_token_ids [{y}]: no token is left to generate",
+        "param": "bad_words", "type": None, "code": None}, banned.text
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4, plain.text
