@@ -177,7 +177,8 @@ def test_bad_words_that_ban_every_allowed_token_fail_the_request_without_a_gramm
         f"[{EOS}]: no token is left to generate", "bad_words")])
     assert all(tokens[rid] == [x] for rid in ("banned0", "banned1", "held"))
     fine = tokens["fine"]
-    assert finished == {"fine"} and len(fine) == 6 and set(fine) <= {x, y} and [x, x] not in [fine[i:i + 2] for i in range(5)]
+    assert finished == {"fine"} and len(fine) == 6 and set(fine) <= {x, y}
+    assert [x, x] not in [fine[i:i + 2] for i in range(5)]
     assert not engine.groups and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     with pytest.raises(SamplingParamError, match=re.escape(message)) as e:
         llm.generate(PROMPTS[:2], [params["banned0"], params["fine"]])

@@ -132,7 +132,7 @@ def no_token_left(req: Request, position: int, token: int) -> SamplingParamError
     if p.allowed_token_ids is None or req.grammar is not None or (req.thinking is not None and
                                                                     req.thinking.must_close()):
         return None
-    index = position - req.num_prompt_tokens          # the token's place in the output (`position`: in the sequence)
+    index = position - req.num_prompt_tokens          # `position` is the token's place in the sequence
     before = req.all_token_ids[req.num_prompt_tokens:position]
     banned = {w[-1] for w in p.bad_words_token_ids or () if len(w) - 1 <= index and
               before[len(before) - len(w) + 1:] == w[:-1]}

@@ -26,9 +26,10 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
   `fp8_rows` wins). qwen3-4b's 128- and 192-token mixed graphs took 0.968x and 0.910x the time with the
   wide products this way (FP8 weights and KV, 64 sequences, one H100). On an H100 (sums in bfloat16) it
   took 0.72-0.89x the time of the rowwise `_scaled_mm` for o_proj and down at 512, 1,024 and 2,048 rows
-  (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for gate_up at 96-192 rows. Past 192 rows gate_up keeps the rowwise `_scaled_mm`: its own time is 0.93-0.95x at
-  256-384 rows this way, but the 384-token mixed graphs took 1.016-1.020x the time with it, SiLU-and-mul
-  reading each gate and up column's scale again for every row (docs/BENCHMARKS.md).
+  (0.95-1.00x at 768), 0.72-0.91x `fp8_rows`' for gate_up at 96-192 rows. Past 192 rows gate_up keeps the
+  rowwise `_scaled_mm`: its own time is 0.93-0.95x at 256-384 rows this way, but the 384-token mixed graphs
+  took 1.016-1.020x the time with it, SiLU-and-mul reading each gate and up column's scale again for every
+  row (docs/BENCHMARKS.md).
 - Up to `ROWS_MAX` input rows per channel (decode batches, and the mixed steps of a few dozen
   requests), up to `BLOCK_GEMM_ROWS` with block scales: `_fp8_rows_kernel`, the weight rows on the tensor
   cores' wide side and the input rows, in blocks of 64, on the narrow one, the K steps split over enough
@@ -413,8 +414,8 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
     """x [T, K] @ W^T (+ bias) on CUDA, by the path of the module docstring; x may come quantized
     (`Fp8Rows`, with the group of `input_group`). `unscaled` (for a product whose next kernel applies the
     scales as it loads it: the RMSNorm after o_proj and down, SiLU-and-mul after gate_up, the attention
-    prologue after qkv): without a bias
-    and where `unscaled_fits`, the result comes before its scales (`fp8_linear_unscaled`)."""
+    prologue after qkv): without a bias and where `unscaled_fits`, the result comes before its scales
+    (`fp8_linear_unscaled`)."""
     if x.shape[0] > BLOCK_GEMM_ROWS and block != (1, x.shape[1]):
         tile = gemm_tile(block, x.shape[0])
         if tile is not None:

@@ -500,7 +500,7 @@ def qk_norm_rope_store(qkv: torch.Tensor | UnscaledRows, positions: torch.Tensor
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         eps, q, k_cache, v_cache, slot_mapping, kv_scale if kv_scale is not None else cos_sin,
-        unscaled.row_scale if unscaled is not None else cos_sin, unscaled.col_scale if unscaled is not None else cos_sin,
+        *((unscaled.row_scale, unscaled.col_scale) if unscaled is not None else (cos_sin, cos_sin)),
         qkv.stride(0), cos_sin.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
