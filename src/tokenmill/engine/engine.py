@@ -174,6 +174,12 @@ class LLMEngine:
                 if not seq.status.finished:
                     self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
 
+    def fail_request(self, request_id: str, error: SamplingParamError) -> None:
+        """Ends the request as `abort_request` does and keeps its error for `take_errors`."""
+        logger.warning("request %s failed: %s", request_id, error)
+        self._errors.append((request_id, str(error), error.param))
+        self.abort_request(request_id)
+
     def take_errors(self) -> list[tuple[str, str, str | None]]:
         """The requests the engine failed since the last call, as (request id, message, param): a grammar
         slower than `MAX_FILL_SECONDS` a token, or one that left no token beside the request's allowed_token_ids
@@ -262,9 +268,7 @@ class LLMEngine:
             if constrained:
                 # that step's token is dropped: its request is finished when the step is read
                 for req, error in failed_fills(sched.requests):
-                    logger.warning("request %s failed: %s", req.parent_id, error)
-                    self._errors.append((req.parent_id, str(error), error.param))
-                    self.abort_request(req.parent_id)
+                    self.fail_request(req.parent_id, error)
             keep_prompt_logprobs(launched.prompt_logprobs)
         self._in_flight = launched
         if previous is not None and not settled:

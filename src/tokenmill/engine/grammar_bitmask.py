@@ -153,7 +153,7 @@ def no_token_left(words: np.ndarray, req: Request, position: int, allowed: np.nd
     (`allowed`, as an array) let through and its bad words ban there (none: the grammar allows none of
     allowed_token_ids). Bit tests of allowed_token_ids and of the bad words' banned tokens; a row without
     allowed_token_ids whose grammar allows a banned token is scanned, its W words, for another."""
-    banned = _bad_words_at(req, position)
+    banned = bad_words_at(req, position)
     if allowed is not None:
         through = allowed[((words[allowed >> 5] >> (allowed & 31).astype(np.uint32)) & 1).astype(bool)]
         left = through[~np.isin(through, list(banned))] if banned else through
@@ -167,10 +167,10 @@ def no_token_left(words: np.ndarray, req: Request, position: int, allowed: np.nd
     return None if rest.any() else hits
 
 
-def _bad_words_at(req: Request, position: int) -> set[int]:
+def bad_words_at(req: Request, position: int) -> set[int]:
     """The tokens `req`'s bad words ban at output `position`, by the sampler's rule (`sampling_tensors._bad_words`):
-    each word's last token where the output's first `position` tokens (all accepted by its grammar, so none is
-    in flight) end with the rest of the word."""
+    each word's last token where the output's first `position` tokens end with the rest of the word. The host's
+    view, for where those tokens are all known: a grammar's fill (it has accepted them) and a step's read."""
     tokens, end = req.all_token_ids, req.num_prompt_tokens + position
     return {w[-1] for w in req.params.bad_words_token_ids or ()
             if len(w) - 1 <= position and tokens[end - len(w) + 1:end] == w[:-1]}

@@ -4,16 +4,14 @@ kept."""
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 import weakref
 
+from tokenmill.engine.grammar_bitmask import bad_words_at
 from tokenmill.engine.grammars import grammar_ended
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_outputs import ITERATION_TOKENS_BUCKETS, StepOutputs, StepOutputsBuilder
 from tokenmill.param_errors import SamplingParamError, shown
-
-logger = logging.getLogger("tokenmill.engine")
 
 
 class StepReader:
@@ -68,11 +66,10 @@ class StepReader:
                 continue          # aborted or stopped while this step was in flight
             token = token_ids[j]
             req.resolve(step.positions[j], token)
-            error = no_token_left(req, step.positions[j], token)
-            if error is not None:
-                logger.warning("request %s failed: %s", req.parent_id, error)
-                self._engine._errors.append((req.parent_id, str(error), error.param))
-                self._engine.abort_request(req.parent_id)
+            # allowed_token_ids are rare: the check's call stays off the other requests' tokens
+            error = req.params.allowed_token_ids is not None and no_token_left(req, step.positions[j], token)
+            if error:
+                self._engine.fail_request(req.parent_id, error)
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -133,18 +130,14 @@ def no_token_left(req: Request, position: int, token: int) -> SamplingParamError
                                                                     req.thinking.must_close()):
         return None
     index = position - req.num_prompt_tokens          # `position` is the token's place in the sequence
-    before = req.all_token_ids[req.num_prompt_tokens:position]
-    banned = {w[-1] for w in p.bad_words_token_ids or () if len(w) - 1 <= index and
-              before[len(before) - len(w) + 1:] == w[:-1]}
+    banned = bad_words_at(req, index)
     held = set(req.min_tokens_ids) if index < p.min_tokens else set()
     if token in p.allowed_token_ids and token not in banned and token not in held:
         return None
-    where = f"at output token {index}"
-    ruled_out = sorted(set(p.allowed_token_ids) & banned)
-    also = (f", and min_tokens={p.min_tokens} bans {shown(sorted(set(p.allowed_token_ids) & held))}"
-            if held & set(p.allowed_token_ids) else "")
-    return SamplingParamError("bad_words", f"{where} bad_words ban {shown(ruled_out)} of allowed_token_ids "
-                              f"{shown(p.allowed_token_ids)}{also}: no token is left to generate")
+    allowed = set(p.allowed_token_ids)
+    also = f", and min_tokens={p.min_tokens} bans {shown(sorted(allowed & held))}" if allowed & held else ""
+    return SamplingParamError("bad_words", f"at output token {index} bad_words ban {shown(sorted(allowed & banned))} "
+                              f"of allowed_token_ids {shown(p.allowed_token_ids)}{also}: no token is left to generate")
 
 
 def keep_prompt_logprobs(scored) -> None:
