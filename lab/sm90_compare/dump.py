@@ -117,7 +117,8 @@ act_kernel = getattr(fused_ops, "_act_and_mul_kernel", None) or getattr(fused_op
 K["silu"] = lambda: comp(act_kernel, dict(I=9728, BLOCK=1024, FP8_GROUP=0, PDL=2, ACT=1),
                          {"x_ptr": BF, "out_ptr": BF, "s_ptr": "*fp32"}, 4, aligned=("x_stride_t",))
 K["qk_prologue"] = lambda: comp(fused_ops._qk_norm_rope_store_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32,
-                         BLOCK_HKV=8, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=2, FP8=False),
+                         BLOCK_HKV=8, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=2, FP8=False, UNSCALED=False,
+                         DTYPE=triton.language.bfloat16),
                          {**dt, "q_ptr": BF}, 8, aligned=("qkv_stride_t", "cs_stride"))
 K["argmax"] = lambda: comp(argmax._argmax_kernel, dict(SPLITS=38, BLOCK=4096, BLOCK_S=64, PUBLISH=True, PDL=2),
                            {"logits_ptr": BF, "out_ptr": "*i64", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",

@@ -77,7 +77,9 @@ class Attention(nn.Module):
                 decode_attention=None):
         """The attention block's output, for the RMSNorm after it (in the backend's `linear_unscaled` form
         where that norm adds the residual, without tensor parallelism; else a tensor, after the all-reduce)."""
-        # the one-kernel decode reads the scaled product; the prologue of the other steps applies the scales
+        # the one-kernel decode reads the scaled product (with cuBLASLt's unscaled one before it, qwen3-4b's decode
+        # graphs of 96-192 sequences took 1.02-1.05x the time: docs/BENCHMARKS.md); the prologue of the other steps
+        # applies the scales
         qkv = self.qkv_proj(x) if decode_attention is not None else self.backend.linear_unscaled(self.qkv_proj, x)
         attended = self.attend_qkv(positions, qkv, meta, decode_attention, into=self.o_proj)
         if self.tp is None:

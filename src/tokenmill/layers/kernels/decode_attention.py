@@ -37,8 +37,8 @@ import triton.language as tl
 from tokenmill.layers.kernel_config import SHIPPED_DECODE, DecodeAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import (_norm_rope_with, _norm_weights, check_prologue_inputs,
-                                                fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv)
+from tokenmill.layers.kernels.fused_ops import (check_prologue_inputs, fp8_kv_operand, fp8_v_tile, load_kv_scales,
+                                                norm_rope, norm_weights, quantize_kv)
 from tokenmill.layers.attention import check_softcap, check_window
 from tokenmill.layers.kernels.attention_common import (LOG2E, check_tables, decode_splits, dot_precision,
                                                        merge_splits, out_rows, out_unit, planned_sms, softcap_scores,
@@ -174,8 +174,8 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
                                                          HEAD_DIM, HALF, PAGE_SIZE, BLOCK_N, WINDOW)
         # the norm weights are weights, and the split counter's line is only asked into L2: both before
         # the wait, so no HBM read of theirs is left between the wait and the output
-        qw1, qw2 = _norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
-        kw1, kw2 = _norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        qw1, qw2 = norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        kw1, kw2 = norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
         k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
         scale_log2 = scale_log2 * k_scale
         if ASK_L2:
@@ -183,12 +183,15 @@ def _fused_decode_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, 
         pdl.enter(PDL)
 
         row = qkv_ptr + b64 * qkv_stride_t
-        q1, q2, _ = _norm_rope_with(row + kvh * GROUP * HEAD_DIM, qw1, qw2, eps, cos, sin, GROUP, BLOCK_G, HALF,
-                                    BLOCK_HALF, HAS_NORM)
+        # the row as the qkv product wrote it, scaled (`Attention.forward`)
+        q_src = row + kvh * GROUP * HEAD_DIM
+        q1, q2, _ = norm_rope(q_src, qw1, qw2, eps, cos, sin, 1.0, q_src, GROUP, BLOCK_G, HALF, BLOCK_HALF, HAS_NORM,
+                              False, tl.float32)
         q1, q2 = fp8_kv_operand(q1, FP8), fp8_kv_operand(q2, FP8)
         # the new k as the first of two rows (the second is masked to zero), v as loaded
-        k1, k2, k_mask = _norm_rope_with(row + (NUM_Q_HEADS + kvh) * HEAD_DIM, kw1, kw2, eps, cos, sin, 1, 2,
-                                         HALF, BLOCK_HALF, HAS_NORM)
+        k_src = row + (NUM_Q_HEADS + kvh) * HEAD_DIM
+        k1, k2, k_mask = norm_rope(k_src, kw1, kw2, eps, cos, sin, 1.0, k_src, 1, 2, HALF, BLOCK_HALF, HAS_NORM,
+                                   False, tl.float32)
         v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         v1 = tl.load(v_src + dr, mask=d_mask, other=0.0)
         v2 = tl.load(v_src + HALF + dr, mask=d_mask, other=0.0)

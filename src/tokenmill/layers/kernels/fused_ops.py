@@ -258,7 +258,7 @@ def act_and_mul(x: torch.Tensor | UnscaledRows, act: str = "silu", fp8_group: in
 
 
 @triton.jit
-def _norm_weights(w_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def norm_weights(w_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     # a head's norm weight as two [1, BLOCK_HALF] float32 halves (ones without a norm)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     if HAS_NORM:
@@ -288,21 +288,12 @@ def _heads(src_ptr, rs, cs_ptr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, 
 
 
 @triton.jit
-def _norm_rope(src_ptr, w_ptr, eps, cos, sin, rs, cs_ptr,
-               NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
-    w1, w2 = _norm_weights(w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+def norm_rope(src_ptr, w1, w2, eps, cos, sin, rs, cs_ptr,
+              NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+              BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
+    # NUM_HEADS heads of one token from src_ptr (heads 2 * HALF apart, loaded by `_heads`), normalised with
+    # the halves w1, w2 of `norm_weights` and rotated: the two halves and their mask
     x1, x2, mask = _heads(src_ptr, rs, cs_ptr, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, UNSCALED, DTYPE)
-    r1, r2 = _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF, HAS_NORM)
-    return r1, r2, mask
-
-
-@triton.jit
-def _norm_rope_with(src_ptr, w1, w2, eps, cos, sin,
-                    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    # src_ptr: head 0 of one token, heads 2 * HALF apart; w1, w2: `_norm_weights`
-    x1, x2, mask = _heads(src_ptr, 1.0, src_ptr, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, False, tl.float32)
     r1, r2 = _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF, HAS_NORM)
     return r1, r2, mask
 
@@ -400,8 +391,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
     cos = tl.load(cos_sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * cs_stride + HALF + d, mask=d < HALF, other=0.0)
 
-    q1, q2, q_mask = _norm_rope(row, q_w_ptr, eps, cos, sin, rs, col_scale_ptr, NUM_Q_HEADS, BLOCK_HQ, HALF,
-                                BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
+    qw1, qw2 = norm_weights(q_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+    q1, q2, q_mask = norm_rope(row, qw1, qw2, eps, cos, sin, rs, col_scale_ptr, NUM_Q_HEADS, BLOCK_HQ, HALF,
+                               BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_dst = q_ptr + t * (NUM_Q_HEADS * 2 * HALF) + hq * (2 * HALF) + d
     tl.store(q_dst, q1, mask=q_mask)
@@ -411,8 +403,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w
     if slot >= 0:  # padding tokens (slot -1) leave the cache untouched
         k_src = row + NUM_Q_HEADS * 2 * HALF
         k_cols = col_scale_ptr + NUM_Q_HEADS * 2 * HALF
-        k1, k2, kv_mask = _norm_rope(k_src, k_w_ptr, eps, cos, sin, rs, k_cols, NUM_KV_HEADS, BLOCK_HKV, HALF,
-                                     BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
+        kw1, kw2 = norm_weights(k_w_ptr, HALF, BLOCK_HALF, HAS_NORM)
+        k1, k2, kv_mask = norm_rope(k_src, kw1, kw2, eps, cos, sin, rs, k_cols, NUM_KV_HEADS, BLOCK_HKV, HALF,
+                                    BLOCK_HALF, HAS_NORM, UNSCALED, DTYPE)
         hkv = tl.arange(0, BLOCK_HKV)[:, None]
         dst = slot * (NUM_KV_HEADS * 2 * HALF) + hkv * (2 * HALF) + d
         k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
