@@ -38,7 +38,7 @@ ATTENTION = COMPILE + r'''
 from tokenmill.layers.kernels import decode_attention, decode_rows, paged_attention
 _heads = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_GR=4, HEAD_DIM=128, BLOCK_D=128,
               PAGE_SIZE=16, BLOCK_N=64, MIN_SPLIT_LEN=64, DOT_PRECISION="tf32", OUT_FP8=False, OUT_SCALES=1,
-              BLOCK_S=1, WINDOW=0, SOFTCAP=0.0)
+              BLOCK_S=1, WINDOW=0, SOFTCAP=0.0, PDL=False)
 attention_kernels = {
     "decode": (decode_attention._fused_decode_kernel,
                dict(_heads, NUM_SPLITS=1, SPLIT_CHUNK=1, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=False,

@@ -13,6 +13,7 @@ from tokenmill.layers.kernel_config import DecodeAttentionConfig, shipped_decode
 from tokenmill.layers.kernels.attention_common import (LOG2E, attend_tile, decode_splits, dot_precision,
                                                        merge_splits, out_unit, planned_sms, store_out,
                                                        store_row_scales, tile_pages, window_tiles)
+from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
 
@@ -45,13 +46,15 @@ def _decode_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WIDEN_ASM: tl.constexpr,
                         OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr, BLOCK_S: tl.constexpr,
-                        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     # One program: sequence b, kv head kvh and split, when b has a single query (at position ctx - 1, so
     # every cached position is visible, or with a sliding WINDOW (0: none) those from ctx - WINDOW on);
     # other sequences' programs exit. SOFTCAP (0: none): the scores' soft cap (`softcap_scores`). The
     # group's GROUP q heads are padded to BLOCK_G rows (>= 16 for tl.dot). Splits as in the one-kernel decode
     # (decode_attention.py): at least MIN_SPLIT_LEN positions each, only those holding positions run, and the
-    # last of a (b, kvh) to finish merges the partial results.
+    # last of a (b, kvh) to finish merges the partial results. The prefill kernel after it may start at once
+    # (`pdl.release`): it shares nothing with these rows.
+    pdl.release(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,4 +152,4 @@ def launch_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=block_size,
         BLOCK_N=dcfg.block_n, MIN_SPLIT_LEN=dcfg.min_split_len, DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
         WIDEN_ASM=q.is_cuda, **out_launch, WINDOW=window or 0, SOFTCAP=float(softcap or 0.0),
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, maxnreg=dcfg.rows_maxnreg)
+        PDL=pdl.enabled(q.device), num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, maxnreg=dcfg.rows_maxnreg)

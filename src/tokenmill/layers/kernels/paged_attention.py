@@ -14,6 +14,7 @@ import triton.language as tl
 from tokenmill.layers.attention import check_softcap, check_window
 from tokenmill.layers.attention_metadata import PREFILL_BLOCK_M, AttentionMetadata
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, PrefillAttentionConfig
+from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.attention_common import (LOG2E, attend_tile, check_attention_inputs, dot_precision,
                                                        out_rows, out_unit, store_out, store_out_scales, tile_pages)
 from tokenmill.layers.kernels.decode_rows import launch_decode_rows
@@ -34,9 +35,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TILES: tl.constexpr, FP8: tl.constexpr,
                     WIDEN_ASM: tl.constexpr, OUT_FP8: tl.constexpr, OUT_SCALES: tl.constexpr,
-                    BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                    BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
-    # kernel's. Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
+    # kernel's, which runs before this one and beside it with PDL (neither reads what the other writes; the
+    # wait at the end keeps the kernels after this one behind both). Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
     # own, and with a sliding WINDOW (0: none) > its own - WINDOW. SOFTCAP (0: none): the scores' soft cap.
     # With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its
     # grid coordinates.
@@ -118,6 +120,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
         if OUT_FP8:
             if h == 0:
                 store_out_scales(out_scale_ptr, rows, q_mask, v_scale, OUT_SCALES, BLOCK_S)
+    pdl.wait(PDL)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,6 +179,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if grid is None:
         return rows(out)
     fp8 = kv_scale is not None
+    pdl_on = pdl.enabled(q.device)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         tiles if tiles is not None else query_start_loc, out, out_scale, kv_scale if fp8 else seq_lens,
@@ -185,7 +189,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         USE_TILES=tiles is not None, FP8=fp8, WIDEN_ASM=q.is_cuda, **out_launch, WINDOW=window or 0,
-        SOFTCAP=float(softcap or 0.0), num_warps=cfg.num_warps,
+        SOFTCAP=float(softcap or 0.0), PDL=pdl_on, num_warps=cfg.num_warps, launch_pdl=pdl_on,
         num_stages=cfg.num_stages, maxnreg=cfg.fp8_maxnreg if fp8 else None)
     return rows(out)
 

@@ -11,6 +11,11 @@ short kernels (attention between two products) lets the next product launch and 
 while they run. Waiting is transitive (a kernel completes only after its own wait), so a kernel also
 sees everything written before its predecessor. A batch-1 decode step is a chain of a few hundred
 short kernels, which is where this pays.
+
+Two kernels that share no data run side by side the same way: the first calls `release` as it starts, the
+second, launched with it, reads nothing the first writes and calls `wait` as its last statement, so that
+its completion still implies the first's for the kernels after it (a mixed step's decode rows and its
+prefill chunks, `paged_attention.py`).
 """
 from __future__ import annotations
 
@@ -36,4 +41,18 @@ def enabled(device: torch.device) -> bool:
 def enter(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    # the next kernel may launch (the first half of `enter`)
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    # until the previous kernel has completed and its writes are visible (the second half of `enter`)
+    if PDL:
         gdc_wait()
