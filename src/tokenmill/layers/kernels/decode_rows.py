@@ -10,10 +10,10 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.kernel_config import DecodeAttentionConfig, shipped_decode_attention
+from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.attention_common import (LOG2E, attend_tile, decode_splits, dot_precision,
                                                        merge_splits, out_unit, planned_sms, store_out,
                                                        store_row_scales, tile_pages, window_tiles)
-from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
 from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
 

@@ -178,6 +178,16 @@ def gate_act(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _scaled_load(src_ptr, cs_ptr, offs, mask, rs, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
+    # src_ptr[offs] (0 outside mask); UNSCALED: a product's sums, times the row's scale rs and each column's
+    # scale cs_ptr[offs] (cs_ptr at src_ptr's first column), rounded to DTYPE, as `UnscaledRows` says
+    x = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    if UNSCALED:
+        x = (x.to(tl.float32) * rs * tl.load(cs_ptr + offs, mask=mask, other=0.0)).to(DTYPE)
+    return x
+
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, rs_ptr, cs_ptr, x_stride_t, s_stride, I: tl.constexpr,
                         BLOCK: tl.constexpr, FP8_GROUP: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr,
                         PDL: tl.constexpr, ACT: tl.constexpr):
@@ -189,12 +199,11 @@ def _act_and_mul_kernel(x_ptr, out_ptr, s_ptr, rs_ptr, cs_ptr, x_stride_t, s_str
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I
-    gate = tl.load(x_ptr + t * x_stride_t + c, mask=mask, other=0.0)
-    up = tl.load(x_ptr + t * x_stride_t + I + c, mask=mask, other=0.0)
+    rs = 1.0
     if UNSCALED:
         rs = tl.load(rs_ptr + t)
-        gate = (gate.to(tl.float32) * rs * tl.load(cs_ptr + c, mask=mask, other=0.0)).to(DTYPE)
-        up = (up.to(tl.float32) * rs * tl.load(cs_ptr + I + c, mask=mask, other=0.0)).to(DTYPE)
+    gate = _scaled_load(x_ptr + t * x_stride_t, cs_ptr, c, mask, rs, UNSCALED, DTYPE)
+    up = _scaled_load(x_ptr + t * x_stride_t, cs_ptr, I + c, mask, rs, UNSCALED, DTYPE)
     act = gate_act(gate.to(tl.float32), ACT).to(gate.dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     if FP8_GROUP > 0:
@@ -273,17 +282,13 @@ def norm_weights(w_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: 
 @triton.jit
 def _heads(src_ptr, rs, cs_ptr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
            BLOCK_HALF: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
-    # the two halves of NUM_HEADS heads from src_ptr (heads 2 * HALF apart), and their mask; UNSCALED: a
-    # product's sums, times the row's scale rs and each column's scale from cs_ptr (its first column's),
-    # rounded to DTYPE, as `UnscaledRows` says
+    # the two halves of NUM_HEADS heads from src_ptr (heads 2 * HALF apart; `_scaled_load`, cs_ptr the column
+    # scales of src_ptr's first column), and their mask
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (d < HALF)
-    x1 = tl.load(src_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)
-    x2 = tl.load(src_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)
-    if UNSCALED:
-        x1 = (x1.to(tl.float32) * rs * tl.load(cs_ptr + h * (2 * HALF) + d, mask=mask, other=0.0)).to(DTYPE)
-        x2 = (x2.to(tl.float32) * rs * tl.load(cs_ptr + h * (2 * HALF) + HALF + d, mask=mask, other=0.0)).to(DTYPE)
+    x1 = _scaled_load(src_ptr, cs_ptr, h * (2 * HALF) + d, mask, rs, UNSCALED, DTYPE)
+    x2 = _scaled_load(src_ptr, cs_ptr, h * (2 * HALF) + HALF + d, mask, rs, UNSCALED, DTYPE)
     return x1, x2, mask
 
 
@@ -292,23 +297,17 @@ def norm_rope(src_ptr, w1, w2, eps, cos, sin, rs, cs_ptr,
               NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, UNSCALED: tl.constexpr, DTYPE: tl.constexpr):
     # NUM_HEADS heads of one token from src_ptr (heads 2 * HALF apart, loaded by `_heads`), normalised with
-    # the halves w1, w2 of `norm_weights` and rotated: the two halves and their mask
+    # the halves w1, w2 of `norm_weights` and rotated: the two halves and their mask. Rounds like rms_norm
+    # then apply_rotary_torch: normalised value -> input dtype, times weight in fp32 -> input dtype, rotated
+    # in fp32 -> input dtype
     x1, x2, mask = _heads(src_ptr, rs, cs_ptr, NUM_HEADS, BLOCK_H, HALF, BLOCK_HALF, UNSCALED, DTYPE)
-    r1, r2 = _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF, HAS_NORM)
-    return r1, r2, mask
-
-
-@triton.jit
-def _norm_rope_values(x1, x2, w1, w2, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    # Rounds like rms_norm then apply_rotary_torch: normalised value -> input dtype, times weight in fp32 ->
-    # input dtype, rotated in fp32 -> input dtype
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
         f1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         f2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype)
+    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype), mask
 
 
 @triton.jit

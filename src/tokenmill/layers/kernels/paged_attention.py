@@ -38,8 +38,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     # One program: BLOCK_M queries of sequence b, query head h; a sequence of one query is the decode-rows
     # kernel's, which runs before this one and beside it with PDL (neither reads what the other writes; the
-    # wait at the end keeps the kernels after this one behind both). Query i of the sequence sits at position ctx - q_len + i and sees cached positions <= its
-    # own, and with a sliding WINDOW (0: none) > its own - WINDOW. SOFTCAP (0: none): the scores' soft cap.
+    # wait at the end keeps the kernels after this one behind both). Query i of the sequence sits at position
+    # ctx - q_len + i and sees cached positions <= its own, and with a sliding WINDOW (0: none) > its own -
+    # WINDOW. SOFTCAP (0: none): the scores' soft cap.
     # With USE_TILES, program p takes (b, m_blk) from tiles[:, p] (see `prefill_tiles`) instead of from its
     # grid coordinates.
     h = tl.program_id(1)

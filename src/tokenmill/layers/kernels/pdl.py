@@ -39,9 +39,8 @@ def enabled(device: torch.device) -> bool:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    release(PDL)
+    wait(PDL)
 
 
 @triton.jit
