@@ -58,6 +58,10 @@ try:
     from tokenmill.layers.kernels import gemv_smem
 except ImportError:
     gemv_smem = None
+try:        # the attention prologue left fused_ops.py for a module of its own
+    from tokenmill.layers.kernels import attention_prologue as prologue_module
+except ImportError:
+    prologue_module = fused_ops
 try:  # the whole-row kernel in a module of its own, else (older trees) in gemv
     from tokenmill.layers.kernels import gemv_whole
 except ImportError:
@@ -116,7 +120,7 @@ K["rms_norm"] = lambda: comp(fused_ops._rms_norm_kernel, dict(N=2560, BLOCK_R=1,
 act_kernel = getattr(fused_ops, "_act_and_mul_kernel", None) or getattr(fused_ops, "_silu_and_mul_kernel")
 K["silu"] = lambda: comp(act_kernel, dict(I=9728, BLOCK=1024, FP8_GROUP=0, PDL=2, ACT=1),
                          {"x_ptr": BF, "out_ptr": BF, "s_ptr": "*fp32"}, 4, aligned=("x_stride_t",))
-K["qk_prologue"] = lambda: comp(fused_ops._qk_norm_rope_store_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32,
+K["qk_prologue"] = lambda: comp(prologue_module._qk_norm_rope_store_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32,
                          BLOCK_HKV=8, HALF=64, BLOCK_HALF=64, HAS_NORM=True, PDL=2, FP8=False, UNSCALED=False,
                          DTYPE=triton.language.bfloat16),
                          {**dt, "q_ptr": BF}, 8, aligned=("qkv_stride_t", "cs_stride"))

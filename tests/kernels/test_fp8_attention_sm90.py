@@ -1,4 +1,4 @@
-"""The FP8-cache decode kernels' sm90 code, compiled on the CPU: what `fused_ops.widen_e4m3` is for. Triton
+"""The FP8-cache decode kernels' sm90 code, compiled on the CPU: what `kv_fp8.widen_e4m3` is for. Triton
 gives a product's operands 4-wide k packs when one of them traces back to 8-bit values; V widened by the
 assembly (which the trace does not cross) leaves the p @ V product of the one-kernel decode and of a mixed
 step's decode rows with 16-bit operands (kWidth = 2), as a bf16 cache has them. The plain conversion, the

@@ -335,7 +335,7 @@ def test_qkvs_scales_are_applied_by_the_attention_prologue(dtype, qk_norm, fp8_c
     scale as it loads them: q and both caches (in the model dtype or FP8) are the very bits of the prologue
     of the sums scaled first."""
     from tokenmill.layers.attention import FP8_KV_DTYPE
-    from tokenmill.layers.kernels import fp8_gemm, fused_ops
+    from tokenmill.layers.kernels import attention_prologue, fp8_gemm
     from tokenmill.layers.rotary import RotaryEmbedding
     from tokenmill.quant.fp8 import UnscaledRows
     heads, kv_heads, head_dim = 4, 2, 32
@@ -355,8 +355,8 @@ def test_qkvs_scales_are_applied_by_the_attention_prologue(dtype, qk_norm, fp8_c
 
     def prologue(qkv):
         caches = [torch.zeros(20, 4, kv_heads, head_dim, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
-        out = fused_ops.qk_norm_rope_store(qkv, positions, rope.cos_sin, *weights, 1e-6, *caches, slots, heads,
-                                           kv_heads, head_dim, kv_scale=kv_scale)
+        out = attention_prologue.qk_norm_rope_store(qkv, positions, rope.cos_sin, *weights, 1e-6, *caches, slots,
+                                                    heads, kv_heads, head_dim, kv_scale=kv_scale)
         return [t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t for t in (out, *caches)]
     got, want = prologue(raw), prologue(scaled(raw))
     assert got[0].dtype == dtype
@@ -425,13 +425,13 @@ def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save
     first (the log-probs within float32 roundings)."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TorchBackend, TritonBackend
-    from tokenmill.layers.kernels import fused_ops
+    from tokenmill.layers.kernels import attention_prologue, fused_ops
     from tokenmill.quant.fp8 import UnscaledRows
     path = str(tmp_path / "plain")
     save_tiny_model(path, "qwen3", hidden_size=256, intermediate_size=384, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
     unscaled, act_unscaled, prologue_unscaled = [], [], []
-    norm, act_and_mul, prologue = fused_ops.rms_norm, fused_ops.act_and_mul, fused_ops.qk_norm_rope_store
+    norm, act_and_mul, prologue = fused_ops.rms_norm, fused_ops.act_and_mul, attention_prologue.qk_norm_rope_store
 
     class Kernels(TorchBackend):
         rms_norm, act_and_mul, qk_norm_rope_store, fp8_linear, _fp8_group = (
@@ -463,7 +463,7 @@ def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save
     scaled = run(Kernels())
     monkeypatch.setattr(fused_ops, "rms_norm", counting)
     monkeypatch.setattr(fused_ops, "act_and_mul", counting_act)
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_store", counting_prologue)
+    monkeypatch.setattr(attention_prologue, "qk_norm_rope_store", counting_prologue)
     got = run(Unscaled())
     # the same tokens and top log-probs; the values within float32 roundings, the wide products' sums being
     # `fp8_rows`' (another order of additions) when scaled first

@@ -1,4 +1,5 @@
-"""RMSNorm, SiLU-and-mul and the qkv prologue (`kernels/fused_ops.py`) against their references."""
+"""RMSNorm, SiLU-and-mul (`kernels/fused_ops.py`) and the qkv prologue (`kernels/attention_prologue.py`) against
+their references."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from kernel_testing import DEVICE, gpu, HALF, _gen, _prologue_reference, _randn, _tol
 from tokenmill.layers.activation import act_and_mul_torch
-from tokenmill.layers.kernels import fused_ops as ops
+from tokenmill.layers.kernels import attention_prologue, fused_ops as ops
 from tokenmill.layers.norm import rms_norm_torch
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -114,7 +115,7 @@ def _check_prologue(ops, gen, num_tokens, num_heads, num_kv_heads, head_dim, blo
               for _ in range(4)]
     ref_q = _prologue_reference(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, caches[0],
                                 caches[1], slots, num_heads, num_kv_heads, head_dim)
-    q = ops.qk_norm_rope_store(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, caches[2],
+    q = attention_prologue.qk_norm_rope_store(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, caches[2],
                                caches[3], slots, num_heads, num_kv_heads, head_dim)
     assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
     torch.testing.assert_close(q, ref_q, rtol=tol, atol=tol)
@@ -148,7 +149,7 @@ def test_qk_norm_rope_store_rejects_bad_inputs():
     weight = torch.ones(16, device=DEVICE)
 
     def call(qkv=qkv, positions=positions, q_weight=weight, k_weight=weight, k_cache=cache, heads=(4, 2)):
-        ops.qk_norm_rope_store(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache, cache,
+        attention_prologue.qk_norm_rope_store(qkv, positions, rope.cos_sin, q_weight, k_weight, 1e-6, k_cache, cache,
                                slots, *heads, 16)
 
     with pytest.raises(ValueError, match=r"qkv must be \[T, 112\]"):

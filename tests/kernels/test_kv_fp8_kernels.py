@@ -15,7 +15,7 @@ from kernel_testing import (DEVICE, HALF, HAS_CUDA, _gen, _paged_cache, _prologu
 from tokenmill.layers.attention import FP8_KV_DTYPE, paged_attention_torch, quantize_kv_torch
 from tokenmill.layers.kernel_config import SHIPPED_FP8_DECODE, DecodeAttentionConfig, PrefillAttentionConfig
 from tokenmill.layers.kernels import decode_attention as da
-from tokenmill.layers.kernels import fused_ops as ops
+from tokenmill.layers.kernels import attention_prologue as ops
 from tokenmill.layers.kernels import paged_attention as pa
 from tokenmill.layers.rotary import RotaryEmbedding
 

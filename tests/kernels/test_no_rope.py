@@ -10,7 +10,7 @@ from kernel_testing import DEVICE, HALF, _gen, _paged_cache, _randn, _tol
 from tokenmill.layers.attention import paged_attention_torch
 from tokenmill.layers.backend import TorchBackend
 from tokenmill.layers.kernel_config import DecodeAttentionConfig
-from tokenmill.layers.kernels import decode_attention as da, fused_ops as ops
+from tokenmill.layers.kernels import attention_prologue as ops, decode_attention as da
 from tokenmill.layers.rotary import NoRotaryEmbedding
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16

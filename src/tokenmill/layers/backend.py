@@ -144,8 +144,8 @@ class TritonBackend(TorchBackend):
         return fp8_gemm.input_group(layer.weight.shape, layer.block, layer.weight.device)
 
     def qk_norm_rope_store(self, *args, **kwargs):
-        from tokenmill.layers.kernels import fused_ops
-        return fused_ops.qk_norm_rope_store(*args, **kwargs)
+        from tokenmill.layers.kernels import attention_prologue
+        return attention_prologue.qk_norm_rope_store(*args, **kwargs)
 
     def attend(self, q, k_cache, v_cache, meta, scale, kv_scale=None, into=None, window=None, softcap=None):
         from tokenmill.layers.kernels import paged_attention

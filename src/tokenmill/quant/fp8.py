@@ -61,7 +61,7 @@ class Fp8Rows:
 class UnscaledRows:
     """A per-channel FP8 product's output before its scales, for the kernel after it to apply as it loads
     it (the RMSNorm that adds the residual, `fused_ops.rms_norm`; the gated activation, `fused_ops.act_and_mul`;
-    the attention prologue, `fused_ops.qk_norm_rope_store`), a kernel fewer than scaling first: `raw` [M, N]
+    the attention prologue, `attention_prologue.qk_norm_rope_store`), a kernel fewer than scaling first: `raw` [M, N]
     float32 or bfloat16, the sums of the FP8 rows and weights; `row_scale` float32 [M, 1], the input rows'
     scales; `col_scale` float32 [N], the weight's per output channel; `dtype` the product's output dtype.
     Scaled, each value is `(raw.float() * row_scale * col_scale).to(dtype)`, as `fp8_gemm._scale_rows_kernel`

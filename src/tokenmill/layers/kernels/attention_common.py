@@ -12,8 +12,8 @@ so any block size works, including 1, and a tile of BLOCK_N tokens may span seve
 Softmax runs in float32 in the log2 domain (scores are pre-multiplied by scale * log2(e)); a soft cap (Gemma
 2's) is applied to those scores as to the natural ones (`softcap_scores`).
 An FP8 cache (attention.py) is read as E4M3 and widened (exactly) to q's dtype for the products, float16
-for a bfloat16 q (`fused_ops.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
-by `fused_ops.fp8_v_tile`, its scale applied to the output, or, for an FP8 o_proj, the output written in
+for a bfloat16 q (`kv_fp8.fp8_kv_operand`); K's scale is folded into the score scale, and V is widened
+by `kv_fp8.fp8_v_tile`, its scale applied to the output, or, for an FP8 o_proj, the output written in
 E4M3 in units of it (`out_rows`).
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention import FP8_KV_DTYPE, check_kv_scale
-from tokenmill.layers.kernels.fused_ops import FP8_MAX, fp8_v_tile
+from tokenmill.layers.kernels.fused_ops import FP8_MAX
+from tokenmill.layers.kernels.kv_fp8 import fp8_v_tile
 from tokenmill.quant.fp8 import FP8, Fp8Rows
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,7 +1,7 @@
 """A decode step's attention in one kernel, from the packed qkv projection to the attention output.
 
 Unfused, a decode step would run three short kernels per layer between the qkv and o_proj products: the
-prologue (q/k norm, RoPE, KV-cache store, `fused_ops.qk_norm_rope_store`), split-K decode attention and
+prologue (q/k norm, RoPE, KV-cache store, `attention_prologue.qk_norm_rope_store`), split-K decode attention and
 the reduction of its splits. At batch 1 each of them is a few microseconds of launch, ramp-up and drain
 around almost no work, 36 times a step. Here one kernel does all three:
 
@@ -21,7 +21,7 @@ Numerics equal the three kernels up to summation order: q and k are rounded to t
 norm and after RoPE as in `qk_norm_rope_store`, and softmax runs in float32 (log2 domain). With an FP8
 cache the new token's k and v are quantized as they are stored and attended as stored, so it counts as
 the cached tokens do; K's scale is folded into the score scale and V's multiplies the output, V widened
-by `fused_ops.fp8_v_tile`. For an FP8 o_proj the output is written in E4M3 in units of V's scale instead
+by `kv_fp8.fp8_v_tile`. For an FP8 o_proj the output is written in E4M3 in units of V's scale instead
 (`attention_common.out_rows`), which o_proj takes as its quantized input rows.
 Reference: `qk_norm_rope_store` then `paged_attention_torch` (tests/test_kernels.py). CUDA-graph safe: the
 grid, the number of splits and the scratch depend on shapes only (batch size, block_tables.shape[1], head
@@ -37,8 +37,8 @@ import triton.language as tl
 from tokenmill.layers.kernel_config import SHIPPED_DECODE, DecodeAttentionConfig, shipped_decode_attention
 from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import (check_prologue_inputs, fp8_kv_operand, fp8_v_tile, load_kv_scales,
-                                                norm_rope, norm_weights, quantize_kv)
+from tokenmill.layers.kernels.attention_prologue import check_prologue_inputs, norm_rope, norm_weights
+from tokenmill.layers.kernels.kv_fp8 import fp8_kv_operand, fp8_v_tile, load_kv_scales, quantize_kv
 from tokenmill.layers.attention import check_softcap, check_window
 from tokenmill.layers.kernels.attention_common import (LOG2E, check_tables, decode_splits, dot_precision,
                                                        merge_splits, out_rows, out_unit, planned_sms, softcap_scores,

@@ -15,7 +15,7 @@ from tokenmill.layers.kernels.attention_common import (LOG2E, attend_tile, decod
                                                        merge_splits, out_unit, planned_sms, store_out,
                                                        store_row_scales, tile_pages, window_tiles)
 from tokenmill.layers.kernels.counters import zeroed as zeroed_counters
-from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
+from tokenmill.layers.kernels.kv_fp8 import fp8_kv_operand, load_kv_scales
 
 ROWS_WAVES = 16
 ROWS_MAX_SPLITS = 16

@@ -18,7 +18,7 @@ from tokenmill.layers.kernels import pdl
 from tokenmill.layers.kernels.attention_common import (LOG2E, attend_tile, check_attention_inputs, dot_precision,
                                                        out_rows, out_unit, store_out, store_out_scales, tile_pages)
 from tokenmill.layers.kernels.decode_rows import launch_decode_rows
-from tokenmill.layers.kernels.fused_ops import fp8_kv_operand, load_kv_scales
+from tokenmill.layers.kernels.kv_fp8 import fp8_kv_operand, load_kv_scales
 from tokenmill.quant.fp8 import Fp8Rows
 
 SHIPPED = PrefillAttentionConfig()
