@@ -64,7 +64,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     `softcap` (`ModelConfig.attn_logit_softcapping`; None: none): each score s = q.k x scale becomes
     softcap x tanh(s / softcap) before the softmax (Gemma 2's), written out (`_attend`).
 
-    Sequences with one query token (decodes) are attended together, padded to the longest context;
+    Sequences with one query token (decodes) are attended together, padded to the longest context (on the
+    CPU in groups whose gathered K and V fit its cache, `_decode_chunks`);
     a sequence with several (a prefill chunk) is attended on its own, so no step holds scores larger
     than one chunk's [Hq, q_len, context]."""
     check_kv_scale(k_cache, kv_scale)
