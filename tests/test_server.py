@@ -491,7 +491,7 @@ def test_fuzz_openapi_schema_no_5xx(small_server, tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     generated = re.search(r"(\d+) generated", out)
-    assert generated and int(generated.group(1)) >= 50, out[-3000:]
+    assert generated and int(generated.group(1)) >= 30, out[-3000:]
     assert httpx.get(small_server.url + "/health").status_code == 200
     small_server.wait_engine_idle()
 
