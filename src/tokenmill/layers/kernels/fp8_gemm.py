@@ -471,7 +471,7 @@ def fp8_linear_tensorwise(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # an eager step's row count: no compile inside a served step
 def _scale_rows_kernel(x_ptr, rs_ptr, cs_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     # out = x * row scale * channel scale (+ bias), x float32 [M, N], the scales [M, 1] and [N, 1]

@@ -52,7 +52,9 @@ def _fp8_groups(y, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
     return tl.reshape(q, [BLOCK_R, BLOCK_N]).to(tl.float8e4nv), scale
 
 
-@triton.jit
+# num_rows unspecialized: an eager step's row count (a prefill burst above every graph) reuses the variant
+# that the largest step compiled at start, rather than compiling one inside a served step
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, rs_ptr, cs_ptr, eps, num_rows, inner,
                      x_stride_a, x_stride_b, r_stride_a, r_stride_b, s_stride,
                      N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
