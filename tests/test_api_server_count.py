@@ -21,7 +21,7 @@ import pytest
 
 from test_server import ServerProcess, alive, completion_text
 from tokenmill.engine.core_client import EngineCore
-from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreUpdate, Shutdown
+from tokenmill.engine.core_messages import AbortRequests, AddRequest, CoreUpdate, Shutdown
 from tokenmill.engine.step_outputs import StepOutputs
 from tokenmill.sampling_params import SamplingParams
 
@@ -52,7 +52,8 @@ def test_a_report_splits_by_handle_with_rows_renumbered():
 def test_the_core_forgets_a_clients_request_once_each_sequence_has_ended():
     """What the core keeps of a client's requests (to abort them if the client goes away) empties as
     they end: sequences finished in the engine or by a stop string, reported twice or not, or aborted."""
-    from tokenmill.engine.core_proc import StopSequences, _Client
+    from tokenmill.engine.core_messages import StopSequences
+    from tokenmill.engine.core_proc import _Client
 
     class Engine:
         def __init__(self):

@@ -464,7 +464,8 @@ def test_a_compile_queued_for_an_aborted_request_never_runs():
     holding up every constrained request queued after it (a 2,500-tool schema: 9 s)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreUpdate, _Client
+    from tokenmill.engine.core_messages import AbortRequests, AddRequest, CoreUpdate
+    from tokenmill.engine.core_proc import _Client
     release, compiled = threading.Event(), []
 
     class Engine:

@@ -23,7 +23,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.core_client import CoreClient, EngineCore
-from tokenmill.engine.core_proc import AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown, StopSequences
+from tokenmill.engine.core_messages import (AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown,
+                                            StopSequences)
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.tokenizer import import_tokenizer_modules

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from tokenmill.engine.core_proc import CoreFatal, CoreReady, borrows_cores, run_engine_core
+from tokenmill.engine.core_messages import CoreFatal, CoreReady
+from tokenmill.engine.core_proc import borrows_cores, run_engine_core
 
 
 class EngineStartError(RuntimeError):
