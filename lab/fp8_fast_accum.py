@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-4b,nanbeige4.1-3b")
     args = ap.parse_args()
     from fp8_products import graph_us
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, TENSORWISE_MAX_ROWS, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, TENSORWISE_MAX_ROWS
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant.fp8 import FP8, FP8_MAX
     torch.manual_seed(0)
     dev = torch.device("cuda")

@@ -53,7 +53,8 @@ def tiles_for(n: int, m: int, sms: int):
 
 
 def check_cpu():
-    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     from tokenmill.quant import fp8
     torch.manual_seed(0)
     for m, n, k in ((5, 96, 256), (70, 130, 384)):
@@ -72,7 +73,8 @@ def check_cpu():
 def bench(args):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
     from fp8_products import graph_us, write_report
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_rows, quantize_rows, rows_tile
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_rows, rows_tile
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant import fp8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = [int(r) for r in args.rows.split(",")]
@@ -123,8 +125,9 @@ def block_bench(args):
     the block-quantized input's product first."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "device"))
     from fp8_products import graph_us, write_report
-    from tokenmill.layers.kernels.fp8_gemm import (Fp8GemmTile, fp8_block_gemm, fp8_linear_torch, fp8_rows,
-                                                   gemm_tile, quantize_rows_torch)
+    from tokenmill.layers.kernels.fp8_block_gemm import Fp8GemmTile, fp8_block_gemm, gemm_tile
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, fp8_rows
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     from tokenmill.quant import fp8
     blk = (128, 128)
     rule = gemm_tile(blk)

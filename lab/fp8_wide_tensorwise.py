@@ -37,7 +37,8 @@ def main() -> None:
     from fp8_products import graph_us, write_report
 
     from tokenmill.layers.kernels import fp8_gemm
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_rows, quantize_rows, rows_tile, tensorwise_fits
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_rows, rows_tile, tensorwise_fits
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant import fp8
     from tokenmill.quant.fp8 import Fp8Rows
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from tokenmill.layers.kernels import fused_ops
 from tokenmill.layers.kernels.counters import zeroed
-from tokenmill.layers.kernels.fp8_gemm import quantize_rows
+from tokenmill.layers.kernels.fp8_quantize import quantize_rows
 from tokenmill.quant.fp8 import FP8, FP8_MAX
 
 HIDDEN = 2560

@@ -736,7 +736,8 @@ def fp8_activations() -> None:
     from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
     from tokenmill import LLM
     from tokenmill.layers.backend import TorchBackend
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     from tokenmill.quant import fp8
     tmp = tempfile.mkdtemp()
     real = real_model(os.path.join(tmp, "plain"))
@@ -766,7 +767,8 @@ def fp8_attention_out() -> None:
     from test_real_quantized import GGUF, REAL, held_out_logprobs, real_model
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.backend import TorchBackend
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch, quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear_torch
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     from tokenmill.quant import fp8
     tmp = tempfile.mkdtemp()
     real = real_model(os.path.join(tmp, "plain"))

@@ -73,7 +73,8 @@ def write_report(out_dir: str, stem: str, lines: list[str], results) -> str:
 
 def main(args) -> None:
     from tokenmill.layers.kernels import gemv
-    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_many, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import ROWS_MAX, fp8_linear, fp8_linear_many
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant import fp8
 
     sweep, lines_sweep, best_tiles = {}, [], []

@@ -30,7 +30,8 @@ BATCHES = (8, 32, 64)
 
 def products(lines, results):
     from tokenmill.layers.kernels import fp8_gemm
-    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, quantize_rows_torch, rows_tile
+    from tokenmill.layers.kernels.fp8_gemm import Fp8RowsTile, fp8_rows, rows_tile
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     from tokenmill.quant import fp8
     lines += ["## FP8 products at 2-64 rows, qwen3-4b shapes (us per product, weights from HBM)", "",
               "| product | scales | M | bf16 | fp8 above ROWS_MAX's path | fp8_rows best | best tile | "

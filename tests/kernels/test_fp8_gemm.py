@@ -41,7 +41,7 @@ def scaled(unscaled):
 def w8a8_reference(x, q, s, blk, b=None):
     """The product of the quantized input (`quantize_rows_torch`: per row for per-channel weights, per row
     and block of columns for block-scaled ones) with the dequantized weight, in float32."""
-    from tokenmill.layers.kernels.fp8_gemm import quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows_torch
     k = x.shape[1]
     group = None if blk == (1, k) else blk[1]
     xq, xs = quantize_rows_torch(x, group)
@@ -132,7 +132,7 @@ def test_few_row_product_in_256_column_steps_equals_the_w8a8_reference():
 def test_block_gemm_equals_the_w8a8_reference(rows, block, bias, tile):
     """`fp8_block_gemm` (block-scaled W8A8, the input rows on the tensor cores' wide side) against the
     product of the input quantized per row and block of columns; a second call gives the same bits."""
-    from tokenmill.layers.kernels.fp8_gemm import Fp8GemmTile, fp8_block_gemm
+    from tokenmill.layers.kernels.fp8_block_gemm import Fp8GemmTile, fp8_block_gemm
     q, s, blk, b = layer(200, 448, block, bias)
     x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(1)).to(DEVICE) * \
         torch.linspace(0.1, 3.0, rows, device=DEVICE)[:, None]
@@ -147,7 +147,8 @@ def test_block_scaled_products_take_the_w8a8_gemm_above_32_rows():
     """Block-scaled weights have no `_scaled_mm` path: above BLOCK_GEMM_ROWS rows `fp8_linear` runs `fp8_block_gemm` (the activations quantized per row and 128 columns), not the
     dequantized layer, whose unrounded activations miss the W8A8 reference by far more than the kernel
     does."""
-    from tokenmill.layers.kernels.fp8_gemm import fp8_block_gemm, fp8_linear, fp8_linear_torch
+    from tokenmill.layers.kernels.fp8_block_gemm import fp8_block_gemm
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, fp8_linear_torch
     q, s, blk, _ = layer(200, 448, (128, 128), False)
     x = torch.randn(40, 448, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     want = w8a8_reference(x, q, s, blk)
@@ -159,7 +160,7 @@ def test_block_scaled_products_take_the_w8a8_gemm_above_32_rows():
 
 
 def test_block_gemm_refuses_misfit_scales():
-    from tokenmill.layers.kernels.fp8_gemm import Fp8GemmTile, fp8_block_gemm, gemm_tile
+    from tokenmill.layers.kernels.fp8_block_gemm import Fp8GemmTile, fp8_block_gemm, gemm_tile
     qb, sb, bb, _ = layer(64, 64, (32, 32), False)
     with pytest.raises(ValueError, match=r"does not fit within scale blocks of \(32, 32\)"):
         fp8_block_gemm(torch.zeros(1, 64, device=DEVICE), qb, sb, bb, tile=Fp8GemmTile(64, 64, 32, 4, 2))
@@ -188,7 +189,8 @@ def test_products_take_rows_their_producer_quantized(rows, block):
     """`fp8_linear` given its input as `Fp8Rows` (quantized by the kernel that wrote them, with the group
     of `input_group`) gives the bits it gives for the unquantized rows, on the few-row kernel and the
     block GEMM; rows quantized with another group are refused."""
-    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, input_group, quantize_rows
+    from tokenmill.layers.kernels.fp8_gemm import fp8_linear, input_group
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant.fp8 import Fp8Rows
     q, s, blk, _ = layer(256, 448, block, False)
     x = torch.randn(rows, 448, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -208,7 +210,7 @@ def test_narrow_products_of_up_to_384_rows_scale_after_a_scalar_scaled_product(r
     scales into float32, then each row's and channel's scale and the bias, against the row-quantized
     input's product; its input quantized by its producer gives the same bits. Wider weights, block scales
     and more rows keep their paths."""
-    from tokenmill.layers.kernels import fp8_gemm
+    from tokenmill.layers.kernels import fp8_gemm, fp8_quantize
     from tokenmill.quant.fp8 import Fp8Rows
     q, s, blk, b = layer(96, 256, None, bias)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE) * \
@@ -221,7 +223,7 @@ def test_narrow_products_of_up_to_384_rows_scale_after_a_scalar_scaled_product(r
     want = w8a8_reference(x, q, s, blk, b)
     tol = 1e-4 if DEVICE == "cpu" else 4e-3 * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=1e-4)
-    pre = Fp8Rows(*fp8_gemm.quantize_rows(x), 256, x.dtype)
+    pre = Fp8Rows(*fp8_quantize.quantize_rows(x), 256, x.dtype)
     assert torch.equal(fp8_gemm.fp8_linear(pre, q, s, blk, b), got)
     assert not fp8_gemm.tensorwise_fits((512, 256), blk, rows)        # wider than deep
     assert not fp8_gemm.tensorwise_fits((96, 256), blk, 385)
@@ -481,7 +483,7 @@ def test_fp8_model_hands_its_products_to_the_next_kernel_unscaled(tmp_path, save
 @pytest.mark.parametrize("group", [None, 128])
 def test_per_token_quantization_equals_the_reference(group):
     """Per row, and per row and group of 128 columns (a partial last group: K = 300)."""
-    from tokenmill.layers.kernels.fp8_gemm import quantize_rows, quantize_rows_torch
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows, quantize_rows_torch
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE) * torch.tensor(
         [1e-3, 1.0, 30.0, 0.0, 5.0], device=DEVICE)[:, None]           # a zero row too
     x[1, 250:] *= 100                                                  # the last group far larger

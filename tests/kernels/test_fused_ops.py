@@ -56,7 +56,7 @@ def test_act_and_mul_matches_reference(dtype, act):
 
 def _same_fp8_rows(got, plain, group):
     """`got` (an `Fp8Rows`) holds what `quantize_rows(plain, group)` gives, to the bit."""
-    from tokenmill.layers.kernels.fp8_gemm import quantize_rows
+    from tokenmill.layers.kernels.fp8_quantize import quantize_rows
     from tokenmill.quant.fp8 import Fp8Rows
     q, scale = quantize_rows(plain, group)
     assert isinstance(got, Fp8Rows) and got.group == group and got.dtype == plain.dtype

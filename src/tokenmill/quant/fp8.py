@@ -41,7 +41,7 @@ FP8_MAX = float(torch.finfo(FP8).max)         # 448
 @dataclass(frozen=True)
 class Fp8Rows:
     """An FP8 product's input rows, quantized by the kernel that wrote them as
-    `layers/kernels/fp8_gemm.quantize_rows(x, group)` would: q [M, K] FP8, scale [M, ceil(K / group)]
+    `layers/kernels/fp8_quantize.quantize_rows(x, group)` would: q [M, K] FP8, scale [M, ceil(K / group)]
     float32 (group K: one scale a row); `dtype` is the rows' own dtype, which the product's output takes."""
     q: torch.Tensor
     scale: torch.Tensor

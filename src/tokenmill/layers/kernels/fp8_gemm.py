@@ -3,7 +3,7 @@
 A step of one token does not come here: its layers run the single-token products of `gemv.py`, which
 read the FP8 weights with their scales and fold the norms and SiLU-and-mul in, as for 16-bit weights.
 
-All paths but the last are W8A8: each input row is quantized to FP8 (`quantize_rows`: absmax / 448 of the
+All paths but the last are W8A8: each input row is quantized to FP8 (`fp8_quantize.quantize_rows`: absmax / 448 of the
 row, or with block scales of each row's block of columns, as the checkpoints' dynamic scheme has it) and
 the products run on the FP8 tensor cores. The kernel that writes a product's input may quantize it on its
 way out instead (`Fp8Rows`; `input_group` says with which columns per scale): the RMSNorm before qkv and
@@ -48,7 +48,7 @@ beside an FP8 KV cache, the attention kernels before o_proj, at V's scale (`atte
   dots there) and vLLM's sm90 CUTLASS FP8 kernels do. It adds 1-3e-3 of an output's root mean square,
   against the 3.5e-2 that the FP8 operands already cost, and took 0.83-0.94x the time on most shapes
   from 128 to 2,048 rows on an H200 (docs/BENCHMARKS.md).
-- More rows, block scales: `_fp8_block_gemm_kernel`, the input rows on the wide side, each K step's
+- More rows, block scales: `fp8_block_gemm` (its own file), the input rows on the wide side, each K step's
   product scaled in float32. The rowwise `_scaled_mm` cannot apply a scale that changes along K. Over a
   layer of qwen3-4b it took 0.56-0.79x `fp8_rows`' time at 64-8,192 rows; dequantizing the layer for
   each product cost 120-520 us a product.
@@ -68,8 +68,10 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.kernels import pdl, split_k
+from tokenmill.layers.kernels.fp8_block_gemm import fp8_block_gemm, gemm_tile
+from tokenmill.layers.kernels.fp8_quantize import check_weight, quantized_rows
 from tokenmill.layers.kernels.gemv import _num_sms
-from tokenmill.quant.fp8 import FP8, FP8_MAX, Fp8Rows, UnscaledRows, dequantize
+from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows, dequantize
 
 ROWS_MAX = 192
 TENSORWISE_MAX_ROWS = 384     # narrow per-channel products of up to these input rows take `fp8_linear_tensorwise`
@@ -113,28 +115,6 @@ def input_group(shape: tuple[int, int], block: tuple[int, int], device: torch.de
     if block == (1, k):
         return k if scaled_mm_fits(shape, block) else None
     return block[1] if rows_tile(n, block, device) is not None and gemm_tile(block) is not None else None
-
-
-def _quantized(x: torch.Tensor | Fp8Rows, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's rows in FP8 with their scales, `group` columns a scale: quantized here, or as their producer
-    quantized them."""
-    if isinstance(x, Fp8Rows):
-        if x.group != group:
-            raise ValueError(f"input rows quantized {x.group} columns a scale; this product takes {group}")
-        return x.q, x.scale
-    return quantize_rows(x, group)
-
-
-def check_weight(kernel: str, k: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
-    """What the W8A8 kernels take: an FP8 weight [N, k] with unit column stride and float32 scales, one per
-    block."""
-    n = weight.shape[0]
-    if weight.dtype != FP8 or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"{kernel} needs an FP8 weight [N, {k}] with unit column stride; got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (-(-n // block[0]), -(-k // block[1])):
-        raise ValueError(f"{kernel}: scale {scale.dtype} {tuple(scale.shape)} does not fit weight "
-                         f"{tuple(weight.shape)} with block {block}")
 
 
 def rows_tile(n: int, block: tuple[int, int], device: torch.device, m: int = 1) -> Fp8RowsTile | None:
@@ -243,7 +223,7 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
         return torch.empty(0, N, dtype=x.dtype, device=x.device)
     # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
     # dynamic per-token-group scheme), per-channel ones one per row
-    xq, x_scale = _quantized(x, block[1] if block_scale else K)
+    xq, x_scale = quantized_rows(x, block[1] if block_scale else K)
     block_m = min(tile.block_m, max(16, triton.next_power_of_2(M)))
     m_blocks = triton.cdiv(M, block_m)
     blocks = triton.cdiv(N, tile.block_n) * m_blocks
@@ -257,131 +237,6 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, EARLY=tile.early_steps, PDL=pdl_on,
         num_warps=tile.num_warps, launch_pdl=pdl_on)
     return out
-
-
-@dataclass(frozen=True)
-class Fp8GemmTile:
-    """`_fp8_block_gemm_kernel`: a program multiplies block_m input rows by block_n weight rows, walking K in
-    block_k steps with num_stages of them in flight."""
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def gemm_tile(block: tuple[int, int], m: int = 1) -> Fp8GemmTile | None:
-    """The tile of a block-scaled product of m input rows, or None where the scale blocks admit none: 64
-    input rows by 128 columns and 64 weight rows below 512 input rows, 128 from there (a tile lies within
-    one scale block, so that each step takes one weight scale; fewer where a block is smaller), four
-    steps in flight. On an H200 (qwen3-4b's products, 128 x 128 blocks) these were the fastest of five
-    tiles over a layer at 64-256 rows and 2,048-8,192, and within 1% of them at 512."""
-    block_n = next((b for b in ((64, 32, 16) if m < 512 else (128, 64, 32, 16)) if block[0] % b == 0), None)
-    block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
-    if block_n is None or block_k is None:
-        return None
-    return Fp8GemmTile(64, block_n, block_k, 4, 4)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, xs_stride, w_stride,
-                           s_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SCALE_BN: tl.constexpr,
-                           SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # W8A8 with block scales: out[m, n] = sum over the K steps of (xq[m, step] . w[n, step]) times the
-    # input row's scale for the step's columns and the weight block's scale, each step's product added in
-    # float32 (the scales change along K). The input rows on the tensor cores' wide side: with many rows,
-    # the weight is read once per block of 64 of them. Program p: its input row block the fastest, so that
-    # the programs sharing a weight row block run together.
-    pid = tl.program_id(0)
-    m_blocks = tl.cdiv(M, BLOCK_M)
-    n_block = pid // m_blocks
-    m = (pid % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.arange(0, BLOCK_K)
-    m_mask, row_mask = m < M, rows < N
-    x_rows = xq_ptr + m.to(tl.int64)[:, None] * x_stride
-    w_cols = w_ptr + rows.to(tl.int64)[None, :] * w_stride
-    xs_rows = xs_ptr + m * xs_stride
-    s_row = s_ptr + (n_block * BLOCK_N // SCALE_BN) * s_stride
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + c
-        xq = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-        w = tl.load(w_cols + kk[:, None], mask=(kk < K)[:, None] & row_mask[None, :], other=0.0)
-        scale = tl.load(xs_rows + k0 // SCALE_BK, mask=m_mask, other=0.0) * tl.load(s_row + k0 // SCALE_BK)
-        acc += tl.dot(xq, w) * scale[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * out_stride + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & row_mask[None, :])
-
-
-def fp8_block_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                   bias: torch.Tensor | None = None, tile: Fp8GemmTile | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] FP8 * block scale)^T (+ bias) in x's dtype, W8A8: x quantized per row and
-    block of columns (`quantize_rows(x, block[1])`)."""
-    M, K = x.shape
-    N = weight.shape[0]
-    check_weight("fp8_block_gemm", K, weight, scale, block)
-    tile = tile or gemm_tile(block, M)
-    if tile is None or block[0] % tile.block_n or block[1] % tile.block_k:
-        raise ValueError(f"fp8_block_gemm: {tile} does not fit within scale blocks of {block}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    xq, x_scale = _quantized(x, block[1])
-    grid = (triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n),)
-    _fp8_block_gemm_kernel[grid](
-        xq, x_scale, weight, scale, bias if bias is not None else out, out, M, N, K, xq.stride(0),
-        x_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, SCALE_BN=block[0],
-        SCALE_BK=block[1], HAS_BIAS=bias is not None, num_warps=tile.num_warps)
-    return out
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, s_stride, GROUP: tl.constexpr,
-                          FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (row, g): columns g * GROUP ... of the row, quantized with their absmax / FP8_MAX
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    c = tl.arange(0, BLOCK_K)
-    cols = g * GROUP + c
-    mask = (c < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * s_stride + g, scale)
-
-
-def quantize_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of `quantize_rows`."""
-    M, K = x.shape
-    group = group or K
-    groups = -(-K // group)
-    padded = F.pad(x.float(), (0, groups * group - K)).view(M, groups, group)
-    scale = padded.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(M, -1)[:, :K]
-    return q.to(FP8), scale
-
-
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic FP8 activations: x [M, K] -> (FP8 [M, K], float32 scale [M, ceil(K / group)]), each group of
-    `group` columns (default: the whole row, one scale per token) scaled by its absmax / 448, so x ~= q *
-    its group's scale."""
-    M, K = x.shape
-    if x.stride(1) != 1:
-        raise ValueError("quantize_rows needs unit column strides")
-    group = group or K
-    groups = triton.cdiv(K, group)
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    scale = torch.empty(M, groups, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(group)
-    _quantize_rows_kernel[(M, groups)](x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), GROUP=group,
-                                       FP8_MAX=FP8_MAX, BLOCK_K=block, num_warps=8 if block > 4096 else 4)
-    return q, scale
 
 
 def scaled_mm_fits(shape: tuple[int, int], block: tuple[int, int]) -> bool:
@@ -443,7 +298,7 @@ def _one(device: torch.device) -> torch.Tensor:
 def _raw_product(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, out_dtype: torch.dtype):
     """The per-channel product before its scales, in `out_dtype` (`_scaled_mm` with scalar scales of 1),
     and the input rows' scales."""
-    xq, x_scale = _quantized(x, x.shape[1])
+    xq, x_scale = quantized_rows(x, x.shape[1])
     one = _one(xq.device)
     raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=True)
     return raw, x_scale
@@ -492,7 +347,7 @@ def fp8_linear_many(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torc
     """The product `fp8_linear` takes where neither Triton kernel does (at any row count): `_scaled_mm`
     with per-channel scales, else the dequantized layer."""
     if scaled_mm_fits(weight.shape, block):
-        xq, x_scale = _quantized(x, x.shape[1])
+        xq, x_scale = quantized_rows(x, x.shape[1])
         # the bias is added apart: not every _scaled_mm kernel takes one with rowwise scales
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
                                use_fast_accum=True)
