@@ -97,6 +97,39 @@ def test_per_channel_products_of_one_row_block_take_256_column_steps_where_their
     assert rows_tile(6144, (128, 128), cpu, 64) == Fp8RowsTile(64, 128, 4, 4, 2)
 
 
+def test_path_rows_name_every_row_count_where_a_product_changes_path(monkeypatch):
+    """`fp8_gemm.PATH_ROWS` (the eager steps an engine warms before it serves) must hold every row count
+    after which `fp8_linear` takes another path, tile or input row block: the choice, recorded for every row
+    count up to 2,100, changes only from a bound to the next row. Weights of qwen3-4b's and the tiny test
+    model's shapes, per channel and block-scaled, narrow and wide, with and without `unscaled`."""
+    from types import SimpleNamespace
+    from tokenmill.layers.kernels import fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fp8_gemm, "fp8_block_gemm", lambda x, weight, scale, block, bias, tile: ("block", tile))
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_tensorwise", lambda *args: ("tensorwise",))
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_unscaled", lambda *args: ("unscaled",))
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_many", lambda *args: ("many",))
+    monkeypatch.setattr(fp8_gemm, "fp8_rows", lambda x, weight, scale, block, bias, tile:
+                        ("rows", tile, fp8_gemm.rows_block_m(tile, x.shape[0])))
+    device = torch.device("cuda")
+    shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (96, 64), (64, 64), (256, 64), (64, 128)]
+    changes = set()
+    for (n, k) in shapes:
+        weight = SimpleNamespace(shape=torch.Size((n, k)))
+        for block in ((1, k), (128, 128) if n % 128 == 0 and k % 128 == 0 else (32, 32)):
+            for unscaled in (False, True):
+                choice = lambda rows: fp8_gemm.fp8_linear(SimpleNamespace(shape=(rows, k), device=device), weight,
+                                                          None, block, None, unscaled)
+                prev = choice(1)
+                for rows in range(2, 2101):
+                    now = choice(rows)
+                    if now != prev:
+                        changes.add(rows - 1)
+                        assert rows - 1 in fp8_gemm.PATH_ROWS, ((n, k), block, unscaled, rows - 1, prev, now)
+                    prev = now
+    assert changes == set(fp8_gemm.PATH_ROWS)       # and each bound is one where some product changes
+
+
 @pytest.mark.parametrize("rows,split", [(5, 3), (17, 1), (40, 2)])
 def test_weight_steps_read_before_the_wait_give_the_same_bits(rows, split):
     """Per channel, at few rows, a program reads its first four weight steps before its wait

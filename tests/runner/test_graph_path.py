@@ -60,8 +60,9 @@ def test_padded_graph_buffers_give_the_eager_tokens(qwen3_dir, monkeypatch, mapp
 
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
-    # the warm-up step after graph capture runs eagerly over invented sequences: it must write no slot,
-    # and its block table must cover its longest sequence whatever the block size
+    # the warm-up steps after graph capture run eagerly over invented sequences: they must write no slot,
+    # and their block tables must cover their longest sequence whatever the block size. Without graphs
+    # there is one step above each of fp8_gemm.PATH_ROWS within the step's 100 tokens (and 17 tokens)
     llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=100,
               block_size=block_size)
     prompts, params = _workload()
@@ -72,8 +73,16 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
     eager = runner._eager_forward
     runner._eager_forward = lambda inp, prev: calls.append(inp) or eager(inp, prev)
     runner._warm_eager()
-    assert len(calls) == 1 and calls[0].max_q > 1 and (calls[0].slots == -1).all()
-    assert calls[0].tables.shape[1] * block_size >= calls[0].max_seq_len
+    assert [len(c.input_ids) for c in calls] == [17, 33, 65]
+    for c in calls:
+        assert c.max_q > 1 and (c.slots == -1).all() and c.qsl[-1] == len(c.input_ids)
+        assert c.tables.shape[1] * block_size >= c.max_seq_len
+    assert torch.equal(runner.kv_cache, before)
+    # graphs that hold steps of up to 100 tokens leave the 17-token step only
+    calls.clear()
+    runner.capture_graphs(emulate=True)
+    assert max(k[1] for k in runner.graphs if k[0] == "mixed") == 100
+    assert [len(c.input_ids) for c in calls] == [17]
     assert torch.equal(runner.kv_cache, before)
 
 

@@ -26,6 +26,7 @@ from tokenmill.layers.attention import FP8_KV_DTYPE
 from tokenmill.layers.attention_metadata import AttentionMetadata, prefill_tiles
 from tokenmill.layers.backend import make_backend
 from tokenmill.layers.kernels import staging
+from tokenmill.layers.kernels.fp8_gemm import PATH_ROWS
 from tokenmill.quant import fp8
 from tokenmill.runner import prompt_logprobs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -302,20 +303,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_eager(self) -> None:
-        """One eager step with prefill tokens, of sizes no graph has (17 tokens in 3 sequences, a decode
-        row beside two chunks, a block table at least 3 wide), so that whatever the eager path compiles beyond
-        the graphs' kernels compiles now rather than inside the first large batch. It writes no KV
-        slot (all slots -1) and reads block 0 only; its results are dropped."""
-        q_lens = np.array([1, 5, 11])
-        ctx = q_lens + np.array([8, 16, 0])
-        if ctx.max() > self.max_model_len:      # positions past the model's length are not valid input
+        """Eager steps with prefill tokens, so that whatever the eager path compiles beyond the graphs' kernels
+        compiles now rather than inside a served step: one of 17 tokens in 3 sequences (a decode row beside
+        two chunks, a block table at least 3 wide), and one just above each row count where an FP8 product
+        changes its path or tile (`fp8_gemm.PATH_ROWS`) that no graph holds and a step may have. They write
+        no KV slot (all slots -1) and read block 0 only; their results are dropped."""
+        held = max((k[1] for k in self.graphs if k[0] == "mixed"), default=0)
+        sizes = {17} | {b + 1 for b in PATH_ROWS if held < b + 1 <= self.config.max_num_batched_tokens}
+        if self.max_model_len < 21:      # positions past the model's length are not valid input
             return
-        width = max(3, -(-int(ctx.max()) // self.block_size))
-        qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
-        inp = StepInputs(np.zeros(int(qsl[-1]), np.int64), positions, np.full(int(qsl[-1]), -1, np.int64), qsl,
-                         ctx.astype(np.int32), np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
-                         qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
-        self._eager_forward(inp, None)
+        for n in sorted(sizes):
+            rest, per = n - 6, self.max_model_len
+            q_lens = np.array([1, 5, *[per] * (rest // per), *([rest % per] if rest % per else [])])
+            ctx = q_lens + np.array([8, 16] + [0] * (len(q_lens) - 2))
+            width = max(3, -(-int(ctx.max()) // self.block_size))
+            qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+            positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
+            inp = StepInputs(np.zeros(n, np.int64), positions, np.full(n, -1, np.int64), qsl, ctx.astype(np.int32),
+                             np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
+                             qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
+            self._eager_forward(inp, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

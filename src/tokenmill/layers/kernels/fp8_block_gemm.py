@@ -25,13 +25,16 @@ class Fp8GemmTile:
     num_stages: int
 
 
+WIDE_TILE_ROWS = 512   # products of this many input rows and more take 128 weight rows a tile where blocks allow
+
+
 def gemm_tile(block: tuple[int, int], m: int = 1) -> Fp8GemmTile | None:
     """The tile of a block-scaled product of m input rows, or None where the scale blocks admit none: 64
     input rows by 128 columns and 64 weight rows below 512 input rows, 128 from there (a tile lies within
     one scale block, so that each step takes one weight scale; fewer where a block is smaller), four
     steps in flight. On an H200 (qwen3-4b's products, 128 x 128 blocks) these were the fastest of five
     tiles over a layer at 64-256 rows and 2,048-8,192, and within 1% of them at 512."""
-    block_n = next((b for b in ((64, 32, 16) if m < 512 else (128, 64, 32, 16)) if block[0] % b == 0), None)
+    block_n = next((b for b in ((64, 32, 16) if m < WIDE_TILE_ROWS else (128, 64, 32, 16)) if block[0] % b == 0), None)
     block_k = next((b for b in (128, 64, 32) if block[1] % b == 0), None)
     if block_n is None or block_k is None:
         return None

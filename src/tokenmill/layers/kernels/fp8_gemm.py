@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.kernels import pdl, split_k
-from tokenmill.layers.kernels.fp8_block_gemm import fp8_block_gemm, gemm_tile
+from tokenmill.layers.kernels.fp8_block_gemm import WIDE_TILE_ROWS, fp8_block_gemm, gemm_tile
 from tokenmill.layers.kernels.fp8_quantize import check_weight, quantized_rows
 from tokenmill.layers.kernels.gemv import _num_sms
 from tokenmill.quant.fp8 import Fp8Rows, UnscaledRows, dequantize
@@ -82,6 +82,11 @@ EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS
                                     # weight steps before their wait (`rows_tile`)
 BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
 HALF_SPLIT_ROWS = ROWS_BLOCK_M // 2     # per-channel products of more input rows halve their K split (`rows_tile`)
+# every row count above which `fp8_linear` may take another path, tile or kernel specialization (input rows
+# padded to 16, 32, 64; a third block of 64 rows; the bounds above): an engine warms one eager step just above
+# each that its CUDA graphs do not hold (`ModelRunner._warm_eager`), so that none compiles in a served step
+PATH_ROWS = (16, BLOCK_GEMM_ROWS, ROWS_BLOCK_M, 2 * ROWS_BLOCK_M, ROWS_MAX, TENSORWISE_MAX_ROWS,
+             WIDE_TILE_ROWS - 1, UNSCALED_NARROW_MAX_ROWS)
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -205,6 +210,12 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
              mask=out_mask)
 
 
+def rows_block_m(tile: Fp8RowsTile, m: int) -> int:
+    """The input rows a program of `_fp8_rows_kernel` takes for m rows: m padded to a power of two of at least
+    16, at most the tile's block_m."""
+    return min(tile.block_m, max(16, triton.next_power_of_2(m)))
+
+
 def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              bias: torch.Tensor | None = None, tile: Fp8RowsTile | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] FP8 * scale)^T (+ bias) in x's dtype, W8A8: x quantized per row
@@ -224,7 +235,7 @@ def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
     # block-scaled weights take one activation scale per row and block of columns (the checkpoints'
     # dynamic per-token-group scheme), per-channel ones one per row
     xq, x_scale = quantized_rows(x, block[1] if block_scale else K)
-    block_m = min(tile.block_m, max(16, triton.next_power_of_2(M)))
+    block_m = rows_block_m(tile, M)
     m_blocks = triton.cdiv(M, block_m)
     blocks = triton.cdiv(N, tile.block_n) * m_blocks
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
