@@ -16,7 +16,7 @@ PYTHONPATH=$root/.ab_old/src:$PYTHONPATH python -m pytest -q -m gpu -p no:cachep
 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/test_fp8.py > "$OUT/test-fp8.log" 2>&1
 lines=("no-compile test, this tree: $(tail -1 "$OUT/test-new.log")"
        "no-compile FP8 case, $(git rev-parse --short "$OLD")'s src: $(tail -1 "$OUT/test-old.log")"
-       "$(grep -o "kernels compiled after ready.*" "$OUT/test-old.log" | head -1 | cut -c1-400)"
+       "$(grep "^E *AssertionError" "$OUT/test-old.log" | head -1 | cut -c1-400)"
        "FP8 kernel tests: $(tail -1 "$OUT/test-fp8.log")")
 if [ "${STARTS:-1}" = 1 ]; then
   for turn in old new; do
