@@ -86,6 +86,17 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
     assert torch.equal(runner.kv_cache, before)
 
 
+def test_a_warm_up_step_longer_than_the_model_splits_into_sequences_it_holds():
+    from tokenmill.runner.step import warm_up_inputs
+    inp = warm_up_inputs(2049, 512, 16)
+    lens = np.diff(inp.qsl)
+    assert lens.tolist() == [1, 5, 512, 512, 512, 507] and inp.qsl[-1] == len(inp.input_ids) == len(inp.positions)
+    assert inp.max_seq_len <= 512 and (inp.seq_lens <= 512).all() and (inp.slots == -1).all()
+    assert inp.tables.shape == (6, 32) and not inp.tables.any()
+    assert inp.positions.max() < 512 and inp.sample_tokens.tolist() == (inp.qsl[1:] - 1).tolist()
+    assert warm_up_inputs(17, 20, 16) is None           # a model shorter than the first two sequences' context
+
+
 def test_packed_step_inputs_go_over_as_one_span():
     # a graph family's inputs live in one buffer; a step copies them up to its last block-table row
     from tokenmill.runner.step import PackedInputs

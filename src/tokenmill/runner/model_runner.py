@@ -34,7 +34,7 @@ from tokenmill.runner.host_copies import HostCopies
 from tokenmill.runner.loader import load_model
 from tokenmill.runner.sampler import sample, warm_up as warm_up_sampler
 from tokenmill.runner.sampling_tensors import SamplingTensors
-from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs
+from tokenmill.runner.step import StepInputs, StepResult, prepare_inputs, warm_up_inputs
 from tokenmill.runner.swap import SwapSpace
 from tokenmill.runner.tensor_parallel import ShardedModel, TensorParallelWorkers
 
@@ -303,25 +303,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_eager(self) -> None:
-        """Eager steps with prefill tokens, so that whatever the eager path compiles beyond the graphs' kernels
-        compiles now rather than inside a served step: one of 17 tokens in 3 sequences (a decode row beside
-        two chunks, a block table at least 3 wide), and one just above each row count where an FP8 product
-        changes its path or tile (`fp8_gemm.PATH_ROWS`) that no graph holds and a step may have. They write
-        no KV slot (all slots -1) and read block 0 only; their results are dropped."""
+        """Eager steps with prefill tokens (`step.warm_up_inputs`), so that whatever the eager path compiles
+        beyond the graphs' kernels compiles now rather than inside a served step: one of 17 tokens, and one
+        just above each row count where an FP8 product changes its path or tile (`fp8_gemm.PATH_ROWS`) that
+        no graph holds and a step may have. Their results are dropped."""
         held = max((k[1] for k in self.graphs if k[0] == "mixed"), default=0)
         sizes = {17} | {b + 1 for b in PATH_ROWS if held < b + 1 <= self.config.max_num_batched_tokens}
-        if self.max_model_len < 21:      # positions past the model's length are not valid input
-            return
         for n in sorted(sizes):
-            rest, per = n - 6, self.max_model_len
-            q_lens = np.array([1, 5, *[per] * (rest // per), *([rest % per] if rest % per else [])])
-            ctx = q_lens + np.array([8, 16] + [0] * (len(q_lens) - 2))
-            width = max(3, -(-int(ctx.max()) // self.block_size))
-            qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-            positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
-            inp = StepInputs(np.zeros(n, np.int64), positions, np.full(n, -1, np.int64), qsl, ctx.astype(np.int32),
-                             np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)),
-                             qsl[1:].astype(np.int64) - 1, int(q_lens.max()), int(ctx.max()), False)
-            self._eager_forward(inp, None)
+            inp = warm_up_inputs(n, self.max_model_len, self.block_size)
+            if inp is not None:
+                self._eager_forward(inp, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

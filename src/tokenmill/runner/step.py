@@ -58,6 +58,24 @@ def prepare_inputs(requests: list[Request], num_new_tokens: list[int], block_siz
                       sample_rows, sample_tokens, int(counts.max()), int(ends.max()), len(held) > 0)
 
 
+def warm_up_inputs(tokens: int, max_model_len: int, block_size: int) -> StepInputs | None:
+    """An invented step of `tokens` tokens with prefill (`ModelRunner._warm_eager`): a decode row beside a
+    chunk of 5 and the rest in chunks of at most `max_model_len`, the first two after a context of 8 and
+    16, a block table at least 3 wide. It writes no KV slot (all slots -1) and reads block 0 only; None
+    where `max_model_len` holds too little of it."""
+    if max_model_len < 21:      # positions past the model's length are not valid input
+        return None
+    full, part = divmod(tokens - 6, max_model_len)
+    q_lens = np.array([1, 5, *[max_model_len] * full, *([part] if part else [])])
+    ctx = q_lens + np.array([8, 16] + [0] * (len(q_lens) - 2))
+    width = max(3, -(-int(ctx.max()) // block_size))
+    qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+    positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
+    return StepInputs(np.zeros(tokens, np.int64), positions, np.full(tokens, -1, np.int64), qsl, ctx.astype(np.int32),
+                      np.zeros((len(q_lens), width), np.int32), np.arange(len(q_lens)), qsl[1:].astype(np.int64) - 1,
+                      int(q_lens.max()), int(ctx.max()), False)
+
+
 class PackedInputs:
     """Named arrays laid out one after another (16-byte aligned) in one device buffer, with pinned host
     copies of the same layout. `upload` copies the span from the first array to the end of the last
