@@ -40,6 +40,7 @@ class CudaGraphRunner:
         self.model, self.backend, self.config, self.device = model, backend, config, device
         self.max_num_seqs, self.max_model_len, self.max_blocks_per_seq = max_num_seqs, max_model_len, max_blocks_per_seq
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._decode_buckets, self._token_buckets, self._seq_buckets = [], [], []   # of the captured keys
         self.mapped = False      # inputs and tokens move by kernels through pinned memory (staging.py)
         self.summary = ""
 
@@ -168,7 +169,12 @@ class CudaGraphRunner:
         seconds = time.perf_counter() - t0
         self.summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
                         f"{len(keys) - len(self._decode_buckets)} with prefill up to "
-                        f"{max(self._token_buckets, default=0)} tokens) in {seconds:.1f} s{compiled}")
+                        f"{self.max_prefill_tokens} tokens) in {seconds:.1f} s{compiled}")
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """The most tokens a step with prefill may have and run in a graph (0: none captured)."""
+        return max(self._token_buckets, default=0)
 
     def key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""

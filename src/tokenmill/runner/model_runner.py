@@ -307,7 +307,7 @@ class ModelRunner:
         beyond the graphs' kernels compiles now rather than inside a served step: one of 17 tokens, and one
         just above each row count where an FP8 product changes its path or tile (`fp8_gemm.PATH_ROWS`) that
         no graph holds and a step may have. Their results are dropped."""
-        held = max((k[1] for k in self.graphs if k[0] == "mixed"), default=0)
+        held = self.graph_runner.max_prefill_tokens
         sizes = {17} | {b + 1 for b in PATH_ROWS if held < b + 1 <= self.config.max_num_batched_tokens}
         for n in sorted(sizes):
             inp = warm_up_inputs(n, self.max_model_len, self.block_size)

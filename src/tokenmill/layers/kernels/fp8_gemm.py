@@ -78,6 +78,7 @@ TENSORWISE_MAX_ROWS = 384     # narrow per-channel products of up to these input
 UNSCALED_NARROW_MAX_ROWS = 2048   # `unscaled` narrow products of up to these rows come before their scales
 UNSCALED_WIDE_ROWS = (64, ROWS_MAX)   # `unscaled` wide products of more than the first, at most the second
 ROWS_BLOCK_M = 64      # input rows a tile of `_fp8_rows_kernel` takes, at most
+ROWS_BLOCK_M_MIN = 16  # and at least (tl.dot takes no side under 16)
 EARLY_ROWS, EARLY_STEPS = 32, 4     # per-channel products of at most EARLY_ROWS input rows read EARLY_STEPS
                                     # weight steps before their wait (`rows_tile`)
 BLOCK_GEMM_ROWS = 32   # block-scaled products of more input rows take `fp8_block_gemm`
@@ -85,7 +86,7 @@ HALF_SPLIT_ROWS = ROWS_BLOCK_M // 2     # per-channel products of more input row
 # every row count above which `fp8_linear` may take another path, tile or kernel specialization (input rows
 # padded to 16, 32, 64; a third block of 64 rows; the bounds above): an engine warms one eager step just above
 # each that its CUDA graphs do not hold (`ModelRunner._warm_eager`), so that none compiles in a served step
-PATH_ROWS = (16, BLOCK_GEMM_ROWS, ROWS_BLOCK_M, 2 * ROWS_BLOCK_M, ROWS_MAX, TENSORWISE_MAX_ROWS,
+PATH_ROWS = (ROWS_BLOCK_M_MIN, BLOCK_GEMM_ROWS, ROWS_BLOCK_M, 2 * ROWS_BLOCK_M, ROWS_MAX, TENSORWISE_MAX_ROWS,
              WIDE_TILE_ROWS - 1, UNSCALED_NARROW_MAX_ROWS)
 
 
@@ -212,8 +213,8 @@ def _fp8_rows_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cou
 
 def rows_block_m(tile: Fp8RowsTile, m: int) -> int:
     """The input rows a program of `_fp8_rows_kernel` takes for m rows: m padded to a power of two of at least
-    16, at most the tile's block_m."""
-    return min(tile.block_m, max(16, triton.next_power_of_2(m)))
+    ROWS_BLOCK_M_MIN, at most the tile's block_m."""
+    return min(tile.block_m, max(ROWS_BLOCK_M_MIN, triton.next_power_of_2(m)))
 
 
 def fp8_rows(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
