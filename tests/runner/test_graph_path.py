@@ -185,3 +185,29 @@ def test_no_collection_runs_while_graphs_are_captured(qwen3_dir, monkeypatch):
     monkeypatch.setattr(graph_runner, "static_forward", watched)
     llm.engine.runner.capture_graphs(emulate=True)
     assert seen and set(seen) == {(False, True)} and gc.isenabled()
+
+
+def test_a_step_of_more_sequences_than_its_token_bucket_finds_a_graph(qwen3_dir):
+    # 200 seats: sequence buckets 1, 4, 16, 64, 200 (200 only with 256 tokens); token buckets 64 apart up to
+    # 256. A step of 70 sequences and 71 tokens (a two-token prompt beside 69 one-token rows) has no
+    # (128, 200) graph: it pads its tokens to 256, and no step asks for a graph that was not captured
+    from types import SimpleNamespace
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=200, max_num_batched_tokens=256)
+    runner = llm.engine.runner
+    runner.capture_graphs(emulate=True)
+    graphs = runner.graph_runner
+    for seqs in range(1, 201):
+        for tokens in range(seqs, 257):
+            key = graphs.key(SimpleNamespace(seq_lens=np.zeros(seqs), input_ids=np.zeros(tokens),
+                                             max_q=1 if tokens == seqs else 2))
+            assert key is None or key in graphs.graphs, (seqs, tokens, key)
+            if key is not None and key[0] == "mixed":
+                assert key[1] >= tokens and key[2] >= seqs
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda key, inp, prev: replayed.append(key) or replay(key, inp, prev)
+    prompts = [[5 + i] for i in range(69)] + [[7, 8]]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    out = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in out] == [2] * 70
+    assert replayed[:2] == [("mixed", 256, 200), ("decode", 80)]

@@ -184,9 +184,13 @@ class CudaGraphRunner:
         if inp.max_q == 1:
             bs = next((b for b in self._decode_buckets if b >= seqs), None)
             return None if bs is None else ("decode", bs)
-        t = next((b for b in self._token_buckets if b >= tokens), None)
         sb = next((b for b in self._seq_buckets if b >= seqs), None)
-        return None if t is None or sb is None else ("mixed", t, sb)
+        if sb is None:
+            return None
+        # the mixed graphs hold at most as many sequences as tokens: a step of more sequences than the
+        # token bucket of its tokens (a short prompt beside many decode rows) pads its tokens up to them
+        t = next((b for b in self._token_buckets if b >= max(tokens, sb)), None)
+        return None if t is None else ("mixed", t, sb)
 
     def read_later(self, turn: tuple, result: StepResult) -> None:
         """`result`'s tokens are in the published table of (key, turn): it must read them before a
