@@ -7,8 +7,8 @@ asks of the engine, without HTTP, tokenization or a client.
 The requests are mixed-chat's (`bench.serve_datasets.mixed_chat_requests`, seed 0; each level its own) as the chat endpoint
 tokenizes them (ChatML through the offline tokenizer of the model's vocabulary), ignore_eos, greedy. Each
 level keeps C requests in the engine: a finished one is replaced by the next before the next step. It
-reports req/s, output tok/s, the mean sequences and tokens per step, the share of steps with prefill
-tokens; for each of --profile-levels C, one more level at C (its own prompts) reports the CUDA kernel
+reports req/s, output tok/s, the mean sequences, tokens and rows computed (padded to the step's CUDA graph)
+per step, the share of steps with prefill tokens; for each of --profile-levels C, one more level at C (its own prompts) reports the CUDA kernel
 time per step by kernel, from torch.profiler over 200 steps of its steady state. Writes DIR/LABEL.json;
 prints a markdown table.
 """
@@ -42,10 +42,19 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
     runner = engine.runner
     execute = runner.execute
 
+    graphs = runner.graph_runner
+    replay, replayed = graphs.replay, []
+
     def counted(requests, num_new_tokens, *args, **kwargs):
         shapes.append((len(requests), sum(num_new_tokens)))
-        return execute(requests, num_new_tokens, *args, **kwargs)
+        before = len(replayed)
+        launched = execute(requests, num_new_tokens, *args, **kwargs)
+        # the rows the step computed: its graph's tokens, or its own when it ran eagerly
+        rows_computed.append(replayed[-1][1] if len(replayed) > before else shapes[-1][1])
+        return launched
+    rows_computed = []
     runner.execute = counted
+    graphs.replay = lambda key, *args: replayed.append(key) or replay(key, *args)
     todo = list(prompts)
     in_flight, done, out_tokens = 0, 0, 0
     base = f"c{concurrency}-"
@@ -85,13 +94,14 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
             profiled_shapes = shapes[prof_steps:]
             prof = None
     wall = time.perf_counter() - t0
-    runner.execute = execute
+    runner.execute, graphs.replay = execute, replay
     rows = [s[0] for s in shapes]
     tokens = [s[1] for s in shapes]
     mixed = sum(t > r for r, t in shapes)
     res = dict(concurrency=concurrency, requests=done, wall_s=wall, req_s=done / wall, out_tok_s=out_tokens / wall,
                steps=len(shapes), ms_per_step=1e3 * wall / max(len(shapes), 1),
                rows_per_step=sum(rows) / len(rows), tokens_per_step=sum(tokens) / len(tokens),
+               computed_per_step=sum(rows_computed) / len(rows_computed),
                mixed_share=mixed / len(shapes))
     if kernels is not None:
         res["kernels_ms_per_step"] = kernels
@@ -139,6 +149,7 @@ def main() -> None:
         r = results[-1]
         print(f"| {args.label}{' (profiled)' if profile_steps else ''} | {c} | {r['requests']} | {r['req_s']:.2f} | {r['out_tok_s']:,.0f} | "
               f"{r['ms_per_step']:.2f} | {r['rows_per_step']:.1f} | {r['tokens_per_step']:.1f} | "
+              f"{r['computed_per_step']:.1f} | "
               f"{r['mixed_share']:.2f} |", flush=True)
         if "kernels_ms_per_step" in r:
             total = sum(r["kernels_ms_per_step"].values())

@@ -42,5 +42,5 @@ for side in $SIDES; do
     || tail -20 "$RES/sim-$side.log"
 done
 echo "## attention alone, one layer (us per call)"; cat "$RES/attention.md"
-echo; echo "## engine at fixed concurrency: label | C | requests | req/s | out tok/s | ms/step | rows/step | tokens/step | mixed share"
+echo; echo "## engine at fixed concurrency: label | C | requests | req/s | out tok/s | ms/step | rows/step | tokens/step | computed/step | mixed share"
 for side in $SIDES; do echo "### $side $(commit_of $side)"; cat "$RES/sim-$side.md"; done
