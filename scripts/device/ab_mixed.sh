@@ -33,14 +33,16 @@ for side in $SIDES; do
   PYTHONPATH="$(src_of $side)$base" python lab/mixed_attention_bench.py --label "$side $(commit_of $side)" \
     >> "$RES/attention.md" 2> "$RES/attention-$side.log" || tail -5 "$RES/attention-$side.log"
 done
-for side in $SIDES; do
+run=0
+for side in $SIDES; do     # a side named again runs again (its rows add to its table)
   case " $PARTS " in *" sim "*) ;; *) break ;; esac
+  run=$((run + 1))
   # shellcheck disable=SC2086
   TOKENMILL_GIT_COMMIT=$(commit_of $side) PYTHONPATH="$(src_of $side)$base" python lab/concurrency_sim.py \
     "preset:$MODEL" --levels "$LEVELS" --num-prompts "$NUM_PROMPTS" --profile-levels "$PROFILE_LEVELS" \
-    --label "$side" --out "$RES" max_num_seqs=256 $ENGINE_ARGS > "$RES/sim-$side.md" 2> "$RES/sim-$side.log" \
-    || tail -20 "$RES/sim-$side.log"
+    --label "$side-$run" --out "$RES" max_num_seqs=256 $ENGINE_ARGS >> "$RES/sim-$side.md" 2> "$RES/sim-$side-$run.log" \
+    || tail -20 "$RES/sim-$side-$run.log"
 done
 echo "## attention alone, one layer (us per call)"; cat "$RES/attention.md"
 echo; echo "## engine at fixed concurrency: label | C | requests | req/s | out tok/s | ms/step | rows/step | tokens/step | computed/step | mixed share"
-for side in $SIDES; do echo "### $side $(commit_of $side)"; cat "$RES/sim-$side.md"; done
+for side in $(printf '%s\n' $SIDES | awk '!seen[$0]++'); do echo "### $side $(commit_of $side)"; cat "$RES/sim-$side.md"; done
