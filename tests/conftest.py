@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ LONGEST_FIRST = ("test_real_quantized.py", "test_fp8_gemm.py", "test_hardening.p
 
 
 def pytest_configure(config):
+    # the Ctrl-C tests send SIGINT to this process and to the processes it starts, which inherit its
+    # disposition; a shell without job control starts a command run in the background with SIGINT ignored
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     # an xdist worker's share of the cores for torch's intra-op threads: two workers of two threads each on
