@@ -8,10 +8,12 @@ import random
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_fit import MIN_FIT_TOKENS, fit_to_graph
 from tokenmill.runner.cuda_graphs import MixedSizes
+
+from test_scheduler_policies import _advance
 
 # the default engine's mixed graphs at 256 seats
 SIZES = MixedSizes((*range(64, 512, 64), *range(512, 2049, 128)), (1, 4, 16, 64, 256))
@@ -59,13 +61,8 @@ def _run(sizes, prompt_lens, seed: int) -> tuple[int, list, BlockManager]:
         total = out.total_tokens
         padded = SIZES.padded(total, len(out.requests)) if any(n > 1 for n in out.num_new_tokens) else None
         rows += total if padded is None else padded[0]
-        sched.update_after_step(out)
-        for req in out.requests:
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token(5)
-                if req.num_output_tokens >= req.max_tokens:
-                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
-                    finished.append((req.request_id, req.all_token_ids))
+        _advance(sched, out, token=5)
+        finished += [(r.request_id, r.all_token_ids) for r in out.requests if r.status.finished]
     return rows, sorted(finished), bm
 
 
