@@ -4,9 +4,9 @@ A step with prefill runs in the smallest mixed graph that holds its tokens (`cud
 step of 536 tokens computes 640 rows: from a few hundred tokens on the products are compute-bound, and the
 padding rows cost as much as real ones. When the step's tokens are just past a graph's, the scheduler hands
 the excess back to the next step instead: `fit_to_graph` trims the prefill chunks to the graph below where
-that defers no more tokens than it saves padding rows. A deferred token is computed by a later step, at the
-most at its own cost, so the trim never costs more rows than it saves; a request it trims computes the rest
-of its chunk the step after, with its first token one step later at most.
+that defers no more tokens than it saves padding rows. A deferred token is computed by a later step at no
+more than its own cost, so the trim never costs more rows than it saves; a request it trims computes the
+rest of its chunk the step after, and its first token comes one step later at most.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class StepSizes(Protocol):
 def fit_to_graph(num_new_tokens: list[int], sizes: StepSizes) -> int:
     """Trims the chunks of more than one token in `num_new_tokens` (a step's, one entry a sequence), the last
     first and each to one token at least, so that the step fills the largest graph below it, where the
-    tokens that moves to the next step are no more than the padding rows it saves; otherwise changes
+    tokens this moves to the next step are no more than the padding rows it saves; otherwise changes
     nothing. Returns the tokens trimmed."""
     total, seqs = sum(num_new_tokens), len(num_new_tokens)
     padded = sizes.padded(total, seqs)
