@@ -6,7 +6,7 @@ padding rows cost as much as real ones. When the step's tokens are just past a g
 the excess back to the next step instead: `fit_to_graph` trims the prefill chunks to the graph below where
 that defers no more tokens than it saves padding rows. A deferred token is computed by a later step at no
 more than its own cost, so the trim never costs more rows than it saves; a request it trims computes the
-rest of its chunk the step after, and its first token comes one step later at most.
+rest of its chunk in the steps after (the next one, unless that is trimmed past the chunks after it).
 """
 from __future__ import annotations
 
