@@ -85,7 +85,6 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.runner.num_cpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.block_manager, self.max_model_len)
-        self.scheduler.step_sizes = self.runner.graph_runner.mixed
         self.groups: dict[str, list[Request]] = {}         # request id -> its n sequences
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()

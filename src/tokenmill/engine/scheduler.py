@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.step_fit import StepSizes, fit_to_graph
 from tokenmill.engine.step_time import LatencyTarget
 
 if TYPE_CHECKING:
@@ -100,9 +99,6 @@ class Scheduler:
         self.delay_factor = delay_factor
         self.latency = None if target_itl_ms is None else LatencyTarget(target_itl_ms / 1000.0)
         self.clock = clock
-        # the CUDA graphs' sizes, where the engine replays them: a step's prefill chunks are trimmed to
-        # the graph below it where that saves more padding rows than it defers tokens (`step_fit.py`)
-        self.step_sizes: StepSizes | None = None
         self.last_step_seconds = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -202,8 +198,6 @@ class Scheduler:
             self._swap_in(out, now)
         if not out.preempted and not self.swapped and self.waiting and not self._hold_prompts(out, budget, now):
             self._admit(out, budget, now)
-        if self.step_sizes is not None and out.requests:
-            fit_to_graph(out.num_new_tokens, self.step_sizes)
         if out.swap_out:
             # every swapped-out block held again after this schedule: one freed at its swap-out, or one it
             # shared with a victim recomputed since, may have been taken by a request of this step, whose
