@@ -8,9 +8,9 @@ The requests are mixed-chat's (`bench.serve_datasets.mixed_chat_requests`, seed 
 tokenizes them (ChatML through the offline tokenizer of the model's vocabulary), ignore_eos, greedy. Each
 level keeps C requests in the engine: a finished one is replaced by the next before the next step. It
 reports req/s, output tok/s, the mean sequences, tokens and rows computed (padded to the step's CUDA graph)
-per step, the share of steps with prefill tokens; for each of --profile-levels C, one more level at C (its own prompts) reports the CUDA kernel
-time per step by kernel, from torch.profiler over 200 steps of its steady state. Writes DIR/LABEL.json;
-prints a markdown table.
+per step, the share of steps with prefill tokens; for each of --profile-levels C, one more level at C (its
+own prompts) reports the CUDA kernel time per step by kernel, from torch.profiler over 200 steps of its
+steady state. Writes DIR/LABEL.json; prints a markdown table.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
     execute = runner.execute
 
     graphs = runner.graph_runner
-    replay, replayed = graphs.replay, []
+    replay, replayed, rows_computed = graphs.replay, [], []
 
     def counted(requests, num_new_tokens, *args, **kwargs):
         shapes.append((len(requests), sum(num_new_tokens)))
@@ -52,7 +52,6 @@ def run_level(engine, prompts, concurrency: int, profile_steps: int = 0) -> dict
         # the rows the step computed: its graph's tokens, or its own when it ran eagerly
         rows_computed.append(replayed[-1][1] if len(replayed) > before else shapes[-1][1])
         return launched
-    rows_computed = []
     runner.execute = counted
     graphs.replay = lambda key, *args: replayed.append(key) or replay(key, *args)
     todo = list(prompts)

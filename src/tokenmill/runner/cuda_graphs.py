@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,24 +30,6 @@ from tokenmill.runner.step import PackedInputs, StepInputs, StepResult
 logger = logging.getLogger("tokenmill")
 
 
-@dataclass(frozen=True)
-class MixedSizes:
-    """The (tokens, sequences) buckets of the captured mixed graphs, each ascending; a graph holds at most
-    as many sequences as tokens. A step with prefill runs at the smallest pair that holds it (`padded`)."""
-    tokens: tuple[int, ...] = ()
-    seqs: tuple[int, ...] = ()
-
-    def padded(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        """The (tokens, sequences) a step of these sizes is padded to, or None (it runs eagerly). A step of
-        more sequences than the token bucket of its tokens (a short prompt beside many decode rows) pads
-        its tokens up to its sequences' bucket."""
-        s = next((b for b in self.seqs if b >= seqs), None)
-        if s is None:
-            return None
-        t = next((b for b in self.tokens if b >= max(tokens, s)), None)
-        return None if t is None else (t, s)
-
-
 class CudaGraphRunner:
     """Owns the graphs, their static input buffers, host staging copies and published-token tables. The
     runner asks it for the graph of a step (`key`), replays through it (`replay`), and hands back the
@@ -59,8 +40,7 @@ class CudaGraphRunner:
         self.model, self.backend, self.config, self.device = model, backend, config, device
         self.max_num_seqs, self.max_model_len, self.max_blocks_per_seq = max_num_seqs, max_model_len, max_blocks_per_seq
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._decode_buckets = []   # of the captured keys
-        self.mixed = MixedSizes()
+        self._decode_buckets, self._token_buckets, self._seq_buckets = [], [], []   # of the captured keys
         self.mapped = False      # inputs and tokens move by kernels through pinned memory (staging.py)
         self.summary = ""
 
@@ -184,8 +164,8 @@ class CudaGraphRunner:
             if collecting:
                 gc.enable()
         self._decode_buckets = sorted(k[1] for k in keys if k[0] == "decode")
-        self.mixed = MixedSizes(tuple(sorted({k[1] for k in keys if k[0] == "mixed"})),
-                                tuple(sorted({k[2] for k in keys if k[0] == "mixed"})))
+        self._token_buckets = sorted({k[1] for k in keys if k[0] == "mixed"})
+        self._seq_buckets = sorted({k[2] for k in keys if k[0] == "mixed"})
         seconds = time.perf_counter() - t0
         self.summary = (f"{len(keys)} ({len(self._decode_buckets)} decode, "
                         f"{len(keys) - len(self._decode_buckets)} with prefill up to "
@@ -194,7 +174,7 @@ class CudaGraphRunner:
     @property
     def max_prefill_tokens(self) -> int:
         """The most tokens a step with prefill may have and run in a graph (0: none captured)."""
-        return max(self.mixed.tokens, default=0)
+        return max(self._token_buckets, default=0)
 
     def key(self, inp: StepInputs) -> tuple | None:
         """The smallest captured graph that holds this batch, or None (run eagerly)."""
@@ -204,8 +184,13 @@ class CudaGraphRunner:
         if inp.max_q == 1:
             bs = next((b for b in self._decode_buckets if b >= seqs), None)
             return None if bs is None else ("decode", bs)
-        padded = self.mixed.padded(tokens, seqs)
-        return None if padded is None else ("mixed", *padded)
+        sb = next((b for b in self._seq_buckets if b >= seqs), None)
+        if sb is None:
+            return None
+        # the mixed graphs hold at most as many sequences as tokens: a step of more sequences than the token
+        # bucket of its tokens (a short prompt beside many decode rows) pads its tokens up to its sequences'
+        t = next((b for b in self._token_buckets if b >= max(tokens, sb)), None)
+        return None if t is None else ("mixed", t, sb)
 
     def read_later(self, turn: tuple, result: StepResult) -> None:
         """`result`'s tokens are in the published table of (key, turn): it must read them before a
