@@ -86,6 +86,25 @@ def test_prompt_logprobs_field_and_streamed_echo(api_server, hf_model, tokenizer
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
+def test_a_streamed_echo_of_several_choices_with_no_tokens_ends(api_server):
+    """`max_tokens: 0`, echo, n = 2 and logprobs, streamed: the stream emptied the engine's own output of
+    its one computed token while the second choice, which waits for the first to compute the shared
+    prompt, still ran; its next token then failed in the output processor and the stream never ended."""
+    for attempt in range(3):
+        prompt = f"{attempt} the quick brown fox jumps over the lazy dog, again and again"
+        body = {"prompt": prompt, "echo": True, "max_tokens": 0, "n": 2, "logprobs": 1, "stream": True}
+        with httpx.stream("POST", api_server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        texts, reasons = {}, {}
+        for ch in chunks:
+            for c in ch["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+        assert texts == {0: prompt, 1: prompt} and reasons == {0: "length", 1: "length"}
+
+
 def test_chat_prompt_logprobs_are_the_rendered_prompts(api_server, tokenizer):
     """vLLM's prompt_logprobs on chat: the rendered prompt's tokens, in the response beside the choices,
     each entry as completions gives it for the same ids; with stream, a 400 naming it on both endpoints."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+from dataclasses import replace
 
 from fastapi import Request
 
+from tokenmill.outputs import RequestOutput
 from tokenmill.server.answers import ChoiceState, _lp, encoded, now, usage
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest
@@ -128,7 +130,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         choices = []
         for i, out in enumerate(outs):
             if prompt_only:
-                _drop_generated(out)
+                out = _drop_generated(out)
             for c in out.outputs:
                 lp = None
                 offsets = TextOffsets()
@@ -153,7 +155,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         last = {}
         async for i, out in merged:
             if prompt_only:
-                _drop_generated(out)
+                out = _drop_generated(out)
             last[i] = out
             for c in out.outputs:
                 index = i * n + c.index
@@ -198,12 +200,13 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                              request_id=rid)
 
 
-def _drop_generated(out) -> None:
-    """`max_tokens: 0` with echo: the one token the engine computed is not the client's (nor in usage)."""
-    for c in out.outputs:
-        c.text, c.token_ids, c.finish_reason, c.stop_reason = "", [], "length", None
-        if c.logprobs is not None:
-            c.logprobs = []
+def _drop_generated(out: RequestOutput) -> RequestOutput:
+    """`max_tokens: 0` with echo: the one token the engine computed is not the client's (nor in usage). A
+    copy: `out` is the output processor's own, which it goes on filling while any sequence runs (the other
+    choices of `n` wait for the first to compute their shared prompt)."""
+    return replace(out, outputs=[replace(c, text="", token_ids=[], finish_reason="length", stop_reason=None,
+                                         logprobs=[] if c.logprobs is not None else None)
+                                 for c in out.outputs])
 
 
 def _prompt_k(req: CompletionRequest) -> int | None:
