@@ -530,7 +530,7 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     processor.add(h2, "other", prompt, params_other)
     stopped = []
     while not stopped:
-        outputs, stopped = processor.process(engine.step(), _time.time())
+        outputs, stopped, _ = processor.process(engine.step(), _time.time())
     assert stopped == [("s", 0), ("s", 1)]          # greedy: both sequences hit the stop string together
     held = engine.get_stats()["num_free_blocks"]
     engine.stop_sequences(stopped)
@@ -542,7 +542,7 @@ def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):
     before = {len(c.token_ids) for c in s_out.outputs}
     last = None
     while engine.has_unfinished_requests():
-        outs, _ = processor.process(engine.step(), _time.time())
+        outs, _, _ = processor.process(engine.step(), _time.time())
         last = next((o for o in outs if o.request_id == "other"), last)
     assert {len(c.token_ids) for c in s_out.outputs} == before     # in-flight tokens of "s" were dropped
     assert last.finished and last.outputs[0].text == text and len(processor) == 0
@@ -572,7 +572,7 @@ def test_the_frontend_keeps_logprobs_flat_and_reads_them_as_vllms_dicts(llm):
     for _ in range(200):
         # the batch asked for 2 alternatives, this request for 1
         rows = {j: ([-1.5, -0.5, -1.0], [5 + j, 4, 6], 2 + j) for j in range(2)}
-        [out], _ = processor.process(StepOutputs(np.array([1, 1]), np.array([0, 1], np.int32), np.array([5, 6]),
+        [out], _, _ = processor.process(StepOutputs(np.array([1, 1]), np.array([0, 1], np.int32), np.array([5, 6]),
                                                  logprobs=rows), 0.0)
     held, seen, todo = 0, set(), [out]
     while todo:                     # what the output holds, short of classes and its token texts' lookup
@@ -685,6 +685,37 @@ def test_an_aborted_request_whose_reader_is_cancelled_leaves_the_new_request_of_
     finally:
         engine.shutdown()
     assert last.finished and len(last.outputs[0].token_ids) == 5 and left == 0
+
+
+def test_a_request_whose_output_cannot_be_made_fails_alone(qwen3_dir):
+    """An error while one request's tokens are turned into its output (its detokenizer here) escaped the
+    output processor: the rest of the step's tokens, every other request's, were dropped, and the failing
+    request's reader waited for ever. Now that request alone fails, its reader raises, the core aborts it,
+    and the others run on whole."""
+    engine = _async_engine(qwen3_dir)
+
+    class Exploding:
+        def add(self, token):
+            raise ValueError("boom")
+
+    async def main():
+        engine.attach()
+        bad = await _reading(engine, "bad", 200)
+        engine.processor._requests[engine.processor._handles["bad"]].seqs[0].detok = Exploding()
+        async with asyncio.timeout(30):
+            outs = [o async for o in engine.generate("good", [5, 6, 7],
+                                                     SamplingParams(max_tokens=20, ignore_eos=True))]
+            with pytest.raises(RuntimeError, match=r"request bad: its output could not be made \(ValueError: boom\)"):
+                await bad
+            while (stats := await engine.get_stats())["num_running"]:
+                await asyncio.sleep(0.05)
+        return outs[-1], stats, len(engine.processor)
+    try:
+        last, stats, left = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert last.finished and len(last.outputs[0].token_ids) == 20 and left == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def test_a_prompt_the_detokenizer_refuses_leaves_its_id_free(qwen3_dir):

@@ -244,7 +244,9 @@ class LLM:
         while pending:
             if not self.engine.scheduler.has_unfinished():
                 raise RuntimeError(f"requests {sorted(pending)[:4]} were lost by the scheduler")
-            outputs, stops = self.processor.process(self.engine.step(), time.time())
+            outputs, stops, failed = self.processor.process(self.engine.step(), time.time())
+            if failed:
+                raise failed[0][1]
             for rid, message, param in self.engine.take_errors():
                 if rid in pending:         # gone from the engine; `generate` aborts the others
                     raise SamplingParamError(param, message) if param else ValueError(message)

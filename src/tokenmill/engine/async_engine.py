@@ -299,9 +299,14 @@ class AsyncLLM:
         for rid, message in update.busy:
             self._fail(rid, EngineBusyError(message))
         if update.outputs is not None:
-            outputs, stops = self.processor.process(update.outputs, now)
+            outputs, stops, failed = self.processor.process(update.outputs, now)
             if stops and not self.dead:
                 self._send(StopSequences(stops))
+            for rid, error in failed:
+                if rid in self._streams:
+                    self._fail(rid, error)          # its reader ends, and aborts it in the core
+                elif not self.dead:
+                    self._send(AbortRequests([rid]))
             streams, on_output = self._streams, self.on_output
             for out in outputs:
                 stream = streams.get(out.request_id)

@@ -12,9 +12,13 @@ step costs the frontend work in proportion to the tokens it made. Logprobs stay 
 """
 from __future__ import annotations
 
+import logging
+
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.step_outputs import StepOutputs
 from tokenmill.outputs import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
+
+logger = logging.getLogger("tokenmill")
 
 
 class _Sequence:
@@ -79,12 +83,26 @@ class OutputProcessor:
         if handle is not None:
             self._requests.pop(handle, None)
 
-    def process(self, step: StepOutputs, now: float) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Applies one report: the outputs of the requests it changed (finished ones are forgotten), and
-        the (request id, index) of each sequence a stop string finished, which the core must stop."""
+    def process(self, step: StepOutputs, now: float) -> tuple[list[RequestOutput], list[tuple[str, int]],
+                                                             list[tuple[str, Exception]]]:
+        """Applies one report: the outputs of the requests it changed (finished ones are forgotten), the
+        (request id, index) of each sequence a stop string finished, which the core must stop, and the
+        (request id, error) of each request whose output could not be made, now forgotten, which the core
+        must abort. A request that fails here fails alone: the others keep every token of the step."""
         requests = self._requests
         touched: dict[int, _Request] = {}
         stops: list[tuple[str, int]] = []
+        failed: list[tuple[str, Exception]] = []
+
+        def fail(handle: int, error: Exception) -> None:
+            req = requests.pop(handle)
+            touched.pop(handle, None)
+            rid = req.output.request_id
+            self._handles.pop(rid, None)
+            logger.exception("request %s: its output could not be made; it is aborted", rid)
+            failure = RuntimeError(f"request {rid}: its output could not be made ({type(error).__name__}: {error})")
+            failure.__cause__ = error
+            failed.append((rid, failure))
         for handle, first_scheduled, cached in step.started:
             req = requests.get(handle)
             if req is not None:
@@ -112,28 +130,36 @@ class OutputProcessor:
             if seq.finished:
                 continue          # a stop string ended it; the core had this token in flight
             out = seq.out
-            out.token_ids.append(token)
-            if req.logprobs is not None and j in logprobs:
-                # the step's rows hold as many alternatives as the batch's largest ask: this request's own
-                values, ids, rank = logprobs[j]
-                k = req.logprobs + 1
-                out.logprobs.append(ids[0], values[0], rank, ids[1:k], values[1:k])
-                out.cumulative_logprob += values[0]
-            detok = seq.detok
-            if detok is not None and not (silent and j in silent):
-                out.text = ""       # the detokenizer's text is then referred to once, and grows in place
-                hit = detok.add(token)
-                if hit is not None:
-                    self._finish(req, seq, "stop", hit)
-                    stops.append((req.output.request_id, index))
-                else:
-                    out.text = detok.output_text(False)
+            try:
+                out.token_ids.append(token)
+                if req.logprobs is not None and j in logprobs:
+                    # the step's rows hold as many alternatives as the batch's largest ask: this request's own
+                    values, ids, rank = logprobs[j]
+                    k = req.logprobs + 1
+                    out.logprobs.append(ids[0], values[0], rank, ids[1:k], values[1:k])
+                    out.cumulative_logprob += values[0]
+                detok = seq.detok
+                if detok is not None and not (silent and j in silent):
+                    out.text = ""       # the detokenizer's text is then referred to once, and grows in place
+                    hit = detok.add(token)
+                    if hit is not None:
+                        self._finish(req, seq, "stop", hit)
+                        stops.append((req.output.request_id, index))
+                    else:
+                        out.text = detok.output_text(False)
+            except Exception as e:
+                fail(handle, e)
+                continue
             touched[handle] = req
         for handle, index, reason, stop_reason, _ in step.finished:
             req = requests.get(handle)
             if req is None or req.seqs[index].finished:
                 continue
-            self._finish(req, req.seqs[index], reason, stop_reason)
+            try:
+                self._finish(req, req.seqs[index], reason, stop_reason)
+            except Exception as e:
+                fail(handle, e)
+                continue
             touched[handle] = req
         outputs = []
         for handle, req in touched.items():
@@ -148,7 +174,7 @@ class OutputProcessor:
                 del requests[handle]
                 self._handles.pop(output.request_id, None)
             outputs.append(output)
-        return outputs, stops
+        return outputs, stops, failed
 
     def _finish(self, req: _Request, seq: _Sequence, reason: str, stop_reason) -> None:
         seq.finished = True
