@@ -288,6 +288,32 @@ def test_continue_final_message_and_template_kwargs(api_server, tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
+def test_template_kwargs_named_as_the_renderers_parameters(api_server):
+    """chat_template_kwargs reached the renderer as its keyword arguments: a key named as one of its own
+    parameters ('add_special_tokens', 'fits', 'self') collided there, a 500. The two that are no template
+    variable are refused by name; any other reaches the template."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, fields in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        for key in ("add_special_tokens", "self"):
+            r = httpx.post(api_server.url + path, timeout=60, json={
+                "messages": msgs, **fields, "chat_template_kwargs": {key: True}})
+            assert r.status_code == 400, (path, key, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "chat_template_kwargs" and repr(key) in err["message"]
+        r = httpx.post(api_server.url + path, timeout=60, json={
+            "messages": msgs, **fields, "chat_template_kwargs": {"fits": False}})
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_tokenize_counts_a_conversation_past_the_context(api_server, tokenizer):
+    """/tokenize counts any text, as a prompt: a conversation longer than the context was refused
+    (context_length_exceeded), so a client could not learn by how much it was over."""
+    long = "x" * (100 * MAX_MODEL_LEN)         # more characters than the longest token's times the context
+    r = httpx.post(api_server.url + "/tokenize", timeout=60, json={"messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] > MAX_MODEL_LEN and r.json()["max_model_len"] == MAX_MODEL_LEN
+
+
 def test_chat_echo_prefixes_each_choice_with_the_assistants_last_message(api_server):
     """vLLM's chat echo was refused by name: each choice's content now starts with the last message's where
     it is the assistant's (streamed: in the role chunk), its logprobs the generated tokens' alone (as vLLM's);

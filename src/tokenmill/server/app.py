@@ -242,8 +242,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None,
             msgs = [m.for_template() for m in req.messages]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             kwargs = template_kwargs(req.chat_template_kwargs, tools, req.continue_final_message, req.documents)
+            # counted whatever its length, as a prompt is below
             _, ids = await serving.prompts.render_chat(msgs, req.add_generation_prompt is not False,
-                                                       add_special_tokens=bool(req.add_special_tokens), **kwargs)
+                                                       add_special_tokens=bool(req.add_special_tokens), fits=False,
+                                                       template_kwargs=kwargs)
         else:
             ids = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False, fits=False)
         strs = (await asyncio.to_thread(serving.prompts.tokenizer.convert_ids_to_tokens, ids)

@@ -198,7 +198,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, effort_para
         template_kwargs["reasoning_effort"] = req.reasoning_effort
     prompt_text, prompt = await serving.prompts.render_chat(
         req.chat_messages(), add_gen, bool(req.add_special_tokens), fits=params.truncate_prompt_tokens is None,
-        **template_kwargs)
+        template_kwargs=template_kwargs)
     if serving.reasoning_parser is not None:
         from tokenmill.server.reasoning import last_turn
         prompt_text = last_turn(prompt_text, serving.turn_markers)

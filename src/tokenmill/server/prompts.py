@@ -205,12 +205,14 @@ class PromptTokenizer:
         return self._template_reads[name]
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False,
-                          fits: bool = True, **template_kwargs) -> tuple[str, list[int]]:
+                          fits: bool = True, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The chat template rendered, and encoded (the rendered text holds its special tokens; the
         tokenizer's are added only with `add_special_tokens`). `template_kwargs` (tools,
-        continue_final_message, the request's chat_template_kwargs) go to the template; `--chat-template`
-        replaces the model's. `fits` as `encode`'s."""
+        continue_final_message, the request's chat_template_kwargs) go to the template, as one dict: a
+        client's key never meets this call's own parameters; `--chat-template` replaces the model's. `fits`
+        as `encode`'s."""
         self._need_tokenizer("messages")
+        template_kwargs = dict(template_kwargs or {})
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
         text, ids = await self._submit(("chat", messages, add_generation_prompt, template_kwargs, add_special_tokens,

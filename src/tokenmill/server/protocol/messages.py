@@ -153,10 +153,11 @@ _USE_FIELD = "set by the request's own field of that name"
 TEMPLATE_CALL_PARAMETERS = {
     "messages": _USE_FIELD, "conversation": "the request's 'messages' are the conversation",
     "add_generation_prompt": _USE_FIELD, "continue_final_message": _USE_FIELD, "tools": _USE_FIELD,
+    "add_special_tokens": _USE_FIELD,
     "chat_template": "the chat template is the server's (--chat-template)",
     **{name: "a parameter of the template call, not a template variable" for name in (
         "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-        "return_assistant_tokens_mask", "tokenizer_kwargs")},
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "self")},
 }
 
 
