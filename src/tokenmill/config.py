@@ -161,6 +161,9 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not a device: auto, cpu, cuda or cuda:N") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this machine's torch sees no CUDA device")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: this machine's torch sees {torch.cuda.device_count()} CUDA "
+                             f"devices (cuda:0..cuda:{torch.cuda.device_count() - 1})")
         return device
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -86,6 +86,21 @@ def test_eager_warm_up_leaves_the_kv_cache_alone(qwen3_dir, block_size):
     assert torch.equal(runner.kv_cache, before)
 
 
+def test_warm_up_steps_stay_inside_a_cache_sized_by_hand(qwen3_dir):
+    """--num-kv-blocks below the model's context: the RoPE tables hold the cache's tokens, but the runner
+    was given the model's length, and the warm-up steps after capture invented positions past the tables
+    (an IndexError here; on the GPU, kernels that read the tables unchecked)."""
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", num_kv_blocks=8, block_size=16, max_num_seqs=4,
+              max_num_batched_tokens=512, cuda_graph_max_tokens=64)
+    runner = llm.engine.runner
+    assert runner.max_model_len == llm.engine.max_model_len == 128
+    calls = []
+    eager = runner._eager_forward
+    runner._eager_forward = lambda inp, prev: calls.append(inp) or eager(inp, prev)
+    runner.capture_graphs(emulate=True)
+    assert calls and all(c.positions.max() < 128 for c in calls)
+
+
 def test_a_warm_up_step_longer_than_the_model_splits_into_sequences_it_holds():
     from tokenmill.runner.step import warm_up_inputs
     inp = warm_up_inputs(2049, 512, 16)

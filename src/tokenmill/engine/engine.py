@@ -68,7 +68,7 @@ class LLMEngine:
         served = max_len if config.num_kv_blocks is None else min(max_len, config.num_kv_blocks * config.block_size)
         self.model_config = mc = mc.serving(served)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, mc, model_dir, max_len)
+        self.runner = ModelRunner(config, mc, model_dir, served)
         capacity = self.runner.num_blocks * config.block_size
         if config.max_model_len is not None and capacity < config.max_model_len:
             why = (f"max_model_len {config.max_model_len} needs {config.max_model_len} tokens of KV cache for one "

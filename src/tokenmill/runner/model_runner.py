@@ -73,6 +73,10 @@ class ModelRunner:
         self.config = engine_config
         self.model_config = model_config
         self.device = engine_config.resolve_device()
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, CUDA graph capture and torch.cuda's memory queries act on the current device,
+            # not on their tensors': a core on cuda:1 (a data-parallel core after the first) makes it current
+            torch.cuda.set_device(self.device)
         self.dtype = engine_config.resolve_dtype(model_config, self.device)
         self.kv_cache_dtype = engine_config.resolve_kv_cache_dtype(self.dtype)
         if self.kv_cache_dtype == FP8_KV_DTYPE:
