@@ -89,9 +89,19 @@ def test_bad_prompts_are_rejected_and_others_keep_running(llm):
         engine.add_request("ok", [5], SamplingParams())
     # ids the sampler indexes the logits with (min_tokens holds stop_token_ids back): an id past the
     # vocabulary killed the step, and every later one
-    for params in (SamplingParams(stop_token_ids=[100000], min_tokens=1), SamplingParams(logit_bias={600: 1.0})):
+    # the grammar's think tags too (its bitmask is indexed with them; a negative one let a refused token through)
+    from tokenmill.sampling_params import StructuredOutputsParams
+    for params in (SamplingParams(stop_token_ids=[100000], min_tokens=1), SamplingParams(logit_bias={600: 1.0}),
+                   SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"], think_tags=(600, 3)))):
         with pytest.raises(ValueError, match=r"token id (100000|600) is out of range: token ids must be in \[0, 512\)"):
             engine.add_request("bad-ids", [5], params)
+    with pytest.raises(ValueError, match=r"think_tags must be the token ids of <think> and </think> \(two integers "
+                                         r">= 0\), got \(-1, 3\)"):
+        StructuredOutputsParams(choice=["a"], think_tags=(-1, 3))
+    # a priority the scheduler's rank cannot order ("1") failed every step after it
+    for priority in ("1", 1.5, True, 2**63):
+        with pytest.raises(ValueError, match=r"priority must be an integer in \[-2\*\*63, 2\*\*63\), got"):
+            engine.add_request("bad-priority", [5], SamplingParams(), priority=priority)
     tokens, finished = [], []
     while engine.has_unfinished_requests():
         report = engine.step()

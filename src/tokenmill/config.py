@@ -183,6 +183,8 @@ def priority_refusal(priority: int, policy: str) -> str | None:
     """Why a request of `priority` is refused under the scheduling `policy` (None: it is not): a priority is
     honoured only by the priority policy, and one the scheduler would ignore is refused rather than dropped. The
     engine refuses it, and a frontend that knows the core's policy (`CoreReady`) refuses it before answering."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+        return f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
     if priority and policy != "priority":
         return (f"priority {priority} is only honoured under the priority scheduling policy (--scheduling-policy "
                 f"priority); this engine's is {policy!r}")

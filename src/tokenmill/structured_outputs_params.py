@@ -41,6 +41,12 @@ class StructuredOutputsParams:
         if len(kinds) != 1:
             raise SamplingParamError("structured_outputs", "exactly one of json, regex, choice, grammar, "
                                      f"structural_tag and json_object must be set, got {kinds or 'none'}")
+        if self.think_tags is not None:
+            if (not isinstance(self.think_tags, (list, tuple)) or len(self.think_tags) != 2
+                    or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.think_tags)):
+                raise SamplingParamError("structured_outputs.think_tags", "think_tags must be the token ids of "
+                                         f"<think> and </think> (two integers >= 0), got {self.think_tags!r}")
+            self.think_tags = tuple(self.think_tags)
         if self.whitespace_pattern is not None:
             raise SamplingParamError("structured_outputs.whitespace_pattern",
                                      "whitespace_pattern is not supported; set disable_any_whitespace to allow "

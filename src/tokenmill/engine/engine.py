@@ -211,7 +211,9 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("bad_words", [t for word in params.bad_words_token_ids or () for t in word]),
-                          ("think_tags", params.think_tags or ())):
+                          ("think_tags", params.think_tags or ()),
+                          ("structured_outputs.think_tags",
+                           params.structured_outputs and params.structured_outputs.think_tags or ())):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise SamplingParamError(name, f"{name} token id {bad} is out of range: token ids must be in "
