@@ -127,10 +127,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                          k, offsets, as_ids, in_text)
 
     def final(outs):
+        if prompt_only:
+            outs = [_drop_generated(out) for out in outs]
         choices = []
         for i, out in enumerate(outs):
-            if prompt_only:
-                out = _drop_generated(out)
             for c in out.outputs:
                 lp = None
                 offsets = TextOffsets()
