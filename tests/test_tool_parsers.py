@@ -391,6 +391,7 @@ def test_untagged_parsers_through_the_chat_message(parser, text, names):
         assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
         streamed = ChoiceText(serving, req, "")
         parts = [p for i in range(0, len(text), 3) for p in streamed.feed(text[i:i + 3])] + streamed.finish()
+        assert all(parts)           # no empty delta where a later call is dropped
         heads = [t for p in parts for t in p.get("tool_calls", []) if "id" in t]
         assert [t["function"]["name"] for t in heads] == expected and streamed.called_tools
         assert not any(p.get("content") for p in parts)
@@ -425,7 +426,7 @@ def test_required_schema_accepts_calls_of_the_tools_only():
     for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "book", "arguments": {"item": {"n": "x"}}}],
                 [{"name": "get_weather", "arguments": {}}], [{"name": "ping"}]):
         assert not v.is_valid(bad), bad
-    reader = RequiredCalls()
+    reader = RequiredCalls(TOOL_NAMES)
     reader.feed(json.dumps(good, ensure_ascii=False))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls] == \
         [(g["name"], g["arguments"]) for g in good]
@@ -578,6 +579,7 @@ def _read(reader, pieces):
     return out + reader.finish()
 
 
+TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
 REQUIRED_OUTPUT = json.dumps([
     {"name": "book", "arguments": {"item": {"n": 2}, "note": "a \"}\" brace, [x] and \\"}},
     {"name": "get_weather", "arguments": {"city": "巴黎", "days": [1, [2, {}]]}},
@@ -589,7 +591,7 @@ REQUIRED_OUTPUT = json.dumps([
 def test_required_calls_read_alike_at_any_chunking(cuts):
     cuts = sorted(set(cuts))
     pieces = [REQUIRED_OUTPUT[a:b] for a, b in zip([0] + cuts, cuts + [len(REQUIRED_OUTPUT)])]
-    reader = RequiredCalls()
+    reader = RequiredCalls(TOOL_NAMES)
     read = _read(reader, pieces)
     expected = json.loads(REQUIRED_OUTPUT)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls] == \
@@ -602,13 +604,49 @@ def test_required_calls_read_alike_at_any_chunking(cuts):
 
 def test_required_calls_cut_short_keep_what_was_generated():
     cut = REQUIRED_OUTPUT[:REQUIRED_OUTPUT.index('"city"') + 4]
-    reader = RequiredCalls()
+    reader = RequiredCalls(TOOL_NAMES)
     _read(reader, [cut])
     assert [c["function"]["name"] for c in reader.calls] == ["book", "get_weather"]
     assert reader.calls[1]["function"]["arguments"] == '{"cit'
     for cut in ('[{"name": "ping", "argu', '[{"na', ""):     # no call begun: no calls (the text is content)
-        reader = RequiredCalls()
+        reader = RequiredCalls(TOOL_NAMES)
         assert _read(reader, [cut]) == [] and reader.calls == []
+
+
+def test_required_calls_read_heads_that_name_a_tool_only():
+    """Text outside the grammar (after a thinking block's end spelled out in smaller tokens than its tag,
+    where the reasoning parser hands text on before the grammar holds it) reached the reader: a head whose
+    name was no JSON (an invalid escape) raised there, a 500 or a stream cut off; one holding an unpaired
+    surrogate made a response no JSON encoder writes. Such heads, and those of no tool, are text."""
+    junk = ('[{"name": "\\x", "arguments": {}}, {"name": "\\ud800", "arguments": {}}, '
+            '{"name": "nope", "arguments": {}}, ')
+    text = junk + REQUIRED_OUTPUT[1:]
+    for step in (1, 7, len(text)):
+        reader = RequiredCalls(TOOL_NAMES)
+        _read(reader, [text[i:i + step] for i in range(0, len(text), step)])
+        assert [c["function"]["name"] for c in reader.calls] == ["book", "get_weather", "ping"]
+    # a head that never closes is given up once no tool's name can be that long: what is kept stays short
+    reader = RequiredCalls(TOOL_NAMES)
+    for _ in range(2000):
+        reader.feed('{"name": "' if _ == 0 else "x" * 10)
+    assert len(reader._head) < 100 and reader.calls == []
+    assert _read(reader, ['"}, {"name": "ping", "arguments": {}}]'])[0][1] == "ping"
+
+
+def test_required_tool_choice_after_a_spelled_out_thinking_end():
+    from types import SimpleNamespace
+    from tokenmill.server.chat import ChoiceText
+    from tokenmill.server.protocol import ChatCompletionRequest
+    from tokenmill.server.reasoning import Qwen3ReasoningParser
+    serving = SimpleNamespace(reasoning_parser=Qwen3ReasoningParser, tool_parser=None, think_tags=None)
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                                "tool_choice": "required"})
+    text = 'I will end with </think> then [{"name": "\\x", "arguments": {}}, {"name": "ping", "arguments": {}}]'
+    message = ChoiceText(serving, req, "<think>\n").message(text)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["ping"]
+    streamed = ChoiceText(serving, req, "<think>\n")
+    parts = [p for ch in text for p in streamed.feed(ch)] + streamed.finish()
+    assert [t["function"]["name"] for p in parts for t in p.get("tool_calls", []) if "id" in t] == ["ping"]
 
 
 def test_a_named_call_is_the_whole_output():

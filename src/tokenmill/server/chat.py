@@ -62,6 +62,7 @@ class ChoiceText:
         # it (a "required" grammar already admits one)
         self.one_call = req.parallel_tool_calls is False
         self.tool_choice = req.tool_choice
+        self._req_tools = req.tools or ()
         self._calls = self._constrained_calls() if constrained else None   # the stream's reader
         self._reasoning_stream = self.reasoning.new_stream(prompt_text) if self.reasoning is not None else None
         self._tool_stream = self.tools.new_stream() if self.tools is not None else None
@@ -71,7 +72,7 @@ class ChoiceText:
     def _constrained_calls(self) -> ConstrainedCalls:
         if isinstance(self.tool_choice, NamedToolChoice):
             return NamedCall(self.tool_choice.function.name)
-        return RequiredCalls()
+        return RequiredCalls(t.function.name for t in self._req_tools)
 
     def message(self, text: str) -> dict:
         msg: dict = {"role": "assistant", "content": text}
@@ -103,7 +104,7 @@ class ChoiceText:
             if reasoning and self.include_reasoning:
                 deltas.append(_reasoning_delta(reasoning))
         deltas += self._content(text or "")
-        return deltas
+        return [d for d in deltas if d]         # a call dropped (parallel_tool_calls false) leaves none
 
     def finish(self) -> list[dict]:
         deltas = []

@@ -206,11 +206,16 @@ class RequiredCalls(ConstrainedCalls):
     """tool_choice "required": a JSON array of {"name": ..., "arguments": {...}} objects. Each piece of text
     is scanned once: between calls the text since the last call's arguments is searched for the next
     call's head, from its last possible start; inside arguments, brackets are counted outside strings
-    until the object closes."""
+    until the object closes. A head counts only where it names one of `names`, the request's tools: text
+    outside the grammar (a thinking block's end spelled out in smaller tokens than its tag's, after which
+    the reasoning parser hands on what the grammar has not yet held) may hold anything."""
 
-    def __init__(self):
+    def __init__(self, names):
         super().__init__()
-        self._head = ""              # text since the last call's arguments closed
+        self.names = frozenset(names)
+        # the longest a head can be: its name escaped (a surrogate pair's two \uXXXX for a character at most)
+        self._max_head = len(_NAME_KEY) + 2 + 12 * max(map(len, self.names), default=0) + len(', "arguments": ')
+        self._head = ""              # text since the last call's arguments closed, from where a head may begin
         self._head_from = 0          # where in it the next call's head can begin
         self._in_arguments = False
         self._depth = 0
@@ -221,14 +226,12 @@ class RequiredCalls(ConstrainedCalls):
         while text:
             if not self._in_arguments:
                 self._head += text
-                m = _REQUIRED_CALL_HEAD.search(self._head, self._head_from)
-                if m is None:
-                    start = self._head.rfind(_NAME_KEY, self._head_from)
-                    self._head_from = start if start >= 0 else max(self._head_from,
-                                                                   len(self._head) - len(_NAME_KEY) + 1)
+                found = self._next_head()
+                if found is None:
                     return pieces
-                pieces.append(self._start(json.loads(m.group(1))))
-                text, self._head, self._head_from = self._head[m.end():], "", 0
+                end, name = found
+                pieces.append(self._start(name))
+                text, self._head, self._head_from = self._head[end:], "", 0
                 self._in_arguments, self._depth = True, 0
                 continue
             end = self._arguments_end(text)
@@ -236,6 +239,24 @@ class RequiredCalls(ConstrainedCalls):
                 pieces.append(self._extend(text[:end]))
             text = text[end:]
         return pieces
+
+    def _next_head(self) -> tuple[int, str] | None:
+        """The end and name of the next whole head naming a tool in `_head`; None while there is none, with
+        `_head` cut to where one may still begin (so that it stays short)."""
+        while True:
+            m = _REQUIRED_CALL_HEAD.search(self._head, self._head_from)
+            if m is None:
+                break
+            name = _json_string(m.group(1))
+            if name in self.names:
+                return m.end(), name
+            self._head_from = m.start() + 1
+        start = self._head.rfind(_NAME_KEY, self._head_from)
+        if start >= 0 and len(self._head) - start > self._max_head:
+            start = -1               # too long ago to open a head naming a tool
+        keep = start if start >= 0 else max(self._head_from, len(self._head) - len(_NAME_KEY) + 1)
+        self._head, self._head_from = self._head[keep:], 0
+        return None
 
     def _arguments_end(self, text: str) -> int:
         """How much of `text` belongs to the open arguments (all of it unless they close in it)."""
@@ -257,3 +278,13 @@ class RequiredCalls(ConstrainedCalls):
                     self._in_arguments = False
                     return i + 1
         return len(text)
+
+
+def _json_string(literal: str) -> str | None:
+    """A JSON string literal's text; None where it is no JSON or holds an unpaired surrogate (no text)."""
+    try:
+        text = json.loads(literal)
+        text.encode()
+    except (ValueError, UnicodeEncodeError):
+        return None
+    return text
