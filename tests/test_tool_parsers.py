@@ -851,3 +851,35 @@ def test_a_tool_parser_over_a_template_that_reads_no_tools_is_warned_of(tokenize
                                                tool_call_parser="phi4_mini_json"))
         assert ("the chat template does not read `tools`" in caplog.text) == warned, caplog.text
         assert ("pass --chat-template" in caplog.text) == warned
+
+
+def test_long_runs_are_held_in_pieces_not_one_growing_string():
+    """A stream held what it had not decided in one string grown by each piece and looked at whole each
+    time: a model's run of 32,000 whitespace tokens, or a call of 800 kB, held the event loop for seconds.
+    Now what is held is pieces, and what is looked at again is the last few characters: the streams
+    still equal the whole extraction."""
+    from tokenmill.server.reasoning import Qwen3ReasoningParser
+    call = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "ab </tool" * 3000 + '"}}\n</tool_call>'
+    listed = '[{"name": "f", "arguments": {}}]'          # a list is held whole until it closes
+    for parser, text, bound in ((HermesToolParser(), call + " " * 20_000 + "done", 16),
+                                (HermesToolParser(), " " * 20_000 + call, 16),
+                                (GraniteToolParser(), " " * 20_000 + listed, len(listed))):
+        whole = parser.extract(text)
+        stream = parser.new_stream()
+        deltas, longest = [], 0
+        for i in range(0, len(text), 4):
+            deltas += stream.feed(text[i:i + 4])
+            longest = max(longest, len(stream._buf), len(getattr(stream, "_tail", "")))
+        deltas += stream.finish()
+        assert "".join(d.content or "" for d in deltas) == (whole.content or "")
+        assert [d.tool_call["function"]["arguments"] for d in deltas if d.tool_call and "id" not in d.tool_call] \
+            == [c.arguments for c in whole.tool_calls]
+        assert longest < bound, (type(parser).__name__, longest)
+    reasoning = Qwen3ReasoningParser()
+    text = " " * 20_000 + "<think>" + "x \n" * 5000 + "</think>answer"
+    stream = reasoning.new_stream("")
+    parts = [stream.feed(text[i:i + 3]) for i in range(0, len(text) // 2, 3)]
+    assert len(stream._buf) < 16
+    parts += [stream.feed(text[i:i + 3]) for i in range(len(text) // 2 - len(text) // 2 % 3, len(text), 3)]
+    parts.append(stream.finish())
+    assert ("".join(r or "" for r, _ in parts), "".join(c or "" for _, c in parts)) == reasoning.extract(text)

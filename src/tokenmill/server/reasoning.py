@@ -123,7 +123,7 @@ class ReasoningStream:
         self._phase = "start"           # start -> reasoning -> content, or start -> content
         self._in_reasoning = in_reasoning
         self._buf = ""                  # undecided text: start prefix, or a partial `</think>`
-        self._ws = ""                   # reasoning's trailing whitespace, emitted if text follows
+        self._ws: list[str] = []        # reasoning's trailing whitespace, emitted if text follows
         self._reasoning_started = False
         self._content_started = False
 
@@ -131,7 +131,9 @@ class ReasoningStream:
         reasoning, content = [], []
         self._buf += delta
         if self._phase == "start":
-            head = self._buf.lstrip()
+            # leading whitespace is stripped from reasoning and content alike: dropped here, so that a long
+            # run of it is looked at once
+            head = self._buf = self._buf.lstrip()
             if len(head) < len(THINK_START) and THINK_START.startswith(head):
                 return None, None       # still possibly `<think>` (or only whitespace)
             if head.startswith(THINK_START):
@@ -146,7 +148,7 @@ class ReasoningStream:
                 self._buf = self._buf[len(self._buf) - keep:]
             else:
                 self._reason(self._buf[:end], reasoning)
-                self._buf, self._ws, self._phase = self._buf[end + len(THINK_END):], "", "content"
+                self._buf, self._ws, self._phase = self._buf[end + len(THINK_END):], [], "content"
         if self._phase == "content":
             self._content(self._buf, content)
             self._buf = ""
@@ -171,9 +173,10 @@ class ReasoningStream:
             self._reasoning_started = True
         body = text.rstrip()
         if body:
-            out.append(self._ws + body)
-            self._ws = ""
-        self._ws += text[len(body):]
+            out.append("".join(self._ws) + body)
+            self._ws = []
+        if len(body) < len(text):
+            self._ws.append(text[len(body):])
 
     def _content(self, text: str, out: list[str]) -> None:
         if not self._content_started:

@@ -84,6 +84,7 @@ class _EventStream:
         self.items: list[dict] = []
         self.open: dict | None = None       # the item receiving deltas
         self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
+        self.index: dict[str, int] = {}     # item id -> its output_index
         self.pending_logprobs: list[dict] = []   # tokens' logprobs not yet sent with an output_text delta
         self.last = None                    # the latest (cumulative) output read
 
@@ -95,6 +96,7 @@ class _EventStream:
     def _start(self, item: dict) -> list[dict]:
         events = self._close()
         self.open = item
+        self.index[item["id"]] = len(self.items)
         self.items.append(item)
         # a message or reasoning item opens with its content list empty, as OpenAI's do (the SDK's stream
         # helpers append the parts that follow to it)
@@ -114,7 +116,7 @@ class _EventStream:
         item, self.open = self.open, None
         if item is None:
             return []
-        index = self.items.index(item)
+        index = self.index[item["id"]]
         events = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -165,7 +167,7 @@ class _EventStream:
             if args:
                 item["arguments"] += args
                 events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                         output_index=self.items.index(item), delta=args))
+                                         output_index=self.index[item["id"]], delta=args))
         return events
 
     def close_all(self, cut: bool = False) -> list[dict]:

@@ -142,7 +142,7 @@ class _DeltaStream:
     ends with `finish_reason: "tool_calls"`)."""
 
     def __init__(self):
-        self._pending_ws = ""           # content so far, while it is only whitespace
+        self._pending_ws: list[str] = []    # content so far, while it is only whitespace
         self._content_started = False
         self.tool_calls: list[ToolCall] = []
 
@@ -157,10 +157,10 @@ class _DeltaStream:
         if not text:
             return
         if not self._content_started:
-            self._pending_ws += text
-            if not self._pending_ws.strip():
+            self._pending_ws.append(text)
+            if text.isspace():          # each piece looked at once: a long run of whitespace costs its length
                 return
-            text, self._pending_ws, self._content_started = self._pending_ws, "", True
+            text, self._pending_ws, self._content_started = "".join(self._pending_ws), [], True
         out.append(Delta(content=text))
 
     def _content_before(self, text: str, openings: tuple[str, ...], out: list[Delta]) -> tuple[int, str | None]:
@@ -183,33 +183,44 @@ class ToolCallStream(_DeltaStream):
     def __init__(self, parser: ToolParser):
         super().__init__()
         self._parser = parser
-        self._buf = ""                  # outside a block: a partial start tag; inside: the body so far
+        self._buf = ""                  # outside a block: a partial start tag
         self._inside = False
+        # inside a block: its body's pieces (joined once, at its end) and the body's last characters, where
+        # an end tag split between pieces begins; a long call costs its length, not its length per piece
+        self._body: list[str] = []
+        self._tail = ""
 
     def feed(self, delta_text: str) -> list[Delta]:
         out: list[Delta] = []
         start_tag, end_tag = self._parser.start_tag, self._parser.end_tag
-        searched = len(self._buf)
-        self._buf += delta_text
+        text = delta_text
         while True:
             if self._inside:
-                end = self._buf.find(end_tag, max(0, searched - len(end_tag) + 1))
+                window = self._tail + text
+                end = window.find(end_tag)
                 if end < 0:
+                    self._body.append(text)
+                    self._tail = window[max(0, len(window) - len(end_tag) + 1):]
                     return out
-                self._close_block(self._buf[:end], end_tag, out)
-                self._buf = self._buf[end + len(end_tag):]
+                held = len(self._tail)          # the end tag starts `held - end` characters back in the body
+                body = "".join(self._body)
+                body = body + text[:end - held] if end >= held else body[:len(body) - (held - end)]
+                self._body, self._tail = [], ""
+                self._close_block(body, end_tag, out)
+                text = window[end + len(end_tag):]
             else:
-                start, tag = self._content_before(self._buf, (start_tag,), out)
+                buf = self._buf + text
+                start, tag = self._content_before(buf, (start_tag,), out)
                 if tag is None:
-                    self._buf = self._buf[start:]
+                    self._buf = buf[start:]
                     return out
-                self._buf, self._inside = self._buf[start + len(start_tag):], True
-            searched = 0
+                self._buf, self._inside, text = "", True, buf[start + len(start_tag):]
 
     def finish(self) -> list[Delta]:
         out: list[Delta] = []
         if self._inside:
-            self._close_block(self._buf, "", out)
+            body, self._body, self._tail = "".join(self._body), [], ""
+            self._close_block(body, "", out)
         else:
             self._content(self._buf, out)
         self._buf = ""

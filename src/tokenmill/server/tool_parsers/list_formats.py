@@ -103,6 +103,9 @@ class ListStream(_UntaggedStream):
         at = self._held if mode == "opened" else 0
         first = len(buf) - len(buf[at:].lstrip())
         if first == len(buf):
+            if mode == "start":         # content (held while only whitespace) now: `_buf` stays short
+                self._content(buf, out)
+                self._buf = ""
             return False
         if mode == "start":             # leading whitespace is content, before a list too
             self._content(buf[:first], out)
