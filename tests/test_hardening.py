@@ -1802,3 +1802,20 @@ def test_a_chat_takes_the_tokenizers_special_tokens_only_when_asked():
             await prompts.render_chat(long, True)
         return got
     assert asyncio.run(main()) == [[7, 7, 7], [1, 7, 7, 7], [1, 7, 7, 7]]
+
+
+def test_a_tokenizer_the_api_server_cannot_load_ends_the_start(qwen3_dir, tmp_path):
+    """The core started (it reads only the tokenizer's end-of-sequence ids), then the API server's tokenizer
+    failed to load (transformers refuses a padding side of "middle"): a traceback, and the process never
+    exited, held at its exit by the core it had started. Now one line naming the tokenizer, and status 1."""
+    import sys
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "middle"}))
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(TESTS), "src"), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--device", "cpu", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert re.search(r"^tokenmill: cannot load the tokenizer in .*Padding side", p.stderr, re.M), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr

@@ -22,7 +22,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable
 
-from tokenmill.engine.core_client import CoreClient, EngineCore
+from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartError
 from tokenmill.engine.core_messages import (AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown,
                                             StopSequences)
 from tokenmill.engine.output_processor import OutputProcessor
@@ -90,7 +90,13 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         if tokenizer is None and msg.tokenizer_path is not None:
             from tokenmill.engine.tokenizer import Tokenizer
-            self.tokenizer = Tokenizer(msg.tokenizer_path)
+            try:
+                self.tokenizer = Tokenizer(msg.tokenizer_path)
+            except Exception as e:
+                # a start that failed: the core, up by now, is let go (left, it held the process at its exit)
+                if self._core is not None:
+                    self._core.abandon()
+                raise EngineStartError(str(e)) from e
         self.processor = OutputProcessor(self.tokenizer)
 
     # ----- lifecycle -------------------------------------------------------------------------
