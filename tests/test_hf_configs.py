@@ -120,6 +120,16 @@ def test_a_tied_checkpoint_storing_the_matrix_as_the_head(tmp_path):
     (dict(num_attention_heads=4, num_key_value_heads=3, head_dim=8),
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     (dict(hidden_size=24, num_attention_heads=8, num_key_value_heads=8, head_dim=3), "head_dim is 3; .* must be even"),
+    # a negative or NaN one loaded a model of noise; a rope_theta of 0 was read as 10,000; null failed in float()
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps is -1.0; it must be a finite number >= 0"),
+    (dict(rms_norm_eps=None), "rms_norm_eps is None; it must be a finite number >= 0"),
+    (dict(rms_norm_eps="abc"), "rms_norm_eps is 'abc'; it must be a finite number >= 0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+     "rope_theta is nan; it must be a positive finite number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+     "rope_theta is 0.0; it must be a positive finite number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -10000}),
+     "rope_theta is -10000.0; it must be a positive finite number"),
 ])
 def test_sizes_that_cannot_build_a_model_are_refused(tmp_path, keys, message):
     """A zero context failed in the start-up log (a division by zero), a negative one in torch (a RoPE table

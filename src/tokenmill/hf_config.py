@@ -198,7 +198,8 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
     gemma3 = arch in GEMMA3
     rope, local_rope_theta = (gemma3_rope(hf) if gemma3
                               else (dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {}), None))
-    rope_theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    rope_theta = _as_float(next((v for v in (rope.get("rope_theta"), hf.get("rope_theta")) if v is not None),
+                                10000.0))
     kind = rope.get("rope_type") or rope.get("type") or "default"
     phi3 = arch == "Phi3ForCausalLM"
     rotary_dim = None
@@ -236,7 +237,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_as_float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -257,3 +258,8 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         # Granite alone reads its scalars (transformers' default 1.0 for each, the softmax scale included)
         **({name: hf.get(name, 1.0) for name in GRANITE_MULTIPLIERS} if arch == "GraniteForCausalLM" else {}),
     )
+
+
+def _as_float(value):
+    """A JSON number as a float; anything else as it is, for `ModelConfig` to refuse by the field's name."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value

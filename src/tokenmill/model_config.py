@@ -101,6 +101,13 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"the model config's rope_layers has {len(self.rope_layers)} entries; it needs one per "
                              f"layer, num_hidden_layers={self.num_hidden_layers}")
+        # a negative or NaN one loaded a model whose every output was noise
+        if not positive(self.rope_theta):
+            raise ValueError(f"the model config's rope_theta is {self.rope_theta!r}; it must be a positive finite "
+                             "number")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"the model config's rms_norm_eps is {eps!r}; it must be a finite number >= 0")
         for name in ("local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not positive(value):
