@@ -5,12 +5,16 @@ served (biases on o_proj or the MLP) refused at load. The reference is transform
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from tokenmill import LLM
 from tokenmill.config import ModelConfig
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -192,3 +196,27 @@ def test_a_directory_holding_a_gguf_file_says_to_give_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no config\.json at .*; it holds model-Q4_K_M\.gguf: a GGUF model is "
                                                 r"given as the file itself"):
         ModelConfig.from_hf(str(tmp_path))
+
+
+def test_a_tensor_twice_or_of_integers_is_refused(qwen3_dir, tmp_path):
+    """A tensor in two shards of a checkpoint: the later file's copy replaced the earlier one unseen; integers
+    where the model has float weights were cast. Either loaded a model of noise; each is refused by name."""
+    weights = load_file(os.path.join(qwen3_dir, "model.safetensors"))
+    names = sorted(weights)
+    for case in ("twice", "integers"):
+        model = tmp_path / case
+        shutil.copytree(qwen3_dir, model)
+        os.remove(model / "model.safetensors")
+        first, second = {n: weights[n] for n in names[:3]}, {n: weights[n] for n in names[3:]}
+        if case == "twice":
+            second[names[0]] = torch.zeros_like(weights[names[0]])
+        else:
+            second[names[-1]] = weights[names[-1]].to(torch.int32)
+        save_file(first, model / "model-00001-of-00002.safetensors")
+        save_file(second, model / "model-00002-of-00002.safetensors")
+        index = {n: f"model-0000{1 if n in first else 2}-of-00002.safetensors" for n in names}
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        message = (rf"checkpoint tensor '{names[0]}' appears twice" if case == "twice" else
+                   rf"checkpoint tensor '{names[-1]}' is torch.int32, the model expects floating point")
+        with pytest.raises(ValueError, match=message):
+            LLM(str(model), device="cpu", dtype="float32")

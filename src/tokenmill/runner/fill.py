@@ -43,6 +43,9 @@ def fill_parameters(model: nn.Module, tensors, source: str) -> None:
             continue
         param = params[name]
         split = split_dim(name) if tp is not None else None
+        if (0 if shard is None else shard) in filled[name]:
+            # two files of one checkpoint holding the tensor: the later one replaced the earlier unseen
+            raise ValueError(f"checkpoint tensor {key!r} appears twice in {source} (fills {name!r} again)")
         if shard is None:
             tensor = read() if split is None else read(_rank_slice(split, tp.rank, param.shape[split]))
             _copy(param.data, tensor, key)
@@ -102,6 +105,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     # weight of a "dense" checkpoint copied into FP8 is scaled twice); float weights may cast
     if (not dst.dtype.is_floating_point or dst.dtype.itemsize == 1) and src.dtype != dst.dtype:
         raise ValueError(f"checkpoint tensor {key!r} is {src.dtype}, the model expects {dst.dtype}")
+    if dst.dtype.is_floating_point and not src.dtype.is_floating_point:
+        # integers (or bools) where the model has float weights: cast, they loaded a model of noise
+        raise ValueError(f"checkpoint tensor {key!r} is {src.dtype}, the model expects floating point ({dst.dtype})")
     dst.copy_(src)
 
 
