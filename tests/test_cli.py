@@ -456,6 +456,12 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--served-model-name", "a", "a"], "--served-model-name takes distinct, non-empty names"),
     ("serve", ["--seed", str(2 ** 70)], "seed must be a 64-bit integer"),
     ("serve", ["--swap-space", "1e6"], "swap_space 1e+06 GiB is more than 70% of this machine's"),
+    # each core pins its own: the bound is the cores' together
+    ("serve", ["--swap-space", str(0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30),
+               "--data-parallel-size", "2"], "cores is"),
+    # torch took these, and the engine core failed on them after the model began to load
+    ("serve", ["--device", "mps"], "device 'mps' is not a device tokenmill runs on: auto, cpu, cuda or cuda:N"),
+    ("serve", ["--device", "meta"], "device 'meta' is not a device tokenmill runs on"),
     # --backend was among generate's options and ignored there: `generate --backend hf` ran tokenmill
     ("generate", ["--backend", "hf"], "unrecognized arguments: --backend hf"),
 ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,9 @@ class EngineConfig:
                              "(its config is its metadata)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (or None: the model's), got {self.max_model_len}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            # refused before anything loads (torch took "mps" or "meta" and failed in the core)
+            raise ValueError(f"device {self.device!r} is not a device tokenmill runs on: auto, cpu, cuda or cuda:N")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
