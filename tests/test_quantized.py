@@ -395,10 +395,21 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
      r"quant_method 'bitsandbytes' is not supported; supported: awq, gptq, fp8"),
     (dict(quant_method="gptq", bits=4, group_size=128, dynamic={"-:.*layers\\.1\\..*": {}}),
      r"gptq checkpoint with dynamic=.* \(per-module overrides\) is not supported"),
+    # these passed the checks (4.0 == 4) or failed in them with a TypeError, and then in the layers
+    (dict(quant_method="awq", bits=4.0, group_size=128, version="gemm"), r"awq checkpoint with bits=4.0 is not supported"),
+    (dict(quant_method="gptq", bits=4, group_size=128.0), r"gptq checkpoint with group_size=128.0 is not supported"),
+    (dict(quant_method="fp8", weight_block_size=128), r"fp8 checkpoint with weight_block_size=128 is not supported"),
+    (dict(quant_method="fp8", weight_block_size=[128.0, 128.0]), r"weight_block_size=\[128.0, 128.0\] is not supported"),
+    (dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"g": ["Linear"]}),
+     r"compressed-tensors group 'g' must be a JSON object, got \['Linear'\]"),
+    (dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"g": {
+        "targets": ["Linear"], "weights": 8}}), r"compressed-tensors weights must be a JSON object, got 8"),
 ])
 def test_unsupported_quantization_configs_are_named(qc, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(dict(BASE, quantization_config=qc))
+    with pytest.raises(ValueError, match="quantization_config must be a JSON object, got 'fp8'"):
+        ModelConfig.from_hf(dict(BASE, quantization_config="fp8"))
 
 
 def test_config_reads_each_format():

@@ -23,6 +23,7 @@ QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 def parse_quantization(qc: dict, unserved: tuple[str, ...] = ()) -> W4Config | Fp8Config:
     """A config.json's `quantization_config` -> the config of its layers. `unserved`: the name prefixes of a
     multimodal checkpoint's parts not served (`hf_config.TEXT_OF_MULTIMODAL`), which it may leave unquantized."""
+    qc = _object(qc, "quantization_config")
     method = str(qc.get("quant_method", "")).lower()
     if method in FP8_METHODS:
         return parse_fp8_config(qc, unserved)
@@ -30,6 +31,13 @@ def parse_quantization(qc: dict, unserved: tuple[str, ...] = ()) -> W4Config | F
         raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
                          f"supported: {', '.join((*W4_METHODS, *FP8_METHODS))}")
     return parse_w4_config(qc, unserved)
+
+
+def _object(value, what: str) -> dict:
+    """`value`, a JSON object of a checkpoint's config; anything else is refused naming `what`."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -54,10 +62,10 @@ def parse_w4_config(qc: dict, unserved: tuple[str, ...] = ()) -> W4Config:
         raise ValueError(f"quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
                          f"supported: {', '.join(W4_METHODS)}")
     bits = qc.get("bits", qc.get("w_bit"))
-    if bits not in W4_BITS:
+    if type(bits) is not int or bits not in W4_BITS:
         raise ValueError(f"{method} checkpoint with bits={bits!r} is not supported; supported: 4")
     group = qc.get("group_size", qc.get("q_group_size"))
-    if group not in W4_GROUP_SIZES:
+    if type(group) is not int or group not in W4_GROUP_SIZES:
         raise ValueError(f"{method} checkpoint with group_size={group!r} is not supported; supported: "
                          f"{', '.join(map(str, W4_GROUP_SIZES))}")
     if _not_the_head(qc.get("modules_to_not_convert"), unserved):
@@ -120,7 +128,8 @@ def parse_fp8_config(qc: dict, unserved: tuple[str, ...] = ()) -> Fp8Config:
             raise ValueError(f"fp8 checkpoint with activation_scheme={qc.get('activation_scheme')!r} is not "
                              "supported; supported: dynamic")
         block = qc.get("weight_block_size")
-        if block is None or tuple(block) not in FP8_BLOCKS:
+        if (not isinstance(block, (list, tuple)) or any(type(b) is not int for b in block)
+                or tuple(block) not in FP8_BLOCKS):
             raise ValueError(f"fp8 checkpoint with weight_block_size={block!r} is not supported; supported: "
                              f"{', '.join(str(list(b)) for b in FP8_BLOCKS)}")
         _check_ignored(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), "fp8", unserved)
@@ -135,16 +144,17 @@ def parse_fp8_config(qc: dict, unserved: tuple[str, ...] = ()) -> Fp8Config:
     if qc.get("kv_cache_scheme"):
         raise ValueError(f"compressed-tensors checkpoint with kv_cache_scheme={qc['kv_cache_scheme']!r} (stored KV "
                          "cache scales) is not supported; supported: none (--kv-cache-dtype fp8 sets its own)")
-    groups = qc.get("config_groups") or {}
+    groups = _object(qc.get("config_groups") or {}, "compressed-tensors config_groups")
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config_groups is not supported; "
                          "supported: one group for every Linear")
     (name, group), = groups.items()
+    group = _object(group, f"compressed-tensors group {name!r}")
     targets = group.get("targets") or []
     if list(targets) != ["Linear"]:
         raise ValueError(f"compressed-tensors group {name!r} with targets={targets!r} is not supported; "
                          "supported: ['Linear']")
-    w = group.get("weights") or {}
+    w = _object(group.get("weights") or {}, "compressed-tensors weights")
     got = (w.get("num_bits"), str(w.get("type")).lower(), str(w.get("strategy")).lower())
     if got != (8, "float", "channel"):
         raise ValueError(f"compressed-tensors weights num_bits={w.get('num_bits')!r} type={w.get('type')!r} "
@@ -154,6 +164,7 @@ def parse_fp8_config(qc: dict, unserved: tuple[str, ...] = ()) -> Fp8Config:
         raise ValueError("compressed-tensors weights with symmetric=false or dynamic=true are not supported; "
                          "supported: static symmetric scales")
     act = group.get("input_activations")
+    act = None if act is None else _object(act, "compressed-tensors input_activations")
     if act is not None and not act.get("dynamic", False):
         raise ValueError(f"compressed-tensors input_activations with dynamic=false (static scales, strategy="
                          f"{act.get('strategy')!r}) are not supported; supported: dynamic per-token or none")
