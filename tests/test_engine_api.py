@@ -514,6 +514,14 @@ def test_an_unreadable_shard_or_index_is_named(qwen3_dir, tmp_path):
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json' has no weight_map"):
         LLM(str(d), device="cpu")
+    # a list, no JSON, a shard named by no string or outside the directory (tracebacks, or a file read elsewhere)
+    for body, message in (("[]", "has no weight_map"), ("{", "is not JSON"),
+                          (json.dumps({"weight_map": {"w": 3}}), "names the shard 3"),
+                          (json.dumps({"weight_map": {"w": "/etc/passwd"}}), "names the shard '/etc/passwd'"),
+                          (json.dumps({"weight_map": {"w": "../x.safetensors"}}), "names the shard '../x")):
+        index.write_text(body)
+        with pytest.raises(ValueError, match=message):
+            LLM(str(d), device="cpu")
 
 
 def test_a_stop_string_found_by_the_frontend_frees_the_core_at_once(llm):

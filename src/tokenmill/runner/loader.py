@@ -27,11 +27,20 @@ logger = logging.getLogger("tokenmill")
 def weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index, encoding="utf-8") as f:
+                body = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index!r} is not JSON: {e}") from None
+        weight_map = body.get("weight_map") if isinstance(body, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index!r} has no weight_map (checkpoint key -> shard file)")
-        files = [os.path.join(model_dir, n) for n in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        # a shard is a file of the model's own directory, named by a relative path
+        bad = next((n for n in names if not isinstance(n, str) or os.path.isabs(n) or ".." in n.split("/")), None)
+        if bad is not None:
+            raise ValueError(f"{index!r} names the shard {bad!r}: a shard is a file in the model's directory")
+        files = [os.path.join(model_dir, n) for n in sorted(names)]
         for path in files:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{index!r} lists the shard {os.path.basename(path)!r}, which is not in "
