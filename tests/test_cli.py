@@ -292,6 +292,10 @@ def test_serve_reads_vllms_config_file_under_the_command_line(served, capsys, tm
     with pytest.raises(SystemExit):
         served(model, "--config", str(tmp_path / "missing.yaml"))
     assert "missing.yaml': No such file or directory" in capsys.readouterr().err
+    config.write_bytes("port: 1\n# caf\u00e9\n".encode("latin-1"))       # a traceback before
+    with pytest.raises(SystemExit):
+        served(model, "--config", str(config))
+    assert "is not UTF-8 text (invalid continuation byte at byte 13)" in capsys.readouterr().err
 
 
 def test_generate_separates_the_outputs_of_several_prompts(monkeypatch, capsys):
@@ -449,6 +453,8 @@ def test_run_server_refuses_a_stream_interval_below_one():
     ("serve", ["--log-stats-interval", "0"], "--log-stats-interval: must be a positive, finite number"),
     ("serve", ["--tokenizer", "/nonexistent"], "tokenizer '/nonexistent' holds no tokenizer"),
     ("serve", ["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template cannot be compiled"),
+    ("serve", ["--chat-template", os.path.join(os.path.dirname(__file__), "data", "latin-1.jinja")],
+     "latin-1.jinja' is not UTF-8 text"),
     ("serve", ["--api-key", " "], "the API key is empty"),
     ("serve", ["--api-key", "k1", ""], "the API key is empty"),
     ("serve", ["--quantization", "marlin"], "argument --quantization: invalid choice: 'marlin' (choose from 'awq', "

@@ -18,6 +18,8 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> tuple[list[s
             config = yaml.safe_load(f)
     except OSError as e:
         parser.error(f"--config {path!r}: {e.strerror}")
+    except UnicodeDecodeError as e:
+        parser.error(f"--config {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
     except yaml.YAMLError as e:
         parser.error(f"--config {path!r} is not YAML: {str(e).splitlines()[0]}")
     if config is None:

@@ -115,8 +115,12 @@ def chat_options(args):
     from tokenmill.server.serving import ChatOptions
     template = args.chat_template
     if template is not None and os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--chat-template {template!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
     elif template is not None and not any(c in template for c in "{}\n"):
         # as vLLM reads --chat-template: a value that is no file but holds Jinja's braces or a line break
         # is the template itself
