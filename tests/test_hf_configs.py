@@ -125,6 +125,8 @@ def test_a_tied_checkpoint_storing_the_matrix_as_the_head(tmp_path):
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     (dict(hidden_size=24, num_attention_heads=8, num_key_value_heads=8, head_dim=3), "head_dim is 3; .* must be even"),
     # a negative or NaN one loaded a model of noise; a rope_theta of 0 was read as 10,000; null failed in float()
+    (dict(max_position_embeddings=None), "max_position_embeddings is None; it must be an integer >= 1"),
+    (dict(max_position_embeddings=2048.5), "max_position_embeddings is 2048.5; it must be an integer >= 1"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps is -1.0; it must be a finite number >= 0"),
     (dict(rms_norm_eps=None), "rms_norm_eps is None; it must be a finite number >= 0"),
     (dict(rms_norm_eps="abc"), "rms_norm_eps is 'abc'; it must be a finite number >= 0"),

@@ -240,7 +240,7 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
         rms_norm_eps=_as_float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_as_int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v always carry a bias (transformers' Qwen2 reads no attention_bias key)
         attention_bias=arch == "Qwen2ForCausalLM" or (not phi3 and bool(hf.get("attention_bias", False))),
@@ -263,3 +263,11 @@ def read_hf_config(cls: type, hf: dict[str, Any] | str | os.PathLike,
 def _as_float(value):
     """A JSON number as a float; anything else as it is, for `ModelConfig` to refuse by the field's name."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _as_int(value):
+    """A JSON number of a whole value as an int; anything else as it is, for `ModelConfig` to refuse by the
+    field's name (a null failed in int())."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+        return int(value)
+    return value
