@@ -119,11 +119,10 @@ class EngineConfig:
             raise ValueError(f"target_itl_ms must be > 0 and finite (or None: off), got {self.target_itl_ms}")
         if not 0.0 <= self.swap_space < math.inf:
             raise ValueError(f"swap_space must be >= 0 GiB and finite, got {self.swap_space}")
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-        if self.swap_space > 0.7 * host:
-            # vLLM's bound: the swap space is pinned host memory, the rest of the machine needs the rest
+        host, limit = swap_space_limit()
+        if self.swap_space > limit:
             raise ValueError(f"swap_space {self.swap_space:g} GiB is more than 70% of this machine's "
-                             f"{host:.1f} GiB of memory ({0.7 * host:.1f} GiB)")
+                             f"{host:.1f} GiB of memory ({limit:.1f} GiB)")
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
@@ -181,6 +180,13 @@ class EngineConfig:
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         import torch
         return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def swap_space_limit() -> tuple[float, float]:
+    """This machine's memory and the most swap space its engine cores may pin together, GiB: vLLM's bound, 70%
+    (the swap space is pinned host memory, the rest of the machine needs the rest)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return host, 0.7 * host
 
 
 def priority_refusal(priority: int, policy: str) -> str | None:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.config_values import ACTIVATIONS, GRANITE_MULTIPLIERS, positive
+from tokenmill.config_values import ACTIVATIONS, GRANITE_MULTIPLIERS, finite_number, positive
 from tokenmill.quant.formats import Fp8Config, W4Config
 
 # torch is imported where a dtype or a device is made, not here: an API server process builds these
@@ -105,9 +105,9 @@ class ModelConfig:
         if not positive(self.rope_theta):
             raise ValueError(f"the model config's rope_theta is {self.rope_theta!r}; it must be a positive finite "
                              "number")
-        eps = self.rms_norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-            raise ValueError(f"the model config's rms_norm_eps is {eps!r}; it must be a finite number >= 0")
+        if not (finite_number(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"the model config's rms_norm_eps is {self.rms_norm_eps!r}; it must be a finite number "
+                             ">= 0")
         for name in ("local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not positive(value):

@@ -17,7 +17,7 @@ from tokenmill.structured_output_limits import (
     MAX_JSON_DEPTH, MAX_SPEC_CHARS, SCHEMA_DATA_KEYS, SUBSCHEMA_MAPS, json_chars_at_least, json_depth,
     structural_tag_schemas,
 )
-from tokenmill.structured_outputs_params import StructuredOutputsParams
+from tokenmill.structured_outputs_params import THINK_TAGS, StructuredOutputsParams, valid_think_tags
 
 __all__ = ["LOGIT_BIAS_LIMIT", "MAX_JSON_DEPTH", "MAX_SHOWN_CHARS", "MAX_SPEC_CHARS", "MIN_TEMPERATURE",
            "SCHEMA_DATA_KEYS", "SUBSCHEMA_MAPS", "RequestOutputKind", "SamplingParamError", "SamplingParams",
@@ -203,10 +203,8 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             bad("thinking_token_budget", budget, "an integer >= 0 (or None: no budget)")
-        if self.think_tags is not None and (
-                not isinstance(self.think_tags, (list, tuple)) or len(self.think_tags) != 2
-                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.think_tags)):
-            bad("think_tags", self.think_tags, "the token ids of <think> and </think> (two integers >= 0)")
+        if self.think_tags is not None and not valid_think_tags(self.think_tags):
+            bad("think_tags", self.think_tags, THINK_TAGS)
         if self.in_think is not None and not isinstance(self.in_think, bool):
             bad("in_think", self.in_think, "a bool or None")
         if self.truncate_prompt_tokens is not None and (

@@ -11,6 +11,15 @@ from tokenmill.structured_output_limits import (
 )
 
 
+THINK_TAGS = "the token ids of <think> and </think> (two integers >= 0)"
+
+
+def valid_think_tags(tags) -> bool:
+    """Whether `tags` are (<think>, </think>) as a request's params take them (`THINK_TAGS`)."""
+    return (isinstance(tags, (list, tuple)) and len(tags) == 2
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tags))
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrains the output to a grammar (vLLM's `StructuredOutputsParams`); exactly one of `json` (a
@@ -42,10 +51,9 @@ class StructuredOutputsParams:
             raise SamplingParamError("structured_outputs", "exactly one of json, regex, choice, grammar, "
                                      f"structural_tag and json_object must be set, got {kinds or 'none'}")
         if self.think_tags is not None:
-            if (not isinstance(self.think_tags, (list, tuple)) or len(self.think_tags) != 2
-                    or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.think_tags)):
-                raise SamplingParamError("structured_outputs.think_tags", "think_tags must be the token ids of "
-                                         f"<think> and </think> (two integers >= 0), got {self.think_tags!r}")
+            if not valid_think_tags(self.think_tags):
+                raise SamplingParamError("structured_outputs.think_tags", f"think_tags must be {THINK_TAGS}, got "
+                                         f"{self.think_tags!r}")
             self.think_tags = tuple(self.think_tags)
         if self.whitespace_pattern is not None:
             raise SamplingParamError("structured_outputs.whitespace_pattern",

@@ -9,6 +9,7 @@ import sys
 from tokenmill.cli.engine_args import engine_config
 from tokenmill.cli.server_args import chat_options, generation_defaults, http_options
 from tokenmill.cli.vllm_compat import VLLM_FIXED, VLLM_HONOURED, VLLM_REFUSED, VLLM_SHORT, _vllm_dest
+from tokenmill.config import swap_space_limit
 from tokenmill.quant.formats import QUANTIZATION_ALIASES
 
 
@@ -91,12 +92,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--data-parallel-size {dp}")
     if dp > 1 and args.backend != "tokenmill":
         parser.error(f"--data-parallel-size {dp} needs --backend tokenmill")
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    if dp > 1 and args.swap_space * dp > 0.7 * host:
+    host, limit = swap_space_limit()
+    if dp > 1 and args.swap_space * dp > limit:
         # each core pins its own swap space: the engine config's bound is one core's
         parser.error(f"--swap-space {args.swap_space:g} GiB for each of --data-parallel-size {dp} cores is "
                      f"{args.swap_space * dp:g} GiB, more than 70% of this machine's {host:.1f} GiB of memory "
-                     f"({0.7 * host:.1f} GiB)")
+                     f"({limit:.1f} GiB)")
     if args.api_server_count > 1 and args.engine_in_process:
         parser.error("--engine-in-process runs the engine in the API server's process, so it cannot serve "
                      f"--api-server-count {args.api_server_count}")
