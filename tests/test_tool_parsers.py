@@ -856,14 +856,17 @@ def test_a_tool_parser_over_a_template_that_reads_no_tools_is_warned_of(tokenize
 def test_long_runs_are_held_in_pieces_not_one_growing_string():
     """A stream held what it had not decided in one string grown by each piece and looked at whole each
     time: a model's run of 32,000 whitespace tokens, or a call of 800 kB, held the event loop for seconds.
-    Now what is held is pieces, and what is looked at again is the last few characters: the streams
-    still equal the whole extraction."""
+    Now what is held is pieces, and what is looked at again is the last few characters (an untagged
+    format's open object or list: each new piece alone): the streams still equal the whole extraction."""
     from tokenmill.server.reasoning import Qwen3ReasoningParser
     call = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "ab </tool" * 3000 + '"}}\n</tool_call>'
-    listed = '[{"name": "f", "arguments": {}}]'          # a list is held whole until it closes
+    listed = "[" + ", ".join('{"name": "f", "arguments": {"a": "%s"}}' % ("[{" * i) for i in range(300)) + "]"
+    obj = '{"name": "write", "parameters": {"text": "' + "ab {[" * 5000 + '"}}; '
     for parser, text, bound in ((HermesToolParser(), call + " " * 20_000 + "done", 16),
                                 (HermesToolParser(), " " * 20_000 + call, 16),
-                                (GraniteToolParser(), " " * 20_000 + listed, len(listed))):
+                                (GraniteToolParser(), " " * 20_000 + listed, 16),
+                                (PythonicToolParser(), "[" + "f(a=1), " * 3000 + "g(b='x]')] done", 16),
+                                (Llama3JsonToolParser(), obj * 3 + "done", 16)):
         whole = parser.extract(text)
         stream = parser.new_stream()
         deltas, longest = [], 0

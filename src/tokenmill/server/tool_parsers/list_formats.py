@@ -77,19 +77,20 @@ class PythonicToolParser(_ListToolParser):
 
 class ListStream(_UntaggedStream):
     """A list format (`_ListToolParser`) read piece by piece. Text before an opening is content; a list is
-    held in `_buf` until it closes, then sent as its calls when every item is one (the last item may be empty
-    after a comma, as Python allows), after which the search for an opening goes on. A list that is not all
-    calls (or none), a bracket closing another's kind and an unclosed list stay content, opening included,
-    with all that follows; so does an opening that no `[` follows, and the search goes on past it. In "opened"
-    and "list" mode `_buf`'s first `_held` characters are the opening and the whitespace after it."""
+    held until it closes, each item read as the list's own comma ends it, then sent as its calls when every
+    item is one (the last item may be empty after a comma, as Python allows), after which the search for an
+    opening goes on. A list that is not all calls (or none), a bracket closing another's kind and an unclosed
+    list stay content, opening included, with all that follows; so does an opening that no `[` follows, and
+    the search goes on past it. In "opened" mode `_buf`'s first `_held` characters are the opening and the
+    whitespace after it."""
+    _value_mode = "list"
 
     def __init__(self, parser: _ListToolParser):
         # start | content | opened | list | rest
         super().__init__(parser.openings, "start" if parser.list_at_start else "content")
         self._parser = parser
         self._list: _Brackets | None = None
-        self._scanned = 0
-        self._item = 0                  # where the list's next item starts in `_buf` (past its "[" or a comma)
+        self._item: list[str] = []      # the pieces of the list's item not yet ended
         self._calls: list[ToolCall] | None = None   # its items read so far; None once one is not a call
 
     def _opened(self, held: int) -> None:
@@ -98,7 +99,14 @@ class ListStream(_UntaggedStream):
     def _read(self, out: list[Delta]) -> bool:
         buf, mode = self._buf, self._mode
         if mode == "list":
-            return self._scan(out)
+            end, self._closed = self._closed, None
+            if end > 0 and self._calls:
+                for call in self._calls:
+                    self._call(call, out)
+                self._buf, self._mode = buf[end:], "content"
+            else:
+                self._mode = "rest"
+            return True
         # start, opened: whitespace, then the list or other text
         at = self._held if mode == "opened" else 0
         first = len(buf) - len(buf[at:].lstrip())
@@ -111,32 +119,33 @@ class ListStream(_UntaggedStream):
             self._content(buf[:first], out)
             self._buf, buf, first = buf[first:], buf[first:], 0
         if buf[first] == "[":
-            self._mode, self._held, self._list = "list", first, _Brackets(self._parser.quotes)
-            self._scanned, self._item, self._calls = first, first + 1, []
-        else:                           # what opened no list is content; an opening may follow it
-            self._content(buf[:first], out)
-            self._buf, self._mode = buf[first:], "content"
+            self._mode, self._list, self._item, self._calls = "list", _Brackets(self._parser.quotes), [], []
+            end = self._scan_text(buf[first:], 1)
+            self._closed = end if end is None or end < 0 else first + end
+            return self._closed is not None
+        # what opened no list is content; an opening may follow it
+        self._content(buf[:first], out)
+        self._buf, self._mode = buf[first:], "content"
         return True
 
-    def _scan(self, out: list[Delta]) -> bool:
-        buf = self._buf
-        end = self._list.scan(buf, self._scanned)
+    def _scan_piece(self, text: str) -> int | None:
+        return self._scan_text(text, 0)
+
+    def _scan_text(self, text: str, start: int) -> int | None:
+        """Scans `text`, the list's next piece, whose item text starts at `start`: reads each item that ends
+        in it; past the list's close in `text` (-1: a bracket closing another kind's), None while open."""
+        end = self._list.scan(text, 0)
         for comma in self._list.commas:
-            self._read_item(buf[self._item:comma], last=False)
-            self._item = comma + 1
+            self._item.append(text[start:comma])
+            self._read_item("".join(self._item), last=False)
+            self._item, start = [], comma + 1
         self._list.commas.clear()
         if end is None:
-            self._scanned = len(buf)
-            return False
-        if end > 0:
-            self._read_item(buf[self._item:end - 1], last=True)
-        if end > 0 and self._calls:
-            for call in self._calls:
-                self._call(call, out)
-            self._buf, self._mode = buf[end:], "content"
-        else:
-            self._mode = "rest"
-        return True
+            self._item.append(text[start:])
+        elif end > 0:
+            self._item.append(text[start:end - 1])
+            self._read_item("".join(self._item), last=True)
+        return end
 
     def _read_item(self, item: str, last: bool) -> None:
         """One item of the list, as the parser's `parse_call` reads it."""

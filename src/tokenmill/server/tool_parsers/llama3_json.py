@@ -34,14 +34,14 @@ class Llama3JsonToolParser(ToolParser):
 
 class Llama3JsonStream(_UntaggedStream):
     """`llama3_json`, read piece by piece. In "call" mode `_buf`'s first `_held` characters are what opened
-    the call (a tag, a separator)."""
+    the call (a tag, a separator); "object" mode reads the object that starts at `_held`."""
+    _value_mode = "object"
 
     def __init__(self, parser: Llama3JsonToolParser):
         super().__init__((PYTHON_TAG,), "start")    # start | content | call | object | after_call | rest
         self._parser = parser
         self._separated = False     # "call" mode after a separator, not a tag
         self._object: _Brackets | None = None
-        self._scanned = 0
 
     def finish(self) -> list[Delta]:
         if self._mode == "call" and self._separated and not self._buf[self._held:].strip():
@@ -54,10 +54,7 @@ class Llama3JsonStream(_UntaggedStream):
     def _read(self, out: list[Delta]) -> bool:
         buf, mode = self._buf, self._mode
         if mode == "object":
-            end = self._object.scan(buf, self._scanned)
-            if end is None:
-                self._scanned = len(buf)
-                return False
+            end, self._closed = self._closed, None
             call = self._parser.parse_call(buf[self._held:end]) if end > 0 else None
             if call is None:            # this object, what opened it and all that follows are content
                 self._mode = "rest"
@@ -77,7 +74,9 @@ class Llama3JsonStream(_UntaggedStream):
             self._content(buf[:first], out)
             self._buf, buf, first = buf[first:], buf[first:], 0
         if buf[first] == "{":
-            self._mode, self._object, self._scanned, self._held = "object", _Brackets('"'), first, first
+            self._mode, self._object, self._held = "object", _Brackets('"'), first
+            self._closed = self._object.scan(buf, first)
+            return self._closed is not None
         elif mode == "after_call" and buf[first] == ";":
             self._mode, self._held, self._separated = "call", first + 1, True
         else:
@@ -86,3 +85,6 @@ class Llama3JsonStream(_UntaggedStream):
                 self._content(buf[:self._held], out)
                 self._buf = buf[self._held:]
         return True
+
+    def _scan_piece(self, text: str) -> int | None:
+        return self._object.scan(text, 0)

@@ -66,24 +66,40 @@ def _extract_by_stream(parser: ToolParser, text: str) -> ExtractedToolCalls:
 class _UntaggedStream(_DeltaStream):
     """Base of the streams of untagged formats: `_buf` holds the text not yet decided, which `_step` reads
     for as long as it can decide something. In "content" mode text is content up to one of `openings` (what
-    may open calls), which `_opened` takes over; in "rest" mode all is content; the format reads the others."""
+    may open calls), which `_opened` takes over; in "rest" mode all is content; the format reads the others.
+
+    While a bracketed value is open (the format's `_value_mode`), `_buf` has been scanned to its end and each
+    new piece is scanned alone (`_scan_piece`) and kept in `_pieces`: they are joined to `_buf` once, when the
+    value closes (or at `finish`), so that a long call costs its length, not its length per piece."""
+    _value_mode = ""
 
     def __init__(self, openings: tuple[str, ...], mode: str):
         super().__init__()
         self._openings = openings
         self._buf = ""
+        self._pieces: list[str] = []
         self._mode = mode
         self._held = 0                  # how much of `_buf` opened what is being read: content if no call follows
+        self._closed: int | None = None     # where in `_buf` the value closed (-1: no value), once it has
 
     def feed(self, delta_text: str) -> list[Delta]:
         out: list[Delta] = []
-        self._buf += delta_text
+        if self._mode == self._value_mode:
+            self._pieces.append(delta_text)
+            end = self._scan_piece(delta_text)
+            if end is None:
+                return out
+            self._buf, self._pieces = "".join([self._buf, *self._pieces]), []
+            self._closed = end if end < 0 else len(self._buf) - len(delta_text) + end
+        else:
+            self._buf += delta_text
         while self._step(out):
             pass
         return out
 
     def finish(self) -> list[Delta]:
         out: list[Delta] = []
+        self._buf, self._pieces = "".join([self._buf, *self._pieces]), []
         self._content(self._buf, out)       # a partial opening, what opened no call, an unclosed object or list
         self._buf, self._mode = "", "rest"
         return out
@@ -109,5 +125,11 @@ class _UntaggedStream(_DeltaStream):
         raise NotImplementedError
 
     def _read(self, out: list[Delta]) -> bool:
-        """`_step` in the format's own modes."""
+        """`_step` in the format's own modes. In `_value_mode` it runs once the value has closed, where
+        `_closed` says."""
+        raise NotImplementedError
+
+    def _scan_piece(self, text: str) -> int | None:
+        """The open value's scan of `text`, its next piece: past the close in `text`, -1 where a bracket
+        closes another kind's, None while it stays open."""
         raise NotImplementedError
