@@ -83,6 +83,7 @@ class _EventStream:
         self.seq = 0
         self.items: list[dict] = []
         self.open: dict | None = None       # the item receiving deltas
+        self.text: list[str] = []           # the open message's or reasoning's text, joined into it as it closes
         self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
         self.index: dict[str, int] = {}     # item id -> its output_index
         self.pending_logprobs: list[dict] = []   # tokens' logprobs not yet sent with an output_text delta
@@ -117,6 +118,8 @@ class _EventStream:
         if item is None:
             return []
         index = self.index[item["id"]]
+        if item["type"] in ("message", "reasoning"):
+            item["content"][0]["text"], self.text = "".join(self.text), []
         events = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -142,14 +145,14 @@ class _EventStream:
         if "reasoning_content" in part:
             if self.open is None or self.open["type"] != "reasoning":
                 events += self._start({"type": "reasoning", "id": _id("rs"), "summary": []})
-            self.open["content"][0]["text"] += part["reasoning_content"]
+            self.text.append(part["reasoning_content"])
             events.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
                                      output_index=len(self.items) - 1, content_index=0,
                                      delta=part["reasoning_content"]))
         if part.get("content"):
             if self.open is None or self.open["type"] != "message":
                 events += self._start({"type": "message", "id": _id("msg"), "role": "assistant"})
-            self.open["content"][0]["text"] += part["content"]
+            self.text.append(part["content"])
             lps, self.pending_logprobs = self.pending_logprobs, []
             self.open["content"][0]["logprobs"] += lps
             events.append(self.event("response.output_text.delta", item_id=self.open["id"],
