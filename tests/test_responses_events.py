@@ -87,20 +87,27 @@ def test_reasoning_text_comes_in_a_content_part_as_the_messages_text_does():
 
 
 def test_a_long_output_is_held_in_pieces_until_its_item_closes():
-    """An open item's text grew by each delta (the string copied whole each time: a 100,000-delta message
-    took seconds of the event loop); it is kept as its deltas and joined once, as the item closes, and the
-    done events and items carry it whole."""
+    """An open item's text or a call's arguments grew by each delta (the string copied whole each time: a
+    100,000-delta message took seconds of the event loop); they are kept as their deltas and joined once, as
+    the item closes, and the done events and items carry them whole."""
     events = _EventStream(shape=SimpleNamespace(req=SimpleNamespace(include=None)))
     for i in range(20_000):
         events.delta({"reasoning_content": f"r{i} "})
     for i in range(20_000):
         events.delta({"content": f"c{i} "})
         assert events.open["content"][0]["text"] == ""
+    events.delta({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "["}}]})
+    for i in range(20_000):
+        events.delta({"tool_calls": [{"index": 0, "function": {"arguments": f"{i}, "}}]})
+        assert events.open["arguments"] == ""
     done = events.close_all()
     assert events.items[0]["content"][0]["text"] == "".join(f"r{i} " for i in range(20_000))
     message = "".join(f"c{i} " for i in range(20_000))
     assert events.items[1]["content"][0]["text"] == message
-    assert next(e for e in done if e["type"] == "response.output_text.done")["text"] == message
+    assert [e["text"] for e in done if e["type"] == "response.output_text.done"] == []
+    arguments = "[" + "".join(f"{i}, " for i in range(20_000))
+    assert events.items[2]["arguments"] == arguments
+    assert next(e for e in done if e["type"] == "response.function_call_arguments.done")["arguments"] == arguments
 
 
 def _chat(items: list[dict]) -> list[dict]:

@@ -427,7 +427,7 @@ def test_required_schema_accepts_calls_of_the_tools_only():
                 [{"name": "get_weather", "arguments": {}}], [{"name": "ping"}]):
         assert not v.is_valid(bad), bad
     reader = RequiredCalls(TOOL_NAMES)
-    reader.feed(json.dumps(good, ensure_ascii=False))
+    _read(reader, [json.dumps(good, ensure_ascii=False)])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls] == \
         [(g["name"], g["arguments"]) for g in good]
 
@@ -656,6 +656,13 @@ def test_a_named_call_is_the_whole_output():
     assert reader.calls[0]["function"] == {"name": "book", "arguments": '{"item": {"n": 1}}'}
     empty = NamedCall("ping")
     assert _read(empty, []) == [(0, "ping", "")] and empty.calls[0]["function"]["arguments"] == ""
+    # a long call's pieces are kept apart until the output ends (the arguments grew by each piece: a copy of
+    # the whole per token), then joined once
+    reader = NamedCall("write")
+    for i in range(20_000):
+        reader.feed(f"{i} ")
+    assert reader.calls[0]["function"]["arguments"] == ""
+    assert reader.finish() == [] and reader.calls[0]["function"]["arguments"] == "".join(f"{i} " for i in range(20_000))
 
 @pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"city": "Paris \\ud83d"}}',
                                   '{"name": "f\\udc00", "arguments": {}}'])

@@ -83,7 +83,9 @@ class _EventStream:
         self.seq = 0
         self.items: list[dict] = []
         self.open: dict | None = None       # the item receiving deltas
-        self.text: list[str] = []           # the open message's or reasoning's text, joined into it as it closes
+        # the open item's text (a message's, a reasoning's) or a call's arguments after its first delta, as
+        # pieces: joined into it once, as it closes
+        self.text: list[str] = []
         self.calls: dict[int, dict] = {}    # streamed tool-call index -> its item
         self.index: dict[str, int] = {}     # item id -> its output_index
         self.pending_logprobs: list[dict] = []   # tokens' logprobs not yet sent with an output_text delta
@@ -120,6 +122,8 @@ class _EventStream:
         index = self.index[item["id"]]
         if item["type"] in ("message", "reasoning"):
             item["content"][0]["text"], self.text = "".join(self.text), []
+        elif item["type"] == "function_call":
+            item["arguments"], self.text = item["arguments"] + "".join(self.text), []
         events = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -168,7 +172,10 @@ class _EventStream:
                 events += self._start(item)
             args = call.get("function", {}).get("arguments") or ""
             if args:
-                item["arguments"] += args
+                if item is self.open:
+                    self.text.append(args)
+                else:
+                    item["arguments"] += args
                 events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
                                          output_index=self.index[item["id"]], delta=args))
         return events

@@ -158,24 +158,35 @@ class ConstrainedCalls:
     """The tool calls of output decoded under `required_tools_schema`, read as it is generated. `feed`
     returns (call index, name or None, arguments text) pieces: a call's name once it is known, then its
     arguments' text as it comes, as generated (so that the pieces of a stream add up to the whole
-    answer's `arguments`); `calls` holds each call in `message.tool_calls`'s shape. Output cut short by
-    max_tokens leaves its last call's arguments partial, as OpenAI and vLLM return them."""
+    answer's `arguments`); `calls` holds each call in `message.tool_calls`'s shape, its `arguments` whole
+    once `finish` has run (until then its pieces are kept apart: a long call costs its length, not its
+    length per piece). Output cut short by max_tokens leaves its last call's arguments partial, as OpenAI
+    and vLLM return them."""
 
     def __init__(self):
         self.calls: list[dict] = []
+        self._arguments: list[list[str]] = []     # each call's arguments, as pieces
 
     def _start(self, name: str) -> tuple[int, str, str]:
         self.calls.append(ToolCall(name, "").to_openai())
+        self._arguments.append([])
         return len(self.calls) - 1, name, ""
 
     def _extend(self, piece: str) -> tuple[int, None, str]:
-        self.calls[-1]["function"]["arguments"] += piece
+        self._arguments[-1].append(piece)
         return len(self.calls) - 1, None, piece
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         raise NotImplementedError
 
     def finish(self) -> list[tuple[int, str | None, str]]:
+        pieces = self._finish()
+        for call, arguments in zip(self.calls, self._arguments):
+            call["function"]["arguments"] = "".join(arguments)
+        return pieces
+
+    def _finish(self) -> list[tuple[int, str | None, str]]:
+        """The pieces that only the output's end decides."""
         return []
 
 
@@ -192,7 +203,7 @@ class NamedCall(ConstrainedCalls):
         pieces = [] if self.calls else [self._start(self.name)]
         return pieces + [self._extend(text)]
 
-    def finish(self) -> list[tuple[int, str | None, str]]:
+    def _finish(self) -> list[tuple[int, str | None, str]]:
         return [] if self.calls else [self._start(self.name)]
 
 
