@@ -69,7 +69,7 @@ def test_the_core_forgets_a_clients_request_once_each_sequence_has_ended():
             self.calls.append(("abort", request_ids))
 
     engine, update = Engine(), CoreUpdate()
-    client = _Client(1, 2, conn=None)
+    client = _Client(1, 2, conn=_pipe_end())
     client.apply(engine, AddRequest("two", [1], SamplingParams(n=2), handle=1), update)
     client.apply(engine, AddRequest("one", [1], SamplingParams(), handle=3), update)
     client.apply(engine, AddRequest("gone", [1], SamplingParams(), handle=5), update)
@@ -93,12 +93,12 @@ def test_a_request_the_engine_failed_goes_to_its_own_client_and_is_forgotten():
             pass
 
     engine, update = Engine(), CoreUpdate()
-    clients = [_Client(i, 2, conn=None) for i in range(2)]
+    clients = [_Client(i, 2, conn=_pipe_end()) for i in range(2)]
     for i, client in enumerate(clients):
         client.apply(engine, AddRequest("r", [1], SamplingParams(), handle=i), update)
     assert clients[0].failed("1:r") is None and clients[1].failed("1:r") == "r"
     assert not clients[1].handles and not clients[1].live and clients[0].handles == {"r": 0}
-    assert clients[1].failed("1:r") is None and _Client(0, 1, conn=None).failed("r") is None
+    assert clients[1].failed("1:r") is None and _Client(0, 1, conn=_pipe_end()).failed("r") is None
 
 
 def _updates(conn, until, timeout: float = 30.0) -> list[CoreUpdate]:
@@ -410,3 +410,9 @@ def test_no_core_is_started_where_the_start_fails_before_it_could_be_ended(monke
         sock.bind(("127.0.0.1", 0))
         api_servers.run_api_servers(None, sock, "127.0.0.1", ServeOptions(), 2, None)
     assert started == []
+
+
+def _pipe_end():
+    """One end of a pipe, for a core client whose other end no one reads."""
+    import multiprocessing as mp
+    return mp.Pipe(duplex=True)[0]

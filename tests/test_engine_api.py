@@ -734,6 +734,8 @@ def test_a_request_whose_output_cannot_be_made_fails_alone(qwen3_dir):
         engine.shutdown()
     assert last.finished and len(last.outputs[0].token_ids) == 20 and left == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    # aborted as it failed: the core did not generate the failed request's 200 tokens for nobody
+    assert stats["generation_tokens"] < 100, stats["generation_tokens"]
 
 
 def test_a_prompt_the_detokenizer_refuses_leaves_its_id_free(qwen3_dir):
@@ -1399,3 +1401,81 @@ def test_an_engine_is_freed_when_its_last_reference_goes(qwen3_dir):
     finally:
         if collecting:
             gc.enable()
+
+
+def test_a_large_command_and_a_large_update_crossing_in_the_pipe_do_not_deadlock():
+    """The event loop sent each tick's commands with a blocking write: a batch of prompts larger than the
+    pipe's buffer, sent while the core was sending a step's large update (prompt logprobs), blocked both
+    sides for good (the core reads no commands while it sends, the loop read no updates while it sent):
+    every request hung. A sender thread writes now; the loop goes on reading."""
+    import multiprocessing as mp
+    import socket
+    import threading
+    import time
+    from types import SimpleNamespace
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.core_messages import AbortRequests, CoreReady, CoreUpdate
+
+    ours, core = mp.Pipe(duplex=True)
+    ready = CoreReady(model_name="m", max_model_len=64, tokenizer_path=None, pid=os.getpid())
+    engine = AsyncLLM(None, client=SimpleNamespace(conn=ours, index=0, count=1, ready=ready))
+    heard: list = []
+
+    def the_core():         # as core_proc's loop does: a step (no reading), its whole update, then commands
+        time.sleep(0.5)
+        core.send(CoreUpdate(stats={"pad": "u" * 8_000_000}))
+        heard.extend(core.recv())
+    peer = threading.Thread(target=the_core, daemon=True)
+    # a deadlock ends in the pipe shut (both blocked writes fail), not in a hung test
+    watchdog = threading.Timer(30, lambda: socket.socket(fileno=os.dup(core.fileno())).shutdown(socket.SHUT_RDWR))
+    watchdog.start()
+
+    async def main():
+        engine.attach()
+        engine._send(AbortRequests(["c" * 8_000_000]))     # sent while the core steps
+        async with asyncio.timeout(30):
+            while engine._stats.get("pad") is None and not engine.dead:
+                await asyncio.sleep(0.05)
+        return engine._stats.get("pad")
+    try:
+        peer.start()
+        pad = asyncio.run(main())
+        peer.join(30)
+    finally:
+        watchdog.cancel()
+        engine.shutdown(timeout=1)
+    assert engine.dead == "the engine was shut down"
+    assert pad is not None and len(pad) == 8_000_000
+    assert [len(cmd.request_ids[0]) for cmd in heard] == [8_000_000]
+
+
+def test_the_pipe_sender_never_blocks_its_writer_and_keeps_the_order():
+    """Messages to a side that reads nothing (an API server whose loop stalled, for the engine core) wait
+    in order for the writer thread, their bytes counted: the writer goes on (the core's steps for the
+    other API servers); once read, all arrive in order. A pipe that closes fails the sender once."""
+    import multiprocessing as mp
+    import socket
+    import time
+    from tokenmill.engine.pipe_sender import PipeSender
+
+    ours, theirs = mp.Pipe(duplex=True)
+    errors = []
+    sender = PipeSender(ours, errors.append, "test-sender")
+    t0 = time.monotonic()
+    for i in range(40):
+        sender.send((i, "x" * 100_000))     # 4 MB, twenty times the pipe's buffer
+    sender.send((40, "small"))
+    assert time.monotonic() - t0 < 2 and sender.backlog > 3_000_000
+    assert [theirs.recv()[0] for _ in range(41)] == list(range(41))
+    deadline = time.monotonic() + 5
+    while sender.backlog and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.backlog == 0 and not errors
+    sender.send("direct")                   # an empty queue and room in the pipe: written at once
+    assert theirs.poll(0) and theirs.recv() == "direct"
+    socket.socket(fileno=os.dup(theirs.fileno())).shutdown(socket.SHUT_RDWR)
+    theirs.close()
+    for _ in range(3):
+        sender.send("lost")
+    sender.close(5)
+    assert sender.failed and len(errors) == 1 and isinstance(errors[0], OSError)

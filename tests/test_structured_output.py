@@ -487,13 +487,12 @@ def test_a_compile_queued_for_an_aborted_request_never_runs():
         return SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
     pool = ThreadPoolExecutor(1)
     engine, update = Engine(), CoreUpdate()
-    client = _Client(0, 1, conn=None, compiler=pool)
+    client = _Client(0, 1, conn=_pipe_end(), compiler=pool)
     for i, regex in enumerate(["a", "b", "c"]):
         client.apply(engine, AddRequest(regex, [1], constrained(regex), handle=i), update)
     client.apply(engine, AbortRequests(["b"]), update)          # queued behind "a"'s compile
-    other = _Client(0, 1, conn=None, compiler=pool)
+    other = _Client(0, 1, conn=_pipe_end(), compiler=pool)
     other.apply(engine, AddRequest("d", [1], constrained("d"), handle=0), update)
-    other.conn = type("Pipe", (), {"close": lambda self: None})()
     other.leave(engine)                                          # its client left while "d" waited
     release.set()
     pool.shutdown(wait=True)
@@ -858,3 +857,9 @@ def test_a_grammar_that_leaves_no_token_is_the_requests_http_error(qwen3_dir):
         "message": f"at output token 1 bad_words ban [{y}] of allowed_token_ids [{y}]: no token is left to generate",
         "param": "bad_words", "type": None, "code": None}, banned.text
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4, plain.text
+
+
+def _pipe_end():
+    """One end of a pipe, for a core client whose other end no one reads."""
+    import multiprocessing as mp
+    return mp.Pipe(duplex=True)[0]

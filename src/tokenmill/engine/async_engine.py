@@ -2,7 +2,8 @@
 
 The HTTP server awaits `generate()` streams; all commands issued in one event-loop tick go to the
 core as one pipe message, and each core step comes back as one `CoreUpdate`. The pipe is read
-with `loop.add_reader`, so no thread of this process competes for the interpreter lock.
+with `loop.add_reader` and written through a `PipeSender` (pipe_sender.py), so that the loop never blocks
+on a full pipe.
 
 Own process vs thread (docs/SERVER.md has the numbers): on 2 CPU cores with a tiny model the two
 served the same requests per second, the step being the bottleneck. The process is the default so
@@ -26,6 +27,7 @@ from tokenmill.engine.core_client import CoreClient, EngineCore, EngineStartErro
 from tokenmill.engine.core_messages import (AbortRequests, AddRequest, CoreFatal, CoreUpdate, Shutdown,
                                             StopSequences)
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.pipe_sender import PipeSender
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.tokenizer import import_tokenizer_modules
 from tokenmill.outputs import RequestOutput
@@ -80,6 +82,7 @@ class AsyncLLM:
             self._core.await_ready()
             client = self._core.clients[0]
         self._conn = client.conn
+        self._sender = PipeSender(self._conn, self._send_failed, "tokenmill-commands")
         self._handles = itertools.count(client.index, client.count)
         msg = client.ready
         self._core_pid = msg.pid
@@ -121,10 +124,8 @@ class AsyncLLM:
                 self._loop.remove_reader(self._conn.fileno())
             except Exception:
                 pass
-        try:
-            self._conn.send([Shutdown()])
-        except (OSError, ValueError):
-            pass
+        self._sender.send([Shutdown()])
+        self._sender.close(timeout)
         if self._core is not None:
             self._core.join(timeout)
         self._conn.close()
@@ -254,10 +255,22 @@ class AsyncLLM:
             data = self._dumps_each(cmds)
             if data is None:
                 return
+        self._sender.send_bytes(data)
+
+    def _send_failed(self, e: Exception) -> None:
+        """A write to the core failed (its pipe closed): on the loop's thread, the engine is dead."""
+        why = f"engine core pipe closed: {e}"
         try:
-            self._conn.send_bytes(data)          # framed as `send` frames it: the core's `recv` unpickles
-        except (OSError, ValueError) as e:
-            self._mark_dead(f"engine core pipe closed: {e}")
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:            # the writer thread's call
+            on_loop = False
+        if on_loop or self._loop is None or self._loop.is_closed():
+            self._mark_dead(why)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._mark_dead, why)
+        except RuntimeError:            # the loop closed meanwhile
+            self._mark_dead(why)
 
     def _dumps_each(self, cmds: list):
         """The tick's commands that pickle, as one message (None if none does). A request that does not
@@ -309,10 +322,11 @@ class AsyncLLM:
             if stops and not self.dead:
                 self._send(StopSequences(stops))
             for rid, error in failed:
-                if rid in self._streams:
-                    self._fail(rid, error)          # its reader ends, and aborts it in the core
-                elif not self.dead:
+                # the core runs it on (its reader, ended by an error, tells the core nothing)
+                if not self.dead:
                     self._send(AbortRequests([rid]))
+                if rid in self._streams:
+                    self._fail(rid, error)
             streams, on_output = self._streams, self.on_output
             for out in outputs:
                 stream = streams.get(out.request_id)

@@ -4,14 +4,18 @@ Both directions are batched so that one engine step costs one poll of the pipes 
 client: a client sends a list of commands per event-loop tick, and the core answers each step with a
 single `CoreUpdate` holding the client's part of the step's report (`StepOutputs`: new token ids as
 arrays), its rejected requests and fresh stats. A client (`AsyncLLM`) turns reports into text and
-cumulative outputs. There is one client per API server process (`--api-server-count`).
+cumulative outputs. There is one client per API server process (`--api-server-count`). Updates go through
+a `PipeSender` each (pipe_sender.py): a client that stops reading stops no step; one that has left
+`MAX_BACKLOG_BYTES` unread is let go (its requests aborted).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import signal
+import socket
 import time
 import traceback
 from concurrent.futures import Executor, Future
@@ -22,9 +26,15 @@ from typing import Callable
 from tokenmill.engine.core_messages import (AbortRequests, AddRequest, CoreFatal, CoreReady, CoreUpdate, Shutdown,
                                             StopSequences)
 from tokenmill.engine.heap import freeze_startup_objects
+from tokenmill.engine.pipe_sender import PipeSender
 from tokenmill.engine.step_outputs import StepOutputs
 
 DEFAULT_ENGINE_FACTORY = "tokenmill.engine.engine:LLMEngine"
+# updates a client has left unread past which it is let go: an API server whose loop has stopped (its
+# requests' outputs, kept for it, would grow without end)
+MAX_BACKLOG_BYTES = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_threads(cores: int, api_servers: int) -> tuple[int, int]:
@@ -91,6 +101,7 @@ class _Client:
         # that a grammar of many seconds (thousands of tools) stalls no other request's steps
         self.compiler = compiler
         self.compiling: dict[str, _Compile] = {}
+        self.sender = PipeSender(conn, lambda e: None, f"tokenmill-updates-{index}")
 
     def apply(self, engine, cmd, update: CoreUpdate) -> bool:
         """Applies one command; returns False when the client leaves."""
@@ -207,6 +218,11 @@ class _Client:
         for c in self.compiling.values():
             c.future.cancel()
         self.compiling.clear()
+        try:        # a write blocked on a client that reads no more fails now, and its thread ends
+            socket.socket(fileno=os.dup(self.conn.fileno())).shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sender.close(0)
         self.conn.close()
 
 
@@ -247,13 +263,15 @@ def run_engine_core(config, conns: Connection | list[Connection], engine_factory
     clients = [_Client(i, len(conns), conn, compiler) for i, conn in enumerate(conns)]
     freeze_startup_objects()
     for client in clients:
-        _send(client.conn, ready)
+        client.sender.send(ready)
     try:
         _loop(engine, clients)
     except BaseException:
         fatal = CoreFatal(traceback.format_exc())
         for client in clients:
-            _send(client.conn, fatal)
+            client.sender.send(fatal)
+        for client in clients:
+            client.sender.close(5.0)
         raise SystemExit(1)
     finally:
         if compiler is not None:
@@ -320,11 +338,14 @@ def _loop(engine, clients: list[_Client]) -> None:
                 client.reported(part)
             update = updates.get(client)
             # a client with requests hears from every busy step (its stats at least); one without only when
-            # it asked or has outputs: a send blocks once a client's pipe is full, so an idle API server
-            # whose loop stalls must not stop the steps of every other
+            # it asked or has outputs (an idle API server whose loop stalls gathers no backlog)
             if update is not None or part or (busy and (client.live or client.compiling)):
                 update = update or CoreUpdate()
                 update.outputs, update.stats, update.time = part or None, stats, now
-                if not _send(conn, update):
-                    del live[conn]
-                    client.leave(engine)
+                client.sender.send(update)
+            if client.sender.failed or client.sender.backlog > MAX_BACKLOG_BYTES:
+                if not client.sender.failed:
+                    logger.error("API server %d has left %d MiB of updates unread: it is let go, its requests "
+                                 "aborted", client.index, client.sender.backlog >> 20)
+                del live[conn]
+                client.leave(engine)
