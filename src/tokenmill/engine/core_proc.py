@@ -329,8 +329,10 @@ def _loop(engine, clients: list[_Client]) -> None:
         parts = ([outputs] if num_clients == 1 else outputs.split(num_clients)) if outputs else None
         stats = engine.get_stats() if (updates or outputs or busy) else None
         if stats is not None and "num_waiting" in stats:
-            # a request whose grammar compiles waits as much as one the scheduler holds
-            stats["num_waiting"] += sum(len(client.compiling) for client in live.values())
+            # a request whose grammar compiles waits as much as one the scheduler holds, which counts each of
+            # its n sequences
+            stats["num_waiting"] += sum(getattr(c.cmd.params, "n", 1) or 1 for client in live.values()
+                                        for c in client.compiling.values())
         now = time.time()
         for conn, client in list(live.items()):
             part = parts[client.index] if parts is not None else None
