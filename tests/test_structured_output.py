@@ -574,6 +574,8 @@ def test_a_grammar_that_waits_for_a_busy_compile_thread_is_a_503(qwen3_dir, monk
     assert again.status_code == 200 and re.fullmatch("[a-z]{3}", again.json()["choices"][0]["text"]), again.text
     assert compiled == ["(a|b)*!", "[a-z]{3}"], compiled          # the queued compile never ran
     assert app.state.metrics.rejected.labels("tiny", "engine_busy")._value.get() == 1
+    # counted once, as refused: not also as a request that ran and failed
+    assert app.state.metrics.finished.labels("tiny", "error")._value.get() == 0
 
 
 def test_the_grammar_holds_the_answer_after_the_thinking_block(llm):

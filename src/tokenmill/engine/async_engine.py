@@ -196,9 +196,10 @@ class AsyncLLM:
             self.processor.forget(request_id, handle)
             if owned and not finished and not self.dead:
                 self._send(AbortRequests([request_id]))
-            # ended unfinished: an abort or an error in the metrics; a request the core refused (a
-            # ValueError, the client's 400, before its first scheduling) never ran, and is no request there
-            refused = isinstance(stream.error, ValueError) and metrics.first_scheduled_time is None
+            # ended unfinished: an abort or an error in the metrics; a request the core refused before its
+            # first scheduling (a ValueError, the client's 400; EngineBusyError, a 503 counted as rejected)
+            # never ran, and is no request there
+            refused = isinstance(stream.error, (ValueError, EngineBusyError)) and metrics.first_scheduled_time is None
             if not stream.done and not refused and self.on_output is not None:
                 self.on_output(stream, None, time.time())
 
