@@ -219,7 +219,8 @@ class _Client:
             c.future.cancel()
         self.compiling.clear()
         try:        # a write blocked on a client that reads no more fails now, and its thread ends
-            socket.socket(fileno=os.dup(self.conn.fileno())).shutdown(socket.SHUT_RDWR)
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sender.close(0)
