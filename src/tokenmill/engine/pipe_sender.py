@@ -22,8 +22,10 @@ DIRECT_MAX_BYTES = 32 * 1024
 
 
 class PipeSender:
-    """Writes pickled messages to `conn` in the order given. `on_error(exc)` runs on the writer thread if a
-    write fails (the other side is gone), after which messages are dropped; `backlog` is the bytes waiting."""
+    """Writes pickled messages to `conn` in the order given. `on_error(exc)` runs once, on the thread whose
+    write failed (the caller's for a message written at once, else the writer thread's): the other side is
+    gone, and later messages are dropped. `backlog` is the bytes of the messages queued or being written by
+    the writer thread (none is empty: a pickle never is), so 0 means it holds none."""
 
     def __init__(self, conn: Connection, on_error: Callable[[Exception], None], name: str):
         self._conn = conn
@@ -32,8 +34,7 @@ class PipeSender:
         self._on_error = on_error
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._waiting = 0                   # messages queued or being written by the thread
-        self.backlog = 0                    # their bytes
+        self.backlog = 0
         self.failed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -47,9 +48,8 @@ class PipeSender:
         if self.failed:
             return
         with self._lock:
-            direct = self._waiting == 0 and len(data) <= DIRECT_MAX_BYTES and bool(self._poll.poll(0))
+            direct = self.backlog == 0 and len(data) <= DIRECT_MAX_BYTES and bool(self._poll.poll(0))
             if not direct:
-                self._waiting += 1
                 self.backlog += len(data)
         if not direct:
             self._queue.put(data)
@@ -77,5 +77,4 @@ class PipeSender:
                 except (OSError, ValueError) as e:
                     self._fail(e)
             with self._lock:
-                self._waiting -= 1
                 self.backlog -= len(data)
